@@ -1,0 +1,944 @@
+//! The control-plane HTTP API (axum): segment catalog routes for tenants,
+//! policy lifecycle routes for operators. Every route except
+//! `GET /v1/control/health` needs a bearer JWT; errors are OpenAI-style JSON
+//! `{"error":{"message":..,"type":..,"code":..}}`.
+
+use std::collections::{BTreeMap, HashSet};
+use std::sync::{Arc, Mutex};
+
+use axum::extract::rejection::JsonRejection;
+use axum::extract::{DefaultBodyLimit, FromRequest, FromRequestParts, Path, Query, Request, State};
+use axum::http::request::Parts;
+use axum::http::{header, StatusCode};
+use axum::response::{IntoResponse, Response};
+use axum::routing::{get, post};
+use axum::{Json, Router};
+use base64::Engine as _;
+use serde::de::DeserializeOwned;
+use serde::{Deserialize, Serialize};
+
+use crate::auth::{AuthError, Authenticator, IsolationKeyer, Principal};
+use crate::catalog::{
+    now_ms, Catalog, CatalogError, NewSegment, Residency, Role, Segment, SnapshotEntry,
+};
+use crate::policy::{
+    opaque_id, EntryInfo, IsolationInfo, PolicyKind, PolicyRuntime, PolicySet, PolicySlot,
+    WasmPolicy,
+};
+use crate::sim::{parse_trace, simulate, SimStats};
+
+/// How requests are authenticated.
+pub enum AuthMode {
+    /// Bearer JWTs verified by the authenticator.
+    Enabled(Authenticator),
+    /// No auth (only allowed on loopback binds, see
+    /// [`crate::auth::check_auth_disable`]): every caller is operator
+    /// `local` of tenant `local`.
+    Disabled,
+}
+
+struct Inner {
+    catalog: Catalog,
+    auth: AuthMode,
+    keyer: IsolationKeyer,
+    policies: Arc<PolicyRuntime>,
+    known: Mutex<HashSet<(String, String)>>,
+}
+
+/// Shared state of the control-plane router.
+#[derive(Clone)]
+pub struct ControlState {
+    inner: Arc<Inner>,
+}
+
+impl ControlState {
+    /// Builds the state. Load active policies with
+    /// [`PolicyRuntime::load_active`] before serving.
+    pub fn new(
+        catalog: Catalog,
+        auth: AuthMode,
+        keyer: IsolationKeyer,
+        policies: Arc<PolicyRuntime>,
+    ) -> ControlState {
+        ControlState {
+            inner: Arc::new(Inner {
+                catalog,
+                auth,
+                keyer,
+                policies,
+                known: Mutex::new(HashSet::new()),
+            }),
+        }
+    }
+
+    /// The catalog.
+    pub fn catalog(&self) -> &Catalog {
+        &self.inner.catalog
+    }
+
+    /// The live policies.
+    pub fn policies(&self) -> &Arc<PolicyRuntime> {
+        &self.inner.policies
+    }
+
+    /// The isolation keyer.
+    pub fn keyer(&self) -> &IsolationKeyer {
+        &self.inner.keyer
+    }
+}
+
+/// An API error rendered as OpenAI-style JSON.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct ApiError {
+    /// HTTP status.
+    pub status: StatusCode,
+    /// Human-readable message.
+    pub message: String,
+    /// Error type, e.g. `authentication_error`.
+    pub kind: &'static str,
+    /// Machine-readable code.
+    pub code: &'static str,
+}
+
+impl ApiError {
+    fn new(
+        status: StatusCode,
+        kind: &'static str,
+        code: &'static str,
+        message: impl Into<String>,
+    ) -> ApiError {
+        ApiError {
+            status,
+            message: message.into(),
+            kind,
+            code,
+        }
+    }
+    /// 400.
+    pub fn bad_request(message: impl Into<String>) -> ApiError {
+        Self::new(
+            StatusCode::BAD_REQUEST,
+            "invalid_request_error",
+            "invalid_request",
+            message,
+        )
+    }
+    /// 403.
+    pub fn forbidden(code: &'static str, message: impl Into<String>) -> ApiError {
+        Self::new(StatusCode::FORBIDDEN, "permission_error", code, message)
+    }
+    /// 404.
+    pub fn not_found(message: impl Into<String>) -> ApiError {
+        Self::new(
+            StatusCode::NOT_FOUND,
+            "not_found_error",
+            "not_found",
+            message,
+        )
+    }
+}
+
+impl From<AuthError> for ApiError {
+    fn from(e: AuthError) -> ApiError {
+        ApiError::new(
+            StatusCode::UNAUTHORIZED,
+            "authentication_error",
+            e.code(),
+            e.to_string(),
+        )
+    }
+}
+
+impl From<CatalogError> for ApiError {
+    fn from(e: CatalogError) -> ApiError {
+        match e {
+            CatalogError::NotFound(_) => ApiError::not_found(e.to_string()),
+            CatalogError::Conflict(_) => ApiError::new(
+                StatusCode::CONFLICT,
+                "conflict_error",
+                "conflict",
+                e.to_string(),
+            ),
+            CatalogError::Invalid(_) => ApiError::bad_request(e.to_string()),
+            CatalogError::Db(_) | CatalogError::Migrate(_) => {
+                tracing::error!("catalog error: {e}");
+                ApiError::new(
+                    StatusCode::INTERNAL_SERVER_ERROR,
+                    "server_error",
+                    "internal_error",
+                    "internal catalog error",
+                )
+            }
+        }
+    }
+}
+
+impl IntoResponse for ApiError {
+    fn into_response(self) -> Response {
+        let body = serde_json::json!({"error": {"message": self.message, "type": self.kind, "code": self.code}});
+        let mut r = (self.status, Json(body)).into_response();
+        if self.status == StatusCode::UNAUTHORIZED {
+            r.headers_mut().insert(
+                header::WWW_AUTHENTICATE,
+                header::HeaderValue::from_static("Bearer"),
+            );
+        }
+        r
+    }
+}
+
+type ApiResult<T> = Result<Json<T>, ApiError>;
+
+/// JSON body extractor whose rejections are OpenAI-style 400s.
+pub struct Body<T>(pub T);
+
+impl<S: Send + Sync, T: DeserializeOwned> FromRequest<S> for Body<T> {
+    type Rejection = ApiError;
+    async fn from_request(req: Request, state: &S) -> Result<Self, ApiError> {
+        match Json::<T>::from_request(req, state).await {
+            Ok(Json(v)) => Ok(Body(v)),
+            Err(e) => Err(match e {
+                JsonRejection::BytesRejection(b) => ApiError::new(
+                    b.status(),
+                    "invalid_request_error",
+                    "invalid_body",
+                    b.body_text(),
+                ),
+                other => ApiError::bad_request(other.body_text()),
+            }),
+        }
+    }
+}
+
+/// The authenticated caller.
+pub struct Caller(pub Principal);
+
+impl FromRequestParts<ControlState> for Caller {
+    type Rejection = ApiError;
+    async fn from_request_parts(parts: &mut Parts, state: &ControlState) -> Result<Self, ApiError> {
+        let p = match &state.inner.auth {
+            AuthMode::Disabled => Principal {
+                sub: "local".into(),
+                tenant: "local".into(),
+                role: Role::Operator,
+            },
+            AuthMode::Enabled(a) => {
+                let h = parts
+                    .headers
+                    .get(header::AUTHORIZATION)
+                    .ok_or(AuthError::Missing)?;
+                let h = h
+                    .to_str()
+                    .map_err(|_| AuthError::Invalid("authorization header is not ASCII".into()))?;
+                let token = h
+                    .strip_prefix("Bearer ")
+                    .or_else(|| h.strip_prefix("bearer "))
+                    .ok_or_else(|| {
+                        AuthError::Invalid("authorization must be 'Bearer <jwt>'".into())
+                    })?;
+                a.verify(token.trim())?
+            }
+        };
+        let key = (p.tenant.clone(), p.sub.clone());
+        let fresh = !state
+            .inner
+            .known
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+            .contains(&key);
+        if fresh {
+            state
+                .inner
+                .catalog
+                .upsert_principal(&p.tenant, &p.sub, p.role)
+                .await?;
+            state
+                .inner
+                .known
+                .lock()
+                .unwrap_or_else(|e| e.into_inner())
+                .insert(key);
+        }
+        Ok(Caller(p))
+    }
+}
+
+/// An authenticated operator (403 for tenant users).
+pub struct Operator(pub Principal);
+
+impl FromRequestParts<ControlState> for Operator {
+    type Rejection = ApiError;
+    async fn from_request_parts(parts: &mut Parts, state: &ControlState) -> Result<Self, ApiError> {
+        let Caller(p) = Caller::from_request_parts(parts, state).await?;
+        if !p.is_operator() {
+            return Err(ApiError::forbidden(
+                "operator_required",
+                "this endpoint needs the operator role",
+            ));
+        }
+        Ok(Operator(p))
+    }
+}
+
+/// The control-plane router (mount it at the root of the server).
+pub fn control_router(state: ControlState) -> Router {
+    Router::new()
+        .route("/v1/control/health", get(health))
+        .route("/v1/whoami", get(whoami))
+        .route("/v1/segments", post(create_segment))
+        .route(
+            "/v1/segments/{id}",
+            get(get_segment).put(update_segment).delete(delete_segment),
+        )
+        .route("/v1/segments/{id}/versions", get(segment_versions))
+        .route("/v1/segments/{id}/grants", get(list_grants).post(add_grant))
+        .route(
+            "/v1/segments/{id}/grants/{tenant}",
+            axum::routing::delete(revoke_grant),
+        )
+        .route("/v1/snapshot", post(snapshot))
+        .route("/v1/admin/policies", get(list_policies).post(upload_policy))
+        .route("/v1/admin/policies/stats", get(policy_stats))
+        .route("/v1/admin/policies/rollback", post(rollback_policy))
+        .route("/v1/admin/policies/{id}/activate", post(activate_policy))
+        .route("/v1/admin/policies/{id}/dry-run", post(dry_run))
+        .route("/v1/admin/audit", get(audit_log))
+        .route("/v1/admin/residency", post(report_residency))
+        .fallback(|| async { ApiError::not_found("no such route") })
+        .layer(DefaultBodyLimit::max(16 << 20))
+        .with_state(state)
+}
+
+async fn health() -> Json<serde_json::Value> {
+    Json(serde_json::json!({"status": "ok"}))
+}
+
+async fn whoami(Caller(p): Caller) -> Json<Principal> {
+    Json(p)
+}
+
+/// Owner tenant or operator may modify a segment.
+async fn require_owner(state: &ControlState, p: &Principal, id: &str) -> Result<Segment, ApiError> {
+    let seg = state.inner.catalog.get_segment(id).await?;
+    if p.is_operator() || seg.owner_tenant == p.tenant {
+        return Ok(seg);
+    }
+    if state.inner.catalog.can_read(&p.tenant, id).await? {
+        Err(ApiError::forbidden(
+            "not_owner",
+            format!("only the owner tenant or an operator may modify segment {id:?}"),
+        ))
+    } else {
+        // Do not reveal that a segment the caller cannot read exists.
+        Err(ApiError::not_found(format!("segment {id:?} not found")))
+    }
+}
+
+async fn create_segment(
+    State(s): State<ControlState>,
+    Caller(p): Caller,
+    Body(seg): Body<NewSegment>,
+) -> ApiResult<Segment> {
+    Ok(Json(
+        s.inner
+            .catalog
+            .create_segment(&p.tenant, &p.sub, &seg)
+            .await?,
+    ))
+}
+
+async fn get_segment(
+    State(s): State<ControlState>,
+    Caller(p): Caller,
+    Path(id): Path<String>,
+) -> ApiResult<Segment> {
+    if !p.is_operator() && !s.inner.catalog.can_read(&p.tenant, &id).await? {
+        return Err(ApiError::not_found(format!("segment {id:?} not found")));
+    }
+    Ok(Json(s.inner.catalog.get_segment(&id).await?))
+}
+
+/// Body of `PUT /v1/segments/{id}`.
+#[derive(Debug, Deserialize)]
+pub struct UpdateSegment {
+    /// New content.
+    pub content: String,
+    /// Token counts per model.
+    #[serde(default)]
+    pub tokens: BTreeMap<String, i64>,
+}
+
+/// Answer of `PUT /v1/segments/{id}`.
+#[derive(Debug, Serialize, Deserialize)]
+pub struct UpdateResult {
+    /// The segment after the update.
+    pub segment: Segment,
+    /// Cache-residency rows of superseded versions dropped by the
+    /// invalidation policy.
+    pub invalidated_entries: u64,
+}
+
+async fn update_segment(
+    State(s): State<ControlState>,
+    Caller(p): Caller,
+    Path(id): Path<String>,
+    Body(u): Body<UpdateSegment>,
+) -> ApiResult<UpdateResult> {
+    require_owner(&s, &p, &id).await?;
+    let seg = s
+        .inner
+        .catalog
+        .update_segment(&id, &p.sub, &u.content, &u.tokens)
+        .await?;
+    let invalidated = invalidate_superseded(&s, &seg).await?;
+    Ok(Json(UpdateResult {
+        segment: seg,
+        invalidated_entries: invalidated,
+    }))
+}
+
+/// Runs the invalidation hook over the residency rows of superseded versions
+/// of `seg` and drops those it rejects.
+async fn invalidate_superseded(s: &ControlState, seg: &Segment) -> Result<u64, ApiError> {
+    let rows = s.inner.catalog.residency_of_segment(&seg.id).await?;
+    let now = now_ms() as u64;
+    let mut dropped = 0;
+    for r in rows.iter().filter(|r| r.version < seg.current_version) {
+        let info = EntryInfo {
+            id: opaque_id(&r.cache_key),
+            tenant: r.tenant.as_deref().map(opaque_id).unwrap_or(0),
+            bytes: r.bytes.max(0) as u64,
+            recompute_tokens: seg.tokens.values().copied().max().unwrap_or(0).max(0) as u64,
+            last_use_ms: r.last_use.max(0) as u64,
+            inserted_ms: r.last_use.max(0) as u64,
+            hits: 0,
+            shared: r.tenant.is_none(),
+            superseded: true,
+        };
+        if s.inner.policies.invalidate(&info, now) {
+            s.inner
+                .catalog
+                .drop_residency(&r.worker, &r.cache_key)
+                .await?;
+            dropped += 1;
+        }
+    }
+    Ok(dropped)
+}
+
+async fn delete_segment(
+    State(s): State<ControlState>,
+    Caller(p): Caller,
+    Path(id): Path<String>,
+) -> ApiResult<serde_json::Value> {
+    require_owner(&s, &p, &id).await?;
+    s.inner.catalog.delete_segment(&id, &p.sub).await?;
+    let dropped = s.inner.catalog.drop_all_residency(&id).await?;
+    Ok(Json(
+        serde_json::json!({"deleted": id, "invalidated_entries": dropped}),
+    ))
+}
+
+async fn segment_versions(
+    State(s): State<ControlState>,
+    Caller(p): Caller,
+    Path(id): Path<String>,
+) -> ApiResult<Vec<crate::catalog::SegmentVersion>> {
+    if !p.is_operator() && !s.inner.catalog.can_read(&p.tenant, &id).await? {
+        return Err(ApiError::not_found(format!("segment {id:?} not found")));
+    }
+    Ok(Json(s.inner.catalog.versions(&id).await?))
+}
+
+/// Body of `POST /v1/segments/{id}/grants`.
+#[derive(Debug, Deserialize)]
+pub struct GrantBody {
+    /// Tenant to grant read access to.
+    pub tenant: String,
+}
+
+async fn list_grants(
+    State(s): State<ControlState>,
+    Caller(p): Caller,
+    Path(id): Path<String>,
+) -> ApiResult<Vec<String>> {
+    require_owner(&s, &p, &id).await?;
+    Ok(Json(s.inner.catalog.grants(&id).await?))
+}
+
+async fn add_grant(
+    State(s): State<ControlState>,
+    Caller(p): Caller,
+    Path(id): Path<String>,
+    Body(g): Body<GrantBody>,
+) -> ApiResult<serde_json::Value> {
+    require_owner(&s, &p, &id).await?;
+    s.inner.catalog.grant(&id, &g.tenant, &p.sub).await?;
+    Ok(Json(
+        serde_json::json!({"segment": id, "granted": g.tenant}),
+    ))
+}
+
+async fn revoke_grant(
+    State(s): State<ControlState>,
+    Caller(p): Caller,
+    Path((id, tenant)): Path<(String, String)>,
+) -> ApiResult<serde_json::Value> {
+    require_owner(&s, &p, &id).await?;
+    s.inner.catalog.revoke(&id, &tenant, &p.sub).await?;
+    Ok(Json(serde_json::json!({"segment": id, "revoked": tenant})))
+}
+
+/// Body of `POST /v1/snapshot`.
+#[derive(Debug, Deserialize)]
+pub struct SnapshotRequest {
+    /// Segment ids the request uses, in prompt order.
+    pub segments: Vec<String>,
+    /// Optional client salt: narrows sharing (mixed into the key), never widens it.
+    #[serde(default)]
+    pub salt: Option<String>,
+}
+
+/// One pinned segment of a snapshot.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct SnapshotItem {
+    /// Segment id.
+    pub segment_id: String,
+    /// Pinned version.
+    pub version: i64,
+    /// Content hash of the pinned version.
+    pub content_hash: String,
+    /// Isolation key (namespace) derived server-side.
+    pub isolation_key: String,
+    /// Cache key of this version in that namespace.
+    pub cache_key: String,
+    /// True when the shared namespace is used.
+    pub shared: bool,
+    /// Workers holding the entry (a hit when non-empty).
+    pub resident_on: Vec<String>,
+}
+
+/// Answer of `POST /v1/snapshot`.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct SnapshotResponse {
+    /// Tenant from the token.
+    pub tenant: String,
+    /// One item per requested segment, same order.
+    pub segments: Vec<SnapshotItem>,
+}
+
+/// Resolves a snapshot for `tenant`: pins versions and derives keys.
+pub async fn resolve_snapshot(
+    s: &ControlState,
+    tenant: &str,
+    ids: &[String],
+    salt: Option<&str>,
+) -> Result<SnapshotResponse, ApiError> {
+    if let Some(salt) = salt {
+        if salt.len() > 256 {
+            return Err(ApiError::bad_request("salt must be at most 256 bytes"));
+        }
+    }
+    let entries: Vec<SnapshotEntry> = s.inner.catalog.snapshot(tenant, ids).await?;
+    let mut out = Vec::with_capacity(entries.len());
+    for e in entries {
+        let allowed = s.inner.policies.isolation(&IsolationInfo {
+            segment: opaque_id(&e.segment_id),
+            tenant: opaque_id(tenant),
+            public: e.public,
+            owner: e.owner_tenant == tenant,
+        });
+        let shared = allowed && e.public;
+        let isolation_key = s.inner.keyer.isolation_key(tenant, &e, shared, salt);
+        let cache_key = s.inner.keyer.cache_key(&isolation_key, &e);
+        let resident_on = s
+            .inner
+            .catalog
+            .residency_of(&cache_key)
+            .await?
+            .into_iter()
+            .map(|r| r.worker)
+            .collect();
+        out.push(SnapshotItem {
+            segment_id: e.segment_id,
+            version: e.version,
+            content_hash: e.content_hash,
+            isolation_key,
+            cache_key,
+            shared,
+            resident_on,
+        });
+    }
+    Ok(SnapshotResponse {
+        tenant: tenant.to_string(),
+        segments: out,
+    })
+}
+
+async fn snapshot(
+    State(s): State<ControlState>,
+    Caller(p): Caller,
+    Body(r): Body<SnapshotRequest>,
+) -> ApiResult<SnapshotResponse> {
+    Ok(Json(
+        resolve_snapshot(&s, &p.tenant, &r.segments, r.salt.as_deref()).await?,
+    ))
+}
+
+/// Body of `POST /v1/admin/residency`: a worker reports an entry it holds.
+#[derive(Debug, Deserialize)]
+pub struct ResidencyReport {
+    /// Worker id.
+    pub worker: String,
+    /// Cache key from a snapshot.
+    pub cache_key: String,
+    /// Segment id.
+    pub segment_id: String,
+    /// Segment version.
+    pub version: i64,
+    /// Tenant namespace (`None` for shared).
+    #[serde(default)]
+    pub tenant: Option<String>,
+    /// Bytes held.
+    pub bytes: i64,
+}
+
+async fn report_residency(
+    State(s): State<ControlState>,
+    Operator(_): Operator,
+    Body(r): Body<ResidencyReport>,
+) -> ApiResult<serde_json::Value> {
+    if r.worker.is_empty() || r.cache_key.is_empty() || r.bytes < 0 {
+        return Err(ApiError::bad_request(
+            "worker and cache_key must be non-empty and bytes non-negative",
+        ));
+    }
+    s.inner
+        .catalog
+        .report_residency(&Residency {
+            worker: r.worker,
+            cache_key: r.cache_key,
+            segment_id: r.segment_id,
+            version: r.version,
+            tenant: r.tenant,
+            bytes: r.bytes,
+            last_use: now_ms(),
+        })
+        .await?;
+    Ok(Json(serde_json::json!({"ok": true})))
+}
+
+// ---- policies -----------------------------------------------------------------------
+
+/// Body of `POST /v1/admin/policies`.
+#[derive(Debug, Deserialize)]
+pub struct UploadPolicy {
+    /// Policy name (versions accumulate per name).
+    pub name: String,
+    /// Hook kind.
+    pub kind: String,
+    /// The module, base64 (standard alphabet).
+    pub wasm_base64: String,
+    /// Integer parameters (JSON object).
+    #[serde(default)]
+    pub params: serde_json::Value,
+}
+
+async fn upload_policy(
+    State(s): State<ControlState>,
+    Operator(p): Operator,
+    Body(u): Body<UploadPolicy>,
+) -> ApiResult<crate::catalog::PolicyRecord> {
+    let kind: PolicyKind = u.kind.parse().map_err(ApiError::bad_request)?;
+    let bytes = base64::engine::general_purpose::STANDARD
+        .decode(u.wasm_base64.trim())
+        .map_err(|e| ApiError::bad_request(format!("wasm_base64 is not valid base64: {e}")))?;
+    let rt = &s.inner.policies;
+    let validated =
+        WasmPolicy::load(rt.engine(), kind, &bytes, &u.params, rt.limits()).and_then(|p| {
+            // Smoke call: the hook must answer a synthetic input within limits.
+            let mut slot = PolicySlot::wasm(p, None);
+            smoke(&mut slot)
+        });
+    if let Err(e) = validated {
+        s.inner
+            .catalog
+            .audit(
+                &p.sub,
+                Some(&p.tenant),
+                "policy.reject",
+                &u.name,
+                &serde_json::json!({"kind": u.kind, "error": e.to_string()}),
+            )
+            .await?;
+        return Err(ApiError::bad_request(e.to_string()));
+    }
+    let params = if u.params.is_null() {
+        "{}".to_string()
+    } else {
+        u.params.to_string()
+    };
+    Ok(Json(
+        s.inner
+            .catalog
+            .insert_policy(&u.name, kind.as_str(), &bytes, &params, &p.sub)
+            .await?,
+    ))
+}
+
+fn smoke(slot: &mut PolicySlot) -> Result<(), crate::policy::PolicyError> {
+    let now = now_ms() as u64;
+    let e = EntryInfo {
+        id: 1,
+        tenant: 2,
+        bytes: 4096,
+        recompute_tokens: 100,
+        last_use_ms: now,
+        inserted_ms: now,
+        hits: 1,
+        shared: false,
+        superseded: false,
+    };
+    let fault = match slot.kind() {
+        PolicyKind::Eviction => {
+            slot.evict(
+                &[
+                    e,
+                    EntryInfo {
+                        id: 3,
+                        last_use_ms: now - 1,
+                        ..e
+                    },
+                ],
+                now,
+            )
+            .1
+        }
+        PolicyKind::Admission => {
+            slot.admit(
+                &crate::policy::AdmitInfo {
+                    id: 1,
+                    tenant: 2,
+                    bytes: 4096,
+                    recompute_tokens: 100,
+                    tenant_used_bytes: 0,
+                    capacity_bytes: 1 << 30,
+                    seen_count: 1,
+                    shared: false,
+                },
+                now,
+            )
+            .1
+        }
+        PolicyKind::Invalidation => slot.invalidate(&e, now).1,
+        PolicyKind::Isolation => {
+            slot.isolation(&IsolationInfo {
+                segment: 1,
+                tenant: 2,
+                public: true,
+                owner: false,
+            })
+            .1
+        }
+    };
+    match fault {
+        Some(f) => Err(f),
+        None => Ok(()),
+    }
+}
+
+async fn list_policies(
+    State(s): State<ControlState>,
+    Operator(_): Operator,
+) -> ApiResult<Vec<crate::catalog::PolicyRecord>> {
+    Ok(Json(s.inner.catalog.policies().await?))
+}
+
+async fn policy_stats(
+    State(s): State<ControlState>,
+    Operator(_): Operator,
+) -> ApiResult<serde_json::Value> {
+    let rt = &s.inner.policies;
+    let active: BTreeMap<&str, Option<i64>> = PolicyKind::ALL
+        .iter()
+        .map(|k| (k.as_str(), rt.active_id(*k)))
+        .collect();
+    Ok(Json(
+        serde_json::json!({"active": active, "metrics": rt.metrics().snapshot()}),
+    ))
+}
+
+async fn activate_policy(
+    State(s): State<ControlState>,
+    Operator(p): Operator,
+    Path(id): Path<i64>,
+) -> ApiResult<serde_json::Value> {
+    let rec = s.inner.catalog.policy(id).await?;
+    let kind: PolicyKind = rec.kind.parse().map_err(ApiError::bad_request)?;
+    let params: serde_json::Value =
+        serde_json::from_str(&rec.params).unwrap_or(serde_json::Value::Null);
+    // Load first: a module that no longer loads is not activated.
+    WasmPolicy::load(
+        s.inner.policies.engine(),
+        kind,
+        &rec.module,
+        &params,
+        s.inner.policies.limits(),
+    )
+    .map_err(|e| ApiError::bad_request(e.to_string()))?;
+    s.inner
+        .catalog
+        .activate_policy(kind.as_str(), Some(id), &p.sub)
+        .await?;
+    let _ = s
+        .inner
+        .policies
+        .activate_module(kind, Some(id), &rec.module, &params);
+    Ok(Json(
+        serde_json::json!({"kind": kind.as_str(), "active": id}),
+    ))
+}
+
+/// Body of `POST /v1/admin/policies/rollback`.
+#[derive(Debug, Deserialize)]
+pub struct RollbackBody {
+    /// Hook kind to roll back.
+    pub kind: String,
+}
+
+async fn rollback_policy(
+    State(s): State<ControlState>,
+    Operator(p): Operator,
+    Body(b): Body<RollbackBody>,
+) -> ApiResult<serde_json::Value> {
+    let kind: PolicyKind = b.kind.parse().map_err(ApiError::bad_request)?;
+    let now_active = s
+        .inner
+        .catalog
+        .rollback_policy(kind.as_str(), &p.sub)
+        .await?;
+    match now_active {
+        Some(id) => {
+            let rec = s.inner.catalog.policy(id).await?;
+            let params: serde_json::Value =
+                serde_json::from_str(&rec.params).unwrap_or(serde_json::Value::Null);
+            let _ = s
+                .inner
+                .policies
+                .activate_module(kind, Some(id), &rec.module, &params);
+        }
+        None => s.inner.policies.set_native(kind),
+    }
+    Ok(Json(
+        serde_json::json!({"kind": kind.as_str(), "active": now_active}),
+    ))
+}
+
+/// Body of `POST /v1/admin/policies/{id}/dry-run`.
+#[derive(Debug, Deserialize)]
+pub struct DryRunBody {
+    /// The recorded trace, JSONL (see [`crate::sim::TraceRecord`]).
+    pub trace: String,
+    /// Simulated cache capacity in bytes.
+    pub capacity_bytes: u64,
+}
+
+/// Answer of a dry run.
+#[derive(Debug, Serialize, Deserialize)]
+pub struct DryRunResult {
+    /// Policy tried.
+    pub policy_id: i64,
+    /// Its kind.
+    pub kind: String,
+    /// Replay with the candidate in its hook (other hooks as active).
+    pub candidate: SimStats,
+    /// Replay with the active policies.
+    pub active: SimStats,
+    /// candidate.hit_ratio − active.hit_ratio.
+    pub hit_ratio_delta: f64,
+    /// candidate.recompute_tokens − active.recompute_tokens.
+    pub recompute_tokens_delta: i64,
+}
+
+async fn dry_run(
+    State(s): State<ControlState>,
+    Operator(p): Operator,
+    Path(id): Path<i64>,
+    Body(b): Body<DryRunBody>,
+) -> ApiResult<DryRunResult> {
+    let rec = s.inner.catalog.policy(id).await?;
+    let kind: PolicyKind = rec.kind.parse().map_err(ApiError::bad_request)?;
+    if b.capacity_bytes == 0 {
+        return Err(ApiError::bad_request("capacity_bytes must be positive"));
+    }
+    let trace = parse_trace(&b.trace).map_err(ApiError::bad_request)?;
+    let rt = s.inner.policies.clone();
+    let catalog = s.inner.catalog.clone();
+    let mut active = PolicySet::from_catalog(&catalog, rt.engine(), rt.limits()).await;
+    let mut candidate = PolicySet::from_catalog(&catalog, rt.engine(), rt.limits()).await;
+    let params: serde_json::Value =
+        serde_json::from_str(&rec.params).unwrap_or(serde_json::Value::Null);
+    let w = WasmPolicy::load(rt.engine(), kind, &rec.module, &params, rt.limits())
+        .map_err(|e| ApiError::bad_request(e.to_string()))?;
+    candidate.set(PolicySlot::wasm(w, Some(id)));
+    let cap = b.capacity_bytes;
+    let (cand, act) = tokio::task::spawn_blocking(move || {
+        let c = simulate(&trace, cap, &mut candidate);
+        let a = simulate(&trace, cap, &mut active);
+        (c, a)
+    })
+    .await
+    .map_err(|e| {
+        ApiError::new(
+            StatusCode::INTERNAL_SERVER_ERROR,
+            "server_error",
+            "internal_error",
+            e.to_string(),
+        )
+    })?;
+    let result = DryRunResult {
+        policy_id: id,
+        kind: kind.as_str().into(),
+        hit_ratio_delta: cand.hit_ratio - act.hit_ratio,
+        recompute_tokens_delta: cand.recompute_tokens as i64 - act.recompute_tokens as i64,
+        candidate: cand,
+        active: act,
+    };
+    s.inner
+        .catalog
+        .audit(
+            &p.sub,
+            None,
+            "policy.dry_run",
+            &id.to_string(),
+            &serde_json::json!({
+                "requests": result.candidate.requests,
+                "candidate_hit_ratio": result.candidate.hit_ratio,
+                "active_hit_ratio": result.active.hit_ratio,
+            }),
+        )
+        .await?;
+    Ok(Json(result))
+}
+
+/// Query of `GET /v1/admin/audit`.
+#[derive(Debug, Deserialize)]
+pub struct AuditQuery {
+    /// Only this action.
+    pub action: Option<String>,
+    /// At most this many rows (default 100).
+    pub limit: Option<i64>,
+}
+
+async fn audit_log(
+    State(s): State<ControlState>,
+    Operator(_): Operator,
+    Query(q): Query<AuditQuery>,
+) -> ApiResult<Vec<crate::catalog::AuditEntry>> {
+    Ok(Json(
+        s.inner
+            .catalog
+            .audit_log(q.action.as_deref(), q.limit.unwrap_or(100))
+            .await?,
+    ))
+}

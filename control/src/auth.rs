@@ -1,0 +1,511 @@
+//! Authentication (bearer JWTs), first-start bootstrap, `hypic token`, and
+//! server-side derivation of cache isolation keys.
+
+use std::net::SocketAddr;
+use std::path::{Path, PathBuf};
+use std::time::{SystemTime, UNIX_EPOCH};
+
+use anyhow::Context;
+use hmac::{Hmac, Mac};
+use jsonwebtoken::jwk::JwkSet;
+use jsonwebtoken::{Algorithm, DecodingKey, EncodingKey, Header, Validation};
+use serde::{Deserialize, Serialize};
+use sha2::Sha256;
+
+use crate::catalog::{validate_id, Role, SnapshotEntry};
+
+/// Audience every HYPIC token must carry unless configured otherwise.
+pub const DEFAULT_AUDIENCE: &str = "hypic";
+/// File in the data directory holding the HS256 signing secret (hex).
+pub const SECRET_FILE: &str = "jwt-secret";
+/// Tenant whose token is printed at first start.
+pub const DEMO_TENANT: &str = "demo";
+/// Tenant of the operator token printed at first start.
+pub const OPERATOR_TENANT: &str = "ops";
+
+/// The claims of a HYPIC token.
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+pub struct Claims {
+    /// Subject (principal name).
+    pub sub: String,
+    /// Tenant the principal belongs to.
+    pub tenant: String,
+    /// `tenant` or `operator`.
+    pub role: String,
+    /// Audience; must equal the server's.
+    pub aud: String,
+    /// Expiry, seconds since the epoch.
+    pub exp: u64,
+    /// Issue time, seconds since the epoch.
+    #[serde(default)]
+    pub iat: u64,
+}
+
+/// A verified caller.
+#[derive(Clone, Debug, PartialEq, Eq, Serialize)]
+pub struct Principal {
+    /// Subject.
+    pub sub: String,
+    /// Tenant, taken from the verified token only.
+    pub tenant: String,
+    /// Role.
+    pub role: Role,
+}
+
+impl Principal {
+    /// True for operators.
+    pub fn is_operator(&self) -> bool {
+        self.role == Role::Operator
+    }
+}
+
+/// Why a token was refused (all map to HTTP 401).
+#[derive(Clone, Debug, PartialEq, Eq, thiserror::Error)]
+pub enum AuthError {
+    /// No `Authorization: Bearer` header.
+    #[error("missing bearer token: send 'Authorization: Bearer <jwt>'")]
+    Missing,
+    /// The token has expired.
+    #[error("token expired")]
+    Expired,
+    /// The token was issued for another audience.
+    #[error("token audience is not {0:?}")]
+    WrongAudience(String),
+    /// Bad signature, unknown key, malformed token or claims.
+    #[error("invalid token: {0}")]
+    Invalid(String),
+}
+
+impl AuthError {
+    /// Machine-readable code for the error body.
+    pub fn code(&self) -> &'static str {
+        match self {
+            AuthError::Missing => "missing_token",
+            AuthError::Expired => "token_expired",
+            AuthError::WrongAudience(_) => "wrong_audience",
+            AuthError::Invalid(_) => "invalid_token",
+        }
+    }
+}
+
+struct JwksKey {
+    kid: Option<String>,
+    alg: Algorithm,
+    key: DecodingKey,
+}
+
+/// Verifies bearer tokens: HS256 with the server's shared secret, and
+/// RS256/EdDSA with public keys from a JWKS file.
+pub struct Authenticator {
+    audience: String,
+    hs256: Option<DecodingKey>,
+    jwks: Vec<JwksKey>,
+}
+
+impl std::fmt::Debug for Authenticator {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Authenticator")
+            .field("audience", &self.audience)
+            .field("hs256", &self.hs256.is_some())
+            .field("jwks_keys", &self.jwks.len())
+            .finish()
+    }
+}
+
+impl Authenticator {
+    /// An authenticator accepting HS256 tokens signed with `secret`.
+    pub fn hs256(secret: &[u8], audience: &str) -> anyhow::Result<Authenticator> {
+        anyhow::ensure!(secret.len() >= 32, "HS256 secret must be at least 32 bytes");
+        Ok(Authenticator {
+            audience: audience.to_string(),
+            hs256: Some(DecodingKey::from_secret(secret)?),
+            jwks: vec![],
+        })
+    }
+
+    /// An authenticator with no keys yet (add a JWKS).
+    pub fn without_keys(audience: &str) -> Authenticator {
+        Authenticator {
+            audience: audience.to_string(),
+            hs256: None,
+            jwks: vec![],
+        }
+    }
+
+    /// Adds the RS256 and EdDSA public keys of a JWKS document.
+    pub fn with_jwks(mut self, set: &JwkSet) -> anyhow::Result<Authenticator> {
+        for jwk in &set.keys {
+            let alg = match &jwk.algorithm {
+                jsonwebtoken::jwk::AlgorithmParameters::RSA(_) => Algorithm::RS256,
+                jsonwebtoken::jwk::AlgorithmParameters::OctetKeyPair(_) => Algorithm::EdDSA,
+                _ => anyhow::bail!(
+                    "JWKS key {:?}: only RSA (RS256) and OKP (EdDSA) keys are accepted",
+                    jwk.common.key_id
+                ),
+            };
+            let key = DecodingKey::from_jwk(jwk)
+                .with_context(|| format!("JWKS key {:?} is malformed", jwk.common.key_id))?;
+            self.jwks.push(JwksKey {
+                kid: jwk.common.key_id.clone(),
+                alg,
+                key,
+            });
+        }
+        Ok(self)
+    }
+
+    /// Adds the keys of a JWKS file.
+    pub fn with_jwks_file(self, path: &Path) -> anyhow::Result<Authenticator> {
+        let text = std::fs::read_to_string(path)
+            .with_context(|| format!("reading JWKS file {}", path.display()))?;
+        let set: JwkSet = serde_json::from_str(&text)
+            .with_context(|| format!("parsing JWKS file {}", path.display()))?;
+        self.with_jwks(&set)
+    }
+
+    /// The audience tokens must carry.
+    pub fn audience(&self) -> &str {
+        &self.audience
+    }
+
+    /// Verifies a token and returns the caller.
+    pub fn verify(&self, token: &str) -> Result<Principal, AuthError> {
+        let header =
+            jsonwebtoken::decode_header(token).map_err(|e| AuthError::Invalid(e.to_string()))?;
+        let mut validation = Validation::new(header.alg);
+        validation.set_audience(&[self.audience.as_str()]);
+        validation.set_required_spec_claims(&["exp", "aud", "sub"]);
+        validation.leeway = 5;
+        let result = match header.alg {
+            Algorithm::HS256 => {
+                let key = self
+                    .hs256
+                    .as_ref()
+                    .ok_or_else(|| AuthError::Invalid("HS256 tokens are not accepted".into()))?;
+                jsonwebtoken::decode::<Claims>(token, key, &validation)
+            }
+            Algorithm::RS256 | Algorithm::EdDSA => {
+                let mut last = None;
+                let mut any = false;
+                for k in self.jwks.iter().filter(|k| k.alg == header.alg) {
+                    if let (Some(want), Some(have)) = (&header.kid, &k.kid) {
+                        if want != have {
+                            continue;
+                        }
+                    }
+                    any = true;
+                    match jsonwebtoken::decode::<Claims>(token, &k.key, &validation) {
+                        Ok(d) => {
+                            last = Some(Ok(d));
+                            break;
+                        }
+                        Err(e) => last = Some(Err(e)),
+                    }
+                }
+                if !any {
+                    return Err(AuthError::Invalid(format!(
+                        "no {:?} key matches kid {:?}",
+                        header.alg, header.kid
+                    )));
+                }
+                last.expect("at least one key was tried")
+            }
+            other => {
+                return Err(AuthError::Invalid(format!(
+                    "algorithm {other:?} is not accepted"
+                )))
+            }
+        };
+        let data = result.map_err(|e| match e.kind() {
+            jsonwebtoken::errors::ErrorKind::ExpiredSignature => AuthError::Expired,
+            jsonwebtoken::errors::ErrorKind::InvalidAudience => {
+                AuthError::WrongAudience(self.audience.clone())
+            }
+            _ => AuthError::Invalid(e.to_string()),
+        })?;
+        let c = data.claims;
+        let role: Role = c.role.parse().map_err(AuthError::Invalid)?;
+        validate_id("tenant", &c.tenant).map_err(|e| AuthError::Invalid(e.to_string()))?;
+        if c.sub.is_empty() || c.sub.len() > 256 {
+            return Err(AuthError::Invalid("sub must be 1..=256 characters".into()));
+        }
+        Ok(Principal {
+            sub: c.sub,
+            tenant: c.tenant,
+            role,
+        })
+    }
+}
+
+/// Seconds since the epoch.
+fn now_s() -> u64 {
+    SystemTime::now()
+        .duration_since(UNIX_EPOCH)
+        .map(|d| d.as_secs())
+        .unwrap_or(0)
+}
+
+/// Mints an HS256 token.
+pub fn mint_token(
+    secret: &[u8],
+    audience: &str,
+    tenant: &str,
+    sub: &str,
+    role: Role,
+    ttl_s: u64,
+) -> anyhow::Result<String> {
+    validate_id("tenant", tenant)?;
+    let now = now_s();
+    let claims = Claims {
+        sub: sub.to_string(),
+        tenant: tenant.to_string(),
+        role: role.as_str().to_string(),
+        aud: audience.to_string(),
+        exp: now + ttl_s,
+        iat: now,
+    };
+    Ok(jsonwebtoken::encode(
+        &Header::new(Algorithm::HS256),
+        &claims,
+        &EncodingKey::from_secret(secret)?,
+    )?)
+}
+
+/// Parses a duration such as `3600`, `90s`, `15m`, `24h` or `7d` into seconds.
+pub fn parse_ttl(s: &str) -> anyhow::Result<u64> {
+    let s = s.trim();
+    let (num, mult) = match s.chars().last() {
+        Some('s') => (&s[..s.len() - 1], 1),
+        Some('m') => (&s[..s.len() - 1], 60),
+        Some('h') => (&s[..s.len() - 1], 3600),
+        Some('d') => (&s[..s.len() - 1], 86400),
+        _ => (s, 1),
+    };
+    let n: u64 = num
+        .parse()
+        .with_context(|| format!("invalid duration {s:?} (use e.g. 3600, 15m, 24h, 7d)"))?;
+    anyhow::ensure!(n > 0, "duration must be positive");
+    n.checked_mul(mult)
+        .ok_or_else(|| anyhow::anyhow!("duration {s:?} is too large"))
+}
+
+/// Reads the signing secret from `data_dir`, creating it (32 random bytes,
+/// mode 0600) if missing. Returns the secret and whether it was created.
+pub fn load_or_create_secret(data_dir: &Path) -> anyhow::Result<(Vec<u8>, bool)> {
+    let path = data_dir.join(SECRET_FILE);
+    if path.exists() {
+        let text = std::fs::read_to_string(&path)
+            .with_context(|| format!("reading {}", path.display()))?;
+        let secret =
+            hex::decode(text.trim()).with_context(|| format!("{} is not hex", path.display()))?;
+        anyhow::ensure!(
+            secret.len() >= 32,
+            "{} holds fewer than 32 bytes",
+            path.display()
+        );
+        return Ok((secret, false));
+    }
+    std::fs::create_dir_all(data_dir)
+        .with_context(|| format!("creating {}", data_dir.display()))?;
+    let secret: [u8; 32] = rand::random();
+    let tmp = data_dir.join(format!("{SECRET_FILE}.tmp"));
+    {
+        use std::io::Write;
+        let mut opts = std::fs::OpenOptions::new();
+        opts.write(true).create(true).truncate(true);
+        #[cfg(unix)]
+        {
+            use std::os::unix::fs::OpenOptionsExt;
+            opts.mode(0o600);
+        }
+        let mut f = opts
+            .open(&tmp)
+            .with_context(|| format!("creating {}", tmp.display()))?;
+        f.write_all(hex::encode(secret).as_bytes())?;
+        f.sync_all()?;
+    }
+    std::fs::rename(&tmp, &path)?;
+    Ok((secret.to_vec(), true))
+}
+
+/// What the first start of the embedded server produced.
+#[derive(Clone, Debug)]
+pub struct FirstStart {
+    /// The signing secret (existing or new).
+    pub secret: Vec<u8>,
+    /// True when the secret was created now.
+    pub created: bool,
+    /// Operator token (only when created).
+    pub operator_token: Option<String>,
+    /// Demo-tenant token (only when created).
+    pub demo_token: Option<String>,
+}
+
+/// Ensures the data directory has a signing secret; on first start also mints
+/// an operator token (tenant `ops`) and a demo-tenant token, valid `ttl_s`.
+pub fn first_start(data_dir: &Path, audience: &str, ttl_s: u64) -> anyhow::Result<FirstStart> {
+    let (secret, created) = load_or_create_secret(data_dir)?;
+    let (operator_token, demo_token) = if created {
+        (
+            Some(mint_token(
+                &secret,
+                audience,
+                OPERATOR_TENANT,
+                "operator",
+                Role::Operator,
+                ttl_s,
+            )?),
+            Some(mint_token(
+                &secret,
+                audience,
+                DEMO_TENANT,
+                "demo-user",
+                Role::Tenant,
+                ttl_s,
+            )?),
+        )
+    } else {
+        (None, None)
+    };
+    Ok(FirstStart {
+        secret,
+        created,
+        operator_token,
+        demo_token,
+    })
+}
+
+/// Prints the tokens of a first start (nothing on later starts).
+pub fn print_first_start(fs: &FirstStart, data_dir: &Path) {
+    if let (Some(op), Some(demo)) = (&fs.operator_token, &fs.demo_token) {
+        println!(
+            "hypic: created signing secret {}",
+            data_dir.join(SECRET_FILE).display()
+        );
+        println!("hypic: operator token (tenant {OPERATOR_TENANT}):\n{op}");
+        println!("hypic: demo tenant token (tenant {DEMO_TENANT}):\n{demo}");
+        println!("hypic: mint more with `hypic token --tenant NAME --role tenant|operator`");
+    }
+}
+
+/// Refuses to run without auth unless bound to a loopback address.
+pub fn check_auth_disable(bind: SocketAddr, disable_auth: bool) -> anyhow::Result<()> {
+    if disable_auth && !bind.ip().is_loopback() {
+        anyhow::bail!(
+            "--disable-auth is only allowed on a loopback bind address (127.0.0.1 or ::1), not {bind}"
+        );
+    }
+    Ok(())
+}
+
+/// Arguments of `hypic token`.
+#[derive(clap::Args, Debug, Clone)]
+pub struct TokenArgs {
+    /// Tenant the token belongs to.
+    #[arg(long, default_value = DEMO_TENANT)]
+    pub tenant: String,
+    /// Role: `tenant` or `operator`.
+    #[arg(long, default_value = "tenant")]
+    pub role: String,
+    /// Lifetime, e.g. 3600, 15m, 24h, 7d.
+    #[arg(long, default_value = "24h")]
+    pub ttl: String,
+    /// Subject (defaults to `<role>@<tenant>`).
+    #[arg(long)]
+    pub sub: Option<String>,
+    /// Audience.
+    #[arg(long, default_value = DEFAULT_AUDIENCE)]
+    pub audience: String,
+    /// Data directory holding the signing secret (created if missing).
+    #[arg(long, env = "HYPIC_DATA_DIR", default_value = "hypic-data")]
+    pub data_dir: PathBuf,
+}
+
+/// Mints a token from `args` and returns it.
+pub fn token_from_args(args: &TokenArgs) -> anyhow::Result<String> {
+    let role: Role = args.role.parse().map_err(|e: String| anyhow::anyhow!(e))?;
+    let ttl = parse_ttl(&args.ttl)?;
+    let (secret, _) = load_or_create_secret(&args.data_dir)?;
+    let sub = args
+        .sub
+        .clone()
+        .unwrap_or_else(|| format!("{}@{}", role.as_str(), args.tenant));
+    mint_token(&secret, &args.audience, &args.tenant, &sub, role, ttl)
+}
+
+/// `hypic token`: prints a token for local use.
+pub async fn run_token_command(args: TokenArgs) -> anyhow::Result<()> {
+    println!("{}", token_from_args(&args)?);
+    Ok(())
+}
+
+type HmacSha256 = Hmac<Sha256>;
+
+/// Derives cache isolation keys server-side from a secret, the verified
+/// tenant and the segment's sharing state.
+#[derive(Clone)]
+pub struct IsolationKeyer {
+    secret: Vec<u8>,
+}
+
+impl std::fmt::Debug for IsolationKeyer {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str("IsolationKeyer(..)")
+    }
+}
+
+impl IsolationKeyer {
+    /// A keyer whose keys are bound to `server_secret` (the signing secret is
+    /// fine: it is domain-separated here).
+    pub fn new(server_secret: &[u8]) -> IsolationKeyer {
+        let mut m = HmacSha256::new_from_slice(server_secret).expect("HMAC accepts any key length");
+        m.update(b"hypic-isolation-v1");
+        IsolationKeyer {
+            secret: m.finalize().into_bytes().to_vec(),
+        }
+    }
+
+    fn mac(&self, parts: &[&[u8]]) -> String {
+        let mut m = HmacSha256::new_from_slice(&self.secret).expect("HMAC accepts any key length");
+        for p in parts {
+            m.update(&(p.len() as u64).to_le_bytes());
+            m.update(p);
+        }
+        hex::encode(m.finalize().into_bytes())
+    }
+
+    /// The isolation key of `segment` for `tenant`.
+    ///
+    /// Shared only when the segment is explicitly public **and** the isolation
+    /// policy allows sharing (`policy_allows_shared`); everything else gets a
+    /// per-tenant key. A client `salt` is mixed into whatever key was chosen,
+    /// so it can split a namespace but never reach another tenant's.
+    pub fn isolation_key(
+        &self,
+        tenant: &str,
+        segment: &SnapshotEntry,
+        policy_allows_shared: bool,
+        salt: Option<&str>,
+    ) -> String {
+        let base = if segment.public && policy_allows_shared {
+            self.mac(&[b"shared"])
+        } else {
+            self.mac(&[b"tenant", tenant.as_bytes()])
+        };
+        match salt {
+            Some(s) if !s.is_empty() => self.mac(&[b"salted", base.as_bytes(), s.as_bytes()]),
+            _ => base,
+        }
+    }
+
+    /// The cache key of one segment version under an isolation key.
+    pub fn cache_key(&self, isolation_key: &str, segment: &SnapshotEntry) -> String {
+        self.mac(&[
+            b"entry",
+            isolation_key.as_bytes(),
+            segment.segment_id.as_bytes(),
+            &segment.version.to_le_bytes(),
+            segment.content_hash.as_bytes(),
+        ])
+    }
+}

@@ -1,0 +1,1257 @@
+//! The control-plane catalog: tenants, principals, segments and their
+//! versions, grants, policies, the audit log and cache residency.
+//!
+//! One code path for Postgres (production) and SQLite (embedded default)
+//! through sqlx's `Any` driver. All times are milliseconds since the Unix
+//! epoch, stored as `BIGINT`; booleans are stored as `0`/`1`.
+
+use std::collections::BTreeMap;
+use std::str::FromStr;
+use std::time::{Duration, SystemTime, UNIX_EPOCH};
+
+use serde::{Deserialize, Serialize};
+use sha2::{Digest, Sha256};
+use sqlx::any::{AnyPoolOptions, AnyRow};
+use sqlx::migrate::Migrator;
+use sqlx::{AnyPool, Row};
+
+static PG_MIGRATIONS: Migrator = sqlx::migrate!("../migrations/postgres");
+static SQLITE_MIGRATIONS: Migrator = sqlx::migrate!("../migrations/sqlite");
+
+/// Errors returned by the catalog.
+#[derive(Debug, thiserror::Error)]
+pub enum CatalogError {
+    /// The object does not exist, or the caller may not see it.
+    #[error("{0} not found")]
+    NotFound(String),
+    /// The request conflicts with existing state.
+    #[error("conflict: {0}")]
+    Conflict(String),
+    /// The input is invalid.
+    #[error("invalid input: {0}")]
+    Invalid(String),
+    /// A database error.
+    #[error("database error: {0}")]
+    Db(#[from] sqlx::Error),
+    /// A migration error.
+    #[error("migration error: {0}")]
+    Migrate(#[from] sqlx::migrate::MigrateError),
+}
+
+/// Result alias for catalog operations.
+pub type CatalogResult<T> = Result<T, CatalogError>;
+
+/// Which database the catalog runs on.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Backend {
+    /// Postgres (production).
+    Postgres,
+    /// SQLite (embedded default).
+    Sqlite,
+}
+
+/// Role of a principal.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "lowercase")]
+pub enum Role {
+    /// A tenant user: sees its own segments, shared ones and those granted to it.
+    Tenant,
+    /// An operator: manages policies and may act on every tenant's segments.
+    Operator,
+}
+
+impl Role {
+    /// The role's name as stored and as written in tokens.
+    pub fn as_str(self) -> &'static str {
+        match self {
+            Role::Tenant => "tenant",
+            Role::Operator => "operator",
+        }
+    }
+}
+
+impl FromStr for Role {
+    type Err = String;
+    fn from_str(s: &str) -> Result<Role, String> {
+        match s {
+            "tenant" => Ok(Role::Tenant),
+            "operator" => Ok(Role::Operator),
+            other => Err(format!(
+                "unknown role {other:?} (expected \"tenant\" or \"operator\")"
+            )),
+        }
+    }
+}
+
+/// Milliseconds since the Unix epoch, now.
+pub fn now_ms() -> i64 {
+    SystemTime::now()
+        .duration_since(UNIX_EPOCH)
+        .map(|d| d.as_millis() as i64)
+        .unwrap_or(0)
+}
+
+/// Hex SHA-256 of a segment's content: the content hash stored per version.
+pub fn content_hash(content: &str) -> String {
+    hex::encode(Sha256::digest(content.as_bytes()))
+}
+
+/// A segment with its current version.
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+pub struct Segment {
+    /// Segment id.
+    pub id: String,
+    /// Owning tenant.
+    pub owner_tenant: String,
+    /// Human-readable name.
+    pub name: String,
+    /// Explicitly public: every tenant may read it and it may use the shared
+    /// cache namespace.
+    pub public: bool,
+    /// Current version number (1-based).
+    pub current_version: i64,
+    /// Content hash of the current version.
+    pub content_hash: String,
+    /// Content length in bytes of the current version.
+    pub byte_len: i64,
+    /// Token counts of the current version per model.
+    pub tokens: BTreeMap<String, i64>,
+    /// Creation time (ms).
+    pub created_at: i64,
+    /// Time of the last update (ms).
+    pub updated_at: i64,
+}
+
+/// One version of a segment.
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+pub struct SegmentVersion {
+    /// Segment id.
+    pub segment_id: String,
+    /// Version number.
+    pub version: i64,
+    /// Hex SHA-256 of the content.
+    pub content_hash: String,
+    /// Content length in bytes.
+    pub byte_len: i64,
+    /// Who created this version (token subject).
+    pub created_by: String,
+    /// Creation time (ms).
+    pub created_at: i64,
+    /// When a newer version replaced it (ms), if it did.
+    pub superseded_at: Option<i64>,
+}
+
+/// Input for creating a segment.
+#[derive(Clone, Debug, Default, Serialize, Deserialize)]
+pub struct NewSegment {
+    /// Segment id; must be 1..=128 characters of `[A-Za-z0-9._:-]`.
+    pub id: String,
+    /// Human-readable name (defaults to the id).
+    #[serde(default)]
+    pub name: Option<String>,
+    /// Content of version 1.
+    pub content: String,
+    /// Token counts per model.
+    #[serde(default)]
+    pub tokens: BTreeMap<String, i64>,
+    /// Explicitly public (shared) segment.
+    #[serde(default)]
+    pub public: bool,
+}
+
+/// The version of one segment a request will use.
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+pub struct SnapshotEntry {
+    /// Segment id.
+    pub segment_id: String,
+    /// Version pinned for this request.
+    pub version: i64,
+    /// Content hash of that version.
+    pub content_hash: String,
+    /// Owning tenant.
+    pub owner_tenant: String,
+    /// Whether the segment is explicitly public.
+    pub public: bool,
+}
+
+/// One audit-log row.
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+pub struct AuditEntry {
+    /// Row id.
+    pub id: i64,
+    /// Time (ms).
+    pub at: i64,
+    /// Who acted (token subject, or `system`).
+    pub actor: String,
+    /// Tenant involved, if any.
+    pub tenant: Option<String>,
+    /// Action, e.g. `segment.update`, `policy.fault`.
+    pub action: String,
+    /// Target object, e.g. a segment or policy id.
+    pub target: String,
+    /// JSON details.
+    pub detail: String,
+}
+
+/// A stored policy module.
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+pub struct PolicyRecord {
+    /// Row id.
+    pub id: i64,
+    /// Policy name.
+    pub name: String,
+    /// Kind: `eviction`, `admission`, `invalidation` or `isolation`.
+    pub kind: String,
+    /// Hex SHA-256 of the module.
+    pub module_sha256: String,
+    /// Parameters (JSON object).
+    pub params: String,
+    /// Version number among policies of the same name.
+    pub version: i64,
+    /// Uploader.
+    pub created_by: String,
+    /// Upload time (ms).
+    pub created_at: i64,
+    /// Whether it is the active policy of its kind.
+    pub active: bool,
+    /// The Wasm module (not serialized in listings).
+    #[serde(skip)]
+    pub module: Vec<u8>,
+}
+
+/// A residency report row: which worker holds which cache entry.
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+pub struct Residency {
+    /// Worker id.
+    pub worker: String,
+    /// Cache key (isolation key + segment version).
+    pub cache_key: String,
+    /// Segment id.
+    pub segment_id: String,
+    /// Segment version.
+    pub version: i64,
+    /// Tenant namespace, `None` for the shared namespace.
+    pub tenant: Option<String>,
+    /// Bytes held.
+    pub bytes: i64,
+    /// Last use (ms).
+    pub last_use: i64,
+}
+
+/// The catalog over a Postgres or SQLite pool.
+#[derive(Clone, Debug)]
+pub struct Catalog {
+    pool: AnyPool,
+    backend: Backend,
+}
+
+/// Checks a segment or tenant id: 1..=128 characters of `[A-Za-z0-9._:-]`.
+pub fn validate_id(what: &str, id: &str) -> CatalogResult<()> {
+    if id.is_empty() || id.len() > 128 {
+        return Err(CatalogError::Invalid(format!(
+            "{what} must be 1..=128 characters"
+        )));
+    }
+    if !id
+        .chars()
+        .all(|c| c.is_ascii_alphanumeric() || matches!(c, '.' | '_' | ':' | '-'))
+    {
+        return Err(CatalogError::Invalid(format!(
+            "{what} {id:?} may only contain letters, digits, '.', '_', ':' and '-'"
+        )));
+    }
+    Ok(())
+}
+
+fn validate_tokens(tokens: &BTreeMap<String, i64>) -> CatalogResult<()> {
+    for (m, t) in tokens {
+        if m.is_empty() || m.len() > 200 {
+            return Err(CatalogError::Invalid(
+                "model name must be 1..=200 characters".into(),
+            ));
+        }
+        if *t < 0 {
+            return Err(CatalogError::Invalid(format!(
+                "token count for {m:?} is negative"
+            )));
+        }
+    }
+    Ok(())
+}
+
+impl Catalog {
+    /// Connects to `url` (`postgres://…` or `sqlite://…`; a plain path is
+    /// taken as a SQLite file, created if missing) and applies migrations.
+    pub async fn connect(url: &str) -> CatalogResult<Catalog> {
+        Self::connect_in_schema(url, None).await
+    }
+
+    /// Like [`Catalog::connect`], but on Postgres creates `schema` if needed
+    /// and uses it as the search path of every connection (used to isolate
+    /// test runs). Ignored for SQLite.
+    pub async fn connect_in_schema(url: &str, schema: Option<&str>) -> CatalogResult<Catalog> {
+        sqlx::any::install_default_drivers();
+        let (url, backend) = normalize_url(url)?;
+        let mut opts = AnyPoolOptions::new().acquire_timeout(Duration::from_secs(10));
+        if backend == Backend::Sqlite {
+            opts = opts.max_connections(4).after_connect(|conn, _meta| {
+                Box::pin(async move {
+                    sqlx::query("PRAGMA busy_timeout = 10000")
+                        .execute(&mut *conn)
+                        .await?;
+                    sqlx::query("PRAGMA foreign_keys = ON")
+                        .execute(&mut *conn)
+                        .await?;
+                    Ok(())
+                })
+            });
+        } else {
+            opts = opts.max_connections(8);
+            if let Some(schema) = schema {
+                validate_id("schema", schema)?;
+                if !schema
+                    .chars()
+                    .all(|c| c.is_ascii_alphanumeric() || c == '_')
+                {
+                    return Err(CatalogError::Invalid("schema must be [A-Za-z0-9_]".into()));
+                }
+                let setup = AnyPoolOptions::new()
+                    .max_connections(1)
+                    .connect(&url)
+                    .await?;
+                sqlx::query(&format!("CREATE SCHEMA IF NOT EXISTS {schema}"))
+                    .execute(&setup)
+                    .await?;
+                setup.close().await;
+                let sp = format!("SET search_path TO {schema}");
+                opts = opts.after_connect(move |conn, _meta| {
+                    let sp = sp.clone();
+                    Box::pin(async move {
+                        sqlx::query(&sp).execute(&mut *conn).await?;
+                        Ok(())
+                    })
+                });
+            }
+        }
+        let pool = opts.connect(&url).await?;
+        if backend == Backend::Sqlite {
+            sqlx::query("PRAGMA journal_mode = WAL")
+                .execute(&pool)
+                .await?;
+        }
+        let cat = Catalog { pool, backend };
+        cat.migrate().await?;
+        Ok(cat)
+    }
+
+    /// Applies the migrations of this backend (idempotent).
+    pub async fn migrate(&self) -> CatalogResult<()> {
+        match self.backend {
+            Backend::Postgres => PG_MIGRATIONS.run(&self.pool).await?,
+            Backend::Sqlite => SQLITE_MIGRATIONS.run(&self.pool).await?,
+        }
+        Ok(())
+    }
+
+    /// The backend in use.
+    pub fn backend(&self) -> Backend {
+        self.backend
+    }
+
+    /// The underlying pool.
+    pub fn pool(&self) -> &AnyPool {
+        &self.pool
+    }
+
+    /// Versions of the migrations applied, in order.
+    pub async fn applied_migrations(&self) -> CatalogResult<Vec<i64>> {
+        let rows = sqlx::query(
+            "SELECT version FROM _sqlx_migrations WHERE success = TRUE ORDER BY version",
+        )
+        .fetch_all(&self.pool)
+        .await;
+        // SQLite stores booleans as integers; `TRUE` is accepted by both.
+        Ok(rows?.iter().map(|r| r.get::<i64, _>(0)).collect())
+    }
+
+    // ---- tenants and principals -------------------------------------------------
+
+    /// Creates the tenant if it does not exist yet.
+    pub async fn ensure_tenant(&self, id: &str, name: &str) -> CatalogResult<()> {
+        validate_id("tenant id", id)?;
+        sqlx::query("INSERT INTO tenants (id, name, created_at) VALUES ($1, $2, $3) ON CONFLICT (id) DO NOTHING")
+            .bind(id)
+            .bind(name)
+            .bind(now_ms())
+            .execute(&self.pool)
+            .await?;
+        Ok(())
+    }
+
+    /// Lists tenant ids.
+    pub async fn tenants(&self) -> CatalogResult<Vec<String>> {
+        let rows = sqlx::query("SELECT id FROM tenants ORDER BY id")
+            .fetch_all(&self.pool)
+            .await?;
+        Ok(rows.iter().map(|r| r.get::<String, _>(0)).collect())
+    }
+
+    /// Records a principal (token subject) of a tenant with a role, creating
+    /// the tenant if needed. Re-registering updates the role.
+    pub async fn upsert_principal(&self, tenant: &str, sub: &str, role: Role) -> CatalogResult<()> {
+        self.ensure_tenant(tenant, tenant).await?;
+        if sub.is_empty() || sub.len() > 256 {
+            return Err(CatalogError::Invalid(
+                "subject must be 1..=256 characters".into(),
+            ));
+        }
+        sqlx::query(
+            "INSERT INTO principals (sub, tenant_id, role, created_at) VALUES ($1, $2, $3, $4) \
+             ON CONFLICT (tenant_id, sub) DO UPDATE SET role = excluded.role",
+        )
+        .bind(sub)
+        .bind(tenant)
+        .bind(role.as_str())
+        .bind(now_ms())
+        .execute(&self.pool)
+        .await?;
+        Ok(())
+    }
+
+    /// The role recorded for a principal, if any.
+    pub async fn principal_role(&self, tenant: &str, sub: &str) -> CatalogResult<Option<Role>> {
+        let row = sqlx::query("SELECT role FROM principals WHERE tenant_id = $1 AND sub = $2")
+            .bind(tenant)
+            .bind(sub)
+            .fetch_optional(&self.pool)
+            .await?;
+        Ok(row.and_then(|r| r.get::<String, _>(0).parse().ok()))
+    }
+
+    // ---- segments ----------------------------------------------------------------
+
+    /// Creates a segment owned by `owner` with version 1.
+    pub async fn create_segment(
+        &self,
+        owner: &str,
+        actor: &str,
+        seg: &NewSegment,
+    ) -> CatalogResult<Segment> {
+        validate_id("segment id", &seg.id)?;
+        validate_tokens(&seg.tokens)?;
+        self.ensure_tenant(owner, owner).await?;
+        let now = now_ms();
+        let name = seg.name.clone().unwrap_or_else(|| seg.id.clone());
+        let mut tx = self.pool.begin().await?;
+        let res = sqlx::query(
+            "INSERT INTO segments (id, owner_tenant, name, public, current_version, created_at, updated_at) \
+             VALUES ($1, $2, $3, $4, 1, $5, $5) ON CONFLICT (id) DO NOTHING",
+        )
+        .bind(&seg.id)
+        .bind(owner)
+        .bind(&name)
+        .bind(seg.public as i64)
+        .bind(now)
+        .execute(&mut *tx)
+        .await?;
+        if res.rows_affected() == 0 {
+            return Err(CatalogError::Conflict(format!(
+                "segment {:?} already exists",
+                seg.id
+            )));
+        }
+        insert_version(&mut tx, &seg.id, 1, &seg.content, &seg.tokens, actor, now).await?;
+        insert_audit(
+            &mut tx,
+            actor,
+            Some(owner),
+            "segment.create",
+            &seg.id,
+            &serde_json::json!({
+                "version": 1, "content_hash": content_hash(&seg.content), "public": seg.public,
+            }),
+        )
+        .await?;
+        tx.commit().await?;
+        self.get_segment(&seg.id).await
+    }
+
+    /// Replaces the content of a segment: creates version `current + 1` and
+    /// marks the previous version superseded, atomically. Returns the new
+    /// current state.
+    pub async fn update_segment(
+        &self,
+        id: &str,
+        actor: &str,
+        content: &str,
+        tokens: &BTreeMap<String, i64>,
+    ) -> CatalogResult<Segment> {
+        self.update_segments(
+            actor,
+            &[(id.to_string(), content.to_string(), tokens.clone())],
+        )
+        .await?;
+        self.get_segment(id).await
+    }
+
+    /// Updates several segments in one transaction: a snapshot sees either all
+    /// of the new versions or none of them. Returns the new version numbers.
+    pub async fn update_segments(
+        &self,
+        actor: &str,
+        updates: &[(String, String, BTreeMap<String, i64>)],
+    ) -> CatalogResult<Vec<i64>> {
+        for (_, _, t) in updates {
+            validate_tokens(t)?;
+        }
+        // Lock rows in a fixed order to avoid deadlocks between concurrent batches.
+        let mut order: Vec<usize> = (0..updates.len()).collect();
+        order.sort_by(|&a, &b| updates[a].0.cmp(&updates[b].0));
+        let now = now_ms();
+        let mut versions = vec![0i64; updates.len()];
+        let mut tx = self.pool.begin().await?;
+        for i in order {
+            let (id, content, tokens) = &updates[i];
+            // The UPDATE takes the row lock (Postgres) / write lock (SQLite) first,
+            // so concurrent updaters of one segment serialize here.
+            let row = sqlx::query(
+                "UPDATE segments SET current_version = current_version + 1, updated_at = $1 \
+                 WHERE id = $2 AND deleted_at IS NULL RETURNING current_version, owner_tenant",
+            )
+            .bind(now)
+            .bind(id)
+            .fetch_optional(&mut *tx)
+            .await?;
+            let Some(row) = row else {
+                return Err(CatalogError::NotFound(format!("segment {id:?}")));
+            };
+            let v: i64 = row.get(0);
+            let owner: String = row.get(1);
+            sqlx::query("UPDATE segment_versions SET superseded_at = $1 WHERE segment_id = $2 AND version = $3")
+                .bind(now)
+                .bind(id)
+                .bind(v - 1)
+                .execute(&mut *tx)
+                .await?;
+            insert_version(&mut tx, id, v, content, tokens, actor, now).await?;
+            insert_audit(
+                &mut tx,
+                actor,
+                Some(&owner),
+                "segment.update",
+                id,
+                &serde_json::json!({
+                    "version": v, "content_hash": content_hash(content), "superseded": v - 1,
+                }),
+            )
+            .await?;
+            versions[i] = v;
+        }
+        tx.commit().await?;
+        Ok(versions)
+    }
+
+    /// Soft-deletes a segment: its current version is superseded and lookups miss.
+    pub async fn delete_segment(&self, id: &str, actor: &str) -> CatalogResult<()> {
+        let now = now_ms();
+        let mut tx = self.pool.begin().await?;
+        let row = sqlx::query(
+            "UPDATE segments SET deleted_at = $1, updated_at = $1 WHERE id = $2 AND deleted_at IS NULL \
+             RETURNING current_version, owner_tenant",
+        )
+        .bind(now)
+        .bind(id)
+        .fetch_optional(&mut *tx)
+        .await?;
+        let Some(row) = row else {
+            return Err(CatalogError::NotFound(format!("segment {id:?}")));
+        };
+        let v: i64 = row.get(0);
+        let owner: String = row.get(1);
+        sqlx::query(
+            "UPDATE segment_versions SET superseded_at = $1 WHERE segment_id = $2 AND version = $3",
+        )
+        .bind(now)
+        .bind(id)
+        .bind(v)
+        .execute(&mut *tx)
+        .await?;
+        insert_audit(
+            &mut tx,
+            actor,
+            Some(&owner),
+            "segment.delete",
+            id,
+            &serde_json::json!({"version": v}),
+        )
+        .await?;
+        tx.commit().await?;
+        Ok(())
+    }
+
+    /// The current state of a (non-deleted) segment, without access checks.
+    pub async fn get_segment(&self, id: &str) -> CatalogResult<Segment> {
+        let row = sqlx::query(
+            "SELECT s.id, s.owner_tenant, s.name, s.public, s.current_version, v.content_hash, v.byte_len, \
+                    s.created_at, s.updated_at \
+             FROM segments s JOIN segment_versions v ON v.segment_id = s.id AND v.version = s.current_version \
+             WHERE s.id = $1 AND s.deleted_at IS NULL",
+        )
+        .bind(id)
+        .fetch_optional(&self.pool)
+        .await?
+        .ok_or_else(|| CatalogError::NotFound(format!("segment {id:?}")))?;
+        let version: i64 = row.get(4);
+        let tokens = self.tokens(id, version).await?;
+        Ok(Segment {
+            id: row.get(0),
+            owner_tenant: row.get(1),
+            name: row.get(2),
+            public: row.get::<i64, _>(3) != 0,
+            current_version: version,
+            content_hash: row.get(5),
+            byte_len: row.get(6),
+            tokens,
+            created_at: row.get(7),
+            updated_at: row.get(8),
+        })
+    }
+
+    /// The content of a given version.
+    pub async fn version_content(&self, id: &str, version: i64) -> CatalogResult<Option<String>> {
+        let row = sqlx::query(
+            "SELECT content FROM segment_versions WHERE segment_id = $1 AND version = $2",
+        )
+        .bind(id)
+        .bind(version)
+        .fetch_optional(&self.pool)
+        .await?
+        .ok_or_else(|| CatalogError::NotFound(format!("segment {id:?} version {version}")))?;
+        Ok(row.get(0))
+    }
+
+    async fn tokens(&self, id: &str, version: i64) -> CatalogResult<BTreeMap<String, i64>> {
+        let rows = sqlx::query(
+            "SELECT model, tokens FROM segment_token_counts WHERE segment_id = $1 AND version = $2",
+        )
+        .bind(id)
+        .bind(version)
+        .fetch_all(&self.pool)
+        .await?;
+        Ok(rows
+            .iter()
+            .map(|r| (r.get::<String, _>(0), r.get::<i64, _>(1)))
+            .collect())
+    }
+
+    /// All versions of a segment, oldest first.
+    pub async fn versions(&self, id: &str) -> CatalogResult<Vec<SegmentVersion>> {
+        let rows = sqlx::query(
+            "SELECT segment_id, version, content_hash, byte_len, created_by, created_at, superseded_at \
+             FROM segment_versions WHERE segment_id = $1 ORDER BY version",
+        )
+        .bind(id)
+        .fetch_all(&self.pool)
+        .await?;
+        Ok(rows
+            .iter()
+            .map(|r| SegmentVersion {
+                segment_id: r.get(0),
+                version: r.get(1),
+                content_hash: r.get(2),
+                byte_len: r.get(3),
+                created_by: r.get(4),
+                created_at: r.get(5),
+                superseded_at: r.get(6),
+            })
+            .collect())
+    }
+
+    /// Whether `tenant` may read segment `id`: it owns it, the segment is
+    /// public, or it holds a grant. Deleted segments are readable by no one.
+    pub async fn can_read(&self, tenant: &str, id: &str) -> CatalogResult<bool> {
+        let row = sqlx::query(
+            "SELECT 1 FROM segments s WHERE s.id = $1 AND s.deleted_at IS NULL AND \
+             (s.owner_tenant = $2 OR s.public <> 0 OR EXISTS \
+               (SELECT 1 FROM grants g WHERE g.segment_id = s.id AND g.tenant_id = $2))",
+        )
+        .bind(id)
+        .bind(tenant)
+        .fetch_optional(&self.pool)
+        .await?;
+        Ok(row.is_some())
+    }
+
+    /// Pins the current version of each segment in `ids` for `tenant`, in one
+    /// statement, so the snapshot is consistent: it never mixes versions of a
+    /// batch update, and each entry's hash is that of its version. Fails with
+    /// `NotFound` naming the first segment the tenant may not read (the caller
+    /// treats that as a miss: no key, no cache hit).
+    pub async fn snapshot(
+        &self,
+        tenant: &str,
+        ids: &[String],
+    ) -> CatalogResult<Vec<SnapshotEntry>> {
+        if ids.is_empty() {
+            return Ok(vec![]);
+        }
+        if ids.len() > 1000 {
+            return Err(CatalogError::Invalid(
+                "at most 1000 segments per snapshot".into(),
+            ));
+        }
+        for id in ids {
+            validate_id("segment id", id)?;
+        }
+        let placeholders: Vec<String> = (0..ids.len()).map(|i| format!("${}", i + 2)).collect();
+        let sql = format!(
+            "SELECT s.id, v.version, v.content_hash, s.owner_tenant, s.public \
+             FROM segments s JOIN segment_versions v ON v.segment_id = s.id AND v.version = s.current_version \
+             WHERE s.deleted_at IS NULL AND s.id IN ({}) AND \
+             (s.owner_tenant = $1 OR s.public <> 0 OR EXISTS \
+               (SELECT 1 FROM grants g WHERE g.segment_id = s.id AND g.tenant_id = $1))",
+            placeholders.join(", ")
+        );
+        let mut q = sqlx::query(&sql).bind(tenant);
+        for id in ids {
+            q = q.bind(id);
+        }
+        let rows = q.fetch_all(&self.pool).await?;
+        let found: BTreeMap<String, SnapshotEntry> = rows
+            .iter()
+            .map(|r: &AnyRow| {
+                let e = SnapshotEntry {
+                    segment_id: r.get(0),
+                    version: r.get(1),
+                    content_hash: r.get(2),
+                    owner_tenant: r.get(3),
+                    public: r.get::<i64, _>(4) != 0,
+                };
+                (e.segment_id.clone(), e)
+            })
+            .collect();
+        let mut out = Vec::with_capacity(ids.len());
+        for id in ids {
+            match found.get(id) {
+                Some(e) => out.push(e.clone()),
+                None => return Err(CatalogError::NotFound(format!("segment {id:?}"))),
+            }
+        }
+        Ok(out)
+    }
+
+    // ---- grants ------------------------------------------------------------------
+
+    /// Grants `tenant` read access to segment `id`.
+    pub async fn grant(&self, id: &str, tenant: &str, actor: &str) -> CatalogResult<()> {
+        validate_id("tenant id", tenant)?;
+        let seg = self.get_segment(id).await?;
+        self.ensure_tenant(tenant, tenant).await?;
+        let mut tx = self.pool.begin().await?;
+        sqlx::query(
+            "INSERT INTO grants (segment_id, tenant_id, granted_by, created_at) VALUES ($1, $2, $3, $4) \
+             ON CONFLICT (segment_id, tenant_id) DO NOTHING",
+        )
+        .bind(id)
+        .bind(tenant)
+        .bind(actor)
+        .bind(now_ms())
+        .execute(&mut *tx)
+        .await?;
+        insert_audit(
+            &mut tx,
+            actor,
+            Some(&seg.owner_tenant),
+            "grant.add",
+            id,
+            &serde_json::json!({"tenant": tenant}),
+        )
+        .await?;
+        tx.commit().await?;
+        Ok(())
+    }
+
+    /// Revokes a grant; `NotFound` if there was none. The tenant's next
+    /// snapshot of the segment fails, so it gets no key and no hit.
+    pub async fn revoke(&self, id: &str, tenant: &str, actor: &str) -> CatalogResult<()> {
+        let mut tx = self.pool.begin().await?;
+        let res = sqlx::query("DELETE FROM grants WHERE segment_id = $1 AND tenant_id = $2")
+            .bind(id)
+            .bind(tenant)
+            .execute(&mut *tx)
+            .await?;
+        if res.rows_affected() == 0 {
+            return Err(CatalogError::NotFound(format!(
+                "grant of segment {id:?} to {tenant:?}"
+            )));
+        }
+        insert_audit(
+            &mut tx,
+            actor,
+            None,
+            "grant.revoke",
+            id,
+            &serde_json::json!({"tenant": tenant}),
+        )
+        .await?;
+        tx.commit().await?;
+        Ok(())
+    }
+
+    /// Tenants holding a grant on segment `id`.
+    pub async fn grants(&self, id: &str) -> CatalogResult<Vec<String>> {
+        let rows =
+            sqlx::query("SELECT tenant_id FROM grants WHERE segment_id = $1 ORDER BY tenant_id")
+                .bind(id)
+                .fetch_all(&self.pool)
+                .await?;
+        Ok(rows.iter().map(|r| r.get::<String, _>(0)).collect())
+    }
+
+    // ---- audit log ---------------------------------------------------------------
+
+    /// Appends an audit-log row.
+    pub async fn audit(
+        &self,
+        actor: &str,
+        tenant: Option<&str>,
+        action: &str,
+        target: &str,
+        detail: &serde_json::Value,
+    ) -> CatalogResult<()> {
+        let mut conn = self.pool.acquire().await?;
+        sqlx::query("INSERT INTO audit_log (at, actor, tenant, action, target, detail) VALUES ($1, $2, $3, $4, $5, $6)")
+            .bind(now_ms())
+            .bind(actor)
+            .bind(tenant)
+            .bind(action)
+            .bind(target)
+            .bind(detail.to_string())
+            .execute(&mut *conn)
+            .await?;
+        Ok(())
+    }
+
+    /// The newest audit rows (at most `limit`), optionally only one action;
+    /// newest first.
+    pub async fn audit_log(
+        &self,
+        action: Option<&str>,
+        limit: i64,
+    ) -> CatalogResult<Vec<AuditEntry>> {
+        let limit = limit.clamp(1, 10_000);
+        let rows = match action {
+            Some(a) => {
+                sqlx::query(
+                    "SELECT id, at, actor, tenant, action, target, detail FROM audit_log WHERE action = $1 \
+                     ORDER BY id DESC LIMIT $2",
+                )
+                .bind(a)
+                .bind(limit)
+                .fetch_all(&self.pool)
+                .await?
+            }
+            None => {
+                sqlx::query(
+                    "SELECT id, at, actor, tenant, action, target, detail FROM audit_log ORDER BY id DESC LIMIT $1",
+                )
+                .bind(limit)
+                .fetch_all(&self.pool)
+                .await?
+            }
+        };
+        Ok(rows
+            .iter()
+            .map(|r| AuditEntry {
+                id: r.get(0),
+                at: r.get(1),
+                actor: r.get(2),
+                tenant: r.get(3),
+                action: r.get(4),
+                target: r.get(5),
+                detail: r.get(6),
+            })
+            .collect())
+    }
+
+    // ---- policies ----------------------------------------------------------------
+
+    /// Stores a policy module as the next version of `name`; returns it.
+    pub async fn insert_policy(
+        &self,
+        name: &str,
+        kind: &str,
+        module: &[u8],
+        params: &str,
+        actor: &str,
+    ) -> CatalogResult<PolicyRecord> {
+        validate_id("policy name", name)?;
+        let sha = hex::encode(Sha256::digest(module));
+        let now = now_ms();
+        let mut tx = self.pool.begin().await?;
+        let row = sqlx::query("SELECT COALESCE(MAX(version), 0) FROM policies WHERE name = $1")
+            .bind(name)
+            .fetch_one(&mut *tx)
+            .await?;
+        let version: i64 = row.get::<i64, _>(0) + 1;
+        let row = sqlx::query(
+            "INSERT INTO policies (name, kind, module, module_sha256, params, version, created_by, created_at, active) \
+             VALUES ($1, $2, $3, $4, $5, $6, $7, $8, 0) RETURNING id",
+        )
+        .bind(name)
+        .bind(kind)
+        .bind(module)
+        .bind(&sha)
+        .bind(params)
+        .bind(version)
+        .bind(actor)
+        .bind(now)
+        .fetch_one(&mut *tx)
+        .await
+        .map_err(|e| match &e {
+            sqlx::Error::Database(d) if d.is_unique_violation() => {
+                CatalogError::Conflict(format!("policy {name:?} version {version} was uploaded concurrently; retry"))
+            }
+            _ => CatalogError::Db(e),
+        })?;
+        let id: i64 = row.get(0);
+        insert_audit(&mut tx, actor, None, "policy.upload", &id.to_string(), &serde_json::json!({
+            "name": name, "kind": kind, "version": version, "module_sha256": sha, "params": params,
+        }))
+        .await?;
+        tx.commit().await?;
+        self.policy(id).await
+    }
+
+    /// A stored policy by id (with its module).
+    pub async fn policy(&self, id: i64) -> CatalogResult<PolicyRecord> {
+        let row = sqlx::query(
+            "SELECT id, name, kind, module_sha256, params, version, created_by, created_at, active, module \
+             FROM policies WHERE id = $1",
+        )
+        .bind(id)
+        .fetch_optional(&self.pool)
+        .await?
+        .ok_or_else(|| CatalogError::NotFound(format!("policy {id}")))?;
+        Ok(policy_from_row(&row, true))
+    }
+
+    /// All stored policies (without modules), newest first.
+    pub async fn policies(&self) -> CatalogResult<Vec<PolicyRecord>> {
+        let rows = sqlx::query(
+            "SELECT id, name, kind, module_sha256, params, version, created_by, created_at, active \
+             FROM policies ORDER BY id DESC",
+        )
+        .fetch_all(&self.pool)
+        .await?;
+        Ok(rows.iter().map(|r| policy_from_row(r, false)).collect())
+    }
+
+    /// The active policy of `kind`, if a Wasm policy is active (else the
+    /// native default applies).
+    pub async fn active_policy(&self, kind: &str) -> CatalogResult<Option<PolicyRecord>> {
+        let row = sqlx::query("SELECT id FROM policies WHERE kind = $1 AND active <> 0")
+            .bind(kind)
+            .fetch_optional(&self.pool)
+            .await?;
+        match row {
+            Some(r) => Ok(Some(self.policy(r.get(0)).await?)),
+            None => Ok(None),
+        }
+    }
+
+    /// Makes `policy_id` (or the native default when `None`) the active policy
+    /// of `kind`, recording the activation for rollback.
+    pub async fn activate_policy(
+        &self,
+        kind: &str,
+        policy_id: Option<i64>,
+        actor: &str,
+    ) -> CatalogResult<()> {
+        let mut tx = self.pool.begin().await?;
+        if let Some(id) = policy_id {
+            let row = sqlx::query("SELECT kind FROM policies WHERE id = $1")
+                .bind(id)
+                .fetch_optional(&mut *tx)
+                .await?;
+            match row {
+                None => return Err(CatalogError::NotFound(format!("policy {id}"))),
+                Some(r) if r.get::<String, _>(0) != kind => {
+                    return Err(CatalogError::Invalid(format!(
+                        "policy {id} is not a {kind} policy"
+                    )))
+                }
+                _ => {}
+            }
+        }
+        sqlx::query("UPDATE policies SET active = 0 WHERE kind = $1 AND active <> 0")
+            .bind(kind)
+            .execute(&mut *tx)
+            .await?;
+        if let Some(id) = policy_id {
+            sqlx::query("UPDATE policies SET active = 1 WHERE id = $1")
+                .bind(id)
+                .execute(&mut *tx)
+                .await?;
+        }
+        sqlx::query("INSERT INTO policy_activations (kind, policy_id, activated_by, activated_at) VALUES ($1, $2, $3, $4)")
+            .bind(kind)
+            .bind(policy_id)
+            .bind(actor)
+            .bind(now_ms())
+            .execute(&mut *tx)
+            .await?;
+        insert_audit(
+            &mut tx,
+            actor,
+            None,
+            "policy.activate",
+            &policy_id.map(|i| i.to_string()).unwrap_or("native".into()),
+            &serde_json::json!({"kind": kind}),
+        )
+        .await?;
+        tx.commit().await?;
+        Ok(())
+    }
+
+    /// Rolls the policy of `kind` back to the one active before the latest
+    /// activation (the native default if there was none). Returns the policy
+    /// now active (`None` = native).
+    pub async fn rollback_policy(&self, kind: &str, actor: &str) -> CatalogResult<Option<i64>> {
+        let now = now_ms();
+        let mut tx = self.pool.begin().await?;
+        let rows = sqlx::query(
+            "SELECT id, policy_id FROM policy_activations WHERE kind = $1 AND rolled_back_at IS NULL \
+             ORDER BY id DESC LIMIT 2",
+        )
+        .bind(kind)
+        .fetch_all(&mut *tx)
+        .await?;
+        if rows.is_empty() {
+            return Err(CatalogError::NotFound(format!(
+                "activation history of {kind} policies"
+            )));
+        }
+        let latest: i64 = rows[0].get(0);
+        let previous: Option<i64> = rows.get(1).and_then(|r| r.get::<Option<i64>, _>(1));
+        sqlx::query("UPDATE policy_activations SET rolled_back_at = $1 WHERE id = $2")
+            .bind(now)
+            .bind(latest)
+            .execute(&mut *tx)
+            .await?;
+        sqlx::query("UPDATE policies SET active = 0 WHERE kind = $1 AND active <> 0")
+            .bind(kind)
+            .execute(&mut *tx)
+            .await?;
+        if let Some(id) = previous {
+            sqlx::query("UPDATE policies SET active = 1 WHERE id = $1")
+                .bind(id)
+                .execute(&mut *tx)
+                .await?;
+        }
+        insert_audit(
+            &mut tx,
+            actor,
+            None,
+            "policy.rollback",
+            &previous.map(|i| i.to_string()).unwrap_or("native".into()),
+            &serde_json::json!({"kind": kind}),
+        )
+        .await?;
+        tx.commit().await?;
+        Ok(previous)
+    }
+
+    // ---- cache residency -----------------------------------------------------------
+
+    /// Records (or refreshes) that `worker` holds a cache entry.
+    pub async fn report_residency(&self, r: &Residency) -> CatalogResult<()> {
+        sqlx::query(
+            "INSERT INTO cache_residency (worker, cache_key, segment_id, version, tenant, bytes, last_use) \
+             VALUES ($1, $2, $3, $4, $5, $6, $7) ON CONFLICT (worker, cache_key) DO UPDATE SET \
+             bytes = excluded.bytes, last_use = excluded.last_use",
+        )
+        .bind(&r.worker)
+        .bind(&r.cache_key)
+        .bind(&r.segment_id)
+        .bind(r.version)
+        .bind(r.tenant.as_deref())
+        .bind(r.bytes)
+        .bind(r.last_use)
+        .execute(&self.pool)
+        .await?;
+        Ok(())
+    }
+
+    /// Workers holding `cache_key`.
+    pub async fn residency_of(&self, cache_key: &str) -> CatalogResult<Vec<Residency>> {
+        let rows = sqlx::query(
+            "SELECT worker, cache_key, segment_id, version, tenant, bytes, last_use FROM cache_residency \
+             WHERE cache_key = $1 ORDER BY worker",
+        )
+        .bind(cache_key)
+        .fetch_all(&self.pool)
+        .await?;
+        Ok(rows
+            .iter()
+            .map(|r| Residency {
+                worker: r.get(0),
+                cache_key: r.get(1),
+                segment_id: r.get(2),
+                version: r.get(3),
+                tenant: r.get(4),
+                bytes: r.get(5),
+                last_use: r.get(6),
+            })
+            .collect())
+    }
+
+    /// Drops residency rows of superseded versions of `segment_id`; returns
+    /// the number of rows dropped (the workers' entries to invalidate).
+    pub async fn drop_superseded_residency(&self, segment_id: &str) -> CatalogResult<u64> {
+        let res = sqlx::query(
+            "DELETE FROM cache_residency WHERE segment_id = $1 AND version < \
+             (SELECT current_version FROM segments WHERE id = $1 AND deleted_at IS NULL)",
+        )
+        .bind(segment_id)
+        .execute(&self.pool)
+        .await?;
+        Ok(res.rows_affected())
+    }
+}
+
+fn policy_from_row(r: &AnyRow, with_module: bool) -> PolicyRecord {
+    PolicyRecord {
+        id: r.get(0),
+        name: r.get(1),
+        kind: r.get(2),
+        module_sha256: r.get(3),
+        params: r.get(4),
+        version: r.get(5),
+        created_by: r.get(6),
+        created_at: r.get(7),
+        active: r.get::<i64, _>(8) != 0,
+        module: if with_module { r.get(9) } else { vec![] },
+    }
+}
+
+async fn insert_version(
+    tx: &mut sqlx::Transaction<'_, sqlx::Any>,
+    id: &str,
+    version: i64,
+    content: &str,
+    tokens: &BTreeMap<String, i64>,
+    actor: &str,
+    now: i64,
+) -> CatalogResult<()> {
+    sqlx::query(
+        "INSERT INTO segment_versions (segment_id, version, content_hash, content, byte_len, created_by, created_at) \
+         VALUES ($1, $2, $3, $4, $5, $6, $7)",
+    )
+    .bind(id)
+    .bind(version)
+    .bind(content_hash(content))
+    .bind(content)
+    .bind(content.len() as i64)
+    .bind(actor)
+    .bind(now)
+    .execute(&mut **tx)
+    .await?;
+    for (model, t) in tokens {
+        sqlx::query("INSERT INTO segment_token_counts (segment_id, version, model, tokens) VALUES ($1, $2, $3, $4)")
+            .bind(id)
+            .bind(version)
+            .bind(model)
+            .bind(*t)
+            .execute(&mut **tx)
+            .await?;
+    }
+    Ok(())
+}
+
+async fn insert_audit(
+    tx: &mut sqlx::Transaction<'_, sqlx::Any>,
+    actor: &str,
+    tenant: Option<&str>,
+    action: &str,
+    target: &str,
+    detail: &serde_json::Value,
+) -> CatalogResult<()> {
+    sqlx::query("INSERT INTO audit_log (at, actor, tenant, action, target, detail) VALUES ($1, $2, $3, $4, $5, $6)")
+        .bind(now_ms())
+        .bind(actor)
+        .bind(tenant)
+        .bind(action)
+        .bind(target)
+        .bind(detail.to_string())
+        .execute(&mut **tx)
+        .await?;
+    Ok(())
+}
+
+fn normalize_url(url: &str) -> CatalogResult<(String, Backend)> {
+    if url.starts_with("postgres://") || url.starts_with("postgresql://") {
+        return Ok((url.to_string(), Backend::Postgres));
+    }
+    if let Some(rest) = url.strip_prefix("sqlite:") {
+        let u = if rest.contains('?') || rest == ":memory:" {
+            url.to_string()
+        } else {
+            format!("{url}?mode=rwc")
+        };
+        return Ok((u, Backend::Sqlite));
+    }
+    if url.contains("://") {
+        return Err(CatalogError::Invalid(format!(
+            "unsupported database url {url:?}: use postgres://… or sqlite://…"
+        )));
+    }
+    if url.is_empty() {
+        return Err(CatalogError::Invalid("empty database url".into()));
+    }
+    Ok((format!("sqlite://{url}?mode=rwc"), Backend::Sqlite))
+}
+
+impl Catalog {
+    /// Residency rows of every version of `segment_id`.
+    pub async fn residency_of_segment(&self, segment_id: &str) -> CatalogResult<Vec<Residency>> {
+        let rows = sqlx::query(
+            "SELECT worker, cache_key, segment_id, version, tenant, bytes, last_use FROM cache_residency \
+             WHERE segment_id = $1 ORDER BY worker, cache_key",
+        )
+        .bind(segment_id)
+        .fetch_all(&self.pool)
+        .await?;
+        Ok(rows
+            .iter()
+            .map(|r| Residency {
+                worker: r.get(0),
+                cache_key: r.get(1),
+                segment_id: r.get(2),
+                version: r.get(3),
+                tenant: r.get(4),
+                bytes: r.get(5),
+                last_use: r.get(6),
+            })
+            .collect())
+    }
+
+    /// Drops one residency row.
+    pub async fn drop_residency(&self, worker: &str, cache_key: &str) -> CatalogResult<()> {
+        sqlx::query("DELETE FROM cache_residency WHERE worker = $1 AND cache_key = $2")
+            .bind(worker)
+            .bind(cache_key)
+            .execute(&self.pool)
+            .await?;
+        Ok(())
+    }
+
+    /// Drops every residency row of `segment_id`; returns how many.
+    pub async fn drop_all_residency(&self, segment_id: &str) -> CatalogResult<u64> {
+        let r = sqlx::query("DELETE FROM cache_residency WHERE segment_id = $1")
+            .bind(segment_id)
+            .execute(&self.pool)
+            .await?;
+        Ok(r.rows_affected())
+    }
+}

@@ -1,0 +1,116 @@
+//! HYPIC control plane: the catalog of tenants, segments and versions,
+//! bearer-JWT auth and isolation keys, Wasm cache policies, the policy
+//! simulator, and the HTTP API that exposes them.
+//!
+//! The `hypic` binary (`src/main.rs`) wires these in:
+//! [`auth::run_token_command`] for `hypic token`, [`run_control_command`] for
+//! a standalone control-plane server, and [`api::control_router`] /
+//! [`build_control_state`] to mount the control plane in another server.
+
+pub mod api;
+pub mod auth;
+pub mod catalog;
+pub mod policy;
+pub mod sim;
+
+use std::net::SocketAddr;
+use std::path::PathBuf;
+use std::sync::Arc;
+
+use anyhow::Context;
+
+pub use api::{control_router, AuthMode, ControlState};
+pub use auth::{run_token_command, TokenArgs};
+pub use catalog::Catalog;
+
+/// Options of the control plane (flatten into any server command).
+#[derive(clap::Args, Debug, Clone)]
+pub struct ControlArgs {
+    /// Catalog database: `postgres://…` or `sqlite://…` (default: SQLite in the data directory).
+    #[arg(long, env = "HYPIC_DATABASE_URL")]
+    pub database_url: Option<String>,
+    /// Data directory (signing secret, embedded SQLite catalog).
+    #[arg(long, env = "HYPIC_DATA_DIR", default_value = "hypic-data")]
+    pub data_dir: PathBuf,
+    /// JWKS file with RS256/EdDSA public keys accepted in addition to HS256.
+    #[arg(long)]
+    pub jwks_file: Option<PathBuf>,
+    /// Audience tokens must carry.
+    #[arg(long, default_value = auth::DEFAULT_AUDIENCE)]
+    pub audience: String,
+    /// Turn authentication off (only allowed on a loopback bind address).
+    #[arg(long)]
+    pub disable_auth: bool,
+}
+
+/// Builds the control-plane state: checks the auth flag against `bind`,
+/// creates the signing secret on first start (printing an operator and a
+/// demo-tenant token), opens and migrates the catalog, starts the audit
+/// writer and loads the active policies. Needs a tokio runtime.
+pub async fn build_control_state(
+    args: &ControlArgs,
+    bind: SocketAddr,
+) -> anyhow::Result<ControlState> {
+    auth::check_auth_disable(bind, args.disable_auth)?;
+    let fs = auth::first_start(&args.data_dir, &args.audience, 30 * 86400)?;
+    auth::print_first_start(&fs, &args.data_dir);
+    let url = match &args.database_url {
+        Some(u) => u.clone(),
+        None => format!(
+            "sqlite://{}",
+            args.data_dir.join("catalog.sqlite").display()
+        ),
+    };
+    let catalog = Catalog::connect(&url)
+        .await
+        .with_context(|| format!("opening catalog {url}"))?;
+    let mode = if args.disable_auth {
+        eprintln!("hypic: WARNING authentication is disabled (loopback only)");
+        AuthMode::Disabled
+    } else {
+        let mut a = auth::Authenticator::hs256(&fs.secret, &args.audience)?;
+        if let Some(j) = &args.jwks_file {
+            a = a.with_jwks_file(j)?;
+        }
+        AuthMode::Enabled(a)
+    };
+    let sink = policy::AuditSink::spawn(catalog.clone());
+    let rt = Arc::new(policy::PolicyRuntime::new(
+        policy::policy_engine(),
+        policy::PolicyLimits::default(),
+        Some(sink),
+    ));
+    rt.load_active(&catalog).await;
+    Ok(ControlState::new(
+        catalog,
+        mode,
+        auth::IsolationKeyer::new(&fs.secret),
+        rt,
+    ))
+}
+
+/// Arguments of a standalone control-plane server.
+#[derive(clap::Args, Debug, Clone)]
+pub struct ControlServeArgs {
+    /// Address to listen on.
+    #[arg(long, default_value = "127.0.0.1:8081")]
+    pub bind: SocketAddr,
+    /// Control-plane options.
+    #[command(flatten)]
+    pub control: ControlArgs,
+}
+
+/// Serves the control-plane API alone until Ctrl-C.
+pub async fn run_control_command(args: ControlServeArgs) -> anyhow::Result<()> {
+    let state = build_control_state(&args.control, args.bind).await?;
+    let listener = tokio::net::TcpListener::bind(args.bind)
+        .await
+        .with_context(|| format!("binding {}", args.bind))?;
+    eprintln!("hypic: control plane listening on http://{}", args.bind);
+    axum::serve(listener, control_router(state))
+        .with_graceful_shutdown(async {
+            let _ = tokio::signal::ctrl_c().await;
+        })
+        .await?;
+    Ok(())
+}

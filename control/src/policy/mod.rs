@@ -1,0 +1,822 @@
+//! Cache policies: the hook interface, native defaults, the Wasm sandbox and
+//! the live policy runtime with fault counting and auditing.
+//!
+//! Four hooks, one active policy each: eviction, admission, invalidation and
+//! isolation. A Wasm policy (ABI in `policies/ABI.md`) runs under a fuel
+//! budget and a memory limit; any fault (trap, timeout, memory, bad return,
+//! load failure) falls back to the native default for that call, is counted
+//! in [`PolicyMetrics`] and audited as `policy.fault`.
+
+pub mod wasm;
+
+use std::collections::HashMap;
+use std::path::Path;
+use std::str::FromStr;
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::Mutex;
+
+use serde::{Deserialize, Serialize};
+use tokio::sync::{mpsc, oneshot};
+
+pub use wasm::{policy_engine, PolicyError, WasmPolicy};
+
+use crate::catalog::{now_ms, Catalog};
+
+/// The four policy hooks.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, Serialize, Deserialize)]
+#[serde(rename_all = "lowercase")]
+pub enum PolicyKind {
+    /// Chooses victims when the cache is full.
+    Eviction,
+    /// Decides whether a computed entry is kept.
+    Admission,
+    /// Decides whether an existing entry must be dropped.
+    Invalidation,
+    /// Decides whether public segments use the shared namespace.
+    Isolation,
+}
+
+impl PolicyKind {
+    /// All kinds.
+    pub const ALL: [PolicyKind; 4] = [
+        PolicyKind::Eviction,
+        PolicyKind::Admission,
+        PolicyKind::Invalidation,
+        PolicyKind::Isolation,
+    ];
+
+    /// ABI code (`hypic_policy_kind`).
+    pub fn code(self) -> i32 {
+        match self {
+            PolicyKind::Eviction => 1,
+            PolicyKind::Admission => 2,
+            PolicyKind::Invalidation => 3,
+            PolicyKind::Isolation => 4,
+        }
+    }
+
+    /// Name as stored in the catalog.
+    pub fn as_str(self) -> &'static str {
+        match self {
+            PolicyKind::Eviction => "eviction",
+            PolicyKind::Admission => "admission",
+            PolicyKind::Invalidation => "invalidation",
+            PolicyKind::Isolation => "isolation",
+        }
+    }
+
+    fn index(self) -> usize {
+        self.code() as usize - 1
+    }
+}
+
+impl FromStr for PolicyKind {
+    type Err = String;
+    fn from_str(s: &str) -> Result<PolicyKind, String> {
+        PolicyKind::ALL
+            .into_iter()
+            .find(|k| k.as_str() == s)
+            .ok_or_else(|| format!("unknown policy kind {s:?} (expected eviction, admission, invalidation or isolation)"))
+    }
+}
+
+/// Sandbox limits for policy calls.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize, Deserialize)]
+pub struct PolicyLimits {
+    /// Fuel (roughly, Wasm instructions) per call.
+    pub fuel_per_call: u64,
+    /// Maximum linear memory in bytes.
+    pub max_memory_bytes: usize,
+    /// Maximum module size at upload.
+    pub max_module_bytes: usize,
+}
+
+impl Default for PolicyLimits {
+    fn default() -> Self {
+        PolicyLimits {
+            fuel_per_call: 1_000_000,
+            max_memory_bytes: 16 << 20,
+            max_module_bytes: 4 << 20,
+        }
+    }
+}
+
+/// A cache entry as seen by eviction and invalidation hooks.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct EntryInfo {
+    /// Opaque entry id.
+    pub id: u64,
+    /// Opaque tenant id (0 for shared entries).
+    pub tenant: u64,
+    /// Bytes held.
+    pub bytes: u64,
+    /// Tokens to recompute on a miss.
+    pub recompute_tokens: u64,
+    /// Last use (ms).
+    pub last_use_ms: u64,
+    /// Insertion time (ms).
+    pub inserted_ms: u64,
+    /// Hits since insertion.
+    pub hits: u32,
+    /// Shared-namespace entry.
+    pub shared: bool,
+    /// Its segment version has been superseded.
+    pub superseded: bool,
+}
+
+impl EntryInfo {
+    fn flags(&self) -> u32 {
+        (self.shared as u32) | ((self.superseded as u32) << 1)
+    }
+}
+
+/// An admission question.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct AdmitInfo {
+    /// Opaque entry id.
+    pub id: u64,
+    /// Opaque tenant id.
+    pub tenant: u64,
+    /// Bytes the entry would hold.
+    pub bytes: u64,
+    /// Tokens it saves on a hit.
+    pub recompute_tokens: u64,
+    /// Bytes the tenant already holds.
+    pub tenant_used_bytes: u64,
+    /// Cache capacity in bytes.
+    pub capacity_bytes: u64,
+    /// Requests for this entry so far, including this one.
+    pub seen_count: u32,
+    /// Shared-namespace entry.
+    pub shared: bool,
+}
+
+/// An isolation question.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct IsolationInfo {
+    /// Opaque segment id.
+    pub segment: u64,
+    /// Opaque tenant id.
+    pub tenant: u64,
+    /// Segment is explicitly public.
+    pub public: bool,
+    /// Tenant owns the segment.
+    pub owner: bool,
+}
+
+/// Stable 64-bit opaque id of a string (first 8 bytes of SHA-256).
+pub fn opaque_id(s: &str) -> u64 {
+    use sha2::Digest;
+    let d = sha2::Sha256::digest(s.as_bytes());
+    u64::from_le_bytes(d[..8].try_into().expect("8 bytes"))
+}
+
+fn put_u64(b: &mut Vec<u8>, v: u64) {
+    b.extend_from_slice(&v.to_le_bytes());
+}
+fn put_u32(b: &mut Vec<u8>, v: u32) {
+    b.extend_from_slice(&v.to_le_bytes());
+}
+
+/// Native defaults, used when no Wasm policy is active and on every fault.
+pub mod native {
+    use super::*;
+
+    /// LRU: oldest last use, then oldest insertion, then lowest index.
+    pub fn evict(c: &[EntryInfo]) -> usize {
+        let mut best = 0;
+        for (i, e) in c.iter().enumerate() {
+            let b = &c[best];
+            if (e.last_use_ms, e.inserted_ms) < (b.last_use_ms, b.inserted_ms) {
+                best = i;
+            }
+        }
+        best
+    }
+    /// Admit everything.
+    pub fn admit(_a: &AdmitInfo) -> bool {
+        true
+    }
+    /// Drop exactly the superseded entries.
+    pub fn invalidate(e: &EntryInfo) -> bool {
+        e.superseded
+    }
+    /// Share exactly the public segments.
+    pub fn isolation(s: &IsolationInfo) -> bool {
+        s.public
+    }
+}
+
+/// One hook's active policy: native, or a Wasm module.
+pub struct PolicySlot {
+    kind: PolicyKind,
+    wasm: Option<WasmPolicy>,
+    policy_id: Option<i64>,
+    consecutive_faults: u32,
+    tripped: bool,
+}
+
+/// After this many consecutive faults a Wasm policy is disabled (native
+/// default) until it is activated again.
+pub const TRIP_AFTER_CONSECUTIVE_FAULTS: u32 = 16;
+
+impl PolicySlot {
+    /// The native default of `kind`.
+    pub fn native(kind: PolicyKind) -> PolicySlot {
+        PolicySlot {
+            kind,
+            wasm: None,
+            policy_id: None,
+            consecutive_faults: 0,
+            tripped: false,
+        }
+    }
+
+    /// A Wasm policy (already loaded).
+    pub fn wasm(policy: WasmPolicy, policy_id: Option<i64>) -> PolicySlot {
+        PolicySlot {
+            kind: policy.kind(),
+            wasm: Some(policy),
+            policy_id,
+            consecutive_faults: 0,
+            tripped: false,
+        }
+    }
+
+    /// The hook.
+    pub fn kind(&self) -> PolicyKind {
+        self.kind
+    }
+
+    /// Catalog id of the Wasm policy, `None` for native.
+    pub fn policy_id(&self) -> Option<i64> {
+        self.policy_id
+    }
+
+    /// True when a Wasm policy is loaded and not tripped.
+    pub fn is_wasm(&self) -> bool {
+        self.wasm.is_some() && !self.tripped
+    }
+
+    fn record(&mut self, r: &Result<(), PolicyError>) -> bool {
+        match r {
+            Ok(()) => {
+                self.consecutive_faults = 0;
+                false
+            }
+            Err(_) => {
+                self.consecutive_faults += 1;
+                if self.consecutive_faults >= TRIP_AFTER_CONSECUTIVE_FAULTS && !self.tripped {
+                    self.tripped = true;
+                    return true;
+                }
+                false
+            }
+        }
+    }
+
+    fn active(&mut self) -> Option<&mut WasmPolicy> {
+        if self.tripped {
+            None
+        } else {
+            self.wasm.as_mut()
+        }
+    }
+
+    /// Chooses a victim among `c` (non-empty). Returns the index and the
+    /// fault, if the Wasm policy failed and the native default was used.
+    pub fn evict(&mut self, c: &[EntryInfo], now: u64) -> (usize, Option<PolicyError>) {
+        if c.is_empty() {
+            return (0, None);
+        }
+        let Some(w) = self.active() else {
+            return (native::evict(c), None);
+        };
+        let n = c.len().min(w.buf_cap().max(4096) / 56);
+        let mut input = Vec::with_capacity(n * 56);
+        for e in &c[..n] {
+            put_u64(&mut input, e.id);
+            put_u64(&mut input, e.tenant);
+            put_u64(&mut input, e.bytes);
+            put_u64(&mut input, e.recompute_tokens);
+            put_u64(&mut input, e.last_use_ms);
+            put_u64(&mut input, e.inserted_ms);
+            put_u32(&mut input, e.hits);
+            put_u32(&mut input, e.flags());
+        }
+        let r = w.call_evict(&input, n, now as i64);
+        self.finish(r, || native::evict(c))
+    }
+
+    /// Admission decision.
+    pub fn admit(&mut self, a: &AdmitInfo, now: u64) -> (bool, Option<PolicyError>) {
+        let Some(w) = self.active() else {
+            return (native::admit(a), None);
+        };
+        let mut input = Vec::with_capacity(56);
+        for v in [
+            a.id,
+            a.tenant,
+            a.bytes,
+            a.recompute_tokens,
+            a.tenant_used_bytes,
+            a.capacity_bytes,
+        ] {
+            put_u64(&mut input, v);
+        }
+        put_u32(&mut input, a.seen_count);
+        put_u32(&mut input, a.shared as u32);
+        let r = w.call_bool(&input, now as i64);
+        self.finish(r, || native::admit(a))
+    }
+
+    /// Invalidation decision (true = drop).
+    pub fn invalidate(&mut self, e: &EntryInfo, now: u64) -> (bool, Option<PolicyError>) {
+        let Some(w) = self.active() else {
+            return (native::invalidate(e), None);
+        };
+        let mut input = Vec::with_capacity(48);
+        for v in [e.id, e.tenant, e.bytes, e.inserted_ms, e.last_use_ms] {
+            put_u64(&mut input, v);
+        }
+        put_u32(&mut input, e.flags());
+        put_u32(&mut input, 0);
+        let r = w.call_bool(&input, now as i64);
+        self.finish(r, || native::invalidate(e))
+    }
+
+    /// Isolation decision (true = the shared namespace is allowed). The
+    /// caller must still require the segment to be public.
+    pub fn isolation(&mut self, s: &IsolationInfo) -> (bool, Option<PolicyError>) {
+        let Some(w) = self.active() else {
+            return (native::isolation(s), None);
+        };
+        let mut input = Vec::with_capacity(24);
+        put_u64(&mut input, s.segment);
+        put_u64(&mut input, s.tenant);
+        put_u32(&mut input, (s.public as u32) | ((s.owner as u32) << 1));
+        put_u32(&mut input, 0);
+        let r = w.call_bool(&input, now_ms() as i64);
+        let (v, f) = self.finish(r, || native::isolation(s));
+        (v && s.public, f)
+    }
+
+    fn finish<T>(
+        &mut self,
+        r: Result<T, PolicyError>,
+        fallback: impl FnOnce() -> T,
+    ) -> (T, Option<PolicyError>) {
+        let status = r.as_ref().map(|_| ()).map_err(|e| e.clone());
+        let tripped = self.record(&status);
+        match r {
+            Ok(v) => (v, None),
+            Err(e) => {
+                let e = if tripped {
+                    PolicyError::Trap(format!(
+                        "{e}; disabled after {TRIP_AFTER_CONSECUTIVE_FAULTS} consecutive faults"
+                    ))
+                } else {
+                    e
+                };
+                (fallback(), Some(e))
+            }
+        }
+    }
+}
+
+/// A full set of hooks (used by the simulator and as the live set).
+pub struct PolicySet {
+    /// Eviction hook.
+    pub eviction: PolicySlot,
+    /// Admission hook.
+    pub admission: PolicySlot,
+    /// Invalidation hook.
+    pub invalidation: PolicySlot,
+    /// Isolation hook.
+    pub isolation: PolicySlot,
+}
+
+impl PolicySet {
+    /// All native defaults.
+    pub fn native() -> PolicySet {
+        PolicySet {
+            eviction: PolicySlot::native(PolicyKind::Eviction),
+            admission: PolicySlot::native(PolicyKind::Admission),
+            invalidation: PolicySlot::native(PolicyKind::Invalidation),
+            isolation: PolicySlot::native(PolicyKind::Isolation),
+        }
+    }
+
+    /// Replaces the slot of its kind.
+    pub fn set(&mut self, slot: PolicySlot) {
+        match slot.kind() {
+            PolicyKind::Eviction => self.eviction = slot,
+            PolicyKind::Admission => self.admission = slot,
+            PolicyKind::Invalidation => self.invalidation = slot,
+            PolicyKind::Isolation => self.isolation = slot,
+        }
+    }
+
+    /// Loads the active policies of the catalog (native where none is active
+    /// or the stored module no longer loads).
+    pub async fn from_catalog(
+        catalog: &Catalog,
+        engine: &wasmtime::Engine,
+        limits: PolicyLimits,
+    ) -> PolicySet {
+        let mut set = PolicySet::native();
+        for kind in PolicyKind::ALL {
+            if let Ok(Some(rec)) = catalog.active_policy(kind.as_str()).await {
+                let params: serde_json::Value =
+                    serde_json::from_str(&rec.params).unwrap_or(serde_json::Value::Null);
+                if let Ok(p) = WasmPolicy::load(engine, kind, &rec.module, &params, limits) {
+                    set.set(PolicySlot::wasm(p, Some(rec.id)));
+                }
+            }
+        }
+        set
+    }
+}
+
+/// Fault and call counters (process-wide for the live runtime).
+#[derive(Debug, Default)]
+pub struct PolicyMetrics {
+    calls: [AtomicU64; 4],
+    faults: [AtomicU64; 4],
+    fallbacks: [AtomicU64; 4],
+    by_reason: Mutex<HashMap<String, u64>>,
+}
+
+/// A snapshot of [`PolicyMetrics`].
+#[derive(Clone, Debug, Default, PartialEq, Eq, Serialize, Deserialize)]
+pub struct MetricsSnapshot {
+    /// Calls per kind.
+    pub calls: HashMap<String, u64>,
+    /// Faults per kind.
+    pub faults: HashMap<String, u64>,
+    /// Calls answered by the native default because of a fault, per kind.
+    pub fallbacks: HashMap<String, u64>,
+    /// Faults per `kind:reason` (reason: load, timeout, memory, trap, bad_return).
+    pub faults_by_reason: HashMap<String, u64>,
+}
+
+impl PolicyMetrics {
+    /// Faults recorded for `kind`.
+    pub fn faults(&self, kind: PolicyKind) -> u64 {
+        self.faults[kind.index()].load(Ordering::Relaxed)
+    }
+    /// Fallback calls recorded for `kind`.
+    pub fn fallbacks(&self, kind: PolicyKind) -> u64 {
+        self.fallbacks[kind.index()].load(Ordering::Relaxed)
+    }
+    /// Faults of `kind` with `reason`.
+    pub fn faults_by_reason(&self, kind: PolicyKind, reason: &str) -> u64 {
+        let m = self.by_reason.lock().unwrap_or_else(|p| p.into_inner());
+        m.get(&format!("{}:{reason}", kind.as_str()))
+            .copied()
+            .unwrap_or(0)
+    }
+    /// All counters.
+    pub fn snapshot(&self) -> MetricsSnapshot {
+        let mut s = MetricsSnapshot::default();
+        for k in PolicyKind::ALL {
+            s.calls.insert(
+                k.as_str().into(),
+                self.calls[k.index()].load(Ordering::Relaxed),
+            );
+            s.faults.insert(k.as_str().into(), self.faults(k));
+            s.fallbacks.insert(k.as_str().into(), self.fallbacks(k));
+        }
+        s.faults_by_reason = self
+            .by_reason
+            .lock()
+            .unwrap_or_else(|p| p.into_inner())
+            .clone();
+        s
+    }
+    fn fault(&self, kind: PolicyKind, e: &PolicyError, fallback_call: bool) {
+        self.faults[kind.index()].fetch_add(1, Ordering::Relaxed);
+        if fallback_call {
+            self.fallbacks[kind.index()].fetch_add(1, Ordering::Relaxed);
+        }
+        let mut m = self.by_reason.lock().unwrap_or_else(|p| p.into_inner());
+        *m.entry(format!("{}:{}", kind.as_str(), e.label()))
+            .or_insert(0) += 1;
+    }
+}
+
+/// A message to the audit writer task.
+#[derive(Debug)]
+pub enum AuditMsg {
+    /// Write a row.
+    Row {
+        /// Actor.
+        actor: String,
+        /// Action.
+        action: String,
+        /// Target.
+        target: String,
+        /// JSON detail.
+        detail: serde_json::Value,
+    },
+    /// Reply once every earlier row is written.
+    Flush(oneshot::Sender<()>),
+}
+
+/// Sends audit rows to a background task that writes them to the catalog,
+/// so hot-path policy calls never wait on the database.
+#[derive(Clone, Debug)]
+pub struct AuditSink {
+    tx: mpsc::UnboundedSender<AuditMsg>,
+}
+
+impl AuditSink {
+    /// Spawns the writer task on the current tokio runtime.
+    pub fn spawn(catalog: Catalog) -> AuditSink {
+        let (tx, mut rx) = mpsc::unbounded_channel::<AuditMsg>();
+        tokio::spawn(async move {
+            while let Some(msg) = rx.recv().await {
+                match msg {
+                    AuditMsg::Row {
+                        actor,
+                        action,
+                        target,
+                        detail,
+                    } => {
+                        if let Err(e) = catalog.audit(&actor, None, &action, &target, &detail).await
+                        {
+                            tracing::warn!("audit write failed: {e}");
+                        }
+                    }
+                    AuditMsg::Flush(done) => {
+                        let _ = done.send(());
+                    }
+                }
+            }
+        });
+        AuditSink { tx }
+    }
+
+    /// Queues a row.
+    pub fn send(&self, action: &str, target: &str, detail: serde_json::Value) {
+        let _ = self.tx.send(AuditMsg::Row {
+            actor: "system".into(),
+            action: action.into(),
+            target: target.into(),
+            detail,
+        });
+    }
+
+    /// Waits until every row queued before this call is written.
+    pub async fn flush(&self) {
+        let (tx, rx) = oneshot::channel();
+        if self.tx.send(AuditMsg::Flush(tx)).is_ok() {
+            let _ = rx.await;
+        }
+    }
+}
+
+/// Audit rows for the same (kind, reason) are written at most this often;
+/// every fault is still counted.
+pub const AUDIT_FAULT_INTERVAL_MS: u64 = 10_000;
+
+/// The live policies of a server: one slot per hook behind a mutex, shared
+/// counters, and fault auditing.
+pub struct PolicyRuntime {
+    engine: wasmtime::Engine,
+    limits: PolicyLimits,
+    slots: [Mutex<PolicySlot>; 4],
+    metrics: PolicyMetrics,
+    audit: Option<AuditSink>,
+    last_audit: Mutex<HashMap<String, u64>>,
+}
+
+impl PolicyRuntime {
+    /// A runtime with native defaults. `audit` receives `policy.fault` rows.
+    pub fn new(
+        engine: wasmtime::Engine,
+        limits: PolicyLimits,
+        audit: Option<AuditSink>,
+    ) -> PolicyRuntime {
+        PolicyRuntime {
+            engine,
+            limits,
+            slots: PolicyKind::ALL.map(|k| Mutex::new(PolicySlot::native(k))),
+            metrics: PolicyMetrics::default(),
+            audit,
+            last_audit: Mutex::new(HashMap::new()),
+        }
+    }
+
+    /// The wasmtime engine.
+    pub fn engine(&self) -> &wasmtime::Engine {
+        &self.engine
+    }
+
+    /// Sandbox limits.
+    pub fn limits(&self) -> PolicyLimits {
+        self.limits
+    }
+
+    /// Counters.
+    pub fn metrics(&self) -> &PolicyMetrics {
+        &self.metrics
+    }
+
+    /// The audit sink, if any.
+    pub fn audit_sink(&self) -> Option<&AuditSink> {
+        self.audit.as_ref()
+    }
+
+    fn slot(&self, kind: PolicyKind) -> std::sync::MutexGuard<'_, PolicySlot> {
+        self.slots[kind.index()]
+            .lock()
+            .unwrap_or_else(|p| p.into_inner())
+    }
+
+    /// Catalog id of the active Wasm policy of `kind` (`None` = native).
+    pub fn active_id(&self, kind: PolicyKind) -> Option<i64> {
+        self.slot(kind).policy_id()
+    }
+
+    /// Whether `kind` currently runs a Wasm policy.
+    pub fn is_wasm(&self, kind: PolicyKind) -> bool {
+        self.slot(kind).is_wasm()
+    }
+
+    /// Installs the native default for `kind`.
+    pub fn set_native(&self, kind: PolicyKind) {
+        *self.slot(kind) = PolicySlot::native(kind);
+    }
+
+    /// Loads and installs a Wasm policy. If it does not load, the native
+    /// default is installed instead, the fault is counted and audited, and the
+    /// error returned.
+    pub fn activate_module(
+        &self,
+        kind: PolicyKind,
+        policy_id: Option<i64>,
+        bytes: &[u8],
+        params: &serde_json::Value,
+    ) -> Result<(), PolicyError> {
+        match WasmPolicy::load(&self.engine, kind, bytes, params, self.limits) {
+            Ok(p) => {
+                *self.slot(kind) = PolicySlot::wasm(p, policy_id);
+                Ok(())
+            }
+            Err(e) => {
+                self.set_native(kind);
+                self.on_fault(kind, policy_id, &e, false);
+                Err(e)
+            }
+        }
+    }
+
+    fn on_fault(
+        &self,
+        kind: PolicyKind,
+        policy_id: Option<i64>,
+        e: &PolicyError,
+        fallback_call: bool,
+    ) {
+        self.metrics.fault(kind, e, fallback_call);
+        tracing::warn!(
+            kind = kind.as_str(),
+            ?policy_id,
+            "policy fault, native default used: {e}"
+        );
+        let Some(audit) = &self.audit else { return };
+        let key = format!("{}:{}:{:?}", kind.as_str(), e.label(), policy_id);
+        let now = now_ms() as u64;
+        {
+            let mut last = self.last_audit.lock().unwrap_or_else(|p| p.into_inner());
+            if let Some(&t) = last.get(&key) {
+                if now.saturating_sub(t) < AUDIT_FAULT_INTERVAL_MS {
+                    return;
+                }
+            }
+            last.insert(key, now);
+        }
+        audit.send(
+            "policy.fault",
+            &policy_id
+                .map(|i| i.to_string())
+                .unwrap_or_else(|| "unsaved".into()),
+            serde_json::json!({
+                "kind": kind.as_str(),
+                "reason": e.label(),
+                "error": e.to_string(),
+                "fallback": "native default",
+                "total_faults": self.metrics.faults(kind),
+            }),
+        );
+    }
+
+    fn run<T>(
+        &self,
+        kind: PolicyKind,
+        f: impl FnOnce(&mut PolicySlot) -> (T, Option<PolicyError>),
+    ) -> T {
+        self.metrics.calls[kind.index()].fetch_add(1, Ordering::Relaxed);
+        let (v, fault, id) = {
+            let mut slot = self.slot(kind);
+            let (v, fault) = f(&mut slot);
+            (v, fault, slot.policy_id())
+        };
+        if let Some(e) = fault {
+            self.on_fault(kind, id, &e, true);
+        }
+        v
+    }
+
+    /// Victim index among `c` (non-empty).
+    pub fn evict(&self, c: &[EntryInfo], now: u64) -> usize {
+        self.run(PolicyKind::Eviction, |s| s.evict(c, now))
+    }
+
+    /// Admission decision.
+    pub fn admit(&self, a: &AdmitInfo, now: u64) -> bool {
+        self.run(PolicyKind::Admission, |s| s.admit(a, now))
+    }
+
+    /// Invalidation decision (true = drop).
+    pub fn invalidate(&self, e: &EntryInfo, now: u64) -> bool {
+        self.run(PolicyKind::Invalidation, |s| s.invalidate(e, now))
+    }
+
+    /// Whether the shared namespace is allowed (never for non-public segments).
+    pub fn isolation(&self, s: &IsolationInfo) -> bool {
+        self.run(PolicyKind::Isolation, |slot| slot.isolation(s))
+    }
+
+    /// Installs the catalog's active policies.
+    pub async fn load_active(&self, catalog: &Catalog) {
+        for kind in PolicyKind::ALL {
+            match catalog.active_policy(kind.as_str()).await {
+                Ok(Some(rec)) => {
+                    let params: serde_json::Value =
+                        serde_json::from_str(&rec.params).unwrap_or(serde_json::Value::Null);
+                    let _ = self.activate_module(kind, Some(rec.id), &rec.module, &params);
+                }
+                _ => self.set_native(kind),
+            }
+        }
+    }
+}
+
+/// The built-in policy modules shipped in `policies/dist/`, embedded.
+pub mod builtin {
+    /// `(name, kind, module bytes)` of every built-in policy.
+    pub const ALL: &[(&str, &str, &[u8])] = &[
+        (
+            "lru",
+            "eviction",
+            include_bytes!("../../../policies/dist/lru.wasm"),
+        ),
+        (
+            "gdsf",
+            "eviction",
+            include_bytes!("../../../policies/dist/gdsf.wasm"),
+        ),
+        (
+            "quota",
+            "admission",
+            include_bytes!("../../../policies/dist/quota.wasm"),
+        ),
+        (
+            "second_sighting",
+            "admission",
+            include_bytes!("../../../policies/dist/second_sighting.wasm"),
+        ),
+        (
+            "ttl",
+            "invalidation",
+            include_bytes!("../../../policies/dist/ttl.wasm"),
+        ),
+        (
+            "on_update",
+            "invalidation",
+            include_bytes!("../../../policies/dist/on_update.wasm"),
+        ),
+        (
+            "strict",
+            "isolation",
+            include_bytes!("../../../policies/dist/strict.wasm"),
+        ),
+        (
+            "shared",
+            "isolation",
+            include_bytes!("../../../policies/dist/shared.wasm"),
+        ),
+    ];
+
+    /// The module bytes of built-in policy `name`.
+    pub fn module(name: &str) -> Option<&'static [u8]> {
+        ALL.iter().find(|(n, _, _)| *n == name).map(|(_, _, b)| *b)
+    }
+}
+
+/// Reads a policy module from a file (for tools and tests).
+pub fn read_module(path: &Path) -> std::io::Result<Vec<u8>> {
+    std::fs::read(path)
+}

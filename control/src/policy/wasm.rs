@@ -1,0 +1,443 @@
+//! The wasmtime sandbox around one policy module (ABI v1, `policies/ABI.md`).
+
+use wasmtime::{
+    Config, Engine, Instance, Memory, Module, Store, StoreLimits, StoreLimitsBuilder, Trap,
+    TypedFunc, ValType,
+};
+
+use super::{PolicyKind, PolicyLimits};
+
+/// Why a policy module could not be loaded or a call failed.
+#[derive(Clone, Debug, PartialEq, Eq, thiserror::Error)]
+pub enum PolicyError {
+    /// The module failed validation (compile, imports, exports, signatures,
+    /// limits, ABI version, kind, buffer).
+    #[error("invalid policy module: {0}")]
+    Invalid(String),
+    /// The call ran out of fuel (time budget).
+    #[error("policy ran out of fuel (timeout)")]
+    Timeout,
+    /// The call hit the memory limit.
+    #[error("policy exceeded its memory limit")]
+    Memory,
+    /// The call trapped.
+    #[error("policy trapped: {0}")]
+    Trap(String),
+    /// The call returned a value outside the allowed range.
+    #[error("policy returned an invalid value: {0}")]
+    BadReturn(String),
+}
+
+impl PolicyError {
+    /// Short label used in metrics and audit rows.
+    pub fn label(&self) -> &'static str {
+        match self {
+            PolicyError::Invalid(_) => "load",
+            PolicyError::Timeout => "timeout",
+            PolicyError::Memory => "memory",
+            PolicyError::Trap(_) => "trap",
+            PolicyError::BadReturn(_) => "bad_return",
+        }
+    }
+}
+
+/// Creates the wasmtime engine used for policies (fuel metering on).
+pub fn policy_engine() -> Engine {
+    let mut c = Config::new();
+    c.consume_fuel(true);
+    c.wasm_threads(false);
+    c.max_wasm_stack(256 * 1024);
+    c.cranelift_opt_level(wasmtime::OptLevel::Speed);
+    Engine::new(&c).expect("static wasmtime config is valid")
+}
+
+struct Host {
+    limits: StoreLimits,
+}
+
+enum Hook {
+    Evict(TypedFunc<(i32, i64), i32>),
+    Admit(TypedFunc<i64, i32>),
+    Invalidate(TypedFunc<i64, i32>),
+    Isolation(TypedFunc<(), i32>),
+}
+
+/// An instantiated, validated policy module.
+pub struct WasmPolicy {
+    engine: Engine,
+    module: Module,
+    kind: PolicyKind,
+    params: Vec<u8>,
+    limits: PolicyLimits,
+    inst: Option<Live>,
+}
+
+struct Live {
+    store: Store<Host>,
+    memory: Memory,
+    buf: usize,
+    cap: usize,
+    hook: Hook,
+}
+
+fn classify(e: wasmtime::Error) -> PolicyError {
+    if let Some(t) = e.downcast_ref::<Trap>() {
+        return match t {
+            Trap::OutOfFuel => PolicyError::Timeout,
+            Trap::AllocationTooLarge => PolicyError::Memory,
+            other => PolicyError::Trap(other.to_string()),
+        };
+    }
+    let msg = format!("{e:#}");
+    if msg.contains("memory") && (msg.contains("grow") || msg.contains("limit")) {
+        PolicyError::Memory
+    } else {
+        PolicyError::Trap(msg)
+    }
+}
+
+/// Flattens a params JSON object to the `name=value\n` lines of the ABI.
+pub fn encode_params(params: &serde_json::Value) -> Result<Vec<u8>, PolicyError> {
+    let obj = match params {
+        serde_json::Value::Null => return Ok(vec![]),
+        serde_json::Value::Object(o) => o,
+        _ => return Err(PolicyError::Invalid("params must be a JSON object".into())),
+    };
+    let mut out = String::new();
+    for (k, v) in obj {
+        if k.is_empty() || !k.chars().all(|c| c.is_ascii_alphanumeric() || c == '_') {
+            return Err(PolicyError::Invalid(format!(
+                "param name {k:?} must be [A-Za-z0-9_]+"
+            )));
+        }
+        let n = match v {
+            serde_json::Value::Bool(b) => *b as i64,
+            serde_json::Value::Number(n) => n
+                .as_i64()
+                .ok_or_else(|| PolicyError::Invalid(format!("param {k:?} must be an integer")))?,
+            _ => {
+                return Err(PolicyError::Invalid(format!(
+                    "param {k:?} must be an integer or boolean"
+                )))
+            }
+        };
+        out.push_str(&format!("{k}={n}\n"));
+    }
+    if out.len() > 4096 {
+        return Err(PolicyError::Invalid("params exceed 4096 bytes".into()));
+    }
+    Ok(out.into_bytes())
+}
+
+impl WasmPolicy {
+    /// Compiles, instantiates and validates a module of `kind`.
+    pub fn load(
+        engine: &Engine,
+        kind: PolicyKind,
+        bytes: &[u8],
+        params: &serde_json::Value,
+        limits: PolicyLimits,
+    ) -> Result<WasmPolicy, PolicyError> {
+        if bytes.len() > limits.max_module_bytes {
+            return Err(PolicyError::Invalid(format!(
+                "module is {} bytes, limit {}",
+                bytes.len(),
+                limits.max_module_bytes
+            )));
+        }
+        let params = encode_params(params)?;
+        let module = Module::new(engine, bytes)
+            .map_err(|e| PolicyError::Invalid(format!("does not compile: {e:#}")))?;
+        if let Some(imp) = module.imports().next() {
+            return Err(PolicyError::Invalid(format!(
+                "imports are not allowed (found {}::{})",
+                imp.module(),
+                imp.name()
+            )));
+        }
+        check_exports(&module, kind)?;
+        let mut p = WasmPolicy {
+            engine: engine.clone(),
+            module,
+            kind,
+            params,
+            limits,
+            inst: None,
+        };
+        p.instantiate()?;
+        Ok(p)
+    }
+
+    /// The policy kind.
+    pub fn kind(&self) -> PolicyKind {
+        self.kind
+    }
+
+    fn instantiate(&mut self) -> Result<(), PolicyError> {
+        self.inst = None;
+        let limits = StoreLimitsBuilder::new()
+            .memory_size(self.limits.max_memory_bytes)
+            .table_elements(10_000)
+            .instances(1)
+            .memories(1)
+            .tables(1)
+            .trap_on_grow_failure(true)
+            .build();
+        let mut store = Store::new(&self.engine, Host { limits });
+        store.limiter(|h| &mut h.limits);
+        store
+            .set_fuel(self.limits.fuel_per_call)
+            .map_err(|e| PolicyError::Invalid(e.to_string()))?;
+        let instance =
+            Instance::new(&mut store, &self.module, &[]).map_err(|e| match classify(e) {
+                PolicyError::Trap(m) => PolicyError::Invalid(format!("instantiation failed: {m}")),
+                PolicyError::Memory => {
+                    PolicyError::Invalid("initial memory exceeds the limit".into())
+                }
+                PolicyError::Timeout => {
+                    PolicyError::Invalid("start function ran out of fuel".into())
+                }
+                other => other,
+            })?;
+        let memory = instance
+            .get_memory(&mut store, "memory")
+            .ok_or_else(|| PolicyError::Invalid("missing export `memory`".into()))?;
+        let get0 =
+            |store: &mut Store<Host>, name: &str| -> Result<TypedFunc<(), i32>, PolicyError> {
+                instance
+                    .get_typed_func::<(), i32>(&mut *store, name)
+                    .map_err(|e| PolicyError::Invalid(format!("export `{name}`: {e:#}")))
+            };
+        let version = get0(&mut store, "hypic_abi_version")?
+            .call(&mut store, ())
+            .map_err(classify)?;
+        if version != 1 {
+            return Err(PolicyError::Invalid(format!(
+                "hypic_abi_version returned {version}, expected 1"
+            )));
+        }
+        let k = get0(&mut store, "hypic_policy_kind")?
+            .call(&mut store, ())
+            .map_err(classify)?;
+        if k != self.kind.code() {
+            return Err(PolicyError::Invalid(format!(
+                "hypic_policy_kind returned {k}, expected {} ({})",
+                self.kind.code(),
+                self.kind.as_str()
+            )));
+        }
+        let buf = get0(&mut store, "hypic_buf")?
+            .call(&mut store, ())
+            .map_err(classify)?;
+        let cap = get0(&mut store, "hypic_buf_cap")?
+            .call(&mut store, ())
+            .map_err(classify)?;
+        let mem_len = memory.data_size(&store);
+        if buf < 0
+            || cap < 4096
+            || (buf as usize)
+                .checked_add(cap as usize)
+                .is_none_or(|end| end > mem_len)
+        {
+            return Err(PolicyError::Invalid(format!(
+                "exchange buffer [{buf}, +{cap}) must be at least 4096 bytes inside memory ({mem_len} bytes)"
+            )));
+        }
+        let (buf, cap) = (buf as usize, cap as usize);
+        let configure = instance
+            .get_typed_func::<i32, i32>(&mut store, "hypic_configure")
+            .map_err(|e| PolicyError::Invalid(format!("export `hypic_configure`: {e:#}")))?;
+        let hook = match self.kind {
+            PolicyKind::Eviction => Hook::Evict(
+                instance
+                    .get_typed_func(&mut store, "hypic_evict")
+                    .map_err(|e| PolicyError::Invalid(format!("export `hypic_evict`: {e:#}")))?,
+            ),
+            PolicyKind::Admission => Hook::Admit(
+                instance
+                    .get_typed_func(&mut store, "hypic_admit")
+                    .map_err(|e| PolicyError::Invalid(format!("export `hypic_admit`: {e:#}")))?,
+            ),
+            PolicyKind::Invalidation => Hook::Invalidate(
+                instance
+                    .get_typed_func(&mut store, "hypic_invalidate")
+                    .map_err(|e| {
+                        PolicyError::Invalid(format!("export `hypic_invalidate`: {e:#}"))
+                    })?,
+            ),
+            PolicyKind::Isolation => Hook::Isolation(
+                instance
+                    .get_typed_func(&mut store, "hypic_isolation")
+                    .map_err(|e| {
+                        PolicyError::Invalid(format!("export `hypic_isolation`: {e:#}"))
+                    })?,
+            ),
+        };
+        if self.params.len() > cap {
+            return Err(PolicyError::Invalid(
+                "params do not fit in the exchange buffer".into(),
+            ));
+        }
+        memory.data_mut(&mut store)[buf..buf + self.params.len()].copy_from_slice(&self.params);
+        store
+            .set_fuel(self.limits.fuel_per_call)
+            .map_err(|e| PolicyError::Invalid(e.to_string()))?;
+        let rc = configure
+            .call(&mut store, self.params.len() as i32)
+            .map_err(|e| match classify(e) {
+                PolicyError::Timeout => {
+                    PolicyError::Invalid("hypic_configure ran out of fuel".into())
+                }
+                other => PolicyError::Invalid(format!("hypic_configure failed: {other}")),
+            })?;
+        if rc != 0 {
+            return Err(PolicyError::Invalid(format!(
+                "hypic_configure rejected the params (returned {rc})"
+            )));
+        }
+        self.inst = Some(Live {
+            store,
+            memory,
+            buf,
+            cap,
+            hook,
+        });
+        Ok(())
+    }
+
+    /// Capacity of the exchange buffer in bytes.
+    pub fn buf_cap(&self) -> usize {
+        self.inst.as_ref().map(|l| l.cap).unwrap_or(0)
+    }
+
+    fn live(&mut self) -> Result<&mut Live, PolicyError> {
+        if self.inst.is_none() {
+            self.instantiate()?;
+        }
+        Ok(self.inst.as_mut().expect("instantiated above"))
+    }
+
+    /// Runs `f` with the live instance; on any fault the instance is dropped
+    /// and a fresh one is made for the next call.
+    fn with_live<T>(
+        &mut self,
+        input: &[u8],
+        f: impl FnOnce(&mut Live) -> Result<T, PolicyError>,
+    ) -> Result<T, PolicyError> {
+        let fuel = self.limits.fuel_per_call;
+        let live = self.live()?;
+        if input.len() > live.cap {
+            return Err(PolicyError::BadReturn(
+                "input larger than the exchange buffer".into(),
+            ));
+        }
+        let (buf, memory) = (live.buf, live.memory);
+        let data = memory.data_mut(&mut live.store);
+        if buf + input.len() > data.len() {
+            self.inst = None;
+            return Err(PolicyError::Trap(
+                "exchange buffer no longer inside memory".into(),
+            ));
+        }
+        data[buf..buf + input.len()].copy_from_slice(input);
+        let r = live
+            .store
+            .set_fuel(fuel)
+            .map_err(|e| PolicyError::Trap(e.to_string()))
+            .and_then(|_| f(live));
+        if r.is_err() {
+            self.inst = None;
+        }
+        r
+    }
+
+    /// Calls `hypic_evict` with `input` (n records already encoded).
+    pub fn call_evict(
+        &mut self,
+        input: &[u8],
+        n: usize,
+        now_ms: i64,
+    ) -> Result<usize, PolicyError> {
+        let v = self.with_live(input, |l| match &l.hook {
+            Hook::Evict(f) => f.call(&mut l.store, (n as i32, now_ms)).map_err(classify),
+            _ => Err(PolicyError::Invalid("not an eviction policy".into())),
+        })?;
+        if v < 0 || v as usize >= n {
+            return Err(PolicyError::BadReturn(format!(
+                "victim index {v} not in 0..{n}"
+            )));
+        }
+        Ok(v as usize)
+    }
+
+    /// Calls the single-record hook (admission, invalidation, isolation) and
+    /// checks the answer is 0 or 1.
+    pub fn call_bool(&mut self, input: &[u8], now_ms: i64) -> Result<bool, PolicyError> {
+        let v = self.with_live(input, |l| match &l.hook {
+            Hook::Admit(f) => f.call(&mut l.store, now_ms).map_err(classify),
+            Hook::Invalidate(f) => f.call(&mut l.store, now_ms).map_err(classify),
+            Hook::Isolation(f) => f.call(&mut l.store, ()).map_err(classify),
+            Hook::Evict(_) => Err(PolicyError::Invalid(
+                "eviction policies have no boolean hook".into(),
+            )),
+        })?;
+        match v {
+            0 => Ok(false),
+            1 => Ok(true),
+            other => Err(PolicyError::BadReturn(format!(
+                "returned {other}, expected 0 or 1"
+            ))),
+        }
+    }
+}
+
+fn check_exports(module: &Module, kind: PolicyKind) -> Result<(), PolicyError> {
+    use wasmtime::ExternType;
+    let want: &[(&str, &[ValType], &[ValType])] = &[
+        ("hypic_abi_version", &[], &[ValType::I32]),
+        ("hypic_policy_kind", &[], &[ValType::I32]),
+        ("hypic_buf", &[], &[ValType::I32]),
+        ("hypic_buf_cap", &[], &[ValType::I32]),
+        ("hypic_configure", &[ValType::I32], &[ValType::I32]),
+    ];
+    let hook: (&str, &[ValType], &[ValType]) = match kind {
+        PolicyKind::Eviction => (
+            "hypic_evict",
+            &[ValType::I32, ValType::I64],
+            &[ValType::I32],
+        ),
+        PolicyKind::Admission => ("hypic_admit", &[ValType::I64], &[ValType::I32]),
+        PolicyKind::Invalidation => ("hypic_invalidate", &[ValType::I64], &[ValType::I32]),
+        PolicyKind::Isolation => ("hypic_isolation", &[], &[ValType::I32]),
+    };
+    match module.get_export("memory") {
+        Some(ExternType::Memory(_)) => {}
+        _ => {
+            return Err(PolicyError::Invalid(
+                "missing export `memory` (a memory)".into(),
+            ))
+        }
+    }
+    for (name, params, results) in want.iter().copied().chain(std::iter::once(hook)) {
+        let ft = match module.get_export(name) {
+            Some(ExternType::Func(ft)) => ft,
+            Some(_) => {
+                return Err(PolicyError::Invalid(format!(
+                    "export `{name}` is not a function"
+                )))
+            }
+            None => return Err(PolicyError::Invalid(format!("missing export `{name}`"))),
+        };
+        let p: Vec<ValType> = ft.params().collect();
+        let r: Vec<ValType> = ft.results().collect();
+        let same = |a: &[ValType], b: &[ValType]| {
+            a.len() == b.len() && a.iter().zip(b).all(|(x, y)| ValType::eq(x, y))
+        };
+        if !same(&p, params) || !same(&r, results) {
+            return Err(PolicyError::Invalid(format!(
+                "export `{name}` has signature {p:?} -> {r:?}, expected {params:?} -> {results:?}"
+            )));
+        }
+    }
+    Ok(())
+}

@@ -1,0 +1,419 @@
+//! Catalog tests, each run against SQLite (temp file) and Postgres (fresh
+//! schema): migrations, versions, grants, audit log, policies, concurrency.
+
+mod common;
+
+use std::collections::BTreeMap;
+use std::sync::Arc;
+
+use hypic_control::catalog::{content_hash, Catalog, CatalogError, NewSegment, Residency, Role};
+
+macro_rules! both_backends {
+    ($($name:ident),* $(,)?) => {
+        mod sqlite {
+            $(
+                #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+                async fn $name() {
+                    let (c, _dir) = crate::common::sqlite_catalog().await;
+                    super::$name(c).await;
+                }
+            )*
+        }
+        mod postgres {
+            $(
+                #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+                async fn $name() {
+                    let c = crate::common::pg_catalog().await;
+                    super::$name(c).await;
+                }
+            )*
+        }
+    };
+}
+
+both_backends!(
+    migrations,
+    versions,
+    grants_and_snapshots,
+    audit_log,
+    policies_activate_rollback,
+    residency,
+    concurrent_updates_never_mix_versions
+);
+
+fn seg(id: &str, content: &str, public: bool) -> NewSegment {
+    NewSegment {
+        id: id.into(),
+        name: None,
+        content: content.into(),
+        tokens: BTreeMap::from([("qwen3".to_string(), content.len() as i64 / 4)]),
+        public,
+    }
+}
+
+async fn migrations(c: Catalog) {
+    assert_eq!(c.applied_migrations().await.unwrap(), vec![1]);
+    // Applying again is a no-op.
+    c.migrate().await.unwrap();
+    assert_eq!(c.applied_migrations().await.unwrap(), vec![1]);
+    c.upsert_principal("acme", "alice", Role::Tenant)
+        .await
+        .unwrap();
+    c.upsert_principal("acme", "alice", Role::Operator)
+        .await
+        .unwrap();
+    assert_eq!(
+        c.principal_role("acme", "alice").await.unwrap(),
+        Some(Role::Operator)
+    );
+    assert_eq!(c.principal_role("acme", "bob").await.unwrap(), None);
+    assert_eq!(c.tenants().await.unwrap(), vec!["acme".to_string()]);
+}
+
+async fn versions(c: Catalog) {
+    let s = c
+        .create_segment(
+            "acme",
+            "alice",
+            &seg("sys-prompt", "You are helpful.", false),
+        )
+        .await
+        .unwrap();
+    assert_eq!(s.current_version, 1);
+    assert_eq!(s.content_hash, content_hash("You are helpful."));
+    assert_eq!(s.tokens.get("qwen3"), Some(&4));
+    assert_eq!(s.owner_tenant, "acme");
+    // Duplicate id is a conflict, bad ids are rejected.
+    assert!(matches!(
+        c.create_segment("acme", "alice", &seg("sys-prompt", "x", false))
+            .await,
+        Err(CatalogError::Conflict(_))
+    ));
+    assert!(matches!(
+        c.create_segment("acme", "alice", &seg("bad id!", "x", false))
+            .await,
+        Err(CatalogError::Invalid(_))
+    ));
+
+    let tokens = BTreeMap::from([("qwen3".to_string(), 7i64), ("llama".to_string(), 8)]);
+    let s2 = c
+        .update_segment("sys-prompt", "bob", "You are very helpful.", &tokens)
+        .await
+        .unwrap();
+    assert_eq!(s2.current_version, 2);
+    assert_eq!(s2.content_hash, content_hash("You are very helpful."));
+    assert_eq!(s2.tokens, tokens);
+    let vs = c.versions("sys-prompt").await.unwrap();
+    assert_eq!(vs.len(), 2);
+    assert_eq!(vs[0].version, 1);
+    assert!(
+        vs[0].superseded_at.is_some(),
+        "old version must be superseded"
+    );
+    assert_eq!(vs[1].version, 2);
+    assert_eq!(vs[1].superseded_at, None);
+    assert_eq!(vs[1].created_by, "bob");
+    assert_eq!(
+        c.version_content("sys-prompt", 1).await.unwrap().as_deref(),
+        Some("You are helpful.")
+    );
+    // Negative token counts and unknown segments are rejected.
+    let bad = BTreeMap::from([("m".to_string(), -1i64)]);
+    assert!(matches!(
+        c.update_segment("sys-prompt", "bob", "x", &bad).await,
+        Err(CatalogError::Invalid(_))
+    ));
+    assert!(matches!(
+        c.update_segment("nope", "bob", "x", &tokens).await,
+        Err(CatalogError::NotFound(_))
+    ));
+
+    // Snapshot pins the current version.
+    let snap = c.snapshot("acme", &["sys-prompt".into()]).await.unwrap();
+    assert_eq!(snap[0].version, 2);
+    assert_eq!(snap[0].content_hash, content_hash("You are very helpful."));
+
+    c.delete_segment("sys-prompt", "alice").await.unwrap();
+    assert!(matches!(
+        c.get_segment("sys-prompt").await,
+        Err(CatalogError::NotFound(_))
+    ));
+    assert!(c.snapshot("acme", &["sys-prompt".into()]).await.is_err());
+    assert!(c.versions("sys-prompt").await.unwrap()[1]
+        .superseded_at
+        .is_some());
+}
+
+async fn grants_and_snapshots(c: Catalog) {
+    c.create_segment("a", "alice", &seg("doc-a", "private doc of a", false))
+        .await
+        .unwrap();
+    c.create_segment("a", "alice", &seg("pub", "public doc", true))
+        .await
+        .unwrap();
+    assert!(c.can_read("a", "doc-a").await.unwrap());
+    assert!(!c.can_read("b", "doc-a").await.unwrap());
+    assert!(c.can_read("b", "pub").await.unwrap());
+    assert!(matches!(
+        c.snapshot("b", &["doc-a".into()]).await,
+        Err(CatalogError::NotFound(_))
+    ));
+
+    c.grant("doc-a", "b", "alice").await.unwrap();
+    c.grant("doc-a", "b", "alice").await.unwrap(); // idempotent
+    assert_eq!(c.grants("doc-a").await.unwrap(), vec!["b".to_string()]);
+    let snap = c
+        .snapshot("b", &["pub".into(), "doc-a".into()])
+        .await
+        .unwrap();
+    assert_eq!(
+        snap.iter()
+            .map(|e| e.segment_id.as_str())
+            .collect::<Vec<_>>(),
+        vec!["pub", "doc-a"]
+    );
+    assert!(snap[0].public && !snap[1].public);
+
+    c.revoke("doc-a", "b", "alice").await.unwrap();
+    assert!(!c.can_read("b", "doc-a").await.unwrap());
+    assert!(matches!(
+        c.snapshot("b", &["doc-a".into()]).await,
+        Err(CatalogError::NotFound(_))
+    ));
+    assert!(matches!(
+        c.revoke("doc-a", "b", "alice").await,
+        Err(CatalogError::NotFound(_))
+    ));
+    assert!(matches!(
+        c.grant("missing", "b", "alice").await,
+        Err(CatalogError::NotFound(_))
+    ));
+}
+
+async fn audit_log(c: Catalog) {
+    c.create_segment("a", "alice", &seg("s1", "v1", false))
+        .await
+        .unwrap();
+    c.update_segment("s1", "alice", "v2", &BTreeMap::new())
+        .await
+        .unwrap();
+    c.grant("s1", "b", "alice").await.unwrap();
+    c.revoke("s1", "b", "alice").await.unwrap();
+    c.audit(
+        "ops",
+        None,
+        "custom.event",
+        "x",
+        &serde_json::json!({"k": 1}),
+    )
+    .await
+    .unwrap();
+    let log = c.audit_log(None, 100).await.unwrap();
+    let actions: Vec<&str> = log.iter().rev().map(|e| e.action.as_str()).collect();
+    assert_eq!(
+        actions,
+        vec![
+            "segment.create",
+            "segment.update",
+            "grant.add",
+            "grant.revoke",
+            "custom.event"
+        ]
+    );
+    let upd = c.audit_log(Some("segment.update"), 10).await.unwrap();
+    assert_eq!(upd.len(), 1);
+    assert_eq!(upd[0].target, "s1");
+    assert_eq!(upd[0].tenant.as_deref(), Some("a"));
+    let d: serde_json::Value = serde_json::from_str(&upd[0].detail).unwrap();
+    assert_eq!(d["version"], 2);
+    assert_eq!(d["content_hash"], content_hash("v2"));
+    assert!(log.windows(2).all(|w| w[0].id > w[1].id), "newest first");
+}
+
+async fn policies_activate_rollback(c: Catalog) {
+    let p1 = c
+        .insert_policy("evict", "eviction", b"\0asm-one", "{}", "ops")
+        .await
+        .unwrap();
+    let p2 = c
+        .insert_policy("evict", "eviction", b"\0asm-two", "{\"x\":1}", "ops")
+        .await
+        .unwrap();
+    assert_eq!((p1.version, p2.version), (1, 2));
+    assert_eq!(c.policy(p2.id).await.unwrap().module, b"\0asm-two".to_vec());
+    assert_eq!(c.active_policy("eviction").await.unwrap(), None);
+    c.activate_policy("eviction", Some(p1.id), "ops")
+        .await
+        .unwrap();
+    c.activate_policy("eviction", Some(p2.id), "ops")
+        .await
+        .unwrap();
+    assert_eq!(
+        c.active_policy("eviction").await.unwrap().unwrap().id,
+        p2.id
+    );
+    // A policy of another kind cannot be activated for this hook.
+    assert!(matches!(
+        c.activate_policy("admission", Some(p1.id), "ops").await,
+        Err(CatalogError::Invalid(_))
+    ));
+    assert_eq!(
+        c.rollback_policy("eviction", "ops").await.unwrap(),
+        Some(p1.id)
+    );
+    assert_eq!(
+        c.active_policy("eviction").await.unwrap().unwrap().id,
+        p1.id
+    );
+    assert_eq!(c.rollback_policy("eviction", "ops").await.unwrap(), None);
+    assert_eq!(c.active_policy("eviction").await.unwrap(), None);
+    assert!(matches!(
+        c.rollback_policy("eviction", "ops").await,
+        Err(CatalogError::NotFound(_))
+    ));
+    let listed = c.policies().await.unwrap();
+    assert_eq!(listed.len(), 2);
+    assert!(listed.iter().all(|p| !p.active && p.module.is_empty()));
+    let n = c
+        .audit_log(Some("policy.activate"), 10)
+        .await
+        .unwrap()
+        .len();
+    assert_eq!(n, 2);
+    assert_eq!(
+        c.audit_log(Some("policy.rollback"), 10)
+            .await
+            .unwrap()
+            .len(),
+        2
+    );
+}
+
+async fn residency(c: Catalog) {
+    c.create_segment("a", "alice", &seg("s", "one", false))
+        .await
+        .unwrap();
+    let r = |w: &str, v: i64| Residency {
+        worker: w.into(),
+        cache_key: format!("key-{w}-{v}"),
+        segment_id: "s".into(),
+        version: v,
+        tenant: Some("a".into()),
+        bytes: 100,
+        last_use: 5,
+    };
+    c.report_residency(&r("w1", 1)).await.unwrap();
+    c.report_residency(&r("w2", 1)).await.unwrap();
+    c.report_residency(&Residency {
+        bytes: 200,
+        ..r("w1", 1)
+    })
+    .await
+    .unwrap();
+    let rows = c.residency_of("key-w1-1").await.unwrap();
+    assert_eq!(rows.len(), 1);
+    assert_eq!(rows[0].bytes, 200);
+    c.update_segment("s", "alice", "two", &BTreeMap::new())
+        .await
+        .unwrap();
+    c.report_residency(&r("w1", 2)).await.unwrap();
+    assert_eq!(c.drop_superseded_residency("s").await.unwrap(), 2);
+    let left = c.residency_of_segment("s").await.unwrap();
+    assert_eq!(left.len(), 1);
+    assert_eq!(left[0].version, 2);
+}
+
+/// Writers update a batch of segments atomically (all to generation g)
+/// while readers take snapshots. Every snapshot must show one generation
+/// for the whole batch, each entry's hash must be the hash of the content of
+/// exactly its version, and versions never go backwards.
+async fn concurrent_updates_never_mix_versions(c: Catalog) {
+    let ids: Vec<String> = (0..4).map(|i| format!("src-{i}")).collect();
+    let content = |id: &str, g: i64| format!("{id} generation {g}");
+    for id in &ids {
+        c.create_segment("t", "w", &seg(id, &content(id, 1), false))
+            .await
+            .unwrap();
+    }
+    let c = Arc::new(c);
+    let writer = {
+        let c = c.clone();
+        let ids = ids.clone();
+        tokio::spawn(async move {
+            for g in 2..=25i64 {
+                let batch: Vec<(String, String, BTreeMap<String, i64>)> = ids
+                    .iter()
+                    .map(|id| (id.clone(), content(id, g), BTreeMap::new()))
+                    .collect();
+                let vs = c.update_segments("w", &batch).await.unwrap();
+                assert!(
+                    vs.iter().all(|&v| v == g),
+                    "versions {vs:?} at generation {g}"
+                );
+            }
+        })
+    };
+    // A second writer on a separate segment concurrently: single-segment updates.
+    c.create_segment("t", "w", &seg("solo", &content("solo", 1), false))
+        .await
+        .unwrap();
+    let writer2 = {
+        let c = c.clone();
+        tokio::spawn(async move {
+            for g in 2..=25i64 {
+                let s = c
+                    .update_segment("solo", "w", &content("solo", g), &BTreeMap::new())
+                    .await
+                    .unwrap();
+                assert_eq!(s.current_version, g);
+            }
+        })
+    };
+    let mut readers = vec![];
+    for _ in 0..3 {
+        let c = c.clone();
+        let mut want: Vec<String> = ids.clone();
+        want.push("solo".into());
+        readers.push(tokio::spawn(async move {
+            let mut last = 0i64;
+            let mut snapshots = 0;
+            for _ in 0..60 {
+                let snap = c.snapshot("t", &want).await.unwrap();
+                let g = snap[0].version;
+                for e in &snap {
+                    assert_eq!(
+                        e.content_hash,
+                        content_hash(&content(&e.segment_id, e.version)),
+                        "hash of {} does not match its version {}",
+                        e.segment_id,
+                        e.version
+                    );
+                }
+                for e in &snap[..4] {
+                    assert_eq!(e.version, g, "snapshot mixes generations: {snap:?}");
+                }
+                assert!(g >= last, "versions went backwards: {last} -> {g}");
+                last = g;
+                snapshots += 1;
+            }
+            snapshots
+        }));
+    }
+    writer.await.unwrap();
+    writer2.await.unwrap();
+    for r in readers {
+        assert_eq!(r.await.unwrap(), 60);
+    }
+    let snap = c.snapshot("t", &ids).await.unwrap();
+    assert!(snap.iter().all(|e| e.version == 25));
+    assert_eq!(c.versions("src-0").await.unwrap().len(), 25);
+    assert_eq!(
+        c.versions("solo")
+            .await
+            .unwrap()
+            .iter()
+            .filter(|v| v.superseded_at.is_none())
+            .count(),
+        1
+    );
+}

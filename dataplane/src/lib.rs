@@ -1,0 +1,14 @@
+//! HYPIC data plane: model loading, the CPU reference backend, hybrid-attention
+//! layers (Gated DeltaNet, gated full attention, MoE), the per-layer state API and
+//! sampling.
+pub mod config;
+pub mod error;
+pub mod linear;
+pub mod model;
+pub mod ops;
+pub mod state;
+pub mod weights;
+
+pub use error::{Error, Result};
+pub mod sampling;
+pub mod tokenizer;

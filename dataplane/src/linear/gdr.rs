@@ -1,0 +1,709 @@
+//! Gated delta rule (Gated DeltaNet core recurrence).
+//!
+//! Per value head `h` with key head `h / (Hv/Hk)` (GVA), state `S ∈ R^{dk×dv}`:
+//!
+//! ```text
+//! S ← exp(g_t) · S
+//! u  = β_t · (v_t − Sᵀ k_t)
+//! S ← S + k_t ⊗ u
+//! o_t = Sᵀ q_t
+//! ```
+//!
+//! i.e. `S_t = exp(g_t)(I − β_t k_t k_tᵀ) S_{t−1} + β_t k_t v_tᵀ` (DESIGN.md §2,
+//! dense family). Source: HF transformers `torch_recurrent_gated_delta_rule`
+//! (modeling_qwen3_next.py) and FLA `fla/ops/gated_delta_rule/naive.py`.
+//! Callers pass q and k already L2-normalised and q already scaled by `dk^-0.5`.
+
+/// Dimensions of one gated-delta-rule call.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct GdrDims {
+    /// Number of tokens T.
+    pub t: usize,
+    /// Key (query) heads Hk.
+    pub hk: usize,
+    /// Value heads Hv (a multiple of Hk).
+    pub hv: usize,
+    /// Key head dim dk.
+    pub dk: usize,
+    /// Value head dim dv.
+    pub dv: usize,
+}
+
+impl GdrDims {
+    /// Elements of one recurrent state `[Hv, dk, dv]`.
+    pub fn state_len(&self) -> usize {
+        self.hv * self.dk * self.dv
+    }
+    fn check(&self, q: &[f32], k: &[f32], v: &[f32], g: &[f32], beta: &[f32], state: &[f32]) {
+        assert!(
+            self.hk > 0 && self.hv % self.hk == 0,
+            "Hv must be a multiple of Hk"
+        );
+        assert_eq!(q.len(), self.t * self.hk * self.dk, "q must be [T, Hk, dk]");
+        assert_eq!(k.len(), self.t * self.hk * self.dk, "k must be [T, Hk, dk]");
+        assert_eq!(v.len(), self.t * self.hv * self.dv, "v must be [T, Hv, dv]");
+        assert_eq!(g.len(), self.t * self.hv, "g must be [T, Hv]");
+        assert_eq!(beta.len(), self.t * self.hv, "beta must be [T, Hv]");
+        assert_eq!(state.len(), self.state_len(), "state must be [Hv, dk, dv]");
+    }
+}
+
+/// Reference token-by-token recurrence.
+///
+/// * `q`, `k`: `[T, Hk, dk]` (normalised, q scaled); `v`: `[T, Hv, dv]`;
+/// * `g`: `[T, Hv]` log decay (≤ 0); `beta`: `[T, Hv]` in (0, 1);
+/// * `state`: `[Hv, dk, dv]` fp32, updated in place (initial → final state).
+///
+/// Returns the output `o`: `[T, Hv, dv]`. Panics if a slice length does not match
+/// `d` (an internal invariant, checked by callers that take user input).
+pub fn recurrent(
+    d: &GdrDims,
+    q: &[f32],
+    k: &[f32],
+    v: &[f32],
+    g: &[f32],
+    beta: &[f32],
+    state: &mut [f32],
+) -> Vec<f32> {
+    d.check(q, k, v, g, beta, state);
+    let GdrDims { t, hk, hv, dk, dv } = *d;
+    let rep = hv / hk;
+    let mut out = vec![0f32; t * hv * dv];
+    let mut kv_mem = vec![0f32; dv];
+    for h in 0..hv {
+        let kh = h / rep;
+        let s = &mut state[h * dk * dv..(h + 1) * dk * dv];
+        for ti in 0..t {
+            let qt = &q[(ti * hk + kh) * dk..(ti * hk + kh + 1) * dk];
+            let kt = &k[(ti * hk + kh) * dk..(ti * hk + kh + 1) * dk];
+            let vt = &v[(ti * hv + h) * dv..(ti * hv + h + 1) * dv];
+            let decay = g[ti * hv + h].exp();
+            let b = beta[ti * hv + h];
+            s.iter_mut().for_each(|x| *x *= decay);
+            kv_mem.iter_mut().for_each(|x| *x = 0.0);
+            for i in 0..dk {
+                let ki = kt[i];
+                let row = &s[i * dv..(i + 1) * dv];
+                for j in 0..dv {
+                    kv_mem[j] += row[j] * ki;
+                }
+            }
+            for j in 0..dv {
+                kv_mem[j] = b * (vt[j] - kv_mem[j]);
+            }
+            for i in 0..dk {
+                let ki = kt[i];
+                let row = &mut s[i * dv..(i + 1) * dv];
+                for j in 0..dv {
+                    row[j] += ki * kv_mem[j];
+                }
+            }
+            let o = &mut out[(ti * hv + h) * dv..(ti * hv + h + 1) * dv];
+            for i in 0..dk {
+                let qi = qt[i];
+                let row = &s[i * dv..(i + 1) * dv];
+                for j in 0..dv {
+                    o[j] += row[j] * qi;
+                }
+            }
+        }
+    }
+    out
+}
+
+/// Default chunk length of [`chunked`] (FLA's and HF's default, 64).
+pub const DEFAULT_CHUNK: usize = 64;
+
+/// Chunked (WY-form) gated delta rule: same contract as [`recurrent`].
+///
+/// * `q`, `k`: `[T, Hk, dk]` (normalised, q scaled); `v`: `[T, Hv, dv]`;
+/// * `g`: `[T, Hv]` log decay (≤ 0); `beta`: `[T, Hv]` in (0, 1);
+/// * `state`: `[Hv, dk, dv]` fp32 K-major, updated in place (initial → final state);
+/// * `chunk`: tokens per chunk (> 0; [`DEFAULT_CHUNK`] = 64). `T` need not be a
+///   multiple of it: the last chunk is simply shorter (no padding).
+///
+/// Returns `o`: `[T, Hv, dv]`. Value heads run in parallel (rayon); chunks of one
+/// head run in order. Per chunk of `c` tokens with cumulative log decay
+/// `G_i = Σ_{j≤i} g_j` (chunk-local, so every `exp(G_i − G_j)`, `i ≥ j`, is ≤ 1) and
+/// chunk-initial state `S`:
+///
+/// ```text
+/// L_ij = β_i exp(G_i − G_j) k_i·k_j   (j < i)          strictly lower c×c
+/// M    = (I + L)⁻¹                       forward substitution (unit lower)
+/// U    = M diag(β) V,   W = M diag(β e^G) K            WY representation
+/// Ũ    = U − W S                         the chunk's true delta writes u_i
+/// O    = diag(e^G) Q S + (Q Kᵀ ⊙ D)_{j≤i} Ũ,   D_ij = exp(G_i − G_j)
+/// S'   = e^{G_c} S + K̃ᵀ Ũ,                K̃_i = exp(G_c − G_i) k_i
+/// ```
+///
+/// Derivation: unrolling the recurrence inside the chunk gives
+/// `u_i + Σ_{j<i} L_ij u_j = β_i v_i − β_i e^{G_i} Sᵀ k_i`. Same algorithm as HF
+/// transformers `torch_chunk_gated_delta_rule` (modeling_qwen3_next.py) and FLA
+/// `fla/ops/gated_delta_rule/chunk.py`; the small products use the `gemm` crate.
+///
+/// Panics if a slice length does not match `d` or `chunk == 0` (internal
+/// invariants, checked by callers that take user input).
+#[allow(clippy::too_many_arguments)]
+pub fn chunked(
+    d: &GdrDims,
+    q: &[f32],
+    k: &[f32],
+    v: &[f32],
+    g: &[f32],
+    beta: &[f32],
+    state: &mut [f32],
+    chunk: usize,
+) -> Vec<f32> {
+    chunked_impl(d, q, k, v, g, beta, state, chunk, None)
+}
+
+/// [`chunked`] that also returns the segment's dense transition `T_C`.
+///
+/// Inputs and `state` (initial → final, in place) as in [`chunked`]. Returns
+/// `(o, t_c)`: `o` is `[T, Hv, dv]`; `t_c` is `[Hv, dk, dk]` fp32 row-major per head,
+/// `T_C = T_T ··· T_1` with `T_t = exp(g_t)(I − β_t k_t k_tᵀ)` (DESIGN.md §2), so
+/// that `S_final = T_C S_initial + S_{C|0}` where `S_{C|0}` is the final state from
+/// a zero start. `T_C` does not depend on the initial state.
+///
+/// It is obtained inside the chunk loop, not by a second pass: per chunk
+/// `T_chunk = e^{G_c} I − K̃ᵀ W` (the WY form above), accumulated as
+/// `T ← e^{G_c} T − K̃ᵀ (W T)` (2·c·dk² flops per chunk; no intra-chunk work is
+/// repeated). This equals running the recurrence from `S₀ = I` with all writes
+/// `β_t k_t v_tᵀ` set to zero, which is how the paper's implementation builds it
+/// (a second full kernel pass with `initial_state = I`).
+///
+/// Panics under the same conditions as [`chunked`].
+#[allow(clippy::too_many_arguments)]
+pub fn chunked_with_transition(
+    d: &GdrDims,
+    q: &[f32],
+    k: &[f32],
+    v: &[f32],
+    g: &[f32],
+    beta: &[f32],
+    state: &mut [f32],
+    chunk: usize,
+) -> (Vec<f32>, Vec<f32>) {
+    let (dk, hv) = (d.dk, d.hv);
+    let mut tc = vec![0f32; hv * dk * dk];
+    for h in 0..hv {
+        for i in 0..dk {
+            tc[h * dk * dk + i * dk + i] = 1.0;
+        }
+    }
+    let out = chunked_impl(d, q, k, v, g, beta, state, chunk, Some(&mut tc));
+    (out, tc)
+}
+
+#[allow(clippy::too_many_arguments)]
+fn chunked_impl(
+    d: &GdrDims,
+    q: &[f32],
+    k: &[f32],
+    v: &[f32],
+    g: &[f32],
+    beta: &[f32],
+    state: &mut [f32],
+    chunk: usize,
+    trans: Option<&mut [f32]>,
+) -> Vec<f32> {
+    d.check(q, k, v, g, beta, state);
+    assert!(chunk > 0, "chunk must be > 0");
+    if let Some(tr) = trans.as_deref() {
+        assert_eq!(
+            tr.len(),
+            d.hv * d.dk * d.dk,
+            "transition must be [Hv, dk, dk]"
+        );
+    }
+    let c = chunk.min(d.t.max(1));
+    for_each_head(d, state, trans, |h, s, tr, out_h| {
+        let mut bufs = ChunkBufs::new(c, d.dk, d.dv);
+        let mut tr = tr;
+        let mut t0 = 0;
+        while t0 < d.t {
+            let len = c.min(d.t - t0);
+            gdn_chunk(
+                d,
+                h,
+                t0,
+                len,
+                q,
+                k,
+                v,
+                g,
+                beta,
+                s,
+                tr.as_deref_mut(),
+                out_h,
+                &mut bufs,
+            );
+            t0 += len;
+        }
+    })
+}
+
+/// Runs `f(h, state_h [dk·dv], transition_h [dk·dk] (if any), out_h [T·dv])` for every
+/// value head in parallel and interleaves the per-head outputs into `[T, Hv, dv]`.
+pub(crate) fn for_each_head<F>(
+    d: &GdrDims,
+    state: &mut [f32],
+    trans: Option<&mut [f32]>,
+    f: F,
+) -> Vec<f32>
+where
+    F: Fn(usize, &mut [f32], Option<&mut [f32]>, &mut [f32]) + Sync,
+{
+    use rayon::prelude::*;
+    let GdrDims { t, hv, dk, dv, .. } = *d;
+    let mut out = vec![0f32; t * hv * dv];
+    if t == 0 || hv == 0 || dk == 0 || dv == 0 {
+        return out;
+    }
+    let mut outs: Vec<Vec<f32>> = (0..hv).map(|_| vec![0f32; t * dv]).collect();
+    match trans {
+        Some(tr) => state
+            .par_chunks_mut(dk * dv)
+            .zip(tr.par_chunks_mut(dk * dk))
+            .zip(outs.par_iter_mut())
+            .enumerate()
+            .for_each(|(h, ((s, tr), o))| f(h, s, Some(tr), o)),
+        None => state
+            .par_chunks_mut(dk * dv)
+            .zip(outs.par_iter_mut())
+            .enumerate()
+            .for_each(|(h, (s, o))| f(h, s, None, o)),
+    }
+    for (h, oh) in outs.iter().enumerate() {
+        for ti in 0..t {
+            out[(ti * hv + h) * dv..(ti * hv + h + 1) * dv]
+                .copy_from_slice(&oh[ti * dv..(ti + 1) * dv]);
+        }
+    }
+    out
+}
+
+/// Scratch buffers of one head's chunk loop (sized for the full chunk length).
+struct ChunkBufs {
+    qc: Vec<f32>,
+    kc: Vec<f32>,
+    bv: Vec<f32>,
+    bk: Vec<f32>,
+    ktil: Vec<f32>,
+    u: Vec<f32>,
+    w: Vec<f32>,
+    wt: Vec<f32>,
+    gram: Vec<f32>,
+    pq: Vec<f32>,
+    m: Vec<f32>,
+    lrow: Vec<f32>,
+    gc: Vec<f32>,
+    bt: Vec<f32>,
+}
+
+impl ChunkBufs {
+    fn new(c: usize, dk: usize, dv: usize) -> Self {
+        ChunkBufs {
+            qc: vec![0.0; c * dk],
+            kc: vec![0.0; c * dk],
+            bv: vec![0.0; c * dv],
+            bk: vec![0.0; c * dk],
+            ktil: vec![0.0; c * dk],
+            u: vec![0.0; c * dv],
+            w: vec![0.0; c * dk],
+            wt: vec![0.0; c * dk],
+            gram: vec![0.0; c * c],
+            pq: vec![0.0; c * c],
+            m: vec![0.0; c * c],
+            lrow: vec![0.0; c],
+            gc: vec![0.0; c],
+            bt: vec![0.0; c],
+        }
+    }
+}
+
+/// One chunk `[t0, t0 + c)` of value head `h` (see [`chunked`] for the algebra).
+#[allow(clippy::too_many_arguments)]
+fn gdn_chunk(
+    d: &GdrDims,
+    h: usize,
+    t0: usize,
+    c: usize,
+    q: &[f32],
+    k: &[f32],
+    v: &[f32],
+    g: &[f32],
+    beta: &[f32],
+    s: &mut [f32],
+    tr: Option<&mut [f32]>,
+    out_h: &mut [f32],
+    b: &mut ChunkBufs,
+) {
+    let GdrDims { hk, hv, dk, dv, .. } = *d;
+    let kh = h / (hv / hk);
+    // Gather the chunk and the chunk-local cumulative log decay.
+    let mut acc = 0f32;
+    for i in 0..c {
+        let ti = t0 + i;
+        let src = (ti * hk + kh) * dk;
+        b.qc[i * dk..(i + 1) * dk].copy_from_slice(&q[src..src + dk]);
+        b.kc[i * dk..(i + 1) * dk].copy_from_slice(&k[src..src + dk]);
+        acc += g[ti * hv + h];
+        b.gc[i] = acc;
+        b.bt[i] = beta[ti * hv + h];
+    }
+    // gram = K Kᵀ, pq = Q Kᵀ  (c×c, row stride c).
+    matmul(
+        c,
+        c,
+        dk,
+        &mut b.gram,
+        c,
+        &b.kc,
+        dk,
+        1,
+        &b.kc,
+        1,
+        dk,
+        0.0,
+        1.0,
+    );
+    matmul(c, c, dk, &mut b.pq, c, &b.qc, dk, 1, &b.kc, 1, dk, 0.0, 1.0);
+    // Decay-mask pq (lower incl. diagonal) and build M = (I + L)⁻¹ row by row.
+    for i in 0..c {
+        for j in 0..i {
+            let dec = (b.gc[i] - b.gc[j]).exp();
+            b.lrow[j] = b.bt[i] * dec * b.gram[i * c + j];
+            b.pq[i * c + j] *= dec;
+        }
+        for j in i + 1..c {
+            b.pq[i * c + j] = 0.0;
+        }
+        let (done, rest) = b.m.split_at_mut(i * c);
+        let mi = &mut rest[..c];
+        mi.iter_mut().for_each(|x| *x = 0.0);
+        mi[i] = 1.0;
+        for (mm, &coef) in b.lrow[..i].iter().enumerate() {
+            if coef != 0.0 {
+                let mrow = &done[mm * c..mm * c + mm + 1];
+                for (x, &y) in mi[..=mm].iter_mut().zip(mrow) {
+                    *x -= coef * y;
+                }
+            }
+        }
+    }
+    // bv = diag(β) V, bk = diag(β e^G) K.
+    for i in 0..c {
+        let ti = t0 + i;
+        let bi = b.bt[i];
+        let src = &v[(ti * hv + h) * dv..(ti * hv + h + 1) * dv];
+        for (x, &y) in b.bv[i * dv..(i + 1) * dv].iter_mut().zip(src) {
+            *x = bi * y;
+        }
+        let bg = bi * b.gc[i].exp();
+        for (x, &y) in b.bk[i * dk..(i + 1) * dk]
+            .iter_mut()
+            .zip(&b.kc[i * dk..(i + 1) * dk])
+        {
+            *x = bg * y;
+        }
+    }
+    // U = M bv, W = M bk.
+    matmul(c, dv, c, &mut b.u, dv, &b.m, c, 1, &b.bv, dv, 1, 0.0, 1.0);
+    matmul(c, dk, c, &mut b.w, dk, &b.m, c, 1, &b.bk, dk, 1, 0.0, 1.0);
+    // Ũ = U − W S.
+    matmul(c, dv, dk, &mut b.u, dv, &b.w, dk, 1, s, dv, 1, 1.0, -1.0);
+    // O = diag(e^G) Q S + P Ũ.
+    for i in 0..c {
+        let e = b.gc[i].exp();
+        b.qc[i * dk..(i + 1) * dk].iter_mut().for_each(|x| *x *= e);
+    }
+    let oc = &mut out_h[t0 * dv..(t0 + c) * dv];
+    matmul(c, dv, dk, oc, dv, &b.qc, dk, 1, s, dv, 1, 0.0, 1.0);
+    matmul(c, dv, c, oc, dv, &b.pq, c, 1, &b.u, dv, 1, 1.0, 1.0);
+    // K̃ = diag(exp(G_c − G)) K.
+    let gl = b.gc[c - 1];
+    for i in 0..c {
+        let e = (gl - b.gc[i]).exp();
+        for (x, &y) in b.ktil[i * dk..(i + 1) * dk]
+            .iter_mut()
+            .zip(&b.kc[i * dk..(i + 1) * dk])
+        {
+            *x = e * y;
+        }
+    }
+    let egl = gl.exp();
+    if let Some(tr) = tr {
+        // T ← e^{G_c} T − K̃ᵀ (W T).
+        matmul(c, dk, dk, &mut b.wt, dk, &b.w, dk, 1, tr, dk, 1, 0.0, 1.0);
+        matmul(dk, dk, c, tr, dk, &b.ktil, 1, dk, &b.wt, dk, 1, egl, -1.0);
+    }
+    // S ← e^{G_c} S + K̃ᵀ Ũ.
+    matmul(dk, dv, c, s, dv, &b.ktil, 1, dk, &b.u, dv, 1, egl, 1.0);
+}
+
+/// `dst[m×n] = alpha·dst + beta·lhs[m×k]·rhs[k×n]` in fp32 through the `gemm` crate
+/// (single-threaded; callers parallelise over heads). Matrices are addressed by row
+/// stride `*_rs` and column stride `*_cs` (row-major: `rs = cols, cs = 1`; a
+/// transpose swaps them); `dst` is row-major with row stride `dst_rs`. `dst` is not
+/// read when `alpha == 0`. Panics if a stride would index outside a slice.
+#[allow(clippy::too_many_arguments)]
+pub(crate) fn matmul(
+    m: usize,
+    n: usize,
+    k: usize,
+    dst: &mut [f32],
+    dst_rs: usize,
+    lhs: &[f32],
+    lhs_rs: usize,
+    lhs_cs: usize,
+    rhs: &[f32],
+    rhs_rs: usize,
+    rhs_cs: usize,
+    alpha: f32,
+    beta: f32,
+) {
+    if m == 0 || n == 0 {
+        return;
+    }
+    assert!((m - 1) * dst_rs + n <= dst.len(), "matmul: dst too short");
+    if k == 0 {
+        for i in 0..m {
+            dst[i * dst_rs..i * dst_rs + n]
+                .iter_mut()
+                .for_each(|x| *x *= alpha);
+        }
+        return;
+    }
+    assert!(
+        (m - 1) * lhs_rs + (k - 1) * lhs_cs < lhs.len(),
+        "matmul: lhs too short"
+    );
+    assert!(
+        (k - 1) * rhs_rs + (n - 1) * rhs_cs < rhs.len(),
+        "matmul: rhs too short"
+    );
+    // SAFETY: the asserts above bound every index gemm touches inside its slice;
+    // dst is an exclusive borrow distinct from lhs and rhs.
+    unsafe {
+        gemm::gemm(
+            m,
+            n,
+            k,
+            dst.as_mut_ptr(),
+            1,
+            dst_rs as isize,
+            alpha != 0.0,
+            lhs.as_ptr(),
+            lhs_cs as isize,
+            lhs_rs as isize,
+            rhs.as_ptr(),
+            rhs_cs as isize,
+            rhs_rs as isize,
+            alpha,
+            beta,
+            false,
+            false,
+            false,
+            gemm::Parallelism::None,
+        );
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::linear::testutil::{rel, rel64, GdnCase};
+
+    fn dims(t: usize, hk: usize, hv: usize, dk: usize, dv: usize) -> GdrDims {
+        GdrDims { t, hk, hv, dk, dv }
+    }
+
+    /// Runs both kernels from the case's nonzero initial state; returns the
+    /// relative errors of (output, final state).
+    fn compare(d: &GdrDims, seed: u64, chunk: usize) -> (f64, f64) {
+        let c = GdnCase::random(d, seed);
+        let mut s_ref = c.s0.clone();
+        let o_ref = recurrent(d, &c.q, &c.k, &c.v, &c.g, &c.beta, &mut s_ref);
+        let mut s = c.s0.clone();
+        let o = chunked(d, &c.q, &c.k, &c.v, &c.g, &c.beta, &mut s, chunk);
+        (rel(&o, &o_ref), rel(&s, &s_ref))
+    }
+
+    #[test]
+    fn chunked_matches_recurrent_gva_all_lengths_and_chunks() {
+        for &t in &[1usize, 5, 63, 64, 65, 200] {
+            for &chunk in &[16usize, 32, 64] {
+                // Hv = 2·Hk (GVA); dk ≠ dv to catch transposed products.
+                let d = dims(t, 2, 4, 32, 48);
+                let (eo, es) = compare(&d, 1000 + t as u64, chunk);
+                assert!(
+                    eo <= 1e-4 && es <= 1e-4,
+                    "T={t} chunk={chunk}: out {eo:e} state {es:e}"
+                );
+            }
+        }
+    }
+
+    #[test]
+    fn chunked_matches_recurrent_dk128() {
+        let d = dims(200, 2, 4, 128, 128);
+        let (eo, es) = compare(&d, 7, DEFAULT_CHUNK);
+        assert!(eo <= 1e-4 && es <= 1e-4, "out {eo:e} state {es:e}");
+    }
+
+    #[test]
+    fn chunked_chunk_longer_than_sequence_and_hv_equal_hk() {
+        let d = dims(9, 3, 3, 16, 8);
+        let (eo, es) = compare(&d, 3, 64);
+        assert!(eo <= 1e-5 && es <= 1e-5, "out {eo:e} state {es:e}");
+    }
+
+    #[test]
+    fn chunked_zero_tokens_keeps_state() {
+        let d = dims(0, 2, 4, 8, 8);
+        let c = GdnCase::random(&d, 1);
+        let mut s = c.s0.clone();
+        let (o, tc) = chunked_with_transition(&d, &[], &[], &[], &[], &[], &mut s, 64);
+        assert!(o.is_empty());
+        assert_eq!(s, c.s0);
+        // Empty segment: T_C = I.
+        for h in 0..4 {
+            for i in 0..8 {
+                for j in 0..8 {
+                    assert_eq!(tc[h * 64 + i * 8 + j], if i == j { 1.0 } else { 0.0 });
+                }
+            }
+        }
+    }
+
+    /// f64 product `T_T ··· T_1` of the per-token `T_t = exp(g_t)(I − β_t k_t k_tᵀ)`
+    /// for value head `h`, `[dk, dk]` row-major.
+    fn token_product(d: &GdrDims, c: &GdnCase, h: usize) -> Vec<f64> {
+        let dk = d.dk;
+        let kh = h / (d.hv / d.hk);
+        let mut p = vec![0f64; dk * dk];
+        for i in 0..dk {
+            p[i * dk + i] = 1.0;
+        }
+        for ti in 0..d.t {
+            let kt: Vec<f64> = c.k[(ti * d.hk + kh) * dk..(ti * d.hk + kh + 1) * dk]
+                .iter()
+                .map(|&x| x as f64)
+                .collect();
+            let e = (c.g[ti * d.hv + h] as f64).exp();
+            let b = c.beta[ti * d.hv + h] as f64;
+            // P ← e(I − b k kᵀ) P = e(P − b k (kᵀ P)).
+            let mut w = vec![0f64; dk];
+            for a in 0..dk {
+                for j in 0..dk {
+                    w[j] += kt[a] * p[a * dk + j];
+                }
+            }
+            for a in 0..dk {
+                for j in 0..dk {
+                    p[a * dk + j] = e * (p[a * dk + j] - b * kt[a] * w[j]);
+                }
+            }
+        }
+        p
+    }
+
+    #[test]
+    fn transition_equals_token_product_and_identity_run() {
+        for &(t, chunk) in &[(1usize, 64usize), (65, 16), (200, 64), (130, 32)] {
+            let d = dims(t, 2, 4, 32, 24);
+            let c = GdnCase::random(&d, 50 + t as u64);
+            // One pass: output, final state from s0, and T_C.
+            let mut s = c.s0.clone();
+            let (o, tc) =
+                chunked_with_transition(&d, &c.q, &c.k, &c.v, &c.g, &c.beta, &mut s, chunk);
+            // Output and state are those of plain `chunked`.
+            let mut s2 = c.s0.clone();
+            let o2 = chunked(&d, &c.q, &c.k, &c.v, &c.g, &c.beta, &mut s2, chunk);
+            assert_eq!(o, o2);
+            assert_eq!(s, s2);
+            // (a) product of per-token transitions (f64).
+            for h in 0..d.hv {
+                let p = token_product(&d, &c, h);
+                let e = rel64(&tc[h * 32 * 32..(h + 1) * 32 * 32], &p);
+                assert!(e <= 1e-5, "T={t} h={h}: T_C vs token product {e:e}");
+            }
+            // (b) recurrence from S₀ = I with zero writes (dv = dk, v = 0).
+            let di = dims(t, 2, 4, 32, 32);
+            let mut si = vec![0f32; di.state_len()];
+            for h in 0..4 {
+                for i in 0..32 {
+                    si[h * 1024 + i * 32 + i] = 1.0;
+                }
+            }
+            let zeros = vec![0f32; t * 4 * 32];
+            recurrent(&di, &c.q, &c.k, &zeros, &c.g, &c.beta, &mut si);
+            let e = rel(&tc, &si);
+            assert!(e <= 1e-5, "T={t}: T_C vs identity run {e:e}");
+            // (c) S_final = T_C S₀ + S_{C|0}.
+            let mut sz = vec![0f32; d.state_len()];
+            chunked(&d, &c.q, &c.k, &c.v, &c.g, &c.beta, &mut sz, chunk);
+            let mut pred = sz.clone();
+            for h in 0..4 {
+                let th = &tc[h * 1024..(h + 1) * 1024];
+                for a in 0..32 {
+                    for j in 0..24 {
+                        let mut acc = 0f64;
+                        for b in 0..32 {
+                            acc += th[a * 32 + b] as f64 * c.s0[h * 768 + b * 24 + j] as f64;
+                        }
+                        pred[h * 768 + a * 24 + j] += acc as f32;
+                    }
+                }
+            }
+            let e = rel(&pred, &s);
+            assert!(e <= 1e-5, "T={t}: T_C S0 + S_C|0 vs final state {e:e}");
+        }
+    }
+
+    /// Timing (not a test): `cargo test --release -p hypic-dataplane --lib
+    /// linear::gdr::tests::bench -- --ignored --nocapture`.
+    #[test]
+    #[ignore]
+    fn bench_recurrent_vs_chunked() {
+        use std::time::Instant;
+        fn best<F: FnMut()>(reps: usize, mut f: F) -> f64 {
+            let mut b = f64::INFINITY;
+            for _ in 0..reps {
+                let t0 = Instant::now();
+                f();
+                b = b.min(t0.elapsed().as_secs_f64());
+            }
+            b * 1e3
+        }
+        println!("threads: {}", rayon::current_num_threads());
+        for &(hk, hv) in &[(2usize, 4usize), (16, 32)] {
+            for &t in &[256usize, 1024, 4096] {
+                let d = dims(t, hk, hv, 128, 128);
+                let c = GdnCase::random(&d, 9);
+                let reps = if t * hv >= 32768 { 2 } else { 5 };
+                let tr = best(reps, || {
+                    let mut s = c.s0.clone();
+                    std::hint::black_box(recurrent(&d, &c.q, &c.k, &c.v, &c.g, &c.beta, &mut s));
+                });
+                let tcz = best(reps, || {
+                    let mut s = c.s0.clone();
+                    std::hint::black_box(chunked(&d, &c.q, &c.k, &c.v, &c.g, &c.beta, &mut s, 64));
+                });
+                let tct = best(reps, || {
+                    let mut s = c.s0.clone();
+                    std::hint::black_box(chunked_with_transition(
+                        &d, &c.q, &c.k, &c.v, &c.g, &c.beta, &mut s, 64,
+                    ));
+                });
+                println!(
+                    "Hk={hk} Hv={hv} T={t}: recurrent {tr:.2} ms, chunked {tcz:.2} ms ({:.2}x), \
+                     chunked_with_transition {tct:.2} ms (overhead {:.3}x)",
+                    tr / tcz,
+                    tct / tcz
+                );
+            }
+        }
+    }
+}
