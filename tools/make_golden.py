@@ -32,7 +32,7 @@ How to run (from the repository root)
     /work/pyenv/hf/bin/python tools/make_golden.py            # all three models
     /work/pyenv/hf/bin/python tools/make_golden.py qwen3_5    # only some of them
 
-Runs in well under a minute on 2 CPU cores.  Everything is seeded (torch
+Takes about a minute on 2 CPU cores.  Everything is seeded (torch
 generators per model, one torch thread) so re-running with the pinned versions
 rewrites byte-identical golden tensors.
 """

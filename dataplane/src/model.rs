@@ -6,6 +6,7 @@
 use crate::config::{Family, LayerKind, ModelConfig};
 use crate::error::{Error, Result};
 use crate::linear::gdr::{self, GdrDims};
+use crate::linear::transition::{Pair, TransitionKind};
 use crate::ops::{self, linear, Rope};
 use crate::state::{KvCache, LayerState, LinearState, ModelState};
 use crate::weights::Checkpoint;
@@ -315,22 +316,42 @@ impl Model {
         positions: &[i64],
         state: &mut LayerState,
     ) -> Result<Option<(Vec<f32>, Vec<f32>)>> {
+        Ok(self.layer_forward_capture(i, x, positions, state, None)?.kv)
+    }
+
+    /// [`Model::layer_forward`] that, for a linear layer and `capture_from = Some(w)`,
+    /// also returns the cached-transition pair `(T_body, S_body|0)` of the span's
+    /// tokens `w..T` (DESIGN.md §2, §3): `T_body` from the chunked kernel in the same
+    /// pass, `S_body|0 = S_T − T_body · S_w`.
+    pub fn layer_forward_capture(
+        &self,
+        i: usize,
+        x: &mut [f32],
+        positions: &[i64],
+        state: &mut LayerState,
+        capture_from: Option<usize>,
+    ) -> Result<LayerOutput> {
         let c = &self.config;
         let layer = &self.layers[i];
         let t = positions.len();
+        if x.len() != t * c.hidden_size {
+            return Err(Error::Input(format!("layer {i}: activations do not match {t} positions")));
+        }
         let mut r = x.to_vec();
         ops::rms_norm_zero_centred(&mut r, &layer.input_norm, c.rms_norm_eps);
-        let (mixed, kv) = match (&layer.mixer, state) {
-            (Mixer::Linear(w), LayerState::Linear(s)) => (self.gdn_forward(w, &r, t, s), None),
+        let mut out = LayerOutput::default();
+        let mixed = match (&layer.mixer, state) {
+            (Mixer::Linear(w), LayerState::Linear(s)) => {
+                let (o, pair) = self.gdn_forward(w, &r, t, s, capture_from);
+                out.pair = pair;
+                o
+            }
             (Mixer::Full(w), LayerState::Full(kv)) => {
                 let (o, k, v) = self.attn_forward(w, &r, positions, kv);
-                (o, Some((k, v)))
+                out.kv = Some((k, v));
+                o
             }
-            _ => {
-                return Err(Error::Input(format!(
-                    "state of layer {i} has the wrong kind"
-                )))
-            }
+            _ => return Err(Error::Input(format!("state of layer {i} has the wrong kind"))),
         };
         x.iter_mut().zip(&mixed).for_each(|(a, b)| *a += b);
         let mut r = x.to_vec();
@@ -340,7 +361,7 @@ impl Model {
             Ffn::Moe(m) => self.moe_forward(m, &r, t),
         };
         x.iter_mut().zip(&f).for_each(|(a, b)| *a += b);
-        Ok(kv)
+        Ok(out)
     }
 
     /// Computes the GDN layer's projections, conv and gates for a span: returns
@@ -424,19 +445,45 @@ impl Model {
         }
     }
 
-    fn gdn_forward(&self, w: &GdnWeights, r: &[f32], t: usize, s: &mut LinearState) -> Vec<f32> {
+    fn gdn_forward(
+        &self,
+        w: &GdnWeights,
+        r: &[f32],
+        t: usize,
+        s: &mut LinearState,
+        capture_from: Option<usize>,
+    ) -> (Vec<f32>, Option<Pair>) {
         let inp = self.gdn_inputs(w, r, t, s);
-        let d = self.gdr_dims(t);
-        let core = gdr::recurrent(
-            &d,
-            &inp.q,
-            &inp.k,
-            &inp.v,
-            &inp.g,
-            &inp.beta,
-            &mut s.recurrent,
-        );
-        self.gdn_output(w, core, &inp.z, t)
+        let (core, pair) = match capture_from {
+            None => (run_gdr(&self.gdr_dims(t), &inp, 0, t, &mut s.recurrent), None),
+            Some(from) => {
+                let from = from.min(t);
+                let c = &self.config;
+                let (hv, dk, dv) = (c.linear_v_heads, c.linear_k_dim, c.linear_v_dim);
+                let mut core = run_gdr(&self.gdr_dims(from), &inp, 0, from, &mut s.recurrent);
+                let s_w = s.recurrent.clone();
+                let body = t - from;
+                let pair = if body == 0 {
+                    Pair::identity(TransitionKind::Dense, hv, dk, dv)
+                } else {
+                    let d = self.gdr_dims(body);
+                    let sl = inp.slice(&d, from, t);
+                    let (o, tc) = gdr::chunked_with_transition(
+                        &d, sl.0, sl.1, sl.2, sl.3, sl.4, &mut s.recurrent, GDR_CHUNK,
+                    );
+                    core.extend_from_slice(&o);
+                    // S_body|0 = S_T − T_body · S_w (per value head).
+                    let t_only = Pair::from_parts(TransitionKind::Dense, hv, dk, dv, tc.clone(), vec![0.0; hv * dk * dv])
+                        .expect("shapes from the model config");
+                    let mut ts_w = s_w;
+                    t_only.apply(&mut ts_w).expect("state shape from the model config");
+                    let b: Vec<f32> = s.recurrent.iter().zip(&ts_w).map(|(a, b)| a - b).collect();
+                    Pair::from_parts(TransitionKind::Dense, hv, dk, dv, tc, b).expect("shapes from the model config")
+                };
+                (core, Some(pair))
+            }
+        };
+        (self.gdn_output(w, core, &inp.z, t), pair)
     }
 
     /// Gated RMSNorm (`w · rmsnorm(core) · silu(z)` per value head) and `out_proj`.
@@ -573,6 +620,52 @@ struct GdnInputs {
     g: Vec<f32>,
     beta: Vec<f32>,
     z: Vec<f32>,
+}
+
+type GdrSlices<'a> = (&'a [f32], &'a [f32], &'a [f32], &'a [f32], &'a [f32]);
+
+impl GdnInputs {
+    /// Tokens `a..b` of (q, k, v, g, beta); `d` holds the full-span head dims.
+    fn slice(&self, d: &GdrDims, a: usize, b: usize) -> GdrSlices<'_> {
+        let (kw, vw) = (d.hk * d.dk, d.hv * d.dv);
+        (
+            &self.q[a * kw..b * kw],
+            &self.k[a * kw..b * kw],
+            &self.v[a * vw..b * vw],
+            &self.g[a * d.hv..b * d.hv],
+            &self.beta[a * d.hv..b * d.hv],
+        )
+    }
+}
+
+/// Chunk size of the WY prefill kernel (FLA's default).
+pub const GDR_CHUNK: usize = 64;
+
+/// Spans shorter than this run the token-by-token recurrence (decode, seams).
+const CHUNKED_MIN_TOKENS: usize = 16;
+
+/// Runs the gated delta rule over tokens `a..b` of `inp` from `state` (in place).
+fn run_gdr(d: &GdrDims, inp: &GdnInputs, a: usize, b: usize, state: &mut [f32]) -> Vec<f32> {
+    let n = b - a;
+    if n == 0 {
+        return vec![];
+    }
+    let d = GdrDims { t: n, ..*d };
+    let (q, k, v, g, beta) = inp.slice(&d, a, b);
+    if n < CHUNKED_MIN_TOKENS {
+        gdr::recurrent(&d, q, k, v, g, beta, state)
+    } else {
+        gdr::chunked(&d, q, k, v, g, beta, state, GDR_CHUNK)
+    }
+}
+
+/// Output of one decoder layer beside the updated residual stream.
+#[derive(Clone, Debug, Default)]
+pub struct LayerOutput {
+    /// Full-attention layers: the span's `(K, V)`, `[T, Hkv, hd]` each.
+    pub kv: Option<(Vec<f32>, Vec<f32>)>,
+    /// Linear layers with capture: the body pair `(T_body [Hv,dk,dk], S_body|0 [Hv,dk,dv])`.
+    pub pair: Option<Pair>,
 }
 
 /// Causal GQA attention of queries `q` (`[T, H, hd]`, at `positions`) over every

@@ -957,6 +957,7 @@ mod tests {
         pair.apply_naive(&mut naive).unwrap();
         let diff: Vec<f32> = naive.iter().zip(&exact).map(|(a, b)| a - b).collect();
         let lost = rel(&diff, &s0);
+        eprintln!("t={} s0={} ex={} na={} b={}", pair.t()[0], s0[0], exact[0], naive[0], pair.b()[0]);
         assert!((lost - (1.0 - expect)).abs() <= 1e-5, "lost {lost}");
         assert!((lost - 0.6323).abs() < 1e-3);
     }
