@@ -112,7 +112,7 @@ pub fn simulate(trace: &[TraceRecord], capacity_bytes: u64, policies: &mut Polic
     let mut tenant_used: HashMap<String, u64> = HashMap::new();
     let mut seen: HashMap<(Option<String>, String, i64), u32> = HashMap::new();
     let mut latest: HashMap<String, i64> = HashMap::new();
-    let mut fault = |f: Option<crate::policy::PolicyError>, s: &mut SimStats| {
+    let fault = |f: Option<crate::policy::PolicyError>, s: &mut SimStats| {
         if f.is_some() {
             s.policy_faults += 1;
         }

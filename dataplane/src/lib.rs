@@ -6,6 +6,7 @@ pub mod error;
 pub mod linear;
 pub mod model;
 pub mod ops;
+pub mod pic;
 pub mod state;
 pub mod weights;
 

@@ -253,6 +253,11 @@ impl Model {
         Ok(())
     }
 
+    /// The model's rotary tables (for re-rotating cached keys).
+    pub fn rope(&self) -> &Rope {
+        &self.rope
+    }
+
     /// Embeds tokens: `[T, hidden]`.
     pub fn embed(&self, tokens: &[u32]) -> Vec<f32> {
         let h = self.config.hidden_size;
@@ -335,7 +340,9 @@ impl Model {
         let layer = &self.layers[i];
         let t = positions.len();
         if x.len() != t * c.hidden_size {
-            return Err(Error::Input(format!("layer {i}: activations do not match {t} positions")));
+            return Err(Error::Input(format!(
+                "layer {i}: activations do not match {t} positions"
+            )));
         }
         let mut r = x.to_vec();
         ops::rms_norm_zero_centred(&mut r, &layer.input_norm, c.rms_norm_eps);
@@ -351,7 +358,11 @@ impl Model {
                 out.kv = Some((k, v));
                 o
             }
-            _ => return Err(Error::Input(format!("state of layer {i} has the wrong kind"))),
+            _ => {
+                return Err(Error::Input(format!(
+                    "state of layer {i} has the wrong kind"
+                )))
+            }
         };
         x.iter_mut().zip(&mixed).for_each(|(a, b)| *a += b);
         let mut r = x.to_vec();
@@ -455,7 +466,10 @@ impl Model {
     ) -> (Vec<f32>, Option<Pair>) {
         let inp = self.gdn_inputs(w, r, t, s);
         let (core, pair) = match capture_from {
-            None => (run_gdr(&self.gdr_dims(t), &inp, 0, t, &mut s.recurrent), None),
+            None => (
+                run_gdr(&self.gdr_dims(t), &inp, 0, t, &mut s.recurrent),
+                None,
+            ),
             Some(from) => {
                 let from = from.min(t);
                 let c = &self.config;
@@ -469,16 +483,33 @@ impl Model {
                     let d = self.gdr_dims(body);
                     let sl = inp.slice(&d, from, t);
                     let (o, tc) = gdr::chunked_with_transition(
-                        &d, sl.0, sl.1, sl.2, sl.3, sl.4, &mut s.recurrent, GDR_CHUNK,
+                        &d,
+                        sl.0,
+                        sl.1,
+                        sl.2,
+                        sl.3,
+                        sl.4,
+                        &mut s.recurrent,
+                        GDR_CHUNK,
                     );
                     core.extend_from_slice(&o);
                     // S_body|0 = S_T − T_body · S_w (per value head).
-                    let t_only = Pair::from_parts(TransitionKind::Dense, hv, dk, dv, tc.clone(), vec![0.0; hv * dk * dv])
-                        .expect("shapes from the model config");
+                    let t_only = Pair::from_parts(
+                        TransitionKind::Dense,
+                        hv,
+                        dk,
+                        dv,
+                        tc.clone(),
+                        vec![0.0; hv * dk * dv],
+                    )
+                    .expect("shapes from the model config");
                     let mut ts_w = s_w;
-                    t_only.apply(&mut ts_w).expect("state shape from the model config");
+                    t_only
+                        .apply(&mut ts_w)
+                        .expect("state shape from the model config");
                     let b: Vec<f32> = s.recurrent.iter().zip(&ts_w).map(|(a, b)| a - b).collect();
-                    Pair::from_parts(TransitionKind::Dense, hv, dk, dv, tc, b).expect("shapes from the model config")
+                    Pair::from_parts(TransitionKind::Dense, hv, dk, dv, tc, b)
+                        .expect("shapes from the model config")
                 };
                 (core, Some(pair))
             }

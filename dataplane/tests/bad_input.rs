@@ -5,7 +5,9 @@ use dataplane::Error;
 use std::path::{Path, PathBuf};
 
 fn golden(name: &str) -> PathBuf {
-    PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("tests/fixtures/golden").join(name)
+    PathBuf::from(env!("CARGO_MANIFEST_DIR"))
+        .join("tests/fixtures/golden")
+        .join(name)
 }
 
 fn tmp(tag: &str) -> PathBuf {
@@ -33,13 +35,18 @@ fn load_err(dir: &Path) -> Error {
 fn edit_header(file: &Path, f: impl FnOnce(&mut serde_json::Map<String, serde_json::Value>)) {
     let bytes = std::fs::read(file).unwrap();
     let n = u64::from_le_bytes(bytes[..8].try_into().unwrap()) as usize;
-    let mut h: serde_json::Map<String, serde_json::Value> = serde_json::from_slice(&bytes[8..8 + n]).unwrap();
+    let mut h: serde_json::Map<String, serde_json::Value> =
+        serde_json::from_slice(&bytes[8..8 + n]).unwrap();
     f(&mut h);
     let mut hb = serde_json::to_vec(&h).unwrap();
     while hb.len() < n {
         hb.push(b' ');
     }
-    assert_eq!(hb.len(), n, "edited header must keep its length for this test");
+    assert_eq!(
+        hb.len(),
+        n,
+        "edited header must keep its length for this test"
+    );
     let mut out = Vec::with_capacity(bytes.len());
     out.extend_from_slice(&bytes[..8]);
     out.extend_from_slice(&hb);
@@ -66,18 +73,29 @@ fn missing_weights_name_the_file() {
 #[test]
 fn unknown_model_type_is_named() {
     let d = tmp("mtype");
-    std::fs::write(d.join("config.json"), r#"{"model_type": "llama", "hidden_size": 8}"#).unwrap();
+    std::fs::write(
+        d.join("config.json"),
+        r#"{"model_type": "llama", "hidden_size": 8}"#,
+    )
+    .unwrap();
     let e = load_err(&d);
-    assert!(matches!(&e, Error::UnsupportedModel(t) if t == "llama"), "{e}");
+    assert!(
+        matches!(&e, Error::UnsupportedModel(t) if t == "llama"),
+        "{e}"
+    );
     assert!(e.to_string().contains("llama"));
 }
 
 #[test]
 fn missing_config_field_is_named() {
     let d = tmp("field");
-    let mut cfg: serde_json::Value =
-        serde_json::from_str(&std::fs::read_to_string(golden("qwen3_next").join("config.json")).unwrap()).unwrap();
-    cfg.as_object_mut().unwrap().remove("linear_num_value_heads");
+    let mut cfg: serde_json::Value = serde_json::from_str(
+        &std::fs::read_to_string(golden("qwen3_next").join("config.json")).unwrap(),
+    )
+    .unwrap();
+    cfg.as_object_mut()
+        .unwrap()
+        .remove("linear_num_value_heads");
     std::fs::write(d.join("config.json"), cfg.to_string()).unwrap();
     let e = load_err(&d);
     assert!(e.to_string().contains("linear_num_value_heads"), "{e}");
@@ -101,7 +119,10 @@ fn wrong_tensor_shape_is_named() {
         t["shape"] = serde_json::json!([8, 8]);
     });
     let e = load_err(&d);
-    assert!(matches!(&e, Error::Shape { name, .. } if name == "model.norm.weight"), "{e}");
+    assert!(
+        matches!(&e, Error::Shape { name, .. } if name == "model.norm.weight"),
+        "{e}"
+    );
 }
 
 #[test]
@@ -113,7 +134,10 @@ fn wrong_tensor_dtype_is_named() {
         h.get_mut("model.norm.weight").unwrap()["dtype"] = serde_json::json!("I32");
     });
     let e = load_err(&d);
-    assert!(matches!(&e, Error::Dtype { name, .. } if name == "model.norm.weight"), "{e}");
+    assert!(
+        matches!(&e, Error::Dtype { name, .. } if name == "model.norm.weight"),
+        "{e}"
+    );
 }
 
 #[test]
@@ -142,7 +166,10 @@ fn missing_tensor_is_named() {
         h.insert("lm_head.weigh_".into(), v);
     });
     let e = load_err(&d);
-    assert!(matches!(&e, Error::MissingTensor { name, .. } if name == "lm_head.weight"), "{e}");
+    assert!(
+        matches!(&e, Error::MissingTensor { name, .. } if name == "lm_head.weight"),
+        "{e}"
+    );
 }
 
 #[test]

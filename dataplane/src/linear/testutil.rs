@@ -75,3 +75,9 @@ pub fn rel64(a: &[f32], b: &[f64]) -> f64 {
     let den: f64 = b.iter().map(|&y| y * y).sum();
     (num / den.max(1e-300)).sqrt()
 }
+
+/// Norm ratio `‖a‖₂ / ‖b‖₂` (f64 accumulation).
+pub fn norm_ratio(a: &[f32], b: &[f32]) -> f64 {
+    let n = |x: &[f32]| x.iter().map(|&y| (y as f64).powi(2)).sum::<f64>().sqrt();
+    n(a) / n(b).max(1e-300)
+}

@@ -1,0 +1,580 @@
+//! The PIC request path over an ordered list of segments.
+//!
+//! Modes (DESIGN.md §5 baselines):
+//! * `FullRecompute` — every segment is prefilled, in order, from the running state.
+//! * `PrefixCache` — exact-prefix reuse: running states (fp32, whole model) are
+//!   snapshotted at segment boundaries in the private pool and restored on the
+//!   longest matching segment prefix, as SGLang's hybrid radix cache and vLLM's align
+//!   mode do. Bit-identical to `FullRecompute`, which uses the same span boundaries.
+//! * `NaiveAddition` — linear layers add each segment's zero-start state
+//!   (`S ← S + S_C|0`), full-attention layers take its re-rotated KV; no seams.
+//! * `Hypic { seam_width, rope_fix }` — the paper's method: the first segment is
+//!   reused whole, every middle segment recomputes its first `w` tokens (the seam
+//!   window) through the whole stack from the composed running state, then jumps over
+//!   its body with `S ← T_body S + S_body|0` and appends the body KV re-rotated by
+//!   `R(b − 0)` (or not re-rotated when `rope_fix` is off); the last (query) segment
+//!   is computed. Misses are prefilled alone to build their entry, then used.
+//!
+//! In every mode but `FullRecompute`, the private pool is checked first: a request
+//! whose whole segment sequence was seen (in the same mode) is a full hit.
+use super::pool::{CachePolicy, Insert, Key, Lru, Pool, PoolStats};
+use crate::config::LayerKind;
+use crate::error::{Error, Result};
+use crate::linear::transition::Pair;
+use crate::model::{Logits, Model};
+use crate::state::{LayerState, ModelState};
+use serde::{Deserialize, Serialize};
+use sha2::{Digest, Sha256};
+use std::sync::{Arc, Mutex, MutexGuard};
+
+/// Reuse mode of a request.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum Mode {
+    /// Prefill everything.
+    FullRecompute,
+    /// Exact-prefix reuse of segment-boundary snapshots.
+    PrefixCache,
+    /// Sum of zero-start states, no seams (the structurally wrong baseline).
+    NaiveAddition,
+    /// HYPIC: cached transitions, seam windows, RoPE re-rotation.
+    Hypic {
+        /// Seam window `w` in tokens (paper default 8).
+        seam_width: usize,
+        /// Re-rotate cached keys to their new position (`false`: ablation).
+        rope_fix: bool,
+    },
+}
+
+impl Mode {
+    /// The paper's default: `Hypic { seam_width: 8, rope_fix: true }`.
+    pub fn hypic_default() -> Self {
+        Mode::Hypic {
+            seam_width: 8,
+            rope_fix: true,
+        }
+    }
+    fn tag(&self) -> String {
+        match self {
+            Mode::FullRecompute => "full".into(),
+            Mode::PrefixCache => "prefix".into(),
+            Mode::NaiveAddition => "naive".into(),
+            Mode::Hypic {
+                seam_width,
+                rope_fix,
+            } => format!("hypic:{seam_width}:{rope_fix}"),
+        }
+    }
+}
+
+/// One segment of a request: its tokens and the isolation key that scopes its
+/// public-pool entry. The isolation key is supplied by the caller (the control plane
+/// derives it from the verified tenant and the segment's grants), never derived from
+/// request text.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct SegmentRef {
+    /// Token ids (non-empty).
+    pub tokens: Vec<u32>,
+    /// Isolation key (tenant salt, or a shared key for explicitly shared segments).
+    pub isolation: String,
+}
+
+/// How one segment was served.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum Outcome {
+    /// Prefilled in place (full recompute, the query, or a seam covering it all).
+    Computed,
+    /// Restored from a private-pool snapshot of the running state.
+    PrefixHit,
+    /// Public-pool entry found and composed.
+    Hit,
+    /// No entry: prefilled alone to build one, then composed.
+    Miss,
+}
+
+/// Per-segment statistics.
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+pub struct SegmentStat {
+    /// Position of the segment in the request.
+    pub index: usize,
+    /// Its token count.
+    pub tokens: usize,
+    /// How it was served.
+    pub outcome: Outcome,
+    /// Tokens run through the model for it (entry build + seam window, or all).
+    pub computed: usize,
+    /// Tokens whose work was reused.
+    pub reused: usize,
+    /// SHA-256 of the model id and the segment's tokens (hex).
+    pub content_hash: String,
+}
+
+/// Request statistics.
+#[derive(Clone, Debug, Default, PartialEq, Serialize, Deserialize)]
+pub struct PicStats {
+    /// Tokens run through the model.
+    pub tokens_computed: usize,
+    /// Tokens whose work was reused.
+    pub tokens_reused: usize,
+    /// Segments served from a pool (public hits and prefix hits).
+    pub hits: usize,
+    /// Segments that missed the public pool.
+    pub misses: usize,
+    /// One entry per segment, in request order.
+    pub segments: Vec<SegmentStat>,
+}
+
+/// Result of [`PicEngine::run`].
+#[derive(Clone, Debug)]
+pub struct PicOutput {
+    /// Logits of the prompt's last token, `[vocab]`.
+    pub logits: Vec<f32>,
+    /// Running state after the prompt, ready for decode.
+    pub state: ModelState,
+    /// Statistics.
+    pub stats: PicStats,
+}
+
+/// Cached data of one layer for a segment body.
+#[derive(Clone, Debug)]
+pub enum EntryLayer {
+    /// Linear layer: the body pair and the segment's conv tail `[conv_dim, K−1]`.
+    Linear {
+        /// `(T_body [Hv,dk,dk], S_body|0 [Hv,dk,dv])`, fp32.
+        pair: Pair,
+        /// Last `K−1` conv inputs of the segment.
+        conv_tail: Vec<f32>,
+    },
+    /// Full-attention layer: body K (rotated to in-segment positions `body_start..`)
+    /// and V, `[m − body_start, Hkv, hd]` each.
+    Full {
+        /// Keys.
+        k: Vec<f32>,
+        /// Values.
+        v: Vec<f32>,
+    },
+}
+
+/// A public-pool entry: one segment prefilled alone, body from `body_start`.
+#[derive(Clone, Debug)]
+pub struct SegmentEntry {
+    /// First body token (the seam width used to build it; 0 = the whole segment).
+    pub body_start: usize,
+    /// Segment length in tokens.
+    pub len: usize,
+    /// One entry per decoder layer.
+    pub layers: Vec<EntryLayer>,
+}
+
+impl SegmentEntry {
+    /// Payload bytes (fp32 pairs, conv tails and KV).
+    pub fn bytes(&self) -> usize {
+        self.layers
+            .iter()
+            .map(|l| match l {
+                EntryLayer::Linear { pair, conv_tail } => pair.bytes() + 4 * conv_tail.len(),
+                EntryLayer::Full { k, v } => 4 * (k.len() + v.len()),
+            })
+            .sum()
+    }
+}
+
+/// A private-pool snapshot: the running state after a segment prefix.
+#[derive(Clone, Debug)]
+pub struct Snapshot {
+    /// Whole-model state (fp32, as the cold path keeps it).
+    pub state: ModelState,
+    /// Last-token logits of the prefix, when it was a whole prompt.
+    pub logits: Option<Vec<f32>>,
+}
+
+/// Default byte capacities of the pools.
+pub const DEFAULT_PUBLIC_BYTES: usize = 1 << 30;
+/// See [`DEFAULT_PUBLIC_BYTES`].
+pub const DEFAULT_PRIVATE_BYTES: usize = 1 << 30;
+
+/// The PIC engine: a model plus its public and private pools.
+pub struct PicEngine {
+    model: Arc<Model>,
+    model_id: String,
+    public: Mutex<Pool<SegmentEntry>>,
+    private: Mutex<Pool<Snapshot>>,
+}
+
+fn lock<T>(m: &Mutex<T>) -> MutexGuard<'_, T> {
+    m.lock().unwrap_or_else(|p| p.into_inner())
+}
+
+impl PicEngine {
+    /// Engine over `model` (identified by `model_id` in cache keys) with LRU pools of
+    /// the given byte capacities.
+    pub fn new(
+        model: Arc<Model>,
+        model_id: &str,
+        public_bytes: usize,
+        private_bytes: usize,
+    ) -> Self {
+        PicEngine {
+            model,
+            model_id: model_id.to_string(),
+            public: Mutex::new(Pool::new(public_bytes, Box::new(Lru))),
+            private: Mutex::new(Pool::new(private_bytes, Box::new(Lru))),
+        }
+    }
+
+    /// The model.
+    pub fn model(&self) -> &Arc<Model> {
+        &self.model
+    }
+
+    /// Replaces the public pool's policy.
+    pub fn set_public_policy(&self, p: Box<dyn CachePolicy>) {
+        lock(&self.public).set_policy(p);
+    }
+    /// Replaces the private pool's policy.
+    pub fn set_private_policy(&self, p: Box<dyn CachePolicy>) {
+        lock(&self.private).set_policy(p);
+    }
+
+    /// `(entries, bytes, stats)` of the public pool.
+    pub fn public_usage(&self) -> (usize, usize, PoolStats) {
+        let p = lock(&self.public);
+        (p.len(), p.used_bytes(), p.stats())
+    }
+    /// `(entries, bytes, stats)` of the private pool.
+    pub fn private_usage(&self) -> (usize, usize, PoolStats) {
+        let p = lock(&self.private);
+        (p.len(), p.used_bytes(), p.stats())
+    }
+
+    /// Drops every cached entry and snapshot owned by `isolation` (e.g. on grant
+    /// revocation or segment update); returns how many were removed.
+    pub fn invalidate_owner(&self, isolation: &str) -> usize {
+        lock(&self.public).remove_owner(isolation) + lock(&self.private).remove_owner(isolation)
+    }
+
+    /// Clears both pools.
+    pub fn clear(&self) {
+        lock(&self.public).clear();
+        lock(&self.private).clear();
+    }
+
+    /// SHA-256 (hex) of the model id and a segment's tokens.
+    pub fn content_hash(&self, tokens: &[u32]) -> String {
+        hex::encode(self.content_key(tokens))
+    }
+
+    fn content_key(&self, tokens: &[u32]) -> Key {
+        let mut h = Sha256::new();
+        h.update(b"hypic-segment-v1\0");
+        h.update(self.model_id.as_bytes());
+        h.update([0]);
+        for t in tokens {
+            h.update(t.to_le_bytes());
+        }
+        h.finalize().into()
+    }
+
+    fn public_key(content: &Key, isolation: &str, body_start: usize) -> Key {
+        let mut h = Sha256::new();
+        h.update(b"hypic-public-v1\0");
+        h.update(content);
+        h.update((isolation.len() as u64).to_le_bytes());
+        h.update(isolation.as_bytes());
+        h.update((body_start as u64).to_le_bytes());
+        h.finalize().into()
+    }
+
+    fn prefix_keys(
+        &self,
+        mode: &Mode,
+        tenant: &str,
+        contents: &[Key],
+        segs: &[SegmentRef],
+    ) -> Vec<Key> {
+        let mut h = Sha256::new();
+        h.update(b"hypic-private-v1\0");
+        h.update(self.model_id.as_bytes());
+        h.update([0]);
+        h.update(mode.tag().as_bytes());
+        h.update([0]);
+        h.update((tenant.len() as u64).to_le_bytes());
+        h.update(tenant.as_bytes());
+        contents
+            .iter()
+            .zip(segs)
+            .map(|(c, s)| {
+                h.update(c);
+                h.update((s.isolation.len() as u64).to_le_bytes());
+                h.update(s.isolation.as_bytes());
+                h.clone().finalize().into()
+            })
+            .collect()
+    }
+
+    fn validate(&self, segments: &[SegmentRef]) -> Result<()> {
+        if segments.is_empty() {
+            return Err(Error::Input("a request needs at least one segment".into()));
+        }
+        let vocab = self.model.config.vocab_size;
+        let mut total = 0usize;
+        for (i, s) in segments.iter().enumerate() {
+            if s.tokens.is_empty() {
+                return Err(Error::Input(format!("segment {i} is empty")));
+            }
+            if let Some(t) = s.tokens.iter().find(|&&t| t as usize >= vocab) {
+                return Err(Error::Input(format!(
+                    "segment {i}: token id {t} is outside the vocabulary ({vocab})"
+                )));
+            }
+            total += s.tokens.len();
+        }
+        let max = self.model.config.max_position_embeddings;
+        if total > max {
+            return Err(Error::Input(format!(
+                "prompt has {total} tokens, over the context limit of {max}"
+            )));
+        }
+        Ok(())
+    }
+
+    /// Serves one request: prefix/PIC reuse per `mode`, then the query segment.
+    ///
+    /// `tenant` scopes the private pool (running states are never shared across
+    /// tenants); each segment's `isolation` scopes its public-pool entry.
+    ///
+    /// Errors: no segments, an empty segment, a token outside the vocabulary, a prompt
+    /// over the context limit.
+    pub fn run(&self, segments: &[SegmentRef], mode: Mode, tenant: &str) -> Result<PicOutput> {
+        self.validate(segments)?;
+        let n = segments.len();
+        let contents: Vec<Key> = segments
+            .iter()
+            .map(|s| self.content_key(&s.tokens))
+            .collect();
+        let mut stats = PicStats::default();
+        let stat = |i: usize, outcome: Outcome, computed: usize, reused: usize| SegmentStat {
+            index: i,
+            tokens: segments[i].tokens.len(),
+            outcome,
+            computed,
+            reused,
+            content_hash: hex::encode(contents[i]),
+        };
+        let use_private = mode != Mode::FullRecompute && mode != Mode::NaiveAddition;
+        let prefix_keys = if use_private {
+            self.prefix_keys(&mode, tenant, &contents, segments)
+        } else {
+            vec![]
+        };
+
+        // 1. Longest private-pool prefix.
+        let mut state = self.model.new_state();
+        let mut start = 0usize;
+        if use_private {
+            let mut pool = lock(&self.private);
+            for i in (1..=n).rev() {
+                if !pool.contains(&prefix_keys[i - 1]) {
+                    continue;
+                }
+                let snap = pool.get(&prefix_keys[i - 1]).expect("present");
+                if i == n {
+                    let Some(logits) = snap.logits.clone() else {
+                        continue;
+                    };
+                    drop(pool);
+                    for j in 0..n {
+                        stats.segments.push(stat(
+                            j,
+                            Outcome::PrefixHit,
+                            0,
+                            segments[j].tokens.len(),
+                        ));
+                    }
+                    stats.hits = n;
+                    stats.tokens_reused = segments.iter().map(|s| s.tokens.len()).sum();
+                    return Ok(PicOutput {
+                        logits,
+                        state: snap.state.clone(),
+                        stats,
+                    });
+                }
+                state = snap.state.clone();
+                start = i;
+                for j in 0..i {
+                    stats
+                        .segments
+                        .push(stat(j, Outcome::PrefixHit, 0, segments[j].tokens.len()));
+                }
+                break;
+            }
+        }
+
+        // 2. Remaining segments.
+        let mut logits = vec![];
+        for i in start..n {
+            let seg = &segments[i];
+            let m = seg.tokens.len();
+            let last = i + 1 == n;
+            let body_start = match mode {
+                Mode::Hypic { seam_width, .. } if i > 0 => seam_width,
+                _ => 0,
+            };
+            let compute_here = last
+                || matches!(mode, Mode::FullRecompute | Mode::PrefixCache)
+                || (matches!(mode, Mode::Hypic { .. }) && body_start >= m);
+            if compute_here {
+                let out = self.model.prefill(
+                    &seg.tokens,
+                    &mut state,
+                    if last { Logits::Last } else { Logits::None },
+                )?;
+                logits = out.logits;
+                stats.segments.push(stat(i, Outcome::Computed, m, 0));
+            } else {
+                let key = Self::public_key(&contents[i], &seg.isolation, body_start);
+                let found = lock(&self.public).get(&key);
+                let (entry, outcome) = match found {
+                    Some(e) => (e, Outcome::Hit),
+                    None => {
+                        let e = Arc::new(self.build_entry(&seg.tokens, body_start)?);
+                        let bytes = e.bytes();
+                        let _: Insert =
+                            lock(&self.public).insert(key, e.clone(), bytes, m, &seg.isolation);
+                        (e, Outcome::Miss)
+                    }
+                };
+                let rope_fix = match mode {
+                    Mode::Hypic { rope_fix, .. } => rope_fix,
+                    _ => true,
+                };
+                let naive = mode == Mode::NaiveAddition;
+                self.compose(&seg.tokens, &entry, &mut state, naive, rope_fix)?;
+                let window = body_start.min(m);
+                let (computed, reused) = match outcome {
+                    Outcome::Hit => (window, m - window),
+                    _ => (m + window, 0),
+                };
+                stats.segments.push(stat(i, outcome, computed, reused));
+            }
+            if use_private {
+                let snap = Snapshot {
+                    state: state.clone(),
+                    logits: if last { Some(logits.clone()) } else { None },
+                };
+                let bytes = snap.state.bytes() + 4 * logits.len();
+                let owner = tenant.to_string();
+                lock(&self.private).insert(prefix_keys[i], Arc::new(snap), bytes, 0, &owner);
+            }
+        }
+        for s in &stats.segments {
+            stats.tokens_computed += s.computed;
+            stats.tokens_reused += s.reused;
+            match s.outcome {
+                Outcome::Hit | Outcome::PrefixHit => stats.hits += 1,
+                Outcome::Miss => stats.misses += 1,
+                Outcome::Computed => {}
+            }
+        }
+        Ok(PicOutput {
+            logits,
+            state,
+            stats,
+        })
+    }
+
+    /// Prefills `tokens` alone (fresh state, positions from 0) and keeps, per layer,
+    /// the body `[body_start, m)`: linear layers' pair and conv tail, attention
+    /// layers' KV.
+    pub fn build_entry(&self, tokens: &[u32], body_start: usize) -> Result<SegmentEntry> {
+        let model = &self.model;
+        let mut state = model.new_state();
+        let positions: Vec<i64> = (0..tokens.len() as i64).collect();
+        let mut x = model.embed(tokens);
+        let c = &model.config;
+        let row = c.num_kv_heads * c.head_dim;
+        let from = body_start.min(tokens.len());
+        let mut layers = Vec::with_capacity(c.num_layers);
+        for (i, ls) in state.layers.iter_mut().enumerate() {
+            let out = model.layer_forward_capture(i, &mut x, &positions, ls, Some(from))?;
+            layers.push(match (ls, out.pair, out.kv) {
+                (LayerState::Linear(s), Some(pair), _) => EntryLayer::Linear {
+                    pair,
+                    conv_tail: s.conv.clone(),
+                },
+                (LayerState::Full(_), _, Some((k, v))) => EntryLayer::Full {
+                    k: k[from * row..].to_vec(),
+                    v: v[from * row..].to_vec(),
+                },
+                _ => {
+                    return Err(Error::Input(format!(
+                        "layer {i}: capture returned no cache data"
+                    )))
+                }
+            });
+        }
+        Ok(SegmentEntry {
+            body_start: from,
+            len: tokens.len(),
+            layers,
+        })
+    }
+
+    /// Places a cached segment after the running `state` at position
+    /// `b = state.next_position`: recomputes the seam window `tokens[..body_start]`
+    /// through the whole stack, then composes the body (or adds it, `naive`).
+    fn compose(
+        &self,
+        tokens: &[u32],
+        e: &SegmentEntry,
+        state: &mut ModelState,
+        naive: bool,
+        rope_fix: bool,
+    ) -> Result<()> {
+        let model = &self.model;
+        let c = &model.config;
+        let b = state.next_position;
+        if e.body_start > 0 {
+            model.prefill(&tokens[..e.body_start], state, Logits::None)?;
+        }
+        let (nkv, hd) = (c.num_kv_heads, c.head_dim);
+        let body = e.len - e.body_start;
+        for (i, (ls, el)) in state.layers.iter_mut().zip(&e.layers).enumerate() {
+            match (ls, el, c.layer_kinds[i]) {
+                (
+                    LayerState::Linear(s),
+                    EntryLayer::Linear { pair, conv_tail },
+                    LayerKind::Linear,
+                ) => {
+                    let r = if naive {
+                        pair.apply_naive(&mut s.recurrent)
+                    } else {
+                        pair.apply(&mut s.recurrent)
+                    };
+                    r.map_err(|e| Error::Input(format!("layer {i}: {e}")))?;
+                    s.conv.clone_from(conv_tail);
+                }
+                (LayerState::Full(kv), EntryLayer::Full { k, v }, LayerKind::Full) => {
+                    let mut k = k.clone();
+                    if rope_fix && b != 0 {
+                        for tok in k.chunks_exact_mut(nkv * hd) {
+                            model.rope().apply(tok, hd, b);
+                        }
+                    }
+                    kv.k.extend_from_slice(&k);
+                    kv.v.extend_from_slice(v);
+                    let p0 = b + e.body_start as i64;
+                    kv.positions.extend((0..body as i64).map(|j| p0 + j));
+                }
+                _ => {
+                    return Err(Error::Input(format!(
+                        "layer {i}: cache entry does not match the model"
+                    )))
+                }
+            }
+        }
+        state.next_position = b + e.len as i64;
+        Ok(())
+    }
+}
