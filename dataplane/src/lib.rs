@@ -12,4 +12,5 @@ pub mod weights;
 
 pub use error::{Error, Result};
 pub mod sampling;
+pub mod scheduler;
 pub mod tokenizer;

@@ -1,0 +1,552 @@
+//! Continuous-batching scheduler: one worker thread owns the model; new requests'
+//! prefill (with PIC assembly through [`PicEngine`]) interleaves with decode steps of
+//! the running batch.
+//!
+//! * Admission: a bounded queue (full → [`SubmitError::QueueFull`] with a retry hint);
+//!   a request leaves the queue when a recurrent-state slot is free **and** its KV
+//!   reservation (`(prompt + max_tokens) × KV bytes per token`) fits the KV budget;
+//!   a request that waits longer than the queue timeout gets
+//!   [`GenEvent::Error`] with [`ErrorKind::QueueTimeout`].
+//! * Each iteration prefills at most one new request, then runs one batched decode
+//!   step over every running sequence.
+//! * Cancellation: dropping the [`RequestHandle`] (client disconnect) or calling
+//!   [`RequestHandle::cancel`] frees the sequence's state at the next step.
+use crate::pic::{Mode, PicEngine, PicStats, SegmentRef};
+use crate::sampling::{Sampler, SamplingParams};
+use crate::state::ModelState;
+use serde::Serialize;
+use std::collections::VecDeque;
+use std::sync::atomic::{AtomicBool, AtomicU64, AtomicUsize, Ordering};
+use std::sync::{Arc, Condvar, Mutex};
+use std::time::{Duration, Instant};
+use tokio::sync::mpsc;
+
+/// A generation request (already tokenised into segments).
+#[derive(Clone, Debug)]
+pub struct GenRequest {
+    /// Ordered segments; the last is the query and is always computed.
+    pub segments: Vec<SegmentRef>,
+    /// Reuse mode.
+    pub mode: Mode,
+    /// Tenant (scopes the private pool).
+    pub tenant: String,
+    /// Sampling parameters.
+    pub sampling: SamplingParams,
+    /// Maximum new tokens (≥ 1).
+    pub max_tokens: usize,
+    /// Token ids that end generation (EOS); the stop token itself is not emitted.
+    pub stop_token_ids: Vec<u32>,
+    /// Number of top alternatives whose log-probabilities each token event carries.
+    pub top_logprobs: usize,
+}
+
+/// Why a sequence finished.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize)]
+#[serde(rename_all = "snake_case")]
+pub enum FinishReason {
+    /// A stop token was produced.
+    Stop,
+    /// `max_tokens` reached.
+    Length,
+    /// Cancelled by the client.
+    Cancelled,
+}
+
+/// Error kinds reported on a request's event stream.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize)]
+#[serde(rename_all = "snake_case")]
+pub enum ErrorKind {
+    /// Waited in the queue longer than the configured timeout.
+    QueueTimeout,
+    /// The request itself is invalid (e.g. a token outside the vocabulary).
+    InvalidRequest,
+    /// It can never fit the KV budget.
+    TooLarge,
+    /// Anything else from the engine.
+    Internal,
+}
+
+/// Events of one request, in order: `Started`, then `Token`s, then `Done` — or a
+/// single `Error`.
+#[derive(Clone, Debug)]
+pub enum GenEvent {
+    /// Prefill finished.
+    Started {
+        /// PIC statistics (per-segment hits/misses, tokens computed/reused).
+        stats: PicStats,
+        /// Prompt tokens.
+        prompt_tokens: usize,
+        /// Time from submission to the first token.
+        ttft: Duration,
+        /// Time spent queued.
+        queued: Duration,
+    },
+    /// One generated token.
+    Token {
+        /// Token id.
+        id: u32,
+        /// Its log-probability under the (unfiltered, temperature-1) distribution.
+        logprob: f32,
+        /// The `top_logprobs` most likely tokens and their log-probabilities.
+        top: Vec<(u32, f32)>,
+    },
+    /// Generation ended.
+    Done {
+        /// Why.
+        reason: FinishReason,
+        /// Tokens generated.
+        generated: usize,
+    },
+    /// The request failed.
+    Error {
+        /// Kind (maps to an HTTP status).
+        kind: ErrorKind,
+        /// Message.
+        message: String,
+    },
+}
+
+/// Scheduler settings.
+#[derive(Clone, Debug)]
+pub struct SchedulerConfig {
+    /// Requests that may wait in the queue.
+    pub queue_capacity: usize,
+    /// Recurrent-state slots: sequences decoding at once.
+    pub max_running: usize,
+    /// Budget for KV reservations of running sequences, bytes.
+    pub kv_budget_bytes: usize,
+    /// Longest a request may wait in the queue.
+    pub queue_timeout: Duration,
+}
+
+impl Default for SchedulerConfig {
+    fn default() -> Self {
+        SchedulerConfig {
+            queue_capacity: 64,
+            max_running: 16,
+            kv_budget_bytes: 2 << 30,
+            queue_timeout: Duration::from_secs(30),
+        }
+    }
+}
+
+/// Why a submission was refused.
+#[derive(Debug, thiserror::Error, PartialEq)]
+pub enum SubmitError {
+    /// The queue is full; retry after about this long.
+    #[error("the request queue is full ({capacity} waiting); retry after {retry_after_s} s")]
+    QueueFull {
+        /// Queue capacity.
+        capacity: usize,
+        /// Suggested wait in seconds.
+        retry_after_s: u64,
+    },
+    /// Invalid request.
+    #[error("{0}")]
+    Invalid(String),
+    /// The scheduler has shut down.
+    #[error("the scheduler is not running")]
+    Closed,
+}
+
+/// Handle of a submitted request: its event stream. Dropping it cancels the request.
+pub struct RequestHandle {
+    /// Events (see [`GenEvent`]).
+    pub events: mpsc::UnboundedReceiver<GenEvent>,
+    cancel: Arc<AtomicBool>,
+}
+
+impl RequestHandle {
+    /// Cancels the request; its state is freed at the worker's next step.
+    pub fn cancel(&self) {
+        self.cancel.store(true, Ordering::Relaxed);
+    }
+}
+
+impl Drop for RequestHandle {
+    fn drop(&mut self) {
+        self.cancel.store(true, Ordering::Relaxed);
+    }
+}
+
+/// Live counters (read by metrics).
+#[derive(Debug, Default)]
+pub struct SchedulerMetrics {
+    /// Requests waiting.
+    pub queue_depth: AtomicUsize,
+    /// Sequences decoding.
+    pub running: AtomicUsize,
+    /// KV bytes reserved by running sequences.
+    pub kv_reserved_bytes: AtomicUsize,
+    /// Recurrent/KV state bytes actually held by running sequences.
+    pub state_bytes: AtomicUsize,
+    /// Requests finished (any reason).
+    pub finished: AtomicU64,
+    /// Requests cancelled.
+    pub cancelled: AtomicU64,
+    /// Requests rejected with a full queue.
+    pub rejected_queue_full: AtomicU64,
+    /// Requests that timed out in the queue.
+    pub queue_timeouts: AtomicU64,
+    /// Tokens generated.
+    pub generated_tokens: AtomicU64,
+}
+
+struct Queued {
+    req: GenRequest,
+    tx: mpsc::UnboundedSender<GenEvent>,
+    cancel: Arc<AtomicBool>,
+    submitted: Instant,
+    reservation: usize,
+}
+
+struct Running {
+    state: ModelState,
+    sampler: Sampler,
+    next: u32,
+    generated: usize,
+    max_tokens: usize,
+    stop: Vec<u32>,
+    top_logprobs: usize,
+    tx: mpsc::UnboundedSender<GenEvent>,
+    cancel: Arc<AtomicBool>,
+    reservation: usize,
+}
+
+struct Shared {
+    queue: Mutex<VecDeque<Queued>>,
+    wake: Condvar,
+    shutdown: AtomicBool,
+    metrics: Arc<SchedulerMetrics>,
+}
+
+/// The scheduler: submit requests, read metrics.
+pub struct Scheduler {
+    shared: Arc<Shared>,
+    cfg: SchedulerConfig,
+    engine: Arc<PicEngine>,
+    worker: Option<std::thread::JoinHandle<()>>,
+}
+
+impl Scheduler {
+    /// Starts the worker thread over `engine`.
+    pub fn start(engine: Arc<PicEngine>, cfg: SchedulerConfig) -> Self {
+        let shared = Arc::new(Shared {
+            queue: Mutex::new(VecDeque::new()),
+            wake: Condvar::new(),
+            shutdown: AtomicBool::new(false),
+            metrics: Arc::new(SchedulerMetrics::default()),
+        });
+        let (s2, e2, c2) = (shared.clone(), engine.clone(), cfg.clone());
+        let worker = std::thread::Builder::new()
+            .name("hypic-scheduler".into())
+            .spawn(move || worker_loop(s2, e2, c2))
+            .expect("spawn scheduler thread");
+        Scheduler {
+            shared,
+            cfg,
+            engine,
+            worker: Some(worker),
+        }
+    }
+
+    /// The engine (pools, model).
+    pub fn engine(&self) -> &Arc<PicEngine> {
+        &self.engine
+    }
+
+    /// Live counters.
+    pub fn metrics(&self) -> Arc<SchedulerMetrics> {
+        self.shared.metrics.clone()
+    }
+
+    /// Settings.
+    pub fn config(&self) -> &SchedulerConfig {
+        &self.cfg
+    }
+
+    /// KV bytes one token costs across all full-attention layers (fp32 K and V).
+    pub fn kv_bytes_per_token(&self) -> usize {
+        let c = &self.engine.model().config;
+        let full = c
+            .layer_kinds
+            .iter()
+            .filter(|k| **k == crate::config::LayerKind::Full)
+            .count();
+        full * 2 * c.num_kv_heads * c.head_dim * 4 + full * 8
+    }
+
+    /// Queues a request.
+    ///
+    /// Errors: [`SubmitError::Invalid`] (no segments, empty segment, `max_tokens` 0,
+    /// prompt + `max_tokens` over the context limit, a reservation larger than the
+    /// whole KV budget), [`SubmitError::QueueFull`].
+    pub fn submit(&self, req: GenRequest) -> Result<RequestHandle, SubmitError> {
+        if self.shared.shutdown.load(Ordering::Relaxed) {
+            return Err(SubmitError::Closed);
+        }
+        if req.segments.is_empty() {
+            return Err(SubmitError::Invalid("the prompt has no segments".into()));
+        }
+        if let Some(i) = req.segments.iter().position(|s| s.tokens.is_empty()) {
+            return Err(SubmitError::Invalid(format!("segment {i} is empty")));
+        }
+        if req.max_tokens == 0 {
+            return Err(SubmitError::Invalid("max_tokens must be at least 1".into()));
+        }
+        let c = &self.engine.model().config;
+        let prompt: usize = req.segments.iter().map(|s| s.tokens.len()).sum();
+        if prompt + req.max_tokens > c.max_position_embeddings {
+            return Err(SubmitError::Invalid(format!(
+                "prompt ({prompt} tokens) plus max_tokens ({}) exceeds the context limit of {} tokens",
+                req.max_tokens, c.max_position_embeddings
+            )));
+        }
+        if let Some(t) = req
+            .segments
+            .iter()
+            .flat_map(|s| &s.tokens)
+            .find(|&&t| t as usize >= c.vocab_size)
+        {
+            return Err(SubmitError::Invalid(format!(
+                "token id {t} is outside the vocabulary"
+            )));
+        }
+        let reservation = (prompt + req.max_tokens) * self.kv_bytes_per_token();
+        if reservation > self.cfg.kv_budget_bytes {
+            return Err(SubmitError::Invalid(format!(
+                "the request needs {reservation} bytes of KV, over the budget of {}",
+                self.cfg.kv_budget_bytes
+            )));
+        }
+        let (tx, rx) = mpsc::unbounded_channel();
+        let cancel = Arc::new(AtomicBool::new(false));
+        {
+            let mut q = self.shared.queue.lock().unwrap_or_else(|p| p.into_inner());
+            if q.len() >= self.cfg.queue_capacity {
+                self.shared
+                    .metrics
+                    .rejected_queue_full
+                    .fetch_add(1, Ordering::Relaxed);
+                return Err(SubmitError::QueueFull {
+                    capacity: self.cfg.queue_capacity,
+                    retry_after_s: 1,
+                });
+            }
+            q.push_back(Queued {
+                req,
+                tx,
+                cancel: cancel.clone(),
+                submitted: Instant::now(),
+                reservation,
+            });
+            self.shared
+                .metrics
+                .queue_depth
+                .store(q.len(), Ordering::Relaxed);
+        }
+        self.shared.wake.notify_one();
+        Ok(RequestHandle { events: rx, cancel })
+    }
+}
+
+impl Drop for Scheduler {
+    fn drop(&mut self) {
+        self.shared.shutdown.store(true, Ordering::Relaxed);
+        self.shared.wake.notify_all();
+        if let Some(w) = self.worker.take() {
+            let _ = w.join();
+        }
+    }
+}
+
+/// Log-probabilities (log-softmax) of `logits`.
+fn log_softmax(logits: &[f32]) -> Vec<f32> {
+    let m = logits.iter().cloned().fold(f32::NEG_INFINITY, f32::max);
+    let lse = m + logits.iter().map(|x| (x - m).exp()).sum::<f32>().ln();
+    logits.iter().map(|x| x - lse).collect()
+}
+
+fn token_event(logits: &[f32], id: u32, top: usize) -> GenEvent {
+    let lp = log_softmax(logits);
+    let mut topv = vec![];
+    if top > 0 {
+        let mut idx: Vec<usize> = (0..lp.len()).collect();
+        idx.sort_by(|&a, &b| lp[b].total_cmp(&lp[a]));
+        topv = idx
+            .into_iter()
+            .take(top)
+            .map(|i| (i as u32, lp[i]))
+            .collect();
+    }
+    GenEvent::Token {
+        id,
+        logprob: lp.get(id as usize).copied().unwrap_or(f32::NEG_INFINITY),
+        top: topv,
+    }
+}
+
+fn worker_loop(shared: Arc<Shared>, engine: Arc<PicEngine>, cfg: SchedulerConfig) {
+    let metrics = shared.metrics.clone();
+    let mut running: Vec<Running> = vec![];
+    let mut reserved = 0usize;
+    loop {
+        if shared.shutdown.load(Ordering::Relaxed) {
+            return;
+        }
+        // 1. Admission: expire timed-out and cancelled requests, admit at most one.
+        let admitted = {
+            let mut q = shared.queue.lock().unwrap_or_else(|p| p.into_inner());
+            let now = Instant::now();
+            q.retain(|r| {
+                if r.cancel.load(Ordering::Relaxed) || r.tx.is_closed() {
+                    metrics.cancelled.fetch_add(1, Ordering::Relaxed);
+                    return false;
+                }
+                if now.duration_since(r.submitted) > cfg.queue_timeout {
+                    metrics.queue_timeouts.fetch_add(1, Ordering::Relaxed);
+                    let _ = r.tx.send(GenEvent::Error {
+                        kind: ErrorKind::QueueTimeout,
+                        message: format!(
+                            "the request waited longer than {:?} in the queue",
+                            cfg.queue_timeout
+                        ),
+                    });
+                    return false;
+                }
+                true
+            });
+            let fits = |r: &Queued| {
+                running.len() < cfg.max_running && reserved + r.reservation <= cfg.kv_budget_bytes
+            };
+            let out = if q.front().is_some_and(fits) {
+                q.pop_front()
+            } else {
+                None
+            };
+            metrics.queue_depth.store(q.len(), Ordering::Relaxed);
+            if out.is_none() && running.is_empty() {
+                // Idle: sleep until a submission (or re-check timeouts periodically).
+                let _unused = shared
+                    .wake
+                    .wait_timeout(q, Duration::from_millis(50))
+                    .map(|(g, _)| drop(g));
+                continue;
+            }
+            out
+        };
+        if let Some(qr) = admitted {
+            let queued = qr.submitted.elapsed();
+            let res = engine.run(&qr.req.segments, qr.req.mode, &qr.req.tenant);
+            match res {
+                Err(e) => {
+                    let _ = qr.tx.send(GenEvent::Error {
+                        kind: ErrorKind::InvalidRequest,
+                        message: e.to_string(),
+                    });
+                    metrics.finished.fetch_add(1, Ordering::Relaxed);
+                }
+                Ok(out) => {
+                    let mut sampler = Sampler::new(qr.req.sampling.clone());
+                    let next = sampler.sample(&out.logits);
+                    let prompt_tokens = qr.req.segments.iter().map(|s| s.tokens.len()).sum();
+                    let _ = qr.tx.send(GenEvent::Started {
+                        stats: out.stats,
+                        prompt_tokens,
+                        ttft: qr.submitted.elapsed(),
+                        queued,
+                    });
+                    let mut r = Running {
+                        state: out.state,
+                        sampler,
+                        next,
+                        generated: 0,
+                        max_tokens: qr.req.max_tokens,
+                        stop: qr.req.stop_token_ids.clone(),
+                        top_logprobs: qr.req.top_logprobs,
+                        tx: qr.tx,
+                        cancel: qr.cancel,
+                        reservation: qr.reservation,
+                    };
+                    reserved += r.reservation;
+                    if emit(&mut r, &out.logits, &metrics) {
+                        running.push(r);
+                    } else {
+                        reserved -= r.reservation;
+                    }
+                }
+            }
+        }
+        // 2. One decode step for every running sequence.
+        let mut keep = Vec::with_capacity(running.len());
+        for mut r in running.drain(..) {
+            if r.cancel.load(Ordering::Relaxed) || r.tx.is_closed() {
+                let _ = r.tx.send(GenEvent::Done {
+                    reason: FinishReason::Cancelled,
+                    generated: r.generated,
+                });
+                metrics.cancelled.fetch_add(1, Ordering::Relaxed);
+                metrics.finished.fetch_add(1, Ordering::Relaxed);
+                reserved -= r.reservation;
+                continue;
+            }
+            match engine.model().decode(r.next, &mut r.state) {
+                Ok(logits) => {
+                    r.next = r.sampler.sample(&logits);
+                    if emit(&mut r, &logits, &metrics) {
+                        keep.push(r);
+                    } else {
+                        reserved -= r.reservation;
+                    }
+                }
+                Err(e) => {
+                    let _ = r.tx.send(GenEvent::Error {
+                        kind: ErrorKind::Internal,
+                        message: e.to_string(),
+                    });
+                    metrics.finished.fetch_add(1, Ordering::Relaxed);
+                    reserved -= r.reservation;
+                }
+            }
+        }
+        running = keep;
+        metrics.running.store(running.len(), Ordering::Relaxed);
+        metrics.kv_reserved_bytes.store(reserved, Ordering::Relaxed);
+        metrics.state_bytes.store(
+            running.iter().map(|r| r.state.bytes()).sum(),
+            Ordering::Relaxed,
+        );
+    }
+}
+
+/// Emits `r.next` (sampled from `logits`) unless it is a stop token; returns whether
+/// the sequence continues.
+fn emit(r: &mut Running, logits: &[f32], metrics: &SchedulerMetrics) -> bool {
+    if r.stop.contains(&r.next) {
+        let _ = r.tx.send(GenEvent::Done {
+            reason: FinishReason::Stop,
+            generated: r.generated,
+        });
+        metrics.finished.fetch_add(1, Ordering::Relaxed);
+        return false;
+    }
+    r.generated += 1;
+    metrics.generated_tokens.fetch_add(1, Ordering::Relaxed);
+    if r.tx
+        .send(token_event(logits, r.next, r.top_logprobs))
+        .is_err()
+    {
+        metrics.cancelled.fetch_add(1, Ordering::Relaxed);
+        metrics.finished.fetch_add(1, Ordering::Relaxed);
+        return false;
+    }
+    if r.generated >= r.max_tokens {
+        let _ = r.tx.send(GenEvent::Done {
+            reason: FinishReason::Length,
+            generated: r.generated,
+        });
+        metrics.finished.fetch_add(1, Ordering::Relaxed);
+        return false;
+    }
+    true
+}

@@ -1,0 +1,230 @@
+//! Scheduler behaviour: streaming order, stop tokens, cancellation frees state,
+//! bounded queue, queue timeout, KV-budget admission.
+use dataplane::model::Model;
+use dataplane::pic::{Mode, PicEngine, SegmentRef};
+use dataplane::sampling::SamplingParams;
+use dataplane::scheduler::{
+    ErrorKind, FinishReason, GenEvent, GenRequest, Scheduler, SchedulerConfig, SubmitError,
+};
+use std::path::PathBuf;
+use std::sync::atomic::Ordering;
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+fn engine() -> Arc<PicEngine> {
+    let dir = PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("tests/fixtures/golden/qwen3_next");
+    Arc::new(PicEngine::new(
+        Arc::new(Model::load(&dir, &mut |_, _| {}).unwrap()),
+        "g",
+        1 << 28,
+        1 << 28,
+    ))
+}
+
+fn req(seed: u32, max_tokens: usize) -> GenRequest {
+    GenRequest {
+        segments: vec![
+            SegmentRef {
+                tokens: (0..20).map(|i| (i * 7 + seed) % 300).collect(),
+                isolation: "t".into(),
+            },
+            SegmentRef {
+                tokens: (0..30).map(|i| (i * 11 + seed) % 300).collect(),
+                isolation: "t".into(),
+            },
+        ],
+        mode: Mode::hypic_default(),
+        tenant: "t".into(),
+        sampling: SamplingParams::default(),
+        max_tokens,
+        stop_token_ids: vec![],
+        top_logprobs: 2,
+    }
+}
+
+fn collect(h: &mut dataplane::scheduler::RequestHandle) -> Vec<GenEvent> {
+    let mut v = vec![];
+    while let Some(e) = h.events.blocking_recv() {
+        let end = matches!(e, GenEvent::Done { .. } | GenEvent::Error { .. });
+        v.push(e);
+        if end {
+            break;
+        }
+    }
+    v
+}
+
+#[test]
+fn streams_started_tokens_done_and_matches_engine_greedy() {
+    let e = engine();
+    let s = Scheduler::start(e.clone(), SchedulerConfig::default());
+    let mut h = s.submit(req(1, 6)).unwrap();
+    let ev = collect(&mut h);
+    assert!(matches!(
+        ev[0],
+        GenEvent::Started {
+            prompt_tokens: 50,
+            ..
+        }
+    ));
+    let toks: Vec<u32> = ev
+        .iter()
+        .filter_map(|e| match e {
+            GenEvent::Token { id, logprob, top } => {
+                assert_eq!(top.len(), 2);
+                assert!(*logprob <= 0.0 && top[0].1 >= *logprob - 1e-6);
+                Some(*id)
+            }
+            _ => None,
+        })
+        .collect();
+    assert_eq!(toks.len(), 6);
+    assert!(matches!(
+        ev.last(),
+        Some(GenEvent::Done {
+            reason: FinishReason::Length,
+            generated: 6
+        })
+    ));
+    // Same as running the engine and greedy-decoding by hand.
+    let r = req(1, 6);
+    let out = e.run(&r.segments, Mode::FullRecompute, "other").unwrap();
+    let mut st = out.state;
+    let mut want = vec![dataplane::sampling::argmax(&out.logits)];
+    while want.len() < 6 {
+        let l = e.model().decode(*want.last().unwrap(), &mut st).unwrap();
+        want.push(dataplane::sampling::argmax(&l));
+    }
+    // hypic with a 2-segment prompt reuses only the first segment whole: exact.
+    assert_eq!(toks, want);
+    // A stop token ends the stream without being emitted.
+    let mut r = req(1, 6);
+    r.stop_token_ids = vec![want[2]];
+    let ev = collect(&mut s.submit(r).unwrap());
+    let n = ev
+        .iter()
+        .filter(|e| matches!(e, GenEvent::Token { .. }))
+        .count();
+    let first = want.iter().position(|&t| t == want[2]).unwrap();
+    assert_eq!(n, first);
+    assert!(matches!(
+        ev.last(),
+        Some(GenEvent::Done {
+            reason: FinishReason::Stop,
+            ..
+        })
+    ));
+}
+
+#[test]
+fn cancellation_frees_state_and_slots() {
+    let s = Scheduler::start(
+        engine(),
+        SchedulerConfig {
+            max_running: 2,
+            ..Default::default()
+        },
+    );
+    let m = s.metrics();
+    let mut handles: Vec<_> = (0..2).map(|i| s.submit(req(i, 4000)).unwrap()).collect();
+    // Wait until both are decoding.
+    for h in handles.iter_mut() {
+        assert!(matches!(
+            h.events.blocking_recv(),
+            Some(GenEvent::Started { .. })
+        ));
+    }
+    let t0 = Instant::now();
+    while m.running.load(Ordering::Relaxed) != 2 {
+        assert!(
+            t0.elapsed() < Duration::from_secs(10),
+            "both requests should be running"
+        );
+        std::thread::sleep(Duration::from_millis(2));
+    }
+    assert!(m.state_bytes.load(Ordering::Relaxed) > 0);
+    drop(handles);
+    let t0 = Instant::now();
+    while m.running.load(Ordering::Relaxed) != 0 || m.state_bytes.load(Ordering::Relaxed) != 0 {
+        assert!(
+            t0.elapsed() < Duration::from_secs(10),
+            "cancelled requests still running"
+        );
+        std::thread::sleep(Duration::from_millis(5));
+    }
+    assert_eq!(m.kv_reserved_bytes.load(Ordering::Relaxed), 0);
+    assert!(m.cancelled.load(Ordering::Relaxed) >= 2);
+    // The freed slots serve new requests.
+    let ev = collect(&mut s.submit(req(5, 3)).unwrap());
+    assert!(matches!(
+        ev.last(),
+        Some(GenEvent::Done {
+            reason: FinishReason::Length,
+            ..
+        })
+    ));
+}
+
+#[test]
+fn full_queue_is_refused_and_queue_timeout_is_reported() {
+    let cfg = SchedulerConfig {
+        queue_capacity: 2,
+        max_running: 1,
+        queue_timeout: Duration::from_millis(300),
+        ..Default::default()
+    };
+    let s = Scheduler::start(engine(), cfg);
+    let mut busy = s.submit(req(0, 4000)).unwrap();
+    assert!(matches!(
+        busy.events.blocking_recv(),
+        Some(GenEvent::Started { .. })
+    ));
+    let mut a = s.submit(req(1, 2)).unwrap();
+    let _b = s.submit(req(2, 2)).unwrap();
+    let err = s.submit(req(3, 2)).err().unwrap();
+    assert!(matches!(
+        err,
+        SubmitError::QueueFull {
+            capacity: 2,
+            retry_after_s: 1
+        }
+    ));
+    // `a` cannot be admitted while `busy` holds the only slot: it times out.
+    match a.events.blocking_recv() {
+        Some(GenEvent::Error {
+            kind: ErrorKind::QueueTimeout,
+            ..
+        }) => {}
+        other => panic!("expected a queue timeout, got {other:?}"),
+    }
+    assert!(s.metrics().queue_timeouts.load(Ordering::Relaxed) >= 1);
+    busy.cancel();
+}
+
+#[test]
+fn invalid_requests_are_refused_at_submit() {
+    let s = Scheduler::start(
+        engine(),
+        SchedulerConfig {
+            kv_budget_bytes: 100_000,
+            ..Default::default()
+        },
+    );
+    let mut r = req(0, 0);
+    assert!(
+        matches!(s.submit(r.clone()), Err(SubmitError::Invalid(m)) if m.contains("max_tokens"))
+    );
+    r.max_tokens = 10_000_000;
+    assert!(
+        matches!(s.submit(r.clone()), Err(SubmitError::Invalid(m)) if m.contains("context limit"))
+    );
+    r.max_tokens = 3000;
+    assert!(matches!(s.submit(r.clone()), Err(SubmitError::Invalid(m)) if m.contains("KV")));
+    r.max_tokens = 2;
+    r.segments[1].tokens.clear();
+    assert!(
+        matches!(s.submit(r.clone()), Err(SubmitError::Invalid(m)) if m.contains("segment 1 is empty"))
+    );
+    r.segments.clear();
+    assert!(matches!(s.submit(r), Err(SubmitError::Invalid(_))));
+}
