@@ -301,6 +301,101 @@ impl Model {
         Ok(self.prefill(&[token], state, Logits::Last)?.logits)
     }
 
+    /// One decode step for a batch of sequences: `tokens[b]` is appended to
+    /// `states[b]`. Projections, MLPs and the LM head run as one `[B, ·]` matrix
+    /// product; conv, recurrence and attention run per sequence on its own state.
+    /// Returns `[B][vocab]` logits. Same math as [`Model::decode`] per sequence.
+    ///
+    /// Errors: as [`Model::prefill`] for any sequence (no state is changed then).
+    pub fn decode_batch(
+        &self,
+        tokens: &[u32],
+        states: &mut [&mut ModelState],
+    ) -> Result<Vec<Vec<f32>>> {
+        if tokens.len() != states.len() {
+            return Err(Error::Input(format!(
+                "{} tokens for {} states",
+                tokens.len(),
+                states.len()
+            )));
+        }
+        if tokens.is_empty() {
+            return Ok(vec![]);
+        }
+        self.check_tokens(tokens)?;
+        for s in states.iter() {
+            self.check_state(s)?;
+        }
+        let c = &self.config;
+        let (b, h) = (tokens.len(), c.hidden_size);
+        let mut x = self.embed(tokens);
+        for (i, layer) in self.layers.iter().enumerate() {
+            let mut r = x.clone();
+            ops::rms_norm_zero_centred(&mut r, &layer.input_norm, c.rms_norm_eps);
+            let mixed = match &layer.mixer {
+                Mixer::Linear(w) => {
+                    let n_in = self.gdn_in_width();
+                    let proj = linear(&r, b, h, &w.w_in, n_in);
+                    let vd = c.value_dim();
+                    let mut pre = vec![0f32; b * vd];
+                    pre.par_chunks_mut(vd)
+                        .zip(states.par_iter_mut())
+                        .enumerate()
+                        .for_each(|(j, (row, st))| {
+                            let LayerState::Linear(s) = &mut st.layers[i] else {
+                                unreachable!("checked")
+                            };
+                            let inp = self.gdn_inputs(w, &proj[j * n_in..(j + 1) * n_in], 1, s);
+                            let core = run_gdr(&self.gdr_dims(1), &inp, 0, 1, &mut s.recurrent);
+                            row.copy_from_slice(&self.gdn_gated_norm(w, core, &inp.z));
+                        });
+                    linear(&pre, b, vd, &w.out, h)
+                }
+                Mixer::Full(w) => {
+                    let (qg, k, v) = self.attn_proj(w, &r, b);
+                    let (qw, kw) = (qg.len() / b, k.len() / b);
+                    let ow = c.num_heads * c.head_dim;
+                    let mut pre = vec![0f32; b * ow];
+                    pre.par_chunks_mut(ow)
+                        .zip(states.par_iter_mut())
+                        .enumerate()
+                        .for_each(|(j, (row, st))| {
+                            let pos = [st.next_position];
+                            let LayerState::Full(kv) = &mut st.layers[i] else {
+                                unreachable!("checked")
+                            };
+                            let (o, _, _) = self.attn_mix(
+                                w,
+                                qg[j * qw..(j + 1) * qw].to_vec(),
+                                k[j * kw..(j + 1) * kw].to_vec(),
+                                v[j * kw..(j + 1) * kw].to_vec(),
+                                &pos,
+                                kv,
+                            );
+                            row.copy_from_slice(&o);
+                        });
+                    linear(&pre, b, ow, &w.o, h)
+                }
+            };
+            x.iter_mut().zip(&mixed).for_each(|(a, m)| *a += m);
+            let mut r = x.clone();
+            ops::rms_norm_zero_centred(&mut r, &layer.post_norm, c.rms_norm_eps);
+            let f = match &layer.ffn {
+                Ffn::Dense(m) => mlp_forward(m, &r, b, h),
+                Ffn::Moe(m) => self.moe_forward(m, &r, b),
+            };
+            x.iter_mut().zip(&f).for_each(|(a, m)| *a += m);
+        }
+        for s in states.iter_mut() {
+            s.next_position += 1;
+        }
+        let logits = self.logits(&x);
+        Ok(logits
+            .chunks_exact(c.vocab_size)
+            .map(|l| l.to_vec())
+            .collect())
+    }
+
     /// Final norm and LM head over rows of `x` (`[rows, hidden]`) → `[rows, vocab]`.
     pub fn logits(&self, x: &[f32]) -> Vec<f32> {
         let c = &self.config;
@@ -375,15 +470,20 @@ impl Model {
         Ok(out)
     }
 
-    /// Computes the GDN layer's projections, conv and gates for a span: returns
-    /// `(q [T,Hk,dk] normalised and scaled, k [T,Hk,dk] normalised, v [T,Hv,dv],
-    /// g [T,Hv], beta [T,Hv], z [T,Hv,dv])`, advancing the conv tail in `s`.
-    fn gdn_inputs(&self, w: &GdnWeights, r: &[f32], t: usize, s: &mut LinearState) -> GdnInputs {
+    /// Width of the merged GDN input projection: `conv_dim + value_dim + 2·Hv`.
+    fn gdn_in_width(&self) -> usize {
+        let c = &self.config;
+        c.conv_dim() + c.value_dim() + 2 * c.linear_v_heads
+    }
+
+    /// From the GDN input projection `proj` (`[T, gdn_in_width]`) computes conv and
+    /// gates for a span: `(q [T,Hk,dk] normalised and scaled, k [T,Hk,dk] normalised,
+    /// v [T,Hv,dv], g [T,Hv], beta [T,Hv], z [T,Hv,dv])`, advancing the conv tail in `s`.
+    fn gdn_inputs(&self, w: &GdnWeights, proj: &[f32], t: usize, s: &mut LinearState) -> GdnInputs {
         let c = &self.config;
         let (kd, vd, hv) = (c.key_dim(), c.value_dim(), c.linear_v_heads);
         let cd = c.conv_dim();
-        let n_in = cd + vd + 2 * hv;
-        let proj = linear(r, t, c.hidden_size, &w.w_in, n_in);
+        let n_in = self.gdn_in_width();
         // Causal depthwise conv over q|k|v with the cached tail, then SiLU.
         let kw = c.conv_kernel;
         let tail = kw - 1;
@@ -464,7 +564,8 @@ impl Model {
         s: &mut LinearState,
         capture_from: Option<usize>,
     ) -> (Vec<f32>, Option<Pair>) {
-        let inp = self.gdn_inputs(w, r, t, s);
+        let proj = linear(r, t, self.config.hidden_size, &w.w_in, self.gdn_in_width());
+        let inp = self.gdn_inputs(w, &proj, t, s);
         let (core, pair) = match capture_from {
             None => (
                 run_gdr(&self.gdr_dims(t), &inp, 0, t, &mut s.recurrent),
@@ -514,17 +615,21 @@ impl Model {
                 (core, Some(pair))
             }
         };
-        (self.gdn_output(w, core, &inp.z, t), pair)
+        let c = &self.config;
+        let normed = self.gdn_gated_norm(w, core, &inp.z);
+        (
+            linear(&normed, t, c.value_dim(), &w.out, c.hidden_size),
+            pair,
+        )
     }
 
-    /// Gated RMSNorm (`w · rmsnorm(core) · silu(z)` per value head) and `out_proj`.
-    fn gdn_output(&self, w: &GdnWeights, mut core: Vec<f32>, z: &[f32], t: usize) -> Vec<f32> {
-        let c = &self.config;
-        ops::rms_norm(&mut core, &w.norm, c.rms_norm_eps);
+    /// Gated RMSNorm `w · rmsnorm(core) · silu(z)` per value head (before `out_proj`).
+    fn gdn_gated_norm(&self, w: &GdnWeights, mut core: Vec<f32>, z: &[f32]) -> Vec<f32> {
+        ops::rms_norm(&mut core, &w.norm, self.config.rms_norm_eps);
         core.iter_mut()
             .zip(z)
             .for_each(|(o, zi)| *o *= ops::silu(*zi));
-        linear(&core, t, c.value_dim(), &w.out, c.hidden_size)
+        core
     }
 
     /// Gated attention for a span; appends the span's K/V to `kv`.
@@ -538,12 +643,42 @@ impl Model {
     ) -> (Vec<f32>, Vec<f32>, Vec<f32>) {
         let c = &self.config;
         let t = positions.len();
+        let (qg, k, v) = self.attn_proj(w, r, t);
+        let (o, k, v) = self.attn_mix(w, qg, k, v, positions, kv);
+        (
+            linear(&o, t, c.num_heads * c.head_dim, &w.o, c.hidden_size),
+            k,
+            v,
+        )
+    }
+
+    /// q|gate, k, v projections of `r` (`[T, hidden]`).
+    fn attn_proj(&self, w: &AttnWeights, r: &[f32], t: usize) -> (Vec<f32>, Vec<f32>, Vec<f32>) {
+        let c = &self.config;
+        let (nh, nkv, hd) = (c.num_heads, c.num_kv_heads, c.head_dim);
+        let qw = nh * hd * if c.attn_output_gate { 2 } else { 1 };
+        (
+            linear(r, t, c.hidden_size, &w.q, qw),
+            linear(r, t, c.hidden_size, &w.k, nkv * hd),
+            linear(r, t, c.hidden_size, &w.v, nkv * hd),
+        )
+    }
+
+    /// From projections: q/k norm, RoPE, KV append, causal attention, output gate.
+    /// Returns (gated attention output `[T, H·hd]` before `o_proj`, span K, span V).
+    fn attn_mix(
+        &self,
+        w: &AttnWeights,
+        qg: Vec<f32>,
+        mut k: Vec<f32>,
+        v: Vec<f32>,
+        positions: &[i64],
+        kv: &mut KvCache,
+    ) -> (Vec<f32>, Vec<f32>, Vec<f32>) {
+        let c = &self.config;
+        let t = positions.len();
         let (nh, nkv, hd) = (c.num_heads, c.num_kv_heads, c.head_dim);
         let gated = c.attn_output_gate;
-        let qw = nh * hd * if gated { 2 } else { 1 };
-        let qg = linear(r, t, c.hidden_size, &w.q, qw);
-        let mut k = linear(r, t, c.hidden_size, &w.k, nkv * hd);
-        let v = linear(r, t, c.hidden_size, &w.v, nkv * hd);
         let mut q = vec![0f32; t * nh * hd];
         let mut gate = vec![0f32; if gated { t * nh * hd } else { 0 }];
         for ti in 0..t {
@@ -580,7 +715,7 @@ impl Model {
                 .zip(&gate)
                 .for_each(|(a, g)| *a *= ops::sigmoid(*g));
         }
-        (linear(&o, t, nh * hd, &w.o, c.hidden_size), k, v)
+        (o, k, v)
     }
 
     fn moe_forward(&self, m: &Moe, r: &[f32], t: usize) -> Vec<f32> {

@@ -8,7 +8,7 @@
 //!   a request that waits longer than the queue timeout gets
 //!   [`GenEvent::Error`] with [`ErrorKind::QueueTimeout`].
 //! * Each iteration prefills at most one new request, then runs one batched decode
-//!   step over every running sequence.
+//!   step over every running sequence ([`crate::model::Model::decode_batch`]).
 //! * Cancellation: dropping the [`RequestHandle`] (client disconnect) or calling
 //!   [`RequestHandle::cancel`] frees the sequence's state at the next step.
 use crate::pic::{Mode, PicEngine, PicStats, SegmentRef};
@@ -477,9 +477,9 @@ fn worker_loop(shared: Arc<Shared>, engine: Arc<PicEngine>, cfg: SchedulerConfig
                 }
             }
         }
-        // 2. One decode step for every running sequence.
-        let mut keep = Vec::with_capacity(running.len());
-        for mut r in running.drain(..) {
+        // 2. One batched decode step for every running sequence.
+        let mut live = Vec::with_capacity(running.len());
+        for r in running.drain(..) {
             if r.cancel.load(Ordering::Relaxed) || r.tx.is_closed() {
                 let _ = r.tx.send(GenEvent::Done {
                     reason: FinishReason::Cancelled,
@@ -488,24 +488,38 @@ fn worker_loop(shared: Arc<Shared>, engine: Arc<PicEngine>, cfg: SchedulerConfig
                 metrics.cancelled.fetch_add(1, Ordering::Relaxed);
                 metrics.finished.fetch_add(1, Ordering::Relaxed);
                 reserved -= r.reservation;
-                continue;
+            } else {
+                live.push(r);
             }
-            match engine.model().decode(r.next, &mut r.state) {
-                Ok(logits) => {
-                    r.next = r.sampler.sample(&logits);
-                    if emit(&mut r, &logits, &metrics) {
-                        keep.push(r);
-                    } else {
-                        reserved -= r.reservation;
+        }
+        let mut keep = Vec::with_capacity(live.len());
+        if !live.is_empty() {
+            let tokens: Vec<u32> = live.iter().map(|r| r.next).collect();
+            let step = {
+                let mut states: Vec<&mut ModelState> =
+                    live.iter_mut().map(|r| &mut r.state).collect();
+                engine.model().decode_batch(&tokens, &mut states)
+            };
+            match step {
+                Ok(all_logits) => {
+                    for (mut r, logits) in live.into_iter().zip(all_logits) {
+                        r.next = r.sampler.sample(&logits);
+                        if emit(&mut r, &logits, &metrics) {
+                            keep.push(r);
+                        } else {
+                            reserved -= r.reservation;
+                        }
                     }
                 }
                 Err(e) => {
-                    let _ = r.tx.send(GenEvent::Error {
-                        kind: ErrorKind::Internal,
-                        message: e.to_string(),
-                    });
-                    metrics.finished.fetch_add(1, Ordering::Relaxed);
-                    reserved -= r.reservation;
+                    for r in live {
+                        let _ = r.tx.send(GenEvent::Error {
+                            kind: ErrorKind::Internal,
+                            message: e.to_string(),
+                        });
+                        metrics.finished.fetch_add(1, Ordering::Relaxed);
+                        reserved -= r.reservation;
+                    }
                 }
             }
         }

@@ -247,3 +247,42 @@ fn chat_template_tokenisation_matches_hf() {
         );
     }
 }
+
+#[test]
+fn batched_decode_equals_per_sequence_decode() {
+    for name in MODELS {
+        let m = load(name);
+        let g = Golden::open(name);
+        let prompts = [g.ids("p5.ids"), g.ids("p65.ids"), g.ids("p1.ids")];
+        let mut solo: Vec<_> = prompts.iter().map(|_| m.new_state()).collect();
+        let mut next: Vec<u32> = vec![];
+        for (p, st) in prompts.iter().zip(solo.iter_mut()) {
+            let out = m.prefill(p, st, Logits::Last).unwrap();
+            next.push(dataplane::sampling::argmax(&out.logits));
+        }
+        let mut batch = solo.clone();
+        let mut next_b = next.clone();
+        for step in 0..12 {
+            let want: Vec<Vec<f32>> = next
+                .iter()
+                .zip(solo.iter_mut())
+                .map(|(t, st)| m.decode(*t, st).unwrap())
+                .collect();
+            let mut refs: Vec<&mut dataplane::state::ModelState> = batch.iter_mut().collect();
+            let got = m.decode_batch(&next_b, &mut refs).unwrap();
+            for (j, (a, b)) in got.iter().zip(&want).enumerate() {
+                let e = rel_err(a, b);
+                assert!(e < 1e-5, "{name} step {step} seq {j}: rel err {e}");
+            }
+            next = want
+                .iter()
+                .map(|l| dataplane::sampling::argmax(l))
+                .collect();
+            next_b = got.iter().map(|l| dataplane::sampling::argmax(l)).collect();
+            assert_eq!(next, next_b, "{name} step {step}: greedy tokens differ");
+        }
+        for (a, b) in batch.iter().zip(&solo) {
+            assert_eq!(a.next_position, b.next_position);
+        }
+    }
+}

@@ -578,3 +578,92 @@ impl PicEngine {
         Ok(())
     }
 }
+
+/// What [`PicEngine::prefetch`] did.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize)]
+#[serde(rename_all = "snake_case")]
+pub enum Prefetch {
+    /// The entry was already resident.
+    Present,
+    /// The entry was built and stored.
+    Stored,
+    /// Built, but the pool refused it (admission policy or no room).
+    Refused,
+    /// Nothing to cache: the segment is no longer than the seam window.
+    NotNeeded,
+}
+
+/// Ahead-of-time segment registration (`hypic serve`'s `/v1/segments`): build a
+/// segment's public-pool entry before any request uses it, read its residency,
+/// drop it.
+impl PicEngine {
+    fn entry_key(&self, tokens: &[u32], isolation: &str, body_start: usize) -> Key {
+        Self::public_key(&self.content_key(tokens), isolation, body_start)
+    }
+
+    /// Builds the public-pool entry of `tokens` under `isolation` for `body_start`
+    /// (0: the segment used first in a request, or by naive addition; the seam width
+    /// `w`: the segment used after another in HYPIC mode), unless it is resident.
+    /// Returns what happened and the entry's bytes (0 when not stored).
+    ///
+    /// Errors: empty segment, a token outside the vocabulary, over the context limit.
+    pub fn prefetch(
+        &self,
+        tokens: &[u32],
+        isolation: &str,
+        body_start: usize,
+    ) -> Result<(Prefetch, usize)> {
+        self.validate(&[SegmentRef {
+            tokens: tokens.to_vec(),
+            isolation: isolation.to_string(),
+        }])?;
+        if body_start > 0 && body_start >= tokens.len() {
+            return Ok((Prefetch::NotNeeded, 0));
+        }
+        let key = self.entry_key(tokens, isolation, body_start);
+        if let Some(b) = self.resident_key(&key) {
+            return Ok((Prefetch::Present, b));
+        }
+        let e = self.build_entry(tokens, body_start)?;
+        let bytes = e.bytes();
+        let r = lock(&self.public).insert(key, Arc::new(e), bytes, tokens.len(), isolation);
+        Ok(match r {
+            Insert::Stored { .. } => (Prefetch::Stored, bytes),
+            Insert::Present => (Prefetch::Present, bytes),
+            Insert::NotAdmitted | Insert::NoRoom => (Prefetch::Refused, 0),
+        })
+    }
+
+    fn resident_key(&self, key: &Key) -> Option<usize> {
+        let p = lock(&self.public);
+        if !p.contains(key) {
+            return None;
+        }
+        p.entries()
+            .into_iter()
+            .find(|m| &m.key == key)
+            .map(|m| m.bytes)
+    }
+
+    /// Bytes of the resident public-pool entry of `tokens` under `isolation` for
+    /// `body_start`, if any. Not counted as a lookup.
+    pub fn resident_bytes(
+        &self,
+        tokens: &[u32],
+        isolation: &str,
+        body_start: usize,
+    ) -> Option<usize> {
+        self.resident_key(&self.entry_key(tokens, isolation, body_start))
+    }
+
+    /// Removes the public-pool entries of `tokens` under `isolation` for each of
+    /// `body_starts`; returns how many were present.
+    pub fn evict_segment(&self, tokens: &[u32], isolation: &str, body_starts: &[usize]) -> usize {
+        let keys: Vec<Key> = body_starts
+            .iter()
+            .map(|&b| self.entry_key(tokens, isolation, b))
+            .collect();
+        let mut p = lock(&self.public);
+        keys.iter().filter(|k| p.remove(k)).count()
+    }
+}
