@@ -2,7 +2,10 @@
 //! layers (Gated DeltaNet, gated full attention, MoE), the per-layer state API and
 //! sampling.
 pub mod config;
+#[cfg(feature = "cuda")]
+pub mod cuda;
 pub mod error;
+pub mod eval;
 pub mod linear;
 pub mod model;
 pub mod ops;

@@ -131,7 +131,7 @@ pub const DEFAULT_CHUNK: usize = 64;
 /// L_ij = β_i exp(G_i − G_j) k_i·k_j   (j < i)          strictly lower c×c
 /// M    = (I + L)⁻¹                       forward substitution (unit lower)
 /// U    = M diag(β) V,   W = M diag(β e^G) K            WY representation
-/// Ũ    = U − W S                         the chunk's true delta writes u_i
+/// Ũ    = U − W S = M (diag(β) V − diag(β e^G) K S)   the chunk's true writes u_i
 /// O    = diag(e^G) Q S + (Q Kᵀ ⊙ D)_{j≤i} Ũ,   D_ij = exp(G_i − G_j)
 /// S'   = e^{G_c} S + K̃ᵀ Ũ,                K̃_i = exp(G_c − G_i) k_i
 /// ```
@@ -140,6 +140,11 @@ pub const DEFAULT_CHUNK: usize = 64;
 /// `u_i + Σ_{j<i} L_ij u_j = β_i v_i − β_i e^{G_i} Sᵀ k_i`. Same algorithm as HF
 /// transformers `torch_chunk_gated_delta_rule` (modeling_qwen3_next.py) and FLA
 /// `fla/ops/gated_delta_rule/chunk.py`; the small products use the `gemm` crate.
+///
+/// Unit-scale quantities (decay factors, `M`, and `T` in
+/// [`chunked_with_transition`]) are flushed to zero below 2⁻⁴⁰ and the state below
+/// 1e-30 (underflowing arithmetic is ~100× slower on x86); this differs from
+/// [`recurrent`] only by terms far below fp32 resolution.
 ///
 /// Panics if a slice length does not match `d` or `chunk == 0` (internal
 /// invariants, checked by callers that take user input).
@@ -170,7 +175,9 @@ pub fn chunked(
 /// `T ← e^{G_c} T − K̃ᵀ (W T)` (2·c·dk² flops per chunk; no intra-chunk work is
 /// repeated). This equals running the recurrence from `S₀ = I` with all writes
 /// `β_t k_t v_tᵀ` set to zero, which is how the paper's implementation builds it
-/// (a second full kernel pass with `initial_state = I`).
+/// (a second full kernel pass with `initial_state = I`). Entries below 2⁻⁴⁰ are
+/// returned as 0 (a fully decayed `T_C` is exactly zero, and its further updates
+/// are skipped).
 ///
 /// Panics under the same conditions as [`chunked`].
 #[allow(clippy::too_many_arguments)]
@@ -218,7 +225,7 @@ fn chunked_impl(
     }
     let c = chunk.min(d.t.max(1));
     for_each_head(d, state, trans, |h, s, tr, out_h| {
-        let mut bufs = ChunkBufs::new(c, d.dk, d.dv);
+        let mut bufs = ChunkBufs::new(c, d.dk, d.dv, tr.is_some());
         let mut tr = tr;
         let mut t0 = 0;
         while t0 < d.t {
@@ -283,46 +290,58 @@ where
     out
 }
 
-/// Scratch buffers of one head's chunk loop (sized for the full chunk length).
+/// Scratch buffers of one head's chunk loop (sized for the full chunk length `c`).
 struct ChunkBufs {
-    qc: Vec<f32>,
-    kc: Vec<f32>,
-    bv: Vec<f32>,
-    bk: Vec<f32>,
-    ktil: Vec<f32>,
+    /// `[K; Q]`: `[2c, dk]`.
+    kq: Vec<f32>,
+    /// `[K Kᵀ; Q Kᵀ]`: `[2c, c]` (the second half becomes the masked `P`).
+    gp: Vec<f32>,
+    /// `M = (I + L)⁻¹`: `[c, c]`.
+    m: Vec<f32>,
+    /// `[diag(β e^G) K; diag(e^G) Q]`: `[2c, dk]`.
+    bq: Vec<f32>,
+    /// `[bv − bk S; diag(e^G) Q S]`: `[2c, dv]`.
+    xs: Vec<f32>,
+    /// `Ũ`: `[c, dv]`.
     u: Vec<f32>,
+    /// `K̃`: `[c, dk]`.
+    ktil: Vec<f32>,
+    /// `W = M diag(β e^G) K` and `W T` (transition only): `[c, dk]` each.
     w: Vec<f32>,
     wt: Vec<f32>,
-    gram: Vec<f32>,
-    pq: Vec<f32>,
-    m: Vec<f32>,
     lrow: Vec<f32>,
     gc: Vec<f32>,
     bt: Vec<f32>,
+    /// `T` is exactly zero (fully decayed): its updates are skipped.
+    t_zero: bool,
 }
 
 impl ChunkBufs {
-    fn new(c: usize, dk: usize, dv: usize) -> Self {
+    fn new(c: usize, dk: usize, dv: usize, with_t: bool) -> Self {
+        let wl = if with_t { c * dk } else { 0 };
         ChunkBufs {
-            qc: vec![0.0; c * dk],
-            kc: vec![0.0; c * dk],
-            bv: vec![0.0; c * dv],
-            bk: vec![0.0; c * dk],
-            ktil: vec![0.0; c * dk],
-            u: vec![0.0; c * dv],
-            w: vec![0.0; c * dk],
-            wt: vec![0.0; c * dk],
-            gram: vec![0.0; c * c],
-            pq: vec![0.0; c * c],
+            kq: vec![0.0; 2 * c * dk],
+            gp: vec![0.0; 2 * c * c],
             m: vec![0.0; c * c],
+            bq: vec![0.0; 2 * c * dk],
+            xs: vec![0.0; 2 * c * dv],
+            u: vec![0.0; c * dv],
+            ktil: vec![0.0; c * dk],
+            w: vec![0.0; wl],
+            wt: vec![0.0; wl],
             lrow: vec![0.0; c],
             gc: vec![0.0; c],
             bt: vec![0.0; c],
+            t_zero: false,
         }
     }
 }
 
 /// One chunk `[t0, t0 + c)` of value head `h` (see [`chunked`] for the algebra).
+///
+/// Products are merged to keep the gemm calls few and large: `[K; Q] Kᵀ` in one
+/// call, `[diag(βe^G) K; diag(e^G) Q] S` in one call, and `Ũ = M (diag(β) V −
+/// diag(βe^G) K S)` so the plain path never forms `W`.
 #[allow(clippy::too_many_arguments)]
 fn gdn_chunk(
     d: &GdrDims,
@@ -341,44 +360,44 @@ fn gdn_chunk(
 ) {
     let GdrDims { hk, hv, dk, dv, .. } = *d;
     let kh = h / (hv / hk);
-    // Gather the chunk and the chunk-local cumulative log decay.
+    // Gather [K; Q] and the chunk-local cumulative log decay.
     let mut acc = 0f32;
     for i in 0..c {
         let ti = t0 + i;
         let src = (ti * hk + kh) * dk;
-        b.qc[i * dk..(i + 1) * dk].copy_from_slice(&q[src..src + dk]);
-        b.kc[i * dk..(i + 1) * dk].copy_from_slice(&k[src..src + dk]);
+        b.kq[i * dk..(i + 1) * dk].copy_from_slice(&k[src..src + dk]);
+        b.kq[(c + i) * dk..(c + i + 1) * dk].copy_from_slice(&q[src..src + dk]);
         acc += g[ti * hv + h];
         b.gc[i] = acc;
         b.bt[i] = beta[ti * hv + h];
     }
-    // gram = K Kᵀ, pq = Q Kᵀ  (c×c, row stride c).
+    // gp = [K; Q] Kᵀ: rows 0..c are K Kᵀ, rows c..2c are Q Kᵀ (row stride c).
     matmul(
-        c,
+        2 * c,
         c,
         dk,
-        &mut b.gram,
+        &mut b.gp,
         c,
-        &b.kc,
+        &b.kq,
         dk,
         1,
-        &b.kc,
+        &b.kq,
         1,
         dk,
         0.0,
         1.0,
     );
-    matmul(c, c, dk, &mut b.pq, c, &b.qc, dk, 1, &b.kc, 1, dk, 0.0, 1.0);
-    // Decay-mask pq (lower incl. diagonal) and build M = (I + L)⁻¹ row by row.
+    // Decay-mask P = (Q Kᵀ ⊙ D) (lower incl. diagonal) and build M = (I + L)⁻¹.
+    let (gram, pq) = b.gp.split_at_mut(c * c);
     for i in 0..c {
         for j in 0..i {
-            let dec = (b.gc[i] - b.gc[j]).exp();
-            b.lrow[j] = b.bt[i] * dec * b.gram[i * c + j];
-            b.pq[i * c + j] *= dec;
+            let dec = flush((b.gc[i] - b.gc[j]).exp(), FLUSH_UNIT);
+            b.lrow[j] = b.bt[i] * dec * gram[i * c + j];
+            pq[i * c + j] *= dec;
         }
-        for j in i + 1..c {
-            b.pq[i * c + j] = 0.0;
-        }
+        pq[i * c + i + 1..(i + 1) * c]
+            .iter_mut()
+            .for_each(|x| *x = 0.0);
         let (done, rest) = b.m.split_at_mut(i * c);
         let mi = &mut rest[..c];
         mi.iter_mut().for_each(|x| *x = 0.0);
@@ -391,55 +410,103 @@ fn gdn_chunk(
                 }
             }
         }
+        mi.iter_mut().for_each(|x| *x = flush(*x, FLUSH_UNIT));
     }
-    // bv = diag(β) V, bk = diag(β e^G) K.
+    // bq = [diag(β e^G) K; diag(e^G) Q].
     for i in 0..c {
-        let ti = t0 + i;
+        let e = flush(b.gc[i].exp(), FLUSH_UNIT);
+        let be = flush(b.bt[i] * e, FLUSH_UNIT);
+        let (kr, qr) = (i * dk, (c + i) * dk);
+        for a in 0..dk {
+            b.bq[kr + a] = be * b.kq[kr + a];
+            b.bq[qr + a] = e * b.kq[qr + a];
+        }
+    }
+    // xs = bq S: rows 0..c = diag(βe^G) K S, rows c..2c = diag(e^G) Q S.
+    matmul(
+        2 * c,
+        dv,
+        dk,
+        &mut b.xs,
+        dv,
+        &b.bq,
+        dk,
+        1,
+        s,
+        dv,
+        1,
+        0.0,
+        1.0,
+    );
+    // xs[0..c] ← diag(β) V − xs[0..c];  Ũ = M xs[0..c].
+    for i in 0..c {
         let bi = b.bt[i];
-        let src = &v[(ti * hv + h) * dv..(ti * hv + h + 1) * dv];
-        for (x, &y) in b.bv[i * dv..(i + 1) * dv].iter_mut().zip(src) {
-            *x = bi * y;
-        }
-        let bg = bi * b.gc[i].exp();
-        for (x, &y) in b.bk[i * dk..(i + 1) * dk]
-            .iter_mut()
-            .zip(&b.kc[i * dk..(i + 1) * dk])
-        {
-            *x = bg * y;
+        let src = &v[((t0 + i) * hv + h) * dv..((t0 + i) * hv + h + 1) * dv];
+        for (x, &y) in b.xs[i * dv..(i + 1) * dv].iter_mut().zip(src) {
+            *x = bi * y - *x;
         }
     }
-    // U = M bv, W = M bk.
-    matmul(c, dv, c, &mut b.u, dv, &b.m, c, 1, &b.bv, dv, 1, 0.0, 1.0);
-    matmul(c, dk, c, &mut b.w, dk, &b.m, c, 1, &b.bk, dk, 1, 0.0, 1.0);
-    // Ũ = U − W S.
-    matmul(c, dv, dk, &mut b.u, dv, &b.w, dk, 1, s, dv, 1, 1.0, -1.0);
+    matmul(c, dv, c, &mut b.u, dv, &b.m, c, 1, &b.xs, dv, 1, 0.0, 1.0);
     // O = diag(e^G) Q S + P Ũ.
-    for i in 0..c {
-        let e = b.gc[i].exp();
-        b.qc[i * dk..(i + 1) * dk].iter_mut().for_each(|x| *x *= e);
-    }
     let oc = &mut out_h[t0 * dv..(t0 + c) * dv];
-    matmul(c, dv, dk, oc, dv, &b.qc, dk, 1, s, dv, 1, 0.0, 1.0);
-    matmul(c, dv, c, oc, dv, &b.pq, c, 1, &b.u, dv, 1, 1.0, 1.0);
+    oc.copy_from_slice(&b.xs[c * dv..2 * c * dv]);
+    matmul(c, dv, c, oc, dv, pq, c, 1, &b.u, dv, 1, 1.0, 1.0);
     // K̃ = diag(exp(G_c − G)) K.
     let gl = b.gc[c - 1];
     for i in 0..c {
-        let e = (gl - b.gc[i]).exp();
+        let e = flush((gl - b.gc[i]).exp(), FLUSH_UNIT);
         for (x, &y) in b.ktil[i * dk..(i + 1) * dk]
             .iter_mut()
-            .zip(&b.kc[i * dk..(i + 1) * dk])
+            .zip(&b.kq[i * dk..(i + 1) * dk])
         {
             *x = e * y;
         }
     }
-    let egl = gl.exp();
-    if let Some(tr) = tr {
-        // T ← e^{G_c} T − K̃ᵀ (W T).
+    let egl = flush(gl.exp(), FLUSH_UNIT);
+    if let (Some(tr), false) = (tr, b.t_zero) {
+        // W = M diag(βe^G) K;  T ← e^{G_c} T − K̃ᵀ (W T).
+        matmul(c, dk, c, &mut b.w, dk, &b.m, c, 1, &b.bq, dk, 1, 0.0, 1.0);
         matmul(c, dk, dk, &mut b.wt, dk, &b.w, dk, 1, tr, dk, 1, 0.0, 1.0);
         matmul(dk, dk, c, tr, dk, &b.ktil, 1, dk, &b.wt, dk, 1, egl, -1.0);
+        // Once T has decayed below FLUSH everywhere it is exactly 0 from then on.
+        b.t_zero = flush_all(tr, FLUSH_UNIT);
     }
     // S ← e^{G_c} S + K̃ᵀ Ũ.
     matmul(dk, dv, c, s, dv, &b.ktil, 1, dk, &b.u, dv, 1, egl, 1.0);
+    flush_all(s, FLUSH_STATE);
+}
+
+/// Flush threshold (2⁻⁴⁰ ≈ 9.1e-13) for quantities whose natural scale is 1:
+/// decay factors `exp(ΔG)`, the WY inverse `M` and transitions `T` (‖T‖₂ ≤ 1 for
+/// g ≤ 0, β ∈ [0, 1]). Dropping them changes results by < 2⁻⁴⁰ relative to unit
+/// scale, 2¹⁶× below fp32 resolution, and keeps fast-decaying heads (Qwen3-Next's
+/// `g` reaches −20 per token) and long segments (`T_C ≈ exp(Σg)`) out of the
+/// underflow/subnormal range, where x86 arithmetic takes ~100× longer per
+/// operation. A transition that decays below it becomes exactly 0 and its further
+/// updates are skipped.
+pub(crate) const FLUSH_UNIT: f32 = 9.094_947e-13;
+
+/// Flush threshold for states (no natural scale): only avoids subnormals.
+pub(crate) const FLUSH_STATE: f32 = 1e-30;
+
+/// `x`, or 0 when `|x| < thr`.
+#[inline]
+pub(crate) fn flush(x: f32, thr: f32) -> f32 {
+    if x.abs() < thr {
+        0.0
+    } else {
+        x
+    }
+}
+
+/// Flushes every element of `x` below `thr` to 0; returns whether all are now 0.
+pub(crate) fn flush_all(x: &mut [f32], thr: f32) -> bool {
+    let mut zero = true;
+    for y in x.iter_mut() {
+        *y = flush(*y, thr);
+        zero &= *y == 0.0;
+    }
+    zero
 }
 
 /// `dst[m×n] = alpha·dst + beta·lhs[m×k]·rhs[k×n]` in fp32 through the `gemm` crate
@@ -612,11 +679,12 @@ mod tests {
 
     #[test]
     fn transition_equals_token_product_and_identity_run() {
-        // g in [−2, 0] makes T_C ~ e^{−T}: fine up to T = 65 in fp32; the longer
-        // cases use g in [−0.02, 0] so that T_C stays far above fp32 underflow.
+        // g in [−2, 0] makes T_C ~ e^{−T}, below the 2⁻⁴⁰ flush beyond ~T = 30
+        // (see `fully_decayed_transition_is_exactly_zero`); the longer cases scale g
+        // so that T_C stays a comparable fp32 number.
         for &(t, chunk, g_scale) in &[
             (1usize, 64usize, 1.0f32),
-            (65, 16, 1.0),
+            (65, 16, 0.2),
             (200, 64, 0.01),
             (130, 32, 0.01),
         ] {
@@ -671,47 +739,111 @@ mod tests {
         }
     }
 
+    #[test]
+    fn fully_decayed_transition_is_exactly_zero() {
+        // g in [−2, 0] over 200 tokens: the true T_C is ~e^{−200}, far below fp32's
+        // normal range; it is returned as exact zeros, and output and state still
+        // match the recurrence.
+        let d = dims(200, 2, 4, 32, 24);
+        let c = GdnCase::random(&d, 77);
+        let mut s = c.s0.clone();
+        let (o, tc) = chunked_with_transition(&d, &c.q, &c.k, &c.v, &c.g, &c.beta, &mut s, 64);
+        assert!(tc.iter().all(|&x| x == 0.0));
+        for h in 0..d.hv {
+            assert!(token_product(&d, &c, h).iter().all(|x| x.abs() < 1e-40));
+        }
+        let mut s_ref = c.s0.clone();
+        let o_ref = recurrent(&d, &c.q, &c.k, &c.v, &c.g, &c.beta, &mut s_ref);
+        assert!(rel(&o, &o_ref) <= 1e-5 && rel(&s, &s_ref) <= 1e-5);
+    }
+
+    /// On-CPU nanoseconds of all threads of this process so far (Linux
+    /// `/proc/self/task/*/schedstat`, first field); 0 where unavailable.
+    fn cpu_ns() -> u64 {
+        let Ok(dir) = std::fs::read_dir("/proc/self/task") else {
+            return 0;
+        };
+        dir.filter_map(|e| e.ok())
+            .filter_map(|e| std::fs::read_to_string(e.path().join("schedstat")).ok())
+            .filter_map(|s| {
+                s.split_whitespace()
+                    .next()
+                    .and_then(|x| x.parse::<u64>().ok())
+            })
+            .sum()
+    }
+
     /// Timing (not a test): `cargo test --release -p hypic-dataplane --lib
-    /// linear::gdr::tests::bench -- --ignored --nocapture`.
+    /// linear::gdr::tests::bench -- --ignored --nocapture` (set
+    /// `RAYON_NUM_THREADS=1` for single-core numbers). Prints, per kernel, the best
+    /// of several runs of wall time and of on-CPU time summed over threads (ms; the
+    /// CPU time is robust to other processes sharing the cores): `recurrent`,
+    /// `chunked` (chunk 64 and 32) and `chunked_with_transition` (chunk 64), from
+    /// the same nonzero state, for g in [−2, 0] and in [−0.02, 0] (slow decay:
+    /// `T_C` stays nonzero, the worst case for the transition's cost).
     #[test]
     #[ignore]
     fn bench_recurrent_vs_chunked() {
         use std::time::Instant;
-        fn best<F: FnMut()>(reps: usize, mut f: F) -> f64 {
-            let mut b = f64::INFINITY;
-            for _ in 0..reps {
-                let t0 = Instant::now();
+        fn best<F: FnMut()>(mut f: F) -> (f64, f64) {
+            let (mut bw, mut bc, mut total, mut n) = (f64::INFINITY, f64::INFINITY, 0.0, 0);
+            while n < 3 || (total < 1.0 && n < 20) {
+                let (t0, c0) = (Instant::now(), cpu_ns());
                 f();
-                b = b.min(t0.elapsed().as_secs_f64());
+                let e = t0.elapsed().as_secs_f64();
+                bc = bc.min((cpu_ns() - c0) as f64 * 1e-9);
+                bw = bw.min(e);
+                total += e;
+                n += 1;
             }
-            b * 1e3
+            (bw * 1e3, bc * 1e3)
         }
-        println!("threads: {}", rayon::current_num_threads());
-        for &(hk, hv) in &[(2usize, 4usize), (16, 32)] {
-            for &t in &[256usize, 1024, 4096] {
-                let d = dims(t, hk, hv, 128, 128);
-                let c = GdnCase::random(&d, 9);
-                let reps = if t * hv >= 32768 { 2 } else { 5 };
-                let tr = best(reps, || {
-                    let mut s = c.s0.clone();
-                    std::hint::black_box(recurrent(&d, &c.q, &c.k, &c.v, &c.g, &c.beta, &mut s));
-                });
-                let tcz = best(reps, || {
-                    let mut s = c.s0.clone();
-                    std::hint::black_box(chunked(&d, &c.q, &c.k, &c.v, &c.g, &c.beta, &mut s, 64));
-                });
-                let tct = best(reps, || {
-                    let mut s = c.s0.clone();
-                    std::hint::black_box(chunked_with_transition(
-                        &d, &c.q, &c.k, &c.v, &c.g, &c.beta, &mut s, 64,
-                    ));
-                });
-                println!(
-                    "Hk={hk} Hv={hv} T={t}: recurrent {tr:.2} ms, chunked {tcz:.2} ms ({:.2}x), \
-                     chunked_with_transition {tct:.2} ms (overhead {:.3}x)",
-                    tr / tcz,
-                    tct / tcz
-                );
+        println!("rayon threads: {}", rayon::current_num_threads());
+        for &g_scale in &[1.0f32, 0.01] {
+            for &(hk, hv) in &[(2usize, 4usize), (16, 32)] {
+                for &t in &[256usize, 1024, 4096] {
+                    let d = dims(t, hk, hv, 128, 128);
+                    let mut c = GdnCase::random(&d, 9);
+                    c.g.iter_mut().for_each(|x| *x *= g_scale);
+                    let run = |f: &dyn Fn(&mut [f32])| {
+                        best(|| {
+                            let mut s = c.s0.clone();
+                            f(&mut s);
+                            std::hint::black_box(&s);
+                        })
+                    };
+                    let r = run(&|s| {
+                        std::hint::black_box(recurrent(&d, &c.q, &c.k, &c.v, &c.g, &c.beta, s));
+                    });
+                    let c64 = run(&|s| {
+                        std::hint::black_box(chunked(&d, &c.q, &c.k, &c.v, &c.g, &c.beta, s, 64));
+                    });
+                    let c32 = run(&|s| {
+                        std::hint::black_box(chunked(&d, &c.q, &c.k, &c.v, &c.g, &c.beta, s, 32));
+                    });
+                    let wt = run(&|s| {
+                        std::hint::black_box(chunked_with_transition(
+                            &d, &c.q, &c.k, &c.v, &c.g, &c.beta, s, 64,
+                        ));
+                    });
+                    println!(
+                        "g<={:.2} Hk={hk} Hv={hv} T={t} [wall ms / cpu ms]: recurrent {:.1}/{:.1} | \
+                         chunked64 {:.1}/{:.1} | chunked32 {:.1}/{:.1} | with_T64 {:.1}/{:.1} || \
+                         cpu speedup c64 {:.2}x c32 {:.2}x, T overhead (cpu) {:.3}",
+                        -2.0 * g_scale,
+                        r.0,
+                        r.1,
+                        c64.0,
+                        c64.1,
+                        c32.0,
+                        c32.1,
+                        wt.0,
+                        wt.1,
+                        r.1 / c64.1,
+                        r.1 / c32.1,
+                        wt.1 / c64.1
+                    );
+                }
             }
         }
     }
