@@ -1,0 +1,174 @@
+//! `hypic eval`: held-out multi-document QA through every PIC mode; writes a table
+//! (Markdown + JSON) and a plot of quality against TTFT.
+use anyhow::{bail, Context, Result};
+use dataplane::eval::{evaluate, load_items, ModeReport};
+use dataplane::pic::{Mode, PicEngine};
+use indicatif::{ProgressBar, ProgressStyle};
+use std::path::{Path, PathBuf};
+use std::sync::Arc;
+
+/// Arguments of `hypic eval`.
+#[derive(clap::Args, Debug)]
+pub struct EvalArgs {
+    /// Model folder (default: the bundled models/hypic-tiny).
+    #[arg(long, env = "HYPIC_MODEL")]
+    pub model: Option<PathBuf>,
+    /// Held-out JSONL (default: MODEL/eval/heldout.jsonl).
+    #[arg(long)]
+    pub heldout: Option<PathBuf>,
+    /// Evaluate only the first N items.
+    #[arg(long)]
+    pub limit: Option<usize>,
+    /// Only single-hop (1) or two-hop (2) items.
+    #[arg(long)]
+    pub hop: Option<u8>,
+    /// Modes, comma-separated: full, prefix, naive, hypicW (e.g. hypic8), hypicW-norope;
+    /// `all` = full,prefix,naive,hypic0,1,2,4,8,16,32 and hypic8-norope.
+    #[arg(long, default_value = "all")]
+    pub modes: String,
+    /// Maximum answer tokens.
+    #[arg(long, default_value_t = 16)]
+    pub max_new_tokens: usize,
+    /// Output folder for report.md, report.json and quality_vs_ttft.svg.
+    #[arg(long, default_value = "eval-results")]
+    pub out: PathBuf,
+}
+
+/// Parses the `--modes` list.
+pub fn parse_modes(s: &str) -> Result<Vec<Mode>> {
+    if s == "all" {
+        let mut v = vec![Mode::FullRecompute, Mode::PrefixCache, Mode::NaiveAddition];
+        v.extend([0, 1, 2, 4, 8, 16, 32].map(|w| Mode::Hypic { seam_width: w, rope_fix: true }));
+        v.push(Mode::Hypic { seam_width: 8, rope_fix: false });
+        return Ok(v);
+    }
+    s.split(',')
+        .map(|m| {
+            let m = m.trim();
+            Ok(match m {
+                "full" => Mode::FullRecompute,
+                "prefix" => Mode::PrefixCache,
+                "naive" => Mode::NaiveAddition,
+                _ => {
+                    let Some(rest) = m.strip_prefix("hypic") else { bail!("unknown mode `{m}`") };
+                    let (w, rope_fix) = match rest.strip_suffix("-norope") {
+                        Some(w) => (w, false),
+                        None => (rest, true),
+                    };
+                    let seam_width = w.parse().with_context(|| format!("seam width in `{m}`"))?;
+                    Mode::Hypic { seam_width, rope_fix }
+                }
+            })
+        })
+        .collect()
+}
+
+/// Runs `hypic eval`.
+pub fn run(a: EvalArgs) -> Result<()> {
+    let dir = a.model.clone().or_else(crate::generate::default_model_dir).context("no --model and no bundled model")?;
+    let heldout = a.heldout.clone().unwrap_or_else(|| dir.join("eval/heldout.jsonl"));
+    let mut items = load_items(&heldout)?;
+    if let Some(h) = a.hop {
+        items.retain(|i| i.hop == h);
+    }
+    if let Some(n) = a.limit {
+        items.truncate(n);
+    }
+    if items.is_empty() {
+        bail!("no held-out items selected from {}", heldout.display());
+    }
+    let modes = parse_modes(&a.modes)?;
+    let (model, tok) = crate::generate::load(&dir)?;
+    let engine = PicEngine::new(Arc::new(model), &dir.display().to_string(), 4 << 30, 4 << 30);
+    let mut reports = vec![];
+    for mode in modes {
+        let bar = ProgressBar::new(items.len() as u64);
+        bar.set_style(ProgressStyle::with_template("{msg:>22} [{bar:30}] {pos}/{len} ({eta})").expect("static").progress_chars("=> "));
+        bar.set_message(dataplane::eval::mode_label(&mode));
+        let r = evaluate(&engine, &tok, &items, mode, a.max_new_tokens, &mut |i| bar.set_position(i as u64))?;
+        bar.finish_and_clear();
+        eprintln!(
+            "{:>22}: EM single {:.3} two {:.3} | F1 single {:.3} two {:.3} | TTFT {:.1} ms",
+            r.label, r.em_single, r.em_two, r.f1_single, r.f1_two, r.mean_ttft_ms
+        );
+        reports.push(r);
+    }
+    std::fs::create_dir_all(&a.out)?;
+    let md = table(&reports, items.len(), &heldout);
+    std::fs::write(a.out.join("report.md"), &md)?;
+    std::fs::write(a.out.join("report.json"), serde_json::to_string_pretty(&reports)?)?;
+    plot(&reports, &a.out.join("quality_vs_ttft.svg"))?;
+    println!("{md}");
+    eprintln!("wrote {}", a.out.display());
+    Ok(())
+}
+
+/// Markdown table of the reports.
+pub fn table(reports: &[ModeReport], n: usize, heldout: &Path) -> String {
+    let mut s = format!(
+        "Held-out QA ({} items from {}; {} single-hop, {} two-hop), greedy answers.\n\n",
+        n,
+        heldout.display(),
+        reports.first().map_or(0, |r| r.n_single),
+        reports.first().map_or(0, |r| r.n_two)
+    );
+    s.push_str("| mode | EM single | F1 single | EM two-hop | F1 two-hop | mean TTFT ms | TTFT vs full | prompt tokens computed | reused |\n|---|---|---|---|---|---|---|---|---|\n");
+    let full = reports.iter().find(|r| r.label == "full_recompute").map(|r| r.mean_ttft_ms);
+    for r in reports {
+        let ratio = full.map_or("-".to_string(), |f| format!("{:.2}×", f / r.mean_ttft_ms.max(1e-9)));
+        s.push_str(&format!(
+            "| {} | {:.3} | {:.3} | {:.3} | {:.3} | {:.1} | {} | {:.0} | {:.0} |\n",
+            r.label, r.em_single, r.f1_single, r.em_two, r.f1_two, r.mean_ttft_ms, ratio, r.mean_tokens_computed, r.mean_tokens_reused
+        ));
+    }
+    s
+}
+
+fn plot(reports: &[ModeReport], path: &Path) -> Result<()> {
+    use plotters::prelude::*;
+    let root = SVGBackend::new(path, (900, 600)).into_drawing_area();
+    root.fill(&WHITE)?;
+    let max_t = reports.iter().map(|r| r.mean_ttft_ms).fold(1.0, f64::max) * 1.15;
+    let mut chart = ChartBuilder::on(&root)
+        .caption("Exact match vs mean TTFT (hot cache)", ("sans-serif", 22))
+        .margin(15)
+        .x_label_area_size(45)
+        .y_label_area_size(55)
+        .build_cartesian_2d(0.0..max_t, 0.0..1.05)?;
+    chart.configure_mesh().x_desc("mean TTFT (ms)").y_desc("exact match").draw()?;
+    for (series, color, pick) in [
+        ("single-hop", BLUE, (|r: &ModeReport| r.em_single) as fn(&ModeReport) -> f64),
+        ("two-hop", RED, |r: &ModeReport| r.em_two),
+    ] {
+        chart
+            .draw_series(reports.iter().map(|r| Circle::new((r.mean_ttft_ms, pick(r)), 5, color.filled())))?
+            .label(series)
+            .legend(move |(x, y)| Circle::new((x, y), 5, color.filled()));
+        chart.draw_series(reports.iter().map(|r| {
+            Text::new(r.label.clone(), (r.mean_ttft_ms, pick(r)), ("sans-serif", 12).into_font().color(&BLACK))
+        }))?;
+    }
+    chart.configure_series_labels().background_style(WHITE.mix(0.8)).border_style(BLACK).draw()?;
+    root.present()?;
+    Ok(())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn parses_mode_lists() {
+        assert_eq!(parse_modes("all").unwrap().len(), 11);
+        assert_eq!(
+            parse_modes("full, hypic8-norope,hypic0").unwrap(),
+            vec![
+                Mode::FullRecompute,
+                Mode::Hypic { seam_width: 8, rope_fix: false },
+                Mode::Hypic { seam_width: 0, rope_fix: true }
+            ]
+        );
+        assert!(parse_modes("fast").unwrap_err().to_string().contains("fast"));
+        assert!(parse_modes("hypicX").is_err());
+    }
+}

@@ -1,0 +1,293 @@
+//! GPU benchmark of the HYPIC CUDA kernels (a report, not a test). Needs
+//! `--features cuda` and a CUDA device; run through `scripts/gpu-check.sh`.
+//!
+//! `cargo build --release --features cuda --example gpu_bench`, then
+//! `gpu_bench [--quick]`. Prints markdown tables:
+//! * gated delta rule chunked prefill, bf16 q/k/v, fp32 state, B = 1, H = 16, HV = 32,
+//!   dk = dv = 128 at T = 1k, 4k, 16k, 32k — plain, and with the segment transition
+//!   `T_C` (build overhead);
+//! * one-token recurrent decode step (same heads);
+//! * dense pair apply `S ← T S + B` and compose, 32 heads × 128² (per segment cost);
+//! * attention prefill (16 q / 2 kv heads × 256, bf16) at 4k and 16k.
+//!
+//! Times are medians of CUDA-event-timed repetitions after warm-up; inputs are
+//! random (never zeros).
+#[cfg(not(feature = "cuda"))]
+fn main() {
+    eprintln!("gpu_bench: build with --features cuda");
+    std::process::exit(2);
+}
+
+#[cfg(feature = "cuda")]
+fn main() {
+    if let Err(e) = bench::run() {
+        eprintln!("gpu_bench: {e}");
+        std::process::exit(1);
+    }
+}
+
+#[cfg(feature = "cuda")]
+mod bench {
+    use dataplane::cuda::{attn, gdr, transition, CudaSlice, Elem, Gpu, Result};
+    use dataplane::linear::gdr::GdrDims;
+    use half::bf16;
+    use rand::{Rng, SeedableRng};
+
+    fn median(mut v: Vec<f32>) -> f64 {
+        v.sort_by(|a, b| a.partial_cmp(b).unwrap());
+        v[v.len() / 2] as f64
+    }
+
+    /// Median milliseconds of `f` over `reps` event-timed runs after `warm` runs.
+    fn time_ms<F: FnMut() -> Result<()>>(
+        g: &Gpu,
+        warm: usize,
+        reps: usize,
+        mut f: F,
+    ) -> Result<f64> {
+        for _ in 0..warm {
+            f()?;
+        }
+        g.sync()?;
+        let flags = Some(cudarc::driver::sys::CUevent_flags::CU_EVENT_DEFAULT);
+        let mut ts = Vec::with_capacity(reps);
+        for _ in 0..reps {
+            let a = g.context().new_event(flags)?;
+            let b = g.context().new_event(flags)?;
+            a.record(g.stream())?;
+            f()?;
+            b.record(g.stream())?;
+            b.synchronize()?;
+            ts.push(a.elapsed_ms(&b)?);
+        }
+        Ok(median(ts))
+    }
+
+    fn rand_up<T: Elem>(
+        g: &Gpu,
+        r: &mut rand::rngs::StdRng,
+        n: usize,
+        lo: f32,
+        hi: f32,
+    ) -> Result<CudaSlice<T>> {
+        let v: Vec<T> = (0..n)
+            .map(|_| T::from_f32(r.random_range(lo..hi)))
+            .collect();
+        g.upload(&v)
+    }
+
+    fn unit_up(
+        g: &Gpu,
+        r: &mut rand::rngs::StdRng,
+        rows: usize,
+        dim: usize,
+        scale: f32,
+    ) -> Result<CudaSlice<bf16>> {
+        let mut v: Vec<f32> = (0..rows * dim)
+            .map(|_| r.random_range(-1.0f32..1.0))
+            .collect();
+        for row in v.chunks_mut(dim) {
+            let n = row.iter().map(|a| a * a).sum::<f32>().sqrt().max(1e-12);
+            row.iter_mut().for_each(|a| *a *= scale / n);
+        }
+        g.upload(&v.iter().map(|&a| bf16::from_f32(a)).collect::<Vec<_>>())
+    }
+
+    pub fn run() -> Result<()> {
+        let args: Vec<String> = std::env::args().collect();
+        if let Some(i) = args.iter().position(|a| a == "--precompile") {
+            // Fill the kernel cache ($HYPIC_KERNEL_CACHE) for an architecture without
+            // a device (NVRTC only), so the GPU machine does not spend its time compiling.
+            let arch = args.get(i + 1).map(String::as_str).unwrap_or("sm_90a");
+            let dir = dataplane::cuda::compile::default_cache_dir();
+            for s in dataplane::cuda::compile::ALL.iter() {
+                let t = std::time::Instant::now();
+                let (bin, o) = dataplane::cuda::compile::compile_cubin(s, arch, Some(&dir))?;
+                println!(
+                    "{} {arch}: {o:?}, {} bytes, {:.1} s",
+                    s.name,
+                    bin.len(),
+                    t.elapsed().as_secs_f64()
+                );
+            }
+            println!("cache: {}", dir.display());
+            return Ok(());
+        }
+        let quick = args.iter().any(|a| a == "--quick");
+        let g = Gpu::new(0)?;
+        let t0 = std::time::Instant::now();
+        g.warm_up()?;
+        println!(
+            "# gpu_bench\n\ndevice: {} ({}), kernels ready in {:.2} s",
+            g.name(),
+            g.arch(),
+            t0.elapsed().as_secs_f64()
+        );
+        for (m, o, s) in g.compile_log() {
+            println!("- module {m}: {o:?} {s:.3} s");
+        }
+        let mut r = rand::rngs::StdRng::seed_from_u64(1);
+        let (hk, hv, dk, dv) = (16usize, 32usize, 128usize, 128usize);
+        let lens: &[usize] = if quick {
+            &[1024, 4096]
+        } else {
+            &[1024, 4096, 16384, 32768]
+        };
+        println!("\n## Gated delta rule chunked prefill (bf16 in, fp32 state; H={hk}, HV={hv}, dk=dv={dk})\n");
+        println!("| T | prefill ms | prefill + T_C ms | T_C overhead | Mtok/s |");
+        println!("|---|---|---|---|---|");
+        let mut ws = gdr::Workspace::new();
+        let mut stages: Vec<(usize, f64, f64, f64)> = Vec::new();
+        for &t in lens {
+            let d = GdrDims { t, hk, hv, dk, dv };
+            let q = unit_up(&g, &mut r, t * hk, dk, (dk as f32).powf(-0.5))?;
+            let k = unit_up(&g, &mut r, t * hk, dk, 1.0)?;
+            let v = rand_up::<bf16>(&g, &mut r, t * hv * dv, -1.0, 1.0)?;
+            let gg = rand_up::<f32>(&g, &mut r, t * hv, -0.1, 0.0)?;
+            let beta = rand_up::<f32>(&g, &mut r, t * hv, 0.01, 1.0)?;
+            let s0 = rand_up::<f32>(&g, &mut r, hv * dk * dv, -1.0, 1.0)?;
+            let mut s = g.stream().clone_dtod(&s0)?;
+            let mut o = g.zeros::<bf16>(t * hv * dv)?;
+            let mut tr = g.zeros::<f32>(hv * dk * dk)?;
+            let reps = if t >= 16384 { 10 } else { 30 };
+            let plain = time_ms(&g, 3, reps, || {
+                gdr::chunked(
+                    &g, &d, &q, &k, &v, &gg, &beta, &mut s, &mut o, None, &mut ws,
+                )
+            })?;
+            let with_t = time_ms(&g, 3, reps, || {
+                gdr::chunked_with_transition(
+                    &g, &d, &q, &k, &v, &gg, &beta, &mut s, &mut o, &mut tr, &mut ws,
+                )
+            })?;
+            // Plain again, so that clock ramp-up in the first measurement does not
+            // flatter the transition build; the smaller of the two is reported.
+            let plain2 = time_ms(&g, 3, reps, || {
+                gdr::chunked(
+                    &g, &d, &q, &k, &v, &gg, &beta, &mut s, &mut o, None, &mut ws,
+                )
+            })?;
+            let plain = plain.min(plain2);
+            // Per-stage split (median of 5 event-timed runs of each stage).
+            let mut st: Vec<[f32; 3]> = Vec::new();
+            for _ in 0..5 {
+                st.push(gdr::chunked_stage_ms(
+                    &g, &d, &q, &k, &v, &gg, &beta, &mut s, &mut o, None, &mut ws,
+                )?);
+            }
+            let stage = |i: usize| median(st.iter().map(|x| x[i]).collect());
+            stages.push((t, stage(0), stage(1), stage(2)));
+            println!(
+                "| {t} | {plain:.3} | {with_t:.3} | {:+.1} % | {:.1} |",
+                100.0 * (with_t / plain - 1.0),
+                t as f64 / plain / 1e3
+            );
+        }
+        println!(
+            "\n(workspace: {:.1} MiB)",
+            ws.bytes() as f64 / (1 << 20) as f64
+        );
+        println!("\n| T | A gdr_prep ms | B gdr_state (sequential) ms | C gdr_output ms | B µs per chunk |");
+        println!("|---|---|---|---|---|");
+        for (t, a, b, c) in &stages {
+            println!(
+                "| {t} | {a:.3} | {b:.3} | {c:.3} | {:.1} |",
+                b * 1e3 / (t / 64) as f64
+            );
+        }
+
+        println!("\n## One-token recurrent decode step (bf16, H={hk}, HV={hv}, dk=dv={dk})\n");
+        {
+            let d = GdrDims {
+                t: 1,
+                hk,
+                hv,
+                dk,
+                dv,
+            };
+            let q = unit_up(&g, &mut r, hk, dk, (dk as f32).powf(-0.5))?;
+            let k = unit_up(&g, &mut r, hk, dk, 1.0)?;
+            let v = rand_up::<bf16>(&g, &mut r, hv * dv, -1.0, 1.0)?;
+            let gg = rand_up::<f32>(&g, &mut r, hv, -0.1, 0.0)?;
+            let beta = rand_up::<f32>(&g, &mut r, hv, 0.01, 1.0)?;
+            let mut s = rand_up::<f32>(&g, &mut r, hv * dk * dv, -1.0, 1.0)?;
+            let mut o = g.zeros::<bf16>(hv * dv)?;
+            let ms = time_ms(&g, 10, 200, || {
+                gdr::recurrent(&g, &d, &q, &k, &v, &gg, &beta, &mut s, &mut o)
+            })?;
+            println!(
+                "decode step: {:.1} µs (state read+write {:.1} MiB)",
+                ms * 1e3,
+                2.0 * (hv * dk * dv * 4) as f64 / (1 << 20) as f64
+            );
+        }
+
+        println!(
+            "\n## Dense pair apply / compose (per segment; HV={hv}, dk=dv={dk}, fp32 cuBLAS)\n"
+        );
+        {
+            let t1 = rand_up::<f32>(&g, &mut r, hv * dk * dk, -0.05, 0.05)?;
+            let b1 = rand_up::<f32>(&g, &mut r, hv * dk * dv, -1.0, 1.0)?;
+            let t2 = rand_up::<f32>(&g, &mut r, hv * dk * dk, -0.05, 0.05)?;
+            let b2 = rand_up::<f32>(&g, &mut r, hv * dk * dv, -1.0, 1.0)?;
+            let pa = transition::DensePair {
+                hv,
+                dk,
+                dv,
+                t: t1,
+                b: b1,
+            };
+            let pb = transition::DensePair {
+                hv,
+                dk,
+                dv,
+                t: t2,
+                b: b2,
+            };
+            let s = rand_up::<f32>(&g, &mut r, hv * dk * dv, -1.0, 1.0)?;
+            let mut out = g.zeros::<f32>(hv * dk * dv)?;
+            let apply = time_ms(&g, 10, 200, || pa.apply_into(&g, &s, &mut out))?;
+            let mut tout = g.zeros::<f32>(hv * dk * dk)?;
+            let mut bout = g.zeros::<f32>(hv * dk * dv)?;
+            let compose = time_ms(&g, 10, 200, || {
+                g.stream().memcpy_dtod(&pb.b, &mut bout)?;
+                transition::compose_dense(&g, hv, dk, dv, &pb.t, &pa.t, &pa.b, &mut tout, &mut bout)
+            })?;
+            println!("| op | µs per layer | µs per segment for 30 GDN layers |");
+            println!("|---|---|---|");
+            println!(
+                "| apply S ← T S + B | {:.1} | {:.0} |",
+                apply * 1e3,
+                apply * 1e3 * 30.0
+            );
+            println!(
+                "| compose (T_B T_A, T_B B_A + B_B) | {:.1} | {:.0} |",
+                compose * 1e3,
+                compose * 1e3 * 30.0
+            );
+        }
+
+        println!(
+            "\n## Attention prefill (bf16, 16 q / 2 kv heads × 256, causal, positions 0..T)\n"
+        );
+        println!("| T | ms | TFLOP/s (causal) |");
+        println!("|---|---|---|");
+        let alens: &[usize] = if quick { &[4096] } else { &[4096, 16384] };
+        for &t in alens {
+            let (nh, nkv, hd) = (16usize, 2usize, 256usize);
+            let q = rand_up::<bf16>(&g, &mut r, t * nh * hd, -1.0, 1.0)?;
+            let k = rand_up::<bf16>(&g, &mut r, t * nkv * hd, -1.0, 1.0)?;
+            let v = rand_up::<bf16>(&g, &mut r, t * nkv * hd, -1.0, 1.0)?;
+            let pos: Vec<i64> = (0..t as i64).collect();
+            let p = g.upload(&pos)?;
+            let mut o = g.zeros::<bf16>(t * nh * hd)?;
+            let reps = if t >= 16384 { 3 } else { 10 };
+            let ms = time_ms(&g, 1, reps, || {
+                attn::prefill(&g, &q, &p, &k, &v, &p, &mut o, t, t, nh, nkv, hd)
+            })?;
+            let flops = 4.0 * (t as f64) * (t as f64) / 2.0 * (nh * hd) as f64;
+            println!("| {t} | {ms:.3} | {:.1} |", flops / ms / 1e9);
+        }
+        Ok(())
+    }
+}

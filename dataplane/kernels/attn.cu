@@ -1,0 +1,117 @@
+// Causal GQA attention prefill over KV placed at arbitrary positions (CPU reference:
+// model::attention). Query t of head h attends to every cached key j of kv head
+// h / (H/Hkv) with kv_pos[j] ≤ q_pos[t]; scale = head_dim^-0.5; fp32 online softmax.
+//   q: [Tq, H, HD]; k, v: [N, Hkv, HD]; q_pos: [Tq] i64; kv_pos: [N] i64; o: [Tq, H, HD].
+// A query with no visible key gets o = 0.
+// grid (ceil(Tq/16), H), block 128 = 4 warps; each warp owns 4 queries; keys in tiles
+// of 32 (lane = key for the scores, lane = output column for P·V).
+#define AQ 16
+#define AK 32
+#define QPW 4
+
+template <typename T, int HD>
+__device__ void attn_prefill_impl(const T* q, const T* k, const T* v, const i64* q_pos, const i64* kv_pos,
+                                  T* o, int tq, int n_kv, int nh, int nkv, float scale) {
+    constexpr int LK = HD + 4;
+    constexpr int NE = HD / 32;
+    extern __shared__ float sm[];
+    float* Qs = sm;              // [AQ][HD]
+    float* Ks = Qs + AQ * HD;    // [AK][LK]
+    float* Vs = Ks + AK * LK;    // [AK][HD]
+    __shared__ i64 kp[AK];
+    __shared__ i64 qp[AQ];
+    const int h = blockIdx.y, kh = h / (nh / nkv), q0 = blockIdx.x * AQ;
+    const int tid = threadIdx.x, lane = tid & 31, w = tid >> 5;
+    for (int idx = tid; idx < AQ * HD; idx += blockDim.x) {
+        const int i = idx / HD, d = idx % HD;
+        Qs[idx] = (q0 + i < tq) ? to_f(q[((size_t)(q0 + i) * nh + h) * HD + d]) * scale : 0.f;
+    }
+    if (tid < AQ) qp[tid] = (q0 + tid < tq) ? q_pos[q0 + tid] : (i64)(-0x7fffffffffffffffLL);
+    __syncthreads();
+    i64 qmax = qp[0];
+    for (int i = 1; i < AQ; ++i) qmax = qp[i] > qmax ? qp[i] : qmax;
+    float m[QPW], l[QPW], acc[QPW][NE];
+#pragma unroll
+    for (int a = 0; a < QPW; ++a) {
+        m[a] = NEG_INF;
+        l[a] = 0.f;
+#pragma unroll
+        for (int e = 0; e < NE; ++e) acc[a][e] = 0.f;
+    }
+    for (int j0 = 0; j0 < n_kv; j0 += AK) {
+        __syncthreads();
+        if (tid < AK) kp[tid] = (j0 + tid < n_kv) ? kv_pos[j0 + tid] : (i64)0x7fffffffffffffffLL;
+        __syncthreads();
+        // Skip a tile no query of this block can see.
+        const int visible = __syncthreads_or(tid < AK && kp[tid] <= qmax);
+        if (!visible) continue;
+        for (int idx = tid; idx < AK * HD; idx += blockDim.x) {
+            const int j = idx / HD, d = idx % HD;
+            const bool ok = j0 + j < n_kv;
+            const size_t src = ((size_t)(j0 + j) * nkv + kh) * HD + d;
+            Ks[j * LK + d] = ok ? to_f(k[src]) : 0.f;
+            Vs[j * HD + d] = ok ? to_f(v[src]) : 0.f;
+        }
+        __syncthreads();
+        float s[QPW];
+#pragma unroll
+        for (int a = 0; a < QPW; ++a) s[a] = 0.f;
+        for (int d = 0; d < HD; d += 4) {
+            const float4 kv4 = *reinterpret_cast<const float4*>(Ks + lane * LK + d);
+#pragma unroll
+            for (int a = 0; a < QPW; ++a) {
+                const float4 qv = *reinterpret_cast<const float4*>(Qs + (w * QPW + a) * HD + d);
+                s[a] += qv.x * kv4.x + qv.y * kv4.y + qv.z * kv4.z + qv.w * kv4.w;
+            }
+        }
+        float p[QPW];
+#pragma unroll
+        for (int a = 0; a < QPW; ++a) {
+            const bool ok = kp[lane] <= qp[w * QPW + a];
+            const float sa = ok ? s[a] : NEG_INF;
+            const float mn = fmaxf(m[a], warp_max(sa));
+            // mn == -inf: nothing visible yet for this query; keep everything at zero.
+            const float pa = (mn == NEG_INF || !ok) ? 0.f : expf(sa - mn);
+            const float corr = (m[a] == NEG_INF) ? 0.f : expf(m[a] - mn);
+            l[a] = l[a] * corr + warp_sum(pa);
+#pragma unroll
+            for (int e = 0; e < NE; ++e) acc[a][e] *= corr;
+            m[a] = mn;
+            p[a] = pa;
+        }
+        for (int j = 0; j < AK; ++j) {
+            float vv[NE];
+#pragma unroll
+            for (int e = 0; e < NE; ++e) vv[e] = Vs[j * HD + lane + 32 * e];
+#pragma unroll
+            for (int a = 0; a < QPW; ++a) {
+                const float pj = __shfl_sync(0xffffffffu, p[a], j);
+#pragma unroll
+                for (int e = 0; e < NE; ++e) acc[a][e] += pj * vv[e];
+            }
+        }
+    }
+#pragma unroll
+    for (int a = 0; a < QPW; ++a) {
+        const int qi = q0 + w * QPW + a;
+        if (qi < tq) {
+            const float inv = l[a] > 0.f ? 1.f / l[a] : 0.f;
+#pragma unroll
+            for (int e = 0; e < NE; ++e)
+                o[((size_t)qi * nh + h) * HD + lane + 32 * e] = from_f<T>(acc[a][e] * inv);
+        }
+    }
+}
+
+#define ATTN(S, T, HD)                                                                                \
+    extern "C" __global__ void __launch_bounds__(128) attn_prefill_##S##_##HD(                        \
+        const T* q, const T* k, const T* v, const i64* q_pos, const i64* kv_pos, T* o, int tq,        \
+        int n_kv, int nh, int nkv, float scale) {                                                     \
+        attn_prefill_impl<T, HD>(q, k, v, q_pos, kv_pos, o, tq, n_kv, nh, nkv, scale);                \
+    }
+ATTN(f32, float, 64)
+ATTN(f32, float, 128)
+ATTN(f32, float, 256)
+ATTN(bf16, bf16, 64)
+ATTN(bf16, bf16, 128)
+ATTN(bf16, bf16, 256)

@@ -1,0 +1,363 @@
+//! Gated delta rule on the GPU: one-token (or any-length) recurrent decode and the
+//! chunked WY prefill from an initial state, optionally producing the segment's dense
+//! transition `T_C`. CPU references: `linear::gdr::{recurrent, chunked,
+//! chunked_with_transition}`; kernels in `dataplane/kernels/gdr.cu`.
+//!
+//! Layouts (as the CPU backend and FLA): `q, k: [T, Hk, dk]` (q L2-normalised and scaled
+//! by `dk^-0.5`, k L2-normalised), `v: [T, Hv, dv]`, `g, beta: [T, Hv]` fp32,
+//! `state: [Hv, dk, dv]` fp32 K-major (initial → final, in place), `o: [T, Hv, dv]`,
+//! `trans: [Hv, dk, dk]` fp32 row-major. q, k, v, o are `f32` or `bf16` ([`Elem`]).
+use cudarc::driver::{LaunchConfig, PushKernelArg};
+
+use super::compile::GDR;
+use super::{check_len, grid_for, CudaError, CudaSlice, Elem, Gpu, Result};
+use crate::linear::gdr::GdrDims;
+
+/// Chunk length of the GPU prefill (fixed, as FLA's default).
+pub const CHUNK: usize = 64;
+/// The key and value head dims the chunked prefill is built for (Qwen3-Next/3.5, Kimi).
+pub const PREFILL_DIM: usize = 128;
+
+const LDX: usize = 2 * PREFILL_DIM + 1;
+const LDT: usize = PREFILL_DIM + 4;
+const SMEM_PREP: u32 = ((CHUNK * LDX + CHUNK * CHUNK + 3 * CHUNK) * 4) as u32;
+const SMEM_STATE: u32 = ((2 * CHUNK * LDT + PREFILL_DIM * 32 + CHUNK * 32 + CHUNK) * 4) as u32;
+const SMEM_OUT: u32 = ((2 * CHUNK * LDT + CHUNK * (CHUNK + 1) + CHUNK) * 4) as u32;
+
+#[allow(clippy::too_many_arguments)]
+fn check_inputs<T: Elem>(
+    d: &GdrDims,
+    q: &CudaSlice<T>,
+    k: &CudaSlice<T>,
+    v: &CudaSlice<T>,
+    g: &CudaSlice<f32>,
+    beta: &CudaSlice<f32>,
+    state: &CudaSlice<f32>,
+    out: &CudaSlice<T>,
+) -> Result<()> {
+    if d.hk == 0 || !d.hv.is_multiple_of(d.hk) {
+        return Err(CudaError::Shape(format!(
+            "Hv {} must be a multiple of Hk {}",
+            d.hv, d.hk
+        )));
+    }
+    check_len("q [T,Hk,dk]", q, d.t * d.hk * d.dk)?;
+    check_len("k [T,Hk,dk]", k, d.t * d.hk * d.dk)?;
+    check_len("v [T,Hv,dv]", v, d.t * d.hv * d.dv)?;
+    check_len("g [T,Hv]", g, d.t * d.hv)?;
+    check_len("beta [T,Hv]", beta, d.t * d.hv)?;
+    check_len("state [Hv,dk,dv]", state, d.state_len())?;
+    check_len("o [T,Hv,dv]", out, d.t * d.hv * d.dv)
+}
+
+/// Token-by-token recurrence (the decode kernel; any `T`, one token per step).
+/// `dk` ∈ {64, 128, 256}, any `dv`. Same contract as `linear::gdr::recurrent`.
+#[allow(clippy::too_many_arguments)]
+pub fn recurrent<T: Elem>(
+    gpu: &Gpu,
+    d: &GdrDims,
+    q: &CudaSlice<T>,
+    k: &CudaSlice<T>,
+    v: &CudaSlice<T>,
+    g: &CudaSlice<f32>,
+    beta: &CudaSlice<f32>,
+    state: &mut CudaSlice<f32>,
+    out: &mut CudaSlice<T>,
+) -> Result<()> {
+    check_inputs(d, q, k, v, g, beta, state, out)?;
+    if ![64, 128, 256].contains(&d.dk) {
+        return Err(CudaError::Shape(format!(
+            "recurrent GDR kernel: dk {} not in {{64, 128, 256}}",
+            d.dk
+        )));
+    }
+    if d.t == 0 || d.hv == 0 || d.dv == 0 {
+        return Ok(());
+    }
+    let f = gpu.function(&GDR, &format!("gdr_recurrent_{}_{}", T::SUFFIX, d.dk), 0)?;
+    let cfg = LaunchConfig {
+        grid_dim: (d.hv as u32, d.dv.div_ceil(32) as u32, 1),
+        block_dim: (128, 1, 1),
+        shared_mem_bytes: 0,
+    };
+    let (t, hk, hv, dv) = (d.t as i32, d.hk as i32, d.hv as i32, d.dv as i32);
+    let mut b = gpu.stream().launch_builder(&f);
+    b.arg(q)
+        .arg(k)
+        .arg(v)
+        .arg(g)
+        .arg(beta)
+        .arg(state)
+        .arg(out)
+        .arg(&t)
+        .arg(&hk)
+        .arg(&hv)
+        .arg(&dv);
+    // SAFETY: matches `gdr_recurrent_*` in gdr.cu; lengths checked above.
+    unsafe { b.launch(cfg) }?;
+    Ok(())
+}
+
+/// Scratch of the chunked prefill, reusable across calls (grows as needed):
+/// `gcum [Hv, T]`, `W [Hv, T, dk]`, `U [Hv, T, dv]` (then `Ũ`), `Hs [NT, Hv, dk, dv]`
+/// chunk-initial states, all fp32 — `4·Hv·T·(1 + dk + dv) + 4·NT·Hv·dk·dv` bytes
+/// (1.6 GiB at T = 32k, Hv = 32, dk = dv = 128).
+#[derive(Default)]
+pub struct Workspace {
+    gcum: Option<CudaSlice<f32>>,
+    w: Option<CudaSlice<f32>>,
+    u: Option<CudaSlice<f32>>,
+    hs: Option<CudaSlice<f32>>,
+}
+
+impl Workspace {
+    /// An empty workspace (allocated on first use).
+    pub fn new() -> Self {
+        Self::default()
+    }
+
+    /// Bytes currently allocated.
+    pub fn bytes(&self) -> usize {
+        [&self.gcum, &self.w, &self.u, &self.hs]
+            .iter()
+            .map(|b| b.as_ref().map_or(0, |b| b.len() * 4))
+            .sum()
+    }
+
+    fn ensure(gpu: &Gpu, slot: &mut Option<CudaSlice<f32>>, n: usize) -> Result<()> {
+        if slot.as_ref().is_none_or(|b| b.len() < n) {
+            *slot = None;
+            // SAFETY: every element the kernels read is written first in the same call.
+            *slot = Some(unsafe { gpu.stream().alloc::<f32>(n.max(1)) }?);
+        }
+        Ok(())
+    }
+}
+
+/// Sets `trans` (`[hv, dk, dk]`) to `hv` identity matrices.
+pub fn set_identity(gpu: &Gpu, trans: &mut CudaSlice<f32>, hv: usize, dk: usize) -> Result<()> {
+    check_len("trans [Hv,dk,dk]", trans, hv * dk * dk)?;
+    let n = hv * dk * dk;
+    if n == 0 {
+        return Ok(());
+    }
+    let f = gpu.function(&GDR, "set_identity", 0)?;
+    let cfg = LaunchConfig {
+        grid_dim: (grid_for(n, 256), 1, 1),
+        block_dim: (256, 1, 1),
+        shared_mem_bytes: 0,
+    };
+    let (h, k) = (hv as i32, dk as i32);
+    let mut b = gpu.stream().launch_builder(&f);
+    b.arg(trans).arg(&h).arg(&k);
+    // SAFETY: matches `set_identity` in gdr.cu; length checked.
+    unsafe { b.launch(cfg) }?;
+    Ok(())
+}
+
+/// Chunked WY prefill (chunk 64) from the initial `state` (updated in place to the
+/// final state), writing `out`. Requires `dk = dv = 128` ([`PREFILL_DIM`]).
+///
+/// `trans`: when given (`[Hv, dk, dk]`), it is left-multiplied by this segment's
+/// transition: `trans ← T_C · trans`. Set it to the identity first
+/// ([`set_identity`], or use [`chunked_with_transition`]) to obtain `T_C` itself,
+/// as `linear::gdr::chunked_with_transition` does. `T_C` is computed as extra column
+/// blocks of the sequential state kernel (a state with zero writes), so it adds
+/// `dk/dv` of that kernel's work and nothing to the other two.
+///
+/// Three launches on [`Gpu::stream`]: `gdr_prep` (grid NT×Hv), `gdr_state` (grid
+/// Hv×(dv/32 [+ dk/32])), `gdr_output` (grid NT×Hv); see kernels/gdr.cu.
+#[allow(clippy::too_many_arguments)]
+pub fn chunked<T: Elem>(
+    gpu: &Gpu,
+    d: &GdrDims,
+    q: &CudaSlice<T>,
+    k: &CudaSlice<T>,
+    v: &CudaSlice<T>,
+    g: &CudaSlice<f32>,
+    beta: &CudaSlice<f32>,
+    state: &mut CudaSlice<f32>,
+    out: &mut CudaSlice<T>,
+    trans: Option<&mut CudaSlice<f32>>,
+    ws: &mut Workspace,
+) -> Result<()> {
+    chunked_impl(gpu, d, q, k, v, g, beta, state, out, trans, ws, None)
+}
+
+/// [`chunked`] timed per stage with CUDA events: returns the milliseconds of
+/// (A `gdr_prep`, B `gdr_state`, C `gdr_output`). Waits for the stream. For
+/// benchmarks (profiling the sequential stage against the parallel ones).
+#[allow(clippy::too_many_arguments)]
+pub fn chunked_stage_ms<T: Elem>(
+    gpu: &Gpu,
+    d: &GdrDims,
+    q: &CudaSlice<T>,
+    k: &CudaSlice<T>,
+    v: &CudaSlice<T>,
+    g: &CudaSlice<f32>,
+    beta: &CudaSlice<f32>,
+    state: &mut CudaSlice<f32>,
+    out: &mut CudaSlice<T>,
+    trans: Option<&mut CudaSlice<f32>>,
+    ws: &mut Workspace,
+) -> Result<[f32; 3]> {
+    let flags = Some(cudarc::driver::sys::CUevent_flags::CU_EVENT_DEFAULT);
+    let ctx = gpu.context();
+    let mut ev = [
+        ctx.new_event(flags)?,
+        ctx.new_event(flags)?,
+        ctx.new_event(flags)?,
+        ctx.new_event(flags)?,
+    ];
+    chunked_impl(
+        gpu,
+        d,
+        q,
+        k,
+        v,
+        g,
+        beta,
+        state,
+        out,
+        trans,
+        ws,
+        Some(&mut ev),
+    )?;
+    ev[3].synchronize()?;
+    Ok([
+        ev[0].elapsed_ms(&ev[1])?,
+        ev[1].elapsed_ms(&ev[2])?,
+        ev[2].elapsed_ms(&ev[3])?,
+    ])
+}
+
+#[allow(clippy::too_many_arguments)]
+fn chunked_impl<T: Elem>(
+    gpu: &Gpu,
+    d: &GdrDims,
+    q: &CudaSlice<T>,
+    k: &CudaSlice<T>,
+    v: &CudaSlice<T>,
+    g: &CudaSlice<f32>,
+    beta: &CudaSlice<f32>,
+    state: &mut CudaSlice<f32>,
+    out: &mut CudaSlice<T>,
+    trans: Option<&mut CudaSlice<f32>>,
+    ws: &mut Workspace,
+    mut marks: Option<&mut [cudarc::driver::CudaEvent; 4]>,
+) -> Result<()> {
+    check_inputs(d, q, k, v, g, beta, state, out)?;
+    if d.dk != PREFILL_DIM || d.dv != PREFILL_DIM {
+        return Err(CudaError::Shape(format!(
+            "chunked GDR prefill is built for dk = dv = {PREFILL_DIM}, got dk {} dv {}",
+            d.dk, d.dv
+        )));
+    }
+    if let Some(t) = trans.as_deref() {
+        check_len("trans [Hv,dk,dk]", t, d.hv * d.dk * d.dk)?;
+    }
+    if d.t == 0 || d.hv == 0 {
+        return Ok(());
+    }
+    let nt = d.t.div_ceil(CHUNK);
+    Workspace::ensure(gpu, &mut ws.gcum, d.hv * d.t)?;
+    Workspace::ensure(gpu, &mut ws.w, d.hv * d.t * d.dk)?;
+    Workspace::ensure(gpu, &mut ws.u, d.hv * d.t * d.dv)?;
+    Workspace::ensure(gpu, &mut ws.hs, nt * d.hv * d.dk * d.dv)?;
+    let (gcum, w, u, hs) = (
+        ws.gcum.as_mut().expect("allocated"),
+        ws.w.as_mut().expect("allocated"),
+        ws.u.as_mut().expect("allocated"),
+        ws.hs.as_mut().expect("allocated"),
+    );
+    let (t, hk, hv) = (d.t as i32, d.hk as i32, d.hv as i32);
+    let sfx = T::SUFFIX;
+    let mut mark = |i: usize| -> Result<()> {
+        if let Some(m) = marks.as_deref_mut() {
+            m[i].record(gpu.stream())?;
+        }
+        Ok(())
+    };
+    mark(0)?;
+    // A: intra-chunk WY factors.
+    let f = gpu.function(&GDR, &format!("gdr_prep_{sfx}"), SMEM_PREP)?;
+    let cfg = LaunchConfig {
+        grid_dim: (nt as u32, d.hv as u32, 1),
+        block_dim: (256, 1, 1),
+        shared_mem_bytes: SMEM_PREP,
+    };
+    let mut b = gpu.stream().launch_builder(&f);
+    b.arg(k)
+        .arg(v)
+        .arg(g)
+        .arg(beta)
+        .arg(&mut *gcum)
+        .arg(&mut *w)
+        .arg(&mut *u)
+        .arg(&t)
+        .arg(&hk)
+        .arg(&hv);
+    // SAFETY: matches `gdr_prep_*`; buffers sized above.
+    unsafe { b.launch(cfg) }?;
+    mark(1)?;
+    // B: sequential over chunks.
+    let nvb = d.dv / 32 + if trans.is_some() { d.dk / 32 } else { 0 };
+    let f = gpu.function(&GDR, &format!("gdr_state_{sfx}"), SMEM_STATE)?;
+    let cfg = LaunchConfig {
+        grid_dim: (d.hv as u32, nvb as u32, 1),
+        block_dim: (256, 1, 1),
+        shared_mem_bytes: SMEM_STATE,
+    };
+    let null: u64 = 0;
+    let mut b = gpu.stream().launch_builder(&f);
+    b.arg(k).arg(&*gcum).arg(&*w).arg(&mut *u).arg(state);
+    match trans {
+        Some(tr) => b.arg(tr),
+        None => b.arg(&null),
+    };
+    b.arg(&mut *hs).arg(&t).arg(&hk).arg(&hv);
+    // SAFETY: matches `gdr_state_*`; buffers sized above.
+    unsafe { b.launch(cfg) }?;
+    mark(2)?;
+    // C: outputs.
+    let f = gpu.function(&GDR, &format!("gdr_output_{sfx}"), SMEM_OUT)?;
+    let cfg = LaunchConfig {
+        grid_dim: (nt as u32, d.hv as u32, 1),
+        block_dim: (256, 1, 1),
+        shared_mem_bytes: SMEM_OUT,
+    };
+    let mut b = gpu.stream().launch_builder(&f);
+    b.arg(q)
+        .arg(k)
+        .arg(&*gcum)
+        .arg(&*u)
+        .arg(&*hs)
+        .arg(out)
+        .arg(&t)
+        .arg(&hk)
+        .arg(&hv);
+    // SAFETY: matches `gdr_output_*`; buffers sized above.
+    unsafe { b.launch(cfg) }?;
+    mark(3)?;
+    Ok(())
+}
+
+/// [`chunked`] that also returns the segment transition `T_C` in `trans`
+/// (`[Hv, dk, dk]`, overwritten): `S_final = T_C S_initial + S_{C|0}`.
+#[allow(clippy::too_many_arguments)]
+pub fn chunked_with_transition<T: Elem>(
+    gpu: &Gpu,
+    d: &GdrDims,
+    q: &CudaSlice<T>,
+    k: &CudaSlice<T>,
+    v: &CudaSlice<T>,
+    g: &CudaSlice<f32>,
+    beta: &CudaSlice<f32>,
+    state: &mut CudaSlice<f32>,
+    out: &mut CudaSlice<T>,
+    trans: &mut CudaSlice<f32>,
+    ws: &mut Workspace,
+) -> Result<()> {
+    set_identity(gpu, trans, d.hv, d.dk)?;
+    chunked(gpu, d, q, k, v, g, beta, state, out, Some(trans), ws)
+}

@@ -1,0 +1,300 @@
+//! Native GPU data plane (cargo feature `cuda`, off by default).
+//!
+//! Build: `cargo build --release --features cuda`. Nothing here needs a CUDA toolkit
+//! at build time: cudarc 0.19 loads the driver (`libcuda`), NVRTC and cuBLAS at run
+//! time (`dynamic-loading`), so the feature also builds on CPU-only machines.
+//!
+//! * [`Gpu`]: one device context with its stream, a cuBLAS handle and the kernel
+//!   modules, compiled by NVRTC from `dataplane/kernels/*.cu` for the device's
+//!   architecture (`sm_90a` on H200) and cached on disk ([`compile`]).
+//! * [`device`]: the `--device cuda|cpu|auto` choice; `auto` falls back to the CPU
+//!   backend with a log line on stderr when no driver or device is usable.
+//! * Kernels, each tested against its CPU reference (`dataplane/tests/cuda_*.rs`):
+//!   [`ops`] (RMSNorm variants, partial RoPE and K re-rotation, causal conv1d prefill
+//!   and one-token update), [`gdr`] (gated delta rule one-token recurrent decode and
+//!   chunked prefill from an initial state, optionally with the segment transition
+//!   `T_C`), [`transition`] (dense pair compose/apply through cuBLAS strided batched
+//!   GEMM), [`attn`] (causal GQA attention prefill over KV at arbitrary positions).
+//!
+//! Device buffers are cudarc `CudaSlice<T>` in the same row-major layouts as the CPU
+//! backend (documented per function); element type `T` is `f32` or `half::bf16`
+//! ([`Elem`]); recurrent states and transitions are always fp32.
+use std::collections::HashMap;
+use std::path::PathBuf;
+use std::sync::{Arc, Mutex};
+
+pub use cudarc::driver::{CudaSlice, CudaStream, DeviceRepr, ValidAsZeroBits};
+
+pub mod attn;
+pub mod compile;
+pub mod device;
+pub mod gdr;
+pub mod ops;
+pub mod transition;
+
+use compile::KernelSource;
+use cudarc::driver::{CudaContext, CudaFunction, CudaModule};
+
+/// Errors of the CUDA backend.
+#[derive(Debug, thiserror::Error)]
+pub enum CudaError {
+    /// No driver, no device, or a library that cannot be loaded.
+    #[error("CUDA unavailable: {0}")]
+    Unavailable(String),
+    /// A CUDA driver call failed.
+    #[error("CUDA driver error: {0}")]
+    Driver(String),
+    /// NVRTC failed (the message holds the compiler log).
+    #[error("NVRTC: {0}")]
+    Nvrtc(String),
+    /// A cuBLAS call failed.
+    #[error("cuBLAS: {0}")]
+    Cublas(String),
+    /// Buffer lengths or dimensions do not fit the operation.
+    #[error("shape: {0}")]
+    Shape(String),
+}
+
+impl From<cudarc::driver::DriverError> for CudaError {
+    fn from(e: cudarc::driver::DriverError) -> Self {
+        CudaError::Driver(format!("{e:?}"))
+    }
+}
+
+impl From<cudarc::cublas::result::CublasError> for CudaError {
+    fn from(e: cudarc::cublas::result::CublasError) -> Self {
+        CudaError::Cublas(format!("{e:?}"))
+    }
+}
+
+/// Result alias of the CUDA backend.
+pub type Result<T> = std::result::Result<T, CudaError>;
+
+/// Element types the kernels are instantiated for (`f32`, `half::bf16`). Kernel
+/// names carry [`Elem::SUFFIX`].
+pub trait Elem:
+    DeviceRepr + ValidAsZeroBits + Copy + Default + Unpin + Send + Sync + 'static
+{
+    /// Kernel-name suffix (`f32` / `bf16`).
+    const SUFFIX: &'static str;
+    /// Round-to-nearest conversion from fp32.
+    fn from_f32(x: f32) -> Self;
+    /// Widening conversion to fp32.
+    fn to_f32(self) -> f32;
+}
+
+impl Elem for f32 {
+    const SUFFIX: &'static str = "f32";
+    fn from_f32(x: f32) -> Self {
+        x
+    }
+    fn to_f32(self) -> f32 {
+        self
+    }
+}
+
+impl Elem for half::bf16 {
+    const SUFFIX: &'static str = "bf16";
+    fn from_f32(x: f32) -> Self {
+        half::bf16::from_f32(x)
+    }
+    fn to_f32(self) -> f32 {
+        half::bf16::to_f32(self)
+    }
+}
+
+/// A CUDA device: context, its stream (all work of this backend is issued on it, in
+/// order), a cuBLAS handle bound to that stream, and the loaded kernel modules.
+pub struct Gpu {
+    ctx: Arc<CudaContext>,
+    stream: Arc<CudaStream>,
+    blas: cudarc::cublas::CudaBlas,
+    arch: String,
+    name: String,
+    cache_dir: Option<PathBuf>,
+    modules: Mutex<HashMap<&'static str, Arc<CudaModule>>>,
+    funcs: Mutex<HashMap<String, CudaFunction>>,
+    compile_log: Mutex<Vec<(String, compile::Origin, f64)>>,
+}
+
+impl std::fmt::Debug for Gpu {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Gpu")
+            .field("name", &self.name)
+            .field("arch", &self.arch)
+            .finish()
+    }
+}
+
+/// Whether the CUDA driver library can be loaded at all (no device is touched).
+pub fn driver_present() -> bool {
+    // SAFETY: only tries to dlopen libcuda.
+    unsafe { cudarc::driver::sys::is_culib_present() }
+}
+
+impl Gpu {
+    /// Opens device `ordinal` with the default kernel cache folder
+    /// ([`compile::default_cache_dir`]). Fails with [`CudaError::Unavailable`] when the
+    /// driver, the device, NVRTC or cuBLAS cannot be loaded (never panics for that).
+    pub fn new(ordinal: usize) -> Result<Arc<Gpu>> {
+        Self::with_cache(ordinal, Some(compile::default_cache_dir()))
+    }
+
+    /// As [`Gpu::new`] with an explicit cache folder (`None`: always compile).
+    pub fn with_cache(ordinal: usize, cache_dir: Option<PathBuf>) -> Result<Arc<Gpu>> {
+        if !driver_present() {
+            return Err(CudaError::Unavailable(
+                "libcuda (the NVIDIA driver) could not be loaded".into(),
+            ));
+        }
+        compile::ensure_nvrtc()?;
+        // SAFETY: only tries to dlopen libcublas.
+        if !unsafe { cudarc::cublas::sys::is_culib_present() } {
+            return Err(CudaError::Unavailable(
+                "libcublas could not be loaded".into(),
+            ));
+        }
+        let n = CudaContext::device_count()
+            .map_err(|e| CudaError::Unavailable(format!("cuInit/device count: {e:?}")))?;
+        if ordinal as i32 >= n {
+            return Err(CudaError::Unavailable(format!(
+                "device {ordinal} requested, {n} present"
+            )));
+        }
+        let ctx = CudaContext::new(ordinal)
+            .map_err(|e| CudaError::Unavailable(format!("context: {e:?}")))?;
+        // One stream, in-order: cudarc's per-buffer event tracking is not needed.
+        // SAFETY: all buffers of this backend are used on `stream` only.
+        unsafe { ctx.disable_event_tracking() };
+        let (maj, min) = ctx.compute_capability()?;
+        let name = ctx.name()?;
+        let stream = ctx.default_stream();
+        let blas = cudarc::cublas::CudaBlas::new(stream.clone())?;
+        Ok(Arc::new(Gpu {
+            ctx,
+            stream,
+            blas,
+            arch: compile::arch_for(maj, min),
+            name,
+            cache_dir,
+            modules: Mutex::new(HashMap::new()),
+            funcs: Mutex::new(HashMap::new()),
+            compile_log: Mutex::new(Vec::new()),
+        }))
+    }
+
+    /// Device name (e.g. "NVIDIA H200").
+    pub fn name(&self) -> &str {
+        &self.name
+    }
+
+    /// NVRTC target (e.g. `sm_90a`).
+    pub fn arch(&self) -> &str {
+        &self.arch
+    }
+
+    /// The stream all work is issued on.
+    pub fn stream(&self) -> &Arc<CudaStream> {
+        &self.stream
+    }
+
+    /// The driver context.
+    pub fn context(&self) -> &Arc<CudaContext> {
+        &self.ctx
+    }
+
+    /// cuBLAS handle bound to [`Gpu::stream`].
+    pub fn blas(&self) -> &cudarc::cublas::CudaBlas {
+        &self.blas
+    }
+
+    /// (module, origin, seconds) of every module loaded so far.
+    pub fn compile_log(&self) -> Vec<(String, compile::Origin, f64)> {
+        self.compile_log.lock().expect("poisoned").clone()
+    }
+
+    /// Copies a host slice to a new device buffer.
+    pub fn upload<T: DeviceRepr>(&self, x: &[T]) -> Result<CudaSlice<T>> {
+        Ok(self.stream.clone_htod(x)?)
+    }
+
+    /// Copies a device buffer back to the host (waits for the stream).
+    pub fn download<T: DeviceRepr>(&self, x: &CudaSlice<T>) -> Result<Vec<T>> {
+        let v = self.stream.clone_dtoh(x)?;
+        self.stream.synchronize()?;
+        Ok(v)
+    }
+
+    /// A zero-filled device buffer of `n` elements.
+    pub fn zeros<T: DeviceRepr + ValidAsZeroBits>(&self, n: usize) -> Result<CudaSlice<T>> {
+        Ok(self.stream.alloc_zeros(n.max(1))?)
+    }
+
+    /// Waits for all work issued so far; surfaces asynchronous kernel faults.
+    pub fn sync(&self) -> Result<()> {
+        Ok(self.stream.synchronize()?)
+    }
+
+    fn module(&self, src: &KernelSource) -> Result<Arc<CudaModule>> {
+        let mut mods = self.modules.lock().expect("poisoned");
+        if let Some(m) = mods.get(src.name) {
+            return Ok(m.clone());
+        }
+        let t0 = std::time::Instant::now();
+        let (cubin, origin) = compile::compile_cubin(src, &self.arch, self.cache_dir.as_deref())?;
+        let m = self
+            .ctx
+            .load_module(cudarc::nvrtc::Ptx::from_binary(cubin))?;
+        self.compile_log.lock().expect("poisoned").push((
+            src.name.to_string(),
+            origin,
+            t0.elapsed().as_secs_f64(),
+        ));
+        mods.insert(src.name, m.clone());
+        Ok(m)
+    }
+
+    /// Kernel `name` of module `src` (compiled or read from the cache on first use).
+    /// `dyn_smem` > 48 KiB raises the function's dynamic shared-memory limit.
+    pub fn function(&self, src: &KernelSource, name: &str, dyn_smem: u32) -> Result<CudaFunction> {
+        let key = format!("{}::{name}", src.name);
+        if let Some(f) = self.funcs.lock().expect("poisoned").get(&key) {
+            return Ok(f.clone());
+        }
+        let m = self.module(src)?;
+        let f = m.load_function(name)?;
+        if dyn_smem > 48 * 1024 {
+            f.set_attribute(
+                cudarc::driver::sys::CUfunction_attribute::CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES,
+                dyn_smem as i32,
+            )?;
+        }
+        self.funcs.lock().expect("poisoned").insert(key, f.clone());
+        Ok(f)
+    }
+
+    /// Compiles (or loads from the cache) every kernel module now, so that timings
+    /// and first requests do not pay for NVRTC.
+    pub fn warm_up(&self) -> Result<()> {
+        for s in compile::ALL.iter() {
+            self.module(s)?;
+        }
+        Ok(())
+    }
+}
+
+/// Checks `buf.len() >= need` for a named buffer.
+pub(crate) fn check_len<T>(name: &str, buf: &CudaSlice<T>, need: usize) -> Result<()> {
+    if buf.len() < need {
+        return Err(CudaError::Shape(format!(
+            "`{name}` holds {} elements, needs {need}",
+            buf.len()
+        )));
+    }
+    Ok(())
+}
+
+/// Grid size for a grid-stride loop over `n` items with `block` threads.
+pub(crate) fn grid_for(n: usize, block: u32) -> u32 {
+    (n.div_ceil(block as usize)).clamp(1, 65_535 * 16) as u32
+}

@@ -1,0 +1,144 @@
+#!/usr/bin/env bash
+# GPU equivalence checks and benchmarks of the CUDA data plane (issue 6).
+#
+# Two halves, because the GPU machine has no Rust:
+#
+#   scripts/gpu-check.sh build     # here: builds the test and bench executables with
+#                                  # --features cuda, strips them into .device/bin/,
+#                                  # and fills .device/kcache with the NVRTC-compiled
+#                                  # kernels for sm_90a (needs libnvrtc: set
+#                                  # LD_LIBRARY_PATH and HYPIC_CUDA_INCLUDE, see below)
+#   scripts/gpu-check.sh run       # on the GPU machine, through the device tool:
+#                                  #   run(command="scripts/gpu-check.sh run",
+#                                  #       carry=[".device", ".whl"])
+#                                  # runs the GPU-vs-CPU tests, our benchmark, FLA
+#                                  # chunk_gated_delta_rule and torch SDPA in the same
+#                                  # run, and writes $OUT/report.md (+ logs)
+#
+# .device/ and .whl/ are git-ignored (add `/.device/` and `/.whl/` to
+# .git/info/exclude if they are not). .whl/ holds the FLA wheels:
+#   python3 -m pip download --no-deps --only-binary=:all: --python-version 3.12 \
+#     --implementation cp --platform manylinux_2_28_x86_64 -d .whl \
+#     flash-linear-attention==0.6.0 fla-core==0.6.0
+# Precompiling kernels here needs NVRTC 13.0 (e.g. the nvidia-cuda-nvrtc and
+# nvidia-cuda-runtime/-cccl 13.0 wheels unpacked somewhere):
+#   LD_LIBRARY_PATH=<nvidia/cu13/lib> HYPIC_CUDA_INCLUDE=<nvidia/cu13/include> \
+#     scripts/gpu-check.sh build
+# Without it the GPU machine compiles the kernels itself on first use (~20 s).
+set -uo pipefail
+cd "$(dirname "$0")/.."
+mode="${1:-}"
+
+build() {
+  set -e
+  export CARGO_TARGET_DIR="${CARGO_TARGET_DIR:-$PWD/target}"
+  mkdir -p .device/bin
+  local exe
+  exe=$(cargo test --release -p hypic-dataplane --features cuda --test cuda_kernels --no-run \
+        --message-format=json 2>/dev/null | grep -o '"executable":"[^"]*cuda_kernels[^"]*"' | tail -1 \
+        | sed 's/"executable":"\(.*\)"/\1/')
+  [ -n "$exe" ] || { echo "could not build the cuda_kernels test binary" >&2; exit 1; }
+  cargo build --release -p hypic-dataplane --features cuda --example gpu_bench
+  cp "$exe" .device/bin/cuda_kernels
+  cp "$CARGO_TARGET_DIR/release/examples/gpu_bench" .device/bin/gpu_bench
+  strip .device/bin/cuda_kernels .device/bin/gpu_bench || true
+  if HYPIC_KERNEL_CACHE="$PWD/.device/kcache" .device/bin/gpu_bench --precompile sm_90a; then
+    echo "kernel cache for sm_90a in .device/kcache"
+  else
+    echo "note: no NVRTC here; the GPU machine will compile the kernels itself"
+  fi
+  du -sh .device
+}
+
+run() {
+  OUT="${OUT:-$PWD/.device/out}"
+  mkdir -p "$OUT"
+  export LD_LIBRARY_PATH="/usr/local/cuda/lib64:/usr/local/nvidia/lib64:${LD_LIBRARY_PATH:-}"
+  # Writable copy of the carried kernel cache.
+  mkdir -p /tmp/hypic-kcache && cp -r .device/kcache/. /tmp/hypic-kcache/ 2>/dev/null || true
+  export HYPIC_KERNEL_CACHE=/tmp/hypic-kcache
+  local date_s; date_s=$(date -u +%Y-%m-%dT%H:%M:%SZ)
+  {
+    echo "# gpu-check $date_s"
+    nvidia-smi --query-gpu=name,driver_version,memory.total,clocks.sm,clocks.max.sm --format=csv 2>&1
+    ls /usr/local/cuda/lib64/libnvrtc.so* /usr/local/cuda/lib64/libcublas.so* 2>&1 | head -5
+  } > "$OUT/machine.txt"
+  cat "$OUT/machine.txt"
+
+  echo "== equivalence tests"
+  local t0=$SECONDS
+  chmod +x .device/bin/* 2>/dev/null || true
+  .device/bin/cuda_kernels --test-threads=1 --nocapture > "$OUT/tests.log" 2>&1
+  local test_rc=$?
+  echo "tests rc=$test_rc in $((SECONDS - t0)) s"
+  grep -E "^test |test result|rel .*tol|panicked" "$OUT/tests.log" | grep -v "^test .* ok$" | tail -60
+
+  echo "== our benchmark"
+  t0=$SECONDS
+  timeout 240 .device/bin/gpu_bench ${BENCH_ARGS:-} > "$OUT/bench.md" 2>&1
+  echo "bench rc=$? in $((SECONDS - t0)) s"
+
+  echo "== FLA 0.6.0 and torch SDPA"
+  t0=$SECONDS
+  if ls .whl/*.whl >/dev/null 2>&1; then
+    python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \
+      --target /tmp/site .whl/*.whl > "$OUT/pip.log" 2>&1 && export PYTHONPATH=/tmp/site
+  fi
+  PYTHONUNBUFFERED=1 timeout 300 python3 - > "$OUT/fla.md" 2>&1 <<'PY'
+import torch, torch.nn.functional as F
+from triton.testing import do_bench
+print("## Public kernels (same run)\n")
+print(f"torch {torch.__version__}, {torch.cuda.get_device_name()}")
+dev = "cuda"
+try:
+    import fla
+    from fla.ops.gated_delta_rule import chunk_gated_delta_rule
+    print(f"fla {getattr(fla, '__version__', '?')}\n")
+    print("| T | FLA chunk_gated_delta_rule ms |")
+    print("|---|---|")
+    H, HV, K, V = 16, 32, 128, 128
+    for T in (1024, 4096, 16384, 32768):
+        torch.manual_seed(0)
+        q = F.normalize(torch.randn(1, T, H, K, device=dev), dim=-1).mul(K ** -0.5).bfloat16()
+        k = F.normalize(torch.randn(1, T, H, K, device=dev), dim=-1).bfloat16()
+        v = torch.rand(1, T, HV, V, device=dev).mul(2).sub(1).bfloat16()
+        g = -torch.rand(1, T, HV, device=dev) * 0.1
+        beta = torch.rand(1, T, HV, device=dev).clamp_min(0.01)
+        h0 = torch.rand(1, HV, K, V, device=dev).mul(2).sub(1)
+        f = lambda: chunk_gated_delta_rule(q, k, v, g, beta, scale=1.0, initial_state=h0,
+                                           output_final_state=True, use_qk_l2norm_in_kernel=False)
+        f(); torch.cuda.synchronize()
+        ms = do_bench(f, warmup=50, rep=300, return_mode="median")
+        print(f"| {T} | {ms:.3f} |")
+except Exception as e:
+    print(f"FLA failed: {type(e).__name__}: {e}")
+print("\n| T | torch SDPA (16 q / 2 kv × 256, causal, bf16) ms |")
+print("|---|---|")
+for T in (4096, 16384):
+    q = torch.randn(1, 16, T, 256, device=dev, dtype=torch.bfloat16)
+    k = torch.randn(1, 2, T, 256, device=dev, dtype=torch.bfloat16)
+    v = torch.randn(1, 2, T, 256, device=dev, dtype=torch.bfloat16)
+    f = lambda: F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True)
+    f(); torch.cuda.synchronize()
+    print(f"| {T} | {do_bench(f, warmup=25, rep=200, return_mode='median'):.3f} |")
+PY
+  echo "fla rc=$? in $((SECONDS - t0)) s"
+
+  {
+    echo "# HYPIC CUDA data plane: gpu-check report ($date_s)"
+    echo; echo '```'; cat "$OUT/machine.txt"; echo '```'
+    echo; echo "## Equivalence tests (rc=$test_rc)"; echo; echo '```'
+    grep -E "rel .*tol|^test |test result|panicked" "$OUT/tests.log"
+    echo '```'
+    echo; cat "$OUT/bench.md"
+    echo; cat "$OUT/fla.md"
+  } > "$OUT/report.md"
+  echo "== report"; sed -n '/## Gated delta rule/,$p' "$OUT/report.md" | head -80
+  return $test_rc
+}
+
+case "$mode" in
+  build) build ;;
+  run) run ;;
+  *) echo "usage: $0 build|run" >&2; exit 2 ;;
+esac
