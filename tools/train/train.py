@@ -45,6 +45,7 @@ import torch.nn.functional as F  # noqa: E402
 import gen_corpus as gc  # noqa: E402
 
 EXAMPLES_PER_BATCH_SLOT = 1024
+BUCKETS = (768, 1024, 1280, 1536, 1792, 2048, 2560, 3072, 4096, 6144, 8192)
 VAL_SEED = 4242
 
 
@@ -108,7 +109,9 @@ class FallbackWatch(logging.Handler):
 class TrainBatches(torch.utils.data.Dataset):
     """Item b = one padded batch of training examples (token budget per batch)."""
 
-    def __init__(self, seed, tokenizer_path, batch_tokens, n_extra, p_two_hop, n_batches, pad_id, im_end_id):
+    def __init__(self, seed, tokenizer_path, batch_tokens, n_extra, p_two_hop, n_batches, pad_id, im_end_id,
+                 bucket_pool=0):
+        self.bucket_pool = bucket_pool  # >0: item = a list of length-bucketed batches from this many examples
         self.seed, self.tokenizer_path = seed, tokenizer_path
         self.batch_tokens, self.n_extra, self.p_two_hop = batch_tokens, n_extra, p_two_hop
         self.n_batches, self.pad_id, self.im_end_id = n_batches, pad_id, im_end_id
@@ -137,8 +140,45 @@ class TrainBatches(torch.utils.data.Dataset):
             ans.extend([is_ans] * len(e.ids))
         return ids, ans
 
+    def _pack(self, rows, T, n_rows):
+        x = torch.full((n_rows, T), self.pad_id, dtype=torch.long)
+        w = torch.zeros((n_rows, T), dtype=torch.int8)  # class of the TARGET at t (predicting x[t+1]): 0 pad, 1 ctx, 2 ans
+        for r, (ids, ans) in enumerate(rows):
+            x[r, : len(ids)] = torch.tensor(ids)
+            w[r, : len(ids) - 1] = torch.tensor([2 if a else 1 for a in ans[1:]], dtype=torch.int8)
+        return {"input_ids": x, "cls": w, "n_examples": len(rows), "n_tokens": sum(len(r[0]) for r in rows)}
+
+    def _bucketed(self, m):
+        """Item m: examples m*1024 .. m*1024+pool-1, grouped by length into fixed shapes
+        (T, batch_tokens // T) for T in BUCKETS (few distinct shapes: little padding, few
+        Triton autotune keys); examples left over in a bucket move up to the next one; the
+        last partial batch is filled with all-padding rows (no loss).  Batches shuffled."""
+        by = {T: [] for T in BUCKETS}
+        for i in range(self.bucket_pool):
+            ex = gc.make_example(self.seed, m * EXAMPLES_PER_BATCH_SLOT + i, self._count,
+                                 n_extra=self.n_extra, p_two_hop=self.p_two_hop)
+            ids, ans = self.encode_example(ex)
+            T = next((t for t in BUCKETS if len(ids) <= t), None)
+            if T is not None:
+                by[T].append((ids, ans))
+        out, carry = [], []
+        for T in BUCKETS:
+            n_rows = max(1, self.batch_tokens // T)
+            items = carry + by[T]
+            while len(items) >= n_rows:
+                out.append(self._pack(items[:n_rows], T, n_rows))
+                items = items[n_rows:]
+            carry = items
+        if carry:
+            T = next(t for t in BUCKETS if max(len(r[0]) for r in carry) <= t)
+            out.append(self._pack(carry, T, max(1, self.batch_tokens // T)))
+        random.Random(f"{self.seed}:shuffle:{m}").shuffle(out)
+        return out
+
     def __getitem__(self, b):
         self._init()
+        if self.bucket_pool:
+            return self._bucketed(b)
         rows, n_tok, i = [], 0, 0
         maxlen = 0
         while i < EXAMPLES_PER_BATCH_SLOT:
@@ -287,6 +327,15 @@ def main(argv=None) -> int:
     ap.add_argument("--reserve", type=float, default=60.0)
     ap.add_argument("--require-fla", action="store_true")
     ap.add_argument("--no-fp32-eval", action="store_true")
+    ap.add_argument("--fla-dqkwg", default="torch", choices=["torch", "triton", "none"],
+                    help="how to run fla's gated chunk_bwd_dqkwg on Hopper + Triton < 3.7.1 (see fla_patch.py); "
+                         "the chosen mode is gradchecked against an fp32 reference first")
+    ap.add_argument("--schedule", default="steps", choices=["steps", "time"],
+                    help="cosine over --steps optimizer steps, or over the training time left by the wall-clock guard")
+    ap.add_argument("--eval-every-s", type=float, default=0, help="validation every this many seconds (0: off)")
+    ap.add_argument("--bucket-pool", type=int, default=0,
+                    help="length bucketing: each data item is this many examples packed into fixed-shape batches "
+                         "(0: off, one batch per item padded to its longest example)")
     a = ap.parse_args(argv)
     t0 = time.time()
     os.makedirs(a.out, exist_ok=True)
@@ -334,6 +383,24 @@ def main(argv=None) -> int:
         model = Qwen3NextForCausalLM(cfg)
     model.to(device)
     model.train()
+    dqkwg_mode, gradchecks = "none", {}
+    if device.type == "cuda" and not fla_version.startswith("not"):
+        import fla_patch
+
+        dqkwg_mode = fla_patch.apply(a.fla_dqkwg)
+        tg = time.time()
+        try:
+            gradchecks[dqkwg_mode] = fla_patch.gradcheck(device, H=model.config.linear_num_value_heads,
+                                                         K=model.config.linear_key_head_dim,
+                                                         V=model.config.linear_value_head_dim)
+        except Exception as e:  # noqa: BLE001
+            gradchecks[dqkwg_mode] = {"error": repr(e)[:300]}
+        log(f"gradcheck fla (dqkwg={dqkwg_mode}) vs fp32 reference, rel L2 errors: {gradchecks[dqkwg_mode]} "
+            f"({time.time() - tg:.1f}s)")
+        g = gradchecks[dqkwg_mode]
+        if "error" in g or max(g.values()) > 0.05:
+            log("ERROR: fla gradients do not match the reference")
+            return 4
     n_params = sum(p.numel() for p in model.parameters())
     n_emb = model.model.embed_tokens.weight.numel() + model.lm_head.weight.numel()
     log(f"params {n_params} ({n_params / 1e6:.2f} M; embeddings+lm_head {n_emb / 1e6:.2f} M)")
@@ -354,7 +421,8 @@ def main(argv=None) -> int:
         start_batch = ck["next_batch"]
         log(f"resumed from {a.resume} at step {step}, next batch {start_batch}")
 
-    ds = TrainBatches(a.seed, a.tokenizer, a.batch_tokens, a.n_extra, a.p_two_hop, 10**8, pad, im_end)
+    ds = TrainBatches(a.seed, a.tokenizer, a.batch_tokens, a.n_extra, a.p_two_hop, 10**8, pad, im_end,
+                      bucket_pool=a.bucket_pool)
     sampler = range(start_batch, start_batch + (a.steps - step) + 10)
     dl = torch.utils.data.DataLoader(ds, batch_size=None, sampler=sampler, num_workers=a.workers,
                                      prefetch_factor=6 if a.workers else None, persistent_workers=False,
@@ -385,12 +453,24 @@ def main(argv=None) -> int:
 
     deadline = t0 + a.time_limit - a.reserve
     t_train0 = time.time()
+    train_budget = max(1.0, deadline - t_train0)
+    t_val_last = time.time()
     t_last, tok_last = time.time(), tokens_seen
     acc = {"loss": 0.0, "ans": 0.0, "ctx": 0.0, "n": 0}
     batch_idx = start_batch
     stopped_by = "steps"
     first = True
-    for batch in dl:
+    data_wait = 0.0
+    t_wait = time.time()
+    def flat(loader):  # items are batches, or lists of batches with --bucket-pool
+        nonlocal batch_idx
+        for item in loader:
+            for sub in (item if isinstance(item, list) else [item]):
+                yield sub
+            batch_idx += 1
+
+    for batch in flat(dl):
+        data_wait += time.time() - t_wait
         if step >= a.steps:
             break
         if time.time() > deadline:
@@ -398,7 +478,14 @@ def main(argv=None) -> int:
             break
         x = batch["input_ids"].to(device, non_blocking=True)
         cls = batch["cls"].to(device, non_blocking=True)
-        lr = lr_at(step, a.steps, a.lr, a.warmup, a.final_lr_frac)
+        if a.schedule == "time":  # warmup by steps, then cosine over the fraction of training time used
+            if step < a.warmup:
+                lr = a.lr * (step + 1) / a.warmup
+            else:
+                p = min(1.0, (time.time() - t_train0) / train_budget)
+                lr = a.lr * (a.final_lr_frac + (1 - a.final_lr_frac) * 0.5 * (1 + math.cos(math.pi * p)))
+        else:
+            lr = lr_at(step, a.steps, a.lr, a.warmup, a.final_lr_frac)
         for g in opt.param_groups:
             g["lr"] = lr
         with torch.autocast(device_type=device.type, dtype=torch.bfloat16, enabled=device.type == "cuda"):
@@ -415,7 +502,6 @@ def main(argv=None) -> int:
         gn = torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
         opt.step()
         step += 1
-        batch_idx += 1
         tokens_seen += batch["n_tokens"]
         examples_seen += batch["n_examples"]
         acc["loss"] += loss.item()
@@ -438,12 +524,15 @@ def main(argv=None) -> int:
             loss_w.writerow(row)
             loss_f.flush()
             log(f"step {step} t {now - t0:.0f}s lr {lr:.2e} loss {acc['loss'] / n:.4f} ans {acc['ans'] / n:.4f} "
-                f"ctx {acc['ctx'] / n:.4f} tok/s {tps:.0f} ex {examples_seen} gn {float(gn):.2f}")
+                f"ctx {acc['ctx'] / n:.4f} tok/s {tps:.0f} ex {examples_seen} gn {float(gn):.2f} data_wait {data_wait:.1f}s")
             acc = {"loss": 0.0, "ans": 0.0, "ctx": 0.0, "n": 0}
-        if val and a.eval_every and step % a.eval_every == 0:
+        if val and ((a.eval_every and step % a.eval_every == 0)
+                    or (a.eval_every_s and time.time() - t_val_last > a.eval_every_s)):
             run_val()
+            t_val_last = time.time()
         if a.ckpt_every and step % a.ckpt_every == 0:
             save_ckpt(batch_idx)
+        t_wait = time.time()
     train_time = time.time() - t_train0
     log(f"training stopped by {stopped_by} at step {step}; train loop {train_time:.1f}s; tokens {tokens_seen}; examples {examples_seen}")
     save_ckpt(batch_idx)
@@ -455,11 +544,13 @@ def main(argv=None) -> int:
     model.save_pretrained(a.out, safe_serialization=True)
     log(f"saved model to {a.out} at {time.time() - t0:.1f}s")
 
-    metrics = {"params": n_params, "steps": step, "tokens_seen": tokens_seen, "examples_seen": examples_seen,
+    metrics = {"fla_dqkwg": dqkwg_mode, "gradchecks": gradchecks, "params": n_params, "steps": step, "data_wait_s": round(data_wait, 1), "tokens_seen": tokens_seen, "examples_seen": examples_seen,
                "train_loop_s": round(train_time, 1), "stopped_by": stopped_by, "seed": a.seed,
                "tok_per_s_mean": round(tokens_seen / max(1e-9, train_time)), "fallbacks": watch.messages,
                "fla": fla_version, "torch": torch.__version__, "transformers": transformers.__version__,
                "gpu": torch.cuda.get_device_name(0) if device.type == "cuda" else "cpu", "args": vars(a)}
+    with open(os.path.join(a.out, "metrics.json"), "w") as f:  # partial, rewritten below
+        json.dump(metrics, f, indent=2)
     if a.heldout:
         held = load_jsonl(a.heldout)
         # evaluate the weights that ship: bf16-rounded
@@ -474,7 +565,11 @@ def main(argv=None) -> int:
         with open(os.path.join(a.out, "heldout_preds.jsonl"), "w") as f:
             for r in recs:
                 f.write(json.dumps(r) + "\n")
-        if not a.no_fp32_eval and time.time() < t0 + a.time_limit - 15:
+        bf16_eval_s = time.time() - te
+        left = t0 + a.time_limit - time.time()
+        if a.no_fp32_eval or left < 3 * bf16_eval_s + 10:
+            log(f"skipping the fp32 held-out evaluation ({left:.0f}s left)")
+        else:
             torch.backends.cuda.matmul.allow_tf32 = False
             torch.backends.cudnn.allow_tf32 = False
             te = time.time()
@@ -482,6 +577,9 @@ def main(argv=None) -> int:
             metrics["heldout_fp32"] = summarize(recs32)
             metrics["heldout_fp32_s"] = round(time.time() - te, 1)
             metrics["fp32_vs_bf16_pred_agreement"] = sum(r1["pred"] == r2["pred"] for r1, r2 in zip(recs, recs32)) / len(recs)
+            with open(os.path.join(a.out, "heldout_preds_fp32.jsonl"), "w") as f:
+                for r in recs32:
+                    f.write(json.dumps(r) + "\n")
             log(f"[heldout fp32] {json.dumps(metrics['heldout_fp32'])} in {time.time() - te:.1f}s")
     metrics["total_s"] = round(time.time() - t0, 1)
     with open(os.path.join(a.out, "metrics.json"), "w") as f:
