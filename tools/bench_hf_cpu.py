@@ -27,6 +27,11 @@ Make a random-weight checkpoint::
   seeded initialisation, then reloads it with ``from_pretrained`` to check that every
   key loads. See PRESETS for the shape and the parameter count.
 
+Matrix products alone (torch.nn.functional.linear on the shapes of
+dataplane/examples/bench_ops.rs)::
+
+    /work/pyenv/hf/bin/python tools/bench_hf_cpu.py --ops
+
 Report -- combine the JSON lines written by benches/cpu_model.sh::
 
     /work/pyenv/hf/bin/python tools/bench_hf_cpu.py --report RESULTS.jsonl --out-prefix benches/results/cpu-model-DATE
@@ -47,6 +52,13 @@ from pathlib import Path
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+# libgomp's default (active) wait spins at every OpenMP barrier; when the cores are
+# shared with other work (as on the 2-core dev machines) a spinning thread holds a core
+# the other thread needs, and HF slows down 10-25x (measured: decode 0.12 vs 2.9 tok/s on
+# the 0.5B model at load average ~11). Passive waiting is the fair setting on a shared
+# machine; OMP_WAIT_POLICY=ACTIVE in the environment restores the default. Must be set
+# before torch is imported.
+os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
 
 MASK64 = (1 << 64) - 1
 
@@ -73,9 +85,9 @@ def splitmix64_ids(seed: int, n: int, vocab: int) -> list[int]:
 # attention), GDN 16/32 key/value heads x 128 -> 8/16 x 64, attention 16 q / 2 kv heads x
 # 256 -> 8 / 2 x 128 (partial RoPE 25 %, output gate), 512 experts (I=512) top-10 + shared
 # -> 32 experts (I=128) top-8 + shared expert (I=512), vocab 151936 -> 32768 (untied).
-# Parameter count (incl. every expert): 505,978,112 total; per token ~213 M are used by
-# the matrix products (attention/GDN 98 M, routed experts 8/32 + shared + routers 113 M,
-# lm_head 34 M) -- see --make-model's printout.
+# Parameter count (incl. every expert): 505,966,784 total (routed experts 302 M, embedding
+# and lm_head 33.5 M each); ~246 M weights take part in each token's matrix products
+# (GDN/attention 98 M, 8 of 32 experts + shared expert + routers 113 M, lm_head 34 M).
 PRESETS = {
     "0.5b": dict(
         vocab_size=32768,
@@ -169,6 +181,7 @@ def make_model(out: Path, preset: str, seed: int, shard_bytes: int = 1 << 30) ->
     counts = param_counts(cfg, total)
     (out / "bench_model_info.json").write_text(json.dumps({"preset": preset, "seed": seed, **counts}, indent=2) + "\n")
     print(json.dumps(counts, indent=2))
+    n_shards = len(shards)
     del model, sd, shards
 
     # Reload with HF's own loader: every key present, nothing mismatched.
@@ -176,7 +189,7 @@ def make_model(out: Path, preset: str, seed: int, shard_bytes: int = 1 << 30) ->
     assert not info["missing_keys"], info["missing_keys"][:5]
     assert not info.get("mismatched_keys"), info.get("mismatched_keys")
     assert not info["unexpected_keys"], info["unexpected_keys"][:5]
-    print(f"wrote {out} ({len(weight_map)} tensors, {len(shards)} shards, {total:,} params); reload OK")
+    print(f"wrote {out} ({len(weight_map)} tensors, {n_shards} shards, {total:,} params); reload OK")
 
 
 def param_counts(cfg, total: int) -> dict:
@@ -224,9 +237,10 @@ def bench(args) -> dict:
 
     def once():
         with torch.inference_mode():
-            t0 = time.perf_counter()
+            c0, t0 = time.process_time(), time.perf_counter()
             out = model(input_ids=inp, use_cache=True, logits_to_keep=1)
             prefill_s = time.perf_counter() - t0
+            c1 = time.process_time()
             cache = out.past_key_values
             tok = out.logits[0, -1].argmax()
             tokens = [int(tok)]
@@ -237,7 +251,8 @@ def bench(args) -> dict:
                 tok = out.logits[0, -1].argmax()
                 tokens.append(int(tok))
             decode_s = time.perf_counter() - t1
-        return prefill_s, decode_s, tokens
+            c2 = time.process_time()
+        return prefill_s, decode_s, tokens, c1 - c0, c2 - c1
 
     bar = None
     try:
@@ -246,6 +261,7 @@ def bench(args) -> dict:
         bar = tqdm(total=args.warmup + args.repeats, desc=f"HF T={args.prompt_len}", file=sys.stderr, leave=False)
     except ImportError:
         pass
+    load_before = os.getloadavg()[0]
     for _ in range(args.warmup):
         once()
         bar and bar.update(1)
@@ -277,10 +293,51 @@ def bench(args) -> dict:
         "decode_tok_s": statistics.median(decode) if decode else None,
         "prefill_ms": statistics.median(s[0] * 1e3 for s in samples),
         "decode_ms_per_tok": statistics.median(s[1] * 1e3 / args.decode_tokens for s in samples) if decode else None,
+        "prefill_cpu_s": statistics.median(s[3] for s in samples),
+        "decode_cpu_s_per_tok": statistics.median(s[4] / args.decode_tokens for s in samples) if decode else None,
+        "prefill_tok_per_cpu_s": statistics.median(args.prompt_len / s[3] for s in samples),
+        "decode_tok_per_cpu_s": statistics.median(args.decode_tokens / s[4] for s in samples) if decode else None,
+        "cpu_util": sum(s[3] + s[4] for s in samples) / sum(s[0] + s[1] for s in samples),
+        "omp_wait_policy": os.environ.get("OMP_WAIT_POLICY"),
+        "loadavg_before": load_before,
+        "loadavg_after": os.getloadavg()[0],
         "prefill_tok_s_samples": prefill,
         "decode_tok_s_samples": decode,
         "greedy_tokens": samples[-1][2],
     }
+
+
+# (name, tokens, in, out, calls): the shapes of dataplane/examples/bench_ops.rs.
+OPS_SHAPES = [
+    ("gdn_in_proj T512", 512, 1024, 3104, 5),
+    ("attn_q_proj T512", 512, 1024, 2048, 5),
+    ("out_proj T512", 512, 1024, 1024, 10),
+    ("expert_gate_up T128", 128, 1024, 256, 40),
+    ("expert_down T128", 128, 128, 1024, 40),
+    ("shared_down T512", 512, 512, 1024, 10),
+    ("gdn_in_proj T1", 1, 1024, 3104, 200),
+    ("lm_head T1", 1, 1024, 32768, 40),
+    ("expert_gate_up T1", 1, 1024, 256, 2000),
+    ("expert_down T1", 1, 128, 1024, 2000),
+]
+
+
+def bench_ops(threads: int) -> None:
+    """torch.nn.functional.linear on the shapes of bench_ops.rs (fp32)."""
+    import torch
+
+    torch.set_num_threads(threads or os.cpu_count())
+    print(f"{'shape':20} {'ms/call':>10} {'GFLOP/s':>12} {'GFLOP/CPU-s':>14} {'util':>6}")
+    with torch.inference_mode():
+        for name, t, i, o, calls in OPS_SHAPES:
+            x, w = torch.randn(t, i), torch.randn(o, i)
+            torch.nn.functional.linear(x, w)
+            c0, t0 = time.process_time(), time.perf_counter()
+            for _ in range(calls):
+                torch.nn.functional.linear(x, w)
+            wall, cpu = time.perf_counter() - t0, time.process_time() - c0
+            flop = 2 * t * i * o * calls
+            print(f"{name:20} {wall * 1e3 / calls:10.3f} {flop / wall * 1e-9:12.1f} {flop / cpu * 1e-9:14.1f} {cpu / wall:6.2f}")
 
 
 # --------------------------------------------------------------------------------------
@@ -320,7 +377,7 @@ def report(jsonl: Path, prefix: Path, meta_json: str | None) -> None:
         if ours and hf:
             row["decode_tokens"] = ours["decode_tokens"]
             row["params"] = hf["params"]
-            for m in ("prefill_tok_s", "decode_tok_s"):
+            for m in ("prefill_tok_s", "decode_tok_s", "prefill_tok_per_cpu_s", "decode_tok_per_cpu_s", "cpu_util"):
                 row[f"ours_{m}"] = ours[m]
                 row[f"hf_{m}"] = hf[m]
                 row[f"ratio_{m}"] = ours[m] / hf[m] if ours[m] and hf[m] else None
@@ -362,6 +419,26 @@ def report(jsonl: Path, prefix: Path, meta_json: str | None) -> None:
             f" | **{f(r['ratio_prefill_tok_s'], 2)}** | {f(r['ours_decode_tok_s'])} | {f(r['hf_decode_tok_s'])}"
             f" | **{f(r['ratio_decode_tok_s'], 2)}** | {r['greedy_tokens_agree']} |"
         )
+    lines += [
+        "",
+        "CPU-normalised (tokens per CPU-second of the process, all threads; less sensitive to the"
+        " other load on the machine than wall time; cpu util = CPU-seconds / wall-seconds, at most"
+        f" {m.get('cores')}):",
+        "",
+        "| model | prompt | prefill tok/CPU-s ours | HF | ratio | decode tok/CPU-s ours | HF | ratio | cpu util ours / HF |",
+        "|---|---:|---:|---:|---:|---:|---:|---:|---:|",
+    ]
+    for r in table:
+        if "ours_prefill_tok_per_cpu_s" not in r:
+            continue
+        f = lambda x, p=1: "n/a" if x is None else f"{x:,.{p}f}"
+        lines.append(
+            f"| {r['model']} | {r['prompt_len']} | {f(r['ours_prefill_tok_per_cpu_s'])} | {f(r['hf_prefill_tok_per_cpu_s'])}"
+            f" | **{f(r['ratio_prefill_tok_per_cpu_s'], 2)}** | {f(r['ours_decode_tok_per_cpu_s'])} | {f(r['hf_decode_tok_per_cpu_s'])}"
+            f" | **{f(r['ratio_decode_tok_per_cpu_s'], 2)}** | {f(r['ours_cpu_util'], 2)} / {f(r['hf_cpu_util'], 2)} |"
+        )
+    if meta.get("notes"):
+        lines += ["", "Notes:", ""] + [f"- {n}" for n in meta["notes"]]
     if meta.get("models"):
         lines += ["", "Models:", ""] + [f"- {k}: {v}" for k, v in meta["models"].items()]
     lines += ["", f"Plot: `{prefix.name}.png`; raw runs: `{prefix.name}.json`.", ""]
@@ -379,7 +456,7 @@ def report(jsonl: Path, prefix: Path, meta_json: str | None) -> None:
     fig, axes = plt.subplots(1, 2, figsize=(12, 4.5))
     names = [f"{r['model']}\nT={r['prompt_len']}" for r in good]
     x = range(len(good))
-    for ax, metric, title in zip(axes, ("prefill_tok_s", "decode_tok_s"), ("prefill", "decode (greedy, 32 tokens)")):
+    for ax, metric, title in zip(axes, ("prefill_tok_s", "decode_tok_s"), ("prefill", f"decode (greedy, {good[0].get('decode_tokens', '?')} tokens)")):
         o = [r[f"ours_{metric}"] or 0 for r in good]
         h = [r[f"hf_{metric}"] or 0 for r in good]
         w = 0.38
@@ -408,12 +485,16 @@ def main(argv: list[str]) -> int:
     ap.add_argument("--threads", type=int, default=0, help="torch threads (default: all cores)")
     ap.add_argument("--make-model", metavar="DIR", help="write a random-weight checkpoint to DIR")
     ap.add_argument("--preset", default="0.5b", choices=sorted(PRESETS))
+    ap.add_argument("--ops", action="store_true", help="time torch linear on bench_ops.rs's shapes")
     ap.add_argument("--report", metavar="JSONL", help="combine benchmark JSON lines into .json/.md/.png")
     ap.add_argument("--out-prefix", help="with --report: output path without extension")
     ap.add_argument("--meta", help="with --report: JSON object of run metadata")
     args = ap.parse_args(argv)
     if args.make_model:
         make_model(Path(args.make_model), args.preset, args.seed)
+        return 0
+    if args.ops:
+        bench_ops(args.threads)
         return 0
     if args.report:
         if not args.out_prefix:

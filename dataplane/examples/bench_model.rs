@@ -144,17 +144,44 @@ fn median(v: &[f64]) -> f64 {
     }
 }
 
+/// CPU time of this process so far (every thread), in seconds, from
+/// `/proc/self/task/*/schedstat` (nanoseconds on a CPU); 0 where that is unreadable.
+/// On a shared machine wall time depends on the other load; CPU time much less so.
+fn cpu_s() -> f64 {
+    let Ok(rd) = std::fs::read_dir("/proc/self/task") else {
+        return 0.0;
+    };
+    let ns: u64 = rd
+        .filter_map(|e| std::fs::read_to_string(e.ok()?.path().join("schedstat")).ok())
+        .filter_map(|s| s.split_whitespace().next()?.parse::<u64>().ok())
+        .sum();
+    ns as f64 * 1e-9
+}
+
+/// The 1-minute load average (`/proc/loadavg`).
+fn loadavg() -> Option<f64> {
+    std::fs::read_to_string("/proc/loadavg")
+        .ok()?
+        .split_whitespace()
+        .next()?
+        .parse()
+        .ok()
+}
+
 struct Sample {
     prefill_s: f64,
     decode_s: f64,
+    prefill_cpu_s: f64,
+    decode_cpu_s: f64,
     tokens: Vec<u32>,
 }
 
 fn run_once(model: &Model, ids: &[u32], decode_tokens: usize) -> anyhow::Result<Sample> {
     let mut state = model.new_state();
-    let t0 = Instant::now();
+    let (c0, t0) = (cpu_s(), Instant::now());
     let out = model.prefill(ids, &mut state, Logits::Last)?;
     let prefill_s = t0.elapsed().as_secs_f64();
+    let c1 = cpu_s();
     let mut tok = argmax(&out.logits);
     let mut tokens = vec![tok];
     let t1 = Instant::now();
@@ -167,6 +194,8 @@ fn run_once(model: &Model, ids: &[u32], decode_tokens: usize) -> anyhow::Result<
     Ok(Sample {
         prefill_s,
         decode_s,
+        prefill_cpu_s: c1 - c0,
+        decode_cpu_s: cpu_s() - c1,
         tokens,
     })
 }
@@ -202,6 +231,7 @@ fn main() -> anyhow::Result<()> {
     let c = &model.config;
     let ids = prompt_ids(args.seed, args.prompt_len, c.vocab_size);
 
+    let load_before = loadavg();
     let bar = ProgressBar::new((args.warmup + args.repeats) as u64)
         .with_style(style)
         .with_message(format!("T={}", args.prompt_len));
@@ -225,6 +255,8 @@ fn main() -> anyhow::Result<()> {
         .map(|s| args.decode_tokens as f64 / s.decode_s)
         .collect();
     let threads = rayon::current_num_threads();
+    let m = args.decode_tokens as f64;
+    let med = |f: &dyn Fn(&Sample) -> f64| median(&samples.iter().map(f).collect::<Vec<_>>());
     let report = serde_json::json!({
         "impl": "hypic-dataplane (CPU reference backend, fp32)",
         "model": args.model.display().to_string(),
@@ -246,6 +278,14 @@ fn main() -> anyhow::Result<()> {
         "decode_ms_per_tok": if args.decode_tokens > 0 {
             median(&samples.iter().map(|s| s.decode_s * 1e3 / args.decode_tokens as f64).collect::<Vec<_>>())
         } else { f64::NAN },
+        "prefill_cpu_s": med(&|s| s.prefill_cpu_s),
+        "decode_cpu_s_per_tok": if args.decode_tokens > 0 { med(&|s| s.decode_cpu_s / m) } else { f64::NAN },
+        "prefill_tok_per_cpu_s": med(&|s| args.prompt_len as f64 / s.prefill_cpu_s),
+        "decode_tok_per_cpu_s": if args.decode_tokens > 0 { med(&|s| m / s.decode_cpu_s) } else { f64::NAN },
+        "cpu_util": samples.iter().map(|s| s.prefill_cpu_s + s.decode_cpu_s).sum::<f64>()
+            / samples.iter().map(|s| s.prefill_s + s.decode_s).sum::<f64>(),
+        "loadavg_before": load_before,
+        "loadavg_after": loadavg(),
         "prefill_tok_s_samples": prefill,
         "decode_tok_s_samples": decode,
         "greedy_tokens": samples.last().map(|s| s.tokens.clone()).unwrap_or_default(),
