@@ -38,8 +38,14 @@ pub struct EvalArgs {
 pub fn parse_modes(s: &str) -> Result<Vec<Mode>> {
     if s == "all" {
         let mut v = vec![Mode::FullRecompute, Mode::PrefixCache, Mode::NaiveAddition];
-        v.extend([0, 1, 2, 4, 8, 16, 32].map(|w| Mode::Hypic { seam_width: w, rope_fix: true }));
-        v.push(Mode::Hypic { seam_width: 8, rope_fix: false });
+        v.extend([0, 1, 2, 4, 8, 16, 32].map(|w| Mode::Hypic {
+            seam_width: w,
+            rope_fix: true,
+        }));
+        v.push(Mode::Hypic {
+            seam_width: 8,
+            rope_fix: false,
+        });
         return Ok(v);
     }
     s.split(',')
@@ -50,13 +56,18 @@ pub fn parse_modes(s: &str) -> Result<Vec<Mode>> {
                 "prefix" => Mode::PrefixCache,
                 "naive" => Mode::NaiveAddition,
                 _ => {
-                    let Some(rest) = m.strip_prefix("hypic") else { bail!("unknown mode `{m}`") };
+                    let Some(rest) = m.strip_prefix("hypic") else {
+                        bail!("unknown mode `{m}`")
+                    };
                     let (w, rope_fix) = match rest.strip_suffix("-norope") {
                         Some(w) => (w, false),
                         None => (rest, true),
                     };
                     let seam_width = w.parse().with_context(|| format!("seam width in `{m}`"))?;
-                    Mode::Hypic { seam_width, rope_fix }
+                    Mode::Hypic {
+                        seam_width,
+                        rope_fix,
+                    }
                 }
             })
         })
@@ -65,8 +76,15 @@ pub fn parse_modes(s: &str) -> Result<Vec<Mode>> {
 
 /// Runs `hypic eval`.
 pub fn run(a: EvalArgs) -> Result<()> {
-    let dir = a.model.clone().or_else(crate::generate::default_model_dir).context("no --model and no bundled model")?;
-    let heldout = a.heldout.clone().unwrap_or_else(|| dir.join("eval/heldout.jsonl"));
+    let dir = a
+        .model
+        .clone()
+        .or_else(crate::generate::default_model_dir)
+        .context("no --model and no bundled model")?;
+    let heldout = a
+        .heldout
+        .clone()
+        .unwrap_or_else(|| dir.join("eval/heldout.jsonl"));
     let mut items = load_items(&heldout)?;
     if let Some(h) = a.hop {
         items.retain(|i| i.hop == h);
@@ -79,13 +97,24 @@ pub fn run(a: EvalArgs) -> Result<()> {
     }
     let modes = parse_modes(&a.modes)?;
     let (model, tok) = crate::generate::load(&dir)?;
-    let engine = PicEngine::new(Arc::new(model), &dir.display().to_string(), 4 << 30, 4 << 30);
+    let engine = PicEngine::new(
+        Arc::new(model),
+        &dir.display().to_string(),
+        4 << 30,
+        4 << 30,
+    );
     let mut reports = vec![];
     for mode in modes {
         let bar = ProgressBar::new(items.len() as u64);
-        bar.set_style(ProgressStyle::with_template("{msg:>22} [{bar:30}] {pos}/{len} ({eta})").expect("static").progress_chars("=> "));
+        bar.set_style(
+            ProgressStyle::with_template("{msg:>22} [{bar:30}] {pos}/{len} ({eta})")
+                .expect("static")
+                .progress_chars("=> "),
+        );
         bar.set_message(dataplane::eval::mode_label(&mode));
-        let r = evaluate(&engine, &tok, &items, mode, a.max_new_tokens, &mut |i| bar.set_position(i as u64))?;
+        let r = evaluate(&engine, &tok, &items, mode, a.max_new_tokens, &mut |i| {
+            bar.set_position(i as u64)
+        })?;
         bar.finish_and_clear();
         eprintln!(
             "{:>22}: EM single {:.3} two {:.3} | F1 single {:.3} two {:.3} | TTFT {:.1} ms",
@@ -96,7 +125,10 @@ pub fn run(a: EvalArgs) -> Result<()> {
     std::fs::create_dir_all(&a.out)?;
     let md = table(&reports, items.len(), &heldout);
     std::fs::write(a.out.join("report.md"), &md)?;
-    std::fs::write(a.out.join("report.json"), serde_json::to_string_pretty(&reports)?)?;
+    std::fs::write(
+        a.out.join("report.json"),
+        serde_json::to_string_pretty(&reports)?,
+    )?;
     plot(&reports, &a.out.join("quality_vs_ttft.svg"))?;
     println!("{md}");
     eprintln!("wrote {}", a.out.display());
@@ -113,12 +145,25 @@ pub fn table(reports: &[ModeReport], n: usize, heldout: &Path) -> String {
         reports.first().map_or(0, |r| r.n_two)
     );
     s.push_str("| mode | EM single | F1 single | EM two-hop | F1 two-hop | mean TTFT ms | TTFT vs full | prompt tokens computed | reused |\n|---|---|---|---|---|---|---|---|---|\n");
-    let full = reports.iter().find(|r| r.label == "full_recompute").map(|r| r.mean_ttft_ms);
+    let full = reports
+        .iter()
+        .find(|r| r.label == "full_recompute")
+        .map(|r| r.mean_ttft_ms);
     for r in reports {
-        let ratio = full.map_or("-".to_string(), |f| format!("{:.2}×", f / r.mean_ttft_ms.max(1e-9)));
+        let ratio = full.map_or("-".to_string(), |f| {
+            format!("{:.2}×", f / r.mean_ttft_ms.max(1e-9))
+        });
         s.push_str(&format!(
             "| {} | {:.3} | {:.3} | {:.3} | {:.3} | {:.1} | {} | {:.0} | {:.0} |\n",
-            r.label, r.em_single, r.f1_single, r.em_two, r.f1_two, r.mean_ttft_ms, ratio, r.mean_tokens_computed, r.mean_tokens_reused
+            r.label,
+            r.em_single,
+            r.f1_single,
+            r.em_two,
+            r.f1_two,
+            r.mean_ttft_ms,
+            ratio,
+            r.mean_tokens_computed,
+            r.mean_tokens_reused
         ));
     }
     s
@@ -135,20 +180,40 @@ fn plot(reports: &[ModeReport], path: &Path) -> Result<()> {
         .x_label_area_size(45)
         .y_label_area_size(55)
         .build_cartesian_2d(0.0..max_t, 0.0..1.05)?;
-    chart.configure_mesh().x_desc("mean TTFT (ms)").y_desc("exact match").draw()?;
+    chart
+        .configure_mesh()
+        .x_desc("mean TTFT (ms)")
+        .y_desc("exact match")
+        .draw()?;
     for (series, color, pick) in [
-        ("single-hop", BLUE, (|r: &ModeReport| r.em_single) as fn(&ModeReport) -> f64),
+        (
+            "single-hop",
+            BLUE,
+            (|r: &ModeReport| r.em_single) as fn(&ModeReport) -> f64,
+        ),
         ("two-hop", RED, |r: &ModeReport| r.em_two),
     ] {
         chart
-            .draw_series(reports.iter().map(|r| Circle::new((r.mean_ttft_ms, pick(r)), 5, color.filled())))?
+            .draw_series(
+                reports
+                    .iter()
+                    .map(|r| Circle::new((r.mean_ttft_ms, pick(r)), 5, color.filled())),
+            )?
             .label(series)
             .legend(move |(x, y)| Circle::new((x, y), 5, color.filled()));
         chart.draw_series(reports.iter().map(|r| {
-            Text::new(r.label.clone(), (r.mean_ttft_ms, pick(r)), ("sans-serif", 12).into_font().color(&BLACK))
+            Text::new(
+                r.label.clone(),
+                (r.mean_ttft_ms, pick(r)),
+                ("sans-serif", 12).into_font().color(&BLACK),
+            )
         }))?;
     }
-    chart.configure_series_labels().background_style(WHITE.mix(0.8)).border_style(BLACK).draw()?;
+    chart
+        .configure_series_labels()
+        .background_style(WHITE.mix(0.8))
+        .border_style(BLACK)
+        .draw()?;
     root.present()?;
     Ok(())
 }
@@ -164,11 +229,20 @@ mod tests {
             parse_modes("full, hypic8-norope,hypic0").unwrap(),
             vec![
                 Mode::FullRecompute,
-                Mode::Hypic { seam_width: 8, rope_fix: false },
-                Mode::Hypic { seam_width: 0, rope_fix: true }
+                Mode::Hypic {
+                    seam_width: 8,
+                    rope_fix: false
+                },
+                Mode::Hypic {
+                    seam_width: 0,
+                    rope_fix: true
+                }
             ]
         );
-        assert!(parse_modes("fast").unwrap_err().to_string().contains("fast"));
+        assert!(parse_modes("fast")
+            .unwrap_err()
+            .to_string()
+            .contains("fast"));
         assert!(parse_modes("hypicX").is_err());
     }
 }

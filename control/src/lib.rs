@@ -9,8 +9,10 @@
 
 pub mod api;
 pub mod auth;
+pub mod bench;
 pub mod catalog;
 pub mod policy;
+pub mod serve;
 pub mod sim;
 
 use std::net::SocketAddr;

@@ -1,4 +1,5 @@
 //! The `hypic` command: generation, serving and operator tools.
+mod eval_cmd;
 mod generate;
 
 use clap::{Parser, Subcommand};
@@ -15,12 +16,29 @@ struct Cli {
 enum Command {
     /// Generate a continuation of a prompt, streamed to stdout, then print TTFT and decode speed.
     Generate(generate::GenerateArgs),
+    /// Mint a bearer token for local use (HS256 secret from the data directory).
+    Token(hypic_control::TokenArgs),
+    /// Serve the control-plane API alone (catalog, segments, grants, policies).
+    Control(hypic_control::ControlServeArgs),
+    /// Evaluate held-out multi-document QA through every reuse mode (quality and TTFT).
+    Eval(eval_cmd::EvalArgs),
+    /// Serve the OpenAI-compatible, segment-aware HTTP API (completions, chat, segments, metrics).
+    Serve(hypic_control::serve::ServeArgs),
+    /// Run the RAG workload benchmark (in-process or against a server) for each reuse mode.
+    Bench(hypic_control::bench::BenchArgs),
 }
 
 fn main() {
     let cli = Cli::parse();
     let res = match cli.command {
         Command::Generate(a) => generate::run(a),
+        Command::Eval(a) => eval_cmd::run(a),
+        Command::Token(a) => hypic_control::auth::token_from_args(&a).map(|t| println!("{t}")),
+        Command::Control(a) => tokio::runtime::Runtime::new()
+            .map_err(anyhow::Error::from)
+            .and_then(|rt| rt.block_on(hypic_control::run_control_command(a))),
+        Command::Serve(a) => hypic_control::serve::run_serve_command(a),
+        Command::Bench(a) => hypic_control::bench::run_bench_command(a),
     };
     if let Err(e) = res {
         eprintln!("error: {e:#}");

@@ -588,7 +588,7 @@ async fn policy_lifecycle_upload_dry_run_activate_rollback_audited() {
         v["error"]["message"]
             .as_str()
             .unwrap()
-            .contains("hypic_policy_kind"),
+            .contains("looks like an eviction policy, not an admission policy"),
         "{v}"
     );
     let (st, _) = call(

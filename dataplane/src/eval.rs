@@ -39,12 +39,18 @@ pub struct QaItem {
 
 /// Reads a JSONL file of [`QaItem`]s. Errors name the file and line.
 pub fn load_items(path: &std::path::Path) -> Result<Vec<QaItem>> {
-    let text = std::fs::read_to_string(path).map_err(|e| Error::Io { path: path.into(), source: e })?;
+    let text = std::fs::read_to_string(path).map_err(|e| Error::Io {
+        path: path.into(),
+        source: e,
+    })?;
     text.lines()
         .enumerate()
         .filter(|(_, l)| !l.trim().is_empty())
         .map(|(i, l)| {
-            serde_json::from_str(l).map_err(|e| Error::Json { path: path.into(), msg: format!("line {}: {e}", i + 1) })
+            serde_json::from_str(l).map_err(|e| Error::Json {
+                path: path.into(),
+                msg: format!("line {}: {e}", i + 1),
+            })
         })
         .collect()
 }
@@ -52,16 +58,25 @@ pub fn load_items(path: &std::path::Path) -> Result<Vec<QaItem>> {
 /// The prompt's segment texts: `[system, doc_1, …, doc_n, question]` (ChatML; their
 /// concatenation is the whole prompt, ending with the assistant header).
 pub fn segment_texts(item: &QaItem) -> Vec<String> {
-    let mut v = vec![format!("<|im_start|>system\n{}<|im_end|>\n<|im_start|>user\n", item.system)];
+    let mut v = vec![format!(
+        "<|im_start|>system\n{}<|im_end|>\n<|im_start|>user\n",
+        item.system
+    )];
     v.extend(item.documents.iter().map(|d| format!("{d}\n\n")));
-    v.push(format!("Question: {}<|im_end|>\n<|im_start|>assistant\n", item.question));
+    v.push(format!(
+        "Question: {}<|im_end|>\n<|im_start|>assistant\n",
+        item.question
+    ));
     v
 }
 
 /// HotpotQA answer normalisation.
 pub fn normalize_answer(s: &str) -> String {
     let lower = s.to_lowercase();
-    let no_punct: String = lower.chars().filter(|c| !c.is_ascii_punctuation()).collect();
+    let no_punct: String = lower
+        .chars()
+        .filter(|c| !c.is_ascii_punctuation())
+        .collect();
     no_punct
         .split_whitespace()
         .filter(|w| !matches!(*w, "a" | "an" | "the"))
@@ -139,8 +154,14 @@ pub fn mode_label(m: &Mode) -> String {
         Mode::FullRecompute => "full_recompute".into(),
         Mode::PrefixCache => "prefix_cache".into(),
         Mode::NaiveAddition => "naive_addition".into(),
-        Mode::Hypic { seam_width, rope_fix: true } => format!("hypic_w{seam_width}"),
-        Mode::Hypic { seam_width, rope_fix: false } => format!("hypic_w{seam_width}_norope"),
+        Mode::Hypic {
+            seam_width,
+            rope_fix: true,
+        } => format!("hypic_w{seam_width}"),
+        Mode::Hypic {
+            seam_width,
+            rope_fix: false,
+        } => format!("hypic_w{seam_width}_norope"),
     }
 }
 
@@ -148,7 +169,12 @@ pub fn mode_label(m: &Mode) -> String {
 pub fn item_segments(tok: &Tokenizer, item: &QaItem, isolation: &str) -> Result<Vec<SegmentRef>> {
     segment_texts(item)
         .iter()
-        .map(|t| Ok(SegmentRef { tokens: tok.encode(t)?, isolation: isolation.to_string() }))
+        .map(|t| {
+            Ok(SegmentRef {
+                tokens: tok.encode(t)?,
+                isolation: isolation.to_string(),
+            })
+        })
         .collect()
 }
 
@@ -162,8 +188,13 @@ pub fn evaluate(
     max_new: usize,
     progress: &mut dyn FnMut(usize),
 ) -> Result<ModeReport> {
-    let mut r = ModeReport { label: mode_label(&mode), mode: Some(mode), ..Default::default() };
-    let (mut em1, mut f11, mut em2, mut f12, mut ttft, mut comp, mut reu) = (0.0, 0.0, 0.0, 0.0, 0.0, 0.0, 0.0);
+    let mut r = ModeReport {
+        label: mode_label(&mode),
+        mode: Some(mode),
+        ..Default::default()
+    };
+    let (mut em1, mut f11, mut em2, mut f12, mut ttft, mut comp, mut reu) =
+        (0.0, 0.0, 0.0, 0.0, 0.0, 0.0, 0.0);
     for (i, item) in items.iter().enumerate() {
         engine.clear();
         let segs = item_segments(tok, item, "eval")?;
@@ -190,7 +221,10 @@ pub fn evaluate(
             next = argmax(&engine.model().decode(next, &mut state)?);
         }
         let pred = tok.decode(&gen)?.trim().to_string();
-        let (em, f1) = (exact_match(&pred, &item.answer) as u8 as f64, f1_score(&pred, &item.answer));
+        let (em, f1) = (
+            exact_match(&pred, &item.answer) as u8 as f64,
+            f1_score(&pred, &item.answer),
+        );
         if item.hop >= 2 {
             r.n_two += 1;
             em2 += em;

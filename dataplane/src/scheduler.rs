@@ -437,13 +437,21 @@ fn worker_loop(shared: Arc<Shared>, engine: Arc<PicEngine>, cfg: SchedulerConfig
         };
         if let Some(qr) = admitted {
             let queued = qr.submitted.elapsed();
-            let res = engine.run(&qr.req.segments, qr.req.mode, &qr.req.tenant);
+            // A panic in the engine fails this request only, never the worker
+            // (which would leave every other request waiting forever).
+            let res = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| {
+                engine.run(&qr.req.segments, qr.req.mode, &qr.req.tenant)
+            }));
+            let res = match res {
+                Ok(r) => r.map_err(|e| (ErrorKind::InvalidRequest, e.to_string())),
+                Err(p) => Err((
+                    ErrorKind::Internal,
+                    format!("prefill failed: {}", panic_message(&*p)),
+                )),
+            };
             match res {
-                Err(e) => {
-                    let _ = qr.tx.send(GenEvent::Error {
-                        kind: ErrorKind::InvalidRequest,
-                        message: e.to_string(),
-                    });
+                Err((kind, message)) => {
+                    let _ = qr.tx.send(GenEvent::Error { kind, message });
                     metrics.finished.fetch_add(1, Ordering::Relaxed);
                 }
                 Ok(out) => {
@@ -498,7 +506,15 @@ fn worker_loop(shared: Arc<Shared>, engine: Arc<PicEngine>, cfg: SchedulerConfig
             let step = {
                 let mut states: Vec<&mut ModelState> =
                     live.iter_mut().map(|r| &mut r.state).collect();
-                engine.model().decode_batch(&tokens, &mut states)
+                std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| {
+                    engine.model().decode_batch(&tokens, &mut states)
+                }))
+                .unwrap_or_else(|p| {
+                    Err(crate::Error::Input(format!(
+                        "decode failed: {}",
+                        panic_message(&*p)
+                    )))
+                })
             };
             match step {
                 Ok(all_logits) => {
@@ -531,6 +547,13 @@ fn worker_loop(shared: Arc<Shared>, engine: Arc<PicEngine>, cfg: SchedulerConfig
             Ordering::Relaxed,
         );
     }
+}
+
+fn panic_message(p: &(dyn std::any::Any + Send)) -> String {
+    p.downcast_ref::<&str>()
+        .map(|s| s.to_string())
+        .or_else(|| p.downcast_ref::<String>().cloned())
+        .unwrap_or_else(|| "panic".into())
 }
 
 /// Emits `r.next` (sampled from `logits`) unless it is a stop token; returns whether

@@ -7,6 +7,7 @@
 //! load failure) falls back to the native default for that call, is counted
 //! in [`PolicyMetrics`] and audited as `policy.fault`.
 
+pub mod pool_adapter;
 pub mod wasm;
 
 use std::collections::HashMap;

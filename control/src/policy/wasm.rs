@@ -45,7 +45,6 @@ impl PolicyError {
 pub fn policy_engine() -> Engine {
     let mut c = Config::new();
     c.consume_fuel(true);
-    c.wasm_threads(false);
     c.max_wasm_stack(256 * 1024);
     c.cranelift_opt_level(wasmtime::OptLevel::Speed);
     Engine::new(&c).expect("static wasmtime config is valid")
@@ -410,6 +409,21 @@ fn check_exports(module: &Module, kind: PolicyKind) -> Result<(), PolicyError> {
         PolicyKind::Invalidation => ("hypic_invalidate", &[ValType::I64], &[ValType::I32]),
         PolicyKind::Isolation => ("hypic_isolation", &[], &[ValType::I32]),
     };
+    if module.get_export(hook.0).is_none() {
+        let hooks = [
+            ("hypic_evict", "eviction"),
+            ("hypic_admit", "admission"),
+            ("hypic_invalidate", "invalidation"),
+            ("hypic_isolation", "isolation"),
+        ];
+        if let Some((_, other)) = hooks.iter().find(|(h, _)| module.get_export(h).is_some()) {
+            return Err(PolicyError::Invalid(format!(
+                "missing export `{}`: this looks like an {other} policy, not an {} policy",
+                hook.0,
+                kind.as_str()
+            )));
+        }
+    }
     match module.get_export("memory") {
         Some(ExternType::Memory(_)) => {}
         _ => {

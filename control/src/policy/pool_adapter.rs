@@ -1,0 +1,132 @@
+//! Bridges the control plane's policy runtime (Wasm or native) into the data plane's
+//! cache pools: [`RuntimePoolPolicy`] implements `dataplane::pic::pool::CachePolicy`,
+//! so the active eviction and admission policies decide what the PIC engine's public
+//! pool keeps (`PicEngine::set_public_policy`).
+use super::{AdmitInfo, EntryInfo, PolicyRuntime};
+use dataplane::pic::pool::{CachePolicy, EntryMeta};
+use sha2::{Digest, Sha256};
+use std::collections::HashMap;
+use std::sync::Arc;
+
+/// A pool policy that asks the [`PolicyRuntime`] (whatever it has active; faults fall
+/// back to the native default inside the runtime).
+pub struct RuntimePoolPolicy {
+    rt: Arc<PolicyRuntime>,
+    capacity: u64,
+    /// Per-entry sightings for admit-on-second-sighting style policies.
+    seen: HashMap<[u8; 32], u32>,
+}
+
+impl RuntimePoolPolicy {
+    /// Policy over `rt` for a pool of `capacity_bytes`.
+    pub fn new(rt: Arc<PolicyRuntime>, capacity_bytes: usize) -> Self {
+        RuntimePoolPolicy {
+            rt,
+            capacity: capacity_bytes as u64,
+            seen: HashMap::new(),
+        }
+    }
+}
+
+fn id64(b: &[u8]) -> u64 {
+    u64::from_le_bytes(b[..8].try_into().expect("at least 8 bytes"))
+}
+
+fn tenant_id(owner: &str) -> u64 {
+    id64(&Sha256::digest(owner.as_bytes()))
+}
+
+fn info(m: &EntryMeta) -> EntryInfo {
+    EntryInfo {
+        id: id64(&m.key),
+        tenant: tenant_id(&m.owner),
+        bytes: m.bytes as u64,
+        recompute_tokens: m.tokens as u64,
+        last_use_ms: m.last_use,
+        inserted_ms: m.inserted,
+        hits: m.hits.min(u32::MAX as u64) as u32,
+        shared: false,
+        superseded: false,
+    }
+}
+
+impl CachePolicy for RuntimePoolPolicy {
+    fn name(&self) -> &str {
+        "control-plane"
+    }
+
+    fn admit(&mut self, c: &EntryMeta) -> bool {
+        let seen = self.seen.entry(c.key).or_insert(0);
+        *seen = seen.saturating_add(1);
+        let a = AdmitInfo {
+            id: id64(&c.key),
+            tenant: tenant_id(&c.owner),
+            bytes: c.bytes as u64,
+            recompute_tokens: c.tokens as u64,
+            tenant_used_bytes: 0,
+            capacity_bytes: self.capacity,
+            seen_count: *seen,
+            shared: false,
+        };
+        self.rt.admit(&a, catalog_now())
+    }
+
+    fn victim(&mut self, entries: &[EntryMeta]) -> Option<usize> {
+        let infos: Vec<EntryInfo> = entries.iter().map(info).collect();
+        let i = self.rt.evict(&infos, catalog_now());
+        (i < entries.len()).then_some(i)
+    }
+}
+
+fn catalog_now() -> u64 {
+    crate::catalog::now_ms().max(0) as u64
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::policy::{builtin, policy_engine, PolicyKind, PolicyLimits};
+    use dataplane::pic::pool::{Insert, Pool};
+
+    fn runtime() -> Arc<PolicyRuntime> {
+        Arc::new(PolicyRuntime::new(
+            policy_engine(),
+            PolicyLimits::default(),
+            None,
+        ))
+    }
+
+    #[test]
+    fn native_default_is_lru_in_the_data_plane_pool() {
+        let rt = runtime();
+        let mut p: Pool<u8> = Pool::new(100, Box::new(RuntimePoolPolicy::new(rt, 100)));
+        p.insert([1; 32], Arc::new(1), 40, 10, "a");
+        p.insert([2; 32], Arc::new(2), 40, 10, "a");
+        assert!(p.get(&[1; 32]).is_some());
+        assert_eq!(
+            p.insert([3; 32], Arc::new(3), 40, 10, "a"),
+            Insert::Stored { evicted: 1 }
+        );
+        assert!(p.contains(&[1; 32]) && !p.contains(&[2; 32]));
+    }
+
+    #[test]
+    fn wasm_second_sighting_admission_controls_the_pool() {
+        let rt = runtime();
+        let (_, _, bytes) = builtin::ALL
+            .iter()
+            .find(|(n, _, _)| *n == "second_sighting")
+            .expect("built-in");
+        rt.activate_module(PolicyKind::Admission, None, bytes, &serde_json::json!({}))
+            .expect("loads");
+        let mut p: Pool<u8> = Pool::new(1000, Box::new(RuntimePoolPolicy::new(rt, 1000)));
+        assert_eq!(
+            p.insert([7; 32], Arc::new(1), 10, 10, "a"),
+            Insert::NotAdmitted
+        );
+        assert_eq!(
+            p.insert([7; 32], Arc::new(1), 10, 10, "a"),
+            Insert::Stored { evicted: 0 }
+        );
+    }
+}

@@ -1,0 +1,237 @@
+//! Prometheus metrics of the server (`GET /metrics`, text exposition format 0.0.4).
+//!
+//! Latency histograms and token counters are updated as requests run; gauges of
+//! the scheduler and the pools, and the pools' cumulative counters, are refreshed
+//! from their live values at each scrape.
+use dataplane::pic::PicEngine;
+use dataplane::scheduler::SchedulerMetrics;
+use prometheus::{
+    Encoder, HistogramOpts, HistogramVec, IntCounterVec, IntGauge, IntGaugeVec, Opts, Registry,
+    TextEncoder,
+};
+use std::sync::atomic::Ordering;
+use std::sync::Mutex;
+
+/// Every metric the server exports.
+pub struct ServeMetrics {
+    registry: Registry,
+    /// Submission to first token, seconds, by mode.
+    pub ttft: HistogramVec,
+    /// Time between consecutive tokens of a stream, seconds, by mode.
+    pub itl: HistogramVec,
+    /// End-to-end request latency, seconds, by endpoint.
+    pub e2e: HistogramVec,
+    /// Prompt tokens by mode and kind (`cached`, `computed`).
+    pub prompt_tokens: IntCounterVec,
+    /// Segments by mode and outcome.
+    pub segments: IntCounterVec,
+    /// Generated tokens by mode.
+    pub completion_tokens: IntCounterVec,
+    /// Requests by endpoint and status code.
+    pub requests: IntCounterVec,
+    queue_depth: IntGauge,
+    running: IntGauge,
+    kv_reserved: IntGauge,
+    state_bytes: IntGauge,
+    pool_bytes: IntGaugeVec,
+    pool_entries: IntGaugeVec,
+    pool_events: IntCounterVec,
+    sched_events: IntCounterVec,
+    last: Mutex<Last>,
+}
+
+#[derive(Default)]
+struct Last {
+    pool: [[u64; 5]; 2],
+    sched: [u64; 4],
+}
+
+fn buckets_s() -> Vec<f64> {
+    // 0.5 ms … ~65 s.
+    prometheus::exponential_buckets(0.0005, 2.0, 18).expect("static buckets")
+}
+
+impl ServeMetrics {
+    /// Registers every metric in a fresh registry.
+    pub fn new() -> Self {
+        let r = Registry::new();
+        macro_rules! reg {
+            ($m:expr) => {{
+                let m = $m.expect("static metric definition");
+                r.register(Box::new(m.clone())).expect("unique metric");
+                m
+            }};
+        }
+        let ttft = reg!(HistogramVec::new(
+            HistogramOpts::new(
+                "hypic_time_to_first_token_seconds",
+                "Time from submission to the first generated token."
+            )
+            .buckets(buckets_s()),
+            &["mode"]
+        ));
+        let itl = reg!(HistogramVec::new(
+            HistogramOpts::new(
+                "hypic_inter_token_latency_seconds",
+                "Time between consecutive generated tokens of a request."
+            )
+            .buckets(buckets_s()),
+            &["mode"]
+        ));
+        let e2e = reg!(HistogramVec::new(
+            HistogramOpts::new(
+                "hypic_request_duration_seconds",
+                "Time from submission to the last token."
+            )
+            .buckets(buckets_s()),
+            &["endpoint"]
+        ));
+        let prompt_tokens = reg!(IntCounterVec::new(
+            Opts::new(
+                "hypic_prompt_tokens_total",
+                "Prompt tokens by reuse mode: cached (work reused) or computed."
+            ),
+            &["mode", "kind"]
+        ));
+        let segments = reg!(IntCounterVec::new(
+            Opts::new(
+                "hypic_segments_total",
+                "Prompt segments by reuse mode and outcome (computed, prefix_hit, hit, miss)."
+            ),
+            &["mode", "outcome"]
+        ));
+        let completion_tokens = reg!(IntCounterVec::new(
+            Opts::new("hypic_completion_tokens_total", "Generated tokens."),
+            &["mode"]
+        ));
+        let requests = reg!(IntCounterVec::new(
+            Opts::new(
+                "hypic_requests_total",
+                "HTTP requests by endpoint and status."
+            ),
+            &["endpoint", "status"]
+        ));
+        let queue_depth = reg!(IntGauge::new(
+            "hypic_queue_depth",
+            "Requests waiting for admission."
+        ));
+        let running = reg!(IntGauge::new(
+            "hypic_running_requests",
+            "Sequences in the running batch."
+        ));
+        let kv_reserved = reg!(IntGauge::new(
+            "hypic_kv_reserved_bytes",
+            "KV bytes reserved by running sequences."
+        ));
+        let state_bytes = reg!(IntGauge::new(
+            "hypic_state_bytes",
+            "Recurrent and KV state bytes held by running sequences."
+        ));
+        let pool_bytes = reg!(IntGaugeVec::new(
+            Opts::new(
+                "hypic_pool_bytes",
+                "Bytes held by a cache pool (public: segment entries; private: running-state snapshots)."
+            ),
+            &["pool"]
+        ));
+        let pool_entries = reg!(IntGaugeVec::new(
+            Opts::new("hypic_pool_entries", "Entries in a cache pool."),
+            &["pool"]
+        ));
+        let pool_events = reg!(IntCounterVec::new(
+            Opts::new(
+                "hypic_pool_events_total",
+                "Pool lookups and changes: hit, miss, insert, eviction, rejected."
+            ),
+            &["pool", "event"]
+        ));
+        let sched_events = reg!(IntCounterVec::new(
+            Opts::new(
+                "hypic_scheduler_events_total",
+                "Scheduler events: queue_full (429), queue_timeout (408), cancelled, finished."
+            ),
+            &["event"]
+        ));
+        ServeMetrics {
+            registry: r,
+            ttft,
+            itl,
+            e2e,
+            prompt_tokens,
+            segments,
+            completion_tokens,
+            requests,
+            queue_depth,
+            running,
+            kv_reserved,
+            state_bytes,
+            pool_bytes,
+            pool_entries,
+            pool_events,
+            sched_events,
+            last: Mutex::new(Last::default()),
+        }
+    }
+
+    /// Refreshes the live gauges and renders the text exposition.
+    pub fn render(&self, sched: &SchedulerMetrics, engine: &PicEngine) -> String {
+        self.queue_depth
+            .set(sched.queue_depth.load(Ordering::Relaxed) as i64);
+        self.running
+            .set(sched.running.load(Ordering::Relaxed) as i64);
+        self.kv_reserved
+            .set(sched.kv_reserved_bytes.load(Ordering::Relaxed) as i64);
+        self.state_bytes
+            .set(sched.state_bytes.load(Ordering::Relaxed) as i64);
+        {
+            let mut last = self.last.lock().unwrap_or_else(|p| p.into_inner());
+            for (pi, (name, (entries, bytes, st))) in [
+                ("public", engine.public_usage()),
+                ("private", engine.private_usage()),
+            ]
+            .into_iter()
+            .enumerate()
+            {
+                self.pool_bytes.with_label_values(&[name]).set(bytes as i64);
+                self.pool_entries
+                    .with_label_values(&[name])
+                    .set(entries as i64);
+                let now = [st.hits, st.misses, st.inserts, st.evictions, st.rejected];
+                for (i, ev) in ["hit", "miss", "insert", "eviction", "rejected"]
+                    .into_iter()
+                    .enumerate()
+                {
+                    let d = now[i].saturating_sub(last.pool[pi][i]);
+                    self.pool_events.with_label_values(&[name, ev]).inc_by(d);
+                    last.pool[pi][i] = last.pool[pi][i].max(now[i]);
+                }
+            }
+            let now = [
+                sched.rejected_queue_full.load(Ordering::Relaxed),
+                sched.queue_timeouts.load(Ordering::Relaxed),
+                sched.cancelled.load(Ordering::Relaxed),
+                sched.finished.load(Ordering::Relaxed),
+            ];
+            for (i, ev) in ["queue_full", "queue_timeout", "cancelled", "finished"]
+                .into_iter()
+                .enumerate()
+            {
+                let d = now[i].saturating_sub(last.sched[i]);
+                self.sched_events.with_label_values(&[ev]).inc_by(d);
+                last.sched[i] = last.sched[i].max(now[i]);
+            }
+        }
+        let mut buf = vec![];
+        let enc = TextEncoder::new();
+        if let Err(e) = enc.encode(&self.registry.gather(), &mut buf) {
+            return format!("# encoding error: {e}\n");
+        }
+        String::from_utf8(buf).unwrap_or_default()
+    }
+}
+
+impl Default for ServeMetrics {
+    fn default() -> Self {
+        Self::new()
+    }
+}

@@ -1,0 +1,534 @@
+//! `hypic serve`: the OpenAI-compatible, segment-aware HTTP server.
+//!
+//! * `POST /v1/completions`, `POST /v1/chat/completions` (SSE with `stream: true`),
+//!   `GET /v1/models`: see [`routes`].
+//! * `POST/GET/PUT/DELETE /v1/segments[/{id}]`: the control plane's segment catalog
+//!   plus ahead-of-time prefill into the public pool and residency: see [`segments`].
+//! * `GET /health`, `GET /metrics` (Prometheus).
+//! * Everything else of the control plane (`/v1/whoami`, grants, versions,
+//!   snapshots, `/v1/admin/*`) is mounted as is.
+//!
+//! Every `/v1` route needs a bearer JWT verified by the control plane's
+//! authenticator; the tenant comes from the token, and each segment's isolation key
+//! from the control plane's keyer (per tenant, unless the segment is an explicitly
+//! shared catalog segment).
+//!
+//! Configuration: flags, then `HYPIC_*` environment variables, then a TOML file
+//! (`--config`), then defaults ([`ServeConfig`]).
+pub mod errors;
+pub mod metrics;
+pub mod prompt;
+pub mod routes;
+pub mod segments;
+pub mod textgen;
+pub mod types;
+
+use anyhow::{bail, Context};
+use dataplane::model::Model;
+use dataplane::pic::{Mode, PicEngine};
+use dataplane::scheduler::{Scheduler, SchedulerConfig};
+use dataplane::tokenizer::Tokenizer;
+use serde::{Deserialize, Serialize};
+use std::collections::HashMap;
+use std::net::SocketAddr;
+use std::path::{Path, PathBuf};
+use std::sync::{Arc, Mutex};
+use std::time::Duration;
+
+use crate::{ControlArgs, ControlState};
+
+/// Server settings (the TOML file's keys; every key optional).
+#[derive(Clone, Debug, Serialize, Deserialize, PartialEq)]
+#[serde(default, deny_unknown_fields)]
+pub struct ServeConfig {
+    /// Listen address.
+    pub bind: SocketAddr,
+    /// Hugging Face model folder (default: the bundled `models/hypic-tiny`).
+    pub model: Option<PathBuf>,
+    /// Model id served in `/v1/models` and accepted in `model` (default: the
+    /// folder name).
+    pub model_id: Option<String>,
+    /// Default reuse mode: `hypic`, `prefix_cache`, `full_recompute`, `naive_addition`.
+    pub mode: String,
+    /// Default seam window of `hypic` mode.
+    pub seam_width: usize,
+    /// Default RoPE fix of `hypic` mode.
+    pub rope_fix: bool,
+    /// Separator that cuts a completions prompt into segments.
+    pub separator: String,
+    /// Public pool (segment entries) capacity, MiB.
+    pub public_pool_mib: usize,
+    /// Private pool (running-state snapshots) capacity, MiB.
+    pub private_pool_mib: usize,
+    /// Who decides admission and eviction in the public pool: `control` (the
+    /// control plane's active policies, Wasm or native) or `lru`.
+    pub pool_policy: String,
+    /// Requests that may wait for admission (beyond: 429).
+    pub queue_capacity: usize,
+    /// Sequences decoding at once (recurrent-state slots).
+    pub max_running: usize,
+    /// KV budget of running sequences, MiB.
+    pub kv_budget_mib: usize,
+    /// Longest wait in the queue, seconds (beyond: 408).
+    pub queue_timeout_s: f64,
+    /// Largest request body, bytes (beyond: 413).
+    pub max_body_bytes: usize,
+    /// `max_tokens` when a request does not set it.
+    pub default_max_tokens: usize,
+    /// Largest `n`.
+    pub max_n: usize,
+    /// Catalog database URL (default: SQLite in the data directory).
+    pub database_url: Option<String>,
+    /// Data directory (signing secret, SQLite catalog).
+    pub data_dir: PathBuf,
+    /// JWKS file with extra RS256/EdDSA keys.
+    pub jwks_file: Option<PathBuf>,
+    /// Audience tokens must carry.
+    pub audience: String,
+    /// Turn authentication off (loopback binds only).
+    pub disable_auth: bool,
+}
+
+impl Default for ServeConfig {
+    fn default() -> Self {
+        ServeConfig {
+            bind: "127.0.0.1:8080".parse().expect("static address"),
+            model: None,
+            model_id: None,
+            mode: "hypic".into(),
+            seam_width: 8,
+            rope_fix: true,
+            separator: "<<PIC_SEP>>".into(),
+            public_pool_mib: 1024,
+            private_pool_mib: 1024,
+            pool_policy: "control".into(),
+            queue_capacity: 64,
+            max_running: 16,
+            kv_budget_mib: 2048,
+            queue_timeout_s: 30.0,
+            max_body_bytes: 16 << 20,
+            default_max_tokens: 256,
+            max_n: 16,
+            database_url: None,
+            data_dir: PathBuf::from("hypic-data"),
+            jwks_file: None,
+            audience: crate::auth::DEFAULT_AUDIENCE.into(),
+            disable_auth: false,
+        }
+    }
+}
+
+/// Arguments of `hypic serve` (each overrides the TOML file and the default).
+#[derive(clap::Args, Debug, Clone, Default)]
+pub struct ServeArgs {
+    /// TOML configuration file (keys as the long flags, with underscores).
+    #[arg(long, env = "HYPIC_CONFIG")]
+    pub config: Option<PathBuf>,
+    /// Listen address.
+    #[arg(long, env = "HYPIC_BIND")]
+    pub bind: Option<SocketAddr>,
+    /// Hugging Face model folder (default: models/hypic-tiny).
+    #[arg(long, env = "HYPIC_MODEL")]
+    pub model: Option<PathBuf>,
+    /// Model id to serve (default: the folder name).
+    #[arg(long, env = "HYPIC_MODEL_ID")]
+    pub model_id: Option<String>,
+    /// Default reuse mode: hypic, prefix_cache, full_recompute, naive_addition.
+    #[arg(long, env = "HYPIC_MODE")]
+    pub mode: Option<String>,
+    /// Default seam window (hypic mode).
+    #[arg(long, env = "HYPIC_SEAM_WIDTH")]
+    pub seam_width: Option<usize>,
+    /// Default RoPE fix (hypic mode): true or false.
+    #[arg(long, env = "HYPIC_ROPE_FIX")]
+    pub rope_fix: Option<bool>,
+    /// Prompt separator for completions.
+    #[arg(long, env = "HYPIC_SEPARATOR")]
+    pub separator: Option<String>,
+    /// Public pool capacity, MiB.
+    #[arg(long, env = "HYPIC_PUBLIC_POOL_MIB")]
+    pub public_pool_mib: Option<usize>,
+    /// Private pool capacity, MiB.
+    #[arg(long, env = "HYPIC_PRIVATE_POOL_MIB")]
+    pub private_pool_mib: Option<usize>,
+    /// Public-pool policy: control (the control plane's active policies) or lru.
+    #[arg(long, env = "HYPIC_POOL_POLICY")]
+    pub pool_policy: Option<String>,
+    /// Admission queue capacity.
+    #[arg(long, env = "HYPIC_QUEUE_CAPACITY")]
+    pub queue_capacity: Option<usize>,
+    /// Sequences decoding at once.
+    #[arg(long, env = "HYPIC_MAX_RUNNING")]
+    pub max_running: Option<usize>,
+    /// KV budget, MiB.
+    #[arg(long, env = "HYPIC_KV_BUDGET_MIB")]
+    pub kv_budget_mib: Option<usize>,
+    /// Queue timeout, seconds.
+    #[arg(long, env = "HYPIC_QUEUE_TIMEOUT_S")]
+    pub queue_timeout_s: Option<f64>,
+    /// Largest request body, bytes.
+    #[arg(long, env = "HYPIC_MAX_BODY_BYTES")]
+    pub max_body_bytes: Option<usize>,
+    /// Default max_tokens.
+    #[arg(long, env = "HYPIC_DEFAULT_MAX_TOKENS")]
+    pub default_max_tokens: Option<usize>,
+    /// Largest n.
+    #[arg(long, env = "HYPIC_MAX_N")]
+    pub max_n: Option<usize>,
+    /// Catalog database URL (postgres://… or sqlite://…).
+    #[arg(long, env = "HYPIC_DATABASE_URL")]
+    pub database_url: Option<String>,
+    /// Data directory.
+    #[arg(long, env = "HYPIC_DATA_DIR")]
+    pub data_dir: Option<PathBuf>,
+    /// JWKS file.
+    #[arg(long)]
+    pub jwks_file: Option<PathBuf>,
+    /// Token audience.
+    #[arg(long)]
+    pub audience: Option<String>,
+    /// Turn authentication off (loopback binds only).
+    #[arg(long)]
+    pub disable_auth: bool,
+}
+
+impl ServeConfig {
+    /// Defaults, overridden by the TOML file, then by flags and environment.
+    pub fn resolve(a: &ServeArgs) -> anyhow::Result<ServeConfig> {
+        let mut c = match &a.config {
+            Some(p) => {
+                let text = std::fs::read_to_string(p)
+                    .with_context(|| format!("reading config {}", p.display()))?;
+                toml::from_str::<ServeConfig>(&text)
+                    .with_context(|| format!("parsing config {}", p.display()))?
+            }
+            None => ServeConfig::default(),
+        };
+        macro_rules! set {
+            ($($f:ident),*) => {$( if let Some(v) = &a.$f { c.$f = v.clone(); } )*};
+        }
+        set!(
+            bind,
+            mode,
+            seam_width,
+            rope_fix,
+            separator,
+            public_pool_mib,
+            private_pool_mib,
+            pool_policy,
+            queue_capacity,
+            max_running,
+            kv_budget_mib,
+            queue_timeout_s,
+            max_body_bytes,
+            default_max_tokens,
+            max_n,
+            data_dir,
+            audience
+        );
+        if a.model.is_some() {
+            c.model = a.model.clone();
+        }
+        if a.model_id.is_some() {
+            c.model_id = a.model_id.clone();
+        }
+        if a.database_url.is_some() {
+            c.database_url = a.database_url.clone();
+        }
+        if a.jwks_file.is_some() {
+            c.jwks_file = a.jwks_file.clone();
+        }
+        c.disable_auth |= a.disable_auth;
+        c.validate()?;
+        Ok(c)
+    }
+
+    /// Checks ranges.
+    pub fn validate(&self) -> anyhow::Result<()> {
+        self.default_mode()?;
+        if !["control", "lru"].contains(&self.pool_policy.as_str()) {
+            bail!(
+                "pool_policy must be `control` or `lru`, not {:?}",
+                self.pool_policy
+            );
+        }
+        if self.queue_capacity == 0 || self.max_running == 0 {
+            bail!("queue_capacity and max_running must be at least 1");
+        }
+        if !(self.queue_timeout_s > 0.0 && self.queue_timeout_s.is_finite()) {
+            bail!("queue_timeout_s must be positive");
+        }
+        if self.max_body_bytes < 1024 {
+            bail!("max_body_bytes must be at least 1024");
+        }
+        if self.default_max_tokens == 0 || self.max_n == 0 {
+            bail!("default_max_tokens and max_n must be at least 1");
+        }
+        Ok(())
+    }
+
+    /// The default mode.
+    pub fn default_mode(&self) -> anyhow::Result<Mode> {
+        prompt::parse_mode(&self.mode, self.seam_width, self.rope_fix)
+            .map_err(|e| anyhow::anyhow!("mode: {e}"))
+    }
+
+    /// The control-plane options.
+    pub fn control_args(&self) -> ControlArgs {
+        ControlArgs {
+            database_url: self.database_url.clone(),
+            data_dir: self.data_dir.clone(),
+            jwks_file: self.jwks_file.clone(),
+            audience: self.audience.clone(),
+            disable_auth: self.disable_auth,
+        }
+    }
+
+    /// Scheduler settings.
+    pub fn scheduler(&self) -> SchedulerConfig {
+        SchedulerConfig {
+            queue_capacity: self.queue_capacity,
+            max_running: self.max_running,
+            kv_budget_bytes: self.kv_budget_mib << 20,
+            queue_timeout: Duration::from_secs_f64(self.queue_timeout_s),
+        }
+    }
+}
+
+/// The bundled default model folder (`models/hypic-tiny`, relative to the working
+/// directory or to the repository the binary was built from).
+pub fn default_model_dir() -> Option<PathBuf> {
+    let rel = Path::new("models/hypic-tiny");
+    [
+        PathBuf::from(rel),
+        Path::new(env!("CARGO_MANIFEST_DIR")).join("..").join(rel),
+    ]
+    .into_iter()
+    .find(|p| p.join("config.json").exists())
+}
+
+/// Loads model and tokenizer (with a progress bar on a terminal).
+pub fn load_model(dir: &Path) -> anyhow::Result<(Model, Tokenizer)> {
+    let bar = indicatif::ProgressBar::new(1);
+    bar.set_style(
+        indicatif::ProgressStyle::with_template(
+            "loading {msg} [{bar:30}] {pos}/{len} layers ({elapsed})",
+        )
+        .expect("static template")
+        .progress_chars("=> "),
+    );
+    bar.set_message(dir.display().to_string());
+    let model = Model::load(dir, &mut |done, total| {
+        bar.set_length(total as u64);
+        bar.set_position(done as u64);
+    })
+    .with_context(|| format!("loading model from {}", dir.display()))?;
+    bar.finish_and_clear();
+    let tok = Tokenizer::from_dir(dir)
+        .with_context(|| format!("loading tokenizer from {}", dir.display()))?;
+    Ok((model, tok))
+}
+
+/// Tokens of one catalog segment version.
+#[derive(Clone, Debug)]
+pub(crate) struct CachedTokens {
+    pub content_hash: String,
+    pub tokens: Arc<Vec<u32>>,
+}
+
+/// What this server knows of a catalog segment: tokenised versions and the
+/// isolation keys its entries were stored under (to evict them on update/delete).
+#[derive(Default, Debug)]
+pub(crate) struct Known {
+    pub tokens: HashMap<(String, i64), CachedTokens>,
+    pub isolations: HashMap<String, std::collections::BTreeSet<String>>,
+}
+
+pub(crate) struct Inner {
+    pub cfg: ServeConfig,
+    pub model_id: String,
+    pub default_mode: Mode,
+    pub tok: Arc<Tokenizer>,
+    pub engine: Arc<PicEngine>,
+    pub sched: Arc<Scheduler>,
+    pub control: ControlState,
+    pub control_router: axum::Router,
+    pub metrics: metrics::ServeMetrics,
+    pub known: Mutex<Known>,
+    pub prefill_gate: tokio::sync::Semaphore,
+    pub ctx: usize,
+}
+
+/// Shared state of the serving routes.
+#[derive(Clone)]
+pub struct AppState(pub(crate) Arc<Inner>);
+
+impl AppState {
+    /// Builds the state from a loaded model and a control-plane state.
+    pub fn new(
+        cfg: ServeConfig,
+        model: Model,
+        tok: Tokenizer,
+        model_id: String,
+        control: ControlState,
+    ) -> anyhow::Result<AppState> {
+        let default_mode = cfg.default_mode()?;
+        let ctx = model.config.max_position_embeddings;
+        let engine = Arc::new(PicEngine::new(
+            Arc::new(model),
+            &model_id,
+            cfg.public_pool_mib << 20,
+            cfg.private_pool_mib << 20,
+        ));
+        // The control plane's active eviction/admission policies (Wasm or native) decide
+        // what the public pool keeps.
+        engine.set_public_policy(Box::new(
+            crate::policy::pool_adapter::RuntimePoolPolicy::new(
+                control.policies().clone(),
+                cfg.public_pool_mib << 20,
+            ),
+        ));
+        if cfg.pool_policy == "control" {
+            engine.set_public_policy(Box::new(
+                crate::policy::pool_adapter::RuntimePoolPolicy::new(
+                    control.policies().clone(),
+                    cfg.public_pool_mib << 20,
+                ),
+            ));
+        }
+        let sched = Arc::new(Scheduler::start(engine.clone(), cfg.scheduler()));
+        let control_router = crate::control_router(control.clone());
+        Ok(AppState(Arc::new(Inner {
+            cfg,
+            model_id,
+            default_mode,
+            tok: Arc::new(tok),
+            engine,
+            sched,
+            control,
+            control_router,
+            metrics: metrics::ServeMetrics::new(),
+            known: Mutex::new(Known::default()),
+            prefill_gate: tokio::sync::Semaphore::new(1),
+            ctx,
+        })))
+    }
+
+    /// The engine (pools).
+    pub fn engine(&self) -> &Arc<PicEngine> {
+        &self.0.engine
+    }
+    /// The scheduler.
+    pub fn scheduler(&self) -> &Arc<Scheduler> {
+        &self.0.sched
+    }
+    /// The served model id.
+    pub fn model_id(&self) -> &str {
+        &self.0.model_id
+    }
+    /// The settings.
+    pub fn config(&self) -> &ServeConfig {
+        &self.0.cfg
+    }
+    /// The control-plane state.
+    pub fn control(&self) -> &ControlState {
+        &self.0.control
+    }
+}
+
+/// A server running in the background (tests, `hypic bench`).
+pub struct RunningServer {
+    /// Bound address.
+    pub addr: SocketAddr,
+    /// Its state.
+    pub state: AppState,
+    shutdown: Option<tokio::sync::oneshot::Sender<()>>,
+    join: Option<tokio::task::JoinHandle<std::io::Result<()>>>,
+}
+
+impl RunningServer {
+    /// `http://addr`.
+    pub fn url(&self) -> String {
+        format!("http://{}", self.addr)
+    }
+    /// Stops accepting, waits for open requests.
+    pub async fn stop(mut self) {
+        if let Some(s) = self.shutdown.take() {
+            let _ = s.send(());
+        }
+        if let Some(j) = self.join.take() {
+            let _ = j.await;
+        }
+    }
+}
+
+/// Model folder and id of a config.
+pub fn model_location(cfg: &ServeConfig) -> anyhow::Result<(PathBuf, String)> {
+    let dir = match cfg.model.clone().or_else(default_model_dir) {
+        Some(d) => d,
+        None => bail!(
+            "no model: pass --model DIR (a Hugging Face folder), or add the bundled models/hypic-tiny"
+        ),
+    };
+    let id = cfg.model_id.clone().unwrap_or_else(|| {
+        dir.canonicalize()
+            .unwrap_or_else(|_| dir.clone())
+            .file_name()
+            .map(|n| n.to_string_lossy().to_string())
+            .unwrap_or_else(|| "hypic".into())
+    });
+    Ok((dir, id))
+}
+
+/// Loads the model, opens the control plane, binds and serves in the background.
+pub async fn spawn(cfg: ServeConfig) -> anyhow::Result<RunningServer> {
+    cfg.validate()?;
+    let (dir, id) = model_location(&cfg)?;
+    let (model, tok) = tokio::task::spawn_blocking(move || load_model(&dir)).await??;
+    let control = crate::build_control_state(&cfg.control_args(), cfg.bind).await?;
+    let listener = tokio::net::TcpListener::bind(cfg.bind)
+        .await
+        .with_context(|| format!("binding {}", cfg.bind))?;
+    let addr = listener.local_addr()?;
+    let state = AppState::new(cfg, model, tok, id, control)?;
+    let app = routes::router(state.clone());
+    let (tx, rx) = tokio::sync::oneshot::channel::<()>();
+    let join = tokio::spawn(async move {
+        axum::serve(
+            listener,
+            app.into_make_service_with_connect_info::<SocketAddr>(),
+        )
+        .with_graceful_shutdown(async {
+            let _ = rx.await;
+        })
+        .await
+    });
+    Ok(RunningServer {
+        addr,
+        state,
+        shutdown: Some(tx),
+        join: Some(join),
+    })
+}
+
+/// `hypic serve`: serves until Ctrl-C.
+pub fn run_serve_command(args: ServeArgs) -> anyhow::Result<()> {
+    let cfg = ServeConfig::resolve(&args)?;
+    let rt = tokio::runtime::Builder::new_multi_thread()
+        .enable_all()
+        .build()?;
+    rt.block_on(async move {
+        let server = spawn(cfg).await?;
+        eprintln!(
+            "hypic: serving {} on {} (mode {}, OpenAI API at {}/v1)",
+            server.state.model_id(),
+            server.addr,
+            server.state.config().mode,
+            server.url()
+        );
+        let _ = tokio::signal::ctrl_c().await;
+        eprintln!("hypic: shutting down");
+        server.stop().await;
+        Ok(())
+    })
+}

@@ -1,0 +1,234 @@
+//! From request bodies to PIC segments.
+//!
+//! * Chat: the chat template is rendered for the whole conversation (with the
+//!   generation prompt) and cut at message boundaries, found by rendering each
+//!   prefix of the conversation: message `k`'s segment is the text its rendering
+//!   adds, so role headers and end markers travel with their message and the
+//!   generation prompt with the last one. A message given as content parts is cut
+//!   further so that each part is a segment of exactly its text (a private-use
+//!   marker surrounds the parts while rendering); its role header and end marker
+//!   become small segments of their own.
+//! * Completions: a `segments` array, or a prompt cut at the separator string.
+use super::errors::ServeError;
+use super::types::{ChatMessageIn, HypicRequestExt, MessageContent};
+use dataplane::pic::Mode;
+use dataplane::tokenizer::{ChatMessage, Tokenizer};
+
+/// Joins content parts while rendering; never accepted in user text.
+pub const PART_MARK: &str = "\u{10FFFD}";
+/// At most this many messages per chat request.
+pub const MAX_MESSAGES: usize = 1024;
+/// At most this many segments per request.
+pub const MAX_SEGMENTS: usize = 1024;
+
+const ROLES: [&str; 5] = ["system", "developer", "user", "assistant", "tool"];
+
+/// Renders a conversation and cuts it into segment texts (non-empty, in order).
+pub fn chat_segments(tok: &Tokenizer, msgs: &[ChatMessageIn]) -> Result<Vec<String>, ServeError> {
+    if msgs.is_empty() {
+        return Err(ServeError::invalid_param(
+            "messages",
+            "'messages' must contain at least one message",
+        ));
+    }
+    if msgs.len() > MAX_MESSAGES {
+        return Err(ServeError::invalid_param(
+            "messages",
+            format!("at most {MAX_MESSAGES} messages per request"),
+        ));
+    }
+    if !tok.has_chat_template() {
+        return Err(ServeError::bad_request(
+            "no_chat_template",
+            "the served model has no chat template; use /v1/completions",
+        ));
+    }
+    let mut conv = Vec::with_capacity(msgs.len());
+    for (i, m) in msgs.iter().enumerate() {
+        if !ROLES.contains(&m.role.as_str()) {
+            return Err(ServeError::invalid_param(
+                &format!("messages[{i}].role"),
+                format!(
+                    "unknown role {:?} (expected one of {})",
+                    m.role,
+                    ROLES.join(", ")
+                ),
+            ));
+        }
+        let parts: Vec<String> = match &m.content {
+            None => vec![String::new()],
+            Some(MessageContent::Text(t)) => vec![t.clone()],
+            Some(MessageContent::Parts(ps)) => {
+                let mut v = Vec::with_capacity(ps.len());
+                for (j, p) in ps.iter().enumerate() {
+                    if p.kind != "text" {
+                        return Err(ServeError::invalid_param(
+                            &format!("messages[{i}].content[{j}].type"),
+                            format!(
+                                "content part type {:?} is not supported (only \"text\")",
+                                p.kind
+                            ),
+                        ));
+                    }
+                    match &p.text {
+                        Some(t) => v.push(t.clone()),
+                        None => {
+                            return Err(ServeError::invalid_param(
+                                &format!("messages[{i}].content[{j}].text"),
+                                "a text content part needs 'text'",
+                            ))
+                        }
+                    }
+                }
+                if v.is_empty() {
+                    v.push(String::new());
+                }
+                v
+            }
+        };
+        if parts.iter().any(|p| p.contains(PART_MARK)) {
+            return Err(ServeError::invalid_param(
+                &format!("messages[{i}].content"),
+                "content contains the reserved character U+10FFFD",
+            ));
+        }
+        // Content parts are cut on both sides, so each part's segment is exactly its
+        // text (reusable in any order); the role header and the end marker become
+        // small segments of their own.
+        let content = match &m.content {
+            Some(MessageContent::Parts(_)) => {
+                format!("{PART_MARK}{}{PART_MARK}", parts.join(PART_MARK))
+            }
+            _ => parts.join(PART_MARK),
+        };
+        conv.push(ChatMessage {
+            role: m.role.clone(),
+            content,
+        });
+    }
+    let render = |k: usize, gen: bool| {
+        tok.apply_chat_template(&conv[..k], gen)
+            .map_err(|e| ServeError::bad_request("chat_template_error", e.to_string()))
+    };
+    let full = render(conv.len(), true)?;
+    let mut blocks = Vec::with_capacity(conv.len());
+    let mut prev = String::new();
+    let mut ok = true;
+    for k in 1..conv.len() {
+        let p = render(k, false)?;
+        if !p.starts_with(prev.as_str()) {
+            ok = false;
+            break;
+        }
+        blocks.push(p[prev.len()..].to_string());
+        prev = p;
+    }
+    if ok && full.starts_with(prev.as_str()) {
+        blocks.push(full[prev.len()..].to_string());
+    } else {
+        // The template is not prefix-stable (e.g. it rewrites earlier turns): one
+        // segment per part of the whole rendering.
+        blocks = vec![full];
+    }
+    let segs: Vec<String> = blocks
+        .iter()
+        .flat_map(|b| b.split(PART_MARK))
+        .filter(|s| !s.is_empty())
+        .map(String::from)
+        .collect();
+    if segs.is_empty() {
+        return Err(ServeError::invalid_param(
+            "messages",
+            "the conversation renders to an empty prompt",
+        ));
+    }
+    Ok(segs)
+}
+
+/// Cuts a completions prompt at `sep` (empty pieces dropped).
+pub fn split_prompt(prompt: &str, sep: &str) -> Vec<String> {
+    if sep.is_empty() {
+        return if prompt.is_empty() {
+            vec![]
+        } else {
+            vec![prompt.to_string()]
+        };
+    }
+    prompt
+        .split(sep)
+        .filter(|s| !s.is_empty())
+        .map(String::from)
+        .collect()
+}
+
+/// Metric label and display name of a mode.
+pub fn mode_name(m: &Mode) -> &'static str {
+    match m {
+        Mode::FullRecompute => "full_recompute",
+        Mode::PrefixCache => "prefix_cache",
+        Mode::NaiveAddition => "naive_addition",
+        Mode::Hypic { .. } => "hypic",
+    }
+}
+
+/// Parses a mode name (`full_recompute`/`full`, `prefix_cache`/`prefix`,
+/// `naive_addition`/`naive`, `hypic`) with the hypic parameters.
+pub fn parse_mode(name: &str, seam_width: usize, rope_fix: bool) -> Result<Mode, String> {
+    Ok(match name {
+        "full_recompute" | "full" => Mode::FullRecompute,
+        "prefix_cache" | "prefix" => Mode::PrefixCache,
+        "naive_addition" | "naive" => Mode::NaiveAddition,
+        "hypic" => Mode::Hypic {
+            seam_width,
+            rope_fix,
+        },
+        other => {
+            return Err(format!(
+                "unknown mode {other:?} (expected full_recompute, prefix_cache, naive_addition or hypic)"
+            ))
+        }
+    })
+}
+
+/// The mode a request asks for (the server default when it does not say).
+pub fn request_mode(ext: Option<&HypicRequestExt>, default: Mode) -> Result<Mode, ServeError> {
+    let (dw, dr) = match default {
+        Mode::Hypic {
+            seam_width,
+            rope_fix,
+        } => (seam_width, rope_fix),
+        _ => (8, true),
+    };
+    let Some(ext) = ext else { return Ok(default) };
+    let w = ext.seam_width.unwrap_or(dw);
+    if w > 4096 {
+        return Err(ServeError::invalid_param(
+            "hypic.seam_width",
+            "seam_width must be at most 4096",
+        ));
+    }
+    let r = ext.rope_fix.unwrap_or(dr);
+    match &ext.mode {
+        None => Ok(match default {
+            Mode::Hypic { .. } => Mode::Hypic {
+                seam_width: w,
+                rope_fix: r,
+            },
+            m => m,
+        }),
+        Some(name) => {
+            parse_mode(name, w, r).map_err(|e| ServeError::invalid_param("hypic.mode", e))
+        }
+    }
+}
+
+/// Tokenises segment texts; segments that encode to nothing are dropped.
+pub fn tokenize_all(tok: &Tokenizer, texts: &[String]) -> Result<Vec<Vec<u32>>, ServeError> {
+    texts
+        .iter()
+        .map(|t| {
+            tok.encode(t)
+                .map_err(|e| ServeError::bad_request("tokenization_error", e.to_string()))
+        })
+        .collect()
+}

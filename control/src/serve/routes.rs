@@ -1,0 +1,1448 @@
+//! Inference routes: completions, chat completions (SSE streaming), models,
+//! health, metrics; the auth extractor; panic and body-limit handling.
+use super::errors::{parse_json, ServeError};
+use super::prompt::{self, mode_name};
+use super::textgen::TextStream;
+use super::types::*;
+use super::AppState;
+use crate::api::Caller;
+use crate::auth::Principal;
+use crate::catalog::SnapshotEntry;
+use axum::body::Bytes;
+use axum::extract::rejection::BytesRejection;
+use axum::extract::{DefaultBodyLimit, FromRequestParts, State};
+use axum::http::request::Parts;
+use axum::http::{header, StatusCode};
+use axum::response::sse::{Event, Sse};
+use axum::response::{IntoResponse, Response};
+use axum::routing::{get, post};
+use axum::{Json, Router};
+use dataplane::pic::{Mode, PicStats, SegmentRef};
+use dataplane::sampling::SamplingParams;
+use dataplane::scheduler::{
+    ErrorKind, FinishReason, GenEvent, GenRequest, RequestHandle, SubmitError,
+};
+use futures_util::FutureExt;
+use serde_json::{json, Value};
+use std::collections::VecDeque;
+use std::sync::Arc;
+use std::task::Poll;
+use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
+
+/// The authenticated caller of a serving route (the control plane's bearer-JWT
+/// check; 401 OpenAI-style otherwise).
+pub struct Tenant(pub Principal);
+
+impl FromRequestParts<AppState> for Tenant {
+    type Rejection = ServeError;
+    async fn from_request_parts(parts: &mut Parts, s: &AppState) -> Result<Self, ServeError> {
+        let Caller(p) = Caller::from_request_parts(parts, &s.0.control)
+            .await
+            .map_err(ServeError::from)?;
+        Ok(Tenant(p))
+    }
+}
+
+/// The whole router: serving routes, then the control plane for every other path.
+pub fn router(state: AppState) -> Router {
+    let limit = state.0.cfg.max_body_bytes;
+    let control = state.0.control_router.clone();
+    let not_allowed = || async {
+        ServeError::new(
+            StatusCode::METHOD_NOT_ALLOWED,
+            "invalid_request_error",
+            "method_not_allowed",
+            "method not allowed on this route",
+        )
+    };
+    Router::new()
+        .route("/health", get(health).fallback(not_allowed))
+        .route("/metrics", get(metrics).fallback(not_allowed))
+        .route("/v1/models", get(models).fallback(not_allowed))
+        .route("/v1/models/{id}", get(model_one).fallback(not_allowed))
+        .route("/v1/completions", post(completions).fallback(not_allowed))
+        .route("/v1/chat/completions", post(chat).fallback(not_allowed))
+        .route(
+            "/v1/segments",
+            post(super::segments::create)
+                .get(super::segments::list)
+                .fallback(not_allowed),
+        )
+        .route(
+            "/v1/segments/{id}",
+            get(super::segments::get_one)
+                .put(super::segments::update)
+                .delete(super::segments::delete)
+                .fallback(not_allowed),
+        )
+        .fallback_service(control)
+        .layer(DefaultBodyLimit::max(limit))
+        .layer(axum::middleware::from_fn_with_state(
+            limit,
+            early_body_limit,
+        ))
+        .layer(axum::middleware::from_fn(catch_panic))
+        .with_state(state)
+}
+
+/// Bodies up to this size that declare a length over the limit are read and
+/// discarded before the 413, so the client finishes sending and reads a clean
+/// answer instead of a reset connection.
+const DRAIN_CAP: u64 = 256 << 20;
+
+/// Answers 413 to a declared `Content-Length` over the limit (bodies without a
+/// declared length are cut by `DefaultBodyLimit` in the extractors).
+async fn early_body_limit(
+    State(limit): State<usize>,
+    req: axum::extract::Request,
+    next: axum::middleware::Next,
+) -> Response {
+    let declared = req
+        .headers()
+        .get(header::CONTENT_LENGTH)
+        .and_then(|v| v.to_str().ok())
+        .and_then(|v| v.parse::<u64>().ok());
+    match declared {
+        Some(len) if len > limit as u64 => {
+            if len <= DRAIN_CAP {
+                use http_body_util::BodyExt;
+                let mut body = req.into_body();
+                let drain = async {
+                    while let Some(f) = body.frame().await {
+                        if f.is_err() {
+                            break;
+                        }
+                    }
+                };
+                let _ = tokio::time::timeout(Duration::from_secs(20), drain).await;
+            }
+            let mut r = ServeError::too_large(limit).into_response();
+            r.headers_mut().insert(
+                header::CONNECTION,
+                header::HeaderValue::from_static("close"),
+            );
+            r
+        }
+        _ => next.run(req).await,
+    }
+}
+
+/// Turns a handler panic into a 500 JSON error (the server keeps running).
+async fn catch_panic(req: axum::extract::Request, next: axum::middleware::Next) -> Response {
+    match std::panic::AssertUnwindSafe(next.run(req))
+        .catch_unwind()
+        .await
+    {
+        Ok(r) => r,
+        Err(_) => ServeError::internal("internal error while handling the request").into_response(),
+    }
+}
+
+/// Maps a body rejection (too large → 413).
+pub fn body_error(e: BytesRejection, limit: usize) -> ServeError {
+    if e.status() == StatusCode::PAYLOAD_TOO_LARGE {
+        ServeError::too_large(limit)
+    } else {
+        ServeError::bad_request("invalid_body", e.body_text())
+    }
+}
+
+async fn health(State(s): State<AppState>) -> Json<Value> {
+    let m = s.0.sched.metrics();
+    Json(json!({
+        "status": "ok",
+        "model": s.0.model_id,
+        "queue_depth": m.queue_depth.load(std::sync::atomic::Ordering::Relaxed),
+        "running": m.running.load(std::sync::atomic::Ordering::Relaxed),
+    }))
+}
+
+async fn metrics(State(s): State<AppState>) -> Response {
+    let text = s.0.metrics.render(&s.0.sched.metrics(), &s.0.engine);
+    (
+        [(
+            header::CONTENT_TYPE,
+            "text/plain; version=0.0.4; charset=utf-8",
+        )],
+        text,
+    )
+        .into_response()
+}
+
+fn now_s() -> u64 {
+    SystemTime::now()
+        .duration_since(UNIX_EPOCH)
+        .map(|d| d.as_secs())
+        .unwrap_or(0)
+}
+
+fn model_card(s: &AppState) -> Value {
+    json!({"id": s.0.model_id, "object": "model", "created": 0, "owned_by": "hypic",
+           "max_model_len": s.0.ctx})
+}
+
+async fn models(State(s): State<AppState>, Tenant(_): Tenant) -> Json<Value> {
+    Json(json!({"object": "list", "data": [model_card(&s)]}))
+}
+
+async fn model_one(
+    State(s): State<AppState>,
+    Tenant(_): Tenant,
+    axum::extract::Path(id): axum::extract::Path<String>,
+) -> Result<Json<Value>, ServeError> {
+    if id != s.0.model_id {
+        return Err(ServeError::not_found(
+            "model_not_found",
+            format!("the model {id:?} does not exist"),
+        ));
+    }
+    Ok(Json(model_card(&s)))
+}
+
+// ---- prompt resolution ----------------------------------------------------------------
+
+/// One segment of a request before tokenisation.
+#[derive(Clone, Debug)]
+pub enum SegSource {
+    /// Inline text (tenant-private namespace).
+    Text(String),
+    /// A catalog segment.
+    Catalog {
+        /// Id.
+        id: String,
+        /// Expected version.
+        version: Option<i64>,
+    },
+}
+
+/// A tokenised segment with its namespace.
+#[derive(Clone, Debug)]
+pub struct Resolved {
+    /// Tokens.
+    pub tokens: Arc<Vec<u32>>,
+    /// Isolation key.
+    pub isolation: String,
+    /// Catalog id.
+    pub id: Option<String>,
+    /// Pinned catalog version.
+    pub version: Option<i64>,
+    /// Shared namespace.
+    pub shared: bool,
+    /// Text (for echo).
+    pub text: Option<String>,
+}
+
+fn private_key(s: &AppState, tenant: &str, salt: Option<&str>) -> String {
+    let e = SnapshotEntry {
+        segment_id: String::new(),
+        version: 0,
+        content_hash: String::new(),
+        owner_tenant: tenant.to_string(),
+        public: false,
+    };
+    s.0.control.keyer().isolation_key(tenant, &e, false, salt)
+}
+
+/// Tokens of a catalog segment version (tokenised once per server).
+pub(crate) async fn catalog_tokens(
+    s: &AppState,
+    id: &str,
+    version: i64,
+    content_hash: &str,
+) -> Result<(Arc<Vec<u32>>, String), ServeError> {
+    if let Some(c) =
+        s.0.known
+            .lock()
+            .unwrap_or_else(|p| p.into_inner())
+            .tokens
+            .get(&(id.to_string(), version))
+    {
+        if c.content_hash == content_hash {
+            // Content is only needed for echo; fetch lazily below when absent.
+            return Ok((c.tokens.clone(), String::new()));
+        }
+    }
+    let content =
+        s.0.control
+            .catalog()
+            .version_content(id, version)
+            .await
+            .map_err(|e| ServeError::from(crate::api::ApiError::from(e)))?
+            .ok_or_else(|| {
+                ServeError::not_found(
+                    "segment_not_found",
+                    format!("segment {id:?} has no content"),
+                )
+            })?;
+    if crate::catalog::content_hash(&content) != content_hash {
+        return Err(ServeError::new(
+            StatusCode::CONFLICT,
+            "invalid_request_error",
+            "version_conflict",
+            format!("segment {id:?} changed while the request was resolved; retry"),
+        ));
+    }
+    let tok = s.0.tok.clone();
+    let c2 = content.clone();
+    let tokens = tokio::task::spawn_blocking(move || tok.encode(&c2))
+        .await
+        .map_err(|e| ServeError::internal(e.to_string()))?
+        .map_err(|e| ServeError::bad_request("tokenization_error", e.to_string()))?;
+    let tokens = Arc::new(tokens);
+    let mut k = s.0.known.lock().unwrap_or_else(|p| p.into_inner());
+    if k.tokens.len() > 65536 {
+        k.tokens.clear();
+    }
+    k.tokens.insert(
+        (id.to_string(), version),
+        super::CachedTokens {
+            content_hash: content_hash.to_string(),
+            tokens: tokens.clone(),
+        },
+    );
+    Ok((tokens, content))
+}
+
+/// Resolves and tokenises a request's segments for `tenant`: catalog segments get
+/// a version pinned in one snapshot and the isolation key the control plane
+/// derives; inline text gets the tenant's private key.
+pub async fn resolve(
+    s: &AppState,
+    tenant: &str,
+    salt: Option<&str>,
+    sources: Vec<SegSource>,
+) -> Result<Vec<Resolved>, ServeError> {
+    if sources.len() > prompt::MAX_SEGMENTS {
+        return Err(ServeError::invalid_param(
+            "segments",
+            format!("at most {} segments per request", prompt::MAX_SEGMENTS),
+        ));
+    }
+    if let Some(salt) = salt {
+        if salt.len() > 256 {
+            return Err(ServeError::invalid_param(
+                "hypic.salt",
+                "salt must be at most 256 bytes",
+            ));
+        }
+    }
+    let ids: Vec<String> = sources
+        .iter()
+        .filter_map(|x| match x {
+            SegSource::Catalog { id, .. } => Some(id.clone()),
+            _ => None,
+        })
+        .collect();
+    let mut snap = std::collections::HashMap::new();
+    if !ids.is_empty() {
+        let mut uniq = ids.clone();
+        uniq.sort();
+        uniq.dedup();
+        let r = crate::api::resolve_snapshot(&s.0.control, tenant, &uniq, salt)
+            .await
+            .map_err(|e| {
+                let mut se = ServeError::from(e);
+                if se.status == StatusCode::NOT_FOUND {
+                    se.code = "segment_not_found";
+                    se.kind = "invalid_request_error";
+                    se.param = Some("segments".into());
+                }
+                se
+            })?;
+        for it in r.segments {
+            snap.insert(it.segment_id.clone(), it);
+        }
+    }
+    let texts: Vec<(usize, String)> = sources
+        .iter()
+        .enumerate()
+        .filter_map(|(i, x)| match x {
+            SegSource::Text(t) => Some((i, t.clone())),
+            _ => None,
+        })
+        .collect();
+    let tok = s.0.tok.clone();
+    let encoded = tokio::task::spawn_blocking(move || {
+        texts
+            .into_iter()
+            .map(|(i, t)| tok.encode(&t).map(|ids| (i, t, ids)))
+            .collect::<Result<Vec<_>, _>>()
+    })
+    .await
+    .map_err(|e| ServeError::internal(e.to_string()))?
+    .map_err(|e| ServeError::bad_request("tokenization_error", e.to_string()))?;
+    let mut encoded: std::collections::HashMap<usize, (String, Vec<u32>)> = encoded
+        .into_iter()
+        .map(|(i, t, ids)| (i, (t, ids)))
+        .collect();
+    let private = private_key(s, tenant, salt);
+    let mut out = Vec::with_capacity(sources.len());
+    for (i, src) in sources.into_iter().enumerate() {
+        match src {
+            SegSource::Text(_) => {
+                let (text, ids) = encoded.remove(&i).expect("encoded above");
+                if ids.is_empty() {
+                    continue;
+                }
+                out.push(Resolved {
+                    tokens: Arc::new(ids),
+                    isolation: private.clone(),
+                    id: None,
+                    version: None,
+                    shared: false,
+                    text: Some(text),
+                });
+            }
+            SegSource::Catalog { id, version } => {
+                let it = snap.get(&id).ok_or_else(|| {
+                    ServeError::not_found("segment_not_found", format!("segment {id:?} not found"))
+                })?;
+                if let Some(v) = version {
+                    if v != it.version {
+                        return Err(ServeError {
+                            param: Some(format!("segments[{i}].version")),
+                            ..ServeError::new(
+                                StatusCode::CONFLICT,
+                                "invalid_request_error",
+                                "version_mismatch",
+                                format!("segment {id:?} is at version {}, not {v}", it.version),
+                            )
+                        });
+                    }
+                }
+                let (tokens, text) = catalog_tokens(s, &id, it.version, &it.content_hash).await?;
+                if tokens.is_empty() {
+                    continue;
+                }
+                s.0.known
+                    .lock()
+                    .unwrap_or_else(|p| p.into_inner())
+                    .isolations
+                    .entry(id.clone())
+                    .or_default()
+                    .insert(it.isolation_key.clone());
+                out.push(Resolved {
+                    tokens,
+                    isolation: it.isolation_key.clone(),
+                    id: Some(id),
+                    version: Some(it.version),
+                    shared: it.shared,
+                    text: if text.is_empty() { None } else { Some(text) },
+                });
+            }
+        }
+    }
+    if out.is_empty() {
+        return Err(ServeError::invalid_param("prompt", "the prompt is empty"));
+    }
+    let total: usize = out.iter().map(|r| r.tokens.len()).sum();
+    if total > s.0.ctx {
+        return Err(ServeError {
+            param: Some("messages".into()),
+            ..ServeError::bad_request(
+                "context_length_exceeded",
+                format!(
+                    "this model's maximum context length is {} tokens, but the prompt has {total} tokens",
+                    s.0.ctx
+                ),
+            )
+        });
+    }
+    Ok(out)
+}
+
+// ---- generation -------------------------------------------------------------------
+
+/// Sampling and output settings shared by every choice.
+#[derive(Clone, Debug)]
+pub struct GenSettings {
+    /// Mode.
+    pub mode: Mode,
+    /// max_tokens.
+    pub max_tokens: usize,
+    /// Sampling.
+    pub sampling: SamplingParams,
+    /// n.
+    pub n: usize,
+    /// Stop strings.
+    pub stops: Vec<String>,
+    /// Top log-probabilities per token (None: no logprobs).
+    pub logprobs: Option<usize>,
+    /// Do not stop at end-of-sequence tokens.
+    pub ignore_eos: bool,
+}
+
+fn check_sampling(
+    temperature: Option<f32>,
+    top_p: Option<f32>,
+    n: Option<i64>,
+    max_n: usize,
+) -> Result<(f32, f32, usize), ServeError> {
+    let t = temperature.unwrap_or(1.0);
+    if !(0.0..=2.0).contains(&t) || !t.is_finite() {
+        return Err(ServeError::invalid_param(
+            "temperature",
+            "temperature must be between 0 and 2",
+        ));
+    }
+    let p = top_p.unwrap_or(1.0);
+    if !(p > 0.0 && p <= 1.0) {
+        return Err(ServeError::invalid_param(
+            "top_p",
+            "top_p must be in (0, 1]",
+        ));
+    }
+    let n = n.unwrap_or(1);
+    if n < 1 || n as usize > max_n {
+        return Err(ServeError::invalid_param(
+            "n",
+            format!("n must be between 1 and {max_n}"),
+        ));
+    }
+    Ok((t, p, n as usize))
+}
+
+fn check_max_tokens(
+    s: &AppState,
+    given: Option<i64>,
+    param: &str,
+    prompt_tokens: usize,
+) -> Result<usize, ServeError> {
+    let room = s.0.ctx.saturating_sub(prompt_tokens);
+    match given {
+        Some(m) if m <= 0 => Err(ServeError::invalid_param(
+            param,
+            format!("{param} must be at least 1, got {m}"),
+        )),
+        Some(m) if m as u64 > room as u64 => Err(ServeError {
+            param: Some(param.into()),
+            ..ServeError::bad_request(
+                "context_length_exceeded",
+                format!(
+                    "this model's maximum context length is {} tokens; the prompt has {prompt_tokens} tokens and {param} is {m}",
+                    s.0.ctx
+                ),
+            )
+        }),
+        Some(m) => Ok(m as usize),
+        None if room == 0 => Err(ServeError::bad_request(
+            "context_length_exceeded",
+            format!("the prompt fills the whole context of {} tokens", s.0.ctx),
+        )),
+        None => Ok(s.0.cfg.default_max_tokens.min(room)),
+    }
+}
+
+fn check_stops(stop: Option<StopSpec>) -> Result<Vec<String>, ServeError> {
+    let v = stop.map(|s| s.into_vec()).unwrap_or_default();
+    if v.len() > 4 {
+        return Err(ServeError::invalid_param(
+            "stop",
+            "at most 4 stop sequences",
+        ));
+    }
+    if v.iter().any(|s| s.len() > 256) {
+        return Err(ServeError::invalid_param(
+            "stop",
+            "stop sequences must be at most 256 bytes",
+        ));
+    }
+    Ok(v)
+}
+
+fn submit_error(e: SubmitError) -> ServeError {
+    match e {
+        SubmitError::QueueFull {
+            capacity,
+            retry_after_s,
+        } => ServeError::queue_full(
+            format!("the server is busy ({capacity} requests queued); retry later"),
+            retry_after_s,
+        ),
+        SubmitError::Invalid(m) => {
+            let code = if m.contains("context") {
+                "context_length_exceeded"
+            } else {
+                "invalid_request"
+            };
+            ServeError::bad_request(code, m)
+        }
+        SubmitError::Closed => ServeError::unavailable("the scheduler is not running"),
+    }
+}
+
+fn event_error(kind: ErrorKind, message: String) -> ServeError {
+    match kind {
+        ErrorKind::QueueTimeout => ServeError::new(
+            StatusCode::REQUEST_TIMEOUT,
+            "timeout_error",
+            "queue_timeout",
+            message,
+        ),
+        ErrorKind::InvalidRequest => ServeError::bad_request("invalid_request", message),
+        ErrorKind::TooLarge => ServeError::bad_request("request_too_large", message),
+        ErrorKind::Internal => ServeError::internal(message),
+    }
+}
+
+/// One token with its log-probabilities.
+#[derive(Clone, Debug)]
+pub struct TokLp {
+    /// Token text.
+    pub text: String,
+    /// Log-probability.
+    pub logprob: f32,
+    /// Alternatives.
+    pub top: Vec<(String, f32)>,
+}
+
+/// The prefill report of a choice.
+#[derive(Clone, Debug)]
+pub struct StartInfo {
+    /// PIC stats.
+    pub stats: PicStats,
+    /// Prompt tokens.
+    pub prompt_tokens: usize,
+    /// TTFT.
+    pub ttft: Duration,
+    /// Queued.
+    pub queued: Duration,
+}
+
+struct Choice {
+    handle: Option<RequestHandle>,
+    text: TextStream,
+    start: Option<StartInfo>,
+    finish: Option<&'static str>,
+    last: Option<Instant>,
+    generated: usize,
+}
+
+/// What the driver produced.
+pub enum Out {
+    /// New text (and the tokens' logprobs) of choice `i`.
+    Delta(usize, String, Vec<TokLp>),
+    /// Choice `i` finished.
+    Finish(usize, &'static str),
+    /// Choice `i` failed after it started.
+    Error(usize, ServeError),
+}
+
+/// Drives the handles of one HTTP request: detokenises, applies stop strings
+/// (cancelling the sequence when one matches), records latency metrics.
+pub struct Driver {
+    s: AppState,
+    mode: &'static str,
+    choices: Vec<Choice>,
+    logprobs: Option<usize>,
+    pending: VecDeque<Out>,
+    next_poll: usize,
+    t0: Instant,
+    endpoint: &'static str,
+}
+
+impl Driver {
+    fn new(
+        s: AppState,
+        handles: Vec<RequestHandle>,
+        set: &GenSettings,
+        endpoint: &'static str,
+        t0: Instant,
+    ) -> Self {
+        Driver {
+            s,
+            mode: mode_name(&set.mode),
+            choices: handles
+                .into_iter()
+                .map(|h| Choice {
+                    handle: Some(h),
+                    text: TextStream::new(set.stops.clone()),
+                    start: None,
+                    finish: None,
+                    last: None,
+                    generated: 0,
+                })
+                .collect(),
+            logprobs: set.logprobs,
+            pending: VecDeque::new(),
+            next_poll: 0,
+            t0,
+            endpoint,
+        }
+    }
+
+    /// Waits for every choice's prefill; the first error becomes the answer.
+    async fn started(&mut self) -> Result<(), ServeError> {
+        for i in 0..self.choices.len() {
+            let ev = match self.choices[i].handle.as_mut() {
+                Some(h) => h.events.recv().await,
+                None => continue,
+            };
+            match ev {
+                Some(GenEvent::Started {
+                    stats,
+                    prompt_tokens,
+                    ttft,
+                    queued,
+                }) => {
+                    let m = &self.s.0.metrics;
+                    m.ttft
+                        .with_label_values(&[self.mode])
+                        .observe(ttft.as_secs_f64());
+                    let reused = stats.tokens_reused as u64;
+                    m.prompt_tokens
+                        .with_label_values(&[self.mode, "cached"])
+                        .inc_by(reused);
+                    m.prompt_tokens
+                        .with_label_values(&[self.mode, "computed"])
+                        .inc_by((prompt_tokens as u64).saturating_sub(reused));
+                    for sgm in &stats.segments {
+                        m.segments
+                            .with_label_values(&[self.mode, outcome_name(sgm.outcome)])
+                            .inc();
+                    }
+                    self.choices[i].start = Some(StartInfo {
+                        stats,
+                        prompt_tokens,
+                        ttft,
+                        queued,
+                    });
+                    self.choices[i].last = Some(Instant::now());
+                }
+                Some(GenEvent::Error { kind, message }) => return Err(event_error(kind, message)),
+                Some(other) => {
+                    return Err(ServeError::internal(format!(
+                        "unexpected first event {other:?}"
+                    )))
+                }
+                None => return Err(ServeError::internal("the scheduler dropped the request")),
+            }
+        }
+        Ok(())
+    }
+
+    fn token_text(&self, id: u32) -> String {
+        self.s.0.tok.decode(&[id]).unwrap_or_default()
+    }
+
+    fn handle_event(&mut self, i: usize, ev: Option<GenEvent>) {
+        let tok = self.s.0.tok.clone();
+        match ev {
+            Some(GenEvent::Token { id, logprob, top }) => {
+                let now = Instant::now();
+                let c = &mut self.choices[i];
+                if let Some(l) = c.last {
+                    if c.generated > 0 {
+                        self.s
+                            .0
+                            .metrics
+                            .itl
+                            .with_label_values(&[self.mode])
+                            .observe((now - l).as_secs_f64());
+                    }
+                }
+                c.last = Some(now);
+                c.generated += 1;
+                let step = c.text.push(&tok, id);
+                let lps = if self.logprobs.is_some() {
+                    vec![TokLp {
+                        text: self.token_text(id),
+                        logprob,
+                        top: top.iter().map(|(t, l)| (self.token_text(*t), *l)).collect(),
+                    }]
+                } else {
+                    vec![]
+                };
+                if !step.delta.is_empty() || !lps.is_empty() {
+                    self.pending.push_back(Out::Delta(i, step.delta, lps));
+                }
+                if step.stopped {
+                    let c = &mut self.choices[i];
+                    c.handle = None; // cancels the sequence
+                    c.finish = Some("stop");
+                    self.pending.push_back(Out::Finish(i, "stop"));
+                }
+            }
+            Some(GenEvent::Done { reason, .. }) => {
+                let c = &mut self.choices[i];
+                let rest = c.text.finish(&tok);
+                if !rest.is_empty() {
+                    self.pending.push_back(Out::Delta(i, rest, vec![]));
+                }
+                let r = match reason {
+                    FinishReason::Length => "length",
+                    FinishReason::Stop | FinishReason::Cancelled => "stop",
+                };
+                c.handle = None;
+                c.finish = Some(r);
+                self.pending.push_back(Out::Finish(i, r));
+            }
+            Some(GenEvent::Error { kind, message }) => {
+                let c = &mut self.choices[i];
+                c.handle = None;
+                c.finish = Some("error");
+                self.pending
+                    .push_back(Out::Error(i, event_error(kind, message)));
+            }
+            Some(GenEvent::Started { .. }) => {}
+            None => {
+                let c = &mut self.choices[i];
+                c.handle = None;
+                c.finish = Some("error");
+                self.pending.push_back(Out::Error(
+                    i,
+                    ServeError::internal("the scheduler dropped the request"),
+                ));
+            }
+        }
+    }
+
+    /// The next output, or `None` when every choice has finished.
+    pub async fn next(&mut self) -> Option<Out> {
+        loop {
+            if let Some(o) = self.pending.pop_front() {
+                return Some(o);
+            }
+            if self.choices.iter().all(|c| c.handle.is_none()) {
+                self.observe_end();
+                return None;
+            }
+            let n = self.choices.len();
+            let start = self.next_poll;
+            let (i, ev) = std::future::poll_fn(|cx| {
+                for k in 0..n {
+                    let i = (start + k) % n;
+                    if let Some(h) = self.choices[i].handle.as_mut() {
+                        if let Poll::Ready(ev) = h.events.poll_recv(cx) {
+                            return Poll::Ready((i, ev));
+                        }
+                    }
+                }
+                Poll::Pending
+            })
+            .await;
+            self.next_poll = (i + 1) % n;
+            self.handle_event(i, ev);
+        }
+    }
+
+    fn observe_end(&mut self) {
+        if self.endpoint.is_empty() {
+            return;
+        }
+        let m = &self.s.0.metrics;
+        m.e2e
+            .with_label_values(&[self.endpoint])
+            .observe(self.t0.elapsed().as_secs_f64());
+        let gen: usize = self.choices.iter().map(|c| c.generated).sum();
+        m.completion_tokens
+            .with_label_values(&[self.mode])
+            .inc_by(gen as u64);
+        self.endpoint = "";
+    }
+}
+
+fn outcome_name(o: dataplane::pic::Outcome) -> &'static str {
+    use dataplane::pic::Outcome::*;
+    match o {
+        Computed => "computed",
+        PrefixHit => "prefix_hit",
+        Hit => "hit",
+        Miss => "miss",
+    }
+}
+
+/// The `hypic` extension of a prompt's first choice.
+pub fn hypic_ext(mode: &Mode, st: &StartInfo, segs: &[Resolved]) -> HypicResponseExt {
+    let (w, r) = match mode {
+        Mode::Hypic {
+            seam_width,
+            rope_fix,
+        } => (Some(*seam_width), Some(*rope_fix)),
+        _ => (None, None),
+    };
+    HypicResponseExt {
+        mode: mode_name(mode).into(),
+        seam_width: w,
+        rope_fix: r,
+        tokens_computed: st.stats.tokens_computed,
+        tokens_reused: st.stats.tokens_reused,
+        hits: st.stats.hits,
+        misses: st.stats.misses,
+        ttft_ms: st.ttft.as_secs_f64() * 1e3,
+        queued_ms: st.queued.as_secs_f64() * 1e3,
+        segments: st
+            .stats
+            .segments
+            .iter()
+            .map(|x| {
+                let r = segs.get(x.index);
+                SegmentReport {
+                    index: x.index,
+                    tokens: x.tokens,
+                    outcome: outcome_name(x.outcome).into(),
+                    computed: x.computed,
+                    reused: x.reused,
+                    content_hash: x.content_hash.clone(),
+                    id: r.and_then(|r| r.id.clone()),
+                    version: r.and_then(|r| r.version),
+                    shared: r.map(|r| r.shared).unwrap_or(false),
+                }
+            })
+            .collect(),
+    }
+}
+
+/// Submits `n` requests per prompt (seed + i); on any refusal the ones already
+/// queued are cancelled.
+fn submit_all(
+    s: &AppState,
+    tenant: &str,
+    prompts: &[Vec<Resolved>],
+    set: &GenSettings,
+) -> Result<Vec<RequestHandle>, ServeError> {
+    let mut handles = Vec::with_capacity(prompts.len() * set.n);
+    for segs in prompts {
+        let segments: Vec<SegmentRef> = segs
+            .iter()
+            .map(|r| SegmentRef {
+                tokens: r.tokens.as_ref().clone(),
+                isolation: r.isolation.clone(),
+            })
+            .collect();
+        for i in 0..set.n {
+            let mut sampling = set.sampling.clone();
+            sampling.seed = sampling.seed.map(|x| x.wrapping_add(i as u64));
+            let req = GenRequest {
+                segments: segments.clone(),
+                mode: set.mode,
+                tenant: tenant.to_string(),
+                sampling,
+                max_tokens: set.max_tokens,
+                stop_token_ids: if set.ignore_eos {
+                    vec![]
+                } else {
+                    s.0.tok.eos_ids.clone()
+                },
+                top_logprobs: set.logprobs.unwrap_or(0),
+            };
+            handles.push(s.0.sched.submit(req).map_err(submit_error)?);
+        }
+    }
+    Ok(handles)
+}
+
+fn record_status(s: &AppState, endpoint: &str, status: StatusCode) {
+    s.0.metrics
+        .requests
+        .with_label_values(&[endpoint, status.as_str()])
+        .inc();
+}
+
+fn rand_id(prefix: &str) -> String {
+    let x: u128 = rand::random();
+    format!("{prefix}-{:024x}", x & ((1u128 << 96) - 1))
+}
+
+/// Which API shape a request uses.
+#[derive(Clone, Copy, PartialEq, Eq)]
+enum Api {
+    Completions,
+    Chat,
+}
+
+struct Job {
+    api: Api,
+    model: String,
+    prompts: Vec<Vec<Resolved>>,
+    set: GenSettings,
+    stream: bool,
+    include_usage: bool,
+    echo: bool,
+}
+
+async fn completions(
+    State(s): State<AppState>,
+    Tenant(p): Tenant,
+    body: Result<Bytes, BytesRejection>,
+) -> Response {
+    let r = completions_inner(&s, &p, body).await;
+    finish_response(&s, "completions", r)
+}
+
+async fn chat(
+    State(s): State<AppState>,
+    Tenant(p): Tenant,
+    body: Result<Bytes, BytesRejection>,
+) -> Response {
+    let r = chat_inner(&s, &p, body).await;
+    finish_response(&s, "chat_completions", r)
+}
+
+fn finish_response(s: &AppState, endpoint: &str, r: Result<Response, ServeError>) -> Response {
+    let resp = match r {
+        Ok(r) => r,
+        Err(e) => e.into_response(),
+    };
+    record_status(s, endpoint, resp.status());
+    resp
+}
+
+fn check_model(s: &AppState, model: &Option<String>) -> Result<String, ServeError> {
+    match model {
+        Some(m) if m != &s.0.model_id => Err(ServeError {
+            param: Some("model".into()),
+            ..ServeError::not_found(
+                "model_not_found",
+                format!(
+                    "the model {m:?} does not exist; this server serves {:?}",
+                    s.0.model_id
+                ),
+            )
+        }),
+        _ => Ok(s.0.model_id.clone()),
+    }
+}
+
+async fn completions_inner(
+    s: &AppState,
+    p: &Principal,
+    body: Result<Bytes, BytesRejection>,
+) -> Result<Response, ServeError> {
+    let t0 = Instant::now();
+    let body = body.map_err(|e| body_error(e, s.0.cfg.max_body_bytes))?;
+    let req: CompletionRequest = parse_json(&body)?;
+    let model = check_model(s, &req.model)?;
+    let mode = prompt::request_mode(req.hypic.as_ref(), s.0.default_mode)?;
+    let salt = req.hypic.as_ref().and_then(|h| h.salt.clone());
+    let sources: Vec<Vec<SegSource>> = match (&req.prompt, &req.segments) {
+        (Some(_), Some(_)) => {
+            return Err(ServeError::invalid_param(
+                "segments",
+                "give either 'prompt' or 'segments', not both",
+            ))
+        }
+        (None, None) => {
+            return Err(ServeError::invalid_param(
+                "prompt",
+                "'prompt' (or 'segments') is required",
+            ))
+        }
+        (Some(pr), None) => {
+            let list = match pr {
+                PromptSpec::One(t) => vec![t.clone()],
+                PromptSpec::Many(v) => v.clone(),
+            };
+            if list.is_empty() || list.len() > 16 {
+                return Err(ServeError::invalid_param(
+                    "prompt",
+                    "'prompt' must be a string or a list of 1 to 16 strings",
+                ));
+            }
+            list.iter()
+                .map(|t| {
+                    prompt::split_prompt(t, &s.0.cfg.separator)
+                        .into_iter()
+                        .map(SegSource::Text)
+                        .collect()
+                })
+                .collect()
+        }
+        (None, Some(items)) => {
+            let mut v = Vec::with_capacity(items.len());
+            for (i, it) in items.iter().enumerate() {
+                v.push(match (&it.text, &it.id) {
+                    (Some(t), None) if it.version.is_none() => SegSource::Text(t.clone()),
+                    (None, Some(id)) => SegSource::Catalog {
+                        id: id.clone(),
+                        version: it.version,
+                    },
+                    _ => {
+                        return Err(ServeError::invalid_param(
+                            &format!("segments[{i}]"),
+                            "each segment is {\"text\": …} or {\"id\": …, \"version\": …}",
+                        ))
+                    }
+                });
+            }
+            vec![v]
+        }
+    };
+    let (temperature, top_p, n) = check_sampling(req.temperature, req.top_p, req.n, s.0.cfg.max_n)?;
+    let logprobs = match req.logprobs {
+        None => None,
+        Some(k) if (0..=5).contains(&k) => Some(k as usize),
+        Some(_) => {
+            return Err(ServeError::invalid_param(
+                "logprobs",
+                "logprobs must be between 0 and 5",
+            ))
+        }
+    };
+    let stops = check_stops(req.stop.clone())?;
+    let mut prompts = Vec::with_capacity(sources.len());
+    for src in sources {
+        prompts.push(resolve(s, &p.tenant, salt.as_deref(), src).await?);
+    }
+    let longest = prompts
+        .iter()
+        .map(|v| v.iter().map(|r| r.tokens.len()).sum::<usize>())
+        .max()
+        .unwrap_or(0);
+    let max_tokens = check_max_tokens(s, req.max_tokens, "max_tokens", longest)?;
+    let set = GenSettings {
+        mode,
+        max_tokens,
+        sampling: SamplingParams {
+            temperature,
+            top_k: req.top_k.unwrap_or(0),
+            top_p,
+            seed: req.seed,
+        },
+        n,
+        stops,
+        logprobs,
+        ignore_eos: req.ignore_eos.unwrap_or(false),
+    };
+    let job = Job {
+        api: Api::Completions,
+        model,
+        prompts,
+        set,
+        stream: req.stream.unwrap_or(false),
+        include_usage: req.stream_options.map(|o| o.include_usage).unwrap_or(false),
+        echo: req.echo.unwrap_or(false),
+    };
+    run_job(s, p, job, t0).await
+}
+
+async fn chat_inner(
+    s: &AppState,
+    p: &Principal,
+    body: Result<Bytes, BytesRejection>,
+) -> Result<Response, ServeError> {
+    let t0 = Instant::now();
+    let body = body.map_err(|e| body_error(e, s.0.cfg.max_body_bytes))?;
+    let req: ChatRequest = parse_json(&body)?;
+    let model = check_model(s, &req.model)?;
+    let mode = prompt::request_mode(req.hypic.as_ref(), s.0.default_mode)?;
+    let salt = req.hypic.as_ref().and_then(|h| h.salt.clone());
+    let tok = s.0.tok.clone();
+    let msgs = req.messages.clone();
+    let texts = tokio::task::spawn_blocking(move || prompt::chat_segments(&tok, &msgs))
+        .await
+        .map_err(|e| ServeError::internal(e.to_string()))??;
+    let (temperature, top_p, n) = check_sampling(req.temperature, req.top_p, req.n, s.0.cfg.max_n)?;
+    let logprobs = match (req.logprobs.unwrap_or(false), req.top_logprobs) {
+        (_, Some(k)) if !(0..=20).contains(&k) => {
+            return Err(ServeError::invalid_param(
+                "top_logprobs",
+                "top_logprobs must be between 0 and 20",
+            ))
+        }
+        (false, Some(k)) if k > 0 => {
+            return Err(ServeError::invalid_param(
+                "top_logprobs",
+                "top_logprobs needs logprobs: true",
+            ))
+        }
+        (true, k) => Some(k.unwrap_or(0) as usize),
+        (false, _) => None,
+    };
+    let stops = check_stops(req.stop.clone())?;
+    let segs = resolve(
+        s,
+        &p.tenant,
+        salt.as_deref(),
+        texts.into_iter().map(SegSource::Text).collect(),
+    )
+    .await?;
+    let prompt_tokens: usize = segs.iter().map(|r| r.tokens.len()).sum();
+    let (given, param) = match (req.max_completion_tokens, req.max_tokens) {
+        (Some(m), _) => (Some(m), "max_completion_tokens"),
+        (None, m) => (m, "max_tokens"),
+    };
+    let max_tokens = check_max_tokens(s, given, param, prompt_tokens)?;
+    let set = GenSettings {
+        mode,
+        max_tokens,
+        sampling: SamplingParams {
+            temperature,
+            top_k: req.top_k.unwrap_or(0),
+            top_p,
+            seed: req.seed,
+        },
+        n,
+        stops,
+        logprobs,
+        ignore_eos: req.ignore_eos.unwrap_or(false),
+    };
+    let job = Job {
+        api: Api::Chat,
+        model,
+        prompts: vec![segs],
+        set,
+        stream: req.stream.unwrap_or(false),
+        include_usage: req.stream_options.map(|o| o.include_usage).unwrap_or(false),
+        echo: false,
+    };
+    run_job(s, p, job, t0).await
+}
+
+fn usage_of(
+    prompts: &[Vec<Resolved>],
+    starts: &[Option<StartInfo>],
+    n: usize,
+    gen: usize,
+) -> Usage {
+    let prompt_tokens: usize = prompts
+        .iter()
+        .map(|v| v.iter().map(|r| r.tokens.len()).sum::<usize>())
+        .sum();
+    let cached: usize = (0..prompts.len())
+        .filter_map(|pi| starts.get(pi * n).and_then(|x| x.as_ref()))
+        .map(|st| st.stats.tokens_reused)
+        .sum();
+    Usage {
+        prompt_tokens,
+        completion_tokens: gen,
+        total_tokens: prompt_tokens + gen,
+        prompt_tokens_details: PromptTokensDetails {
+            cached_tokens: cached,
+        },
+    }
+}
+
+fn completion_lp_json(lps: &[TokLp], base_offset: usize) -> CompletionLogprobs {
+    let mut out = CompletionLogprobs::default();
+    let mut off = base_offset;
+    for t in lps {
+        out.tokens.push(t.text.clone());
+        out.token_logprobs.push(t.logprob);
+        out.top_logprobs
+            .push(t.top.iter().map(|(s, l)| (s.clone(), json!(l))).collect());
+        out.text_offset.push(off);
+        off += t.text.len();
+    }
+    out
+}
+
+fn chat_lp_json(lps: &[TokLp]) -> ChatLogprobs {
+    ChatLogprobs {
+        content: lps
+            .iter()
+            .map(|t| ChatLogprob {
+                token: t.text.clone(),
+                logprob: t.logprob,
+                bytes: t.text.as_bytes().to_vec(),
+                top_logprobs: t
+                    .top
+                    .iter()
+                    .map(|(s, l)| ChatTopLogprob {
+                        token: s.clone(),
+                        logprob: *l,
+                        bytes: s.as_bytes().to_vec(),
+                    })
+                    .collect(),
+            })
+            .collect(),
+    }
+}
+
+async fn run_job(
+    s: &AppState,
+    p: &Principal,
+    job: Job,
+    t0: Instant,
+) -> Result<Response, ServeError> {
+    let handles = submit_all(s, &p.tenant, &job.prompts, &job.set)?;
+    let endpoint = match job.api {
+        Api::Completions => "completions",
+        Api::Chat => "chat_completions",
+    };
+    let mut d = Driver::new(s.clone(), handles, &job.set, endpoint, t0);
+    d.started().await?;
+    let starts: Vec<Option<StartInfo>> = d.choices.iter().map(|c| c.start.clone()).collect();
+    let ext = starts[0]
+        .as_ref()
+        .map(|st| hypic_ext(&job.set.mode, st, &job.prompts[0]));
+    let ext_all: Vec<HypicResponseExt> = (0..job.prompts.len())
+        .filter_map(|pi| {
+            starts[pi * job.set.n]
+                .as_ref()
+                .map(|st| hypic_ext(&job.set.mode, st, &job.prompts[pi]))
+        })
+        .collect();
+    let id = rand_id(if job.api == Api::Chat {
+        "chatcmpl"
+    } else {
+        "cmpl"
+    });
+    let created = now_s();
+    if job.stream {
+        return Ok(stream_response(d, job, id, created, starts, ext));
+    }
+    // Non-streaming: collect everything.
+    let nch = d.choices.len();
+    let mut texts = vec![String::new(); nch];
+    let mut lps: Vec<Vec<TokLp>> = vec![vec![]; nch];
+    let mut finish = vec!["stop"; nch];
+    while let Some(o) = d.next().await {
+        match o {
+            Out::Delta(i, t, l) => {
+                texts[i].push_str(&t);
+                lps[i].extend(l);
+            }
+            Out::Finish(i, r) => finish[i] = r,
+            Out::Error(_, e) => return Err(e),
+        }
+    }
+    let gen: usize = d.choices.iter().map(|c| c.generated).sum();
+    let usage = usage_of(&job.prompts, &starts, job.set.n, gen);
+    let choices: Vec<Value> = (0..nch)
+        .map(|i| {
+            let pi = i / job.set.n;
+            match job.api {
+                Api::Completions => {
+                    let prefix = if job.echo {
+                        job.prompts[pi]
+                            .iter()
+                            .filter_map(|r| r.text.clone())
+                            .collect::<Vec<_>>()
+                            .join("")
+                    } else {
+                        String::new()
+                    };
+                    let lp = job
+                        .set
+                        .logprobs
+                        .map(|_| json!(completion_lp_json(&lps[i], prefix.len())));
+                    json!({"index": i, "text": format!("{prefix}{}", texts[i]),
+                           "logprobs": lp, "finish_reason": finish[i]})
+                }
+                Api::Chat => {
+                    let lp = job.set.logprobs.map(|_| json!(chat_lp_json(&lps[i])));
+                    json!({"index": i, "message": {"role": "assistant", "content": texts[i]},
+                           "logprobs": lp, "finish_reason": finish[i]})
+                }
+            }
+        })
+        .collect();
+    let mut body = json!({
+        "id": id,
+        "object": if job.api == Api::Chat { "chat.completion" } else { "text_completion" },
+        "created": created,
+        "model": job.model,
+        "system_fingerprint": null,
+        "choices": choices,
+        "usage": usage,
+        "hypic": ext,
+    });
+    if ext_all.len() > 1 {
+        body["hypic_prompts"] = json!(ext_all);
+    }
+    Ok(Json(body).into_response())
+}
+
+fn stream_response(
+    mut d: Driver,
+    job: Job,
+    id: String,
+    created: u64,
+    starts: Vec<Option<StartInfo>>,
+    ext: Option<HypicResponseExt>,
+) -> Response {
+    let (tx, rx) = tokio::sync::mpsc::channel::<Event>(64);
+    let Job {
+        api,
+        model,
+        prompts,
+        set,
+        include_usage,
+        ..
+    } = job;
+    let chat = api == Api::Chat;
+    let object = if chat {
+        "chat.completion.chunk"
+    } else {
+        "text_completion"
+    };
+    let base = move |choices: Value| {
+        json!({"id": id, "object": object, "created": created, "model": model,
+               "system_fingerprint": null, "choices": choices})
+    };
+    tokio::spawn(async move {
+        let send = |v: Value| Event::default().data(v.to_string());
+        let nch = d.choices.len();
+        // First chunk: role (chat) and the hypic extension.
+        let first: Vec<Value> = (0..nch)
+            .map(|i| {
+                if chat {
+                    json!({"index": i, "delta": {"role": "assistant", "content": ""},
+                           "logprobs": null, "finish_reason": null})
+                } else {
+                    json!({"index": i, "text": "", "logprobs": null, "finish_reason": null})
+                }
+            })
+            .collect();
+        let mut v = base(json!(first));
+        v["hypic"] = json!(ext);
+        if tx.send(send(v)).await.is_err() {
+            return;
+        }
+        let mut offsets = vec![0usize; nch];
+        while let Some(o) = d.next().await {
+            let v = match o {
+                Out::Delta(i, t, l) => {
+                    let lp = set.logprobs.map(|_| {
+                        if chat {
+                            json!(chat_lp_json(&l))
+                        } else {
+                            json!(completion_lp_json(&l, offsets[i]))
+                        }
+                    });
+                    offsets[i] += t.len();
+                    if chat {
+                        base(
+                            json!([{"index": i, "delta": {"content": t}, "logprobs": lp, "finish_reason": null}]),
+                        )
+                    } else {
+                        base(
+                            json!([{"index": i, "text": t, "logprobs": lp, "finish_reason": null}]),
+                        )
+                    }
+                }
+                Out::Finish(i, r) => {
+                    if chat {
+                        base(
+                            json!([{"index": i, "delta": {}, "logprobs": null, "finish_reason": r}]),
+                        )
+                    } else {
+                        base(
+                            json!([{"index": i, "text": "", "logprobs": null, "finish_reason": r}]),
+                        )
+                    }
+                }
+                Out::Error(_, e) => e.body(),
+            };
+            if tx.send(send(v)).await.is_err() {
+                return; // client gone: dropping `d` cancels the sequences
+            }
+        }
+        if include_usage {
+            let gen: usize = d.choices.iter().map(|c| c.generated).sum();
+            let mut v = base(json!([]));
+            v["usage"] = json!(usage_of(&prompts, &starts, set.n, gen));
+            if tx.send(send(v)).await.is_err() {
+                return;
+            }
+        }
+        let _ = tx.send(Event::default().data("[DONE]")).await;
+    });
+    let stream = futures_util::stream::unfold(rx, |mut rx| async move {
+        rx.recv()
+            .await
+            .map(|e| (Ok::<Event, std::convert::Infallible>(e), rx))
+    });
+    Sse::new(stream).into_response()
+}

@@ -1,0 +1,504 @@
+//! `/v1/segments`: the control plane's segment catalog, plus the data plane's side:
+//! token counts for the served model, ahead-of-time prefill into the public pool
+//! (`"prefill": true`, the default), cache residency, and eviction of superseded or
+//! deleted versions.
+//!
+//! Catalog semantics (auth, ownership, versions, grants, audit) are the control
+//! plane's: each call is forwarded to its router with the caller's credentials,
+//! and the answer is extended with a `hypic` object.
+use super::errors::{parse_json, ServeError};
+use super::routes::{body_error, catalog_tokens, Tenant};
+use super::{AppState, CachedTokens};
+use crate::catalog::{now_ms, Residency, Segment};
+use axum::body::{Body, Bytes};
+use axum::extract::rejection::BytesRejection;
+use axum::extract::{Path, State};
+use axum::http::{header, HeaderMap, Method, Request, StatusCode};
+use axum::response::{IntoResponse, Response};
+use axum::Json;
+use serde_json::{json, Value};
+use std::sync::Arc;
+use std::time::Instant;
+use tower::ServiceExt;
+
+/// Worker name under which this server reports residency to the catalog.
+pub const WORKER: &str = "serve-local";
+
+async fn forward(
+    s: &AppState,
+    method: Method,
+    uri: &str,
+    headers: &HeaderMap,
+    body: Option<Value>,
+) -> Result<(StatusCode, Value), Response> {
+    let mut b = Request::builder().method(method).uri(uri);
+    if let Some(a) = headers.get(header::AUTHORIZATION) {
+        b = b.header(header::AUTHORIZATION, a.clone());
+    }
+    let req = match body {
+        Some(v) => b
+            .header(header::CONTENT_TYPE, "application/json")
+            .body(Body::from(v.to_string())),
+        None => b.body(Body::empty()),
+    }
+    .map_err(|e| ServeError::internal(e.to_string()).into_response())?;
+    let resp = match s.0.control_router.clone().oneshot(req).await {
+        Ok(r) => r,
+        Err(e) => match e {},
+    };
+    let status = resp.status();
+    let bytes = axum::body::to_bytes(resp.into_body(), 64 << 20)
+        .await
+        .map_err(|e| ServeError::internal(e.to_string()).into_response())?;
+    if !status.is_success() {
+        let mut r = (status, bytes).into_response();
+        r.headers_mut().insert(
+            header::CONTENT_TYPE,
+            header::HeaderValue::from_static("application/json"),
+        );
+        return Err(r);
+    }
+    let v = serde_json::from_slice(&bytes).unwrap_or(Value::Null);
+    Ok((status, v))
+}
+
+fn body_starts(s: &AppState) -> Vec<usize> {
+    let mut v = vec![0];
+    if let dataplane::pic::Mode::Hypic { seam_width, .. } = s.0.default_mode {
+        if seam_width > 0 {
+            v.push(seam_width);
+        }
+    }
+    if s.0.cfg.seam_width > 0 && !v.contains(&s.0.cfg.seam_width) {
+        v.push(s.0.cfg.seam_width);
+    }
+    v
+}
+
+/// Tokenises `content` (off the async runtime).
+async fn tokenize(s: &AppState, content: String) -> Result<Vec<u32>, ServeError> {
+    let tok = s.0.tok.clone();
+    tokio::task::spawn_blocking(move || tok.encode(&content))
+        .await
+        .map_err(|e| ServeError::internal(e.to_string()))?
+        .map_err(|e| ServeError::bad_request("tokenization_error", e.to_string()))
+}
+
+/// Parses a create/update body: content (string), optional prefill flag; adds
+/// this model's token count to `tokens`.
+async fn prepare_body(
+    s: &AppState,
+    body: Result<Bytes, BytesRejection>,
+) -> Result<(Value, Vec<u32>, bool), ServeError> {
+    let body = body.map_err(|e| body_error(e, s.0.cfg.max_body_bytes))?;
+    let mut v: Value = parse_json(&body)?;
+    let obj = v
+        .as_object_mut()
+        .ok_or_else(|| ServeError::bad_request("invalid_type", "the body must be a JSON object"))?;
+    let prefill = match obj.remove("prefill") {
+        None | Some(Value::Null) => true,
+        Some(Value::Bool(b)) => b,
+        Some(_) => {
+            return Err(ServeError::invalid_param(
+                "prefill",
+                "'prefill' must be a boolean",
+            ))
+        }
+    };
+    let content = match obj.get("content") {
+        Some(Value::String(c)) => c.clone(),
+        Some(_) => {
+            return Err(ServeError::invalid_param(
+                "content",
+                "'content' must be a string",
+            ))
+        }
+        None => {
+            return Err(ServeError::invalid_param(
+                "content",
+                "'content' is required",
+            ))
+        }
+    };
+    if content.is_empty() {
+        return Err(ServeError::invalid_param(
+            "content",
+            "'content' must not be empty",
+        ));
+    }
+    let tokens = tokenize(s, content).await?;
+    if tokens.is_empty() {
+        return Err(ServeError::invalid_param(
+            "content",
+            "'content' encodes to no tokens",
+        ));
+    }
+    if tokens.len() > s.0.ctx {
+        return Err(ServeError {
+            param: Some("content".into()),
+            ..ServeError::bad_request(
+                "context_length_exceeded",
+                format!(
+                    "the segment has {} tokens, over the model's context of {}",
+                    tokens.len(),
+                    s.0.ctx
+                ),
+            )
+        });
+    }
+    let counts = obj.entry("tokens").or_insert_with(|| json!({}));
+    match counts.as_object_mut() {
+        Some(m) => {
+            m.insert(s.0.model_id.clone(), json!(tokens.len()));
+        }
+        None => {
+            return Err(ServeError::invalid_param(
+                "tokens",
+                "'tokens' must be an object",
+            ))
+        }
+    }
+    Ok((v, tokens, prefill))
+}
+
+fn remember(s: &AppState, id: &str, version: i64, hash: &str, tokens: Arc<Vec<u32>>) {
+    s.0.known
+        .lock()
+        .unwrap_or_else(|p| p.into_inner())
+        .tokens
+        .insert(
+            (id.to_string(), version),
+            CachedTokens {
+                content_hash: hash.to_string(),
+                tokens,
+            },
+        );
+}
+
+/// Prefills the current version of `seg` into the caller's namespace and reports
+/// residency to the catalog.
+async fn prefill(s: &AppState, tenant: &str, seg: &Segment, tokens: Arc<Vec<u32>>) -> Value {
+    let snap =
+        match crate::api::resolve_snapshot(&s.0.control, tenant, &[seg.id.clone()], None).await {
+            Ok(r) => r,
+            Err(e) => return json!({"error": e.message}),
+        };
+    let Some(item) = snap.segments.into_iter().next() else {
+        return json!({"error": "no snapshot"});
+    };
+    let _gate = s.0.prefill_gate.acquire().await;
+    let t0 = Instant::now();
+    let (engine, iso, toks, starts) = (
+        s.0.engine.clone(),
+        item.isolation_key.clone(),
+        tokens.clone(),
+        body_starts(s),
+    );
+    let res = tokio::task::spawn_blocking(move || {
+        starts
+            .into_iter()
+            .map(|b| (b, engine.prefetch(&toks, &iso, b)))
+            .collect::<Vec<_>>()
+    })
+    .await;
+    let res = match res {
+        Ok(r) => r,
+        Err(e) => return json!({"error": e.to_string()}),
+    };
+    s.0.known
+        .lock()
+        .unwrap_or_else(|p| p.into_inner())
+        .isolations
+        .entry(seg.id.clone())
+        .or_default()
+        .insert(item.isolation_key.clone());
+    let mut entries = vec![];
+    let mut total = 0usize;
+    for (b, r) in res {
+        match r {
+            Ok((st, bytes)) => {
+                total += bytes;
+                entries.push(json!({"body_start": b, "status": st, "bytes": bytes}));
+            }
+            Err(e) => entries.push(json!({"body_start": b, "error": e.to_string()})),
+        }
+    }
+    let _ =
+        s.0.control
+            .catalog()
+            .report_residency(&Residency {
+                worker: WORKER.into(),
+                cache_key: item.cache_key.clone(),
+                segment_id: seg.id.clone(),
+                version: item.version,
+                tenant: if item.shared {
+                    None
+                } else {
+                    Some(tenant.to_string())
+                },
+                bytes: total as i64,
+                last_use: now_ms(),
+            })
+            .await;
+    json!({
+        "prefill_ms": t0.elapsed().as_secs_f64() * 1e3,
+        "shared": item.shared,
+        "entries": entries,
+    })
+}
+
+/// Residency of a segment version in the caller's namespace.
+async fn residency(s: &AppState, tenant: &str, id: &str, tokens: &[u32]) -> Value {
+    let Ok(snap) =
+        crate::api::resolve_snapshot(&s.0.control, tenant, &[id.to_string()], None).await
+    else {
+        return Value::Null;
+    };
+    let Some(item) = snap.segments.into_iter().next() else {
+        return Value::Null;
+    };
+    let entries: Vec<Value> = body_starts(s)
+        .into_iter()
+        .map(|b| {
+            let bytes = s.0.engine.resident_bytes(tokens, &item.isolation_key, b);
+            json!({"body_start": b, "resident": bytes.is_some(), "bytes": bytes.unwrap_or(0)})
+        })
+        .collect();
+    let resident = entries.iter().any(|e| e["resident"] == json!(true));
+    json!({"resident": resident, "shared": item.shared, "entries": entries})
+}
+
+fn ext(s: &AppState, version: i64, tokens: usize, extra: Value) -> Value {
+    let mut v = json!({"model": s.0.model_id, "version": version, "tokens": tokens});
+    if let (Some(o), Value::Object(e)) = (v.as_object_mut(), extra) {
+        o.extend(e);
+    }
+    v
+}
+
+/// Evicts every known version of `id` (only those older than `keep_from` when
+/// given) from the public pool, in every namespace it was used in.
+fn evict(s: &AppState, id: &str, keep_from: Option<i64>) -> usize {
+    let starts = body_starts(s);
+    let mut k = s.0.known.lock().unwrap_or_else(|p| p.into_inner());
+    let isos: Vec<String> = k
+        .isolations
+        .get(id)
+        .map(|x| x.iter().cloned().collect())
+        .unwrap_or_default();
+    let versions: Vec<(String, i64)> = k
+        .tokens
+        .keys()
+        .filter(|(i, v)| i == id && keep_from.is_none_or(|f| *v < f))
+        .cloned()
+        .collect();
+    let mut n = 0;
+    for key in versions {
+        if let Some(c) = k.tokens.remove(&key) {
+            for iso in &isos {
+                n += s.0.engine.evict_segment(&c.tokens, iso, &starts);
+            }
+        }
+    }
+    if keep_from.is_none() {
+        k.isolations.remove(id);
+    }
+    n
+}
+
+/// `POST /v1/segments`: create in the catalog, then prefill.
+pub async fn create(
+    State(s): State<AppState>,
+    Tenant(p): Tenant,
+    headers: HeaderMap,
+    body: Result<Bytes, BytesRejection>,
+) -> Response {
+    let (v, tokens, pre) = match prepare_body(&s, body).await {
+        Ok(x) => x,
+        Err(e) => return e.into_response(),
+    };
+    let (status, out) = match forward(&s, Method::POST, "/v1/segments", &headers, Some(v)).await {
+        Ok(x) => x,
+        Err(r) => return r,
+    };
+    let Ok(seg) = serde_json::from_value::<Segment>(out.clone()) else {
+        return (status, Json(out)).into_response();
+    };
+    let tokens = Arc::new(tokens);
+    remember(
+        &s,
+        &seg.id,
+        seg.current_version,
+        &seg.content_hash,
+        tokens.clone(),
+    );
+    let extra = if pre {
+        prefill(&s, &p.tenant, &seg, tokens.clone()).await
+    } else {
+        json!({})
+    };
+    let res = residency(&s, &p.tenant, &seg.id, &tokens).await;
+    let mut out = out;
+    let mut e = ext(
+        &s,
+        seg.current_version,
+        tokens.len(),
+        json!({"prefill": extra}),
+    );
+    e["residency"] = res;
+    out["hypic"] = e;
+    (status, Json(out)).into_response()
+}
+
+/// `GET /v1/segments/{id}`: the catalog's view plus token count and residency.
+pub async fn get_one(
+    State(s): State<AppState>,
+    Tenant(p): Tenant,
+    headers: HeaderMap,
+    Path(id): Path<String>,
+) -> Response {
+    let (status, out) = match forward(
+        &s,
+        Method::GET,
+        &format!("/v1/segments/{id}"),
+        &headers,
+        None,
+    )
+    .await
+    {
+        Ok(x) => x,
+        Err(r) => return r,
+    };
+    let Ok(seg) = serde_json::from_value::<Segment>(out.clone()) else {
+        return (status, Json(out)).into_response();
+    };
+    let mut out = out;
+    match catalog_tokens(&s, &seg.id, seg.current_version, &seg.content_hash).await {
+        Ok((tokens, _)) => {
+            let res = residency(&s, &p.tenant, &seg.id, &tokens).await;
+            out["hypic"] = ext(
+                &s,
+                seg.current_version,
+                tokens.len(),
+                json!({"residency": res}),
+            );
+        }
+        Err(e) => out["hypic"] = json!({"error": e.message}),
+    }
+    (status, Json(out)).into_response()
+}
+
+/// `GET /v1/segments`: the segments this server has seen that the caller may read.
+pub async fn list(State(s): State<AppState>, Tenant(p): Tenant) -> Response {
+    let ids: Vec<String> = {
+        let k = s.0.known.lock().unwrap_or_else(|p| p.into_inner());
+        let mut v: Vec<String> = k.tokens.keys().map(|(i, _)| i.clone()).collect();
+        v.extend(k.isolations.keys().cloned());
+        v.sort();
+        v.dedup();
+        v
+    };
+    let cat = s.0.control.catalog();
+    let mut data = vec![];
+    for id in ids {
+        let readable = p.is_operator() || cat.can_read(&p.tenant, &id).await.unwrap_or(false);
+        if !readable {
+            continue;
+        }
+        let Ok(seg) = cat.get_segment(&id).await else {
+            continue;
+        };
+        let (count, res) =
+            match catalog_tokens(&s, &seg.id, seg.current_version, &seg.content_hash).await {
+                Ok((t, _)) => (json!(t.len()), residency(&s, &p.tenant, &seg.id, &t).await),
+                Err(_) => (Value::Null, Value::Null),
+            };
+        data.push(json!({
+            "id": seg.id, "object": "segment", "name": seg.name, "owner_tenant": seg.owner_tenant,
+            "public": seg.public, "version": seg.current_version, "content_hash": seg.content_hash,
+            "tokens": count, "residency": res,
+        }));
+    }
+    Json(json!({"object": "list", "data": data})).into_response()
+}
+
+/// `PUT /v1/segments/{id}`: new version in the catalog; entries of superseded
+/// versions are evicted; the new version is prefilled.
+pub async fn update(
+    State(s): State<AppState>,
+    Tenant(p): Tenant,
+    headers: HeaderMap,
+    Path(id): Path<String>,
+    body: Result<Bytes, BytesRejection>,
+) -> Response {
+    let (v, tokens, pre) = match prepare_body(&s, body).await {
+        Ok(x) => x,
+        Err(e) => return e.into_response(),
+    };
+    let (status, out) = match forward(
+        &s,
+        Method::PUT,
+        &format!("/v1/segments/{id}"),
+        &headers,
+        Some(v),
+    )
+    .await
+    {
+        Ok(x) => x,
+        Err(r) => return r,
+    };
+    let Some(seg) = out
+        .get("segment")
+        .cloned()
+        .and_then(|x| serde_json::from_value::<Segment>(x).ok())
+    else {
+        return (status, Json(out)).into_response();
+    };
+    let evicted = evict(&s, &seg.id, Some(seg.current_version));
+    let tokens = Arc::new(tokens);
+    remember(
+        &s,
+        &seg.id,
+        seg.current_version,
+        &seg.content_hash,
+        tokens.clone(),
+    );
+    let extra = if pre {
+        prefill(&s, &p.tenant, &seg, tokens.clone()).await
+    } else {
+        json!({})
+    };
+    let mut out = out;
+    out["hypic"] = ext(
+        &s,
+        seg.current_version,
+        tokens.len(),
+        json!({"evicted_entries": evicted, "prefill": extra}),
+    );
+    (status, Json(out)).into_response()
+}
+
+/// `DELETE /v1/segments/{id}`: delete in the catalog, evict every cached version.
+pub async fn delete(
+    State(s): State<AppState>,
+    Tenant(_): Tenant,
+    headers: HeaderMap,
+    Path(id): Path<String>,
+) -> Response {
+    let (status, out) = match forward(
+        &s,
+        Method::DELETE,
+        &format!("/v1/segments/{id}"),
+        &headers,
+        None,
+    )
+    .await
+    {
+        Ok(x) => x,
+        Err(r) => return r,
+    };
+    let evicted = evict(&s, &id, None);
+    let mut out = out;
+    out["hypic"] = json!({"evicted_entries": evicted});
+    (status, Json(out)).into_response()
+}

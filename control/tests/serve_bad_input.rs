@@ -1,0 +1,269 @@
+//! Bad input to `hypic serve`, each case a clear OpenAI-style JSON error with the
+//! right status; the server keeps serving afterwards.
+mod serve_common;
+
+use reqwest::Method;
+use serde_json::json;
+use serve_common::{assert_error, start, Srv};
+
+async fn still_healthy(s: &Srv) {
+    let (st, v) = s
+        .post(
+            "/v1/completions",
+            &json!({"prompt": "hello", "max_tokens": 1}),
+        )
+        .await;
+    assert_eq!(st, 200, "server unhealthy after bad input: {v}");
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn malformed_json() {
+    let s = start(|_| {}).await;
+    for body in [
+        &b"{\"prompt\": \"x\""[..],
+        b"not json",
+        b"{\"prompt\": \"x\",}",
+        b"",
+    ] {
+        let (st, _, v) = s
+            .raw(
+                Method::POST,
+                "/v1/completions",
+                Some(&s.token),
+                body.to_vec(),
+            )
+            .await;
+        assert_error(st, &v, 400, "invalid_json");
+    }
+    let (st, _, v) = s
+        .raw(
+            Method::POST,
+            "/v1/chat/completions",
+            Some(&s.token),
+            b"[1, 2".to_vec(),
+        )
+        .await;
+    assert_error(st, &v, 400, "invalid_json");
+    still_healthy(&s).await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn fields_of_the_wrong_type() {
+    let s = start(|_| {}).await;
+    let cases = [
+        (
+            "/v1/completions",
+            json!({"prompt": "x", "max_tokens": "ten"}),
+            "max_tokens",
+        ),
+        ("/v1/completions", json!({"prompt": 42}), "prompt"),
+        (
+            "/v1/completions",
+            json!({"prompt": "x", "temperature": "hot"}),
+            "temperature",
+        ),
+        (
+            "/v1/completions",
+            json!({"prompt": "x", "stream": "yes"}),
+            "stream",
+        ),
+        (
+            "/v1/completions",
+            json!({"segments": [{"text": 1}]}),
+            "segments[0].text",
+        ),
+        (
+            "/v1/chat/completions",
+            json!({"messages": "hi"}),
+            "messages",
+        ),
+        (
+            "/v1/chat/completions",
+            json!({"messages": [{"role": "user", "content": 5}]}),
+            "messages[0].content",
+        ),
+        (
+            "/v1/chat/completions",
+            json!({"messages": [{"role": "user", "content": "x"}], "n": 1.5}),
+            "n",
+        ),
+    ];
+    for (path, body, param) in cases {
+        let (st, v) = s.post(path, &body).await;
+        assert_error(st, &v, 400, "invalid_type");
+        assert!(
+            v["error"]["param"]
+                .as_str()
+                .unwrap_or("")
+                .starts_with(param)
+                || v["error"]["message"].as_str().unwrap().contains(param),
+            "{path} {body}: {v}"
+        );
+    }
+    // Unknown fields are ignored (OpenAI clients send many), out-of-range values are not.
+    let (st, v) = s
+        .post(
+            "/v1/completions",
+            &json!({"prompt": "x", "max_tokens": 1, "user": "u", "presence_penalty": 0}),
+        )
+        .await;
+    assert_eq!(st, 200, "{v}");
+    let (st, v) = s
+        .post("/v1/completions", &json!({"prompt": "x", "temperature": 9}))
+        .await;
+    assert_error(st, &v, 400, "invalid_value");
+    assert_eq!(v["error"]["param"], "temperature");
+    let (st, v) = s
+        .post(
+            "/v1/completions",
+            &json!({"prompt": "x", "hypic": {"mode": "magic"}}),
+        )
+        .await;
+    assert_error(st, &v, 400, "invalid_value");
+    let (st, v) = s
+        .post("/v1/completions", &json!({"prompt": "x", "model": "gpt-9"}))
+        .await;
+    assert_error(st, &v, 404, "model_not_found");
+    still_healthy(&s).await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn unknown_segment_id() {
+    let s = start(|_| {}).await;
+    let (st, v) = s
+        .post(
+            "/v1/completions",
+            &json!({"segments": [{"id": "no-such-doc", "version": 1}, {"text": "q"}]}),
+        )
+        .await;
+    assert_error(st, &v, 404, "segment_not_found");
+    let (st, v) = s
+        .post(
+            "/v1/completions",
+            &json!({"segments": [{"id": "bad id with spaces"}]}),
+        )
+        .await;
+    assert!(st == 400 || st == 404, "{st} {v}");
+    assert!(v["error"]["message"].is_string());
+    let (st, v) = s
+        .post(
+            "/v1/completions",
+            &json!({"segments": [{"text": "a", "id": "b"}]}),
+        )
+        .await;
+    assert_error(st, &v, 400, "invalid_value");
+    still_healthy(&s).await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn prompt_over_the_context_limit() {
+    let s = start(|_| {}).await;
+    // The golden model's context is 4096 tokens.
+    let long = "river city market ".repeat(3000);
+    let (st, v) = s
+        .post("/v1/completions", &json!({"prompt": long, "max_tokens": 1}))
+        .await;
+    assert_error(st, &v, 400, "context_length_exceeded");
+    let (st, v) = s
+        .post(
+            "/v1/chat/completions",
+            &json!({"messages": [{"role": "user", "content": long}]}),
+        )
+        .await;
+    assert_error(st, &v, 400, "context_length_exceeded");
+    // Prompt fits, prompt + max_tokens does not.
+    let (st, v) = s
+        .post(
+            "/v1/completions",
+            &json!({"prompt": "hello", "max_tokens": 5000}),
+        )
+        .await;
+    assert_error(st, &v, 400, "context_length_exceeded");
+    still_healthy(&s).await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn max_tokens_not_positive() {
+    let s = start(|_| {}).await;
+    for m in [0, -1, -1000] {
+        let (st, v) = s
+            .post("/v1/completions", &json!({"prompt": "x", "max_tokens": m}))
+            .await;
+        assert_error(st, &v, 400, "invalid_value");
+        assert_eq!(v["error"]["param"], "max_tokens");
+        let (st, v) = s
+            .post(
+                "/v1/chat/completions",
+                &json!({"messages": [{"role": "user", "content": "x"}], "max_completion_tokens": m}),
+            )
+            .await;
+        assert_error(st, &v, 400, "invalid_value");
+    }
+    let (st, v) = s
+        .post("/v1/completions", &json!({"prompt": "x", "n": 0}))
+        .await;
+    assert_error(st, &v, 400, "invalid_value");
+    still_healthy(&s).await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn invalid_utf8() {
+    let s = start(|_| {}).await;
+    let mut body = b"{\"prompt\": \"caf".to_vec();
+    body.extend_from_slice(&[0xC3, 0x28, 0xFF]);
+    body.extend_from_slice(b"\"}");
+    for path in ["/v1/completions", "/v1/chat/completions", "/v1/segments"] {
+        let (st, _, v) = s
+            .raw(Method::POST, path, Some(&s.token), body.clone())
+            .await;
+        assert_error(st, &v, 400, "invalid_utf8");
+    }
+    still_healthy(&s).await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn hundred_megabyte_body_is_rejected_by_the_limit() {
+    let s = start(|_| {}).await;
+    let mut body = b"{\"prompt\": \"".to_vec();
+    body.resize(100 << 20, b'a');
+    body.extend_from_slice(b"\"}");
+    let (st, h, v) = s
+        .raw(Method::POST, "/v1/completions", Some(&s.token), body)
+        .await;
+    assert_error(st, &v, 413, "body_too_large");
+    assert!(h
+        .get("content-type")
+        .unwrap()
+        .to_str()
+        .unwrap()
+        .starts_with("application/json"));
+    still_healthy(&s).await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn empty_messages() {
+    let s = start(|_| {}).await;
+    let (st, v) = s
+        .post("/v1/chat/completions", &json!({"messages": []}))
+        .await;
+    assert_error(st, &v, 400, "invalid_value");
+    assert_eq!(v["error"]["param"], "messages");
+    let (st, v) = s
+        .post("/v1/chat/completions", &json!({"model": "tiny"}))
+        .await;
+    assert_error(st, &v, 400, "invalid_type");
+    let (st, v) = s
+        .post(
+            "/v1/chat/completions",
+            &json!({"messages": [{"role": "wizard", "content": "x"}]}),
+        )
+        .await;
+    assert_error(st, &v, 400, "invalid_value");
+    let (st, v) = s.post("/v1/completions", &json!({"prompt": ""})).await;
+    assert_error(st, &v, 400, "invalid_value");
+    let (st, v) = s.post("/v1/completions", &json!({"segments": []})).await;
+    assert_error(st, &v, 400, "invalid_value");
+    let (st, v) = s.post("/v1/completions", &json!({})).await;
+    assert_error(st, &v, 400, "invalid_value");
+    still_healthy(&s).await;
+}
