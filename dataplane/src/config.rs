@@ -36,38 +36,55 @@ pub struct ModelConfig {
     pub family: Family,
     /// Prefix of decoder weights (`model.` or `model.language_model.`).
     pub weight_prefix: String,
+    /// Residual width (`hidden_size`).
     pub hidden_size: usize,
+    /// Decoder layers (`num_hidden_layers`).
     pub num_layers: usize,
+    /// Vocabulary size (embedding and LM-head rows).
     pub vocab_size: usize,
     /// Per-layer mixer kind (`layer_types`).
     pub layer_kinds: Vec<LayerKind>,
-    // full attention
+    /// Full-attention query heads.
     pub num_heads: usize,
+    /// Full-attention KV heads (GQA).
     pub num_kv_heads: usize,
+    /// Full-attention head dim.
     pub head_dim: usize,
     /// Number of rotary dims per head: `int(head_dim * partial_rotary_factor)`.
     pub rotary_dim: usize,
+    /// RoPE base θ.
     pub rope_theta: f64,
     /// Whether `q_proj` also produces the per-head sigmoid output gate.
     pub attn_output_gate: bool,
-    // linear attention (GDN)
+    /// GDN key (query) heads Hk.
     pub linear_k_heads: usize,
+    /// GDN value heads Hv.
     pub linear_v_heads: usize,
+    /// GDN key head dim dk.
     pub linear_k_dim: usize,
+    /// GDN value head dim dv.
     pub linear_v_dim: usize,
+    /// Causal conv kernel width K.
     pub conv_kernel: usize,
-    // MLP / MoE
+    /// Routed experts (0: dense MLP everywhere).
     pub num_experts: usize,
+    /// Experts per token (top-k).
     pub experts_per_tok: usize,
+    /// Routed expert SwiGLU width.
     pub moe_intermediate_size: usize,
+    /// Shared expert SwiGLU width (0: none).
     pub shared_expert_intermediate_size: usize,
+    /// Renormalise the top-k router probabilities.
     pub norm_topk_prob: bool,
     /// Dense-MLP width (layers that are not MoE).
     pub intermediate_size: usize,
     /// Per-layer: true when the layer's MLP is a MoE block.
     pub layer_is_moe: Vec<bool>,
+    /// RMSNorm epsilon.
     pub rms_norm_eps: f32,
+    /// LM head tied to the embedding.
     pub tie_word_embeddings: bool,
+    /// Context limit in tokens.
     pub max_position_embeddings: usize,
 }
 
