@@ -1,7 +1,7 @@
 //! `hypic eval`: held-out multi-document QA through every PIC mode; writes a table
 //! (Markdown + JSON) and a plot of quality against TTFT.
 use anyhow::{bail, Context, Result};
-use dataplane::eval::{evaluate, load_items, ModeReport};
+use dataplane::eval::{evaluate_modes, load_items, ModeReport};
 use dataplane::pic::{Mode, PicEngine};
 use indicatif::{ProgressBar, ProgressStyle};
 use std::path::{Path, PathBuf};
@@ -103,24 +103,22 @@ pub fn run(a: EvalArgs) -> Result<()> {
         4 << 30,
         4 << 30,
     );
-    let mut reports = vec![];
-    for mode in modes {
-        let bar = ProgressBar::new(items.len() as u64);
-        bar.set_style(
-            ProgressStyle::with_template("{msg:>22} [{bar:30}] {pos}/{len} ({eta})")
-                .expect("static")
-                .progress_chars("=> "),
-        );
-        bar.set_message(dataplane::eval::mode_label(&mode));
-        let r = evaluate(&engine, &tok, &items, mode, a.max_new_tokens, &mut |i| {
-            bar.set_position(i as u64)
-        })?;
-        bar.finish_and_clear();
+    let bar = ProgressBar::new(items.len() as u64);
+    bar.set_style(
+        ProgressStyle::with_template("{msg} [{bar:30}] {pos}/{len} items ({eta})")
+            .expect("static")
+            .progress_chars("=> "),
+    );
+    bar.set_message(format!("{} modes", modes.len()));
+    let reports = evaluate_modes(&engine, &tok, &items, &modes, a.max_new_tokens, &mut |i| {
+        bar.set_position(i as u64)
+    })?;
+    bar.finish_and_clear();
+    for r in &reports {
         eprintln!(
             "{:>22}: EM single {:.3} two {:.3} | F1 single {:.3} two {:.3} | TTFT {:.1} ms",
             r.label, r.em_single, r.em_two, r.f1_single, r.f1_two, r.mean_ttft_ms
         );
-        reports.push(r);
     }
     std::fs::create_dir_all(&a.out)?;
     let md = table(&reports, items.len(), &heldout);
@@ -144,7 +142,7 @@ pub fn table(reports: &[ModeReport], n: usize, heldout: &Path) -> String {
         reports.first().map_or(0, |r| r.n_single),
         reports.first().map_or(0, |r| r.n_two)
     );
-    s.push_str("| mode | EM single | F1 single | EM two-hop | F1 two-hop | mean TTFT ms | TTFT vs full | prompt tokens computed | reused |\n|---|---|---|---|---|---|---|---|---|\n");
+    s.push_str("| mode | EM single | F1 single | EM two-hop | F1 two-hop | answer NLL | first-token KL vs full | mean TTFT ms | TTFT speed-up vs full | prompt tokens computed | reused |\n|---|---|---|---|---|---|---|---|---|---|---|\n");
     let full = reports
         .iter()
         .find(|r| r.label == "full_recompute")
@@ -154,12 +152,15 @@ pub fn table(reports: &[ModeReport], n: usize, heldout: &Path) -> String {
             format!("{:.2}×", f / r.mean_ttft_ms.max(1e-9))
         });
         s.push_str(&format!(
-            "| {} | {:.3} | {:.3} | {:.3} | {:.3} | {:.1} | {} | {:.0} | {:.0} |\n",
+            "| {} | {:.3} | {:.3} | {:.3} | {:.3} | {:.4} | {} | {:.1} | {} | {:.0} | {:.0} |\n",
             r.label,
             r.em_single,
             r.f1_single,
             r.em_two,
             r.f1_two,
+            r.mean_answer_nll,
+            r.mean_first_token_kl
+                .map_or("-".to_string(), |k| format!("{k:.2e}")),
             r.mean_ttft_ms,
             ratio,
             r.mean_tokens_computed,

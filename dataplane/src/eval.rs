@@ -5,10 +5,13 @@
 //! `tools/train/gen_corpus.py::segments`). Each prompt is split into segments
 //! `[system, doc_1, …, doc_n, question]`, each tokenised on its own.
 //!
-//! Protocol per item (hot cache, as the paper's TTFT comparisons): a warm-up request
-//! with the same documents in a rotated order fills the pools, then the measured
-//! request in the item's order is timed (TTFT = PIC assembly + prefill + first
-//! sample) and greedily decoded until `<|im_end|>`. Pools are cleared between items.
+//! Protocol per item (hot cache, as the paper's TTFT comparisons): the pools are
+//! filled first (the public pool with every document's entry for the seam widths
+//! under test, the private pool with the system-prompt prefix for `prefix_cache`,
+//! which is all a request with the documents in another order could share), then the
+//! measured request in the item's order is timed (TTFT = PIC assembly + prefill +
+//! first sample) and greedily decoded until `<|im_end|>`. Pools are cleared between
+//! items.
 //! Scores use HotpotQA's answer normalisation (lower-case, strip punctuation and the
 //! articles a/an/the, collapse whitespace): exact match and token-level F1.
 use crate::error::{Error, Result};
@@ -144,6 +147,14 @@ pub struct ModeReport {
     pub mean_tokens_computed: f64,
     /// Mean prompt tokens reused in the measured requests.
     pub mean_tokens_reused: f64,
+    /// Mean negative log-likelihood (nats per token) of the gold answer followed by
+    /// `<|im_end|>`, teacher-forced from the measured request's state: how far a mode
+    /// moves the model's belief in the right answer, finer than exact match.
+    pub mean_answer_nll: f64,
+    /// Mean KL divergence `KL(p_full ‖ p_mode)` (nats) of the first answer token's
+    /// distribution from full recompute's on the same item; `None` unless
+    /// `full_recompute` was among the evaluated modes.
+    pub mean_first_token_kl: Option<f64>,
     /// Predictions, in item order.
     pub predictions: Vec<String>,
 }
@@ -188,70 +199,203 @@ pub fn evaluate(
     max_new: usize,
     progress: &mut dyn FnMut(usize),
 ) -> Result<ModeReport> {
-    let mut r = ModeReport {
-        label: mode_label(&mode),
-        mode: Some(mode),
-        ..Default::default()
-    };
-    let (mut em1, mut f11, mut em2, mut f12, mut ttft, mut comp, mut reu) =
-        (0.0, 0.0, 0.0, 0.0, 0.0, 0.0, 0.0);
+    let mut r = evaluate_modes(engine, tok, items, &[mode], max_new, progress)?;
+    r.pop()
+        .ok_or_else(|| Error::Input("no report for the mode".into()))
+}
+
+/// Running sums of one mode over the items.
+#[derive(Default)]
+struct Sums {
+    em1: f64,
+    f11: f64,
+    em2: f64,
+    f12: f64,
+    ttft: f64,
+    computed: f64,
+    reused: f64,
+    nll: f64,
+    kl: f64,
+}
+
+/// Runs `items` through every mode of `modes` (protocol in the module doc), item by
+/// item: the public-pool entries an item's modes need (every seam width, and body
+/// start 0 for naive addition) are built before its measured requests, one prefill
+/// per segment ([`PicEngine::prefetch_many`]); `prefix_cache` is warmed with the
+/// system segment, the only prefix a reordered request can share. `progress` is
+/// called after each item. Reports in the order of `modes`.
+pub fn evaluate_modes(
+    engine: &PicEngine,
+    tok: &Tokenizer,
+    items: &[QaItem],
+    modes: &[Mode],
+    max_new: usize,
+    progress: &mut dyn FnMut(usize),
+) -> Result<Vec<ModeReport>> {
+    let mut reports: Vec<ModeReport> = modes
+        .iter()
+        .map(|m| ModeReport {
+            label: mode_label(m),
+            mode: Some(*m),
+            ..Default::default()
+        })
+        .collect();
+    let mut sums: Vec<Sums> = modes.iter().map(|_| Sums::default()).collect();
+    // Body starts of the public-pool entries: the first segment always uses 0; a later
+    // one the seam width (HYPIC) or 0 (naive addition).
+    let mut later_starts: Vec<usize> = vec![];
+    for m in modes {
+        let b = match m {
+            Mode::NaiveAddition => 0,
+            Mode::Hypic { seam_width, .. } => *seam_width,
+            _ => continue,
+        };
+        if !later_starts.contains(&b) {
+            later_starts.push(b);
+        }
+    }
     for (i, item) in items.iter().enumerate() {
         engine.clear();
         let segs = item_segments(tok, item, "eval")?;
-        if mode != Mode::FullRecompute && segs.len() > 3 {
-            // Warm-up: same documents, rotated order.
-            let mut warm = segs.clone();
-            let n = warm.len();
-            warm[1..n - 1].rotate_left(1);
-            engine.run(&warm, mode, "eval")?;
-        }
-        let t0 = Instant::now();
-        let out = engine.run(&segs, mode, "eval")?;
-        let mut next = argmax(&out.logits);
-        ttft += t0.elapsed().as_secs_f64() * 1e3;
-        comp += out.stats.tokens_computed as f64;
-        reu += out.stats.tokens_reused as f64;
-        let mut state = out.state;
-        let mut gen = vec![];
-        while gen.len() < max_new && !tok.eos_ids.contains(&next) {
-            gen.push(next);
-            if gen.len() == max_new {
-                break;
+        let n = segs.len();
+        if !later_starts.is_empty() {
+            engine.prefetch_many(&segs[0].tokens, "eval", &[0])?;
+            for s in &segs[1..n - 1] {
+                engine.prefetch_many(&s.tokens, "eval", &later_starts)?;
             }
-            next = argmax(&engine.model().decode(next, &mut state)?);
         }
-        let pred = tok.decode(&gen)?.trim().to_string();
-        let (em, f1) = (
-            exact_match(&pred, &item.answer) as u8 as f64,
-            f1_score(&pred, &item.answer),
-        );
-        if item.hop >= 2 {
-            r.n_two += 1;
-            em2 += em;
-            f12 += f1;
-        } else {
-            r.n_single += 1;
-            em1 += em;
-            f11 += f1;
+        // Full recompute first, so every mode can be compared with its logits.
+        let mut order: Vec<usize> = (0..modes.len()).collect();
+        order.sort_by_key(|&j| modes[j] != Mode::FullRecompute);
+        let mut full_logits: Option<Vec<f32>> = None;
+        for j in order {
+            let mode = modes[j];
+            if mode == Mode::PrefixCache && n > 1 {
+                engine.run(&segs[..1], mode, "eval")?;
+            }
+            let t0 = Instant::now();
+            let out = engine.run(&segs, mode, "eval")?;
+            let mut next = argmax(&out.logits);
+            let s = &mut sums[j];
+            s.ttft += t0.elapsed().as_secs_f64() * 1e3;
+            s.computed += out.stats.tokens_computed as f64;
+            s.reused += out.stats.tokens_reused as f64;
+            s.nll += answer_nll(engine, tok, &item.answer, &out.logits, out.state.clone())?;
+            if mode == Mode::FullRecompute && full_logits.is_none() {
+                full_logits = Some(out.logits.clone());
+            }
+            if let Some(f) = &full_logits {
+                s.kl += kl_divergence(f, &out.logits);
+            }
+            let mut state = out.state;
+            let mut gen = vec![];
+            while gen.len() < max_new && !tok.eos_ids.contains(&next) {
+                gen.push(next);
+                if gen.len() == max_new {
+                    break;
+                }
+                next = argmax(&engine.model().decode(next, &mut state)?);
+            }
+            let pred = tok.decode(&gen)?.trim().to_string();
+            let (em, f1) = (
+                exact_match(&pred, &item.answer) as u8 as f64,
+                f1_score(&pred, &item.answer),
+            );
+            let r = &mut reports[j];
+            if item.hop >= 2 {
+                r.n_two += 1;
+                s.em2 += em;
+                s.f12 += f1;
+            } else {
+                r.n_single += 1;
+                s.em1 += em;
+                s.f11 += f1;
+            }
+            r.predictions.push(pred);
         }
-        r.predictions.push(pred);
         progress(i + 1);
     }
     engine.clear();
     let d = |x: f64, n: usize| if n == 0 { 0.0 } else { x / n as f64 };
-    r.em_single = d(em1, r.n_single);
-    r.f1_single = d(f11, r.n_single);
-    r.em_two = d(em2, r.n_two);
-    r.f1_two = d(f12, r.n_two);
-    r.mean_ttft_ms = d(ttft, items.len());
-    r.mean_tokens_computed = d(comp, items.len());
-    r.mean_tokens_reused = d(reu, items.len());
-    Ok(r)
+    for (r, s) in reports.iter_mut().zip(&sums) {
+        r.em_single = d(s.em1, r.n_single);
+        r.f1_single = d(s.f11, r.n_single);
+        r.em_two = d(s.em2, r.n_two);
+        r.f1_two = d(s.f12, r.n_two);
+        r.mean_ttft_ms = d(s.ttft, items.len());
+        r.mean_tokens_computed = d(s.computed, items.len());
+        r.mean_tokens_reused = d(s.reused, items.len());
+        r.mean_answer_nll = d(s.nll, items.len());
+        r.mean_first_token_kl = modes
+            .contains(&Mode::FullRecompute)
+            .then(|| d(s.kl, items.len()));
+    }
+    Ok(reports)
+}
+
+/// `KL(softmax(p) ‖ softmax(q))` in nats, computed in f64.
+pub fn kl_divergence(p: &[f32], q: &[f32]) -> f64 {
+    let log_softmax = |x: &[f32]| -> Vec<f64> {
+        let max = x.iter().copied().fold(f32::NEG_INFINITY, f32::max) as f64;
+        let lse = max + x.iter().map(|&v| (v as f64 - max).exp()).sum::<f64>().ln();
+        x.iter().map(|&v| v as f64 - lse).collect()
+    };
+    let (lp, lq) = (log_softmax(p), log_softmax(q));
+    lp.iter()
+        .zip(&lq)
+        .map(|(a, b)| a.exp() * (a - b))
+        .sum::<f64>()
+        .max(0.0)
+}
+
+/// Teacher-forced NLL (nats per token) of `answer` + `<|im_end|>` given the prompt's
+/// last-position `logits` and the state after the prompt.
+fn answer_nll(
+    engine: &PicEngine,
+    tok: &Tokenizer,
+    answer: &str,
+    logits: &[f32],
+    mut state: crate::state::ModelState,
+) -> Result<f64> {
+    let mut target = tok.encode(answer)?;
+    if let Some(&eos) = tok.eos_ids.first() {
+        target.push(eos);
+    }
+    let mut logits = logits.to_vec();
+    let mut total = 0.0f64;
+    for (j, &t) in target.iter().enumerate() {
+        let max = logits.iter().copied().fold(f32::NEG_INFINITY, f32::max) as f64;
+        let lse = max
+            + logits
+                .iter()
+                .map(|&l| (l as f64 - max).exp())
+                .sum::<f64>()
+                .ln();
+        let lt = *logits.get(t as usize).ok_or_else(|| {
+            Error::Input(format!("answer token {t} outside the vocabulary"))
+        })? as f64;
+        total += lse - lt;
+        if j + 1 < target.len() {
+            logits = engine.model().decode(t, &mut state)?;
+        }
+    }
+    Ok(total / target.len().max(1) as f64)
 }
 
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn kl_divergence_values() {
+        assert_eq!(kl_divergence(&[1.0, 2.0, 3.0], &[1.0, 2.0, 3.0]), 0.0);
+        // Shift invariance of the logits.
+        assert!(kl_divergence(&[1.0, 2.0], &[11.0, 12.0]) < 1e-12);
+        // p = (1/2, 1/2), q = (e/(1+e), 1/(1+e)), written out.
+        let e = std::f64::consts::E;
+        let want = 0.5 * (0.5f64 / (e / (1.0 + e))).ln() + 0.5 * (0.5f64 / (1.0 / (1.0 + e))).ln();
+        assert!((kl_divergence(&[0.0, 0.0], &[1.0, 0.0]) - want).abs() < 1e-12);
+    }
 
     #[test]
     fn hotpot_normalisation_and_f1() {

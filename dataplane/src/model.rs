@@ -431,6 +431,28 @@ impl Model {
         state: &mut LayerState,
         capture_from: Option<usize>,
     ) -> Result<LayerOutput> {
+        let froms: Vec<usize> = capture_from.into_iter().collect();
+        let mut out = self.layer_forward_capture_many(i, x, positions, state, &froms)?;
+        Ok(LayerOutput {
+            kv: out.kv.take(),
+            pair: out.pairs.pop(),
+        })
+    }
+
+    /// [`Model::layer_forward_capture`] for several body starts at once: one pass
+    /// through the layer's projections and MLP and, for a linear layer, one
+    /// cached-transition pair per entry of `froms` (same order), each for the body
+    /// `froms[j]..T`. The state advances exactly as with a single capture. Each extra
+    /// pair costs one more gated-delta-rule pass (no GEMMs), so the entries of several
+    /// seam widths cost little more than one.
+    pub fn layer_forward_capture_many(
+        &self,
+        i: usize,
+        x: &mut [f32],
+        positions: &[i64],
+        state: &mut LayerState,
+        froms: &[usize],
+    ) -> Result<LayerOutputs> {
         let c = &self.config;
         let layer = &self.layers[i];
         let t = positions.len();
@@ -441,11 +463,11 @@ impl Model {
         }
         let mut r = x.to_vec();
         ops::rms_norm_zero_centred(&mut r, &layer.input_norm, c.rms_norm_eps);
-        let mut out = LayerOutput::default();
+        let mut out = LayerOutputs::default();
         let mixed = match (&layer.mixer, state) {
             (Mixer::Linear(w), LayerState::Linear(s)) => {
-                let (o, pair) = self.gdn_forward(w, &r, t, s, capture_from);
-                out.pair = pair;
+                let (o, pairs) = self.gdn_forward(w, &r, t, s, froms);
+                out.pairs = pairs;
                 o
             }
             (Mixer::Full(w), LayerState::Full(kv)) => {
@@ -562,65 +584,74 @@ impl Model {
         r: &[f32],
         t: usize,
         s: &mut LinearState,
-        capture_from: Option<usize>,
-    ) -> (Vec<f32>, Option<Pair>) {
+        froms: &[usize],
+    ) -> (Vec<f32>, Vec<Pair>) {
         let proj = linear(r, t, self.config.hidden_size, &w.w_in, self.gdn_in_width());
+        let s0 = (froms.len() > 1).then(|| s.recurrent.clone());
         let inp = self.gdn_inputs(w, &proj, t, s);
-        let (core, pair) = match capture_from {
-            None => (
-                run_gdr(&self.gdr_dims(t), &inp, 0, t, &mut s.recurrent),
-                None,
-            ),
-            Some(from) => {
-                let from = from.min(t);
-                let c = &self.config;
-                let (hv, dk, dv) = (c.linear_v_heads, c.linear_k_dim, c.linear_v_dim);
-                let mut core = run_gdr(&self.gdr_dims(from), &inp, 0, from, &mut s.recurrent);
-                let s_w = s.recurrent.clone();
-                let body = t - from;
-                let pair = if body == 0 {
-                    Pair::identity(TransitionKind::Dense, hv, dk, dv)
-                } else {
-                    let d = self.gdr_dims(body);
-                    let sl = inp.slice(&d, from, t);
-                    let (o, tc) = gdr::chunked_with_transition(
-                        &d,
-                        sl.0,
-                        sl.1,
-                        sl.2,
-                        sl.3,
-                        sl.4,
-                        &mut s.recurrent,
-                        GDR_CHUNK,
-                    );
-                    core.extend_from_slice(&o);
-                    // S_body|0 = S_T − T_body · S_w (per value head).
-                    let t_only = Pair::from_parts(
-                        TransitionKind::Dense,
-                        hv,
-                        dk,
-                        dv,
-                        tc.clone(),
-                        vec![0.0; hv * dk * dv],
-                    )
-                    .expect("shapes from the model config");
-                    let mut ts_w = s_w;
-                    t_only
-                        .apply(&mut ts_w)
-                        .expect("state shape from the model config");
-                    let b: Vec<f32> = s.recurrent.iter().zip(&ts_w).map(|(a, b)| a - b).collect();
-                    Pair::from_parts(TransitionKind::Dense, hv, dk, dv, tc, b)
-                        .expect("shapes from the model config")
-                };
-                (core, Some(pair))
+        let mut pairs = Vec::with_capacity(froms.len());
+        let core = match froms.split_first() {
+            None => run_gdr(&self.gdr_dims(t), &inp, 0, t, &mut s.recurrent),
+            Some((&first, rest)) => {
+                let (core, pair) = self.gdr_with_body_pair(&inp, first, t, &mut s.recurrent);
+                pairs.push(pair);
+                for &from in rest {
+                    let mut st = s0.clone().unwrap_or_default();
+                    pairs.push(self.gdr_with_body_pair(&inp, from, t, &mut st).1);
+                }
+                core
             }
         };
         let c = &self.config;
         let normed = self.gdn_gated_norm(w, core, &inp.z);
         (
             linear(&normed, t, c.value_dim(), &w.out, c.hidden_size),
-            pair,
+            pairs,
         )
+    }
+
+    /// The gated delta rule over tokens `0..t` from `state` (advanced to the end):
+    /// returns the core output `[t, Hv, dv]` and the body pair of `from..t`,
+    /// `T_body` from the chunked kernel in the same pass and
+    /// `S_body|0 = S_t − T_body · S_from` (DESIGN.md §2).
+    fn gdr_with_body_pair(
+        &self,
+        inp: &GdnInputs,
+        from: usize,
+        t: usize,
+        state: &mut [f32],
+    ) -> (Vec<f32>, Pair) {
+        let from = from.min(t);
+        let c = &self.config;
+        let (hv, dk, dv) = (c.linear_v_heads, c.linear_k_dim, c.linear_v_dim);
+        let mut core = run_gdr(&self.gdr_dims(from), inp, 0, from, state);
+        let body = t - from;
+        if body == 0 {
+            return (core, Pair::identity(TransitionKind::Dense, hv, dk, dv));
+        }
+        let s_w = state.to_vec();
+        let d = self.gdr_dims(body);
+        let sl = inp.slice(&d, from, t);
+        let (o, tc) =
+            gdr::chunked_with_transition(&d, sl.0, sl.1, sl.2, sl.3, sl.4, state, GDR_CHUNK);
+        core.extend_from_slice(&o);
+        let t_only = Pair::from_parts(
+            TransitionKind::Dense,
+            hv,
+            dk,
+            dv,
+            tc.clone(),
+            vec![0.0; hv * dk * dv],
+        )
+        .expect("shapes from the model config");
+        let mut ts_w = s_w;
+        t_only
+            .apply(&mut ts_w)
+            .expect("state shape from the model config");
+        let b: Vec<f32> = state.iter().zip(&ts_w).map(|(a, b)| a - b).collect();
+        let pair = Pair::from_parts(TransitionKind::Dense, hv, dk, dv, tc, b)
+            .expect("shapes from the model config");
+        (core, pair)
     }
 
     /// Gated RMSNorm `w · rmsnorm(core) · silu(z)` per value head (before `out_proj`).
@@ -823,6 +854,16 @@ fn run_gdr(d: &GdrDims, inp: &GdnInputs, a: usize, b: usize, state: &mut [f32]) 
     } else {
         gdr::chunked(&d, q, k, v, g, beta, state, GDR_CHUNK)
     }
+}
+
+/// Output of [`Model::layer_forward_capture_many`] beside the updated residual stream.
+#[derive(Clone, Debug, Default)]
+pub struct LayerOutputs {
+    /// Full-attention layers: the span's `(K, V)`, `[T, Hkv, hd]` each.
+    pub kv: Option<(Vec<f32>, Vec<f32>)>,
+    /// Linear layers: one body pair per requested body start, in request order
+    /// (`T_body [Hv,dk,dk]`, `S_body|0 [Hv,dk,dv]`); empty for attention layers.
+    pub pairs: Vec<Pair>,
 }
 
 /// Output of one decoder layer beside the updated residual stream.

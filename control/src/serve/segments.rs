@@ -195,10 +195,17 @@ async fn prefill(s: &AppState, tenant: &str, seg: &Segment, tokens: Arc<Vec<u32>
         body_starts(s),
     );
     let res = tokio::task::spawn_blocking(move || {
-        starts
-            .into_iter()
-            .map(|b| (b, engine.prefetch(&toks, &iso, b)))
-            .collect::<Vec<_>>()
+        // One prefill builds the entries of every body start.
+        match engine.prefetch_many(&toks, &iso, &starts) {
+            Ok(rs) => starts.into_iter().zip(rs.into_iter().map(Ok)).collect::<Vec<_>>(),
+            Err(e) => {
+                let msg = e.to_string();
+                starts
+                    .into_iter()
+                    .map(|b| (b, Err(dataplane::Error::Input(msg.clone()))))
+                    .collect()
+            }
+        }
     })
     .await;
     let res = match res {

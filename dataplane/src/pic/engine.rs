@@ -488,37 +488,62 @@ impl PicEngine {
     /// the body `[body_start, m)`: linear layers' pair and conv tail, attention
     /// layers' KV.
     pub fn build_entry(&self, tokens: &[u32], body_start: usize) -> Result<SegmentEntry> {
+        self.build_entries(tokens, &[body_start])?
+            .pop()
+            .ok_or_else(|| Error::Input("no cache entry was built".into()))
+    }
+
+    /// [`PicEngine::build_entry`] for several body starts (seam widths) with one
+    /// prefill: the projections, MLPs and attention run once; each extra body start
+    /// adds one gated-delta-rule pass per linear layer. Returns the entries in the
+    /// order of `body_starts` (each clamped to the segment length).
+    pub fn build_entries(&self, tokens: &[u32], body_starts: &[usize]) -> Result<Vec<SegmentEntry>> {
         let model = &self.model;
         let mut state = model.new_state();
         let positions: Vec<i64> = (0..tokens.len() as i64).collect();
         let mut x = model.embed(tokens);
         let c = &model.config;
         let row = c.num_kv_heads * c.head_dim;
-        let from = body_start.min(tokens.len());
-        let mut layers = Vec::with_capacity(c.num_layers);
+        let froms: Vec<usize> = body_starts.iter().map(|&b| b.min(tokens.len())).collect();
+        let mut layers: Vec<Vec<EntryLayer>> = froms
+            .iter()
+            .map(|_| Vec::with_capacity(c.num_layers))
+            .collect();
         for (i, ls) in state.layers.iter_mut().enumerate() {
-            let out = model.layer_forward_capture(i, &mut x, &positions, ls, Some(from))?;
-            layers.push(match (ls, out.pair, out.kv) {
-                (LayerState::Linear(s), Some(pair), _) => EntryLayer::Linear {
-                    pair,
-                    conv_tail: s.conv.clone(),
-                },
-                (LayerState::Full(_), _, Some((k, v))) => EntryLayer::Full {
-                    k: k[from * row..].to_vec(),
-                    v: v[from * row..].to_vec(),
-                },
+            let out = model.layer_forward_capture_many(i, &mut x, &positions, ls, &froms)?;
+            match (ls, out.pairs.len() == froms.len(), out.kv) {
+                (LayerState::Linear(s), true, _) => {
+                    for (dst, pair) in layers.iter_mut().zip(out.pairs) {
+                        dst.push(EntryLayer::Linear {
+                            pair,
+                            conv_tail: s.conv.clone(),
+                        });
+                    }
+                }
+                (LayerState::Full(_), _, Some((k, v))) => {
+                    for (dst, &from) in layers.iter_mut().zip(&froms) {
+                        dst.push(EntryLayer::Full {
+                            k: k[from * row..].to_vec(),
+                            v: v[from * row..].to_vec(),
+                        });
+                    }
+                }
                 _ => {
                     return Err(Error::Input(format!(
                         "layer {i}: capture returned no cache data"
                     )))
                 }
-            });
+            }
         }
-        Ok(SegmentEntry {
-            body_start: from,
-            len: tokens.len(),
-            layers,
-        })
+        Ok(froms
+            .into_iter()
+            .zip(layers)
+            .map(|(from, layers)| SegmentEntry {
+                body_start: from,
+                len: tokens.len(),
+                layers,
+            })
+            .collect())
     }
 
     /// Places a cached segment after the running `state` at position
@@ -579,6 +604,19 @@ impl PicEngine {
     }
 }
 
+/// A body start listed twice gets the result of its first listing.
+fn fill_duplicates(
+    body_starts: &[usize],
+    mut out: Vec<(Prefetch, usize)>,
+) -> Vec<(Prefetch, usize)> {
+    for j in 0..body_starts.len() {
+        if let Some(first) = body_starts[..j].iter().position(|&b| b == body_starts[j]) {
+            out[j] = out[first];
+        }
+    }
+    out
+}
+
 /// What [`PicEngine::prefetch`] did.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize)]
 #[serde(rename_all = "snake_case")]
@@ -613,25 +651,52 @@ impl PicEngine {
         isolation: &str,
         body_start: usize,
     ) -> Result<(Prefetch, usize)> {
+        self.prefetch_many(tokens, isolation, &[body_start])?
+            .pop()
+            .ok_or_else(|| Error::Input("no prefetch result".into()))
+    }
+
+    /// [`PicEngine::prefetch`] for several body starts, building every missing entry
+    /// in one prefill ([`PicEngine::build_entries`]). Results in the order of
+    /// `body_starts`.
+    pub fn prefetch_many(
+        &self,
+        tokens: &[u32],
+        isolation: &str,
+        body_starts: &[usize],
+    ) -> Result<Vec<(Prefetch, usize)>> {
         self.validate(&[SegmentRef {
             tokens: tokens.to_vec(),
             isolation: isolation.to_string(),
         }])?;
-        if body_start > 0 && body_start >= tokens.len() {
-            return Ok((Prefetch::NotNeeded, 0));
+        let mut out = vec![(Prefetch::NotNeeded, 0); body_starts.len()];
+        let mut missing = vec![];
+        for (j, &b) in body_starts.iter().enumerate() {
+            if b > 0 && b >= tokens.len() {
+                continue;
+            }
+            let key = self.entry_key(tokens, isolation, b);
+            match self.resident_key(&key) {
+                Some(bytes) => out[j] = (Prefetch::Present, bytes),
+                None if missing.iter().any(|&(_, mb, _)| mb == b) => {}
+                None => missing.push((j, b, key)),
+            }
         }
-        let key = self.entry_key(tokens, isolation, body_start);
-        if let Some(b) = self.resident_key(&key) {
-            return Ok((Prefetch::Present, b));
+        if missing.is_empty() {
+            return Ok(fill_duplicates(body_starts, out));
         }
-        let e = self.build_entry(tokens, body_start)?;
-        let bytes = e.bytes();
-        let r = lock(&self.public).insert(key, Arc::new(e), bytes, tokens.len(), isolation);
-        Ok(match r {
-            Insert::Stored { .. } => (Prefetch::Stored, bytes),
-            Insert::Present => (Prefetch::Present, bytes),
-            Insert::NotAdmitted | Insert::NoRoom => (Prefetch::Refused, 0),
-        })
+        let starts: Vec<usize> = missing.iter().map(|&(_, b, _)| b).collect();
+        let built = self.build_entries(tokens, &starts)?;
+        for ((j, _, key), e) in missing.into_iter().zip(built) {
+            let bytes = e.bytes();
+            let r = lock(&self.public).insert(key, Arc::new(e), bytes, tokens.len(), isolation);
+            out[j] = match r {
+                Insert::Stored { .. } => (Prefetch::Stored, bytes),
+                Insert::Present => (Prefetch::Present, bytes),
+                Insert::NotAdmitted | Insert::NoRoom => (Prefetch::Refused, 0),
+            };
+        }
+        Ok(fill_duplicates(body_starts, out))
     }
 
     fn resident_key(&self, key: &Key) -> Option<usize> {

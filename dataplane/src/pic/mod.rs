@@ -5,4 +5,6 @@
 pub mod engine;
 pub mod pool;
 
-pub use engine::{Mode, Outcome, PicEngine, PicOutput, PicStats, SegmentRef, SegmentStat};
+pub use engine::{
+    Mode, Outcome, PicEngine, PicOutput, PicStats, Prefetch, SegmentRef, SegmentStat,
+};
