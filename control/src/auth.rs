@@ -170,8 +170,11 @@ impl Authenticator {
 
     /// Verifies a token and returns the caller.
     pub fn verify(&self, token: &str) -> Result<Principal, AuthError> {
-        let header =
-            jsonwebtoken::decode_header(token).map_err(|e| AuthError::Invalid(e.to_string()))?;
+        let header = jsonwebtoken::decode_header(token).map_err(|e| {
+            AuthError::Invalid(format!(
+                "not a JWT (expected header.payload.signature, base64url-encoded): {e}"
+            ))
+        })?;
         let mut validation = Validation::new(header.alg);
         validation.set_audience(&[self.audience.as_str()]);
         validation.set_required_spec_claims(&["exp", "aud", "sub"]);

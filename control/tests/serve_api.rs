@@ -514,6 +514,8 @@ async fn auth_is_required_and_metrics_are_exposed() {
             )
             .await;
         assert_error(st, &v, 401, "invalid_token");
+        let msg = v["error"]["message"].as_str().unwrap_or_default();
+        assert!(msg.contains("not a JWT"), "{msg}");
     }
     let (st, v) = s.get_as(None, "/v1/models").await;
     assert_error(st, &v, 401, "missing_token");

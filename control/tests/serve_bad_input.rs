@@ -164,6 +164,7 @@ async fn prompt_over_the_context_limit() {
         .post("/v1/completions", &json!({"prompt": long, "max_tokens": 1}))
         .await;
     assert_error(st, &v, 400, "context_length_exceeded");
+    assert_eq!(v["error"]["param"], "prompt", "{v}");
     let (st, v) = s
         .post(
             "/v1/chat/completions",
@@ -171,6 +172,7 @@ async fn prompt_over_the_context_limit() {
         )
         .await;
     assert_error(st, &v, 400, "context_length_exceeded");
+    assert_eq!(v["error"]["param"], "messages", "{v}");
     // Prompt fits, prompt + max_tokens does not.
     let (st, v) = s
         .post(

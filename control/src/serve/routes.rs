@@ -1082,7 +1082,23 @@ async fn completions_inner(
     let stops = check_stops(req.stop.clone())?;
     let mut prompts = Vec::with_capacity(sources.len());
     for src in sources {
-        prompts.push(resolve(s, &p.tenant, salt.as_deref(), src).await?);
+        let resolved = resolve(s, &p.tenant, salt.as_deref(), src)
+            .await
+            .map_err(|mut e| {
+                // `resolve` is shared with chat; here the prompt is `prompt`/`segments`.
+                if e.param.as_deref() == Some("messages") {
+                    e.param = Some(
+                        if req.segments.is_some() {
+                            "segments"
+                        } else {
+                            "prompt"
+                        }
+                        .into(),
+                    );
+                }
+                e
+            })?;
+        prompts.push(resolved);
     }
     let longest = prompts
         .iter()

@@ -197,7 +197,10 @@ async fn prefill(s: &AppState, tenant: &str, seg: &Segment, tokens: Arc<Vec<u32>
     let res = tokio::task::spawn_blocking(move || {
         // One prefill builds the entries of every body start.
         match engine.prefetch_many(&toks, &iso, &starts) {
-            Ok(rs) => starts.into_iter().zip(rs.into_iter().map(Ok)).collect::<Vec<_>>(),
+            Ok(rs) => starts
+                .into_iter()
+                .zip(rs.into_iter().map(Ok))
+                .collect::<Vec<_>>(),
             Err(e) => {
                 let msg = e.to_string();
                 starts
