@@ -255,11 +255,12 @@ async fn snapshot(
 #[tokio::test]
 async fn isolation_keys_private_shared_and_revocation() {
     for backend in ["sqlite", "postgres"] {
-        let (c, _d) = if backend == "sqlite" {
+        let (c, _d, _schema) = if backend == "sqlite" {
             let (c, d) = common::sqlite_catalog().await;
-            (c, Some(d))
+            (c, Some(d), None)
         } else {
-            (common::pg_catalog().await, None)
+            let (c, g) = common::pg_catalog().await;
+            (c, None, Some(g))
         };
         let s = common::state(c);
         let (a, b, ops) = (

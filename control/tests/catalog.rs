@@ -23,7 +23,7 @@ macro_rules! both_backends {
             $(
                 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
                 async fn $name() {
-                    let c = crate::common::pg_catalog().await;
+                    let (c, _schema) = crate::common::pg_catalog().await;
                     super::$name(c).await;
                 }
             )*
