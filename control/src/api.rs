@@ -19,7 +19,7 @@ use serde::{Deserialize, Serialize};
 
 use crate::auth::{AuthError, Authenticator, IsolationKeyer, Principal};
 use crate::catalog::{
-    now_ms, Catalog, CatalogError, NewSegment, Residency, Role, Segment, SnapshotEntry,
+    now_ms, Catalog, CatalogError, Group, NewSegment, Residency, Role, Segment, SnapshotEntry,
 };
 use crate::policy::{
     opaque_id, EntryInfo, IsolationInfo, PolicyKind, PolicyRuntime, PolicySet, PolicySlot,
@@ -296,7 +296,21 @@ pub fn control_router(state: ControlState) -> Router {
             "/v1/segments/{id}/grants/{tenant}",
             axum::routing::delete(revoke_grant),
         )
+        .route(
+            "/v1/segments/{id}/group-grants",
+            get(list_group_grants).post(add_group_grant),
+        )
+        .route(
+            "/v1/segments/{id}/group-grants/{group}",
+            axum::routing::delete(revoke_group_grant),
+        )
         .route("/v1/snapshot", post(snapshot))
+        .route("/v1/admin/groups", get(list_groups).post(create_group))
+        .route("/v1/admin/groups/{id}", get(get_group).delete(delete_group))
+        .route(
+            "/v1/admin/groups/{id}/members/{tenant}",
+            axum::routing::put(add_member).delete(remove_member),
+        )
         .route("/v1/admin/policies", get(list_policies).post(upload_policy))
         .route("/v1/admin/policies/stats", get(policy_stats))
         .route("/v1/admin/policies/rollback", post(rollback_policy))
@@ -487,6 +501,114 @@ async fn revoke_grant(
     require_owner(&s, &p, &id).await?;
     s.inner.catalog.revoke(&id, &tenant, &p.sub).await?;
     Ok(Json(serde_json::json!({"segment": id, "revoked": tenant})))
+}
+
+/// Body of `POST /v1/segments/{id}/group-grants`.
+#[derive(Debug, Deserialize)]
+pub struct GroupGrantBody {
+    /// Group whose members get read access.
+    pub group: String,
+}
+
+async fn list_group_grants(
+    State(s): State<ControlState>,
+    Caller(p): Caller,
+    Path(id): Path<String>,
+) -> ApiResult<Vec<String>> {
+    require_owner(&s, &p, &id).await?;
+    Ok(Json(s.inner.catalog.group_grants(&id).await?))
+}
+
+async fn add_group_grant(
+    State(s): State<ControlState>,
+    Caller(p): Caller,
+    Path(id): Path<String>,
+    Body(g): Body<GroupGrantBody>,
+) -> ApiResult<serde_json::Value> {
+    require_owner(&s, &p, &id).await?;
+    s.inner.catalog.grant_group(&id, &g.group, &p.sub).await?;
+    Ok(Json(
+        serde_json::json!({"segment": id, "granted_group": g.group}),
+    ))
+}
+
+async fn revoke_group_grant(
+    State(s): State<ControlState>,
+    Caller(p): Caller,
+    Path((id, group)): Path<(String, String)>,
+) -> ApiResult<serde_json::Value> {
+    require_owner(&s, &p, &id).await?;
+    s.inner.catalog.revoke_group(&id, &group, &p.sub).await?;
+    Ok(Json(
+        serde_json::json!({"segment": id, "revoked_group": group}),
+    ))
+}
+
+// ---- groups (operators) ---------------------------------------------------------------
+
+/// Body of `POST /v1/admin/groups`.
+#[derive(Debug, Deserialize)]
+pub struct NewGroup {
+    /// Group id: 1..=128 characters of `[A-Za-z0-9._:-]`.
+    pub id: String,
+    /// Human-readable name (defaults to the id).
+    #[serde(default)]
+    pub name: Option<String>,
+}
+
+async fn create_group(
+    State(s): State<ControlState>,
+    Operator(p): Operator,
+    Body(g): Body<NewGroup>,
+) -> ApiResult<Group> {
+    Ok(Json(
+        s.inner
+            .catalog
+            .create_group(&g.id, g.name.as_deref(), &p.sub)
+            .await?,
+    ))
+}
+
+async fn list_groups(
+    State(s): State<ControlState>,
+    Operator(_): Operator,
+) -> ApiResult<Vec<Group>> {
+    Ok(Json(s.inner.catalog.groups().await?))
+}
+
+async fn get_group(
+    State(s): State<ControlState>,
+    Operator(_): Operator,
+    Path(id): Path<String>,
+) -> ApiResult<Group> {
+    Ok(Json(s.inner.catalog.group(&id).await?))
+}
+
+async fn delete_group(
+    State(s): State<ControlState>,
+    Operator(p): Operator,
+    Path(id): Path<String>,
+) -> ApiResult<serde_json::Value> {
+    s.inner.catalog.delete_group(&id, &p.sub).await?;
+    Ok(Json(serde_json::json!({"deleted": id})))
+}
+
+async fn add_member(
+    State(s): State<ControlState>,
+    Operator(p): Operator,
+    Path((id, tenant)): Path<(String, String)>,
+) -> ApiResult<Group> {
+    s.inner.catalog.add_member(&id, &tenant, &p.sub).await?;
+    Ok(Json(s.inner.catalog.group(&id).await?))
+}
+
+async fn remove_member(
+    State(s): State<ControlState>,
+    Operator(p): Operator,
+    Path((id, tenant)): Path<(String, String)>,
+) -> ApiResult<Group> {
+    s.inner.catalog.remove_member(&id, &tenant, &p.sub).await?;
+    Ok(Json(s.inner.catalog.group(&id).await?))
 }
 
 /// Body of `POST /v1/snapshot`.
