@@ -1,13 +1,18 @@
 //! The control plane inside `hypic serve`, end to end over a loopback port:
-//! group grants against the real pools.
+//! group grants against the real pools, and per-policy metrics on the
+//! Prometheus endpoint.
 mod serve_common;
 
+use base64::Engine as _;
 use hypic_control::auth::{load_or_create_secret, mint_token};
 use hypic_control::catalog::Role;
+use hypic_control::policy::{builtin, PolicyKind};
 use serde_json::{json, Value};
-use serve_common::{assert_error, start, Srv};
+use serve_common::{assert_error, metric, start, Srv};
 
+const SYS: &str = "You are a careful assistant that answers from the given documents only.";
 const DOC_A: &str = "Document A. The river flows north through the old city and the market square.";
+const DOC_B: &str = "Document B. The bright green light over the harbour turned on every night.";
 const Q: &str = "Question: where does the river flow?";
 
 fn outcomes(v: &Value) -> Vec<String> {
@@ -41,6 +46,29 @@ async fn send(
     let r = b.send().await.unwrap();
     let st = r.status().as_u16();
     (st, r.json().await.unwrap_or(Value::Null))
+}
+
+/// Uploads built-in policy `name` with `params` and activates it; returns its id.
+async fn activate_builtin(s: &Srv, name: &str, kind: &str, params: Value) -> i64 {
+    let wasm = base64::engine::general_purpose::STANDARD.encode(builtin::module(name).unwrap());
+    let (st, rec) = s
+        .post_as(
+            &s.op_token,
+            "/v1/admin/policies",
+            &json!({"name": name, "kind": kind, "wasm_base64": wasm, "params": params}),
+        )
+        .await;
+    assert_eq!(st, 200, "{rec}");
+    let id = rec["id"].as_i64().unwrap();
+    let (st, v) = s
+        .post_as(
+            &s.op_token,
+            &format!("/v1/admin/policies/{id}/activate"),
+            &json!({}),
+        )
+        .await;
+    assert_eq!(st, 200, "{v}");
+    id
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -150,3 +178,146 @@ async fn group_member_reads_in_its_own_namespace_and_loses_access_on_revocation(
     s.server.stop().await;
 }
 
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn policy_metrics_are_exported_in_prometheus_format() {
+    let s = start(|_| {}).await;
+    let calls = |m: &str, kind: &str, policy: &str| {
+        metric(
+            m,
+            "hypic_policy_calls_total",
+            &format!("kind=\"{kind}\",policy=\"{policy}\""),
+        )
+    };
+    let req = |doc: &str| json!({"segments": [{"text": SYS}, {"text": doc}, {"text": Q}], "max_tokens": 2});
+    // Another first segment: no private prefix snapshot, so the public pool is asked.
+    let req_alt = |doc: &str| json!({"segments": [{"text": "Preface."}, {"text": doc}, {"text": Q}], "max_tokens": 2});
+    // Native admission is asked once per miss inserted into the public pool.
+    let (st, r) = s.post("/v1/completions", &req(DOC_A)).await;
+    assert_eq!(st, 200, "{r}");
+    assert_eq!(outcomes(&r), ["miss", "miss", "computed"]);
+    let m1 = s.metrics().await;
+    assert!(
+        m1.contains("# TYPE hypic_policy_calls_total counter"),
+        "{m1}"
+    );
+    assert!(m1.contains("# TYPE hypic_policy_nanoseconds_per_call gauge"));
+    let native1 = calls(&m1, "admission", "native").unwrap();
+    assert!(native1 >= 2.0, "{m1}");
+    assert!(
+        metric(
+            &m1,
+            "hypic_policy_nanoseconds_per_call",
+            "kind=\"admission\",policy=\"native\""
+        )
+        .unwrap()
+            > 0.0
+    );
+    assert!(
+        metric(
+            &m1,
+            "hypic_policy_call_nanoseconds_total",
+            "kind=\"admission\",policy=\"native\""
+        )
+        .unwrap()
+            > 0.0
+    );
+    assert_eq!(
+        metric(&m1, "hypic_policy_active", "kind=\"admission\""),
+        Some(0.0)
+    );
+
+    // A hostile admission policy (traps on every call): faults and fallbacks
+    // counted under its id, and native calls stop moving.
+    let trap = wat::parse_str(
+        r#"(module
+          (memory (export "memory") 1)
+          (func (export "hypic_abi_version") (result i32) i32.const 1)
+          (func (export "hypic_policy_kind") (result i32) i32.const 2)
+          (func (export "hypic_buf") (result i32) i32.const 0)
+          (func (export "hypic_buf_cap") (result i32) i32.const 65536)
+          (func (export "hypic_configure") (param i32) (result i32) i32.const 0)
+          (func (export "hypic_admit") (param i64) (result i32) unreachable))"#,
+    )
+    .unwrap();
+    s.server
+        .state
+        .control()
+        .policies()
+        .activate_module(PolicyKind::Admission, Some(4242), &trap, &json!({}))
+        .unwrap();
+    let (st, r) = s.post("/v1/completions", &req(DOC_B)).await;
+    assert_eq!(st, 200, "{r}");
+    assert_eq!(outcomes(&r)[1], "miss", "{r}");
+    let m2 = s.metrics().await;
+    let hostile = calls(&m2, "admission", "4242").unwrap();
+    assert!(hostile >= 1.0, "{m2}");
+    assert_eq!(
+        metric(
+            &m2,
+            "hypic_policy_faults_total",
+            "kind=\"admission\",policy=\"4242\",reason=\"trap\""
+        ),
+        Some(hostile),
+        "every call trapped"
+    );
+    assert_eq!(
+        metric(
+            &m2,
+            "hypic_policy_fallbacks_total",
+            "kind=\"admission\",policy=\"4242\""
+        ),
+        Some(hostile)
+    );
+    assert_eq!(calls(&m2, "admission", "native"), Some(native1));
+    assert_eq!(
+        metric(&m2, "hypic_policy_active", "kind=\"admission\""),
+        Some(4242.0)
+    );
+    // The native admission admitted the entry after the fault: the next request hits.
+    let (_, r) = s.post("/v1/completions", &req_alt(DOC_B)).await;
+    assert_eq!(outcomes(&r), ["miss", "hit", "computed"], "{r}");
+    // (Its first segment missed: one more trapped call.)
+    let hostile = calls(&s.metrics().await, "admission", "4242").unwrap();
+    assert!(hostile >= 2.0);
+
+    // A healthy built-in, through the lifecycle API: calls under its catalog id, no faults.
+    let id = activate_builtin(&s, "second_sighting", "admission", json!({})).await;
+    let doc_c = "Document C. A quiet lane runs east between the mill and the chapel.";
+    let (st, _) = s.post("/v1/completions", &req(doc_c)).await;
+    assert_eq!(st, 200);
+    let m3 = s.metrics().await;
+    assert!(
+        calls(&m3, "admission", &id.to_string()).unwrap() >= 1.0,
+        "{m3}"
+    );
+    assert_eq!(
+        metric(
+            &m3,
+            "hypic_policy_faults_total",
+            &format!("policy=\"{id}\"")
+        ),
+        None,
+        "{m3}"
+    );
+    assert_eq!(
+        metric(&m3, "hypic_policy_active", "kind=\"admission\""),
+        Some(id as f64)
+    );
+    // Counters never go back: the hostile policy's totals are still exported.
+    assert_eq!(calls(&m3, "admission", "4242"), Some(hostile));
+    // The JSON view agrees.
+    let (st, j) = s
+        .get_as(Some(&s.op_token), "/v1/admin/policies/stats")
+        .await;
+    assert_eq!(st, 200);
+    let row = j["metrics"]["policies"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .find(|p| p["policy_id"] == 4242)
+        .cloned()
+        .unwrap();
+    assert_eq!(row["calls"].as_f64(), Some(hostile));
+    assert_eq!(row["faults_by_reason"]["trap"].as_f64(), Some(hostile));
+    s.server.stop().await;
+}

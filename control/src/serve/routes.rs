@@ -158,7 +158,9 @@ async fn health(State(s): State<AppState>) -> Json<Value> {
 }
 
 async fn metrics(State(s): State<AppState>) -> Response {
-    let text = s.0.metrics.render(&s.0.sched.metrics(), &s.0.engine);
+    let text =
+        s.0.metrics
+            .render(&s.0.sched.metrics(), &s.0.engine, s.0.control.policies());
     (
         [(
             header::CONTENT_TYPE,
