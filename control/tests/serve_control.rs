@@ -1,7 +1,10 @@
 //! The control plane inside `hypic serve`, end to end over a loopback port:
-//! group grants against the real pools, and per-policy metrics on the
+//! group grants against the real pools, the periodic invalidation sweep (TTL)
+//! dropping idle entries from the public pool, and per-policy metrics on the
 //! Prometheus endpoint.
 mod serve_common;
+
+use std::time::{Duration, Instant};
 
 use base64::Engine as _;
 use hypic_control::auth::{load_or_create_secret, mint_token};
@@ -179,8 +182,131 @@ async fn group_member_reads_in_its_own_namespace_and_loses_access_on_revocation(
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn ttl_sweep_drops_idle_entries_without_any_request() {
+    let s = start(|c| c.invalidation_sweep_ms = 100).await;
+    let engine = s.server.state.engine().clone();
+    let (st, v) = s
+        .post("/v1/segments", &json!({"id": "doc-ttl", "content": DOC_B}))
+        .await;
+    assert_eq!(st, 200, "{v}");
+    assert_eq!(v["hypic"]["residency"]["resident"], true, "{v}");
+    let t_request = Instant::now();
+    let inline =
+        json!({"segments": [{"text": SYS}, {"text": DOC_A}, {"text": Q}], "max_tokens": 2});
+    let (st, r) = s.post("/v1/completions", &inline).await;
+    assert_eq!(st, 200, "{r}");
+    assert_eq!(outcomes(&r), ["miss", "miss", "computed"], "{r}");
+    let (entries0, _, stats0) = engine.public_usage();
+    assert!(entries0 >= 3, "prefilled + two inline entries: {entries0}");
+
+    // Under the native invalidation policy (drop superseded versions only) the
+    // sweep checks the entries and keeps them.
+    let t0 = Instant::now();
+    loop {
+        let m = s.metrics().await;
+        let checked = metric(
+            &m,
+            "hypic_invalidation_sweep_entries_total",
+            "event=\"checked\"",
+        )
+        .unwrap_or(0.0);
+        if checked >= 6.0 {
+            assert_eq!(
+                metric(
+                    &m,
+                    "hypic_invalidation_sweep_entries_total",
+                    "event=\"dropped\""
+                ),
+                Some(0.0)
+            );
+            break;
+        }
+        assert!(
+            t0.elapsed() < Duration::from_secs(20),
+            "the sweep does not run:\n{m}"
+        );
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+    assert_eq!(engine.public_usage().0, entries0, "nothing dropped");
+    assert!(
+        s.server.state.ledger().len() >= 3,
+        "the sweep tracks the entries"
+    );
+
+    // TTL policy: every entry older than 1.5 s goes, with no request touching it.
+    let ttl = Duration::from_millis(1500);
+    activate_builtin(&s, "ttl", "invalidation", json!({"ttl_ms": 1500})).await;
+    let t0 = Instant::now();
+    while engine.public_usage().0 > 0 {
+        assert!(
+            t0.elapsed() < Duration::from_secs(30),
+            "entries still resident: {:?}",
+            engine.public_usage()
+        );
+        tokio::time::sleep(Duration::from_millis(25)).await;
+    }
+    assert!(
+        t_request.elapsed() >= ttl,
+        "dropped after {:?}, before the TTL",
+        t_request.elapsed()
+    );
+    let (_, bytes, stats1) = engine.public_usage();
+    assert_eq!(bytes, 0);
+    assert_eq!(
+        (stats1.hits, stats1.misses),
+        (stats0.hits, stats0.misses),
+        "no lookup touched the pool"
+    );
+    assert!(s.server.state.ledger().is_empty());
+    // The tenant's private prefix snapshots are older than the TTL too: gone.
+    let t0 = Instant::now();
+    while engine.private_usage().0 > 0 {
+        assert!(
+            t0.elapsed() < Duration::from_secs(30),
+            "private snapshots still held"
+        );
+        tokio::time::sleep(Duration::from_millis(25)).await;
+    }
+    assert_eq!(s.server.state.ledger().private_tenants(), 0);
+    let m = s.metrics().await;
+    assert!(
+        metric(
+            &m,
+            "hypic_invalidation_sweep_entries_total",
+            "event=\"dropped\""
+        )
+        .unwrap()
+            >= 3.0,
+        "{m}"
+    );
+    assert_eq!(
+        metric(&m, "hypic_pool_entries", "pool=\"public\""),
+        Some(0.0)
+    );
+    // Audited, and visible in the segment's residency.
+    let (st, log) = s
+        .get_as(Some(&s.op_token), "/v1/admin/audit?action=cache.invalidate")
+        .await;
+    assert_eq!(st, 200);
+    assert!(
+        log.as_array()
+            .unwrap()
+            .iter()
+            .any(|r| r["detail"].as_str().unwrap().contains("doc-ttl")),
+        "{log}"
+    );
+    let (_, g) = s.get("/v1/segments/doc-ttl").await;
+    assert_eq!(g["hypic"]["residency"]["resident"], false, "{g}");
+    // The next request misses and rebuilds.
+    let (st, r) = s.post("/v1/completions", &inline).await;
+    assert_eq!(st, 200);
+    assert_eq!(outcomes(&r), ["miss", "miss", "computed"], "{r}");
+    s.server.stop().await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn policy_metrics_are_exported_in_prometheus_format() {
-    let s = start(|_| {}).await;
+    let s = start(|c| c.invalidation_sweep_ms = 0).await;
     let calls = |m: &str, kind: &str, policy: &str| {
         metric(
             m,

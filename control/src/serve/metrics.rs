@@ -40,6 +40,8 @@ pub struct ServeMetrics {
     pool_entries: IntGaugeVec,
     pool_events: IntCounterVec,
     sched_events: IntCounterVec,
+    /// Entries the invalidation sweep checked and dropped (`event`: checked, dropped).
+    pub sweep: IntCounterVec,
     policy_calls: IntCounterVec,
     policy_faults: IntCounterVec,
     policy_fallbacks: IntCounterVec,
@@ -177,6 +179,13 @@ impl ServeMetrics {
             ),
             &["event"]
         ));
+        let sweep = reg!(IntCounterVec::new(
+            Opts::new(
+                "hypic_invalidation_sweep_entries_total",
+                "Cache entries the periodic invalidation sweep put to the invalidation policy (checked) and dropped (a public-pool segment entry, or all private snapshots of one tenant, count once)."
+            ),
+            &["event"]
+        ));
         let pl = &["kind", "policy"];
         let policy_calls = reg!(IntCounterVec::new(
             Opts::new(
@@ -222,6 +231,7 @@ impl ServeMetrics {
         ));
         ServeMetrics {
             registry: r,
+            sweep,
             policy_calls,
             policy_faults,
             policy_fallbacks,

@@ -5,6 +5,8 @@
 //! * `POST/GET/PUT/DELETE /v1/segments[/{id}]`: the control plane's segment catalog
 //!   plus ahead-of-time prefill into the public pool and residency: see [`segments`].
 //! * `GET /health`, `GET /metrics` (Prometheus).
+//! * A periodic invalidation sweep ([`sweep`]) applies the active invalidation
+//!   policy (e.g. TTL) to resident cache entries nobody requests.
 //! * Everything else of the control plane (`/v1/whoami`, grants, versions,
 //!   snapshots, `/v1/admin/*`) is mounted as is.
 //!
@@ -20,6 +22,7 @@ pub mod metrics;
 pub mod prompt;
 pub mod routes;
 pub mod segments;
+pub mod sweep;
 pub mod textgen;
 pub mod types;
 
@@ -87,6 +90,11 @@ pub struct ServeConfig {
     pub audience: String,
     /// Turn authentication off (loopback binds only).
     pub disable_auth: bool,
+    /// Period of the invalidation sweep, ms: every resident public-pool entry
+    /// the server knows (and each tenant's private snapshots) is put to the
+    /// active invalidation policy (e.g. TTL) and dropped from the pool when the
+    /// policy says so, even if no request touches it. 0 turns the sweep off.
+    pub invalidation_sweep_ms: u64,
 }
 
 impl Default for ServeConfig {
@@ -114,6 +122,7 @@ impl Default for ServeConfig {
             jwks_file: None,
             audience: crate::auth::DEFAULT_AUDIENCE.into(),
             disable_auth: false,
+            invalidation_sweep_ms: 10_000,
         }
     }
 }
@@ -184,6 +193,9 @@ pub struct ServeArgs {
     /// JWKS file.
     #[arg(long)]
     pub jwks_file: Option<PathBuf>,
+    /// Invalidation sweep period, ms (0: off).
+    #[arg(long, env = "HYPIC_INVALIDATION_SWEEP_MS")]
+    pub invalidation_sweep_ms: Option<u64>,
     /// Token audience.
     #[arg(long)]
     pub audience: Option<String>,
@@ -224,7 +236,8 @@ impl ServeConfig {
             default_max_tokens,
             max_n,
             data_dir,
-            audience
+            audience,
+            invalidation_sweep_ms
         );
         if a.model.is_some() {
             c.model = a.model.clone();
@@ -355,6 +368,7 @@ pub(crate) struct Inner {
     pub control_router: axum::Router,
     pub metrics: metrics::ServeMetrics,
     pub known: Mutex<Known>,
+    pub ledger: sweep::Ledger,
     pub prefill_gate: tokio::sync::Semaphore,
     pub ctx: usize,
 }
@@ -409,6 +423,7 @@ impl AppState {
             control_router,
             metrics: metrics::ServeMetrics::new(),
             known: Mutex::new(Known::default()),
+            ledger: sweep::Ledger::default(),
             prefill_gate: tokio::sync::Semaphore::new(1),
             ctx,
         })))
@@ -433,6 +448,10 @@ impl AppState {
     /// The control-plane state.
     pub fn control(&self) -> &ControlState {
         &self.0.control
+    }
+    /// The wall-clock ledger of cache entries used by the invalidation sweep.
+    pub fn ledger(&self) -> &sweep::Ledger {
+        &self.0.ledger
     }
 }
 
@@ -490,7 +509,11 @@ pub async fn spawn(cfg: ServeConfig) -> anyhow::Result<RunningServer> {
         .await
         .with_context(|| format!("binding {}", cfg.bind))?;
     let addr = listener.local_addr()?;
+    let sweep_every = cfg.invalidation_sweep_ms;
     let state = AppState::new(cfg, model, tok, id, control)?;
+    if sweep_every > 0 {
+        sweep::spawn_sweeper(Arc::downgrade(&state.0), Duration::from_millis(sweep_every));
+    }
     let app = routes::router(state.clone());
     let (tx, rx) = tokio::sync::oneshot::channel::<()>();
     let join = tokio::spawn(async move {

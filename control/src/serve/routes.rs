@@ -1265,6 +1265,17 @@ async fn run_job(
     let mut d = Driver::new(s.clone(), handles, &job.set, endpoint, t0);
     d.started().await?;
     let starts: Vec<Option<StartInfo>> = d.choices.iter().map(|c| c.start.clone()).collect();
+    // Wall-clock times of the public-pool entries built or used, for the invalidation sweep.
+    for (i, st) in starts.iter().enumerate() {
+        if let Some(st) = st {
+            s.0.ledger.record(
+                &p.tenant,
+                job.set.mode,
+                &job.prompts[i / job.set.n],
+                &st.stats,
+            );
+        }
+    }
     let ext = starts[0]
         .as_ref()
         .map(|st| hypic_ext(&job.set.mode, st, &job.prompts[0]));
