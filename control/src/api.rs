@@ -85,6 +85,129 @@ impl ControlState {
     pub fn keyer(&self) -> &IsolationKeyer {
         &self.inner.keyer
     }
+
+    /// The token verifier (`None` when auth is disabled).
+    pub fn authenticator(&self) -> Option<&Authenticator> {
+        match &self.inner.auth {
+            AuthMode::Enabled(a) => Some(a),
+            AuthMode::Disabled => None,
+        }
+    }
+
+    /// Starts a task that re-reads the authenticator's JWKS files every
+    /// `every` (`None`: never periodically) and on SIGHUP (Unix), so keys can
+    /// be rotated without a restart. Reloads and failures are logged and
+    /// audited (`auth.jwks_reload`, `auth.jwks_reload_failed`; a failure is
+    /// audited again only when its message changes); a file that fails keeps
+    /// its previous keys. Returns `None` when there is no JWKS file to watch.
+    /// The task ends once the state is dropped. Needs a tokio runtime.
+    pub fn spawn_jwks_reloader(
+        &self,
+        every: Option<std::time::Duration>,
+    ) -> Option<tokio::task::JoinHandle<()>> {
+        if self.authenticator()?.jwks_files().is_empty() {
+            return None;
+        }
+        let weak = Arc::downgrade(&self.inner);
+        // Listen before returning, so a SIGHUP sent right after never hits the
+        // default action (terminate).
+        let mut hup = hangup_signal();
+        Some(tokio::spawn(async move {
+            let mut ticker = every.filter(|d| !d.is_zero()).map(|d| {
+                let mut i = tokio::time::interval_at(tokio::time::Instant::now() + d, d);
+                i.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Skip);
+                i
+            });
+            let mut last_failure: Option<String> = None;
+            loop {
+                tokio::select! {
+                    _ = async {
+                        match ticker.as_mut() {
+                            Some(t) => { t.tick().await; }
+                            None => std::future::pending::<()>().await,
+                        }
+                    } => {}
+                    _ = wait_hangup(&mut hup) => {}
+                }
+                let Some(inner) = weak.upgrade() else { break };
+                let AuthMode::Enabled(a) = &inner.auth else {
+                    break;
+                };
+                let r = a.reload_jwks();
+                for path in &r.reloaded {
+                    eprintln!(
+                        "hypic: reloaded JWKS file {} ({} keys accepted)",
+                        path.display(),
+                        r.keys
+                    );
+                    let _ = inner
+                        .catalog
+                        .audit(
+                            "system",
+                            None,
+                            "auth.jwks_reload",
+                            &path.display().to_string(),
+                            &serde_json::json!({"keys": r.keys}),
+                        )
+                        .await;
+                }
+                let failure = (!r.failed.is_empty()).then(|| format!("{:?}", r.failed));
+                if failure.is_some() && failure != last_failure {
+                    for (path, err) in &r.failed {
+                        eprintln!(
+                            "hypic: JWKS file {} not reloaded, previous keys kept: {err}",
+                            path.display()
+                        );
+                        let _ = inner
+                            .catalog
+                            .audit(
+                                "system",
+                                None,
+                                "auth.jwks_reload_failed",
+                                &path.display().to_string(),
+                                &serde_json::json!({"error": err}),
+                            )
+                            .await;
+                    }
+                }
+                last_failure = failure;
+            }
+        }))
+    }
+}
+
+#[cfg(unix)]
+type Hangup = Option<tokio::signal::unix::Signal>;
+#[cfg(not(unix))]
+type Hangup = ();
+
+#[cfg(unix)]
+fn hangup_signal() -> Hangup {
+    match tokio::signal::unix::signal(tokio::signal::unix::SignalKind::hangup()) {
+        Ok(s) => Some(s),
+        Err(e) => {
+            tracing::warn!("cannot listen for SIGHUP, JWKS reloads only periodically: {e}");
+            None
+        }
+    }
+}
+#[cfg(not(unix))]
+fn hangup_signal() -> Hangup {}
+
+#[cfg(unix)]
+async fn wait_hangup(h: &mut Hangup) {
+    match h.as_mut() {
+        Some(s) => {
+            if s.recv().await.is_none() {
+                std::future::pending::<()>().await
+            }
+        }
+        None => std::future::pending::<()>().await,
+    }
+}
+#[cfg(not(unix))]
+async fn wait_hangup(_: &mut Hangup) {
+    std::future::pending::<()>().await
 }
 
 /// An API error rendered as OpenAI-style JSON.

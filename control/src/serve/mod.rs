@@ -86,6 +86,8 @@ pub struct ServeConfig {
     pub data_dir: PathBuf,
     /// JWKS file with extra RS256/EdDSA keys.
     pub jwks_file: Option<PathBuf>,
+    /// How often the JWKS file is re-read for rotated keys, ms (0: only on SIGHUP).
+    pub jwks_reload_ms: u64,
     /// Audience tokens must carry.
     pub audience: String,
     /// Turn authentication off (loopback binds only).
@@ -120,6 +122,7 @@ impl Default for ServeConfig {
             database_url: None,
             data_dir: PathBuf::from("hypic-data"),
             jwks_file: None,
+            jwks_reload_ms: crate::DEFAULT_JWKS_RELOAD_MS,
             audience: crate::auth::DEFAULT_AUDIENCE.into(),
             disable_auth: false,
             invalidation_sweep_ms: 10_000,
@@ -193,6 +196,9 @@ pub struct ServeArgs {
     /// JWKS file.
     #[arg(long)]
     pub jwks_file: Option<PathBuf>,
+    /// JWKS re-read period, ms (0: only on SIGHUP).
+    #[arg(long, env = "HYPIC_JWKS_RELOAD_MS")]
+    pub jwks_reload_ms: Option<u64>,
     /// Invalidation sweep period, ms (0: off).
     #[arg(long, env = "HYPIC_INVALIDATION_SWEEP_MS")]
     pub invalidation_sweep_ms: Option<u64>,
@@ -237,6 +243,7 @@ impl ServeConfig {
             max_n,
             data_dir,
             audience,
+            jwks_reload_ms,
             invalidation_sweep_ms
         );
         if a.model.is_some() {
@@ -292,6 +299,7 @@ impl ServeConfig {
             database_url: self.database_url.clone(),
             data_dir: self.data_dir.clone(),
             jwks_file: self.jwks_file.clone(),
+            jwks_reload_ms: self.jwks_reload_ms,
             audience: self.audience.clone(),
             disable_auth: self.disable_auth,
         }
