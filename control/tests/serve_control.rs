@@ -431,6 +431,9 @@ async fn policy_metrics_are_exported_in_prometheus_format() {
     );
     // Counters never go back: the hostile policy's totals are still exported.
     assert_eq!(calls(&m3, "admission", "4242"), Some(hostile));
+    // With the sweep off nothing is tracked for it (the ledger would only grow).
+    assert!(s.server.state.ledger().is_empty());
+    assert_eq!(s.server.state.ledger().private_tenants(), 0);
     // The JSON view agrees.
     let (st, j) = s
         .get_as(Some(&s.op_token), "/v1/admin/policies/stats")

@@ -1265,8 +1265,10 @@ async fn run_job(
     let mut d = Driver::new(s.clone(), handles, &job.set, endpoint, t0);
     d.started().await?;
     let starts: Vec<Option<StartInfo>> = d.choices.iter().map(|c| c.start.clone()).collect();
-    // Wall-clock times of the public-pool entries built or used, for the invalidation sweep.
-    for (i, st) in starts.iter().enumerate() {
+    // Wall-clock times of the cache entries built or used, for the invalidation sweep
+    // (only pruned by the sweep, so not kept when it is off).
+    let sweeping = s.0.cfg.invalidation_sweep_ms > 0;
+    for (i, st) in starts.iter().enumerate().filter(|_| sweeping) {
         if let Some(st) = st {
             s.0.ledger.record(
                 &p.tenant,
