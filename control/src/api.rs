@@ -19,7 +19,7 @@ use serde::{Deserialize, Serialize};
 
 use crate::auth::{AuthError, Authenticator, IsolationKeyer, Principal};
 use crate::catalog::{
-    now_ms, Catalog, CatalogError, NewSegment, Residency, Role, Segment, SnapshotEntry,
+    now_ms, Catalog, CatalogError, Group, NewSegment, Residency, Role, Segment, SnapshotEntry,
 };
 use crate::policy::{
     opaque_id, EntryInfo, IsolationInfo, PolicyKind, PolicyRuntime, PolicySet, PolicySlot,
@@ -85,6 +85,129 @@ impl ControlState {
     pub fn keyer(&self) -> &IsolationKeyer {
         &self.inner.keyer
     }
+
+    /// The token verifier (`None` when auth is disabled).
+    pub fn authenticator(&self) -> Option<&Authenticator> {
+        match &self.inner.auth {
+            AuthMode::Enabled(a) => Some(a),
+            AuthMode::Disabled => None,
+        }
+    }
+
+    /// Starts a task that re-reads the authenticator's JWKS files every
+    /// `every` (`None`: never periodically) and on SIGHUP (Unix), so keys can
+    /// be rotated without a restart. Reloads and failures are logged and
+    /// audited (`auth.jwks_reload`, `auth.jwks_reload_failed`; a failure is
+    /// audited again only when its message changes); a file that fails keeps
+    /// its previous keys. Returns `None` when there is no JWKS file to watch.
+    /// The task ends once the state is dropped. Needs a tokio runtime.
+    pub fn spawn_jwks_reloader(
+        &self,
+        every: Option<std::time::Duration>,
+    ) -> Option<tokio::task::JoinHandle<()>> {
+        if self.authenticator()?.jwks_files().is_empty() {
+            return None;
+        }
+        let weak = Arc::downgrade(&self.inner);
+        // Listen before returning, so a SIGHUP sent right after never hits the
+        // default action (terminate).
+        let mut hup = hangup_signal();
+        Some(tokio::spawn(async move {
+            let mut ticker = every.filter(|d| !d.is_zero()).map(|d| {
+                let mut i = tokio::time::interval_at(tokio::time::Instant::now() + d, d);
+                i.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Skip);
+                i
+            });
+            let mut last_failure: Option<String> = None;
+            loop {
+                tokio::select! {
+                    _ = async {
+                        match ticker.as_mut() {
+                            Some(t) => { t.tick().await; }
+                            None => std::future::pending::<()>().await,
+                        }
+                    } => {}
+                    _ = wait_hangup(&mut hup) => {}
+                }
+                let Some(inner) = weak.upgrade() else { break };
+                let AuthMode::Enabled(a) = &inner.auth else {
+                    break;
+                };
+                let r = a.reload_jwks();
+                for path in &r.reloaded {
+                    eprintln!(
+                        "hypic: reloaded JWKS file {} ({} keys accepted)",
+                        path.display(),
+                        r.keys
+                    );
+                    let _ = inner
+                        .catalog
+                        .audit(
+                            "system",
+                            None,
+                            "auth.jwks_reload",
+                            &path.display().to_string(),
+                            &serde_json::json!({"keys": r.keys}),
+                        )
+                        .await;
+                }
+                let failure = (!r.failed.is_empty()).then(|| format!("{:?}", r.failed));
+                if failure.is_some() && failure != last_failure {
+                    for (path, err) in &r.failed {
+                        eprintln!(
+                            "hypic: JWKS file {} not reloaded, previous keys kept: {err}",
+                            path.display()
+                        );
+                        let _ = inner
+                            .catalog
+                            .audit(
+                                "system",
+                                None,
+                                "auth.jwks_reload_failed",
+                                &path.display().to_string(),
+                                &serde_json::json!({"error": err}),
+                            )
+                            .await;
+                    }
+                }
+                last_failure = failure;
+            }
+        }))
+    }
+}
+
+#[cfg(unix)]
+type Hangup = Option<tokio::signal::unix::Signal>;
+#[cfg(not(unix))]
+type Hangup = ();
+
+#[cfg(unix)]
+fn hangup_signal() -> Hangup {
+    match tokio::signal::unix::signal(tokio::signal::unix::SignalKind::hangup()) {
+        Ok(s) => Some(s),
+        Err(e) => {
+            tracing::warn!("cannot listen for SIGHUP, JWKS reloads only periodically: {e}");
+            None
+        }
+    }
+}
+#[cfg(not(unix))]
+fn hangup_signal() -> Hangup {}
+
+#[cfg(unix)]
+async fn wait_hangup(h: &mut Hangup) {
+    match h.as_mut() {
+        Some(s) => {
+            if s.recv().await.is_none() {
+                std::future::pending::<()>().await
+            }
+        }
+        None => std::future::pending::<()>().await,
+    }
+}
+#[cfg(not(unix))]
+async fn wait_hangup(_: &mut Hangup) {
+    std::future::pending::<()>().await
 }
 
 /// An API error rendered as OpenAI-style JSON.
@@ -296,7 +419,21 @@ pub fn control_router(state: ControlState) -> Router {
             "/v1/segments/{id}/grants/{tenant}",
             axum::routing::delete(revoke_grant),
         )
+        .route(
+            "/v1/segments/{id}/group-grants",
+            get(list_group_grants).post(add_group_grant),
+        )
+        .route(
+            "/v1/segments/{id}/group-grants/{group}",
+            axum::routing::delete(revoke_group_grant),
+        )
         .route("/v1/snapshot", post(snapshot))
+        .route("/v1/admin/groups", get(list_groups).post(create_group))
+        .route("/v1/admin/groups/{id}", get(get_group).delete(delete_group))
+        .route(
+            "/v1/admin/groups/{id}/members/{tenant}",
+            axum::routing::put(add_member).delete(remove_member),
+        )
         .route("/v1/admin/policies", get(list_policies).post(upload_policy))
         .route("/v1/admin/policies/stats", get(policy_stats))
         .route("/v1/admin/policies/rollback", post(rollback_policy))
@@ -487,6 +624,114 @@ async fn revoke_grant(
     require_owner(&s, &p, &id).await?;
     s.inner.catalog.revoke(&id, &tenant, &p.sub).await?;
     Ok(Json(serde_json::json!({"segment": id, "revoked": tenant})))
+}
+
+/// Body of `POST /v1/segments/{id}/group-grants`.
+#[derive(Debug, Deserialize)]
+pub struct GroupGrantBody {
+    /// Group whose members get read access.
+    pub group: String,
+}
+
+async fn list_group_grants(
+    State(s): State<ControlState>,
+    Caller(p): Caller,
+    Path(id): Path<String>,
+) -> ApiResult<Vec<String>> {
+    require_owner(&s, &p, &id).await?;
+    Ok(Json(s.inner.catalog.group_grants(&id).await?))
+}
+
+async fn add_group_grant(
+    State(s): State<ControlState>,
+    Caller(p): Caller,
+    Path(id): Path<String>,
+    Body(g): Body<GroupGrantBody>,
+) -> ApiResult<serde_json::Value> {
+    require_owner(&s, &p, &id).await?;
+    s.inner.catalog.grant_group(&id, &g.group, &p.sub).await?;
+    Ok(Json(
+        serde_json::json!({"segment": id, "granted_group": g.group}),
+    ))
+}
+
+async fn revoke_group_grant(
+    State(s): State<ControlState>,
+    Caller(p): Caller,
+    Path((id, group)): Path<(String, String)>,
+) -> ApiResult<serde_json::Value> {
+    require_owner(&s, &p, &id).await?;
+    s.inner.catalog.revoke_group(&id, &group, &p.sub).await?;
+    Ok(Json(
+        serde_json::json!({"segment": id, "revoked_group": group}),
+    ))
+}
+
+// ---- groups (operators) ---------------------------------------------------------------
+
+/// Body of `POST /v1/admin/groups`.
+#[derive(Debug, Deserialize)]
+pub struct NewGroup {
+    /// Group id: 1..=128 characters of `[A-Za-z0-9._:-]`.
+    pub id: String,
+    /// Human-readable name (defaults to the id).
+    #[serde(default)]
+    pub name: Option<String>,
+}
+
+async fn create_group(
+    State(s): State<ControlState>,
+    Operator(p): Operator,
+    Body(g): Body<NewGroup>,
+) -> ApiResult<Group> {
+    Ok(Json(
+        s.inner
+            .catalog
+            .create_group(&g.id, g.name.as_deref(), &p.sub)
+            .await?,
+    ))
+}
+
+async fn list_groups(
+    State(s): State<ControlState>,
+    Operator(_): Operator,
+) -> ApiResult<Vec<Group>> {
+    Ok(Json(s.inner.catalog.groups().await?))
+}
+
+async fn get_group(
+    State(s): State<ControlState>,
+    Operator(_): Operator,
+    Path(id): Path<String>,
+) -> ApiResult<Group> {
+    Ok(Json(s.inner.catalog.group(&id).await?))
+}
+
+async fn delete_group(
+    State(s): State<ControlState>,
+    Operator(p): Operator,
+    Path(id): Path<String>,
+) -> ApiResult<serde_json::Value> {
+    s.inner.catalog.delete_group(&id, &p.sub).await?;
+    Ok(Json(serde_json::json!({"deleted": id})))
+}
+
+async fn add_member(
+    State(s): State<ControlState>,
+    Operator(p): Operator,
+    Path((id, tenant)): Path<(String, String)>,
+) -> ApiResult<Group> {
+    s.inner.catalog.add_member(&id, &tenant, &p.sub).await?;
+    Ok(Json(s.inner.catalog.group(&id).await?))
+}
+
+async fn remove_member(
+    State(s): State<ControlState>,
+    Operator(p): Operator,
+    Path((id, tenant)): Path<(String, String)>,
+) -> ApiResult<Group> {
+    s.inner.catalog.remove_member(&id, &tenant, &p.sub).await?;
+    Ok(Json(s.inner.catalog.group(&id).await?))
 }
 
 /// Body of `POST /v1/snapshot`.

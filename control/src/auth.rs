@@ -3,6 +3,7 @@
 
 use std::net::SocketAddr;
 use std::path::{Path, PathBuf};
+use std::sync::{Arc, RwLock};
 use std::time::{SystemTime, UNIX_EPOCH};
 
 use anyhow::Context;
@@ -94,12 +95,73 @@ struct JwksKey {
     key: DecodingKey,
 }
 
+/// Parses the RS256 and EdDSA public keys of a JWKS document.
+fn jwks_keys(set: &JwkSet) -> anyhow::Result<Vec<JwksKey>> {
+    let mut keys = Vec::with_capacity(set.keys.len());
+    for jwk in &set.keys {
+        let alg = match &jwk.algorithm {
+            jsonwebtoken::jwk::AlgorithmParameters::RSA(_) => Algorithm::RS256,
+            jsonwebtoken::jwk::AlgorithmParameters::OctetKeyPair(_) => Algorithm::EdDSA,
+            _ => anyhow::bail!(
+                "JWKS key {:?}: only RSA (RS256) and OKP (EdDSA) keys are accepted",
+                jwk.common.key_id
+            ),
+        };
+        let key = DecodingKey::from_jwk(jwk)
+            .with_context(|| format!("JWKS key {:?} is malformed", jwk.common.key_id))?;
+        keys.push(JwksKey {
+            kid: jwk.common.key_id.clone(),
+            alg,
+            key,
+        });
+    }
+    Ok(keys)
+}
+
+/// Reads and parses a JWKS file; returns its keys and the SHA-256 of its bytes.
+fn read_jwks_file(path: &Path) -> anyhow::Result<(Vec<JwksKey>, [u8; 32])> {
+    use sha2::Digest;
+    let bytes =
+        std::fs::read(path).with_context(|| format!("reading JWKS file {}", path.display()))?;
+    let set: JwkSet = serde_json::from_slice(&bytes)
+        .with_context(|| format!("parsing JWKS file {}", path.display()))?;
+    let keys = jwks_keys(&set).with_context(|| format!("JWKS file {}", path.display()))?;
+    Ok((keys, Sha256::digest(&bytes).into()))
+}
+
+/// The keys loaded from one JWKS file, replaced as a whole on reload.
+struct FileKeys {
+    digest: [u8; 32],
+    keys: Vec<JwksKey>,
+}
+
+/// A JWKS file whose keys can be re-read while the server runs.
+struct JwksFile {
+    path: PathBuf,
+    current: RwLock<Arc<FileKeys>>,
+}
+
+/// What [`Authenticator::reload_jwks`] did.
+#[derive(Clone, Debug, PartialEq, Eq, Serialize)]
+pub struct JwksReload {
+    /// Files whose content changed and whose keys were replaced.
+    pub reloaded: Vec<PathBuf>,
+    /// Files that could not be read or parsed, with the error; their previous
+    /// keys stay in force.
+    pub failed: Vec<(PathBuf, String)>,
+    /// Keys accepted now, over every file and static set.
+    pub keys: usize,
+}
+
 /// Verifies bearer tokens: HS256 with the server's shared secret, and
-/// RS256/EdDSA with public keys from a JWKS file.
+/// RS256/EdDSA with public keys from JWKS documents or files. Keys from a
+/// file are replaced by [`Authenticator::reload_jwks`] when the file's
+/// content changes (key rotation without a restart).
 pub struct Authenticator {
     audience: String,
     hs256: Option<DecodingKey>,
     jwks: Vec<JwksKey>,
+    files: Vec<JwksFile>,
 }
 
 impl std::fmt::Debug for Authenticator {
@@ -107,7 +169,11 @@ impl std::fmt::Debug for Authenticator {
         f.debug_struct("Authenticator")
             .field("audience", &self.audience)
             .field("hs256", &self.hs256.is_some())
-            .field("jwks_keys", &self.jwks.len())
+            .field("jwks_keys", &self.key_count())
+            .field(
+                "jwks_files",
+                &self.files.iter().map(|f| &f.path).collect::<Vec<_>>(),
+            )
             .finish()
     }
 }
@@ -120,6 +186,7 @@ impl Authenticator {
             audience: audience.to_string(),
             hs256: Some(DecodingKey::from_secret(secret)?),
             jwks: vec![],
+            files: vec![],
         })
     }
 
@@ -129,38 +196,69 @@ impl Authenticator {
             audience: audience.to_string(),
             hs256: None,
             jwks: vec![],
+            files: vec![],
         }
     }
 
-    /// Adds the RS256 and EdDSA public keys of a JWKS document.
+    /// Adds the RS256 and EdDSA public keys of a JWKS document (fixed for the
+    /// authenticator's lifetime).
     pub fn with_jwks(mut self, set: &JwkSet) -> anyhow::Result<Authenticator> {
-        for jwk in &set.keys {
-            let alg = match &jwk.algorithm {
-                jsonwebtoken::jwk::AlgorithmParameters::RSA(_) => Algorithm::RS256,
-                jsonwebtoken::jwk::AlgorithmParameters::OctetKeyPair(_) => Algorithm::EdDSA,
-                _ => anyhow::bail!(
-                    "JWKS key {:?}: only RSA (RS256) and OKP (EdDSA) keys are accepted",
-                    jwk.common.key_id
-                ),
-            };
-            let key = DecodingKey::from_jwk(jwk)
-                .with_context(|| format!("JWKS key {:?} is malformed", jwk.common.key_id))?;
-            self.jwks.push(JwksKey {
-                kid: jwk.common.key_id.clone(),
-                alg,
-                key,
-            });
-        }
+        self.jwks.extend(jwks_keys(set)?);
         Ok(self)
     }
 
-    /// Adds the keys of a JWKS file.
-    pub fn with_jwks_file(self, path: &Path) -> anyhow::Result<Authenticator> {
-        let text = std::fs::read_to_string(path)
-            .with_context(|| format!("reading JWKS file {}", path.display()))?;
-        let set: JwkSet = serde_json::from_str(&text)
-            .with_context(|| format!("parsing JWKS file {}", path.display()))?;
-        self.with_jwks(&set)
+    /// Adds the keys of a JWKS file, which [`Authenticator::reload_jwks`]
+    /// re-reads. Fails if the file cannot be read or parsed now.
+    pub fn with_jwks_file(mut self, path: &Path) -> anyhow::Result<Authenticator> {
+        let (keys, digest) = read_jwks_file(path)?;
+        self.files.push(JwksFile {
+            path: path.to_path_buf(),
+            current: RwLock::new(Arc::new(FileKeys { digest, keys })),
+        });
+        Ok(self)
+    }
+
+    /// The JWKS files this authenticator reloads.
+    pub fn jwks_files(&self) -> Vec<PathBuf> {
+        self.files.iter().map(|f| f.path.clone()).collect()
+    }
+
+    /// Number of RS256/EdDSA keys accepted now.
+    pub fn key_count(&self) -> usize {
+        self.jwks.len()
+            + self
+                .files
+                .iter()
+                .map(|f| f.keys().keys.len())
+                .sum::<usize>()
+    }
+
+    /// Re-reads every JWKS file and replaces the keys of each file whose
+    /// content changed: tokens signed by added keys are accepted and tokens
+    /// signed by removed keys are refused from the next request on. A file
+    /// that cannot be read or parsed keeps its previous keys (and is
+    /// reported in [`JwksReload::failed`]), so a half-written file never
+    /// locks everyone out.
+    pub fn reload_jwks(&self) -> JwksReload {
+        let mut out = JwksReload {
+            reloaded: vec![],
+            failed: vec![],
+            keys: 0,
+        };
+        for f in &self.files {
+            match read_jwks_file(&f.path) {
+                Ok((keys, digest)) => {
+                    if digest != f.keys().digest {
+                        *f.current.write().unwrap_or_else(|p| p.into_inner()) =
+                            Arc::new(FileKeys { digest, keys });
+                        out.reloaded.push(f.path.clone());
+                    }
+                }
+                Err(e) => out.failed.push((f.path.clone(), format!("{e:#}"))),
+            }
+        }
+        out.keys = self.key_count();
+        out
     }
 
     /// The audience tokens must carry.
@@ -190,7 +288,12 @@ impl Authenticator {
             Algorithm::RS256 | Algorithm::EdDSA => {
                 let mut last = None;
                 let mut any = false;
-                for k in self.jwks.iter().filter(|k| k.alg == header.alg) {
+                let file_keys: Vec<Arc<FileKeys>> = self.files.iter().map(|f| f.keys()).collect();
+                let all = self
+                    .jwks
+                    .iter()
+                    .chain(file_keys.iter().flat_map(|f| f.keys.iter()));
+                for k in all.filter(|k| k.alg == header.alg) {
                     if let (Some(want), Some(have)) = (&header.kid, &k.kid) {
                         if want != have {
                             continue;
@@ -237,6 +340,15 @@ impl Authenticator {
             tenant: c.tenant,
             role,
         })
+    }
+}
+
+impl JwksFile {
+    fn keys(&self) -> Arc<FileKeys> {
+        self.current
+            .read()
+            .unwrap_or_else(|p| p.into_inner())
+            .clone()
     }
 }
 

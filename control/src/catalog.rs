@@ -238,6 +238,21 @@ pub struct Residency {
     pub last_use: i64,
 }
 
+/// A group of tenants. A grant to the group lets every member read the segment.
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+pub struct Group {
+    /// Group id (same rules as tenant ids).
+    pub id: String,
+    /// Human-readable name.
+    pub name: String,
+    /// Member tenants, sorted.
+    pub members: Vec<String>,
+    /// Who created it (token subject).
+    pub created_by: String,
+    /// Creation time (ms).
+    pub created_at: i64,
+}
+
 /// The catalog over a Postgres or SQLite pool.
 #[derive(Clone, Debug)]
 pub struct Catalog {
@@ -668,13 +683,13 @@ impl Catalog {
     }
 
     /// Whether `tenant` may read segment `id`: it owns it, the segment is
-    /// public, or it holds a grant. Deleted segments are readable by no one.
+    /// public, it holds a grant, or it is a member of a group holding a grant.
+    /// Deleted segments are readable by no one.
     pub async fn can_read(&self, tenant: &str, id: &str) -> CatalogResult<bool> {
-        let row = sqlx::query(
-            "SELECT 1 FROM segments s WHERE s.id = $1 AND s.deleted_at IS NULL AND \
-             (s.owner_tenant = $2 OR s.public <> 0 OR EXISTS \
-               (SELECT 1 FROM grants g WHERE g.segment_id = s.id AND g.tenant_id = $2))",
-        )
+        let row = sqlx::query(&format!(
+            "SELECT 1 FROM segments s WHERE s.id = $1 AND s.deleted_at IS NULL AND {}",
+            readable_by("$2")
+        ))
         .bind(id)
         .bind(tenant)
         .fetch_optional(&self.pool)
@@ -707,10 +722,9 @@ impl Catalog {
         let sql = format!(
             "SELECT s.id, v.version, v.content_hash, s.owner_tenant, s.public \
              FROM segments s JOIN segment_versions v ON v.segment_id = s.id AND v.version = s.current_version \
-             WHERE s.deleted_at IS NULL AND s.id IN ({}) AND \
-             (s.owner_tenant = $1 OR s.public <> 0 OR EXISTS \
-               (SELECT 1 FROM grants g WHERE g.segment_id = s.id AND g.tenant_id = $1))",
-            placeholders.join(", ")
+             WHERE s.deleted_at IS NULL AND s.id IN ({}) AND {}",
+            placeholders.join(", "),
+            readable_by("$1")
         );
         let mut q = sqlx::query(&sql).bind(tenant);
         for id in ids {
@@ -1135,6 +1149,20 @@ fn policy_from_row(r: &AnyRow, with_module: bool) -> PolicyRecord {
     }
 }
 
+/// SQL condition (over segment alias `s`) that the tenant bound at `param`
+/// may read the segment: owner, public, a tenant grant, or a grant to a group
+/// the tenant belongs to. Evaluated per statement, so a revoked grant or a
+/// removed membership takes effect at the next snapshot.
+fn readable_by(param: &str) -> String {
+    format!(
+        "(s.owner_tenant = {p} OR s.public <> 0 \
+          OR EXISTS (SELECT 1 FROM grants g WHERE g.segment_id = s.id AND g.tenant_id = {p}) \
+          OR EXISTS (SELECT 1 FROM group_grants gg JOIN group_members m ON m.group_id = gg.group_id \
+                     WHERE gg.segment_id = s.id AND m.tenant_id = {p}))",
+        p = param
+    )
+}
+
 async fn insert_version(
     tx: &mut sqlx::Transaction<'_, sqlx::Any>,
     id: &str,
@@ -1253,5 +1281,280 @@ impl Catalog {
             .execute(&self.pool)
             .await?;
         Ok(r.rows_affected())
+    }
+}
+
+// ---- groups ---------------------------------------------------------------------------
+
+impl Catalog {
+    /// Creates group `id` (`name` defaults to the id). `Conflict` if it exists.
+    pub async fn create_group(
+        &self,
+        id: &str,
+        name: Option<&str>,
+        actor: &str,
+    ) -> CatalogResult<Group> {
+        validate_id("group id", id)?;
+        let name = name.unwrap_or(id);
+        if name.is_empty() || name.len() > 256 {
+            return Err(CatalogError::Invalid(
+                "group name must be 1..=256 characters".into(),
+            ));
+        }
+        let mut tx = self.pool.begin().await?;
+        let res = sqlx::query(
+            "INSERT INTO tenant_groups (id, name, created_by, created_at) VALUES ($1, $2, $3, $4) \
+             ON CONFLICT (id) DO NOTHING",
+        )
+        .bind(id)
+        .bind(name)
+        .bind(actor)
+        .bind(now_ms())
+        .execute(&mut *tx)
+        .await?;
+        if res.rows_affected() == 0 {
+            return Err(CatalogError::Conflict(format!(
+                "group {id:?} already exists"
+            )));
+        }
+        insert_audit(
+            &mut tx,
+            actor,
+            None,
+            "group.create",
+            id,
+            &serde_json::json!({"name": name}),
+        )
+        .await?;
+        tx.commit().await?;
+        self.group(id).await
+    }
+
+    /// Deletes a group with its memberships and segment grants; its members
+    /// lose what they could read only through it at their next snapshot.
+    pub async fn delete_group(&self, id: &str, actor: &str) -> CatalogResult<()> {
+        let mut tx = self.pool.begin().await?;
+        // Explicit deletes, so the result does not depend on ON DELETE CASCADE
+        // (SQLite enforces it only with foreign_keys on).
+        let grants = sqlx::query("DELETE FROM group_grants WHERE group_id = $1")
+            .bind(id)
+            .execute(&mut *tx)
+            .await?
+            .rows_affected();
+        let members = sqlx::query("DELETE FROM group_members WHERE group_id = $1")
+            .bind(id)
+            .execute(&mut *tx)
+            .await?
+            .rows_affected();
+        let res = sqlx::query("DELETE FROM tenant_groups WHERE id = $1")
+            .bind(id)
+            .execute(&mut *tx)
+            .await?;
+        if res.rows_affected() == 0 {
+            return Err(CatalogError::NotFound(format!("group {id:?}")));
+        }
+        insert_audit(
+            &mut tx,
+            actor,
+            None,
+            "group.delete",
+            id,
+            &serde_json::json!({"members": members, "grants": grants}),
+        )
+        .await?;
+        tx.commit().await?;
+        Ok(())
+    }
+
+    /// A group with its members.
+    pub async fn group(&self, id: &str) -> CatalogResult<Group> {
+        let row =
+            sqlx::query("SELECT id, name, created_by, created_at FROM tenant_groups WHERE id = $1")
+                .bind(id)
+                .fetch_optional(&self.pool)
+                .await?
+                .ok_or_else(|| CatalogError::NotFound(format!("group {id:?}")))?;
+        let members = self.group_members(id).await?;
+        Ok(Group {
+            id: row.get(0),
+            name: row.get(1),
+            members,
+            created_by: row.get(2),
+            created_at: row.get(3),
+        })
+    }
+
+    /// Every group with its members, by id.
+    pub async fn groups(&self) -> CatalogResult<Vec<Group>> {
+        let rows =
+            sqlx::query("SELECT id, name, created_by, created_at FROM tenant_groups ORDER BY id")
+                .fetch_all(&self.pool)
+                .await?;
+        let mut out = Vec::with_capacity(rows.len());
+        for r in rows {
+            let id: String = r.get(0);
+            out.push(Group {
+                members: self.group_members(&id).await?,
+                id,
+                name: r.get(1),
+                created_by: r.get(2),
+                created_at: r.get(3),
+            });
+        }
+        Ok(out)
+    }
+
+    async fn group_members(&self, id: &str) -> CatalogResult<Vec<String>> {
+        let rows = sqlx::query(
+            "SELECT tenant_id FROM group_members WHERE group_id = $1 ORDER BY tenant_id",
+        )
+        .bind(id)
+        .fetch_all(&self.pool)
+        .await?;
+        Ok(rows.iter().map(|r| r.get::<String, _>(0)).collect())
+    }
+
+    /// Groups `tenant` belongs to, sorted.
+    pub async fn groups_of(&self, tenant: &str) -> CatalogResult<Vec<String>> {
+        let rows = sqlx::query(
+            "SELECT group_id FROM group_members WHERE tenant_id = $1 ORDER BY group_id",
+        )
+        .bind(tenant)
+        .fetch_all(&self.pool)
+        .await?;
+        Ok(rows.iter().map(|r| r.get::<String, _>(0)).collect())
+    }
+
+    /// Adds `tenant` (created if needed) to group `id`; adding a member twice
+    /// is a no-op. `NotFound` if the group does not exist.
+    pub async fn add_member(&self, id: &str, tenant: &str, actor: &str) -> CatalogResult<()> {
+        validate_id("tenant id", tenant)?;
+        self.group_exists(id).await?;
+        self.ensure_tenant(tenant, tenant).await?;
+        let mut tx = self.pool.begin().await?;
+        sqlx::query(
+            "INSERT INTO group_members (group_id, tenant_id, added_by, created_at) VALUES ($1, $2, $3, $4) \
+             ON CONFLICT (group_id, tenant_id) DO NOTHING",
+        )
+        .bind(id)
+        .bind(tenant)
+        .bind(actor)
+        .bind(now_ms())
+        .execute(&mut *tx)
+        .await?;
+        insert_audit(
+            &mut tx,
+            actor,
+            Some(tenant),
+            "group.member.add",
+            id,
+            &serde_json::json!({"tenant": tenant}),
+        )
+        .await?;
+        tx.commit().await?;
+        Ok(())
+    }
+
+    /// Removes `tenant` from group `id`; `NotFound` if it was not a member.
+    /// The tenant's next snapshot no longer sees segments granted to the group.
+    pub async fn remove_member(&self, id: &str, tenant: &str, actor: &str) -> CatalogResult<()> {
+        let mut tx = self.pool.begin().await?;
+        let res = sqlx::query("DELETE FROM group_members WHERE group_id = $1 AND tenant_id = $2")
+            .bind(id)
+            .bind(tenant)
+            .execute(&mut *tx)
+            .await?;
+        if res.rows_affected() == 0 {
+            return Err(CatalogError::NotFound(format!(
+                "membership of {tenant:?} in group {id:?}"
+            )));
+        }
+        insert_audit(
+            &mut tx,
+            actor,
+            Some(tenant),
+            "group.member.remove",
+            id,
+            &serde_json::json!({"tenant": tenant}),
+        )
+        .await?;
+        tx.commit().await?;
+        Ok(())
+    }
+
+    async fn group_exists(&self, id: &str) -> CatalogResult<()> {
+        sqlx::query("SELECT 1 FROM tenant_groups WHERE id = $1")
+            .bind(id)
+            .fetch_optional(&self.pool)
+            .await?
+            .map(|_| ())
+            .ok_or_else(|| CatalogError::NotFound(format!("group {id:?}")))
+    }
+
+    /// Grants every member of group `group` read access to segment `id`.
+    /// `NotFound` if the segment or the group does not exist.
+    pub async fn grant_group(&self, id: &str, group: &str, actor: &str) -> CatalogResult<()> {
+        let seg = self.get_segment(id).await?;
+        self.group_exists(group).await?;
+        let mut tx = self.pool.begin().await?;
+        sqlx::query(
+            "INSERT INTO group_grants (segment_id, group_id, granted_by, created_at) VALUES ($1, $2, $3, $4) \
+             ON CONFLICT (segment_id, group_id) DO NOTHING",
+        )
+        .bind(id)
+        .bind(group)
+        .bind(actor)
+        .bind(now_ms())
+        .execute(&mut *tx)
+        .await?;
+        insert_audit(
+            &mut tx,
+            actor,
+            Some(&seg.owner_tenant),
+            "grant.group.add",
+            id,
+            &serde_json::json!({"group": group}),
+        )
+        .await?;
+        tx.commit().await?;
+        Ok(())
+    }
+
+    /// Revokes a group grant; `NotFound` if there was none. Members' next
+    /// snapshots of the segment fail unless they can read it another way.
+    pub async fn revoke_group(&self, id: &str, group: &str, actor: &str) -> CatalogResult<()> {
+        let mut tx = self.pool.begin().await?;
+        let res = sqlx::query("DELETE FROM group_grants WHERE segment_id = $1 AND group_id = $2")
+            .bind(id)
+            .bind(group)
+            .execute(&mut *tx)
+            .await?;
+        if res.rows_affected() == 0 {
+            return Err(CatalogError::NotFound(format!(
+                "grant of segment {id:?} to group {group:?}"
+            )));
+        }
+        insert_audit(
+            &mut tx,
+            actor,
+            None,
+            "grant.group.revoke",
+            id,
+            &serde_json::json!({"group": group}),
+        )
+        .await?;
+        tx.commit().await?;
+        Ok(())
+    }
+
+    /// Groups holding a grant on segment `id`, sorted.
+    pub async fn group_grants(&self, id: &str) -> CatalogResult<Vec<String>> {
+        let rows = sqlx::query(
+            "SELECT group_id FROM group_grants WHERE segment_id = $1 ORDER BY group_id",
+        )
+        .bind(id)
+        .fetch_all(&self.pool)
+        .await?;
+        Ok(rows.iter().map(|r| r.get::<String, _>(0)).collect())
     }
 }

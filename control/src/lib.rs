@@ -25,6 +25,9 @@ pub use api::{control_router, AuthMode, ControlState};
 pub use auth::{run_token_command, TokenArgs};
 pub use catalog::Catalog;
 
+/// Default period of the JWKS file check, milliseconds.
+pub const DEFAULT_JWKS_RELOAD_MS: u64 = 10_000;
+
 /// Options of the control plane (flatten into any server command).
 #[derive(clap::Args, Debug, Clone)]
 pub struct ControlArgs {
@@ -37,6 +40,10 @@ pub struct ControlArgs {
     /// JWKS file with RS256/EdDSA public keys accepted in addition to HS256.
     #[arg(long)]
     pub jwks_file: Option<PathBuf>,
+    /// How often to re-read the JWKS file for rotated keys, milliseconds
+    /// (0: only on SIGHUP).
+    #[arg(long, env = "HYPIC_JWKS_RELOAD_MS", default_value_t = DEFAULT_JWKS_RELOAD_MS)]
+    pub jwks_reload_ms: u64,
     /// Audience tokens must carry.
     #[arg(long, default_value = auth::DEFAULT_AUDIENCE)]
     pub audience: String,
@@ -48,7 +55,8 @@ pub struct ControlArgs {
 /// Builds the control-plane state: checks the auth flag against `bind`,
 /// creates the signing secret on first start (printing an operator and a
 /// demo-tenant token), opens and migrates the catalog, starts the audit
-/// writer and loads the active policies. Needs a tokio runtime.
+/// writer, loads the active policies and starts the JWKS reloader (when a
+/// JWKS file is configured). Needs a tokio runtime.
 pub async fn build_control_state(
     args: &ControlArgs,
     bind: SocketAddr,
@@ -83,12 +91,10 @@ pub async fn build_control_state(
         Some(sink),
     ));
     rt.load_active(&catalog).await;
-    Ok(ControlState::new(
-        catalog,
-        mode,
-        auth::IsolationKeyer::new(&fs.secret),
-        rt,
-    ))
+    let state = ControlState::new(catalog, mode, auth::IsolationKeyer::new(&fs.secret), rt);
+    // Key rotation without a restart: re-read the JWKS file periodically and on SIGHUP.
+    state.spawn_jwks_reloader(Some(std::time::Duration::from_millis(args.jwks_reload_ms)));
+    Ok(state)
 }
 
 /// Arguments of a standalone control-plane server.

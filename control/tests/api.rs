@@ -255,11 +255,12 @@ async fn snapshot(
 #[tokio::test]
 async fn isolation_keys_private_shared_and_revocation() {
     for backend in ["sqlite", "postgres"] {
-        let (c, _d) = if backend == "sqlite" {
+        let (c, _d, _schema) = if backend == "sqlite" {
             let (c, d) = common::sqlite_catalog().await;
-            (c, Some(d))
+            (c, Some(d), None)
         } else {
-            (common::pg_catalog().await, None)
+            let (c, g) = common::pg_catalog().await;
+            (c, None, Some(g))
         };
         let s = common::state(c);
         let (a, b, ops) = (
@@ -797,4 +798,280 @@ async fn real_loopback_server() {
         assert!(out.starts_with(&format!("HTTP/1.1 {want}")), "{out}");
     }
     server.abort();
+}
+
+#[tokio::test]
+async fn group_grants_over_http_isolated_and_revocable() {
+    for backend in ["sqlite", "postgres"] {
+        let (c, _d, _schema) = if backend == "sqlite" {
+            let (c, d) = common::sqlite_catalog().await;
+            (c, Some(d), None)
+        } else {
+            let (c, g) = common::pg_catalog().await;
+            (c, None, Some(g))
+        };
+        let s = common::state(c);
+        let (a, b, x, ops) = (
+            tok("tenant-a", Role::Tenant),
+            tok("tenant-b", Role::Tenant),
+            tok("tenant-x", Role::Tenant),
+            tok("ops", Role::Operator),
+        );
+        let (st, v) = call(
+            &s,
+            Method::POST,
+            "/v1/segments",
+            Some(&a),
+            Some(json!({"id":"playbook","content":"team playbook"})),
+        )
+        .await;
+        assert_eq!(st, StatusCode::OK, "{backend}: {v}");
+
+        // Groups are operator business.
+        let (st, v) = call(
+            &s,
+            Method::POST,
+            "/v1/admin/groups",
+            Some(&a),
+            Some(json!({"id":"team"})),
+        )
+        .await;
+        assert_eq!(st, StatusCode::FORBIDDEN, "{v}");
+        assert_openai_error(&v, "permission_error", "operator_required");
+        let (st, v) = call(
+            &s,
+            Method::POST,
+            "/v1/admin/groups",
+            Some(&ops),
+            Some(json!({"id":"team","name":"The team"})),
+        )
+        .await;
+        assert_eq!(st, StatusCode::OK, "{backend}: {v}");
+        assert_eq!(v["members"], json!([]));
+        let (st, v) = call(
+            &s,
+            Method::POST,
+            "/v1/admin/groups",
+            Some(&ops),
+            Some(json!({"id":"team"})),
+        )
+        .await;
+        assert_eq!(st, StatusCode::CONFLICT, "{v}");
+        let (st, v) = call(
+            &s,
+            Method::POST,
+            "/v1/admin/groups",
+            Some(&ops),
+            Some(json!({"id":"no spaces"})),
+        )
+        .await;
+        assert_eq!(st, StatusCode::BAD_REQUEST, "{v}");
+        let (st, v) = call(
+            &s,
+            Method::POST,
+            "/v1/admin/groups",
+            Some(&ops),
+            Some(json!({"name":"missing id"})),
+        )
+        .await;
+        assert_eq!(st, StatusCode::BAD_REQUEST, "{v}");
+        let (st, v) = call(
+            &s,
+            Method::PUT,
+            "/v1/admin/groups/team/members/tenant-b",
+            Some(&ops),
+            None,
+        )
+        .await;
+        assert_eq!(st, StatusCode::OK, "{v}");
+        assert_eq!(v["members"], json!(["tenant-b"]));
+        let (st, _) = call(
+            &s,
+            Method::PUT,
+            "/v1/admin/groups/nope/members/tenant-b",
+            Some(&ops),
+            None,
+        )
+        .await;
+        assert_eq!(st, StatusCode::NOT_FOUND);
+        let (st, v) = call(&s, Method::GET, "/v1/admin/groups", Some(&ops), None).await;
+        assert_eq!(st, StatusCode::OK);
+        assert_eq!(v[0]["id"], "team");
+        assert_eq!(v[0]["name"], "The team");
+
+        // Only the owner (or an operator) grants; B cannot grant itself via a group.
+        let (st, _) = call(
+            &s,
+            Method::POST,
+            "/v1/segments/playbook/group-grants",
+            Some(&b),
+            Some(json!({"group":"team"})),
+        )
+        .await;
+        assert_eq!(st, StatusCode::NOT_FOUND, "B cannot see the segment yet");
+        let (st, _) = snapshot(&s, &b, &["playbook"], None).await;
+        assert_eq!(st, StatusCode::NOT_FOUND);
+        let (st, v) = call(
+            &s,
+            Method::POST,
+            "/v1/segments/playbook/group-grants",
+            Some(&a),
+            Some(json!({"group":"team"})),
+        )
+        .await;
+        assert_eq!(st, StatusCode::OK, "{v}");
+        let (st, v) = call(
+            &s,
+            Method::POST,
+            "/v1/segments/playbook/group-grants",
+            Some(&a),
+            Some(json!({"group":"ghost"})),
+        )
+        .await;
+        assert_eq!(st, StatusCode::NOT_FOUND, "{v}");
+        let (_, v) = call(
+            &s,
+            Method::GET,
+            "/v1/segments/playbook/group-grants",
+            Some(&a),
+            None,
+        )
+        .await;
+        assert_eq!(v, json!(["team"]));
+
+        // Member B reads it, in its own namespace: never A's key, never A's entry.
+        let (st, va) = snapshot(&s, &a, &["playbook"], None).await;
+        assert_eq!(st, StatusCode::OK);
+        let a_key = va["segments"][0]["cache_key"].as_str().unwrap().to_string();
+        let (st, _) = call(&s, Method::POST, "/v1/admin/residency", Some(&ops), Some(json!({
+            "worker":"w1","cache_key":a_key,"segment_id":"playbook","version":1,"tenant":"tenant-a","bytes":64}))).await;
+        assert_eq!(st, StatusCode::OK);
+        let (st, vb) = snapshot(&s, &b, &["playbook"], None).await;
+        assert_eq!(st, StatusCode::OK, "{backend}: {vb}");
+        assert_eq!(vb["segments"][0]["shared"], false);
+        assert_ne!(
+            vb["segments"][0]["cache_key"],
+            va["segments"][0]["cache_key"]
+        );
+        assert_ne!(
+            vb["segments"][0]["isolation_key"],
+            va["segments"][0]["isolation_key"]
+        );
+        assert_eq!(vb["segments"][0]["resident_on"], json!([]), "a miss for B");
+        let (st, _) = call(&s, Method::GET, "/v1/segments/playbook", Some(&b), None).await;
+        assert_eq!(st, StatusCode::OK);
+        // A non-member still cannot.
+        let (st, _) = snapshot(&s, &x, &["playbook"], None).await;
+        assert_eq!(st, StatusCode::NOT_FOUND);
+
+        // Revoking the group grant: B's next snapshot misses (404), whatever salt.
+        let (st, _) = call(
+            &s,
+            Method::DELETE,
+            "/v1/segments/playbook/group-grants/team",
+            Some(&b),
+            None,
+        )
+        .await;
+        assert_eq!(st, StatusCode::FORBIDDEN, "a reader may not revoke");
+        let (st, v) = call(
+            &s,
+            Method::DELETE,
+            "/v1/segments/playbook/group-grants/team",
+            Some(&a),
+            None,
+        )
+        .await;
+        assert_eq!(st, StatusCode::OK, "{v}");
+        for salt in [None, Some("x")] {
+            let (st, _) = snapshot(&s, &b, &["playbook"], salt).await;
+            assert_eq!(st, StatusCode::NOT_FOUND, "{backend}");
+        }
+        let (st, _) = call(
+            &s,
+            Method::DELETE,
+            "/v1/segments/playbook/group-grants/team",
+            Some(&a),
+            None,
+        )
+        .await;
+        assert_eq!(st, StatusCode::NOT_FOUND);
+
+        // Granted again, then B leaves the group: the next snapshot misses again.
+        call(
+            &s,
+            Method::POST,
+            "/v1/segments/playbook/group-grants",
+            Some(&a),
+            Some(json!({"group":"team"})),
+        )
+        .await;
+        assert_eq!(
+            snapshot(&s, &b, &["playbook"], None).await.0,
+            StatusCode::OK
+        );
+        let (st, v) = call(
+            &s,
+            Method::DELETE,
+            "/v1/admin/groups/team/members/tenant-b",
+            Some(&ops),
+            None,
+        )
+        .await;
+        assert_eq!(st, StatusCode::OK, "{v}");
+        assert_eq!(v["members"], json!([]));
+        assert_eq!(
+            snapshot(&s, &b, &["playbook"], None).await.0,
+            StatusCode::NOT_FOUND
+        );
+        let (st, _) = call(
+            &s,
+            Method::DELETE,
+            "/v1/admin/groups/team/members/tenant-b",
+            Some(&ops),
+            None,
+        )
+        .await;
+        assert_eq!(st, StatusCode::NOT_FOUND);
+        // Deleting the group.
+        let (st, _) = call(
+            &s,
+            Method::DELETE,
+            "/v1/admin/groups/team",
+            Some(&ops),
+            None,
+        )
+        .await;
+        assert_eq!(st, StatusCode::OK);
+        let (st, _) = call(&s, Method::GET, "/v1/admin/groups/team", Some(&ops), None).await;
+        assert_eq!(st, StatusCode::NOT_FOUND);
+        // All audited.
+        let (_, log) = call(
+            &s,
+            Method::GET,
+            "/v1/admin/audit?limit=200",
+            Some(&ops),
+            None,
+        )
+        .await;
+        let actions: Vec<&str> = log
+            .as_array()
+            .unwrap()
+            .iter()
+            .map(|r| r["action"].as_str().unwrap())
+            .collect();
+        for want in [
+            "group.create",
+            "group.delete",
+            "group.member.add",
+            "group.member.remove",
+            "grant.group.add",
+            "grant.group.revoke",
+        ] {
+            assert!(
+                actions.contains(&want),
+                "{backend}: no {want} in {actions:?}"
+            );
+        }
+    }
 }

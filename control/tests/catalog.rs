@@ -23,7 +23,7 @@ macro_rules! both_backends {
             $(
                 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
                 async fn $name() {
-                    let c = crate::common::pg_catalog().await;
+                    let (c, _schema) = crate::common::pg_catalog().await;
                     super::$name(c).await;
                 }
             )*
@@ -38,7 +38,9 @@ both_backends!(
     audit_log,
     policies_activate_rollback,
     residency,
-    concurrent_updates_never_mix_versions
+    concurrent_updates_never_mix_versions,
+    group_grants_follow_membership_and_revocation,
+    groups_bad_input_and_deletion
 );
 
 fn seg(id: &str, content: &str, public: bool) -> NewSegment {
@@ -52,10 +54,10 @@ fn seg(id: &str, content: &str, public: bool) -> NewSegment {
 }
 
 async fn migrations(c: Catalog) {
-    assert_eq!(c.applied_migrations().await.unwrap(), vec![1]);
+    assert_eq!(c.applied_migrations().await.unwrap(), vec![1, 2]);
     // Applying again is a no-op.
     c.migrate().await.unwrap();
-    assert_eq!(c.applied_migrations().await.unwrap(), vec![1]);
+    assert_eq!(c.applied_migrations().await.unwrap(), vec![1, 2]);
     c.upsert_principal("acme", "alice", Role::Tenant)
         .await
         .unwrap();
@@ -416,4 +418,166 @@ async fn concurrent_updates_never_mix_versions(c: Catalog) {
             .count(),
         1
     );
+}
+
+fn ids(v: &[hypic_control::catalog::SnapshotEntry]) -> Vec<String> {
+    v.iter().map(|e| e.segment_id.clone()).collect()
+}
+
+async fn group_grants_follow_membership_and_revocation(c: Catalog) {
+    c.create_segment("acme", "alice", &seg("handbook", "team handbook", false))
+        .await
+        .unwrap();
+    c.create_segment("acme", "alice", &seg("other", "other doc", false))
+        .await
+        .unwrap();
+    let g = c
+        .create_group("partners", Some("Partner tenants"), "ops")
+        .await
+        .unwrap();
+    assert_eq!(g.id, "partners");
+    assert_eq!(g.name, "Partner tenants");
+    assert!(g.members.is_empty());
+    c.add_member("partners", "globex", "ops").await.unwrap();
+    c.add_member("partners", "initech", "ops").await.unwrap();
+    // Adding twice is a no-op.
+    c.add_member("partners", "globex", "ops").await.unwrap();
+    assert_eq!(
+        c.group("partners").await.unwrap().members,
+        vec!["globex".to_string(), "initech".to_string()]
+    );
+    assert_eq!(
+        c.groups_of("globex").await.unwrap(),
+        vec!["partners".to_string()]
+    );
+
+    // Membership alone grants nothing.
+    assert!(!c.can_read("globex", "handbook").await.unwrap());
+    c.grant_group("handbook", "partners", "alice")
+        .await
+        .unwrap();
+    assert_eq!(
+        c.group_grants("handbook").await.unwrap(),
+        vec!["partners".to_string()]
+    );
+    // Every member reads it, a non-member does not, nor a segment not granted.
+    for t in ["globex", "initech"] {
+        assert!(c.can_read(t, "handbook").await.unwrap(), "{t}");
+        let snap = c.snapshot(t, &["handbook".into()]).await.unwrap();
+        assert_eq!(ids(&snap), vec!["handbook"]);
+        assert_eq!(snap[0].owner_tenant, "acme");
+        assert!(!snap[0].public);
+    }
+    assert!(!c.can_read("hooli", "handbook").await.unwrap());
+    assert!(!c.can_read("globex", "other").await.unwrap());
+    assert!(matches!(
+        c.snapshot("hooli", &["handbook".into()]).await,
+        Err(CatalogError::NotFound(_))
+    ));
+
+    // Removing a membership: that member's next snapshot fails; the other keeps access.
+    c.remove_member("partners", "initech", "ops").await.unwrap();
+    assert!(matches!(
+        c.snapshot("initech", &["handbook".into()]).await,
+        Err(CatalogError::NotFound(_))
+    ));
+    assert!(c.can_read("globex", "handbook").await.unwrap());
+    assert!(matches!(
+        c.remove_member("partners", "initech", "ops").await,
+        Err(CatalogError::NotFound(_))
+    ));
+
+    // A direct tenant grant and a group grant are independent.
+    c.grant("handbook", "globex", "alice").await.unwrap();
+    c.revoke_group("handbook", "partners", "alice")
+        .await
+        .unwrap();
+    assert!(c.can_read("globex", "handbook").await.unwrap());
+    c.revoke("handbook", "globex", "alice").await.unwrap();
+    assert!(!c.can_read("globex", "handbook").await.unwrap());
+    assert!(matches!(
+        c.snapshot("globex", &["handbook".into()]).await,
+        Err(CatalogError::NotFound(_))
+    ));
+    assert!(matches!(
+        c.revoke_group("handbook", "partners", "alice").await,
+        Err(CatalogError::NotFound(_))
+    ));
+    assert!(c.group_grants("handbook").await.unwrap().is_empty());
+
+    // Every step is audited.
+    let actions: Vec<String> = c
+        .audit_log(None, 100)
+        .await
+        .unwrap()
+        .into_iter()
+        .map(|a| a.action)
+        .collect();
+    for a in [
+        "group.create",
+        "group.member.add",
+        "group.member.remove",
+        "grant.group.add",
+        "grant.group.revoke",
+    ] {
+        assert!(actions.iter().any(|x| x == a), "missing {a} in {actions:?}");
+    }
+}
+
+async fn groups_bad_input_and_deletion(c: Catalog) {
+    assert!(matches!(
+        c.create_group("bad id!", None, "ops").await,
+        Err(CatalogError::Invalid(_))
+    ));
+    assert!(matches!(
+        c.create_group("", None, "ops").await,
+        Err(CatalogError::Invalid(_))
+    ));
+    let g = c.create_group("team", None, "ops").await.unwrap();
+    assert_eq!(g.name, "team", "name defaults to the id");
+    assert!(matches!(
+        c.create_group("team", None, "ops").await,
+        Err(CatalogError::Conflict(_))
+    ));
+    assert!(matches!(
+        c.add_member("nope", "globex", "ops").await,
+        Err(CatalogError::NotFound(_))
+    ));
+    assert!(matches!(
+        c.add_member("team", "bad tenant!", "ops").await,
+        Err(CatalogError::Invalid(_))
+    ));
+    c.create_segment("acme", "alice", &seg("doc", "a doc", false))
+        .await
+        .unwrap();
+    assert!(matches!(
+        c.grant_group("doc", "nope", "alice").await,
+        Err(CatalogError::NotFound(_))
+    ));
+    assert!(matches!(
+        c.grant_group("missing", "team", "alice").await,
+        Err(CatalogError::NotFound(_))
+    ));
+
+    // Deleting a group removes its memberships and grants.
+    c.add_member("team", "globex", "ops").await.unwrap();
+    c.grant_group("doc", "team", "alice").await.unwrap();
+    assert!(c.can_read("globex", "doc").await.unwrap());
+    c.delete_group("team", "ops").await.unwrap();
+    assert!(!c.can_read("globex", "doc").await.unwrap());
+    assert!(c.group_grants("doc").await.unwrap().is_empty());
+    assert!(c.groups_of("globex").await.unwrap().is_empty());
+    assert!(matches!(
+        c.group("team").await,
+        Err(CatalogError::NotFound(_))
+    ));
+    assert!(matches!(
+        c.delete_group("team", "ops").await,
+        Err(CatalogError::NotFound(_))
+    ));
+    // A new group of the same name starts empty: nothing is inherited.
+    c.create_group("team", None, "ops").await.unwrap();
+    assert!(c.group("team").await.unwrap().members.is_empty());
+    assert!(!c.can_read("globex", "doc").await.unwrap());
+    assert_eq!(c.groups().await.unwrap().len(), 1);
 }

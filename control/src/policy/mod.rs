@@ -10,11 +10,12 @@
 pub mod pool_adapter;
 pub mod wasm;
 
-use std::collections::HashMap;
+use std::collections::{BTreeMap, HashMap};
 use std::path::Path;
 use std::str::FromStr;
 use std::sync::atomic::{AtomicU64, Ordering};
-use std::sync::Mutex;
+use std::sync::{Arc, Mutex};
+use std::time::Instant;
 
 use serde::{Deserialize, Serialize};
 use tokio::sync::{mpsc, oneshot};
@@ -439,17 +440,66 @@ impl PolicySet {
     }
 }
 
-/// Fault and call counters (process-wide for the live runtime).
+/// Counters of one installed policy: the native default of a kind, or one
+/// catalog policy id. Re-activating the same policy keeps counting on the
+/// same counters, so they only grow (Prometheus counters).
+#[derive(Debug, Default)]
+pub struct PolicyCounters {
+    calls: AtomicU64,
+    faults: AtomicU64,
+    fallbacks: AtomicU64,
+    nanos: AtomicU64,
+    by_reason: Mutex<BTreeMap<String, u64>>,
+}
+
+/// A snapshot of one policy's counters.
+#[derive(Clone, Debug, Default, PartialEq, Eq, Serialize, Deserialize)]
+pub struct PolicyCountersSnapshot {
+    /// Hook kind.
+    pub kind: String,
+    /// Catalog id of the policy, `None` for the native default (or a Wasm
+    /// policy installed without a catalog row).
+    pub policy_id: Option<i64>,
+    /// Hook calls answered while this policy was installed.
+    pub calls: u64,
+    /// Faults (load failures, traps, timeouts, memory, bad returns).
+    pub faults: u64,
+    /// Calls answered by the native default because of a fault.
+    pub fallbacks: u64,
+    /// Wall-clock nanoseconds spent in those calls (host side included).
+    pub nanos: u64,
+    /// Faults by reason (load, timeout, memory, trap, bad_return).
+    pub faults_by_reason: BTreeMap<String, u64>,
+}
+
+impl PolicyCountersSnapshot {
+    /// Mean nanoseconds per call (0 before the first call).
+    pub fn ns_per_call(&self) -> f64 {
+        if self.calls == 0 {
+            0.0
+        } else {
+            self.nanos as f64 / self.calls as f64
+        }
+    }
+}
+
+/// Fault, call and time counters (process-wide for the live runtime): per
+/// kind, and per installed policy.
 #[derive(Debug, Default)]
 pub struct PolicyMetrics {
     calls: [AtomicU64; 4],
     faults: [AtomicU64; 4],
     fallbacks: [AtomicU64; 4],
+    nanos: [AtomicU64; 4],
     by_reason: Mutex<HashMap<String, u64>>,
+    per_policy: Mutex<PerPolicy>,
 }
 
+/// Counters by (kind index, catalog policy id; `None` = native).
+type PerPolicy = BTreeMap<(usize, Option<i64>), Arc<PolicyCounters>>;
+
 /// A snapshot of [`PolicyMetrics`].
-#[derive(Clone, Debug, Default, PartialEq, Eq, Serialize, Deserialize)]
+#[derive(Clone, Debug, Default, PartialEq, Serialize, Deserialize)]
 pub struct MetricsSnapshot {
     /// Calls per kind.
     pub calls: HashMap<String, u64>,
@@ -459,9 +509,17 @@ pub struct MetricsSnapshot {
     pub fallbacks: HashMap<String, u64>,
     /// Faults per `kind:reason` (reason: load, timeout, memory, trap, bad_return).
     pub faults_by_reason: HashMap<String, u64>,
+    /// Mean nanoseconds per call, per kind.
+    pub ns_per_call: HashMap<String, f64>,
+    /// Counters of every policy installed so far, by kind then policy id.
+    pub policies: Vec<PolicyCountersSnapshot>,
 }
 
 impl PolicyMetrics {
+    /// Calls recorded for `kind`.
+    pub fn calls(&self, kind: PolicyKind) -> u64 {
+        self.calls[kind.index()].load(Ordering::Relaxed)
+    }
     /// Faults recorded for `kind`.
     pub fn faults(&self, kind: PolicyKind) -> u64 {
         self.faults[kind.index()].load(Ordering::Relaxed)
@@ -477,29 +535,80 @@ impl PolicyMetrics {
             .copied()
             .unwrap_or(0)
     }
+    /// The counters of policy `policy_id` (`None`: native) of `kind`,
+    /// created on first use.
+    pub fn counters(&self, kind: PolicyKind, policy_id: Option<i64>) -> Arc<PolicyCounters> {
+        self.per_policy
+            .lock()
+            .unwrap_or_else(|p| p.into_inner())
+            .entry((kind.index(), policy_id))
+            .or_default()
+            .clone()
+    }
+    /// Snapshots of every policy's counters, by kind then policy id
+    /// (native first).
+    pub fn policy_snapshots(&self) -> Vec<PolicyCountersSnapshot> {
+        let m = self.per_policy.lock().unwrap_or_else(|p| p.into_inner());
+        m.iter()
+            .map(|(&(k, id), c)| PolicyCountersSnapshot {
+                kind: PolicyKind::ALL[k].as_str().into(),
+                policy_id: id,
+                calls: c.calls.load(Ordering::Relaxed),
+                faults: c.faults.load(Ordering::Relaxed),
+                fallbacks: c.fallbacks.load(Ordering::Relaxed),
+                nanos: c.nanos.load(Ordering::Relaxed),
+                faults_by_reason: c
+                    .by_reason
+                    .lock()
+                    .unwrap_or_else(|p| p.into_inner())
+                    .clone(),
+            })
+            .collect()
+    }
     /// All counters.
     pub fn snapshot(&self) -> MetricsSnapshot {
         let mut s = MetricsSnapshot::default();
         for k in PolicyKind::ALL {
-            s.calls.insert(
-                k.as_str().into(),
-                self.calls[k.index()].load(Ordering::Relaxed),
-            );
+            let calls = self.calls(k);
+            let nanos = self.nanos[k.index()].load(Ordering::Relaxed);
+            s.calls.insert(k.as_str().into(), calls);
             s.faults.insert(k.as_str().into(), self.faults(k));
             s.fallbacks.insert(k.as_str().into(), self.fallbacks(k));
+            s.ns_per_call.insert(
+                k.as_str().into(),
+                if calls == 0 {
+                    0.0
+                } else {
+                    nanos as f64 / calls as f64
+                },
+            );
         }
         s.faults_by_reason = self
             .by_reason
             .lock()
             .unwrap_or_else(|p| p.into_inner())
             .clone();
+        s.policies = self.policy_snapshots();
         s
     }
-    fn fault(&self, kind: PolicyKind, e: &PolicyError, fallback_call: bool) {
+    fn call(&self, kind: PolicyKind, c: &PolicyCounters, nanos: u64) {
+        self.calls[kind.index()].fetch_add(1, Ordering::Relaxed);
+        self.nanos[kind.index()].fetch_add(nanos, Ordering::Relaxed);
+        c.calls.fetch_add(1, Ordering::Relaxed);
+        c.nanos.fetch_add(nanos, Ordering::Relaxed);
+    }
+    fn fault(&self, kind: PolicyKind, c: &PolicyCounters, e: &PolicyError, fallback_call: bool) {
         self.faults[kind.index()].fetch_add(1, Ordering::Relaxed);
+        c.faults.fetch_add(1, Ordering::Relaxed);
         if fallback_call {
             self.fallbacks[kind.index()].fetch_add(1, Ordering::Relaxed);
+            c.fallbacks.fetch_add(1, Ordering::Relaxed);
         }
+        *c.by_reason
+            .lock()
+            .unwrap_or_else(|p| p.into_inner())
+            .entry(e.label().to_string())
+            .or_insert(0) += 1;
         let mut m = self.by_reason.lock().unwrap_or_else(|p| p.into_inner());
         *m.entry(format!("{}:{}", kind.as_str(), e.label()))
             .or_insert(0) += 1;
@@ -581,12 +690,18 @@ impl AuditSink {
 /// every fault is still counted.
 pub const AUDIT_FAULT_INTERVAL_MS: u64 = 10_000;
 
+/// An installed slot with the counters of its policy.
+struct LiveSlot {
+    slot: PolicySlot,
+    counters: Arc<PolicyCounters>,
+}
+
 /// The live policies of a server: one slot per hook behind a mutex, shared
 /// counters, and fault auditing.
 pub struct PolicyRuntime {
     engine: wasmtime::Engine,
     limits: PolicyLimits,
-    slots: [Mutex<PolicySlot>; 4],
+    slots: [Mutex<LiveSlot>; 4],
     metrics: PolicyMetrics,
     audit: Option<AuditSink>,
     last_audit: Mutex<HashMap<String, u64>>,
@@ -599,11 +714,17 @@ impl PolicyRuntime {
         limits: PolicyLimits,
         audit: Option<AuditSink>,
     ) -> PolicyRuntime {
+        let metrics = PolicyMetrics::default();
         PolicyRuntime {
             engine,
             limits,
-            slots: PolicyKind::ALL.map(|k| Mutex::new(PolicySlot::native(k))),
-            metrics: PolicyMetrics::default(),
+            slots: PolicyKind::ALL.map(|k| {
+                Mutex::new(LiveSlot {
+                    slot: PolicySlot::native(k),
+                    counters: metrics.counters(k, None),
+                })
+            }),
+            metrics,
             audit,
             last_audit: Mutex::new(HashMap::new()),
         }
@@ -629,25 +750,31 @@ impl PolicyRuntime {
         self.audit.as_ref()
     }
 
-    fn slot(&self, kind: PolicyKind) -> std::sync::MutexGuard<'_, PolicySlot> {
+    fn slot(&self, kind: PolicyKind) -> std::sync::MutexGuard<'_, LiveSlot> {
         self.slots[kind.index()]
             .lock()
             .unwrap_or_else(|p| p.into_inner())
     }
 
+    fn install(&self, slot: PolicySlot) {
+        let kind = slot.kind();
+        let counters = self.metrics.counters(kind, slot.policy_id());
+        *self.slot(kind) = LiveSlot { slot, counters };
+    }
+
     /// Catalog id of the active Wasm policy of `kind` (`None` = native).
     pub fn active_id(&self, kind: PolicyKind) -> Option<i64> {
-        self.slot(kind).policy_id()
+        self.slot(kind).slot.policy_id()
     }
 
     /// Whether `kind` currently runs a Wasm policy.
     pub fn is_wasm(&self, kind: PolicyKind) -> bool {
-        self.slot(kind).is_wasm()
+        self.slot(kind).slot.is_wasm()
     }
 
     /// Installs the native default for `kind`.
     pub fn set_native(&self, kind: PolicyKind) {
-        *self.slot(kind) = PolicySlot::native(kind);
+        self.install(PolicySlot::native(kind));
     }
 
     /// Loads and installs a Wasm policy. If it does not load, the native
@@ -662,7 +789,7 @@ impl PolicyRuntime {
     ) -> Result<(), PolicyError> {
         match WasmPolicy::load(&self.engine, kind, bytes, params, self.limits) {
             Ok(p) => {
-                *self.slot(kind) = PolicySlot::wasm(p, policy_id);
+                self.install(PolicySlot::wasm(p, policy_id));
                 Ok(())
             }
             Err(e) => {
@@ -680,7 +807,8 @@ impl PolicyRuntime {
         e: &PolicyError,
         fallback_call: bool,
     ) {
-        self.metrics.fault(kind, e, fallback_call);
+        let counters = self.metrics.counters(kind, policy_id);
+        self.metrics.fault(kind, &counters, e, fallback_call);
         tracing::warn!(
             kind = kind.as_str(),
             ?policy_id,
@@ -718,11 +846,13 @@ impl PolicyRuntime {
         kind: PolicyKind,
         f: impl FnOnce(&mut PolicySlot) -> (T, Option<PolicyError>),
     ) -> T {
-        self.metrics.calls[kind.index()].fetch_add(1, Ordering::Relaxed);
         let (v, fault, id) = {
-            let mut slot = self.slot(kind);
-            let (v, fault) = f(&mut slot);
-            (v, fault, slot.policy_id())
+            let mut live = self.slot(kind);
+            let t0 = Instant::now();
+            let (v, fault) = f(&mut live.slot);
+            let nanos = t0.elapsed().as_nanos().min(u64::MAX as u128) as u64;
+            self.metrics.call(kind, &live.counters, nanos);
+            (v, fault, live.slot.policy_id())
         };
         if let Some(e) = fault {
             self.on_fault(kind, id, &e, true);

@@ -1,14 +1,17 @@
 //! Prometheus metrics of the server (`GET /metrics`, text exposition format 0.0.4).
 //!
 //! Latency histograms and token counters are updated as requests run; gauges of
-//! the scheduler and the pools, and the pools' cumulative counters, are refreshed
-//! from their live values at each scrape.
+//! the scheduler and the pools, the pools' cumulative counters, and the control
+//! plane's per-policy counters (calls, faults by reason, fallbacks, time per
+//! call) are refreshed from their live values at each scrape.
+use crate::policy::{PolicyKind, PolicyRuntime};
 use dataplane::pic::PicEngine;
 use dataplane::scheduler::SchedulerMetrics;
 use prometheus::{
-    Encoder, HistogramOpts, HistogramVec, IntCounterVec, IntGauge, IntGaugeVec, Opts, Registry,
-    TextEncoder,
+    Encoder, GaugeVec, HistogramOpts, HistogramVec, IntCounterVec, IntGauge, IntGaugeVec, Opts,
+    Registry, TextEncoder,
 };
+use std::collections::HashMap;
 use std::sync::atomic::Ordering;
 use std::sync::Mutex;
 
@@ -37,6 +40,14 @@ pub struct ServeMetrics {
     pool_entries: IntGaugeVec,
     pool_events: IntCounterVec,
     sched_events: IntCounterVec,
+    /// Entries the invalidation sweep checked and dropped (`event`: checked, dropped).
+    pub sweep: IntCounterVec,
+    policy_calls: IntCounterVec,
+    policy_faults: IntCounterVec,
+    policy_fallbacks: IntCounterVec,
+    policy_nanos: IntCounterVec,
+    policy_ns_per_call: GaugeVec,
+    policy_active: IntGaugeVec,
     last: Mutex<Last>,
 }
 
@@ -44,6 +55,22 @@ pub struct ServeMetrics {
 struct Last {
     pool: [[u64; 5]; 2],
     sched: [u64; 4],
+    /// Last exported value of each policy counter, by metric and label values.
+    policy: HashMap<(&'static str, Vec<String>), u64>,
+}
+
+/// Adds to `c` (labels `lv`) what `now` has grown since the last scrape.
+fn advance(
+    last: &mut HashMap<(&'static str, Vec<String>), u64>,
+    metric: &'static str,
+    c: &IntCounterVec,
+    lv: &[&str],
+    now: u64,
+) {
+    let key = (metric, lv.iter().map(|s| s.to_string()).collect());
+    let prev = last.entry(key).or_insert(0);
+    c.with_label_values(lv).inc_by(now.saturating_sub(*prev));
+    *prev = (*prev).max(now);
 }
 
 fn buckets_s() -> Vec<f64> {
@@ -152,8 +179,65 @@ impl ServeMetrics {
             ),
             &["event"]
         ));
+        let sweep = reg!(IntCounterVec::new(
+            Opts::new(
+                "hypic_invalidation_sweep_entries_total",
+                "Cache entries the periodic invalidation sweep put to the invalidation policy (checked) and dropped (a public-pool segment entry, or all private snapshots of one tenant, count once)."
+            ),
+            &["event"]
+        ));
+        let pl = &["kind", "policy"];
+        let policy_calls = reg!(IntCounterVec::new(
+            Opts::new(
+                "hypic_policy_calls_total",
+                "Policy hook calls by kind and policy (catalog id, or native)."
+            ),
+            pl
+        ));
+        let policy_faults = reg!(IntCounterVec::new(
+            Opts::new(
+                "hypic_policy_faults_total",
+                "Policy faults by kind, policy and reason (load, trap, timeout, memory, bad_return)."
+            ),
+            &["kind", "policy", "reason"]
+        ));
+        let policy_fallbacks = reg!(IntCounterVec::new(
+            Opts::new(
+                "hypic_policy_fallbacks_total",
+                "Policy calls answered by the native default after a fault."
+            ),
+            pl
+        ));
+        let policy_nanos = reg!(IntCounterVec::new(
+            Opts::new(
+                "hypic_policy_call_nanoseconds_total",
+                "Wall-clock nanoseconds spent in policy hook calls."
+            ),
+            pl
+        ));
+        let policy_ns_per_call = reg!(GaugeVec::new(
+            Opts::new(
+                "hypic_policy_nanoseconds_per_call",
+                "Mean wall-clock nanoseconds per policy hook call since start."
+            ),
+            pl
+        ));
+        let policy_active = reg!(IntGaugeVec::new(
+            Opts::new(
+                "hypic_policy_active",
+                "Catalog id of the active Wasm policy of each kind (0: native default)."
+            ),
+            &["kind"]
+        ));
         ServeMetrics {
             registry: r,
+            sweep,
+            policy_calls,
+            policy_faults,
+            policy_fallbacks,
+            policy_nanos,
+            policy_ns_per_call,
+            policy_active,
             ttft,
             itl,
             e2e,
@@ -173,8 +257,40 @@ impl ServeMetrics {
         }
     }
 
-    /// Refreshes the live gauges and renders the text exposition.
-    pub fn render(&self, sched: &SchedulerMetrics, engine: &PicEngine) -> String {
+    /// Refreshes the per-policy counters from the runtime's live values.
+    fn observe_policies(&self, rt: &PolicyRuntime, last: &mut Last) {
+        for k in PolicyKind::ALL {
+            self.policy_active
+                .with_label_values(&[k.as_str()])
+                .set(rt.active_id(k).unwrap_or(0));
+        }
+        for p in rt.metrics().policy_snapshots() {
+            let policy = p
+                .policy_id
+                .map(|i| i.to_string())
+                .unwrap_or_else(|| "native".into());
+            let lv = [p.kind.as_str(), policy.as_str()];
+            let l = &mut last.policy;
+            advance(l, "calls", &self.policy_calls, &lv, p.calls);
+            advance(l, "fallbacks", &self.policy_fallbacks, &lv, p.fallbacks);
+            advance(l, "nanos", &self.policy_nanos, &lv, p.nanos);
+            for (reason, n) in &p.faults_by_reason {
+                let lr = [p.kind.as_str(), policy.as_str(), reason.as_str()];
+                advance(l, "faults", &self.policy_faults, &lr, *n);
+            }
+            self.policy_ns_per_call
+                .with_label_values(&lv)
+                .set(p.ns_per_call());
+        }
+    }
+
+    /// Refreshes the live gauges and counters and renders the text exposition.
+    pub fn render(
+        &self,
+        sched: &SchedulerMetrics,
+        engine: &PicEngine,
+        policies: &PolicyRuntime,
+    ) -> String {
         self.queue_depth
             .set(sched.queue_depth.load(Ordering::Relaxed) as i64);
         self.running
@@ -220,6 +336,7 @@ impl ServeMetrics {
                 self.sched_events.with_label_values(&[ev]).inc_by(d);
                 last.sched[i] = last.sched[i].max(now[i]);
             }
+            self.observe_policies(policies, &mut last);
         }
         let mut buf = vec![];
         let enc = TextEncoder::new();

@@ -5,6 +5,8 @@
 //! * `POST/GET/PUT/DELETE /v1/segments[/{id}]`: the control plane's segment catalog
 //!   plus ahead-of-time prefill into the public pool and residency: see [`segments`].
 //! * `GET /health`, `GET /metrics` (Prometheus).
+//! * A periodic invalidation sweep ([`sweep`]) applies the active invalidation
+//!   policy (e.g. TTL) to resident cache entries nobody requests.
 //! * Everything else of the control plane (`/v1/whoami`, grants, versions,
 //!   snapshots, `/v1/admin/*`) is mounted as is.
 //!
@@ -20,6 +22,7 @@ pub mod metrics;
 pub mod prompt;
 pub mod routes;
 pub mod segments;
+pub mod sweep;
 pub mod textgen;
 pub mod types;
 
@@ -83,10 +86,17 @@ pub struct ServeConfig {
     pub data_dir: PathBuf,
     /// JWKS file with extra RS256/EdDSA keys.
     pub jwks_file: Option<PathBuf>,
+    /// How often the JWKS file is re-read for rotated keys, ms (0: only on SIGHUP).
+    pub jwks_reload_ms: u64,
     /// Audience tokens must carry.
     pub audience: String,
     /// Turn authentication off (loopback binds only).
     pub disable_auth: bool,
+    /// Period of the invalidation sweep, ms: every resident public-pool entry
+    /// the server knows (and each tenant's private snapshots) is put to the
+    /// active invalidation policy (e.g. TTL) and dropped from the pool when the
+    /// policy says so, even if no request touches it. 0 turns the sweep off.
+    pub invalidation_sweep_ms: u64,
 }
 
 impl Default for ServeConfig {
@@ -112,8 +122,10 @@ impl Default for ServeConfig {
             database_url: None,
             data_dir: PathBuf::from("hypic-data"),
             jwks_file: None,
+            jwks_reload_ms: crate::DEFAULT_JWKS_RELOAD_MS,
             audience: crate::auth::DEFAULT_AUDIENCE.into(),
             disable_auth: false,
+            invalidation_sweep_ms: 10_000,
         }
     }
 }
@@ -184,6 +196,12 @@ pub struct ServeArgs {
     /// JWKS file.
     #[arg(long)]
     pub jwks_file: Option<PathBuf>,
+    /// JWKS re-read period, ms (0: only on SIGHUP).
+    #[arg(long, env = "HYPIC_JWKS_RELOAD_MS")]
+    pub jwks_reload_ms: Option<u64>,
+    /// Invalidation sweep period, ms (0: off).
+    #[arg(long, env = "HYPIC_INVALIDATION_SWEEP_MS")]
+    pub invalidation_sweep_ms: Option<u64>,
     /// Token audience.
     #[arg(long)]
     pub audience: Option<String>,
@@ -224,7 +242,9 @@ impl ServeConfig {
             default_max_tokens,
             max_n,
             data_dir,
-            audience
+            audience,
+            jwks_reload_ms,
+            invalidation_sweep_ms
         );
         if a.model.is_some() {
             c.model = a.model.clone();
@@ -279,6 +299,7 @@ impl ServeConfig {
             database_url: self.database_url.clone(),
             data_dir: self.data_dir.clone(),
             jwks_file: self.jwks_file.clone(),
+            jwks_reload_ms: self.jwks_reload_ms,
             audience: self.audience.clone(),
             disable_auth: self.disable_auth,
         }
@@ -355,6 +376,7 @@ pub(crate) struct Inner {
     pub control_router: axum::Router,
     pub metrics: metrics::ServeMetrics,
     pub known: Mutex<Known>,
+    pub ledger: sweep::Ledger,
     pub prefill_gate: tokio::sync::Semaphore,
     pub ctx: usize,
 }
@@ -409,6 +431,7 @@ impl AppState {
             control_router,
             metrics: metrics::ServeMetrics::new(),
             known: Mutex::new(Known::default()),
+            ledger: sweep::Ledger::default(),
             prefill_gate: tokio::sync::Semaphore::new(1),
             ctx,
         })))
@@ -433,6 +456,10 @@ impl AppState {
     /// The control-plane state.
     pub fn control(&self) -> &ControlState {
         &self.0.control
+    }
+    /// The wall-clock ledger of cache entries used by the invalidation sweep.
+    pub fn ledger(&self) -> &sweep::Ledger {
+        &self.0.ledger
     }
 }
 
@@ -490,7 +517,11 @@ pub async fn spawn(cfg: ServeConfig) -> anyhow::Result<RunningServer> {
         .await
         .with_context(|| format!("binding {}", cfg.bind))?;
     let addr = listener.local_addr()?;
+    let sweep_every = cfg.invalidation_sweep_ms;
     let state = AppState::new(cfg, model, tok, id, control)?;
+    if sweep_every > 0 {
+        sweep::spawn_sweeper(Arc::downgrade(&state.0), Duration::from_millis(sweep_every));
+    }
     let app = routes::router(state.clone());
     let (tx, rx) = tokio::sync::oneshot::channel::<()>();
     let join = tokio::spawn(async move {

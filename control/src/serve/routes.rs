@@ -158,7 +158,9 @@ async fn health(State(s): State<AppState>) -> Json<Value> {
 }
 
 async fn metrics(State(s): State<AppState>) -> Response {
-    let text = s.0.metrics.render(&s.0.sched.metrics(), &s.0.engine);
+    let text =
+        s.0.metrics
+            .render(&s.0.sched.metrics(), &s.0.engine, s.0.control.policies());
     (
         [(
             header::CONTENT_TYPE,
@@ -1279,6 +1281,19 @@ async fn run_job(
     let mut d = Driver::new(s.clone(), handles, &job.set, endpoint, t0);
     d.started().await?;
     let starts: Vec<Option<StartInfo>> = d.choices.iter().map(|c| c.start.clone()).collect();
+    // Wall-clock times of the cache entries built or used, for the invalidation sweep
+    // (only pruned by the sweep, so not kept when it is off).
+    let sweeping = s.0.cfg.invalidation_sweep_ms > 0;
+    for (i, st) in starts.iter().enumerate().filter(|_| sweeping) {
+        if let Some(st) = st {
+            s.0.ledger.record(
+                &p.tenant,
+                job.set.mode,
+                &job.prompts[i / job.set.n],
+                &st.stats,
+            );
+        }
+    }
     let ext = starts[0]
         .as_ref()
         .map(|st| hypic_ext(&job.set.mode, st, &job.prompts[0]));

@@ -30,13 +30,118 @@ pub fn unique_schema() -> String {
     )
 }
 
-/// A catalog in a fresh Postgres schema. Panics with a clear message when
-/// Postgres is unreachable: these tests must not pass silently without it.
-pub async fn pg_catalog() -> Catalog {
+/// A test schema in the Postgres test database, dropped (with everything in
+/// it) when this guard is dropped, also when the test fails.
+pub struct PgSchema {
+    url: String,
+    /// Schema name (`hypic_t_<pid>_<nanos>_<seq>`).
+    pub name: String,
+}
+
+impl Drop for PgSchema {
+    fn drop(&mut self) {
+        let (url, name) = (self.url.clone(), self.name.clone());
+        // Own thread and runtime: Drop cannot await, and the test's runtime may be
+        // single-threaded.
+        let r = std::thread::spawn(move || {
+            tokio::runtime::Builder::new_current_thread()
+                .enable_all()
+                .build()
+                .expect("runtime")
+                .block_on(drop_schemas(&url, &[name]))
+        })
+        .join();
+        match r {
+            Ok(Ok(_)) => {}
+            Ok(Err(e)) => eprintln!("warning: could not drop test schema {}: {e}", self.name),
+            Err(_) => eprintln!("warning: dropping test schema {} panicked", self.name),
+        }
+    }
+}
+
+/// Drops `schemas` (CASCADE); returns how many existed.
+pub async fn drop_schemas(url: &str, schemas: &[String]) -> Result<usize, sqlx::Error> {
+    use sqlx::Connection;
+    let mut conn = sqlx::postgres::PgConnection::connect(url).await?;
+    // Never wait forever on a lock held by a straggling connection.
+    sqlx::query("SET lock_timeout = '10s'")
+        .execute(&mut conn)
+        .await?;
+    let mut n = 0;
+    for s in schemas {
+        assert!(
+            s.starts_with("hypic_t_") && s.chars().all(|c| c.is_ascii_alphanumeric() || c == '_'),
+            "refusing to drop schema {s:?}"
+        );
+        let exists = sqlx::query("SELECT 1 FROM pg_namespace WHERE nspname = $1")
+            .bind(s)
+            .fetch_optional(&mut conn)
+            .await?
+            .is_some();
+        sqlx::query(&format!("DROP SCHEMA IF EXISTS {s} CASCADE"))
+            .execute(&mut conn)
+            .await?;
+        n += exists as usize;
+    }
+    conn.close().await?;
+    Ok(n)
+}
+
+/// Test schemas left behind by test processes that no longer run (a crashed
+/// or killed run): `hypic_t_<pid>_…` whose process is gone. Schemas of live
+/// processes (tests running concurrently) are never listed. Linux only
+/// (`/proc`); elsewhere nothing is stale.
+pub async fn stale_schemas(url: &str) -> Result<Vec<String>, sqlx::Error> {
+    use sqlx::{Connection, Row};
+    if !std::path::Path::new("/proc/self").exists() {
+        return Ok(vec![]);
+    }
+    let mut conn = sqlx::postgres::PgConnection::connect(url).await?;
+    let rows = sqlx::query("SELECT nspname FROM pg_namespace WHERE nspname LIKE 'hypic\\_t\\_%'")
+        .fetch_all(&mut conn)
+        .await?;
+    conn.close().await?;
+    Ok(rows
+        .iter()
+        .map(|r| r.get::<String, _>(0))
+        .filter(|name| {
+            let pid = name.split('_').nth(2).and_then(|p| p.parse::<u32>().ok());
+            match pid {
+                Some(pid) => !std::path::Path::new(&format!("/proc/{pid}")).exists(),
+                None => false,
+            }
+        })
+        .collect())
+}
+
+static CLEANED: tokio::sync::OnceCell<()> = tokio::sync::OnceCell::const_new();
+
+/// A catalog in a fresh Postgres schema, and the guard that drops the schema;
+/// keep the guard alive for the test. The first call of a process also drops
+/// stale schemas of earlier runs. Panics with a clear message when Postgres is
+/// unreachable: these tests must not pass silently without it.
+pub async fn pg_catalog() -> (Catalog, PgSchema) {
     let url = pg_url();
+    CLEANED
+        .get_or_init(|| async {
+            match stale_schemas(&url).await {
+                Ok(stale) if !stale.is_empty() => {
+                    if let Err(e) = drop_schemas(&url, &stale).await {
+                        eprintln!("warning: could not drop stale test schemas: {e}");
+                    }
+                }
+                Ok(_) => {}
+                Err(e) => eprintln!("warning: could not list stale test schemas: {e}"),
+            }
+        })
+        .await;
     let schema = unique_schema();
+    let guard = PgSchema {
+        url: url.clone(),
+        name: schema.clone(),
+    };
     match Catalog::connect_in_schema(&url, Some(&schema)).await {
-        Ok(c) => c,
+        Ok(c) => (c, guard),
         Err(e) => panic!(
             "Postgres is required for this test but {url} is unreachable or failed ({e}). \
              Start it (CI's .ci/run does) or set HYPIC_TEST_PG_URL."
