@@ -371,9 +371,10 @@ fn answer_nll(
                 .map(|&l| (l as f64 - max).exp())
                 .sum::<f64>()
                 .ln();
-        let lt = *logits.get(t as usize).ok_or_else(|| {
-            Error::Input(format!("answer token {t} outside the vocabulary"))
-        })? as f64;
+        let lt = *logits
+            .get(t as usize)
+            .ok_or_else(|| Error::Input(format!("answer token {t} outside the vocabulary")))?
+            as f64;
         total += lse - lt;
         if j + 1 < target.len() {
             logits = engine.model().decode(t, &mut state)?;

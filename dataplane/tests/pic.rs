@@ -349,11 +349,17 @@ fn entries_built_together_for_several_widths_equal_entries_built_alone() {
             .unwrap();
         let status: Vec<_> = r.iter().map(|x| x.0).collect();
         use dataplane::pic::Prefetch::*;
-        let expect_30 = if s.tokens.len() > 30 { Stored } else { NotNeeded };
+        let expect_30 = if s.tokens.len() > 30 {
+            Stored
+        } else {
+            NotNeeded
+        };
         assert_eq!(status, vec![Stored, Stored, Stored, expect_30, Stored]);
         assert_eq!(r[2].1, r[4].1, "a repeated width reports the first result");
         // A second call finds them resident.
-        let again = together.prefetch_many(&s.tokens, &s.isolation, &[2, 8]).unwrap();
+        let again = together
+            .prefetch_many(&s.tokens, &s.isolation, &[2, 8])
+            .unwrap();
         assert!(again.iter().all(|x| x.0 == Present && x.1 > 0));
     }
     for w in widths {

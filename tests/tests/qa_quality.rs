@@ -111,8 +111,17 @@ fn hypic_matches_full_recompute_on_heldout_single_hop() {
     assert!(hypic.mean_tokens_computed < 0.5 * full.mean_tokens_computed);
     // Seams off (w = 0) is no closer to full recompute than w = 8.
     let kl = |x: &dataplane::eval::ModeReport| x.mean_first_token_kl.unwrap_or(f64::NAN);
-    assert!(kl(hypic) <= kl(w0) * 1.05, "w=8 KL {} vs w=0 {}", kl(hypic), kl(w0));
-    assert!(kl(hypic) < 1.0, "w=8 first-token KL {} too large", kl(hypic));
+    assert!(
+        kl(hypic) <= kl(w0) * 1.05,
+        "w=8 KL {} vs w=0 {}",
+        kl(hypic),
+        kl(w0)
+    );
+    assert!(
+        kl(hypic) < 1.0,
+        "w=8 first-token KL {} too large",
+        kl(hypic)
+    );
 
     // Transitions and seams on the state: compose the system prompt and the documents,
     // end with a one-token segment (the question's first token; the final segment is
@@ -141,7 +150,11 @@ fn hypic_matches_full_recompute_on_heldout_single_hop() {
             engine.run(docs, m, "t").unwrap(); // fill the pools
             engine.run(docs, m, "t").unwrap().state
         };
-        let (h, z, nv) = (hot(Mode::hypic_default()), hot(seams_off), hot(Mode::NaiveAddition));
+        let (h, z, nv) = (
+            hot(Mode::hypic_default()),
+            hot(seams_off),
+            hot(Mode::NaiveAddition),
+        );
         e_hypic += state_rel(&h, &full_state) / k as f64;
         e_w0 += state_rel(&z, &full_state) / k as f64;
         e_naive += state_rel(&nv, &full_state) / k as f64;

@@ -497,7 +497,11 @@ impl PicEngine {
     /// prefill: the projections, MLPs and attention run once; each extra body start
     /// adds one gated-delta-rule pass per linear layer. Returns the entries in the
     /// order of `body_starts` (each clamped to the segment length).
-    pub fn build_entries(&self, tokens: &[u32], body_starts: &[usize]) -> Result<Vec<SegmentEntry>> {
+    pub fn build_entries(
+        &self,
+        tokens: &[u32],
+        body_starts: &[usize],
+    ) -> Result<Vec<SegmentEntry>> {
         let model = &self.model;
         let mut state = model.new_state();
         let positions: Vec<i64> = (0..tokens.len() as i64).collect();
