@@ -522,11 +522,20 @@ async fn auth_is_required_and_metrics_are_exposed() {
     let (st, _) = s
         .post(
             "/v1/completions",
-            &json!({"prompt": "hello", "max_tokens": 3}),
+            // ignore_eos: always 3 tokens, so there are inter-token latencies to count.
+            &json!({"prompt": "hello", "max_tokens": 3, "ignore_eos": true}),
         )
         .await;
     assert_eq!(st, 200);
-    let m = s.metrics().await;
+    // The scheduler retires the request just after the response is written.
+    let t0 = std::time::Instant::now();
+    let mut m = s.metrics().await;
+    while metric(&m, "hypic_running_requests", "") != Some(0.0)
+        && t0.elapsed() < std::time::Duration::from_secs(5)
+    {
+        tokio::time::sleep(std::time::Duration::from_millis(20)).await;
+        m = s.metrics().await;
+    }
     for name in [
         "hypic_time_to_first_token_seconds_bucket",
         "hypic_inter_token_latency_seconds_bucket",

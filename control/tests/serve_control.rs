@@ -450,3 +450,32 @@ async fn policy_metrics_are_exported_in_prometheus_format() {
     assert_eq!(row["faults_by_reason"]["trap"].as_f64(), Some(hostile));
     s.server.stop().await;
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn lru_pool_policy_bypasses_the_control_plane_policies() {
+    // `pool_policy = "lru"`: the engine's own LRU decides; the control plane's
+    // admission/eviction hooks are never called. `control` (the default) calls them.
+    let admission_calls = |m: &str| {
+        metric(
+            m,
+            "hypic_policy_calls_total",
+            "kind=\"admission\",policy=\"native\"",
+        )
+        .unwrap_or(0.0)
+    };
+    let req = json!({"segments": [{"text": SYS}, {"text": DOC_A}, {"text": Q}], "max_tokens": 2});
+    for (policy, called) in [("lru", false), ("control", true)] {
+        let s = start(|c| {
+            c.pool_policy = policy.into();
+            c.invalidation_sweep_ms = 0;
+        })
+        .await;
+        let (st, r) = s.post("/v1/completions", &req).await;
+        assert_eq!(st, 200, "{r}");
+        assert_eq!(outcomes(&r), ["miss", "miss", "computed"], "{policy}");
+        let (st, r) = s.post("/v1/completions", &req).await;
+        assert_eq!(st, 200, "{r}");
+        let calls = admission_calls(&s.metrics().await);
+        assert_eq!(calls > 0.0, called, "{policy}: {calls} admission calls");
+    }
+}

@@ -402,14 +402,8 @@ impl AppState {
             cfg.public_pool_mib << 20,
             cfg.private_pool_mib << 20,
         ));
-        // The control plane's active eviction/admission policies (Wasm or native) decide
-        // what the public pool keeps.
-        engine.set_public_policy(Box::new(
-            crate::policy::pool_adapter::RuntimePoolPolicy::new(
-                control.policies().clone(),
-                cfg.public_pool_mib << 20,
-            ),
-        ));
+        // `control`: the control plane's active eviction/admission policies (Wasm or
+        // native) decide what the public pool keeps; `lru`: the engine's own LRU.
         if cfg.pool_policy == "control" {
             engine.set_public_policy(Box::new(
                 crate::policy::pool_adapter::RuntimePoolPolicy::new(
