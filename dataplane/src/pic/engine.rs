@@ -704,14 +704,7 @@ impl PicEngine {
     }
 
     fn resident_key(&self, key: &Key) -> Option<usize> {
-        let p = lock(&self.public);
-        if !p.contains(key) {
-            return None;
-        }
-        p.entries()
-            .into_iter()
-            .find(|m| &m.key == key)
-            .map(|m| m.bytes)
+        lock(&self.public).meta(key).map(|m| m.bytes)
     }
 
     /// Bytes of the resident public-pool entry of `tokens` under `isolation` for

@@ -139,6 +139,12 @@ impl<V> Pool<V> {
         }
     }
 
+    /// Metadata of the entry under `key`, if resident (O(1); not counted as a lookup
+    /// and does not touch its recency).
+    pub fn meta(&self, key: &Key) -> Option<&EntryMeta> {
+        self.entries.get(key).map(|(_, m)| m)
+    }
+
     /// True when `key` is present (no statistics, no recency change).
     pub fn contains(&self, key: &Key) -> bool {
         self.entries.contains_key(key)
@@ -272,6 +278,17 @@ mod tests {
             Insert::Stored { evicted: 0 }
         );
         assert_eq!(p.used_bytes(), 80);
+        let lookups = p.stats().hits + p.stats().misses;
+        assert_eq!(
+            p.meta(&k(2)).map(|m| (m.bytes, m.owner.as_str())),
+            Some((40, "a"))
+        );
+        assert!(p.meta(&k(3)).is_none());
+        assert_eq!(
+            p.stats().hits + p.stats().misses,
+            lookups,
+            "meta is not a lookup"
+        );
         assert!(p.get(&k(1)).is_some()); // 1 is now more recent than 2
         assert_eq!(
             p.insert(k(3), Arc::new(3), 40, 10, "a"),
