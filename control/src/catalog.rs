@@ -604,6 +604,15 @@ impl Catalog {
         Ok(())
     }
 
+    /// Ids of every non-deleted segment, sorted, without access checks (callers
+    /// filter with [`Catalog::can_read`]).
+    pub async fn segment_ids(&self) -> CatalogResult<Vec<String>> {
+        let rows = sqlx::query("SELECT id FROM segments WHERE deleted_at IS NULL ORDER BY id")
+            .fetch_all(&self.pool)
+            .await?;
+        Ok(rows.iter().map(|r| r.get::<String, _>(0)).collect())
+    }
+
     /// The current state of a (non-deleted) segment, without access checks.
     pub async fn get_segment(&self, id: &str) -> CatalogResult<Segment> {
         let row = sqlx::query(

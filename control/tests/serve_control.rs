@@ -479,3 +479,44 @@ async fn lru_pool_policy_bypasses_the_control_plane_policies() {
         assert_eq!(calls > 0.0, called, "{policy}: {calls} admission calls");
     }
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn segment_list_comes_from_the_catalog_and_survives_a_restart() {
+    let dir = tempfile::tempdir().unwrap();
+    let path = dir.path().to_path_buf();
+    let cfg = |c: &mut hypic_control::serve::ServeConfig| {
+        c.data_dir = path.clone();
+        c.invalidation_sweep_ms = 0;
+    };
+    let s = start(&cfg).await;
+    for (id, text) in [("doc-b", DOC_B), ("doc-a", DOC_A)] {
+        let (st, v) = s
+            .post("/v1/segments", &json!({"id": id, "content": text}))
+            .await;
+        assert_eq!(st, 200, "{v}");
+    }
+    s.server.stop().await;
+    // A new process on the same data directory lists them before touching them.
+    let s = start(&cfg).await;
+    let ids = |v: &Value| -> Vec<String> {
+        v["data"]
+            .as_array()
+            .map(|a| {
+                a.iter()
+                    .filter_map(|x| x["id"].as_str().map(String::from))
+                    .collect()
+            })
+            .unwrap_or_default()
+    };
+    let (st, v) = s.get("/v1/segments").await;
+    assert_eq!(st, 200, "{v}");
+    assert_eq!(ids(&v), ["doc-a", "doc-b"], "{v}");
+    assert!(v["data"][0]["tokens"].as_u64().unwrap_or(0) > 0, "{v}");
+    // Another tenant sees none of acme's private segments; the operator sees all.
+    let (st, v) = s.get_as(Some(&s.token_b), "/v1/segments").await;
+    assert_eq!(st, 200, "{v}");
+    assert!(ids(&v).is_empty(), "{v}");
+    let (_, v) = s.get_as(Some(&s.op_token), "/v1/segments").await;
+    assert_eq!(ids(&v), ["doc-a", "doc-b"], "{v}");
+    s.server.stop().await;
+}

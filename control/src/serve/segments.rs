@@ -398,17 +398,16 @@ pub async fn get_one(
     (status, Json(out)).into_response()
 }
 
-/// `GET /v1/segments`: the segments this server has seen that the caller may read.
+/// `GET /v1/segments`: every catalog segment the caller may read (an operator: all),
+/// with its token count for the served model and its residency.
 pub async fn list(State(s): State<AppState>, Tenant(p): Tenant) -> Response {
-    let ids: Vec<String> = {
-        let k = s.0.known.lock().unwrap_or_else(|p| p.into_inner());
-        let mut v: Vec<String> = k.tokens.keys().map(|(i, _)| i.clone()).collect();
-        v.extend(k.isolations.keys().cloned());
-        v.sort();
-        v.dedup();
-        v
-    };
     let cat = s.0.control.catalog();
+    let ids = match cat.segment_ids().await {
+        Ok(ids) => ids,
+        Err(e) => {
+            return ServeError::internal(format!("segment catalog: {e}")).into_response();
+        }
+    };
     let mut data = vec![];
     for id in ids {
         let readable = p.is_operator() || cat.can_read(&p.tenant, &id).await.unwrap_or(false);

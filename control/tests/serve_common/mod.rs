@@ -37,8 +37,9 @@ pub async fn start(tweak: impl FnOnce(&mut ServeConfig)) -> Srv {
         ..ServeConfig::default()
     };
     tweak(&mut cfg);
+    let data_dir = cfg.data_dir.clone();
     let server = spawn(cfg).await.expect("server starts");
-    let (secret, _) = load_or_create_secret(dir.path()).unwrap();
+    let (secret, _) = load_or_create_secret(&data_dir).unwrap();
     let tok =
         |t: &str, r: Role| mint_token(&secret, "hypic", t, &format!("u@{t}"), r, 3600).unwrap();
     Srv {
