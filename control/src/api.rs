@@ -43,6 +43,10 @@ struct Inner {
     keyer: IsolationKeyer,
     policies: Arc<PolicyRuntime>,
     known: Mutex<HashSet<(String, String)>>,
+    /// Serialises activations and rollbacks: each changes the catalog and then
+    /// installs the module in the runtime, and two interleaved ones would
+    /// leave the server running a policy the catalog does not record as active.
+    activation: tokio::sync::Mutex<()>,
 }
 
 /// Shared state of the control-plane router.
@@ -67,6 +71,7 @@ impl ControlState {
                 keyer,
                 policies,
                 known: Mutex::new(HashSet::new()),
+                activation: tokio::sync::Mutex::new(()),
             }),
         }
     }
@@ -333,6 +338,48 @@ impl<S: Send + Sync, T: DeserializeOwned + Send> FromRequest<S> for Body<T> {
     }
 }
 
+/// Path extractor whose rejections are OpenAI-style 400s naming the problem
+/// (axum's own answers in plain text), and which refuses NUL characters (Postgres
+/// cannot store or compare them: they would surface as a 500).
+pub struct ApiPath<T>(pub T);
+
+impl<S: Send + Sync, T: DeserializeOwned + Send> FromRequestParts<S> for ApiPath<T> {
+    type Rejection = ApiError;
+    async fn from_request_parts(parts: &mut Parts, state: &S) -> Result<Self, ApiError> {
+        let raw = Path::<Vec<(String, String)>>::from_request_parts(parts, state)
+            .await
+            .map_err(|e| ApiError::bad_request(format!("invalid path: {}", e.body_text())))?;
+        if let Some((name, _)) = raw.0.iter().find(|(_, v)| v.contains('\0')) {
+            return Err(ApiError::bad_request(format!(
+                "path parameter {name:?} contains a NUL character"
+            )));
+        }
+        match Path::<T>::from_request_parts(parts, state).await {
+            Ok(Path(v)) => Ok(ApiPath(v)),
+            Err(e) => Err(ApiError::bad_request(format!(
+                "invalid path: {}",
+                e.body_text()
+            ))),
+        }
+    }
+}
+
+/// Query extractor whose rejections are OpenAI-style 400s naming the problem.
+pub struct ApiQuery<T>(pub T);
+
+impl<S: Send + Sync, T: DeserializeOwned + Send> FromRequestParts<S> for ApiQuery<T> {
+    type Rejection = ApiError;
+    async fn from_request_parts(parts: &mut Parts, state: &S) -> Result<Self, ApiError> {
+        match Query::<T>::from_request_parts(parts, state).await {
+            Ok(Query(v)) => Ok(ApiQuery(v)),
+            Err(e) => Err(ApiError::bad_request(format!(
+                "invalid query string: {}",
+                e.body_text()
+            ))),
+        }
+    }
+}
+
 /// The authenticated caller.
 pub struct Caller(pub Principal);
 
@@ -487,7 +534,7 @@ async fn create_segment(
 async fn get_segment(
     State(s): State<ControlState>,
     Caller(p): Caller,
-    Path(id): Path<String>,
+    ApiPath(id): ApiPath<String>,
 ) -> ApiResult<Segment> {
     if !p.is_operator() && !s.inner.catalog.can_read(&p.tenant, &id).await? {
         return Err(ApiError::not_found(format!("segment {id:?} not found")));
@@ -518,7 +565,7 @@ pub struct UpdateResult {
 async fn update_segment(
     State(s): State<ControlState>,
     Caller(p): Caller,
-    Path(id): Path<String>,
+    ApiPath(id): ApiPath<String>,
     Body(u): Body<UpdateSegment>,
 ) -> ApiResult<UpdateResult> {
     require_owner(&s, &p, &id).await?;
@@ -566,7 +613,7 @@ async fn invalidate_superseded(s: &ControlState, seg: &Segment) -> Result<u64, A
 async fn delete_segment(
     State(s): State<ControlState>,
     Caller(p): Caller,
-    Path(id): Path<String>,
+    ApiPath(id): ApiPath<String>,
 ) -> ApiResult<serde_json::Value> {
     require_owner(&s, &p, &id).await?;
     s.inner.catalog.delete_segment(&id, &p.sub).await?;
@@ -579,7 +626,7 @@ async fn delete_segment(
 async fn segment_versions(
     State(s): State<ControlState>,
     Caller(p): Caller,
-    Path(id): Path<String>,
+    ApiPath(id): ApiPath<String>,
 ) -> ApiResult<Vec<crate::catalog::SegmentVersion>> {
     if !p.is_operator() && !s.inner.catalog.can_read(&p.tenant, &id).await? {
         return Err(ApiError::not_found(format!("segment {id:?} not found")));
@@ -597,7 +644,7 @@ pub struct GrantBody {
 async fn list_grants(
     State(s): State<ControlState>,
     Caller(p): Caller,
-    Path(id): Path<String>,
+    ApiPath(id): ApiPath<String>,
 ) -> ApiResult<Vec<String>> {
     require_owner(&s, &p, &id).await?;
     Ok(Json(s.inner.catalog.grants(&id).await?))
@@ -606,7 +653,7 @@ async fn list_grants(
 async fn add_grant(
     State(s): State<ControlState>,
     Caller(p): Caller,
-    Path(id): Path<String>,
+    ApiPath(id): ApiPath<String>,
     Body(g): Body<GrantBody>,
 ) -> ApiResult<serde_json::Value> {
     require_owner(&s, &p, &id).await?;
@@ -619,7 +666,7 @@ async fn add_grant(
 async fn revoke_grant(
     State(s): State<ControlState>,
     Caller(p): Caller,
-    Path((id, tenant)): Path<(String, String)>,
+    ApiPath((id, tenant)): ApiPath<(String, String)>,
 ) -> ApiResult<serde_json::Value> {
     require_owner(&s, &p, &id).await?;
     s.inner.catalog.revoke(&id, &tenant, &p.sub).await?;
@@ -636,7 +683,7 @@ pub struct GroupGrantBody {
 async fn list_group_grants(
     State(s): State<ControlState>,
     Caller(p): Caller,
-    Path(id): Path<String>,
+    ApiPath(id): ApiPath<String>,
 ) -> ApiResult<Vec<String>> {
     require_owner(&s, &p, &id).await?;
     Ok(Json(s.inner.catalog.group_grants(&id).await?))
@@ -645,7 +692,7 @@ async fn list_group_grants(
 async fn add_group_grant(
     State(s): State<ControlState>,
     Caller(p): Caller,
-    Path(id): Path<String>,
+    ApiPath(id): ApiPath<String>,
     Body(g): Body<GroupGrantBody>,
 ) -> ApiResult<serde_json::Value> {
     require_owner(&s, &p, &id).await?;
@@ -658,7 +705,7 @@ async fn add_group_grant(
 async fn revoke_group_grant(
     State(s): State<ControlState>,
     Caller(p): Caller,
-    Path((id, group)): Path<(String, String)>,
+    ApiPath((id, group)): ApiPath<(String, String)>,
 ) -> ApiResult<serde_json::Value> {
     require_owner(&s, &p, &id).await?;
     s.inner.catalog.revoke_group(&id, &group, &p.sub).await?;
@@ -702,7 +749,7 @@ async fn list_groups(
 async fn get_group(
     State(s): State<ControlState>,
     Operator(_): Operator,
-    Path(id): Path<String>,
+    ApiPath(id): ApiPath<String>,
 ) -> ApiResult<Group> {
     Ok(Json(s.inner.catalog.group(&id).await?))
 }
@@ -710,7 +757,7 @@ async fn get_group(
 async fn delete_group(
     State(s): State<ControlState>,
     Operator(p): Operator,
-    Path(id): Path<String>,
+    ApiPath(id): ApiPath<String>,
 ) -> ApiResult<serde_json::Value> {
     s.inner.catalog.delete_group(&id, &p.sub).await?;
     Ok(Json(serde_json::json!({"deleted": id})))
@@ -719,7 +766,7 @@ async fn delete_group(
 async fn add_member(
     State(s): State<ControlState>,
     Operator(p): Operator,
-    Path((id, tenant)): Path<(String, String)>,
+    ApiPath((id, tenant)): ApiPath<(String, String)>,
 ) -> ApiResult<Group> {
     s.inner.catalog.add_member(&id, &tenant, &p.sub).await?;
     Ok(Json(s.inner.catalog.group(&id).await?))
@@ -728,7 +775,7 @@ async fn add_member(
 async fn remove_member(
     State(s): State<ControlState>,
     Operator(p): Operator,
-    Path((id, tenant)): Path<(String, String)>,
+    ApiPath((id, tenant)): ApiPath<(String, String)>,
 ) -> ApiResult<Group> {
     s.inner.catalog.remove_member(&id, &tenant, &p.sub).await?;
     Ok(Json(s.inner.catalog.group(&id).await?))
@@ -857,6 +904,16 @@ async fn report_residency(
         return Err(ApiError::bad_request(
             "worker and cache_key must be non-empty and bytes non-negative",
         ));
+    }
+    for (what, v) in [
+        ("worker", Some(&r.worker)),
+        ("cache_key", Some(&r.cache_key)),
+        ("segment_id", Some(&r.segment_id)),
+        ("tenant", r.tenant.as_ref()),
+    ] {
+        if let Some(v) = v {
+            crate::catalog::validate_text(what, v)?;
+        }
     }
     s.inner
         .catalog
@@ -1016,12 +1073,13 @@ async fn policy_stats(
 async fn activate_policy(
     State(s): State<ControlState>,
     Operator(p): Operator,
-    Path(id): Path<i64>,
+    ApiPath(id): ApiPath<i64>,
 ) -> ApiResult<serde_json::Value> {
     let rec = s.inner.catalog.policy(id).await?;
     let kind: PolicyKind = rec.kind.parse().map_err(ApiError::bad_request)?;
     let params: serde_json::Value =
         serde_json::from_str(&rec.params).unwrap_or(serde_json::Value::Null);
+    let _serial = s.inner.activation.lock().await;
     // Load first: a module that no longer loads is not activated.
     WasmPolicy::load(
         s.inner.policies.engine(),
@@ -1057,6 +1115,7 @@ async fn rollback_policy(
     Body(b): Body<RollbackBody>,
 ) -> ApiResult<serde_json::Value> {
     let kind: PolicyKind = b.kind.parse().map_err(ApiError::bad_request)?;
+    let _serial = s.inner.activation.lock().await;
     let now_active = s
         .inner
         .catalog
@@ -1108,7 +1167,7 @@ pub struct DryRunResult {
 async fn dry_run(
     State(s): State<ControlState>,
     Operator(p): Operator,
-    Path(id): Path<i64>,
+    ApiPath(id): ApiPath<i64>,
     Body(b): Body<DryRunBody>,
 ) -> ApiResult<DryRunResult> {
     let rec = s.inner.catalog.policy(id).await?;
@@ -1178,8 +1237,11 @@ pub struct AuditQuery {
 async fn audit_log(
     State(s): State<ControlState>,
     Operator(_): Operator,
-    Query(q): Query<AuditQuery>,
+    ApiQuery(q): ApiQuery<AuditQuery>,
 ) -> ApiResult<Vec<crate::catalog::AuditEntry>> {
+    if q.action.as_deref().is_some_and(|a| a.contains('\0')) {
+        return Err(ApiError::bad_request("action contains a NUL character"));
+    }
     Ok(Json(
         s.inner
             .catalog

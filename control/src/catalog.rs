@@ -267,12 +267,30 @@ pub fn validate_id(what: &str, id: &str) -> CatalogResult<()> {
             "{what} must be 1..=128 characters"
         )));
     }
+    if id == "." || id == ".." {
+        // Not addressable in a URL path: clients normalise them away.
+        return Err(CatalogError::Invalid(format!(
+            "{what} must not be \".\" or \"..\""
+        )));
+    }
     if !id
         .chars()
         .all(|c| c.is_ascii_alphanumeric() || matches!(c, '.' | '_' | ':' | '-'))
     {
         return Err(CatalogError::Invalid(format!(
             "{what} {id:?} may only contain letters, digits, '.', '_', ':' and '-'"
+        )));
+    }
+    Ok(())
+}
+
+/// Refuses text the backends disagree on: Postgres cannot store a NUL
+/// character in a `TEXT` column (the insert would fail as a database error,
+/// a 500), while SQLite would.
+pub fn validate_text(what: &str, text: &str) -> CatalogResult<()> {
+    if text.contains('\0') {
+        return Err(CatalogError::Invalid(format!(
+            "{what} must not contain NUL characters"
         )));
     }
     Ok(())
@@ -285,6 +303,7 @@ fn validate_tokens(tokens: &BTreeMap<String, i64>) -> CatalogResult<()> {
                 "model name must be 1..=200 characters".into(),
             ));
         }
+        validate_text("model name", m)?;
         if *t < 0 {
             return Err(CatalogError::Invalid(format!(
                 "token count for {m:?} is negative"
@@ -420,6 +439,7 @@ impl Catalog {
                 "subject must be 1..=256 characters".into(),
             ));
         }
+        validate_text("subject", sub)?;
         sqlx::query(
             "INSERT INTO principals (sub, tenant_id, role, created_at) VALUES ($1, $2, $3, $4) \
              ON CONFLICT (tenant_id, sub) DO UPDATE SET role = excluded.role",
@@ -454,6 +474,10 @@ impl Catalog {
     ) -> CatalogResult<Segment> {
         validate_id("segment id", &seg.id)?;
         validate_tokens(&seg.tokens)?;
+        validate_text("content", &seg.content)?;
+        if let Some(name) = &seg.name {
+            validate_text("name", name)?;
+        }
         self.ensure_tenant(owner, owner).await?;
         let now = now_ms();
         let name = seg.name.clone().unwrap_or_else(|| seg.id.clone());
@@ -516,8 +540,9 @@ impl Catalog {
         actor: &str,
         updates: &[(String, String, BTreeMap<String, i64>)],
     ) -> CatalogResult<Vec<i64>> {
-        for (_, _, t) in updates {
+        for (_, content, t) in updates {
             validate_tokens(t)?;
+            validate_text("content", content)?;
         }
         // Lock rows in a fixed order to avoid deadlocks between concurrent batches.
         let mut order: Vec<usize> = (0..updates.len()).collect();
@@ -1310,6 +1335,7 @@ impl Catalog {
                 "group name must be 1..=256 characters".into(),
             ));
         }
+        validate_text("group name", name)?;
         let mut tx = self.pool.begin().await?;
         let res = sqlx::query(
             "INSERT INTO tenant_groups (id, name, created_by, created_at) VALUES ($1, $2, $3, $4) \
@@ -1503,6 +1529,7 @@ impl Catalog {
     /// Grants every member of group `group` read access to segment `id`.
     /// `NotFound` if the segment or the group does not exist.
     pub async fn grant_group(&self, id: &str, group: &str, actor: &str) -> CatalogResult<()> {
+        validate_id("group id", group)?;
         let seg = self.get_segment(id).await?;
         self.group_exists(group).await?;
         let mut tx = self.pool.begin().await?;

@@ -28,6 +28,10 @@ impl RuntimePoolPolicy {
     }
 }
 
+/// Most candidate keys whose sighting counts are remembered (about 4 MiB);
+/// past it the counts start over.
+pub const SEEN_CAP: usize = 1 << 16;
+
 fn id64(b: &[u8]) -> u64 {
     u64::from_le_bytes(b[..8].try_into().expect("at least 8 bytes"))
 }
@@ -56,6 +60,11 @@ impl CachePolicy for RuntimePoolPolicy {
     }
 
     fn admit(&mut self, c: &EntryMeta) -> bool {
+        if self.seen.len() >= SEEN_CAP && !self.seen.contains_key(&c.key) {
+            // Sighting counts are a hint: forget them all rather than let every
+            // distinct prompt segment ever offered stay in memory.
+            self.seen.clear();
+        }
         let seen = self.seen.entry(c.key).or_insert(0);
         *seen = seen.saturating_add(1);
         let a = AdmitInfo {
@@ -108,6 +117,32 @@ mod tests {
             Insert::Stored { evicted: 1 }
         );
         assert!(p.contains(&[1; 32]) && !p.contains(&[2; 32]));
+    }
+
+    #[test]
+    fn sighting_counts_stay_bounded() {
+        // Every distinct segment a client sends is offered to admission once; the
+        // counts of keys never seen again must not accumulate without bound.
+        let mut p = RuntimePoolPolicy::new(runtime(), 1 << 20);
+        for i in 0..(SEEN_CAP as u64 + 1000) {
+            let mut key = [0u8; 32];
+            key[..8].copy_from_slice(&i.to_le_bytes());
+            let meta = EntryMeta {
+                key,
+                bytes: 1,
+                hits: 0,
+                last_use: i,
+                inserted: i,
+                tokens: 1,
+                owner: "t".into(),
+            };
+            assert!(p.admit(&meta));
+        }
+        assert!(
+            p.seen.len() <= SEEN_CAP,
+            "{} sighting counts kept",
+            p.seen.len()
+        );
     }
 
     #[test]

@@ -9,10 +9,11 @@
 use super::errors::{parse_json, ServeError};
 use super::routes::{body_error, catalog_tokens, Tenant};
 use super::{AppState, CachedTokens};
+use crate::api::ApiPath;
 use crate::catalog::{now_ms, Residency, Segment};
 use axum::body::{Body, Bytes};
 use axum::extract::rejection::BytesRejection;
-use axum::extract::{Path, State};
+use axum::extract::State;
 use axum::http::{header, HeaderMap, Method, Request, StatusCode};
 use axum::response::{IntoResponse, Response};
 use axum::Json;
@@ -73,6 +74,26 @@ fn body_starts(s: &AppState) -> Vec<usize> {
         v.push(s.0.cfg.seam_width);
     }
     v
+}
+
+/// Refuses a path segment id that no segment can have before it is spliced into
+/// the URI forwarded to the control plane: an id such as `doc?x` or `doc/grants`
+/// (percent-encoded by the client) would otherwise address another resource,
+/// e.g. `DELETE /v1/segments/doc%3Fx` deleted `doc`, and one with a space or
+/// non-ASCII character failed to build the URI (a 500).
+fn bad_id(id: &str) -> Option<Response> {
+    crate::catalog::validate_id("segment id", id)
+        .err()
+        .map(|e| {
+            ServeError {
+                param: Some("id".into()),
+                ..ServeError::not_found(
+                    "segment_not_found",
+                    format!("segment {id:?} not found ({e})"),
+                )
+            }
+            .into_response()
+        })
 }
 
 /// Tokenises `content` (off the async runtime).
@@ -365,8 +386,11 @@ pub async fn get_one(
     State(s): State<AppState>,
     Tenant(p): Tenant,
     headers: HeaderMap,
-    Path(id): Path<String>,
+    ApiPath(id): ApiPath<String>,
 ) -> Response {
+    if let Some(r) = bad_id(&id) {
+        return r;
+    }
     let (status, out) = match forward(
         &s,
         Method::GET,
@@ -437,9 +461,12 @@ pub async fn update(
     State(s): State<AppState>,
     Tenant(p): Tenant,
     headers: HeaderMap,
-    Path(id): Path<String>,
+    ApiPath(id): ApiPath<String>,
     body: Result<Bytes, BytesRejection>,
 ) -> Response {
+    if let Some(r) = bad_id(&id) {
+        return r;
+    }
     let (v, tokens, pre) = match prepare_body(&s, body).await {
         Ok(x) => x,
         Err(e) => return e.into_response(),
@@ -492,8 +519,11 @@ pub async fn delete(
     State(s): State<AppState>,
     Tenant(_): Tenant,
     headers: HeaderMap,
-    Path(id): Path<String>,
+    ApiPath(id): ApiPath<String>,
 ) -> Response {
+    if let Some(r) = bad_id(&id) {
+        return r;
+    }
     let (status, out) = match forward(
         &s,
         Method::DELETE,
