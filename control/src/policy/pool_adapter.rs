@@ -46,8 +46,8 @@ fn info(m: &EntryMeta) -> EntryInfo {
         tenant: tenant_id(&m.owner),
         bytes: m.bytes as u64,
         recompute_tokens: m.tokens as u64,
-        last_use_ms: m.last_use,
-        inserted_ms: m.inserted,
+        last_use_ms: m.last_use_ms,
+        inserted_ms: m.inserted_ms,
         hits: m.hits.min(u32::MAX as u64) as u32,
         shared: false,
         superseded: false,
@@ -59,7 +59,7 @@ impl CachePolicy for RuntimePoolPolicy {
         "control-plane"
     }
 
-    fn admit(&mut self, c: &EntryMeta) -> bool {
+    fn admit(&mut self, c: &EntryMeta, owner_used_bytes: usize) -> bool {
         if self.seen.len() >= SEEN_CAP && !self.seen.contains_key(&c.key) {
             // Sighting counts are a hint: forget them all rather than let every
             // distinct prompt segment ever offered stay in memory.
@@ -72,7 +72,7 @@ impl CachePolicy for RuntimePoolPolicy {
             tenant: tenant_id(&c.owner),
             bytes: c.bytes as u64,
             recompute_tokens: c.tokens as u64,
-            tenant_used_bytes: 0,
+            tenant_used_bytes: owner_used_bytes as u64,
             capacity_bytes: self.capacity,
             seen_count: *seen,
             shared: false,
@@ -133,15 +133,54 @@ mod tests {
                 hits: 0,
                 last_use: i,
                 inserted: i,
+                last_use_ms: i,
+                inserted_ms: i,
                 tokens: 1,
                 owner: "t".into(),
             };
-            assert!(p.admit(&meta));
+            assert!(p.admit(&meta, 0));
         }
         assert!(
             p.seen.len() <= SEEN_CAP,
             "{} sighting counts kept",
             p.seen.len()
+        );
+    }
+
+    #[test]
+    fn wasm_quota_admission_limits_each_owner() {
+        // quota.wasm with 500 ‰: an owner may hold at most half the pool; another
+        // owner is not affected, and freed bytes can be used again.
+        let rt = runtime();
+        let (_, _, bytes) = builtin::ALL
+            .iter()
+            .find(|(n, _, _)| *n == "quota")
+            .expect("built-in");
+        rt.activate_module(
+            PolicyKind::Admission,
+            None,
+            bytes,
+            &serde_json::json!({"quota_permille": 500}),
+        )
+        .expect("loads");
+        let mut p: Pool<u8> = Pool::new(1000, Box::new(RuntimePoolPolicy::new(rt, 1000)));
+        assert_eq!(
+            p.insert([1; 32], Arc::new(1), 300, 10, "a"),
+            Insert::Stored { evicted: 0 }
+        );
+        assert_eq!(
+            p.insert([2; 32], Arc::new(1), 300, 10, "a"),
+            Insert::NotAdmitted,
+            "a would hold 600 of 1000 bytes"
+        );
+        assert_eq!(
+            p.insert([3; 32], Arc::new(1), 300, 10, "b"),
+            Insert::Stored { evicted: 0 }
+        );
+        assert!(p.remove(&[1; 32]));
+        assert_eq!(
+            p.insert([2; 32], Arc::new(1), 300, 10, "a"),
+            Insert::Stored { evicted: 0 }
         );
     }
 

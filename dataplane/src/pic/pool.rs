@@ -22,18 +22,33 @@ pub struct EntryMeta {
     pub last_use: u64,
     /// Logical clock at insertion.
     pub inserted: u64,
+    /// Wall-clock time of the last use, milliseconds since the Unix epoch, made
+    /// strictly increasing across the pool's events (two events in one millisecond
+    /// get consecutive values) so that it orders uses like `last_use`.
+    pub last_use_ms: u64,
+    /// Wall-clock time of insertion, milliseconds since the Unix epoch (same stamp).
+    pub inserted_ms: u64,
     /// Tokens that a miss would have to prefill again (recompute cost).
     pub tokens: usize,
     /// Isolation key of the owner (tenant salt), opaque to the pool.
     pub owner: String,
 }
 
+/// Milliseconds since the Unix epoch (0 if the clock is before it).
+fn unix_ms() -> u64 {
+    std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .map_or(0, |d| d.as_millis() as u64)
+}
+
 /// Admission and eviction decisions of a pool.
 pub trait CachePolicy: Send {
     /// Short name for metrics and logs.
     fn name(&self) -> &str;
-    /// Whether a new entry may enter the pool (default: always).
-    fn admit(&mut self, _candidate: &EntryMeta) -> bool {
+    /// Whether a new entry may enter the pool (default: always). `owner_used_bytes`:
+    /// bytes the candidate's owner (isolation namespace) already holds in this pool,
+    /// for per-tenant quotas.
+    fn admit(&mut self, _candidate: &EntryMeta, _owner_used_bytes: usize) -> bool {
         true
     }
     /// Index into `entries` of the entry to evict next, or `None` to refuse eviction
@@ -95,6 +110,10 @@ pub struct Pool<V> {
     used: usize,
     clock: u64,
     entries: HashMap<Key, (Arc<V>, EntryMeta)>,
+    /// Bytes held per owner (entries with bytes > 0 only).
+    by_owner: HashMap<String, usize>,
+    /// Last wall-clock stamp handed out (ms), see [`EntryMeta::last_use_ms`].
+    last_stamp_ms: u64,
     policy: Box<dyn CachePolicy>,
     stats: PoolStats,
 }
@@ -107,6 +126,8 @@ impl<V> Pool<V> {
             used: 0,
             clock: 0,
             entries: HashMap::new(),
+            by_owner: HashMap::new(),
+            last_stamp_ms: 0,
             policy,
             stats: PoolStats::default(),
         }
@@ -125,10 +146,12 @@ impl<V> Pool<V> {
     /// Looks `key` up, counting a hit or a miss and refreshing recency on a hit.
     pub fn get(&mut self, key: &Key) -> Option<Arc<V>> {
         self.clock += 1;
+        let stamp = self.stamp_ms();
         match self.entries.get_mut(key) {
             Some((v, m)) => {
                 m.hits += 1;
                 m.last_use = self.clock;
+                m.last_use_ms = stamp;
                 self.stats.hits += 1;
                 Some(v.clone())
             }
@@ -163,16 +186,19 @@ impl<V> Pool<V> {
             return Insert::Present;
         }
         self.clock += 1;
+        let stamp = self.stamp_ms();
         let meta = EntryMeta {
             key,
             bytes,
             hits: 0,
             last_use: self.clock,
             inserted: self.clock,
+            last_use_ms: stamp,
+            inserted_ms: stamp,
             tokens,
             owner: owner.to_string(),
         };
-        if !self.policy.admit(&meta) {
+        if !self.policy.admit(&meta, self.owner_bytes(owner)) {
             self.stats.rejected += 1;
             return Insert::NotAdmitted;
         }
@@ -195,6 +221,7 @@ impl<V> Pool<V> {
             evicted += 1;
         }
         self.used += bytes;
+        *self.by_owner.entry(meta.owner.clone()).or_default() += bytes;
         self.entries.insert(key, (value, meta));
         self.stats.inserts += 1;
         Insert::Stored { evicted }
@@ -205,6 +232,12 @@ impl<V> Pool<V> {
         match self.entries.remove(key) {
             Some((_, m)) => {
                 self.used -= m.bytes;
+                if let Some(b) = self.by_owner.get_mut(&m.owner) {
+                    *b -= m.bytes;
+                    if *b == 0 {
+                        self.by_owner.remove(&m.owner);
+                    }
+                }
                 true
             }
             None => false,
@@ -228,7 +261,19 @@ impl<V> Pool<V> {
     /// Drops everything.
     pub fn clear(&mut self) {
         self.entries.clear();
+        self.by_owner.clear();
         self.used = 0;
+    }
+
+    /// The next wall-clock stamp: now in ms, or one more than the last stamp.
+    fn stamp_ms(&mut self) -> u64 {
+        self.last_stamp_ms = unix_ms().max(self.last_stamp_ms + 1);
+        self.last_stamp_ms
+    }
+
+    /// Bytes held by entries of `owner`.
+    pub fn owner_bytes(&self, owner: &str) -> usize {
+        self.by_owner.get(owner).copied().unwrap_or(0)
     }
 
     /// Metadata of every entry (unordered).
@@ -278,6 +323,14 @@ mod tests {
             Insert::Stored { evicted: 0 }
         );
         assert_eq!(p.used_bytes(), 80);
+        assert_eq!((p.owner_bytes("a"), p.owner_bytes("b")), (80, 0));
+        // Wall-clock stamps: strictly increasing, and near now.
+        let (t1, t2) = (
+            p.meta(&k(1)).map(|m| m.inserted_ms),
+            p.meta(&k(2)).map(|m| m.inserted_ms),
+        );
+        assert!(t1 < t2, "{t1:?} {t2:?}");
+        assert!(t2.unwrap_or(0).abs_diff(unix_ms()) < 60_000);
         let lookups = p.stats().hits + p.stats().misses;
         assert_eq!(
             p.meta(&k(2)).map(|m| (m.bytes, m.owner.as_str())),
@@ -310,7 +363,7 @@ mod tests {
         fn name(&self) -> &str {
             "never"
         }
-        fn admit(&mut self, c: &EntryMeta) -> bool {
+        fn admit(&mut self, c: &EntryMeta, _owner_used_bytes: usize) -> bool {
             c.tokens > 5
         }
         fn victim(&mut self, _: &[EntryMeta]) -> Option<usize> {
