@@ -499,7 +499,10 @@ pub fn print_first_start(fs: &FirstStart, data_dir: &Path) {
         );
         println!("hypic: operator token (tenant {OPERATOR_TENANT}):\n{op}");
         println!("hypic: demo tenant token (tenant {DEMO_TENANT}):\n{demo}");
-        println!("hypic: mint more with `hypic token --tenant NAME --role tenant|operator`");
+        println!(
+            "hypic: mint more with `hypic token --data-dir {} --tenant NAME --role tenant|operator`",
+            data_dir.display()
+        );
     }
 }
 
@@ -540,7 +543,14 @@ pub struct TokenArgs {
 pub fn token_from_args(args: &TokenArgs) -> anyhow::Result<String> {
     let role: Role = args.role.parse().map_err(|e: String| anyhow::anyhow!(e))?;
     let ttl = parse_ttl(&args.ttl)?;
-    let (secret, _) = load_or_create_secret(&args.data_dir)?;
+    let (secret, created) = load_or_create_secret(&args.data_dir)?;
+    if created {
+        eprintln!(
+            "hypic token: warning: created a new signing secret in {}; a server started with \
+             another --data-dir will reject this token (pass the server's --data-dir)",
+            args.data_dir.display()
+        );
+    }
     let sub = args
         .sub
         .clone()
