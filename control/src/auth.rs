@@ -277,6 +277,8 @@ impl Authenticator {
         validation.set_audience(&[self.audience.as_str()]);
         validation.set_required_spec_claims(&["exp", "aud", "sub"]);
         validation.leeway = 5;
+        // A token with `nbf` ("not before") in the future is refused until then.
+        validation.validate_nbf = true;
         let result = match header.alg {
             Algorithm::HS256 => {
                 let key = self
@@ -324,6 +326,9 @@ impl Authenticator {
         };
         let data = result.map_err(|e| match e.kind() {
             jsonwebtoken::errors::ErrorKind::ExpiredSignature => AuthError::Expired,
+            jsonwebtoken::errors::ErrorKind::ImmatureSignature => {
+                AuthError::Invalid("token not valid yet (nbf is in the future)".into())
+            }
             jsonwebtoken::errors::ErrorKind::InvalidAudience => {
                 AuthError::WrongAudience(self.audience.clone())
             }

@@ -143,3 +143,30 @@ fn isolation_keys_never_widen() {
     };
     assert_ne!(k.cache_key(&a_key, &private), k.cache_key(&a_key, &v2));
 }
+
+#[test]
+fn tokens_not_valid_yet_are_refused() {
+    // `nbf` in the future: refused until then; in the past: accepted.
+    let secret = b"0123456789abcdef0123456789abcdef";
+    let auth = Authenticator::hs256(secret, "hypic").unwrap();
+    let now = std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .unwrap()
+        .as_secs();
+    let token = |nbf: u64| {
+        let claims = serde_json::json!({
+            "sub": "u@acme", "tenant": "acme", "role": "tenant", "aud": "hypic",
+            "exp": now + 3600, "iat": now, "nbf": nbf,
+        });
+        jsonwebtoken::encode(
+            &jsonwebtoken::Header::new(jsonwebtoken::Algorithm::HS256),
+            &claims,
+            &jsonwebtoken::EncodingKey::from_secret(secret).unwrap(),
+        )
+        .unwrap()
+    };
+    let err = auth.verify(&token(now + 600)).unwrap_err();
+    assert_eq!(err.code(), "invalid_token");
+    assert!(err.to_string().contains("not valid yet"), "{err}");
+    assert_eq!(auth.verify(&token(now - 60)).unwrap().tenant, "acme");
+}
