@@ -84,7 +84,7 @@ fn hypic_matches_full_recompute_on_heldout_single_hop() {
         Mode::NaiveAddition,
     ];
     let r = evaluate_modes(&engine, &tok, &items, &modes, 12, &mut |_| {}).unwrap();
-    let (full, hypic, w0, naive) = (&r[0], &r[1], &r[2], &r[3]);
+    let (full, hypic, w0) = (&r[0], &r[1], &r[2]); // r[3]: naive addition, printed below
     for x in &r {
         eprintln!(
             "{:>16}: EM {:.3} answer NLL {:.4} first-token KL vs full {:.3e} computed {:.0}",
@@ -146,7 +146,7 @@ fn hypic_matches_full_recompute_on_heldout_single_hop() {
             seams.push((at, at + d.tokens.len().min(8)));
             at += d.tokens.len();
         }
-        let mut hot = |m: Mode| {
+        let hot = |m: Mode| {
             engine.run(docs, m, "t").unwrap(); // fill the pools
             engine.run(docs, m, "t").unwrap().state
         };
