@@ -26,6 +26,7 @@ use std::sync::{Arc, Mutex};
 pub use cudarc::driver::{CudaSlice, CudaStream, DeviceRepr, ValidAsZeroBits};
 
 pub mod attn;
+pub mod blas;
 pub mod compile;
 pub mod device;
 pub mod gdr;
