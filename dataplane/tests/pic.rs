@@ -387,3 +387,56 @@ fn entries_built_together_for_several_widths_equal_entries_built_alone() {
         );
     }
 }
+
+#[test]
+fn spilled_entries_come_back_exact_and_damaged_ones_are_recomputed() {
+    // SGLang #39830: wrong answers after restoring GDN states from host memory.
+    let dir = PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("tests/fixtures/golden/qwen3_next");
+    let m = Arc::new(Model::load(&dir, &mut |_, _| {}).unwrap());
+    let mut rng = StdRng::seed_from_u64(21);
+    let docs: Vec<SegmentRef> = (0..3).map(|_| seg(&mut rng, 40, "t")).collect();
+    let one = PicEngine::new(m.clone(), "x", 1 << 30, 1 << 30)
+        .build_entry(&docs[0].tokens, 8)
+        .unwrap()
+        .bytes();
+    // Reference: pools large enough for everything.
+    let big = PicEngine::new(m.clone(), "x", 1 << 30, 1);
+    // Under test: a public pool that holds one entry, a spill tier for all, and no
+    // private pool (snapshots never fit), so every document goes through the public pool.
+    let small = PicEngine::new(m, "x", one + 16, 1);
+    small.enable_spill(1 << 30, 0);
+    let sys = seg(&mut rng, 12, "t");
+    let ask = |order: &[usize], q: u64| {
+        let mut p = vec![sys.clone()];
+        p.extend(order.iter().map(|&i| docs[i].clone()));
+        p.push(prompt(100 + q, 0).pop().unwrap());
+        p
+    };
+    for e in [&big, &small] {
+        e.run(&ask(&[0, 1, 2], 0), Mode::hypic_default(), "t").unwrap();
+    }
+    let [(spilled, spill_bytes, _), _] = small.spill_usage();
+    // Four entries (system prompt and three documents): all but the last spilled.
+    assert_eq!(spilled, 3);
+    assert!(spill_bytes >= 2 * one, "{spill_bytes} bytes for 2 entries of {one}");
+    // Reordered: every document is a hit; in `small` two come back from the spill tier.
+    let p = ask(&[2, 0, 1], 1);
+    let want = big.run(&p, Mode::hypic_default(), "t").unwrap();
+    let got = small.run(&p, Mode::hypic_default(), "t").unwrap();
+    assert_eq!(got.stats.misses, 0);
+    let (_, _, st) = small.public_usage();
+    assert!(st.spill_restores >= 2, "{st:?}");
+    assert_eq!(got.logits, want.logits, "restored entries are bit-exact");
+    assert_eq!(got.state, want.state);
+    // Damage every spilled blob: those lookups are misses, recomputed, and the answer
+    // is still exact.
+    let damaged = small.damage_spilled(7);
+    assert!(damaged >= 1);
+    let p = ask(&[1, 2, 0], 2);
+    let want = big.run(&p, Mode::hypic_default(), "t").unwrap();
+    let got = small.run(&p, Mode::hypic_default(), "t").unwrap();
+    let (_, _, st) = small.public_usage();
+    assert_eq!(st.spill_corrupt as usize, damaged, "{st:?}");
+    assert_eq!(got.stats.misses, damaged);
+    assert_eq!(got.logits, want.logits);
+}

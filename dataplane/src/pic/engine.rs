@@ -202,6 +202,12 @@ pub struct PicEngine {
     private: Mutex<Pool<Snapshot>>,
 }
 
+fn for_each_spilled<V>(p: &mut Pool<V>, mut f: impl FnMut(&mut Pool<V>, &Key)) {
+    for k in p.spilled_keys() {
+        f(p, &k);
+    }
+}
+
 fn lock<T>(m: &Mutex<T>) -> MutexGuard<'_, T> {
     m.lock().unwrap_or_else(|p| p.into_inner())
 }
@@ -235,6 +241,30 @@ impl PicEngine {
     /// Replaces the private pool's policy.
     pub fn set_private_policy(&self, p: Box<dyn CachePolicy>) {
         lock(&self.private).set_policy(p);
+    }
+
+    /// Gives the public and private pools host spill tiers of the given byte
+    /// capacities (0: none): entries evicted for space are kept as checksummed
+    /// blobs and restored on a later hit after the checksum verifies
+    /// ([`super::spill`]).
+    pub fn enable_spill(&self, public_bytes: usize, private_bytes: usize) {
+        lock(&self.public).enable_spill(public_bytes);
+        lock(&self.private).enable_spill(private_bytes);
+    }
+
+    /// `(entries, bytes, capacity)` of the public and private spill tiers.
+    pub fn spill_usage(&self) -> [(usize, usize, usize); 2] {
+        [lock(&self.public).spill_usage(), lock(&self.private).spill_usage()]
+    }
+
+    /// Fault injection for tests: damages every spilled blob of both pools (one bit
+    /// at byte `at`); returns how many were damaged.
+    #[doc(hidden)]
+    pub fn damage_spilled(&self, at: usize) -> usize {
+        let mut n = 0;
+        for_each_spilled(&mut lock(&self.public), |p, k| n += p.damage_spilled(k, at) as usize);
+        for_each_spilled(&mut lock(&self.private), |p, k| n += p.damage_spilled(k, at) as usize);
+        n
     }
 
     /// `(entries, bytes, stats)` of the public pool.
@@ -378,7 +408,10 @@ impl PicEngine {
                 if !pool.contains(&prefix_keys[i - 1]) {
                     continue;
                 }
-                let snap = pool.get(&prefix_keys[i - 1]).expect("present");
+                // A spilled snapshot whose checksum fails is dropped: a miss.
+                let Some(snap) = pool.get(&prefix_keys[i - 1]) else {
+                    continue;
+                };
                 if i == n {
                     let Some(logits) = snap.logits.clone() else {
                         continue;

@@ -4,6 +4,7 @@
 //! of segment entries and the private pool of running-state snapshots.
 pub mod engine;
 pub mod pool;
+pub mod spill;
 
 pub use engine::{
     Mode, Outcome, PicEngine, PicOutput, PicStats, Prefetch, SegmentRef, SegmentStat,

@@ -86,6 +86,16 @@ pub struct PoolStats {
     pub evictions: u64,
     /// Insertions refused (by admission, or too large, or no victim).
     pub rejected: u64,
+    /// Evicted entries written to the spill tier.
+    pub spilled: u64,
+    /// Lookups served from the spill tier after the checksum verified (also
+    /// counted in `hits`); the entry moves back to the primary tier.
+    pub spill_restores: u64,
+    /// Spilled entries dropped on restore because the checksum or the layout did not
+    /// verify (the lookup counts as a miss).
+    pub spill_corrupt: u64,
+    /// Spilled entries dropped to make room in the spill tier.
+    pub spill_evictions: u64,
 }
 
 /// Outcome of [`Pool::insert`].
@@ -104,7 +114,26 @@ pub enum Insert {
     NoRoom,
 }
 
-/// A pool of `Arc<V>` values with byte-accounted capacity.
+/// One spilled entry: the encoded value, its XXH3-64 checksum taken when it was
+/// written, and the entry's metadata.
+struct Blob {
+    bytes: Vec<u8>,
+    checksum: u64,
+    meta: EntryMeta,
+}
+
+/// The spill tier (see [`super::spill`]): byte-accounted, least recently spilled
+/// dropped first.
+struct SpillTier<V> {
+    capacity: usize,
+    used: usize,
+    blobs: HashMap<Key, Blob>,
+    encode: fn(&V) -> Vec<u8>,
+    decode: fn(&[u8]) -> Result<V, String>,
+}
+
+/// A pool of `Arc<V>` values with byte-accounted capacity and an optional host
+/// spill tier ([`Pool::enable_spill`]).
 pub struct Pool<V> {
     capacity: usize,
     used: usize,
@@ -116,6 +145,23 @@ pub struct Pool<V> {
     last_stamp_ms: u64,
     policy: Box<dyn CachePolicy>,
     stats: PoolStats,
+    spill: Option<SpillTier<V>>,
+}
+
+impl<V: super::spill::Spill> Pool<V> {
+    /// Adds a spill tier of `capacity` bytes: entries evicted for space are encoded
+    /// ([`super::spill::Spill`]) with a checksum instead of dropped, and a later
+    /// lookup restores them after verifying it. Removal (`remove`, `remove_owner`,
+    /// `clear`) applies to both tiers. `capacity` 0 removes the tier.
+    pub fn enable_spill(&mut self, capacity: usize) {
+        self.spill = (capacity > 0).then(|| SpillTier {
+            capacity,
+            used: 0,
+            blobs: HashMap::new(),
+            encode: |v: &V| v.encode(),
+            decode: |b: &[u8]| V::decode(b),
+        });
+    }
 }
 
 impl<V> Pool<V> {
@@ -130,6 +176,7 @@ impl<V> Pool<V> {
             last_stamp_ms: 0,
             policy,
             stats: PoolStats::default(),
+            spill: None,
         }
     }
 
@@ -155,22 +202,169 @@ impl<V> Pool<V> {
                 self.stats.hits += 1;
                 Some(v.clone())
             }
-            None => {
-                self.stats.misses += 1;
+            None => match self.restore(key) {
+                Some(v) => {
+                    self.stats.hits += 1;
+                    Some(v)
+                }
+                None => {
+                    self.stats.misses += 1;
+                    None
+                }
+            },
+        }
+    }
+
+    /// Takes `key` out of the spill tier, verifies its checksum and layout, and puts
+    /// it back into the primary tier (which may spill others). `None` when absent or
+    /// damaged (then dropped and counted in `spill_corrupt`).
+    fn restore(&mut self, key: &Key) -> Option<Arc<V>> {
+        let tier = self.spill.as_mut()?;
+        let blob = tier.blobs.remove(key)?;
+        tier.used -= blob.bytes.len();
+        let value = if super::spill::checksum(&blob.bytes) != blob.checksum {
+            Err("checksum mismatch".to_string())
+        } else {
+            (tier.decode)(&blob.bytes)
+        };
+        match value {
+            Err(_) => {
+                self.stats.spill_corrupt += 1;
                 None
+            }
+            Ok(v) => {
+                self.stats.spill_restores += 1;
+                let v = Arc::new(v);
+                let mut meta = blob.meta;
+                meta.hits += 1;
+                meta.last_use = self.clock;
+                meta.last_use_ms = self.last_stamp_ms;
+                self.make_room_and_store(meta, v.clone());
+                Some(v)
             }
         }
     }
 
-    /// Metadata of the entry under `key`, if resident (O(1); not counted as a lookup
-    /// and does not touch its recency).
-    pub fn meta(&self, key: &Key) -> Option<&EntryMeta> {
-        self.entries.get(key).map(|(_, m)| m)
+    /// Stores a restored entry in the primary tier, spilling LRU victims to make
+    /// room (bypasses admission: the entry was admitted before). When it cannot fit,
+    /// it is returned to the caller only.
+    fn make_room_and_store(&mut self, meta: EntryMeta, v: Arc<V>) {
+        if meta.bytes > self.capacity {
+            return;
+        }
+        while self.used + meta.bytes > self.capacity {
+            let metas: Vec<EntryMeta> = self.entries.values().map(|(_, m)| m.clone()).collect();
+            let Some(victim) = Lru.victim(&metas).map(|i| metas[i].key) else {
+                return;
+            };
+            self.evict(&victim);
+        }
+        self.used += meta.bytes;
+        *self.by_owner.entry(meta.owner.clone()).or_default() += meta.bytes;
+        self.entries.insert(meta.key, (v, meta));
     }
 
-    /// True when `key` is present (no statistics, no recency change).
+    /// Evicts `key` from the primary tier for space: into the spill tier when there
+    /// is one (dropping the least recently spilled blobs to fit), else dropped.
+    fn evict(&mut self, key: &Key) {
+        let Some((v, meta)) = self.take_primary(key) else {
+            return;
+        };
+        self.stats.evictions += 1;
+        let Some(tier) = self.spill.as_mut() else {
+            return;
+        };
+        let bytes = (tier.encode)(&v);
+        if bytes.len() > tier.capacity {
+            return;
+        }
+        while tier.used + bytes.len() > tier.capacity {
+            let Some(oldest) = tier
+                .blobs
+                .iter()
+                .min_by_key(|(_, b)| b.meta.last_use)
+                .map(|(k, _)| *k)
+            else {
+                break;
+            };
+            if let Some(b) = tier.blobs.remove(&oldest) {
+                tier.used -= b.bytes.len();
+                self.stats.spill_evictions += 1;
+            }
+        }
+        tier.used += bytes.len();
+        let checksum = super::spill::checksum(&bytes);
+        tier.blobs.insert(
+            meta.key,
+            Blob {
+                bytes,
+                checksum,
+                meta,
+            },
+        );
+        self.stats.spilled += 1;
+    }
+
+    /// Removes `key` from the primary tier and fixes the byte accounting.
+    fn take_primary(&mut self, key: &Key) -> Option<(Arc<V>, EntryMeta)> {
+        let (v, m) = self.entries.remove(key)?;
+        self.used -= m.bytes;
+        if let Some(b) = self.by_owner.get_mut(&m.owner) {
+            *b -= m.bytes;
+            if *b == 0 {
+                self.by_owner.remove(&m.owner);
+            }
+        }
+        Some((v, m))
+    }
+
+    /// Metadata of the entry under `key`, in either tier (O(1); not counted as a
+    /// lookup and does not touch its recency).
+    pub fn meta(&self, key: &Key) -> Option<&EntryMeta> {
+        self.entries
+            .get(key)
+            .map(|(_, m)| m)
+            .or_else(|| self.spill.as_ref()?.blobs.get(key).map(|b| &b.meta))
+    }
+
+    /// True when `key` is present in either tier (no statistics, no recency change).
+    /// A spilled entry may still fail its checksum on [`Pool::get`].
     pub fn contains(&self, key: &Key) -> bool {
         self.entries.contains_key(key)
+            || self.spill.as_ref().is_some_and(|t| t.blobs.contains_key(key))
+    }
+
+    /// True when `key` is in the spill tier.
+    pub fn is_spilled(&self, key: &Key) -> bool {
+        self.spill.as_ref().is_some_and(|t| t.blobs.contains_key(key))
+    }
+
+    /// `(entries, bytes, capacity)` of the spill tier (zeros without one).
+    pub fn spill_usage(&self) -> (usize, usize, usize) {
+        self.spill
+            .as_ref()
+            .map_or((0, 0, 0), |t| (t.blobs.len(), t.used, t.capacity))
+    }
+
+    /// Keys of the spill tier (unordered).
+    pub fn spilled_keys(&self) -> Vec<Key> {
+        self.spill
+            .as_ref()
+            .map_or(vec![], |t| t.blobs.keys().copied().collect())
+    }
+
+    /// Fault injection for tests of the restore path: flips one bit of the spilled
+    /// blob of `key` at byte `at % len`. Returns whether a blob was found.
+    #[doc(hidden)]
+    pub fn damage_spilled(&mut self, key: &Key, at: usize) -> bool {
+        match self.spill.as_mut().and_then(|t| t.blobs.get_mut(key)) {
+            Some(b) if !b.bytes.is_empty() => {
+                let i = at % b.bytes.len();
+                b.bytes[i] ^= 0x10;
+                true
+            }
+            _ => false,
+        }
     }
 
     /// Inserts `value` of `bytes` bytes, evicting per the policy until it fits.
@@ -185,6 +379,8 @@ impl<V> Pool<V> {
         if self.entries.contains_key(&key) {
             return Insert::Present;
         }
+        // A fresh value replaces a spilled copy.
+        self.remove_spilled(&key);
         self.clock += 1;
         let stamp = self.stamp_ms();
         let meta = EntryMeta {
@@ -216,8 +412,7 @@ impl<V> Pool<V> {
                     return Insert::NoRoom;
                 }
             };
-            self.remove(&victim);
-            self.stats.evictions += 1;
+            self.evict(&victim);
             evicted += 1;
         }
         self.used += bytes;
@@ -227,31 +422,42 @@ impl<V> Pool<V> {
         Insert::Stored { evicted }
     }
 
-    /// Removes `key`; returns whether it was present.
+    /// Removes `key` from both tiers; returns whether it was present.
     pub fn remove(&mut self, key: &Key) -> bool {
-        match self.entries.remove(key) {
-            Some((_, m)) => {
-                self.used -= m.bytes;
-                if let Some(b) = self.by_owner.get_mut(&m.owner) {
-                    *b -= m.bytes;
-                    if *b == 0 {
-                        self.by_owner.remove(&m.owner);
-                    }
-                }
+        let primary = self.take_primary(key).is_some();
+        let spilled = self.remove_spilled(key);
+        primary || spilled
+    }
+
+    fn remove_spilled(&mut self, key: &Key) -> bool {
+        let Some(t) = self.spill.as_mut() else {
+            return false;
+        };
+        match t.blobs.remove(key) {
+            Some(b) => {
+                t.used -= b.bytes.len();
                 true
             }
             None => false,
         }
     }
 
-    /// Removes every entry whose owner equals `owner`; returns how many.
+    /// Removes every entry (both tiers) whose owner equals `owner`; returns how many.
     pub fn remove_owner(&mut self, owner: &str) -> usize {
-        let keys: Vec<Key> = self
+        let mut keys: Vec<Key> = self
             .entries
             .iter()
             .filter(|(_, (_, m))| m.owner == owner)
             .map(|(k, _)| *k)
             .collect();
+        if let Some(t) = &self.spill {
+            keys.extend(
+                t.blobs
+                    .iter()
+                    .filter(|(_, b)| b.meta.owner == owner)
+                    .map(|(k, _)| *k),
+            );
+        }
         keys.iter().for_each(|k| {
             self.remove(k);
         });
@@ -263,6 +469,10 @@ impl<V> Pool<V> {
         self.entries.clear();
         self.by_owner.clear();
         self.used = 0;
+        if let Some(t) = self.spill.as_mut() {
+            t.blobs.clear();
+            t.used = 0;
+        }
     }
 
     /// The next wall-clock stamp: now in ms, or one more than the last stamp.
@@ -276,7 +486,8 @@ impl<V> Pool<V> {
         self.by_owner.get(owner).copied().unwrap_or(0)
     }
 
-    /// Metadata of every entry (unordered).
+    /// Metadata of every entry of the primary tier (unordered); what eviction
+    /// policies choose among.
     pub fn entries(&self) -> Vec<EntryMeta> {
         self.entries.values().map(|(_, m)| m.clone()).collect()
     }
@@ -383,5 +594,87 @@ mod tests {
         assert_eq!(p.stats().rejected, 2);
         assert_eq!(p.remove_owner("a"), 1);
         assert_eq!(p.used_bytes(), 0);
+    }
+
+    /// A test value with a 12-byte encoding.
+    #[derive(Debug, PartialEq)]
+    struct Val(u32, f64);
+    impl crate::pic::spill::Spill for Val {
+        fn encode(&self) -> Vec<u8> {
+            let mut b = self.0.to_le_bytes().to_vec();
+            b.extend_from_slice(&self.1.to_le_bytes());
+            b
+        }
+        fn decode(b: &[u8]) -> Result<Self, String> {
+            if b.len() != 12 {
+                return Err(format!("{} bytes", b.len()));
+            }
+            let (x, y) = b.split_at(4);
+            Ok(Val(
+                u32::from_le_bytes(x.try_into().map_err(|_| "x")?),
+                f64::from_le_bytes(y.try_into().map_err(|_| "y")?),
+            ))
+        }
+    }
+
+    #[test]
+    fn evicted_entries_spill_and_come_back_verified() {
+        let mut p: Pool<Val> = Pool::new(100, Box::new(Lru));
+        p.enable_spill(30); // room for two 12-byte blobs
+        for i in 1..=3u8 {
+            p.insert(k(i), Arc::new(Val(i as u32, i as f64 / 3.0)), 40, 10, "a");
+        }
+        // 1 was evicted for 3 and went to the spill tier.
+        assert!(p.is_spilled(&k(1)) && p.contains(&k(1)));
+        assert_eq!(p.meta(&k(1)).map(|m| m.bytes), Some(40));
+        assert_eq!(p.spill_usage(), (1, 12, 30));
+        assert_eq!((p.stats().evictions, p.stats().spilled), (1, 1));
+        // Restore: same value bit for bit, counted as a hit, back in the primary tier,
+        // and the least recent primary entry (2) spilled in its place.
+        assert_eq!(*p.get(&k(1)).expect("restored"), Val(1, 1.0 / 3.0));
+        assert!(!p.is_spilled(&k(1)) && p.is_spilled(&k(2)));
+        assert_eq!((p.stats().hits, p.stats().misses, p.stats().spill_restores), (1, 0, 1));
+        assert_eq!(p.used_bytes(), 80);
+        assert_eq!(p.owner_bytes("a"), 80);
+        // Spill capacity: a third spilled blob pushes out the least recent one.
+        p.insert(k(4), Arc::new(Val(4, 4.0)), 40, 10, "a"); // spills 3
+        p.insert(k(5), Arc::new(Val(5, 5.0)), 40, 10, "a"); // spills 1, drops 2
+        assert_eq!(p.spill_usage().0, 2);
+        assert_eq!(p.stats().spill_evictions, 1);
+        assert!(!p.contains(&k(2)));
+        assert!(p.get(&k(2)).is_none());
+        // Removal reaches the spill tier too.
+        assert!(p.is_spilled(&k(3)));
+        assert!(p.remove(&k(3)));
+        assert!(!p.contains(&k(3)));
+        assert_eq!(p.remove_owner("a"), 3); // 4 and 5 resident, 1 spilled
+        assert_eq!((p.len(), p.spill_usage().0, p.used_bytes()), (0, 0, 0));
+    }
+
+    #[test]
+    fn a_damaged_spilled_entry_is_never_returned() {
+        for at in [0usize, 5, 11] {
+            let mut p: Pool<Val> = Pool::new(50, Box::new(Lru));
+            p.enable_spill(100);
+            p.insert(k(1), Arc::new(Val(7, 0.5)), 40, 10, "a");
+            p.insert(k(2), Arc::new(Val(8, 0.25)), 40, 10, "a");
+            assert!(p.damage_spilled(&k(1), at));
+            assert!(p.get(&k(1)).is_none(), "damaged at byte {at}");
+            assert_eq!((p.stats().spill_corrupt, p.stats().misses), (1, 1));
+            assert!(!p.contains(&k(1)), "dropped after the failed check");
+            // The healthy entry is untouched and a fresh insert works.
+            assert_eq!(*p.get(&k(2)).expect("resident"), Val(8, 0.25));
+            p.insert(k(1), Arc::new(Val(9, 1.0)), 40, 10, "a");
+            assert_eq!(*p.get(&k(1)).expect("reinserted"), Val(9, 1.0));
+        }
+    }
+
+    #[test]
+    fn without_a_spill_tier_eviction_drops() {
+        let mut p: Pool<Val> = Pool::new(50, Box::new(Lru));
+        p.insert(k(1), Arc::new(Val(1, 1.0)), 40, 10, "a");
+        p.insert(k(2), Arc::new(Val(2, 2.0)), 40, 10, "a");
+        assert!(!p.contains(&k(1)) && !p.damage_spilled(&k(1), 0));
+        assert_eq!((p.stats().spilled, p.spill_usage()), (0, (0, 0, 0)));
     }
 }
