@@ -15,6 +15,8 @@
 //!   chunked prefill from an initial state, optionally with the segment transition
 //!   `T_C`), [`transition`] (dense pair compose/apply through cuBLAS strided batched
 //!   GEMM), [`attn`] (causal GQA attention prefill over KV at arbitrary positions).
+//! * [`model`]: the whole-model forward ([`model::GpuModel`] prefill/decode from a
+//!   [`model::GpuState`]), equivalent to the CPU `model::Model`.
 //!
 //! Device buffers are cudarc `CudaSlice<T>` in the same row-major layouts as the CPU
 //! backend (documented per function); element type `T` is `f32` or `half::bf16`
@@ -30,6 +32,7 @@ pub mod blas;
 pub mod compile;
 pub mod device;
 pub mod gdr;
+pub mod model;
 pub mod ops;
 pub mod transition;
 
