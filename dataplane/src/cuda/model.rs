@@ -256,6 +256,10 @@ pub enum GpuLayerState<T> {
 /// Whole-model device state of one sequence (the GPU counterpart of [`ModelState`]).
 pub struct GpuState<T: Elem> {
     gpu: Arc<Gpu>,
+    /// Conv tail and recurrent-state lengths of a linear layer (device buffers of
+    /// zero-length tensors hold one padding element; `to_host` returns these lengths).
+    conv_len: usize,
+    rec_len: usize,
     /// One entry per decoder layer.
     pub layers: Vec<GpuLayerState<T>>,
     /// Absolute position the next token gets.
@@ -369,6 +373,8 @@ impl<T: Elem> GpuState<T> {
         }
         Ok(GpuState {
             gpu: gpu.clone(),
+            conv_len,
+            rec_len,
             layers,
             next_position: 0,
         })
@@ -380,6 +386,8 @@ impl<T: Elem> GpuState<T> {
     /// Errors: [`CudaError::Shape`] when `s` does not match the config.
     pub fn from_host(gpu: &Arc<Gpu>, c: &ModelConfig, s: &ModelState) -> Result<Self> {
         check_host_state(c, s)?;
+        let conv_len = c.conv_dim() * c.conv_kernel.saturating_sub(1);
+        let rec_len = c.linear_v_heads * c.linear_k_dim * c.linear_v_dim;
         let row = c.num_kv_heads * c.head_dim;
         let mut layers = Vec::with_capacity(s.layers.len());
         for l in &s.layers {
@@ -405,6 +413,8 @@ impl<T: Elem> GpuState<T> {
         gpu.sync()?;
         Ok(GpuState {
             gpu: gpu.clone(),
+            conv_len,
+            rec_len,
             layers,
             next_position: s.next_position,
         })
@@ -417,15 +427,10 @@ impl<T: Elem> GpuState<T> {
         let mut layers = Vec::with_capacity(self.layers.len());
         for l in &self.layers {
             layers.push(match l {
-                GpuLayerState::Linear { conv, recurrent } => {
-                    // Buffers of zero-length tensors hold one padding element.
-                    let cl = conv.len();
-                    let rl = recurrent.len();
-                    LayerState::Linear(LinearState {
-                        conv: download_f32(gpu, conv, cl)?,
-                        recurrent: download_f32(gpu, recurrent, rl)?,
-                    })
-                }
+                GpuLayerState::Linear { conv, recurrent } => LayerState::Linear(LinearState {
+                    conv: download_f32(gpu, conv, self.conv_len)?,
+                    recurrent: download_f32(gpu, recurrent, self.rec_len)?,
+                }),
                 GpuLayerState::Full(kv) => {
                     let n = kv.len;
                     let positions = if n == 0 {
