@@ -100,7 +100,9 @@ mod gpu {
     }
 
     fn golden_dir(name: &str) -> PathBuf {
-        repo_root().join("dataplane/tests/fixtures/golden").join(name)
+        repo_root()
+            .join("dataplane/tests/fixtures/golden")
+            .join(name)
     }
 
     fn tiny_dir() -> PathBuf {
@@ -217,7 +219,11 @@ mod gpu {
                 (LayerState::Linear(a), LayerState::Linear(b)) => {
                     let (c, _) = rel(&b.conv, &a.conv);
                     let (r, rn) = rel(&b.recurrent, &a.recurrent);
-                    worst = worst.max(if c.is_nan() || r.is_nan() { f64::INFINITY } else { c.max(r) });
+                    worst = worst.max(if c.is_nan() || r.is_nan() {
+                        f64::INFINITY
+                    } else {
+                        c.max(r)
+                    });
                     let _ = writeln!(
                         s,
                         "    layer {i:2} linear: conv tail {c:.2e}, recurrent {r:.2e} (norm {rn:.2e})"
@@ -227,7 +233,11 @@ mod gpu {
                     let pos_ok = a.positions == b.positions;
                     let (k, _) = rel(&b.k, &a.k);
                     let (v, _) = rel(&b.v, &a.v);
-                    let e = if pos_ok && !k.is_nan() && !v.is_nan() { k.max(v) } else { f64::INFINITY };
+                    let e = if pos_ok && !k.is_nan() && !v.is_nan() {
+                        k.max(v)
+                    } else {
+                        f64::INFINITY
+                    };
                     worst = worst.max(e);
                     let _ = writeln!(
                         s,
@@ -249,7 +259,12 @@ mod gpu {
     /// Layer-by-layer error of a GPU trace against the CPU forward of the same span from
     /// `state0`: cumulative (residual after layer i, CPU from the CPU's own input) and
     /// local (CPU layer i run on the GPU's input of layer i, with the CPU state before it).
-    fn layer_breakdown(model: &Model, tokens: &[u32], state0: &ModelState, tr: &ForwardTrace) -> String {
+    fn layer_breakdown(
+        model: &Model,
+        tokens: &[u32],
+        state0: &ModelState,
+        tr: &ForwardTrace,
+    ) -> String {
         let mut s = String::new();
         let c = &model.config;
         let t = tokens.len();
@@ -258,12 +273,21 @@ mod gpu {
         let (e, _) = rel(&tr.embed, &x);
         let _ = writeln!(s, "    embed: {e:.2e}");
         if tr.layers.len() != c.num_layers {
-            let _ = writeln!(s, "    trace holds {} layers, model {}", tr.layers.len(), c.num_layers);
+            let _ = writeln!(
+                s,
+                "    trace holds {} layers, model {}",
+                tr.layers.len(),
+                c.num_layers
+            );
             return s;
         }
         let mut st = state0.clone();
         for i in 0..c.num_layers {
-            let gpu_in = if i == 0 { tr.embed.clone() } else { tr.layers[i - 1].after_layer.clone() };
+            let gpu_in = if i == 0 {
+                tr.embed.clone()
+            } else {
+                tr.layers[i - 1].after_layer.clone()
+            };
             let mut local_state = st.layers[i].clone();
             let mut xl = gpu_in;
             let local = match model.layer_forward(i, &mut xl, &positions, &mut local_state) {
@@ -308,7 +332,8 @@ mod gpu {
                 if pass { "ok" } else { "FAIL" }
             );
             if !pass {
-                self.failures.push(format!("{what}: rel {:e} > tol {tol:e}", e.0));
+                self.failures
+                    .push(format!("{what}: rel {:e} > tol {tol:e}", e.0));
             }
         }
         fn fail(&mut self, what: String) {
@@ -324,8 +349,14 @@ mod gpu {
     /// The logits scenario of one model in dtype `T`: one multi-token prefill (traced),
     /// prefill in two spans, prefill of the second span from an uploaded CPU state, and
     /// decode steps; each compared with the CPU.
-    fn scenario<T: Elem>(gpu: &Arc<Gpu>, label: &str, model: &Model, tokens: &[u32], tol: f64, out: &mut Outcome)
-    where
+    fn scenario<T: Elem>(
+        gpu: &Arc<Gpu>,
+        label: &str,
+        model: &Model,
+        tokens: &[u32],
+        tol: f64,
+        out: &mut Outcome,
+    ) where
         CudaBlas: Gemm<T>,
     {
         let dt = dtype_name::<T>();
@@ -357,7 +388,10 @@ mod gpu {
                     &format!(", argmax agree {a}/{n}"),
                 );
                 println!("  {tag} layer breakdown of that prefill:");
-                print!("{}", layer_breakdown(model, tokens, &model.new_state(), &trace));
+                print!(
+                    "{}",
+                    layer_breakdown(model, tokens, &model.new_state(), &trace)
+                );
                 match gs.to_host() {
                     Ok(h) => {
                         let (w, s) = state_diff(&cs, &h);
@@ -395,7 +429,11 @@ mod gpu {
             Ok(g2) => {
                 let (ag, n) = argmax_agree(&g2, &cpu2, vocab);
                 out.check(
-                    &format!("{tag} two spans {}+{} (second span's logits)", a.len(), b.len()),
+                    &format!(
+                        "{tag} two spans {}+{} (second span's logits)",
+                        a.len(),
+                        b.len()
+                    ),
                     rel(&g2, &cpu2),
                     tol,
                     &format!(", argmax agree {ag}/{n}"),
@@ -431,7 +469,10 @@ mod gpu {
                 Err(e) => return out.fail(format!("{tag}: GPU decode step {step} failed: {e}")),
             };
             let e = rel(&g, &c);
-            println!("  {tag} decode step {step}: rel {:.3e} (norm {:.3e})", e.0, e.1);
+            println!(
+                "  {tag} decode step {step}: rel {:.3e} (norm {:.3e})",
+                e.0, e.1
+            );
             if e.0.is_nan() || e.0 > worst.0 {
                 worst = e;
             }
@@ -502,7 +543,12 @@ mod gpu {
         let (h, vocab, inter) = (256usize, 320usize, 256usize);
         let (nh, nkv, hd) = (4usize, 2usize, 256usize);
         let (hk, hv, dk, dv, kconv) = (2usize, 4usize, 128usize, 128usize, 4usize);
-        let layer_types = ["linear_attention", "linear_attention", "full_attention", "linear_attention"];
+        let layer_types = [
+            "linear_attention",
+            "linear_attention",
+            "full_attention",
+            "linear_attention",
+        ];
         let cfg = serde_json::json!({
             "model_type": "qwen3_5_text",
             "architectures": ["Qwen3_5ForCausalLM"],
@@ -538,32 +584,80 @@ mod gpu {
             tensors.push((name, shape, v));
         };
         let lin = |fan_in: usize| (3.0f32 / fan_in as f32).sqrt();
-        mat(&mut r, "model.embed_tokens.weight".into(), vec![vocab, h], -1.0, 1.0);
+        mat(
+            &mut r,
+            "model.embed_tokens.weight".into(),
+            vec![vocab, h],
+            -1.0,
+            1.0,
+        );
         mat(&mut r, "model.norm.weight".into(), vec![h], -0.1, 0.1);
         let (kd, vd) = (hk * dk, hv * dv);
         for (i, lt) in layer_types.iter().enumerate() {
             let p = format!("model.layers.{i}.");
-            mat(&mut r, format!("{p}input_layernorm.weight"), vec![h], -0.1, 0.1);
-            mat(&mut r, format!("{p}post_attention_layernorm.weight"), vec![h], -0.1, 0.1);
+            mat(
+                &mut r,
+                format!("{p}input_layernorm.weight"),
+                vec![h],
+                -0.1,
+                0.1,
+            );
+            mat(
+                &mut r,
+                format!("{p}post_attention_layernorm.weight"),
+                vec![h],
+                -0.1,
+                0.1,
+            );
             if *lt == "linear_attention" {
                 let a = format!("{p}linear_attn.");
                 let s = lin(h);
-                mat(&mut r, format!("{a}in_proj_qkv.weight"), vec![2 * kd + vd, h], -s, s);
+                mat(
+                    &mut r,
+                    format!("{a}in_proj_qkv.weight"),
+                    vec![2 * kd + vd, h],
+                    -s,
+                    s,
+                );
                 mat(&mut r, format!("{a}in_proj_z.weight"), vec![vd, h], -s, s);
                 mat(&mut r, format!("{a}in_proj_b.weight"), vec![hv, h], -s, s);
                 mat(&mut r, format!("{a}in_proj_a.weight"), vec![hv, h], -s, s);
                 mat(&mut r, format!("{a}A_log"), vec![hv], -2.0, 0.5);
                 mat(&mut r, format!("{a}dt_bias"), vec![hv], -1.0, 1.0);
-                mat(&mut r, format!("{a}conv1d.weight"), vec![2 * kd + vd, 1, kconv], -0.5, 0.5);
+                mat(
+                    &mut r,
+                    format!("{a}conv1d.weight"),
+                    vec![2 * kd + vd, 1, kconv],
+                    -0.5,
+                    0.5,
+                );
                 mat(&mut r, format!("{a}norm.weight"), vec![dv], 0.9, 1.1);
                 let s = lin(vd);
                 mat(&mut r, format!("{a}out_proj.weight"), vec![h, vd], -s, s);
             } else {
                 let a = format!("{p}self_attn.");
                 let s = lin(h);
-                mat(&mut r, format!("{a}q_proj.weight"), vec![2 * nh * hd, h], -s, s);
-                mat(&mut r, format!("{a}k_proj.weight"), vec![nkv * hd, h], -s, s);
-                mat(&mut r, format!("{a}v_proj.weight"), vec![nkv * hd, h], -s, s);
+                mat(
+                    &mut r,
+                    format!("{a}q_proj.weight"),
+                    vec![2 * nh * hd, h],
+                    -s,
+                    s,
+                );
+                mat(
+                    &mut r,
+                    format!("{a}k_proj.weight"),
+                    vec![nkv * hd, h],
+                    -s,
+                    s,
+                );
+                mat(
+                    &mut r,
+                    format!("{a}v_proj.weight"),
+                    vec![nkv * hd, h],
+                    -s,
+                    s,
+                );
                 let s = lin(nh * hd);
                 mat(&mut r, format!("{a}o_proj.weight"), vec![h, nh * hd], -s, s);
                 mat(&mut r, format!("{a}q_norm.weight"), vec![hd], -0.1, 0.1);
@@ -571,10 +665,22 @@ mod gpu {
             }
             let m = format!("{p}mlp.");
             let s = lin(h);
-            mat(&mut r, format!("{m}gate_proj.weight"), vec![inter, h], -s, s);
+            mat(
+                &mut r,
+                format!("{m}gate_proj.weight"),
+                vec![inter, h],
+                -s,
+                s,
+            );
             mat(&mut r, format!("{m}up_proj.weight"), vec![inter, h], -s, s);
             let s = lin(inter);
-            mat(&mut r, format!("{m}down_proj.weight"), vec![h, inter], -s, s);
+            mat(
+                &mut r,
+                format!("{m}down_proj.weight"),
+                vec![h, inter],
+                -s,
+                s,
+            );
         }
         let bytes: Vec<(String, Vec<usize>, Vec<u8>)> = tensors
             .into_iter()
@@ -618,22 +724,35 @@ mod gpu {
     /// on the test's own plumbing.
     #[test]
     fn cpu_side_of_the_scenarios_runs_without_a_device() {
-        let mut models: Vec<(String, std::result::Result<Model, String>)> =
-            model_dirs().into_iter().map(|(l, d)| (l, load(&d))).collect();
+        let mut models: Vec<(String, std::result::Result<Model, String>)> = model_dirs()
+            .into_iter()
+            .map(|(l, d)| (l, load(&d)))
+            .collect();
         models.push(("synthetic-dk128-hd256".into(), synthetic_model()));
         for (label, m) in models {
             let m = m.unwrap_or_else(|e| panic!("{label}: {e}"));
             let tokens = prompt_for(&label, m.config.vocab_size, 77);
             assert_eq!(tokens.len(), 77, "{label}");
             let mut s = m.new_state();
-            let l = m.prefill(&tokens, &mut s, Logits::All).expect("prefill").logits;
+            let l = m
+                .prefill(&tokens, &mut s, Logits::All)
+                .expect("prefill")
+                .logits;
             assert_eq!(l.len(), 77 * m.config.vocab_size);
-            assert!(l.iter().all(|x| x.is_finite()), "{label}: non-finite logits");
-            let d = m.decode(argmax(&l[l.len() - m.config.vocab_size..]), &mut s).expect("decode");
+            assert!(
+                l.iter().all(|x| x.is_finite()),
+                "{label}: non-finite logits"
+            );
+            let d = m
+                .decode(argmax(&l[l.len() - m.config.vocab_size..]), &mut s)
+                .expect("decode");
             assert!(d.iter().all(|x| x.is_finite()));
             println!(
                 "{label}: CPU prefill 77 + decode 1 ok (dk {}, dv {}, head_dim {}, tied {})",
-                m.config.linear_k_dim, m.config.linear_v_dim, m.config.head_dim, m.config.tie_word_embeddings
+                m.config.linear_k_dim,
+                m.config.linear_v_dim,
+                m.config.head_dim,
+                m.config.tie_word_embeddings
             );
         }
         let p = tiny_prompt(0).expect("hypic-tiny held-out prompt");
@@ -644,7 +763,9 @@ mod gpu {
 
     #[test]
     fn state_round_trip_host_gpu_host() {
-        let Some((g, _l)) = gpu("state_round_trip_host_gpu_host") else { return };
+        let Some((g, _l)) = gpu("state_round_trip_host_gpu_host") else {
+            return;
+        };
         let mut failures = vec![];
         for (label, dir) in model_dirs() {
             let m = match load(&dir) {
@@ -669,11 +790,15 @@ mod gpu {
                 failures.push(format!("{label}: CPU prefill: {e}"));
                 continue;
             }
-            match dataplane::cuda::model::GpuState::<f32>::from_host(&g, &m.config, &cs).and_then(|s| s.to_host()) {
+            match dataplane::cuda::model::GpuState::<f32>::from_host(&g, &m.config, &cs)
+                .and_then(|s| s.to_host())
+            {
                 Ok(h) if h == cs => println!("{label}: f32 state round trip exactly equal"),
                 Ok(h) => {
                     let (w, s) = state_diff(&cs, &h);
-                    failures.push(format!("{label}: f32 round trip differs (worst {w:e}):\n{s}"));
+                    failures.push(format!(
+                        "{label}: f32 round trip differs (worst {w:e}):\n{s}"
+                    ));
                 }
                 Err(e) => failures.push(format!("{label}: f32 round trip: {e}")),
             }
@@ -686,11 +811,17 @@ mod gpu {
                     }
                 }
             }
-            match dataplane::cuda::model::GpuState::<bf16>::from_host(&g, &m.config, &cs).and_then(|s| s.to_host()) {
-                Ok(h) if h == want => println!("{label}: bf16 state round trip equal (KV rounded to bf16)"),
+            match dataplane::cuda::model::GpuState::<bf16>::from_host(&g, &m.config, &cs)
+                .and_then(|s| s.to_host())
+            {
+                Ok(h) if h == want => {
+                    println!("{label}: bf16 state round trip equal (KV rounded to bf16)")
+                }
                 Ok(h) => {
                     let (w, s) = state_diff(&want, &h);
-                    failures.push(format!("{label}: bf16 round trip differs (worst {w:e}):\n{s}"));
+                    failures.push(format!(
+                        "{label}: bf16 round trip differs (worst {w:e}):\n{s}"
+                    ));
                 }
                 Err(e) => failures.push(format!("{label}: bf16 round trip: {e}")),
             }
@@ -730,12 +861,15 @@ mod gpu {
 
     #[test]
     fn greedy_generation_matches_cpu_on_hypic_tiny() {
-        let Some((g, _l)) = gpu("greedy_generation_matches_cpu_on_hypic_tiny") else { return };
+        let Some((g, _l)) = gpu("greedy_generation_matches_cpu_on_hypic_tiny") else {
+            return;
+        };
         let m = match load(&tiny_dir()) {
             Ok(m) => m,
             Err(e) => panic!("{e}"),
         };
-        let tok = dataplane::tokenizer::Tokenizer::from_dir(&tiny_dir()).expect("hypic-tiny tokenizer");
+        let tok =
+            dataplane::tokenizer::Tokenizer::from_dir(&tiny_dir()).expect("hypic-tiny tokenizer");
         let gm = GpuModel::<f32>::upload(g.clone(), &m).unwrap_or_else(|e| panic!("upload: {e}"));
         const N: usize = 16;
         let mut failures = vec![];
@@ -751,7 +885,10 @@ mod gpu {
             let mut cs = m.new_state();
             let mut cpu_ids = vec![];
             let mut cpu_margins = vec![];
-            let mut l = m.prefill(&prompt, &mut cs, Logits::Last).expect("CPU prefill").logits;
+            let mut l = m
+                .prefill(&prompt, &mut cs, Logits::Last)
+                .expect("CPU prefill")
+                .logits;
             for _ in 0..N {
                 let id = argmax(&l);
                 let mut sorted = l.clone();
@@ -773,10 +910,16 @@ mod gpu {
                 Ok(())
             })();
             if let Err(e) = r {
-                failures.push(format!("item {item}: GPU generation failed after {} tokens: {e}", gpu_ids.len()));
+                failures.push(format!(
+                    "item {item}: GPU generation failed after {} tokens: {e}",
+                    gpu_ids.len()
+                ));
                 continue;
             }
-            let text = |ids: &[u32]| tok.decode(ids).unwrap_or_else(|e| format!("<decode error {e}>"));
+            let text = |ids: &[u32]| {
+                tok.decode(ids)
+                    .unwrap_or_else(|e| format!("<decode error {e}>"))
+            };
             println!(
                 "greedy item {item} (prompt {} tokens):\n  cpu {:?}\n  gpu {:?}",
                 prompt.len(),
@@ -784,7 +927,11 @@ mod gpu {
                 text(&gpu_ids)
             );
             if cpu_ids != gpu_ids {
-                let first = cpu_ids.iter().zip(&gpu_ids).position(|(a, b)| a != b).unwrap_or(0);
+                let first = cpu_ids
+                    .iter()
+                    .zip(&gpu_ids)
+                    .position(|(a, b)| a != b)
+                    .unwrap_or(0);
                 failures.push(format!(
                     "item {item}: first divergence at step {first} (CPU top-1/top-2 margin there {:.3e})",
                     cpu_margins.get(first).copied().unwrap_or(f32::NAN)
@@ -798,7 +945,9 @@ mod gpu {
 
     #[test]
     fn bad_input_is_an_error_not_a_panic() {
-        let Some((g, _l)) = gpu("bad_input_is_an_error_not_a_panic") else { return };
+        let Some((g, _l)) = gpu("bad_input_is_an_error_not_a_panic") else {
+            return;
+        };
         let m = load(&golden_dir("qwen3_5")).expect("load qwen3_5");
         let other = load(&golden_dir("qwen3_next")).expect("load qwen3_next");
         let gm = GpuModel::<f32>::upload(g.clone(), &m).expect("upload");
@@ -812,12 +961,21 @@ mod gpu {
         for (what, r) in [
             ("empty span", e1.err().map(|e| e.to_string())),
             ("token = vocab", e2.err().map(|e| e.to_string())),
-            ("state of another model (from_host)", e3.err().map(|e| e.to_string())),
-            ("state of another model (prefill)", e4.err().map(|e| e.to_string())),
+            (
+                "state of another model (from_host)",
+                e3.err().map(|e| e.to_string()),
+            ),
+            (
+                "state of another model (prefill)",
+                e4.err().map(|e| e.to_string()),
+            ),
         ] {
             println!("{what}: {r:?}");
             assert!(r.is_some(), "{what} was accepted");
         }
-        assert_eq!(s.next_position, 0, "a refused call must not advance the state");
+        assert_eq!(
+            s.next_position, 0,
+            "a refused call must not advance the state"
+        );
     }
 }

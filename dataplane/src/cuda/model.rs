@@ -519,12 +519,20 @@ where
         let mut layers = Vec::with_capacity(c.num_layers);
         for (i, l) in model.layers.iter().enumerate() {
             want(&format!("layers.{i}.input_layernorm"), &l.input_norm, h)?;
-            want(&format!("layers.{i}.post_attention_layernorm"), &l.post_norm, h)?;
+            want(
+                &format!("layers.{i}.post_attention_layernorm"),
+                &l.post_norm,
+                h,
+            )?;
             let mixer = match (&l.mixer, c.layer_kinds[i]) {
                 (Mixer::Linear(w), LayerKind::Linear) => {
                     let p = format!("layers.{i}.linear_attn");
                     want(&format!("{p}.in_proj"), &w.w_in, n_in * h)?;
-                    want(&format!("{p}.conv1d"), &w.conv, c.conv_dim() * c.conv_kernel)?;
+                    want(
+                        &format!("{p}.conv1d"),
+                        &w.conv,
+                        c.conv_dim() * c.conv_kernel,
+                    )?;
                     want(&format!("{p}.A_log"), &w.neg_a, hv)?;
                     want(&format!("{p}.dt_bias"), &w.dt_bias, hv)?;
                     want(&format!("{p}.norm"), &w.norm, dv)?;
@@ -650,7 +658,12 @@ where
     /// Errors (before any state change): empty span, a token ≥ vocab, a state that
     /// does not match the model or lives on another device. A driver error during the
     /// forward leaves the state partly advanced.
-    pub fn prefill(&self, tokens: &[u32], state: &mut GpuState<T>, logits: Logits) -> Result<Vec<f32>> {
+    pub fn prefill(
+        &self,
+        tokens: &[u32],
+        state: &mut GpuState<T>,
+        logits: Logits,
+    ) -> Result<Vec<f32>> {
         let x = self.forward(tokens, state, None)?;
         self.logits_of(&x, tokens.len(), logits)
     }
@@ -685,9 +698,20 @@ where
         };
         check_len("residual", x, t * h)?;
         let g = &*self.gpu;
-        let xs = g.stream().clone_dtod(&x.slice(row0 * h..(row0 + rows) * h))?;
+        let xs = g
+            .stream()
+            .clone_dtod(&x.slice(row0 * h..(row0 + rows) * h))?;
         let mut hn: CudaSlice<T> = g.zeros(rows * h)?;
-        ops::rms_norm(g, NormKind::ZeroCentred, &xs, None, &self.final_norm, &mut hn, rows, c.rms_norm_eps)?;
+        ops::rms_norm(
+            g,
+            NormKind::ZeroCentred,
+            &xs,
+            None,
+            &self.final_norm,
+            &mut hn,
+            rows,
+            c.rms_norm_eps,
+        )?;
         let w = self.lm_head.as_ref().unwrap_or(&self.embed);
         let mut out: CudaSlice<T> = g.zeros(rows * vocab)?;
         blas::linear(g, &hn, rows, h, w, vocab, &mut out, T::from_f32(0.0))?;
@@ -759,9 +783,18 @@ where
         let mut x: CudaSlice<T> = g.zeros(t * h)?;
         {
             let f = g.function(&MODEL, &format!("embed_gather_{}", T::SUFFIX), 0)?;
-            let (ti, hi, vi) = (dim_i32("t", t)?, dim_i32("hidden", h)?, dim_i32("vocab", c.vocab_size)?);
+            let (ti, hi, vi) = (
+                dim_i32("t", t)?,
+                dim_i32("hidden", h)?,
+                dim_i32("vocab", c.vocab_size)?,
+            );
             let mut b = g.stream().launch_builder(&f);
-            b.arg(&self.embed).arg(&tok_d).arg(&mut x).arg(&ti).arg(&hi).arg(&vi);
+            b.arg(&self.embed)
+                .arg(&tok_d)
+                .arg(&mut x)
+                .arg(&ti)
+                .arg(&hi)
+                .arg(&vi);
             // SAFETY: matches `embed_gather_*` in model.cu; sizes from the config.
             unsafe { b.launch(cfg1(t * h)) }?;
         }
@@ -771,12 +804,23 @@ where
         }
         let mut r: CudaSlice<T> = g.zeros(t * h)?;
         for (i, (lw, ls)) in self.layers.iter().zip(state.layers.iter_mut()).enumerate() {
-            ops::rms_norm(g, NormKind::ZeroCentred, &x, None, &lw.input_norm, &mut r, t, c.rms_norm_eps)?;
+            ops::rms_norm(
+                g,
+                NormKind::ZeroCentred,
+                &x,
+                None,
+                &lw.input_norm,
+                &mut r,
+                t,
+                c.rms_norm_eps,
+            )?;
             let mixed = match (&lw.mixer, ls) {
                 (MixerW::Linear(w), GpuLayerState::Linear { conv, recurrent }) => {
                     self.gdn(w, &r, t, conv, recurrent)?
                 }
-                (MixerW::Full(w), GpuLayerState::Full(kv)) => self.attention(w, &r, t, &pos_d, kv)?,
+                (MixerW::Full(w), GpuLayerState::Full(kv)) => {
+                    self.attention(w, &r, t, &pos_d, kv)?
+                }
                 _ => {
                     return Err(shape_err(format!(
                         "layer {i}: state kind does not match the layer"
@@ -788,7 +832,16 @@ where
                 Some(_) => download_f32(g, &x, t * h)?,
                 None => vec![],
             };
-            ops::rms_norm(g, NormKind::ZeroCentred, &x, None, &lw.post_norm, &mut r, t, c.rms_norm_eps)?;
+            ops::rms_norm(
+                g,
+                NormKind::ZeroCentred,
+                &x,
+                None,
+                &lw.post_norm,
+                &mut r,
+                t,
+                c.rms_norm_eps,
+            )?;
             let f = match &lw.ffn {
                 FfnW::Dense(m) => self.mlp(m, &r, t)?,
                 FfnW::Moe(m) => self.moe(m, &r, t)?,
@@ -867,7 +920,12 @@ where
         let c = &self.config;
         let g = &*self.gpu;
         let h = c.hidden_size;
-        let (hk, hv, dk, dv) = (c.linear_k_heads, c.linear_v_heads, c.linear_k_dim, c.linear_v_dim);
+        let (hk, hv, dk, dv) = (
+            c.linear_k_heads,
+            c.linear_v_heads,
+            c.linear_k_dim,
+            c.linear_v_dim,
+        );
         let (kd, vd, cd) = (c.key_dim(), c.value_dim(), c.conv_dim());
         let n_in = cd + vd + 2 * hv;
         let kk = c.conv_kernel;
@@ -878,14 +936,20 @@ where
         if t == 1 {
             ops::conv1d_update(g, &proj, &w.conv, conv_tail, &mut mixed, cd, kk, true)?;
         } else {
-            ops::conv1d_prefill(g, &proj, n_in, &w.conv, conv_tail, &mut mixed, t, cd, kk, true)?;
+            ops::conv1d_prefill(
+                g, &proj, n_in, &w.conv, conv_tail, &mut mixed, t, cd, kk, true,
+            )?;
         }
         // q, k: L2-normalised per head (q also scaled).
         let mut q: CudaSlice<T> = g.zeros(t * kd)?;
         let mut k: CudaSlice<T> = g.zeros(t * kd)?;
         {
             let f = g.function(&MODEL, &format!("gdn_qk_{}", T::SUFFIX), 0)?;
-            let (hki, dki, cdi) = (dim_i32("Hk", hk)?, dim_i32("dk", dk)?, dim_i32("conv_dim", cd)?);
+            let (hki, dki, cdi) = (
+                dim_i32("Hk", hk)?,
+                dim_i32("dk", dk)?,
+                dim_i32("conv_dim", cd)?,
+            );
             let scale = (dk as f32).powf(-0.5);
             let eps = L2_EPS;
             let cfg = LaunchConfig {
@@ -943,7 +1007,16 @@ where
             gdr_generic(g, &d, &q, &k, &v, &gg, &beta, rec, &mut core)?;
         }
         let mut normed: CudaSlice<T> = g.zeros(t * vd)?;
-        ops::rms_norm(g, NormKind::Gated, &core, Some(&z), &w.norm, &mut normed, t * hv, c.rms_norm_eps)?;
+        ops::rms_norm(
+            g,
+            NormKind::Gated,
+            &core,
+            Some(&z),
+            &w.norm,
+            &mut normed,
+            t * hv,
+            c.rms_norm_eps,
+        )?;
         let mut out: CudaSlice<T> = g.zeros(t * h)?;
         blas::linear(g, &normed, t, vd, &w.out, h, &mut out, zero)?;
         Ok(out)
@@ -998,9 +1071,27 @@ where
             unsafe { b.launch(cfg1(t * fw)) }?;
         }
         let mut q: CudaSlice<T> = g.zeros(t * nh * hd)?;
-        ops::rms_norm(g, NormKind::ZeroCentred, &q_raw, None, &w.q_norm, &mut q, t * nh, c.rms_norm_eps)?;
+        ops::rms_norm(
+            g,
+            NormKind::ZeroCentred,
+            &q_raw,
+            None,
+            &w.q_norm,
+            &mut q,
+            t * nh,
+            c.rms_norm_eps,
+        )?;
         let mut k: CudaSlice<T> = g.zeros(t * kw)?;
-        ops::rms_norm(g, NormKind::ZeroCentred, &k_raw, None, &w.k_norm, &mut k, t * nkv, c.rms_norm_eps)?;
+        ops::rms_norm(
+            g,
+            NormKind::ZeroCentred,
+            &k_raw,
+            None,
+            &w.k_norm,
+            &mut k,
+            t * nkv,
+            c.rms_norm_eps,
+        )?;
         if let Some(inv) = &self.inv_freq {
             ops::rope(g, &mut q, Some(pos), 0, inv, t, nh, hd)?;
             ops::rope(g, &mut k, Some(pos), 0, inv, t, nkv, hd)?;
@@ -1008,9 +1099,13 @@ where
         kv.append(g, &k, &v, pos, t)?;
         let mut o: CudaSlice<T> = g.zeros(t * nh * hd)?;
         if ATTN_TUNED_HD.contains(&hd) {
-            attn::prefill(g, &q, pos, &kv.k, &kv.v, &kv.pos, &mut o, t, kv.len, nh, nkv, hd)?;
+            attn::prefill(
+                g, &q, pos, &kv.k, &kv.v, &kv.pos, &mut o, t, kv.len, nh, nkv, hd,
+            )?;
         } else {
-            attn_generic(g, &q, pos, &kv.k, &kv.v, &kv.pos, &mut o, t, kv.len, nh, nkv, hd)?;
+            attn_generic(
+                g, &q, pos, &kv.k, &kv.v, &kv.pos, &mut o, t, kv.len, nh, nkv, hd,
+            )?;
         }
         if gated {
             let n = t * nh * hd;
@@ -1096,7 +1191,12 @@ where
             let y = self.mlp(&m.experts[j], &xe, n)?;
             let f = g.function(&MODEL, &format!("scatter_add_rows_{}", T::SUFFIX), 0)?;
             let mut b = g.stream().launch_builder(&f);
-            b.arg(&mut out).arg(&rows_d).arg(&w_d).arg(&y).arg(&ni).arg(&hi);
+            b.arg(&mut out)
+                .arg(&rows_d)
+                .arg(&w_d)
+                .arg(&y)
+                .arg(&ni)
+                .arg(&hi);
             // SAFETY: matches `scatter_add_rows_*`; rows distinct and < t.
             unsafe { b.launch(cfg1(n * h)) }?;
         }
@@ -1142,16 +1242,19 @@ fn check_config(c: &ModelConfig) -> Result<()> {
     let has_full = c.layer_kinds.contains(&LayerKind::Full);
     let has_linear = c.layer_kinds.contains(&LayerKind::Linear);
     if has_full {
-        if c.num_kv_heads == 0 || c.num_heads % c.num_kv_heads != 0 {
+        if c.num_kv_heads == 0 || !c.num_heads.is_multiple_of(c.num_kv_heads) {
             return bad(format!(
                 "attention heads {} not a multiple of kv heads {}",
                 c.num_heads, c.num_kv_heads
             ));
         }
         if c.head_dim == 0 || c.head_dim > ATTN_GENERIC_MAX_HD {
-            return bad(format!("head_dim {} not in 1..={ATTN_GENERIC_MAX_HD}", c.head_dim));
+            return bad(format!(
+                "head_dim {} not in 1..={ATTN_GENERIC_MAX_HD}",
+                c.head_dim
+            ));
         }
-        if c.rotary_dim > c.head_dim || c.rotary_dim % 2 != 0 {
+        if c.rotary_dim > c.head_dim || !c.rotary_dim.is_multiple_of(2) {
             return bad(format!(
                 "rotary dims {} must be even and ≤ head_dim {}",
                 c.rotary_dim, c.head_dim
@@ -1159,7 +1262,7 @@ fn check_config(c: &ModelConfig) -> Result<()> {
         }
     }
     if has_linear {
-        if c.linear_k_heads == 0 || c.linear_v_heads % c.linear_k_heads != 0 {
+        if c.linear_k_heads == 0 || !c.linear_v_heads.is_multiple_of(c.linear_k_heads) {
             return bad(format!(
                 "GDN value heads {} not a multiple of key heads {}",
                 c.linear_v_heads, c.linear_k_heads
@@ -1190,8 +1293,11 @@ pub fn gdr_generic<T: Elem>(
     state: &mut CudaSlice<f32>,
     out: &mut CudaSlice<T>,
 ) -> Result<()> {
-    if d.hk == 0 || d.hv % d.hk != 0 {
-        return Err(shape_err(format!("Hv {} must be a multiple of Hk {}", d.hv, d.hk)));
+    if d.hk == 0 || !d.hv.is_multiple_of(d.hk) {
+        return Err(shape_err(format!(
+            "Hv {} must be a multiple of Hk {}",
+            d.hv, d.hk
+        )));
     }
     check_len("q [T,Hk,dk]", q, d.t * d.hk * d.dk)?;
     check_len("k [T,Hk,dk]", k, d.t * d.hk * d.dk)?;
@@ -1253,11 +1359,15 @@ pub fn attn_generic<T: Elem>(
     nkv: usize,
     hd: usize,
 ) -> Result<()> {
-    if nkv == 0 || nh % nkv != 0 {
-        return Err(shape_err(format!("heads {nh} not a multiple of kv heads {nkv}")));
+    if nkv == 0 || !nh.is_multiple_of(nkv) {
+        return Err(shape_err(format!(
+            "heads {nh} not a multiple of kv heads {nkv}"
+        )));
     }
     if hd == 0 || hd > ATTN_GENERIC_MAX_HD {
-        return Err(shape_err(format!("head_dim {hd} not in 1..={ATTN_GENERIC_MAX_HD}")));
+        return Err(shape_err(format!(
+            "head_dim {hd} not in 1..={ATTN_GENERIC_MAX_HD}"
+        )));
     }
     check_len("q", q, tq * nh * hd)?;
     check_len("q_pos", q_pos, tq)?;
@@ -1269,7 +1379,9 @@ pub fn attn_generic<T: Elem>(
         return Ok(());
     }
     if tq > 65_535 * 32 || nh > 65_535 {
-        return Err(shape_err(format!("generic attention grid ({tq}, {nh}) too large")));
+        return Err(shape_err(format!(
+            "generic attention grid ({tq}, {nh}) too large"
+        )));
     }
     let f = gpu.function(&MODEL, &format!("attn_generic_{}", T::SUFFIX), 0)?;
     let smem = ((2 * hd + ATG_TILE + 32) * 4) as u32;
