@@ -356,7 +356,9 @@ pub fn mlp_forward<T: Elem>(
     // SAFETY: fully written by the GEMM / swiglu before being read.
     let mut gu = unsafe { gpu.stream().alloc::<T>((t * 2 * inter).max(1)) }?;
     let mut act = unsafe { gpu.stream().alloc::<T>((t * inter).max(1)) }?;
-    mlp_impl(gpu, gate_up, down, x, t, hidden, inter, &mut gu, &mut act, out)
+    mlp_impl(
+        gpu, gate_up, down, x, t, hidden, inter, &mut gu, &mut act, out,
+    )
 }
 
 #[allow(clippy::too_many_arguments)]
@@ -408,8 +410,13 @@ pub fn moe_forward<T: Elem>(
         return Ok(());
     }
     let n = t * k;
-    if n > (i32::MAX as usize) / 2 || t * h > i32::MAX as usize || n * h.max(inter) > isize::MAX as usize / 4 {
-        return Err(shape_err(format!("MoE with t = {t}, top_k = {k} is too large")));
+    if n > (i32::MAX as usize) / 2
+        || t * h > i32::MAX as usize
+        || n * h.max(inter) > isize::MAX as usize / 4
+    {
+        return Err(shape_err(format!(
+            "MoE with t = {t}, top_k = {k} is too large"
+        )));
     }
     let ld = w.router_rows();
     let max_tiles = n.div_ceil(GBM) + e.min(n);
@@ -437,7 +444,13 @@ pub fn moe_forward<T: Elem>(
         block_dim: (256, 1, 1),
         shared_mem_bytes: 0,
     };
-    let (ld_i, t_i, e_i, k_i, norm_i) = (ld as i32, t as i32, e as i32, k as i32, i32::from(w.norm_topk_prob));
+    let (ld_i, t_i, e_i, k_i, norm_i) = (
+        ld as i32,
+        t as i32,
+        e as i32,
+        k as i32,
+        i32::from(w.norm_topk_prob),
+    );
     let mut b = gpu.stream().launch_builder(&f);
     b.arg(&logits)
         .arg(&ld_i)
@@ -526,7 +539,9 @@ pub fn moe_forward<T: Elem>(
         let mut s_gu = ws.take::<T>(gpu, "s_gu", t * 2 * is)?;
         let mut s_act = ws.take::<T>(gpu, "s_act", t * is)?;
         let mut s_out = ws.take::<T>(gpu, "s_out", t * h)?;
-        mlp_impl(gpu, sgu, sdn, x, t, h, is, &mut s_gu, &mut s_act, &mut s_out)?;
+        mlp_impl(
+            gpu, sgu, sdn, x, t, h, is, &mut s_gu, &mut s_act, &mut s_out,
+        )?;
         shared_bufs = Some((s_gu, s_act, s_out));
     }
 

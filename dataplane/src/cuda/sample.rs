@@ -232,7 +232,9 @@ pub fn reference(logits: &[f32], p: &RowSampling) -> u32 {
         let z: f32 = cand.iter().map(|c| (c.1 - m).exp()).sum();
         let q: Vec<u64> = cand
             .iter()
-            .map(|c| ((((c.1 - m).exp() / z) as f64) * (1u64 << 40) as f64).round_ties_even() as u64)
+            .map(|c| {
+                ((((c.1 - m).exp() / z) as f64) * (1u64 << 40) as f64).round_ties_even() as u64
+            })
             .collect();
         let qtot: u64 = q.iter().sum();
         if qtot > 0 {
