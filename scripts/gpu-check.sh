@@ -11,7 +11,8 @@
 #   scripts/gpu-check.sh run       # on the GPU machine, through the device tool:
 #                                  #   run(command="scripts/gpu-check.sh run",
 #                                  #       carry=[".device", ".whl"])
-#                                  # runs the GPU-vs-CPU tests, our benchmark, FLA
+#                                  # runs the GPU-vs-CPU tests (cuda_kernels, cuda_moe),
+#                                  # our benchmark, FLA
 #                                  # chunk_gated_delta_rule and torch SDPA in the same
 #                                  # run, and writes $OUT/report.md (+ logs)
 #
@@ -38,10 +39,16 @@ build() {
         --message-format=json 2>/dev/null | grep -o '"executable":"[^"]*cuda_kernels[^"]*"' | tail -1 \
         | sed 's/"executable":"\(.*\)"/\1/')
   [ -n "$exe" ] || { echo "could not build the cuda_kernels test binary" >&2; exit 1; }
+  local exe_moe
+  exe_moe=$(cargo test --release -p hypic-dataplane --features cuda --test cuda_moe --no-run \
+        --message-format=json 2>/dev/null | grep -o '"executable":"[^"]*cuda_moe[^"]*"' | tail -1 \
+        | sed 's/"executable":"\(.*\)"/\1/')
+  [ -n "$exe_moe" ] || { echo "could not build the cuda_moe test binary" >&2; exit 1; }
   cargo build --release -p hypic-dataplane --features cuda --example gpu_bench
   cp "$exe" .device/bin/cuda_kernels
+  cp "$exe_moe" .device/bin/cuda_moe
   cp "$CARGO_TARGET_DIR/release/examples/gpu_bench" .device/bin/gpu_bench
-  strip .device/bin/cuda_kernels .device/bin/gpu_bench || true
+  strip .device/bin/cuda_kernels .device/bin/cuda_moe .device/bin/gpu_bench || true
   if HYPIC_KERNEL_CACHE="$PWD/.device/kcache" .device/bin/gpu_bench --precompile sm_90a; then
     echo "kernel cache for sm_90a in .device/kcache"
   else
@@ -72,6 +79,13 @@ run() {
   local test_rc=$?
   echo "tests rc=$test_rc in $((SECONDS - t0)) s"
   grep -E "^test |test result|rel .*tol|panicked" "$OUT/tests.log" | grep -v "^test .* ok$" | tail -60
+
+  echo "== MoE / SwiGLU / sampling tests"
+  t0=$SECONDS
+  .device/bin/cuda_moe --test-threads=1 --nocapture > "$OUT/tests_moe.log" 2>&1
+  local moe_rc=$?
+  echo "moe tests rc=$moe_rc in $((SECONDS - t0)) s"
+  grep -E "FAIL|test result|panicked|skipped" "$OUT/tests_moe.log" | tail -40
 
   echo "== our benchmark"
   t0=$SECONDS
@@ -130,11 +144,15 @@ PY
     echo; echo "## Equivalence tests (rc=$test_rc)"; echo; echo '```'
     grep -E "rel .*tol|^test |test result|panicked" "$OUT/tests.log"
     echo '```'
+    echo; echo "## MoE / SwiGLU / sampling tests (rc=$moe_rc)"; echo; echo '```'
+    grep -E "rel .*tol|routing|χ²|argmax|equal|outside|FAIL|skipped|^test |test result|panicked|workspace|→" "$OUT/tests_moe.log"
+    echo '```'
     echo; cat "$OUT/bench.md"
     echo; cat "$OUT/fla.md"
   } > "$OUT/report.md"
   echo "== report"; sed -n '/## Gated delta rule/,$p' "$OUT/report.md" | head -80
-  return $test_rc
+  [ "$test_rc" -ne 0 ] && return "$test_rc"
+  return "$moe_rc"
 }
 
 case "$mode" in
