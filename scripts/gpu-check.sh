@@ -11,8 +11,8 @@
 #   scripts/gpu-check.sh run       # on the GPU machine, through the device tool:
 #                                  #   run(command="scripts/gpu-check.sh run",
 #                                  #       carry=[".device", ".whl"])
-#                                  # runs the GPU-vs-CPU kernel tests, the whole-model
-#                                  # tests (cuda_model), our benchmark, FLA
+#                                  # runs the GPU-vs-CPU tests (cuda_kernels, cuda_moe,
+#                                  # and the whole-model cuda_model), our benchmark, FLA
 #                                  # chunk_gated_delta_rule and torch SDPA in the same
 #                                  # run, and writes $OUT/report.md (+ logs)
 #
@@ -39,6 +39,11 @@ build() {
         --message-format=json 2>/dev/null | grep -o '"executable":"[^"]*cuda_kernels[^"]*"' | tail -1 \
         | sed 's/"executable":"\(.*\)"/\1/')
   [ -n "$exe" ] || { echo "could not build the cuda_kernels test binary" >&2; exit 1; }
+  local exe_moe
+  exe_moe=$(cargo test --release -p hypic-dataplane --features cuda --test cuda_moe --no-run \
+        --message-format=json 2>/dev/null | grep -o '"executable":"[^"]*cuda_moe[^"]*"' | tail -1 \
+        | sed 's/"executable":"\(.*\)"/\1/')
+  [ -n "$exe_moe" ] || { echo "could not build the cuda_moe test binary" >&2; exit 1; }
   local model_exe
   model_exe=$(cargo test --release -p hypic-dataplane --features cuda --test cuda_model --no-run \
         --message-format=json 2>/dev/null | grep -o '"executable":"[^"]*cuda_model[^"]*"' | tail -1 \
@@ -46,9 +51,10 @@ build() {
   [ -n "$model_exe" ] || { echo "could not build the cuda_model test binary" >&2; exit 1; }
   cargo build --release -p hypic-dataplane --features cuda --example gpu_bench
   cp "$exe" .device/bin/cuda_kernels
+  cp "$exe_moe" .device/bin/cuda_moe
   cp "$model_exe" .device/bin/cuda_model
   cp "$CARGO_TARGET_DIR/release/examples/gpu_bench" .device/bin/gpu_bench
-  strip .device/bin/cuda_kernels .device/bin/cuda_model .device/bin/gpu_bench || true
+  strip .device/bin/cuda_kernels .device/bin/cuda_moe .device/bin/cuda_model .device/bin/gpu_bench || true
   if HYPIC_KERNEL_CACHE="$PWD/.device/kcache" .device/bin/gpu_bench --precompile sm_90a; then
     echo "kernel cache for sm_90a in .device/kcache"
   else
@@ -80,6 +86,13 @@ run() {
   echo "tests rc=$test_rc in $((SECONDS - t0)) s"
   grep -E "^test |test result|rel .*tol|panicked" "$OUT/tests.log" | grep -v "^test .* ok$" | tail -60
 
+  echo "== MoE / SwiGLU / sampling tests"
+  t0=$SECONDS
+  .device/bin/cuda_moe --test-threads=1 --nocapture > "$OUT/tests_moe.log" 2>&1
+  local moe_rc=$?
+  echo "moe tests rc=$moe_rc in $((SECONDS - t0)) s"
+  grep -E "FAIL|test result|panicked|skipped" "$OUT/tests_moe.log" | tail -40
+
   echo "== whole-model tests (GPU vs CPU, dataplane/tests/cuda_model.rs)"
   t0=$SECONDS
   # Run from the repository root (fixtures and models/hypic-tiny are read from it);
@@ -89,7 +102,6 @@ run() {
   local model_rc=$?
   echo "model tests rc=$model_rc in $((SECONDS - t0)) s"
   grep -E "^test |test result|rel .*tol|FAIL|panicked|greedy" "$OUT/model_tests.log" | grep -v "^test .* ok$" | tail -60
-  [ "$test_rc" -eq 0 ] && test_rc=$model_rc
 
   echo "== our benchmark"
   t0=$SECONDS
@@ -148,6 +160,9 @@ PY
     echo; echo "## Equivalence tests (rc=$test_rc)"; echo; echo '```'
     grep -E "rel .*tol|^test |test result|panicked" "$OUT/tests.log"
     echo '```'
+    echo; echo "## MoE / SwiGLU / sampling tests (rc=$moe_rc)"; echo; echo '```'
+    grep -E "rel .*tol|routing|χ²|argmax|equal|outside|FAIL|skipped|^test |test result|panicked|workspace|→" "$OUT/tests_moe.log"
+    echo '```'
     echo; echo "## Whole-model GPU vs CPU (rc=$model_rc)"; echo; echo '```'
     grep -E "rel .*tol|^test |test result|panicked|FAIL|greedy|  (cpu|gpu) " "$OUT/model_tests.log"
     echo '```'
@@ -156,7 +171,9 @@ PY
     echo; cat "$OUT/fla.md"
   } > "$OUT/report.md"
   echo "== report"; sed -n '/## Gated delta rule/,$p' "$OUT/report.md" | head -80
-  return $test_rc
+  [ "$test_rc" -ne 0 ] && return "$test_rc"
+  [ "$moe_rc" -ne 0 ] && return "$moe_rc"
+  return "$model_rc"
 }
 
 case "$mode" in
