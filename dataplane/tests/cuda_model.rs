@@ -13,6 +13,10 @@
 //! (dk = dv = 128, head_dim 256, tied embeddings: the chunked GDR prefill and the
 //! tuned attention at the real Qwen3-Next/3.5 head dims).
 //!
+//! Each model runs with the default FFN path (`cuda::moe`: device routing, grouped
+//! expert GEMMs; `moe::mlp_forward` for dense layers) in fp32 and bf16, and with the
+//! host-routed glue FFN (`FfnPath::HostRouted`) in fp32 as an independent cross-check.
+//!
 //! Error metric (as tests/golden.rs): `max|gpu − cpu| / max(1, max|cpu|)`, printed
 //! with the norm-wise `‖gpu − cpu‖ / ‖cpu‖`. Tolerances: fp32 1e-4; bf16 0.1 (weights,
 //! activations and KV rounded to bf16 in every layer; stated loose on purpose, the
@@ -42,7 +46,7 @@ mod gpu {
 
     use cudarc::cublas::{CudaBlas, Gemm};
     use dataplane::config::LayerKind;
-    use dataplane::cuda::model::{ForwardTrace, GpuModel};
+    use dataplane::cuda::model::{FfnPath, ForwardTrace, GpuModel};
     use dataplane::cuda::{Elem, Gpu};
     use dataplane::model::{Logits, Model};
     use dataplane::sampling::argmax;
@@ -353,6 +357,7 @@ mod gpu {
         gpu: &Arc<Gpu>,
         label: &str,
         model: &Model,
+        path: FfnPath,
         tokens: &[u32],
         tol: f64,
         out: &mut Outcome,
@@ -360,9 +365,12 @@ mod gpu {
         CudaBlas: Gemm<T>,
     {
         let dt = dtype_name::<T>();
-        let tag = format!("cuda_model {label} {dt}");
+        let tag = match path {
+            FfnPath::Fused => format!("cuda_model {label} {dt}"),
+            FfnPath::HostRouted => format!("cuda_model {label} {dt} host-routed-ffn"),
+        };
         let vocab = model.config.vocab_size;
-        let gm = match GpuModel::<T>::upload(gpu.clone(), model) {
+        let gm = match GpuModel::<T>::upload_with(gpu.clone(), model, path) {
             Ok(m) => m,
             Err(e) => return out.fail(format!("{tag}: upload failed: {e}")),
         };
@@ -512,8 +520,19 @@ mod gpu {
                 }
             };
             let tokens = prompt_for(&label, m.config.vocab_size, 77);
-            scenario::<f32>(&g, &label, &m, &tokens, F32_TOL, &mut out);
-            scenario::<bf16>(&g, &label, &m, &tokens, BF16_TOL, &mut out);
+            scenario::<f32>(&g, &label, &m, FfnPath::Fused, &tokens, F32_TOL, &mut out);
+            scenario::<bf16>(&g, &label, &m, FfnPath::Fused, &tokens, BF16_TOL, &mut out);
+            // The second FFN implementation (host-routed MoE, glue dense MLP): when the
+            // fused one fails and this passes, the bug is in cuda::moe, not the glue.
+            scenario::<f32>(
+                &g,
+                &label,
+                &m,
+                FfnPath::HostRouted,
+                &tokens,
+                F32_TOL,
+                &mut out,
+            );
         }
         assert!(
             out.failures.is_empty(),

@@ -14,11 +14,13 @@
 //!   RMSNorm, partial RoPE at the absolute positions, append to the KV cache, causal GQA
 //!   attention over cached + new KV (the tuned kernel for `head_dim ∈ {64, 128, 256}`,
 //!   else a generic one), sigmoid output gate, o proj;
-//! * MoE FFN: router GEMM on the device, routing (softmax, top-k, optional
-//!   renormalisation) on the host exactly as the CPU backend, then per expert a row
-//!   gather, SwiGLU MLP and weighted scatter-add on the device, plus the gated shared
-//!   expert. This host-routed path is a **temporary** stand-in for `cuda::moe` (device
-//!   routing, grouped GEMMs), which is being written separately.
+//! * FFN, two implementations ([`FfnPath`]): by default [`super::moe`] (MoE with device
+//!   routing and grouped expert GEMMs, `moe::mlp_forward` for dense layers); or the
+//!   host-routed glue path of this module, kept as an independent second
+//!   implementation for cross-checking (router GEMM on the device, softmax/top-k on the
+//!   host exactly as the CPU backend, per expert a row gather, SwiGLU MLP and weighted
+//!   scatter-add on the device, plus the gated shared expert; slow: one host round trip
+//!   per MoE layer).
 //!
 //! Activations and the residual stream are `[T, hidden]` row-major in `T`; norms,
 //! gates, conv and recurrent state are fp32; KV caches are in `T` (so for bf16 a
@@ -30,7 +32,9 @@ use cudarc::driver::{LaunchConfig, PushKernelArg};
 
 use super::compile::MODEL;
 use super::ops::NormKind;
-use super::{attn, blas, check_len, gdr, grid_for, ops, CudaError, CudaSlice, Elem, Gpu, Result};
+use super::{
+    attn, blas, check_len, gdr, grid_for, moe, ops, CudaError, CudaSlice, Elem, Gpu, Result,
+};
 use crate::config::{LayerKind, ModelConfig};
 use crate::linear::gdr::GdrDims;
 use crate::model::{Ffn, Logits, Mixer, Model, CHUNKED_MIN_TOKENS};
@@ -85,7 +89,19 @@ struct MlpW<T> {
     inter: usize,
 }
 
-/// MoE weights on the device (host-routed temporary path).
+/// Which implementation runs the FFN blocks (see the module docs).
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub enum FfnPath {
+    /// [`super::moe::moe_forward`] (device routing, grouped GEMMs) for MoE layers and
+    /// [`super::moe::mlp_forward`] for dense ones.
+    #[default]
+    Fused,
+    /// The glue kernels of `kernels/model.cu`: host-routed MoE and a cuBLAS + SwiGLU
+    /// dense MLP. A second, independent implementation for diagnosis.
+    HostRouted,
+}
+
+/// MoE weights on the device for [`FfnPath::HostRouted`].
 struct MoeW<T> {
     /// `[E, hidden]`.
     router: CudaSlice<T>,
@@ -101,7 +117,10 @@ enum MixerW<T> {
 
 enum FfnW<T> {
     Dense(MlpW<T>),
+    /// [`FfnPath::HostRouted`].
     Moe(MoeW<T>),
+    /// [`FfnPath::Fused`].
+    MoeFused(moe::MoeWeights<T>),
 }
 
 struct LayerW<T> {
@@ -126,6 +145,8 @@ pub struct GpuModel<T: Elem> {
     /// RoPE inverse frequencies `[rotary_dim/2]` (None when rotary_dim = 0).
     inv_freq: Option<CudaSlice<f32>>,
     gdr_ws: Mutex<gdr::Workspace>,
+    moe_ws: Mutex<moe::MoeWorkspace>,
+    ffn_path: FfnPath,
 }
 
 /// Residual stream snapshots of one layer (host copies, fp32, `[T, hidden]`), from
@@ -484,12 +505,19 @@ impl<T: Elem> GpuModel<T>
 where
     CudaBlas: Gemm<T>,
 {
-    /// Uploads every weight of `model` to `gpu`, converted to `T`.
+    /// Uploads every weight of `model` to `gpu`, converted to `T`, with the default
+    /// FFN implementation ([`FfnPath::Fused`]).
     ///
     /// Errors: [`CudaError::Shape`] for a configuration the kernels do not support
     /// (heads not divisible, conv kernel > 17, rotary dims > head_dim, head_dim >
-    /// 1024) or a weight whose length does not match the config; driver errors.
+    /// 1024, more than `moe::MAX_EXPERTS` experts or top-k over `moe::MAX_TOP_K`) or a
+    /// weight whose length does not match the config; driver errors.
     pub fn upload(gpu: Arc<Gpu>, model: &Model) -> Result<Self> {
+        Self::upload_with(gpu, model, FfnPath::Fused)
+    }
+
+    /// [`GpuModel::upload`] with an explicit FFN implementation.
+    pub fn upload_with(gpu: Arc<Gpu>, model: &Model, ffn_path: FfnPath) -> Result<Self> {
         let c = model.config.clone();
         check_config(&c)?;
         let g = &*gpu;
@@ -583,6 +611,44 @@ where
                         )));
                     }
                     want(&format!("layers.{i}.mlp.gate"), &m.router, e * h)?;
+                    if ffn_path == FfnPath::Fused {
+                        let gu: Vec<&[f32]> = m.experts.iter().map(|x| &x.gate_up[..]).collect();
+                        let dn: Vec<&[f32]> = m.experts.iter().map(|x| &x.down[..]).collect();
+                        let inter = m.experts.first().map_or(0, |x| x.inter);
+                        if m.experts.iter().any(|x| x.inter != inter) {
+                            return Err(shape_err(format!(
+                                "layer {i}: experts of different widths"
+                            )));
+                        }
+                        let shared = m
+                            .shared
+                            .as_ref()
+                            .map(|(sm, gate)| (&sm.gate_up[..], &sm.down[..], &gate[..]));
+                        let shared_inter = m.shared.as_ref().map_or(0, |(sm, _)| sm.inter);
+                        let w = moe::MoeWeights::<T>::upload(
+                            g,
+                            &m.router,
+                            &gu,
+                            &dn,
+                            shared,
+                            h,
+                            inter,
+                            shared_inter,
+                            c.experts_per_tok,
+                            c.norm_topk_prob,
+                        )
+                        .map_err(|e| match e {
+                            CudaError::Shape(m) => shape_err(format!("layer {i} MoE: {m}")),
+                            other => other,
+                        })?;
+                        layers.push(LayerW {
+                            input_norm: up_f32(g, &l.input_norm)?,
+                            post_norm: up_f32(g, &l.post_norm)?,
+                            mixer,
+                            ffn: FfnW::MoeFused(w),
+                        });
+                        continue;
+                    }
                     let experts = m
                         .experts
                         .iter()
@@ -628,7 +694,14 @@ where
             layers,
             inv_freq,
             gdr_ws: Mutex::new(gdr::Workspace::new()),
+            moe_ws: Mutex::new(moe::MoeWorkspace::new()),
+            ffn_path,
         })
+    }
+
+    /// The FFN implementation this model was uploaded with.
+    pub fn ffn_path(&self) -> FfnPath {
+        self.ffn_path
     }
 
     /// The model's configuration.
@@ -843,8 +916,19 @@ where
                 c.rms_norm_eps,
             )?;
             let f = match &lw.ffn {
+                FfnW::Dense(m) if self.ffn_path == FfnPath::Fused => {
+                    let mut o: CudaSlice<T> = g.zeros(t * h)?;
+                    moe::mlp_forward(g, &m.gate_up, &m.down, &r, t, h, m.inter, &mut o)?;
+                    o
+                }
                 FfnW::Dense(m) => self.mlp(m, &r, t)?,
                 FfnW::Moe(m) => self.moe(m, &r, t)?,
+                FfnW::MoeFused(w) => {
+                    let mut o: CudaSlice<T> = g.zeros(t * h)?;
+                    let mut ws = self.moe_ws.lock().unwrap_or_else(|e| e.into_inner());
+                    moe::moe_forward(g, w, &r, t, &mut ws, &mut o)?;
+                    o
+                }
             };
             self.add_inplace(&mut x, &f, t * h)?;
             if let Some(tr) = trace.as_deref_mut() {
@@ -1143,7 +1227,7 @@ where
         Ok(out)
     }
 
-    /// MoE FFN, host-routed (temporary, see the module docs): router logits on the
+    /// MoE FFN, host-routed ([`FfnPath::HostRouted`], see the module docs): router logits on the
     /// device, softmax/top-k on the host exactly as the CPU backend, per-expert row
     /// gather → SwiGLU → weighted scatter-add on the device, then the gated shared
     /// expert. `x: [t, h]` → `[t, h]`.
