@@ -778,6 +778,102 @@ mod gpu {
         println!("hypic-tiny held-out prompt 0: {} tokens", p.len());
     }
 
+    // ---- batched decode ------------------------------------------------------------
+
+    #[test]
+    fn decode_batch_matches_cpu() {
+        let Some((g, _l)) = gpu("decode_batch_matches_cpu") else {
+            return;
+        };
+        let mut models: Vec<(String, std::result::Result<Model, String>)> = model_dirs()
+            .into_iter()
+            .map(|(l, d)| (l, load(&d)))
+            .collect();
+        models.push(("synthetic-dk128-hd256".into(), synthetic_model()));
+        let mut failures = vec![];
+        for (label, m) in models {
+            let m = match m {
+                Ok(m) => m,
+                Err(e) => {
+                    failures.push(e);
+                    continue;
+                }
+            };
+            let vocab = m.config.vocab_size;
+            let r = (|| -> std::result::Result<f64, String> {
+                let gm = GpuModel::<f32>::upload(g.clone(), &m).map_err(|e| e.to_string())?;
+                // Three sequences of different lengths (so different positions and KV).
+                let prompts: Vec<Vec<u32>> = [5usize, 17, 30]
+                    .iter()
+                    .enumerate()
+                    .map(|(i, &n)| pseudo_tokens(n, vocab, 100 + i as u64))
+                    .collect();
+                let mut cpu_states = vec![];
+                let mut gpu_states = vec![];
+                for p in &prompts {
+                    let mut cs = m.new_state();
+                    m.prefill(p, &mut cs, Logits::None)
+                        .map_err(|e| e.to_string())?;
+                    cpu_states.push(cs);
+                    let mut gs = gm.new_state().map_err(|e| e.to_string())?;
+                    gm.prefill(p, &mut gs, Logits::None)
+                        .map_err(|e| e.to_string())?;
+                    gpu_states.push(gs);
+                }
+                let mut tokens: Vec<u32> = vec![1, 2, 3];
+                let mut worst = 0f64;
+                for step in 0..3 {
+                    let mut cr: Vec<&mut ModelState> = cpu_states.iter_mut().collect();
+                    let cpu = m
+                        .decode_batch(&tokens, &mut cr)
+                        .map_err(|e| e.to_string())?;
+                    let mut gr: Vec<&mut _> = gpu_states.iter_mut().collect();
+                    let gpu = gm
+                        .decode_batch(&tokens, &mut gr)
+                        .map_err(|e| format!("step {step}: {e}"))?;
+                    if gpu.len() != cpu.len() {
+                        return Err(format!("{} rows for {} sequences", gpu.len(), cpu.len()));
+                    }
+                    for (b, (a, c)) in gpu.iter().zip(&cpu).enumerate() {
+                        let e = rel(a, c);
+                        println!(
+                            "  {label} decode_batch step {step} seq {b}: rel {:.3e} (norm {:.3e})",
+                            e.0, e.1
+                        );
+                        worst = if e.0.is_nan() {
+                            f64::NAN
+                        } else {
+                            worst.max(e.0)
+                        };
+                    }
+                    tokens = cpu.iter().map(|l| argmax(l)).collect();
+                }
+                for (b, (cs, gs)) in cpu_states.iter().zip(&gpu_states).enumerate() {
+                    let h = gs.to_host().map_err(|e| e.to_string())?;
+                    let (w, txt) = state_diff(cs, &h);
+                    if !ok(w, F32_TOL) {
+                        return Err(format!("state of sequence {b} off by {w:e}:\n{txt}"));
+                    }
+                }
+                Ok(worst)
+            })();
+            match r {
+                Ok(w) => {
+                    let pass = ok(w, F32_TOL);
+                    println!(
+                        "cuda_model {label} f32 decode_batch (3 seqs x 3 steps): rel {w:.3e}, tol {F32_TOL:.0e} {}",
+                        if pass { "ok" } else { "FAIL" }
+                    );
+                    if !pass {
+                        failures.push(format!("{label}: decode_batch rel {w:e}"));
+                    }
+                }
+                Err(e) => failures.push(format!("{label}: decode_batch: {e}")),
+            }
+        }
+        assert!(failures.is_empty(), "{}", failures.join("\n"));
+    }
+
     // ---- state round trip ----------------------------------------------------------
 
     #[test]

@@ -915,21 +915,7 @@ where
                 t,
                 c.rms_norm_eps,
             )?;
-            let f = match &lw.ffn {
-                FfnW::Dense(m) if self.ffn_path == FfnPath::Fused => {
-                    let mut o: CudaSlice<T> = g.zeros(t * h)?;
-                    moe::mlp_forward(g, &m.gate_up, &m.down, &r, t, h, m.inter, &mut o)?;
-                    o
-                }
-                FfnW::Dense(m) => self.mlp(m, &r, t)?,
-                FfnW::Moe(m) => self.moe(m, &r, t)?,
-                FfnW::MoeFused(w) => {
-                    let mut o: CudaSlice<T> = g.zeros(t * h)?;
-                    let mut ws = self.moe_ws.lock().unwrap_or_else(|e| e.into_inner());
-                    moe::moe_forward(g, w, &r, t, &mut ws, &mut o)?;
-                    o
-                }
-            };
+            let f = self.ffn(&lw.ffn, &r, t)?;
             self.add_inplace(&mut x, &f, t * h)?;
             if let Some(tr) = trace.as_deref_mut() {
                 tr.layers.push(LayerTrace {
@@ -940,6 +926,157 @@ where
         }
         state.next_position += t as i64;
         Ok(x)
+    }
+
+    /// The FFN of one layer over `r` (`[t, h]`, normed) → `[t, h]`.
+    fn ffn(&self, f: &FfnW<T>, r: &CudaSlice<T>, t: usize) -> Result<CudaSlice<T>> {
+        let g = &*self.gpu;
+        let h = self.config.hidden_size;
+        Ok(match f {
+            FfnW::Dense(m) if self.ffn_path == FfnPath::Fused => {
+                let mut o: CudaSlice<T> = g.zeros(t * h)?;
+                moe::mlp_forward(g, &m.gate_up, &m.down, r, t, h, m.inter, &mut o)?;
+                o
+            }
+            FfnW::Dense(m) => self.mlp(m, r, t)?,
+            FfnW::Moe(m) => self.moe(m, r, t)?,
+            FfnW::MoeFused(w) => {
+                let mut o: CudaSlice<T> = g.zeros(t * h)?;
+                let mut ws = self.moe_ws.lock().unwrap_or_else(|e| e.into_inner());
+                moe::moe_forward(g, w, r, t, &mut ws, &mut o)?;
+                o
+            }
+        })
+    }
+
+    /// One decode step for a batch of sequences: `tokens[b]` is appended to
+    /// `states[b]`. The embedding, norms, projections, FFN and LM head run as one
+    /// `[B, ·]` pass; conv, recurrence, KV append and attention run per sequence on its
+    /// own state (same kernels as [`GpuModel::decode`]). Returns `[B][vocab]` logits,
+    /// the same math as `B` calls of [`GpuModel::decode`].
+    ///
+    /// Errors (before any state changes): `tokens.len() != states.len()`, and as
+    /// [`GpuModel::prefill`] for any sequence.
+    pub fn decode_batch(
+        &self,
+        tokens: &[u32],
+        states: &mut [&mut GpuState<T>],
+    ) -> Result<Vec<Vec<f32>>> {
+        if tokens.len() != states.len() {
+            return Err(shape_err(format!(
+                "{} tokens for {} states",
+                tokens.len(),
+                states.len()
+            )));
+        }
+        if tokens.is_empty() {
+            return Ok(vec![]);
+        }
+        for (tk, s) in tokens.iter().zip(states.iter()) {
+            self.check_inputs(std::slice::from_ref(tk), s)?;
+        }
+        let c = &self.config;
+        let g = &*self.gpu;
+        let (bsz, h) = (tokens.len(), c.hidden_size);
+        let positions: Vec<i64> = states.iter().map(|s| s.next_position).collect();
+        let pos_d = g.upload(&positions)?;
+        let tok_d = g.upload(tokens)?;
+        let mut x: CudaSlice<T> = g.zeros(bsz * h)?;
+        {
+            let f = g.function(&MODEL, &format!("embed_gather_{}", T::SUFFIX), 0)?;
+            let (ti, hi, vi) = (
+                dim_i32("batch", bsz)?,
+                dim_i32("hidden", h)?,
+                dim_i32("vocab", c.vocab_size)?,
+            );
+            let mut b = g.stream().launch_builder(&f);
+            b.arg(&self.embed)
+                .arg(&tok_d)
+                .arg(&mut x)
+                .arg(&ti)
+                .arg(&hi)
+                .arg(&vi);
+            // SAFETY: matches `embed_gather_*` in model.cu; sizes from the config.
+            unsafe { b.launch(cfg1(bsz * h)) }?;
+        }
+        let zero = T::from_f32(0.0);
+        let st = g.stream();
+        let mut r: CudaSlice<T> = g.zeros(bsz * h)?;
+        for (i, lw) in self.layers.iter().enumerate() {
+            ops::rms_norm(
+                g,
+                NormKind::ZeroCentred,
+                &x,
+                None,
+                &lw.input_norm,
+                &mut r,
+                bsz,
+                c.rms_norm_eps,
+            )?;
+            let mixed = match &lw.mixer {
+                MixerW::Linear(w) => {
+                    let n_in = c.conv_dim() + c.value_dim() + 2 * c.linear_v_heads;
+                    let vd = c.value_dim();
+                    let mut proj: CudaSlice<T> = g.zeros(bsz * n_in)?;
+                    blas::linear(g, &r, bsz, h, &w.w_in, n_in, &mut proj, zero)?;
+                    let mut normed: CudaSlice<T> = g.zeros(bsz * vd)?;
+                    for (j, s) in states.iter_mut().enumerate() {
+                        let GpuLayerState::Linear { conv, recurrent } = &mut s.layers[i] else {
+                            return Err(shape_err(format!("layer {i}: state kind")));
+                        };
+                        let pj = st.clone_dtod(&proj.slice(j * n_in..(j + 1) * n_in))?;
+                        let nj = self.gdn_core(w, &pj, 1, conv, recurrent)?;
+                        st.memcpy_dtod(
+                            &nj.slice(..vd),
+                            &mut normed.slice_mut(j * vd..(j + 1) * vd),
+                        )?;
+                    }
+                    let mut out: CudaSlice<T> = g.zeros(bsz * h)?;
+                    blas::linear(g, &normed, bsz, vd, &w.out, h, &mut out, zero)?;
+                    out
+                }
+                MixerW::Full(w) => {
+                    let fw = self.attn_qkv_width();
+                    let ow = c.num_heads * c.head_dim;
+                    let mut qkv: CudaSlice<T> = g.zeros(bsz * fw)?;
+                    blas::linear(g, &r, bsz, h, &w.qkv, fw, &mut qkv, zero)?;
+                    let mut o: CudaSlice<T> = g.zeros(bsz * ow)?;
+                    for (j, s) in states.iter_mut().enumerate() {
+                        let GpuLayerState::Full(kv) = &mut s.layers[i] else {
+                            return Err(shape_err(format!("layer {i}: state kind")));
+                        };
+                        let qj = st.clone_dtod(&qkv.slice(j * fw..(j + 1) * fw))?;
+                        let pj = st.clone_dtod(&pos_d.slice(j..j + 1))?;
+                        let oj = self.attn_core(w, &qj, 1, &pj, kv)?;
+                        st.memcpy_dtod(&oj.slice(..ow), &mut o.slice_mut(j * ow..(j + 1) * ow))?;
+                    }
+                    let mut out: CudaSlice<T> = g.zeros(bsz * h)?;
+                    blas::linear(g, &o, bsz, ow, &w.o, h, &mut out, zero)?;
+                    out
+                }
+            };
+            self.add_inplace(&mut x, &mixed, bsz * h)?;
+            ops::rms_norm(
+                g,
+                NormKind::ZeroCentred,
+                &x,
+                None,
+                &lw.post_norm,
+                &mut r,
+                bsz,
+                c.rms_norm_eps,
+            )?;
+            let f = self.ffn(&lw.ffn, &r, bsz)?;
+            self.add_inplace(&mut x, &f, bsz * h)?;
+        }
+        for s in states.iter_mut() {
+            s.next_position += 1;
+        }
+        let logits = self.logits_of(&x, bsz, Logits::All)?;
+        Ok(logits
+            .chunks_exact(c.vocab_size)
+            .map(|l| l.to_vec())
+            .collect())
     }
 
     fn add_inplace(&self, x: &mut CudaSlice<T>, y: &CudaSlice<T>, n: usize) -> Result<()> {
@@ -1004,6 +1141,29 @@ where
         let c = &self.config;
         let g = &*self.gpu;
         let h = c.hidden_size;
+        let n_in = c.conv_dim() + c.value_dim() + 2 * c.linear_v_heads;
+        let zero = T::from_f32(0.0);
+        let mut proj: CudaSlice<T> = g.zeros(t * n_in)?;
+        blas::linear(g, r, t, h, &w.w_in, n_in, &mut proj, zero)?;
+        let normed = self.gdn_core(w, &proj, t, conv_tail, rec)?;
+        let mut out: CudaSlice<T> = g.zeros(t * h)?;
+        blas::linear(g, &normed, t, c.value_dim(), &w.out, h, &mut out, zero)?;
+        Ok(out)
+    }
+
+    /// The GDN between its two projections: from `proj` (`[t, n_in]`, the fused
+    /// in-projection) to the gated-normed core output `[t, value_dim]` (before
+    /// `out_proj`), advancing the conv tail and the recurrent state.
+    fn gdn_core(
+        &self,
+        w: &GdnW<T>,
+        proj: &CudaSlice<T>,
+        t: usize,
+        conv_tail: &mut CudaSlice<f32>,
+        rec: &mut CudaSlice<f32>,
+    ) -> Result<CudaSlice<T>> {
+        let c = &self.config;
+        let g = &*self.gpu;
         let (hk, hv, dk, dv) = (
             c.linear_k_heads,
             c.linear_v_heads,
@@ -1013,15 +1173,13 @@ where
         let (kd, vd, cd) = (c.key_dim(), c.value_dim(), c.conv_dim());
         let n_in = cd + vd + 2 * hv;
         let kk = c.conv_kernel;
-        let zero = T::from_f32(0.0);
-        let mut proj: CudaSlice<T> = g.zeros(t * n_in)?;
-        blas::linear(g, r, t, h, &w.w_in, n_in, &mut proj, zero)?;
+        check_len("GDN projection [t, n_in]", proj, t * n_in)?;
         let mut mixed: CudaSlice<T> = g.zeros(t * cd)?;
         if t == 1 {
-            ops::conv1d_update(g, &proj, &w.conv, conv_tail, &mut mixed, cd, kk, true)?;
+            ops::conv1d_update(g, proj, &w.conv, conv_tail, &mut mixed, cd, kk, true)?;
         } else {
             ops::conv1d_prefill(
-                g, &proj, n_in, &w.conv, conv_tail, &mut mixed, t, cd, kk, true,
+                g, proj, n_in, &w.conv, conv_tail, &mut mixed, t, cd, kk, true,
             )?;
         }
         // q, k: L2-normalised per head (q also scaled).
@@ -1056,7 +1214,7 @@ where
         let mut v: CudaSlice<T> = g.zeros(t * vd)?;
         self.copy_cols(&mixed, cd, 2 * kd, &mut v, vd, t)?;
         let mut z: CudaSlice<T> = g.zeros(t * vd)?;
-        self.copy_cols(&proj, n_in, cd, &mut z, vd, t)?;
+        self.copy_cols(proj, n_in, cd, &mut z, vd, t)?;
         let mut gg: CudaSlice<f32> = g.zeros(t * hv)?;
         let mut beta: CudaSlice<f32> = g.zeros(t * hv)?;
         {
@@ -1068,7 +1226,7 @@ where
                 dim_i32("Hv", hv)?,
             );
             let mut b = g.stream().launch_builder(&f);
-            b.arg(&proj)
+            b.arg(proj)
                 .arg(&si)
                 .arg(&oi)
                 .arg(&w.neg_a)
@@ -1101,9 +1259,14 @@ where
             t * hv,
             c.rms_norm_eps,
         )?;
-        let mut out: CudaSlice<T> = g.zeros(t * h)?;
-        blas::linear(g, &normed, t, vd, &w.out, h, &mut out, zero)?;
-        Ok(out)
+        Ok(normed)
+    }
+
+    /// Width of the fused attention projection: `qw + 2·Hkv·hd`.
+    fn attn_qkv_width(&self) -> usize {
+        let c = &self.config;
+        let qw = c.num_heads * c.head_dim * if c.attn_output_gate { 2 } else { 1 };
+        qw + 2 * c.num_kv_heads * c.head_dim
     }
 
     /// Gated attention mixer over `r` (`[t, h]`, normed) at positions `pos` (`[t]`),
@@ -1119,14 +1282,35 @@ where
         let c = &self.config;
         let g = &*self.gpu;
         let h = c.hidden_size;
-        let (nh, nkv, hd) = (c.num_heads, c.num_kv_heads, c.head_dim);
-        let gated = c.attn_output_gate;
-        let qw = nh * hd * if gated { 2 } else { 1 };
-        let kw = nkv * hd;
-        let fw = qw + 2 * kw;
+        let fw = self.attn_qkv_width();
         let zero = T::from_f32(0.0);
         let mut qkv: CudaSlice<T> = g.zeros(t * fw)?;
         blas::linear(g, r, t, h, &w.qkv, fw, &mut qkv, zero)?;
+        let o = self.attn_core(w, &qkv, t, pos, kv)?;
+        let mut out: CudaSlice<T> = g.zeros(t * h)?;
+        blas::linear(g, &o, t, c.num_heads * c.head_dim, &w.o, h, &mut out, zero)?;
+        Ok(out)
+    }
+
+    /// Attention between its projections: from the fused `qkv` (`[t, qw + 2·Hkv·hd]`)
+    /// to the gated attention output `[t, H·hd]` (before `o_proj`), appending the
+    /// span's K/V (positions `pos`, `[t]`) to `kv`.
+    fn attn_core(
+        &self,
+        w: &AttnW<T>,
+        qkv: &CudaSlice<T>,
+        t: usize,
+        pos: &CudaSlice<i64>,
+        kv: &mut GpuKv<T>,
+    ) -> Result<CudaSlice<T>> {
+        let c = &self.config;
+        let g = &*self.gpu;
+        let (nh, nkv, hd) = (c.num_heads, c.num_kv_heads, c.head_dim);
+        let gated = c.attn_output_gate;
+        let kw = nkv * hd;
+        let fw = self.attn_qkv_width();
+        check_len("attention projection [t, qkv]", qkv, t * fw)?;
+        check_len("positions", pos, t)?;
         let mut q_raw: CudaSlice<T> = g.zeros(t * nh * hd)?;
         let mut gate: CudaSlice<T> = g.zeros(if gated { t * nh * hd } else { 1 })?;
         let mut k_raw: CudaSlice<T> = g.zeros(t * kw)?;
@@ -1141,7 +1325,7 @@ where
                 gated as i32,
             );
             let mut b = g.stream().launch_builder(&f);
-            b.arg(&qkv)
+            b.arg(qkv)
                 .arg(&mut q_raw)
                 .arg(&mut gate)
                 .arg(&mut k_raw)
@@ -1200,9 +1384,7 @@ where
             // SAFETY: matches `mul_sigmoid_*`; o and gate: [t, nh, hd].
             unsafe { b.launch(cfg1(n)) }?;
         }
-        let mut out: CudaSlice<T> = g.zeros(t * h)?;
-        blas::linear(g, &o, t, nh * hd, &w.o, h, &mut out, zero)?;
-        Ok(out)
+        Ok(o)
     }
 
     /// Dense SwiGLU MLP: `down(silu(gate(x)) · up(x))`, `x: [rows, h]` → `[rows, h]`.
