@@ -25,6 +25,17 @@
 //! Activations and the residual stream are `[T, hidden]` row-major in `T`; norms,
 //! gates, conv and recurrent state are fp32; KV caches are in `T` (so for bf16 a
 //! host→device→host round trip of the KV rounds to bf16; everything else is exact).
+//!
+//! Entry points: [`GpuModel::prefill`] (any span from any state, logits none / last /
+//! all), [`GpuModel::decode`], [`GpuModel::decode_batch`] (one step for several
+//! sequences: batched GEMMs, per-sequence state work), [`GpuModel::prefill_traced`]
+//! (residual stream after every layer, for diagnosis), [`GpuState::from_host`] /
+//! [`GpuState::to_host`] (the CPU `ModelState` layouts).
+//!
+//! Not done yet: activations are allocated per call (no arena), the per-sequence
+//! part of `decode_batch` is a loop of single-sequence launches, and the span-level
+//! PIC API (`layer_forward_capture*`: span KV, body transitions) has no GPU
+//! counterpart here. Tests: `dataplane/tests/cuda_model.rs`.
 use std::sync::{Arc, Mutex};
 
 use cudarc::cublas::{CudaBlas, Gemm};
