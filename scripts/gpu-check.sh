@@ -97,11 +97,20 @@ run() {
   t0=$SECONDS
   # Run from the repository root (fixtures and models/hypic-tiny are read from it);
   # a missing device is a failure here, not a skip.
-  HYPIC_REQUIRE_GPU=1 HYPIC_REPO_ROOT="$PWD" timeout 300 .device/bin/cuda_model --test-threads=1 --nocapture \
-    > "$OUT/model_tests.log" 2>&1
-  local model_rc=$?
+  # Each test in its own process, so that a kernel fault (which poisons the CUDA
+  # context) in one does not take the others with it.
+  local model_rc=0 name rc
+  : > "$OUT/model_tests.log"
+  for name in $(.device/bin/cuda_model --list --format=terse 2>/dev/null | sed -n 's/: test$//p'); do
+    HYPIC_REQUIRE_GPU=1 HYPIC_REPO_ROOT="$PWD" timeout 240 .device/bin/cuda_model --exact "$name" \
+      --test-threads=1 --nocapture >> "$OUT/model_tests.log" 2>&1
+    rc=$?
+    echo "cuda_model $name rc=$rc" >> "$OUT/model_tests.log"
+    [ "$rc" -ne 0 ] && model_rc=$rc
+  done
   echo "model tests rc=$model_rc in $((SECONDS - t0)) s"
-  grep -E "^test |test result|rel .*tol|FAIL|panicked|greedy" "$OUT/model_tests.log" | grep -v "^test .* ok$" | tail -60
+  grep -E "^test |test result|rel .*tol|FAIL|panicked|greedy|^cuda_model gpu::" "$OUT/model_tests.log" \
+    | grep -v "^test .* ok$" | tail -60
 
   echo "== our benchmark"
   t0=$SECONDS
@@ -164,7 +173,7 @@ PY
     grep -E "rel .*tol|routing|χ²|argmax|equal|outside|FAIL|skipped|^test |test result|panicked|workspace|→" "$OUT/tests_moe.log"
     echo '```'
     echo; echo "## Whole-model GPU vs CPU (rc=$model_rc)"; echo; echo '```'
-    grep -E "rel .*tol|^test |test result|panicked|FAIL|greedy|  (cpu|gpu) " "$OUT/model_tests.log"
+    grep -E "rel .*tol|^test |panicked|FAIL|greedy|  (cpu|gpu) |^cuda_model gpu::" "$OUT/model_tests.log"
     echo '```'
     echo; echo "Layer and state breakdowns: model_tests.log"
     echo; cat "$OUT/bench.md"

@@ -555,16 +555,33 @@ mod gpu {
         );
     }
 
+    fn logits_for(label: &str, dir: PathBuf) {
+        run_model_scenarios(
+            &format!("logits_match_cpu_{label}"),
+            vec![(label.to_string(), load(&dir))],
+        );
+    }
+
+    // One test per model, so that each runs in its own process under gpu-check.sh (a
+    // kernel fault poisons the CUDA context of its process).
     #[test]
-    fn logits_match_cpu_on_golden_and_tiny_models() {
-        let models = model_dirs()
-            .into_iter()
-            .map(|(l, d)| {
-                let m = load(&d);
-                (l, m)
-            })
-            .collect();
-        run_model_scenarios("logits_match_cpu_on_golden_and_tiny_models", models);
+    fn logits_match_cpu_golden_qwen3_next() {
+        logits_for("qwen3_next", golden_dir("qwen3_next"));
+    }
+
+    #[test]
+    fn logits_match_cpu_golden_qwen3_5_moe() {
+        logits_for("qwen3_5_moe", golden_dir("qwen3_5_moe"));
+    }
+
+    #[test]
+    fn logits_match_cpu_golden_qwen3_5() {
+        logits_for("qwen3_5", golden_dir("qwen3_5"));
+    }
+
+    #[test]
+    fn logits_match_cpu_hypic_tiny() {
+        logits_for("hypic-tiny", tiny_dir());
     }
 
     // ---- synthetic model at the real head dims -------------------------------------

@@ -302,6 +302,19 @@ fn shape_err(msg: String) -> CudaError {
     CudaError::Shape(msg)
 }
 
+/// Prefixes an error's message with where it happened, keeping its kind. Kernel
+/// faults are asynchronous: without [`GpuModel::prefill_traced`] (which waits after
+/// every mixer and FFN) a fault may be reported by a later stage.
+fn context(e: CudaError, at: &str) -> CudaError {
+    match e {
+        CudaError::Unavailable(m) => CudaError::Unavailable(format!("{at}: {m}")),
+        CudaError::Driver(m) => CudaError::Driver(format!("{at}: {m}")),
+        CudaError::Nvrtc(m) => CudaError::Nvrtc(format!("{at}: {m}")),
+        CudaError::Cublas(m) => CudaError::Cublas(format!("{at}: {m}")),
+        CudaError::Shape(m) => CudaError::Shape(format!("{at}: {m}")),
+    }
+}
+
 /// Checks a host state against the config (the same rules as `Model::check_state`).
 fn check_host_state(c: &ModelConfig, s: &ModelState) -> Result<()> {
     if s.layers.len() != c.num_layers {
@@ -899,12 +912,12 @@ where
                 c.rms_norm_eps,
             )?;
             let mixed = match (&lw.mixer, ls) {
-                (MixerW::Linear(w), GpuLayerState::Linear { conv, recurrent }) => {
-                    self.gdn(w, &r, t, conv, recurrent)?
-                }
-                (MixerW::Full(w), GpuLayerState::Full(kv)) => {
-                    self.attention(w, &r, t, &pos_d, kv)?
-                }
+                (MixerW::Linear(w), GpuLayerState::Linear { conv, recurrent }) => self
+                    .gdn(w, &r, t, conv, recurrent)
+                    .map_err(|e| context(e, &format!("layer {i} GDN mixer")))?,
+                (MixerW::Full(w), GpuLayerState::Full(kv)) => self
+                    .attention(w, &r, t, &pos_d, kv)
+                    .map_err(|e| context(e, &format!("layer {i} attention mixer")))?,
                 _ => {
                     return Err(shape_err(format!(
                         "layer {i}: state kind does not match the layer"
@@ -913,7 +926,8 @@ where
             };
             self.add_inplace(&mut x, &mixed, t * h)?;
             let after_mixer = match trace.as_deref() {
-                Some(_) => download_f32(g, &x, t * h)?,
+                Some(_) => download_f32(g, &x, t * h)
+                    .map_err(|e| context(e, &format!("layer {i} after the mixer")))?,
                 None => vec![],
             };
             ops::rms_norm(
@@ -926,12 +940,15 @@ where
                 t,
                 c.rms_norm_eps,
             )?;
-            let f = self.ffn(&lw.ffn, &r, t)?;
+            let f = self
+                .ffn(&lw.ffn, &r, t)
+                .map_err(|e| context(e, &format!("layer {i} FFN")))?;
             self.add_inplace(&mut x, &f, t * h)?;
             if let Some(tr) = trace.as_deref_mut() {
                 tr.layers.push(LayerTrace {
                     after_mixer,
-                    after_layer: download_f32(g, &x, t * h)?,
+                    after_layer: download_f32(g, &x, t * h)
+                        .map_err(|e| context(e, &format!("layer {i} after the FFN")))?,
                 });
             }
         }
