@@ -11,7 +11,8 @@
 #   scripts/gpu-check.sh run       # on the GPU machine, through the device tool:
 #                                  #   run(command="scripts/gpu-check.sh run",
 #                                  #       carry=[".device", ".whl"])
-#                                  # runs the GPU-vs-CPU tests, our benchmark, FLA
+#                                  # runs the GPU-vs-CPU tests (cuda_kernels, cuda_moe,
+#                                  # and the whole-model cuda_model), our benchmark, FLA
 #                                  # chunk_gated_delta_rule and torch SDPA in the same
 #                                  # run, and writes $OUT/report.md (+ logs)
 #
@@ -38,10 +39,22 @@ build() {
         --message-format=json 2>/dev/null | grep -o '"executable":"[^"]*cuda_kernels[^"]*"' | tail -1 \
         | sed 's/"executable":"\(.*\)"/\1/')
   [ -n "$exe" ] || { echo "could not build the cuda_kernels test binary" >&2; exit 1; }
+  local exe_moe
+  exe_moe=$(cargo test --release -p hypic-dataplane --features cuda --test cuda_moe --no-run \
+        --message-format=json 2>/dev/null | grep -o '"executable":"[^"]*cuda_moe[^"]*"' | tail -1 \
+        | sed 's/"executable":"\(.*\)"/\1/')
+  [ -n "$exe_moe" ] || { echo "could not build the cuda_moe test binary" >&2; exit 1; }
+  local model_exe
+  model_exe=$(cargo test --release -p hypic-dataplane --features cuda --test cuda_model --no-run \
+        --message-format=json 2>/dev/null | grep -o '"executable":"[^"]*cuda_model[^"]*"' | tail -1 \
+        | sed 's/"executable":"\(.*\)"/\1/')
+  [ -n "$model_exe" ] || { echo "could not build the cuda_model test binary" >&2; exit 1; }
   cargo build --release -p hypic-dataplane --features cuda --example gpu_bench
   cp "$exe" .device/bin/cuda_kernels
+  cp "$exe_moe" .device/bin/cuda_moe
+  cp "$model_exe" .device/bin/cuda_model
   cp "$CARGO_TARGET_DIR/release/examples/gpu_bench" .device/bin/gpu_bench
-  strip .device/bin/cuda_kernels .device/bin/gpu_bench || true
+  strip .device/bin/cuda_kernels .device/bin/cuda_moe .device/bin/cuda_model .device/bin/gpu_bench || true
   if HYPIC_KERNEL_CACHE="$PWD/.device/kcache" .device/bin/gpu_bench --precompile sm_90a; then
     echo "kernel cache for sm_90a in .device/kcache"
   else
@@ -72,6 +85,32 @@ run() {
   local test_rc=$?
   echo "tests rc=$test_rc in $((SECONDS - t0)) s"
   grep -E "^test |test result|rel .*tol|panicked" "$OUT/tests.log" | grep -v "^test .* ok$" | tail -60
+
+  echo "== MoE / SwiGLU / sampling tests"
+  t0=$SECONDS
+  .device/bin/cuda_moe --test-threads=1 --nocapture > "$OUT/tests_moe.log" 2>&1
+  local moe_rc=$?
+  echo "moe tests rc=$moe_rc in $((SECONDS - t0)) s"
+  grep -E "FAIL|test result|panicked|skipped" "$OUT/tests_moe.log" | tail -40
+
+  echo "== whole-model tests (GPU vs CPU, dataplane/tests/cuda_model.rs)"
+  t0=$SECONDS
+  # Run from the repository root (fixtures and models/hypic-tiny are read from it);
+  # a missing device is a failure here, not a skip.
+  # Each test in its own process, so that a kernel fault (which poisons the CUDA
+  # context) in one does not take the others with it.
+  local model_rc=0 name rc
+  : > "$OUT/model_tests.log"
+  for name in $(.device/bin/cuda_model --list --format=terse 2>/dev/null | sed -n 's/: test$//p'); do
+    HYPIC_REQUIRE_GPU=1 HYPIC_REPO_ROOT="$PWD" timeout 240 .device/bin/cuda_model --exact "$name" \
+      --test-threads=1 --nocapture >> "$OUT/model_tests.log" 2>&1
+    rc=$?
+    echo "cuda_model $name rc=$rc" >> "$OUT/model_tests.log"
+    [ "$rc" -ne 0 ] && model_rc=$rc
+  done
+  echo "model tests rc=$model_rc in $((SECONDS - t0)) s"
+  grep -E "^test |test result|rel .*tol|FAIL|panicked|greedy|^cuda_model gpu::" "$OUT/model_tests.log" \
+    | grep -v "^test .* ok$" | tail -60
 
   echo "== our benchmark"
   t0=$SECONDS
@@ -130,11 +169,20 @@ PY
     echo; echo "## Equivalence tests (rc=$test_rc)"; echo; echo '```'
     grep -E "rel .*tol|^test |test result|panicked" "$OUT/tests.log"
     echo '```'
+    echo; echo "## MoE / SwiGLU / sampling tests (rc=$moe_rc)"; echo; echo '```'
+    grep -E "rel .*tol|routing|χ²|argmax|equal|outside|FAIL|skipped|^test |test result|panicked|workspace|→" "$OUT/tests_moe.log"
+    echo '```'
+    echo; echo "## Whole-model GPU vs CPU (rc=$model_rc)"; echo; echo '```'
+    grep -E "rel .*tol|^test |panicked|FAIL|greedy|  (cpu|gpu) |^cuda_model gpu::" "$OUT/model_tests.log"
+    echo '```'
+    echo; echo "Layer and state breakdowns: model_tests.log"
     echo; cat "$OUT/bench.md"
     echo; cat "$OUT/fla.md"
   } > "$OUT/report.md"
   echo "== report"; sed -n '/## Gated delta rule/,$p' "$OUT/report.md" | head -80
-  return $test_rc
+  [ "$test_rc" -ne 0 ] && return "$test_rc"
+  [ "$moe_rc" -ne 0 ] && return "$moe_rc"
+  return "$model_rc"
 }
 
 case "$mode" in

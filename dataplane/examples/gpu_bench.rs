@@ -8,7 +8,10 @@
 //!   `T_C` (build overhead);
 //! * one-token recurrent decode step (same heads);
 //! * dense pair apply `S ← T S + B` and compose, 32 heads × 128² (per segment cost);
-//! * attention prefill (16 q / 2 kv heads × 256, bf16) at 4k and 16k.
+//! * attention prefill (16 q / 2 kv heads × 256, bf16) at 4k and 16k;
+//! * MoE block, Qwen3.5-35B-A3B shape (hidden 2048, 256 experts, top-8, expert and
+//!   shared intermediate 512, bf16) at t = 1, 8, 1024, 4096, with a cuBLAS dense GEMM
+//!   of the same total routed rows for comparison.
 //!
 //! Times are medians of CUDA-event-timed repetitions after warm-up; inputs are
 //! random (never zeros).
@@ -28,7 +31,7 @@ fn main() {
 
 #[cfg(feature = "cuda")]
 mod bench {
-    use dataplane::cuda::{attn, gdr, transition, CudaSlice, Elem, Gpu, Result};
+    use dataplane::cuda::{attn, blas, gdr, moe, transition, CudaSlice, Elem, Gpu, Result};
     use dataplane::linear::gdr::GdrDims;
     use half::bf16;
     use rand::{Rng, SeedableRng};
@@ -288,6 +291,81 @@ mod bench {
             let flops = 4.0 * (t as f64) * (t as f64) / 2.0 * (nh * hd) as f64;
             println!("| {t} | {ms:.3} | {:.1} |", flops / ms / 1e9);
         }
+        moe_bench(&g, &mut r, quick)?;
+        Ok(())
+    }
+
+    /// MoE block at the Qwen3.5-35B-A3B shape. Every expert gets the same random weights
+    /// (the timing does not depend on their values; the router is random, so tokens
+    /// spread over the experts); FLOPs count router, routed experts and shared expert.
+    fn moe_bench(g: &Gpu, r: &mut rand::rngs::StdRng, quick: bool) -> Result<()> {
+        let (h, e, k, i, is) = (2048usize, 256usize, 8usize, 512usize, 512usize);
+        println!(
+            "\n## MoE block (bf16; hidden {h}, {e} experts, top-{k}, expert inter {i}, shared inter {is})\n"
+        );
+        let rnd = |r: &mut rand::rngs::StdRng, n: usize, s: f32| -> Vec<f32> {
+            (0..n).map(|_| r.random_range(-s..s)).collect()
+        };
+        let sh = 1.0 / (h as f32).sqrt();
+        let router = rnd(r, e * h, 3.0 * sh);
+        let gu = rnd(r, 2 * i * h, sh);
+        let dn = rnd(r, h * i, 1.0 / (i as f32).sqrt());
+        let sgu = rnd(r, 2 * is * h, sh);
+        let sdn = rnd(r, h * is, 1.0 / (is as f32).sqrt());
+        let sg = rnd(r, h, sh);
+        let gus: Vec<&[f32]> = vec![&gu[..]; e];
+        let dns: Vec<&[f32]> = vec![&dn[..]; e];
+        let w = moe::MoeWeights::<bf16>::upload(
+            g,
+            &router,
+            &gus,
+            &dns,
+            Some((&sgu, &sdn, &sg)),
+            h,
+            i,
+            is,
+            k,
+            true,
+        )?;
+        let mut ws = moe::MoeWorkspace::new();
+        println!("| t | MoE ms | TFLOP/s | cuBLAS dense same rows ms | TFLOP/s |");
+        println!("|---|---|---|---|---|");
+        let ts: &[usize] = if quick {
+            &[1, 1024]
+        } else {
+            &[1, 8, 1024, 4096]
+        };
+        for &t in ts {
+            let x = rand_up::<bf16>(g, r, t * h, -1.0, 1.0)?;
+            let mut out = g.zeros::<bf16>(t * h)?;
+            let reps = if t >= 1024 { 10 } else { 50 };
+            let ms = time_ms(g, 3, reps, || {
+                moe::moe_forward(g, &w, &x, t, &mut ws, &mut out)
+            })?;
+            let flops = 2.0 * t as f64 * (e * h + k * 3 * i * h + 3 * is * h) as f64;
+            // cuBLAS reference: all t·k routed rows through one expert's matrices.
+            let n = t * k;
+            let xr = rand_up::<bf16>(g, r, n * h, -1.0, 1.0)?;
+            let wgu = rand_up::<bf16>(g, r, 2 * i * h, -sh, sh)?;
+            let wdn = rand_up::<bf16>(g, r, h * i, -0.04, 0.04)?;
+            let mut y1 = g.zeros::<bf16>(n * 2 * i)?;
+            let mut y2 = g.zeros::<bf16>(n * h)?;
+            let dense = time_ms(g, 3, reps, || {
+                blas::linear(g, &xr, n, h, &wgu, 2 * i, &mut y1, bf16::from_f32(0.0))?;
+                blas::linear(g, &y1, n, i, &wdn, h, &mut y2, bf16::from_f32(0.0))
+            })?;
+            let dflops = 2.0 * n as f64 * (3 * i * h) as f64;
+            println!(
+                "| {t} | {ms:.3} | {:.2} | {dense:.3} | {:.2} |",
+                flops / ms / 1e9,
+                dflops / dense / 1e9
+            );
+        }
+        println!(
+            "\n(MoE workspace {:.1} MiB; weights {:.2} GiB)",
+            ws.bytes() as f64 / (1 << 20) as f64,
+            2.0 * (e * 3 * i * h + 3 * is * h + (e + 1) * h) as f64 / (1u64 << 30) as f64
+        );
         Ok(())
     }
 }

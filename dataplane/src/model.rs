@@ -14,70 +14,70 @@ use rayon::prelude::*;
 use std::path::Path;
 
 /// Gated DeltaNet weights, with the projections merged into one matrix.
-struct GdnWeights {
+pub(crate) struct GdnWeights {
     /// `[2·key_dim + 2·value_dim + 2·Hv, hidden]`: rows `q_all | k_all | v_all | z_all | b | a`
     /// (the Qwen3.5 split order; Qwen3-Next's per-key-head grouping is undone at load).
-    w_in: Vec<f32>,
+    pub(crate) w_in: Vec<f32>,
     /// Depthwise conv weight `[conv_dim, K]`.
-    conv: Vec<f32>,
+    pub(crate) conv: Vec<f32>,
     /// `−exp(A_log)`, `[Hv]`.
-    neg_a: Vec<f32>,
+    pub(crate) neg_a: Vec<f32>,
     /// `[Hv]`.
-    dt_bias: Vec<f32>,
+    pub(crate) dt_bias: Vec<f32>,
     /// Gated RMSNorm weight `[dv]` (not offset).
-    norm: Vec<f32>,
+    pub(crate) norm: Vec<f32>,
     /// `[hidden, value_dim]`.
-    out: Vec<f32>,
+    pub(crate) out: Vec<f32>,
 }
 
 /// Gated attention weights.
-struct AttnWeights {
+pub(crate) struct AttnWeights {
     /// `[H·hd·(1+gate), hidden]`; per head `[q(hd) | gate(hd)]` when gated.
-    q: Vec<f32>,
+    pub(crate) q: Vec<f32>,
     /// `[Hkv·hd, hidden]`.
-    k: Vec<f32>,
+    pub(crate) k: Vec<f32>,
     /// `[Hkv·hd, hidden]`.
-    v: Vec<f32>,
+    pub(crate) v: Vec<f32>,
     /// `[hidden, H·hd]`.
-    o: Vec<f32>,
+    pub(crate) o: Vec<f32>,
     /// Zero-centred, `[hd]`.
-    q_norm: Vec<f32>,
+    pub(crate) q_norm: Vec<f32>,
     /// Zero-centred, `[hd]`.
-    k_norm: Vec<f32>,
+    pub(crate) k_norm: Vec<f32>,
 }
 
 /// SwiGLU MLP: `down(silu(gate(x)) · up(x))`.
-struct Mlp {
+pub(crate) struct Mlp {
     /// `[2I, hidden]`, gate rows then up rows.
-    gate_up: Vec<f32>,
+    pub(crate) gate_up: Vec<f32>,
     /// `[hidden, I]`.
-    down: Vec<f32>,
-    inter: usize,
+    pub(crate) down: Vec<f32>,
+    pub(crate) inter: usize,
 }
 
-struct Moe {
+pub(crate) struct Moe {
     /// Router `[E, hidden]`.
-    router: Vec<f32>,
-    experts: Vec<Mlp>,
+    pub(crate) router: Vec<f32>,
+    pub(crate) experts: Vec<Mlp>,
     /// Shared expert and its scalar gate `[1, hidden]`.
-    shared: Option<(Mlp, Vec<f32>)>,
+    pub(crate) shared: Option<(Mlp, Vec<f32>)>,
 }
 
-enum Mixer {
+pub(crate) enum Mixer {
     Linear(GdnWeights),
     Full(AttnWeights),
 }
 
-enum Ffn {
+pub(crate) enum Ffn {
     Dense(Mlp),
     Moe(Moe),
 }
 
-struct Layer {
-    input_norm: Vec<f32>,
-    post_norm: Vec<f32>,
-    mixer: Mixer,
-    ffn: Ffn,
+pub(crate) struct Layer {
+    pub(crate) input_norm: Vec<f32>,
+    pub(crate) post_norm: Vec<f32>,
+    pub(crate) mixer: Mixer,
+    pub(crate) ffn: Ffn,
 }
 
 /// Which logits a prefill returns.
@@ -105,11 +105,11 @@ pub struct PrefillOutput {
 pub struct Model {
     /// Configuration.
     pub config: ModelConfig,
-    embed: Vec<f32>,
-    final_norm: Vec<f32>,
+    pub(crate) embed: Vec<f32>,
+    pub(crate) final_norm: Vec<f32>,
     /// `[vocab, hidden]`; `None` when tied to the embedding.
-    lm_head: Option<Vec<f32>>,
-    layers: Vec<Layer>,
+    pub(crate) lm_head: Option<Vec<f32>>,
+    pub(crate) layers: Vec<Layer>,
     rope: Rope,
 }
 
@@ -839,7 +839,7 @@ impl GdnInputs {
 pub const GDR_CHUNK: usize = 64;
 
 /// Spans shorter than this run the token-by-token recurrence (decode, seams).
-const CHUNKED_MIN_TOKENS: usize = 16;
+pub(crate) const CHUNKED_MIN_TOKENS: usize = 16;
 
 /// Runs the gated delta rule over tokens `a..b` of `inp` from `state` (in place).
 fn run_gdr(d: &GdrDims, inp: &GdnInputs, a: usize, b: usize, state: &mut [f32]) -> Vec<f32> {

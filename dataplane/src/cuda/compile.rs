@@ -57,8 +57,27 @@ pub const ATTN: KernelSource = KernelSource {
     text: include_str!("../../kernels/attn.cu"),
 };
 
+/// Glue kernels of the whole-model forward (`kernels/model.cu`): embedding, residual
+/// add, GDN input preparation, attention split and gate, SwiGLU, host-routed MoE
+/// gather/scatter, generic-head-dim fallbacks of the GDR recurrence and attention.
+pub const MODEL: KernelSource = KernelSource {
+    name: "model",
+    text: include_str!("../../kernels/model.cu"),
+};
+
+/// Mixture-of-experts routing, grouped GEMMs, combine, SwiGLU (`kernels/moe.cu`).
+pub const MOE: KernelSource = KernelSource {
+    name: "moe",
+    text: include_str!("../../kernels/moe.cu"),
+};
+/// Greedy argmax and seeded temperature / top-k / top-p sampling (`kernels/sample.cu`).
+pub const SAMPLE: KernelSource = KernelSource {
+    name: "sample",
+    text: include_str!("../../kernels/sample.cu"),
+};
+
 /// Every kernel module (used by the compile check and to warm the cache).
-pub const ALL: [KernelSource; 5] = [NORM, ROPE, CONV, GDR, ATTN];
+pub const ALL: [KernelSource; 8] = [NORM, ROPE, CONV, GDR, ATTN, MODEL, MOE, SAMPLE];
 
 /// NVRTC target name for a compute capability: `sm_90a` for 9.0 (Hopper, so that
 /// arch-specific instructions are allowed), `sm_{major}{minor}` otherwise.

@@ -14,7 +14,11 @@
 //!   and one-token update), [`gdr`] (gated delta rule one-token recurrent decode and
 //!   chunked prefill from an initial state, optionally with the segment transition
 //!   `T_C`), [`transition`] (dense pair compose/apply through cuBLAS strided batched
-//!   GEMM), [`attn`] (causal GQA attention prefill over KV at arbitrary positions).
+//!   GEMM), [`attn`] (causal GQA attention prefill over KV at arbitrary positions),
+//!   [`moe`] (sparse MoE block with grouped expert GEMMs, dense SwiGLU MLP),
+//!   [`sample`] (greedy argmax and seeded temperature / top-k / top-p sampling).
+//! * [`model`]: the whole-model forward ([`model::GpuModel`] prefill/decode from a
+//!   [`model::GpuState`]), equivalent to the CPU `model::Model`.
 //!
 //! Device buffers are cudarc `CudaSlice<T>` in the same row-major layouts as the CPU
 //! backend (documented per function); element type `T` is `f32` or `half::bf16`
@@ -30,7 +34,10 @@ pub mod blas;
 pub mod compile;
 pub mod device;
 pub mod gdr;
+pub mod model;
+pub mod moe;
 pub mod ops;
+pub mod sample;
 pub mod transition;
 
 use compile::KernelSource;

@@ -1,0 +1,298 @@
+// Glue kernels of the whole-model forward (dataplane/src/cuda/model.rs): embedding
+// gather, residual add, GDN input preparation (q/k L2-norm, v/z column copies, g and β),
+// attention projection split and output gate, SwiGLU, the host-routed MoE gather /
+// scatter, and generic (any head dim) fallbacks of the gated delta rule recurrence and
+// of causal attention for head dims the tuned kernels are not built for (the tiny
+// golden models: dk = dv = 16, head_dim = 32). All math in fp32; T is float or bf16.
+// Every kernel uses a grid-stride loop or checks its bounds, so any grid size is safe.
+
+#define GRID_STRIDE(idx, total) \
+    for (size_t idx = (size_t)blockIdx.x * blockDim.x + threadIdx.x; idx < (total); idx += (size_t)gridDim.x * blockDim.x)
+
+// x[t, :] = table[tokens[t], :]; table: [vocab, h]; x: [t, h]. An id ≥ vocab gives zeros
+// (the host refuses such ids before launching).
+template <typename T>
+__device__ void embed_gather_impl(const T* table, const unsigned int* tokens, T* x, int t, int h, int vocab) {
+    GRID_STRIDE(idx, (size_t)t * h) {
+        const size_t r = idx / h, c = idx % h;
+        const unsigned int id = tokens[r];
+        x[idx] = id < (unsigned int)vocab ? table[(size_t)id * h + c] : from_f<T>(0.f);
+    }
+}
+
+// x += y over n elements.
+template <typename T>
+__device__ void add_inplace_impl(T* x, const T* y, size_t n) {
+    GRID_STRIDE(idx, n) { x[idx] = from_f<T>(to_f(x[idx]) + to_f(y[idx])); }
+}
+
+// dst[r, c] = src[r · src_stride + src_off + c], c < width, r < rows.
+template <typename T>
+__device__ void copy_cols_impl(const T* src, int src_stride, int src_off, T* dst, int width, int rows) {
+    GRID_STRIDE(idx, (size_t)rows * width) {
+        const size_t r = idx / width, c = idx % width;
+        dst[idx] = src[r * src_stride + src_off + c];
+    }
+}
+
+// GDN q/k: mixed: [t, cd] (q_all | k_all | v_all after conv + SiLU), head j < hk of the
+// q part → q[t, j, :] = x · rsqrt(Σx² + eps) · q_scale; head j ≥ hk → k[t, j − hk, :]
+// = x · rsqrt(Σx² + eps). grid (t, 2·hk), block a multiple of 32 (≤ 1024).
+template <typename T>
+__device__ void gdn_qk_impl(const T* mixed, T* q, T* k, int hk, int dk, int cd, float q_scale, float eps) {
+    __shared__ float sh[32];
+    const int tok = blockIdx.x, j = blockIdx.y;
+    const bool is_q = j < hk;
+    const int head = is_q ? j : j - hk;
+    const T* src = mixed + (size_t)tok * cd + (size_t)j * dk;
+    float ss = 0.f;
+    for (int i = threadIdx.x; i < dk; i += blockDim.x) {
+        const float v = to_f(src[i]);
+        ss += v * v;
+    }
+    ss = block_sum(ss, sh);
+    const float r = 1.f / sqrtf(ss + eps);
+    T* dst = (is_q ? q : k) + ((size_t)tok * hk + head) * dk;
+    for (int i = threadIdx.x; i < dk; i += blockDim.x) {
+        float val = to_f(src[i]) * r;  // as the CPU: normalise, then scale q
+        if (is_q) val *= q_scale;
+        dst[i] = from_f<T>(val);
+    }
+}
+
+__device__ __forceinline__ float softplus_f(float x) { return x > 20.f ? x : log1pf(expf(x)); }
+__device__ __forceinline__ float sigmoid_f(float x) { return 1.f / (1.f + expf(-x)); }
+
+// GDN gates from the projection row (stride `stride`; b at off + h, a at off + hv + h):
+// β = sigmoid(b), g = neg_a[h] · softplus(a + dt_bias[h]). g, beta: [t, hv] fp32.
+template <typename T>
+__device__ void gdn_gates_impl(const T* proj, int stride, int off, const float* neg_a, const float* dt_bias,
+                               float* g, float* beta, int t, int hv) {
+    GRID_STRIDE(idx, (size_t)t * hv) {
+        const size_t r = idx / hv;
+        const int h = (int)(idx % hv);
+        const T* row = proj + r * stride + off;
+        beta[idx] = sigmoid_f(to_f(row[h]));
+        g[idx] = neg_a[h] * softplus_f(to_f(row[hv + h]) + dt_bias[h]);
+    }
+}
+
+// Fused attention projection row [qw | nkv·hd | nkv·hd], qw = nh·hd·(1 + gated), per
+// query head [q(hd) | gate(hd)] when gated → q, gate: [t, nh, hd]; k, v: [t, nkv, hd].
+template <typename T>
+__device__ void attn_split_impl(const T* qkv, T* q, T* gate, T* k, T* v, int t, int nh, int nkv, int hd, int gated) {
+    const int qw = nh * hd * (gated ? 2 : 1), kw = nkv * hd, w = qw + 2 * kw;
+    GRID_STRIDE(idx, (size_t)t * w) {
+        const size_t r = idx / w;
+        const int c = (int)(idx % w);
+        const T val = qkv[idx];
+        if (c < qw) {
+            const int per = gated ? 2 * hd : hd;
+            const int h = c / per, e = c % per;
+            if (e < hd) q[(r * nh + h) * hd + e] = val;
+            else gate[(r * nh + h) * hd + (e - hd)] = val;
+        } else if (c < qw + kw) {
+            k[r * kw + (c - qw)] = val;
+        } else {
+            v[r * kw + (c - qw - kw)] = val;
+        }
+    }
+}
+
+// o *= sigmoid(gate) over n elements.
+template <typename T>
+__device__ void mul_sigmoid_impl(T* o, const T* gate, size_t n) {
+    GRID_STRIDE(idx, n) { o[idx] = from_f<T>(to_f(o[idx]) * sigmoid_f(to_f(gate[idx]))); }
+}
+
+// act[r, j] = silu(gu[r, j]) · gu[r, inter + j]; gu: [rows, 2·inter]; act: [rows, inter].
+template <typename T>
+__device__ void swiglu_impl(const T* gu, T* act, int rows, int inter) {
+    GRID_STRIDE(idx, (size_t)rows * inter) {
+        const size_t r = idx / inter, j = idx % inter;
+        const float gte = to_f(gu[r * 2 * inter + j]), up = to_f(gu[r * 2 * inter + inter + j]);
+        act[idx] = from_f<T>(silu_f(gte) * up);
+    }
+}
+
+// MoE gather: xe[n, :] = x[rows[n], :]; x: [t, h]; rows: [m] i32; xe: [m, h].
+template <typename T>
+__device__ void gather_rows_impl(const T* x, const int* rows, T* xe, int m, int h) {
+    GRID_STRIDE(idx, (size_t)m * h) {
+        const size_t n = idx / h, c = idx % h;
+        xe[idx] = x[(size_t)rows[n] * h + c];
+    }
+}
+
+// MoE scatter: out[rows[n], :] += wgt[n] · y[n, :]; rows distinct within one launch.
+template <typename T>
+__device__ void scatter_add_rows_impl(T* out, const int* rows, const float* wgt, const T* y, int m, int h) {
+    GRID_STRIDE(idx, (size_t)m * h) {
+        const size_t n = idx / h, c = idx % h;
+        T* o = out + (size_t)rows[n] * h + c;
+        *o = from_f<T>(to_f(*o) + to_f(from_f<T>(to_f(y[idx]) * wgt[n])));
+    }
+}
+
+// Shared expert: out[r, :] += sigmoid(gl[r]) · y[r, :]; gl: [rows] (the [rows, 1] gate).
+template <typename T>
+__device__ void add_gated_rows_impl(T* out, const T* gl, const T* y, int rows, int h) {
+    GRID_STRIDE(idx, (size_t)rows * h) {
+        const size_t r = idx / h;
+        const float s = sigmoid_f(to_f(gl[r]));
+        out[idx] = from_f<T>(to_f(out[idx]) + to_f(from_f<T>(s * to_f(y[idx]))));
+    }
+}
+
+// Generic gated delta rule recurrence (any dk, dv), the fallback of gdr_recurrent_*:
+// per token S ← e^g S; u = β (v − Sᵀk); S ← S + k uᵀ; o = Sᵀ q. Column j of S depends
+// only on column j, so one thread owns one column (state read and written in global
+// memory, fp32). grid (hv, ceil(dv / blockDim)), q, k: [t, hk, dk]; v, o: [t, hv, dv];
+// g, beta: [t, hv]; state: [hv, dk, dv].
+template <typename T>
+__device__ void gdr_generic_impl(const T* q, const T* k, const T* v, const float* g, const float* beta,
+                                 float* state, T* out, int t_len, int hk, int hv, int dk, int dv) {
+    const int h = blockIdx.x, kh = h / (hv / hk);
+    const int j = blockIdx.y * blockDim.x + threadIdx.x;
+    if (j >= dv) return;
+    float* st = state + (size_t)h * dk * dv;
+    for (int t = 0; t < t_len; ++t) {
+        const T* kt = k + ((size_t)t * hk + kh) * dk;
+        const T* qt = q + ((size_t)t * hk + kh) * dk;
+        const float dec = expf(g[(size_t)t * hv + h]), b = beta[(size_t)t * hv + h];
+        float kv = 0.f;
+        for (int i = 0; i < dk; ++i) {
+            const float s = st[(size_t)i * dv + j] * dec;
+            st[(size_t)i * dv + j] = s;
+            kv += s * to_f(kt[i]);
+        }
+        const float u = b * (to_f(v[((size_t)t * hv + h) * dv + j]) - kv);
+        float o = 0.f;
+        for (int i = 0; i < dk; ++i) {
+            const float s = st[(size_t)i * dv + j] + to_f(kt[i]) * u;
+            st[(size_t)i * dv + j] = s;
+            o += s * to_f(qt[i]);
+        }
+        out[((size_t)t * hv + h) * dv + j] = from_f<T>(o);
+    }
+}
+
+// Generic causal GQA attention (any head dim ≤ 1024), the fallback of attn_prefill_*:
+// one block per (query, head); keys in tiles of ATG_TILE with a block-wide online
+// softmax. Same contract as attn_prefill_*: q: [tq, nh, hd]; k, v: [n_kv, nkv, hd];
+// q_pos: [tq]; kv_pos: [n_kv]; o: [tq, nh, hd]; keys with kv_pos > q_pos are masked;
+// no visible key → zeros. Dynamic shared memory: (2·hd + ATG_TILE + 32) floats.
+#define ATG_TILE 256
+template <typename T>
+__device__ void attn_generic_impl(const T* q, const T* k, const T* v, const i64* q_pos, const i64* kv_pos, T* o,
+                                  int n_kv, int nh, int nkv, int hd, float scale) {
+    extern __shared__ float sm[];
+    float* qs = sm;            // [hd]
+    float* acc = qs + hd;      // [hd]
+    float* ps = acc + hd;      // [ATG_TILE]
+    float* red = ps + ATG_TILE; // [32]
+    const int tq_i = blockIdx.x, h = blockIdx.y, kh = h / (nh / nkv);
+    const i64 p = q_pos[tq_i];
+    for (int d = threadIdx.x; d < hd; d += blockDim.x) {
+        qs[d] = to_f(q[((size_t)tq_i * nh + h) * hd + d]) * scale;
+        acc[d] = 0.f;
+    }
+    float m = NEG_INF, l = 0.f;
+    __syncthreads();
+    for (int j0 = 0; j0 < n_kv; j0 += ATG_TILE) {
+        const int nt = min(ATG_TILE, n_kv - j0);
+        float tmax = NEG_INF;
+        for (int jj = threadIdx.x; jj < nt; jj += blockDim.x) {
+            const int j = j0 + jj;
+            float s = NEG_INF;
+            if (kv_pos[j] <= p) {
+                const T* kr = k + ((size_t)j * nkv + kh) * hd;
+                s = 0.f;
+                for (int d = 0; d < hd; ++d) s += qs[d] * to_f(kr[d]);
+            }
+            ps[jj] = s;
+            tmax = fmaxf(tmax, s);
+        }
+        // block max
+        tmax = warp_max(tmax);
+        __syncthreads();
+        if ((threadIdx.x & 31) == 0) red[threadIdx.x >> 5] = tmax;
+        __syncthreads();
+        float bm = NEG_INF;
+        for (int w = 0; w < (int)(blockDim.x >> 5); ++w) bm = fmaxf(bm, red[w]);
+        __syncthreads();
+        const float mn = fmaxf(m, bm);
+        if (mn == NEG_INF) continue;  // nothing visible yet (uniform across the block)
+        const float corr = (m == NEG_INF) ? 0.f : expf(m - mn);
+        float psum = 0.f;
+        for (int jj = threadIdx.x; jj < nt; jj += blockDim.x) {
+            const float e = ps[jj] == NEG_INF ? 0.f : expf(ps[jj] - mn);
+            ps[jj] = e;
+            psum += e;
+        }
+        psum = block_sum(psum, red);
+        __syncthreads();
+        l = l * corr + psum;
+        m = mn;
+        for (int d = threadIdx.x; d < hd; d += blockDim.x) {
+            float a = acc[d] * corr;
+            for (int jj = 0; jj < nt; ++jj) {
+                const float pj = ps[jj];
+                if (pj != 0.f) a += pj * to_f(v[((size_t)(j0 + jj) * nkv + kh) * hd + d]);
+            }
+            acc[d] = a;
+        }
+        __syncthreads();
+    }
+    const float inv = l > 0.f ? 1.f / l : 0.f;
+    for (int d = threadIdx.x; d < hd; d += blockDim.x) o[((size_t)tq_i * nh + h) * hd + d] = from_f<T>(acc[d] * inv);
+}
+
+#define MODEL_KERNELS(S, T)                                                                                   \
+    extern "C" __global__ void embed_gather_##S(const T* table, const unsigned int* tokens, T* x, int t, int h, \
+                                                int vocab) {                                                  \
+        embed_gather_impl<T>(table, tokens, x, t, h, vocab);                                                  \
+    }                                                                                                         \
+    extern "C" __global__ void add_inplace_##S(T* x, const T* y, size_t n) { add_inplace_impl<T>(x, y, n); }  \
+    extern "C" __global__ void copy_cols_##S(const T* src, int src_stride, int src_off, T* dst, int width,   \
+                                             int rows) {                                                      \
+        copy_cols_impl<T>(src, src_stride, src_off, dst, width, rows);                                        \
+    }                                                                                                         \
+    extern "C" __global__ void gdn_qk_##S(const T* mixed, T* q, T* k, int hk, int dk, int cd, float q_scale,  \
+                                          float eps) {                                                        \
+        gdn_qk_impl<T>(mixed, q, k, hk, dk, cd, q_scale, eps);                                                \
+    }                                                                                                         \
+    extern "C" __global__ void gdn_gates_##S(const T* proj, int stride, int off, const float* neg_a,          \
+                                             const float* dt_bias, float* g, float* beta, int t, int hv) {    \
+        gdn_gates_impl<T>(proj, stride, off, neg_a, dt_bias, g, beta, t, hv);                                 \
+    }                                                                                                         \
+    extern "C" __global__ void attn_split_##S(const T* qkv, T* q, T* gate, T* k, T* v, int t, int nh, int nkv, \
+                                              int hd, int gated) {                                            \
+        attn_split_impl<T>(qkv, q, gate, k, v, t, nh, nkv, hd, gated);                                        \
+    }                                                                                                         \
+    extern "C" __global__ void mul_sigmoid_##S(T* o, const T* gate, size_t n) { mul_sigmoid_impl<T>(o, gate, n); } \
+    extern "C" __global__ void swiglu_##S(const T* gu, T* act, int rows, int inter) {                         \
+        swiglu_impl<T>(gu, act, rows, inter);                                                                 \
+    }                                                                                                         \
+    extern "C" __global__ void gather_rows_##S(const T* x, const int* rows, T* xe, int m, int h) {            \
+        gather_rows_impl<T>(x, rows, xe, m, h);                                                               \
+    }                                                                                                         \
+    extern "C" __global__ void scatter_add_rows_##S(T* out, const int* rows, const float* wgt, const T* y,    \
+                                                    int m, int h) {                                           \
+        scatter_add_rows_impl<T>(out, rows, wgt, y, m, h);                                                    \
+    }                                                                                                         \
+    extern "C" __global__ void add_gated_rows_##S(T* out, const T* gl, const T* y, int rows, int h) {         \
+        add_gated_rows_impl<T>(out, gl, y, rows, h);                                                          \
+    }                                                                                                         \
+    extern "C" __global__ void gdr_generic_##S(const T* q, const T* k, const T* v, const float* g,           \
+                                               const float* beta, float* state, T* out, int t_len, int hk,    \
+                                               int hv, int dk, int dv) {                                      \
+        gdr_generic_impl<T>(q, k, v, g, beta, state, out, t_len, hk, hv, dk, dv);                             \
+    }                                                                                                         \
+    extern "C" __global__ void attn_generic_##S(const T* q, const T* k, const T* v, const i64* q_pos,         \
+                                                const i64* kv_pos, T* o, int n_kv, int nh, int nkv, int hd,   \
+                                                float scale) {                                                \
+        attn_generic_impl<T>(q, k, v, q_pos, kv_pos, o, n_kv, nh, nkv, hd, scale);                            \
+    }
+MODEL_KERNELS(f32, float)
+MODEL_KERNELS(bf16, bf16)

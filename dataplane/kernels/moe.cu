@@ -1,0 +1,329 @@
+// Mixture-of-experts FFN kernels (Qwen3-Next / Qwen3.5 sparse MoE block) and SwiGLU.
+// Host side: dataplane/src/cuda/moe.rs. CPU reference: model::moe_forward, mlp_forward.
+//
+// Pipeline of one MoE forward over t tokens (n = t·k routed rows):
+//   router GEMM (cuBLAS, fp32 out)  logits [t, ld]
+//   moe_route      softmax + top-k per token           → topk_idx [t, k], topk_w [t, k]
+//   moe_plan       per-expert counts/offsets, grouped-GEMM tile list, permutation
+//                  (rows grouped by expert, within an expert in (token, slot) order)
+//                                                      → perm_tok [n], slot_pos [n]
+//   moe_gemm_gu    grouped GEMM x[perm]·W_gu[e]ᵀ with SwiGLU epilogue → act [n, I] (T)
+//   moe_gemm_down  grouped GEMM act·W_down[e]ᵀ          → y [n, hidden] (fp32)
+//   moe_combine    out[tok] = Σ_j w_j · y[slot_pos[tok, j]] (+ σ(g)·shared[tok]), fixed order
+
+// ---------------------------------------------------------------------------------------
+// SwiGLU: out[r, j] = silu(gu[r, j]) · gu[r, I + j]; gu: [rows, 2I] (gate then up), out: [rows, I].
+template <typename T>
+__device__ void swiglu_impl(const T* gu, T* out, i64 rows, int inter) {
+    const i64 n = rows * (i64)inter;
+    for (i64 i = blockIdx.x * (i64)blockDim.x + threadIdx.x; i < n; i += (i64)gridDim.x * blockDim.x) {
+        const i64 r = i / inter;
+        const int j = (int)(i - r * inter);
+        const float g = to_f(gu[r * 2 * inter + j]);
+        const float u = to_f(gu[r * 2 * inter + inter + j]);
+        out[i] = from_f<T>(silu_f(g) * u);
+    }
+}
+
+// ---------------------------------------------------------------------------------------
+// Routing, one warp per token. logits: [t, ld] fp32, the first E columns are the router
+// logits. p = softmax(logits[:E]); the k largest p are chosen in descending order, ties to
+// the lower expert index (as the CPU sort); weights p_j, or p_j / Σ_top p when `norm`.
+// E ≤ 32·MOE_EPL, k ≤ 32 (checked on the host).
+#define MOE_EPL 16
+extern "C" __global__ void moe_route(const float* __restrict__ logits, int ld, int t, int E, int k,
+                                     int norm, int* __restrict__ topk_idx,
+                                     float* __restrict__ topk_w) {
+    const int warp = (int)((blockIdx.x * (i64)blockDim.x + threadIdx.x) >> 5);
+    const int lane = threadIdx.x & 31;
+    if (warp >= t) return;  // whole warps exit together (blockDim a multiple of 32)
+    const float* row = logits + (i64)warp * ld;
+    float p[MOE_EPL];
+    float m = NEG_INF;
+#pragma unroll
+    for (int q = 0; q < MOE_EPL; ++q) {
+        const int e = lane + 32 * q;
+        p[q] = e < E ? row[e] : NEG_INF;
+        m = fmaxf(m, p[q]);
+    }
+    m = warp_max(m);
+    float s = 0.f;
+#pragma unroll
+    for (int q = 0; q < MOE_EPL; ++q) {
+        const int e = lane + 32 * q;
+        if (e < E) {
+            p[q] = expf(p[q] - m);
+            s += p[q];
+        }
+    }
+    s = warp_sum(s);
+#pragma unroll
+    for (int q = 0; q < MOE_EPL; ++q) {
+        const int e = lane + 32 * q;
+        p[q] = e < E ? p[q] / s : -3.f;
+    }
+    float sum = 0.f, my_w = 0.f;
+    int my_e = 0;
+    for (int j = 0; j < k; ++j) {
+        float bv = -2.f;
+        int be = 0x7fffffff;
+#pragma unroll
+        for (int q = 0; q < MOE_EPL; ++q) {
+            if (p[q] > bv) {  // q ascending → lower index wins ties within a lane
+                bv = p[q];
+                be = lane + 32 * q;
+            }
+        }
+#pragma unroll
+        for (int o = 16; o > 0; o >>= 1) {
+            const float ov = __shfl_xor_sync(0xffffffffu, bv, o);
+            const int oe = __shfl_xor_sync(0xffffffffu, be, o);
+            if (ov > bv || (ov == bv && oe < be)) {
+                bv = ov;
+                be = oe;
+            }
+        }
+        if (be >= E) {  // only NaN left: a valid index with weight 0
+            be = 0;
+            bv = 0.f;
+        }
+#pragma unroll
+        for (int q = 0; q < MOE_EPL; ++q)
+            if (lane + 32 * q == be) p[q] = -3.f;
+        sum += bv;
+        if (lane == j) {
+            my_e = be;
+            my_w = bv;
+        }
+    }
+    if (lane < k) {
+        topk_idx[(i64)warp * k + lane] = my_e;
+        topk_w[(i64)warp * k + lane] = norm ? my_w / sum : my_w;
+    }
+}
+
+// ---------------------------------------------------------------------------------------
+// Plan, one block per expert e (dynamic shared memory: E ints). Every block histograms
+// all n = t·k assignments (integer atomics in shared memory: exact), so it knows
+//   counts[e], offsets[e] = Σ_{e'<e} counts[e'], and its tile range in the tile list
+//   (tiles of `bm` rows: tile_off[e] = Σ_{e'<e} ceil(counts[e'] / bm)).
+// It writes its tiles (tile_e, tile_r0) and, scanning the assignments in order, the
+// permutation: row pos = offsets[e] + rank of the assignment among expert e's, so rows of
+// one expert are in (token, slot) order. perm_tok[pos] = token, slot_pos[a] = pos.
+// Deterministic (no order-dependent atomics). blockDim: a multiple of 32, ≤ 1024.
+extern "C" __global__ void moe_plan(const int* __restrict__ topk_idx, int n, int k, int E, int bm,
+                                    int* __restrict__ counts, int* __restrict__ offsets,
+                                    int* __restrict__ tile_e, int* __restrict__ tile_r0,
+                                    int* __restrict__ num_tiles, int* __restrict__ perm_tok,
+                                    int* __restrict__ slot_pos) {
+    extern __shared__ int hist[];
+    __shared__ int warp_cnt[32];
+    __shared__ int s_off, s_toff;
+    const int e = blockIdx.x;
+    const int lane = threadIdx.x & 31, w = threadIdx.x >> 5, nw = blockDim.x >> 5;
+    for (int i = threadIdx.x; i < E; i += blockDim.x) hist[i] = 0;
+    __syncthreads();
+    for (int a = threadIdx.x; a < n; a += blockDim.x) atomicAdd(&hist[topk_idx[a]], 1);
+    __syncthreads();
+    // Offsets: per-thread partial sums over e' < e, then a warp/block reduction (ints).
+    int po = 0, pt = 0;
+    for (int q = threadIdx.x; q < e; q += blockDim.x) {
+        po += hist[q];
+        pt += (hist[q] + bm - 1) / bm;
+    }
+#pragma unroll
+    for (int o = 16; o > 0; o >>= 1) {
+        po += __shfl_xor_sync(0xffffffffu, po, o);
+        pt += __shfl_xor_sync(0xffffffffu, pt, o);
+    }
+    __shared__ int red_o[32], red_t[32];
+    if (lane == 0) {
+        red_o[w] = po;
+        red_t[w] = pt;
+    }
+    __syncthreads();
+    if (threadIdx.x == 0) {
+        int a = 0, b = 0;
+        for (int q = 0; q < nw; ++q) {
+            a += red_o[q];
+            b += red_t[q];
+        }
+        s_off = a;
+        s_toff = b;
+        counts[e] = hist[e];
+        offsets[e] = a;
+        if (e == E - 1) *num_tiles = b + (hist[e] + bm - 1) / bm;
+    }
+    __syncthreads();
+    const int cnt = hist[e], off = s_off, toff = s_toff;
+    for (int i = threadIdx.x; i * bm < cnt; i += blockDim.x) {
+        tile_e[toff + i] = e;
+        tile_r0[toff + i] = i * bm;
+    }
+    if (cnt == 0) return;
+    int base = 0;
+    for (int a0 = 0; a0 < n; a0 += blockDim.x) {
+        const int a = a0 + threadIdx.x;
+        const bool match = a < n && topk_idx[a] == e;
+        const unsigned bal = __ballot_sync(0xffffffffu, match);
+        if (lane == 0) warp_cnt[w] = __popc(bal);
+        __syncthreads();
+        int before = 0, tot = 0;
+        for (int q = 0; q < nw; ++q) {
+            const int c = warp_cnt[q];
+            before += q < w ? c : 0;
+            tot += c;
+        }
+        if (match) {
+            const int pos = off + base + before + __popc(bal & ((1u << lane) - 1u));
+            perm_tok[pos] = a / k;
+            slot_pos[a] = pos;
+        }
+        base += tot;
+        __syncthreads();
+    }
+}
+
+// ---------------------------------------------------------------------------------------
+// Grouped GEMM, fp32 accumulation, shared-memory tiles of GBM rows × GBN columns × GBK,
+// 256 threads, each a 4×4 register tile (rows ty + 16i, columns tx + 16j). One launch
+// covers all experts: blockIdx.x indexes the tile list of moe_plan (blocks past
+// *num_tiles exit), blockIdx.y the column tile.
+//   MODE 0 (gate_up + SwiGLU): A row r of the tile = x[perm_tok[pos]] ([*, K = hidden]),
+//     W = W_gu[e] ([2N, K], gate rows then up rows, N = I). The block's GBN columns are
+//     GBN/2 gate rows c0 + c and the matching up rows N + c0 + c (c0 = blockIdx.y·GBN/2);
+//     epilogue act[pos, c0 + c] = silu(gate) · up, stored as T ([n, N]).
+//   MODE 1 (down): A row = act[pos] ([*, K = I]), W = W_down[e] ([N = hidden, K]);
+//     y[pos, n0 + c] stored fp32 ([n, N]).
+#define GBM 64
+#define GBN 64
+#define GBK 16
+template <typename T, int MODE>
+__device__ void moe_gemm_impl(const T* __restrict__ A, const int* __restrict__ perm_tok,
+                              const T* __restrict__ W, T* __restrict__ act, float* __restrict__ y,
+                              const int* __restrict__ counts, const int* __restrict__ offsets,
+                              const int* __restrict__ tile_e, const int* __restrict__ tile_r0,
+                              const int* __restrict__ num_tiles, int K, int N) {
+    const int tile = blockIdx.x;
+    if (tile >= *num_tiles) return;
+    const int e = tile_e[tile], r0 = tile_r0[tile];
+    const int base = offsets[e] + r0;
+    const int rows = min(GBM, counts[e] - r0);
+    __shared__ float As[GBK][GBM + 4];
+    __shared__ float Bs[GBK][GBN + 4];
+    const int tid = threadIdx.x, tx = tid & 15, ty = tid >> 4;
+    // Loader: thread → (tile row / column lr, k offset lk .. lk+3).
+    const int lr = tid >> 2, lk = (tid & 3) * 4;
+    const T* arp = nullptr;
+    if (lr < rows) {
+        const i64 src = MODE == 0 ? (i64)perm_tok[base + lr] : (i64)(base + lr);
+        arp = A + src * K;
+    }
+    const i64 nw_rows = MODE == 0 ? 2 * (i64)N : (i64)N;
+    const T* We = W + (i64)e * nw_rows * K;
+    const T* wrp = nullptr;
+    if (MODE == 0) {
+        const int j = blockIdx.y * (GBN / 2) + (lr & (GBN / 2 - 1));
+        if (j < N) wrp = We + (lr < GBN / 2 ? (i64)j : (i64)N + j) * K;
+    } else {
+        const int j = blockIdx.y * GBN + lr;
+        if (j < N) wrp = We + (i64)j * K;
+    }
+    float acc[4][4];
+#pragma unroll
+    for (int i = 0; i < 4; ++i)
+#pragma unroll
+        for (int j = 0; j < 4; ++j) acc[i][j] = 0.f;
+    for (int k0 = 0; k0 < K; k0 += GBK) {
+#pragma unroll
+        for (int q = 0; q < 4; ++q) {
+            const int kk = k0 + lk + q;
+            As[lk + q][lr] = (arp && kk < K) ? to_f(arp[kk]) : 0.f;
+            Bs[lk + q][lr] = (wrp && kk < K) ? to_f(wrp[kk]) : 0.f;
+        }
+        __syncthreads();
+#pragma unroll
+        for (int kk = 0; kk < GBK; ++kk) {
+            float a[4], b[4];
+#pragma unroll
+            for (int i = 0; i < 4; ++i) a[i] = As[kk][ty + 16 * i];
+#pragma unroll
+            for (int j = 0; j < 4; ++j) b[j] = Bs[kk][tx + 16 * j];
+#pragma unroll
+            for (int i = 0; i < 4; ++i)
+#pragma unroll
+                for (int j = 0; j < 4; ++j) acc[i][j] = fmaf(a[i], b[j], acc[i][j]);
+        }
+        __syncthreads();
+    }
+#pragma unroll
+    for (int i = 0; i < 4; ++i) {
+        const int r = ty + 16 * i;
+        if (r >= rows) continue;
+        const i64 pos = base + r;
+        if (MODE == 0) {
+#pragma unroll
+            for (int j = 0; j < 2; ++j) {
+                const int c = blockIdx.y * (GBN / 2) + tx + 16 * j;  // up partner: acc[i][j + 2]
+                if (c < N) act[pos * N + c] = from_f<T>(silu_f(acc[i][j]) * acc[i][j + 2]);
+            }
+        } else {
+#pragma unroll
+            for (int j = 0; j < 4; ++j) {
+                const int c = blockIdx.y * GBN + tx + 16 * j;
+                if (c < N) y[pos * N + c] = acc[i][j];
+            }
+        }
+    }
+}
+
+// ---------------------------------------------------------------------------------------
+// Combine in token order: out[tok, h] = Σ_{j<k} w[tok, j] · y[slot_pos[tok, j], h]
+// (+ σ(logits[tok, gate_col]) · shared[tok, h] when `shared` is non-null), summed in slot
+// order j = 0..k-1 then the shared term: deterministic, no atomics.
+template <typename T>
+__device__ void moe_combine_impl(const float* __restrict__ y, const int* __restrict__ slot_pos,
+                                 const float* __restrict__ topk_w, int k, const T* __restrict__ shared,
+                                 const float* __restrict__ logits, int ld, int gate_col,
+                                 T* __restrict__ out, int t, int H) {
+    const i64 n = (i64)t * H;
+    for (i64 i = blockIdx.x * (i64)blockDim.x + threadIdx.x; i < n; i += (i64)gridDim.x * blockDim.x) {
+        const i64 tok = i / H;
+        const int h = (int)(i - tok * H);
+        float acc = 0.f;
+        for (int j = 0; j < k; ++j)
+            acc += topk_w[tok * k + j] * y[(i64)slot_pos[tok * k + j] * H + h];
+        if (shared) {
+            const float g = logits[tok * ld + gate_col];
+            acc += (1.f / (1.f + expf(-g))) * to_f(shared[i]);
+        }
+        out[i] = from_f<T>(acc);
+    }
+}
+
+#define MOE_KERNELS(S, T)                                                                      \
+    extern "C" __global__ void swiglu_##S(const T* gu, T* out, i64 rows, int inter) {         \
+        swiglu_impl<T>(gu, out, rows, inter);                                                  \
+    }                                                                                          \
+    extern "C" __global__ void __launch_bounds__(256)                                          \
+        moe_gemm_gu_##S(const T* x, const int* perm_tok, const T* w, T* act,                   \
+                        const int* counts, const int* offsets, const int* tile_e,              \
+                        const int* tile_r0, const int* num_tiles, int K, int N) {              \
+        moe_gemm_impl<T, 0>(x, perm_tok, w, act, nullptr, counts, offsets, tile_e, tile_r0,    \
+                            num_tiles, K, N);                                                  \
+    }                                                                                          \
+    extern "C" __global__ void __launch_bounds__(256)                                          \
+        moe_gemm_down_##S(const T* act, const T* w, float* y, const int* counts,               \
+                          const int* offsets, const int* tile_e, const int* tile_r0,           \
+                          const int* num_tiles, int K, int N) {                                \
+        moe_gemm_impl<T, 1>(act, nullptr, w, nullptr, y, counts, offsets, tile_e, tile_r0,     \
+                            num_tiles, K, N);                                                  \
+    }                                                                                          \
+    extern "C" __global__ void moe_combine_##S(const float* y, const int* slot_pos,           \
+                                               const float* topk_w, int k, const T* shared,    \
+                                               const float* logits, int ld, int gate_col,      \
+                                               T* out, int t, int H) {                         \
+        moe_combine_impl<T>(y, slot_pos, topk_w, k, shared, logits, ld, gate_col, out, t, H); \
+    }
+MOE_KERNELS(f32, float)
+MOE_KERNELS(bf16, bf16)

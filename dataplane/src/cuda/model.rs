@@ -1,0 +1,1709 @@
+//! Whole-model forward on the GPU: [`GpuModel`] (all weights on the device in dtype
+//! `T`, `f32` or `half::bf16`) and [`GpuState`] (per-layer device state of one
+//! sequence). Same math as the CPU reference `model::Model::prefill` / `decode`:
+//!
+//! * per layer: zero-centred RMSNorm → mixer → residual add → zero-centred RMSNorm →
+//!   FFN (dense SwiGLU or MoE) → residual add; then final norm and LM head (tied or not);
+//! * GDN mixer: fused in-projection `[T, conv_dim + value_dim + 2·Hv]` (rows
+//!   `q | k | v | z | b | a`), causal conv1d + SiLU over `q|k|v` with the cached tail,
+//!   L2-normalised q (then scaled by `dk^-0.5`) and k, `g = −exp(A_log)·softplus(a +
+//!   dt_bias)`, `β = sigmoid(b)`, gated delta rule from the recurrent state (the chunked
+//!   kernel for `dk = dv = 128` and spans of ≥ 16 tokens, else the recurrent kernel for
+//!   `dk ∈ {64, 128, 256}`, else a generic recurrence), gated RMSNorm with `z`, out proj;
+//! * attention mixer: one fused `q|gate, k, v` projection, per-head q/k zero-centred
+//!   RMSNorm, partial RoPE at the absolute positions, append to the KV cache, causal GQA
+//!   attention over cached + new KV (the tuned kernel for `head_dim ∈ {64, 128, 256}`,
+//!   else a generic one), sigmoid output gate, o proj;
+//! * FFN, two implementations ([`FfnPath`]): by default [`super::moe`] (MoE with device
+//!   routing and grouped expert GEMMs, `moe::mlp_forward` for dense layers); or the
+//!   host-routed glue path of this module, kept as an independent second
+//!   implementation for cross-checking (router GEMM on the device, softmax/top-k on the
+//!   host exactly as the CPU backend, per expert a row gather, SwiGLU MLP and weighted
+//!   scatter-add on the device, plus the gated shared expert; slow: one host round trip
+//!   per MoE layer).
+//!
+//! Activations and the residual stream are `[T, hidden]` row-major in `T`; norms,
+//! gates, conv and recurrent state are fp32; KV caches are in `T` (so for bf16 a
+//! host→device→host round trip of the KV rounds to bf16; everything else is exact).
+//!
+//! Entry points: [`GpuModel::prefill`] (any span from any state, logits none / last /
+//! all), [`GpuModel::decode`], [`GpuModel::decode_batch`] (one step for several
+//! sequences: batched GEMMs, per-sequence state work), [`GpuModel::prefill_traced`]
+//! (residual stream after every layer, for diagnosis), [`GpuState::from_host`] /
+//! [`GpuState::to_host`] (the CPU `ModelState` layouts).
+//!
+//! Not done yet: activations are allocated per call (no arena), the per-sequence
+//! part of `decode_batch` is a loop of single-sequence launches, and the span-level
+//! PIC API (`layer_forward_capture*`: span KV, body transitions) has no GPU
+//! counterpart here. Tests: `dataplane/tests/cuda_model.rs`.
+use std::sync::{Arc, Mutex};
+
+use cudarc::cublas::{CudaBlas, Gemm};
+use cudarc::driver::{LaunchConfig, PushKernelArg};
+
+use super::compile::MODEL;
+use super::ops::NormKind;
+use super::{
+    attn, blas, check_len, gdr, grid_for, moe, ops, CudaError, CudaSlice, Elem, Gpu, Result,
+};
+use crate::config::{LayerKind, ModelConfig};
+use crate::linear::gdr::GdrDims;
+use crate::model::{Ffn, Logits, Mixer, Model, CHUNKED_MIN_TOKENS};
+use crate::state::{KvCache, LayerState, LinearState, ModelState};
+
+/// Head dims of the tuned attention kernel ([`attn::prefill`]).
+const ATTN_TUNED_HD: [usize; 3] = [64, 128, 256];
+/// Key dims of the tuned recurrent GDR kernel ([`gdr::recurrent`]).
+const GDR_REC_DK: [usize; 3] = [64, 128, 256];
+/// Largest head dim of the generic attention kernel.
+const ATTN_GENERIC_MAX_HD: usize = 1024;
+/// Key tile of the generic attention kernel (`ATG_TILE` in model.cu).
+const ATG_TILE: usize = 256;
+/// L2-norm epsilon of q/k in the GDN (FLA `l2norm`, as `ops::l2_normalize`).
+const L2_EPS: f32 = 1e-6;
+
+/// Gated DeltaNet weights on the device.
+struct GdnW<T> {
+    /// `[conv_dim + value_dim + 2·Hv, hidden]`, rows `q | k | v | z | b | a`.
+    w_in: CudaSlice<T>,
+    /// `[conv_dim, K]` fp32.
+    conv: CudaSlice<f32>,
+    /// `−exp(A_log)`, `[Hv]` fp32.
+    neg_a: CudaSlice<f32>,
+    /// `[Hv]` fp32.
+    dt_bias: CudaSlice<f32>,
+    /// Gated RMSNorm weight `[dv]` fp32.
+    norm: CudaSlice<f32>,
+    /// `[hidden, value_dim]`.
+    out: CudaSlice<T>,
+}
+
+/// Gated attention weights on the device.
+struct AttnW<T> {
+    /// Fused `[qw + 2·Hkv·hd, hidden]`: rows of `q_proj` (per head `q | gate` when
+    /// gated), then `k_proj`, then `v_proj`.
+    qkv: CudaSlice<T>,
+    /// `[hidden, H·hd]`.
+    o: CudaSlice<T>,
+    /// `[hd]` fp32 (zero-centred).
+    q_norm: CudaSlice<f32>,
+    /// `[hd]` fp32 (zero-centred).
+    k_norm: CudaSlice<f32>,
+}
+
+/// SwiGLU MLP weights on the device.
+struct MlpW<T> {
+    /// `[2I, hidden]`, gate rows then up rows.
+    gate_up: CudaSlice<T>,
+    /// `[hidden, I]`.
+    down: CudaSlice<T>,
+    inter: usize,
+}
+
+/// Which implementation runs the FFN blocks (see the module docs).
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub enum FfnPath {
+    /// [`super::moe::moe_forward`] (device routing, grouped GEMMs) for MoE layers and
+    /// [`super::moe::mlp_forward`] for dense ones.
+    #[default]
+    Fused,
+    /// The glue kernels of `kernels/model.cu`: host-routed MoE and a cuBLAS + SwiGLU
+    /// dense MLP. A second, independent implementation for diagnosis.
+    HostRouted,
+}
+
+/// MoE weights on the device for [`FfnPath::HostRouted`].
+struct MoeW<T> {
+    /// `[E, hidden]`.
+    router: CudaSlice<T>,
+    experts: Vec<MlpW<T>>,
+    /// Shared expert and its gate `[1, hidden]`.
+    shared: Option<(MlpW<T>, CudaSlice<T>)>,
+}
+
+enum MixerW<T> {
+    Linear(GdnW<T>),
+    Full(AttnW<T>),
+}
+
+enum FfnW<T> {
+    Dense(MlpW<T>),
+    /// [`FfnPath::HostRouted`].
+    Moe(MoeW<T>),
+    /// [`FfnPath::Fused`].
+    MoeFused(moe::MoeWeights<T>),
+}
+
+struct LayerW<T> {
+    input_norm: CudaSlice<f32>,
+    post_norm: CudaSlice<f32>,
+    mixer: MixerW<T>,
+    ffn: FfnW<T>,
+}
+
+/// A hybrid model with every weight on one device, in element type `T` (projections,
+/// embedding, LM head) and fp32 (norm weights, conv weights, `A`, `dt_bias`).
+pub struct GpuModel<T: Elem> {
+    gpu: Arc<Gpu>,
+    config: ModelConfig,
+    /// `[vocab, hidden]`.
+    embed: CudaSlice<T>,
+    /// `[hidden]` fp32.
+    final_norm: CudaSlice<f32>,
+    /// `[vocab, hidden]`; `None` when tied to the embedding.
+    lm_head: Option<CudaSlice<T>>,
+    layers: Vec<LayerW<T>>,
+    /// RoPE inverse frequencies `[rotary_dim/2]` (None when rotary_dim = 0).
+    inv_freq: Option<CudaSlice<f32>>,
+    gdr_ws: Mutex<gdr::Workspace>,
+    moe_ws: Mutex<moe::MoeWorkspace>,
+    ffn_path: FfnPath,
+}
+
+/// Residual stream snapshots of one layer (host copies, fp32, `[T, hidden]`), from
+/// [`GpuModel::prefill_traced`].
+#[derive(Clone, Debug, Default)]
+pub struct LayerTrace {
+    /// After the mixer's residual add (before the FFN).
+    pub after_mixer: Vec<f32>,
+    /// After the whole layer (the next layer's input).
+    pub after_layer: Vec<f32>,
+}
+
+/// Everything [`GpuModel::prefill_traced`] records.
+#[derive(Clone, Debug, Default)]
+pub struct ForwardTrace {
+    /// The embedded tokens `[T, hidden]`.
+    pub embed: Vec<f32>,
+    /// One entry per decoder layer.
+    pub layers: Vec<LayerTrace>,
+}
+
+/// KV cache of one full-attention layer on the device, with capacity growth
+/// (doubling). Rows `[cap, Hkv, hd]` in `T`, the first `len` valid; positions `[cap]`
+/// i64, absolute positions of the cached tokens (any order, any values).
+pub struct GpuKv<T> {
+    k: CudaSlice<T>,
+    v: CudaSlice<T>,
+    pos: CudaSlice<i64>,
+    len: usize,
+    cap: usize,
+    /// Elements per cached token: `Hkv · hd`.
+    row: usize,
+}
+
+impl<T: Elem> GpuKv<T> {
+    fn with_capacity(gpu: &Gpu, row: usize, cap: usize) -> Result<Self> {
+        Ok(GpuKv {
+            k: gpu.zeros(cap * row)?,
+            v: gpu.zeros(cap * row)?,
+            pos: gpu.zeros(cap)?,
+            len: 0,
+            cap,
+            row,
+        })
+    }
+
+    /// Number of cached tokens.
+    pub fn len(&self) -> usize {
+        self.len
+    }
+
+    /// True when empty.
+    pub fn is_empty(&self) -> bool {
+        self.len == 0
+    }
+
+    /// Capacity in tokens.
+    pub fn capacity(&self) -> usize {
+        self.cap
+    }
+
+    /// Grows the buffers (keeping the first `len` rows) to hold at least `need` tokens.
+    fn reserve(&mut self, gpu: &Gpu, need: usize) -> Result<()> {
+        if need <= self.cap {
+            return Ok(());
+        }
+        let cap = need.max(2 * self.cap).max(16);
+        let mut k: CudaSlice<T> = gpu.zeros(cap * self.row)?;
+        let mut v: CudaSlice<T> = gpu.zeros(cap * self.row)?;
+        let mut pos: CudaSlice<i64> = gpu.zeros(cap)?;
+        let n = self.len * self.row;
+        if self.len > 0 {
+            let s = gpu.stream();
+            s.memcpy_dtod(&self.k.slice(..n), &mut k.slice_mut(..n))?;
+            s.memcpy_dtod(&self.v.slice(..n), &mut v.slice_mut(..n))?;
+            s.memcpy_dtod(&self.pos.slice(..self.len), &mut pos.slice_mut(..self.len))?;
+        }
+        self.k = k;
+        self.v = v;
+        self.pos = pos;
+        self.cap = cap;
+        Ok(())
+    }
+
+    /// Appends `t` tokens: `k`, `v` `[t, Hkv, hd]`, `pos` `[t]`.
+    fn append(
+        &mut self,
+        gpu: &Gpu,
+        k: &CudaSlice<T>,
+        v: &CudaSlice<T>,
+        pos: &CudaSlice<i64>,
+        t: usize,
+    ) -> Result<()> {
+        check_len("span k", k, t * self.row)?;
+        check_len("span v", v, t * self.row)?;
+        check_len("span positions", pos, t)?;
+        if t == 0 {
+            return Ok(());
+        }
+        self.reserve(gpu, self.len + t)?;
+        let (a, b) = (self.len * self.row, (self.len + t) * self.row);
+        let s = gpu.stream();
+        s.memcpy_dtod(&k.slice(..t * self.row), &mut self.k.slice_mut(a..b))?;
+        s.memcpy_dtod(&v.slice(..t * self.row), &mut self.v.slice_mut(a..b))?;
+        s.memcpy_dtod(
+            &pos.slice(..t),
+            &mut self.pos.slice_mut(self.len..self.len + t),
+        )?;
+        self.len += t;
+        Ok(())
+    }
+}
+
+/// Device state of one decoder layer.
+pub enum GpuLayerState<T> {
+    /// Gated DeltaNet layer: conv tail `[conv_dim, K−1]` fp32 (oldest first) and
+    /// recurrent state `[Hv, dk, dv]` fp32 K-major — the CPU `LinearState` layouts.
+    Linear {
+        /// Conv tail `[conv_dim, K−1]`.
+        conv: CudaSlice<f32>,
+        /// Recurrent state `[Hv, dk, dv]`.
+        recurrent: CudaSlice<f32>,
+    },
+    /// Full-attention layer: KV cache.
+    Full(GpuKv<T>),
+}
+
+/// Whole-model device state of one sequence (the GPU counterpart of [`ModelState`]).
+pub struct GpuState<T: Elem> {
+    gpu: Arc<Gpu>,
+    /// Conv tail and recurrent-state lengths of a linear layer (device buffers of
+    /// zero-length tensors hold one padding element; `to_host` returns these lengths).
+    conv_len: usize,
+    rec_len: usize,
+    /// One entry per decoder layer.
+    pub layers: Vec<GpuLayerState<T>>,
+    /// Absolute position the next token gets.
+    pub next_position: i64,
+}
+
+fn shape_err(msg: String) -> CudaError {
+    CudaError::Shape(msg)
+}
+
+/// Prefixes an error's message with where it happened, keeping its kind. Kernel
+/// faults are asynchronous: without [`GpuModel::prefill_traced`] (which waits after
+/// every mixer and FFN) a fault may be reported by a later stage.
+fn context(e: CudaError, at: &str) -> CudaError {
+    match e {
+        CudaError::Unavailable(m) => CudaError::Unavailable(format!("{at}: {m}")),
+        CudaError::Driver(m) => CudaError::Driver(format!("{at}: {m}")),
+        CudaError::Nvrtc(m) => CudaError::Nvrtc(format!("{at}: {m}")),
+        CudaError::Cublas(m) => CudaError::Cublas(format!("{at}: {m}")),
+        CudaError::Shape(m) => CudaError::Shape(format!("{at}: {m}")),
+    }
+}
+
+/// Checks a host state against the config (the same rules as `Model::check_state`).
+fn check_host_state(c: &ModelConfig, s: &ModelState) -> Result<()> {
+    if s.layers.len() != c.num_layers {
+        return Err(shape_err(format!(
+            "state has {} layers, the model has {}",
+            s.layers.len(),
+            c.num_layers
+        )));
+    }
+    let conv_len = c.conv_dim() * c.conv_kernel.saturating_sub(1);
+    let rec_len = c.linear_v_heads * c.linear_k_dim * c.linear_v_dim;
+    let row = c.num_kv_heads * c.head_dim;
+    for (i, (l, k)) in s.layers.iter().zip(&c.layer_kinds).enumerate() {
+        match (l, k) {
+            (LayerState::Linear(ls), LayerKind::Linear) => {
+                if ls.conv.len() != conv_len || ls.recurrent.len() != rec_len {
+                    return Err(shape_err(format!(
+                        "layer {i} (linear): conv {} (want {conv_len}), recurrent {} (want {rec_len})",
+                        ls.conv.len(),
+                        ls.recurrent.len()
+                    )));
+                }
+            }
+            (LayerState::Full(kv), LayerKind::Full) => {
+                let n = kv.positions.len();
+                if kv.k.len() != n * row || kv.v.len() != n * row {
+                    return Err(shape_err(format!(
+                        "layer {i} (attention): {n} positions but k {} / v {} elements (want {})",
+                        kv.k.len(),
+                        kv.v.len(),
+                        n * row
+                    )));
+                }
+            }
+            _ => {
+                return Err(shape_err(format!(
+                    "layer {i}: state kind does not match the model's layer kind {k:?}"
+                )))
+            }
+        }
+    }
+    Ok(())
+}
+
+fn to_elems<T: Elem>(v: &[f32]) -> Vec<T> {
+    v.iter().map(|&x| T::from_f32(x)).collect()
+}
+
+/// Uploads `v` (converted to `T`); an empty slice gives a one-element zero buffer.
+fn up<T: Elem>(gpu: &Gpu, v: &[f32]) -> Result<CudaSlice<T>> {
+    if v.is_empty() {
+        return gpu.zeros(1);
+    }
+    gpu.upload(&to_elems::<T>(v))
+}
+
+fn up_f32(gpu: &Gpu, v: &[f32]) -> Result<CudaSlice<f32>> {
+    if v.is_empty() {
+        return gpu.zeros(1);
+    }
+    gpu.upload(v)
+}
+
+/// Checks a host weight's length before upload.
+fn want(name: &str, v: &[f32], n: usize) -> Result<()> {
+    if v.len() != n {
+        return Err(shape_err(format!(
+            "weight `{name}` holds {} elements, the config needs {n}",
+            v.len()
+        )));
+    }
+    Ok(())
+}
+
+fn download_f32<T: Elem>(gpu: &Gpu, x: &CudaSlice<T>, n: usize) -> Result<Vec<f32>> {
+    check_len("download", x, n)?;
+    if n == 0 {
+        return Ok(vec![]);
+    }
+    let v = gpu.stream().clone_dtoh(&x.slice(..n))?;
+    gpu.sync()?;
+    Ok(v.into_iter().map(Elem::to_f32).collect())
+}
+
+impl<T: Elem> GpuState<T> {
+    /// Fresh state: zero conv tails and recurrent states, empty KV (capacity 0 until
+    /// the first append), next position 0.
+    pub fn new(gpu: &Arc<Gpu>, c: &ModelConfig) -> Result<Self> {
+        let conv_len = c.conv_dim() * c.conv_kernel.saturating_sub(1);
+        let rec_len = c.linear_v_heads * c.linear_k_dim * c.linear_v_dim;
+        let row = c.num_kv_heads * c.head_dim;
+        let mut layers = Vec::with_capacity(c.num_layers);
+        for k in &c.layer_kinds {
+            layers.push(match k {
+                LayerKind::Linear => GpuLayerState::Linear {
+                    conv: gpu.zeros(conv_len)?,
+                    recurrent: gpu.zeros(rec_len)?,
+                },
+                LayerKind::Full => GpuLayerState::Full(GpuKv::with_capacity(gpu, row, 0)?),
+            });
+        }
+        Ok(GpuState {
+            gpu: gpu.clone(),
+            conv_len,
+            rec_len,
+            layers,
+            next_position: 0,
+        })
+    }
+
+    /// Uploads a host state (CPU layouts, see [`crate::state`]); KV capacity is the
+    /// cached length rounded up to a multiple of 16.
+    ///
+    /// Errors: [`CudaError::Shape`] when `s` does not match the config.
+    pub fn from_host(gpu: &Arc<Gpu>, c: &ModelConfig, s: &ModelState) -> Result<Self> {
+        check_host_state(c, s)?;
+        let conv_len = c.conv_dim() * c.conv_kernel.saturating_sub(1);
+        let rec_len = c.linear_v_heads * c.linear_k_dim * c.linear_v_dim;
+        let row = c.num_kv_heads * c.head_dim;
+        let mut layers = Vec::with_capacity(s.layers.len());
+        for l in &s.layers {
+            layers.push(match l {
+                LayerState::Linear(ls) => GpuLayerState::Linear {
+                    conv: up_f32(gpu, &ls.conv)?,
+                    recurrent: up_f32(gpu, &ls.recurrent)?,
+                },
+                LayerState::Full(kv) => {
+                    let n = kv.positions.len();
+                    let mut g = GpuKv::with_capacity(gpu, row, n.div_ceil(16) * 16)?;
+                    if n > 0 {
+                        let st = gpu.stream();
+                        st.memcpy_htod(&to_elems::<T>(&kv.k), &mut g.k.slice_mut(..n * row))?;
+                        st.memcpy_htod(&to_elems::<T>(&kv.v), &mut g.v.slice_mut(..n * row))?;
+                        st.memcpy_htod(&kv.positions, &mut g.pos.slice_mut(..n))?;
+                        g.len = n;
+                    }
+                    GpuLayerState::Full(g)
+                }
+            });
+        }
+        gpu.sync()?;
+        Ok(GpuState {
+            gpu: gpu.clone(),
+            conv_len,
+            rec_len,
+            layers,
+            next_position: s.next_position,
+        })
+    }
+
+    /// Downloads the state into the CPU layouts (waits for the stream). Exact for
+    /// fp32; for bf16 the KV values are the bf16 ones widened to fp32.
+    pub fn to_host(&self) -> Result<ModelState> {
+        let gpu = &self.gpu;
+        let mut layers = Vec::with_capacity(self.layers.len());
+        for l in &self.layers {
+            layers.push(match l {
+                GpuLayerState::Linear { conv, recurrent } => LayerState::Linear(LinearState {
+                    conv: download_f32(gpu, conv, self.conv_len)?,
+                    recurrent: download_f32(gpu, recurrent, self.rec_len)?,
+                }),
+                GpuLayerState::Full(kv) => {
+                    let n = kv.len;
+                    let positions = if n == 0 {
+                        vec![]
+                    } else {
+                        let p = gpu.stream().clone_dtoh(&kv.pos.slice(..n))?;
+                        gpu.sync()?;
+                        p
+                    };
+                    LayerState::Full(KvCache {
+                        k: download_f32(gpu, &kv.k, n * kv.row)?,
+                        v: download_f32(gpu, &kv.v, n * kv.row)?,
+                        positions,
+                    })
+                }
+            });
+        }
+        Ok(ModelState {
+            layers,
+            next_position: self.next_position,
+        })
+    }
+
+    /// Device bytes held by this state (capacity, not just the used part).
+    pub fn bytes(&self) -> usize {
+        let es = std::mem::size_of::<T>();
+        self.layers
+            .iter()
+            .map(|l| match l {
+                GpuLayerState::Linear { conv, recurrent } => 4 * (conv.len() + recurrent.len()),
+                GpuLayerState::Full(kv) => es * (kv.k.len() + kv.v.len()) + 8 * kv.pos.len(),
+            })
+            .sum()
+    }
+}
+
+/// 1-D launch configuration of a grid-stride kernel over `n` items.
+fn cfg1(n: usize) -> LaunchConfig {
+    LaunchConfig {
+        grid_dim: (grid_for(n, 256), 1, 1),
+        block_dim: (256, 1, 1),
+        shared_mem_bytes: 0,
+    }
+}
+
+fn dim_i32(name: &str, v: usize) -> Result<i32> {
+    i32::try_from(v).map_err(|_| shape_err(format!("{name} = {v} does not fit in i32")))
+}
+
+impl<T: Elem> GpuModel<T>
+where
+    CudaBlas: Gemm<T>,
+{
+    /// Uploads every weight of `model` to `gpu`, converted to `T`, with the default
+    /// FFN implementation ([`FfnPath::Fused`]).
+    ///
+    /// Errors: [`CudaError::Shape`] for a configuration the kernels do not support
+    /// (heads not divisible, conv kernel > 17, rotary dims > head_dim, head_dim >
+    /// 1024, more than `moe::MAX_EXPERTS` experts or top-k over `moe::MAX_TOP_K`) or a
+    /// weight whose length does not match the config; driver errors.
+    pub fn upload(gpu: Arc<Gpu>, model: &Model) -> Result<Self> {
+        Self::upload_with(gpu, model, FfnPath::Fused)
+    }
+
+    /// [`GpuModel::upload`] with an explicit FFN implementation.
+    pub fn upload_with(gpu: Arc<Gpu>, model: &Model, ffn_path: FfnPath) -> Result<Self> {
+        let c = model.config.clone();
+        check_config(&c)?;
+        let g = &*gpu;
+        let h = c.hidden_size;
+        want("embed_tokens", &model.embed, c.vocab_size * h)?;
+        want("norm", &model.final_norm, h)?;
+        let embed = up::<T>(g, &model.embed)?;
+        let final_norm = up_f32(g, &model.final_norm)?;
+        let lm_head = match &model.lm_head {
+            Some(w) => {
+                want("lm_head", w, c.vocab_size * h)?;
+                Some(up::<T>(g, w)?)
+            }
+            None => None,
+        };
+        if model.layers.len() != c.num_layers {
+            return Err(shape_err(format!(
+                "model holds {} layers, config says {}",
+                model.layers.len(),
+                c.num_layers
+            )));
+        }
+        let (nh, nkv, hd) = (c.num_heads, c.num_kv_heads, c.head_dim);
+        let qw = nh * hd * if c.attn_output_gate { 2 } else { 1 };
+        let (hv, dv) = (c.linear_v_heads, c.linear_v_dim);
+        let n_in = c.conv_dim() + c.value_dim() + 2 * hv;
+        let mut layers = Vec::with_capacity(c.num_layers);
+        for (i, l) in model.layers.iter().enumerate() {
+            want(&format!("layers.{i}.input_layernorm"), &l.input_norm, h)?;
+            want(
+                &format!("layers.{i}.post_attention_layernorm"),
+                &l.post_norm,
+                h,
+            )?;
+            let mixer = match (&l.mixer, c.layer_kinds[i]) {
+                (Mixer::Linear(w), LayerKind::Linear) => {
+                    let p = format!("layers.{i}.linear_attn");
+                    want(&format!("{p}.in_proj"), &w.w_in, n_in * h)?;
+                    want(
+                        &format!("{p}.conv1d"),
+                        &w.conv,
+                        c.conv_dim() * c.conv_kernel,
+                    )?;
+                    want(&format!("{p}.A_log"), &w.neg_a, hv)?;
+                    want(&format!("{p}.dt_bias"), &w.dt_bias, hv)?;
+                    want(&format!("{p}.norm"), &w.norm, dv)?;
+                    want(&format!("{p}.out_proj"), &w.out, h * c.value_dim())?;
+                    MixerW::Linear(GdnW {
+                        w_in: up::<T>(g, &w.w_in)?,
+                        conv: up_f32(g, &w.conv)?,
+                        neg_a: up_f32(g, &w.neg_a)?,
+                        dt_bias: up_f32(g, &w.dt_bias)?,
+                        norm: up_f32(g, &w.norm)?,
+                        out: up::<T>(g, &w.out)?,
+                    })
+                }
+                (Mixer::Full(w), LayerKind::Full) => {
+                    let p = format!("layers.{i}.self_attn");
+                    want(&format!("{p}.q_proj"), &w.q, qw * h)?;
+                    want(&format!("{p}.k_proj"), &w.k, nkv * hd * h)?;
+                    want(&format!("{p}.v_proj"), &w.v, nkv * hd * h)?;
+                    want(&format!("{p}.o_proj"), &w.o, h * nh * hd)?;
+                    want(&format!("{p}.q_norm"), &w.q_norm, hd)?;
+                    want(&format!("{p}.k_norm"), &w.k_norm, hd)?;
+                    let mut fused = Vec::with_capacity(w.q.len() + w.k.len() + w.v.len());
+                    fused.extend_from_slice(&w.q);
+                    fused.extend_from_slice(&w.k);
+                    fused.extend_from_slice(&w.v);
+                    MixerW::Full(AttnW {
+                        qkv: up::<T>(g, &fused)?,
+                        o: up::<T>(g, &w.o)?,
+                        q_norm: up_f32(g, &w.q_norm)?,
+                        k_norm: up_f32(g, &w.k_norm)?,
+                    })
+                }
+                _ => {
+                    return Err(shape_err(format!(
+                        "layer {i}: mixer weights do not match the config's layer kind"
+                    )))
+                }
+            };
+            let ffn = match &l.ffn {
+                Ffn::Dense(m) => FfnW::Dense(up_mlp(g, m, h, &format!("layers.{i}.mlp"))?),
+                Ffn::Moe(m) => {
+                    let e = c.num_experts;
+                    if m.experts.len() != e || c.experts_per_tok == 0 || c.experts_per_tok > e {
+                        return Err(shape_err(format!(
+                            "layer {i}: {} experts loaded, config has {e} with top-{}",
+                            m.experts.len(),
+                            c.experts_per_tok
+                        )));
+                    }
+                    want(&format!("layers.{i}.mlp.gate"), &m.router, e * h)?;
+                    if ffn_path == FfnPath::Fused {
+                        let gu: Vec<&[f32]> = m.experts.iter().map(|x| &x.gate_up[..]).collect();
+                        let dn: Vec<&[f32]> = m.experts.iter().map(|x| &x.down[..]).collect();
+                        let inter = m.experts.first().map_or(0, |x| x.inter);
+                        if m.experts.iter().any(|x| x.inter != inter) {
+                            return Err(shape_err(format!(
+                                "layer {i}: experts of different widths"
+                            )));
+                        }
+                        let shared = m
+                            .shared
+                            .as_ref()
+                            .map(|(sm, gate)| (&sm.gate_up[..], &sm.down[..], &gate[..]));
+                        let shared_inter = m.shared.as_ref().map_or(0, |(sm, _)| sm.inter);
+                        let w = moe::MoeWeights::<T>::upload(
+                            g,
+                            &m.router,
+                            &gu,
+                            &dn,
+                            shared,
+                            h,
+                            inter,
+                            shared_inter,
+                            c.experts_per_tok,
+                            c.norm_topk_prob,
+                        )
+                        .map_err(|e| match e {
+                            CudaError::Shape(m) => shape_err(format!("layer {i} MoE: {m}")),
+                            other => other,
+                        })?;
+                        layers.push(LayerW {
+                            input_norm: up_f32(g, &l.input_norm)?,
+                            post_norm: up_f32(g, &l.post_norm)?,
+                            mixer,
+                            ffn: FfnW::MoeFused(w),
+                        });
+                        continue;
+                    }
+                    let experts = m
+                        .experts
+                        .iter()
+                        .enumerate()
+                        .map(|(j, x)| up_mlp(g, x, h, &format!("layers.{i}.mlp.experts.{j}")))
+                        .collect::<Result<Vec<_>>>()?;
+                    let shared = match &m.shared {
+                        Some((sm, gate)) => {
+                            want(&format!("layers.{i}.mlp.shared_expert_gate"), gate, h)?;
+                            Some((
+                                up_mlp(g, sm, h, &format!("layers.{i}.mlp.shared_expert"))?,
+                                up::<T>(g, gate)?,
+                            ))
+                        }
+                        None => None,
+                    };
+                    FfnW::Moe(MoeW {
+                        router: up::<T>(g, &m.router)?,
+                        experts,
+                        shared,
+                    })
+                }
+            };
+            layers.push(LayerW {
+                input_norm: up_f32(g, &l.input_norm)?,
+                post_norm: up_f32(g, &l.post_norm)?,
+                mixer,
+                ffn,
+            });
+        }
+        let inv_freq = if c.rotary_dim >= 2 {
+            Some(up_f32(g, &ops::rope_inv_freq(c.rotary_dim, c.rope_theta))?)
+        } else {
+            None
+        };
+        gpu.sync()?;
+        Ok(GpuModel {
+            gpu,
+            config: c,
+            embed,
+            final_norm,
+            lm_head,
+            layers,
+            inv_freq,
+            gdr_ws: Mutex::new(gdr::Workspace::new()),
+            moe_ws: Mutex::new(moe::MoeWorkspace::new()),
+            ffn_path,
+        })
+    }
+
+    /// The FFN implementation this model was uploaded with.
+    pub fn ffn_path(&self) -> FfnPath {
+        self.ffn_path
+    }
+
+    /// The model's configuration.
+    pub fn config(&self) -> &ModelConfig {
+        &self.config
+    }
+
+    /// The device.
+    pub fn gpu(&self) -> &Arc<Gpu> {
+        &self.gpu
+    }
+
+    /// Fresh device state for a new sequence (see [`GpuState::new`]).
+    pub fn new_state(&self) -> Result<GpuState<T>> {
+        GpuState::new(&self.gpu, &self.config)
+    }
+
+    /// Uploads a host state for this model (see [`GpuState::from_host`]).
+    pub fn state_from_host(&self, s: &ModelState) -> Result<GpuState<T>> {
+        GpuState::from_host(&self.gpu, &self.config, s)
+    }
+
+    /// Prefills `tokens` from `state` (advanced in place) at positions
+    /// `state.next_position ..`. Returns host logits `[rows, vocab]` fp32, rows 0, 1
+    /// or T per `logits`.
+    ///
+    /// Errors (before any state change): empty span, a token ≥ vocab, a state that
+    /// does not match the model or lives on another device. A driver error during the
+    /// forward leaves the state partly advanced.
+    pub fn prefill(
+        &self,
+        tokens: &[u32],
+        state: &mut GpuState<T>,
+        logits: Logits,
+    ) -> Result<Vec<f32>> {
+        let x = self.forward(tokens, state, None)?;
+        self.logits_of(&x, tokens.len(), logits)
+    }
+
+    /// [`GpuModel::prefill`] that also records the residual stream after the
+    /// embedding, after every mixer and after every layer (host copies; slow, for
+    /// diagnosis).
+    pub fn prefill_traced(
+        &self,
+        tokens: &[u32],
+        state: &mut GpuState<T>,
+        logits: Logits,
+        trace: &mut ForwardTrace,
+    ) -> Result<Vec<f32>> {
+        let x = self.forward(tokens, state, Some(trace))?;
+        self.logits_of(&x, tokens.len(), logits)
+    }
+
+    /// One-token decode: returns the next-token logits `[vocab]`.
+    pub fn decode(&self, token: u32, state: &mut GpuState<T>) -> Result<Vec<f32>> {
+        self.prefill(&[token], state, Logits::Last)
+    }
+
+    /// Final norm and LM head over rows of the residual stream `x` (`[t, hidden]`).
+    fn logits_of(&self, x: &CudaSlice<T>, t: usize, which: Logits) -> Result<Vec<f32>> {
+        let c = &self.config;
+        let (h, vocab) = (c.hidden_size, c.vocab_size);
+        let (row0, rows) = match which {
+            Logits::None => return Ok(vec![]),
+            Logits::Last => (t - 1, 1),
+            Logits::All => (0, t),
+        };
+        check_len("residual", x, t * h)?;
+        let g = &*self.gpu;
+        let xs = g
+            .stream()
+            .clone_dtod(&x.slice(row0 * h..(row0 + rows) * h))?;
+        let mut hn: CudaSlice<T> = g.zeros(rows * h)?;
+        ops::rms_norm(
+            g,
+            NormKind::ZeroCentred,
+            &xs,
+            None,
+            &self.final_norm,
+            &mut hn,
+            rows,
+            c.rms_norm_eps,
+        )?;
+        let w = self.lm_head.as_ref().unwrap_or(&self.embed);
+        let mut out: CudaSlice<T> = g.zeros(rows * vocab)?;
+        blas::linear(g, &hn, rows, h, w, vocab, &mut out, T::from_f32(0.0))?;
+        download_f32(g, &out, rows * vocab)
+    }
+
+    fn check_inputs(&self, tokens: &[u32], state: &GpuState<T>) -> Result<()> {
+        let c = &self.config;
+        if tokens.is_empty() {
+            return Err(shape_err("empty span: at least one token is needed".into()));
+        }
+        if let Some(t) = tokens.iter().find(|&&t| t as usize >= c.vocab_size) {
+            return Err(shape_err(format!(
+                "token id {t} is outside the vocabulary ({})",
+                c.vocab_size
+            )));
+        }
+        if !Arc::ptr_eq(&state.gpu, &self.gpu) {
+            return Err(shape_err("the state lives on another Gpu handle".into()));
+        }
+        if state.layers.len() != c.num_layers {
+            return Err(shape_err(format!(
+                "state has {} layers, model has {}",
+                state.layers.len(),
+                c.num_layers
+            )));
+        }
+        let conv_len = c.conv_dim() * c.conv_kernel.saturating_sub(1);
+        let rec_len = c.linear_v_heads * c.linear_k_dim * c.linear_v_dim;
+        let row = c.num_kv_heads * c.head_dim;
+        for (i, (l, k)) in state.layers.iter().zip(&c.layer_kinds).enumerate() {
+            match (l, k) {
+                (GpuLayerState::Linear { conv, recurrent }, LayerKind::Linear) => {
+                    check_len(&format!("layer {i} conv tail"), conv, conv_len)?;
+                    check_len(&format!("layer {i} recurrent state"), recurrent, rec_len)?;
+                }
+                (GpuLayerState::Full(kv), LayerKind::Full) => {
+                    if kv.row != row {
+                        return Err(shape_err(format!(
+                            "layer {i}: KV row width {} but the model needs {row}",
+                            kv.row
+                        )));
+                    }
+                }
+                _ => {
+                    return Err(shape_err(format!(
+                        "layer {i}: state kind does not match the layer kind {k:?}"
+                    )))
+                }
+            }
+        }
+        Ok(())
+    }
+
+    /// Runs every layer over `tokens`, returning the final residual stream `[t, h]`.
+    fn forward(
+        &self,
+        tokens: &[u32],
+        state: &mut GpuState<T>,
+        mut trace: Option<&mut ForwardTrace>,
+    ) -> Result<CudaSlice<T>> {
+        self.check_inputs(tokens, state)?;
+        let c = &self.config;
+        let g = &*self.gpu;
+        let (t, h) = (tokens.len(), c.hidden_size);
+        let positions: Vec<i64> = (0..t as i64).map(|i| state.next_position + i).collect();
+        let pos_d = g.upload(&positions)?;
+        let tok_d = g.upload(tokens)?;
+        let mut x: CudaSlice<T> = g.zeros(t * h)?;
+        {
+            let f = g.function(&MODEL, &format!("embed_gather_{}", T::SUFFIX), 0)?;
+            let (ti, hi, vi) = (
+                dim_i32("t", t)?,
+                dim_i32("hidden", h)?,
+                dim_i32("vocab", c.vocab_size)?,
+            );
+            let mut b = g.stream().launch_builder(&f);
+            b.arg(&self.embed)
+                .arg(&tok_d)
+                .arg(&mut x)
+                .arg(&ti)
+                .arg(&hi)
+                .arg(&vi);
+            // SAFETY: matches `embed_gather_*` in model.cu; sizes from the config.
+            unsafe { b.launch(cfg1(t * h)) }?;
+        }
+        if let Some(tr) = trace.as_deref_mut() {
+            tr.embed = download_f32(g, &x, t * h)?;
+            tr.layers.clear();
+        }
+        let mut r: CudaSlice<T> = g.zeros(t * h)?;
+        for (i, (lw, ls)) in self.layers.iter().zip(state.layers.iter_mut()).enumerate() {
+            ops::rms_norm(
+                g,
+                NormKind::ZeroCentred,
+                &x,
+                None,
+                &lw.input_norm,
+                &mut r,
+                t,
+                c.rms_norm_eps,
+            )?;
+            let mixed = match (&lw.mixer, ls) {
+                (MixerW::Linear(w), GpuLayerState::Linear { conv, recurrent }) => self
+                    .gdn(w, &r, t, conv, recurrent)
+                    .map_err(|e| context(e, &format!("layer {i} GDN mixer")))?,
+                (MixerW::Full(w), GpuLayerState::Full(kv)) => self
+                    .attention(w, &r, t, &pos_d, kv)
+                    .map_err(|e| context(e, &format!("layer {i} attention mixer")))?,
+                _ => {
+                    return Err(shape_err(format!(
+                        "layer {i}: state kind does not match the layer"
+                    )))
+                }
+            };
+            self.add_inplace(&mut x, &mixed, t * h)?;
+            let after_mixer = match trace.as_deref() {
+                Some(_) => download_f32(g, &x, t * h)
+                    .map_err(|e| context(e, &format!("layer {i} after the mixer")))?,
+                None => vec![],
+            };
+            ops::rms_norm(
+                g,
+                NormKind::ZeroCentred,
+                &x,
+                None,
+                &lw.post_norm,
+                &mut r,
+                t,
+                c.rms_norm_eps,
+            )?;
+            let f = self
+                .ffn(&lw.ffn, &r, t)
+                .map_err(|e| context(e, &format!("layer {i} FFN")))?;
+            self.add_inplace(&mut x, &f, t * h)?;
+            if let Some(tr) = trace.as_deref_mut() {
+                tr.layers.push(LayerTrace {
+                    after_mixer,
+                    after_layer: download_f32(g, &x, t * h)
+                        .map_err(|e| context(e, &format!("layer {i} after the FFN")))?,
+                });
+            }
+        }
+        state.next_position += t as i64;
+        Ok(x)
+    }
+
+    /// The FFN of one layer over `r` (`[t, h]`, normed) → `[t, h]`.
+    fn ffn(&self, f: &FfnW<T>, r: &CudaSlice<T>, t: usize) -> Result<CudaSlice<T>> {
+        let g = &*self.gpu;
+        let h = self.config.hidden_size;
+        Ok(match f {
+            FfnW::Dense(m) if self.ffn_path == FfnPath::Fused => {
+                let mut o: CudaSlice<T> = g.zeros(t * h)?;
+                moe::mlp_forward(g, &m.gate_up, &m.down, r, t, h, m.inter, &mut o)?;
+                o
+            }
+            FfnW::Dense(m) => self.mlp(m, r, t)?,
+            FfnW::Moe(m) => self.moe(m, r, t)?,
+            FfnW::MoeFused(w) => {
+                let mut o: CudaSlice<T> = g.zeros(t * h)?;
+                let mut ws = self.moe_ws.lock().unwrap_or_else(|e| e.into_inner());
+                moe::moe_forward(g, w, r, t, &mut ws, &mut o)?;
+                o
+            }
+        })
+    }
+
+    /// One decode step for a batch of sequences: `tokens[b]` is appended to
+    /// `states[b]`. The embedding, norms, projections, FFN and LM head run as one
+    /// `[B, ·]` pass; conv, recurrence, KV append and attention run per sequence on its
+    /// own state (same kernels as [`GpuModel::decode`]). Returns `[B][vocab]` logits,
+    /// the same math as `B` calls of [`GpuModel::decode`].
+    ///
+    /// Errors (before any state changes): `tokens.len() != states.len()`, and as
+    /// [`GpuModel::prefill`] for any sequence.
+    pub fn decode_batch(
+        &self,
+        tokens: &[u32],
+        states: &mut [&mut GpuState<T>],
+    ) -> Result<Vec<Vec<f32>>> {
+        if tokens.len() != states.len() {
+            return Err(shape_err(format!(
+                "{} tokens for {} states",
+                tokens.len(),
+                states.len()
+            )));
+        }
+        if tokens.is_empty() {
+            return Ok(vec![]);
+        }
+        for (tk, s) in tokens.iter().zip(states.iter()) {
+            self.check_inputs(std::slice::from_ref(tk), s)?;
+        }
+        let c = &self.config;
+        let g = &*self.gpu;
+        let (bsz, h) = (tokens.len(), c.hidden_size);
+        let positions: Vec<i64> = states.iter().map(|s| s.next_position).collect();
+        let pos_d = g.upload(&positions)?;
+        let tok_d = g.upload(tokens)?;
+        let mut x: CudaSlice<T> = g.zeros(bsz * h)?;
+        {
+            let f = g.function(&MODEL, &format!("embed_gather_{}", T::SUFFIX), 0)?;
+            let (ti, hi, vi) = (
+                dim_i32("batch", bsz)?,
+                dim_i32("hidden", h)?,
+                dim_i32("vocab", c.vocab_size)?,
+            );
+            let mut b = g.stream().launch_builder(&f);
+            b.arg(&self.embed)
+                .arg(&tok_d)
+                .arg(&mut x)
+                .arg(&ti)
+                .arg(&hi)
+                .arg(&vi);
+            // SAFETY: matches `embed_gather_*` in model.cu; sizes from the config.
+            unsafe { b.launch(cfg1(bsz * h)) }?;
+        }
+        let zero = T::from_f32(0.0);
+        let st = g.stream();
+        let mut r: CudaSlice<T> = g.zeros(bsz * h)?;
+        for (i, lw) in self.layers.iter().enumerate() {
+            ops::rms_norm(
+                g,
+                NormKind::ZeroCentred,
+                &x,
+                None,
+                &lw.input_norm,
+                &mut r,
+                bsz,
+                c.rms_norm_eps,
+            )?;
+            let mixed = match &lw.mixer {
+                MixerW::Linear(w) => {
+                    let n_in = c.conv_dim() + c.value_dim() + 2 * c.linear_v_heads;
+                    let vd = c.value_dim();
+                    let mut proj: CudaSlice<T> = g.zeros(bsz * n_in)?;
+                    blas::linear(g, &r, bsz, h, &w.w_in, n_in, &mut proj, zero)?;
+                    let mut normed: CudaSlice<T> = g.zeros(bsz * vd)?;
+                    for (j, s) in states.iter_mut().enumerate() {
+                        let GpuLayerState::Linear { conv, recurrent } = &mut s.layers[i] else {
+                            return Err(shape_err(format!("layer {i}: state kind")));
+                        };
+                        let pj = st.clone_dtod(&proj.slice(j * n_in..(j + 1) * n_in))?;
+                        let nj = self.gdn_core(w, &pj, 1, conv, recurrent)?;
+                        st.memcpy_dtod(
+                            &nj.slice(..vd),
+                            &mut normed.slice_mut(j * vd..(j + 1) * vd),
+                        )?;
+                    }
+                    let mut out: CudaSlice<T> = g.zeros(bsz * h)?;
+                    blas::linear(g, &normed, bsz, vd, &w.out, h, &mut out, zero)?;
+                    out
+                }
+                MixerW::Full(w) => {
+                    let fw = self.attn_qkv_width();
+                    let ow = c.num_heads * c.head_dim;
+                    let mut qkv: CudaSlice<T> = g.zeros(bsz * fw)?;
+                    blas::linear(g, &r, bsz, h, &w.qkv, fw, &mut qkv, zero)?;
+                    let mut o: CudaSlice<T> = g.zeros(bsz * ow)?;
+                    for (j, s) in states.iter_mut().enumerate() {
+                        let GpuLayerState::Full(kv) = &mut s.layers[i] else {
+                            return Err(shape_err(format!("layer {i}: state kind")));
+                        };
+                        let qj = st.clone_dtod(&qkv.slice(j * fw..(j + 1) * fw))?;
+                        let pj = st.clone_dtod(&pos_d.slice(j..j + 1))?;
+                        let oj = self.attn_core(w, &qj, 1, &pj, kv)?;
+                        st.memcpy_dtod(&oj.slice(..ow), &mut o.slice_mut(j * ow..(j + 1) * ow))?;
+                    }
+                    let mut out: CudaSlice<T> = g.zeros(bsz * h)?;
+                    blas::linear(g, &o, bsz, ow, &w.o, h, &mut out, zero)?;
+                    out
+                }
+            };
+            self.add_inplace(&mut x, &mixed, bsz * h)?;
+            ops::rms_norm(
+                g,
+                NormKind::ZeroCentred,
+                &x,
+                None,
+                &lw.post_norm,
+                &mut r,
+                bsz,
+                c.rms_norm_eps,
+            )?;
+            let f = self.ffn(&lw.ffn, &r, bsz)?;
+            self.add_inplace(&mut x, &f, bsz * h)?;
+        }
+        for s in states.iter_mut() {
+            s.next_position += 1;
+        }
+        let logits = self.logits_of(&x, bsz, Logits::All)?;
+        Ok(logits
+            .chunks_exact(c.vocab_size)
+            .map(|l| l.to_vec())
+            .collect())
+    }
+
+    fn add_inplace(&self, x: &mut CudaSlice<T>, y: &CudaSlice<T>, n: usize) -> Result<()> {
+        check_len("x", x, n)?;
+        check_len("y", y, n)?;
+        let g = &*self.gpu;
+        let f = g.function(&MODEL, &format!("add_inplace_{}", T::SUFFIX), 0)?;
+        let nn = n as u64;
+        let mut b = g.stream().launch_builder(&f);
+        b.arg(x).arg(y).arg(&nn);
+        // SAFETY: matches `add_inplace_*`; lengths checked.
+        unsafe { b.launch(cfg1(n)) }?;
+        Ok(())
+    }
+
+    /// `dst[r, :width] = src[r, off..off + width]` for `rows` rows of stride `stride`.
+    fn copy_cols(
+        &self,
+        src: &CudaSlice<T>,
+        stride: usize,
+        off: usize,
+        dst: &mut CudaSlice<T>,
+        width: usize,
+        rows: usize,
+    ) -> Result<()> {
+        if off + width > stride {
+            return Err(shape_err(format!(
+                "copy_cols: columns {off}..{} exceed the row width {stride}",
+                off + width
+            )));
+        }
+        check_len("copy_cols src", src, rows * stride)?;
+        check_len("copy_cols dst", dst, rows * width)?;
+        if rows * width == 0 {
+            return Ok(());
+        }
+        let g = &*self.gpu;
+        let f = g.function(&MODEL, &format!("copy_cols_{}", T::SUFFIX), 0)?;
+        let (s, o, w, r) = (
+            dim_i32("stride", stride)?,
+            dim_i32("offset", off)?,
+            dim_i32("width", width)?,
+            dim_i32("rows", rows)?,
+        );
+        let mut b = g.stream().launch_builder(&f);
+        b.arg(src).arg(&s).arg(&o).arg(dst).arg(&w).arg(&r);
+        // SAFETY: matches `copy_cols_*`; bounds checked.
+        unsafe { b.launch(cfg1(rows * width)) }?;
+        Ok(())
+    }
+
+    /// Gated DeltaNet mixer over `r` (`[t, h]`, normed), advancing the conv tail and
+    /// the recurrent state. Returns the mixer output `[t, h]`.
+    fn gdn(
+        &self,
+        w: &GdnW<T>,
+        r: &CudaSlice<T>,
+        t: usize,
+        conv_tail: &mut CudaSlice<f32>,
+        rec: &mut CudaSlice<f32>,
+    ) -> Result<CudaSlice<T>> {
+        let c = &self.config;
+        let g = &*self.gpu;
+        let h = c.hidden_size;
+        let n_in = c.conv_dim() + c.value_dim() + 2 * c.linear_v_heads;
+        let zero = T::from_f32(0.0);
+        let mut proj: CudaSlice<T> = g.zeros(t * n_in)?;
+        blas::linear(g, r, t, h, &w.w_in, n_in, &mut proj, zero)?;
+        let normed = self.gdn_core(w, &proj, t, conv_tail, rec)?;
+        let mut out: CudaSlice<T> = g.zeros(t * h)?;
+        blas::linear(g, &normed, t, c.value_dim(), &w.out, h, &mut out, zero)?;
+        Ok(out)
+    }
+
+    /// The GDN between its two projections: from `proj` (`[t, n_in]`, the fused
+    /// in-projection) to the gated-normed core output `[t, value_dim]` (before
+    /// `out_proj`), advancing the conv tail and the recurrent state.
+    fn gdn_core(
+        &self,
+        w: &GdnW<T>,
+        proj: &CudaSlice<T>,
+        t: usize,
+        conv_tail: &mut CudaSlice<f32>,
+        rec: &mut CudaSlice<f32>,
+    ) -> Result<CudaSlice<T>> {
+        let c = &self.config;
+        let g = &*self.gpu;
+        let (hk, hv, dk, dv) = (
+            c.linear_k_heads,
+            c.linear_v_heads,
+            c.linear_k_dim,
+            c.linear_v_dim,
+        );
+        let (kd, vd, cd) = (c.key_dim(), c.value_dim(), c.conv_dim());
+        let n_in = cd + vd + 2 * hv;
+        let kk = c.conv_kernel;
+        check_len("GDN projection [t, n_in]", proj, t * n_in)?;
+        let mut mixed: CudaSlice<T> = g.zeros(t * cd)?;
+        if t == 1 {
+            ops::conv1d_update(g, proj, &w.conv, conv_tail, &mut mixed, cd, kk, true)?;
+        } else {
+            ops::conv1d_prefill(
+                g, proj, n_in, &w.conv, conv_tail, &mut mixed, t, cd, kk, true,
+            )?;
+        }
+        // q, k: L2-normalised per head (q also scaled).
+        let mut q: CudaSlice<T> = g.zeros(t * kd)?;
+        let mut k: CudaSlice<T> = g.zeros(t * kd)?;
+        {
+            let f = g.function(&MODEL, &format!("gdn_qk_{}", T::SUFFIX), 0)?;
+            let (hki, dki, cdi) = (
+                dim_i32("Hk", hk)?,
+                dim_i32("dk", dk)?,
+                dim_i32("conv_dim", cd)?,
+            );
+            let scale = (dk as f32).powf(-0.5);
+            let eps = L2_EPS;
+            let cfg = LaunchConfig {
+                grid_dim: (dim_i32("t", t)? as u32, (2 * hk) as u32, 1),
+                block_dim: (if dk <= 32 { 32 } else { 128 }, 1, 1),
+                shared_mem_bytes: 0,
+            };
+            let mut b = g.stream().launch_builder(&f);
+            b.arg(&mixed)
+                .arg(&mut q)
+                .arg(&mut k)
+                .arg(&hki)
+                .arg(&dki)
+                .arg(&cdi)
+                .arg(&scale)
+                .arg(&eps);
+            // SAFETY: matches `gdn_qk_*`; q, k: [t, hk, dk]; mixed: [t, cd], cd ≥ 2·hk·dk.
+            unsafe { b.launch(cfg) }?;
+        }
+        let mut v: CudaSlice<T> = g.zeros(t * vd)?;
+        self.copy_cols(&mixed, cd, 2 * kd, &mut v, vd, t)?;
+        let mut z: CudaSlice<T> = g.zeros(t * vd)?;
+        self.copy_cols(proj, n_in, cd, &mut z, vd, t)?;
+        let mut gg: CudaSlice<f32> = g.zeros(t * hv)?;
+        let mut beta: CudaSlice<f32> = g.zeros(t * hv)?;
+        {
+            let f = g.function(&MODEL, &format!("gdn_gates_{}", T::SUFFIX), 0)?;
+            let (si, oi, ti, hvi) = (
+                dim_i32("n_in", n_in)?,
+                dim_i32("offset", cd + vd)?,
+                dim_i32("t", t)?,
+                dim_i32("Hv", hv)?,
+            );
+            let mut b = g.stream().launch_builder(&f);
+            b.arg(proj)
+                .arg(&si)
+                .arg(&oi)
+                .arg(&w.neg_a)
+                .arg(&w.dt_bias)
+                .arg(&mut gg)
+                .arg(&mut beta)
+                .arg(&ti)
+                .arg(&hvi);
+            // SAFETY: matches `gdn_gates_*`; proj: [t, n_in], g/beta: [t, hv].
+            unsafe { b.launch(cfg1(t * hv)) }?;
+        }
+        let d = GdrDims { t, hk, hv, dk, dv };
+        let mut core: CudaSlice<T> = g.zeros(t * vd)?;
+        if dk == gdr::PREFILL_DIM && dv == gdr::PREFILL_DIM && t >= CHUNKED_MIN_TOKENS {
+            let mut ws = self.gdr_ws.lock().unwrap_or_else(|e| e.into_inner());
+            gdr::chunked(g, &d, &q, &k, &v, &gg, &beta, rec, &mut core, None, &mut ws)?;
+        } else if GDR_REC_DK.contains(&dk) {
+            gdr::recurrent(g, &d, &q, &k, &v, &gg, &beta, rec, &mut core)?;
+        } else {
+            gdr_generic(g, &d, &q, &k, &v, &gg, &beta, rec, &mut core)?;
+        }
+        let mut normed: CudaSlice<T> = g.zeros(t * vd)?;
+        ops::rms_norm(
+            g,
+            NormKind::Gated,
+            &core,
+            Some(&z),
+            &w.norm,
+            &mut normed,
+            t * hv,
+            c.rms_norm_eps,
+        )?;
+        Ok(normed)
+    }
+
+    /// Width of the fused attention projection: `qw + 2·Hkv·hd`.
+    fn attn_qkv_width(&self) -> usize {
+        let c = &self.config;
+        let qw = c.num_heads * c.head_dim * if c.attn_output_gate { 2 } else { 1 };
+        qw + 2 * c.num_kv_heads * c.head_dim
+    }
+
+    /// Gated attention mixer over `r` (`[t, h]`, normed) at positions `pos` (`[t]`),
+    /// appending the span's K/V to `kv`. Returns the mixer output `[t, h]`.
+    fn attention(
+        &self,
+        w: &AttnW<T>,
+        r: &CudaSlice<T>,
+        t: usize,
+        pos: &CudaSlice<i64>,
+        kv: &mut GpuKv<T>,
+    ) -> Result<CudaSlice<T>> {
+        let c = &self.config;
+        let g = &*self.gpu;
+        let h = c.hidden_size;
+        let fw = self.attn_qkv_width();
+        let zero = T::from_f32(0.0);
+        let mut qkv: CudaSlice<T> = g.zeros(t * fw)?;
+        blas::linear(g, r, t, h, &w.qkv, fw, &mut qkv, zero)?;
+        let o = self.attn_core(w, &qkv, t, pos, kv)?;
+        let mut out: CudaSlice<T> = g.zeros(t * h)?;
+        blas::linear(g, &o, t, c.num_heads * c.head_dim, &w.o, h, &mut out, zero)?;
+        Ok(out)
+    }
+
+    /// Attention between its projections: from the fused `qkv` (`[t, qw + 2·Hkv·hd]`)
+    /// to the gated attention output `[t, H·hd]` (before `o_proj`), appending the
+    /// span's K/V (positions `pos`, `[t]`) to `kv`.
+    fn attn_core(
+        &self,
+        w: &AttnW<T>,
+        qkv: &CudaSlice<T>,
+        t: usize,
+        pos: &CudaSlice<i64>,
+        kv: &mut GpuKv<T>,
+    ) -> Result<CudaSlice<T>> {
+        let c = &self.config;
+        let g = &*self.gpu;
+        let (nh, nkv, hd) = (c.num_heads, c.num_kv_heads, c.head_dim);
+        let gated = c.attn_output_gate;
+        let kw = nkv * hd;
+        let fw = self.attn_qkv_width();
+        check_len("attention projection [t, qkv]", qkv, t * fw)?;
+        check_len("positions", pos, t)?;
+        let mut q_raw: CudaSlice<T> = g.zeros(t * nh * hd)?;
+        let mut gate: CudaSlice<T> = g.zeros(if gated { t * nh * hd } else { 1 })?;
+        let mut k_raw: CudaSlice<T> = g.zeros(t * kw)?;
+        let mut v: CudaSlice<T> = g.zeros(t * kw)?;
+        {
+            let f = g.function(&MODEL, &format!("attn_split_{}", T::SUFFIX), 0)?;
+            let (ti, nhi, nkvi, hdi, gi) = (
+                dim_i32("t", t)?,
+                dim_i32("heads", nh)?,
+                dim_i32("kv heads", nkv)?,
+                dim_i32("head_dim", hd)?,
+                gated as i32,
+            );
+            let mut b = g.stream().launch_builder(&f);
+            b.arg(qkv)
+                .arg(&mut q_raw)
+                .arg(&mut gate)
+                .arg(&mut k_raw)
+                .arg(&mut v)
+                .arg(&ti)
+                .arg(&nhi)
+                .arg(&nkvi)
+                .arg(&hdi)
+                .arg(&gi);
+            // SAFETY: matches `attn_split_*`; buffers sized from the same dims.
+            unsafe { b.launch(cfg1(t * fw)) }?;
+        }
+        let mut q: CudaSlice<T> = g.zeros(t * nh * hd)?;
+        ops::rms_norm(
+            g,
+            NormKind::ZeroCentred,
+            &q_raw,
+            None,
+            &w.q_norm,
+            &mut q,
+            t * nh,
+            c.rms_norm_eps,
+        )?;
+        let mut k: CudaSlice<T> = g.zeros(t * kw)?;
+        ops::rms_norm(
+            g,
+            NormKind::ZeroCentred,
+            &k_raw,
+            None,
+            &w.k_norm,
+            &mut k,
+            t * nkv,
+            c.rms_norm_eps,
+        )?;
+        if let Some(inv) = &self.inv_freq {
+            ops::rope(g, &mut q, Some(pos), 0, inv, t, nh, hd)?;
+            ops::rope(g, &mut k, Some(pos), 0, inv, t, nkv, hd)?;
+        }
+        kv.append(g, &k, &v, pos, t)?;
+        let mut o: CudaSlice<T> = g.zeros(t * nh * hd)?;
+        if ATTN_TUNED_HD.contains(&hd) {
+            attn::prefill(
+                g, &q, pos, &kv.k, &kv.v, &kv.pos, &mut o, t, kv.len, nh, nkv, hd,
+            )?;
+        } else {
+            attn_generic(
+                g, &q, pos, &kv.k, &kv.v, &kv.pos, &mut o, t, kv.len, nh, nkv, hd,
+            )?;
+        }
+        if gated {
+            let n = t * nh * hd;
+            let f = g.function(&MODEL, &format!("mul_sigmoid_{}", T::SUFFIX), 0)?;
+            let nn = n as u64;
+            let mut b = g.stream().launch_builder(&f);
+            b.arg(&mut o).arg(&gate).arg(&nn);
+            // SAFETY: matches `mul_sigmoid_*`; o and gate: [t, nh, hd].
+            unsafe { b.launch(cfg1(n)) }?;
+        }
+        Ok(o)
+    }
+
+    /// Dense SwiGLU MLP: `down(silu(gate(x)) · up(x))`, `x: [rows, h]` → `[rows, h]`.
+    fn mlp(&self, m: &MlpW<T>, x: &CudaSlice<T>, rows: usize) -> Result<CudaSlice<T>> {
+        let g = &*self.gpu;
+        let h = self.config.hidden_size;
+        let i = m.inter;
+        let zero = T::from_f32(0.0);
+        let mut gu: CudaSlice<T> = g.zeros(rows * 2 * i)?;
+        blas::linear(g, x, rows, h, &m.gate_up, 2 * i, &mut gu, zero)?;
+        let mut act: CudaSlice<T> = g.zeros(rows * i)?;
+        {
+            let f = g.function(&MODEL, &format!("swiglu_{}", T::SUFFIX), 0)?;
+            let (ri, ii) = (dim_i32("rows", rows)?, dim_i32("intermediate", i)?);
+            let mut b = g.stream().launch_builder(&f);
+            b.arg(&gu).arg(&mut act).arg(&ri).arg(&ii);
+            // SAFETY: matches `swiglu_*`; gu: [rows, 2i], act: [rows, i].
+            unsafe { b.launch(cfg1(rows * i)) }?;
+        }
+        let mut out: CudaSlice<T> = g.zeros(rows * h)?;
+        blas::linear(g, &act, rows, i, &m.down, h, &mut out, zero)?;
+        Ok(out)
+    }
+
+    /// MoE FFN, host-routed ([`FfnPath::HostRouted`], see the module docs): router logits on the
+    /// device, softmax/top-k on the host exactly as the CPU backend, per-expert row
+    /// gather → SwiGLU → weighted scatter-add on the device, then the gated shared
+    /// expert. `x: [t, h]` → `[t, h]`.
+    fn moe(&self, m: &MoeW<T>, x: &CudaSlice<T>, t: usize) -> Result<CudaSlice<T>> {
+        let c = &self.config;
+        let g = &*self.gpu;
+        let h = c.hidden_size;
+        let e = c.num_experts;
+        let zero = T::from_f32(0.0);
+        let mut lg: CudaSlice<T> = g.zeros(t * e)?;
+        blas::linear(g, x, t, h, &m.router, e, &mut lg, zero)?;
+        let logits = download_f32(g, &lg, t * e)?;
+        let mut per_expert: Vec<(Vec<i32>, Vec<f32>)> = vec![(vec![], vec![]); e];
+        for ti in 0..t {
+            let mut p = logits[ti * e..(ti + 1) * e].to_vec();
+            crate::ops::softmax(&mut p);
+            let mut idx: Vec<usize> = (0..e).collect();
+            idx.sort_by(|&a, &b| p[b].total_cmp(&p[a]).then(a.cmp(&b)));
+            let top = &idx[..c.experts_per_tok.min(e)];
+            let sum: f32 = top.iter().map(|&j| p[j]).sum();
+            for &j in top {
+                let wgt = if c.norm_topk_prob { p[j] / sum } else { p[j] };
+                per_expert[j].0.push(ti as i32);
+                per_expert[j].1.push(wgt);
+            }
+        }
+        let mut out: CudaSlice<T> = g.zeros(t * h)?;
+        let hi = dim_i32("hidden", h)?;
+        for (j, (rows, wgts)) in per_expert.iter().enumerate() {
+            if rows.is_empty() {
+                continue;
+            }
+            let n = rows.len();
+            let ni = n as i32;
+            let rows_d = g.upload(rows)?;
+            let w_d = g.upload(wgts)?;
+            let mut xe: CudaSlice<T> = g.zeros(n * h)?;
+            {
+                let f = g.function(&MODEL, &format!("gather_rows_{}", T::SUFFIX), 0)?;
+                let mut b = g.stream().launch_builder(&f);
+                b.arg(x).arg(&rows_d).arg(&mut xe).arg(&ni).arg(&hi);
+                // SAFETY: matches `gather_rows_*`; rows < t, xe: [n, h].
+                unsafe { b.launch(cfg1(n * h)) }?;
+            }
+            let y = self.mlp(&m.experts[j], &xe, n)?;
+            let f = g.function(&MODEL, &format!("scatter_add_rows_{}", T::SUFFIX), 0)?;
+            let mut b = g.stream().launch_builder(&f);
+            b.arg(&mut out)
+                .arg(&rows_d)
+                .arg(&w_d)
+                .arg(&y)
+                .arg(&ni)
+                .arg(&hi);
+            // SAFETY: matches `scatter_add_rows_*`; rows distinct and < t.
+            unsafe { b.launch(cfg1(n * h)) }?;
+        }
+        if let Some((sm, gate_w)) = &m.shared {
+            let y = self.mlp(sm, x, t)?;
+            let mut gl: CudaSlice<T> = g.zeros(t)?;
+            blas::linear(g, x, t, h, gate_w, 1, &mut gl, zero)?;
+            let f = g.function(&MODEL, &format!("add_gated_rows_{}", T::SUFFIX), 0)?;
+            let ti = dim_i32("t", t)?;
+            let mut b = g.stream().launch_builder(&f);
+            b.arg(&mut out).arg(&gl).arg(&y).arg(&ti).arg(&hi);
+            // SAFETY: matches `add_gated_rows_*`; out, y: [t, h], gl: [t].
+            unsafe { b.launch(cfg1(t * h)) }?;
+        }
+        Ok(out)
+    }
+}
+
+fn up_mlp<T: Elem>(g: &Gpu, m: &crate::model::Mlp, h: usize, name: &str) -> Result<MlpW<T>> {
+    want(&format!("{name}.gate_up"), &m.gate_up, 2 * m.inter * h)?;
+    want(&format!("{name}.down_proj"), &m.down, h * m.inter)?;
+    Ok(MlpW {
+        gate_up: up::<T>(g, &m.gate_up)?,
+        down: up::<T>(g, &m.down)?,
+        inter: m.inter,
+    })
+}
+
+/// Configuration limits of the GPU forward.
+fn check_config(c: &ModelConfig) -> Result<()> {
+    let bad = |m: String| Err(shape_err(m));
+    if c.layer_kinds.len() != c.num_layers || c.layer_is_moe.len() != c.num_layers {
+        return bad(format!(
+            "config lists {} layer kinds / {} MoE flags for {} layers",
+            c.layer_kinds.len(),
+            c.layer_is_moe.len(),
+            c.num_layers
+        ));
+    }
+    if c.hidden_size == 0 || c.vocab_size == 0 {
+        return bad("hidden_size and vocab_size must be > 0".into());
+    }
+    let has_full = c.layer_kinds.contains(&LayerKind::Full);
+    let has_linear = c.layer_kinds.contains(&LayerKind::Linear);
+    if has_full {
+        if c.num_kv_heads == 0 || !c.num_heads.is_multiple_of(c.num_kv_heads) {
+            return bad(format!(
+                "attention heads {} not a multiple of kv heads {}",
+                c.num_heads, c.num_kv_heads
+            ));
+        }
+        if c.head_dim == 0 || c.head_dim > ATTN_GENERIC_MAX_HD {
+            return bad(format!(
+                "head_dim {} not in 1..={ATTN_GENERIC_MAX_HD}",
+                c.head_dim
+            ));
+        }
+        if c.rotary_dim > c.head_dim || !c.rotary_dim.is_multiple_of(2) {
+            return bad(format!(
+                "rotary dims {} must be even and ≤ head_dim {}",
+                c.rotary_dim, c.head_dim
+            ));
+        }
+    }
+    if has_linear {
+        if c.linear_k_heads == 0 || !c.linear_v_heads.is_multiple_of(c.linear_k_heads) {
+            return bad(format!(
+                "GDN value heads {} not a multiple of key heads {}",
+                c.linear_v_heads, c.linear_k_heads
+            ));
+        }
+        if c.conv_kernel == 0 || c.conv_kernel > 17 {
+            return bad(format!("conv kernel {} not in 1..=17", c.conv_kernel));
+        }
+        if c.linear_k_dim == 0 || c.linear_v_dim == 0 {
+            return bad("GDN head dims must be > 0".into());
+        }
+    }
+    Ok(())
+}
+
+/// Generic gated delta rule recurrence (any `dk`, `dv`; `gdr_generic_*` in model.cu),
+/// same contract as [`gdr::recurrent`]. Slow (state in global memory); used for head
+/// dims the tuned kernels are not built for.
+#[allow(clippy::too_many_arguments)]
+pub fn gdr_generic<T: Elem>(
+    gpu: &Gpu,
+    d: &GdrDims,
+    q: &CudaSlice<T>,
+    k: &CudaSlice<T>,
+    v: &CudaSlice<T>,
+    g: &CudaSlice<f32>,
+    beta: &CudaSlice<f32>,
+    state: &mut CudaSlice<f32>,
+    out: &mut CudaSlice<T>,
+) -> Result<()> {
+    if d.hk == 0 || !d.hv.is_multiple_of(d.hk) {
+        return Err(shape_err(format!(
+            "Hv {} must be a multiple of Hk {}",
+            d.hv, d.hk
+        )));
+    }
+    check_len("q [T,Hk,dk]", q, d.t * d.hk * d.dk)?;
+    check_len("k [T,Hk,dk]", k, d.t * d.hk * d.dk)?;
+    check_len("v [T,Hv,dv]", v, d.t * d.hv * d.dv)?;
+    check_len("g [T,Hv]", g, d.t * d.hv)?;
+    check_len("beta [T,Hv]", beta, d.t * d.hv)?;
+    check_len("state [Hv,dk,dv]", state, d.hv * d.dk * d.dv)?;
+    check_len("o [T,Hv,dv]", out, d.t * d.hv * d.dv)?;
+    if d.t == 0 || d.hv == 0 || d.dv == 0 {
+        return Ok(());
+    }
+    let f = gpu.function(&MODEL, &format!("gdr_generic_{}", T::SUFFIX), 0)?;
+    let block = 64u32;
+    let cfg = LaunchConfig {
+        grid_dim: (d.hv as u32, d.dv.div_ceil(block as usize) as u32, 1),
+        block_dim: (block, 1, 1),
+        shared_mem_bytes: 0,
+    };
+    let (t, hk, hv, dk, dv) = (
+        dim_i32("t", d.t)?,
+        dim_i32("Hk", d.hk)?,
+        dim_i32("Hv", d.hv)?,
+        dim_i32("dk", d.dk)?,
+        dim_i32("dv", d.dv)?,
+    );
+    let mut b = gpu.stream().launch_builder(&f);
+    b.arg(q)
+        .arg(k)
+        .arg(v)
+        .arg(g)
+        .arg(beta)
+        .arg(state)
+        .arg(out)
+        .arg(&t)
+        .arg(&hk)
+        .arg(&hv)
+        .arg(&dk)
+        .arg(&dv);
+    // SAFETY: matches `gdr_generic_*`; lengths checked above.
+    unsafe { b.launch(cfg) }?;
+    Ok(())
+}
+
+/// Generic causal GQA attention (any `hd` ≤ 1024; `attn_generic_*` in model.cu), same
+/// contract as [`attn::prefill`]: `q: [tq, nh, hd]`, `k, v: [n_kv, nkv, hd]`,
+/// `q_pos: [tq]`, `kv_pos: [n_kv]`, `o: [tq, nh, hd]`. One block per (query, head).
+#[allow(clippy::too_many_arguments)]
+pub fn attn_generic<T: Elem>(
+    gpu: &Gpu,
+    q: &CudaSlice<T>,
+    q_pos: &CudaSlice<i64>,
+    k: &CudaSlice<T>,
+    v: &CudaSlice<T>,
+    kv_pos: &CudaSlice<i64>,
+    o: &mut CudaSlice<T>,
+    tq: usize,
+    n_kv: usize,
+    nh: usize,
+    nkv: usize,
+    hd: usize,
+) -> Result<()> {
+    if nkv == 0 || !nh.is_multiple_of(nkv) {
+        return Err(shape_err(format!(
+            "heads {nh} not a multiple of kv heads {nkv}"
+        )));
+    }
+    if hd == 0 || hd > ATTN_GENERIC_MAX_HD {
+        return Err(shape_err(format!(
+            "head_dim {hd} not in 1..={ATTN_GENERIC_MAX_HD}"
+        )));
+    }
+    check_len("q", q, tq * nh * hd)?;
+    check_len("q_pos", q_pos, tq)?;
+    check_len("k", k, n_kv * nkv * hd)?;
+    check_len("v", v, n_kv * nkv * hd)?;
+    check_len("kv_pos", kv_pos, n_kv)?;
+    check_len("o", o, tq * nh * hd)?;
+    if tq == 0 || nh == 0 {
+        return Ok(());
+    }
+    if tq > 65_535 * 32 || nh > 65_535 {
+        return Err(shape_err(format!(
+            "generic attention grid ({tq}, {nh}) too large"
+        )));
+    }
+    let f = gpu.function(&MODEL, &format!("attn_generic_{}", T::SUFFIX), 0)?;
+    let smem = ((2 * hd + ATG_TILE + 32) * 4) as u32;
+    let cfg = LaunchConfig {
+        grid_dim: (tq as u32, nh as u32, 1),
+        block_dim: (128, 1, 1),
+        shared_mem_bytes: smem,
+    };
+    let scale = (hd as f32).powf(-0.5);
+    let (n, a, b_, e) = (
+        dim_i32("n_kv", n_kv)?,
+        dim_i32("heads", nh)?,
+        dim_i32("kv heads", nkv)?,
+        dim_i32("head_dim", hd)?,
+    );
+    let mut b = gpu.stream().launch_builder(&f);
+    b.arg(q)
+        .arg(k)
+        .arg(v)
+        .arg(q_pos)
+        .arg(kv_pos)
+        .arg(o)
+        .arg(&n)
+        .arg(&a)
+        .arg(&b_)
+        .arg(&e)
+        .arg(&scale);
+    // SAFETY: matches `attn_generic_*`; lengths checked above; smem as the kernel needs.
+    unsafe { b.launch(cfg) }?;
+    Ok(())
+}

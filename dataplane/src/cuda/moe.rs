@@ -1,0 +1,621 @@
+//! Feed-forward blocks on the GPU: the sparse mixture-of-experts block of Qwen3-Next /
+//! Qwen3.5 ([`moe_forward`]), the dense SwiGLU MLP ([`mlp_forward`]) and SwiGLU itself
+//! ([`swiglu`]). Kernels: `dataplane/kernels/moe.cu`. CPU reference: `model::moe_forward`
+//! and `model::mlp_forward` (softmax router, top-k with ties to the lower expert index,
+//! optional renormalisation `norm_topk_prob`, shared expert scaled by a sigmoid gate).
+//!
+//! MoE pipeline (all on the device, no host round trip):
+//! 1. router GEMM through cuBLAS with fp32 output (`[t, E]`, plus one column for the
+//!    shared-expert gate logit when there is a shared expert);
+//! 2. `moe_route`: fp32 softmax + top-k per token;
+//! 3. `moe_plan`: per-expert counts and offsets, the tile list of the grouped GEMMs and
+//!    the permutation of the `t·k` routed rows grouped by expert (within an expert in
+//!    token order; deterministic, integer work only);
+//! 4. `moe_gemm_gu`: one grouped-GEMM launch for every expert's `gate_up` projection of
+//!    its gathered rows, SwiGLU fused in the epilogue (activations stored as `T`);
+//! 5. `moe_gemm_down`: one grouped-GEMM launch for every expert's `down` projection (fp32
+//!    output);
+//! 6. shared expert: dense SwiGLU MLP through cuBLAS;
+//! 7. `moe_combine`: per token, `Σ_j w_j · y_j` in slot order plus `σ(g) · shared`,
+//!    no atomics: bitwise reproducible run to run.
+//!
+//! All GEMMs accumulate in fp32. The grouped GEMM is a plain shared-memory tiled SIMT
+//! kernel (64×64×16 tiles, 4×4 per thread), not yet tensor cores.
+use std::any::Any;
+use std::collections::HashMap;
+
+use cudarc::cublas::sys::{cublasComputeType_t, cublasGemmAlgo_t, cublasOperation_t, cudaDataType};
+use cudarc::driver::{DevicePtr, DevicePtrMut, DeviceRepr, LaunchConfig, PushKernelArg};
+
+use super::compile::MOE;
+use super::{check_len, grid_for, CudaError, CudaSlice, Elem, Gpu, Result};
+
+/// Rows per tile of the grouped GEMMs (`GBM` in moe.cu).
+const GBM: usize = 64;
+/// Columns per tile of the grouped GEMMs (`GBN` in moe.cu).
+const GBN: usize = 64;
+/// Largest expert count `moe_route` handles (32 lanes × `MOE_EPL`).
+pub const MAX_EXPERTS: usize = 512;
+/// Largest `top_k` `moe_route` handles (one lane per chosen expert).
+pub const MAX_TOP_K: usize = 32;
+
+/// MoE weights on the device, in the element type `T` of the activations.
+///
+/// Layouts (row-major, HF `nn.Linear` orientation, `H` = hidden, `I` = expert
+/// intermediate, `Is` = shared intermediate):
+/// * `router`: `[E, H]`, or `[E + 1, H]` with the shared-expert gate (`[1, H]`) as row `E`
+///   when there is a shared expert (one GEMM yields both);
+/// * `gate_up`: `[E, 2I, H]` (per expert gate rows then up rows, as the fused HF
+///   `experts.gate_up_proj`);
+/// * `down`: `[E, H, I]`;
+/// * `shared`: `(gate_up [2Is, H], down [H, Is])`.
+pub struct MoeWeights<T> {
+    /// Hidden size `H`.
+    pub hidden: usize,
+    /// Expert intermediate size `I`.
+    pub inter: usize,
+    /// Shared-expert intermediate size `Is` (0 without a shared expert).
+    pub shared_inter: usize,
+    /// Number of routed experts `E`.
+    pub num_experts: usize,
+    /// Experts per token `k`.
+    pub top_k: usize,
+    /// Whether the top-k probabilities are renormalised to sum to one.
+    pub norm_topk_prob: bool,
+    /// Router (+ shared gate row), `[E (+1), H]`.
+    pub router: CudaSlice<T>,
+    /// Stacked expert gate/up projections, `[E, 2I, H]`.
+    pub gate_up: CudaSlice<T>,
+    /// Stacked expert down projections, `[E, H, I]`.
+    pub down: CudaSlice<T>,
+    /// Shared expert `(gate_up [2Is, H], down [H, Is])`.
+    pub shared: Option<(CudaSlice<T>, CudaSlice<T>)>,
+}
+
+fn shape_err(msg: String) -> CudaError {
+    CudaError::Shape(msg)
+}
+
+fn check_host(name: &str, x: &[f32], need: usize) -> Result<()> {
+    if x.len() != need {
+        return Err(shape_err(format!(
+            "`{name}` holds {} values, expected {need}",
+            x.len()
+        )));
+    }
+    Ok(())
+}
+
+impl<T: Elem> MoeWeights<T> {
+    /// Uploads fp32 host weights (converted to `T`, round to nearest).
+    ///
+    /// * `router`: `[E, hidden]` (E = `experts_gate_up.len()`);
+    /// * `experts_gate_up[e]`: `[2·inter, hidden]`, gate rows then up rows;
+    /// * `experts_down[e]`: `[hidden, inter]`;
+    /// * `shared`: `(gate_up [2·shared_inter, hidden], down [hidden, shared_inter],
+    ///   gate [1, hidden])`.
+    ///
+    /// Errors: [`CudaError::Shape`] for inconsistent lengths, `E` of 0 or over
+    /// [`MAX_EXPERTS`], `top_k` of 0 or over `min(E, MAX_TOP_K)`.
+    #[allow(clippy::too_many_arguments)]
+    pub fn upload(
+        gpu: &Gpu,
+        router: &[f32],
+        experts_gate_up: &[&[f32]],
+        experts_down: &[&[f32]],
+        shared: Option<(&[f32], &[f32], &[f32])>,
+        hidden: usize,
+        inter: usize,
+        shared_inter: usize,
+        top_k: usize,
+        norm_topk_prob: bool,
+    ) -> Result<Self> {
+        let e = experts_gate_up.len();
+        if e == 0 || e > MAX_EXPERTS {
+            return Err(shape_err(format!(
+                "MoE with {e} experts (supported: 1..={MAX_EXPERTS})"
+            )));
+        }
+        if experts_down.len() != e {
+            return Err(shape_err(format!(
+                "{e} gate_up matrices but {} down matrices",
+                experts_down.len()
+            )));
+        }
+        if top_k == 0 || top_k > e.min(MAX_TOP_K) {
+            return Err(shape_err(format!(
+                "top_k {top_k} with {e} experts (supported: 1..={})",
+                e.min(MAX_TOP_K)
+            )));
+        }
+        if hidden == 0 || inter == 0 {
+            return Err(shape_err(format!(
+                "MoE hidden {hidden}, inter {inter}: both must be positive"
+            )));
+        }
+        check_host("router", router, e * hidden)?;
+        let mut r: Vec<T> = router.iter().map(|&a| T::from_f32(a)).collect();
+        let mut gu: Vec<T> = Vec::with_capacity(e * 2 * inter * hidden);
+        let mut dn: Vec<T> = Vec::with_capacity(e * hidden * inter);
+        for (j, (g, d)) in experts_gate_up.iter().zip(experts_down).enumerate() {
+            check_host(&format!("experts_gate_up[{j}]"), g, 2 * inter * hidden)?;
+            check_host(&format!("experts_down[{j}]"), d, hidden * inter)?;
+            gu.extend(g.iter().map(|&a| T::from_f32(a)));
+            dn.extend(d.iter().map(|&a| T::from_f32(a)));
+        }
+        let shared = match shared {
+            None => None,
+            Some((sgu, sdn, sg)) => {
+                if shared_inter == 0 {
+                    return Err(shape_err("shared expert given with shared_inter 0".into()));
+                }
+                check_host("shared gate_up", sgu, 2 * shared_inter * hidden)?;
+                check_host("shared down", sdn, hidden * shared_inter)?;
+                check_host("shared gate", sg, hidden)?;
+                r.extend(sg.iter().map(|&a| T::from_f32(a)));
+                let a: Vec<T> = sgu.iter().map(|&a| T::from_f32(a)).collect();
+                let b: Vec<T> = sdn.iter().map(|&a| T::from_f32(a)).collect();
+                Some((gpu.upload(&a)?, gpu.upload(&b)?))
+            }
+        };
+        Ok(MoeWeights {
+            hidden,
+            inter,
+            shared_inter: if shared.is_some() { shared_inter } else { 0 },
+            num_experts: e,
+            top_k,
+            norm_topk_prob,
+            router: gpu.upload(&r)?,
+            gate_up: gpu.upload(&gu)?,
+            down: gpu.upload(&dn)?,
+            shared,
+        })
+    }
+
+    /// Columns of the router GEMM output (`E`, or `E + 1` with the shared gate).
+    fn router_rows(&self) -> usize {
+        self.num_experts + usize::from(self.shared.is_some())
+    }
+}
+
+/// Device scratch of [`moe_forward`], grown on demand and reused across calls (one per
+/// stream/thread; buffers of any element type, keyed by name and type).
+#[derive(Default)]
+pub struct MoeWorkspace {
+    bufs: HashMap<(&'static str, std::any::TypeId), Box<dyn Any + Send + Sync>>,
+    bytes: usize,
+}
+
+impl std::fmt::Debug for MoeWorkspace {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("MoeWorkspace")
+            .field("buffers", &self.bufs.len())
+            .field("bytes", &self.bytes)
+            .finish()
+    }
+}
+
+impl MoeWorkspace {
+    /// An empty workspace (allocated on first use).
+    pub fn new() -> Self {
+        Self::default()
+    }
+
+    /// Bytes currently allocated.
+    pub fn bytes(&self) -> usize {
+        self.bytes
+    }
+
+    /// Takes buffer `name` of at least `n` elements out of the workspace (allocating a
+    /// new, uninitialised one when missing or too short). Give it back with [`Self::put`].
+    fn take<U: DeviceRepr + Send + Sync + 'static>(
+        &mut self,
+        gpu: &Gpu,
+        name: &'static str,
+        n: usize,
+    ) -> Result<CudaSlice<U>> {
+        let key = (name, std::any::TypeId::of::<U>());
+        if let Some(b) = self.bufs.remove(&key) {
+            if let Ok(b) = b.downcast::<CudaSlice<U>>() {
+                if b.len() >= n.max(1) {
+                    return Ok(*b);
+                }
+                self.bytes -= b.len() * std::mem::size_of::<U>();
+            }
+        }
+        // Grow with slack so that slowly rising t does not reallocate every call.
+        let len = n.max(1).next_power_of_two();
+        // SAFETY: every element a kernel reads is written earlier in the same call.
+        let b = unsafe { gpu.stream().alloc::<U>(len) }?;
+        self.bytes += len * std::mem::size_of::<U>();
+        Ok(b)
+    }
+
+    fn put<U: DeviceRepr + Send + Sync + 'static>(&mut self, name: &'static str, b: CudaSlice<U>) {
+        self.bufs
+            .insert((name, std::any::TypeId::of::<U>()), Box::new(b));
+    }
+}
+
+fn cuda_type<U: Elem>() -> cudaDataType {
+    if U::SUFFIX == "bf16" {
+        cudaDataType::CUDA_R_16BF
+    } else {
+        cudaDataType::CUDA_R_32F
+    }
+}
+
+/// `y = x · wᵀ` (row-major `x: [t, inp]`, `w: [out, inp]`, `y: [t, out]`) through
+/// `cublasGemmEx` with fp32 compute; input type `T`, output type `O` (so a bf16 router
+/// can produce fp32 logits). Works for every [`Elem`] without a `Gemm<T>` bound.
+#[allow(clippy::too_many_arguments)]
+pub(crate) fn gemm_rm<T: Elem, O: Elem>(
+    gpu: &Gpu,
+    x: &CudaSlice<T>,
+    t: usize,
+    inp: usize,
+    w: &CudaSlice<T>,
+    out: usize,
+    y: &mut CudaSlice<O>,
+) -> Result<()> {
+    check_len("x", x, t * inp)?;
+    check_len("w", w, out * inp)?;
+    check_len("y", y, t * out)?;
+    if t == 0 || out == 0 {
+        return Ok(());
+    }
+    let alpha = 1f32;
+    let beta = 0f32;
+    let stream = gpu.stream();
+    let (wp, _rw) = w.device_ptr(stream);
+    let (xp, _rx) = x.device_ptr(stream);
+    let (yp, _ry) = y.device_ptr_mut(stream);
+    // SAFETY: lengths checked above; column-major yᵀ = w · xᵀ with w read transposed;
+    // the handle is bound to `stream`, on which all buffers are used.
+    unsafe {
+        cudarc::cublas::result::gemm_ex(
+            *gpu.blas().handle(),
+            cublasOperation_t::CUBLAS_OP_T,
+            cublasOperation_t::CUBLAS_OP_N,
+            out as i32,
+            t as i32,
+            inp as i32,
+            (&alpha) as *const f32 as *const _,
+            wp as *const _,
+            cuda_type::<T>(),
+            inp as i32,
+            xp as *const _,
+            cuda_type::<T>(),
+            inp as i32,
+            (&beta) as *const f32 as *const _,
+            yp as *mut _,
+            cuda_type::<O>(),
+            out as i32,
+            cublasComputeType_t::CUBLAS_COMPUTE_32F,
+            cublasGemmAlgo_t::CUBLAS_GEMM_DEFAULT,
+        )
+    }?;
+    Ok(())
+}
+
+/// SwiGLU: `out[r, j] = silu(gate_up[r, j]) · gate_up[r, I + j]` for `r < t`, `j < I`
+/// (`gate_up: [t, 2I]` gate columns then up columns, `out: [t, I]`; fp32 math).
+pub fn swiglu<T: Elem>(
+    gpu: &Gpu,
+    gate_up: &CudaSlice<T>,
+    t: usize,
+    inter: usize,
+    out: &mut CudaSlice<T>,
+) -> Result<()> {
+    check_len("gate_up [t,2I]", gate_up, t * 2 * inter)?;
+    check_len("out [t,I]", out, t * inter)?;
+    let n = t * inter;
+    if n == 0 {
+        return Ok(());
+    }
+    if inter > i32::MAX as usize {
+        return Err(shape_err(format!("swiglu inter {inter} too large")));
+    }
+    let f = gpu.function(&MOE, &format!("swiglu_{}", T::SUFFIX), 0)?;
+    let cfg = LaunchConfig {
+        grid_dim: (grid_for(n, 256), 1, 1),
+        block_dim: (256, 1, 1),
+        shared_mem_bytes: 0,
+    };
+    let (rows, i) = (t as i64, inter as i32);
+    let mut b = gpu.stream().launch_builder(&f);
+    b.arg(gate_up).arg(out).arg(&rows).arg(&i);
+    // SAFETY: matches `swiglu_*` in moe.cu; lengths checked above.
+    unsafe { b.launch(cfg) }?;
+    Ok(())
+}
+
+/// Dense SwiGLU MLP: `out = (silu(x·gᵀ) ⊙ (x·uᵀ)) · downᵀ`.
+///
+/// `gate_up: [2I, hidden]` (gate rows then up rows), `down: [hidden, I]`,
+/// `x: [t, hidden]`, `out: [t, hidden]` (overwritten). Two cuBLAS GEMMs (fp32 compute)
+/// and the [`swiglu`] kernel; temporaries `[t, 2I]` and `[t, I]` are allocated per call.
+#[allow(clippy::too_many_arguments)]
+pub fn mlp_forward<T: Elem>(
+    gpu: &Gpu,
+    gate_up: &CudaSlice<T>,
+    down: &CudaSlice<T>,
+    x: &CudaSlice<T>,
+    t: usize,
+    hidden: usize,
+    inter: usize,
+    out: &mut CudaSlice<T>,
+) -> Result<()> {
+    check_len("gate_up [2I,hidden]", gate_up, 2 * inter * hidden)?;
+    check_len("down [hidden,I]", down, hidden * inter)?;
+    check_len("x [t,hidden]", x, t * hidden)?;
+    check_len("out [t,hidden]", out, t * hidden)?;
+    if t == 0 || hidden == 0 {
+        return Ok(());
+    }
+    // SAFETY: fully written by the GEMM / swiglu before being read.
+    let mut gu = unsafe { gpu.stream().alloc::<T>((t * 2 * inter).max(1)) }?;
+    let mut act = unsafe { gpu.stream().alloc::<T>((t * inter).max(1)) }?;
+    mlp_impl(
+        gpu, gate_up, down, x, t, hidden, inter, &mut gu, &mut act, out,
+    )
+}
+
+#[allow(clippy::too_many_arguments)]
+fn mlp_impl<T: Elem>(
+    gpu: &Gpu,
+    gate_up: &CudaSlice<T>,
+    down: &CudaSlice<T>,
+    x: &CudaSlice<T>,
+    t: usize,
+    hidden: usize,
+    inter: usize,
+    gu: &mut CudaSlice<T>,
+    act: &mut CudaSlice<T>,
+    out: &mut CudaSlice<T>,
+) -> Result<()> {
+    if inter == 0 {
+        // Zero-width MLP: the output is zero.
+        gpu.stream().memset_zeros(out)?;
+        return Ok(());
+    }
+    gemm_rm::<T, T>(gpu, x, t, hidden, gate_up, 2 * inter, gu)?;
+    swiglu(gpu, gu, t, inter, act)?;
+    gemm_rm::<T, T>(gpu, act, t, inter, down, hidden, out)
+}
+
+/// Sparse MoE block (Qwen3-Next / Qwen3.5 `SparseMoeBlock`) over `t` tokens.
+///
+/// `x: [t, hidden]`, `out: [t, hidden]` (overwritten). Per token: `p = softmax(x·routerᵀ)`
+/// (fp32), the `top_k` largest `p` (ties to the lower expert index), weights `p_j`
+/// (or `p_j / Σ p_top` with `norm_topk_prob`), `out = Σ_j w_j · MLP_j(x)` plus, with a
+/// shared expert, `σ(x·gateᵀ) · MLP_shared(x)`. Routing and the combine are fp32; expert
+/// GEMMs accumulate in fp32, SwiGLU activations are rounded to `T` between the two
+/// expert GEMMs, expert outputs stay fp32 until the combine. Deterministic.
+///
+/// Errors: [`CudaError::Shape`] when a buffer is shorter than its shape or `t·top_k`
+/// overflows `i32`.
+pub fn moe_forward<T: Elem>(
+    gpu: &Gpu,
+    w: &MoeWeights<T>,
+    x: &CudaSlice<T>,
+    t: usize,
+    ws: &mut MoeWorkspace,
+    out: &mut CudaSlice<T>,
+) -> Result<()> {
+    let (h, e, k, inter) = (w.hidden, w.num_experts, w.top_k, w.inter);
+    check_len("x [t,hidden]", x, t * h)?;
+    check_len("out [t,hidden]", out, t * h)?;
+    if t == 0 {
+        return Ok(());
+    }
+    let n = t * k;
+    if n > (i32::MAX as usize) / 2
+        || t * h > i32::MAX as usize
+        || n * h.max(inter) > isize::MAX as usize / 4
+    {
+        return Err(shape_err(format!(
+            "MoE with t = {t}, top_k = {k} is too large"
+        )));
+    }
+    let ld = w.router_rows();
+    let max_tiles = n.div_ceil(GBM) + e.min(n);
+
+    let mut logits = ws.take::<f32>(gpu, "logits", t * ld)?;
+    let mut topk_idx = ws.take::<i32>(gpu, "topk_idx", n)?;
+    let mut topk_w = ws.take::<f32>(gpu, "topk_w", n)?;
+    let mut counts = ws.take::<i32>(gpu, "counts", e)?;
+    let mut offsets = ws.take::<i32>(gpu, "offsets", e)?;
+    let mut tile_e = ws.take::<i32>(gpu, "tile_e", max_tiles)?;
+    let mut tile_r0 = ws.take::<i32>(gpu, "tile_r0", max_tiles)?;
+    let mut num_tiles = ws.take::<i32>(gpu, "num_tiles", 1)?;
+    let mut perm_tok = ws.take::<i32>(gpu, "perm_tok", n)?;
+    let mut slot_pos = ws.take::<i32>(gpu, "slot_pos", n)?;
+    let mut act = ws.take::<T>(gpu, "act", n * inter)?;
+    let mut y = ws.take::<f32>(gpu, "y", n * h)?;
+
+    // 1. Router logits (fp32 output), shared gate logit in column E.
+    gemm_rm::<T, f32>(gpu, x, t, h, &w.router, ld, &mut logits)?;
+
+    // 2. Routing.
+    let f = gpu.function(&MOE, "moe_route", 0)?;
+    let cfg = LaunchConfig {
+        grid_dim: ((t * 32).div_ceil(256) as u32, 1, 1),
+        block_dim: (256, 1, 1),
+        shared_mem_bytes: 0,
+    };
+    let (ld_i, t_i, e_i, k_i, norm_i) = (
+        ld as i32,
+        t as i32,
+        e as i32,
+        k as i32,
+        i32::from(w.norm_topk_prob),
+    );
+    let mut b = gpu.stream().launch_builder(&f);
+    b.arg(&logits)
+        .arg(&ld_i)
+        .arg(&t_i)
+        .arg(&e_i)
+        .arg(&k_i)
+        .arg(&norm_i)
+        .arg(&mut topk_idx)
+        .arg(&mut topk_w);
+    // SAFETY: matches `moe_route`; buffers sized t·ld and t·k above; E ≤ 512, k ≤ 32
+    // (checked at upload).
+    unsafe { b.launch(cfg) }?;
+
+    // 3. Plan: counts, offsets, tiles, permutation.
+    let f = gpu.function(&MOE, "moe_plan", 0)?;
+    let cfg = LaunchConfig {
+        grid_dim: (e as u32, 1, 1),
+        block_dim: (256, 1, 1),
+        shared_mem_bytes: (e * 4) as u32,
+    };
+    let (n_i, bm_i) = (n as i32, GBM as i32);
+    let mut b = gpu.stream().launch_builder(&f);
+    b.arg(&topk_idx)
+        .arg(&n_i)
+        .arg(&k_i)
+        .arg(&e_i)
+        .arg(&bm_i)
+        .arg(&mut counts)
+        .arg(&mut offsets)
+        .arg(&mut tile_e)
+        .arg(&mut tile_r0)
+        .arg(&mut num_tiles)
+        .arg(&mut perm_tok)
+        .arg(&mut slot_pos);
+    // SAFETY: matches `moe_plan`; tile buffers hold the bound ceil(n/64) + min(E, n).
+    unsafe { b.launch(cfg) }?;
+
+    // 4. Grouped gate_up GEMM + SwiGLU → act [n, I].
+    let f = gpu.function(&MOE, &format!("moe_gemm_gu_{}", T::SUFFIX), 0)?;
+    let cfg = LaunchConfig {
+        grid_dim: (max_tiles as u32, inter.div_ceil(GBN / 2) as u32, 1),
+        block_dim: (256, 1, 1),
+        shared_mem_bytes: 0,
+    };
+    let (h_i, i_i) = (h as i32, inter as i32);
+    let mut b = gpu.stream().launch_builder(&f);
+    b.arg(x)
+        .arg(&perm_tok)
+        .arg(&w.gate_up)
+        .arg(&mut act)
+        .arg(&counts)
+        .arg(&offsets)
+        .arg(&tile_e)
+        .arg(&tile_r0)
+        .arg(&num_tiles)
+        .arg(&h_i)
+        .arg(&i_i);
+    // SAFETY: matches `moe_gemm_gu_*`; x [t,H], gate_up [E,2I,H], act [n,I].
+    unsafe { b.launch(cfg) }?;
+
+    // 5. Grouped down GEMM → y [n, H] fp32.
+    let f = gpu.function(&MOE, &format!("moe_gemm_down_{}", T::SUFFIX), 0)?;
+    let cfg = LaunchConfig {
+        grid_dim: (max_tiles as u32, h.div_ceil(GBN) as u32, 1),
+        block_dim: (256, 1, 1),
+        shared_mem_bytes: 0,
+    };
+    let mut b = gpu.stream().launch_builder(&f);
+    b.arg(&act)
+        .arg(&w.down)
+        .arg(&mut y)
+        .arg(&counts)
+        .arg(&offsets)
+        .arg(&tile_e)
+        .arg(&tile_r0)
+        .arg(&num_tiles)
+        .arg(&i_i)
+        .arg(&h_i);
+    // SAFETY: matches `moe_gemm_down_*`; act [n,I], down [E,H,I], y [n,H].
+    unsafe { b.launch(cfg) }?;
+
+    // 6. Shared expert (dense) → sh_out [t, H].
+    let mut shared_bufs = None;
+    if let Some((sgu, sdn)) = &w.shared {
+        let is = w.shared_inter;
+        let mut s_gu = ws.take::<T>(gpu, "s_gu", t * 2 * is)?;
+        let mut s_act = ws.take::<T>(gpu, "s_act", t * is)?;
+        let mut s_out = ws.take::<T>(gpu, "s_out", t * h)?;
+        mlp_impl(
+            gpu, sgu, sdn, x, t, h, is, &mut s_gu, &mut s_act, &mut s_out,
+        )?;
+        shared_bufs = Some((s_gu, s_act, s_out));
+    }
+
+    // 7. Combine in token order.
+    let f = gpu.function(&MOE, &format!("moe_combine_{}", T::SUFFIX), 0)?;
+    let cfg = LaunchConfig {
+        grid_dim: (grid_for(t * h, 256), 1, 1),
+        block_dim: (256, 1, 1),
+        shared_mem_bytes: 0,
+    };
+    let null: u64 = 0;
+    let gate_col = e as i32;
+    let mut b = gpu.stream().launch_builder(&f);
+    b.arg(&y).arg(&slot_pos).arg(&topk_w).arg(&k_i);
+    match &shared_bufs {
+        Some((_, _, s_out)) => b.arg(s_out),
+        None => b.arg(&null),
+    };
+    b.arg(&logits)
+        .arg(&ld_i)
+        .arg(&gate_col)
+        .arg(out)
+        .arg(&t_i)
+        .arg(&h_i);
+    // SAFETY: matches `moe_combine_*`; y [n,H], slot_pos/topk_w [t,k], shared [t,H],
+    // logits [t,ld] with the gate logit in column E when shared is non-null, out [t,H].
+    unsafe { b.launch(cfg) }?;
+
+    ws.put("logits", logits);
+    ws.put("topk_idx", topk_idx);
+    ws.put("topk_w", topk_w);
+    ws.put("counts", counts);
+    ws.put("offsets", offsets);
+    ws.put("tile_e", tile_e);
+    ws.put("tile_r0", tile_r0);
+    ws.put("num_tiles", num_tiles);
+    ws.put("perm_tok", perm_tok);
+    ws.put("slot_pos", slot_pos);
+    ws.put("act", act);
+    ws.put("y", y);
+    if let Some((a, b, c)) = shared_bufs {
+        ws.put("s_gu", a);
+        ws.put("s_act", b);
+        ws.put("s_out", c);
+    }
+    Ok(())
+}
+
+/// Routing decisions of the last [`moe_forward`] call that used `ws` (for tests and
+/// diagnostics; waits for the stream): `(topk_idx [t, k], topk_w [t, k], counts [E])`.
+pub fn last_routing(
+    gpu: &Gpu,
+    ws: &MoeWorkspace,
+    t: usize,
+    top_k: usize,
+    num_experts: usize,
+) -> Result<(Vec<i32>, Vec<f32>, Vec<i32>)> {
+    let get_i = |name: &'static str, n: usize| -> Result<Vec<i32>> {
+        let b = ws
+            .bufs
+            .get(&(name, std::any::TypeId::of::<i32>()))
+            .and_then(|b| b.downcast_ref::<CudaSlice<i32>>())
+            .ok_or_else(|| shape_err(format!("workspace has no `{name}` (no moe_forward yet)")))?;
+        check_len(name, b, n)?;
+        Ok(gpu.download(b)?[..n].to_vec())
+    };
+    let idx = get_i("topk_idx", t * top_k)?;
+    let counts = get_i("counts", num_experts)?;
+    let wb = ws
+        .bufs
+        .get(&("topk_w", std::any::TypeId::of::<f32>()))
+        .and_then(|b| b.downcast_ref::<CudaSlice<f32>>())
+        .ok_or_else(|| shape_err("workspace has no `topk_w`".into()))?;
+    check_len("topk_w", wb, t * top_k)?;
+    let wv = gpu.download(wb)?[..t * top_k].to_vec();
+    Ok((idx, wv, counts))
+}
