@@ -19,8 +19,10 @@
 //! 7. `moe_combine`: per token, `Σ_j w_j · y_j` in slot order plus `σ(g) · shared`,
 //!    no atomics: bitwise reproducible run to run.
 //!
-//! All GEMMs accumulate in fp32. The grouped GEMM is a plain shared-memory tiled SIMT
-//! kernel (64×64×16 tiles, 4×4 per thread), not yet tensor cores.
+//! All GEMMs accumulate in fp32. The grouped GEMMs run on tensor cores for bf16 when
+//! `hidden` and `inter` are multiples of 32 (`mma.sync.m16n8k16` from PTX, 64×64×32
+//! tiles, register prefetch of the next k-slab; see [`uses_tensor_cores`]); otherwise
+//! a shared-memory tiled fp32-FMA kernel (64×64×16 tiles, 4×4 per thread).
 use std::any::Any;
 use std::collections::HashMap;
 
@@ -184,6 +186,7 @@ impl<T: Elem> MoeWeights<T> {
 pub struct MoeWorkspace {
     bufs: HashMap<(&'static str, std::any::TypeId), Box<dyn Any + Send + Sync>>,
     bytes: usize,
+    simt_only: bool,
 }
 
 impl std::fmt::Debug for MoeWorkspace {
@@ -204,6 +207,12 @@ impl MoeWorkspace {
     /// Bytes currently allocated.
     pub fn bytes(&self) -> usize {
         self.bytes
+    }
+
+    /// Allows (default) or forbids the tensor-core grouped GEMM (for comparisons; see
+    /// [`uses_tensor_cores`]).
+    pub fn set_tensor_cores(&mut self, on: bool) {
+        self.simt_only = !on;
     }
 
     /// Takes buffer `name` of at least `n` elements out of the workspace (allocating a
@@ -384,6 +393,13 @@ fn mlp_impl<T: Elem>(
     gemm_rm::<T, T>(gpu, act, t, inter, down, hidden, out)
 }
 
+/// Whether [`moe_forward`] runs the expert GEMMs on tensor cores (`mma.sync` bf16,
+/// fp32 accumulation) for these weights: `T` is bf16, `hidden` and `inter` are multiples
+/// of 32, and the workspace allows it. Otherwise the fp32-FMA SIMT kernel runs.
+pub fn uses_tensor_cores<T: Elem>(w: &MoeWeights<T>, ws: &MoeWorkspace) -> bool {
+    T::SUFFIX == "bf16" && !ws.simt_only && w.hidden.is_multiple_of(32) && w.inter.is_multiple_of(32)
+}
+
 /// Sparse MoE block (Qwen3-Next / Qwen3.5 `SparseMoeBlock`) over `t` tokens.
 ///
 /// `x: [t, hidden]`, `out: [t, hidden]` (overwritten). Per token: `p = softmax(x·routerᵀ)`
@@ -488,11 +504,18 @@ pub fn moe_forward<T: Elem>(
     // SAFETY: matches `moe_plan`; tile buffers hold the bound ceil(n/64) + min(E, n).
     unsafe { b.launch(cfg) }?;
 
-    // 4. Grouped gate_up GEMM + SwiGLU → act [n, I].
-    let f = gpu.function(&MOE, &format!("moe_gemm_gu_{}", T::SUFFIX), 0)?;
+    // 4. Grouped gate_up GEMM + SwiGLU → act [n, I]. Both kernels tile 64 rows × 64
+    // columns (32 gate + 32 up here); the tensor-core one runs 128 threads.
+    let tc = uses_tensor_cores(w, ws);
+    let (kname, threads) = if tc {
+        ("tc_bf16", 128)
+    } else {
+        (T::SUFFIX, 256)
+    };
+    let f = gpu.function(&MOE, &format!("moe_gemm_gu_{kname}"), 0)?;
     let cfg = LaunchConfig {
         grid_dim: (max_tiles as u32, inter.div_ceil(GBN / 2) as u32, 1),
-        block_dim: (256, 1, 1),
+        block_dim: (threads, 1, 1),
         shared_mem_bytes: 0,
     };
     let (h_i, i_i) = (h as i32, inter as i32);
@@ -508,14 +531,15 @@ pub fn moe_forward<T: Elem>(
         .arg(&num_tiles)
         .arg(&h_i)
         .arg(&i_i);
-    // SAFETY: matches `moe_gemm_gu_*`; x [t,H], gate_up [E,2I,H], act [n,I].
+    // SAFETY: matches `moe_gemm_gu_*`; x [t,H], gate_up [E,2I,H], act [n,I]; the
+    // tensor-core kernel only for bf16 with H, I multiples of 32 (16-byte loads).
     unsafe { b.launch(cfg) }?;
 
     // 5. Grouped down GEMM → y [n, H] fp32.
-    let f = gpu.function(&MOE, &format!("moe_gemm_down_{}", T::SUFFIX), 0)?;
+    let f = gpu.function(&MOE, &format!("moe_gemm_down_{kname}"), 0)?;
     let cfg = LaunchConfig {
         grid_dim: (max_tiles as u32, h.div_ceil(GBN) as u32, 1),
-        block_dim: (256, 1, 1),
+        block_dim: (threads, 1, 1),
         shared_mem_bytes: 0,
     };
     let mut b = gpu.stream().launch_builder(&f);
