@@ -328,8 +328,14 @@ mod bench {
             true,
         )?;
         let mut ws = moe::MoeWorkspace::new();
-        println!("| t | MoE ms | TFLOP/s | cuBLAS dense same rows ms | TFLOP/s |");
-        println!("|---|---|---|---|---|");
+        println!(
+            "expert GEMMs on tensor cores: {}\n",
+            moe::uses_tensor_cores(&w, &ws)
+        );
+        println!(
+            "| t | MoE ms | TFLOP/s | MoE, SIMT GEMMs ms | cuBLAS dense same rows ms | TFLOP/s |"
+        );
+        println!("|---|---|---|---|---|---|");
         let ts: &[usize] = if quick {
             &[1, 1024]
         } else {
@@ -342,6 +348,11 @@ mod bench {
             let ms = time_ms(g, 3, reps, || {
                 moe::moe_forward(g, &w, &x, t, &mut ws, &mut out)
             })?;
+            ws.set_tensor_cores(false);
+            let simt = time_ms(g, 1, reps.min(10), || {
+                moe::moe_forward(g, &w, &x, t, &mut ws, &mut out)
+            })?;
+            ws.set_tensor_cores(true);
             let flops = 2.0 * t as f64 * (e * h + k * 3 * i * h + 3 * is * h) as f64;
             // cuBLAS reference: all t·k routed rows through one expert's matrices.
             let n = t * k;
@@ -356,7 +367,7 @@ mod bench {
             })?;
             let dflops = 2.0 * n as f64 * (3 * i * h) as f64;
             println!(
-                "| {t} | {ms:.3} | {:.2} | {dense:.3} | {:.2} |",
+                "| {t} | {ms:.3} | {:.2} | {simt:.3} | {dense:.3} | {:.2} |",
                 flops / ms / 1e9,
                 dflops / dense / 1e9
             );
