@@ -448,6 +448,103 @@ extern "C" __global__ void __launch_bounds__(128)
 }
 
 // ---------------------------------------------------------------------------------------
+// Small-batch path (few routed rows, e.g. decode): one block per routed row a (token
+// a / k, expert topk_idx[a], output row slot_pos[a]), GV_WARPS warps, each warp a few
+// output columns; lanes stream 8-element (16-byte for bf16) chunks of the weight rows,
+// so the expert weights are read once per routed row at full width. The input row is
+// staged in shared memory as fp32 (dynamic, K floats). Requires K % 8 == 0.
+//   gate_up: act[pos, j] = silu(x·W_gu[e][j]) · (x·W_gu[e][N + j]), GV_COLS_GU columns/warp
+//   down:    y[pos, j] = act[pos]·W_down[e][j] (fp32), GV_COLS_DN columns/warp
+#define GV_WARPS 8
+#define GV_COLS_GU 4
+#define GV_COLS_DN 8
+
+__device__ __forceinline__ void load8(const bf16* p, float* f) {
+    const uint4 u = *reinterpret_cast<const uint4*>(p);
+    const __nv_bfloat162* h = reinterpret_cast<const __nv_bfloat162*>(&u);
+#pragma unroll
+    for (int q = 0; q < 4; ++q) {
+        const float2 v = __bfloat1622float2(h[q]);
+        f[2 * q] = v.x;
+        f[2 * q + 1] = v.y;
+    }
+}
+__device__ __forceinline__ void load8(const float* p, float* f) {
+    const float4 a = reinterpret_cast<const float4*>(p)[0];
+    const float4 b = reinterpret_cast<const float4*>(p)[1];
+    f[0] = a.x; f[1] = a.y; f[2] = a.z; f[3] = a.w;
+    f[4] = b.x; f[5] = b.y; f[6] = b.z; f[7] = b.w;
+}
+
+template <typename T, int MODE>
+__device__ void moe_gemv_impl(const T* __restrict__ A, const int* __restrict__ topk_idx,
+                              const int* __restrict__ slot_pos, int k, const T* __restrict__ W,
+                              T* __restrict__ act, float* __restrict__ y, int K, int N) {
+    constexpr int COLS = MODE == 0 ? GV_COLS_GU : GV_COLS_DN;
+    extern __shared__ float xs[];
+    const int a = blockIdx.x;
+    const int e = topk_idx[a], pos = slot_pos[a];
+    const T* xr = A + (MODE == 0 ? (i64)(a / k) : (i64)pos) * K;
+    for (int i = threadIdx.x; i < K; i += blockDim.x) xs[i] = to_f(xr[i]);
+    __syncthreads();
+    const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
+    const i64 nw_rows = MODE == 0 ? 2 * (i64)N : (i64)N;
+    const T* We = W + (i64)e * nw_rows * K;
+    const int c0 = (blockIdx.y * GV_WARPS + warp) * COLS;
+    float s0[COLS], s1[COLS];
+#pragma unroll
+    for (int c = 0; c < COLS; ++c) s0[c] = s1[c] = 0.f;
+    for (int kc = lane * 8; kc < K; kc += 256) {
+        const float4 xa = *reinterpret_cast<const float4*>(&xs[kc]);
+        const float4 xb = *reinterpret_cast<const float4*>(&xs[kc + 4]);
+        const float xv[8] = {xa.x, xa.y, xa.z, xa.w, xb.x, xb.y, xb.z, xb.w};
+#pragma unroll
+        for (int c = 0; c < COLS; ++c) {
+            const int j = c0 + c;
+            if (j < N) {
+                float wv[8];
+                load8(We + (i64)j * K + kc, wv);
+#pragma unroll
+                for (int q = 0; q < 8; ++q) s0[c] = fmaf(wv[q], xv[q], s0[c]);
+                if (MODE == 0) {
+                    load8(We + ((i64)N + j) * K + kc, wv);
+#pragma unroll
+                    for (int q = 0; q < 8; ++q) s1[c] = fmaf(wv[q], xv[q], s1[c]);
+                }
+            }
+        }
+    }
+#pragma unroll
+    for (int c = 0; c < COLS; ++c) {
+        s0[c] = warp_sum(s0[c]);
+        if (MODE == 0) s1[c] = warp_sum(s1[c]);
+    }
+    if (lane == 0) {
+#pragma unroll
+        for (int c = 0; c < COLS; ++c) {
+            const int j = c0 + c;
+            if (j >= N) continue;
+            if (MODE == 0) act[(i64)pos * N + j] = from_f<T>(silu_f(s0[c]) * s1[c]);
+            else y[(i64)pos * N + j] = s0[c];
+        }
+    }
+}
+
+#define MOE_GEMV(S, T)                                                                         \
+    extern "C" __global__ void __launch_bounds__(GV_WARPS * 32)                                \
+        moe_gemv_gu_##S(const T* x, const int* topk_idx, const int* slot_pos, int k,           \
+                        const T* w, T* act, int K, int N) {                                    \
+        moe_gemv_impl<T, 0>(x, topk_idx, slot_pos, k, w, act, nullptr, K, N);                  \
+    }                                                                                          \
+    extern "C" __global__ void __launch_bounds__(GV_WARPS * 32)                                \
+        moe_gemv_down_##S(const T* act, const int* topk_idx, const int* slot_pos, int k,       \
+                          const T* w, float* y, int K, int N) {                                \
+        moe_gemv_impl<T, 1>(act, topk_idx, slot_pos, k, w, nullptr, y, K, N);                  \
+    }
+MOE_GEMV(f32, float)
+MOE_GEMV(bf16, bf16)
+
+// ---------------------------------------------------------------------------------------
 // Combine in token order: out[tok, h] = Σ_{j<k} w[tok, j] · y[slot_pos[tok, j], h]
 // (+ σ(logits[tok, gate_col]) · shared[tok, h] when `shared` is non-null), summed in slot
 // order j = 0..k-1 then the shared term: deterministic, no atomics.

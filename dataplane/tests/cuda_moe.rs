@@ -26,7 +26,7 @@ fn cuda_moe_tests_skipped_without_feature() {
 mod gpu {
     use std::sync::{Arc, Mutex, MutexGuard, OnceLock};
 
-    use dataplane::cuda::moe::{self, MoeWeights, MoeWorkspace};
+    use dataplane::cuda::moe::{self, ExpertGemm, MoeWeights, MoeWorkspace};
     use dataplane::cuda::sample::{self, RowSampling};
     use dataplane::cuda::{CudaError, CudaSlice, Elem, Gpu};
     use half::bf16;
@@ -279,7 +279,8 @@ mod gpu {
         MoeWeights::<T>::upload(g, &m.router, &gu, &dn, shared, m.h, m.i, m.is, m.k, m.norm)
     }
 
-    /// One (E, k, H, I, Is) shape over every t and (shared expert, norm_topk_prob) pair.
+    /// One (E, k, H, I, Is) shape over every t and (shared expert, norm_topk_prob) pair,
+    /// with the expert-GEMM kernel forced (when the shape allows it) or automatic.
     #[allow(clippy::too_many_arguments)]
     fn moe_cases<T: Elem>(
         g: &Gpu,
@@ -291,12 +292,12 @@ mod gpu {
         is: usize,
         ts: &[usize],
         combos: &[(bool, bool)],
-        tc: bool,
+        path: Option<ExpertGemm>,
         tol: (f64, f64),
     ) {
         const GAP: f64 = 1e-5;
         let mut ws = MoeWorkspace::new();
-        ws.set_tensor_cores(tc);
+        ws.force_expert_gemm(path);
         for &(shared, norm) in combos {
             let mut r =
                 rng((e * 1000 + k * 10 + usize::from(shared) * 2 + usize::from(norm)) as u64);
@@ -310,13 +311,9 @@ mod gpu {
             };
             for &t in ts {
                 let what = format!(
-                    "moe {} {} E={e} top{k} H={h} I={i} shared={} norm={norm} t={t}",
+                    "moe {} {:?} E={e} top{k} H={h} I={i} shared={} norm={norm} t={t}",
                     T::SUFFIX,
-                    if moe::uses_tensor_cores(&w, &ws) {
-                        "tc"
-                    } else {
-                        "simt"
-                    },
+                    moe::expert_gemm(&w, &ws, t),
                     if shared { is } else { 0 }
                 );
                 let x = as_t::<T>(&uniform(&mut r, t * h, -1.0, 1.0));
@@ -413,6 +410,37 @@ mod gpu {
     /// Qwen3.5 / Qwen3-Next: shared expert, renormalised top-k.
     const QWEN: [(bool, bool); 1] = [(true, true)];
 
+    /// (E, top_k, hidden, inter, shared inter).
+    type Shape = (usize, usize, usize, usize, usize);
+    /// Small shapes that fit no tile exactly (SIMT / GEMV paths).
+    const S8: Shape = (8, 2, 200, 72, 96);
+    const S64: Shape = (64, 8, 200, 72, 96);
+    const S512: Shape = (512, 8, 64, 40, 24);
+    /// Tensor-core eligible for bf16 (hidden, inter multiples of 32), partial tiles.
+    const T64: Shape = (64, 8, 256, 96, 64);
+    const T8: Shape = (8, 2, 96, 32, 32);
+    /// Qwen3.5-35B-A3B (hidden 2048, 256 experts, top-8, inter = shared inter = 512).
+    const QW: Shape = (256, 8, 2048, 512, 512);
+
+    /// Runs every (shape, ts, combos, forced kernel) case for `T`.
+    #[allow(clippy::type_complexity)]
+    fn run_cases<T: Elem>(
+        g: &Gpu,
+        rep: &mut Report,
+        cases: &[(Shape, &[usize], &[(bool, bool)], Option<ExpertGemm>)],
+        tol: (f64, f64),
+    ) {
+        for &((e, k, h, i, is), ts, combos, path) in cases {
+            println!(
+                "-- {} E={e} top{k} H={h} I={i} Is={is}, forced kernel {path:?}",
+                T::SUFFIX
+            );
+            moe_cases::<T>(g, rep, e, k, h, i, is, ts, combos, path, tol);
+        }
+    }
+
+    use ExpertGemm::{Gemv, Simt, TensorCores};
+
     #[test]
     fn moe_f32_matches_cpu() {
         let Some((g, _l)) = gpu("moe_f32_matches_cpu") else {
@@ -421,21 +449,18 @@ mod gpu {
         let mut rep = Report::default();
         // fp32 throughout; GEMMs accumulate in fp32 over K ≤ 2048.
         let tol = (2e-5, 1e-4);
-        moe_cases::<f32>(&g, &mut rep, 8, 2, 200, 72, 96, &TS, &ALL4, true, tol);
-        moe_cases::<f32>(&g, &mut rep, 64, 8, 200, 72, 96, &TS, &ALL4, true, tol);
-        moe_cases::<f32>(&g, &mut rep, 512, 8, 64, 40, 24, &[1, 37], &QWEN, true, tol);
-        // Qwen3.5-35B-A3B expert shapes (H 2048, 256 experts, top-8, I = Is = 512).
-        moe_cases::<f32>(
+        run_cases::<f32>(
             &g,
             &mut rep,
-            256,
-            8,
-            2048,
-            512,
-            512,
-            &[1, 37],
-            &QWEN,
-            true,
+            &[
+                (S8, &TS, &ALL4, None),
+                (S64, &TS, &ALL4, None),
+                (S8, &TS, &QWEN, Some(Simt)),
+                (S64, &TS, &QWEN, Some(Simt)),
+                (S64, &[37, 300], &QWEN, Some(Gemv)),
+                (S512, &[1, 37], &QWEN, None),
+                (QW, &[1, 37], &QWEN, None),
+            ],
             tol,
         );
         rep.finish("moe_f32_matches_cpu");
@@ -450,48 +475,22 @@ mod gpu {
         // bf16 storage of the SwiGLU activations, the shared expert's intermediates and
         // the output (each ≤ 2^-9 relative), fp32 accumulation: ~3e-3 expected.
         let tol = (1.5e-2, 3e-2);
-        moe_cases::<bf16>(&g, &mut rep, 8, 2, 200, 72, 96, &TS, &ALL4, true, tol);
-        moe_cases::<bf16>(&g, &mut rep, 64, 8, 200, 72, 96, &TS, &ALL4, true, tol);
-        // Tensor-core path (H, I multiples of 32), and the same shapes forced to SIMT.
-        moe_cases::<bf16>(&g, &mut rep, 64, 8, 256, 96, 64, &TS, &ALL4, true, tol);
-        moe_cases::<bf16>(&g, &mut rep, 8, 2, 96, 32, 32, &TS, &QWEN, true, tol);
-        moe_cases::<bf16>(
+        run_cases::<bf16>(
             &g,
             &mut rep,
-            64,
-            8,
-            256,
-            96,
-            64,
-            &[37, 300],
-            &QWEN,
-            false,
-            tol,
-        );
-        moe_cases::<bf16>(
-            &g,
-            &mut rep,
-            256,
-            8,
-            2048,
-            512,
-            512,
-            &[1, 37, 300],
-            &QWEN,
-            true,
-            tol,
-        );
-        moe_cases::<bf16>(
-            &g,
-            &mut rep,
-            256,
-            8,
-            2048,
-            512,
-            512,
-            &[37],
-            &QWEN,
-            false,
+            &[
+                (S8, &TS, &ALL4, None),
+                (S64, &TS, &ALL4, None),
+                (S64, &TS, &QWEN, Some(Simt)),
+                (S64, &[37, 300], &QWEN, Some(Gemv)),
+                (T64, &TS, &ALL4, None),
+                (T64, &TS, &QWEN, Some(TensorCores)),
+                (T64, &[37, 300], &QWEN, Some(Simt)),
+                (T8, &TS, &QWEN, Some(TensorCores)),
+                (QW, &[1, 8, 37, 300], &QWEN, None),
+                (QW, &[1, 37], &QWEN, Some(TensorCores)),
+                (QW, &[37], &QWEN, Some(Simt)),
+            ],
             tol,
         );
         rep.finish("moe_bf16_matches_cpu");
