@@ -145,7 +145,7 @@ PY
     grep -E "rel .*tol|^test |test result|panicked" "$OUT/tests.log"
     echo '```'
     echo; echo "## MoE / SwiGLU / sampling tests (rc=$moe_rc)"; echo; echo '```'
-    grep -E "rel .*tol|routing|χ²|argmax|equal|outside|FAIL|skipped|^test |test result|panicked|workspace|→" "$OUT/tests_moe.log"
+    grep -E "^-- |rel .*tol|routing|χ²|argmax|equal|outside|FAIL|skipped|^test |test result|panicked|workspace|→" "$OUT/tests_moe.log"
     echo '```'
     echo; cat "$OUT/bench.md"
     echo; cat "$OUT/fla.md"
