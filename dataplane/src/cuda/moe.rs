@@ -186,8 +186,11 @@ impl<T: Elem> MoeWeights<T> {
     }
 }
 
-/// Device scratch of [`moe_forward`], grown on demand and reused across calls (one per
-/// stream/thread; buffers of any element type, keyed by name and type).
+/// Device scratch of [`moe_forward`], grown on demand (to the next power of two) and
+/// reused across calls; one per stream/thread. For `n = t · top_k` routed rows it holds
+/// about `n · (4·hidden + size_of::<T>()·inter + 16) + t · 4·(E + 1)` bytes (the fp32
+/// expert outputs dominate: 256 MiB at t = 4096, top-8, hidden 2048) plus, with a shared
+/// expert, `t · size_of::<T>() · (3·Is + hidden)`.
 #[derive(Default)]
 pub struct MoeWorkspace {
     bufs: HashMap<(&'static str, std::any::TypeId), Box<dyn Any + Send + Sync>>,
