@@ -170,7 +170,7 @@ PY
     grep -E "rel .*tol|^test |test result|panicked" "$OUT/tests.log"
     echo '```'
     echo; echo "## MoE / SwiGLU / sampling tests (rc=$moe_rc)"; echo; echo '```'
-    grep -E "rel .*tol|routing|χ²|argmax|equal|outside|FAIL|skipped|^test |test result|panicked|workspace|→" "$OUT/tests_moe.log"
+    grep -E "^-- |rel .*tol|routing|χ²|argmax|equal|outside|FAIL|skipped|^test |test result|panicked|workspace|→" "$OUT/tests_moe.log"
     echo '```'
     echo; echo "## Whole-model GPU vs CPU (rc=$model_rc)"; echo; echo '```'
     grep -E "rel .*tol|^test |panicked|FAIL|greedy|  (cpu|gpu) |^cuda_model gpu::" "$OUT/model_tests.log"

@@ -328,8 +328,10 @@ mod bench {
             true,
         )?;
         let mut ws = moe::MoeWorkspace::new();
-        println!("| t | MoE ms | TFLOP/s | cuBLAS dense same rows ms | TFLOP/s |");
-        println!("|---|---|---|---|---|");
+        println!(
+            "| t | kernel (auto) | MoE ms | TFLOP/s | GEMV ms | tensor cores ms | SIMT ms | cuBLAS dense same rows ms | TFLOP/s |"
+        );
+        println!("|---|---|---|---|---|---|---|---|---|");
         let ts: &[usize] = if quick {
             &[1, 1024]
         } else {
@@ -339,9 +341,28 @@ mod bench {
             let x = rand_up::<bf16>(g, r, t * h, -1.0, 1.0)?;
             let mut out = g.zeros::<bf16>(t * h)?;
             let reps = if t >= 1024 { 10 } else { 50 };
+            ws.force_expert_gemm(None);
+            let auto = moe::expert_gemm(&w, &ws, t);
             let ms = time_ms(g, 3, reps, || {
                 moe::moe_forward(g, &w, &x, t, &mut ws, &mut out)
             })?;
+            let mut per = Vec::new();
+            for path in [
+                moe::ExpertGemm::Gemv,
+                moe::ExpertGemm::TensorCores,
+                moe::ExpertGemm::Simt,
+            ] {
+                if path == moe::ExpertGemm::Gemv && t > 64 {
+                    per.push("-".to_string());
+                    continue;
+                }
+                ws.force_expert_gemm(Some(path));
+                let m = time_ms(g, 1, reps.min(10), || {
+                    moe::moe_forward(g, &w, &x, t, &mut ws, &mut out)
+                })?;
+                per.push(format!("{m:.3}"));
+            }
+            ws.force_expert_gemm(None);
             let flops = 2.0 * t as f64 * (e * h + k * 3 * i * h + 3 * is * h) as f64;
             // cuBLAS reference: all t·k routed rows through one expert's matrices.
             let n = t * k;
@@ -356,8 +377,11 @@ mod bench {
             })?;
             let dflops = 2.0 * n as f64 * (3 * i * h) as f64;
             println!(
-                "| {t} | {ms:.3} | {:.2} | {dense:.3} | {:.2} |",
+                "| {t} | {auto:?} | {ms:.3} | {:.2} | {} | {} | {} | {dense:.3} | {:.2} |",
                 flops / ms / 1e9,
+                per[0],
+                per[1],
+                per[2],
                 dflops / dense / 1e9
             );
         }

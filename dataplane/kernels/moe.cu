@@ -278,6 +278,273 @@ __device__ void moe_gemm_impl(const T* __restrict__ A, const int* __restrict__ p
 }
 
 // ---------------------------------------------------------------------------------------
+// Grouped GEMM on tensor cores (bf16 in, fp32 accumulation): mma.sync.m16n8k16 from PTX.
+// Same tile list, modes and outputs as moe_gemm_impl; tiles of TBM = 64 rows × TBN = 64
+// columns × TBK = 32, 128 threads = 4 warps in 2 (rows) × 2 (columns), each warp 32 rows
+// × four n8 column groups. Requires K % 32 == 0 and N % 32 == 0 (checked on the host;
+// other shapes use the SIMT kernel). Global → register prefetch of the next k-slab while
+// the current one is multiplied from shared memory.
+//   Column groups of warp wn: MODE 0 → gate columns wn·16 + {0, 8} and the matching up
+//   columns 32 + wn·16 + {0, 8} (so acc[i][j] pairs with acc[i][j + 2] in the SwiGLU
+//   epilogue); MODE 1 → wn·32 + {0, 8, 16, 24}.
+#define TBM 64
+#define TBN 64
+#define TBK 32
+#define TLD (TBK + 8)  // shared row stride (bf16): 80 bytes, conflict-free fragment loads
+
+__device__ __forceinline__ void mma_bf16_16816(float* c, const unsigned* a, const unsigned* b) {
+    asm volatile(
+        "mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 "
+        "{%0, %1, %2, %3}, {%4, %5, %6, %7}, {%8, %9}, {%0, %1, %2, %3};\n"
+        : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
+        : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b[0]), "r"(b[1]));
+}
+
+template <int MODE>
+__device__ __forceinline__ int tc_col(int wn, int j) {
+    return MODE == 0 ? (j < 2 ? wn * 16 + j * 8 : 32 + wn * 16 + (j - 2) * 8) : wn * 32 + j * 8;
+}
+
+template <int MODE>
+__device__ void moe_gemm_tc_impl(const bf16* __restrict__ A, const int* __restrict__ perm_tok,
+                                 const bf16* __restrict__ W, bf16* __restrict__ act,
+                                 float* __restrict__ y, const int* __restrict__ counts,
+                                 const int* __restrict__ offsets, const int* __restrict__ tile_e,
+                                 const int* __restrict__ tile_r0, const int* __restrict__ num_tiles,
+                                 int K, int N) {
+    const int tile = blockIdx.x;
+    if (tile >= *num_tiles) return;
+    const int e = tile_e[tile], r0 = tile_r0[tile];
+    const int base = offsets[e] + r0;
+    const int rows = min(TBM, counts[e] - r0);
+    __shared__ __align__(16) bf16 As[TBM * TLD];
+    __shared__ __align__(16) bf16 Bs[TBN * TLD];
+    const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
+    const int wm = warp >> 1, wn = warp & 1;
+    const int g = lane >> 2, tq = lane & 3;
+    const i64 nw_rows = MODE == 0 ? 2 * (i64)N : (i64)N;
+    const bf16* We = W + (i64)e * nw_rows * K;
+    // Loader: 64 rows × 4 chunks of 8 bf16 per operand = 256 chunks, two per thread.
+    const bf16* asrc[2];
+    const bf16* bsrc[2];
+    int soff[2];
+#pragma unroll
+    for (int q = 0; q < 2; ++q) {
+        const int c = tid + 128 * q;
+        const int r = c >> 2, kc = (c & 3) * 8;
+        soff[q] = r * TLD + kc;
+        asrc[q] = nullptr;
+        if (r < rows) {
+            const i64 src = MODE == 0 ? (i64)perm_tok[base + r] : (i64)(base + r);
+            asrc[q] = A + src * K + kc;
+        }
+        bsrc[q] = nullptr;
+        if (MODE == 0) {
+            const int j = blockIdx.y * (TBN / 2) + (r & (TBN / 2 - 1));
+            if (j < N) bsrc[q] = We + (r < TBN / 2 ? (i64)j : (i64)N + j) * K + kc;
+        } else {
+            const int j = blockIdx.y * TBN + r;
+            if (j < N) bsrc[q] = We + (i64)j * K + kc;
+        }
+    }
+    float acc[2][4][4];
+#pragma unroll
+    for (int i = 0; i < 2; ++i)
+#pragma unroll
+        for (int j = 0; j < 4; ++j)
+#pragma unroll
+            for (int v = 0; v < 4; ++v) acc[i][j][v] = 0.f;
+    const uint4 z4 = make_uint4(0u, 0u, 0u, 0u);
+    uint4 ra[2], rb[2];
+#pragma unroll
+    for (int q = 0; q < 2; ++q) {
+        ra[q] = asrc[q] ? *reinterpret_cast<const uint4*>(asrc[q]) : z4;
+        rb[q] = bsrc[q] ? *reinterpret_cast<const uint4*>(bsrc[q]) : z4;
+    }
+    for (int k0 = 0; k0 < K; k0 += TBK) {
+#pragma unroll
+        for (int q = 0; q < 2; ++q) {
+            *reinterpret_cast<uint4*>(&As[soff[q]]) = ra[q];
+            *reinterpret_cast<uint4*>(&Bs[soff[q]]) = rb[q];
+        }
+        __syncthreads();
+        if (k0 + TBK < K) {
+#pragma unroll
+            for (int q = 0; q < 2; ++q) {
+                ra[q] = asrc[q] ? *reinterpret_cast<const uint4*>(asrc[q] + k0 + TBK) : z4;
+                rb[q] = bsrc[q] ? *reinterpret_cast<const uint4*>(bsrc[q] + k0 + TBK) : z4;
+            }
+        }
+#pragma unroll
+        for (int kk = 0; kk < TBK; kk += 16) {
+            unsigned af[2][4], bfr[4][2];
+#pragma unroll
+            for (int i = 0; i < 2; ++i) {
+                const bf16* p0 = &As[(wm * 32 + i * 16 + g) * TLD + kk + 2 * tq];
+                af[i][0] = *reinterpret_cast<const unsigned*>(p0);
+                af[i][1] = *reinterpret_cast<const unsigned*>(p0 + 8 * TLD);
+                af[i][2] = *reinterpret_cast<const unsigned*>(p0 + 8);
+                af[i][3] = *reinterpret_cast<const unsigned*>(p0 + 8 * TLD + 8);
+            }
+#pragma unroll
+            for (int j = 0; j < 4; ++j) {
+                const bf16* p0 = &Bs[(tc_col<MODE>(wn, j) + g) * TLD + kk + 2 * tq];
+                bfr[j][0] = *reinterpret_cast<const unsigned*>(p0);
+                bfr[j][1] = *reinterpret_cast<const unsigned*>(p0 + 8);
+            }
+#pragma unroll
+            for (int i = 0; i < 2; ++i)
+#pragma unroll
+                for (int j = 0; j < 4; ++j) mma_bf16_16816(acc[i][j], af[i], bfr[j]);
+        }
+        __syncthreads();
+    }
+    // Epilogue from the accumulator layout: acc[i][j][h·2 + v] is tile row
+    // wm·32 + i·16 + g + 8h, tile column tc_col(wn, j) + 2·tq + v.
+#pragma unroll
+    for (int i = 0; i < 2; ++i) {
+#pragma unroll
+        for (int h = 0; h < 2; ++h) {
+            const int r = wm * 32 + i * 16 + g + 8 * h;
+            if (r >= rows) continue;
+            const i64 pos = base + r;
+            if (MODE == 0) {
+#pragma unroll
+                for (int j = 0; j < 2; ++j) {
+                    const int c = blockIdx.y * (TBN / 2) + wn * 16 + j * 8 + 2 * tq;
+                    if (c < N) {
+                        const float a0 = silu_f(acc[i][j][2 * h]) * acc[i][j + 2][2 * h];
+                        const float a1 = silu_f(acc[i][j][2 * h + 1]) * acc[i][j + 2][2 * h + 1];
+                        *reinterpret_cast<__nv_bfloat162*>(&act[pos * N + c]) =
+                            __floats2bfloat162_rn(a0, a1);
+                    }
+                }
+            } else {
+#pragma unroll
+                for (int j = 0; j < 4; ++j) {
+                    const int c = blockIdx.y * TBN + tc_col<MODE>(wn, j) + 2 * tq;
+                    if (c < N)
+                        *reinterpret_cast<float2*>(&y[pos * N + c]) =
+                            make_float2(acc[i][j][2 * h], acc[i][j][2 * h + 1]);
+                }
+            }
+        }
+    }
+}
+
+extern "C" __global__ void __launch_bounds__(128)
+    moe_gemm_gu_tc_bf16(const bf16* x, const int* perm_tok, const bf16* w, bf16* act,
+                        const int* counts, const int* offsets, const int* tile_e,
+                        const int* tile_r0, const int* num_tiles, int K, int N) {
+    moe_gemm_tc_impl<0>(x, perm_tok, w, act, nullptr, counts, offsets, tile_e, tile_r0, num_tiles,
+                        K, N);
+}
+extern "C" __global__ void __launch_bounds__(128)
+    moe_gemm_down_tc_bf16(const bf16* act, const bf16* w, float* y, const int* counts,
+                          const int* offsets, const int* tile_e, const int* tile_r0,
+                          const int* num_tiles, int K, int N) {
+    moe_gemm_tc_impl<1>(act, nullptr, w, nullptr, y, counts, offsets, tile_e, tile_r0, num_tiles,
+                        K, N);
+}
+
+// ---------------------------------------------------------------------------------------
+// Small-batch path (few routed rows, e.g. decode): one block per routed row a (token
+// a / k, expert topk_idx[a], output row slot_pos[a]), GV_WARPS warps, each warp a few
+// output columns; lanes stream 8-element (16-byte for bf16) chunks of the weight rows,
+// so the expert weights are read once per routed row at full width. The input row is
+// staged in shared memory as fp32 (dynamic, K floats). Requires K % 8 == 0.
+//   gate_up: act[pos, j] = silu(x·W_gu[e][j]) · (x·W_gu[e][N + j]), GV_COLS_GU columns/warp
+//   down:    y[pos, j] = act[pos]·W_down[e][j] (fp32), GV_COLS_DN columns/warp
+#define GV_WARPS 8
+#define GV_COLS_GU 4
+#define GV_COLS_DN 8
+
+__device__ __forceinline__ void load8(const bf16* p, float* f) {
+    const uint4 u = *reinterpret_cast<const uint4*>(p);
+    const __nv_bfloat162* h = reinterpret_cast<const __nv_bfloat162*>(&u);
+#pragma unroll
+    for (int q = 0; q < 4; ++q) {
+        const float2 v = __bfloat1622float2(h[q]);
+        f[2 * q] = v.x;
+        f[2 * q + 1] = v.y;
+    }
+}
+__device__ __forceinline__ void load8(const float* p, float* f) {
+    const float4 a = reinterpret_cast<const float4*>(p)[0];
+    const float4 b = reinterpret_cast<const float4*>(p)[1];
+    f[0] = a.x; f[1] = a.y; f[2] = a.z; f[3] = a.w;
+    f[4] = b.x; f[5] = b.y; f[6] = b.z; f[7] = b.w;
+}
+
+template <typename T, int MODE>
+__device__ void moe_gemv_impl(const T* __restrict__ A, const int* __restrict__ topk_idx,
+                              const int* __restrict__ slot_pos, int k, const T* __restrict__ W,
+                              T* __restrict__ act, float* __restrict__ y, int K, int N) {
+    constexpr int COLS = MODE == 0 ? GV_COLS_GU : GV_COLS_DN;
+    extern __shared__ float xs[];
+    const int a = blockIdx.x;
+    const int e = topk_idx[a], pos = slot_pos[a];
+    const T* xr = A + (MODE == 0 ? (i64)(a / k) : (i64)pos) * K;
+    for (int i = threadIdx.x; i < K; i += blockDim.x) xs[i] = to_f(xr[i]);
+    __syncthreads();
+    const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
+    const i64 nw_rows = MODE == 0 ? 2 * (i64)N : (i64)N;
+    const T* We = W + (i64)e * nw_rows * K;
+    const int c0 = (blockIdx.y * GV_WARPS + warp) * COLS;
+    float s0[COLS], s1[COLS];
+#pragma unroll
+    for (int c = 0; c < COLS; ++c) s0[c] = s1[c] = 0.f;
+    for (int kc = lane * 8; kc < K; kc += 256) {
+        const float4 xa = *reinterpret_cast<const float4*>(&xs[kc]);
+        const float4 xb = *reinterpret_cast<const float4*>(&xs[kc + 4]);
+        const float xv[8] = {xa.x, xa.y, xa.z, xa.w, xb.x, xb.y, xb.z, xb.w};
+#pragma unroll
+        for (int c = 0; c < COLS; ++c) {
+            const int j = c0 + c;
+            if (j < N) {
+                float wv[8];
+                load8(We + (i64)j * K + kc, wv);
+#pragma unroll
+                for (int q = 0; q < 8; ++q) s0[c] = fmaf(wv[q], xv[q], s0[c]);
+                if (MODE == 0) {
+                    load8(We + ((i64)N + j) * K + kc, wv);
+#pragma unroll
+                    for (int q = 0; q < 8; ++q) s1[c] = fmaf(wv[q], xv[q], s1[c]);
+                }
+            }
+        }
+    }
+#pragma unroll
+    for (int c = 0; c < COLS; ++c) {
+        s0[c] = warp_sum(s0[c]);
+        if (MODE == 0) s1[c] = warp_sum(s1[c]);
+    }
+    if (lane == 0) {
+#pragma unroll
+        for (int c = 0; c < COLS; ++c) {
+            const int j = c0 + c;
+            if (j >= N) continue;
+            if (MODE == 0) act[(i64)pos * N + j] = from_f<T>(silu_f(s0[c]) * s1[c]);
+            else y[(i64)pos * N + j] = s0[c];
+        }
+    }
+}
+
+#define MOE_GEMV(S, T)                                                                         \
+    extern "C" __global__ void __launch_bounds__(GV_WARPS * 32)                                \
+        moe_gemv_gu_##S(const T* x, const int* topk_idx, const int* slot_pos, int k,           \
+                        const T* w, T* act, int K, int N) {                                    \
+        moe_gemv_impl<T, 0>(x, topk_idx, slot_pos, k, w, act, nullptr, K, N);                  \
+    }                                                                                          \
+    extern "C" __global__ void __launch_bounds__(GV_WARPS * 32)                                \
+        moe_gemv_down_##S(const T* act, const int* topk_idx, const int* slot_pos, int k,       \
+                          const T* w, float* y, int K, int N) {                                \
+        moe_gemv_impl<T, 1>(act, topk_idx, slot_pos, k, w, nullptr, y, K, N);                  \
+    }
+MOE_GEMV(f32, float)
+MOE_GEMV(bf16, bf16)
+
+// ---------------------------------------------------------------------------------------
 // Combine in token order: out[tok, h] = Σ_{j<k} w[tok, j] · y[slot_pos[tok, j], h]
 // (+ σ(logits[tok, gate_col]) · shared[tok, h] when `shared` is non-null), summed in slot
 // order j = 0..k-1 then the shared term: deterministic, no atomics.

@@ -10,8 +10,8 @@
 //! scaled by `σ(gate · x)`. For bf16 the reference sees the bf16-rounded weights and
 //! inputs (what the device holds). Errors printed per case: norm-wise relative
 //! `‖gpu − cpu‖ / ‖cpu‖` and max relative `max|gpu − cpu| / max|cpu|`. Tokens whose
-//! k-th and (k+1)-th router probabilities are within 1e-5 (a legitimate routing flip
-//! under fp32 rounding) are counted, printed and left out of the comparison; routing of
+//! k-th and (k+1)-th router probabilities differ by less than 1e-5 relative (a legitimate
+//! routing flip under fp32 rounding) are counted, printed and left out of the comparison; routing of
 //! all other tokens must match the reference exactly. Every case runs and prints even
 //! when an earlier one fails; the test fails at the end with the list of failures.
 //! Output buffers are poisoned with NaN before each call.
@@ -26,7 +26,7 @@ fn cuda_moe_tests_skipped_without_feature() {
 mod gpu {
     use std::sync::{Arc, Mutex, MutexGuard, OnceLock};
 
-    use dataplane::cuda::moe::{self, MoeWeights, MoeWorkspace};
+    use dataplane::cuda::moe::{self, ExpertGemm, MoeWeights, MoeWorkspace};
     use dataplane::cuda::sample::{self, RowSampling};
     use dataplane::cuda::{CudaError, CudaSlice, Elem, Gpu};
     use half::bf16;
@@ -212,54 +212,59 @@ mod gpu {
         }
     }
 
-    /// Reference output, chosen experts, their weights, top-k probability gaps.
+    /// Reference output, chosen experts, their weights, relative gap between the k-th and
+    /// (k+1)-th probability.
     type CpuMoeOut = (Vec<f32>, Vec<Vec<usize>>, Vec<Vec<f64>>, Vec<f64>);
 
     /// Reference MoE over `t` tokens: (out [t, H], chosen experts per token in
     /// descending order, weights, gap between the k-th and (k+1)-th probability).
     fn cpu_moe(m: &HostMoe, x: &[f32], t: usize) -> CpuMoeOut {
+        use rayon::prelude::*;
         let h = m.h;
-        let mut out = vec![0f32; t * h];
-        let mut chosen = Vec::new();
-        let mut weights = Vec::new();
-        let mut gaps = Vec::new();
-        for ti in 0..t {
-            let xv: Vec<f64> = x[ti * h..(ti + 1) * h].iter().map(|&a| a as f64).collect();
-            let l = matvec(&m.router, &xv);
-            let mx = l.iter().cloned().fold(f64::NEG_INFINITY, f64::max);
-            let ex: Vec<f64> = l.iter().map(|v| (v - mx).exp()).collect();
-            let s: f64 = ex.iter().sum();
-            let p: Vec<f64> = ex.iter().map(|v| v / s).collect();
-            let mut idx: Vec<usize> = (0..m.e).collect();
-            idx.sort_by(|&a, &b| p[b].total_cmp(&p[a]).then(a.cmp(&b)));
-            let top: Vec<usize> = idx[..m.k].to_vec();
-            gaps.push(if m.k < m.e {
-                p[idx[m.k - 1]] - p[idx[m.k]]
-            } else {
-                1.0
-            });
-            let sum: f64 = top.iter().map(|&j| p[j]).sum();
-            let w: Vec<f64> = top
-                .iter()
-                .map(|&j| if m.norm { p[j] / sum } else { p[j] })
-                .collect();
-            let mut acc = vec![0f64; h];
-            for (&j, &wj) in top.iter().zip(&w) {
-                let y = mlp1(&m.gu[j], &m.dn[j], &xv, m.i);
-                acc.iter_mut().zip(&y).for_each(|(a, b)| *a += wj * b);
-            }
-            if let Some((sgu, sdn, sg)) = &m.shared {
-                let y = mlp1(sgu, sdn, &xv, m.is);
-                let gl: f64 = sg.iter().zip(&xv).map(|(&a, b)| a as f64 * b).sum();
-                let sig = 1.0 / (1.0 + (-gl).exp());
-                acc.iter_mut().zip(&y).for_each(|(a, b)| *a += sig * b);
-            }
-            out[ti * h..(ti + 1) * h]
-                .iter_mut()
-                .zip(&acc)
-                .for_each(|(o, a)| *o = *a as f32);
-            chosen.push(top);
+        type Tok = (Vec<f32>, Vec<usize>, Vec<f64>, f64);
+        let per: Vec<Tok> = (0..t)
+            .into_par_iter()
+            .map(|ti| {
+                let xv: Vec<f64> = x[ti * h..(ti + 1) * h].iter().map(|&a| a as f64).collect();
+                let l = matvec(&m.router, &xv);
+                let mx = l.iter().cloned().fold(f64::NEG_INFINITY, f64::max);
+                let ex: Vec<f64> = l.iter().map(|v| (v - mx).exp()).collect();
+                let s: f64 = ex.iter().sum();
+                let p: Vec<f64> = ex.iter().map(|v| v / s).collect();
+                let mut idx: Vec<usize> = (0..m.e).collect();
+                idx.sort_by(|&a, &b| p[b].total_cmp(&p[a]).then(a.cmp(&b)));
+                let top: Vec<usize> = idx[..m.k].to_vec();
+                let gap = if m.k < m.e {
+                    (p[idx[m.k - 1]] - p[idx[m.k]]) / p[idx[m.k - 1]]
+                } else {
+                    1.0
+                };
+                let sum: f64 = top.iter().map(|&j| p[j]).sum();
+                let w: Vec<f64> = top
+                    .iter()
+                    .map(|&j| if m.norm { p[j] / sum } else { p[j] })
+                    .collect();
+                let mut acc = vec![0f64; h];
+                for (&j, &wj) in top.iter().zip(&w) {
+                    let y = mlp1(&m.gu[j], &m.dn[j], &xv, m.i);
+                    acc.iter_mut().zip(&y).for_each(|(a, b)| *a += wj * b);
+                }
+                if let Some((sgu, sdn, sg)) = &m.shared {
+                    let y = mlp1(sgu, sdn, &xv, m.is);
+                    let gl: f64 = sg.iter().zip(&xv).map(|(&a, b)| a as f64 * b).sum();
+                    let sig = 1.0 / (1.0 + (-gl).exp());
+                    acc.iter_mut().zip(&y).for_each(|(a, b)| *a += sig * b);
+                }
+                (acc.iter().map(|&a| a as f32).collect(), top, w, gap)
+            })
+            .collect();
+        let mut out = Vec::with_capacity(t * h);
+        let (mut chosen, mut weights, mut gaps) = (Vec::new(), Vec::new(), Vec::new());
+        for (o, c, w, g) in per {
+            out.extend(o);
+            chosen.push(c);
             weights.push(w);
+            gaps.push(g);
         }
         (out, chosen, weights, gaps)
     }
@@ -274,7 +279,8 @@ mod gpu {
         MoeWeights::<T>::upload(g, &m.router, &gu, &dn, shared, m.h, m.i, m.is, m.k, m.norm)
     }
 
-    /// One (E, k, H, I, Is) shape over every t and (shared expert, norm_topk_prob) pair.
+    /// One (E, k, H, I, Is) shape over every t and (shared expert, norm_topk_prob) pair,
+    /// with the expert-GEMM kernel forced (when the shape allows it) or automatic.
     #[allow(clippy::too_many_arguments)]
     fn moe_cases<T: Elem>(
         g: &Gpu,
@@ -286,10 +292,12 @@ mod gpu {
         is: usize,
         ts: &[usize],
         combos: &[(bool, bool)],
+        path: Option<ExpertGemm>,
         tol: (f64, f64),
     ) {
         const GAP: f64 = 1e-5;
         let mut ws = MoeWorkspace::new();
+        ws.force_expert_gemm(path);
         for &(shared, norm) in combos {
             let mut r =
                 rng((e * 1000 + k * 10 + usize::from(shared) * 2 + usize::from(norm)) as u64);
@@ -303,8 +311,9 @@ mod gpu {
             };
             for &t in ts {
                 let what = format!(
-                    "moe {} E={e} top{k} H={h} I={i} shared={} norm={norm} t={t}",
+                    "moe {} {:?} E={e} top{k} H={h} I={i} shared={} norm={norm} t={t}",
                     T::SUFFIX,
+                    moe::expert_gemm(&w, &ws, t),
                     if shared { is } else { 0 }
                 );
                 let x = as_t::<T>(&uniform(&mut r, t * h, -1.0, 1.0));
@@ -401,6 +410,37 @@ mod gpu {
     /// Qwen3.5 / Qwen3-Next: shared expert, renormalised top-k.
     const QWEN: [(bool, bool); 1] = [(true, true)];
 
+    /// (E, top_k, hidden, inter, shared inter).
+    type Shape = (usize, usize, usize, usize, usize);
+    /// Small shapes that fit no tile exactly (SIMT / GEMV paths).
+    const S8: Shape = (8, 2, 200, 72, 96);
+    const S64: Shape = (64, 8, 200, 72, 96);
+    const S512: Shape = (512, 8, 64, 40, 24);
+    /// Tensor-core eligible for bf16 (hidden, inter multiples of 32), partial tiles.
+    const T64: Shape = (64, 8, 256, 96, 64);
+    const T8: Shape = (8, 2, 96, 32, 32);
+    /// Qwen3.5-35B-A3B (hidden 2048, 256 experts, top-8, inter = shared inter = 512).
+    const QW: Shape = (256, 8, 2048, 512, 512);
+
+    /// Runs every (shape, ts, combos, forced kernel) case for `T`.
+    #[allow(clippy::type_complexity)]
+    fn run_cases<T: Elem>(
+        g: &Gpu,
+        rep: &mut Report,
+        cases: &[(Shape, &[usize], &[(bool, bool)], Option<ExpertGemm>)],
+        tol: (f64, f64),
+    ) {
+        for &((e, k, h, i, is), ts, combos, path) in cases {
+            println!(
+                "-- {} E={e} top{k} H={h} I={i} Is={is}, forced kernel {path:?}",
+                T::SUFFIX
+            );
+            moe_cases::<T>(g, rep, e, k, h, i, is, ts, combos, path, tol);
+        }
+    }
+
+    use ExpertGemm::{Gemv, Simt, TensorCores};
+
     #[test]
     fn moe_f32_matches_cpu() {
         let Some((g, _l)) = gpu("moe_f32_matches_cpu") else {
@@ -409,11 +449,20 @@ mod gpu {
         let mut rep = Report::default();
         // fp32 throughout; GEMMs accumulate in fp32 over K ≤ 2048.
         let tol = (2e-5, 1e-4);
-        moe_cases::<f32>(&g, &mut rep, 8, 2, 200, 72, 96, &TS, &ALL4, tol);
-        moe_cases::<f32>(&g, &mut rep, 64, 8, 200, 72, 96, &TS, &ALL4, tol);
-        moe_cases::<f32>(&g, &mut rep, 512, 8, 64, 40, 24, &[1, 37], &QWEN, tol);
-        // Qwen3.5-35B-A3B expert shapes (H 2048, 256 experts, top-8, I = Is = 512).
-        moe_cases::<f32>(&g, &mut rep, 256, 8, 2048, 512, 512, &[1, 37], &QWEN, tol);
+        run_cases::<f32>(
+            &g,
+            &mut rep,
+            &[
+                (S8, &TS, &ALL4, None),
+                (S64, &TS, &ALL4, None),
+                (S8, &TS, &QWEN, Some(Simt)),
+                (S64, &TS, &QWEN, Some(Simt)),
+                (S64, &[37, 300], &QWEN, Some(Gemv)),
+                (S512, &[1, 37], &QWEN, None),
+                (QW, &[1, 37], &QWEN, None),
+            ],
+            tol,
+        );
         rep.finish("moe_f32_matches_cpu");
     }
 
@@ -426,9 +475,24 @@ mod gpu {
         // bf16 storage of the SwiGLU activations, the shared expert's intermediates and
         // the output (each ≤ 2^-9 relative), fp32 accumulation: ~3e-3 expected.
         let tol = (1.5e-2, 3e-2);
-        moe_cases::<bf16>(&g, &mut rep, 8, 2, 200, 72, 96, &TS, &ALL4, tol);
-        moe_cases::<bf16>(&g, &mut rep, 64, 8, 200, 72, 96, &TS, &ALL4, tol);
-        moe_cases::<bf16>(&g, &mut rep, 256, 8, 2048, 512, 512, &[1, 37], &QWEN, tol);
+        run_cases::<bf16>(
+            &g,
+            &mut rep,
+            &[
+                (S8, &TS, &ALL4, None),
+                (S64, &TS, &ALL4, None),
+                (S64, &TS, &QWEN, Some(Simt)),
+                (S64, &[37, 300], &QWEN, Some(Gemv)),
+                (T64, &TS, &ALL4, None),
+                (T64, &TS, &QWEN, Some(TensorCores)),
+                (T64, &[37, 300], &QWEN, Some(Simt)),
+                (T8, &TS, &QWEN, Some(TensorCores)),
+                (QW, &[1, 8, 37, 300], &QWEN, None),
+                (QW, &[1, 37], &QWEN, Some(TensorCores)),
+                (QW, &[37], &QWEN, Some(Simt)),
+            ],
+            tol,
+        );
         rep.finish("moe_bf16_matches_cpu");
     }
 

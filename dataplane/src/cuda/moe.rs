@@ -11,16 +11,21 @@
 //! 3. `moe_plan`: per-expert counts and offsets, the tile list of the grouped GEMMs and
 //!    the permutation of the `t·k` routed rows grouped by expert (within an expert in
 //!    token order; deterministic, integer work only);
-//! 4. `moe_gemm_gu`: one grouped-GEMM launch for every expert's `gate_up` projection of
-//!    its gathered rows, SwiGLU fused in the epilogue (activations stored as `T`);
-//! 5. `moe_gemm_down`: one grouped-GEMM launch for every expert's `down` projection (fp32
-//!    output);
+//! 4. `moe_gemm_gu` (or `moe_gemv_gu`): one grouped-GEMM launch for every expert's
+//!    `gate_up` projection of its gathered rows, SwiGLU fused in the epilogue
+//!    (activations stored as `T`);
+//! 5. `moe_gemm_down` (or `moe_gemv_down`): one launch for every expert's `down`
+//!    projection (fp32 output);
 //! 6. shared expert: dense SwiGLU MLP through cuBLAS;
 //! 7. `moe_combine`: per token, `Σ_j w_j · y_j` in slot order plus `σ(g) · shared`,
 //!    no atomics: bitwise reproducible run to run.
 //!
-//! All GEMMs accumulate in fp32. The grouped GEMM is a plain shared-memory tiled SIMT
-//! kernel (64×64×16 tiles, 4×4 per thread), not yet tensor cores.
+//! All GEMMs accumulate in fp32. Expert GEMM kernels ([`ExpertGemm`], chosen by
+//! [`expert_gemm`]): for few routed rows (decode) a GEMV-style kernel, one block per
+//! routed row streaming the expert's weight rows with 16-byte loads; otherwise grouped
+//! GEMMs, on tensor cores for bf16 when `hidden` and `inter` are multiples of 32
+//! (`mma.sync.m16n8k16` from PTX, 64×64×32 tiles, register prefetch of the next
+//! k-slab), else a shared-memory tiled fp32-FMA kernel (64×64×16 tiles, 4×4 per thread).
 use std::any::Any;
 use std::collections::HashMap;
 
@@ -34,6 +39,9 @@ use super::{check_len, grid_for, CudaError, CudaSlice, Elem, Gpu, Result};
 const GBM: usize = 64;
 /// Columns per tile of the grouped GEMMs (`GBN` in moe.cu).
 const GBN: usize = 64;
+/// Warps per block of the small-batch kernels (`GV_WARPS` in moe.cu; 4 gate/up columns
+/// or 8 down columns per warp).
+const GV_WARPS: u32 = 8;
 /// Largest expert count `moe_route` handles (32 lanes × `MOE_EPL`).
 pub const MAX_EXPERTS: usize = 512;
 /// Largest `top_k` `moe_route` handles (one lane per chosen expert).
@@ -178,12 +186,16 @@ impl<T: Elem> MoeWeights<T> {
     }
 }
 
-/// Device scratch of [`moe_forward`], grown on demand and reused across calls (one per
-/// stream/thread; buffers of any element type, keyed by name and type).
+/// Device scratch of [`moe_forward`], grown on demand (to the next power of two) and
+/// reused across calls; one per stream/thread. For `n = t · top_k` routed rows it holds
+/// about `n · (4·hidden + size_of::<T>()·inter + 16) + t · 4·(E + 1)` bytes (the fp32
+/// expert outputs dominate: 256 MiB at t = 4096, top-8, hidden 2048) plus, with a shared
+/// expert, `t · size_of::<T>() · (3·Is + hidden)`.
 #[derive(Default)]
 pub struct MoeWorkspace {
     bufs: HashMap<(&'static str, std::any::TypeId), Box<dyn Any + Send + Sync>>,
     bytes: usize,
+    forced: Option<ExpertGemm>,
 }
 
 impl std::fmt::Debug for MoeWorkspace {
@@ -204,6 +216,12 @@ impl MoeWorkspace {
     /// Bytes currently allocated.
     pub fn bytes(&self) -> usize {
         self.bytes
+    }
+
+    /// Forces an expert-GEMM kernel (`None`: automatic, the default). A forced kernel
+    /// the shapes do not allow is ignored (see [`expert_gemm`]). For tests and benches.
+    pub fn force_expert_gemm(&mut self, path: Option<ExpertGemm>) {
+        self.forced = path;
     }
 
     /// Takes buffer `name` of at least `n` elements out of the workspace (allocating a
@@ -384,6 +402,47 @@ fn mlp_impl<T: Elem>(
     gemm_rm::<T, T>(gpu, act, t, inter, down, hidden, out)
 }
 
+/// Kernel family of the expert GEMMs of [`moe_forward`].
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum ExpertGemm {
+    /// One block per routed row, weight rows streamed with 16-byte loads (small batches,
+    /// decode). Needs `hidden` and `inter` multiples of 8.
+    Gemv,
+    /// Grouped GEMM, shared-memory tiles, fp32 FMA (any shape, f32 or bf16).
+    Simt,
+    /// Grouped GEMM on tensor cores (`mma.sync` bf16, fp32 accumulation). Needs bf16 and
+    /// `hidden`, `inter` multiples of 32.
+    TensorCores,
+}
+
+/// Routed rows (`t · top_k`) up to which [`ExpertGemm::Gemv`] is chosen automatically.
+pub const GEMV_MAX_ROWS: usize = 128;
+
+/// The expert-GEMM kernel [`moe_forward`] uses for `t` tokens: the workspace's forced
+/// choice when the shapes allow it, else `Gemv` for `t · top_k ≤` [`GEMV_MAX_ROWS`], else
+/// `TensorCores`, else `Simt` (the first the shapes allow).
+pub fn expert_gemm<T: Elem>(w: &MoeWeights<T>, ws: &MoeWorkspace, t: usize) -> ExpertGemm {
+    // (≤ 48 KiB of staged input row: no shared-memory opt-in needed.)
+    let gemv_ok = w.hidden.is_multiple_of(8)
+        && w.inter.is_multiple_of(8)
+        && w.hidden <= 12288
+        && w.inter <= 12288;
+    let tc_ok = T::SUFFIX == "bf16" && w.hidden.is_multiple_of(32) && w.inter.is_multiple_of(32);
+    match ws.forced {
+        Some(ExpertGemm::Gemv) if gemv_ok => return ExpertGemm::Gemv,
+        Some(ExpertGemm::TensorCores) if tc_ok => return ExpertGemm::TensorCores,
+        Some(ExpertGemm::Simt) => return ExpertGemm::Simt,
+        _ => {}
+    }
+    if gemv_ok && t * w.top_k <= GEMV_MAX_ROWS {
+        ExpertGemm::Gemv
+    } else if tc_ok {
+        ExpertGemm::TensorCores
+    } else {
+        ExpertGemm::Simt
+    }
+}
+
 /// Sparse MoE block (Qwen3-Next / Qwen3.5 `SparseMoeBlock`) over `t` tokens.
 ///
 /// `x: [t, hidden]`, `out: [t, hidden]` (overwritten). Per token: `p = softmax(x·routerᵀ)`
@@ -488,49 +547,97 @@ pub fn moe_forward<T: Elem>(
     // SAFETY: matches `moe_plan`; tile buffers hold the bound ceil(n/64) + min(E, n).
     unsafe { b.launch(cfg) }?;
 
-    // 4. Grouped gate_up GEMM + SwiGLU → act [n, I].
-    let f = gpu.function(&MOE, &format!("moe_gemm_gu_{}", T::SUFFIX), 0)?;
-    let cfg = LaunchConfig {
-        grid_dim: (max_tiles as u32, inter.div_ceil(GBN / 2) as u32, 1),
-        block_dim: (256, 1, 1),
-        shared_mem_bytes: 0,
-    };
     let (h_i, i_i) = (h as i32, inter as i32);
-    let mut b = gpu.stream().launch_builder(&f);
-    b.arg(x)
-        .arg(&perm_tok)
-        .arg(&w.gate_up)
-        .arg(&mut act)
-        .arg(&counts)
-        .arg(&offsets)
-        .arg(&tile_e)
-        .arg(&tile_r0)
-        .arg(&num_tiles)
-        .arg(&h_i)
-        .arg(&i_i);
-    // SAFETY: matches `moe_gemm_gu_*`; x [t,H], gate_up [E,2I,H], act [n,I].
-    unsafe { b.launch(cfg) }?;
+    match expert_gemm(w, ws, t) {
+        ExpertGemm::Gemv => {
+            // 4/5 (small batch): one block per routed row, weights streamed once per row.
+            let cfg = |cols: usize, per_block: usize, k_len: usize| LaunchConfig {
+                grid_dim: (n as u32, cols.div_ceil(per_block) as u32, 1),
+                block_dim: (GV_WARPS * 32, 1, 1),
+                shared_mem_bytes: (k_len * 4) as u32,
+            };
+            let f = gpu.function(&MOE, &format!("moe_gemv_gu_{}", T::SUFFIX), (h * 4) as u32)?;
+            let mut b = gpu.stream().launch_builder(&f);
+            b.arg(x)
+                .arg(&topk_idx)
+                .arg(&slot_pos)
+                .arg(&k_i)
+                .arg(&w.gate_up)
+                .arg(&mut act)
+                .arg(&h_i)
+                .arg(&i_i);
+            // SAFETY: matches `moe_gemv_gu_*`; x [t,H], topk_idx/slot_pos [n], gate_up
+            // [E,2I,H], act [n,I]; H, I multiples of 8 (vector loads); H floats of smem.
+            unsafe { b.launch(cfg(inter, GV_WARPS as usize * 4, h)) }?;
+            let f = gpu.function(
+                &MOE,
+                &format!("moe_gemv_down_{}", T::SUFFIX),
+                (inter * 4) as u32,
+            )?;
+            let mut b = gpu.stream().launch_builder(&f);
+            b.arg(&act)
+                .arg(&topk_idx)
+                .arg(&slot_pos)
+                .arg(&k_i)
+                .arg(&w.down)
+                .arg(&mut y)
+                .arg(&i_i)
+                .arg(&h_i);
+            // SAFETY: matches `moe_gemv_down_*`; act [n,I], down [E,H,I], y [n,H].
+            unsafe { b.launch(cfg(h, GV_WARPS as usize * 8, inter)) }?;
+        }
+        path => {
+            // 4. Grouped gate_up GEMM + SwiGLU → act [n, I]. Both kernels tile 64 rows ×
+            // 64 columns (32 gate + 32 up here); the tensor-core one runs 128 threads.
+            let (kname, threads) = if path == ExpertGemm::TensorCores {
+                ("tc_bf16", 128)
+            } else {
+                (T::SUFFIX, 256)
+            };
+            let f = gpu.function(&MOE, &format!("moe_gemm_gu_{kname}"), 0)?;
+            let cfg = LaunchConfig {
+                grid_dim: (max_tiles as u32, inter.div_ceil(GBN / 2) as u32, 1),
+                block_dim: (threads, 1, 1),
+                shared_mem_bytes: 0,
+            };
+            let mut b = gpu.stream().launch_builder(&f);
+            b.arg(x)
+                .arg(&perm_tok)
+                .arg(&w.gate_up)
+                .arg(&mut act)
+                .arg(&counts)
+                .arg(&offsets)
+                .arg(&tile_e)
+                .arg(&tile_r0)
+                .arg(&num_tiles)
+                .arg(&h_i)
+                .arg(&i_i);
+            // SAFETY: matches `moe_gemm_gu_*`; x [t,H], gate_up [E,2I,H], act [n,I]; the
+            // tensor-core kernel only for bf16 with H, I multiples of 32 (16-byte loads).
+            unsafe { b.launch(cfg) }?;
 
-    // 5. Grouped down GEMM → y [n, H] fp32.
-    let f = gpu.function(&MOE, &format!("moe_gemm_down_{}", T::SUFFIX), 0)?;
-    let cfg = LaunchConfig {
-        grid_dim: (max_tiles as u32, h.div_ceil(GBN) as u32, 1),
-        block_dim: (256, 1, 1),
-        shared_mem_bytes: 0,
-    };
-    let mut b = gpu.stream().launch_builder(&f);
-    b.arg(&act)
-        .arg(&w.down)
-        .arg(&mut y)
-        .arg(&counts)
-        .arg(&offsets)
-        .arg(&tile_e)
-        .arg(&tile_r0)
-        .arg(&num_tiles)
-        .arg(&i_i)
-        .arg(&h_i);
-    // SAFETY: matches `moe_gemm_down_*`; act [n,I], down [E,H,I], y [n,H].
-    unsafe { b.launch(cfg) }?;
+            // 5. Grouped down GEMM → y [n, H] fp32.
+            let f = gpu.function(&MOE, &format!("moe_gemm_down_{kname}"), 0)?;
+            let cfg = LaunchConfig {
+                grid_dim: (max_tiles as u32, h.div_ceil(GBN) as u32, 1),
+                block_dim: (threads, 1, 1),
+                shared_mem_bytes: 0,
+            };
+            let mut b = gpu.stream().launch_builder(&f);
+            b.arg(&act)
+                .arg(&w.down)
+                .arg(&mut y)
+                .arg(&counts)
+                .arg(&offsets)
+                .arg(&tile_e)
+                .arg(&tile_r0)
+                .arg(&num_tiles)
+                .arg(&i_i)
+                .arg(&h_i);
+            // SAFETY: matches `moe_gemm_down_*`; act [n,I], down [E,H,I], y [n,H].
+            unsafe { b.launch(cfg) }?;
+        }
+    }
 
     // 6. Shared expert (dense) → sh_out [t, H].
     let mut shared_bufs = None;

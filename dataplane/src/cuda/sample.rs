@@ -22,7 +22,7 @@
 //!   draw from the same distribution (softmax of `s` restricted to the kept set), but
 //!   not the same token for the same seed. The GPU draw is a deterministic function of
 //!   (logits, parameters, seed, step), independent of the row's place in the batch and
-//!   of thread timing (integer atomics only); [`reference`] computes it on the CPU.
+//!   of thread timing (integer atomics only); [`reference()`] computes it on the CPU.
 //!
 //! Cost: greedy and plain temperature sampling read the row twice; top-k adds a 4-pass
 //! radix select over the row (and 4 more only for ties at the k-th value), top-p another
