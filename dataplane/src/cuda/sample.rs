@@ -16,7 +16,9 @@
 //!   `Σ q ≥ ceil(top_p · Σ q)`, so the cut can differ from the CPU's fp32 running sum
 //!   only when the boundary lies within rounding of `top_p`.
 //! * The draw differs: the CPU walks the sorted CDF with one `StdRng` uniform per step;
-//!   the GPU uses the Gumbel-max trick, `argmax_i (s_i + g_i)` over the kept set, with
+//!   the GPU uses the Gumbel-max trick, `argmax_i (s_i + g_i)` over the kept set
+//!   (evaluated as `argmax_i (l_i + T·g_i)`, the same order, so that a tiny `T` does not
+//!   round the gaps between `s_i = l_i / T` away), with
 //!   `g_i = −ln(−ln u_i)`, `u_i = ((h_i >> 11) + ½) · 2⁻⁵³`,
 //!   `h_i = mix64(mix64(mix64(seed) ^ step) ^ i)` (SplitMix64 finaliser), in f64. Both
 //!   draw from the same distribution (softmax of `s` restricted to the kept set), but
@@ -257,8 +259,8 @@ pub fn reference(logits: &[f32], p: &RowSampling) -> u32 {
         }
     }
     let mut best = (f64::NEG_INFINITY, u32::MAX);
-    for &(i, s) in &cand {
-        let sc = s as f64 + gumbel(p.seed, p.step, i);
+    for &(i, _) in &cand {
+        let sc = logits[i as usize] as f64 + t as f64 * gumbel(p.seed, p.step, i);
         if sc > best.0 || (sc == best.0 && i < best.1) {
             best = (sc, i);
         }
