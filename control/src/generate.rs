@@ -1,6 +1,7 @@
 //! `hypic generate`: load a model, prefill a prompt, stream a continuation.
 use anyhow::{bail, Context, Result};
 use dataplane::model::{Logits, Model};
+use dataplane::state::ModelState;
 use dataplane::sampling::{Sampler, SamplingParams};
 use dataplane::tokenizer::{ChatMessage, Tokenizer};
 use indicatif::{ProgressBar, ProgressStyle};
@@ -35,6 +36,135 @@ pub struct GenerateArgs {
     /// RNG seed.
     #[arg(long)]
     pub seed: Option<u64>,
+    /// Backend: `cpu` (the reference), `cuda` (GPU 0; an error when unusable) or
+    /// `auto` (CUDA when a usable device and driver are found, else the CPU with a
+    /// log line saying why). CUDA needs a binary built with `--features cuda`.
+    #[arg(long, value_enum, default_value_t = DeviceArg::Auto, env = "HYPIC_DEVICE")]
+    pub device: DeviceArg,
+    /// Weight and activation type on the GPU backend: `f32` (same answers as the CPU
+    /// backend to ~1e-6) or `bf16` (half the memory, fp32 accumulation and states).
+    #[arg(long, value_enum, default_value_t = DtypeArg::F32)]
+    pub dtype: DtypeArg,
+}
+
+/// `--device` choices.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, clap::ValueEnum)]
+pub enum DeviceArg {
+    /// The CPU reference backend.
+    Cpu,
+    /// CUDA device 0.
+    Cuda,
+    /// CUDA when usable, else the CPU.
+    Auto,
+}
+
+/// `--dtype` choices of the GPU backend.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, clap::ValueEnum)]
+pub enum DtypeArg {
+    /// fp32 weights and activations.
+    F32,
+    /// bf16 weights and activations.
+    Bf16,
+}
+
+/// The backend a generation runs on: prefill and one-token decode with its state.
+pub enum Runner<'a> {
+    /// CPU reference backend.
+    Cpu(&'a Model, ModelState),
+    /// GPU, fp32.
+    #[cfg(feature = "cuda")]
+    GpuF32(
+        dataplane::cuda::model::GpuModel<f32>,
+        dataplane::cuda::model::GpuState<f32>,
+    ),
+    /// GPU, bf16.
+    #[cfg(feature = "cuda")]
+    GpuBf16(
+        dataplane::cuda::model::GpuModel<half::bf16>,
+        dataplane::cuda::model::GpuState<half::bf16>,
+    ),
+}
+
+impl<'a> Runner<'a> {
+    /// Picks the backend per `device` / `dtype` (uploading the weights for CUDA) and
+    /// returns it with a one-line description for the log.
+    ///
+    /// Errors: `cuda` requested but not built in, or no usable device; upload failure.
+    pub fn select(model: &'a Model, device: DeviceArg, dtype: DtypeArg) -> Result<(Self, String)> {
+        let cpu = |m: &'a Model| (Runner::Cpu(m, m.new_state()), "cpu".to_string());
+        #[cfg(not(feature = "cuda"))]
+        {
+            let _ = dtype;
+            match device {
+                DeviceArg::Cpu => Ok(cpu(model)),
+                DeviceArg::Cuda => bail!(
+                    "--device cuda: this binary was built without CUDA support; rebuild with \
+                     `cargo build --release --features cuda` or use --device cpu"
+                ),
+                DeviceArg::Auto => {
+                    eprintln!("hypic: --device auto: built without CUDA support; using the CPU backend");
+                    Ok(cpu(model))
+                }
+            }
+        }
+        #[cfg(feature = "cuda")]
+        {
+            use dataplane::cuda::device::{select, Backend, DeviceChoice};
+            use dataplane::cuda::model::GpuModel;
+            let choice = match device {
+                DeviceArg::Cpu => DeviceChoice::Cpu,
+                DeviceArg::Cuda => DeviceChoice::Cuda,
+                DeviceArg::Auto => DeviceChoice::Auto,
+            };
+            let gpu = match select(choice).context("--device")? {
+                Backend::Cpu => return Ok(cpu(model)),
+                Backend::Cuda(g) => g,
+            };
+            let desc = format!(
+                "{} {}",
+                Backend::Cuda(gpu.clone()).describe(),
+                match dtype {
+                    DtypeArg::F32 => "f32",
+                    DtypeArg::Bf16 => "bf16",
+                }
+            );
+            Ok(match dtype {
+                DtypeArg::F32 => {
+                    let m = GpuModel::<f32>::upload(gpu, model).context("uploading the weights")?;
+                    let s = m.new_state()?;
+                    (Runner::GpuF32(m, s), desc)
+                }
+                DtypeArg::Bf16 => {
+                    let m = GpuModel::<half::bf16>::upload(gpu, model)
+                        .context("uploading the weights")?;
+                    let s = m.new_state()?;
+                    (Runner::GpuBf16(m, s), desc)
+                }
+            })
+        }
+    }
+
+    /// Prefills `ids` from the runner's state; returns the last token's logits.
+    pub fn prefill(&mut self, ids: &[u32]) -> Result<Vec<f32>> {
+        Ok(match self {
+            Runner::Cpu(m, s) => m.prefill(ids, s, Logits::Last)?.logits,
+            #[cfg(feature = "cuda")]
+            Runner::GpuF32(m, s) => m.prefill(ids, s, Logits::Last)?,
+            #[cfg(feature = "cuda")]
+            Runner::GpuBf16(m, s) => m.prefill(ids, s, Logits::Last)?,
+        })
+    }
+
+    /// Appends one token; returns the next-token logits.
+    pub fn decode(&mut self, token: u32) -> Result<Vec<f32>> {
+        Ok(match self {
+            Runner::Cpu(m, s) => m.decode(token, s)?,
+            #[cfg(feature = "cuda")]
+            Runner::GpuF32(m, s) => m.decode(token, s)?,
+            #[cfg(feature = "cuda")]
+            Runner::GpuBf16(m, s) => m.decode(token, s)?,
+        })
+    }
 }
 
 /// The bundled default model folder, relative to the working directory or the
@@ -99,10 +229,11 @@ pub fn run(a: GenerateArgs) -> Result<()> {
         top_p: a.top_p,
         seed: a.seed,
     });
-    let mut state = model.new_state();
+    let (mut runner, backend) = Runner::select(&model, a.device, a.dtype)?;
+    eprintln!("backend: {backend}");
     let t0 = Instant::now();
-    let out = model.prefill(&ids, &mut state, Logits::Last)?;
-    let mut next = sampler.sample(&out.logits);
+    let logits = runner.prefill(&ids)?;
+    let mut next = sampler.sample(&logits);
     let ttft = t0.elapsed();
     let mut generated = vec![];
     let mut printed = String::new();
@@ -121,7 +252,7 @@ pub fn run(a: GenerateArgs) -> Result<()> {
         if generated.len() == a.max_tokens {
             break;
         }
-        let logits = model.decode(next, &mut state)?;
+        let logits = runner.decode(next)?;
         decode_steps += 1;
         next = sampler.sample(&logits);
     }
@@ -139,4 +270,41 @@ pub fn run(a: GenerateArgs) -> Result<()> {
         }
     );
     Ok(())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn golden() -> Model {
+        let dir = Path::new(env!("CARGO_MANIFEST_DIR"))
+            .join("../dataplane/tests/fixtures/golden/qwen3_next");
+        Model::load(&dir, &mut |_, _| {}).expect("golden model")
+    }
+
+    #[test]
+    fn cpu_runner_matches_the_model() {
+        let m = golden();
+        let (mut r, desc) = Runner::select(&m, DeviceArg::Cpu, DtypeArg::F32).unwrap();
+        assert_eq!(desc, "cpu");
+        let ids = [3u32, 17, 42, 5];
+        let got = r.prefill(&ids).unwrap();
+        let mut s = m.new_state();
+        let want = m.prefill(&ids, &mut s, Logits::Last).unwrap().logits;
+        assert_eq!(got, want);
+        assert_eq!(r.decode(7).unwrap(), m.decode(7, &mut s).unwrap());
+    }
+
+    #[cfg(not(feature = "cuda"))]
+    #[test]
+    fn cuda_without_the_feature_is_a_clear_error_and_auto_falls_back() {
+        let m = golden();
+        let err = Runner::select(&m, DeviceArg::Cuda, DtypeArg::F32)
+            .err()
+            .expect("cuda must fail without the feature")
+            .to_string();
+        assert!(err.contains("without CUDA support"), "{err}");
+        let (_, desc) = Runner::select(&m, DeviceArg::Auto, DtypeArg::Bf16).unwrap();
+        assert_eq!(desc, "cpu");
+    }
 }

@@ -546,6 +546,7 @@ async fn auth_is_required_and_metrics_are_exposed() {
         "hypic_prompt_tokens_total",
         "hypic_pool_bytes",
         "hypic_pool_entries",
+        "hypic_pool_spill_bytes",
         "hypic_pool_events_total",
         "hypic_requests_total",
     ] {

@@ -38,6 +38,7 @@ pub struct ServeMetrics {
     state_bytes: IntGauge,
     pool_bytes: IntGaugeVec,
     pool_entries: IntGaugeVec,
+    spill_bytes: IntGaugeVec,
     pool_events: IntCounterVec,
     sched_events: IntCounterVec,
     /// Entries the invalidation sweep checked and dropped (`event`: checked, dropped).
@@ -53,7 +54,7 @@ pub struct ServeMetrics {
 
 #[derive(Default)]
 struct Last {
-    pool: [[u64; 5]; 2],
+    pool: [[u64; 9]; 2],
     sched: [u64; 4],
     /// Last exported value of each policy counter, by metric and label values.
     policy: HashMap<(&'static str, Vec<String>), u64>,
@@ -165,10 +166,17 @@ impl ServeMetrics {
             Opts::new("hypic_pool_entries", "Entries in a cache pool."),
             &["pool"]
         ));
+        let spill_bytes = reg!(IntGaugeVec::new(
+            Opts::new(
+                "hypic_pool_spill_bytes",
+                "Bytes held by a pool's host spill tier (checksummed blobs of evicted entries)."
+            ),
+            &["pool"]
+        ));
         let pool_events = reg!(IntCounterVec::new(
             Opts::new(
                 "hypic_pool_events_total",
-                "Pool lookups and changes: hit, miss, insert, eviction, rejected."
+                "Pool lookups and changes: hit, miss, insert, eviction, rejected; spill tier: spill, spill_restore, spill_checksum_failure, spill_eviction."
             ),
             &["pool", "event"]
         ));
@@ -251,6 +259,7 @@ impl ServeMetrics {
             state_bytes,
             pool_bytes,
             pool_entries,
+            spill_bytes,
             pool_events,
             sched_events,
             last: Mutex::new(Last::default()),
@@ -312,8 +321,31 @@ impl ServeMetrics {
                 self.pool_entries
                     .with_label_values(&[name])
                     .set(entries as i64);
-                let now = [st.hits, st.misses, st.inserts, st.evictions, st.rejected];
-                for (i, ev) in ["hit", "miss", "insert", "eviction", "rejected"]
+                self.spill_bytes
+                    .with_label_values(&[name])
+                    .set(engine.spill_usage()[pi].1 as i64);
+                let now = [
+                    st.hits,
+                    st.misses,
+                    st.inserts,
+                    st.evictions,
+                    st.rejected,
+                    st.spilled,
+                    st.spill_restores,
+                    st.spill_corrupt,
+                    st.spill_evictions,
+                ];
+                for (i, ev) in [
+                    "hit",
+                    "miss",
+                    "insert",
+                    "eviction",
+                    "rejected",
+                    "spill",
+                    "spill_restore",
+                    "spill_checksum_failure",
+                    "spill_eviction",
+                ]
                     .into_iter()
                     .enumerate()
                 {

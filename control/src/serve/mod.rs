@@ -63,6 +63,10 @@ pub struct ServeConfig {
     pub public_pool_mib: usize,
     /// Private pool (running-state snapshots) capacity, MiB.
     pub private_pool_mib: usize,
+    /// Host spill tier of each pool, MiB (0: none). Entries evicted for space are
+    /// kept as checksummed blobs and restored on a later hit once the checksum
+    /// verifies; a damaged blob is dropped and recomputed.
+    pub spill_mib: usize,
     /// Who decides admission and eviction in the public pool: `control` (the
     /// control plane's active policies, Wasm or native) or `lru`.
     pub pool_policy: String,
@@ -111,6 +115,7 @@ impl Default for ServeConfig {
             separator: "<<PIC_SEP>>".into(),
             public_pool_mib: 1024,
             private_pool_mib: 1024,
+            spill_mib: 0,
             pool_policy: "control".into(),
             queue_capacity: 64,
             max_running: 16,
@@ -163,6 +168,9 @@ pub struct ServeArgs {
     /// Private pool capacity, MiB.
     #[arg(long, env = "HYPIC_PRIVATE_POOL_MIB")]
     pub private_pool_mib: Option<usize>,
+    /// Host spill tier per pool, MiB (0: evicted entries are dropped).
+    #[arg(long, env = "HYPIC_SPILL_MIB")]
+    pub spill_mib: Option<usize>,
     /// Public-pool policy: control (the control plane's active policies) or lru.
     #[arg(long, env = "HYPIC_POOL_POLICY")]
     pub pool_policy: Option<String>,
@@ -233,6 +241,7 @@ impl ServeConfig {
             separator,
             public_pool_mib,
             private_pool_mib,
+            spill_mib,
             pool_policy,
             queue_capacity,
             max_running,
@@ -402,6 +411,7 @@ impl AppState {
             cfg.public_pool_mib << 20,
             cfg.private_pool_mib << 20,
         ));
+        engine.enable_spill(cfg.spill_mib << 20, cfg.spill_mib << 20);
         // `control`: the control plane's active eviction/admission policies (Wasm or
         // native) decide what the public pool keeps; `lru`: the engine's own LRU.
         if cfg.pool_policy == "control" {

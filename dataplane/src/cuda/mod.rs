@@ -218,7 +218,7 @@ impl Gpu {
 
     /// (module, origin, seconds) of every module loaded so far.
     pub fn compile_log(&self) -> Vec<(String, compile::Origin, f64)> {
-        self.compile_log.lock().expect("poisoned").clone()
+        self.compile_log.lock().unwrap_or_else(|p| p.into_inner()).clone()
     }
 
     /// Copies a host slice to a new device buffer.
@@ -244,7 +244,7 @@ impl Gpu {
     }
 
     fn module(&self, src: &KernelSource) -> Result<Arc<CudaModule>> {
-        let mut mods = self.modules.lock().expect("poisoned");
+        let mut mods = self.modules.lock().unwrap_or_else(|p| p.into_inner());
         if let Some(m) = mods.get(src.name) {
             return Ok(m.clone());
         }
@@ -253,7 +253,7 @@ impl Gpu {
         let m = self
             .ctx
             .load_module(cudarc::nvrtc::Ptx::from_binary(cubin))?;
-        self.compile_log.lock().expect("poisoned").push((
+        self.compile_log.lock().unwrap_or_else(|p| p.into_inner()).push((
             src.name.to_string(),
             origin,
             t0.elapsed().as_secs_f64(),
@@ -266,7 +266,7 @@ impl Gpu {
     /// `dyn_smem` > 48 KiB raises the function's dynamic shared-memory limit.
     pub fn function(&self, src: &KernelSource, name: &str, dyn_smem: u32) -> Result<CudaFunction> {
         let key = format!("{}::{name}", src.name);
-        if let Some(f) = self.funcs.lock().expect("poisoned").get(&key) {
+        if let Some(f) = self.funcs.lock().unwrap_or_else(|p| p.into_inner()).get(&key) {
             return Ok(f.clone());
         }
         let m = self.module(src)?;
@@ -277,7 +277,7 @@ impl Gpu {
                 dyn_smem as i32,
             )?;
         }
-        self.funcs.lock().expect("poisoned").insert(key, f.clone());
+        self.funcs.lock().unwrap_or_else(|p| p.into_inner()).insert(key, f.clone());
         Ok(f)
     }
 
