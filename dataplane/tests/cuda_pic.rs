@@ -506,7 +506,8 @@ mod gpu {
                         _ => vec![("kind", f64::INFINITY)],
                     };
                     for (w, e) in errs {
-                        if !(e <= worst.0) {
+                        // NaN counts as worst.
+                        if e.is_nan() || e > worst.0 {
                             worst = (e, format!("layer {i} {w}"));
                         }
                     }

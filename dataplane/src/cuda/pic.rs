@@ -592,13 +592,10 @@ where
                         continue;
                     };
                     drop(pool);
-                    for j in 0..n {
-                        stats.segments.push(stat(
-                            j,
-                            Outcome::PrefixHit,
-                            0,
-                            segments[j].tokens.len(),
-                        ));
+                    for (j, s) in segments.iter().enumerate() {
+                        stats
+                            .segments
+                            .push(stat(j, Outcome::PrefixHit, 0, s.tokens.len()));
                     }
                     stats.hits = n;
                     stats.tokens_reused = segments.iter().map(|s| s.tokens.len()).sum();
@@ -610,10 +607,10 @@ where
                 }
                 state = snap.state.try_clone()?;
                 start = i;
-                for j in 0..i {
+                for (j, s) in segments[..i].iter().enumerate() {
                     stats
                         .segments
-                        .push(stat(j, Outcome::PrefixHit, 0, segments[j].tokens.len()));
+                        .push(stat(j, Outcome::PrefixHit, 0, s.tokens.len()));
                 }
                 break;
             }
