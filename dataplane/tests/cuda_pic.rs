@@ -636,10 +636,15 @@ mod gpu {
             let mode = Mode::hypic_default();
             let p = prompt(21, 3, m.config.vocab_size, "t");
             let big = GpuPicEngine::new(gm.clone(), label, 1 << 30, 0);
-            let one = match big.build_entry(&p[1].tokens, 8) {
-                Ok(e) => e.bytes(),
-                Err(e) => return rep.fail(format!("{label}: build: {e}")),
-            };
+            // The largest entry of the prompt (the system prompt is cached whole, the
+            // documents from the seam width): the pool holds one of them.
+            let mut one = 0usize;
+            for (i, seg) in p[..4].iter().enumerate() {
+                match big.build_entry(&seg.tokens, if i == 0 { 0 } else { 8 }) {
+                    Ok(e) => one = one.max(e.bytes()),
+                    Err(e) => return rep.fail(format!("{label}: build: {e}")),
+                }
+            }
             let small = GpuPicEngine::new(gm.clone(), label, one * 3 / 2 + 1, 0);
             small.enable_spill(1 << 30, 0);
             let r1 = reorder(&p);
@@ -715,6 +720,77 @@ mod gpu {
             }
         }
         rep.finish(test);
+    }
+
+    /// The column recurrence of `pic_transition_*` (pic.cu), transcribed line by line
+    /// on the host, against `linear::gdr::chunked_with_transition`: checks the kernel's
+    /// math (operation order, head mapping, layout) without a device.
+    #[test]
+    fn transition_recurrence_math_matches_cpu_chunked() {
+        for (dk, t, hk, hv) in [
+            (16usize, 5usize, 2usize, 4usize),
+            (16, 77, 1, 2),
+            (64, 40, 2, 4),
+        ] {
+            let d = GdrDims {
+                t,
+                hk,
+                hv,
+                dk,
+                dv: dk,
+            };
+            let mut r = StdRng::seed_from_u64(dk as u64 + t as u64);
+            let mut k: Vec<f32> = (0..t * hk * dk)
+                .map(|_| r.random_range(-1.0f32..1.0))
+                .collect();
+            for row in k.chunks_mut(dk) {
+                let s = row.iter().map(|x| x * x).sum::<f32>().sqrt().max(1e-6);
+                row.iter_mut().for_each(|x| *x /= s);
+            }
+            let q = k.clone();
+            let v = vec![0.5f32; t * hv * dk];
+            let gg: Vec<f32> = (0..t * hv).map(|i| -0.02 - (i % 7) as f32 * 0.03).collect();
+            let beta: Vec<f32> = (0..t * hv).map(|i| 0.1 + (i % 5) as f32 * 0.17).collect();
+            let mut st = vec![0f32; hv * dk * dk];
+            let (_, tc) = chunked_with_transition(&d, &q, &k, &v, &gg, &beta, &mut st, 64);
+            let mut tr = vec![0f32; hv * dk * dk];
+            for h in 0..hv {
+                for i in 0..dk {
+                    tr[h * dk * dk + i * dk + i] = 1.0;
+                }
+            }
+            for h in 0..hv {
+                let kh = h / (hv / hk);
+                for j in 0..dk {
+                    let trh = &mut tr[h * dk * dk..(h + 1) * dk * dk];
+                    for ti in 0..t {
+                        let kt = &k[(ti * hk + kh) * dk..(ti * hk + kh + 1) * dk];
+                        let (dec, b) = (gg[ti * hv + h].exp(), beta[ti * hv + h]);
+                        let mut kv = 0f32;
+                        for i in 0..dk {
+                            let s = trh[i * dk + j] * dec;
+                            trh[i * dk + j] = s;
+                            kv += s * kt[i];
+                        }
+                        let u = b * (0.0 - kv);
+                        for i in 0..dk {
+                            trh[i * dk + j] += kt[i] * u;
+                        }
+                    }
+                }
+            }
+            let e = rel(&tr, &tc).0;
+            println!("  transition math dk {dk} T {t}: max-rel {e:.2e}");
+            assert!(ok(e, 1e-5), "dk {dk} T {t}: {e:.3e}");
+        }
+    }
+
+    /// The engine can be shared between serving threads.
+    #[test]
+    fn engine_is_send_and_sync() {
+        fn check<X: Send + Sync>() {}
+        check::<GpuPicEngine<f32>>();
+        check::<GpuPicEngine<bf16>>();
     }
 
     #[test]
