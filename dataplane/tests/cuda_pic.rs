@@ -18,13 +18,15 @@
 //! query, as tests/pic.rs builds them) cold, then reordered, then the reordered
 //! prompt again (hot), on both engines. Checked: identical `PicStats` (outcomes,
 //! hits, misses, token counts, hashes), logits (fp32: max-relative error
-//! `max|gpu − cpu| / max(1, max|cpu|)` ≤ 1e-4; bf16: norm-wise ≤ 0.1, 0.35 on the
-//! randomly initialised golden models, the bounds of cuda_model.rs), 8 greedy tokens
+//! `max|gpu − cpu| / max(1, max|cpu|)` ≤ 1e-4; bf16: norm-wise ≤ 0.1 on hypic-tiny,
+//! 0.35 on the randomly initialised golden and synthetic models, the bounds of
+//! cuda_model.rs), 8 greedy tokens
 //! decoded from the returned states (fp32: equal, unless the CPU's top-2 logit gap at
-//! the first difference is below 1e-3, a near tie, printed), and tenant isolation
-//! (another tenant with its own isolation key gets no hit). Separately: the body
+//! the first difference is below 2e-4 · max(1, max|logit|), a near tie, printed), and
+//! tenant isolation (another tenant with its own isolation key gets no hit). Separately: the body
 //! pairs and KV of cache entries against the CPU's, the transition kernel against
-//! `linear::gdr::chunked_with_transition`, the spill tier (restores bit-exact,
+//! `linear::gdr::chunked_with_transition` (f32 keys, and bf16 keys against the CPU on
+//! the same rounded keys; 1e-5), the spill tier (restores bit-exact,
 //! damaged blobs recomputed) and bad input.
 //!
 //! Every case prints a line starting with two spaces (collected into the gpu-check
@@ -212,13 +214,19 @@ mod gpu {
             .collect()
     }
 
+    /// CPU greedy tokens with, per step, the top-1 − top-2 gap relative to
+    /// `max(1, max|logit|)` (the scale of the logits tolerance).
     fn cpu_greedy(m: &Model, logits: &[f32], mut st: ModelState, n: usize) -> Vec<(u32, f32)> {
-        let mut out = vec![(argmax(logits), gap(logits))];
+        let step = |l: &[f32]| {
+            let scale = l.iter().fold(1f32, |a, x| a.max(x.abs()));
+            (argmax(l), gap(l) / scale)
+        };
+        let mut out = vec![step(logits)];
         for _ in 1..n {
             let Ok(l) = m.decode(out[out.len() - 1].0, &mut st) else {
                 break;
             };
-            out.push((argmax(&l), gap(&l)));
+            out.push(step(&l));
         }
         out
     }
@@ -347,14 +355,15 @@ mod gpu {
                     dtype::<T>()
                 );
                 if let (true, Some(i)) = (f32_run, first_diff) {
-                    if cg[i].1 < 1e-3 {
+                    // Within twice the logits tolerance: a near tie, not a failure.
+                    if (cg[i].1 as f64) < 2.0 * F32_TOL {
                         println!(
-                            "  {label} {mname}: greedy differs at {i}, a near tie (gap {:.2e})",
+                            "  {label} {mname}: greedy differs at {i}, a near tie (relative gap {:.2e})",
                             cg[i].1
                         );
                     } else {
                         rep.fail(format!(
-                            "{label} f32 {mname}: greedy differs at step {i} (cpu gap {:.2e})",
+                            "{label} f32 {mname}: greedy differs at step {i} (cpu relative gap {:.2e})",
                             cg[i].1
                         ));
                     }
@@ -575,6 +584,10 @@ mod gpu {
             let beta: Vec<f32> = (0..t * hv).map(|i| 0.1 + (i % 5) as f32 * 0.17).collect();
             let mut st = vec![0f32; hv * dk * dk];
             let (_, tc) = chunked_with_transition(&d, &q, &k, &v, &gg, &beta, &mut st, 64);
+            // Reference for bf16 keys: the same recurrence on the bf16-rounded keys.
+            let kr: Vec<f32> = k.iter().map(|&x| bf16::from_f32(x).to_f32()).collect();
+            let mut st = vec![0f32; hv * dk * dk];
+            let (_, tcb) = chunked_with_transition(&d, &q, &kr, &v, &gg, &beta, &mut st, 64);
             let run = || -> Result<(Vec<f32>, Vec<f32>), String> {
                 let e = |x: dataplane::cuda::CudaError| x.to_string();
                 let g_d = g.upload(&gg).map_err(e)?;
@@ -592,12 +605,12 @@ mod gpu {
             };
             match run() {
                 Ok((a, b)) => {
-                    let (ea, eb) = (rel(&a, &tc).0, rel(&b, &tc).0);
+                    let (ea, eb) = (rel(&a, &tc).0, rel(&b, &tcb).0);
                     println!("  transition dk {dk} T {t} Hk {hk} Hv {hv}: f32 max-rel {ea:.2e}, bf16-k {eb:.2e}");
                     if !ok(ea, 1e-5) {
                         rep.fail(format!("transition dk {dk} T {t}: f32 error {ea:.3e}"));
                     }
-                    if !ok(eb, 0.05) {
+                    if !ok(eb, 1e-5) {
                         rep.fail(format!("transition dk {dk} T {t}: bf16 error {eb:.3e}"));
                     }
                 }
