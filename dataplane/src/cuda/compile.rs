@@ -76,8 +76,14 @@ pub const SAMPLE: KernelSource = KernelSource {
     text: include_str!("../../kernels/sample.cu"),
 };
 
+/// PIC glue: generic GDR transition build, fp32 state arithmetic (`kernels/pic.cu`).
+pub const PIC: KernelSource = KernelSource {
+    name: "pic",
+    text: include_str!("../../kernels/pic.cu"),
+};
+
 /// Every kernel module (used by the compile check and to warm the cache).
-pub const ALL: [KernelSource; 8] = [NORM, ROPE, CONV, GDR, ATTN, MODEL, MOE, SAMPLE];
+pub const ALL: [KernelSource; 9] = [NORM, ROPE, CONV, GDR, ATTN, MODEL, MOE, SAMPLE, PIC];
 
 /// NVRTC target name for a compute capability: `sm_90a` for 9.0 (Hopper, so that
 /// arch-specific instructions are allowed), `sm_{major}{minor}` otherwise.

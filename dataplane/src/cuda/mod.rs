@@ -16,7 +16,9 @@
 //!   `T_C`), [`transition`] (dense pair compose/apply through cuBLAS strided batched
 //!   GEMM), [`attn`] (causal GQA attention prefill over KV at arbitrary positions),
 //!   [`moe`] (sparse MoE block with grouped expert GEMMs, dense SwiGLU MLP),
-//!   [`sample`] (greedy argmax and seeded temperature / top-k / top-p sampling).
+//!   [`sample`] (greedy argmax and seeded temperature / top-k / top-p sampling),
+//!   [`pic`] (the PIC engine on the device: cache build, compose, seams, device pools
+//!   with a host spill tier).
 //! * [`model`]: the whole-model forward ([`model::GpuModel`] prefill/decode from a
 //!   [`model::GpuState`]), equivalent to the CPU `model::Model`.
 //!
@@ -37,6 +39,7 @@ pub mod gdr;
 pub mod model;
 pub mod moe;
 pub mod ops;
+pub mod pic;
 pub mod sample;
 pub mod transition;
 
