@@ -76,8 +76,14 @@ pub const SAMPLE: KernelSource = KernelSource {
     text: include_str!("../../kernels/sample.cu"),
 };
 
+/// Deterministic random weights (`kernels/init.cu`; generator in `crate::random`).
+pub const INIT: KernelSource = KernelSource {
+    name: "init",
+    text: include_str!("../../kernels/init.cu"),
+};
+
 /// Every kernel module (used by the compile check and to warm the cache).
-pub const ALL: [KernelSource; 8] = [NORM, ROPE, CONV, GDR, ATTN, MODEL, MOE, SAMPLE];
+pub const ALL: [KernelSource; 9] = [NORM, ROPE, CONV, GDR, ATTN, MODEL, MOE, SAMPLE, INIT];
 
 /// NVRTC target name for a compute capability: `sm_90a` for 9.0 (Hopper, so that
 /// arch-specific instructions are allowed), `sm_{major}{minor}` otherwise.
