@@ -74,8 +74,13 @@ mod gpu {
 
     /// Small Qwen3.5-MoE text shape at the real head dims.
     fn small_moe() -> ModelConfig {
-        let lt: Vec<&str> = ["linear_attention", "linear_attention", "linear_attention", "full_attention"]
-            .repeat(2);
+        let lt: Vec<&str> = [
+            "linear_attention",
+            "linear_attention",
+            "linear_attention",
+            "full_attention",
+        ]
+        .repeat(2);
         let v = serde_json::json!({
             "model_type": "qwen3_5_moe_text",
             "hidden_size": 256, "num_hidden_layers": 8, "vocab_size": 1024,
@@ -96,7 +101,10 @@ mod gpu {
             .iter()
             .map(|n| {
                 let dir = repo_root().join("dataplane/tests/fixtures/golden").join(n);
-                (n.to_string(), ModelConfig::from_dir(&dir).expect("golden config"))
+                (
+                    n.to_string(),
+                    ModelConfig::from_dir(&dir).expect("golden config"),
+                )
             })
             .collect();
         v.push(("small-qwen3.5-moe".into(), small_moe()));
@@ -106,8 +114,15 @@ mod gpu {
     fn max_rel(a: &[f32], b: &[f32]) -> (f64, f64) {
         assert_eq!(a.len(), b.len());
         let scale = b.iter().fold(1f64, |m, &x| m.max(x.abs() as f64));
-        let mx = a.iter().zip(b).fold(0f64, |m, (&x, &y)| m.max((x as f64 - y as f64).abs()));
-        let num: f64 = a.iter().zip(b).map(|(&x, &y)| (x as f64 - y as f64).powi(2)).sum();
+        let mx = a
+            .iter()
+            .zip(b)
+            .fold(0f64, |m, (&x, &y)| m.max((x as f64 - y as f64).abs()));
+        let num: f64 = a
+            .iter()
+            .zip(b)
+            .map(|(&x, &y)| (x as f64 - y as f64).powi(2))
+            .sum();
         let den: f64 = b.iter().map(|&y| (y as f64).powi(2)).sum();
         (mx / scale, (num / den.max(1e-30)).sqrt())
     }
@@ -118,17 +133,36 @@ mod gpu {
 
     #[test]
     fn random_f32_matches_cpu_random() {
-        let Some((g, _l)) = gpu("random_f32_matches_cpu_random") else { return };
+        let Some((g, _l)) = gpu("random_f32_matches_cpu_random") else {
+            return;
+        };
         for (name, c) in configs() {
             let cpu = Model::random(c.clone(), SEED);
-            let dev = GpuModel::<f32>::random(g.clone(), c.clone(), SEED).expect("GpuModel::random");
+            let dev =
+                GpuModel::<f32>::random(g.clone(), c.clone(), SEED).expect("GpuModel::random");
             // The weights: byte count as estimated, embedding bit for bit.
             let est = ParamCounts::of(&c).bytes(4);
-            println!("{name}: params {} bytes est {est} device {}", ParamCounts::of(&c).total, dev.weight_bytes());
+            println!(
+                "{name}: params {} bytes est {est} device {}",
+                ParamCounts::of(&c).total,
+                dev.weight_bytes()
+            );
             let emb = dev.embedding_to_host().unwrap();
-            let want = sym_tensor(SEED, tensor_id(None, SLOT_EMBED), c.vocab_size * c.hidden_size, linear_bound());
-            let diff = emb.iter().zip(&want).filter(|(a, b)| a.to_bits() != b.to_bits()).count();
-            assert_eq!(diff, 0, "{name}: {diff} embedding values differ from the CPU generator");
+            let want = sym_tensor(
+                SEED,
+                tensor_id(None, SLOT_EMBED),
+                c.vocab_size * c.hidden_size,
+                linear_bound(),
+            );
+            let diff = emb
+                .iter()
+                .zip(&want)
+                .filter(|(a, b)| a.to_bits() != b.to_bits())
+                .count();
+            assert_eq!(
+                diff, 0,
+                "{name}: {diff} embedding values differ from the CPU generator"
+            );
             // Logits: prefill of 40 tokens (all rows), then 4 decode steps.
             let toks = tokens(40, c.vocab_size);
             let mut cs = cpu.new_state();
@@ -136,14 +170,19 @@ mod gpu {
             let cl = cpu.prefill(&toks, &mut cs, Logits::All).unwrap().logits;
             let gl = dev.prefill(&toks, &mut gs, Logits::All).unwrap();
             let (mr, nr) = max_rel(&gl, &cl);
-            println!("{name}: f32 prefill logits rel {mr:.2e} (norm-wise {nr:.2e}) tol {F32_TOL:.0e}");
+            println!(
+                "{name}: f32 prefill logits rel {mr:.2e} (norm-wise {nr:.2e}) tol {F32_TOL:.0e}"
+            );
             assert!(mr <= F32_TOL, "{name}: prefill logits rel {mr} > {F32_TOL}");
             for s in 0..4u32 {
                 let t = (s * 31 + 5) % c.vocab_size as u32;
                 let cl = cpu.decode(t, &mut cs).unwrap();
                 let gl = dev.decode(t, &mut gs).unwrap();
                 let (mr, _) = max_rel(&gl, &cl);
-                assert!(mr <= F32_TOL, "{name}: decode step {s} rel {mr} > {F32_TOL}");
+                assert!(
+                    mr <= F32_TOL,
+                    "{name}: decode step {s} rel {mr} > {F32_TOL}"
+                );
             }
             // Device snapshot: prefill of 8 more tokens from a clone equals the original.
             let snap = gs.try_clone().unwrap();
@@ -157,13 +196,28 @@ mod gpu {
 
     #[test]
     fn random_bf16_embedding_and_logits() {
-        let Some((g, _l)) = gpu("random_bf16_embedding_and_logits") else { return };
+        let Some((g, _l)) = gpu("random_bf16_embedding_and_logits") else {
+            return;
+        };
         for (name, c) in configs() {
-            let dev = GpuModel::<bf16>::random(g.clone(), c.clone(), SEED).expect("GpuModel::random bf16");
+            let dev = GpuModel::<bf16>::random(g.clone(), c.clone(), SEED)
+                .expect("GpuModel::random bf16");
             let emb = dev.embedding_to_host().unwrap();
-            let want = sym_tensor(SEED, tensor_id(None, SLOT_EMBED), c.vocab_size * c.hidden_size, linear_bound());
-            let diff = emb.iter().zip(&want).filter(|(a, b)| a.to_bits() != bf16::from_f32(**b).to_bits()).count();
-            assert_eq!(diff, 0, "{name}: {diff} bf16 embedding values differ from round(CPU)");
+            let want = sym_tensor(
+                SEED,
+                tensor_id(None, SLOT_EMBED),
+                c.vocab_size * c.hidden_size,
+                linear_bound(),
+            );
+            let diff = emb
+                .iter()
+                .zip(&want)
+                .filter(|(a, b)| a.to_bits() != bf16::from_f32(**b).to_bits())
+                .count();
+            assert_eq!(
+                diff, 0,
+                "{name}: {diff} bf16 embedding values differ from round(CPU)"
+            );
             let cpu = Model::random(c.clone(), SEED);
             let toks = tokens(40, c.vocab_size);
             let mut cs = cpu.new_state();
@@ -172,14 +226,19 @@ mod gpu {
             let gl = dev.prefill(&toks, &mut gs, Logits::Last).unwrap();
             let (mr, nr) = max_rel(&gl, &cl);
             println!("{name}: bf16 last logits rel {mr:.2e} norm-wise {nr:.2e} (printed, bound 0.35 norm-wise)");
-            assert!(gl.iter().all(|x| x.is_finite()), "{name}: non-finite bf16 logits");
+            assert!(
+                gl.iter().all(|x| x.is_finite()),
+                "{name}: non-finite bf16 logits"
+            );
             assert!(nr <= 0.35, "{name}: bf16 norm-wise {nr}");
         }
     }
 
     #[test]
     fn random_refuses_when_memory_is_short() {
-        let Some((g, _l)) = gpu("random_refuses_when_memory_is_short") else { return };
+        let Some((g, _l)) = gpu("random_refuses_when_memory_is_short") else {
+            return;
+        };
         // 100k-vocab × 65536 hidden embedding alone: ~26 GB fp32 ×2 (untied) plus 64
         // layers of huge experts: far over any device.
         let mut c = small_moe();

@@ -12,9 +12,7 @@ use cudarc::cublas::{CudaBlas, Gemm};
 use cudarc::driver::{LaunchConfig, PushKernelArg};
 
 use super::compile::INIT;
-use super::model::{
-    check_config, AttnW, FfnPath, FfnW, GdnW, GpuModel, LayerW, MixerW, MlpW,
-};
+use super::model::{check_config, AttnW, FfnPath, FfnW, GdnW, GpuModel, LayerW, MixerW, MlpW};
 use super::{gdr, grid_for, moe, ops, CudaError, CudaSlice, Elem, Gpu, Result};
 use crate::config::{LayerKind, ModelConfig};
 use crate::random::{self as rnd, ParamCounts};
@@ -72,9 +70,23 @@ fn fill_sym<T: Elem>(
 }
 
 /// A new buffer holding tensor `id` of `n` elements with the linear-weight init.
-fn lin<T: Elem>(gpu: &Gpu, n: usize, seed: u64, layer: Option<usize>, slot: u64) -> Result<CudaSlice<T>> {
+fn lin<T: Elem>(
+    gpu: &Gpu,
+    n: usize,
+    seed: u64,
+    layer: Option<usize>,
+    slot: u64,
+) -> Result<CudaSlice<T>> {
     let mut x = alloc::<T>(gpu, n)?;
-    fill_sym(gpu, &mut x, 0, n, seed, rnd::tensor_id(layer, slot), rnd::linear_bound())?;
+    fill_sym(
+        gpu,
+        &mut x,
+        0,
+        n,
+        seed,
+        rnd::tensor_id(layer, slot),
+        rnd::linear_bound(),
+    )?;
     Ok(x)
 }
 
@@ -93,7 +105,29 @@ fn constant(gpu: &Gpu, n: usize, v: f32) -> Result<CudaSlice<f32>> {
     Ok(x)
 }
 
-fn mlp<T: Elem>(gpu: &Gpu, h: usize, inter: usize, seed: u64, l: usize, gu: u64, dn: u64) -> Result<MlpW<T>> {
+/// A device buffer of `n` values of tensor id `id` (symmetric uniform with bound
+/// `bound`, the [`crate::random`] generator; e.g. benchmark inputs that are never zeros).
+pub fn random_buffer<T: Elem>(
+    gpu: &Gpu,
+    n: usize,
+    seed: u64,
+    id: u64,
+    bound: f64,
+) -> Result<CudaSlice<T>> {
+    let mut x = alloc::<T>(gpu, n)?;
+    fill_sym(gpu, &mut x, 0, n, seed, id, bound)?;
+    Ok(x)
+}
+
+fn mlp<T: Elem>(
+    gpu: &Gpu,
+    h: usize,
+    inter: usize,
+    seed: u64,
+    l: usize,
+    gu: u64,
+    dn: u64,
+) -> Result<MlpW<T>> {
     Ok(MlpW {
         gate_up: lin(gpu, 2 * inter * h, seed, Some(l), gu)?,
         down: lin(gpu, h * inter, seed, Some(l), dn)?,
@@ -153,7 +187,13 @@ where
         let lm_head = if c.tie_word_embeddings {
             None
         } else {
-            Some(lin::<T>(g, c.vocab_size * h, seed, None, rnd::SLOT_LM_HEAD)?)
+            Some(lin::<T>(
+                g,
+                c.vocab_size * h,
+                seed,
+                None,
+                rnd::SLOT_LM_HEAD,
+            )?)
         };
         let (nh, nkv, hd, hv) = (c.num_heads, c.num_kv_heads, c.head_dim, c.linear_v_heads);
         let mut layers = Vec::with_capacity(c.num_layers);
@@ -198,7 +238,15 @@ where
                     let id = |s| rnd::tensor_id(Some(l), s);
                     fill_sym(g, &mut qkv, 0, qw * h, seed, id(rnd::SLOT_ATTN_Q), lb)?;
                     fill_sym(g, &mut qkv, qw * h, kvw * h, seed, id(rnd::SLOT_ATTN_K), lb)?;
-                    fill_sym(g, &mut qkv, (qw + kvw) * h, kvw * h, seed, id(rnd::SLOT_ATTN_V), lb)?;
+                    fill_sym(
+                        g,
+                        &mut qkv,
+                        (qw + kvw) * h,
+                        kvw * h,
+                        seed,
+                        id(rnd::SLOT_ATTN_V),
+                        lb,
+                    )?;
                     MixerW::Full(AttnW {
                         qkv,
                         o: lin(g, h * nh * hd, seed, Some(l), rnd::SLOT_ATTN_O)?,
@@ -208,7 +256,11 @@ where
                 }
             };
             let ffn = if c.layer_is_moe[l] {
-                let (e, i, si) = (c.num_experts, c.moe_intermediate_size, c.shared_expert_intermediate_size);
+                let (e, i, si) = (
+                    c.num_experts,
+                    c.moe_intermediate_size,
+                    c.shared_expert_intermediate_size,
+                );
                 // Router rows [E, H], plus the shared-expert gate as row E.
                 let rows = e + usize::from(si > 0);
                 let mut router = alloc::<T>(g, rows * h)?;
@@ -216,7 +268,15 @@ where
                 let id = |s| rnd::tensor_id(Some(l), s);
                 fill_sym(g, &mut router, 0, e * h, seed, id(rnd::SLOT_MOE_ROUTER), lb)?;
                 let shared = if si > 0 {
-                    fill_sym(g, &mut router, e * h, h, seed, id(rnd::SLOT_SHARED_GATE), lb)?;
+                    fill_sym(
+                        g,
+                        &mut router,
+                        e * h,
+                        h,
+                        seed,
+                        id(rnd::SLOT_SHARED_GATE),
+                        lb,
+                    )?;
                     Some((
                         lin(g, 2 * si * h, seed, Some(l), rnd::SLOT_SHARED_GATE_UP)?,
                         lin(g, h * si, seed, Some(l), rnd::SLOT_SHARED_DOWN)?,
@@ -292,7 +352,9 @@ where
         for l in &self.layers {
             n += b(&l.input_norm) + b(&l.post_norm);
             n += match &l.mixer {
-                MixerW::Linear(w) => b(&w.w_in) + b(&w.conv) + b(&w.neg_a) + b(&w.dt_bias) + b(&w.norm) + b(&w.out),
+                MixerW::Linear(w) => {
+                    b(&w.w_in) + b(&w.conv) + b(&w.neg_a) + b(&w.dt_bias) + b(&w.norm) + b(&w.out)
+                }
                 MixerW::Full(w) => b(&w.qkv) + b(&w.o) + b(&w.q_norm) + b(&w.k_norm),
             };
             let mb = |m: &MlpW<T>| b(&m.gate_up) + b(&m.down);
@@ -304,7 +366,10 @@ where
                         + m.shared.as_ref().map_or(0, |(s, g)| mb(s) + b(g))
                 }
                 FfnW::MoeFused(m) => {
-                    b(&m.router) + b(&m.gate_up) + b(&m.down) + m.shared.as_ref().map_or(0, |(x, y)| b(x) + b(y))
+                    b(&m.router)
+                        + b(&m.gate_up)
+                        + b(&m.down)
+                        + m.shared.as_ref().map_or(0, |(x, y)| b(x) + b(y))
                 }
             };
         }
