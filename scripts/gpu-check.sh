@@ -12,7 +12,8 @@
 #                                  #   run(command="scripts/gpu-check.sh run",
 #                                  #       carry=[".device", ".whl"])
 #                                  # runs the GPU-vs-CPU tests (cuda_kernels, cuda_moe,
-#                                  # and the whole-model cuda_model), our benchmark, FLA
+#                                  # the whole-model cuda_model, the PIC engine
+#                                  # cuda_pic), our benchmark, FLA
 #                                  # chunk_gated_delta_rule and torch SDPA,
 #                                  # the random-weight model test (cuda_random) and
 #                                  # the whole-model benchmark gpu_model_bench at the
@@ -52,6 +53,11 @@ build() {
         --message-format=json 2>/dev/null | grep -o '"executable":"[^"]*cuda_model[^"]*"' | tail -1 \
         | sed 's/"executable":"\(.*\)"/\1/')
   [ -n "$model_exe" ] || { echo "could not build the cuda_model test binary" >&2; exit 1; }
+  local pic_exe
+  pic_exe=$(cargo test --release -p hypic-dataplane --features cuda --test cuda_pic --no-run \
+        --message-format=json 2>/dev/null | grep -o '"executable":"[^"]*cuda_pic[^"]*"' | tail -1 \
+        | sed 's/"executable":"\(.*\)"/\1/')
+  [ -n "$pic_exe" ] || { echo "could not build the cuda_pic test binary" >&2; exit 1; }
   local random_exe
   random_exe=$(cargo test --release -p hypic-dataplane --features cuda --test cuda_random --no-run \
         --message-format=json 2>/dev/null | grep -o '"executable":"[^"]*cuda_random[^"]*"' | tail -1 \
@@ -61,11 +67,12 @@ build() {
   cp "$exe" .device/bin/cuda_kernels
   cp "$exe_moe" .device/bin/cuda_moe
   cp "$model_exe" .device/bin/cuda_model
+  cp "$pic_exe" .device/bin/cuda_pic
   cp "$random_exe" .device/bin/cuda_random
   cp "$CARGO_TARGET_DIR/release/examples/gpu_bench" .device/bin/gpu_bench
   cp "$CARGO_TARGET_DIR/release/examples/gpu_model_bench" .device/bin/gpu_model_bench
-  strip .device/bin/cuda_kernels .device/bin/cuda_moe .device/bin/cuda_model .device/bin/cuda_random \
-    .device/bin/gpu_bench .device/bin/gpu_model_bench || true
+  strip .device/bin/cuda_kernels .device/bin/cuda_moe .device/bin/cuda_model .device/bin/cuda_pic \
+    .device/bin/cuda_random .device/bin/gpu_bench .device/bin/gpu_model_bench || true
   if HYPIC_KERNEL_CACHE="$PWD/.device/kcache" .device/bin/gpu_bench --precompile sm_90a; then
     echo "kernel cache for sm_90a in .device/kcache"
   else
@@ -89,14 +96,14 @@ run() {
   } > "$OUT/machine.txt"
   cat "$OUT/machine.txt"
 
-  # GPU_CHECK_STEPS: which parts to run (default all): kernels moe model bench fla modelbench
-  local steps=" ${GPU_CHECK_STEPS:-kernels moe model bench fla modelbench} "
+  # GPU_CHECK_STEPS: which parts to run (default all): kernels moe model pic bench fla modelbench
+  local steps=" ${GPU_CHECK_STEPS:-kernels moe model pic bench fla modelbench} "
   want() { [[ "$steps" == *" $1 "* ]]; }
   echo "== equivalence tests"
   local t0=$SECONDS
   chmod +x .device/bin/* 2>/dev/null || true
-  local test_rc=0 moe_rc=0 model_rc=0
-  : > "$OUT/tests.log"; : > "$OUT/tests_moe.log"; : > "$OUT/model_tests.log"; : > "$OUT/bench.md"; : > "$OUT/fla.md"
+  local test_rc=0 moe_rc=0 model_rc=0 pic_rc=0
+  : > "$OUT/tests.log"; : > "$OUT/tests_moe.log"; : > "$OUT/model_tests.log"; : > "$OUT/pic_tests.log"; : > "$OUT/bench.md"; : > "$OUT/fla.md"
   : > "$OUT/random_tests.log"; : > "$OUT/model_bench.md"
   if want kernels; then
   .device/bin/cuda_kernels --test-threads=1 --nocapture > "$OUT/tests.log" 2>&1
@@ -130,6 +137,19 @@ run() {
   done
   echo "model tests rc=$model_rc in $((SECONDS - t0)) s"
   grep -E "^test |test result|rel .*tol|FAIL|panicked|greedy|^cuda_model gpu::" "$OUT/model_tests.log" \
+    | grep -v "^test .* ok$" | tail -60
+
+  echo "== PIC engine tests (GPU vs CPU, dataplane/tests/cuda_pic.rs)"
+  t0=$SECONDS
+  want pic && for name in $(.device/bin/cuda_pic --list --format=terse 2>/dev/null | sed -n 's/: test$//p'); do
+    HYPIC_REQUIRE_GPU=1 HYPIC_REPO_ROOT="$PWD" timeout 300 .device/bin/cuda_pic --exact "$name" \
+      --test-threads=1 --nocapture >> "$OUT/pic_tests.log" 2>&1
+    rc=$?
+    echo "cuda_pic $name rc=$rc" >> "$OUT/pic_tests.log"
+    [ "$rc" -ne 0 ] && pic_rc=$rc
+  done
+  echo "pic tests rc=$pic_rc in $((SECONDS - t0)) s"
+  grep -E "^test |test result|FAIL|panicked|^cuda_pic gpu::" "$OUT/pic_tests.log" \
     | grep -v "^test .* ok$" | tail -60
 
   echo "== our benchmark"
@@ -212,6 +232,9 @@ PY
     grep -E "rel .*tol|^test |panicked|FAIL|greedy|  (cpu|gpu) |^cuda_model gpu::" "$OUT/model_tests.log"
     echo '```'
     echo; echo "Layer and state breakdowns: model_tests.log"
+    echo; echo "## PIC engine GPU vs CPU (rc=$pic_rc)"; echo; echo '```'
+    grep -E "^  |^-- |FAIL|panicked|^test |^cuda_pic gpu::" "$OUT/pic_tests.log"
+    echo '```'
     echo; cat "$OUT/bench.md"
     echo; cat "$OUT/fla.md"
     if want modelbench; then
@@ -225,7 +248,8 @@ PY
   [ "$test_rc" -ne 0 ] && return "$test_rc"
   [ "$moe_rc" -ne 0 ] && return "$moe_rc"
   [ "$random_rc" -ne 0 ] && return "$random_rc"
-  return "$model_rc"
+  [ "$model_rc" -ne 0 ] && return "$model_rc"
+  return "$pic_rc"
 }
 
 case "$mode" in

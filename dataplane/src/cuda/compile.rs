@@ -76,6 +76,12 @@ pub const SAMPLE: KernelSource = KernelSource {
     text: include_str!("../../kernels/sample.cu"),
 };
 
+/// PIC glue: generic GDR transition build, fp32 state arithmetic (`kernels/pic.cu`).
+pub const PIC: KernelSource = KernelSource {
+    name: "pic",
+    text: include_str!("../../kernels/pic.cu"),
+};
+
 /// Deterministic random weights (`kernels/init.cu`; generator in `crate::random`).
 pub const INIT: KernelSource = KernelSource {
     name: "init",
@@ -83,7 +89,7 @@ pub const INIT: KernelSource = KernelSource {
 };
 
 /// Every kernel module (used by the compile check and to warm the cache).
-pub const ALL: [KernelSource; 9] = [NORM, ROPE, CONV, GDR, ATTN, MODEL, MOE, SAMPLE, INIT];
+pub const ALL: [KernelSource; 10] = [NORM, ROPE, CONV, GDR, ATTN, MODEL, MOE, SAMPLE, PIC, INIT];
 
 /// NVRTC target name for a compute capability: `sm_90a` for 9.0 (Hopper, so that
 /// arch-specific instructions are allowed), `sm_{major}{minor}` otherwise.

@@ -37,6 +37,7 @@ pub mod gdr;
 pub mod model;
 pub mod moe;
 pub mod ops;
+pub mod pic;
 pub mod random;
 pub mod sample;
 pub mod transition;

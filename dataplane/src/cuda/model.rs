@@ -32,10 +32,11 @@
 //! (residual stream after every layer, for diagnosis), [`GpuState::from_host`] /
 //! [`GpuState::to_host`] (the CPU `ModelState` layouts).
 //!
+//! The PIC cache build (body transitions of a span, `Model::layer_forward_capture*`)
+//! is the crate-internal `prefill_capture`, used by [`super::pic`].
+//!
 //! Not done yet: activations are allocated per call (no arena), the per-sequence
-//! part of `decode_batch` is a loop of single-sequence launches, and the span-level
-//! PIC API (`layer_forward_capture*`: span KV, body transitions) has no GPU
-//! counterpart here. Tests: `dataplane/tests/cuda_model.rs`.
+//! part of `decode_batch` is a loop of single-sequence launches. Tests: `dataplane/tests/cuda_model.rs`.
 use std::sync::{Arc, Mutex};
 
 use cudarc::cublas::{CudaBlas, Gemm};
@@ -43,6 +44,7 @@ use cudarc::driver::{LaunchConfig, PushKernelArg};
 
 use super::compile::MODEL;
 use super::ops::NormKind;
+use super::transition::DensePair;
 use super::{
     attn, blas, check_len, gdr, grid_for, moe, ops, CudaError, CudaSlice, Elem, Gpu, Result,
 };
@@ -183,13 +185,13 @@ pub struct ForwardTrace {
 /// (doubling). Rows `[cap, Hkv, hd]` in `T`, the first `len` valid; positions `[cap]`
 /// i64, absolute positions of the cached tokens (any order, any values).
 pub struct GpuKv<T> {
-    k: CudaSlice<T>,
-    v: CudaSlice<T>,
-    pos: CudaSlice<i64>,
-    len: usize,
+    pub(crate) k: CudaSlice<T>,
+    pub(crate) v: CudaSlice<T>,
+    pub(crate) pos: CudaSlice<i64>,
+    pub(crate) len: usize,
     cap: usize,
     /// Elements per cached token: `Hkv · hd`.
-    row: usize,
+    pub(crate) row: usize,
 }
 
 impl<T: Elem> GpuKv<T> {
@@ -243,7 +245,7 @@ impl<T: Elem> GpuKv<T> {
     }
 
     /// Appends `t` tokens: `k`, `v` `[t, Hkv, hd]`, `pos` `[t]`.
-    fn append(
+    pub(crate) fn append(
         &mut self,
         gpu: &Gpu,
         k: &CudaSlice<T>,
@@ -499,10 +501,11 @@ impl<T: Elem> GpuState<T> {
         })
     }
 
-    /// A device-side copy (device-to-device, on the stream; no host round trip), e.g.
-    /// a snapshot of a prefix's state to resume from. KV capacity is copied as is.
+    /// A copy of this state in new device buffers (KV capacity = its length rounded
+    /// up to 16 tokens). Issued on the stream; no host round trip.
     pub fn try_clone(&self) -> Result<Self> {
-        let s = self.gpu.stream();
+        let gpu = &self.gpu;
+        let s = gpu.stream();
         let mut layers = Vec::with_capacity(self.layers.len());
         for l in &self.layers {
             layers.push(match l {
@@ -510,23 +513,32 @@ impl<T: Elem> GpuState<T> {
                     conv: s.clone_dtod(conv)?,
                     recurrent: s.clone_dtod(recurrent)?,
                 },
-                GpuLayerState::Full(kv) => GpuLayerState::Full(GpuKv {
-                    k: s.clone_dtod(&kv.k)?,
-                    v: s.clone_dtod(&kv.v)?,
-                    pos: s.clone_dtod(&kv.pos)?,
-                    len: kv.len,
-                    cap: kv.cap,
-                    row: kv.row,
-                }),
+                GpuLayerState::Full(kv) => {
+                    let n = kv.len;
+                    let mut g = GpuKv::with_capacity(gpu, kv.row, n.div_ceil(16) * 16)?;
+                    if n > 0 {
+                        let m = n * kv.row;
+                        s.memcpy_dtod(&kv.k.slice(..m), &mut g.k.slice_mut(..m))?;
+                        s.memcpy_dtod(&kv.v.slice(..m), &mut g.v.slice_mut(..m))?;
+                        s.memcpy_dtod(&kv.pos.slice(..n), &mut g.pos.slice_mut(..n))?;
+                        g.len = n;
+                    }
+                    GpuLayerState::Full(g)
+                }
             });
         }
         Ok(GpuState {
-            gpu: self.gpu.clone(),
+            gpu: gpu.clone(),
             conv_len: self.conv_len,
             rec_len: self.rec_len,
             layers,
             next_position: self.next_position,
         })
+    }
+
+    /// The device this state lives on.
+    pub fn gpu(&self) -> &Arc<Gpu> {
+        &self.gpu
     }
 
     /// Device bytes held by this state (capacity, not just the used part).
@@ -768,6 +780,11 @@ where
         &self.gpu
     }
 
+    /// RoPE inverse frequencies `[rotary_dim/2]` on the device (`None`: no RoPE).
+    pub(crate) fn inv_freq(&self) -> Option<&CudaSlice<f32>> {
+        self.inv_freq.as_ref()
+    }
+
     /// Fresh device state for a new sequence (see [`GpuState::new`]).
     pub fn new_state(&self) -> Result<GpuState<T>> {
         GpuState::new(&self.gpu, &self.config)
@@ -791,8 +808,25 @@ where
         state: &mut GpuState<T>,
         logits: Logits,
     ) -> Result<Vec<f32>> {
-        let x = self.forward(tokens, state, None)?;
+        let x = self.forward(tokens, state, None, None)?;
         self.logits_of(&x, tokens.len(), logits)
+    }
+
+    /// PIC cache build: [`GpuModel::prefill`] (no logits) that also returns, per
+    /// decoder layer, the body pair of linear layers over tokens `from..` of the span
+    /// (`T_body [Hv,dk,dk]`, `S_body|0 = S_end − T_body·S_from [Hv,dk,dv]`, fp32) and
+    /// `None` for attention layers (their span K/V is in the state's KV cache). The
+    /// same decomposition as `Model::layer_forward_capture_many` with one body start;
+    /// `from` is clamped to the span length (body of zero tokens: identity, zero).
+    pub(crate) fn prefill_capture(
+        &self,
+        tokens: &[u32],
+        state: &mut GpuState<T>,
+        from: usize,
+    ) -> Result<Vec<Option<DensePair>>> {
+        let mut pairs = Vec::with_capacity(self.config.num_layers);
+        self.forward(tokens, state, None, Some((from, &mut pairs)))?;
+        Ok(pairs)
     }
 
     /// [`GpuModel::prefill`] that also records the residual stream after the
@@ -805,7 +839,7 @@ where
         logits: Logits,
         trace: &mut ForwardTrace,
     ) -> Result<Vec<f32>> {
-        let x = self.forward(tokens, state, Some(trace))?;
+        let x = self.forward(tokens, state, Some(trace), None)?;
         self.logits_of(&x, tokens.len(), logits)
     }
 
@@ -899,6 +933,7 @@ where
         tokens: &[u32],
         state: &mut GpuState<T>,
         mut trace: Option<&mut ForwardTrace>,
+        mut capture: Option<(usize, &mut Vec<Option<DensePair>>)>,
     ) -> Result<CudaSlice<T>> {
         self.check_inputs(tokens, state)?;
         let c = &self.config;
@@ -941,9 +976,11 @@ where
                 t,
                 c.rms_norm_eps,
             )?;
+            let mut pair = None;
+            let body_from = capture.as_ref().map(|c| c.0);
             let mixed = match (&lw.mixer, ls) {
                 (MixerW::Linear(w), GpuLayerState::Linear { conv, recurrent }) => self
-                    .gdn(w, &r, t, conv, recurrent)
+                    .gdn(w, &r, t, conv, recurrent, body_from.map(|f| (f, &mut pair)))
                     .map_err(|e| context(e, &format!("layer {i} GDN mixer")))?,
                 (MixerW::Full(w), GpuLayerState::Full(kv)) => self
                     .attention(w, &r, t, &pos_d, kv)
@@ -954,6 +991,9 @@ where
                     )))
                 }
             };
+            if let Some((_, pairs)) = capture.as_mut() {
+                pairs.push(pair);
+            }
             self.add_inplace(&mut x, &mixed, t * h)?;
             let after_mixer = match trace.as_deref() {
                 Some(_) => download_f32(g, &x, t * h)
@@ -1083,7 +1123,7 @@ where
                             return Err(shape_err(format!("layer {i}: state kind")));
                         };
                         let pj = st.clone_dtod(&proj.slice(j * n_in..(j + 1) * n_in))?;
-                        let nj = self.gdn_core(w, &pj, 1, conv, recurrent)?;
+                        let nj = self.gdn_core(w, &pj, 1, conv, recurrent, None)?;
                         st.memcpy_dtod(
                             &nj.slice(..vd),
                             &mut normed.slice_mut(j * vd..(j + 1) * vd),
@@ -1195,6 +1235,7 @@ where
         t: usize,
         conv_tail: &mut CudaSlice<f32>,
         rec: &mut CudaSlice<f32>,
+        capture: Option<(usize, &mut Option<DensePair>)>,
     ) -> Result<CudaSlice<T>> {
         let c = &self.config;
         let g = &*self.gpu;
@@ -1203,7 +1244,7 @@ where
         let zero = T::from_f32(0.0);
         let mut proj: CudaSlice<T> = g.zeros(t * n_in)?;
         blas::linear(g, r, t, h, &w.w_in, n_in, &mut proj, zero)?;
-        let normed = self.gdn_core(w, &proj, t, conv_tail, rec)?;
+        let normed = self.gdn_core(w, &proj, t, conv_tail, rec, capture)?;
         let mut out: CudaSlice<T> = g.zeros(t * h)?;
         blas::linear(g, &normed, t, c.value_dim(), &w.out, h, &mut out, zero)?;
         Ok(out)
@@ -1219,6 +1260,7 @@ where
         t: usize,
         conv_tail: &mut CudaSlice<f32>,
         rec: &mut CudaSlice<f32>,
+        capture: Option<(usize, &mut Option<DensePair>)>,
     ) -> Result<CudaSlice<T>> {
         let c = &self.config;
         let g = &*self.gpu;
@@ -1298,13 +1340,11 @@ where
         }
         let d = GdrDims { t, hk, hv, dk, dv };
         let mut core: CudaSlice<T> = g.zeros(t * vd)?;
-        if dk == gdr::PREFILL_DIM && dv == gdr::PREFILL_DIM && t >= CHUNKED_MIN_TOKENS {
-            let mut ws = self.gdr_ws.lock().unwrap_or_else(|e| e.into_inner());
-            gdr::chunked(g, &d, &q, &k, &v, &gg, &beta, rec, &mut core, None, &mut ws)?;
-        } else if GDR_REC_DK.contains(&dk) {
-            gdr::recurrent(g, &d, &q, &k, &v, &gg, &beta, rec, &mut core)?;
-        } else {
-            gdr_generic(g, &d, &q, &k, &v, &gg, &beta, rec, &mut core)?;
+        match capture {
+            None => self.gdr_span(&d, &q, &k, &v, &gg, &beta, rec, &mut core, None)?,
+            Some((from, out)) => {
+                *out = Some(self.gdr_capture(&d, from, &q, &k, &v, &gg, &beta, rec, &mut core)?);
+            }
         }
         let mut normed: CudaSlice<T> = g.zeros(t * vd)?;
         ops::rms_norm(
@@ -1318,6 +1358,105 @@ where
             c.rms_norm_eps,
         )?;
         Ok(normed)
+    }
+
+    /// The gated delta rule over a whole span from `rec` (advanced in place), with the
+    /// kernel the forward uses for its shape (chunked for `dk = dv = 128` and spans of
+    /// ≥ 16 tokens, else recurrent for `dk ∈ {64, 128, 256}`, else generic). `trans`
+    /// (`[Hv, dk, dk]`): when given, left-multiplied by the span's transition (in the
+    /// same pass by the chunked kernel, else by the generic recurrence of `pic.cu`).
+    #[allow(clippy::too_many_arguments)]
+    fn gdr_span(
+        &self,
+        d: &GdrDims,
+        q: &CudaSlice<T>,
+        k: &CudaSlice<T>,
+        v: &CudaSlice<T>,
+        gg: &CudaSlice<f32>,
+        beta: &CudaSlice<f32>,
+        rec: &mut CudaSlice<f32>,
+        core: &mut CudaSlice<T>,
+        trans: Option<&mut CudaSlice<f32>>,
+    ) -> Result<()> {
+        let g = &*self.gpu;
+        let (dk, dv) = (d.dk, d.dv);
+        if dk == gdr::PREFILL_DIM && dv == gdr::PREFILL_DIM && d.t >= CHUNKED_MIN_TOKENS {
+            let mut ws = self.gdr_ws.lock().unwrap_or_else(|e| e.into_inner());
+            return gdr::chunked(g, d, q, k, v, gg, beta, rec, core, trans, &mut ws);
+        }
+        if let Some(tr) = trans {
+            super::pic::gdr_transition(g, d, k, gg, beta, tr)?;
+        }
+        if GDR_REC_DK.contains(&dk) {
+            gdr::recurrent(g, d, q, k, v, gg, beta, rec, core)
+        } else {
+            gdr_generic(g, d, q, k, v, gg, beta, rec, core)
+        }
+    }
+
+    /// [`GpuModel::gdr_span`] split at `from` (clamped to `d.t`): the seam `0..from`
+    /// from `rec`, then the body `from..` with its transition; returns the body pair
+    /// `(T_body, S_end − T_body·S_from)` as the CPU `gdr_with_body_pair` does.
+    #[allow(clippy::too_many_arguments)]
+    fn gdr_capture(
+        &self,
+        d: &GdrDims,
+        from: usize,
+        q: &CudaSlice<T>,
+        k: &CudaSlice<T>,
+        v: &CudaSlice<T>,
+        gg: &CudaSlice<f32>,
+        beta: &CudaSlice<f32>,
+        rec: &mut CudaSlice<f32>,
+        core: &mut CudaSlice<T>,
+    ) -> Result<DensePair> {
+        let g = &*self.gpu;
+        let s = g.stream();
+        let (t, hk, hv, dk, dv) = (d.t, d.hk, d.hv, d.dk, d.dv);
+        let from = from.min(t);
+        let (qk, vv) = (hk * dk, hv * dv);
+        // Row ranges of every input as new buffers.
+        let part = |a: usize, b: usize| -> Result<_> {
+            Ok((
+                s.clone_dtod(&q.slice(a * qk..b * qk))?,
+                s.clone_dtod(&k.slice(a * qk..b * qk))?,
+                s.clone_dtod(&v.slice(a * vv..b * vv))?,
+                s.clone_dtod(&gg.slice(a * hv..b * hv))?,
+                s.clone_dtod(&beta.slice(a * hv..b * hv))?,
+            ))
+        };
+        if from > 0 {
+            let (q0, k0, v0, g0, b0) = part(0, from)?;
+            let mut o0: CudaSlice<T> = g.zeros(from * vv)?;
+            let d0 = GdrDims { t: from, ..*d };
+            self.gdr_span(&d0, &q0, &k0, &v0, &g0, &b0, rec, &mut o0, None)?;
+            s.memcpy_dtod(&o0.slice(..from * vv), &mut core.slice_mut(..from * vv))?;
+        }
+        let s_from = s.clone_dtod(rec)?;
+        let mut tr: CudaSlice<f32> = g.zeros(hv * dk * dk)?;
+        gdr::set_identity(g, &mut tr, hv, dk)?;
+        if from < t {
+            let (q1, k1, v1, g1, b1) = part(from, t)?;
+            let mut o1: CudaSlice<T> = g.zeros((t - from) * vv)?;
+            let d1 = GdrDims { t: t - from, ..*d };
+            self.gdr_span(&d1, &q1, &k1, &v1, &g1, &b1, rec, &mut o1, Some(&mut tr))?;
+            s.memcpy_dtod(
+                &o1.slice(..(t - from) * vv),
+                &mut core.slice_mut(from * vv..t * vv),
+            )?;
+        }
+        // B = S_end − T·S_from.
+        let n = hv * dk * dv;
+        let mut b: CudaSlice<f32> = g.zeros(n)?;
+        super::transition::batched_matmul(g, hv, dk, dv, dk, &tr, &s_from, &mut b, 0.0)?;
+        super::pic::axpby(g, &mut b, rec, -1.0, 1.0, n)?;
+        Ok(DensePair {
+            hv,
+            dk,
+            dv,
+            t: tr,
+            b,
+        })
     }
 
     /// Width of the fused attention projection: `qw + 2·Hkv·hd`.

@@ -54,7 +54,8 @@ impl Mode {
             rope_fix: true,
         }
     }
-    fn tag(&self) -> String {
+    /// Mode tag hashed into private-pool keys.
+    pub(crate) fn tag(&self) -> String {
         match self {
             Mode::FullRecompute => "full".into(),
             Mode::PrefixCache => "prefix".into(),
@@ -296,24 +297,11 @@ impl PicEngine {
     }
 
     fn content_key(&self, tokens: &[u32]) -> Key {
-        let mut h = Sha256::new();
-        h.update(b"hypic-segment-v1\0");
-        h.update(self.model_id.as_bytes());
-        h.update([0]);
-        for t in tokens {
-            h.update(t.to_le_bytes());
-        }
-        h.finalize().into()
+        content_key(&self.model_id, tokens)
     }
 
     fn public_key(content: &Key, isolation: &str, body_start: usize) -> Key {
-        let mut h = Sha256::new();
-        h.update(b"hypic-public-v1\0");
-        h.update(content);
-        h.update((isolation.len() as u64).to_le_bytes());
-        h.update(isolation.as_bytes());
-        h.update((body_start as u64).to_le_bytes());
-        h.finalize().into()
+        public_key(content, isolation, body_start)
     }
 
     fn prefix_keys(
@@ -323,50 +311,11 @@ impl PicEngine {
         contents: &[Key],
         segs: &[SegmentRef],
     ) -> Vec<Key> {
-        let mut h = Sha256::new();
-        h.update(b"hypic-private-v1\0");
-        h.update(self.model_id.as_bytes());
-        h.update([0]);
-        h.update(mode.tag().as_bytes());
-        h.update([0]);
-        h.update((tenant.len() as u64).to_le_bytes());
-        h.update(tenant.as_bytes());
-        contents
-            .iter()
-            .zip(segs)
-            .map(|(c, s)| {
-                h.update(c);
-                h.update((s.isolation.len() as u64).to_le_bytes());
-                h.update(s.isolation.as_bytes());
-                h.clone().finalize().into()
-            })
-            .collect()
+        prefix_keys(&self.model_id, mode, tenant, contents, segs)
     }
 
     fn validate(&self, segments: &[SegmentRef]) -> Result<()> {
-        if segments.is_empty() {
-            return Err(Error::Input("a request needs at least one segment".into()));
-        }
-        let vocab = self.model.config.vocab_size;
-        let mut total = 0usize;
-        for (i, s) in segments.iter().enumerate() {
-            if s.tokens.is_empty() {
-                return Err(Error::Input(format!("segment {i} is empty")));
-            }
-            if let Some(t) = s.tokens.iter().find(|&&t| t as usize >= vocab) {
-                return Err(Error::Input(format!(
-                    "segment {i}: token id {t} is outside the vocabulary ({vocab})"
-                )));
-            }
-            total += s.tokens.len();
-        }
-        let max = self.model.config.max_position_embeddings;
-        if total > max {
-            return Err(Error::Input(format!(
-                "prompt has {total} tokens, over the context limit of {max}"
-            )));
-        }
-        Ok(())
+        validate_segments(&self.model.config, segments)
     }
 
     /// Serves one request: prefix/PIC reuse per `mode`, then the query segment.
@@ -501,15 +450,7 @@ impl PicEngine {
                 lock(&self.private).insert(prefix_keys[i], Arc::new(snap), bytes, 0, &owner);
             }
         }
-        for s in &stats.segments {
-            stats.tokens_computed += s.computed;
-            stats.tokens_reused += s.reused;
-            match s.outcome {
-                Outcome::Hit | Outcome::PrefixHit => stats.hits += 1,
-                Outcome::Miss => stats.misses += 1,
-                Outcome::Computed => {}
-            }
-        }
+        tally(&mut stats);
         Ok(PicOutput {
             logits,
             state,
@@ -638,6 +579,103 @@ impl PicEngine {
         }
         state.next_position = b + e.len as i64;
         Ok(())
+    }
+}
+
+/// Content key of a segment: SHA-256 of the model id and its tokens (shared by the
+/// CPU and GPU engines, so both address the same entries).
+pub(crate) fn content_key(model_id: &str, tokens: &[u32]) -> Key {
+    let mut h = Sha256::new();
+    h.update(b"hypic-segment-v1\0");
+    h.update(model_id.as_bytes());
+    h.update([0]);
+    for t in tokens {
+        h.update(t.to_le_bytes());
+    }
+    h.finalize().into()
+}
+
+/// Public-pool key: content key, isolation key and body start.
+pub(crate) fn public_key(content: &Key, isolation: &str, body_start: usize) -> Key {
+    let mut h = Sha256::new();
+    h.update(b"hypic-public-v1\0");
+    h.update(content);
+    h.update((isolation.len() as u64).to_le_bytes());
+    h.update(isolation.as_bytes());
+    h.update((body_start as u64).to_le_bytes());
+    h.finalize().into()
+}
+
+/// Private-pool keys of every segment prefix `segs[..=i]` (model, mode, tenant,
+/// contents and isolation keys).
+pub(crate) fn prefix_keys(
+    model_id: &str,
+    mode: &Mode,
+    tenant: &str,
+    contents: &[Key],
+    segs: &[SegmentRef],
+) -> Vec<Key> {
+    let mut h = Sha256::new();
+    h.update(b"hypic-private-v1\0");
+    h.update(model_id.as_bytes());
+    h.update([0]);
+    h.update(mode.tag().as_bytes());
+    h.update([0]);
+    h.update((tenant.len() as u64).to_le_bytes());
+    h.update(tenant.as_bytes());
+    contents
+        .iter()
+        .zip(segs)
+        .map(|(c, s)| {
+            h.update(c);
+            h.update((s.isolation.len() as u64).to_le_bytes());
+            h.update(s.isolation.as_bytes());
+            h.clone().finalize().into()
+        })
+        .collect()
+}
+
+/// Request checks shared by the engines: at least one segment, none empty, token ids
+/// inside the vocabulary, total within the context limit.
+pub(crate) fn validate_segments(
+    c: &crate::config::ModelConfig,
+    segments: &[SegmentRef],
+) -> Result<()> {
+    if segments.is_empty() {
+        return Err(Error::Input("a request needs at least one segment".into()));
+    }
+    let vocab = c.vocab_size;
+    let mut total = 0usize;
+    for (i, s) in segments.iter().enumerate() {
+        if s.tokens.is_empty() {
+            return Err(Error::Input(format!("segment {i} is empty")));
+        }
+        if let Some(t) = s.tokens.iter().find(|&&t| t as usize >= vocab) {
+            return Err(Error::Input(format!(
+                "segment {i}: token id {t} is outside the vocabulary ({vocab})"
+            )));
+        }
+        total += s.tokens.len();
+    }
+    let max = c.max_position_embeddings;
+    if total > max {
+        return Err(Error::Input(format!(
+            "prompt has {total} tokens, over the context limit of {max}"
+        )));
+    }
+    Ok(())
+}
+
+/// Sums the per-segment statistics into the request totals.
+pub(crate) fn tally(stats: &mut PicStats) {
+    for s in &stats.segments {
+        stats.tokens_computed += s.computed;
+        stats.tokens_reused += s.reused;
+        match s.outcome {
+            Outcome::Hit | Outcome::PrefixHit => stats.hits += 1,
+            Outcome::Miss => stats.misses += 1,
+            Outcome::Computed => {}
+        }
     }
 }
 

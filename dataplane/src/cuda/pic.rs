@@ -1,0 +1,821 @@
+//! Position-independent caching on the GPU: [`GpuPicEngine`], the device counterpart
+//! of the CPU [`crate::pic::PicEngine`], with its public pool of segment entries and
+//! its private pool of running-state snapshots held in device memory.
+//!
+//! Same request semantics as `PicEngine::run` (modes `FullRecompute`, `PrefixCache`,
+//! `NaiveAddition`, `Hypic { seam_width, rope_fix }`; the module doc of
+//! [`crate::pic::engine`] describes them), the same cache keys (the CPU engine's key
+//! functions), the same per-segment [`Outcome`]s and token counts. The three GPU
+//! paths:
+//!
+//! * capture ([`GpuPicEngine::build_entry`]): the segment prefilled alone from the
+//!   zero state at positions `0..m`; per GDN layer the body pair over tokens
+//!   `body_start..m` (`T_body [Hv,dk,dk]` and `S_body|0 = S_m − T_body·S_body_start`
+//!   `[Hv,dk,dv]`, fp32; `T_body` from the chunked kernel in the same pass for
+//!   `dk = dv = 128` and bodies of ≥ 16 tokens, else by the generic recurrence
+//!   [`gdr_transition`]) and the segment's conv tail; per attention layer the body K
+//!   (rotated to the in-segment positions `body_start..m`) and V, in `T`;
+//! * compose: GDN layers `S ← T_body S + S_body|0` (cuBLAS, [`DensePair::apply_into`])
+//!   or `S ← S + S_body|0` (naive addition), conv tail replaced by the segment's;
+//!   attention layers append the body K re-rotated by `R(b)` (`b` the segment's new
+//!   start; not rotated when `rope_fix` is off) and V at positions
+//!   `b + body_start ..`;
+//! * seam: the first `w` tokens run through the whole model ([`GpuModel::prefill`]) at
+//!   their new positions from the running state, before the body is composed.
+//!
+//! Spill ([`GpuPicEngine::enable_spill`]): entries evicted from device memory are
+//! downloaded and encoded in the CPU blob formats (`pic::spill`, fp32 exact; bf16 KV
+//! widened to fp32, which round-trips exactly), kept with the pool's XXH3 checksum,
+//! and uploaded again on a hit after the checksum verifies (SGLang #39830). Decoding
+//! needs the device: the engine binds it (a thread-local) around each pool lookup;
+//! a blob decoded without it fails and is treated as damaged (a miss, recomputed).
+use std::cell::RefCell;
+use std::sync::{Arc, Mutex, MutexGuard};
+
+use cudarc::cublas::{CudaBlas, Gemm};
+use cudarc::driver::{LaunchConfig, PushKernelArg};
+
+use super::compile::PIC;
+use super::model::{GpuLayerState, GpuModel, GpuState};
+use super::transition::DensePair;
+use super::{check_len, grid_for, ops, CudaError, CudaSlice, Elem, Gpu, Result};
+use crate::config::{LayerKind, ModelConfig};
+use crate::linear::gdr::GdrDims;
+use crate::linear::transition::TransitionKind;
+use crate::model::Logits;
+use crate::pic::engine::{
+    content_key, prefix_keys, public_key, tally, validate_segments, EntryLayer, Mode, Outcome,
+    PicStats, SegmentEntry, SegmentRef, SegmentStat, Snapshot,
+};
+use crate::pic::pool::{CachePolicy, Key, Lru, Pool, PoolStats};
+use crate::pic::spill::Spill;
+
+/// Left-multiplies `trans` by the gated-delta-rule transition of a span, any `dk`:
+/// `trans[h] ← T_t ··· T_1 · trans[h]`, `T_t = exp(g_t)(I − β_t k_t k_tᵀ)` (set
+/// `trans` to the identity first, [`super::gdr::set_identity`], to obtain `T_C`).
+/// `k: [T, Hk, dk]` (L2-normalised, as the GDR kernels take it), `g, beta: [T, Hv]`
+/// fp32, `trans: [Hv, dk, dk]` fp32 row-major. CPU reference: the `T_C` of
+/// `linear::gdr::chunked_with_transition` (the same recurrence as
+/// `linear::gdr::recurrent` with zero writes). One thread per column of `T`.
+pub fn gdr_transition<T: Elem>(
+    gpu: &Gpu,
+    d: &GdrDims,
+    k: &CudaSlice<T>,
+    g: &CudaSlice<f32>,
+    beta: &CudaSlice<f32>,
+    trans: &mut CudaSlice<f32>,
+) -> Result<()> {
+    if d.hk == 0 || !d.hv.is_multiple_of(d.hk) {
+        return Err(CudaError::Shape(format!(
+            "Hv {} must be a multiple of Hk {}",
+            d.hv, d.hk
+        )));
+    }
+    check_len("k [T,Hk,dk]", k, d.t * d.hk * d.dk)?;
+    check_len("g [T,Hv]", g, d.t * d.hv)?;
+    check_len("beta [T,Hv]", beta, d.t * d.hv)?;
+    check_len("trans [Hv,dk,dk]", trans, d.hv * d.dk * d.dk)?;
+    if d.t == 0 || d.hv == 0 || d.dk == 0 {
+        return Ok(());
+    }
+    if d.hv > 65_535 {
+        return Err(CudaError::Shape(format!(
+            "Hv {} too large for the grid",
+            d.hv
+        )));
+    }
+    let f = gpu.function(&PIC, &format!("pic_transition_{}", T::SUFFIX), 0)?;
+    let block = 64u32;
+    let cfg = LaunchConfig {
+        grid_dim: (d.hv as u32, d.dk.div_ceil(block as usize) as u32, 1),
+        block_dim: (block, 1, 1),
+        shared_mem_bytes: 0,
+    };
+    let dim = |n: &str, v: usize| {
+        i32::try_from(v).map_err(|_| CudaError::Shape(format!("{n} = {v} does not fit i32")))
+    };
+    let (t, hk, hv, dk) = (
+        dim("t", d.t)?,
+        dim("Hk", d.hk)?,
+        dim("Hv", d.hv)?,
+        dim("dk", d.dk)?,
+    );
+    let mut b = gpu.stream().launch_builder(&f);
+    b.arg(k)
+        .arg(g)
+        .arg(beta)
+        .arg(trans)
+        .arg(&t)
+        .arg(&hk)
+        .arg(&hv)
+        .arg(&dk);
+    // SAFETY: matches `pic_transition_*` in pic.cu; lengths checked above.
+    unsafe { b.launch(cfg) }?;
+    Ok(())
+}
+
+/// `x ← a·x + b·y` over the first `n` elements (fp32).
+pub fn axpby(
+    gpu: &Gpu,
+    x: &mut CudaSlice<f32>,
+    y: &CudaSlice<f32>,
+    a: f32,
+    b: f32,
+    n: usize,
+) -> Result<()> {
+    check_len("x", x, n)?;
+    check_len("y", y, n)?;
+    if n == 0 {
+        return Ok(());
+    }
+    let f = gpu.function(&PIC, "pic_axpby_f32", 0)?;
+    let nn = n as u64;
+    let cfg = LaunchConfig {
+        grid_dim: (grid_for(n, 256), 1, 1),
+        block_dim: (256, 1, 1),
+        shared_mem_bytes: 0,
+    };
+    let mut l = gpu.stream().launch_builder(&f);
+    l.arg(x).arg(y).arg(&a).arg(&b).arg(&nn);
+    // SAFETY: matches `pic_axpby_f32`; lengths checked.
+    unsafe { l.launch(cfg) }?;
+    Ok(())
+}
+
+/// Device positions `[p0, p0 + n)` (`[n]` i64; one padding element when `n = 0`).
+fn iota(gpu: &Gpu, p0: i64, n: usize) -> Result<CudaSlice<i64>> {
+    let mut pos: CudaSlice<i64> = gpu.zeros(n)?;
+    if n == 0 {
+        return Ok(pos);
+    }
+    let ni = i32::try_from(n).map_err(|_| CudaError::Shape(format!("{n} positions")))?;
+    let f = gpu.function(&PIC, "pic_iota_i64", 0)?;
+    let cfg = LaunchConfig {
+        grid_dim: (grid_for(n, 256), 1, 1),
+        block_dim: (256, 1, 1),
+        shared_mem_bytes: 0,
+    };
+    let mut l = gpu.stream().launch_builder(&f);
+    l.arg(&mut pos).arg(&p0).arg(&ni);
+    // SAFETY: matches `pic_iota_i64`; `pos` holds n elements.
+    unsafe { l.launch(cfg) }?;
+    Ok(pos)
+}
+
+fn download_prefix<T: Elem>(gpu: &Gpu, x: &CudaSlice<T>, n: usize) -> Result<Vec<f32>> {
+    check_len("download", x, n)?;
+    if n == 0 {
+        return Ok(vec![]);
+    }
+    let v = gpu.stream().clone_dtoh(&x.slice(..n))?;
+    gpu.sync()?;
+    Ok(v.into_iter().map(Elem::to_f32).collect())
+}
+
+fn upload_elems<T: Elem>(gpu: &Gpu, v: &[f32]) -> Result<CudaSlice<T>> {
+    if v.is_empty() {
+        return gpu.zeros(1);
+    }
+    let e: Vec<T> = v.iter().map(|&x| T::from_f32(x)).collect();
+    gpu.upload(&e)
+}
+
+/// Cached data of one layer of a [`GpuSegmentEntry`], in device memory.
+pub enum GpuEntryLayer<T> {
+    /// GDN layer: the body pair and the segment's conv tail.
+    Linear {
+        /// `T_body [Hv,dk,dk]`, `S_body|0 [Hv,dk,dv]`, fp32.
+        pair: DensePair,
+        /// Last `K−1` conv inputs of the segment, `[conv_dim, K−1]` fp32 (a buffer of
+        /// at least `conv_len` elements).
+        conv_tail: CudaSlice<f32>,
+        /// Valid elements of `conv_tail`.
+        conv_len: usize,
+    },
+    /// Attention layer: body K (rotated to in-segment positions `body_start..`) and V,
+    /// `[rows, Hkv, hd]` each in `T` (buffers of one element when `rows = 0`).
+    Full {
+        /// Keys.
+        k: CudaSlice<T>,
+        /// Values.
+        v: CudaSlice<T>,
+        /// Body tokens (`len − body_start`).
+        rows: usize,
+        /// Elements per token, `Hkv · hd`.
+        row: usize,
+    },
+}
+
+/// A public-pool entry on the device: one segment prefilled alone, body from
+/// `body_start` (the GPU counterpart of [`SegmentEntry`]).
+pub struct GpuSegmentEntry<T: Elem> {
+    gpu: Arc<Gpu>,
+    /// First body token (the seam width used to build it; 0 = the whole segment).
+    pub body_start: usize,
+    /// Segment length in tokens.
+    pub len: usize,
+    /// One entry per decoder layer.
+    pub layers: Vec<GpuEntryLayer<T>>,
+}
+
+impl<T: Elem> GpuSegmentEntry<T> {
+    /// Device bytes of the payload (fp32 pairs and conv tails, K/V in `T`).
+    pub fn bytes(&self) -> usize {
+        let es = std::mem::size_of::<T>();
+        self.layers
+            .iter()
+            .map(|l| match l {
+                GpuEntryLayer::Linear { pair, conv_len, .. } => {
+                    4 * (pair.hv * pair.dk * (pair.dk + pair.dv) + conv_len)
+                }
+                GpuEntryLayer::Full { rows, row, .. } => 2 * es * rows * row,
+            })
+            .sum()
+    }
+
+    /// Downloads into the CPU layout ([`SegmentEntry`]; K/V widened to fp32).
+    pub fn to_host(&self) -> Result<SegmentEntry> {
+        let g = &*self.gpu;
+        let mut layers = Vec::with_capacity(self.layers.len());
+        for l in &self.layers {
+            layers.push(match l {
+                GpuEntryLayer::Linear {
+                    pair,
+                    conv_tail,
+                    conv_len,
+                } => EntryLayer::Linear {
+                    pair: pair.download(g)?,
+                    conv_tail: download_prefix(g, conv_tail, *conv_len)?,
+                },
+                GpuEntryLayer::Full { k, v, rows, row } => EntryLayer::Full {
+                    k: download_prefix(g, k, rows * row)?,
+                    v: download_prefix(g, v, rows * row)?,
+                },
+            });
+        }
+        Ok(SegmentEntry {
+            body_start: self.body_start,
+            len: self.len,
+            layers,
+        })
+    }
+
+    /// Uploads a CPU entry after checking it against the model config (layer kinds,
+    /// pair dims, conv tail length, K/V rows = `len − body_start`).
+    pub fn from_host(gpu: &Arc<Gpu>, c: &ModelConfig, e: &SegmentEntry) -> Result<Self> {
+        let bad = |m: String| Err(CudaError::Shape(format!("segment entry: {m}")));
+        if e.layers.len() != c.num_layers {
+            return bad(format!(
+                "{} layers, the model has {}",
+                e.layers.len(),
+                c.num_layers
+            ));
+        }
+        if e.body_start > e.len {
+            return bad(format!(
+                "body start {} past the length {}",
+                e.body_start, e.len
+            ));
+        }
+        let conv_len = c.conv_dim() * c.conv_kernel.saturating_sub(1);
+        let (hv, dk, dv) = (c.linear_v_heads, c.linear_k_dim, c.linear_v_dim);
+        let row = c.num_kv_heads * c.head_dim;
+        let rows = e.len - e.body_start;
+        let mut layers = Vec::with_capacity(e.layers.len());
+        for (i, (l, kind)) in e.layers.iter().zip(&c.layer_kinds).enumerate() {
+            layers.push(match (l, kind) {
+                (EntryLayer::Linear { pair, conv_tail }, LayerKind::Linear) => {
+                    if pair.kind() != TransitionKind::Dense || pair.dims() != (hv, dk, dv) {
+                        return bad(format!(
+                            "layer {i}: pair {:?} {:?}",
+                            pair.kind(),
+                            pair.dims()
+                        ));
+                    }
+                    if conv_tail.len() != conv_len {
+                        return bad(format!(
+                            "layer {i}: conv tail {} (want {conv_len})",
+                            conv_tail.len()
+                        ));
+                    }
+                    GpuEntryLayer::Linear {
+                        pair: DensePair::upload(gpu, pair)?,
+                        conv_tail: if conv_len == 0 {
+                            gpu.zeros(1)?
+                        } else {
+                            gpu.upload(conv_tail)?
+                        },
+                        conv_len,
+                    }
+                }
+                (EntryLayer::Full { k, v }, LayerKind::Full) => {
+                    if k.len() != rows * row || v.len() != rows * row {
+                        return bad(format!(
+                            "layer {i}: K {} / V {} values, want {}",
+                            k.len(),
+                            v.len(),
+                            rows * row
+                        ));
+                    }
+                    GpuEntryLayer::Full {
+                        k: upload_elems(gpu, k)?,
+                        v: upload_elems(gpu, v)?,
+                        rows,
+                        row,
+                    }
+                }
+                _ => return bad(format!("layer {i}: kind does not match the model")),
+            });
+        }
+        gpu.sync()?;
+        Ok(GpuSegmentEntry {
+            gpu: gpu.clone(),
+            body_start: e.body_start,
+            len: e.len,
+            layers,
+        })
+    }
+}
+
+/// A private-pool snapshot on the device: the running state after a segment prefix.
+pub struct GpuSnapshot<T: Elem> {
+    /// Whole-model device state.
+    pub state: GpuState<T>,
+    /// Last-token logits `[vocab]` of the prefix, when it was a whole prompt (host).
+    pub logits: Option<Vec<f32>>,
+}
+
+/// Device and config bound for decoding spilled blobs on this thread.
+struct SpillCtx {
+    gpu: Arc<Gpu>,
+    config: ModelConfig,
+}
+
+thread_local! {
+    static SPILL_CTX: RefCell<Option<SpillCtx>> = const { RefCell::new(None) };
+}
+
+/// Binds `(gpu, config)` for spill decoding while `f` runs (restoring the previous
+/// binding afterwards).
+fn with_spill_ctx<R>(gpu: &Arc<Gpu>, c: &ModelConfig, f: impl FnOnce() -> R) -> R {
+    let prev = SPILL_CTX.with(|x| {
+        x.replace(Some(SpillCtx {
+            gpu: gpu.clone(),
+            config: c.clone(),
+        }))
+    });
+    let r = f();
+    SPILL_CTX.with(|x| *x.borrow_mut() = prev);
+    r
+}
+
+fn spill_ctx<R>(
+    f: impl FnOnce(&SpillCtx) -> std::result::Result<R, String>,
+) -> std::result::Result<R, String> {
+    SPILL_CTX.with(|x| match x.borrow().as_ref() {
+        Some(c) => f(c),
+        None => Err("no GPU bound for decoding a spilled GPU entry".into()),
+    })
+}
+
+/// Encode = download into the CPU blob format; a download failure writes an empty
+/// blob, which fails to decode (counted as damaged, then recomputed).
+impl<T: Elem> Spill for GpuSegmentEntry<T> {
+    fn encode(&self) -> Vec<u8> {
+        self.to_host().map(|e| e.encode()).unwrap_or_default()
+    }
+    fn decode(bytes: &[u8]) -> std::result::Result<Self, String> {
+        let e = SegmentEntry::decode(bytes)?;
+        spill_ctx(|c| GpuSegmentEntry::from_host(&c.gpu, &c.config, &e).map_err(|x| x.to_string()))
+    }
+}
+
+impl<T: Elem> Spill for GpuSnapshot<T> {
+    fn encode(&self) -> Vec<u8> {
+        match self.state.to_host() {
+            Ok(state) => Snapshot {
+                state,
+                logits: self.logits.clone(),
+            }
+            .encode(),
+            Err(_) => vec![],
+        }
+    }
+    fn decode(bytes: &[u8]) -> std::result::Result<Self, String> {
+        let s = Snapshot::decode(bytes)?;
+        spill_ctx(|c| {
+            Ok(GpuSnapshot {
+                state: GpuState::from_host(&c.gpu, &c.config, &s.state)
+                    .map_err(|x| x.to_string())?,
+                logits: s.logits,
+            })
+        })
+    }
+}
+
+/// Result of [`GpuPicEngine::run`].
+pub struct GpuPicOutput<T: Elem> {
+    /// Logits of the prompt's last token, `[vocab]` (host, fp32).
+    pub logits: Vec<f32>,
+    /// Running device state after the prompt, ready for [`GpuModel::decode`].
+    pub state: GpuState<T>,
+    /// Statistics (the same as the CPU engine's for the same requests).
+    pub stats: PicStats,
+}
+
+fn lock<X>(m: &Mutex<X>) -> MutexGuard<'_, X> {
+    m.lock().unwrap_or_else(|p| p.into_inner())
+}
+
+/// The PIC engine on the GPU: a device model plus its public and private pools, both
+/// in device memory (see the module doc).
+pub struct GpuPicEngine<T: Elem> {
+    model: Arc<GpuModel<T>>,
+    model_id: String,
+    public: Mutex<Pool<GpuSegmentEntry<T>>>,
+    private: Mutex<Pool<GpuSnapshot<T>>>,
+}
+
+impl<T: Elem> GpuPicEngine<T>
+where
+    CudaBlas: Gemm<T>,
+{
+    /// Engine over `model` (identified by `model_id` in cache keys, as the CPU
+    /// engine) with LRU pools of the given device byte capacities.
+    pub fn new(
+        model: Arc<GpuModel<T>>,
+        model_id: &str,
+        public_bytes: usize,
+        private_bytes: usize,
+    ) -> Self {
+        GpuPicEngine {
+            model,
+            model_id: model_id.to_string(),
+            public: Mutex::new(Pool::new(public_bytes, Box::new(Lru))),
+            private: Mutex::new(Pool::new(private_bytes, Box::new(Lru))),
+        }
+    }
+
+    /// The device model.
+    pub fn model(&self) -> &Arc<GpuModel<T>> {
+        &self.model
+    }
+
+    /// Replaces the public pool's policy.
+    pub fn set_public_policy(&self, p: Box<dyn CachePolicy>) {
+        lock(&self.public).set_policy(p);
+    }
+    /// Replaces the private pool's policy.
+    pub fn set_private_policy(&self, p: Box<dyn CachePolicy>) {
+        lock(&self.private).set_policy(p);
+    }
+
+    /// Gives both pools host spill tiers of the given byte capacities (0: none):
+    /// entries evicted from device memory are downloaded into checksummed host blobs
+    /// and uploaded again on a later hit after the checksum verifies.
+    pub fn enable_spill(&self, public_bytes: usize, private_bytes: usize) {
+        lock(&self.public).enable_spill(public_bytes);
+        lock(&self.private).enable_spill(private_bytes);
+    }
+
+    /// `(entries, bytes, capacity)` of the public and private spill tiers.
+    pub fn spill_usage(&self) -> [(usize, usize, usize); 2] {
+        [
+            lock(&self.public).spill_usage(),
+            lock(&self.private).spill_usage(),
+        ]
+    }
+
+    /// Fault injection for tests: damages every spilled blob of both pools (one bit
+    /// at byte `at`); returns how many were damaged.
+    #[doc(hidden)]
+    pub fn damage_spilled(&self, at: usize) -> usize {
+        let mut n = 0;
+        {
+            let mut p = lock(&self.public);
+            for k in p.spilled_keys() {
+                n += p.damage_spilled(&k, at) as usize;
+            }
+        }
+        let mut p = lock(&self.private);
+        for k in p.spilled_keys() {
+            n += p.damage_spilled(&k, at) as usize;
+        }
+        n
+    }
+
+    /// `(entries, device bytes, stats)` of the public pool.
+    pub fn public_usage(&self) -> (usize, usize, PoolStats) {
+        let p = lock(&self.public);
+        (p.len(), p.used_bytes(), p.stats())
+    }
+    /// `(entries, device bytes, stats)` of the private pool.
+    pub fn private_usage(&self) -> (usize, usize, PoolStats) {
+        let p = lock(&self.private);
+        (p.len(), p.used_bytes(), p.stats())
+    }
+
+    /// Drops every cached entry and snapshot owned by `isolation` (both tiers);
+    /// returns how many were removed.
+    pub fn invalidate_owner(&self, isolation: &str) -> usize {
+        lock(&self.public).remove_owner(isolation) + lock(&self.private).remove_owner(isolation)
+    }
+
+    /// Clears both pools.
+    pub fn clear(&self) {
+        lock(&self.public).clear();
+        lock(&self.private).clear();
+    }
+
+    /// SHA-256 (hex) of the model id and a segment's tokens (as the CPU engine).
+    pub fn content_hash(&self, tokens: &[u32]) -> String {
+        hex::encode(content_key(&self.model_id, tokens))
+    }
+
+    fn get_public(&self, key: &Key) -> Option<Arc<GpuSegmentEntry<T>>> {
+        let gpu = self.model.gpu();
+        with_spill_ctx(gpu, self.model.config(), || lock(&self.public).get(key))
+    }
+
+    /// Serves one request on the device: prefix/PIC reuse per `mode`, then the query
+    /// segment. Same semantics, keys and statistics as `PicEngine::run`: `tenant`
+    /// scopes the private pool, each segment's `isolation` its public-pool entry.
+    ///
+    /// Errors ([`CudaError::Shape`] with the CPU engine's message): no segments, an
+    /// empty segment, a token outside the vocabulary, a prompt over the context
+    /// limit; driver errors.
+    pub fn run(
+        &self,
+        segments: &[SegmentRef],
+        mode: Mode,
+        tenant: &str,
+    ) -> Result<GpuPicOutput<T>> {
+        let model = &self.model;
+        let c = model.config();
+        validate_segments(c, segments).map_err(|e| CudaError::Shape(e.to_string()))?;
+        let n = segments.len();
+        let contents: Vec<Key> = segments
+            .iter()
+            .map(|s| content_key(&self.model_id, &s.tokens))
+            .collect();
+        let mut stats = PicStats::default();
+        let stat = |i: usize, outcome: Outcome, computed: usize, reused: usize| SegmentStat {
+            index: i,
+            tokens: segments[i].tokens.len(),
+            outcome,
+            computed,
+            reused,
+            content_hash: hex::encode(contents[i]),
+        };
+        let use_private = mode != Mode::FullRecompute && mode != Mode::NaiveAddition;
+        let pkeys = if use_private {
+            prefix_keys(&self.model_id, &mode, tenant, &contents, segments)
+        } else {
+            vec![]
+        };
+
+        // 1. Longest private-pool prefix.
+        let mut state = model.new_state()?;
+        let mut start = 0usize;
+        if use_private {
+            let gpu = model.gpu();
+            let mut pool = lock(&self.private);
+            for i in (1..=n).rev() {
+                if !pool.contains(&pkeys[i - 1]) {
+                    continue;
+                }
+                let Some(snap) = with_spill_ctx(gpu, c, || pool.get(&pkeys[i - 1])) else {
+                    continue;
+                };
+                if i == n {
+                    let Some(logits) = snap.logits.clone() else {
+                        continue;
+                    };
+                    drop(pool);
+                    for (j, s) in segments.iter().enumerate() {
+                        stats
+                            .segments
+                            .push(stat(j, Outcome::PrefixHit, 0, s.tokens.len()));
+                    }
+                    stats.hits = n;
+                    stats.tokens_reused = segments.iter().map(|s| s.tokens.len()).sum();
+                    return Ok(GpuPicOutput {
+                        logits,
+                        state: snap.state.try_clone()?,
+                        stats,
+                    });
+                }
+                state = snap.state.try_clone()?;
+                start = i;
+                for (j, s) in segments[..i].iter().enumerate() {
+                    stats
+                        .segments
+                        .push(stat(j, Outcome::PrefixHit, 0, s.tokens.len()));
+                }
+                break;
+            }
+        }
+
+        // 2. Remaining segments.
+        let mut logits = vec![];
+        for i in start..n {
+            let seg = &segments[i];
+            let m = seg.tokens.len();
+            let last = i + 1 == n;
+            let body_start = match mode {
+                Mode::Hypic { seam_width, .. } if i > 0 => seam_width,
+                _ => 0,
+            };
+            let compute_here = last
+                || matches!(mode, Mode::FullRecompute | Mode::PrefixCache)
+                || (matches!(mode, Mode::Hypic { .. }) && body_start >= m);
+            if compute_here {
+                logits = model.prefill(
+                    &seg.tokens,
+                    &mut state,
+                    if last { Logits::Last } else { Logits::None },
+                )?;
+                stats.segments.push(stat(i, Outcome::Computed, m, 0));
+            } else {
+                let key = public_key(&contents[i], &seg.isolation, body_start);
+                let (entry, outcome) = match self.get_public(&key) {
+                    Some(e) => (e, Outcome::Hit),
+                    None => {
+                        let e = Arc::new(self.build_entry(&seg.tokens, body_start)?);
+                        let bytes = e.bytes();
+                        lock(&self.public).insert(key, e.clone(), bytes, m, &seg.isolation);
+                        (e, Outcome::Miss)
+                    }
+                };
+                let rope_fix = match mode {
+                    Mode::Hypic { rope_fix, .. } => rope_fix,
+                    _ => true,
+                };
+                let naive = mode == Mode::NaiveAddition;
+                self.compose(&seg.tokens, &entry, &mut state, naive, rope_fix)?;
+                let window = body_start.min(m);
+                let (computed, reused) = match outcome {
+                    Outcome::Hit => (window, m - window),
+                    _ => (m + window, 0),
+                };
+                stats.segments.push(stat(i, outcome, computed, reused));
+            }
+            if use_private {
+                let snap = GpuSnapshot {
+                    state: state.try_clone()?,
+                    logits: if last { Some(logits.clone()) } else { None },
+                };
+                let bytes = snap.state.bytes() + 4 * logits.len();
+                let owner = tenant.to_string();
+                lock(&self.private).insert(pkeys[i], Arc::new(snap), bytes, 0, &owner);
+            }
+        }
+        tally(&mut stats);
+        Ok(GpuPicOutput {
+            logits,
+            state,
+            stats,
+        })
+    }
+
+    /// Prefills `tokens` alone on the device (fresh state, positions from 0) and
+    /// keeps, per layer, the body `[body_start, m)` (clamped to `m`): GDN layers' pair
+    /// and conv tail, attention layers' K/V. The device counterpart of
+    /// `PicEngine::build_entry`.
+    ///
+    /// Errors: empty span, a token outside the vocabulary; driver errors.
+    pub fn build_entry(&self, tokens: &[u32], body_start: usize) -> Result<GpuSegmentEntry<T>> {
+        let model = &self.model;
+        let c = model.config();
+        let gpu = model.gpu();
+        let m = tokens.len();
+        let from = body_start.min(m);
+        let mut st = model.new_state()?;
+        let pairs = model.prefill_capture(tokens, &mut st, from)?;
+        if pairs.len() != st.layers.len() {
+            return Err(CudaError::Shape(format!(
+                "capture returned {} layers for {}",
+                pairs.len(),
+                st.layers.len()
+            )));
+        }
+        let conv_len = c.conv_dim() * c.conv_kernel.saturating_sub(1);
+        let rows = m - from;
+        let s = gpu.stream();
+        let mut layers = Vec::with_capacity(pairs.len());
+        for (i, (ls, p)) in st.layers.into_iter().zip(pairs).enumerate() {
+            layers.push(match (ls, p) {
+                (GpuLayerState::Linear { conv, .. }, Some(pair)) => GpuEntryLayer::Linear {
+                    pair,
+                    conv_tail: conv,
+                    conv_len,
+                },
+                (GpuLayerState::Full(kv), None) => {
+                    let row = kv.row;
+                    let (k, v) = if rows == 0 {
+                        (gpu.zeros(1)?, gpu.zeros(1)?)
+                    } else {
+                        (
+                            s.clone_dtod(&kv.k.slice(from * row..m * row))?,
+                            s.clone_dtod(&kv.v.slice(from * row..m * row))?,
+                        )
+                    };
+                    GpuEntryLayer::Full { k, v, rows, row }
+                }
+                _ => {
+                    return Err(CudaError::Shape(format!(
+                        "layer {i}: capture returned no cache data"
+                    )))
+                }
+            });
+        }
+        Ok(GpuSegmentEntry {
+            gpu: gpu.clone(),
+            body_start: from,
+            len: m,
+            layers,
+        })
+    }
+
+    /// Places a cached segment after the running `state` at `b = state.next_position`:
+    /// recomputes the seam window `tokens[..body_start]` through the whole model, then
+    /// composes the body (or adds it, `naive`) and appends the (re-rotated) body KV.
+    fn compose(
+        &self,
+        tokens: &[u32],
+        e: &GpuSegmentEntry<T>,
+        state: &mut GpuState<T>,
+        naive: bool,
+        rope_fix: bool,
+    ) -> Result<()> {
+        let model = &self.model;
+        let c = model.config();
+        let gpu = model.gpu();
+        if e.len != tokens.len() || e.body_start > e.len || e.layers.len() != state.layers.len() {
+            return Err(CudaError::Shape(format!(
+                "cache entry ({} tokens, body from {}, {} layers) does not match the segment \
+                 ({} tokens) or the state ({} layers)",
+                e.len,
+                e.body_start,
+                e.layers.len(),
+                tokens.len(),
+                state.layers.len()
+            )));
+        }
+        let b = state.next_position;
+        if e.body_start > 0 {
+            model.prefill(&tokens[..e.body_start], state, Logits::None)?;
+        }
+        let (nkv, hd) = (c.num_kv_heads, c.head_dim);
+        let s = gpu.stream();
+        for (i, (ls, el)) in state.layers.iter_mut().zip(&e.layers).enumerate() {
+            match (ls, el, c.layer_kinds[i]) {
+                (
+                    GpuLayerState::Linear { conv, recurrent },
+                    GpuEntryLayer::Linear {
+                        pair,
+                        conv_tail,
+                        conv_len,
+                    },
+                    LayerKind::Linear,
+                ) => {
+                    let n = pair.hv * pair.dk * pair.dv;
+                    if naive {
+                        axpby(gpu, recurrent, &pair.b, 1.0, 1.0, n)?;
+                    } else {
+                        let mut out: CudaSlice<f32> = gpu.zeros(n)?;
+                        pair.apply_into(gpu, recurrent, &mut out)?;
+                        *recurrent = out;
+                    }
+                    check_len("conv tail", conv_tail, *conv_len)?;
+                    *conv = s.clone_dtod(conv_tail)?;
+                }
+                (
+                    GpuLayerState::Full(kv),
+                    GpuEntryLayer::Full { k, v, rows, row },
+                    LayerKind::Full,
+                ) => {
+                    let (rows, row) = (*rows, *row);
+                    if rows == 0 {
+                        continue;
+                    }
+                    let mut kr = s.clone_dtod(&k.slice(..rows * row))?;
+                    if rope_fix && b != 0 {
+                        if let Some(inv) = model.inv_freq() {
+                            ops::rope(gpu, &mut kr, None, b, inv, rows, nkv, hd)?;
+                        }
+                    }
+                    let pos = iota(gpu, b + e.body_start as i64, rows)?;
+                    kv.append(gpu, &kr, v, &pos, rows)?;
+                }
+                _ => {
+                    return Err(CudaError::Shape(format!(
+                        "layer {i}: cache entry does not match the model"
+                    )))
+                }
+            }
+        }
+        state.next_position = b + e.len as i64;
+        Ok(())
+    }
+}

@@ -1,0 +1,960 @@
+//! The GPU PIC engine (`dataplane::cuda::pic::GpuPicEngine`) against the CPU
+//! `pic::PicEngine` (issue 6, part 3).
+//!
+//! Built only with `--features cuda`; without the feature one test prints that the
+//! suite was skipped. With the feature but no usable CUDA device every GPU test prints
+//! a `SKIP` line and passes, unless `HYPIC_REQUIRE_GPU=1` is set (scripts/gpu-check.sh
+//! sets it). `cpu_side_runs_without_a_device` runs the CPU half of every scenario
+//! everywhere.
+//!
+//! Models: the three golden fixtures (dk = dv = 16, head_dim 32: the generic
+//! transition kernel of pic.cu and the generic GDR/attention kernels), the bundled
+//! `models/hypic-tiny` (dk = dv = 64, head_dim 64), and a synthetic random model
+//! (dk = dv = 128, head_dim 256: `T_body` from the chunked kernel in the same pass for
+//! bodies of ≥ 16 tokens).
+//!
+//! Per model and dtype, every mode (full, prefix, naive, hypic w = 0, hypic w = 8,
+//! hypic w = 8 without the RoPE fix) serves the same prompt (system + 3 documents +
+//! query, as tests/pic.rs builds them) cold, then reordered, then the reordered
+//! prompt again (hot), on both engines. Checked: identical `PicStats` (outcomes,
+//! hits, misses, token counts, hashes), logits (fp32: max-relative error
+//! `max|gpu − cpu| / max(1, max|cpu|)` ≤ 1e-4; bf16: norm-wise ≤ 0.1, 0.35 on the
+//! randomly initialised golden models, the bounds of cuda_model.rs), 8 greedy tokens
+//! decoded from the returned states (fp32: equal, unless the CPU's top-2 logit gap at
+//! the first difference is below 1e-3, a near tie, printed), and tenant isolation
+//! (another tenant with its own isolation key gets no hit). Separately: the body
+//! pairs and KV of cache entries against the CPU's, the transition kernel against
+//! `linear::gdr::chunked_with_transition`, the spill tier (restores bit-exact,
+//! damaged blobs recomputed) and bad input.
+//!
+//! Every case prints a line starting with two spaces (collected into the gpu-check
+//! report).
+
+#[cfg(not(feature = "cuda"))]
+#[test]
+fn cuda_pic_tests_skipped_without_feature() {
+    eprintln!(
+        "cuda_pic: built without `--features cuda`; the GPU PIC tests are skipped \
+         (run scripts/gpu-check.sh on a GPU machine)"
+    );
+}
+
+#[cfg(feature = "cuda")]
+mod gpu {
+    use std::path::{Path, PathBuf};
+    use std::sync::{Arc, Mutex, MutexGuard, OnceLock};
+
+    use cudarc::cublas::{CudaBlas, Gemm};
+    use dataplane::cuda::gdr::set_identity;
+    use dataplane::cuda::model::GpuModel;
+    use dataplane::cuda::pic::{gdr_transition, GpuPicEngine};
+    use dataplane::cuda::{Elem, Gpu};
+    use dataplane::linear::gdr::{chunked_with_transition, GdrDims};
+    use dataplane::model::Model;
+    use dataplane::pic::engine::EntryLayer;
+    use dataplane::pic::{Mode, Outcome, PicEngine, PicStats, SegmentRef};
+    use dataplane::sampling::argmax;
+    use dataplane::state::ModelState;
+    use half::bf16;
+    use rand::rngs::StdRng;
+    use rand::{Rng, SeedableRng};
+
+    const F32_TOL: f64 = 1e-4;
+    const BF16_TOL: f64 = 0.1;
+    const BF16_TOL_RANDOM_GOLDEN: f64 = 0.35;
+    const GREEDY: usize = 8;
+
+    fn gpu(test: &str) -> Option<(Arc<Gpu>, MutexGuard<'static, ()>)> {
+        static G: OnceLock<std::result::Result<Arc<Gpu>, String>> = OnceLock::new();
+        static L: Mutex<()> = Mutex::new(());
+        let guard = L.lock().unwrap_or_else(|e| e.into_inner());
+        let g = G.get_or_init(|| match std::panic::catch_unwind(|| Gpu::new(0)) {
+            Ok(Ok(g)) => {
+                println!("cuda_pic: device {} ({})", g.name(), g.arch());
+                Ok(g)
+            }
+            Ok(Err(e)) => Err(e.to_string()),
+            Err(_) => Err("panic while loading the CUDA libraries".into()),
+        });
+        match g {
+            Ok(g) => Some((g.clone(), guard)),
+            Err(e) => {
+                if std::env::var_os("HYPIC_REQUIRE_GPU").is_some() {
+                    panic!("{test}: HYPIC_REQUIRE_GPU is set but no CUDA device is usable: {e}");
+                }
+                println!("SKIP {test}: no usable CUDA device ({e})");
+                None
+            }
+        }
+    }
+
+    fn repo_root() -> PathBuf {
+        let probe = |p: &Path| p.join("dataplane/tests/fixtures/golden").is_dir();
+        let mut cands = vec![];
+        if let Some(p) = std::env::var_os("HYPIC_REPO_ROOT") {
+            cands.push(PathBuf::from(p));
+        }
+        if let Ok(cwd) = std::env::current_dir() {
+            cands.push(cwd.clone());
+            if let Some(p) = cwd.parent() {
+                cands.push(p.to_path_buf());
+            }
+        }
+        cands.push(PathBuf::from(env!("CARGO_MANIFEST_DIR")).join(".."));
+        cands
+            .into_iter()
+            .find(|p| probe(p))
+            .unwrap_or_else(|| PathBuf::from(env!("CARGO_MANIFEST_DIR")).join(".."))
+    }
+
+    fn model_dir(label: &str) -> PathBuf {
+        if label == "hypic-tiny" {
+            repo_root().join("models/hypic-tiny")
+        } else {
+            repo_root()
+                .join("dataplane/tests/fixtures/golden")
+                .join(label)
+        }
+    }
+
+    fn load(label: &str) -> std::result::Result<Model, String> {
+        if label == "synthetic" {
+            return synthetic_model();
+        }
+        let dir = model_dir(label);
+        Model::load(&dir, &mut |_, _| {}).map_err(|e| format!("load {}: {e}", dir.display()))
+    }
+
+    /// `(max|a−b| / max(1, max|b|), ‖a−b‖ / ‖b‖)`; NaN gives NaN, a length mismatch +∞.
+    fn rel(a: &[f32], b: &[f32]) -> (f64, f64) {
+        if a.len() != b.len() {
+            return (f64::INFINITY, f64::INFINITY);
+        }
+        let (mut maxd, mut maxb, mut num, mut den) = (0f64, 1f64, 0f64, 0f64);
+        for (&x, &y) in a.iter().zip(b) {
+            if x.is_nan() || y.is_nan() {
+                return (f64::NAN, f64::NAN);
+            }
+            let d = (x as f64 - y as f64).abs();
+            maxd = maxd.max(d);
+            maxb = maxb.max((y as f64).abs());
+            num += d * d;
+            den += (y as f64) * (y as f64);
+        }
+        (maxd / maxb, (num / den.max(1e-300)).sqrt())
+    }
+
+    fn ok(e: f64, tol: f64) -> bool {
+        e.is_finite() && e <= tol
+    }
+
+    /// System prompt (24 tokens), `docs` documents of 20–89 tokens, a 10-token query
+    /// (as tests/pic.rs), ids below `min(vocab, 317)`, isolation key `iso`.
+    fn prompt(seed: u64, docs: usize, vocab: usize, iso: &str) -> Vec<SegmentRef> {
+        let mut rng = StdRng::seed_from_u64(seed);
+        let top = vocab.min(317) as u32;
+        let seg = |rng: &mut StdRng, len: usize| SegmentRef {
+            tokens: (0..len).map(|_| rng.random_range(0..top)).collect(),
+            isolation: iso.into(),
+        };
+        let mut v = vec![seg(&mut rng, 24)];
+        for _ in 0..docs {
+            let len = rng.random_range(20..90);
+            v.push(seg(&mut rng, len));
+        }
+        v.push(seg(&mut rng, 10));
+        v
+    }
+
+    /// `[sys, d3, d1, d2, query]` of a 3-document prompt.
+    fn reorder(p: &[SegmentRef]) -> Vec<SegmentRef> {
+        vec![
+            p[0].clone(),
+            p[3].clone(),
+            p[1].clone(),
+            p[2].clone(),
+            p[4].clone(),
+        ]
+    }
+
+    fn modes() -> Vec<(&'static str, Mode)> {
+        vec![
+            ("full", Mode::FullRecompute),
+            ("prefix", Mode::PrefixCache),
+            ("naive", Mode::NaiveAddition),
+            (
+                "hypic-w0",
+                Mode::Hypic {
+                    seam_width: 0,
+                    rope_fix: true,
+                },
+            ),
+            ("hypic-w8", Mode::hypic_default()),
+            (
+                "hypic-w8-norope",
+                Mode::Hypic {
+                    seam_width: 8,
+                    rope_fix: false,
+                },
+            ),
+        ]
+    }
+
+    fn outcomes(s: &PicStats) -> String {
+        s.segments
+            .iter()
+            .map(|x| match x.outcome {
+                Outcome::Computed => 'C',
+                Outcome::PrefixHit => 'P',
+                Outcome::Hit => 'H',
+                Outcome::Miss => 'M',
+            })
+            .collect()
+    }
+
+    fn cpu_greedy(m: &Model, logits: &[f32], mut st: ModelState, n: usize) -> Vec<(u32, f32)> {
+        let mut out = vec![(argmax(logits), gap(logits))];
+        for _ in 1..n {
+            let Ok(l) = m.decode(out[out.len() - 1].0, &mut st) else {
+                break;
+            };
+            out.push((argmax(&l), gap(&l)));
+        }
+        out
+    }
+
+    /// Top-1 minus top-2 logit.
+    fn gap(l: &[f32]) -> f32 {
+        let (mut a, mut b) = (f32::NEG_INFINITY, f32::NEG_INFINITY);
+        for &x in l {
+            if x > a {
+                b = a;
+                a = x;
+            } else if x > b {
+                b = x;
+            }
+        }
+        a - b
+    }
+
+    struct Report {
+        failures: Vec<String>,
+    }
+
+    impl Report {
+        fn new() -> Self {
+            Report { failures: vec![] }
+        }
+        fn fail(&mut self, m: String) {
+            println!("  FAIL {m}");
+            self.failures.push(m);
+        }
+        fn finish(self, test: &str) {
+            assert!(
+                self.failures.is_empty(),
+                "{test}: {} failure(s):\n{}",
+                self.failures.len(),
+                self.failures.join("\n")
+            );
+        }
+    }
+
+    fn dtype<T: Elem>() -> &'static str {
+        T::SUFFIX
+    }
+
+    /// Every mode on one model in dtype `T`: cold, reordered, hot; stats, logits,
+    /// greedy tokens and tenant isolation against the CPU engine.
+    fn pic_scenario<T: Elem>(gpu: &Arc<Gpu>, label: &str, model: &Arc<Model>, rep: &mut Report)
+    where
+        CudaBlas: Gemm<T>,
+    {
+        let gm = match GpuModel::<T>::upload(gpu.clone(), model) {
+            Ok(m) => Arc::new(m),
+            Err(e) => return rep.fail(format!("{label} {}: upload: {e}", dtype::<T>())),
+        };
+        let f32_run = T::SUFFIX == "f32";
+        let random_golden = label.starts_with("qwen3") || label == "synthetic";
+        let tol = if f32_run {
+            F32_TOL
+        } else if random_golden {
+            BF16_TOL_RANDOM_GOLDEN
+        } else {
+            BF16_TOL
+        };
+        let vocab = model.config.vocab_size;
+        let cold = prompt(7, 3, vocab, "t");
+        let hot = reorder(&cold);
+        for (mname, mode) in modes() {
+            let cpu = PicEngine::new(model.clone(), label, 1 << 30, 1 << 30);
+            let gpe = GpuPicEngine::new(gm.clone(), label, 1 << 30, 1 << 30);
+            let phases: [(&str, &[SegmentRef]); 3] =
+                [("cold", &cold), ("reordered", &hot), ("hot", &hot)];
+            let mut last = None;
+            for (phase, segs) in phases {
+                let case = format!("{label} {} {mname} {phase}", dtype::<T>());
+                let c = match cpu.run(segs, mode, "t") {
+                    Ok(c) => c,
+                    Err(e) => return rep.fail(format!("{case}: CPU run: {e}")),
+                };
+                let g = match gpe.run(segs, mode, "t") {
+                    Ok(g) => g,
+                    Err(e) => return rep.fail(format!("{case}: GPU run: {e}")),
+                };
+                let (mx, nw) = rel(&g.logits, &c.logits);
+                let e = if f32_run { mx } else { nw };
+                println!(
+                    "  {case}: outcomes cpu {} gpu {}, hits {}/{}, misses {}/{}, computed {}/{}, \
+                     logits max-rel {mx:.2e} norm-rel {nw:.2e} (tol {tol:.0e} on {})",
+                    outcomes(&c.stats),
+                    outcomes(&g.stats),
+                    c.stats.hits,
+                    g.stats.hits,
+                    c.stats.misses,
+                    g.stats.misses,
+                    c.stats.tokens_computed,
+                    g.stats.tokens_computed,
+                    if f32_run { "max-rel" } else { "norm-rel" }
+                );
+                if g.stats != c.stats {
+                    rep.fail(format!(
+                        "{case}: stats differ: cpu {:?} gpu {:?}",
+                        c.stats, g.stats
+                    ));
+                }
+                if !ok(e, tol) {
+                    rep.fail(format!("{case}: logits error {e:.3e} > {tol:.0e}"));
+                }
+                last = Some((c, g));
+            }
+            // Greedy continuation from the returned states.
+            if let Some((c, mut g)) = last {
+                let cg = cpu_greedy(model, &c.logits, c.state, GREEDY);
+                let mut gg = vec![argmax(&g.logits)];
+                while gg.len() < cg.len() {
+                    match gm.decode(gg[gg.len() - 1], &mut g.state) {
+                        Ok(l) => gg.push(argmax(&l)),
+                        Err(e) => {
+                            rep.fail(format!("{label} {mname}: GPU decode: {e}"));
+                            break;
+                        }
+                    }
+                }
+                let ct: Vec<u32> = cg.iter().map(|x| x.0).collect();
+                let first_diff = ct.iter().zip(&gg).position(|(a, b)| a != b);
+                println!(
+                    "  {label} {} {mname} greedy {GREEDY}: cpu {ct:?} gpu {gg:?}",
+                    dtype::<T>()
+                );
+                if let (true, Some(i)) = (f32_run, first_diff) {
+                    if cg[i].1 < 1e-3 {
+                        println!(
+                            "  {label} {mname}: greedy differs at {i}, a near tie (gap {:.2e})",
+                            cg[i].1
+                        );
+                    } else {
+                        rep.fail(format!(
+                            "{label} f32 {mname}: greedy differs at step {i} (cpu gap {:.2e})",
+                            cg[i].1
+                        ));
+                    }
+                }
+            }
+            // Tenant isolation: another tenant with its own isolation keys gets no hit.
+            let other: Vec<SegmentRef> = hot
+                .iter()
+                .map(|s| SegmentRef {
+                    tokens: s.tokens.clone(),
+                    isolation: "u".into(),
+                })
+                .collect();
+            match (cpu.run(&other, mode, "u"), gpe.run(&other, mode, "u")) {
+                (Ok(c), Ok(g)) => {
+                    let hit = g
+                        .stats
+                        .segments
+                        .iter()
+                        .any(|s| matches!(s.outcome, Outcome::Hit | Outcome::PrefixHit));
+                    println!(
+                        "  {label} {} {mname} other tenant: outcomes cpu {} gpu {}",
+                        dtype::<T>(),
+                        outcomes(&c.stats),
+                        outcomes(&g.stats)
+                    );
+                    if hit || g.stats != c.stats {
+                        rep.fail(format!(
+                            "{label} {mname}: other tenant saw a hit or stats differ"
+                        ));
+                    }
+                    let n = gpe.invalidate_owner("u");
+                    let m = cpu.invalidate_owner("u");
+                    if n != m {
+                        rep.fail(format!("{label} {mname}: invalidate_owner gpu {n} cpu {m}"));
+                    }
+                }
+                (Err(e), _) => rep.fail(format!("{label} {mname}: other tenant, CPU: {e}")),
+                (_, Err(e)) => rep.fail(format!("{label} {mname}: other tenant, GPU: {e}")),
+            }
+        }
+    }
+
+    fn run_pic(test: &str, label: &str) {
+        let Some((g, _l)) = gpu(test) else {
+            return;
+        };
+        let mut rep = Report::new();
+        match load(label) {
+            Ok(m) => {
+                let m = Arc::new(m);
+                println!("-- {label}");
+                pic_scenario::<f32>(&g, label, &m, &mut rep);
+                pic_scenario::<bf16>(&g, label, &m, &mut rep);
+            }
+            Err(e) => rep.fail(e),
+        }
+        rep.finish(test);
+    }
+
+    #[test]
+    fn pic_matches_cpu_golden_qwen3_next() {
+        run_pic("pic_matches_cpu_golden_qwen3_next", "qwen3_next");
+    }
+
+    #[test]
+    fn pic_matches_cpu_golden_qwen3_5_moe() {
+        run_pic("pic_matches_cpu_golden_qwen3_5_moe", "qwen3_5_moe");
+    }
+
+    #[test]
+    fn pic_matches_cpu_golden_qwen3_5() {
+        run_pic("pic_matches_cpu_golden_qwen3_5", "qwen3_5");
+    }
+
+    #[test]
+    fn pic_matches_cpu_hypic_tiny() {
+        run_pic("pic_matches_cpu_hypic_tiny", "hypic-tiny");
+    }
+
+    #[test]
+    fn pic_matches_cpu_synthetic_dk128_hd256() {
+        run_pic("pic_matches_cpu_synthetic_dk128_hd256", "synthetic");
+    }
+
+    /// Cache entries built on the GPU (fp32) against the CPU's: per layer the body
+    /// pair `(T, S|0)`, the conv tail, the body K/V; body starts 0, 8 and 30.
+    #[test]
+    fn entries_match_cpu() {
+        let test = "entries_match_cpu";
+        let Some((g, _l)) = gpu(test) else {
+            return;
+        };
+        let mut rep = Report::new();
+        for label in [
+            "qwen3_next",
+            "qwen3_5_moe",
+            "qwen3_5",
+            "hypic-tiny",
+            "synthetic",
+        ] {
+            let m = match load(label) {
+                Ok(m) => Arc::new(m),
+                Err(e) => {
+                    rep.fail(e);
+                    continue;
+                }
+            };
+            let gm = match GpuModel::<f32>::upload(g.clone(), &m) {
+                Ok(x) => Arc::new(x),
+                Err(e) => {
+                    rep.fail(format!("{label}: upload: {e}"));
+                    continue;
+                }
+            };
+            let cpu = PicEngine::new(m.clone(), label, 1 << 30, 1 << 30);
+            let gpe = GpuPicEngine::new(gm, label, 1 << 30, 1 << 30);
+            let tokens = prompt(11, 3, m.config.vocab_size, "t")[2].tokens.clone();
+            for bs in [0usize, 8, 30] {
+                let (c, ge) = match (cpu.build_entry(&tokens, bs), gpe.build_entry(&tokens, bs)) {
+                    (Ok(c), Ok(x)) => (c, x),
+                    (Err(e), _) => return rep.fail(format!("{label}: CPU build: {e}")),
+                    (_, Err(e)) => return rep.fail(format!("{label}: GPU build: {e}")),
+                };
+                let h = match ge.to_host() {
+                    Ok(h) => h,
+                    Err(e) => return rep.fail(format!("{label}: download: {e}")),
+                };
+                let mut worst = (0f64, String::new());
+                for (i, (a, b)) in h.layers.iter().zip(&c.layers).enumerate() {
+                    let errs: Vec<(&str, f64)> = match (a, b) {
+                        (
+                            EntryLayer::Linear {
+                                pair: pa,
+                                conv_tail: ca,
+                            },
+                            EntryLayer::Linear {
+                                pair: pb,
+                                conv_tail: cb,
+                            },
+                        ) => vec![
+                            ("T", rel(pa.t(), pb.t()).0),
+                            ("S|0", rel(pa.b(), pb.b()).0),
+                            ("conv", rel(ca, cb).0),
+                        ],
+                        (EntryLayer::Full { k: ka, v: va }, EntryLayer::Full { k: kb, v: vb }) => {
+                            vec![("K", rel(ka, kb).0), ("V", rel(va, vb).0)]
+                        }
+                        _ => vec![("kind", f64::INFINITY)],
+                    };
+                    for (w, e) in errs {
+                        // NaN counts as worst.
+                        if e.is_nan() || e > worst.0 {
+                            worst = (e, format!("layer {i} {w}"));
+                        }
+                    }
+                }
+                println!(
+                    "  {label} entry {} tokens body_start {bs}: worst max-rel {:.2e} at {}, {} bytes",
+                    tokens.len(),
+                    worst.0,
+                    worst.1,
+                    ge.bytes()
+                );
+                if h.layers.len() != c.layers.len()
+                    || (h.body_start, h.len) != (c.body_start, c.len)
+                {
+                    rep.fail(format!("{label} bs {bs}: entry shape differs"));
+                }
+                if !ok(worst.0, F32_TOL) {
+                    rep.fail(format!(
+                        "{label} bs {bs}: {} error {:.3e}",
+                        worst.1, worst.0
+                    ));
+                }
+            }
+        }
+        rep.finish(test);
+    }
+
+    /// The generic transition kernel (pic.cu) against the CPU `T_C` of
+    /// `linear::gdr::chunked_with_transition`, dk ∈ {16, 64, 128}, bf16 and f32 inputs.
+    #[test]
+    fn transition_kernel_matches_cpu() {
+        let test = "transition_kernel_matches_cpu";
+        let Some((g, _l)) = gpu(test) else {
+            return;
+        };
+        let mut rep = Report::new();
+        for (dk, t, hk, hv) in [
+            (16usize, 5usize, 2usize, 4usize),
+            (16, 77, 1, 2),
+            (64, 40, 2, 4),
+            (128, 70, 2, 4),
+        ] {
+            let d = GdrDims {
+                t,
+                hk,
+                hv,
+                dk,
+                dv: dk,
+            };
+            let mut r = StdRng::seed_from_u64(dk as u64 * 1000 + t as u64);
+            let mut unit = |n: usize| -> Vec<f32> {
+                let mut v: Vec<f32> = (0..n * dk).map(|_| r.random_range(-1.0f32..1.0)).collect();
+                for row in v.chunks_mut(dk) {
+                    let s = row.iter().map(|x| x * x).sum::<f32>().sqrt().max(1e-6);
+                    row.iter_mut().for_each(|x| *x /= s);
+                }
+                v
+            };
+            let q = unit(t * hk);
+            let k = unit(t * hk);
+            let v: Vec<f32> = (0..t * hv * dk)
+                .map(|i| ((i * 37 % 101) as f32 / 50.0) - 1.0)
+                .collect();
+            let gg: Vec<f32> = (0..t * hv).map(|i| -0.02 - (i % 7) as f32 * 0.03).collect();
+            let beta: Vec<f32> = (0..t * hv).map(|i| 0.1 + (i % 5) as f32 * 0.17).collect();
+            let mut st = vec![0f32; hv * dk * dk];
+            let (_, tc) = chunked_with_transition(&d, &q, &k, &v, &gg, &beta, &mut st, 64);
+            let run = || -> Result<(Vec<f32>, Vec<f32>), String> {
+                let e = |x: dataplane::cuda::CudaError| x.to_string();
+                let g_d = g.upload(&gg).map_err(e)?;
+                let b_d = g.upload(&beta).map_err(e)?;
+                let mut tr = g.zeros::<f32>(hv * dk * dk).map_err(e)?;
+                set_identity(&g, &mut tr, hv, dk).map_err(e)?;
+                gdr_transition(&g, &d, &g.upload(&k).map_err(e)?, &g_d, &b_d, &mut tr)
+                    .map_err(e)?;
+                let a = g.download(&tr).map_err(e)?;
+                let kb: Vec<bf16> = k.iter().map(|&x| bf16::from_f32(x)).collect();
+                set_identity(&g, &mut tr, hv, dk).map_err(e)?;
+                gdr_transition(&g, &d, &g.upload(&kb).map_err(e)?, &g_d, &b_d, &mut tr)
+                    .map_err(e)?;
+                Ok((a, g.download(&tr).map_err(e)?))
+            };
+            match run() {
+                Ok((a, b)) => {
+                    let (ea, eb) = (rel(&a, &tc).0, rel(&b, &tc).0);
+                    println!("  transition dk {dk} T {t} Hk {hk} Hv {hv}: f32 max-rel {ea:.2e}, bf16-k {eb:.2e}");
+                    if !ok(ea, 1e-5) {
+                        rep.fail(format!("transition dk {dk} T {t}: f32 error {ea:.3e}"));
+                    }
+                    if !ok(eb, 0.05) {
+                        rep.fail(format!("transition dk {dk} T {t}: bf16 error {eb:.3e}"));
+                    }
+                }
+                Err(e) => rep.fail(format!("transition dk {dk}: {e}")),
+            }
+        }
+        rep.finish(test);
+    }
+
+    /// Spill tier: a public pool that holds one entry, with a host spill tier. The
+    /// reordered prompt restores its entries from host blobs: stats and logits equal
+    /// (bit-exact) to a big-pool engine. After damaging every blob, another order
+    /// recomputes them (misses, `spill_corrupt` counted) and still matches.
+    #[test]
+    fn spill_restores_bit_exact_and_recomputes_damaged() {
+        let test = "spill_restores_bit_exact_and_recomputes_damaged";
+        let Some((g, _l)) = gpu(test) else {
+            return;
+        };
+        let mut rep = Report::new();
+        for label in ["qwen3_5", "hypic-tiny"] {
+            let m = match load(label) {
+                Ok(m) => m,
+                Err(e) => {
+                    rep.fail(e);
+                    continue;
+                }
+            };
+            let gm = match GpuModel::<f32>::upload(g.clone(), &m) {
+                Ok(x) => Arc::new(x),
+                Err(e) => {
+                    rep.fail(format!("{label}: upload: {e}"));
+                    continue;
+                }
+            };
+            let mode = Mode::hypic_default();
+            let p = prompt(21, 3, m.config.vocab_size, "t");
+            let big = GpuPicEngine::new(gm.clone(), label, 1 << 30, 0);
+            let one = match big.build_entry(&p[1].tokens, 8) {
+                Ok(e) => e.bytes(),
+                Err(e) => return rep.fail(format!("{label}: build: {e}")),
+            };
+            let small = GpuPicEngine::new(gm.clone(), label, one * 3 / 2 + 1, 0);
+            small.enable_spill(1 << 30, 0);
+            let r1 = reorder(&p);
+            let r2 = vec![
+                p[0].clone(),
+                p[2].clone(),
+                p[3].clone(),
+                p[1].clone(),
+                p[4].clone(),
+            ];
+            let step = |name: &str,
+                        segs: &[SegmentRef],
+                        rep: &mut Report|
+             -> Option<(PicStats, PicStats)> {
+                match (big.run(segs, mode, "t"), small.run(segs, mode, "t")) {
+                    (Ok(a), Ok(b)) => {
+                        let (mx, _) = rel(&b.logits, &a.logits);
+                        let exact = a
+                            .logits
+                            .iter()
+                            .zip(&b.logits)
+                            .all(|(x, y)| x.to_bits() == y.to_bits());
+                        let (_, _, ps) = small.public_usage();
+                        println!(
+                            "  {label} spill {name}: big {} small {}, logits max-rel {mx:.2e} bit-exact {exact}, \
+                             spilled {} restores {} corrupt {}, spill tier {:?}",
+                            outcomes(&a.stats),
+                            outcomes(&b.stats),
+                            ps.spilled,
+                            ps.spill_restores,
+                            ps.spill_corrupt,
+                            small.spill_usage()[0]
+                        );
+                        if !exact && name != "damaged" {
+                            rep.fail(format!(
+                                "{label} spill {name}: logits not bit-exact ({mx:.3e})"
+                            ));
+                        }
+                        if !ok(mx, F32_TOL) {
+                            rep.fail(format!("{label} spill {name}: logits error {mx:.3e}"));
+                        }
+                        Some((a.stats, b.stats))
+                    }
+                    (Err(e), _) | (_, Err(e)) => {
+                        rep.fail(format!("{label} spill {name}: {e}"));
+                        None
+                    }
+                }
+            };
+            step("cold", &p, &mut rep);
+            if let Some((a, b)) = step("restored", &r1, &mut rep) {
+                let (_, _, ps) = small.public_usage();
+                if a != b || ps.spill_restores == 0 {
+                    rep.fail(format!(
+                        "{label}: restored run stats differ or nothing restored ({} restores)",
+                        ps.spill_restores
+                    ));
+                }
+            }
+            let damaged = small.damage_spilled(40);
+            println!("  {label} spill: damaged {damaged} blobs");
+            if damaged == 0 {
+                rep.fail(format!("{label}: no spilled blob to damage"));
+            }
+            if let Some((a, b)) = step("damaged", &r2, &mut rep) {
+                let (_, _, ps) = small.public_usage();
+                if ps.spill_corrupt == 0 || b.misses <= a.misses {
+                    rep.fail(format!(
+                        "{label}: damaged blobs were not recomputed (corrupt {}, misses big {} small {})",
+                        ps.spill_corrupt, a.misses, b.misses
+                    ));
+                }
+            }
+        }
+        rep.finish(test);
+    }
+
+    #[test]
+    fn bad_input_is_an_error_not_a_panic() {
+        let test = "bad_input_is_an_error_not_a_panic";
+        let Some((g, _l)) = gpu(test) else {
+            return;
+        };
+        let m = load("qwen3_5").expect("golden model");
+        let gm = Arc::new(GpuModel::<f32>::upload(g.clone(), &m).expect("upload"));
+        let e = GpuPicEngine::new(gm, "qwen3_5", 1 << 30, 1 << 30);
+        let vocab = m.config.vocab_size as u32;
+        let s = |t: Vec<u32>| SegmentRef {
+            tokens: t,
+            isolation: "t".into(),
+        };
+        let cases: Vec<(&str, Vec<SegmentRef>)> = vec![
+            ("no segments", vec![]),
+            ("empty segment", vec![s(vec![1, 2]), s(vec![])]),
+            ("token outside the vocabulary", vec![s(vec![1, vocab])]),
+            (
+                "over the context limit",
+                vec![s(vec![1; m.config.max_position_embeddings + 1])],
+            ),
+        ];
+        for (what, segs) in cases {
+            let r = e.run(&segs, Mode::hypic_default(), "t");
+            println!(
+                "  bad input {what}: {:?}",
+                r.as_ref().err().map(|x| x.to_string())
+            );
+            assert!(r.is_err(), "{what} should be an error");
+        }
+        assert!(e.build_entry(&[], 0).is_err());
+    }
+
+    /// The CPU half of the scenarios, without a device, so that a GPU run cannot
+    /// fail on the test's own plumbing (prompts, modes, loading).
+    #[test]
+    fn cpu_side_runs_without_a_device() {
+        for label in [
+            "qwen3_next",
+            "qwen3_5_moe",
+            "qwen3_5",
+            "hypic-tiny",
+            "synthetic",
+        ] {
+            let m = Arc::new(load(label).expect("model"));
+            let cold = prompt(7, 3, m.config.vocab_size, "t");
+            let hot = reorder(&cold);
+            for (mname, mode) in modes() {
+                let cpu = PicEngine::new(m.clone(), label, 1 << 30, 1 << 30);
+                let a = cpu.run(&cold, mode, "t").expect("cold");
+                let b = cpu.run(&hot, mode, "t").expect("reordered");
+                assert_eq!(a.logits.len(), m.config.vocab_size);
+                println!(
+                    "  cpu {label} {mname}: cold {} reordered {}",
+                    outcomes(&a.stats),
+                    outcomes(&b.stats)
+                );
+                if mode != Mode::FullRecompute {
+                    assert!(
+                        b.stats.hits > 0,
+                        "{label} {mname}: reordered run reuses nothing"
+                    );
+                }
+            }
+        }
+    }
+
+    // ---- synthetic model at the real head dims (as tests/cuda_model.rs) -----------
+
+    /// Writes a random Qwen3.5-text model (tied embeddings) with dk = dv = 128,
+    /// head_dim = 256, 4 layers (3 GDN + 1 attention) into `dir`.
+    fn write_synthetic(dir: &Path) -> std::result::Result<(), String> {
+        let (h, vocab, inter) = (256usize, 320usize, 256usize);
+        let (nh, nkv, hd) = (4usize, 2usize, 256usize);
+        let (hk, hv, dk, dv, kconv) = (2usize, 4usize, 128usize, 128usize, 4usize);
+        let layer_types = [
+            "linear_attention",
+            "linear_attention",
+            "full_attention",
+            "linear_attention",
+        ];
+        let cfg = serde_json::json!({
+            "model_type": "qwen3_5_text",
+            "architectures": ["Qwen3_5ForCausalLM"],
+            "attn_output_gate": true,
+            "head_dim": hd,
+            "hidden_size": h,
+            "intermediate_size": inter,
+            "layer_types": layer_types,
+            "linear_conv_kernel_dim": kconv,
+            "linear_key_head_dim": dk,
+            "linear_num_key_heads": hk,
+            "linear_num_value_heads": hv,
+            "linear_value_head_dim": dv,
+            "max_position_embeddings": 4096,
+            "num_attention_heads": nh,
+            "num_hidden_layers": layer_types.len(),
+            "num_key_value_heads": nkv,
+            "partial_rotary_factor": 0.25,
+            "rms_norm_eps": 1e-6,
+            "rope_parameters": {"rope_theta": 10000.0, "rope_type": "default", "partial_rotary_factor": 0.25},
+            "tie_word_embeddings": true,
+            "vocab_size": vocab,
+            "bos_token_id": 1,
+            "eos_token_id": 2
+        });
+        std::fs::create_dir_all(dir).map_err(|e| e.to_string())?;
+        std::fs::write(dir.join("config.json"), cfg.to_string()).map_err(|e| e.to_string())?;
+        let mut r = StdRng::seed_from_u64(42);
+        let mut tensors: Vec<(String, Vec<usize>, Vec<f32>)> = vec![];
+        let mut mat = |r: &mut StdRng, name: String, shape: Vec<usize>, lo: f32, hi: f32| {
+            let n: usize = shape.iter().product();
+            let v: Vec<f32> = (0..n).map(|_| r.random_range(lo..hi)).collect();
+            tensors.push((name, shape, v));
+        };
+        let lin = |fan_in: usize| (3.0f32 / fan_in as f32).sqrt();
+        mat(
+            &mut r,
+            "model.embed_tokens.weight".into(),
+            vec![vocab, h],
+            -1.0,
+            1.0,
+        );
+        mat(&mut r, "model.norm.weight".into(), vec![h], -0.1, 0.1);
+        let (kd, vd) = (hk * dk, hv * dv);
+        for (i, lt) in layer_types.iter().enumerate() {
+            let p = format!("model.layers.{i}.");
+            mat(
+                &mut r,
+                format!("{p}input_layernorm.weight"),
+                vec![h],
+                -0.1,
+                0.1,
+            );
+            mat(
+                &mut r,
+                format!("{p}post_attention_layernorm.weight"),
+                vec![h],
+                -0.1,
+                0.1,
+            );
+            if *lt == "linear_attention" {
+                let a = format!("{p}linear_attn.");
+                let s = lin(h);
+                mat(
+                    &mut r,
+                    format!("{a}in_proj_qkv.weight"),
+                    vec![2 * kd + vd, h],
+                    -s,
+                    s,
+                );
+                mat(&mut r, format!("{a}in_proj_z.weight"), vec![vd, h], -s, s);
+                mat(&mut r, format!("{a}in_proj_b.weight"), vec![hv, h], -s, s);
+                mat(&mut r, format!("{a}in_proj_a.weight"), vec![hv, h], -s, s);
+                mat(&mut r, format!("{a}A_log"), vec![hv], -2.0, 0.5);
+                mat(&mut r, format!("{a}dt_bias"), vec![hv], -1.0, 1.0);
+                mat(
+                    &mut r,
+                    format!("{a}conv1d.weight"),
+                    vec![2 * kd + vd, 1, kconv],
+                    -0.5,
+                    0.5,
+                );
+                mat(&mut r, format!("{a}norm.weight"), vec![dv], 0.9, 1.1);
+                let s = lin(vd);
+                mat(&mut r, format!("{a}out_proj.weight"), vec![h, vd], -s, s);
+            } else {
+                let a = format!("{p}self_attn.");
+                let s = lin(h);
+                mat(
+                    &mut r,
+                    format!("{a}q_proj.weight"),
+                    vec![2 * nh * hd, h],
+                    -s,
+                    s,
+                );
+                mat(
+                    &mut r,
+                    format!("{a}k_proj.weight"),
+                    vec![nkv * hd, h],
+                    -s,
+                    s,
+                );
+                mat(
+                    &mut r,
+                    format!("{a}v_proj.weight"),
+                    vec![nkv * hd, h],
+                    -s,
+                    s,
+                );
+                let s = lin(nh * hd);
+                mat(&mut r, format!("{a}o_proj.weight"), vec![h, nh * hd], -s, s);
+                mat(&mut r, format!("{a}q_norm.weight"), vec![hd], -0.1, 0.1);
+                mat(&mut r, format!("{a}k_norm.weight"), vec![hd], -0.1, 0.1);
+            }
+            let m = format!("{p}mlp.");
+            let s = lin(h);
+            mat(
+                &mut r,
+                format!("{m}gate_proj.weight"),
+                vec![inter, h],
+                -s,
+                s,
+            );
+            mat(&mut r, format!("{m}up_proj.weight"), vec![inter, h], -s, s);
+            let s = lin(inter);
+            mat(
+                &mut r,
+                format!("{m}down_proj.weight"),
+                vec![h, inter],
+                -s,
+                s,
+            );
+        }
+        let bytes: Vec<(String, Vec<usize>, Vec<u8>)> = tensors
+            .into_iter()
+            .map(|(n, s, v)| (n, s, v.iter().flat_map(|x| x.to_le_bytes()).collect()))
+            .collect();
+        let views: Vec<(String, safetensors::tensor::TensorView<'_>)> = bytes
+            .iter()
+            .map(|(n, s, b)| {
+                safetensors::tensor::TensorView::new(safetensors::Dtype::F32, s.clone(), b)
+                    .map(|v| (n.clone(), v))
+                    .map_err(|e| format!("{n}: {e:?}"))
+            })
+            .collect::<std::result::Result<_, _>>()?;
+        safetensors::serialize_to_file(views, None, &dir.join("model.safetensors"))
+            .map_err(|e| format!("serialize: {e:?}"))
+    }
+
+    fn synthetic_model() -> std::result::Result<Model, String> {
+        static N: std::sync::atomic::AtomicUsize = std::sync::atomic::AtomicUsize::new(0);
+        let n = N.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+        let dir = std::env::temp_dir().join(format!("hypic-pic-synth-{}-{n}", std::process::id()));
+        write_synthetic(&dir)?;
+        let m = Model::load(&dir, &mut |_, _| {}).map_err(|e| format!("load synthetic: {e}"));
+        let _ = std::fs::remove_dir_all(&dir);
+        m
+    }
+}
