@@ -17,6 +17,9 @@
 //!   segments × 1k, with the model FLOPs and MFU against that peak;
 //! * `prefix cache` TTFT: only the last segment, from a device snapshot of the state
 //!   after the first n−1 segments (`GpuState::try_clone` per run, timed with it);
+//! * `hypic` TTFT: `GpuPicEngine::run` in `Mode::hypic_default()` (seam width 8, RoPE
+//!   fix) with every segment's public entry prebuilt, and the compose time per
+//!   segment derived from it;
 //! * decode step latency (one token, host logits) at several context lengths.
 //!
 //! Times are wall-clock milliseconds around the call, which returns host logits and
@@ -49,14 +52,17 @@ fn main() {
 #[cfg(feature = "cuda")]
 mod bench {
     use std::path::PathBuf;
+    use std::sync::Arc;
     use std::time::Instant;
 
     use cudarc::cublas::{CudaBlas, Gemm};
     use dataplane::config::{LayerKind, ModelConfig};
     use dataplane::cuda::model::{GpuModel, GpuState};
+    use dataplane::cuda::pic::GpuPicEngine;
     use dataplane::cuda::random::random_buffer;
     use dataplane::cuda::{blas, Elem, Gpu};
     use dataplane::model::Logits;
+    use dataplane::pic::engine::{Mode, SegmentRef};
     use dataplane::random::ParamCounts;
     use half::bf16;
 
@@ -207,7 +213,7 @@ mod bench {
             peak / 1e12
         );
         let t0 = Instant::now();
-        let m = GpuModel::<T>::random(g.clone(), c.clone(), a.seed).map_err(e)?;
+        let m = Arc::new(GpuModel::<T>::random(g.clone(), c.clone(), a.seed).map_err(e)?);
         g.sync().map_err(e)?;
         println!(
             "random init on the device: {:.2} s, {:.2} GB of weights",
@@ -222,8 +228,8 @@ mod bench {
             vec![(4, 1024), (4, 2048), (4, 4096), (8, 1024), (16, 1024)]
         };
         println!("\n## TTFT (ms; median of {} after a warm-up)\n", a.reps);
-        println!("| segments × tokens | prompt | full recompute | MFU | prefix cache (last segment from a device snapshot) | MFU | snapshot clone | hypic |");
-        println!("|---|---|---|---|---|---|---|---|");
+        println!("| segments × tokens | prompt | full recompute | MFU | prefix cache (last segment from a device snapshot) | MFU | snapshot clone | hypic (w = 8, entries prebuilt) | hypic compose per segment (derived) | hypic hits |");
+        println!("|---|---|---|---|---|---|---|---|---|---|");
         for (nseg, seg) in shapes {
             let total = nseg * seg;
             let toks = prompt(total, c.vocab_size, (nseg * 1_000_003 + seg) as u64);
@@ -260,18 +266,52 @@ mod bench {
                 }
             }
             let pref = median(ts);
+            let clone = median(tc);
             let f_pref = prefill_flops(&c, &pc, p0, seg);
+            drop(base);
+            // HYPIC: every segment's entry built by a first run (its own tenant), then
+            // timed runs that hit the public pool for segments 0..n−1 and prefill the
+            // last one. The private pool gets 1 byte, so no run is a prefix hit (each
+            // run still snapshots its running state per segment, as the engine does).
+            let engine =
+                GpuPicEngine::new(m.clone(), &format!("random-seed{}", a.seed), 1 << 40, 1);
+            let segs: Vec<SegmentRef> = toks
+                .chunks(seg)
+                .map(|ch| SegmentRef {
+                    tokens: ch.to_vec(),
+                    isolation: "bench".into(),
+                })
+                .collect();
+            let mode = Mode::hypic_default();
+            engine.run(&segs, mode, "build").map_err(e)?;
+            let (mut ts, mut hits) = (vec![], 0);
+            for r in 0..=a.reps {
+                g.sync().map_err(e)?;
+                let t = Instant::now();
+                let out = engine.run(&segs, mode, &format!("run{r}")).map_err(e)?;
+                g.sync().map_err(e)?;
+                if r > 0 {
+                    ts.push(t.elapsed().as_secs_f64());
+                }
+                hits = out.stats.hits;
+            }
+            let hy = median(ts);
+            // Compose per segment ≈ (hypic − last-segment prefill) / (n − 1), with the
+            // last-segment prefill time taken from the prefix-cache column minus its clone.
+            let compose = (hy - (pref - clone)) / (nseg - 1).max(1) as f64;
             println!(
-                "| {nseg} × {seg} | {total} | {:.1} | {:.1}% | {:.1} | {:.1}% | {:.2} | TODO (GpuPicEngine) |",
+                "| {nseg} × {seg} | {total} | {:.1} | {:.1}% | {:.1} | {:.1}% | {:.2} | {:.1} | {:.2} | {hits}/{nseg} |",
                 full * 1e3,
                 100.0 * f_full / full / peak,
                 pref * 1e3,
                 100.0 * f_pref / pref / peak,
-                median(tc) * 1e3
+                clone * 1e3,
+                hy * 1e3,
+                compose * 1e3,
             );
-            drop(base);
+            drop(engine);
         }
-        println!("\nMFU = counted model FLOPs (module docs of gpu_model_bench.rs) / time / the bf16 GEMM peak above. The prefix-cache time includes the device-side clone of the snapshot.");
+        println!("\nMFU = counted model FLOPs (module docs of gpu_model_bench.rs) / time / the bf16 GEMM peak above. The prefix-cache time includes the device-side clone of the snapshot. hypic = `GpuPicEngine::run(Mode::hypic_default())` with every segment's public entry already built (segments 0..n−2 composed: 8-token seam prefill, pair apply, body KV re-rotated and appended; the last segment prefilled); its compose per segment is derived as (hypic − (prefix cache − clone)) / (n − 1), not timed directly.");
 
         // Decode.
         let ctxs: &[usize] = if a.quick {
