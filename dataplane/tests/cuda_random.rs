@@ -190,7 +190,15 @@ mod gpu {
             let a = dev.prefill(&more, &mut gs, Logits::Last).unwrap();
             let mut s2 = snap;
             let b = dev.prefill(&more, &mut s2, Logits::Last).unwrap();
-            assert_eq!(a, b, "{name}: prefill from a device snapshot differs");
+            let (mr, _) = max_rel(&b, &a);
+            println!(
+                "{name}: prefill from a device snapshot: rel {mr:.2e} (bitwise equal: {})",
+                a == b
+            );
+            assert!(
+                mr <= 1e-6,
+                "{name}: prefill from a device snapshot differs, rel {mr}"
+            );
         }
     }
 
