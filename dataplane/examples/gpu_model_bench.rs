@@ -20,7 +20,9 @@
 //! * `hypic` TTFT: `GpuPicEngine::run` in `Mode::hypic_default()` (seam width 8, RoPE
 //!   fix) with every segment's public entry prebuilt, and the compose time per
 //!   segment derived from it;
-//! * decode step latency (one token, host logits) at several context lengths.
+//! * decode step latency (one token, host logits) at several context lengths;
+//! * a per-layer-kind split (GDN layer vs attention layer, each with its FFN) from two
+//!   4-layer models of the same shapes.
 //!
 //! Times are wall-clock milliseconds around the call, which returns host logits and
 //! so waits for the stream (CUDA-synchronised); median of `--reps` (default 3, at
@@ -230,6 +232,7 @@ mod bench {
         println!("\n## TTFT (ms; median of {} after a warm-up)\n", a.reps);
         println!("| segments × tokens | prompt | full recompute | MFU | prefix cache (last segment from a device snapshot) | MFU | snapshot clone | hypic (w = 8, entries prebuilt) | hypic compose per segment (derived) | hypic hits |");
         println!("|---|---|---|---|---|---|---|---|---|---|");
+        let mut full_by_len: Vec<(usize, f64)> = vec![];
         for (nseg, seg) in shapes {
             let total = nseg * seg;
             let toks = prompt(total, c.vocab_size, (nseg * 1_000_003 + seg) as u64);
@@ -246,6 +249,7 @@ mod bench {
                 }
             }
             let full = median(ts);
+            full_by_len.push((total, full));
             let f_full = prefill_flops(&c, &pc, 0, total);
             // Prefix cache: state after n−1 segments, snapshot per run.
             let p0 = total - seg;
@@ -340,7 +344,78 @@ mod bench {
             let s = median(ts);
             println!("| {ctx} | {:.2} | {:.0} |", s * 1e3, 1.0 / s);
         }
-        println!("\nPer-layer-kind time split: not measured (would need per-layer events inside GpuModel::forward).");
+        drop(m);
+        layer_split::<T>(g, &c, a, &full_by_len)
+    }
+
+    /// Per-layer-kind split: prefill time of two 4-layer models of the same shapes
+    /// (all GDN layers, all attention layers; each layer with its MoE FFN) and a small
+    /// vocabulary (1024, so embedding and LM head are negligible), divided by 4; then
+    /// `n_GDN·t_GDN + n_attn·t_attn` against the whole model's full-recompute time.
+    fn layer_split<T: Elem>(
+        g: &std::sync::Arc<Gpu>,
+        c: &ModelConfig,
+        a: &Args,
+        full_by_len: &[(usize, f64)],
+    ) -> Res<()>
+    where
+        CudaBlas: Gemm<T>,
+    {
+        let e = |x: dataplane::cuda::CudaError| x.to_string();
+        let n_full = c
+            .layer_kinds
+            .iter()
+            .filter(|k| **k == LayerKind::Full)
+            .count();
+        let n_lin = c.num_layers - n_full;
+        let mut per_kind = vec![];
+        for kind in [LayerKind::Linear, LayerKind::Full] {
+            let mut cc = c.clone();
+            cc.num_layers = 4;
+            cc.layer_kinds = vec![kind; 4];
+            cc.layer_is_moe = c.layer_is_moe[..4.min(c.num_layers)].to_vec();
+            cc.layer_is_moe
+                .resize(4, c.layer_is_moe.first().copied().unwrap_or(false));
+            cc.vocab_size = 1024;
+            let m = GpuModel::<T>::random(g.clone(), cc.clone(), a.seed).map_err(e)?;
+            let mut row = vec![];
+            for &(len, _) in full_by_len {
+                let toks = prompt(len, cc.vocab_size, 5 + len as u64);
+                let mut ts = vec![];
+                for r in 0..=a.reps {
+                    let mut st = m.new_state().map_err(e)?;
+                    g.sync().map_err(e)?;
+                    let t = Instant::now();
+                    m.prefill(&toks, &mut st, Logits::Last).map_err(e)?;
+                    g.sync().map_err(e)?;
+                    if r > 0 {
+                        ts.push(t.elapsed().as_secs_f64());
+                    }
+                }
+                row.push(median(ts) / 4.0);
+            }
+            per_kind.push(row);
+        }
+        println!("\n## Per-layer-kind time split (full-recompute prefill from empty; one layer = mixer + its FFN; ms)\n");
+        println!("| prompt | GDN layer | attention layer | {n_lin}·GDN + {n_full}·attention | whole model | rest (embedding, LM head, gaps) |");
+        println!("|---|---|---|---|---|---|");
+        let mut seen = std::collections::HashSet::new();
+        for (i, &(len, full)) in full_by_len.iter().enumerate() {
+            if !seen.insert(len) {
+                continue;
+            }
+            let (tl, tf) = (per_kind[0][i], per_kind[1][i]);
+            let sum = n_lin as f64 * tl + n_full as f64 * tf;
+            println!(
+                "| {len} | {:.2} | {:.2} | {:.1} ({:.0}% GDN) | {:.1} | {:.1} |",
+                tl * 1e3,
+                tf * 1e3,
+                sum * 1e3,
+                100.0 * n_lin as f64 * tl / sum,
+                full * 1e3,
+                (full - sum) * 1e3
+            );
+        }
         Ok(())
     }
 }
