@@ -14,7 +14,10 @@
 #                                  # runs the GPU-vs-CPU tests (cuda_kernels, cuda_moe,
 #                                  # the whole-model cuda_model, the PIC engine
 #                                  # cuda_pic), our benchmark, FLA
-#                                  # chunk_gated_delta_rule and torch SDPA in the same
+#                                  # chunk_gated_delta_rule and torch SDPA,
+#                                  # the random-weight model test (cuda_random) and
+#                                  # the whole-model benchmark gpu_model_bench at the
+#                                  # Qwen3.5-35B-A3B shape (step `modelbench`, 240 s) in one
 #                                  # run, and writes $OUT/report.md (+ logs)
 #
 # .device/ and .whl/ are git-ignored (add `/.device/` and `/.whl/` to
@@ -55,13 +58,21 @@ build() {
         --message-format=json 2>/dev/null | grep -o '"executable":"[^"]*cuda_pic[^"]*"' | tail -1 \
         | sed 's/"executable":"\(.*\)"/\1/')
   [ -n "$pic_exe" ] || { echo "could not build the cuda_pic test binary" >&2; exit 1; }
-  cargo build --release -p hypic-dataplane --features cuda --example gpu_bench
+  local random_exe
+  random_exe=$(cargo test --release -p hypic-dataplane --features cuda --test cuda_random --no-run \
+        --message-format=json 2>/dev/null | grep -o '"executable":"[^"]*cuda_random[^"]*"' | tail -1 \
+        | sed 's/"executable":"\(.*\)"/\1/')
+  [ -n "$random_exe" ] || { echo "could not build the cuda_random test binary" >&2; exit 1; }
+  cargo build --release -p hypic-dataplane --features cuda --example gpu_bench --example gpu_model_bench
   cp "$exe" .device/bin/cuda_kernels
   cp "$exe_moe" .device/bin/cuda_moe
   cp "$model_exe" .device/bin/cuda_model
   cp "$pic_exe" .device/bin/cuda_pic
+  cp "$random_exe" .device/bin/cuda_random
   cp "$CARGO_TARGET_DIR/release/examples/gpu_bench" .device/bin/gpu_bench
-  strip .device/bin/cuda_kernels .device/bin/cuda_moe .device/bin/cuda_model .device/bin/cuda_pic .device/bin/gpu_bench || true
+  cp "$CARGO_TARGET_DIR/release/examples/gpu_model_bench" .device/bin/gpu_model_bench
+  strip .device/bin/cuda_kernels .device/bin/cuda_moe .device/bin/cuda_model .device/bin/cuda_pic \
+    .device/bin/cuda_random .device/bin/gpu_bench .device/bin/gpu_model_bench || true
   if HYPIC_KERNEL_CACHE="$PWD/.device/kcache" .device/bin/gpu_bench --precompile sm_90a; then
     echo "kernel cache for sm_90a in .device/kcache"
   else
@@ -85,14 +96,15 @@ run() {
   } > "$OUT/machine.txt"
   cat "$OUT/machine.txt"
 
-  # GPU_CHECK_STEPS: which parts to run (default all): kernels moe model pic bench fla
-  local steps=" ${GPU_CHECK_STEPS:-kernels moe model pic bench fla} "
+  # GPU_CHECK_STEPS: which parts to run (default all): kernels moe model pic bench fla modelbench
+  local steps=" ${GPU_CHECK_STEPS:-kernels moe model pic bench fla modelbench} "
   want() { [[ "$steps" == *" $1 "* ]]; }
   echo "== equivalence tests"
   local t0=$SECONDS
   chmod +x .device/bin/* 2>/dev/null || true
   local test_rc=0 moe_rc=0 model_rc=0 pic_rc=0
   : > "$OUT/tests.log"; : > "$OUT/tests_moe.log"; : > "$OUT/model_tests.log"; : > "$OUT/pic_tests.log"; : > "$OUT/bench.md"; : > "$OUT/fla.md"
+  : > "$OUT/random_tests.log"; : > "$OUT/model_bench.md"
   if want kernels; then
   .device/bin/cuda_kernels --test-threads=1 --nocapture > "$OUT/tests.log" 2>&1
   test_rc=$?
@@ -144,6 +156,22 @@ run() {
   t0=$SECONDS
   want bench && timeout 240 .device/bin/gpu_bench ${BENCH_ARGS:-} > "$OUT/bench.md" 2>&1
   echo "bench rc=$? in $((SECONDS - t0)) s"
+
+  echo "== random-weight model (GPU vs CPU) and whole-model benchmark at the Qwen3.5-35B-A3B shape"
+  t0=$SECONDS
+  local random_rc=0 mbench_rc=0
+  if want modelbench; then
+    HYPIC_REQUIRE_GPU=1 HYPIC_REPO_ROOT="$PWD" timeout 120 .device/bin/cuda_random --test-threads=1 --nocapture \
+      > "$OUT/random_tests.log" 2>&1
+    random_rc=$?
+    timeout 240 .device/bin/gpu_model_bench --config benches/configs/qwen3_5_35b_a3b --random-weights \
+      --dtype bf16 --seed 0 ${MODEL_BENCH_ARGS:-} > "$OUT/model_bench.md" 2>&1
+    mbench_rc=$?
+    echo "(gpu_model_bench rc=$mbench_rc)" >> "$OUT/model_bench.md"
+  fi
+  echo "random tests rc=$random_rc, model bench rc=$mbench_rc in $((SECONDS - t0)) s"
+  grep -E "rel |test result|panicked|FAIL" "$OUT/random_tests.log" | tail -20
+  cat "$OUT/model_bench.md"
 
   echo "== FLA 0.6.0 and torch SDPA"
   t0=$SECONDS
@@ -209,10 +237,17 @@ PY
     echo '```'
     echo; cat "$OUT/bench.md"
     echo; cat "$OUT/fla.md"
+    if want modelbench; then
+      echo; echo "## Random-weight model, GPU vs CPU (tests/cuda_random.rs, rc=$random_rc)"; echo; echo '```'
+      grep -E "rel |params|refusal|^test |test result|panicked" "$OUT/random_tests.log"
+      echo '```'
+      echo; cat "$OUT/model_bench.md"
+    fi
   } > "$OUT/report.md"
   echo "== report"; sed -n '/## Gated delta rule/,$p' "$OUT/report.md" | head -80
   [ "$test_rc" -ne 0 ] && return "$test_rc"
   [ "$moe_rc" -ne 0 ] && return "$moe_rc"
+  [ "$random_rc" -ne 0 ] && return "$random_rc"
   [ "$model_rc" -ne 0 ] && return "$model_rc"
   return "$pic_rc"
 }

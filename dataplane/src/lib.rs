@@ -10,6 +10,7 @@ pub mod linear;
 pub mod model;
 pub mod ops;
 pub mod pic;
+pub mod random;
 pub mod state;
 pub mod weights;
 

@@ -110,7 +110,7 @@ pub struct Model {
     /// `[vocab, hidden]`; `None` when tied to the embedding.
     pub(crate) lm_head: Option<Vec<f32>>,
     pub(crate) layers: Vec<Layer>,
-    rope: Rope,
+    pub(crate) rope: Rope,
 }
 
 impl Model {

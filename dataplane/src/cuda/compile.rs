@@ -82,8 +82,14 @@ pub const PIC: KernelSource = KernelSource {
     text: include_str!("../../kernels/pic.cu"),
 };
 
+/// Deterministic random weights (`kernels/init.cu`; generator in `crate::random`).
+pub const INIT: KernelSource = KernelSource {
+    name: "init",
+    text: include_str!("../../kernels/init.cu"),
+};
+
 /// Every kernel module (used by the compile check and to warm the cache).
-pub const ALL: [KernelSource; 9] = [NORM, ROPE, CONV, GDR, ATTN, MODEL, MOE, SAMPLE, PIC];
+pub const ALL: [KernelSource; 10] = [NORM, ROPE, CONV, GDR, ATTN, MODEL, MOE, SAMPLE, PIC, INIT];
 
 /// NVRTC target name for a compute capability: `sm_90a` for 9.0 (Hopper, so that
 /// arch-specific instructions are allowed), `sm_{major}{minor}` otherwise.

@@ -40,6 +40,7 @@ pub mod model;
 pub mod moe;
 pub mod ops;
 pub mod pic;
+pub mod random;
 pub mod sample;
 pub mod transition;
 

@@ -65,41 +65,41 @@ const ATG_TILE: usize = 256;
 const L2_EPS: f32 = 1e-6;
 
 /// Gated DeltaNet weights on the device.
-struct GdnW<T> {
+pub(crate) struct GdnW<T> {
     /// `[conv_dim + value_dim + 2·Hv, hidden]`, rows `q | k | v | z | b | a`.
-    w_in: CudaSlice<T>,
+    pub(crate) w_in: CudaSlice<T>,
     /// `[conv_dim, K]` fp32.
-    conv: CudaSlice<f32>,
+    pub(crate) conv: CudaSlice<f32>,
     /// `−exp(A_log)`, `[Hv]` fp32.
-    neg_a: CudaSlice<f32>,
+    pub(crate) neg_a: CudaSlice<f32>,
     /// `[Hv]` fp32.
-    dt_bias: CudaSlice<f32>,
+    pub(crate) dt_bias: CudaSlice<f32>,
     /// Gated RMSNorm weight `[dv]` fp32.
-    norm: CudaSlice<f32>,
+    pub(crate) norm: CudaSlice<f32>,
     /// `[hidden, value_dim]`.
-    out: CudaSlice<T>,
+    pub(crate) out: CudaSlice<T>,
 }
 
 /// Gated attention weights on the device.
-struct AttnW<T> {
+pub(crate) struct AttnW<T> {
     /// Fused `[qw + 2·Hkv·hd, hidden]`: rows of `q_proj` (per head `q | gate` when
     /// gated), then `k_proj`, then `v_proj`.
-    qkv: CudaSlice<T>,
+    pub(crate) qkv: CudaSlice<T>,
     /// `[hidden, H·hd]`.
-    o: CudaSlice<T>,
+    pub(crate) o: CudaSlice<T>,
     /// `[hd]` fp32 (zero-centred).
-    q_norm: CudaSlice<f32>,
+    pub(crate) q_norm: CudaSlice<f32>,
     /// `[hd]` fp32 (zero-centred).
-    k_norm: CudaSlice<f32>,
+    pub(crate) k_norm: CudaSlice<f32>,
 }
 
 /// SwiGLU MLP weights on the device.
-struct MlpW<T> {
+pub(crate) struct MlpW<T> {
     /// `[2I, hidden]`, gate rows then up rows.
-    gate_up: CudaSlice<T>,
+    pub(crate) gate_up: CudaSlice<T>,
     /// `[hidden, I]`.
-    down: CudaSlice<T>,
-    inter: usize,
+    pub(crate) down: CudaSlice<T>,
+    pub(crate) inter: usize,
 }
 
 /// Which implementation runs the FFN blocks (see the module docs).
@@ -115,20 +115,20 @@ pub enum FfnPath {
 }
 
 /// MoE weights on the device for [`FfnPath::HostRouted`].
-struct MoeW<T> {
+pub(crate) struct MoeW<T> {
     /// `[E, hidden]`.
-    router: CudaSlice<T>,
-    experts: Vec<MlpW<T>>,
+    pub(crate) router: CudaSlice<T>,
+    pub(crate) experts: Vec<MlpW<T>>,
     /// Shared expert and its gate `[1, hidden]`.
-    shared: Option<(MlpW<T>, CudaSlice<T>)>,
+    pub(crate) shared: Option<(MlpW<T>, CudaSlice<T>)>,
 }
 
-enum MixerW<T> {
+pub(crate) enum MixerW<T> {
     Linear(GdnW<T>),
     Full(AttnW<T>),
 }
 
-enum FfnW<T> {
+pub(crate) enum FfnW<T> {
     Dense(MlpW<T>),
     /// [`FfnPath::HostRouted`].
     Moe(MoeW<T>),
@@ -136,30 +136,30 @@ enum FfnW<T> {
     MoeFused(moe::MoeWeights<T>),
 }
 
-struct LayerW<T> {
-    input_norm: CudaSlice<f32>,
-    post_norm: CudaSlice<f32>,
-    mixer: MixerW<T>,
-    ffn: FfnW<T>,
+pub(crate) struct LayerW<T> {
+    pub(crate) input_norm: CudaSlice<f32>,
+    pub(crate) post_norm: CudaSlice<f32>,
+    pub(crate) mixer: MixerW<T>,
+    pub(crate) ffn: FfnW<T>,
 }
 
 /// A hybrid model with every weight on one device, in element type `T` (projections,
 /// embedding, LM head) and fp32 (norm weights, conv weights, `A`, `dt_bias`).
 pub struct GpuModel<T: Elem> {
-    gpu: Arc<Gpu>,
-    config: ModelConfig,
+    pub(crate) gpu: Arc<Gpu>,
+    pub(crate) config: ModelConfig,
     /// `[vocab, hidden]`.
-    embed: CudaSlice<T>,
+    pub(crate) embed: CudaSlice<T>,
     /// `[hidden]` fp32.
-    final_norm: CudaSlice<f32>,
+    pub(crate) final_norm: CudaSlice<f32>,
     /// `[vocab, hidden]`; `None` when tied to the embedding.
-    lm_head: Option<CudaSlice<T>>,
-    layers: Vec<LayerW<T>>,
+    pub(crate) lm_head: Option<CudaSlice<T>>,
+    pub(crate) layers: Vec<LayerW<T>>,
     /// RoPE inverse frequencies `[rotary_dim/2]` (None when rotary_dim = 0).
-    inv_freq: Option<CudaSlice<f32>>,
-    gdr_ws: Mutex<gdr::Workspace>,
-    moe_ws: Mutex<moe::MoeWorkspace>,
-    ffn_path: FfnPath,
+    pub(crate) inv_freq: Option<CudaSlice<f32>>,
+    pub(crate) gdr_ws: Mutex<gdr::Workspace>,
+    pub(crate) moe_ws: Mutex<moe::MoeWorkspace>,
+    pub(crate) ffn_path: FfnPath,
 }
 
 /// Residual stream snapshots of one layer (host copies, fp32, `[T, hidden]`), from
@@ -1689,7 +1689,7 @@ fn up_mlp<T: Elem>(g: &Gpu, m: &crate::model::Mlp, h: usize, name: &str) -> Resu
 }
 
 /// Configuration limits of the GPU forward.
-fn check_config(c: &ModelConfig) -> Result<()> {
+pub(crate) fn check_config(c: &ModelConfig) -> Result<()> {
     let bad = |m: String| Err(shape_err(m));
     if c.layer_kinds.len() != c.num_layers || c.layer_is_moe.len() != c.num_layers {
         return bad(format!(

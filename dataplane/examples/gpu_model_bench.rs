@@ -1,0 +1,421 @@
+//! Whole-model GPU benchmark at real shapes with random weights (issue 6; a report, not
+//! a test). Needs `--features cuda` and a CUDA device; run through
+//! `scripts/gpu-check.sh` (step `modelbench`).
+//!
+//! ```text
+//! gpu_model_bench --config DIR --random-weights [--dtype bf16|f32] [--seed N] [--reps N] [--quick]
+//! ```
+//!
+//! `DIR/config.json` is an HF config (e.g. `benches/configs/qwen3_5_35b_a3b`); the
+//! weights are generated on the device by `GpuModel::random` (no checkpoint, no host
+//! copy). Prints markdown:
+//!
+//! * parameter counts (total, active per token) and weight bytes, init time;
+//! * the bf16 cuBLAS GEMM peak of this device in this run (8192³, `blas::linear`);
+//! * TTFT of full-recompute prefill (the whole prompt from an empty state, logits of
+//!   the last token) for prompts of 4 segments × 1k / 2k / 4k tokens and 4 / 8 / 16
+//!   segments × 1k, with the model FLOPs and MFU against that peak;
+//! * `prefix cache` TTFT: only the last segment, from a device snapshot of the state
+//!   after the first n−1 segments (`GpuState::try_clone` per run, timed with it);
+//! * `hypic` TTFT: `GpuPicEngine::run` in `Mode::hypic_default()` (seam width 8, RoPE
+//!   fix) with every segment's public entry prebuilt, and the compose time per
+//!   segment derived from it;
+//! * decode step latency (one token, host logits) at several context lengths;
+//! * a per-layer-kind split (GDN layer vs attention layer, each with its FFN) from two
+//!   4-layer models of the same shapes.
+//!
+//! Times are wall-clock milliseconds around the call, which returns host logits and
+//! so waits for the stream (CUDA-synchronised); median of `--reps` (default 3, at
+//! least 3) runs after one warm-up run of the same shape.
+//!
+//! Model FLOPs per prompt (counted, not measured): `2·P_active` per token for the
+//! matrix products (projections of every layer, router, top-k routed experts, shared
+//! expert; `P_active` from `random::ParamCounts` without the LM head), plus
+//! `2·vocab·hidden` once for the last token's logits, plus causal attention
+//! `4·H·hd·(p+1)` per token at position `p` per full-attention layer (QKᵀ and PV), plus
+//! `6·Hv·dk·dv` per token per GDN layer (the three state matrix-vector products of the
+//! recurrent form; the chunked kernel does more work than this), plus
+//! `2·conv_dim·K` per token per GDN layer for the conv. Norms, activations and
+//! softmax are not counted.
+#[cfg(not(feature = "cuda"))]
+fn main() {
+    eprintln!("gpu_model_bench: build with --features cuda");
+    std::process::exit(2);
+}
+
+#[cfg(feature = "cuda")]
+fn main() {
+    if let Err(e) = bench::run() {
+        eprintln!("gpu_model_bench: {e}");
+        std::process::exit(1);
+    }
+}
+
+#[cfg(feature = "cuda")]
+mod bench {
+    use std::path::PathBuf;
+    use std::sync::Arc;
+    use std::time::Instant;
+
+    use cudarc::cublas::{CudaBlas, Gemm};
+    use dataplane::config::{LayerKind, ModelConfig};
+    use dataplane::cuda::model::{GpuModel, GpuState};
+    use dataplane::cuda::pic::GpuPicEngine;
+    use dataplane::cuda::random::random_buffer;
+    use dataplane::cuda::{blas, Elem, Gpu};
+    use dataplane::model::Logits;
+    use dataplane::pic::engine::{Mode, SegmentRef};
+    use dataplane::random::ParamCounts;
+    use half::bf16;
+
+    type Res<T> = std::result::Result<T, String>;
+
+    struct Args {
+        config: PathBuf,
+        dtype: String,
+        seed: u64,
+        reps: usize,
+        quick: bool,
+    }
+
+    fn parse() -> Res<Args> {
+        let mut a = Args {
+            config: PathBuf::new(),
+            dtype: "bf16".into(),
+            seed: 0,
+            reps: 3,
+            quick: false,
+        };
+        let mut random = false;
+        let mut it = std::env::args().skip(1);
+        while let Some(k) = it.next() {
+            let mut val = |k: &str| it.next().ok_or_else(|| format!("{k} needs a value"));
+            match k.as_str() {
+                "--config" => a.config = PathBuf::from(val(&k)?),
+                "--random-weights" => random = true,
+                "--dtype" => a.dtype = val(&k)?,
+                "--seed" => a.seed = val(&k)?.parse().map_err(|e| format!("--seed: {e}"))?,
+                "--reps" => a.reps = val(&k)?.parse().map_err(|e| format!("--reps: {e}"))?,
+                "--quick" => a.quick = true,
+                o => return Err(format!("unknown argument `{o}`")),
+            }
+        }
+        if a.config.as_os_str().is_empty() {
+            return Err("--config DIR is required".into());
+        }
+        if !random {
+            return Err("only --random-weights is supported (no checkpoint loading here)".into());
+        }
+        a.reps = a.reps.max(3);
+        Ok(a)
+    }
+
+    pub fn run() -> Res<()> {
+        let a = parse()?;
+        let c = ModelConfig::from_dir(&a.config).map_err(|e| e.to_string())?;
+        let g = Gpu::new(0).map_err(|e| e.to_string())?;
+        g.warm_up().map_err(|e| e.to_string())?;
+        println!("# gpu_model_bench\n");
+        println!(
+            "device: {} ({}); config {} ({}, {} layers: {} GDN + {} attention, hidden {}, vocab {}, {} experts top-{}); dtype {}, seed {}",
+            g.name(),
+            g.arch(),
+            a.config.display(),
+            c.model_type,
+            c.num_layers,
+            c.layer_kinds.iter().filter(|k| **k == LayerKind::Linear).count(),
+            c.layer_kinds.iter().filter(|k| **k == LayerKind::Full).count(),
+            c.hidden_size,
+            c.vocab_size,
+            c.num_experts,
+            c.experts_per_tok,
+            a.dtype,
+            a.seed
+        );
+        match a.dtype.as_str() {
+            "bf16" => bench::<bf16>(&g, c, &a),
+            "f32" => bench::<f32>(&g, c, &a),
+            o => Err(format!("--dtype {o}: expected bf16 or f32")),
+        }
+    }
+
+    fn median(mut v: Vec<f64>) -> f64 {
+        v.sort_by(|a, b| a.partial_cmp(b).unwrap_or(std::cmp::Ordering::Equal));
+        v[v.len() / 2]
+    }
+
+    /// Deterministic prompt tokens (a mixing sequence over the vocabulary).
+    fn prompt(n: usize, vocab: usize, salt: u64) -> Vec<u32> {
+        (0..n as u64)
+            .map(|i| {
+                (dataplane::random::mix(salt.wrapping_mul(0x1000_0001).wrapping_add(i))
+                    % vocab as u64) as u32
+            })
+            .collect()
+    }
+
+    /// Model FLOPs of prefilling `t` tokens after `p0` cached ones, logits of the last
+    /// token only (see the module docs).
+    fn prefill_flops(c: &ModelConfig, pc: &ParamCounts, p0: usize, t: usize) -> f64 {
+        let vh = (c.vocab_size * c.hidden_size) as f64;
+        let per_tok = 2.0 * (pc.active_matmul as f64 - vh);
+        let n_full = c
+            .layer_kinds
+            .iter()
+            .filter(|k| **k == LayerKind::Full)
+            .count() as f64;
+        let n_lin = c.num_layers as f64 - n_full;
+        // Σ_{p=p0}^{p0+t−1} (p+1)
+        let keys = (t as f64) * (p0 as f64) + (t as f64) * (t as f64 + 1.0) / 2.0;
+        let attn = n_full * 4.0 * (c.num_heads * c.head_dim) as f64 * keys;
+        let gdn = n_lin
+            * t as f64
+            * (6.0 * (c.linear_v_heads * c.linear_k_dim * c.linear_v_dim) as f64
+                + 2.0 * (c.conv_dim() * c.conv_kernel) as f64);
+        per_tok * t as f64 + 2.0 * vh + attn + gdn
+    }
+
+    fn gemm_peak(g: &Gpu) -> Res<f64> {
+        let n = 8192usize;
+        let e = |x: dataplane::cuda::CudaError| x.to_string();
+        let x = random_buffer::<bf16>(g, n * n, 1, 1, 1.0).map_err(e)?;
+        let w = random_buffer::<bf16>(g, n * n, 1, 2, 1.0).map_err(e)?;
+        let mut y = random_buffer::<bf16>(g, n * n, 1, 3, 1.0).map_err(e)?;
+        for _ in 0..3 {
+            blas::linear(g, &x, n, n, &w, n, &mut y, bf16::ZERO).map_err(e)?;
+        }
+        g.sync().map_err(e)?;
+        let mut ts = vec![];
+        for _ in 0..10 {
+            let t = Instant::now();
+            blas::linear(g, &x, n, n, &w, n, &mut y, bf16::ZERO).map_err(e)?;
+            g.sync().map_err(e)?;
+            ts.push(t.elapsed().as_secs_f64());
+        }
+        let s = median(ts);
+        Ok(2.0 * (n as f64).powi(3) / s)
+    }
+
+    fn bench<T: Elem>(g: &std::sync::Arc<Gpu>, c: ModelConfig, a: &Args) -> Res<()>
+    where
+        CudaBlas: Gemm<T>,
+    {
+        let e = |x: dataplane::cuda::CudaError| x.to_string();
+        let pc = ParamCounts::of(&c);
+        let es = std::mem::size_of::<T>();
+        println!(
+            "\n## Model\n\n| parameters | active per token (matmul) | weight bytes (est.) |\n|---|---|---|\n| {:.3} B | {:.3} B | {:.2} GB |",
+            pc.total as f64 / 1e9,
+            pc.active_matmul as f64 / 1e9,
+            pc.bytes(es) as f64 / 1e9
+        );
+        let peak = gemm_peak(g)?;
+        println!(
+            "\nbf16 cuBLAS GEMM peak (8192³, this run): {:.1} TFLOP/s",
+            peak / 1e12
+        );
+        let t0 = Instant::now();
+        let m = Arc::new(GpuModel::<T>::random(g.clone(), c.clone(), a.seed).map_err(e)?);
+        g.sync().map_err(e)?;
+        println!(
+            "random init on the device: {:.2} s, {:.2} GB of weights",
+            t0.elapsed().as_secs_f64(),
+            m.weight_bytes() as f64 / 1e9
+        );
+
+        // TTFT.
+        let shapes: Vec<(usize, usize)> = if a.quick {
+            vec![(4, 1024), (4, 4096), (16, 1024)]
+        } else {
+            vec![(4, 1024), (4, 2048), (4, 4096), (8, 1024), (16, 1024)]
+        };
+        println!("\n## TTFT (ms; median of {} after a warm-up)\n", a.reps);
+        println!("| segments × tokens | prompt | full recompute | MFU | prefix cache (last segment from a device snapshot) | MFU | snapshot clone | hypic (w = 8, entries prebuilt) | hypic compose per segment (derived) | hypic hits |");
+        println!("|---|---|---|---|---|---|---|---|---|---|");
+        let mut full_by_len: Vec<(usize, f64)> = vec![];
+        for (nseg, seg) in shapes {
+            let total = nseg * seg;
+            let toks = prompt(total, c.vocab_size, (nseg * 1_000_003 + seg) as u64);
+            // Full recompute.
+            let mut ts = vec![];
+            for r in 0..=a.reps {
+                let mut st = m.new_state().map_err(e)?;
+                g.sync().map_err(e)?;
+                let t = Instant::now();
+                m.prefill(&toks, &mut st, Logits::Last).map_err(e)?;
+                g.sync().map_err(e)?;
+                if r > 0 {
+                    ts.push(t.elapsed().as_secs_f64());
+                }
+            }
+            let full = median(ts);
+            full_by_len.push((total, full));
+            let f_full = prefill_flops(&c, &pc, 0, total);
+            // Prefix cache: state after n−1 segments, snapshot per run.
+            let p0 = total - seg;
+            let mut base: GpuState<T> = m.new_state().map_err(e)?;
+            m.prefill(&toks[..p0], &mut base, Logits::None).map_err(e)?;
+            g.sync().map_err(e)?;
+            let (mut ts, mut tc) = (vec![], vec![]);
+            for r in 0..=a.reps {
+                let t = Instant::now();
+                let mut st = base.try_clone().map_err(e)?;
+                g.sync().map_err(e)?;
+                let clone_s = t.elapsed().as_secs_f64();
+                m.prefill(&toks[p0..], &mut st, Logits::Last).map_err(e)?;
+                g.sync().map_err(e)?;
+                if r > 0 {
+                    ts.push(t.elapsed().as_secs_f64());
+                    tc.push(clone_s);
+                }
+            }
+            let pref = median(ts);
+            let clone = median(tc);
+            let f_pref = prefill_flops(&c, &pc, p0, seg);
+            drop(base);
+            // HYPIC: every segment's entry built by a first run (its own tenant), then
+            // timed runs that hit the public pool for segments 0..n−1 and prefill the
+            // last one. The private pool gets 1 byte, so no run is a prefix hit (each
+            // run still snapshots its running state per segment, as the engine does).
+            let engine =
+                GpuPicEngine::new(m.clone(), &format!("random-seed{}", a.seed), 1 << 40, 1);
+            let segs: Vec<SegmentRef> = toks
+                .chunks(seg)
+                .map(|ch| SegmentRef {
+                    tokens: ch.to_vec(),
+                    isolation: "bench".into(),
+                })
+                .collect();
+            let mode = Mode::hypic_default();
+            engine.run(&segs, mode, "build").map_err(e)?;
+            let (mut ts, mut hits) = (vec![], 0);
+            for r in 0..=a.reps {
+                g.sync().map_err(e)?;
+                let t = Instant::now();
+                let out = engine.run(&segs, mode, &format!("run{r}")).map_err(e)?;
+                g.sync().map_err(e)?;
+                if r > 0 {
+                    ts.push(t.elapsed().as_secs_f64());
+                }
+                hits = out.stats.hits;
+            }
+            let hy = median(ts);
+            // Compose per segment ≈ (hypic − last-segment prefill) / (n − 1), with the
+            // last-segment prefill time taken from the prefix-cache column minus its clone.
+            let compose = (hy - (pref - clone)) / (nseg - 1).max(1) as f64;
+            println!(
+                "| {nseg} × {seg} | {total} | {:.1} | {:.1}% | {:.1} | {:.1}% | {:.2} | {:.1} | {:.2} | {hits}/{nseg} |",
+                full * 1e3,
+                100.0 * f_full / full / peak,
+                pref * 1e3,
+                100.0 * f_pref / pref / peak,
+                clone * 1e3,
+                hy * 1e3,
+                compose * 1e3,
+            );
+            drop(engine);
+        }
+        println!("\nMFU = counted model FLOPs (module docs of gpu_model_bench.rs) / time / the bf16 GEMM peak above. The prefix-cache time includes the device-side clone of the snapshot. hypic = `GpuPicEngine::run(Mode::hypic_default())` with every segment's public entry already built (segments 0..n−2 composed: 8-token seam prefill, pair apply, body KV re-rotated and appended; the last segment prefilled); its compose per segment is derived as (hypic − (prefix cache − clone)) / (n − 1), not timed directly.");
+
+        // Decode.
+        let ctxs: &[usize] = if a.quick {
+            &[1024, 16384]
+        } else {
+            &[1024, 4096, 16384, 32768]
+        };
+        println!(
+            "\n## Decode step (one token, host logits; ms, median of 10 after 2 warm-up steps)\n"
+        );
+        println!("| context | step ms | tokens/s |");
+        println!("|---|---|---|");
+        for &ctx in ctxs {
+            let toks = prompt(ctx, c.vocab_size, 77 + ctx as u64);
+            let mut st = m.new_state().map_err(e)?;
+            m.prefill(&toks, &mut st, Logits::None).map_err(e)?;
+            g.sync().map_err(e)?;
+            let mut ts = vec![];
+            for i in 0..12u32 {
+                let t = Instant::now();
+                m.decode(i % c.vocab_size as u32, &mut st).map_err(e)?;
+                if i >= 2 {
+                    ts.push(t.elapsed().as_secs_f64());
+                }
+            }
+            let s = median(ts);
+            println!("| {ctx} | {:.2} | {:.0} |", s * 1e3, 1.0 / s);
+        }
+        drop(m);
+        layer_split::<T>(g, &c, a, &full_by_len)
+    }
+
+    /// Per-layer-kind split: prefill time of two 4-layer models of the same shapes
+    /// (all GDN layers, all attention layers; each layer with its MoE FFN) and a small
+    /// vocabulary (1024, so embedding and LM head are negligible), divided by 4; then
+    /// `n_GDN·t_GDN + n_attn·t_attn` against the whole model's full-recompute time.
+    fn layer_split<T: Elem>(
+        g: &std::sync::Arc<Gpu>,
+        c: &ModelConfig,
+        a: &Args,
+        full_by_len: &[(usize, f64)],
+    ) -> Res<()>
+    where
+        CudaBlas: Gemm<T>,
+    {
+        let e = |x: dataplane::cuda::CudaError| x.to_string();
+        let n_full = c
+            .layer_kinds
+            .iter()
+            .filter(|k| **k == LayerKind::Full)
+            .count();
+        let n_lin = c.num_layers - n_full;
+        let mut per_kind = vec![];
+        for kind in [LayerKind::Linear, LayerKind::Full] {
+            let mut cc = c.clone();
+            cc.num_layers = 4;
+            cc.layer_kinds = vec![kind; 4];
+            cc.layer_is_moe = c.layer_is_moe[..4.min(c.num_layers)].to_vec();
+            cc.layer_is_moe
+                .resize(4, c.layer_is_moe.first().copied().unwrap_or(false));
+            cc.vocab_size = 1024;
+            let m = GpuModel::<T>::random(g.clone(), cc.clone(), a.seed).map_err(e)?;
+            let mut row = vec![];
+            for &(len, _) in full_by_len {
+                let toks = prompt(len, cc.vocab_size, 5 + len as u64);
+                let mut ts = vec![];
+                for r in 0..=a.reps {
+                    let mut st = m.new_state().map_err(e)?;
+                    g.sync().map_err(e)?;
+                    let t = Instant::now();
+                    m.prefill(&toks, &mut st, Logits::Last).map_err(e)?;
+                    g.sync().map_err(e)?;
+                    if r > 0 {
+                        ts.push(t.elapsed().as_secs_f64());
+                    }
+                }
+                row.push(median(ts) / 4.0);
+            }
+            per_kind.push(row);
+        }
+        println!("\n## Per-layer-kind time split (full-recompute prefill from empty; one layer = mixer + its FFN; ms)\n");
+        println!("| prompt | GDN layer | attention layer | {n_lin}·GDN + {n_full}·attention | whole model | rest (embedding, LM head, gaps) |");
+        println!("|---|---|---|---|---|---|");
+        let mut seen = std::collections::HashSet::new();
+        for (i, &(len, full)) in full_by_len.iter().enumerate() {
+            if !seen.insert(len) {
+                continue;
+            }
+            let (tl, tf) = (per_kind[0][i], per_kind[1][i]);
+            let sum = n_lin as f64 * tl + n_full as f64 * tf;
+            println!(
+                "| {len} | {:.2} | {:.2} | {:.1} ({:.0}% GDN) | {:.1} | {:.1} |",
+                tl * 1e3,
+                tf * 1e3,
+                sum * 1e3,
+                100.0 * n_lin as f64 * tl / sum,
+                full * 1e3,
+                (full - sum) * 1e3
+            );
+        }
+        Ok(())
+    }
+}
