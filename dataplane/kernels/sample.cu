@@ -175,14 +175,16 @@ extern "C" __global__ void __launch_bounds__(1024)
         if (threadIdx.x == 0) out[row] = (unsigned)r;
         return;
     }
-    // Finite count and max of the scaled logits s_i = l_i / T over finite l_i.
+    // Finite count and max logit m over finite l_i. Keys, masses and scores use l_i
+    // and (l_i − m) / T rather than s_i = l_i / T: the same order and values for T > 0,
+    // but l_i / T at a tiny T would round the gaps between logits away.
     float m = NEG_INF;
     int n_fin_local = 0;
     for (int i = threadIdx.x; i < vocab; i += blockDim.x) {
         const float l = L[i];
         if (isfinite(l)) {
             ++n_fin_local;
-            m = fmaxf(m, l / temp);
+            m = fmaxf(m, l);
         }
     }
     const int n_fin = (int)(block_sum_u64((u64)n_fin_local));
@@ -202,7 +204,7 @@ extern "C" __global__ void __launch_bounds__(1024)
         return;
     }
     auto alive = [&](int i) -> bool { return isfinite(L[i]); };
-    auto skey = [&](int i) -> unsigned { return f2key(L[i] / temp); };
+    auto skey = [&](int i) -> unsigned { return f2key(L[i]); };
 
     // Top-k: key threshold kk and index cut for ties at the threshold.
     unsigned kk = 0;
@@ -230,17 +232,19 @@ extern "C" __global__ void __launch_bounds__(1024)
         return key > kk_c || (key == kk_c && i <= cut_k_c);
     };
 
-    // Top-p over the top-k set: fixed-point masses q_i = rint(exp(s_i − m) / Z · 2^40).
+    // Top-p over the top-k set: fixed-point masses q_i = rint(exp((l_i − m) / T) / Z · 2^40).
     unsigned kp = 0;
     int cut_p = IDX_NONE;
     if (top_p < 1.f) {
         float z = 0.f;
         for (int i = threadIdx.x; i < vocab; i += blockDim.x)
-            if (in_k(i)) z += expf(L[i] / temp - m);
+            if (in_k(i)) z += expf((L[i] - m) / temp);
         z = block_sum(z, sh);
         __syncthreads();
-        auto qf = [&](float s) -> u64 { return (u64)rint((double)(expf(s - m) / z) * MASS_ONE); };
-        auto wq = [&](int i) -> u64 { return in_k(i) ? qf(L[i] / temp) : 0ull; };
+        auto qf = [&](float l) -> u64 {
+            return (u64)rint((double)(expf((l - m) / temp) / z) * MASS_ONE);
+        };
+        auto wq = [&](int i) -> u64 { return in_k(i) ? qf(L[i]) : 0ull; };
         u64 qloc = 0;
         for (int i = threadIdx.x; i < vocab; i += blockDim.x) qloc += wq(i);
         const u64 qtot = block_sum_u64(qloc);
@@ -273,8 +277,7 @@ extern "C" __global__ void __launch_bounds__(1024)
     int bi = IDX_NONE;
     for (int i = threadIdx.x; i < vocab; i += blockDim.x) {
         if (!in_k(i)) continue;
-        const float s = L[i] / temp;
-        const unsigned key = f2key(s);
+        const unsigned key = f2key(L[i]);
         if (!(key > kp_c || (key == kp_c && i <= cut_p_c))) continue;
         // argmax (l/T + g) computed as argmax (l + T·g): the same order for T > 0,
         // but l/T at a tiny T loses the gaps between logits to fp32 rounding.

@@ -7,18 +7,19 @@
 //! * Greedy (`temperature ≤ 0`, NaN temperature, or `top_k == 1`): identical to
 //!   [`crate::sampling::argmax`] (largest logit, lowest index on ties, NaN never chosen,
 //!   0 when nothing is above −inf).
-//! * Otherwise both keep the same candidate set: finite logits scaled `s_i = l_i / T`,
-//!   ordered by (`s` descending by `f32::total_cmp`, index ascending), the first `top_k`
+//! * Otherwise both keep the same candidate set: finite logits `l_i` (the scaled
+//!   `s_i = l_i / T` order the same way for `T > 0`; it is never formed, since at a tiny
+//!   `T` it would round the gaps between logits away),
+//!   ordered by (`l` descending by `f32::total_cmp`, index ascending), the first `top_k`
 //!   (0 = all), then the shortest prefix whose renormalised probability mass reaches
 //!   `top_p` (only when `top_p < 1`; `top_p ≤ 0` keeps one token). The GPU measures that
-//!   mass in fixed point, `q_i = rint(exp(s_i − m) / Z · 2⁴⁰)` (`m` the largest `s`, `Z`
+//!   mass in fixed point, `q_i = rint(exp((l_i − m) / T) / Z · 2⁴⁰)` (`m` the largest `l`, `Z`
 //!   the fp32 sum over the top-k set) and keeps the shortest prefix with
 //!   `Σ q ≥ ceil(top_p · Σ q)`, so the cut can differ from the CPU's fp32 running sum
 //!   only when the boundary lies within rounding of `top_p`.
 //! * The draw differs: the CPU walks the sorted CDF with one `StdRng` uniform per step;
 //!   the GPU uses the Gumbel-max trick, `argmax_i (s_i + g_i)` over the kept set
-//!   (evaluated as `argmax_i (l_i + T·g_i)`, the same order, so that a tiny `T` does not
-//!   round the gaps between `s_i = l_i / T` away), with
+//!   (evaluated as `argmax_i (l_i + T·g_i)`, the same order), with
 //!   `g_i = −ln(−ln u_i)`, `u_i = ((h_i >> 11) + ½) · 2⁻⁵³`,
 //!   `h_i = mix64(mix64(mix64(seed) ^ step) ^ i)` (SplitMix64 finaliser), in f64. Both
 //!   draw from the same distribution (softmax of `s` restricted to the kept set), but
@@ -220,7 +221,7 @@ pub fn reference(logits: &[f32], p: &RowSampling) -> u32 {
         .iter()
         .enumerate()
         .filter(|(_, v)| v.is_finite())
-        .map(|(i, &v)| (i as u32, v / t))
+        .map(|(i, &v)| (i as u32, v))
         .collect();
     let m = cand.iter().map(|c| c.1).fold(f32::NEG_INFINITY, f32::max);
     if cand.is_empty() || !m.is_finite() {
@@ -231,11 +232,12 @@ pub fn reference(logits: &[f32], p: &RowSampling) -> u32 {
         cand.truncate(p.top_k);
     }
     if p.top_p < 1.0 {
-        let z: f32 = cand.iter().map(|c| (c.1 - m).exp()).sum();
+        let z: f32 = cand.iter().map(|c| ((c.1 - m) / t).exp()).sum();
         let q: Vec<u64> = cand
             .iter()
             .map(|c| {
-                ((((c.1 - m).exp() / z) as f64) * (1u64 << 40) as f64).round_ties_even() as u64
+                (((((c.1 - m) / t).exp() / z) as f64) * (1u64 << 40) as f64).round_ties_even()
+                    as u64
             })
             .collect();
         let qtot: u64 = q.iter().sum();
