@@ -379,8 +379,6 @@ impl<V> Pool<V> {
         if self.entries.contains_key(&key) {
             return Insert::Present;
         }
-        // A fresh value replaces a spilled copy.
-        self.remove_spilled(&key);
         self.clock += 1;
         let stamp = self.stamp_ms();
         let meta = EntryMeta {
@@ -415,6 +413,8 @@ impl<V> Pool<V> {
             self.evict(&victim);
             evicted += 1;
         }
+        // A fresh value replaces a spilled copy (kept when the insert is refused).
+        self.remove_spilled(&key);
         self.used += bytes;
         *self.by_owner.entry(meta.owner.clone()).or_default() += bytes;
         self.entries.insert(key, (value, meta));
@@ -676,5 +676,43 @@ mod tests {
         p.insert(k(2), Arc::new(Val(2, 2.0)), 40, 10, "a");
         assert!(!p.contains(&k(1)) && !p.damage_spilled(&k(1), 0));
         assert_eq!((p.stats().spilled, p.spill_usage()), (0, (0, 0, 0)));
+    }
+
+    /// Structural invariants of the two tiers and their byte accounting.
+    fn check<V>(p: &Pool<V>, ctx: &str) {
+        let used: usize = p.entries.values().map(|(_, m)| m.bytes).sum();
+        assert_eq!(p.used, used, "{ctx}: primary used");
+        assert!(p.used <= p.capacity, "{ctx}: primary over capacity");
+        let mut owners: HashMap<String, usize> = HashMap::new();
+        for (k, (_, m)) in &p.entries {
+            assert_eq!(&m.key, k, "{ctx}: primary meta key");
+            *owners.entry(m.owner.clone()).or_default() += m.bytes;
+        }
+        assert_eq!(p.by_owner, owners, "{ctx}: by_owner");
+        if let Some(t) = &p.spill {
+            let su: usize = t.blobs.values().map(|b| b.bytes.len()).sum();
+            assert_eq!(t.used, su, "{ctx}: spill used");
+            assert!(t.used <= t.capacity, "{ctx}: spill over capacity");
+            for (k, b) in &t.blobs {
+                assert_eq!(&b.meta.key, k, "{ctx}: spilled meta key");
+                assert!(!p.entries.contains_key(k), "{ctx}: key in both tiers");
+            }
+        }
+    }
+
+    #[test]
+    fn a_refused_insert_keeps_the_spilled_copy() {
+        let mut p: Pool<Val> = Pool::new(50, Box::new(Never));
+        p.set_policy(Box::new(Lru));
+        p.enable_spill(100);
+        p.insert(k(1), Arc::new(Val(1, 1.0)), 40, 10, "a");
+        p.insert(k(2), Arc::new(Val(2, 2.0)), 40, 10, "a");
+        assert!(p.is_spilled(&k(1)));
+        p.set_policy(Box::new(Never)); // admits only tokens > 5, names no victim
+        assert_eq!(p.insert(k(1), Arc::new(Val(9, 9.0)), 40, 3, "a"), Insert::NotAdmitted);
+        assert!(p.is_spilled(&k(1)), "the refused insert dropped the spilled copy");
+        assert_eq!(p.insert(k(1), Arc::new(Val(9, 9.0)), 40, 30, "a"), Insert::NoRoom);
+        assert!(p.is_spilled(&k(1)), "the refused insert dropped the spilled copy");
+        check(&p, "refused");
     }
 }
