@@ -89,7 +89,8 @@ pub struct PoolStats {
     /// Evicted entries written to the spill tier.
     pub spilled: u64,
     /// Lookups served from the spill tier after the checksum verified (also
-    /// counted in `hits`); the entry moves back to the primary tier.
+    /// counted in `hits`); the entry moves back to the primary tier when the policy
+    /// admits it and names the victims to make room, else it stays spilled.
     pub spill_restores: u64,
     /// Spilled entries dropped on restore because the checksum or the layout did not
     /// verify (the lookup counts as a miss).
@@ -215,52 +216,94 @@ impl<V> Pool<V> {
         }
     }
 
-    /// Takes `key` out of the spill tier, verifies its checksum and layout, and puts
-    /// it back into the primary tier (which may spill others). `None` when absent or
-    /// damaged (then dropped and counted in `spill_corrupt`).
+    /// Verifies and decodes the spilled blob of `key` (checksum, then layout) and
+    /// moves it back into the primary tier when the policy lets it: the owner is
+    /// admitted again (per-tenant quotas count the primary tier) and the policy names
+    /// the victims that make room. Otherwise the verified value is served from the
+    /// spill tier and stays there, its recency refreshed — a restore never evicts
+    /// what the policy protects, never pushes an owner past admission, and never
+    /// loses the entry. `None` when absent or damaged (then dropped and counted in
+    /// `spill_corrupt`).
     fn restore(&mut self, key: &Key) -> Option<Arc<V>> {
         let tier = self.spill.as_mut()?;
-        let blob = tier.blobs.remove(key)?;
-        tier.used -= blob.bytes.len();
+        let blob = tier.blobs.get(key)?;
         let value = if super::spill::checksum(&blob.bytes) != blob.checksum {
             Err("checksum mismatch".to_string())
         } else {
             (tier.decode)(&blob.bytes)
         };
-        match value {
+        let v = match value {
+            Ok(v) => Arc::new(v),
             Err(_) => {
+                if let Some(b) = tier.blobs.remove(key) {
+                    tier.used -= b.bytes.len();
+                }
                 self.stats.spill_corrupt += 1;
-                None
+                return None;
             }
-            Ok(v) => {
-                self.stats.spill_restores += 1;
-                let v = Arc::new(v);
-                let mut meta = blob.meta;
-                meta.hits += 1;
-                meta.last_use = self.clock;
-                meta.last_use_ms = self.last_stamp_ms;
-                self.make_room_and_store(meta, v.clone());
-                Some(v)
+        };
+        self.stats.spill_restores += 1;
+        let mut meta = blob.meta.clone();
+        meta.hits += 1;
+        meta.last_use = self.clock;
+        meta.last_use_ms = self.last_stamp_ms;
+        let victims = if self.policy.admit(&meta, self.owner_bytes(&meta.owner)) {
+            self.plan_room(meta.bytes)
+        } else {
+            None
+        };
+        let tier = self.spill.as_mut()?;
+        match victims {
+            Some(victims) => {
+                if let Some(b) = tier.blobs.remove(key) {
+                    tier.used -= b.bytes.len();
+                }
+                for victim in &victims {
+                    self.evict(victim);
+                }
+                self.store_primary(meta, v.clone());
+            }
+            None => {
+                if let Some(b) = tier.blobs.get_mut(key) {
+                    b.meta = meta;
+                }
             }
         }
+        Some(v)
     }
 
-    /// Stores a restored entry in the primary tier, spilling LRU victims to make
-    /// room (bypasses admission: the entry was admitted before). When it cannot fit,
-    /// it is returned to the caller only.
-    fn make_room_and_store(&mut self, meta: EntryMeta, v: Arc<V>) {
-        if meta.bytes > self.capacity {
-            return;
+    /// The primary-tier entries the policy names, in order, to make room for
+    /// `bytes` more; `None` when it cannot fit or the policy names no victim (then
+    /// nothing may be evicted).
+    fn plan_room(&mut self, bytes: usize) -> Option<Vec<Key>> {
+        if bytes > self.capacity {
+            return None;
         }
-        while self.used + meta.bytes > self.capacity {
-            let metas: Vec<EntryMeta> = self.entries.values().map(|(_, m)| m.clone()).collect();
-            let Some(victim) = Lru.victim(&metas).map(|i| metas[i].key) else {
-                return;
-            };
-            self.evict(&victim);
+        let mut metas: Vec<EntryMeta> = self.entries.values().map(|(_, m)| m.clone()).collect();
+        let mut used = self.used;
+        let mut victims = vec![];
+        while used + bytes > self.capacity {
+            if metas.is_empty() {
+                return None;
+            }
+            match self.policy.victim(&metas) {
+                Some(i) if i < metas.len() => {
+                    let m = metas.swap_remove(i);
+                    used -= m.bytes;
+                    victims.push(m.key);
+                }
+                _ => return None,
+            }
         }
+        Some(victims)
+    }
+
+    /// Puts an entry into the primary tier (room already made) and accounts it.
+    fn store_primary(&mut self, meta: EntryMeta, v: Arc<V>) {
         self.used += meta.bytes;
-        *self.by_owner.entry(meta.owner.clone()).or_default() += meta.bytes;
+        if meta.bytes > 0 {
+            *self.by_owner.entry(meta.owner.clone()).or_default() += meta.bytes;
+        }
         self.entries.insert(meta.key, (v, meta));
     }
 
@@ -379,8 +422,6 @@ impl<V> Pool<V> {
         if self.entries.contains_key(&key) {
             return Insert::Present;
         }
-        // A fresh value replaces a spilled copy.
-        self.remove_spilled(&key);
         self.clock += 1;
         let stamp = self.stamp_ms();
         let meta = EntryMeta {
@@ -415,9 +456,9 @@ impl<V> Pool<V> {
             self.evict(&victim);
             evicted += 1;
         }
-        self.used += bytes;
-        *self.by_owner.entry(meta.owner.clone()).or_default() += bytes;
-        self.entries.insert(key, (value, meta));
+        // A fresh value replaces a spilled copy (kept when the insert is refused).
+        self.remove_spilled(&key);
+        self.store_primary(meta, value);
         self.stats.inserts += 1;
         Insert::Stored { evicted }
     }
@@ -676,5 +717,264 @@ mod tests {
         p.insert(k(2), Arc::new(Val(2, 2.0)), 40, 10, "a");
         assert!(!p.contains(&k(1)) && !p.damage_spilled(&k(1), 0));
         assert_eq!((p.stats().spilled, p.spill_usage()), (0, (0, 0, 0)));
+    }
+
+    /// A test value: its key id, its owner and a payload whose encoding has a
+    /// variable length (the blob is `id, owner byte, payload`).
+    #[derive(Clone, Debug, PartialEq)]
+    struct Tagged {
+        id: u8,
+        owner: u8,
+        pad: Vec<u8>,
+    }
+    impl crate::pic::spill::Spill for Tagged {
+        fn encode(&self) -> Vec<u8> {
+            let mut b = vec![self.id, self.owner];
+            b.extend_from_slice(&self.pad);
+            b
+        }
+        fn decode(b: &[u8]) -> Result<Self, String> {
+            if b.len() < 2 {
+                return Err("short".into());
+            }
+            Ok(Tagged {
+                id: b[0],
+                owner: b[1],
+                pad: b[2..].to_vec(),
+            })
+        }
+    }
+
+    /// Per-tenant quota admission (like the control plane's quota policies) with
+    /// eviction that never names entries of the owner "pin" and, when `refuse` is
+    /// set, names no victim at all.
+    struct Quota {
+        quota: usize,
+        refuse: bool,
+    }
+    impl CachePolicy for Quota {
+        fn name(&self) -> &str {
+            "quota"
+        }
+        fn admit(&mut self, c: &EntryMeta, owner_used_bytes: usize) -> bool {
+            owner_used_bytes + c.bytes <= self.quota
+        }
+        fn victim(&mut self, entries: &[EntryMeta]) -> Option<usize> {
+            if self.refuse {
+                return None;
+            }
+            entries
+                .iter()
+                .enumerate()
+                .filter(|(_, m)| m.owner != "pin")
+                .min_by_key(|(_, m)| m.last_use)
+                .map(|(i, _)| i)
+        }
+    }
+
+    /// Structural invariants of the two tiers and their byte accounting.
+    fn check<V>(p: &Pool<V>, ctx: &str) {
+        let used: usize = p.entries.values().map(|(_, m)| m.bytes).sum();
+        assert_eq!(p.used, used, "{ctx}: primary used");
+        assert!(p.used <= p.capacity, "{ctx}: primary over capacity");
+        let mut owners: HashMap<String, usize> = HashMap::new();
+        for (k, (_, m)) in &p.entries {
+            assert_eq!(&m.key, k, "{ctx}: primary meta key");
+            if m.bytes > 0 {
+                *owners.entry(m.owner.clone()).or_default() += m.bytes;
+            }
+        }
+        assert_eq!(p.by_owner, owners, "{ctx}: by_owner");
+        if let Some(t) = &p.spill {
+            let su: usize = t.blobs.values().map(|b| b.bytes.len()).sum();
+            assert_eq!(t.used, su, "{ctx}: spill used");
+            assert!(t.used <= t.capacity, "{ctx}: spill over capacity");
+            for (k, b) in &t.blobs {
+                assert_eq!(&b.meta.key, k, "{ctx}: spilled meta key");
+                assert!(!p.entries.contains_key(k), "{ctx}: key in both tiers");
+            }
+        }
+    }
+
+    #[test]
+    fn random_operation_sequences_keep_the_tiers_consistent() {
+        use rand::{rngs::StdRng, Rng, SeedableRng};
+        const OWNERS: [&str; 3] = ["a", "b", "pin"];
+        for seed in 0..300u64 {
+            let mut rng = StdRng::seed_from_u64(seed);
+            let cap = rng.random_range(20..120);
+            let quota = rng.random_range(10..cap + 10);
+            let mut p: Pool<Tagged> = Pool::new(
+                cap,
+                Box::new(Quota {
+                    quota,
+                    refuse: false,
+                }),
+            );
+            p.enable_spill(rng.random_range(1..80));
+            // Model: the value last stored under each key (a lookup may only ever
+            // return that one), and which keys may still be present at all.
+            let mut model: HashMap<Key, Tagged> = HashMap::new();
+            let (mut gets, mut inserts) = (0u64, 0u64);
+            for step in 0..400 {
+                let ctx = format!("seed {seed} step {step}");
+                let id = rng.random_range(0..12u8);
+                let key = k(id);
+                let o = rng.random_range(0..OWNERS.len());
+                // The owner is part of the key material, as in the engine.
+                let key = {
+                    let mut key = key;
+                    key[31] = o as u8;
+                    key
+                };
+                let pinned_before: Vec<Key> = p
+                    .entries
+                    .values()
+                    .filter(|(_, m)| m.owner == "pin")
+                    .map(|(_, m)| m.key)
+                    .collect();
+                let mut removed_pins = false;
+                match rng.random_range(0..100) {
+                    0..=39 => {
+                        let v = Tagged {
+                            id,
+                            owner: o as u8,
+                            pad: vec![id; rng.random_range(0..30)],
+                        };
+                        let bytes = rng.random_range(0..40);
+                        let before = (p.len(), p.spill_usage(), p.contains(&key));
+                        let r = p.insert(key, Arc::new(v.clone()), bytes, 1, OWNERS[o]);
+                        match r {
+                            Insert::Stored { .. } => {
+                                inserts += 1;
+                                model.insert(key, v);
+                            }
+                            Insert::NotAdmitted => assert_eq!(
+                                before,
+                                (p.len(), p.spill_usage(), p.contains(&key)),
+                                "{ctx}: a refused insert changed the pool"
+                            ),
+                            _ => {}
+                        }
+                    }
+                    40..=79 => {
+                        gets += 1;
+                        if let Some(v) = p.get(&key) {
+                            assert_eq!(Some(&*v), model.get(&key), "{ctx}: wrong value");
+                            assert_eq!(v.owner as usize, o, "{ctx}: another owner's value");
+                        }
+                    }
+                    80..=86 => {
+                        let had = p.contains(&key);
+                        assert_eq!(p.remove(&key), had, "{ctx}: remove result");
+                        assert!(!p.contains(&key) && p.meta(&key).is_none(), "{ctx}");
+                        removed_pins = true;
+                    }
+                    87..=89 => {
+                        p.remove_owner(OWNERS[o]);
+                        assert!(
+                            p.entries().iter().all(|m| m.owner != OWNERS[o]),
+                            "{ctx}: primary entry left"
+                        );
+                        for k in p.spilled_keys() {
+                            assert_ne!(
+                                p.meta(&k).map(|m| m.owner.as_str()),
+                                Some(OWNERS[o]),
+                                "{ctx}: spilled entry of a removed owner"
+                            );
+                        }
+                        removed_pins = true;
+                    }
+                    90 => {
+                        p.clear();
+                        assert_eq!((p.len(), p.spill_usage().0, p.used_bytes()), (0, 0, 0));
+                        removed_pins = true;
+                    }
+                    91..=95 => {
+                        let keys = p.spilled_keys();
+                        if !keys.is_empty() {
+                            let k = keys[rng.random_range(0..keys.len())];
+                            p.damage_spilled(&k, rng.random::<u32>() as usize);
+                        }
+                    }
+                    _ => {
+                        // Toggle a policy that names no victim.
+                        let refuse = rng.random_bool(0.5);
+                        p.set_policy(Box::new(Quota { quota, refuse }));
+                    }
+                }
+                check(&p, &ctx);
+                // Per-tenant quotas hold for the primary tier after any operation.
+                for ow in OWNERS {
+                    assert!(
+                        p.owner_bytes(ow) <= quota,
+                        "{ctx}: owner {ow} holds {} over its quota {quota}",
+                        p.owner_bytes(ow)
+                    );
+                }
+                // Entries the policy never names as victims stay resident until
+                // removed.
+                if !removed_pins {
+                    for k in pinned_before {
+                        assert!(
+                            p.entries.contains_key(&k),
+                            "{ctx}: a pinned entry was evicted without the policy"
+                        );
+                    }
+                }
+                let st = p.stats();
+                assert_eq!(st.hits + st.misses, gets, "{ctx}: lookups");
+                assert_eq!(st.inserts, inserts, "{ctx}: inserts");
+                assert!(st.spill_restores <= st.hits, "{ctx}");
+                assert!(st.spill_corrupt + st.spill_evictions <= st.spilled, "{ctx}");
+            }
+        }
+    }
+
+    #[test]
+    fn a_refused_insert_keeps_the_spilled_copy() {
+        let mut p: Pool<Val> = Pool::new(50, Box::new(Never));
+        p.set_policy(Box::new(Lru));
+        p.enable_spill(100);
+        p.insert(k(1), Arc::new(Val(1, 1.0)), 40, 10, "a");
+        p.insert(k(2), Arc::new(Val(2, 2.0)), 40, 10, "a");
+        assert!(p.is_spilled(&k(1)));
+        p.set_policy(Box::new(Never)); // admits only tokens > 5, names no victim
+        assert_eq!(p.insert(k(1), Arc::new(Val(9, 9.0)), 40, 3, "a"), Insert::NotAdmitted);
+        assert!(p.is_spilled(&k(1)), "the refused insert dropped the spilled copy");
+        assert_eq!(p.insert(k(1), Arc::new(Val(9, 9.0)), 40, 30, "a"), Insert::NoRoom);
+        assert!(p.is_spilled(&k(1)), "the refused insert dropped the spilled copy");
+        check(&p, "refused");
+    }
+
+    #[test]
+    fn restore_follows_the_policy() {
+        // The policy names no victim: the restored value is served but stays spilled
+        // (nothing resident is evicted behind the policy's back, nothing is lost).
+        let mut p: Pool<Val> = Pool::new(50, Box::new(Lru));
+        p.enable_spill(100);
+        p.insert(k(1), Arc::new(Val(1, 1.0)), 40, 10, "a");
+        p.insert(k(2), Arc::new(Val(2, 2.0)), 40, 10, "a");
+        p.set_policy(Box::new(Quota { quota: 1000, refuse: true }));
+        assert_eq!(*p.get(&k(1)).expect("served"), Val(1, 1.0));
+        assert!(p.entries.contains_key(&k(2)), "2 evicted although the policy refused");
+        assert!(p.is_spilled(&k(1)), "1 lost");
+        assert_eq!(*p.get(&k(1)).expect("served again"), Val(1, 1.0));
+        assert_eq!(p.stats().evictions, 1);
+        check(&p, "no victim");
+        // Over quota: a restore does not push the owner past what admission allows.
+        let mut p: Pool<Val> = Pool::new(100, Box::new(Quota { quota: 80, refuse: false }));
+        p.enable_spill(100);
+        p.insert(k(1), Arc::new(Val(1, 1.0)), 40, 10, "a");
+        p.insert(k(2), Arc::new(Val(2, 2.0)), 40, 10, "a");
+        p.insert(k(3), Arc::new(Val(3, 3.0)), 40, 10, "b"); // spills 1
+        assert!(p.is_spilled(&k(1)));
+        p.insert(k(4), Arc::new(Val(4, 4.0)), 20, 10, "a"); // fits; a at 60
+        assert_eq!(p.owner_bytes("a"), 60);
+        assert_eq!(*p.get(&k(1)).expect("served"), Val(1, 1.0));
+        assert!(p.owner_bytes("a") <= 80, "a holds {}", p.owner_bytes("a"));
+        assert!(p.is_spilled(&k(1)), "served from the spill tier, kept there");
+        assert!(p.contains(&k(2)) && p.contains(&k(3)) && p.contains(&k(4)));
+        check(&p, "quota");
     }
 }

@@ -190,6 +190,10 @@ impl Spill for SegmentEntry {
                 0 => {
                     let kind = kind_from(r.u8("transition kind")?)?;
                     let (hv, dk, dv) = (r.usize("hv")?, r.usize("dk")?, r.usize("dv")?);
+                    // Pair::from_parts multiplies the dimensions unchecked.
+                    if hv.checked_mul(dk).and_then(|x| x.checked_mul(dk.max(dv))).is_none() {
+                        return Err(format!("layer {i}: dimensions {hv}x{dk}x{dv} overflow"));
+                    }
                     let t = r.f32s("T")?;
                     let b = r.f32s("S_C|0")?;
                     let conv_tail = r.f32s("conv tail")?;
@@ -402,6 +406,27 @@ mod tests {
             let mut f = b.clone();
             f[i] ^= 1;
             assert_ne!(checksum(&f), c, "flip at {i}");
+        }
+    }
+
+    #[test]
+    fn overflowing_dimensions_are_refused_not_panicked_on() {
+        for kind in 0..3u8 {
+            let mut w = W::default();
+            w.0.extend_from_slice(b"HSEG");
+            w.u64(0);
+            w.u64(1);
+            w.u64(1);
+            w.u8(0);
+            w.u8(kind);
+            w.u64(1 << 33); // hv
+            w.u64(1 << 33); // dk
+            w.u64(1 << 33); // dv
+            w.f32s(&[]);
+            w.f32s(&[]);
+            w.f32s(&[]);
+            let r = std::panic::catch_unwind(|| SegmentEntry::decode(&w.0));
+            assert!(matches!(r, Ok(Err(_))), "kind {kind}: {:?}", r.map(|x| x.is_ok()));
         }
     }
 }
