@@ -115,3 +115,75 @@ ATTN(f32, float, 256)
 ATTN(bf16, bf16, 64)
 ATTN(bf16, bf16, 128)
 ATTN(bf16, bf16, 256)
+
+// ---------------------------------------------------------------------------------------
+// Row softmax of the GEMM-based fast path (attn::prefill_fast in cuda/attn.rs).
+//   s: [rows, ld] fp32 scores, already scaled by hd^-0.5 (cuBLAS alpha); row r holds the
+//      scores of query q0 + (r % qb) (rows are [batch][qb] with any batch count) against
+//      keys 0..n_kv; columns n_kv..ld are padding and are neither read nor written.
+//   p: [rows, ld] T: p[r][j] = exp(s - m) / l over the keys with kv_pos[j] ≤ q_pos[q],
+//      0 for masked keys; a row that sees no key is all zeros.
+// grid (rows), block ASM_THREADS; fp32 online (max, sum) per thread, merged per block.
+#define ASM_THREADS 256
+
+__device__ __forceinline__ void asm_merge(float& m, float& l, float m2, float l2) {
+    const float mn = fmaxf(m, m2);
+    if (mn == NEG_INF) {
+        m = mn;
+        l = 0.f;
+        return;
+    }
+    l = (m == NEG_INF ? 0.f : l * expf(m - mn)) + (m2 == NEG_INF ? 0.f : l2 * expf(m2 - mn));
+    m = mn;
+}
+
+template <typename T>
+__device__ void attn_softmax_impl(const float* s, T* p, const i64* q_pos, const i64* kv_pos, int qb,
+                                  int q0, int n_kv, int ld) {
+    __shared__ float sm_m[ASM_THREADS / 32];
+    __shared__ float sm_l[ASM_THREADS / 32];
+    const size_t r = blockIdx.x;
+    const i64 qp = q_pos[q0 + (int)(r % (size_t)qb)];
+    const float* sr = s + r * (size_t)ld;
+    T* pr = p + r * (size_t)ld;
+    float m = NEG_INF, l = 0.f;
+    for (int j = threadIdx.x; j < n_kv; j += blockDim.x) {
+        if (kv_pos[j] <= qp) {
+            const float x = sr[j];
+            if (x > m) {
+                l = (m == NEG_INF ? 0.f : l * expf(m - x)) + 1.f;
+                m = x;
+            } else {
+                l += expf(x - m);
+            }
+        }
+    }
+#pragma unroll
+    for (int o = 16; o > 0; o >>= 1) {
+        const float m2 = __shfl_xor_sync(0xffffffffu, m, o);
+        const float l2 = __shfl_xor_sync(0xffffffffu, l, o);
+        asm_merge(m, l, m2, l2);
+    }
+    const int lane = threadIdx.x & 31, w = threadIdx.x >> 5, nw = blockDim.x >> 5;
+    if (lane == 0) {
+        sm_m[w] = m;
+        sm_l[w] = l;
+    }
+    __syncthreads();
+    m = NEG_INF;
+    l = 0.f;
+    for (int i = 0; i < nw; ++i) asm_merge(m, l, sm_m[i], sm_l[i]);
+    const float inv = l > 0.f ? 1.f / l : 0.f;
+    for (int j = threadIdx.x; j < n_kv; j += blockDim.x) {
+        const bool ok = kv_pos[j] <= qp && l > 0.f;
+        pr[j] = from_f<T>(ok ? expf(sr[j] - m) * inv : 0.f);
+    }
+}
+
+#define ATTN_SOFTMAX(S, T)                                                                            \
+    extern "C" __global__ void __launch_bounds__(ASM_THREADS) attn_softmax_##S(                       \
+        const float* s, T* p, const i64* q_pos, const i64* kv_pos, int qb, int q0, int n_kv, int ld) { \
+        attn_softmax_impl<T>(s, p, q_pos, kv_pos, qb, q0, n_kv, ld);                                   \
+    }
+ATTN_SOFTMAX(f32, float)
+ATTN_SOFTMAX(bf16, bf16)
