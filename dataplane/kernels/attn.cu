@@ -187,3 +187,37 @@ __device__ void attn_softmax_impl(const float* s, T* p, const i64* q_pos, const 
     }
 ATTN_SOFTMAX(f32, float)
 ATTN_SOFTMAX(bf16, bf16)
+
+// Key limits of the query blocks of attn::prefill_fast: lim[b] = 1 + the largest j with
+// kv_pos[j] ≤ max(q_pos[b·qb .. min(tq, (b+1)·qb))), 0 when there is none. Keys at
+// j ≥ lim[b] are masked for every query of block b, so its GEMMs stop there.
+// grid (ceil(tq/qb)), block 256.
+__device__ __forceinline__ i64 i64_max(i64 a, i64 b) { return a > b ? a : b; }
+
+extern "C" __global__ void __launch_bounds__(256) attn_block_limits(const i64* q_pos, const i64* kv_pos, int tq,
+                                                                    int n_kv, int qb, int* lim) {
+    __shared__ i64 sq[32];
+    __shared__ int sj[32];
+    const int lane = threadIdx.x & 31, w = threadIdx.x >> 5, nw = blockDim.x >> 5;
+    const int q0 = blockIdx.x * qb, q1 = min(tq, q0 + qb);
+    i64 m = (i64)(-0x7fffffffffffffffLL - 1);
+    for (int i = q0 + threadIdx.x; i < q1; i += blockDim.x) m = i64_max(m, q_pos[i]);
+#pragma unroll
+    for (int o = 16; o > 0; o >>= 1) m = i64_max(m, __shfl_xor_sync(0xffffffffu, m, o));
+    if (lane == 0) sq[w] = m;
+    __syncthreads();
+    i64 qmax = sq[0];
+    for (int i = 1; i < nw; ++i) qmax = i64_max(qmax, sq[i]);
+    int jm = -1;
+    for (int j = threadIdx.x; j < n_kv; j += blockDim.x)
+        if (kv_pos[j] <= qmax) jm = j;
+#pragma unroll
+    for (int o = 16; o > 0; o >>= 1) jm = max(jm, __shfl_xor_sync(0xffffffffu, jm, o));
+    if (lane == 0) sj[w] = jm;
+    __syncthreads();
+    if (threadIdx.x == 0) {
+        int r = sj[0];
+        for (int i = 1; i < nw; ++i) r = max(r, sj[i]);
+        lim[blockIdx.x] = r + 1;
+    }
+}

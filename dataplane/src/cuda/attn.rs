@@ -1,6 +1,12 @@
 //! Causal GQA attention prefill over KV placed at arbitrary positions — the seam case
 //! of position-independent caching (queries of a recomputed window attend to cached
 //! KV that was moved to new positions). CPU reference: `model::attention`.
+//!
+//! Two implementations of one contract: [`prefill`], a tiled SIMT kernel with fp32
+//! online softmax (decode, seam windows, short spans; the reference on the device),
+//! and [`prefill_fast`], two cuBLAS strided-batched GEMMs around a masked row softmax
+//! per query block (tensor cores for bf16; `GpuModel` uses it for spans of
+//! ≥ `model::ATTN_FAST_MIN_TQ` tokens). Tests: `dataplane/tests/cuda_attn.rs`.
 use cudarc::cublas::sys::{cublasComputeType_t, cublasGemmAlgo_t, cublasOperation_t, cudaDataType};
 use cudarc::driver::{DevicePtr, DevicePtrMut, LaunchConfig, PushKernelArg};
 
@@ -100,6 +106,10 @@ pub const FAST_WORKSPACE_BYTES: usize = 256 << 20;
 /// Fewest query rows per block of [`prefill_fast`] (the workspace grows past the
 /// budget rather than going below this).
 const FAST_MIN_QB: usize = 16;
+/// Most query rows per block of [`prefill_fast`]: smaller blocks let each block stop
+/// at its last visible key (causal prefill: `(B + 1) / 2B` of the full score work
+/// for `B` blocks), larger ones make bigger GEMMs.
+pub const FAST_MAX_QB: usize = 1024;
 /// Threads per row of `attn_softmax_*` (`ASM_THREADS` in attn.cu).
 const SOFTMAX_THREADS: u32 = 256;
 
@@ -107,14 +117,14 @@ const SOFTMAX_THREADS: u32 = 256;
 /// queries over `n_kv` keys with `nkv` kv heads, element size `elem` bytes, within
 /// `budget` bytes: `bytes = nkv · qb · ld · (4 + elem)` with `ld = n_kv` rounded up
 /// to a multiple of 8 (fp32 scores `S` plus probabilities `P` in the element type).
-/// `qb` is `tq` when that fits, else the largest multiple of 16 that fits (at least
-/// 16, even when 16 rows exceed the budget).
+/// `qb` is `min(tq, FAST_MAX_QB)` when that fits, else the largest multiple of 16
+/// that fits (at least 16, even when 16 rows exceed the budget).
 pub fn fast_plan(tq: usize, n_kv: usize, nkv: usize, elem: usize, budget: usize) -> (usize, usize) {
     let ld = n_kv.next_multiple_of(8);
     let per_row = (nkv * ld * (4 + elem)).max(1);
     let fit = budget / per_row;
-    let qb = if fit >= tq {
-        tq
+    let qb = if fit >= tq.min(FAST_MAX_QB) {
+        tq.min(FAST_MAX_QB)
     } else {
         (fit / FAST_MIN_QB * FAST_MIN_QB).max(FAST_MIN_QB).min(tq)
     };
@@ -241,11 +251,17 @@ pub fn prefill_fast<T: Elem>(
 /// 3. `O_h = P · V_kh` (GEMM, fp32 accumulation) written straight into
 ///    `o: [tq, nh, hd]` (leading dim `nh·hd`).
 ///
+/// Each block stops at its key limit `lim = 1 + max{j : kv_pos[j] ≤ max q_pos of the
+/// block}` (`attn_block_limits`, downloaded once per call: one device→host sync):
+/// keys past it are masked for every query of the block, so dropping them is exact
+/// for arbitrary positions; for a causal prefill at positions 0..T it skips the
+/// blocks above the diagonal. `lim = 0` (no query of the block sees anything) runs
+/// with one key, which the softmax masks: zeros.
+///
 /// Workspace: `S` (fp32) and `P` (T) of `nkv · qb · ld` elements each,
 /// `ld = n_kv` rounded up to 8 — `nkv · qb · ld · (4 + size_of::<T>())` bytes, at most
-/// `budget` unless even 16 query rows exceed it. All keys are scored for every
-/// query (positions are arbitrary, so nothing is skipped): a causal prefill does
-/// twice the minimal GEMM work.
+/// `budget` unless even 16 query rows exceed it; plus `4 · ceil(tq / qb)` bytes of
+/// block limits.
 #[allow(clippy::too_many_arguments)]
 pub fn prefill_fast_with<T: Elem>(
     gpu: &Gpu,
@@ -285,6 +301,27 @@ pub fn prefill_fast_with<T: Elem>(
     i32_dim("tq", tq)?;
     i32_dim("rows", nkv * qb)?;
     let stream = gpu.stream();
+    let nblocks = tq.div_ceil(qb);
+    let lims: Vec<i32> = {
+        let mut lim = gpu.zeros::<i32>(nblocks)?;
+        let fl = gpu.function(&ATTN, "attn_block_limits", 0)?;
+        let (tq_i, qb_i) = (tq as i32, qb as i32);
+        let cfg = LaunchConfig {
+            grid_dim: (nblocks as u32, 1, 1),
+            block_dim: (256, 1, 1),
+            shared_mem_bytes: 0,
+        };
+        let mut b = stream.launch_builder(&fl);
+        b.arg(q_pos)
+            .arg(kv_pos)
+            .arg(&tq_i)
+            .arg(&m_kv)
+            .arg(&qb_i)
+            .arg(&mut lim);
+        // SAFETY: matches `attn_block_limits`; q_pos ≥ tq, kv_pos ≥ n_kv, lim ≥ nblocks.
+        unsafe { b.launch(cfg) }?;
+        gpu.download(&lim)?
+    };
     // SAFETY: fully written by the score GEMM (beta = 0) / the softmax before any read;
     // only columns < n_kv of rows < nkv·qb are ever read.
     let mut s = unsafe { stream.alloc::<f32>(nkv * qb * ld) }?;
@@ -298,10 +335,13 @@ pub fn prefill_fast_with<T: Elem>(
     let (sp, _rs) = s.device_ptr_mut(stream);
     let (pp, _rp) = p.device_ptr_mut(stream);
     let (ty, f32t) = (cuda_type::<T>(), cudaDataType::CUDA_R_32F);
-    let mut q0 = 0usize;
-    while q0 < tq {
+    for (blk_i, &lim) in lims.iter().enumerate().take(nblocks) {
+        let q0 = blk_i * qb;
         let nq = qb.min(tq - q0);
         let (nq_i, q0_i) = (nq as i32, q0 as i32);
+        // Keys 0..nk of this block (lim ∈ 0..=n_kv; ≥ 1 so that the GEMMs are never
+        // empty: a block that sees nothing scores key 0 and masks it).
+        let nk = (lim.max(1) as usize).min(n_kv) as i32;
         let blk = (nq * ld) as i64;
         for i in 0..g {
             // First query row of head i (kv head 0) in this block; + kh·g·hd per batch.
@@ -310,7 +350,7 @@ pub fn prefill_fast_with<T: Elem>(
             gemm_sb(
                 gpu,
                 cublasOperation_t::CUBLAS_OP_T,
-                m_kv,
+                nk,
                 nq_i,
                 hd_i,
                 scale,
@@ -347,10 +387,10 @@ pub fn prefill_fast_with<T: Elem>(
                 .arg(kv_pos)
                 .arg(&nq_i)
                 .arg(&q0_i)
-                .arg(&m_kv)
+                .arg(&nk)
                 .arg(&ld_i);
             // SAFETY: matches `attn_softmax_*` (device addresses passed as u64);
-            // s, p: nkv·qb·ld ≥ nkv·nq·ld elements; q_pos ≥ q0 + nq; kv_pos ≥ n_kv.
+            // s, p: nkv·qb·ld ≥ nkv·nq·ld elements; q_pos ≥ q0 + nq; kv_pos ≥ nk.
             unsafe { b.launch(cfg) }?;
             // 3. O_hᵀ (col-major hd × nq, ld nh·hd) = V_khᵀ (hd × n_kv) · P[kh]ᵀ (n_kv × nq).
             gemm_sb(
@@ -358,7 +398,7 @@ pub fn prefill_fast_with<T: Elem>(
                 cublasOperation_t::CUBLAS_OP_N,
                 hd_i,
                 nq_i,
-                m_kv,
+                nk,
                 1.0,
                 &Opnd {
                     ptr: vp,
@@ -381,7 +421,6 @@ pub fn prefill_fast_with<T: Elem>(
                 batch,
             )?;
         }
-        q0 += nq;
     }
     Ok(())
 }
