@@ -11,7 +11,9 @@
 //! window, queries at scattered positions, one query that sees no key); causal
 //! prefill at T = 600 (one query block) and T = 2100 with a workspace budget that
 //! forces query blocks of 992 rows (crosses two block boundaries, partial last
-//! block); 70 queries over an empty cache (zeros). Every case prints the norm-wise
+//! block) and with the default one (blocks of 1024); permuted query and key
+//! positions in blocks of 64; blocks of 16 queries that see no key (key limit 0);
+//! 70 queries over an empty cache (zeros). Every case prints the norm-wise
 //! `‖gpu − ref‖ / ‖ref‖` and max-relative `max|gpu − ref| / max|ref|` errors; all
 //! failures are collected and asserted at the end of each test. Output buffers are
 //! poisoned (NaN) before each call, so an unwritten element fails.
@@ -277,7 +279,32 @@ mod gpu {
             let (qb, _) = attn::fast_plan(2100, 2100, h.1, std::mem::size_of::<T>(), budget);
             assert_eq!(qb, 992, "test plumbing: block rows");
             case::<T>(&g, "causal", &pos, &pos, h, budget, 40 + i as u64, &mut f);
+            // Default budget: blocks of FAST_MAX_QB = 1024 (last block 52).
+            case::<T>(
+                &g,
+                "causal",
+                &pos,
+                &pos,
+                h,
+                attn::FAST_WORKSPACE_BYTES,
+                60 + i as u64,
+                &mut f,
+            );
         }
+        // Unordered positions on both sides (permutations of 0..300), blocks of 64: the
+        // per-block key limits see unsorted kv_pos.
+        let n = 300usize;
+        let kv_pos: Vec<i64> = (0..n).map(|i| ((i * 7919) % n) as i64).collect();
+        let q_pos: Vec<i64> = (0..n).map(|i| ((i * 13) % n) as i64).collect();
+        let es = std::mem::size_of::<T>();
+        let budget = 64 * HEADS[1].1 * n.next_multiple_of(8) * (4 + es);
+        case::<T>(
+            &g, "shuffled", &q_pos, &kv_pos, HEADS[1], budget, 70, &mut f,
+        );
+        // Blocks of 16 whose queries see nothing (key limit 0), then a partly visible one.
+        let q_pos: Vec<i64> = (-40..30).collect();
+        let kv_pos: Vec<i64> = (0..50).rev().collect();
+        case::<T>(&g, "blind blocks", &q_pos, &kv_pos, HEADS[2], 1, 80, &mut f);
         // Empty cache: every query gets zeros.
         let pos: Vec<i64> = (0..70).collect();
         case::<T>(
