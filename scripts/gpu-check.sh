@@ -11,7 +11,7 @@
 #   scripts/gpu-check.sh run       # on the GPU machine, through the device tool:
 #                                  #   run(command="scripts/gpu-check.sh run",
 #                                  #       carry=[".device", ".whl"])
-#                                  # runs the GPU-vs-CPU tests (cuda_kernels, cuda_moe,
+#                                  # runs the GPU-vs-CPU tests (cuda_kernels, cuda_attn, cuda_moe,
 #                                  # the whole-model cuda_model, the PIC engine
 #                                  # cuda_pic), our benchmark, FLA
 #                                  # chunk_gated_delta_rule and torch SDPA,
@@ -63,16 +63,22 @@ build() {
         --message-format=json 2>/dev/null | grep -o '"executable":"[^"]*cuda_random[^"]*"' | tail -1 \
         | sed 's/"executable":"\(.*\)"/\1/')
   [ -n "$random_exe" ] || { echo "could not build the cuda_random test binary" >&2; exit 1; }
+  local attn_exe
+  attn_exe=$(cargo test --release -p hypic-dataplane --features cuda --test cuda_attn --no-run \
+        --message-format=json 2>/dev/null | grep -o '"executable":"[^"]*cuda_attn[^"]*"' | tail -1 \
+        | sed 's/"executable":"\(.*\)"/\1/')
+  [ -n "$attn_exe" ] || { echo "could not build the cuda_attn test binary" >&2; exit 1; }
   cargo build --release -p hypic-dataplane --features cuda --example gpu_bench --example gpu_model_bench
   cp "$exe" .device/bin/cuda_kernels
   cp "$exe_moe" .device/bin/cuda_moe
   cp "$model_exe" .device/bin/cuda_model
   cp "$pic_exe" .device/bin/cuda_pic
   cp "$random_exe" .device/bin/cuda_random
+  cp "$attn_exe" .device/bin/cuda_attn
   cp "$CARGO_TARGET_DIR/release/examples/gpu_bench" .device/bin/gpu_bench
   cp "$CARGO_TARGET_DIR/release/examples/gpu_model_bench" .device/bin/gpu_model_bench
   strip .device/bin/cuda_kernels .device/bin/cuda_moe .device/bin/cuda_model .device/bin/cuda_pic \
-    .device/bin/cuda_random .device/bin/gpu_bench .device/bin/gpu_model_bench || true
+    .device/bin/cuda_random .device/bin/cuda_attn .device/bin/gpu_bench .device/bin/gpu_model_bench || true
   if HYPIC_KERNEL_CACHE="$PWD/.device/kcache" .device/bin/gpu_bench --precompile sm_90a; then
     echo "kernel cache for sm_90a in .device/kcache"
   else
@@ -96,13 +102,14 @@ run() {
   } > "$OUT/machine.txt"
   cat "$OUT/machine.txt"
 
-  # GPU_CHECK_STEPS: which parts to run (default all): kernels moe model pic bench fla modelbench
-  local steps=" ${GPU_CHECK_STEPS:-kernels moe model pic bench fla modelbench} "
+  # GPU_CHECK_STEPS: which parts to run (default all): kernels attn moe model pic bench fla modelbench
+  local steps=" ${GPU_CHECK_STEPS:-kernels attn moe model pic bench fla modelbench} "
   want() { [[ "$steps" == *" $1 "* ]]; }
   echo "== equivalence tests"
   local t0=$SECONDS
   chmod +x .device/bin/* 2>/dev/null || true
-  local test_rc=0 moe_rc=0 model_rc=0 pic_rc=0
+  local test_rc=0 attn_rc=0 moe_rc=0 model_rc=0 pic_rc=0
+  : > "$OUT/attn_tests.log"
   : > "$OUT/tests.log"; : > "$OUT/tests_moe.log"; : > "$OUT/model_tests.log"; : > "$OUT/pic_tests.log"; : > "$OUT/bench.md"; : > "$OUT/fla.md"
   : > "$OUT/random_tests.log"; : > "$OUT/model_bench.md"
   if want kernels; then
@@ -111,6 +118,15 @@ run() {
   fi
   echo "tests rc=$test_rc in $((SECONDS - t0)) s"
   grep -E "^test |test result|rel .*tol|panicked" "$OUT/tests.log" | grep -v "^test .* ok$" | tail -60
+
+  echo "== attention fast path tests (dataplane/tests/cuda_attn.rs)"
+  t0=$SECONDS
+  if want attn; then
+  HYPIC_REQUIRE_GPU=1 timeout 300 .device/bin/cuda_attn --test-threads=1 --nocapture > "$OUT/attn_tests.log" 2>&1
+  attn_rc=$?
+  fi
+  echo "attn tests rc=$attn_rc in $((SECONDS - t0)) s"
+  grep -E "rel .*tol|FAIL|test result|panicked|SKIP" "$OUT/attn_tests.log" | grep -v " ok$" | tail -40
 
   echo "== MoE / SwiGLU / sampling tests"
   t0=$SECONDS
@@ -225,6 +241,9 @@ PY
     echo; echo "## Equivalence tests (rc=$test_rc)"; echo; echo '```'
     grep -E "rel .*tol|^test |test result|panicked" "$OUT/tests.log"
     echo '```'
+    echo; echo "## Attention fast path tests (tests/cuda_attn.rs, rc=$attn_rc)"; echo; echo '```'
+    grep -E "rel .*tol|zeros|FAIL|SKIP|^test |test result|panicked|: (Err|Ok)" "$OUT/attn_tests.log"
+    echo '```'
     echo; echo "## MoE / SwiGLU / sampling tests (rc=$moe_rc)"; echo; echo '```'
     grep -E "^-- |rel .*tol|routing|χ²|argmax|equal|outside|FAIL|skipped|^test |test result|panicked|workspace|→" "$OUT/tests_moe.log"
     echo '```'
@@ -246,6 +265,7 @@ PY
   } > "$OUT/report.md"
   echo "== report"; sed -n '/## Gated delta rule/,$p' "$OUT/report.md" | head -80
   [ "$test_rc" -ne 0 ] && return "$test_rc"
+  [ "$attn_rc" -ne 0 ] && return "$attn_rc"
   [ "$moe_rc" -ne 0 ] && return "$moe_rc"
   [ "$random_rc" -ne 0 ] && return "$random_rc"
   [ "$model_rc" -ne 0 ] && return "$model_rc"

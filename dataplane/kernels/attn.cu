@@ -115,3 +115,109 @@ ATTN(f32, float, 256)
 ATTN(bf16, bf16, 64)
 ATTN(bf16, bf16, 128)
 ATTN(bf16, bf16, 256)
+
+// ---------------------------------------------------------------------------------------
+// Row softmax of the GEMM-based fast path (attn::prefill_fast in cuda/attn.rs).
+//   s: [rows, ld] fp32 scores, already scaled by hd^-0.5 (cuBLAS alpha); row r holds the
+//      scores of query q0 + (r % qb) (rows are [batch][qb] with any batch count) against
+//      keys 0..n_kv; columns n_kv..ld are padding and are neither read nor written.
+//   p: [rows, ld] T: p[r][j] = exp(s - m) / l over the keys with kv_pos[j] ≤ q_pos[q],
+//      0 for masked keys; a row that sees no key is all zeros.
+// grid (rows), block ASM_THREADS; fp32 online (max, sum) per thread, merged per block.
+#define ASM_THREADS 256
+
+__device__ __forceinline__ void asm_merge(float& m, float& l, float m2, float l2) {
+    const float mn = fmaxf(m, m2);
+    if (mn == NEG_INF) {
+        m = mn;
+        l = 0.f;
+        return;
+    }
+    l = (m == NEG_INF ? 0.f : l * expf(m - mn)) + (m2 == NEG_INF ? 0.f : l2 * expf(m2 - mn));
+    m = mn;
+}
+
+template <typename T>
+__device__ void attn_softmax_impl(const float* s, T* p, const i64* q_pos, const i64* kv_pos, int qb,
+                                  int q0, int n_kv, int ld) {
+    __shared__ float sm_m[ASM_THREADS / 32];
+    __shared__ float sm_l[ASM_THREADS / 32];
+    const size_t r = blockIdx.x;
+    const i64 qp = q_pos[q0 + (int)(r % (size_t)qb)];
+    const float* sr = s + r * (size_t)ld;
+    T* pr = p + r * (size_t)ld;
+    float m = NEG_INF, l = 0.f;
+    for (int j = threadIdx.x; j < n_kv; j += blockDim.x) {
+        if (kv_pos[j] <= qp) {
+            const float x = sr[j];
+            if (x > m) {
+                l = (m == NEG_INF ? 0.f : l * expf(m - x)) + 1.f;
+                m = x;
+            } else {
+                l += expf(x - m);
+            }
+        }
+    }
+#pragma unroll
+    for (int o = 16; o > 0; o >>= 1) {
+        const float m2 = __shfl_xor_sync(0xffffffffu, m, o);
+        const float l2 = __shfl_xor_sync(0xffffffffu, l, o);
+        asm_merge(m, l, m2, l2);
+    }
+    const int lane = threadIdx.x & 31, w = threadIdx.x >> 5, nw = blockDim.x >> 5;
+    if (lane == 0) {
+        sm_m[w] = m;
+        sm_l[w] = l;
+    }
+    __syncthreads();
+    m = NEG_INF;
+    l = 0.f;
+    for (int i = 0; i < nw; ++i) asm_merge(m, l, sm_m[i], sm_l[i]);
+    const float inv = l > 0.f ? 1.f / l : 0.f;
+    for (int j = threadIdx.x; j < n_kv; j += blockDim.x) {
+        const bool ok = kv_pos[j] <= qp && l > 0.f;
+        pr[j] = from_f<T>(ok ? expf(sr[j] - m) * inv : 0.f);
+    }
+}
+
+#define ATTN_SOFTMAX(S, T)                                                                            \
+    extern "C" __global__ void __launch_bounds__(ASM_THREADS) attn_softmax_##S(                       \
+        const float* s, T* p, const i64* q_pos, const i64* kv_pos, int qb, int q0, int n_kv, int ld) { \
+        attn_softmax_impl<T>(s, p, q_pos, kv_pos, qb, q0, n_kv, ld);                                   \
+    }
+ATTN_SOFTMAX(f32, float)
+ATTN_SOFTMAX(bf16, bf16)
+
+// Key limits of the query blocks of attn::prefill_fast: lim[b] = 1 + the largest j with
+// kv_pos[j] ≤ max(q_pos[b·qb .. min(tq, (b+1)·qb))), 0 when there is none. Keys at
+// j ≥ lim[b] are masked for every query of block b, so its GEMMs stop there.
+// grid (ceil(tq/qb)), block 256.
+__device__ __forceinline__ i64 i64_max(i64 a, i64 b) { return a > b ? a : b; }
+
+extern "C" __global__ void __launch_bounds__(256) attn_block_limits(const i64* q_pos, const i64* kv_pos, int tq,
+                                                                    int n_kv, int qb, int* lim) {
+    __shared__ i64 sq[32];
+    __shared__ int sj[32];
+    const int lane = threadIdx.x & 31, w = threadIdx.x >> 5, nw = blockDim.x >> 5;
+    const int q0 = blockIdx.x * qb, q1 = min(tq, q0 + qb);
+    i64 m = (i64)(-0x7fffffffffffffffLL - 1);
+    for (int i = q0 + threadIdx.x; i < q1; i += blockDim.x) m = i64_max(m, q_pos[i]);
+#pragma unroll
+    for (int o = 16; o > 0; o >>= 1) m = i64_max(m, __shfl_xor_sync(0xffffffffu, m, o));
+    if (lane == 0) sq[w] = m;
+    __syncthreads();
+    i64 qmax = sq[0];
+    for (int i = 1; i < nw; ++i) qmax = i64_max(qmax, sq[i]);
+    int jm = -1;
+    for (int j = threadIdx.x; j < n_kv; j += blockDim.x)
+        if (kv_pos[j] <= qmax) jm = j;
+#pragma unroll
+    for (int o = 16; o > 0; o >>= 1) jm = max(jm, __shfl_xor_sync(0xffffffffu, jm, o));
+    if (lane == 0) sj[w] = jm;
+    __syncthreads();
+    if (threadIdx.x == 0) {
+        int r = sj[0];
+        for (int i = 1; i < nw; ++i) r = max(r, sj[i]);
+        lim[blockIdx.x] = r + 1;
+    }
+}

@@ -532,6 +532,15 @@ mod gpu {
     }
 
     fn run_model_scenarios(test: &str, models: Vec<(String, std::result::Result<Model, String>)>) {
+        run_model_scenarios_n(test, models, 77)
+    }
+
+    /// [`run_model_scenarios`] with prompts of `n` tokens.
+    fn run_model_scenarios_n(
+        test: &str,
+        models: Vec<(String, std::result::Result<Model, String>)>,
+        n: usize,
+    ) {
         let Some((g, _l)) = gpu(test) else { return };
         let mut out = Outcome::default();
         for (label, m) in models {
@@ -542,7 +551,7 @@ mod gpu {
                     continue;
                 }
             };
-            let tokens = prompt_for(&label, m.config.vocab_size, 77);
+            let tokens = prompt_for(&label, m.config.vocab_size, n);
             scenario::<f32>(&g, &label, &m, FfnPath::Fused, &tokens, F32_TOL, &mut out);
             let bf16_tol = if label.starts_with("qwen3") {
                 BF16_TOL_RANDOM_GOLDEN
@@ -780,6 +789,20 @@ mod gpu {
         run_model_scenarios(
             "logits_match_cpu_on_synthetic_model_at_real_head_dims",
             vec![("synthetic-dk128-hd256".into(), synthetic_model())],
+        );
+    }
+
+    #[test]
+    fn logits_match_cpu_on_synthetic_model_long_prompt() {
+        // 320 tokens: the whole-prompt prefill and both spans (128 + 192, the second
+        // over cached KV) are ≥ ATTN_FAST_MIN_TQ, so attention takes the GEMM-based
+        // attn::prefill_fast; decode takes the tiled kernel. (The 77-token prompts of
+        // the other tests use the fast path for the whole prompt and the tiled kernel
+        // for their 30 + 47-token spans.)
+        run_model_scenarios_n(
+            "logits_match_cpu_on_synthetic_model_long_prompt",
+            vec![("synthetic-dk128-hd256".into(), synthetic_model())],
+            320,
         );
     }
 

@@ -14,7 +14,8 @@
 //!   and one-token update), [`gdr`] (gated delta rule one-token recurrent decode and
 //!   chunked prefill from an initial state, optionally with the segment transition
 //!   `T_C`), [`transition`] (dense pair compose/apply through cuBLAS strided batched
-//!   GEMM), [`attn`] (causal GQA attention prefill over KV at arbitrary positions),
+//!   GEMM), [`attn`] (causal GQA attention prefill over KV at arbitrary positions: a tiled
+//!   SIMT kernel, and a cuBLAS GEMM path `attn::prefill_fast` for long spans),
 //!   [`moe`] (sparse MoE block with grouped expert GEMMs, dense SwiGLU MLP),
 //!   [`sample`] (greedy argmax and seeded temperature / top-k / top-p sampling),
 //!   [`pic`] (the PIC engine on the device: cache build, compose, seams, device pools

@@ -12,8 +12,9 @@
 //!   `dk ∈ {64, 128, 256}`, else a generic recurrence), gated RMSNorm with `z`, out proj;
 //! * attention mixer: one fused `q|gate, k, v` projection, per-head q/k zero-centred
 //!   RMSNorm, partial RoPE at the absolute positions, append to the KV cache, causal GQA
-//!   attention over cached + new KV (the tuned kernel for `head_dim ∈ {64, 128, 256}`,
-//!   else a generic one), sigmoid output gate, o proj;
+//!   attention over cached + new KV (for `head_dim ∈ {64, 128, 256}` the GEMM-based
+//!   `attn::prefill_fast` for spans of ≥ [`ATTN_FAST_MIN_TQ`] tokens, else the tuned
+//!   tiled kernel; other head dims a generic one), sigmoid output gate, o proj;
 //! * FFN, two implementations ([`FfnPath`]): by default [`super::moe`] (MoE with device
 //!   routing and grouped expert GEMMs, `moe::mlp_forward` for dense layers); or the
 //!   host-routed glue path of this module, kept as an independent second
@@ -55,6 +56,10 @@ use crate::state::{KvCache, LayerState, LinearState, ModelState};
 
 /// Head dims of the tuned attention kernel ([`attn::prefill`]).
 const ATTN_TUNED_HD: [usize; 3] = [64, 128, 256];
+/// Query spans of at least this many tokens (tuned head dims) take the GEMM-based
+/// [`attn::prefill_fast`]; shorter ones (decode, seam windows, short prompts) the tiled
+/// [`attn::prefill`].
+pub const ATTN_FAST_MIN_TQ: usize = 64;
 /// Key dims of the tuned recurrent GDR kernel ([`gdr::recurrent`]).
 const GDR_REC_DK: [usize; 3] = [64, 128, 256];
 /// Largest head dim of the generic attention kernel.
@@ -1563,7 +1568,11 @@ where
         }
         kv.append(g, &k, &v, pos, t)?;
         let mut o: CudaSlice<T> = g.zeros(t * nh * hd)?;
-        if ATTN_TUNED_HD.contains(&hd) {
+        if ATTN_TUNED_HD.contains(&hd) && t >= ATTN_FAST_MIN_TQ {
+            attn::prefill_fast(
+                g, &q, pos, &kv.k, &kv.v, &kv.pos, &mut o, t, kv.len, nh, nkv, hd,
+            )?;
+        } else if ATTN_TUNED_HD.contains(&hd) {
             attn::prefill(
                 g, &q, pos, &kv.k, &kv.v, &kv.pos, &mut o, t, kv.len, nh, nkv, hd,
             )?;

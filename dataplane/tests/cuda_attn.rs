@@ -1,0 +1,389 @@
+//! The GEMM-based attention fast path `cuda::attn::prefill_fast` against the CPU
+//! reference `model::attention` and against the tiled kernel `cuda::attn::prefill`.
+//!
+//! Built only with `--features cuda`; without the feature one test prints that the
+//! suite was skipped. With the feature but no usable CUDA device every test prints a
+//! `SKIP` line and passes, unless `HYPIC_REQUIRE_GPU=1` is set (scripts/gpu-check.sh
+//! sets it), which turns a missing device into a failure.
+//!
+//! Cases (each for f32 and bf16, at 16/2 heads × 256, 8/2 × 128 and 4/4 × 64):
+//! the PIC seam case (three cached segments out of order with a gap, an 8-query
+//! window, queries at scattered positions, one query that sees no key); causal
+//! prefill at T = 600 (one query block) and T = 2100 with a workspace budget that
+//! forces query blocks of 992 rows (crosses two block boundaries, partial last
+//! block) and with the default one (blocks of 1024); permuted query and key
+//! positions in blocks of 64; blocks of 16 queries that see no key (key limit 0);
+//! 70 queries over an empty cache (zeros). Every case prints the norm-wise
+//! `‖gpu − ref‖ / ‖ref‖` and max-relative `max|gpu − ref| / max|ref|` errors; all
+//! failures are collected and asserted at the end of each test. Output buffers are
+//! poisoned (NaN) before each call, so an unwritten element fails.
+//!
+//! Tolerances: f32 1e-5 norm-wise / 1e-4 max-relative; bf16 4e-3 / 4e-2 (against
+//! the CPU on the bf16-rounded inputs: the fast path stores the probabilities `P` in
+//! bf16 before the `P·V` GEMM, the tiled kernel keeps them in fp32; both round `o`).
+
+#[cfg(not(feature = "cuda"))]
+#[test]
+fn cuda_attn_tests_skipped_without_feature() {
+    eprintln!(
+        "cuda_attn: built without `--features cuda`; the GPU attention tests are skipped \
+         (run scripts/gpu-check.sh on a GPU machine)"
+    );
+}
+
+#[cfg(feature = "cuda")]
+mod gpu {
+    use std::sync::{Arc, Mutex, MutexGuard, OnceLock};
+
+    use dataplane::cuda::{attn, CudaSlice, Elem, Gpu};
+    use dataplane::state::KvCache;
+    use half::bf16;
+    use rand::rngs::StdRng;
+    use rand::{Rng, SeedableRng};
+
+    const HEADS: [(usize, usize, usize); 3] = [(16, 2, 256), (8, 2, 128), (4, 4, 64)];
+
+    fn gpu(test: &str) -> Option<(Arc<Gpu>, MutexGuard<'static, ()>)> {
+        static G: OnceLock<std::result::Result<Arc<Gpu>, String>> = OnceLock::new();
+        static L: Mutex<()> = Mutex::new(());
+        let guard = L.lock().unwrap_or_else(|e| e.into_inner());
+        let g = G.get_or_init(|| match std::panic::catch_unwind(|| Gpu::new(0)) {
+            Ok(Ok(g)) => {
+                println!("cuda_attn: device {} ({})", g.name(), g.arch());
+                Ok(g)
+            }
+            Ok(Err(e)) => Err(e.to_string()),
+            Err(_) => Err("panic while loading the CUDA libraries".into()),
+        });
+        match g {
+            Ok(g) => Some((g.clone(), guard)),
+            Err(e) => {
+                if std::env::var_os("HYPIC_REQUIRE_GPU").is_some() {
+                    panic!("{test}: HYPIC_REQUIRE_GPU is set but no CUDA device is usable: {e}");
+                }
+                println!("SKIP {test}: no usable CUDA device ({e})");
+                None
+            }
+        }
+    }
+
+    fn uniform(r: &mut StdRng, n: usize) -> Vec<f32> {
+        (0..n).map(|_| r.random_range(-1.0f32..1.0)).collect()
+    }
+
+    /// (norm-wise relative error, max relative error); NaN anywhere gives NaN.
+    fn errs(a: &[f32], b: &[f32]) -> (f64, f64) {
+        if a.len() != b.len() {
+            return (f64::INFINITY, f64::INFINITY);
+        }
+        let (mut num, mut den, mut maxd, mut maxb) = (0f64, 0f64, 0f64, 0f64);
+        for (&x, &y) in a.iter().zip(b) {
+            if x.is_nan() || y.is_nan() {
+                return (f64::NAN, f64::NAN);
+            }
+            let d = (x as f64 - y as f64).abs();
+            num += d * d;
+            den += (y as f64) * (y as f64);
+            maxd = maxd.max(d);
+            maxb = maxb.max((y as f64).abs());
+        }
+        ((num / den.max(1e-300)).sqrt(), maxd / maxb.max(1e-300))
+    }
+
+    #[derive(Default)]
+    struct Failures(Vec<String>);
+
+    impl Failures {
+        fn check(&mut self, what: &str, got: &[f32], want: &[f32], tol: f64, tol_max: f64) {
+            let (n, m) = errs(got, want);
+            let pass = n <= tol && m <= tol_max;
+            println!(
+                "{what}: rel {n:.2e} (tol {tol:.0e}), max rel {m:.2e} (tol {tol_max:.0e}) {}",
+                if pass { "ok" } else { "FAIL" }
+            );
+            if !pass {
+                self.0.push(format!("{what}: rel {n:e} max rel {m:e}"));
+            }
+        }
+        fn fail(&mut self, what: String) {
+            println!("FAIL {what}");
+            self.0.push(what);
+        }
+        fn assert_none(self, test: &str) {
+            assert!(
+                self.0.is_empty(),
+                "{test}: {} failure(s):\n{}",
+                self.0.len(),
+                self.0.join("\n")
+            );
+        }
+    }
+
+    fn up<T: Elem>(g: &Gpu, x: &[f32]) -> CudaSlice<T> {
+        let v: Vec<T> = x.iter().map(|&a| T::from_f32(a)).collect();
+        g.upload(&v).unwrap()
+    }
+
+    fn down<T: Elem>(g: &Gpu, x: &CudaSlice<T>, n: usize) -> Vec<f32> {
+        g.download(x).unwrap()[..n]
+            .iter()
+            .map(|a| a.to_f32())
+            .collect()
+    }
+
+    fn round<T: Elem>(x: Vec<f32>) -> Vec<f32> {
+        x.into_iter().map(|a| T::from_f32(a).to_f32()).collect()
+    }
+
+    fn tols<T: Elem>() -> (f64, f64) {
+        if T::SUFFIX == "bf16" {
+            (4e-3, 4e-2)
+        } else {
+            (1e-5, 1e-4)
+        }
+    }
+
+    /// One case: random q/k/v at the given positions; fast path (workspace `budget`)
+    /// vs the CPU and vs the tiled kernel.
+    #[allow(clippy::too_many_arguments)]
+    fn case<T: Elem>(
+        g: &Gpu,
+        name: &str,
+        q_pos: &[i64],
+        kv_pos: &[i64],
+        (nh, nkv, hd): (usize, usize, usize),
+        budget: usize,
+        seed: u64,
+        fails: &mut Failures,
+    ) {
+        let (tq, n) = (q_pos.len(), kv_pos.len());
+        let mut r = StdRng::seed_from_u64(seed);
+        let q = round::<T>(uniform(&mut r, tq * nh * hd));
+        let k = round::<T>(uniform(&mut r, n * nkv * hd));
+        let v = round::<T>(uniform(&mut r, n * nkv * hd));
+        let kv = KvCache {
+            k: k.clone(),
+            v: v.clone(),
+            positions: kv_pos.to_vec(),
+        };
+        let want = dataplane::model::attention(&q, q_pos, &kv, nh, nkv, hd);
+        let (qd, kd, vd) = (up::<T>(g, &q), up::<T>(g, &k), up::<T>(g, &v));
+        let qp = g.upload(q_pos).unwrap();
+        let kp = g.upload(if n == 0 { &[0i64][..] } else { kv_pos }).unwrap();
+        let on = tq * nh * hd;
+        let (qb, ws) = attn::fast_plan(tq, n, nkv, std::mem::size_of::<T>(), budget);
+        let what = format!(
+            "{name} {} {nh}/{nkv}×{hd} tq={tq} n_kv={n} (qb {qb}, workspace {:.1} MiB)",
+            T::SUFFIX,
+            ws as f64 / (1 << 20) as f64
+        );
+        let mut fast = up::<T>(g, &vec![f32::NAN; on.max(1)]);
+        if let Err(e) = attn::prefill_fast_with(
+            g, &qd, &qp, &kd, &vd, &kp, &mut fast, tq, n, nh, nkv, hd, budget,
+        )
+        .and_then(|_| g.sync())
+        {
+            return fails.fail(format!("{what}: prefill_fast failed: {e}"));
+        }
+        let mut old = up::<T>(g, &vec![f32::NAN; on.max(1)]);
+        if let Err(e) = attn::prefill(g, &qd, &qp, &kd, &vd, &kp, &mut old, tq, n, nh, nkv, hd)
+            .and_then(|_| g.sync())
+        {
+            return fails.fail(format!("{what}: prefill failed: {e}"));
+        }
+        let fast = down(g, &fast, on);
+        let old = down(g, &old, on);
+        // Queries that see no key: exact zeros.
+        for (t, &p) in q_pos.iter().enumerate() {
+            if kv_pos.iter().all(|&kp| kp > p)
+                && fast[t * nh * hd..(t + 1) * nh * hd]
+                    .iter()
+                    .any(|&x| x != 0.0)
+            {
+                fails.fail(format!(
+                    "{what}: query {t} at {p} sees no key but is not zero"
+                ));
+            }
+        }
+        let (tol, tol_max) = tols::<T>();
+        if n == 0 {
+            // Both sides all zeros: the relative errors are 0/0.
+            if fast.iter().any(|&x| x != 0.0) {
+                fails.fail(format!("{what}: empty cache but nonzero output"));
+            } else {
+                println!("{what}: all zeros ok");
+            }
+            return;
+        }
+        fails.check(&format!("{what} fast vs CPU"), &fast, &want, tol, tol_max);
+        fails.check(&format!("{what} fast vs tiled"), &fast, &old, tol, tol_max);
+    }
+
+    fn seam_positions() -> (Vec<i64>, Vec<i64>) {
+        let mut kv_pos: Vec<i64> = Vec::new();
+        kv_pos.extend(0..40i64); // system prompt
+        kv_pos.extend(1000..1077i64); // segment moved to 1000
+        kv_pos.extend(200..261i64); // segment at 200, stored after the one at 1000
+                                    // 8-query seam window, then scattered queries; −3 sees nothing.
+        let q_pos: Vec<i64> = (1077..1085i64)
+            .chain([5i64, 230, 1050, 100_000, -3])
+            .collect();
+        (q_pos, kv_pos)
+    }
+
+    fn seam<T: Elem>(test: &str) {
+        let Some((g, _l)) = gpu(test) else { return };
+        let mut f = Failures::default();
+        let (q_pos, kv_pos) = seam_positions();
+        for (i, &h) in HEADS.iter().enumerate() {
+            case::<T>(
+                &g,
+                "seam",
+                &q_pos,
+                &kv_pos,
+                h,
+                attn::FAST_WORKSPACE_BYTES,
+                10 + i as u64,
+                &mut f,
+            );
+        }
+        // A long seam: 100 window queries over the same scattered cache plus their own
+        // keys (the window is appended after the cache, as GpuModel does), tiny budget
+        // so that the window is split into blocks of 16.
+        let mut kv2 = kv_pos.clone();
+        kv2.extend(1077..1177i64);
+        let q2: Vec<i64> = (1077..1177i64).collect();
+        case::<T>(&g, "seam window 100", &q2, &kv2, HEADS[0], 1, 20, &mut f);
+        f.assert_none(test);
+    }
+
+    fn causal<T: Elem>(test: &str) {
+        let Some((g, _l)) = gpu(test) else { return };
+        let mut f = Failures::default();
+        for (i, &h) in HEADS.iter().enumerate() {
+            let pos: Vec<i64> = (0..600).collect();
+            case::<T>(
+                &g,
+                "causal",
+                &pos,
+                &pos,
+                h,
+                attn::FAST_WORKSPACE_BYTES,
+                30 + i as u64,
+                &mut f,
+            );
+            // T = 2100 with blocks of 992 query rows (two boundaries, last block 116).
+            let pos: Vec<i64> = (0..2100).collect();
+            let ld = 2100usize.next_multiple_of(8);
+            let budget = 1000 * h.1 * ld * (4 + std::mem::size_of::<T>());
+            let (qb, _) = attn::fast_plan(2100, 2100, h.1, std::mem::size_of::<T>(), budget);
+            assert_eq!(qb, 992, "test plumbing: block rows");
+            case::<T>(&g, "causal", &pos, &pos, h, budget, 40 + i as u64, &mut f);
+            // Default budget: blocks of FAST_MAX_QB = 1024 (last block 52).
+            case::<T>(
+                &g,
+                "causal",
+                &pos,
+                &pos,
+                h,
+                attn::FAST_WORKSPACE_BYTES,
+                60 + i as u64,
+                &mut f,
+            );
+        }
+        // Unordered positions on both sides (permutations of 0..300), blocks of 64: the
+        // per-block key limits see unsorted kv_pos.
+        let n = 300usize;
+        let kv_pos: Vec<i64> = (0..n).map(|i| ((i * 7919) % n) as i64).collect();
+        let q_pos: Vec<i64> = (0..n).map(|i| ((i * 13) % n) as i64).collect();
+        let es = std::mem::size_of::<T>();
+        let budget = 64 * HEADS[1].1 * n.next_multiple_of(8) * (4 + es);
+        case::<T>(
+            &g, "shuffled", &q_pos, &kv_pos, HEADS[1], budget, 70, &mut f,
+        );
+        // Blocks of 16 whose queries see nothing (key limit 0), then a partly visible one.
+        let q_pos: Vec<i64> = (-40..30).collect();
+        let kv_pos: Vec<i64> = (0..50).rev().collect();
+        case::<T>(&g, "blind blocks", &q_pos, &kv_pos, HEADS[2], 1, 80, &mut f);
+        // Empty cache: every query gets zeros.
+        let pos: Vec<i64> = (0..70).collect();
+        case::<T>(
+            &g,
+            "empty cache",
+            &pos,
+            &[],
+            HEADS[1],
+            attn::FAST_WORKSPACE_BYTES,
+            50,
+            &mut f,
+        );
+        f.assert_none(test);
+    }
+
+    #[test]
+    fn fast_seam_f32() {
+        seam::<f32>("fast_seam_f32");
+    }
+
+    #[test]
+    fn fast_seam_bf16() {
+        seam::<bf16>("fast_seam_bf16");
+    }
+
+    #[test]
+    fn fast_causal_f32() {
+        causal::<f32>("fast_causal_f32");
+    }
+
+    #[test]
+    fn fast_causal_bf16() {
+        causal::<bf16>("fast_causal_bf16");
+    }
+
+    #[test]
+    fn fast_shape_errors_are_errors() {
+        let Some((g, _l)) = gpu("fast_shape_errors_are_errors") else {
+            return;
+        };
+        let (tq, n, nh, nkv) = (70usize, 70usize, 4usize, 2usize);
+        let z = |len: usize| g.zeros::<f32>(len).unwrap();
+        let pos = g.upload(&(0..70i64).collect::<Vec<_>>()).unwrap();
+        // head_dim 96 is not supported.
+        let hd = 96;
+        let (q, k, v) = (z(tq * nh * hd), z(n * nkv * hd), z(n * nkv * hd));
+        let mut o = z(tq * nh * hd);
+        let e = attn::prefill_fast(&g, &q, &pos, &k, &v, &pos, &mut o, tq, n, nh, nkv, hd);
+        println!("hd 96: {e:?}");
+        assert!(matches!(e, Err(dataplane::cuda::CudaError::Shape(_))));
+        // Heads not a multiple of kv heads.
+        let hd = 64;
+        let (q, k, v) = (z(tq * 3 * hd), z(n * nkv * hd), z(n * nkv * hd));
+        let mut o = z(tq * 3 * hd);
+        let e = attn::prefill_fast(&g, &q, &pos, &k, &v, &pos, &mut o, tq, n, 3, nkv, hd);
+        println!("3/2 heads: {e:?}");
+        assert!(matches!(e, Err(dataplane::cuda::CudaError::Shape(_))));
+        // Output too short.
+        let (q, k, v) = (z(tq * nh * hd), z(n * nkv * hd), z(n * nkv * hd));
+        let mut o = z(tq * nh * hd - 1);
+        let e = attn::prefill_fast(&g, &q, &pos, &k, &v, &pos, &mut o, tq, n, nh, nkv, hd);
+        println!("short o: {e:?}");
+        assert!(matches!(e, Err(dataplane::cuda::CudaError::Shape(_))));
+        // Positions too short.
+        let e = attn::prefill_fast(
+            &g,
+            &q,
+            &pos,
+            &k,
+            &v,
+            &pos,
+            &mut z(tq * nh * hd),
+            tq + 1,
+            n,
+            nh,
+            nkv,
+            hd,
+        );
+        println!("short q_pos: {e:?}");
+        assert!(matches!(e, Err(dataplane::cuda::CudaError::Shape(_))));
+    }
+}
