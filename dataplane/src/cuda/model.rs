@@ -13,7 +13,8 @@
 //! * attention mixer: one fused `q|gate, k, v` projection, per-head q/k zero-centred
 //!   RMSNorm, partial RoPE at the absolute positions, append to the KV cache, causal GQA
 //!   attention over cached + new KV (for `head_dim ∈ {64, 128, 256}` the GEMM-based
-//!   `attn::prefill_fast` for spans of ≥ [`ATTN_FAST_MIN_TQ`] tokens, else the tuned
+//!   `attn::prefill_fast` for spans of ≥ [`ATTN_FAST_MIN_TQ`] tokens or over ≥
+//!   [`ATTN_FAST_MIN_KV`] cached keys, else the tuned
 //!   tiled kernel; other head dims a generic one), sigmoid output gate, o proj;
 //! * FFN, two implementations ([`FfnPath`]): by default [`super::moe`] (MoE with device
 //!   routing and grouped expert GEMMs, `moe::mlp_forward` for dense layers); or the
@@ -60,6 +61,12 @@ const ATTN_TUNED_HD: [usize; 3] = [64, 128, 256];
 /// [`attn::prefill_fast`]; shorter ones (decode, seam windows, short prompts) the tiled
 /// [`attn::prefill`].
 pub const ATTN_FAST_MIN_TQ: usize = 64;
+/// Spans of any length over at least this many cached keys (decode steps and seam
+/// windows late in a long prompt) also take [`attn::prefill_fast`]: the tiled kernel
+/// runs one block per 16 queries and head, far too few blocks for a long KV
+/// (measured on the H200 at the Qwen3.5-35B-A3B shape: a decode step at 16k context
+/// 171 ms, HYPIC's 8-token seams ~80 ms per segment at 16 segments).
+pub const ATTN_FAST_MIN_KV: usize = 512;
 /// Key dims of the tuned recurrent GDR kernel ([`gdr::recurrent`]).
 const GDR_REC_DK: [usize; 3] = [64, 128, 256];
 /// Largest head dim of the generic attention kernel.
@@ -1568,7 +1575,7 @@ where
         }
         kv.append(g, &k, &v, pos, t)?;
         let mut o: CudaSlice<T> = g.zeros(t * nh * hd)?;
-        if ATTN_TUNED_HD.contains(&hd) && t >= ATTN_FAST_MIN_TQ {
+        if ATTN_TUNED_HD.contains(&hd) && (t >= ATTN_FAST_MIN_TQ || kv.len >= ATTN_FAST_MIN_KV) {
             attn::prefill_fast(
                 g, &q, pos, &kv.k, &kv.v, &kv.pos, &mut o, t, kv.len, nh, nkv, hd,
             )?;
