@@ -295,19 +295,19 @@ impl ModelConfig {
         nz("linear_key_head_dim", self.linear_k_dim)?;
         nz("linear_value_head_dim", self.linear_v_dim)?;
         nz("linear_conv_kernel_dim", self.conv_kernel)?;
-        if self.num_heads % self.num_kv_heads != 0 {
+        if !self.num_heads.is_multiple_of(self.num_kv_heads) {
             return Err(cfg_err(
                 "num_key_value_heads",
                 "must divide num_attention_heads",
             ));
         }
-        if self.linear_v_heads % self.linear_k_heads != 0 {
+        if !self.linear_v_heads.is_multiple_of(self.linear_k_heads) {
             return Err(cfg_err(
                 "linear_num_value_heads",
                 "must be a multiple of linear_num_key_heads",
             ));
         }
-        if self.rotary_dim % 2 != 0 || self.rotary_dim > self.head_dim {
+        if !self.rotary_dim.is_multiple_of(2) || self.rotary_dim > self.head_dim {
             return Err(cfg_err(
                 "partial_rotary_factor",
                 "rotary dims must be even and ≤ head_dim",

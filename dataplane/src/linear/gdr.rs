@@ -36,7 +36,7 @@ impl GdrDims {
     }
     fn check(&self, q: &[f32], k: &[f32], v: &[f32], g: &[f32], beta: &[f32], state: &[f32]) {
         assert!(
-            self.hk > 0 && self.hv % self.hk == 0,
+            self.hk > 0 && self.hv.is_multiple_of(self.hk),
             "Hv must be a multiple of Hk"
         );
         assert_eq!(q.len(), self.t * self.hk * self.dk, "q must be [T, Hk, dk]");

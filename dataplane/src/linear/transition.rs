@@ -161,7 +161,7 @@ impl Family {
 
     /// Checks every length and dimension of `x` against `d`.
     pub fn validate(self, d: &GdrDims, x: &LinearInputs) -> Result<()> {
-        if d.hk == 0 || d.hv % d.hk != 0 {
+        if d.hk == 0 || !d.hv.is_multiple_of(d.hk) {
             return Err(TransitionError::Dims(format!(
                 "Hv = {} must be a nonzero multiple of Hk = {}",
                 d.hv, d.hk
