@@ -109,6 +109,14 @@ run() {
   # GPU_CHECK_STEPS: which parts to run (default all): kernels attn moe model pic bench fla modelbench
   local steps=" ${GPU_CHECK_STEPS:-kernels attn moe model pic bench fla modelbench} "
   want() { [[ "$steps" == *" $1 "* ]]; }
+  local s_
+  for s_ in $steps; do
+    case "$s_" in
+      kernels|attn|moe|model|pic|bench|fla|modelbench) ;;
+      *) echo "unknown step \`$s_\` in GPU_CHECK_STEPS (known: kernels attn moe model pic bench fla modelbench)" >&2
+         return 2 ;;
+    esac
+  done
   echo "== equivalence tests"
   local t0=$SECONDS
   python3 - <<'PY'
@@ -119,6 +127,16 @@ for f in glob.glob(".device/bin/*.xz"):
     os.chmod(f[:-3], 0o755)
 PY
   chmod +x .device/bin/* 2>/dev/null || true
+  local exe_ st_ missing_=0
+  for st_ in kernels:cuda_kernels attn:cuda_attn moe:cuda_moe model:cuda_model pic:cuda_pic \
+             bench:gpu_bench modelbench:cuda_random modelbench:gpu_model_bench; do
+    exe_=${st_#*:}
+    if want "${st_%%:*}" && [ ! -x ".device/bin/$exe_" ]; then
+      echo "missing .device/bin/$exe_ (step ${st_%%:*}): run \`scripts/gpu-check.sh build\` first" >&2
+      missing_=1
+    fi
+  done
+  [ "$missing_" -eq 0 ] || return 3
   local test_rc=0 attn_rc=0 moe_rc=0 model_rc=0 pic_rc=0
   : > "$OUT/attn_tests.log"
   : > "$OUT/tests.log"; : > "$OUT/tests_moe.log"; : > "$OUT/model_tests.log"; : > "$OUT/pic_tests.log"; : > "$OUT/bench.md"; : > "$OUT/fla.md"
@@ -127,7 +145,7 @@ PY
   .device/bin/cuda_kernels --test-threads=1 --nocapture > "$OUT/tests.log" 2>&1
   test_rc=$?
   fi
-  echo "tests rc=$test_rc in $((SECONDS - t0)) s"
+  want kernels && echo "tests rc=$test_rc in $((SECONDS - t0)) s" || echo "kernel tests: skipped"
   grep -E "^test |test result|rel .*tol|panicked" "$OUT/tests.log" | grep -v "^test .* ok$" | tail -60
 
   echo "== attention fast path tests (dataplane/tests/cuda_attn.rs)"
@@ -136,7 +154,7 @@ PY
   HYPIC_REQUIRE_GPU=1 timeout 300 .device/bin/cuda_attn --test-threads=1 --nocapture > "$OUT/attn_tests.log" 2>&1
   attn_rc=$?
   fi
-  echo "attn tests rc=$attn_rc in $((SECONDS - t0)) s"
+  want attn && echo "attn tests rc=$attn_rc in $((SECONDS - t0)) s" || echo "attn tests: skipped"
   grep -E "rel .*tol|FAIL|test result|panicked|SKIP" "$OUT/attn_tests.log" | grep -v " ok$" | tail -40
 
   echo "== MoE / SwiGLU / sampling tests"
@@ -145,7 +163,7 @@ PY
   .device/bin/cuda_moe --test-threads=1 --nocapture > "$OUT/tests_moe.log" 2>&1
   moe_rc=$?
   fi
-  echo "moe tests rc=$moe_rc in $((SECONDS - t0)) s"
+  want moe && echo "moe tests rc=$moe_rc in $((SECONDS - t0)) s" || echo "moe tests: skipped"
   grep -E "FAIL|test result|panicked|skipped" "$OUT/tests_moe.log" | tail -40
 
   echo "== whole-model tests (GPU vs CPU, dataplane/tests/cuda_model.rs)"
@@ -155,27 +173,39 @@ PY
   # Each test in its own process, so that a kernel fault (which poisons the CUDA
   # context) in one does not take the others with it.
   local name rc
-  want model && for name in $(.device/bin/cuda_model --list --format=terse 2>/dev/null | sed -n 's/: test$//p'); do
+  local list_model=""
+  want model && list_model=$(.device/bin/cuda_model --list --format=terse 2>/dev/null | sed -n 's/: test$//p')
+  if want model && [ -z "$list_model" ]; then
+    echo "cuda_model lists no tests" | tee -a "$OUT/model_tests.log" >&2
+    model_rc=1
+  fi
+  want model && for name in $list_model; do
     HYPIC_REQUIRE_GPU=1 HYPIC_REPO_ROOT="$PWD" HYPIC_GREEDY_ITEMS=${HYPIC_GREEDY_ITEMS:-64} timeout 240 .device/bin/cuda_model --exact "$name" \
       --test-threads=1 --nocapture >> "$OUT/model_tests.log" 2>&1
     rc=$?
     echo "cuda_model $name rc=$rc" >> "$OUT/model_tests.log"
     [ "$rc" -ne 0 ] && model_rc=$rc
   done
-  echo "model tests rc=$model_rc in $((SECONDS - t0)) s"
+  want model && echo "model tests rc=$model_rc in $((SECONDS - t0)) s" || echo "model tests: skipped"
   grep -E "^test |test result|rel .*tol|FAIL|panicked|greedy|^cuda_model gpu::" "$OUT/model_tests.log" \
     | grep -v "^test .* ok$" | tail -60
 
   echo "== PIC engine tests (GPU vs CPU, dataplane/tests/cuda_pic.rs)"
   t0=$SECONDS
-  want pic && for name in $(.device/bin/cuda_pic --list --format=terse 2>/dev/null | sed -n 's/: test$//p'); do
+  local list_pic=""
+  want pic && list_pic=$(.device/bin/cuda_pic --list --format=terse 2>/dev/null | sed -n 's/: test$//p')
+  if want pic && [ -z "$list_pic" ]; then
+    echo "cuda_pic lists no tests" | tee -a "$OUT/pic_tests.log" >&2
+    pic_rc=1
+  fi
+  want pic && for name in $list_pic; do
     HYPIC_REQUIRE_GPU=1 HYPIC_REPO_ROOT="$PWD" timeout 300 .device/bin/cuda_pic --exact "$name" \
       --test-threads=1 --nocapture >> "$OUT/pic_tests.log" 2>&1
     rc=$?
     echo "cuda_pic $name rc=$rc" >> "$OUT/pic_tests.log"
     [ "$rc" -ne 0 ] && pic_rc=$rc
   done
-  echo "pic tests rc=$pic_rc in $((SECONDS - t0)) s"
+  want pic && echo "pic tests rc=$pic_rc in $((SECONDS - t0)) s" || echo "pic tests: skipped"
   grep -E "^test |test result|FAIL|panicked|^cuda_pic gpu::" "$OUT/pic_tests.log" \
     | grep -v "^test .* ok$" | tail -60
 

@@ -303,7 +303,7 @@ impl From<CatalogError> for ApiError {
 
 impl IntoResponse for ApiError {
     fn into_response(self) -> Response {
-        let body = serde_json::json!({"error": {"message": self.message, "type": self.kind, "code": self.code}});
+        let body = serde_json::json!({"error": {"message": self.message, "type": self.kind, "param": null, "code": self.code}});
         let mut r = (self.status, Json(body)).into_response();
         if self.status == StatusCode::UNAUTHORIZED {
             r.headers_mut().insert(

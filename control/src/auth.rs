@@ -508,6 +508,12 @@ pub fn print_first_start(fs: &FirstStart, data_dir: &Path) {
             "hypic: mint more with `hypic token --data-dir {} --tenant NAME --role tenant|operator`",
             data_dir.display()
         );
+    } else {
+        println!(
+            "hypic: using signing secret {}; mint tokens with `hypic token --data-dir {} --tenant NAME --role tenant|operator`",
+            data_dir.join(SECRET_FILE).display(),
+            data_dir.display()
+        );
     }
 }
 

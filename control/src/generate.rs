@@ -92,9 +92,11 @@ impl<'a> Runner<'a> {
     /// Errors: `cuda` requested but not built in, or no usable device; upload failure.
     pub fn select(model: &'a Model, device: DeviceArg, dtype: DtypeArg) -> Result<(Self, String)> {
         let cpu = |m: &'a Model| (Runner::Cpu(m, m.new_state()), "cpu".to_string());
+        if dtype == DtypeArg::Bf16 && device == DeviceArg::Cpu {
+            eprintln!("hypic: --dtype bf16 applies to the GPU backend only; the CPU backend runs in f32");
+        }
         #[cfg(not(feature = "cuda"))]
         {
-            let _ = dtype;
             match device {
                 DeviceArg::Cpu => Ok(cpu(model)),
                 DeviceArg::Cuda => bail!(
@@ -102,6 +104,9 @@ impl<'a> Runner<'a> {
                      `cargo build --release --features cuda` or use --device cpu"
                 ),
                 DeviceArg::Auto => {
+                    if dtype == DtypeArg::Bf16 {
+                        eprintln!("hypic: --dtype bf16 applies to the GPU backend only; the CPU backend runs in f32");
+                    }
                     eprintln!("hypic: --device auto: built without CUDA support; using the CPU backend");
                     Ok(cpu(model))
                 }
@@ -116,7 +121,9 @@ impl<'a> Runner<'a> {
                 DeviceArg::Cuda => DeviceChoice::Cuda,
                 DeviceArg::Auto => DeviceChoice::Auto,
             };
-            let gpu = match select(choice).context("--device")? {
+            let gpu = match select(choice).with_context(|| {
+                "--device cuda: no usable CUDA device; use --device cpu, or --device auto to fall back"
+            })? {
                 Backend::Cpu => return Ok(cpu(model)),
                 Backend::Cuda(g) => g,
             };

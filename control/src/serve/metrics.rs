@@ -54,7 +54,7 @@ pub struct ServeMetrics {
 
 #[derive(Default)]
 struct Last {
-    pool: [[u64; 9]; 2],
+    pool: [[u64; 10]; 2],
     sched: [u64; 4],
     /// Last exported value of each policy counter, by metric and label values.
     policy: HashMap<(&'static str, Vec<String>), u64>,
@@ -176,7 +176,7 @@ impl ServeMetrics {
         let pool_events = reg!(IntCounterVec::new(
             Opts::new(
                 "hypic_pool_events_total",
-                "Pool lookups and changes: hit, miss, insert, eviction, rejected; spill tier: spill, spill_restore, spill_checksum_failure, spill_eviction."
+                "Pool lookups and changes: hit, miss, insert, eviction, rejected; spill tier: spill, spill_restore, spill_checksum_failure, spill_eviction, spill_rejected."
             ),
             &["pool", "event"]
         ));
@@ -334,6 +334,7 @@ impl ServeMetrics {
                     st.spill_restores,
                     st.spill_corrupt,
                     st.spill_evictions,
+                    st.spill_rejected,
                 ];
                 for (i, ev) in [
                     "hit",
@@ -345,6 +346,7 @@ impl ServeMetrics {
                     "spill_restore",
                     "spill_checksum_failure",
                     "spill_eviction",
+                    "spill_rejected",
                 ]
                     .into_iter()
                     .enumerate()

@@ -97,6 +97,8 @@ pub struct PoolStats {
     pub spill_corrupt: u64,
     /// Spilled entries dropped to make room in the spill tier.
     pub spill_evictions: u64,
+    /// Evicted entries not spilled because they are larger than the whole spill tier.
+    pub spill_rejected: u64,
 }
 
 /// Outcome of [`Pool::insert`].
@@ -319,6 +321,7 @@ impl<V> Pool<V> {
         };
         let bytes = (tier.encode)(&v);
         if bytes.len() > tier.capacity {
+            self.stats.spill_rejected += 1;
             return;
         }
         while tier.used + bytes.len() > tier.capacity {
@@ -976,5 +979,15 @@ mod tests {
         assert!(p.is_spilled(&k(1)), "served from the spill tier, kept there");
         assert!(p.contains(&k(2)) && p.contains(&k(3)) && p.contains(&k(4)));
         check(&p, "quota");
+    }
+
+    #[test]
+    fn an_entry_larger_than_the_spill_tier_is_counted() {
+        let mut p: Pool<Val> = Pool::new(50, Box::new(Lru));
+        p.enable_spill(8); // a blob is 12 bytes
+        p.insert(k(1), Arc::new(Val(1, 1.0)), 40, 10, "a");
+        p.insert(k(2), Arc::new(Val(2, 2.0)), 40, 10, "a");
+        assert!(!p.contains(&k(1)));
+        assert_eq!((p.stats().spilled, p.stats().spill_rejected), (0, 1));
     }
 }
