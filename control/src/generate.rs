@@ -1,8 +1,8 @@
 //! `hypic generate`: load a model, prefill a prompt, stream a continuation.
 use anyhow::{bail, Context, Result};
 use dataplane::model::{Logits, Model};
-use dataplane::state::ModelState;
 use dataplane::sampling::{Sampler, SamplingParams};
+use dataplane::state::ModelState;
 use dataplane::tokenizer::{ChatMessage, Tokenizer};
 use indicatif::{ProgressBar, ProgressStyle};
 use std::io::Write;
@@ -93,7 +93,9 @@ impl<'a> Runner<'a> {
     pub fn select(model: &'a Model, device: DeviceArg, dtype: DtypeArg) -> Result<(Self, String)> {
         let cpu = |m: &'a Model| (Runner::Cpu(m, m.new_state()), "cpu".to_string());
         if dtype == DtypeArg::Bf16 && device == DeviceArg::Cpu {
-            eprintln!("hypic: --dtype bf16 applies to the GPU backend only; the CPU backend runs in f32");
+            eprintln!(
+                "hypic: --dtype bf16 applies to the GPU backend only; the CPU backend runs in f32"
+            );
         }
         #[cfg(not(feature = "cuda"))]
         {
@@ -107,7 +109,9 @@ impl<'a> Runner<'a> {
                     if dtype == DtypeArg::Bf16 {
                         eprintln!("hypic: --dtype bf16 applies to the GPU backend only; the CPU backend runs in f32");
                     }
-                    eprintln!("hypic: --device auto: built without CUDA support; using the CPU backend");
+                    eprintln!(
+                        "hypic: --device auto: built without CUDA support; using the CPU backend"
+                    );
                     Ok(cpu(model))
                 }
             }

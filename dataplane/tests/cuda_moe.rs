@@ -892,14 +892,16 @@ mod gpu {
                     let ok = (0..rows).all(|q| {
                         let row = &x[q * vocab..(q + 1) * vocab];
                         let top = row[greedy[q] as usize];
-                        row[got[q] as usize] == top
-                            && got[q] == sample::reference(row, &params[q])
+                        row[got[q] as usize] == top && got[q] == sample::reference(row, &params[q])
                     });
                     let ties = got.iter().zip(&greedy).filter(|(a, b)| a != b).count();
                     println!(
                         "vocab {vocab}: T={temp} top_k={k} picks a maximal logit (the reference's draw): {ok}; differs from the lowest-index argmax in {ties} tied row(s)"
                     );
-                    rep.expect(&format!("vocab {vocab} T={temp} k={k} picks a maximal logit"), ok);
+                    rep.expect(
+                        &format!("vocab {vocab} T={temp} k={k} picks a maximal logit"),
+                        ok,
+                    );
                     continue;
                 }
                 println!(

@@ -413,12 +413,16 @@ fn spilled_entries_come_back_exact_and_damaged_ones_are_recomputed() {
         p
     };
     for e in [&big, &small] {
-        e.run(&ask(&[0, 1, 2], 0), Mode::hypic_default(), "t").unwrap();
+        e.run(&ask(&[0, 1, 2], 0), Mode::hypic_default(), "t")
+            .unwrap();
     }
     let [(spilled, spill_bytes, _), _] = small.spill_usage();
     // Four entries (system prompt and three documents): all but the last spilled.
     assert_eq!(spilled, 3);
-    assert!(spill_bytes >= 2 * one, "{spill_bytes} bytes for 2 entries of {one}");
+    assert!(
+        spill_bytes >= 2 * one,
+        "{spill_bytes} bytes for 2 entries of {one}"
+    );
     // Reordered: every document is a hit; in `small` two come back from the spill tier.
     let p = ask(&[2, 0, 1], 1);
     let want = big.run(&p, Mode::hypic_default(), "t").unwrap();

@@ -348,8 +348,8 @@ impl ServeMetrics {
                     "spill_eviction",
                     "spill_rejected",
                 ]
-                    .into_iter()
-                    .enumerate()
+                .into_iter()
+                .enumerate()
                 {
                     let d = now[i].saturating_sub(last.pool[pi][i]);
                     self.pool_events.with_label_values(&[name, ev]).inc_by(d);

@@ -223,7 +223,10 @@ impl Gpu {
 
     /// (module, origin, seconds) of every module loaded so far.
     pub fn compile_log(&self) -> Vec<(String, compile::Origin, f64)> {
-        self.compile_log.lock().unwrap_or_else(|p| p.into_inner()).clone()
+        self.compile_log
+            .lock()
+            .unwrap_or_else(|p| p.into_inner())
+            .clone()
     }
 
     /// Copies a host slice to a new device buffer.
@@ -258,11 +261,10 @@ impl Gpu {
         let m = self
             .ctx
             .load_module(cudarc::nvrtc::Ptx::from_binary(cubin))?;
-        self.compile_log.lock().unwrap_or_else(|p| p.into_inner()).push((
-            src.name.to_string(),
-            origin,
-            t0.elapsed().as_secs_f64(),
-        ));
+        self.compile_log
+            .lock()
+            .unwrap_or_else(|p| p.into_inner())
+            .push((src.name.to_string(), origin, t0.elapsed().as_secs_f64()));
         mods.insert(src.name, m.clone());
         Ok(m)
     }
@@ -271,7 +273,12 @@ impl Gpu {
     /// `dyn_smem` > 48 KiB raises the function's dynamic shared-memory limit.
     pub fn function(&self, src: &KernelSource, name: &str, dyn_smem: u32) -> Result<CudaFunction> {
         let key = format!("{}::{name}", src.name);
-        if let Some(f) = self.funcs.lock().unwrap_or_else(|p| p.into_inner()).get(&key) {
+        if let Some(f) = self
+            .funcs
+            .lock()
+            .unwrap_or_else(|p| p.into_inner())
+            .get(&key)
+        {
             return Ok(f.clone());
         }
         let m = self.module(src)?;
@@ -282,7 +289,10 @@ impl Gpu {
                 dyn_smem as i32,
             )?;
         }
-        self.funcs.lock().unwrap_or_else(|p| p.into_inner()).insert(key, f.clone());
+        self.funcs
+            .lock()
+            .unwrap_or_else(|p| p.into_inner())
+            .insert(key, f.clone());
         Ok(f)
     }
 

@@ -255,7 +255,10 @@ impl PicEngine {
 
     /// `(entries, bytes, capacity)` of the public and private spill tiers.
     pub fn spill_usage(&self) -> [(usize, usize, usize); 2] {
-        [lock(&self.public).spill_usage(), lock(&self.private).spill_usage()]
+        [
+            lock(&self.public).spill_usage(),
+            lock(&self.private).spill_usage(),
+        ]
     }
 
     /// Fault injection for tests: damages every spilled blob of both pools (one bit
@@ -263,8 +266,12 @@ impl PicEngine {
     #[doc(hidden)]
     pub fn damage_spilled(&self, at: usize) -> usize {
         let mut n = 0;
-        for_each_spilled(&mut lock(&self.public), |p, k| n += p.damage_spilled(k, at) as usize);
-        for_each_spilled(&mut lock(&self.private), |p, k| n += p.damage_spilled(k, at) as usize);
+        for_each_spilled(&mut lock(&self.public), |p, k| {
+            n += p.damage_spilled(k, at) as usize
+        });
+        for_each_spilled(&mut lock(&self.private), |p, k| {
+            n += p.damage_spilled(k, at) as usize
+        });
         n
     }
 

@@ -377,12 +377,17 @@ impl<V> Pool<V> {
     /// A spilled entry may still fail its checksum on [`Pool::get`].
     pub fn contains(&self, key: &Key) -> bool {
         self.entries.contains_key(key)
-            || self.spill.as_ref().is_some_and(|t| t.blobs.contains_key(key))
+            || self
+                .spill
+                .as_ref()
+                .is_some_and(|t| t.blobs.contains_key(key))
     }
 
     /// True when `key` is in the spill tier.
     pub fn is_spilled(&self, key: &Key) -> bool {
-        self.spill.as_ref().is_some_and(|t| t.blobs.contains_key(key))
+        self.spill
+            .as_ref()
+            .is_some_and(|t| t.blobs.contains_key(key))
     }
 
     /// `(entries, bytes, capacity)` of the spill tier (zeros without one).
@@ -677,7 +682,10 @@ mod tests {
         // and the least recent primary entry (2) spilled in its place.
         assert_eq!(*p.get(&k(1)).expect("restored"), Val(1, 1.0 / 3.0));
         assert!(!p.is_spilled(&k(1)) && p.is_spilled(&k(2)));
-        assert_eq!((p.stats().hits, p.stats().misses, p.stats().spill_restores), (1, 0, 1));
+        assert_eq!(
+            (p.stats().hits, p.stats().misses, p.stats().spill_restores),
+            (1, 0, 1)
+        );
         assert_eq!(p.used_bytes(), 80);
         assert_eq!(p.owner_bytes("a"), 80);
         // Spill capacity: a third spilled blob pushes out the least recent one.
@@ -943,10 +951,22 @@ mod tests {
         p.insert(k(2), Arc::new(Val(2, 2.0)), 40, 10, "a");
         assert!(p.is_spilled(&k(1)));
         p.set_policy(Box::new(Never)); // admits only tokens > 5, names no victim
-        assert_eq!(p.insert(k(1), Arc::new(Val(9, 9.0)), 40, 3, "a"), Insert::NotAdmitted);
-        assert!(p.is_spilled(&k(1)), "the refused insert dropped the spilled copy");
-        assert_eq!(p.insert(k(1), Arc::new(Val(9, 9.0)), 40, 30, "a"), Insert::NoRoom);
-        assert!(p.is_spilled(&k(1)), "the refused insert dropped the spilled copy");
+        assert_eq!(
+            p.insert(k(1), Arc::new(Val(9, 9.0)), 40, 3, "a"),
+            Insert::NotAdmitted
+        );
+        assert!(
+            p.is_spilled(&k(1)),
+            "the refused insert dropped the spilled copy"
+        );
+        assert_eq!(
+            p.insert(k(1), Arc::new(Val(9, 9.0)), 40, 30, "a"),
+            Insert::NoRoom
+        );
+        assert!(
+            p.is_spilled(&k(1)),
+            "the refused insert dropped the spilled copy"
+        );
         check(&p, "refused");
     }
 
@@ -958,15 +978,27 @@ mod tests {
         p.enable_spill(100);
         p.insert(k(1), Arc::new(Val(1, 1.0)), 40, 10, "a");
         p.insert(k(2), Arc::new(Val(2, 2.0)), 40, 10, "a");
-        p.set_policy(Box::new(Quota { quota: 1000, refuse: true }));
+        p.set_policy(Box::new(Quota {
+            quota: 1000,
+            refuse: true,
+        }));
         assert_eq!(*p.get(&k(1)).expect("served"), Val(1, 1.0));
-        assert!(p.entries.contains_key(&k(2)), "2 evicted although the policy refused");
+        assert!(
+            p.entries.contains_key(&k(2)),
+            "2 evicted although the policy refused"
+        );
         assert!(p.is_spilled(&k(1)), "1 lost");
         assert_eq!(*p.get(&k(1)).expect("served again"), Val(1, 1.0));
         assert_eq!(p.stats().evictions, 1);
         check(&p, "no victim");
         // Over quota: a restore does not push the owner past what admission allows.
-        let mut p: Pool<Val> = Pool::new(100, Box::new(Quota { quota: 80, refuse: false }));
+        let mut p: Pool<Val> = Pool::new(
+            100,
+            Box::new(Quota {
+                quota: 80,
+                refuse: false,
+            }),
+        );
         p.enable_spill(100);
         p.insert(k(1), Arc::new(Val(1, 1.0)), 40, 10, "a");
         p.insert(k(2), Arc::new(Val(2, 2.0)), 40, 10, "a");
@@ -976,7 +1008,10 @@ mod tests {
         assert_eq!(p.owner_bytes("a"), 60);
         assert_eq!(*p.get(&k(1)).expect("served"), Val(1, 1.0));
         assert!(p.owner_bytes("a") <= 80, "a holds {}", p.owner_bytes("a"));
-        assert!(p.is_spilled(&k(1)), "served from the spill tier, kept there");
+        assert!(
+            p.is_spilled(&k(1)),
+            "served from the spill tier, kept there"
+        );
         assert!(p.contains(&k(2)) && p.contains(&k(3)) && p.contains(&k(4)));
         check(&p, "quota");
     }

@@ -81,7 +81,9 @@ impl<'a> R<'a> {
     }
     fn u64(&mut self, what: &str) -> Result<u64, String> {
         let s = self.take(8, what)?;
-        Ok(u64::from_le_bytes(s.try_into().map_err(|_| what.to_string())?))
+        Ok(u64::from_le_bytes(
+            s.try_into().map_err(|_| what.to_string())?,
+        ))
     }
     fn usize(&mut self, what: &str) -> Result<usize, String> {
         usize::try_from(self.u64(what)?).map_err(|_| format!("{what} does not fit usize"))
@@ -191,7 +193,11 @@ impl Spill for SegmentEntry {
                     let kind = kind_from(r.u8("transition kind")?)?;
                     let (hv, dk, dv) = (r.usize("hv")?, r.usize("dk")?, r.usize("dv")?);
                     // Pair::from_parts multiplies the dimensions unchecked.
-                    if hv.checked_mul(dk).and_then(|x| x.checked_mul(dk.max(dv))).is_none() {
+                    if hv
+                        .checked_mul(dk)
+                        .and_then(|x| x.checked_mul(dk.max(dv)))
+                        .is_none()
+                    {
                         return Err(format!("layer {i}: dimensions {hv}x{dk}x{dv} overflow"));
                     }
                     let t = r.f32s("T")?;
@@ -205,7 +211,11 @@ impl Spill for SegmentEntry {
                     let k = r.f32s("K")?;
                     let v = r.f32s("V")?;
                     if k.len() != v.len() {
-                        return Err(format!("layer {i}: K has {} values, V {}", k.len(), v.len()));
+                        return Err(format!(
+                            "layer {i}: K has {} values, V {}",
+                            k.len(),
+                            v.len()
+                        ));
                     }
                     layers.push(EntryLayer::Full { k, v });
                 }
@@ -390,7 +400,9 @@ mod tests {
         assert!(SegmentEntry::decode(&wrong).unwrap_err().contains("magic"));
         let mut extra = b.clone();
         extra.push(0);
-        assert!(SegmentEntry::decode(&extra).unwrap_err().contains("trailing"));
+        assert!(SegmentEntry::decode(&extra)
+            .unwrap_err()
+            .contains("trailing"));
         // A length field blown up does not allocate or panic.
         let mut huge = b.clone();
         huge[54..62].copy_from_slice(&u64::MAX.to_le_bytes());
@@ -426,7 +438,11 @@ mod tests {
             w.f32s(&[]);
             w.f32s(&[]);
             let r = std::panic::catch_unwind(|| SegmentEntry::decode(&w.0));
-            assert!(matches!(r, Ok(Err(_))), "kind {kind}: {:?}", r.map(|x| x.is_ok()));
+            assert!(
+                matches!(r, Ok(Err(_))),
+                "kind {kind}: {:?}",
+                r.map(|x| x.is_ok())
+            );
         }
     }
 }
