@@ -796,6 +796,31 @@ where
     pub(crate) fn inv_freq(&self) -> Option<&CudaSlice<f32>> {
         self.inv_freq.as_ref()
     }
+    /// Embedding rows of `tokens` (ids checked by the caller): `[len, hidden]` in `T`.
+    ///
+    /// Errors: a dimension beyond `i32`, or a driver failure.
+    fn embed_tokens(&self, tokens: &[u32]) -> Result<CudaSlice<T>> {
+        let g = &*self.gpu;
+        let (n, h) = (tokens.len(), self.config.hidden_size);
+        let tok_d = g.upload(tokens)?;
+        let mut x: CudaSlice<T> = g.zeros(n * h)?;
+        let f = g.function(&MODEL, &format!("embed_gather_{}", T::SUFFIX), 0)?;
+        let (ni, hi, vi) = (
+            dim_i32("tokens", n)?,
+            dim_i32("hidden", h)?,
+            dim_i32("vocab", self.config.vocab_size)?,
+        );
+        let mut b = g.stream().launch_builder(&f);
+        b.arg(&self.embed)
+            .arg(&tok_d)
+            .arg(&mut x)
+            .arg(&ni)
+            .arg(&hi)
+            .arg(&vi);
+        // SAFETY: matches `embed_gather_*` in model.cu; sizes from the config.
+        unsafe { b.launch(cfg1(n * h)) }?;
+        Ok(x)
+    }
 
     /// Fresh device state for a new sequence (see [`GpuState::new`]).
     pub fn new_state(&self) -> Result<GpuState<T>> {
@@ -953,25 +978,7 @@ where
         let (t, h) = (tokens.len(), c.hidden_size);
         let positions: Vec<i64> = (0..t as i64).map(|i| state.next_position + i).collect();
         let pos_d = g.upload(&positions)?;
-        let tok_d = g.upload(tokens)?;
-        let mut x: CudaSlice<T> = g.zeros(t * h)?;
-        {
-            let f = g.function(&MODEL, &format!("embed_gather_{}", T::SUFFIX), 0)?;
-            let (ti, hi, vi) = (
-                dim_i32("t", t)?,
-                dim_i32("hidden", h)?,
-                dim_i32("vocab", c.vocab_size)?,
-            );
-            let mut b = g.stream().launch_builder(&f);
-            b.arg(&self.embed)
-                .arg(&tok_d)
-                .arg(&mut x)
-                .arg(&ti)
-                .arg(&hi)
-                .arg(&vi);
-            // SAFETY: matches `embed_gather_*` in model.cu; sizes from the config.
-            unsafe { b.launch(cfg1(t * h)) }?;
-        }
+        let mut x = self.embed_tokens(tokens)?;
         if let Some(tr) = trace.as_deref_mut() {
             tr.embed = download_f32(g, &x, t * h)?;
             tr.layers.clear();
@@ -1090,25 +1097,7 @@ where
         let (bsz, h) = (tokens.len(), c.hidden_size);
         let positions: Vec<i64> = states.iter().map(|s| s.next_position).collect();
         let pos_d = g.upload(&positions)?;
-        let tok_d = g.upload(tokens)?;
-        let mut x: CudaSlice<T> = g.zeros(bsz * h)?;
-        {
-            let f = g.function(&MODEL, &format!("embed_gather_{}", T::SUFFIX), 0)?;
-            let (ti, hi, vi) = (
-                dim_i32("batch", bsz)?,
-                dim_i32("hidden", h)?,
-                dim_i32("vocab", c.vocab_size)?,
-            );
-            let mut b = g.stream().launch_builder(&f);
-            b.arg(&self.embed)
-                .arg(&tok_d)
-                .arg(&mut x)
-                .arg(&ti)
-                .arg(&hi)
-                .arg(&vi);
-            // SAFETY: matches `embed_gather_*` in model.cu; sizes from the config.
-            unsafe { b.launch(cfg1(bsz * h)) }?;
-        }
+        let mut x = self.embed_tokens(tokens)?;
         let zero = T::from_f32(0.0);
         let st = g.stream();
         let mut r: CudaSlice<T> = g.zeros(bsz * h)?;
