@@ -211,8 +211,12 @@ PY
 
   echo "== our benchmark"
   t0=$SECONDS
-  want bench && timeout 240 .device/bin/gpu_bench ${BENCH_ARGS:-} > "$OUT/bench.md" 2>&1
-  echo "bench rc=$? in $((SECONDS - t0)) s"
+  if want bench; then
+    timeout 240 .device/bin/gpu_bench ${BENCH_ARGS:-} > "$OUT/bench.md" 2>&1
+    echo "bench rc=$? in $((SECONDS - t0)) s"
+  else
+    echo "bench: skipped"
+  fi
 
   echo "== random-weight model (GPU vs CPU) and whole-model benchmark at the Qwen3.5-35B-A3B shape"
   t0=$SECONDS
@@ -226,7 +230,8 @@ PY
     mbench_rc=$?
     echo "(gpu_model_bench rc=$mbench_rc)" >> "$OUT/model_bench.md"
   fi
-  echo "random tests rc=$random_rc, model bench rc=$mbench_rc in $((SECONDS - t0)) s"
+  want modelbench && echo "random tests rc=$random_rc, model bench rc=$mbench_rc in $((SECONDS - t0)) s" \
+    || echo "random-weight tests and model bench: skipped"
   grep -E "rel |test result|panicked|FAIL" "$OUT/random_tests.log" | tail -20
   cat "$OUT/model_bench.md"
 
@@ -274,7 +279,8 @@ for T in (4096, 16384):
     f(); torch.cuda.synchronize()
     print(f"| {T} | {do_bench(f, warmup=25, rep=200, return_mode='median'):.3f} |")
 PY
-  echo "fla rc=$? in $((SECONDS - t0)) s"
+  local fla_rc=$?
+  want fla && echo "fla rc=$fla_rc in $((SECONDS - t0)) s" || echo "fla: skipped"
 
   {
     echo "# HYPIC CUDA data plane: gpu-check report ($date_s)"
