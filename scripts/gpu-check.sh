@@ -92,6 +92,17 @@ build() {
 }
 
 run() {
+  # GPU_CHECK_STEPS: which parts to run (default all): kernels attn moe model pic bench fla modelbench
+  local steps=" ${GPU_CHECK_STEPS:-kernels attn moe model pic bench fla modelbench} "
+  want() { [[ "$steps" == *" $1 "* ]]; }
+  local s_
+  for s_ in $steps; do
+    case "$s_" in
+      kernels|attn|moe|model|pic|bench|fla|modelbench) ;;
+      *) echo "unknown step \`$s_\` in GPU_CHECK_STEPS (known: kernels attn moe model pic bench fla modelbench)" >&2
+         return 2 ;;
+    esac
+  done
   OUT="${OUT:-$PWD/.device/out}"
   mkdir -p "$OUT"
   export LD_LIBRARY_PATH="/usr/local/cuda/lib64:/usr/local/nvidia/lib64:${LD_LIBRARY_PATH:-}"
@@ -106,17 +117,6 @@ run() {
   } > "$OUT/machine.txt"
   cat "$OUT/machine.txt"
 
-  # GPU_CHECK_STEPS: which parts to run (default all): kernels attn moe model pic bench fla modelbench
-  local steps=" ${GPU_CHECK_STEPS:-kernels attn moe model pic bench fla modelbench} "
-  want() { [[ "$steps" == *" $1 "* ]]; }
-  local s_
-  for s_ in $steps; do
-    case "$s_" in
-      kernels|attn|moe|model|pic|bench|fla|modelbench) ;;
-      *) echo "unknown step \`$s_\` in GPU_CHECK_STEPS (known: kernels attn moe model pic bench fla modelbench)" >&2
-         return 2 ;;
-    esac
-  done
   echo "== equivalence tests"
   local t0=$SECONDS
   python3 - <<'PY'
@@ -211,9 +211,11 @@ PY
 
   echo "== our benchmark"
   t0=$SECONDS
+  local bench_rc=0
   if want bench; then
     timeout 240 .device/bin/gpu_bench ${BENCH_ARGS:-} > "$OUT/bench.md" 2>&1
-    echo "bench rc=$? in $((SECONDS - t0)) s"
+    bench_rc=$?
+    echo "bench rc=$bench_rc in $((SECONDS - t0)) s"
   else
     echo "bench: skipped"
   fi
@@ -316,7 +318,11 @@ PY
   [ "$moe_rc" -ne 0 ] && return "$moe_rc"
   [ "$random_rc" -ne 0 ] && return "$random_rc"
   [ "$model_rc" -ne 0 ] && return "$model_rc"
-  return "$pic_rc"
+  [ "$pic_rc" -ne 0 ] && return "$pic_rc"
+  [ "$bench_rc" -ne 0 ] && return "$bench_rc"
+  [ "$mbench_rc" -ne 0 ] && return "$mbench_rc"
+  want fla && [ "$fla_rc" -ne 0 ] && return "$fla_rc"
+  return 0
 }
 
 case "$mode" in
