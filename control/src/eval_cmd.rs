@@ -1,7 +1,7 @@
 //! `hypic eval`: held-out multi-document QA through every PIC mode; writes a table
 //! (Markdown + JSON) and a plot of quality against TTFT.
 use anyhow::{bail, Context, Result};
-use dataplane::eval::{evaluate_modes, load_items, ModeReport};
+use dataplane::eval::{evaluate_modes, load_items, merge_reports, ModeReport};
 use dataplane::pic::{Mode, PicEngine};
 use indicatif::{ProgressBar, ProgressStyle};
 use std::path::{Path, PathBuf};
@@ -16,7 +16,11 @@ pub struct EvalArgs {
     /// Held-out JSONL (default: MODEL/eval/heldout.jsonl).
     #[arg(long)]
     pub heldout: Option<PathBuf>,
-    /// Evaluate only the first N items.
+    /// Skip the first N selected items (to split one held-out set into shards that
+    /// run in parallel; combine their reports with `--merge`).
+    #[arg(long, default_value_t = 0)]
+    pub skip: usize,
+    /// Evaluate only the first N items (after `--skip`).
     #[arg(long)]
     pub limit: Option<usize>,
     /// Only single-hop (1) or two-hop (2) items.
@@ -26,9 +30,13 @@ pub struct EvalArgs {
     /// `all` = full,prefix,naive,hypic0,1,2,4,8,16,32 and hypic8-norope.
     #[arg(long, default_value = "all")]
     pub modes: String,
-    /// Maximum answer tokens.
-    #[arg(long, default_value_t = 16)]
+    /// Maximum reply tokens (a two-hop reply names the bridge entity first, ≤ 20 tokens).
+    #[arg(long, default_value_t = 24)]
     pub max_new_tokens: usize,
+    /// Instead of evaluating, merge these `report.json` files of disjoint shards (see
+    /// `--skip`) into one report in `--out`.
+    #[arg(long, num_args = 1.., value_name = "REPORT_JSON")]
+    pub merge: Vec<PathBuf>,
     /// Output folder for report.md, report.json and quality_vs_ttft.svg.
     #[arg(long, default_value = "eval-results")]
     pub out: PathBuf,
@@ -76,6 +84,9 @@ pub fn parse_modes(s: &str) -> Result<Vec<Mode>> {
 
 /// Runs `hypic eval`.
 pub fn run(a: EvalArgs) -> Result<()> {
+    if !a.merge.is_empty() {
+        return merge(&a.merge, &a.out);
+    }
     let dir = a
         .model
         .clone()
@@ -89,6 +100,7 @@ pub fn run(a: EvalArgs) -> Result<()> {
     if let Some(h) = a.hop {
         items.retain(|i| i.hop == h);
     }
+    items.drain(..a.skip.min(items.len()));
     if let Some(n) = a.limit {
         items.truncate(n);
     }
@@ -120,25 +132,46 @@ pub fn run(a: EvalArgs) -> Result<()> {
             r.label, r.em_single, r.em_two, r.f1_single, r.f1_two, r.mean_ttft_ms
         );
     }
-    std::fs::create_dir_all(&a.out)?;
-    let md = table(&reports, items.len(), &heldout);
-    std::fs::write(a.out.join("report.md"), &md)?;
+    let source = format!("{} (from item {})", heldout.display(), a.skip);
+    write_reports(&reports, items.len(), &source, &a.out)
+}
+
+/// `hypic eval --merge`: combines shard reports (dataplane `merge_reports`).
+fn merge(files: &[PathBuf], out: &Path) -> Result<()> {
+    let mut shards = vec![];
+    for f in files {
+        let text =
+            std::fs::read_to_string(f).with_context(|| format!("reading {}", f.display()))?;
+        let r: Vec<ModeReport> =
+            serde_json::from_str(&text).with_context(|| format!("parsing {}", f.display()))?;
+        shards.push(r);
+    }
+    let reports = merge_reports(&shards)?;
+    let n = reports.first().map_or(0, |r| r.n_single + r.n_two);
+    let source = format!("{} merged shard reports", files.len());
+    write_reports(&reports, n, &source, out)
+}
+
+fn write_reports(reports: &[ModeReport], n: usize, source: &str, out: &Path) -> Result<()> {
+    std::fs::create_dir_all(out)?;
+    let md = table(reports, n, source);
+    std::fs::write(out.join("report.md"), &md)?;
     std::fs::write(
-        a.out.join("report.json"),
-        serde_json::to_string_pretty(&reports)?,
+        out.join("report.json"),
+        serde_json::to_string_pretty(reports)?,
     )?;
-    plot(&reports, &a.out.join("quality_vs_ttft.svg"))?;
+    plot(reports, &out.join("quality_vs_ttft.svg"))?;
     println!("{md}");
-    eprintln!("wrote {}", a.out.display());
+    eprintln!("wrote {}", out.display());
     Ok(())
 }
 
 /// Markdown table of the reports.
-pub fn table(reports: &[ModeReport], n: usize, heldout: &Path) -> String {
+pub fn table(reports: &[ModeReport], n: usize, source: &str) -> String {
     let mut s = format!(
         "Held-out QA ({} items from {}; {} single-hop, {} two-hop), greedy answers.\n\n",
         n,
-        heldout.display(),
+        source,
         reports.first().map_or(0, |r| r.n_single),
         reports.first().map_or(0, |r| r.n_two)
     );

@@ -36,8 +36,36 @@ pub struct QaItem {
     pub question: String,
     /// Gold answer.
     pub answer: String,
+    /// Two-hop items: the bridge entity (the first hop's value), which the model writes
+    /// before the answer (see [`reply_text`]). Absent or null for single-hop items.
+    #[serde(default)]
+    pub bridge: Option<String>,
     /// 1 (single-hop) or 2 (two-hop).
     pub hop: u8,
+}
+
+/// Separator between the bridge entity and the answer in a two-hop reply
+/// (`tools/train/gen_corpus.py`, `BRIDGE_SEP` without its spaces).
+pub const BRIDGE_SEP: &str = "->";
+
+/// The reply the bundled model is trained to give (without the end-of-turn token):
+/// the answer for a single-hop item, `"{bridge} -> {answer}"` for a two-hop item
+/// (`eval/FORMAT.md`). Its tokens are what the mean answer NLL scores.
+pub fn reply_text(item: &QaItem) -> String {
+    match item.bridge.as_deref() {
+        Some(b) if !b.is_empty() => format!("{b} {BRIDGE_SEP} {}", item.answer),
+        _ => item.answer.clone(),
+    }
+}
+
+/// The answer part of a generated reply: the text after the last [`BRIDGE_SEP`], or
+/// the whole reply when there is none; whitespace-trimmed. Exact match and F1 score
+/// this part only.
+pub fn final_answer(reply: &str) -> &str {
+    match reply.rfind(BRIDGE_SEP) {
+        Some(i) => reply[i + BRIDGE_SEP.len()..].trim(),
+        None => reply.trim(),
+    }
 }
 
 /// Reads a JSONL file of [`QaItem`]s. Errors name the file and line.
@@ -123,7 +151,7 @@ pub fn f1_score(pred: &str, gold: &str) -> f64 {
 }
 
 /// Scores of one mode.
-#[derive(Clone, Debug, Default, Serialize)]
+#[derive(Clone, Debug, Default, Deserialize, Serialize)]
 pub struct ModeReport {
     /// Mode label (`full_recompute`, `hypic_w8`, …).
     pub label: String,
@@ -147,8 +175,9 @@ pub struct ModeReport {
     pub mean_tokens_computed: f64,
     /// Mean prompt tokens reused in the measured requests.
     pub mean_tokens_reused: f64,
-    /// Mean negative log-likelihood (nats per token) of the gold answer followed by
-    /// `<|im_end|>`, teacher-forced from the measured request's state: how far a mode
+    /// Mean negative log-likelihood (nats per token) of the gold reply
+    /// ([`reply_text`]: the answer, preceded by the bridge entity for two-hop items)
+    /// followed by `<|im_end|>`, teacher-forced from the measured request's state: how far a mode
     /// moves the model's belief in the right answer, finer than exact match.
     pub mean_answer_nll: f64,
     /// Mean KL divergence `KL(p_full ‖ p_mode)` (nats) of the first answer token's
@@ -157,6 +186,76 @@ pub struct ModeReport {
     pub mean_first_token_kl: Option<f64>,
     /// Predictions, in item order.
     pub predictions: Vec<String>,
+}
+
+/// Merges the reports of disjoint shards of one held-out set (e.g. `hypic eval --skip`
+/// runs in parallel) into the reports of their union, as if evaluated in one run:
+/// single-hop (two-hop) scores are weighted by each shard's single-hop (two-hop) item
+/// count, per-item means by its item count, predictions concatenated in shard order.
+/// Every shard must list the same modes in the same order; otherwise
+/// [`Error::Input`] names the first mismatch. A first-token KL survives only if every
+/// shard has one.
+pub fn merge_reports(shards: &[Vec<ModeReport>]) -> Result<Vec<ModeReport>> {
+    let Some(first) = shards.first() else {
+        return Err(Error::Input("no reports to merge".into()));
+    };
+    let mut out = Vec::with_capacity(first.len());
+    for (j, head) in first.iter().enumerate() {
+        let mut m = ModeReport {
+            label: head.label.clone(),
+            mode: head.mode,
+            mean_first_token_kl: Some(0.0),
+            ..Default::default()
+        };
+        for (k, shard) in shards.iter().enumerate() {
+            let r = shard
+                .get(j)
+                .filter(|r| r.label == head.label)
+                .ok_or_else(|| {
+                    Error::Input(format!(
+                        "shard {k} does not have mode `{}` at position {j}",
+                        head.label
+                    ))
+                })?;
+            if shard.len() != first.len() {
+                return Err(Error::Input(format!(
+                    "shard {k} has {} modes, shard 0 has {}",
+                    shard.len(),
+                    first.len()
+                )));
+            }
+            let (n1, n2) = (r.n_single as f64, r.n_two as f64);
+            let n = n1 + n2;
+            m.n_single += r.n_single;
+            m.n_two += r.n_two;
+            m.em_single += r.em_single * n1;
+            m.f1_single += r.f1_single * n1;
+            m.em_two += r.em_two * n2;
+            m.f1_two += r.f1_two * n2;
+            m.mean_ttft_ms += r.mean_ttft_ms * n;
+            m.mean_tokens_computed += r.mean_tokens_computed * n;
+            m.mean_tokens_reused += r.mean_tokens_reused * n;
+            m.mean_answer_nll += r.mean_answer_nll * n;
+            m.mean_first_token_kl = match (m.mean_first_token_kl, r.mean_first_token_kl) {
+                (Some(a), Some(b)) => Some(a + b * n),
+                _ => None,
+            };
+            m.predictions.extend(r.predictions.iter().cloned());
+        }
+        let d = |x: f64, n: usize| if n == 0 { 0.0 } else { x / n as f64 };
+        let (n1, n2, n) = (m.n_single, m.n_two, m.n_single + m.n_two);
+        m.em_single = d(m.em_single, n1);
+        m.f1_single = d(m.f1_single, n1);
+        m.em_two = d(m.em_two, n2);
+        m.f1_two = d(m.f1_two, n2);
+        m.mean_ttft_ms = d(m.mean_ttft_ms, n);
+        m.mean_tokens_computed = d(m.mean_tokens_computed, n);
+        m.mean_tokens_reused = d(m.mean_tokens_reused, n);
+        m.mean_answer_nll = d(m.mean_answer_nll, n);
+        m.mean_first_token_kl = m.mean_first_token_kl.map(|k| d(k, n));
+        out.push(m);
+    }
+    Ok(out)
 }
 
 /// A short label for a mode.
@@ -280,7 +379,13 @@ pub fn evaluate_modes(
             s.ttft += t0.elapsed().as_secs_f64() * 1e3;
             s.computed += out.stats.tokens_computed as f64;
             s.reused += out.stats.tokens_reused as f64;
-            s.nll += answer_nll(engine, tok, &item.answer, &out.logits, out.state.clone())?;
+            s.nll += answer_nll(
+                engine,
+                tok,
+                &reply_text(item),
+                &out.logits,
+                out.state.clone(),
+            )?;
             if mode == Mode::FullRecompute && full_logits.is_none() {
                 full_logits = Some(out.logits.clone());
             }
@@ -297,9 +402,10 @@ pub fn evaluate_modes(
                 next = argmax(&engine.model().decode(next, &mut state)?);
             }
             let pred = tok.decode(&gen)?.trim().to_string();
+            let ans = final_answer(&pred);
             let (em, f1) = (
-                exact_match(&pred, &item.answer) as u8 as f64,
-                f1_score(&pred, &item.answer),
+                exact_match(ans, &item.answer) as u8 as f64,
+                f1_score(ans, &item.answer),
             );
             let r = &mut reports[j];
             if item.hop >= 2 {
@@ -409,6 +515,82 @@ mod tests {
     }
 
     #[test]
+    fn merged_shards_weight_by_item_counts() {
+        let rep = |label: &str, n1, n2, em1, em2, ttft, kl: Option<f64>, p: &[&str]| ModeReport {
+            label: label.into(),
+            n_single: n1,
+            n_two: n2,
+            em_single: em1,
+            f1_single: em1,
+            em_two: em2,
+            f1_two: em2,
+            mean_ttft_ms: ttft,
+            mean_first_token_kl: kl,
+            predictions: p.iter().map(|s| s.to_string()).collect(),
+            ..Default::default()
+        };
+        let a = vec![rep(
+            "full_recompute",
+            1,
+            3,
+            1.0,
+            1.0 / 3.0,
+            10.0,
+            Some(0.0),
+            &["a"],
+        )];
+        let b = vec![rep(
+            "full_recompute",
+            3,
+            1,
+            2.0 / 3.0,
+            0.0,
+            20.0,
+            Some(0.0),
+            &["b", "c"],
+        )];
+        let m = merge_reports(&[a.clone(), b.clone()]).unwrap();
+        assert_eq!((m[0].n_single, m[0].n_two), (4, 4));
+        assert!((m[0].em_single - 0.75).abs() < 1e-12);
+        assert!((m[0].em_two - 0.25).abs() < 1e-12);
+        assert!((m[0].mean_ttft_ms - 15.0).abs() < 1e-12);
+        assert_eq!(m[0].mean_first_token_kl, Some(0.0));
+        assert_eq!(m[0].predictions, vec!["a", "b", "c"]);
+        let c = vec![rep("hypic_w8", 1, 1, 1.0, 1.0, 1.0, None, &[])];
+        let e = merge_reports(&[a.clone(), c]).unwrap_err().to_string();
+        assert!(e.contains("full_recompute"), "{e}");
+        let d = vec![rep("full_recompute", 1, 1, 1.0, 1.0, 1.0, None, &[])];
+        assert_eq!(merge_reports(&[a, d]).unwrap()[0].mean_first_token_kl, None);
+        assert!(merge_reports(&[]).is_err());
+    }
+
+    #[test]
+    fn two_hop_replies_are_scored_on_the_answer_after_the_bridge() {
+        assert_eq!(final_answer(" Stoumora Dynamics -> 1986 "), "1986");
+        assert_eq!(final_answer("Kreitha 3"), "Kreitha 3");
+        assert_eq!(final_answer("a -> b -> Joan Ralbyndov"), "Joan Ralbyndov");
+        assert_eq!(final_answer("Xosfusora ->"), "");
+        let mut item = QaItem {
+            id: "x".into(),
+            system: "s".into(),
+            documents: vec![],
+            question: "q?".into(),
+            answer: "1986".into(),
+            bridge: Some("Xosfusora".into()),
+            hop: 2,
+        };
+        assert_eq!(reply_text(&item), "Xosfusora -> 1986");
+        assert_eq!(final_answer(&reply_text(&item)), "1986");
+        item.bridge = None;
+        assert_eq!(reply_text(&item), "1986");
+        let parsed: QaItem = serde_json::from_str(
+            r#"{"system":"s","documents":["d"],"question":"q?","answer":"1946","hop":1}"#,
+        )
+        .unwrap();
+        assert_eq!(parsed.bridge, None);
+    }
+
+    #[test]
     fn segments_concatenate_to_the_chatml_prompt() {
         let item = QaItem {
             id: "x".into(),
@@ -416,6 +598,7 @@ mod tests {
             documents: vec!["D1".into(), "D2".into()],
             question: "Q?".into(),
             answer: "A".into(),
+            bridge: None,
             hop: 1,
         };
         assert_eq!(

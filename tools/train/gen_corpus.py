@@ -8,6 +8,8 @@ other entities of the world as distractors) up to a target length of 100-1000 to
 Questions are single-hop (the answer is a fact of one documented entity) or two-hop (a
 chain of two facts from two different documents, e.g. "In which city was the founder of
 Zentrix born?").  Answers are short strings (a name, a year, a profession, a country).
+The trained reply to a two-hop question first names the bridge entity, then the answer
+("Brourkis Larkkener -> Shyrford", see ``reply_text``); scoring uses the final answer.
 
 Each example is generated from its own RNG, ``random.Random(f"{seed}:{index}")``, so
 example ``index`` of split ``seed`` is the same whatever the process or worker count.
@@ -80,9 +82,27 @@ def prompt_text(ex: dict) -> str:
     return "".join(segments(ex))
 
 
+BRIDGE_SEP = " -> "
+
+
+def reply_text(answer: str, bridge: str | None) -> str:
+    """The assistant's reply to one question, without <|im_end|>: the answer itself for a
+    single-hop question; for a two-hop question the bridge entity (the first hop's value,
+    read from one document), `BRIDGE_SEP`, then the answer (read from the bridge's
+    document). Scoring takes the text after the last `BRIDGE_SEP` (`final_answer`)."""
+    return answer if not bridge else f"{bridge}{BRIDGE_SEP}{answer}"
+
+
+def final_answer(reply: str) -> str:
+    """The answer part of a generated reply: the text after the last `BRIDGE_SEP`, else
+    the whole reply; stripped."""
+    i = reply.rfind(BRIDGE_SEP.strip())
+    return (reply[i + len(BRIDGE_SEP.strip()):] if i >= 0 else reply).strip()
+
+
 def answer_text(ex: dict) -> str:
     """What the model is trained to generate after the prompt (generation stops at <|im_end|>)."""
-    return f"{ex['answer']}{IM_END}"
+    return f"{reply_text(ex['answer'], ex.get('bridge'))}{IM_END}"
 
 
 def followup_text(question: str, answer: str | None) -> str:
@@ -473,6 +493,7 @@ class QA:
     hop: int
     qtype: str
     docs: tuple[str, ...]  # names of the documented entities needed
+    bridge: str | None = None  # two-hop: the first hop's value (an entity name)
 
 
 def single_hop(rng, world, name: str, rel: str) -> QA | None:
@@ -489,7 +510,7 @@ def two_hop(rng, world, name: str, r1: str, r2: str, documented: set[str]) -> QA
     v = rel_value(world, b, r2)
     if v is None or v == name or v == b:
         return None
-    return QA(question_frame(rng, r2, np_phrase(rng, r1, name)), v, 2, f"{r1}>{r2}", (name, b))
+    return QA(question_frame(rng, r2, np_phrase(rng, r1, name)), v, 2, f"{r1}>{r2}", (name, b), b)
 
 
 # ------------------------------------------------------------------------------------
@@ -615,6 +636,7 @@ def _try_example(rng, count, hop, n_extra, p_two_hop):
         "documents": docs,
         "question": qa.question,
         "answer": qa.answer,
+        "bridge": qa.bridge,
         "hop": qa.hop,
         "answer_doc_indices": sorted(documented.index(x) for x in qa.docs),
         "qtype": qa.qtype,
@@ -634,7 +656,7 @@ def _try_example(rng, count, hop, n_extra, p_two_hop):
             if q is None or (q.qtype + "|" + q.docs[0]) in seen:
                 continue
             seen.add(q.qtype + "|" + q.docs[0])
-            extras.append({"question": q.question, "answer": q.answer, "hop": q.hop})
+            extras.append({"question": q.question, "answer": q.answer, "bridge": q.bridge, "hop": q.hop})
         ex["extra"] = extras
     return ex
 

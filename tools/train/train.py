@@ -132,7 +132,7 @@ class TrainBatches(torch.utils.data.Dataset):
         pieces = [(s, False) for s in gc.segments(ex)] + [(gc.answer_text(ex), True)]
         for q in ex.get("extra", []):
             pieces.append((gc.followup_text(q["question"], None), False))
-            pieces.append((q["answer"] + gc.IM_END, True))
+            pieces.append((gc.reply_text(q["answer"], q.get("bridge")) + gc.IM_END, True))
         encs = self._tok.encode_batch([p for p, _ in pieces], add_special_tokens=False)
         ids, ans = [], []
         for (_, is_ans), e in zip(pieces, encs):
@@ -268,10 +268,15 @@ def greedy_eval(model, tok, examples, device, im_end_id, pad_id, max_new=24, bat
         g = outputs[i]
         stopped = im_end_id in g
         text = tok.decode(g[: g.index(im_end_id)] if stopped else g, skip_special_tokens=True)
-        recs.append({"id": ex.get("id"), "hop": ex["hop"], "qtype": ex.get("qtype"), "answer": ex["answer"],
-                     "pred": text, "stopped": stopped,
-                     "em": text.strip() == ex["answer"],
-                     "em_norm": normalize_answer(text) == normalize_answer(ex["answer"])})
+        ans = gc.final_answer(text)
+        rec = {"id": ex.get("id"), "hop": ex["hop"], "qtype": ex.get("qtype"), "answer": ex["answer"],
+               "pred": text, "stopped": stopped,
+               "em": ans == ex["answer"],
+               "em_norm": normalize_answer(ans) == normalize_answer(ex["answer"])}
+        if ex.get("bridge"):
+            i = text.rfind(gc.BRIDGE_SEP.strip())
+            rec["bridge_em"] = i >= 0 and normalize_answer(text[:i]) == normalize_answer(ex["bridge"])
+        recs.append(rec)
     model.train()
     return recs
 
@@ -283,6 +288,9 @@ def summarize(recs):
         if rs:
             out[key] = {"n": len(rs), "em": sum(r["em"] for r in rs) / len(rs),
                         "em_norm": sum(r["em_norm"] for r in rs) / len(rs)}
+            br = [r["bridge_em"] for r in rs if "bridge_em" in r]
+            if br:
+                out[key]["bridge_em"] = sum(br) / len(br)
     return out
 
 

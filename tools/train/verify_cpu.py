@@ -52,9 +52,9 @@ def main(argv=None) -> int:
         assert tok.decode(ids["input_ids"][0]) == gc.prompt_text(ex)
         t = time.time()
         with torch.no_grad():
-            out = model.generate(**ids, max_new_tokens=16, do_sample=False)
+            out = model.generate(**ids, max_new_tokens=24, do_sample=False)
         ans = tok.decode(out[0, ids["input_ids"].shape[1]:], skip_special_tokens=True).strip()
-        ok, same = ans == ex["answer"], (gpu is None or ans == gpu.strip())
+        ok, same = gc.final_answer(ans) == ex["answer"], (gpu is None or ans == gpu.strip())
         n_ok += ok
         n_same += same
         print(f"{ex['id']} hop{ex['hop']} {ids['input_ids'].shape[1]} tok | Q: {ex['question']} | gold {ex['answer']!r} "
