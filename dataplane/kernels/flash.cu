@@ -17,7 +17,7 @@
 //                       fragments by ldmatrix.trans; O stays in fp32 registers.
 // O is divided by the row sums once, after the last tile.
 //
-// Masking is by positions, not indices. attn_flash_tiles first reduces kv_pos per key tile to
+// Masking is by positions, not indices. attn_flash_tiles(_suffix) first reduce kv_pos per key tile to
 // (min, max) and the suffix minimum over the following tiles; a CTA knows the (min, max) of
 // its query positions, so it skips a tile whose smallest position exceeds its largest query
 // position (no query sees any key), runs a tile whose largest position is at most its
@@ -106,32 +106,42 @@ __device__ __forceinline__ unsigned fa_pack(float lo, float hi) {
 // </device-primitives>
 
 // ---------------------------------------------------------------------------------------
-// Key tile summary for key tiles of bc keys: tiles = [3][ntk] i64 with ntk = ceil(n_kv / bc):
+// Key tile summary for key tiles of bc ≤ 64 keys: tiles = [3][ntk] i64, ntk = ceil(n_kv / bc):
 //   tiles[t] = min, tiles[ntk + t] = max of kv_pos over the real keys of tile t;
 //   tiles[2 ntk + t] = min over tiles t..ntk-1 of their minima (suffix minimum).
-// One block of FA_TILE_THREADS threads (n_kv ≥ 1).
-extern "C" __global__ void __launch_bounds__(FA_TILE_THREADS)
+// attn_flash_tiles: grid ceil(ntk / 8), block 256, one warp per tile (n_kv ≥ 1); then
+// attn_flash_tiles_suffix: one block of FA_TILE_THREADS.
+extern "C" __global__ void __launch_bounds__(256)
     attn_flash_tiles(const i64* kv_pos, int n_kv, int bc, i64* tiles) {
-    __shared__ i64 cm[FA_TILE_THREADS];
     const int ntk = (n_kv + bc - 1) / bc;
-    i64* tmin = tiles;
-    i64* tmax = tiles + ntk;
+    const int lane = threadIdx.x & 31;
+    const int t = blockIdx.x * 8 + (threadIdx.x >> 5);
+    if (t >= ntk) return;  // whole warps leave together
+    const int j0 = t * bc, j1 = min(n_kv, j0 + bc);
+    i64 mn = FA_I64_MAX, mx = FA_I64_MIN;
+    for (int j = j0 + lane; j < j1; j += 32) {
+        const i64 p = kv_pos[j];
+        mn = fa_min64(mn, p);
+        mx = fa_max64(mx, p);
+    }
+#pragma unroll
+    for (int off = 16; off > 0; off >>= 1) {
+        mn = fa_min64(mn, __shfl_xor_sync(0xffffffffu, mn, off));
+        mx = fa_max64(mx, __shfl_xor_sync(0xffffffffu, mx, off));
+    }
+    if (lane == 0) {
+        tiles[t] = mn;
+        tiles[ntk + t] = mx;
+    }
+}
+
+extern "C" __global__ void __launch_bounds__(FA_TILE_THREADS) attn_flash_tiles_suffix(int ntk, i64* tiles) {
+    __shared__ i64 cm[FA_TILE_THREADS];
+    const i64* tmin = tiles;
     i64* smin = tiles + 2 * ntk;
     const int tid = threadIdx.x;
-    for (int t = tid; t < ntk; t += FA_TILE_THREADS) {
-        const int j0 = t * bc, j1 = min(n_kv, j0 + bc);
-        i64 mn = FA_I64_MAX, mx = FA_I64_MIN;
-        for (int j = j0; j < j1; ++j) {
-            const i64 p = kv_pos[j];
-            mn = fa_min64(mn, p);
-            mx = fa_max64(mx, p);
-        }
-        tmin[t] = mn;
-        tmax[t] = mx;
-    }
-    __syncthreads();
-    // Suffix minimum: thread i owns tiles [a, b); scan the per-thread minima, then each
-    // thread walks its own tiles backwards.
+    // Thread i owns tiles [a, b); scan the per-thread minima, then each thread walks its
+    // own tiles backwards.
     const int per = (ntk + FA_TILE_THREADS - 1) / FA_TILE_THREADS;
     const int a = min(ntk, tid * per), b = min(ntk, a + per);
     i64 c = FA_I64_MAX;

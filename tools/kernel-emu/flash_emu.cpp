@@ -78,7 +78,10 @@ static void run_case(const std::string& name, const std::vector<i64>& q_pos, con
     const int ntk = (n + bc - 1) / bc;
     std::vector<i64> tiles(3 * std::max(ntk, 1), -77);
     std::vector<i64> kvp = n ? kv_pos : std::vector<i64>{0};
-    if (ntk > 0) emu_launch({1, 1, 1}, FA_TILE_THREADS, 0, [&] { attn_flash_tiles(kvp.data(), n, bc, tiles.data()); });
+    if (ntk > 0) {
+        emu_launch({(unsigned)((ntk + 7) / 8), 1, 1}, 256, 0, [&] { attn_flash_tiles(kvp.data(), n, bc, tiles.data()); });
+        emu_launch({1, 1, 1}, FA_TILE_THREADS, 0, [&] { attn_flash_tiles_suffix(ntk, tiles.data()); });
+    }
     for (int t = 0; t < ntk; ++t) {
         i64 mn = INT64_MAX, mx = INT64_MIN, sm = INT64_MAX;
         for (int j = t * bc; j < std::min(n, (t + 1) * bc); ++j) mn = std::min(mn, kv_pos[j]), mx = std::max(mx, kv_pos[j]);
@@ -128,6 +131,28 @@ static void run_case(const std::string& name, const std::vector<i64>& q_pos, con
     if (!pass) ++g_fail;
 }
 
+// The two tile-summary kernels alone over a long cache of random positions (many blocks,
+// more tiles than the suffix kernel has threads).
+static void tiles_only(int n, int bc, unsigned seed) {
+    std::mt19937_64 rng(seed);
+    std::vector<i64> kv(n);
+    for (auto& p : kv) p = (i64)(rng() % 1000000) - 500000;
+    const int ntk = (n + bc - 1) / bc;
+    std::vector<i64> tiles(3 * ntk, -77);
+    emu_launch({(unsigned)((ntk + 7) / 8), 1, 1}, 256, 0, [&] { attn_flash_tiles(kv.data(), n, bc, tiles.data()); });
+    emu_launch({1, 1, 1}, FA_TILE_THREADS, 0, [&] { attn_flash_tiles_suffix(ntk, tiles.data()); });
+    i64 sm = INT64_MAX;
+    int bad = 0;
+    for (int t = ntk - 1; t >= 0; --t) {
+        i64 mn = INT64_MAX, mx = INT64_MIN;
+        for (int j = t * bc; j < std::min(n, (t + 1) * bc); ++j) mn = std::min(mn, kv[j]), mx = std::max(mx, kv[j]);
+        sm = std::min(sm, mn);
+        bad += tiles[t] != mn || tiles[ntk + t] != mx || tiles[2 * ntk + t] != sm;
+    }
+    std::printf("%s tile summary: n_kv=%d bc=%d (%d tiles): %d wrong\n", bad ? "FAIL" : "ok  ", n, bc, ntk, bad);
+    if (bad) ++g_fail;
+}
+
 static std::vector<i64> range(i64 a, i64 b) {
     std::vector<i64> v;
     for (i64 i = a; i < b; ++i) v.push_back(i);
@@ -174,6 +199,21 @@ int main(int argc, char** argv) {
     run_case("extremes", {INT64_MAX, INT64_MIN, 0, 5}, {INT64_MIN, 3, INT64_MAX, 7, 0}, 2, 1, 64, 1, 42);
     // Empty cache: zeros.
     run_case("empty cache", range(0, 20), {}, 2, 1, 64, 1, 51);
+    // Visible tiles far apart (tiles 1..38 hold positions above every query: the tile
+    // search crosses a 32-tile window), and the suffix-minimum early exit.
+    {
+        std::vector<i64> kvs = range(0, 64);
+        for (int t = 1; t < 39; ++t) {
+            auto r = range(10000 + 64 * t, 10000 + 64 * t + 64);
+            kvs.insert(kvs.end(), r.begin(), r.end());
+        }
+        auto tail = range(64, 100);
+        kvs.insert(kvs.end(), tail.begin(), tail.end());
+        run_case("sparse tiles", {100, 5000, 30, 63}, kvs, 2, 1, 64, 1, 71);
+        run_case("sparse tiles split", {100, 5000, 30, 63}, kvs, 2, 1, 128, 4, 72);
+    }
+    tiles_only(70001, 64, 73);
+    tiles_only(5000, 32, 74);
     // The other tile shapes: 64 × 64 at HD 128, 64 × 32 and 128 × 32 at HD 256.
     run_case("causal", range(0, 150), range(0, 150), 2, 1, 128, 1, 61, 64, 64);
     run_case("seam split", qs, kv, 2, 1, 128, 3, 62, 64, 64);

@@ -476,7 +476,7 @@ pub struct FlashOpts {
     pub tiles: Option<FlashTiles>,
 }
 
-/// Threads of the key-tile summary kernel (`FA_TILE_THREADS`).
+/// Threads of the key-tile suffix-minimum kernel (`FA_TILE_THREADS`).
 const FLASH_TILE_THREADS: u32 = 1024;
 /// Most key splits per (query tile, head) (`FA_MAX_SPLIT`).
 pub const FLASH_MAX_SPLIT: usize = 64;
@@ -535,8 +535,8 @@ pub fn flash_plan(
 ///   accumulators; fragments by `ldmatrix`, V by `ldmatrix.trans`), the softmax online
 ///   in fp32 in the log2 domain (scores times `hd^-0.5 · log2 e`, `exp2`), `P` rounded
 ///   to bf16 for the second product, `O` divided by the row sums at the end;
-/// * masking by positions: a first kernel reduces `kv_pos` per key tile to its (min,
-///   max) and the suffix minimum; a CTA skips the tiles no query of its tile can see
+/// * masking by positions: two small kernels reduce `kv_pos` per key tile to its (min,
+///   max) and the suffix minimum of the minima; a CTA skips the tiles no query of its tile can see
 ///   (min key position > max query position), runs the tiles every query sees in full
 ///   (max key position ≤ min query position) without a mask, and masks the others per
 ///   element. A causal prefill at positions 0..T therefore skips every tile above the
@@ -657,13 +657,24 @@ pub fn prefill_flash_with<T: Elem>(
     if ntk > 0 {
         let f = gpu.function(&FLASH, "attn_flash_tiles", 0)?;
         let cfg = LaunchConfig {
-            grid_dim: (1, 1, 1),
-            block_dim: (FLASH_TILE_THREADS, 1, 1),
+            grid_dim: (ntk.div_ceil(8) as u32, 1, 1),
+            block_dim: (256, 1, 1),
             shared_mem_bytes: 0,
         };
         let mut b = stream.launch_builder(&f);
         b.arg(kv_pos).arg(&nkv_len_i).arg(&bc_i).arg(&mut tiles);
         // SAFETY: matches `attn_flash_tiles`; kv_pos ≥ n_kv, tiles ≥ 3·ceil(n_kv/bc).
+        unsafe { b.launch(cfg) }?;
+        let f = gpu.function(&FLASH, "attn_flash_tiles_suffix", 0)?;
+        let cfg = LaunchConfig {
+            grid_dim: (1, 1, 1),
+            block_dim: (FLASH_TILE_THREADS, 1, 1),
+            shared_mem_bytes: 0,
+        };
+        let ntk_i = ntk as i32;
+        let mut b = stream.launch_builder(&f);
+        b.arg(&ntk_i).arg(&mut tiles);
+        // SAFETY: matches `attn_flash_tiles_suffix`; tiles ≥ 3·ntk, minima written above.
         unsafe { b.launch(cfg) }?;
     }
     // Split partials: wo [nsplit][tq·nh][hd] fp32, wml [nsplit][tq·nh][2] fp32.
