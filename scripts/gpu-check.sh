@@ -284,6 +284,44 @@ PY
   local fla_rc=$?
   want fla && echo "fla rc=$fla_rc in $((SECONDS - t0)) s" || echo "fla: skipped"
 
+  # Our flash attention against torch SDPA, both measured in this run (bench + fla steps).
+  python3 - "$OUT/bench.md" "$OUT/fla.md" > "$OUT/flash_vs_sdpa.md" 2>&1 <<'PY'
+import re, sys
+def lines(p):
+    try:
+        return open(p).read().splitlines()
+    except OSError:
+        return []
+ours, fast, sdpa = {}, {}, {}
+sec = False
+for l in lines(sys.argv[1]):
+    if l.startswith("## "):
+        sec = l.startswith("## Attention prefill")
+    m = re.match(r"\|\s*(\d+)\s*\|\s*(flash|cuBLAS)[^|]*\|\s*([\d.]+)\s*\|", l) if sec else None
+    if m:
+        (ours if m.group(2) == "flash" else fast)[int(m.group(1))] = float(m.group(3))
+on = False
+for l in lines(sys.argv[2]):
+    if "torch SDPA" in l:
+        on = True
+        continue
+    m = re.match(r"\|\s*(\d+)\s*\|\s*([\d.]+)\s*\|\s*$", l) if on else None
+    if m:
+        sdpa[int(m.group(1))] = float(m.group(2))
+print("## Flash attention vs torch SDPA (same run; bf16, 16 q / 2 kv heads × 256, causal)\n")
+if not ours:
+    print("no flash rows in bench.md (step `bench` not run, or it failed)\n")
+if not sdpa:
+    print("no torch SDPA times in fla.md (step `fla` not run, or torch missing)\n")
+print("| T | attn::prefill_flash ms | attn::prefill_fast ms | torch SDPA ms | flash speed vs SDPA (goal ≥ 0.90) | cuBLAS path vs SDPA |")
+print("|---|---|---|---|---|---|")
+f = lambda d, t: f"{d[t]:.3f}" if t in d else "–"
+r = lambda a, t: f"{sdpa[t] / a[t]:.2f}×" if t in a and t in sdpa and a[t] > 0 else "–"
+for t in sorted(set(ours) | set(sdpa)):
+    print(f"| {t} | {f(ours, t)} | {f(fast, t)} | {f(sdpa, t)} | {r(ours, t)} | {r(fast, t)} |")
+PY
+  cat "$OUT/flash_vs_sdpa.md"
+
   {
     echo "# HYPIC CUDA data plane: gpu-check report ($date_s)"
     echo; echo '```'; cat "$OUT/machine.txt"; echo '```'
@@ -305,6 +343,7 @@ PY
     echo '```'
     echo; cat "$OUT/bench.md"
     echo; cat "$OUT/fla.md"
+    echo; cat "$OUT/flash_vs_sdpa.md"
     if want modelbench; then
       echo; echo "## Random-weight model, GPU vs CPU (tests/cuda_random.rs, rc=$random_rc)"; echo; echo '```'
       grep -E "rel |params|refusal|^test |test result|panicked" "$OUT/random_tests.log"

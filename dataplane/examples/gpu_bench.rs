@@ -8,7 +8,9 @@
 //!   `T_C` (build overhead);
 //! * one-token recurrent decode step (same heads);
 //! * dense pair apply `S ← T S + B` and compose, 32 heads × 128² (per segment cost);
-//! * attention prefill (16 q / 2 kv heads × 256, bf16) at 4k and 16k;
+//! * attention prefill (16 q / 2 kv heads × 256, bf16, causal) at 4k and 16k: tiled
+//!   kernel, cuBLAS path, flash kernel (with the flash-vs-cuBLAS output difference);
+//! * attention for short spans (1 … 1024 queries) over 16k cached keys, all three;
 //! * MoE block, Qwen3.5-35B-A3B shape (hidden 2048, 256 experts, top-8, expert and
 //!   shared intermediate 512, bf16) at t = 1, 8, 1024, 4096, with a cuBLAS dense GEMM
 //!   of the same total routed rows for comparison.
@@ -276,11 +278,15 @@ mod bench {
         println!(
             "Tiled SIMT kernel `attn::prefill` vs the cuBLAS path `attn::prefill_fast` \
              (query blocks stop at their last visible key: (B + 1) / 2B of the full score work \
-             for B blocks; TFLOP/s count the causal FLOPs)\n"
+             for B blocks) vs the tensor-core flash kernel `attn::prefill_flash` \
+             (FlashAttention-2, mma.sync; skips the key tiles above the diagonal). \
+             TFLOP/s count the causal FLOPs; gpu-check's report sets the flash rows against \
+             torch SDPA from the same run.\n"
         );
         println!("| T | kernel | ms | TFLOP/s (causal) | workspace MiB |");
         println!("|---|---|---|---|---|");
         let alens: &[usize] = if quick { &[4096] } else { &[4096, 16384] };
+        let mut flash_checks = Vec::new();
         for &t in alens {
             let (nh, nkv, hd) = (16usize, 2usize, 256usize);
             let q = rand_up::<bf16>(&g, &mut r, t * nh * hd, -1.0, 1.0)?;
@@ -304,8 +310,95 @@ mod bench {
                 flops / ms / 1e9,
                 ws as f64 / (1 << 20) as f64
             );
+            let want = g.download(&o)?;
+            // The default tile shape first (its row is the one gpu-check compares with
+            // torch SDPA), then the other compiled shapes as "variant" rows.
+            for (i, &tiles) in attn::flash_variants(hd).iter().enumerate() {
+                let opts = attn::FlashOpts {
+                    split: None,
+                    tiles: Some(tiles),
+                };
+                let ms = time_ms(&g, 3, reps.max(10), || {
+                    attn::prefill_flash_with(
+                        &g, &q, &p, &k, &v, &p, &mut o, t, t, nh, nkv, hd, opts,
+                    )
+                })?;
+                let kind = if i == 0 { "flash" } else { "variant: flash" };
+                println!(
+                    "| {t} | {kind} (FA-2, mma.sync, {} × {} tiles) | {ms:.3} | {:.1} | 0 |",
+                    tiles.br,
+                    tiles.bc,
+                    flops / ms / 1e9
+                );
+                flash_checks.push((t, tiles, rel_diff(&g.download(&o)?, &want)));
+            }
+        }
+        println!();
+        for (t, tl, d) in flash_checks {
+            println!(
+                "- T = {t}, flash {}×{}: output vs the cuBLAS path, norm-wise relative \
+                 difference {d:.2e}",
+                tl.br, tl.bc
+            );
+        }
+        if !quick {
+            short_spans(&g, &mut r)?;
         }
         moe_bench(&g, &mut r, quick)?;
+        Ok(())
+    }
+
+    /// `‖a − b‖ / ‖b‖` over bf16 outputs.
+    fn rel_diff(a: &[bf16], b: &[bf16]) -> f64 {
+        let (mut num, mut den) = (0f64, 0f64);
+        for (x, y) in a.iter().zip(b) {
+            let (x, y) = (x.to_f64(), y.to_f64());
+            num += (x - y) * (x - y);
+            den += y * y;
+        }
+        (num / den.max(1e-300)).sqrt()
+    }
+
+    /// Attention for short query spans at the end of a long cache (decode, PIC seam
+    /// windows, a request's final query): the three implementations side by side, so the
+    /// `GpuModel` thresholds (`model::ATTN_FLASH_MIN_TQ`, `ATTN_FAST_MIN_TQ`,
+    /// `ATTN_FAST_MIN_KV`) can be set from measurements.
+    fn short_spans(g: &Gpu, r: &mut rand::rngs::StdRng) -> Result<()> {
+        let (nh, nkv, hd, n) = (16usize, 2usize, 256usize, 16384usize);
+        println!(
+            "\n## Attention: short spans over a long cache (bf16, {nh} q / {nkv} kv heads × {hd}, \
+             {n} cached keys at 0..{n}, the span's queries at the last positions)\n"
+        );
+        println!("| queries | tiled ms | cuBLAS ms | flash ms | flash key splits |");
+        println!("|---|---|---|---|---|");
+        let k = rand_up::<bf16>(g, r, n * nkv * hd, -1.0, 1.0)?;
+        let v = rand_up::<bf16>(g, r, n * nkv * hd, -1.0, 1.0)?;
+        let kp = g.upload(&(0..n as i64).collect::<Vec<_>>())?;
+        let sms = g.context().attribute(
+            cudarc::driver::sys::CUdevice_attribute::CU_DEVICE_ATTRIBUTE_MULTIPROCESSOR_COUNT,
+        )? as usize;
+        for t in [1usize, 8, 64, 128, 1024] {
+            let q = rand_up::<bf16>(g, r, t * nh * hd, -1.0, 1.0)?;
+            let qp = g.upload(&((n - t) as i64..n as i64).collect::<Vec<_>>())?;
+            let mut o = g.zeros::<bf16>(t * nh * hd)?;
+            let tiled = if t <= 128 {
+                let ms = time_ms(g, 1, 5, || {
+                    attn::prefill(g, &q, &qp, &k, &v, &kp, &mut o, t, n, nh, nkv, hd)
+                })?;
+                format!("{ms:.3}")
+            } else {
+                "–".to_string()
+            };
+            let fast = time_ms(g, 2, 10, || {
+                attn::prefill_fast(g, &q, &qp, &k, &v, &kp, &mut o, t, n, nh, nkv, hd)
+            })?;
+            let flash = time_ms(g, 2, 10, || {
+                attn::prefill_flash(g, &q, &qp, &k, &v, &kp, &mut o, t, n, nh, nkv, hd)
+            })?;
+            let tl = attn::flash_tiles(hd);
+            let splits = attn::flash_plan(t, n, nh, hd, tl, sms, attn::FAST_WORKSPACE_BYTES);
+            println!("| {t} | {tiled} | {fast:.3} | {flash:.3} | {splits} |");
+        }
         Ok(())
     }
 

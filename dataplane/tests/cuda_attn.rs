@@ -1,5 +1,6 @@
-//! The GEMM-based attention fast path `cuda::attn::prefill_fast` against the CPU
-//! reference `model::attention` and against the tiled kernel `cuda::attn::prefill`.
+//! The GEMM-based attention fast path `cuda::attn::prefill_fast` and the bf16 flash
+//! kernel `cuda::attn::prefill_flash` against the CPU reference `model::attention` and
+//! against the tiled kernel `cuda::attn::prefill`.
 //!
 //! Built only with `--features cuda`; without the feature one test prints that the
 //! suite was skipped. With the feature but no usable CUDA device every test prints a
@@ -17,6 +18,15 @@
 //! `‖gpu − ref‖ / ‖ref‖` and max-relative `max|gpu − ref| / max|ref|` errors; all
 //! failures are collected and asserted at the end of each test. Output buffers are
 //! poisoned (NaN) before each call, so an unwritten element fails.
+//!
+//! Flash cases (bf16; 16/2 and 8/1 heads × 256 and × 128, 4/4 × 64): causal prefill at
+//! T = 1, 17, 200, 1000 (not multiples of the 128-query / 64-key tiles), forced key
+//! splits (3, 7, and more splits than tiles), permuted positions, blind queries, an
+//! empty cache; the seam case (keys at positions above some queries, a query that sees
+//! nothing), the seam window appended after the cache, and a short span over a long
+//! cache of scrambled 64-position blocks (the automatic split plan and no split); the
+//! other tile shapes (`attn::flash_variants`) on causal 1000 and the seam case; `f32`
+//! and head_dim 96 are `Shape` errors.
 //!
 //! Tolerances: f32 1e-5 norm-wise / 1e-4 max-relative; bf16 4e-3 / 4e-2 (against
 //! the CPU on the bf16-rounded inputs: the fast path stores the probabilities `P` in
@@ -143,6 +153,15 @@ mod gpu {
         }
     }
 
+    /// The implementation under test in [`case_path`].
+    #[derive(Clone, Copy, Debug)]
+    enum Path {
+        /// `attn::prefill_fast_with` with this workspace budget (bytes).
+        Fast(usize),
+        /// `attn::prefill_flash_with` with these options (`split: None`: its own plan).
+        Flash(attn::FlashOpts),
+    }
+
     /// One case: random q/k/v at the given positions; fast path (workspace `budget`)
     /// vs the CPU and vs the tiled kernel.
     #[allow(clippy::too_many_arguments)]
@@ -151,8 +170,58 @@ mod gpu {
         name: &str,
         q_pos: &[i64],
         kv_pos: &[i64],
-        (nh, nkv, hd): (usize, usize, usize),
+        heads: (usize, usize, usize),
         budget: usize,
+        seed: u64,
+        fails: &mut Failures,
+    ) {
+        case_path::<T>(
+            g,
+            name,
+            q_pos,
+            kv_pos,
+            heads,
+            Path::Fast(budget),
+            seed,
+            fails,
+        )
+    }
+
+    /// One case of the flash kernel (bf16): vs the CPU and vs the tiled kernel.
+    #[allow(clippy::too_many_arguments)]
+    fn case_flash(
+        g: &Gpu,
+        name: &str,
+        q_pos: &[i64],
+        kv_pos: &[i64],
+        heads: (usize, usize, usize),
+        split: Option<usize>,
+        seed: u64,
+        fails: &mut Failures,
+    ) {
+        let opts = attn::FlashOpts { split, tiles: None };
+        case_path::<bf16>(
+            g,
+            name,
+            q_pos,
+            kv_pos,
+            heads,
+            Path::Flash(opts),
+            seed,
+            fails,
+        )
+    }
+
+    /// One case: random q/k/v at the given positions; the implementation `path` vs the
+    /// CPU and vs the tiled kernel; queries that see no key must be exact zeros.
+    #[allow(clippy::too_many_arguments)]
+    fn case_path<T: Elem>(
+        g: &Gpu,
+        name: &str,
+        q_pos: &[i64],
+        kv_pos: &[i64],
+        (nh, nkv, hd): (usize, usize, usize),
+        path: Path,
         seed: u64,
         fails: &mut Failures,
     ) {
@@ -171,19 +240,45 @@ mod gpu {
         let qp = g.upload(q_pos).unwrap();
         let kp = g.upload(if n == 0 { &[0i64][..] } else { kv_pos }).unwrap();
         let on = tq * nh * hd;
-        let (qb, ws) = attn::fast_plan(tq, n, nkv, std::mem::size_of::<T>(), budget);
-        let what = format!(
-            "{name} {} {nh}/{nkv}×{hd} tq={tq} n_kv={n} (qb {qb}, workspace {:.1} MiB)",
-            T::SUFFIX,
-            ws as f64 / (1 << 20) as f64
-        );
+        let (what, label) = match path {
+            Path::Fast(budget) => {
+                let (qb, ws) = attn::fast_plan(tq, n, nkv, std::mem::size_of::<T>(), budget);
+                let w = format!(
+                    "{name} {} {nh}/{nkv}×{hd} tq={tq} n_kv={n} (qb {qb}, workspace {:.1} MiB)",
+                    T::SUFFIX,
+                    ws as f64 / (1 << 20) as f64
+                );
+                (w, "fast")
+            }
+            Path::Flash(opts) => {
+                let tl = opts.tiles.unwrap_or_else(|| attn::flash_tiles(hd));
+                let sp = match opts.split {
+                    Some(s) => format!("split {s}"),
+                    None => format!(
+                        "split auto = {} at 132 SMs",
+                        attn::flash_plan(tq, n, nh, hd, tl, 132, attn::FAST_WORKSPACE_BYTES)
+                    ),
+                };
+                let w = format!(
+                    "{name} {} {nh}/{nkv}×{hd} tq={tq} n_kv={n} ({}×{} tiles, {sp})",
+                    T::SUFFIX,
+                    tl.br,
+                    tl.bc
+                );
+                (w, "flash")
+            }
+        };
         let mut fast = up::<T>(g, &vec![f32::NAN; on.max(1)]);
-        if let Err(e) = attn::prefill_fast_with(
-            g, &qd, &qp, &kd, &vd, &kp, &mut fast, tq, n, nh, nkv, hd, budget,
-        )
-        .and_then(|_| g.sync())
-        {
-            return fails.fail(format!("{what}: prefill_fast failed: {e}"));
+        let r = match path {
+            Path::Fast(budget) => attn::prefill_fast_with(
+                g, &qd, &qp, &kd, &vd, &kp, &mut fast, tq, n, nh, nkv, hd, budget,
+            ),
+            Path::Flash(opts) => attn::prefill_flash_with(
+                g, &qd, &qp, &kd, &vd, &kp, &mut fast, tq, n, nh, nkv, hd, opts,
+            ),
+        };
+        if let Err(e) = r.and_then(|_| g.sync()) {
+            return fails.fail(format!("{what}: {label} failed: {e}"));
         }
         let mut old = up::<T>(g, &vec![f32::NAN; on.max(1)]);
         if let Err(e) = attn::prefill(g, &qd, &qp, &kd, &vd, &kp, &mut old, tq, n, nh, nkv, hd)
@@ -215,8 +310,20 @@ mod gpu {
             }
             return;
         }
-        fails.check(&format!("{what} fast vs CPU"), &fast, &want, tol, tol_max);
-        fails.check(&format!("{what} fast vs tiled"), &fast, &old, tol, tol_max);
+        fails.check(
+            &format!("{what} {label} vs CPU"),
+            &fast,
+            &want,
+            tol,
+            tol_max,
+        );
+        fails.check(
+            &format!("{what} {label} vs tiled"),
+            &fast,
+            &old,
+            tol,
+            tol_max,
+        );
     }
 
     fn seam_positions() -> (Vec<i64>, Vec<i64>) {
@@ -384,6 +491,238 @@ mod gpu {
             hd,
         );
         println!("short q_pos: {e:?}");
+        assert!(matches!(e, Err(dataplane::cuda::CudaError::Shape(_))));
+    }
+
+    /// Head shapes of the flash tests: GQA 16/2 and 8/1 at head dims 256 and 128, and
+    /// 4/4 × 64.
+    const FLASH_HEADS: [(usize, usize, usize); 5] = [
+        (16, 2, 256),
+        (8, 1, 256),
+        (16, 2, 128),
+        (8, 1, 128),
+        (4, 4, 64),
+    ];
+
+    #[test]
+    fn flash_causal_bf16() {
+        let test = "flash_causal_bf16";
+        let Some((g, _l)) = gpu(test) else { return };
+        let mut f = Failures::default();
+        // Causal prefill at positions 0..T, T not a multiple of the 128-query / 64-key
+        // tiles (1: one query; 17: one partial tile; 200: a full and a partial query
+        // tile; 1000: 8 query tiles, the diagonal tiles masked, the rest unmasked).
+        for (i, &h) in FLASH_HEADS.iter().enumerate() {
+            for (j, t) in [1usize, 17, 200, 1000].into_iter().enumerate() {
+                let pos: Vec<i64> = (0..t as i64).collect();
+                let seed = 100 + 10 * i as u64 + j as u64;
+                case_flash(&g, "causal", &pos, &pos, h, None, seed, &mut f);
+            }
+        }
+        // Key splits merged by attn_flash_combine_bf16: 3 and 7 splits over 16 key tiles,
+        // and more splits than tiles (empty splits).
+        let pos: Vec<i64> = (0..1000).collect();
+        case_flash(
+            &g,
+            "causal",
+            &pos,
+            &pos,
+            FLASH_HEADS[0],
+            Some(3),
+            150,
+            &mut f,
+        );
+        case_flash(
+            &g,
+            "causal",
+            &pos,
+            &pos,
+            FLASH_HEADS[3],
+            Some(7),
+            151,
+            &mut f,
+        );
+        let pos: Vec<i64> = (0..200).collect();
+        case_flash(
+            &g,
+            "causal",
+            &pos,
+            &pos,
+            FLASH_HEADS[1],
+            Some(64),
+            152,
+            &mut f,
+        );
+        // Unordered positions on both sides (permutations of 0..300).
+        let n = 300usize;
+        let kv_pos: Vec<i64> = (0..n).map(|i| ((i * 7919) % n) as i64).collect();
+        let q_pos: Vec<i64> = (0..n).map(|i| ((i * 13) % n) as i64).collect();
+        case_flash(
+            &g,
+            "shuffled",
+            &q_pos,
+            &kv_pos,
+            FLASH_HEADS[3],
+            None,
+            160,
+            &mut f,
+        );
+        case_flash(
+            &g,
+            "shuffled",
+            &q_pos,
+            &kv_pos,
+            FLASH_HEADS[0],
+            Some(2),
+            161,
+            &mut f,
+        );
+        // Queries that see no key (before every key), keys in reverse order.
+        let q_pos: Vec<i64> = (-40..30).collect();
+        let kv_pos: Vec<i64> = (0..50).rev().collect();
+        case_flash(
+            &g,
+            "blind",
+            &q_pos,
+            &kv_pos,
+            FLASH_HEADS[2],
+            None,
+            170,
+            &mut f,
+        );
+        // Empty cache: every query gets zeros.
+        let pos: Vec<i64> = (0..70).collect();
+        case_flash(
+            &g,
+            "empty cache",
+            &pos,
+            &[],
+            FLASH_HEADS[3],
+            None,
+            180,
+            &mut f,
+        );
+        // The other tile shapes (gpu_bench times them): causal 1000 and the seam case.
+        let pos: Vec<i64> = (0..1000).collect();
+        let (sq, skv) = seam_positions();
+        for &h in &FLASH_HEADS {
+            for &tiles in attn::flash_variants(h.2).iter().skip(1) {
+                for (split, seed) in [(None, 190u64), (Some(3), 191)] {
+                    let opts = attn::FlashOpts {
+                        split,
+                        tiles: Some(tiles),
+                    };
+                    let p = Path::Flash(opts);
+                    case_path::<bf16>(&g, "causal", &pos, &pos, h, p, seed, &mut f);
+                    case_path::<bf16>(&g, "seam", &sq, &skv, h, p, seed + 2, &mut f);
+                }
+            }
+        }
+        f.assert_none(test);
+    }
+
+    #[test]
+    fn flash_seam_bf16() {
+        let test = "flash_seam_bf16";
+        let Some((g, _l)) = gpu(test) else { return };
+        let mut f = Failures::default();
+        // Cached segments out of order with a gap (keys at positions above some queries),
+        // an 8-query window after them, scattered queries, one (at −3) that sees no key.
+        let (q_pos, kv_pos) = seam_positions();
+        for (i, &h) in FLASH_HEADS.iter().enumerate() {
+            case_flash(&g, "seam", &q_pos, &kv_pos, h, None, 200 + i as u64, &mut f);
+        }
+        case_flash(
+            &g,
+            "seam",
+            &q_pos,
+            &kv_pos,
+            FLASH_HEADS[0],
+            Some(2),
+            210,
+            &mut f,
+        );
+        // The window appended after the cache (as GpuModel does), 100 queries.
+        let mut kv2 = kv_pos.clone();
+        kv2.extend(1077..1177i64);
+        let q2: Vec<i64> = (1077..1177i64).collect();
+        for (i, &h) in FLASH_HEADS.iter().enumerate().take(4) {
+            case_flash(
+                &g,
+                "seam window 100",
+                &q2,
+                &kv2,
+                h,
+                None,
+                220 + i as u64,
+                &mut f,
+            );
+        }
+        // A short span over a long shuffled cache (blocks of 64 positions in a scrambled
+        // order, so tiles are neither sorted nor contiguous): few CTAs, so the plan
+        // splits the keys; plus the same without splits.
+        let blocks = 47usize;
+        let mut kv3: Vec<i64> = Vec::new();
+        for b in 0..blocks {
+            let s = ((b * 29) % blocks) as i64 * 64;
+            kv3.extend(s..s + 64);
+        }
+        kv3.truncate(blocks * 64 - 21); // a partial last tile
+        let q3: Vec<i64> = (0..100i64).map(|i| 3008 - 1500 + 15 * i).collect();
+        case_flash(
+            &g,
+            "long cache",
+            &q3,
+            &kv3,
+            FLASH_HEADS[0],
+            None,
+            230,
+            &mut f,
+        );
+        case_flash(
+            &g,
+            "long cache",
+            &q3,
+            &kv3,
+            FLASH_HEADS[0],
+            Some(1),
+            231,
+            &mut f,
+        );
+        case_flash(
+            &g,
+            "long cache",
+            &q3[..8],
+            &kv3,
+            FLASH_HEADS[3],
+            None,
+            232,
+            &mut f,
+        );
+        f.assert_none(test);
+    }
+
+    #[test]
+    fn flash_errors_are_errors() {
+        let Some((g, _l)) = gpu("flash_errors_are_errors") else {
+            return;
+        };
+        let (tq, n, nh, nkv, hd) = (70usize, 70usize, 4usize, 2usize, 128usize);
+        let pos = g.upload(&(0..70i64).collect::<Vec<_>>()).unwrap();
+        // f32 is not supported.
+        let z = |len: usize| g.zeros::<f32>(len).unwrap();
+        let (q, k, v) = (z(tq * nh * hd), z(n * nkv * hd), z(n * nkv * hd));
+        let mut o = z(tq * nh * hd);
+        let e = attn::prefill_flash(&g, &q, &pos, &k, &v, &pos, &mut o, tq, n, nh, nkv, hd);
+        println!("flash f32: {e:?}");
+        assert!(matches!(e, Err(dataplane::cuda::CudaError::Shape(_))));
+        // head_dim 96 is not supported.
+        let hd = 96;
+        let zb = |len: usize| g.zeros::<bf16>(len).unwrap();
+        let (q, k, v) = (zb(tq * nh * hd), zb(n * nkv * hd), zb(n * nkv * hd));
+        let mut o = zb(tq * nh * hd);
+        let e = attn::prefill_flash(&g, &q, &pos, &k, &v, &pos, &mut o, tq, n, nh, nkv, hd);
+        println!("flash hd 96: {e:?}");
         assert!(matches!(e, Err(dataplane::cuda::CudaError::Shape(_))));
     }
 }

@@ -628,10 +628,11 @@ mod gpu {
     #[test]
     fn logits_match_cpu_on_synthetic_model_long_prompt() {
         // 320 tokens: the whole-prompt prefill and both spans (128 + 192, the second
-        // over cached KV) are ≥ ATTN_FAST_MIN_TQ, so attention takes the GEMM-based
-        // attn::prefill_fast; decode takes the tiled kernel. (The 77-token prompts of
-        // the other tests use the fast path for the whole prompt and the tiled kernel
-        // for their 30 + 47-token spans.)
+        // over cached KV) are ≥ ATTN_FAST_MIN_TQ (= ATTN_FLASH_MIN_TQ), so attention takes
+        // the GEMM-based attn::prefill_fast in f32 and the flash kernel
+        // attn::prefill_flash in bf16; decode takes the tiled kernel. (The 77-token
+        // prompts of the other tests use those paths for the whole prompt and the tiled
+        // kernel for their 30 + 47-token spans.)
         run_model_scenarios_n(
             "logits_match_cpu_on_synthetic_model_long_prompt",
             vec![("synthetic-dk128-hd256".into(), synthetic_model())],

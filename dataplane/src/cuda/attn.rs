@@ -2,15 +2,20 @@
 //! of position-independent caching (queries of a recomputed window attend to cached
 //! KV that was moved to new positions). CPU reference: `model::attention`.
 //!
-//! Two implementations of one contract: [`prefill`], a tiled SIMT kernel with fp32
-//! online softmax (decode, seam windows, short spans; the reference on the device),
-//! and [`prefill_fast`], two cuBLAS strided-batched GEMMs around a masked row softmax
-//! per query block (tensor cores for bf16; `GpuModel` uses it for spans of
-//! ≥ `model::ATTN_FAST_MIN_TQ` tokens). Tests: `dataplane/tests/cuda_attn.rs`.
+//! Three implementations of one contract: [`prefill`], a tiled SIMT kernel with fp32
+//! online softmax (decode, seam windows, short spans; the reference on the device);
+//! [`prefill_fast`], two cuBLAS strided-batched GEMMs around a masked row softmax
+//! per query block (tensor cores for bf16 and f32); and [`prefill_flash`] (bf16 only), a
+//! FlashAttention-2 kernel on tensor cores (`mma.sync` m16n8k16, fp32 online softmax,
+//! K/V tiles streamed through shared memory, tiles skipped or left unmasked by their
+//! position ranges). `GpuModel<bf16>` uses the flash kernel for spans of
+//! ≥ `model::ATTN_FLASH_MIN_TQ` tokens, `GpuModel<f32>` the GEMM path for spans of
+//! ≥ `model::ATTN_FAST_MIN_TQ`. Tests: `dataplane/tests/cuda_attn.rs`.
 use cudarc::cublas::sys::{cublasComputeType_t, cublasGemmAlgo_t, cublasOperation_t, cudaDataType};
+use cudarc::driver::sys::CUdevice_attribute;
 use cudarc::driver::{DevicePtr, DevicePtrMut, LaunchConfig, PushKernelArg};
 
-use super::compile::ATTN;
+use super::compile::{ATTN, FLASH};
 use super::{check_len, CudaError, CudaSlice, Elem, Gpu, Result};
 
 /// Shape checks shared by [`prefill`] and [`prefill_fast`].
@@ -422,5 +427,322 @@ pub fn prefill_fast_with<T: Elem>(
             )?;
         }
     }
+    Ok(())
+}
+
+/// Tile shape of a flash kernel instance: `br` query rows per CTA (`br / 16` warps of
+/// 16 rows, `2·br` threads) × `bc` keys per shared-memory tile.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct FlashTiles {
+    /// Query rows per CTA (128 or 64).
+    pub br: usize,
+    /// Keys per tile (64 or 32).
+    pub bc: usize,
+}
+
+/// The tile shapes compiled in flash.cu for head dim `hd` (instances
+/// `attn_flash_bf16_{hd}_{br}x{bc}`), the default ([`flash_tiles`]) first.
+pub fn flash_variants(hd: usize) -> &'static [FlashTiles] {
+    const T128_64: FlashTiles = FlashTiles { br: 128, bc: 64 };
+    match hd {
+        64 => &[T128_64],
+        128 => &[T128_64, FlashTiles { br: 64, bc: 64 }],
+        256 => &[
+            T128_64,
+            FlashTiles { br: 64, bc: 32 },
+            FlashTiles { br: 128, bc: 32 },
+        ],
+        _ => &[],
+    }
+}
+
+/// Default tile shape of [`prefill_flash`] for head dim `hd`: 128 queries (8 warps) ×
+/// 64 keys, FlashAttention-2's choice for these head dims (`gpu_bench` times the other
+/// instances beside it).
+pub fn flash_tiles(hd: usize) -> FlashTiles {
+    flash_variants(hd)
+        .first()
+        .copied()
+        .unwrap_or(FlashTiles { br: 128, bc: 64 })
+}
+
+/// Options of [`prefill_flash_with`]; the default is what [`prefill_flash`] does.
+#[derive(Clone, Copy, Debug, Default)]
+pub struct FlashOpts {
+    /// Key splits per (query tile, head): `None` lets [`flash_plan`] choose; `Some(n)` is
+    /// clamped to `1..=FLASH_MAX_SPLIT` (tests cross split boundaries with it).
+    pub split: Option<usize>,
+    /// Tile shape, one of [`flash_variants`]`(hd)`; `None`: [`flash_tiles`]`(hd)`.
+    pub tiles: Option<FlashTiles>,
+}
+
+/// Threads of the key-tile suffix-minimum kernel (`FA_TILE_THREADS`).
+const FLASH_TILE_THREADS: u32 = 1024;
+/// Most key splits per (query tile, head) (`FA_MAX_SPLIT`).
+pub const FLASH_MAX_SPLIT: usize = 64;
+/// Fewest key tiles per split: below this the merge costs more than the split gains.
+const FLASH_MIN_TILES_PER_SPLIT: usize = 8;
+
+/// Dynamic shared memory of the flash kernel for head dim `hd` and tile shape `t`, bytes:
+/// query and key positions (`br + 2·bc` i64), `2·br/16` i64 of reduction space, then the
+/// Q tile and two stages of K and V tiles in bf16 with rows padded to `hd + 8`
+/// elements: `(br + 2·bc + br/8)·8 + (br + 4·bc)·(hd + 8)·2` (204 928 for hd 256 and
+/// 128 × 64 tiles).
+pub fn flash_smem_bytes(hd: usize, t: FlashTiles) -> usize {
+    (t.br + 2 * t.bc + 2 * (t.br / 16)) * 8 + (t.br + 4 * t.bc) * (hd + 8) * 2
+}
+
+/// Key splits [`prefill_flash`] uses for `tq` queries over `n_kv` keys with `nh` heads
+/// of dim `hd` and tile shape `t`, on a device of `sms` multiprocessors, within a
+/// workspace of `budget` bytes: 1 (no split) when the `ceil(tq / br)·nh` CTAs fill at
+/// least half the device; otherwise enough splits for about two CTAs per
+/// multiprocessor, at most [`FLASH_MAX_SPLIT`], at least 8 key tiles per split, and a
+/// workspace (`nsplit · tq · nh · (hd + 2) · 4` bytes: fp32 partial outputs, maxima and
+/// sums) within `budget`.
+pub fn flash_plan(
+    tq: usize,
+    n_kv: usize,
+    nh: usize,
+    hd: usize,
+    t: FlashTiles,
+    sms: usize,
+    budget: usize,
+) -> usize {
+    let ctas = tq.div_ceil(t.br) * nh;
+    let ntk = n_kv.div_ceil(t.bc);
+    if ctas == 0 || 2 * ctas >= sms {
+        return 1;
+    }
+    let per_split = (tq * nh * (hd + 2) * 4).max(1);
+    (2 * sms)
+        .div_ceil(ctas)
+        .min(ntk / FLASH_MIN_TILES_PER_SPLIT)
+        .min(FLASH_MAX_SPLIT)
+        .min(budget / per_split)
+        .max(1)
+}
+
+/// Same contract as [`prefill`] (shapes, layouts, position masking, zeros for a query
+/// that sees no key), bf16 only, on tensor cores: FlashAttention-2 (T. Dao, 2023,
+/// "FlashAttention-2: Faster Attention with Better Parallelism and Work Partitioning",
+/// Algorithm 1) in our own kernel, `kernels/flash.cu`:
+///
+/// * one CTA of 8 warps per 128 queries of one head (each warp 16 rows; other tile
+///   shapes through [`prefill_flash_with`]); key/value tiles of 64 keys stream through
+///   shared memory by `cp.async` in two stages (the next tile loads while the current
+///   one is used);
+/// * per tile `S = Q Kᵀ` and `O += P V` by `mma.sync.m16n8k16` (bf16 inputs, fp32
+///   accumulators; fragments by `ldmatrix`, V by `ldmatrix.trans`), the softmax online
+///   in fp32 in the log2 domain (scores times `hd^-0.5 · log2 e`, `exp2`), `P` rounded
+///   to bf16 for the second product, `O` divided by the row sums at the end;
+/// * masking by positions: two small kernels reduce `kv_pos` per key tile to its (min,
+///   max) and the suffix minimum of the minima; a CTA skips the tiles no query of its tile can see
+///   (min key position > max query position), runs the tiles every query sees in full
+///   (max key position ≤ min query position) without a mask, and masks the others per
+///   element. A causal prefill at positions 0..T therefore skips every tile above the
+///   diagonal and masks only the diagonal ones;
+/// * CTAs ordered heads fastest (the `nh / nkv` heads of one kv head run side by side
+///   and share its K/V tiles through L2), query tiles from the last to the first (for a
+///   causal prefill, the longest first);
+/// * when the grid would leave most of the device idle (a short span over a long
+///   cache) the key tiles are split over up to [`FLASH_MAX_SPLIT`] CTAs per query tile
+///   ([`flash_plan`]), each writing fp32 partial results, merged by a second kernel.
+///
+/// `T` must be `half::bf16`: `f32` is a [`CudaError::Shape`] error (use [`prefill`] or
+/// [`prefill_fast`]); `hd` ∈ {64, 128, 256}. Needs [`flash_smem_bytes`] of shared
+/// memory per block (H100/H200: every instance; else [`CudaError::Unavailable`]).
+/// Workspace: `3·ceil(n_kv / bc)` i64 of tile summaries, plus with splits
+/// `nsplit · tq · nh · (hd + 2)` fp32 (at most [`FAST_WORKSPACE_BYTES`]).
+#[allow(clippy::too_many_arguments)]
+pub fn prefill_flash<T: Elem>(
+    gpu: &Gpu,
+    q: &CudaSlice<T>,
+    q_pos: &CudaSlice<i64>,
+    k: &CudaSlice<T>,
+    v: &CudaSlice<T>,
+    kv_pos: &CudaSlice<i64>,
+    o: &mut CudaSlice<T>,
+    tq: usize,
+    n_kv: usize,
+    nh: usize,
+    nkv: usize,
+    hd: usize,
+) -> Result<()> {
+    prefill_flash_with(
+        gpu,
+        q,
+        q_pos,
+        k,
+        v,
+        kv_pos,
+        o,
+        tq,
+        n_kv,
+        nh,
+        nkv,
+        hd,
+        FlashOpts::default(),
+    )
+}
+
+/// [`prefill_flash`] with explicit [`FlashOpts`]: the number of key splits (tests) and
+/// the tile shape (benchmarks).
+#[allow(clippy::too_many_arguments)]
+pub fn prefill_flash_with<T: Elem>(
+    gpu: &Gpu,
+    q: &CudaSlice<T>,
+    q_pos: &CudaSlice<i64>,
+    k: &CudaSlice<T>,
+    v: &CudaSlice<T>,
+    kv_pos: &CudaSlice<i64>,
+    o: &mut CudaSlice<T>,
+    tq: usize,
+    n_kv: usize,
+    nh: usize,
+    nkv: usize,
+    hd: usize,
+    opts: FlashOpts,
+) -> Result<()> {
+    if T::SUFFIX != "bf16" {
+        return Err(CudaError::Shape(format!(
+            "attn::prefill_flash takes bf16 only, got {} (use attn::prefill or attn::prefill_fast)",
+            T::SUFFIX
+        )));
+    }
+    check_args(q, q_pos, k, v, kv_pos, o, tq, n_kv, nh, nkv, hd)?;
+    if tq == 0 || nh == 0 {
+        return Ok(());
+    }
+    let tl = opts.tiles.unwrap_or_else(|| flash_tiles(hd));
+    if !flash_variants(hd).contains(&tl) {
+        return Err(CudaError::Shape(format!(
+            "attn::prefill_flash has no {}×{} instance for head_dim {hd} (have {:?})",
+            tl.br,
+            tl.bc,
+            flash_variants(hd)
+        )));
+    }
+    let ctx = gpu.context();
+    let smem = flash_smem_bytes(hd, tl);
+    let optin = ctx
+        .attribute(CUdevice_attribute::CU_DEVICE_ATTRIBUTE_MAX_SHARED_MEMORY_PER_BLOCK_OPTIN)?
+        as usize;
+    if smem > optin {
+        return Err(CudaError::Unavailable(format!(
+            "attn::prefill_flash for head_dim {hd} ({}×{} tiles) needs {smem} bytes of shared \
+             memory per block, the device allows {optin}",
+            tl.br, tl.bc
+        )));
+    }
+    let sms = ctx.attribute(CUdevice_attribute::CU_DEVICE_ATTRIBUTE_MULTIPROCESSOR_COUNT)? as usize;
+    let nsplit = match opts.split {
+        Some(n) => n.clamp(1, FLASH_MAX_SPLIT),
+        None => flash_plan(tq, n_kv, nh, hd, tl, sms, FAST_WORKSPACE_BYTES),
+    };
+    let nqt = tq.div_ceil(tl.br);
+    let ntk = n_kv.div_ceil(tl.bc);
+    let bc_i = tl.bc as i32;
+    let (tq_i, nkv_len_i) = (i32_dim("tq", tq)?, i32_dim("n_kv", n_kv)?);
+    let (nh_i, nkvh_i) = (i32_dim("nh", nh)?, i32_dim("nkv", nkv)?);
+    let grid_x = u32::try_from(nqt * nh)
+        .map_err(|_| CudaError::Shape(format!("{nqt} query tiles × {nh} heads exceed u32")))?;
+    let rows = tq * nh;
+    let rows_u =
+        u32::try_from(rows).map_err(|_| CudaError::Shape(format!("tq·nh = {rows} exceeds u32")))?;
+    let stream = gpu.stream();
+    // Key tile summaries: [3][ntk] i64 (min, max, suffix min of the minima).
+    // SAFETY: fully written by attn_flash_tiles before the main kernel reads it (and
+    // never read when ntk = 0).
+    let mut tiles = unsafe { stream.alloc::<i64>(3 * ntk.max(1)) }?;
+    if ntk > 0 {
+        let f = gpu.function(&FLASH, "attn_flash_tiles", 0)?;
+        let cfg = LaunchConfig {
+            grid_dim: (ntk.div_ceil(8) as u32, 1, 1),
+            block_dim: (256, 1, 1),
+            shared_mem_bytes: 0,
+        };
+        let mut b = stream.launch_builder(&f);
+        b.arg(kv_pos).arg(&nkv_len_i).arg(&bc_i).arg(&mut tiles);
+        // SAFETY: matches `attn_flash_tiles`; kv_pos ≥ n_kv, tiles ≥ 3·ceil(n_kv/bc).
+        unsafe { b.launch(cfg) }?;
+        let f = gpu.function(&FLASH, "attn_flash_tiles_suffix", 0)?;
+        let cfg = LaunchConfig {
+            grid_dim: (1, 1, 1),
+            block_dim: (FLASH_TILE_THREADS, 1, 1),
+            shared_mem_bytes: 0,
+        };
+        let ntk_i = ntk as i32;
+        let mut b = stream.launch_builder(&f);
+        b.arg(&ntk_i).arg(&mut tiles);
+        // SAFETY: matches `attn_flash_tiles_suffix`; tiles ≥ 3·ntk, minima written above.
+        unsafe { b.launch(cfg) }?;
+    }
+    // Split partials: wo [nsplit][tq·nh][hd] fp32, wml [nsplit][tq·nh][2] fp32.
+    // SAFETY: every (split, row) of both is written by the main kernel before the merge
+    // reads it.
+    let mut ws = if nsplit > 1 {
+        Some((
+            unsafe { stream.alloc::<f32>(nsplit * rows * hd) }?,
+            unsafe { stream.alloc::<f32>(nsplit * rows * 2) }?,
+        ))
+    } else {
+        None
+    };
+    let (mut wo_p, mut wml_p) = (0u64, 0u64);
+    let _ws_guards = ws.as_mut().map(|(a, b)| {
+        let (pa, ga) = a.device_ptr_mut(stream);
+        let (pb, gb) = b.device_ptr_mut(stream);
+        (wo_p, wml_p) = (pa, pb);
+        (ga, gb)
+    });
+    let scale_log2 = (hd as f32).powf(-0.5) * std::f32::consts::LOG2_E;
+    let name = format!("attn_flash_bf16_{hd}_{}x{}", tl.br, tl.bc);
+    let f = gpu.function(&FLASH, &name, smem as u32)?;
+    let cfg = LaunchConfig {
+        grid_dim: (grid_x, nsplit as u32, 1),
+        block_dim: (2 * tl.br as u32, 1, 1),
+        shared_mem_bytes: smem as u32,
+    };
+    {
+        let mut b = stream.launch_builder(&f);
+        b.arg(q)
+            .arg(k)
+            .arg(v)
+            .arg(q_pos)
+            .arg(kv_pos)
+            .arg(&tiles)
+            .arg(&mut *o)
+            .arg(&wo_p)
+            .arg(&wml_p)
+            .arg(&tq_i)
+            .arg(&nkv_len_i)
+            .arg(&nh_i)
+            .arg(&nkvh_i)
+            .arg(&scale_log2);
+        // SAFETY: matches `attn_flash_bf16_{hd}_{br}x{bc}` (workspace addresses as u64, 0
+        // when unused: the kernel writes them only when gridDim.y > 1); lengths checked
+        // by check_args, tiles and workspace sized above.
+        unsafe { b.launch(cfg) }?;
+    }
+    if nsplit > 1 {
+        let f = gpu.function(&FLASH, "attn_flash_combine_bf16", 0)?;
+        let cfg = LaunchConfig {
+            grid_dim: (rows_u, 1, 1),
+            block_dim: (128, 1, 1),
+            shared_mem_bytes: 0,
+        };
+        let (rows_i, hd_i, ns_i) = (i32_dim("tq·nh", rows)?, hd as i32, nsplit as i32);
+        let mut b = stream.launch_builder(&f);
+        b.arg(&wo_p)
+            .arg(&wml_p)
+            .arg(o)
+            .arg(&rows_i)
+            .arg(&hd_i)
+            .arg(&ns_i);
+        // SAFETY: matches `attn_flash_combine_bf16`; wo, wml hold nsplit·rows·hd and
+        // nsplit·rows·2 floats, o holds rows·hd elements (check_args).
+        unsafe { b.launch(cfg) }?;
+    }
+    // The workspace is freed (stream-ordered) after the merge has been queued.
     Ok(())
 }

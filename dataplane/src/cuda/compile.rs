@@ -57,6 +57,12 @@ pub const ATTN: KernelSource = KernelSource {
     text: include_str!("../../kernels/attn.cu"),
 };
 
+/// Tensor-core flash attention for bf16 (`kernels/flash.cu`, `attn::prefill_flash`).
+pub const FLASH: KernelSource = KernelSource {
+    name: "flash",
+    text: include_str!("../../kernels/flash.cu"),
+};
+
 /// Glue kernels of the whole-model forward (`kernels/model.cu`): embedding, residual
 /// add, GDN input preparation, attention split and gate, SwiGLU, host-routed MoE
 /// gather/scatter, generic-head-dim fallbacks of the GDR recurrence and attention.
@@ -89,7 +95,9 @@ pub const INIT: KernelSource = KernelSource {
 };
 
 /// Every kernel module (used by the compile check and to warm the cache).
-pub const ALL: [KernelSource; 10] = [NORM, ROPE, CONV, GDR, ATTN, MODEL, MOE, SAMPLE, PIC, INIT];
+pub const ALL: [KernelSource; 11] = [
+    NORM, ROPE, CONV, GDR, ATTN, FLASH, MODEL, MOE, SAMPLE, PIC, INIT,
+];
 
 /// NVRTC target name for a compute capability: `sm_90a` for 9.0 (Hopper, so that
 /// arch-specific instructions are allowed), `sm_{major}{minor}` otherwise.

@@ -15,7 +15,8 @@
 //!   chunked prefill from an initial state, optionally with the segment transition
 //!   `T_C`), [`transition`] (dense pair compose/apply through cuBLAS strided batched
 //!   GEMM), [`attn`] (causal GQA attention prefill over KV at arbitrary positions: a tiled
-//!   SIMT kernel, and a cuBLAS GEMM path `attn::prefill_fast` for long spans),
+//!   SIMT kernel, a cuBLAS GEMM path `attn::prefill_fast` for long spans, and for bf16 a
+//!   FlashAttention-2 tensor-core kernel `attn::prefill_flash`),
 //!   [`moe`] (sparse MoE block with grouped expert GEMMs, dense SwiGLU MLP),
 //!   [`sample`] (greedy argmax and seeded temperature / top-k / top-p sampling),
 //!   [`pic`] (the PIC engine on the device: cache build, compose, seams, device pools

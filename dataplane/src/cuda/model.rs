@@ -12,10 +12,11 @@
 //!   `dk ∈ {64, 128, 256}`, else a generic recurrence), gated RMSNorm with `z`, out proj;
 //! * attention mixer: one fused `q|gate, k, v` projection, per-head q/k zero-centred
 //!   RMSNorm, partial RoPE at the absolute positions, append to the KV cache, causal GQA
-//!   attention over cached + new KV (for `head_dim ∈ {64, 128, 256}` the GEMM-based
-//!   `attn::prefill_fast` for spans of ≥ [`ATTN_FAST_MIN_TQ`] tokens or over ≥
-//!   [`ATTN_FAST_MIN_KV`] cached keys, else the tuned
-//!   tiled kernel; other head dims a generic one), sigmoid output gate, o proj;
+//!   attention over cached + new KV (for `head_dim ∈ {64, 128, 256}`: in bf16 the
+//!   tensor-core flash kernel `attn::prefill_flash` for spans of ≥ [`ATTN_FLASH_MIN_TQ`]
+//!   tokens; otherwise the GEMM-based `attn::prefill_fast` for spans of
+//!   ≥ [`ATTN_FAST_MIN_TQ`] tokens or over ≥ [`ATTN_FAST_MIN_KV`] cached keys, else the
+//!   tuned tiled kernel; other head dims a generic one), sigmoid output gate, o proj;
 //! * FFN, two implementations ([`FfnPath`]): by default [`super::moe`] (MoE with device
 //!   routing and grouped expert GEMMs, `moe::mlp_forward` for dense layers); or the
 //!   host-routed glue path of this module, kept as an independent second
@@ -67,6 +68,14 @@ pub const ATTN_FAST_MIN_TQ: usize = 64;
 /// (measured on the H200 at the Qwen3.5-35B-A3B shape: a decode step at 16k context
 /// 171 ms, HYPIC's 8-token seams ~80 ms per segment at 16 segments).
 pub const ATTN_FAST_MIN_KV: usize = 512;
+/// bf16 query spans of at least this many tokens (tuned head dims) take the tensor-core
+/// flash kernel [`attn::prefill_flash`] (prefill, PIC segment builds, the final query of
+/// a request); shorter ones (decode, seam windows) keep the [`ATTN_FAST_MIN_TQ`] /
+/// [`ATTN_FAST_MIN_KV`] choice between [`attn::prefill_fast`] and [`attn::prefill`]:
+/// the flash kernel computes 128 query rows per CTA, so a span of a few tokens wastes
+/// most of its tensor work (the `gpu_bench` rows "short spans over a long cache" compare
+/// the three). The f32 model never takes it.
+pub const ATTN_FLASH_MIN_TQ: usize = 64;
 /// Key dims of the tuned recurrent GDR kernel ([`gdr::recurrent`]).
 const GDR_REC_DK: [usize; 3] = [64, 128, 256];
 /// Largest head dim of the generic attention kernel.
@@ -1564,7 +1573,13 @@ where
         }
         kv.append(g, &k, &v, pos, t)?;
         let mut o: CudaSlice<T> = g.zeros(t * nh * hd)?;
-        if ATTN_TUNED_HD.contains(&hd) && (t >= ATTN_FAST_MIN_TQ || kv.len >= ATTN_FAST_MIN_KV) {
+        if T::SUFFIX == "bf16" && ATTN_TUNED_HD.contains(&hd) && t >= ATTN_FLASH_MIN_TQ {
+            attn::prefill_flash(
+                g, &q, pos, &kv.k, &kv.v, &kv.pos, &mut o, t, kv.len, nh, nkv, hd,
+            )?;
+        } else if ATTN_TUNED_HD.contains(&hd)
+            && (t >= ATTN_FAST_MIN_TQ || kv.len >= ATTN_FAST_MIN_KV)
+        {
             attn::prefill_fast(
                 g, &q, pos, &kv.k, &kv.v, &kv.pos, &mut o, t, kv.len, nh, nkv, hd,
             )?;
