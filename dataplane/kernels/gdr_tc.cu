@@ -75,13 +75,22 @@ __device__ __forceinline__ void tc_ldsm_x4_trans(unsigned* f, const bf16* p) {
                  : "memory");
 }
 
-// 16-byte global → shared copy that bypasses L1 (cp.async.cg), its commit and wait.
+// Asynchronous global → shared copies: 16 bytes bypassing L1 (cp.async.cg), 4 bytes
+// (cp.async.ca); commit of the copies issued so far as one group; wait until at most
+// N groups are pending.
 __device__ __forceinline__ void tc_cp16(void* smem, const void* gmem) {
     const unsigned s = (unsigned)__cvta_generic_to_shared(smem);
     asm volatile("cp.async.cg.shared.global [%0], [%1], 16;\n" ::"r"(s), "l"(gmem) : "memory");
 }
+__device__ __forceinline__ void tc_cp4(void* smem, const void* gmem) {
+    const unsigned s = (unsigned)__cvta_generic_to_shared(smem);
+    asm volatile("cp.async.ca.shared.global [%0], [%1], 4;\n" ::"r"(s), "l"(gmem) : "memory");
+}
 __device__ __forceinline__ void tc_cp_commit() { asm volatile("cp.async.commit_group;\n" ::: "memory"); }
-__device__ __forceinline__ void tc_cp_wait_all() { asm volatile("cp.async.wait_group 0;\n" ::: "memory"); }
+template <int N>
+__device__ __forceinline__ void tc_cp_wait() {
+    asm volatile("cp.async.wait_group %0;\n" ::"n"(N) : "memory");
+}
 #endif
 
 // Dynamic shared memory of all three kernels (carved per kernel).
@@ -353,61 +362,60 @@ extern "C" __global__ void __launch_bounds__(256)
 //   Hs[n] = sa                                   (snapshot, F-tiles)
 //   Ũᵀ  = Uᵀ − Sᵀ Wᵀ                              (64 mma; Ũ written over U)
 //   Sᵀ  ← e^{G_c} Sᵀ + Ũᵀ K̃                        (64 mma, Ũᵀ packed from accumulators)
-// W and K̃ᵀ of the chunk (32 KiB) are shared by the CTA's warps through a two-stage
-// cp.async buffer (chunk n+1 lands while chunk n computes; one barrier per chunk); the
-// warp's Uᵀ slice and G_c are prefetched into registers one chunk ahead. Transition
-// blocks (trans != null, jb ≥ 8; TRANS) run the same step with U = 0 and no writes,
-// flushing |T| < 2^-40 to 0 after every chunk.
-#define TC_STATE_SMEM (2 * 2 * 1024 * 16)
+// The chunk's W and K̃ᵀ (32 KiB, shared by the CTA's warps), the CTA's Uᵀ slice and G_c
+// stream through a TC_STAGES-deep cp.async ring in shared memory (chunk n+STAGES−1 is
+// requested while chunk n computes; one barrier per chunk). Transition blocks
+// (trans != null, jb ≥ 8; TRANS) run the same step with U = 0 and no writes, flushing
+// |T| < 2^-40 to 0 after every chunk.
+#define TC_STAGES 4
+// uint4 per ring stage: W 1024 | K̃ᵀ 1024 | Uᵀ slice NW·128 | G_c 1. Shared memory of the
+// kernel: TC_STAGES · TC_STAGE_U4(NW) · 16 bytes.
+#define TC_STAGE_U4(NW) (2048 + (NW) * 128 + 1)
 template <int NW, bool TRANS>
 __device__ __forceinline__ void gdr_state_tc_run(const uint4* __restrict__ Wf, const uint4* __restrict__ Ktf,
                                                  uint4* Uf, const float* __restrict__ gcum, float* mat,
-                                                 uint4* Hsf, int jb, int col0, int nt, size_t hb) {
-    // tc_sm: [2 stages][W 1024 | K̃ᵀ 1024] uint4.
-    const int tid = threadIdx.x, lane = tid & 31;
-    const int gq = lane >> 2, tq = lane & 3;
-    // sacc[ct][e] = Sᵀ[col0 + gq + 8(e>>1)][8ct + 2tq + (e&1)] = mat[c][j].
+                                                 uint4* Hsf, int jb0, int col0, int nt, size_t hb) {
+    constexpr int SU = TC_STAGE_U4(NW);
+    const int tid = threadIdx.x, w = tid >> 5, lane = tid & 31;
+    const int gq = lane >> 2, tq = lane & 3, jb = jb0 + w;
+    // sacc[ct][e] = Sᵀ[j0 + 8(e>>1)][8ct + 2tq + (e&1)] = mat[c][j], j0 = col0 + 16w + gq.
+    const int j0 = col0 + 16 * w + gq;
     float sacc[16][4];
 #pragma unroll
     for (int ct = 0; ct < 16; ++ct)
 #pragma unroll
-        for (int e = 0; e < 4; ++e)
-            sacc[ct][e] = mat[(size_t)(8 * ct + 2 * tq + (e & 1)) * TC_D + col0 + gq + 8 * (e >> 1)];
-    auto issue = [&](int n, int s) {
-        const uint4* ws = Wf + (hb + n) * 1024;
-        const uint4* ks = Ktf + (hb + n) * 1024;
-        uint4* dst = tc_sm + s * 2048;
+        for (int e = 0; e < 4; ++e) sacc[ct][e] = mat[(size_t)(8 * ct + 2 * tq + (e & 1)) * TC_D + j0 + 8 * (e >> 1)];
+    // Requests chunk n into its ring stage (an empty group past the end keeps the group
+    // count uniform for the wait).
+    auto issue = [&](int n) {
+        if (n < nt) {
+            uint4* dst = tc_sm + (n % TC_STAGES) * SU;
+            const uint4* ws = Wf + (hb + n) * 1024;
+            const uint4* ks = Ktf + (hb + n) * 1024;
 #pragma unroll
-        for (int it = 0; it < 1024 / (NW * 32); ++it) {
-            const int i = tid + it * NW * 32;
-            tc_cp16(dst + i, ws + i);
-            tc_cp16(dst + 1024 + i, ks + i);
+            for (int it = 0; it < 1024 / (NW * 32); ++it) {
+                const int i = tid + it * NW * 32;
+                tc_cp16(dst + i, ws + i);
+                tc_cp16(dst + 1024 + i, ks + i);
+            }
+            if (!TRANS) {
+                const uint4* us = Uf + ((hb + n) * 32 + jb0 * 4) * 32;
+#pragma unroll
+                for (int it = 0; it < 4; ++it) tc_cp16(dst + 2048 + tid + it * NW * 32, us + tid + it * NW * 32);
+            }
+            if (tid == 0) tc_cp4(dst + 2048 + NW * 128, gcum + (hb + n) * TC_CH + TC_CH - 1);
         }
         tc_cp_commit();
     };
-    uint4 un[4];
-    float gn;
-    auto fetch = [&](int n) {
 #pragma unroll
-        for (int ib = 0; ib < 4; ++ib)
-            un[ib] = TRANS ? make_uint4(0u, 0u, 0u, 0u) : Uf[((hb + n) * 32 + jb * 4 + ib) * 32 + lane];
-        gn = gcum[(hb + n) * TC_CH + TC_CH - 1];
-    };
-    issue(0, 0);
-    fetch(0);
+    for (int s = 0; s < TC_STAGES - 1; ++s) issue(s);
     for (int n = 0; n < nt; ++n) {
-        uint4 uc[4];
-#pragma unroll
-        for (int ib = 0; ib < 4; ++ib) uc[ib] = un[ib];
-        const float eg = expf(gn);
-        tc_cp_wait_all();
-        __syncthreads();  // chunk n landed for all threads; stage (n+1)&1 no longer read
-        if (n + 1 < nt) {
-            issue(n + 1, (n + 1) & 1);
-            fetch(n + 1);
-        }
-        const uint4* Ws = tc_sm + (n & 1) * 2048;
+        tc_cp_wait<TC_STAGES - 2>();
+        __syncthreads();  // chunk n landed for all threads; stage (n−1) % STAGES is free
+        issue(n + TC_STAGES - 1);
+        const uint4* Ws = tc_sm + (n % TC_STAGES) * SU;
         const uint4* Kts = Ws + 1024;
+        const float eg = expf(*reinterpret_cast<const float*>(Ws + 2048 + NW * 128));
         unsigned sa[8][4];
 #pragma unroll
         for (int kc = 0; kc < 8; ++kc) tc_acc_afrag(sa[kc], sacc[2 * kc], sacc[2 * kc + 1]);
@@ -428,12 +436,13 @@ __device__ __forceinline__ void gdr_state_tc_run(const uint4* __restrict__ Wf, c
                 tc_mma(acc[2 * ib], sa[kc], f.x, f.y);
                 tc_mma(acc[2 * ib + 1], sa[kc], f.z, f.w);
             }
-        // Ũᵀ = Uᵀ − (W S)ᵀ, as bf16 A fragments (uc is A order too).
+        // Ũᵀ = Uᵀ − (W S)ᵀ, as bf16 A fragments (Uᵀ is A order too).
         unsigned ua[4][4];
 #pragma unroll
         for (int ib = 0; ib < 4; ++ib) {
-            const float2 u0 = tc_unpack(uc[ib].x), u1 = tc_unpack(uc[ib].y);
-            const float2 u2 = tc_unpack(uc[ib].z), u3 = tc_unpack(uc[ib].w);
+            const uint4 uc = TRANS ? make_uint4(0u, 0u, 0u, 0u) : Ws[2048 + (w * 4 + ib) * 32 + lane];
+            const float2 u0 = tc_unpack(uc.x), u1 = tc_unpack(uc.y);
+            const float2 u2 = tc_unpack(uc.z), u3 = tc_unpack(uc.w);
             const float* a0 = acc[2 * ib];
             const float* a1 = acc[2 * ib + 1];
             ua[ib][0] = tc_pack(u0.x - a0[0], u0.y - a0[1]);
@@ -464,24 +473,25 @@ __device__ __forceinline__ void gdr_state_tc_run(const uint4* __restrict__ Wf, c
                     if (fabsf(sacc[ct][e]) < TC_FLUSH) sacc[ct][e] = 0.f;
         }
     }
+    tc_cp_wait<0>();  // the empty trailing groups
 #pragma unroll
     for (int ct = 0; ct < 16; ++ct)
 #pragma unroll
-        for (int e = 0; e < 4; ++e)
-            mat[(size_t)(8 * ct + 2 * tq + (e & 1)) * TC_D + col0 + gq + 8 * (e >> 1)] = sacc[ct][e];
+        for (int e = 0; e < 4; ++e) mat[(size_t)(8 * ct + 2 * tq + (e & 1)) * TC_D + j0 + 8 * (e >> 1)] = sacc[ct][e];
 }
 
 template <int NW>
 __device__ __forceinline__ void gdr_state_tc_impl(const uint4* Wf, const uint4* Ktf, uint4* Uf, const float* gcum,
                                                   float* state, float* trans, uint4* Hsf, int t_len) {
-    const int h = blockIdx.x, jb = blockIdx.y * NW + (threadIdx.x >> 5);
+    const int h = blockIdx.x, jb0 = blockIdx.y * NW;
     const int nt = (t_len + TC_CH - 1) / TC_CH;
     const size_t hb = (size_t)h * nt;
-    if (blockIdx.y * NW >= TC_D / 16)  // CTA-uniform (NW divides 8): transition columns
-        gdr_state_tc_run<NW, true>(Wf, Ktf, Uf, gcum, trans + (size_t)h * TC_D * TC_D, Hsf, jb,
-                                   16 * jb - TC_D, nt, hb);
+    if (jb0 >= TC_D / 16)  // CTA-uniform (NW divides 8): transition columns
+        gdr_state_tc_run<NW, true>(Wf, Ktf, Uf, gcum, trans + (size_t)h * TC_D * TC_D, Hsf, jb0,
+                                   16 * jb0 - TC_D, nt, hb);
     else
-        gdr_state_tc_run<NW, false>(Wf, Ktf, Uf, gcum, state + (size_t)h * TC_D * TC_D, Hsf, jb, 16 * jb, nt, hb);
+        gdr_state_tc_run<NW, false>(Wf, Ktf, Uf, gcum, state + (size_t)h * TC_D * TC_D, Hsf, jb0, 16 * jb0, nt,
+                                    hb);
 }
 
 #define GDR_STATE_TC(BV)                                                                              \

@@ -436,7 +436,12 @@ const SMEM_PREP_TC: u32 = (2 * CHUNK * TC_LD * 2
     + CHUNK * (CHUNK + 1) * 4
     + 3 * 256 * 4
     + 3 * CHUNK * 4) as u32;
-const SMEM_STATE_TC: u32 = 2 * 2 * 1024 * 16;
+/// Ring stages of the tensor-core state kernel (TC_STAGES).
+const TC_STAGES: usize = 4;
+/// Shared memory of `gdr_state_tc_bf16_{bv}`: TC_STAGES · TC_STAGE_U4(bv/16) · 16 bytes.
+fn smem_state_tc(bv: usize) -> u32 {
+    (TC_STAGES * (2048 + bv / 16 * 128 + 1) * 16) as u32
+}
 const SMEM_OUT_TC: u32 = (2 * CHUNK * TC_LD * 2 + CHUNK * 4) as u32;
 /// Bytes of one fragment-tiled 64×128 bf16 matrix, as f32 elements.
 const TILE_F32: usize = CHUNK * PREFILL_DIM / 2;
@@ -507,11 +512,12 @@ fn chunked_tc<T: Elem>(
     mark(1)?;
     // B: sequential over chunks.
     let ncols = d.dv + if trans.is_some() { d.dk } else { 0 };
-    let f = gpu.function(&GDR_TC, &format!("gdr_state_tc_bf16_{bv}"), SMEM_STATE_TC)?;
+    let smem = smem_state_tc(bv);
+    let f = gpu.function(&GDR_TC, &format!("gdr_state_tc_bf16_{bv}"), smem)?;
     let cfg = LaunchConfig {
         grid_dim: (d.hv as u32, (ncols / bv) as u32, 1),
         block_dim: (2 * bv as u32, 1, 1),
-        shared_mem_bytes: SMEM_STATE_TC,
+        shared_mem_bytes: smem,
     };
     let null: u64 = 0;
     let mut b = gpu.stream().launch_builder(&f);
@@ -590,10 +596,13 @@ mod tests {
 
     #[test]
     fn tensor_core_shared_memory_sizes() {
-        // TC_PREP_SMEM, TC_STATE_SMEM, TC_OUT_SMEM of kernels/gdr_tc.cu.
+        // TC_PREP_SMEM, TC_OUT_SMEM and the state kernel's ring of kernels/gdr_tc.cu,
+        // all within the 227 KiB a block may use on H100/H200.
         assert_eq!(SMEM_PREP_TC, 73_728);
-        assert_eq!(SMEM_STATE_TC, 65_536);
         assert_eq!(SMEM_OUT_TC, 35_072);
+        assert_eq!(smem_state_tc(32), 4 * 2305 * 16);
+        assert_eq!(smem_state_tc(64), 4 * 2561 * 16);
+        assert!(STATE_BV.iter().all(|&b| smem_state_tc(b) <= 227 * 1024));
         assert_eq!(TILE_F32 * 4, 16 * 1024);
     }
 }
