@@ -607,6 +607,7 @@ mod gpu {
     fn gdr_chunked_tc_bf16_matches_cpu_and_simt() {
         let (g, _l) = gpu();
         let mut ws_tc = gdr::Workspace::new();
+        ws_tc.force_path(None); // whatever HYPIC_GDR_KERNELS says
         assert_eq!(ws_tc.path::<bf16>(), gdr::ChunkedPath::TensorCores);
         assert_eq!(ws_tc.path::<f32>(), gdr::ChunkedPath::Simt);
         assert!(ws_tc.set_state_bv(48).is_err());

@@ -133,6 +133,10 @@ pub const DEFAULT_STATE_BV: usize = 32;
 /// (head, chunk), bf16 fragment tiles of W (16 KiB), K̃ᵀ (16 KiB), Uᵀ then Ũᵀ (16 KiB)
 /// and the chunk-initial state (32 KiB) — `Hv·NT·(80 KiB + 256 B)` (1.25 GiB at
 /// T = 32k, Hv = 32). The buffers are typed `f32` but hold these bytes.
+///
+/// A new workspace takes its defaults from the environment, for A/B runs of a built
+/// binary: `HYPIC_GDR_KERNELS=simt` forces the SIMT kernels (anything else: automatic),
+/// `HYPIC_GDR_STATE_BV=32|64` sets [`Workspace::set_state_bv`].
 pub struct Workspace {
     gcum: Option<CudaSlice<f32>>,
     w: Option<CudaSlice<f32>>,
@@ -145,14 +149,23 @@ pub struct Workspace {
 
 impl Default for Workspace {
     fn default() -> Self {
+        let force = match std::env::var("HYPIC_GDR_KERNELS").as_deref() {
+            Ok("simt") => Some(ChunkedPath::Simt),
+            _ => None,
+        };
+        let state_bv = std::env::var("HYPIC_GDR_STATE_BV")
+            .ok()
+            .and_then(|v| v.parse::<usize>().ok())
+            .filter(|b| STATE_BV.contains(b))
+            .unwrap_or(DEFAULT_STATE_BV);
         Workspace {
             gcum: None,
             w: None,
             u: None,
             hs: None,
             kt: None,
-            force: None,
-            state_bv: DEFAULT_STATE_BV,
+            force,
+            state_bv,
         }
     }
 }
@@ -580,6 +593,8 @@ mod tests {
     #[test]
     fn path_selected_by_element_type() {
         let mut ws = Workspace::new();
+        ws.force_path(None);
+        ws.set_state_bv(DEFAULT_STATE_BV).unwrap();
         assert_eq!(ws.path::<half::bf16>(), ChunkedPath::TensorCores);
         assert_eq!(ws.path::<f32>(), ChunkedPath::Simt);
         ws.force_path(Some(ChunkedPath::Simt));
