@@ -367,9 +367,11 @@ extern "C" __global__ void __launch_bounds__(256)
 // requested while chunk n computes; one barrier per chunk). Transition blocks
 // (trans != null, jb ≥ 8; TRANS) run the same step with U = 0 and no writes, flushing
 // |T| < 2^-40 to 0 after every chunk.
-#define TC_STAGES 4
+#define TC_STAGES 3
 // uint4 per ring stage: W 1024 | K̃ᵀ 1024 | Uᵀ slice NW·128 | G_c 1. Shared memory of the
-// kernel: TC_STAGES · TC_STAGE_U4(NW) · 16 bytes.
+// kernel: TC_STAGES · TC_STAGE_U4(NW) · 16 bytes (108 KiB for BV = 32, so that two blocks
+// share an SM when the transition doubles the grid to 256 blocks at Hv = 32; 120 KiB for
+// BV = 64).
 #define TC_STAGE_U4(NW) (2048 + (NW) * 128 + 1)
 template <int NW, bool TRANS>
 __device__ __forceinline__ void gdr_state_tc_run(const uint4* __restrict__ Wf, const uint4* __restrict__ Ktf,

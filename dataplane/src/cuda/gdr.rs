@@ -450,7 +450,7 @@ const SMEM_PREP_TC: u32 = (2 * CHUNK * TC_LD * 2
     + 3 * 256 * 4
     + 3 * CHUNK * 4) as u32;
 /// Ring stages of the tensor-core state kernel (TC_STAGES).
-const TC_STAGES: usize = 4;
+const TC_STAGES: usize = 3;
 /// Shared memory of `gdr_state_tc_bf16_{bv}`: TC_STAGES · TC_STAGE_U4(bv/16) · 16 bytes.
 fn smem_state_tc(bv: usize) -> u32 {
     (TC_STAGES * (2048 + bv / 16 * 128 + 1) * 16) as u32
@@ -615,9 +615,12 @@ mod tests {
         // all within the 227 KiB a block may use on H100/H200.
         assert_eq!(SMEM_PREP_TC, 73_728);
         assert_eq!(SMEM_OUT_TC, 35_072);
-        assert_eq!(smem_state_tc(32), 4 * 2305 * 16);
-        assert_eq!(smem_state_tc(64), 4 * 2561 * 16);
+        assert_eq!(smem_state_tc(32), 3 * 2305 * 16);
+        assert_eq!(smem_state_tc(64), 3 * 2561 * 16);
         assert!(STATE_BV.iter().all(|&b| smem_state_tc(b) <= 227 * 1024));
+        // BV = 32: two blocks per SM (228 KiB per SM, 1 KiB reserved per block), so the
+        // 256 blocks of Hv = 32 with T_C run in one wave on 132 SMs.
+        assert!(2 * (smem_state_tc(32) as usize + 1024) <= 228 * 1024);
         assert_eq!(TILE_F32 * 4, 16 * 1024);
     }
 }
