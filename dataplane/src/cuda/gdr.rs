@@ -262,7 +262,8 @@ pub fn set_identity(gpu: &Gpu, trans: &mut CudaSlice<f32>, hv: usize, dk: usize)
 /// kernels/gdr.cu; bf16 inputs run the tensor-core kernels of kernels/gdr_tc.cu
 /// (bf16 operands, fp32 accumulation and fp32 state, `T_C` included), whose results
 /// differ from the fp32 kernels by bf16 rounding of intermediates (relative L2 error
-/// ~3e-3 on output and state in the tests, against ~1e-3 of bf16 output rounding alone).
+/// 2–5e-3 on output and state up to T = 4096 in the host emulation, against ~1e-3 of
+/// bf16 output rounding alone; `T_C` ~1e-2 at T = 4096).
 #[allow(clippy::too_many_arguments)]
 pub fn chunked<T: Elem>(
     gpu: &Gpu,
