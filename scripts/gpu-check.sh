@@ -321,6 +321,58 @@ for t in sorted(set(ours) | set(sdpa)):
     print(f"| {t} | {f(ours, t)} | {f(fast, t)} | {f(sdpa, t)} | {r(ours, t)} | {r(fast, t)} |")
 PY
   cat "$OUT/flash_vs_sdpa.md"
+  # Our GDR prefill (bench step) against FLA (fla step) from this run, as in the reports.
+  : > "$OUT/gdr_vs_fla.md"
+  if want bench && want fla; then
+    python3 - "$OUT" > "$OUT/gdr_vs_fla.md" 2>&1 <<'PY'
+import re, sys
+out = sys.argv[1]
+bench = open(f"{out}/bench.md").read().splitlines()
+fla = open(f"{out}/fla.md").read().splitlines()
+ours, stages, flams = {}, {}, {}
+sec = None
+for l in bench:
+    if l.startswith("## "):
+        sec = "gdr" if l.startswith("## Gated delta rule chunked prefill") else None
+        continue
+    if sec != "gdr":
+        continue
+    m = re.match(r"^\| (\d+) \| ([\d.]+) \| ([\d.]+) \| [+-]?[\d.]+ % \|", l)
+    if m:
+        ours[int(m[1])] = (float(m[2]), float(m[3]))
+        continue
+    m = re.match(r"^\| (\d+) \| ([\d.]+) \| ([\d.]+) \| ([\d.]+) \| [\d.]+ \|$", l)
+    if m and int(m[1]) not in stages:
+        stages[int(m[1])] = (float(m[2]), float(m[3]), float(m[4]))
+on = False
+for l in fla:
+    if "FLA chunk_gated_delta_rule ms" in l:
+        on = True
+        continue
+    if on:
+        m = re.match(r"^\| (\d+) \| ([\d.]+) \|$", l)
+        if m:
+            flams[int(m[1])] = float(m[2])
+        elif l.strip() and not l.startswith("|---"):
+            break
+goal = {1024: "≥ 2×", 4096: "≥ 2×", 32768: "≥ 1×"}
+print("## Gated delta rule prefill vs FLA (same run; H 16, HV 32, dk = dv = 128, bf16)\n")
+print("| T | ours ms | + T_C ms | FLA `chunk_gated_delta_rule` ms | ours vs FLA | goal | A / B / C ms |")
+print("|---|---|---|---|---|---|---|")
+for t in sorted(ours):
+    o, ot = ours[t]
+    f = flams.get(t)
+    ratio = f"{f / o:.2f}×" if f else "-"
+    st = " / ".join(f"{x:.3f}" for x in stages[t]) if t in stages else "-"
+    print(f"| {t} | {o:.3f} | {ot:.3f} ({100 * (ot / o - 1):+.1f} %) | {f if f else '-'} | {ratio} | {goal.get(t, '—')} | {st} |")
+if not ours:
+    print("(no GDR rows in bench.md)")
+if not flams:
+    print("(no FLA rows in fla.md)")
+PY
+    echo "== GDR prefill vs FLA (same run)"
+    cat "$OUT/gdr_vs_fla.md"
+  fi
 
   {
     echo "# HYPIC CUDA data plane: gpu-check report ($date_s)"
@@ -344,6 +396,7 @@ PY
     echo; cat "$OUT/bench.md"
     echo; cat "$OUT/fla.md"
     echo; cat "$OUT/flash_vs_sdpa.md"
+    echo; cat "$OUT/gdr_vs_fla.md"
     if want modelbench; then
       echo; echo "## Random-weight model, GPU vs CPU (tests/cuda_random.rs, rc=$random_rc)"; echo; echo '```'
       grep -E "rel |params|refusal|^test |test result|panicked" "$OUT/random_tests.log"

@@ -5,7 +5,8 @@
 //! `gpu_bench [--quick]`. Prints markdown tables:
 //! * gated delta rule chunked prefill, bf16 q/k/v, fp32 state, B = 1, H = 16, HV = 32,
 //!   dk = dv = 128 at T = 1k, 4k, 16k, 32k — plain, and with the segment transition
-//!   `T_C` (build overhead);
+//!   `T_C` (build overhead), per stage, on the default kernels for bf16 (tensor cores),
+//!   and per stage on the other state-kernel block width and the fp32 SIMT kernels;
 //! * one-token recurrent decode step (same heads);
 //! * dense pair apply `S ← T S + B` and compose, 32 heads × 128² (per segment cost);
 //! * attention prefill (16 q / 2 kv heads × 256, bf16, causal) at 4k and 16k: tiled
@@ -138,11 +139,22 @@ mod bench {
         } else {
             &[1024, 4096, 16384, 32768]
         };
+        let mut ws = gdr::Workspace::new();
         println!("\n## Gated delta rule chunked prefill (bf16 in, fp32 state; H={hk}, HV={hv}, dk=dv={dk})\n");
+        println!(
+            "Kernels: {} (state kernel {} value columns per block); other kernels in the \
+             per-stage table below.\n",
+            match ws.path::<bf16>() {
+                gdr::ChunkedPath::TensorCores => "bf16 tensor cores (kernels/gdr_tc.cu)",
+                gdr::ChunkedPath::Simt => "fp32 SIMT (kernels/gdr.cu)",
+            },
+            ws.state_bv()
+        );
         println!("| T | prefill ms | prefill + T_C ms | T_C overhead | Mtok/s |");
         println!("|---|---|---|---|---|");
-        let mut ws = gdr::Workspace::new();
         let mut stages: Vec<(usize, f64, f64, f64)> = Vec::new();
+        // (T, kernels, prefill ms, stage ms A/B/C) of the other kernels, same inputs.
+        let mut others: Vec<(usize, String, f64, [f64; 3])> = Vec::new();
         for &t in lens {
             let d = GdrDims { t, hk, hv, dk, dv };
             let q = unit_up(&g, &mut r, t * hk, dk, (dk as f32).powf(-0.5))?;
@@ -174,19 +186,54 @@ mod bench {
             })?;
             let plain = plain.min(plain2);
             // Per-stage split (median of 5 event-timed runs of each stage).
-            let mut st: Vec<[f32; 3]> = Vec::new();
-            for _ in 0..5 {
-                st.push(gdr::chunked_stage_ms(
-                    &g, &d, &q, &k, &v, &gg, &beta, &mut s, &mut o, None, &mut ws,
-                )?);
-            }
-            let stage = |i: usize| median(st.iter().map(|x| x[i]).collect());
-            stages.push((t, stage(0), stage(1), stage(2)));
+            let stage_ms = |ws: &mut gdr::Workspace,
+                            s: &mut CudaSlice<f32>,
+                            o: &mut CudaSlice<bf16>|
+             -> Result<[f64; 3]> {
+                let mut st: Vec<[f32; 3]> = Vec::new();
+                for _ in 0..5 {
+                    st.push(gdr::chunked_stage_ms(
+                        &g, &d, &q, &k, &v, &gg, &beta, s, o, None, ws,
+                    )?);
+                }
+                let m = |i: usize| median(st.iter().map(|x| x[i]).collect());
+                Ok([m(0), m(1), m(2)])
+            };
+            let st = stage_ms(&mut ws, &mut s, &mut o)?;
+            stages.push((t, st[0], st[1], st[2]));
             println!(
                 "| {t} | {plain:.3} | {with_t:.3} | {:+.1} % | {:.1} |",
                 100.0 * (with_t / plain - 1.0),
                 t as f64 / plain / 1e3
             );
+            // The other state-kernel width and the fp32 SIMT kernels on the same inputs.
+            let other_bv = gdr::STATE_BV
+                .into_iter()
+                .find(|&b| b != ws.state_bv())
+                .unwrap_or(gdr::DEFAULT_STATE_BV);
+            for (label, force, bv) in [
+                (
+                    format!("bf16 tensor cores, state BV {other_bv}"),
+                    None,
+                    other_bv,
+                ),
+                (
+                    "fp32 SIMT".to_string(),
+                    Some(gdr::ChunkedPath::Simt),
+                    ws.state_bv(),
+                ),
+            ] {
+                let mut w2 = gdr::Workspace::new();
+                w2.force_path(force);
+                w2.set_state_bv(bv)?;
+                let ms = time_ms(&g, 2, reps.min(10), || {
+                    gdr::chunked(
+                        &g, &d, &q, &k, &v, &gg, &beta, &mut s, &mut o, None, &mut w2,
+                    )
+                })?;
+                let st = stage_ms(&mut w2, &mut s, &mut o)?;
+                others.push((t, label, ms, st));
+            }
         }
         println!(
             "\n(workspace: {:.1} MiB)",
@@ -196,8 +243,20 @@ mod bench {
         println!("|---|---|---|---|---|");
         for (t, a, b, c) in &stages {
             println!(
-                "| {t} | {a:.3} | {b:.3} | {c:.3} | {:.1} |",
-                b * 1e3 / (t / 64) as f64
+                "| {t} | {a:.3} | {b:.3} | {c:.3} | {:.2} |",
+                b * 1e3 / t.div_ceil(64) as f64
+            );
+        }
+        println!("\nOther kernels, same inputs (prefill without T_C):\n");
+        println!("| T | kernels | prefill ms | A ms | B ms | C ms | B µs per chunk |");
+        println!("|---|---|---|---|---|---|---|");
+        for (t, label, ms, st) in &others {
+            println!(
+                "| {t} | {label} | {ms:.3} | {:.3} | {:.3} | {:.3} | {:.2} |",
+                st[0],
+                st[1],
+                st[2],
+                st[1] * 1e3 / t.div_ceil(64) as f64
             );
         }
 

@@ -443,6 +443,9 @@ mod gpu {
     fn gdr_chunked_case<T: Elem>(tol_o: f64, tol_s: f64) {
         let (g, _l) = gpu();
         let mut ws = gdr::Workspace::new();
+        // The fp32 SIMT kernels (bf16 inputs widened); the tensor-core path for bf16 has
+        // its own test below.
+        ws.force_path(Some(gdr::ChunkedPath::Simt));
         for &t in &[1usize, 63, 64, 65, 200, 1000] {
             let d = GdrDims {
                 t,
@@ -487,6 +490,160 @@ mod gpu {
     #[test]
     fn gdr_chunked_prefill_bf16_matches_cpu() {
         gdr_chunked_case::<bf16>(5e-3, 1e-4);
+    }
+
+    /// One case of the bf16 tensor-core chunked prefill: runs it (state kernel with
+    /// `bv` columns per block) and the fp32 SIMT kernels on the same bf16 inputs from the
+    /// same nonzero state, optionally with the transition, and checks both against the
+    /// CPU `chunked` / `chunked_with_transition` (fp32, on the bf16-rounded inputs).
+    /// Tolerances are norm-wise relative L2 (max relative: 10×): `tol` for output and
+    /// state, `tol_t` for `T_C`.
+    #[allow(clippy::too_many_arguments)]
+    fn gdr_tc_case(
+        g: &Gpu,
+        ws_tc: &mut gdr::Workspace,
+        ws_simt: &mut gdr::Workspace,
+        d: &GdrDims,
+        gates: (&str, f32, f32),
+        with_t: bool,
+        bv: usize,
+        seed: u64,
+        tol: f64,
+        tol_t: f64,
+    ) {
+        let mut c = gdn_case(d, seed, 1.0, true);
+        let mut r = rng(seed ^ 0x9e37);
+        c.g = uniform(&mut r, d.t * d.hv, gates.1, gates.2);
+        ws_tc.set_state_bv(bv).unwrap();
+        let run = |ws: &mut gdr::Workspace| {
+            let mut dev = gdn_dev::<bf16>(g, d, &c);
+            let mut tr = with_t.then(|| poisoned::<f32>(g, d.hv * d.dk * d.dk));
+            match tr.as_mut() {
+                Some(tr) => gdr::chunked_with_transition(
+                    g, d, &dev.q, &dev.k, &dev.v, &dev.g, &dev.beta, &mut dev.s, &mut dev.o, tr, ws,
+                ),
+                None => gdr::chunked(
+                    g, d, &dev.q, &dev.k, &dev.v, &dev.g, &dev.beta, &mut dev.s, &mut dev.o, None,
+                    ws,
+                ),
+            }
+            .unwrap();
+            (
+                down(g, &dev.o, d.t * d.hv * d.dv),
+                g.download(&dev.s).unwrap(),
+                tr.map(|t| g.download(&t).unwrap()),
+            )
+        };
+        let (o_tc, s_tc, t_tc) = run(ws_tc);
+        let (o_simt, s_simt, t_simt) = run(ws_simt);
+        let mut s = c.s0.clone();
+        let (o, tc) = if with_t {
+            let (o, tc) =
+                cpu_gdr::chunked_with_transition(d, &c.q, &c.k, &c.v, &c.g, &c.beta, &mut s, 64);
+            (o, Some(tc))
+        } else {
+            (
+                cpu_gdr::chunked(d, &c.q, &c.k, &c.v, &c.g, &c.beta, &mut s, 64),
+                None,
+            )
+        };
+        let tag = format!(
+            "gdr chunked tc bf16 T={} Hk={} Hv={} g {} [{}, {}]{} BV={bv}",
+            d.t,
+            d.hk,
+            d.hv,
+            gates.0,
+            gates.1,
+            gates.2,
+            if with_t { " +T_C" } else { "" }
+        );
+        check(&format!("{tag} out vs cpu"), &o_tc, &o, tol, 10.0 * tol);
+        check(&format!("{tag} state vs cpu"), &s_tc, &s, tol, 10.0 * tol);
+        check(
+            &format!("{tag} out vs simt"),
+            &o_tc,
+            &o_simt,
+            tol,
+            10.0 * tol,
+        );
+        check(
+            &format!("{tag} state vs simt"),
+            &s_tc,
+            &s_simt,
+            tol,
+            10.0 * tol,
+        );
+        if let (Some(t_tc), Some(t_simt), Some(tc)) = (t_tc, t_simt, tc) {
+            check(
+                &format!("{tag} T_C vs cpu"),
+                &t_tc,
+                &tc,
+                tol_t,
+                10.0 * tol_t,
+            );
+            check(
+                &format!("{tag} T_C vs simt"),
+                &t_tc,
+                &t_simt,
+                tol_t,
+                10.0 * tol_t,
+            );
+        }
+    }
+
+    /// The bf16 tensor-core path (the default for bf16) against the CPU reference and
+    /// the fp32 SIMT kernels: T ∈ {1, 63, 64, 65, 200, 1000, 4096} (partial and whole
+    /// chunks), Hk/Hv = 16/32 and 2/4, gates strongly negative (g ∈ [−20, −4]: the
+    /// state keeps ~the last token, T_C flushes to 0) and near 0 (g ∈ [−1e-3, 0]), with
+    /// and without T_C, both state-kernel block widths. dk = dv = 128 only (the chunked
+    /// prefill is built for that shape; others return `CudaError::Shape`).
+    ///
+    /// Tolerances: the path rounds W, U, K̃, Ũ, P, the state snapshots and the state as
+    /// an mma operand to bf16 (unit roundoff 2⁻⁹); the host emulation of these kernels
+    /// measured relative L2 errors of 2–3.5e-3 on output and state and ≤ 3e-3 on T_C
+    /// (T ≤ 200). Output and state: 1e-2. T_C is a product over all chunks whose
+    /// rounding errors add up: 3e-2 up to T = 1000, 6e-2 at T = 4096.
+    #[test]
+    fn gdr_chunked_tc_bf16_matches_cpu_and_simt() {
+        let (g, _l) = gpu();
+        let mut ws_tc = gdr::Workspace::new();
+        ws_tc.force_path(None); // whatever HYPIC_GDR_KERNELS says
+        assert_eq!(ws_tc.path::<bf16>(), gdr::ChunkedPath::TensorCores);
+        assert_eq!(ws_tc.path::<f32>(), gdr::ChunkedPath::Simt);
+        assert!(ws_tc.set_state_bv(48).is_err());
+        let mut ws_simt = gdr::Workspace::new();
+        ws_simt.force_path(Some(gdr::ChunkedPath::Simt));
+        let mut case = 0u64;
+        for &(hk, hv) in &[(16usize, 32usize), (2, 4)] {
+            for &t in &[1usize, 63, 64, 65, 200, 1000, 4096] {
+                for gates in [("strong", -20.0f32, -4.0f32), ("near 0", -1e-3, 0.0)] {
+                    for with_t in [false, true] {
+                        case += 1;
+                        let d = GdrDims {
+                            t,
+                            hk,
+                            hv,
+                            dk: 128,
+                            dv: 128,
+                        };
+                        let bv = gdr::STATE_BV[(case % 2) as usize];
+                        let tol_t = if t > 1000 { 6e-2 } else { 3e-2 };
+                        gdr_tc_case(
+                            &g,
+                            &mut ws_tc,
+                            &mut ws_simt,
+                            &d,
+                            gates,
+                            with_t,
+                            bv,
+                            500 + case,
+                            1e-2,
+                            tol_t,
+                        );
+                    }
+                }
+            }
+        }
     }
 
     #[test]

@@ -51,6 +51,11 @@ pub const GDR: KernelSource = KernelSource {
     name: "gdr",
     text: include_str!("../../kernels/gdr.cu"),
 };
+/// Gated delta rule chunked prefill on tensor cores for bf16 inputs (`kernels/gdr_tc.cu`).
+pub const GDR_TC: KernelSource = KernelSource {
+    name: "gdr_tc",
+    text: include_str!("../../kernels/gdr_tc.cu"),
+};
 /// Causal attention prefill at arbitrary positions (`kernels/attn.cu`).
 pub const ATTN: KernelSource = KernelSource {
     name: "attn",
@@ -95,8 +100,8 @@ pub const INIT: KernelSource = KernelSource {
 };
 
 /// Every kernel module (used by the compile check and to warm the cache).
-pub const ALL: [KernelSource; 11] = [
-    NORM, ROPE, CONV, GDR, ATTN, FLASH, MODEL, MOE, SAMPLE, PIC, INIT,
+pub const ALL: [KernelSource; 12] = [
+    NORM, ROPE, CONV, GDR, GDR_TC, ATTN, FLASH, MODEL, MOE, SAMPLE, PIC, INIT,
 ];
 
 /// NVRTC target name for a compute capability: `sm_90a` for 9.0 (Hopper, so that

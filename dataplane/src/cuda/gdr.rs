@@ -7,9 +7,15 @@
 //! by `dk^-0.5`, k L2-normalised), `v: [T, Hv, dv]`, `g, beta: [T, Hv]` fp32,
 //! `state: [Hv, dk, dv]` fp32 K-major (initial → final, in place), `o: [T, Hv, dv]`,
 //! `trans: [Hv, dk, dk]` fp32 row-major. q, k, v, o are `f32` or `bf16` ([`Elem`]).
+//!
+//! The chunked prefill has two implementations behind one contract ([`chunked`]):
+//! fp32 SIMT kernels (`kernels/gdr.cu`; the f32 path, bit-for-bit unchanged, and the
+//! reference) and, for bf16 inputs, tensor-core kernels (`kernels/gdr_tc.cu`:
+//! `mma.sync` m16n8k16 with bf16 operands and fp32 accumulation, the state kept in fp32).
+//! [`Workspace::force_path`] picks one explicitly (tests, benchmarks).
 use cudarc::driver::{LaunchConfig, PushKernelArg};
 
-use super::compile::GDR;
+use super::compile::{GDR, GDR_TC};
 use super::{check_len, grid_for, CudaError, CudaSlice, Elem, Gpu, Result};
 use crate::linear::gdr::GdrDims;
 
@@ -98,16 +104,70 @@ pub fn recurrent<T: Elem>(
     Ok(())
 }
 
-/// Scratch of the chunked prefill, reusable across calls (grows as needed):
-/// `gcum [Hv, T]`, `W [Hv, T, dk]`, `U [Hv, T, dv]` (then `Ũ`), `Hs [NT, Hv, dk, dv]`
-/// chunk-initial states, all fp32 — `4·Hv·T·(1 + dk + dv) + 4·NT·Hv·dk·dv` bytes
-/// (1.6 GiB at T = 32k, Hv = 32, dk = dv = 128).
-#[derive(Default)]
+/// Which kernels [`chunked`] runs.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum ChunkedPath {
+    /// fp32 SIMT kernels (`gdr_prep/state/output_{f32,bf16}` in `kernels/gdr.cu`): the
+    /// path of f32 inputs; bf16 inputs are widened to fp32 on load.
+    Simt,
+    /// bf16 tensor-core kernels (`kernels/gdr_tc.cu`); bf16 inputs only.
+    TensorCores,
+}
+
+/// Value columns per block of the tensor-core state kernel that are built (16 per warp):
+/// 32 (2 warps; Hv·dv/32 blocks, 128 at Hv = 32) or 64 (4 warps; half the blocks, half
+/// the L2 → shared-memory traffic for W and K̃, twice the shared-memory reads per SM).
+pub const STATE_BV: [usize; 2] = [32, 64];
+/// Default of [`Workspace::set_state_bv`].
+pub const DEFAULT_STATE_BV: usize = 32;
+
+/// Scratch of the chunked prefill, reusable across calls (grows as needed), and the
+/// choice of kernels.
+///
+/// SIMT path: `gcum [Hv, T]`, `W [Hv, T, dk]`, `U [Hv, T, dv]` (then `Ũ`),
+/// `Hs [NT, Hv, dk, dv]` chunk-initial states, all fp32 —
+/// `4·Hv·T·(1 + dk + dv) + 4·NT·Hv·dk·dv` bytes (1.6 GiB at T = 32k, Hv = 32,
+/// dk = dv = 128).
+///
+/// Tensor-core path (layouts in `kernels/gdr_tc.cu`): `gcum [Hv, NT·64]` fp32 and, per
+/// (head, chunk), bf16 fragment tiles of W (16 KiB), K̃ᵀ (16 KiB), Uᵀ then Ũᵀ (16 KiB)
+/// and the chunk-initial state (32 KiB) — `Hv·NT·(80 KiB + 256 B)` (1.25 GiB at
+/// T = 32k, Hv = 32). The buffers are typed `f32` but hold these bytes.
+///
+/// A new workspace takes its defaults from the environment, for A/B runs of a built
+/// binary: `HYPIC_GDR_KERNELS=simt` forces the SIMT kernels (anything else: automatic),
+/// `HYPIC_GDR_STATE_BV=32|64` sets [`Workspace::set_state_bv`].
 pub struct Workspace {
     gcum: Option<CudaSlice<f32>>,
     w: Option<CudaSlice<f32>>,
     u: Option<CudaSlice<f32>>,
     hs: Option<CudaSlice<f32>>,
+    kt: Option<CudaSlice<f32>>,
+    force: Option<ChunkedPath>,
+    state_bv: usize,
+}
+
+impl Default for Workspace {
+    fn default() -> Self {
+        let force = match std::env::var("HYPIC_GDR_KERNELS").as_deref() {
+            Ok("simt") => Some(ChunkedPath::Simt),
+            _ => None,
+        };
+        let state_bv = std::env::var("HYPIC_GDR_STATE_BV")
+            .ok()
+            .and_then(|v| v.parse::<usize>().ok())
+            .filter(|b| STATE_BV.contains(b))
+            .unwrap_or(DEFAULT_STATE_BV);
+        Workspace {
+            gcum: None,
+            w: None,
+            u: None,
+            hs: None,
+            kt: None,
+            force,
+            state_bv,
+        }
+    }
 }
 
 impl Workspace {
@@ -118,10 +178,41 @@ impl Workspace {
 
     /// Bytes currently allocated.
     pub fn bytes(&self) -> usize {
-        [&self.gcum, &self.w, &self.u, &self.hs]
+        [&self.gcum, &self.w, &self.u, &self.hs, &self.kt]
             .iter()
             .map(|b| b.as_ref().map_or(0, |b| b.len() * 4))
             .sum()
+    }
+
+    /// Forces the kernels of [`chunked`] (`None`: automatic — tensor cores for bf16,
+    /// SIMT for f32). f32 inputs always run on the SIMT kernels.
+    pub fn force_path(&mut self, path: Option<ChunkedPath>) {
+        self.force = path;
+    }
+
+    /// The kernels [`chunked`] runs for element type `T` with this workspace.
+    pub fn path<T: Elem>(&self) -> ChunkedPath {
+        if T::SUFFIX == "bf16" {
+            self.force.unwrap_or(ChunkedPath::TensorCores)
+        } else {
+            ChunkedPath::Simt
+        }
+    }
+
+    /// Value columns per block of the tensor-core state kernel, one of [`STATE_BV`].
+    pub fn set_state_bv(&mut self, bv: usize) -> Result<()> {
+        if !STATE_BV.contains(&bv) {
+            return Err(CudaError::Shape(format!(
+                "state kernel block of {bv} value columns: built for {STATE_BV:?}"
+            )));
+        }
+        self.state_bv = bv;
+        Ok(())
+    }
+
+    /// Value columns per block of the tensor-core state kernel.
+    pub fn state_bv(&self) -> usize {
+        self.state_bv
     }
 
     fn ensure(gpu: &Gpu, slot: &mut Option<CudaSlice<f32>>, n: usize) -> Result<()> {
@@ -165,8 +256,14 @@ pub fn set_identity(gpu: &Gpu, trans: &mut CudaSlice<f32>, hv: usize, dk: usize)
 /// blocks of the sequential state kernel (a state with zero writes), so it adds
 /// `dk/dv` of that kernel's work and nothing to the other two.
 ///
-/// Three launches on [`Gpu::stream`]: `gdr_prep` (grid NT×Hv), `gdr_state` (grid
-/// Hv×(dv/32 [+ dk/32])), `gdr_output` (grid NT×Hv); see kernels/gdr.cu.
+/// Three launches on [`Gpu::stream`]: prep (grid NT×Hv), the sequential state stage
+/// (grid Hv × column blocks of the state [and of `trans`]), output (grid NT×Hv). The
+/// kernels are chosen by [`Workspace::path`]: f32 inputs run the fp32 SIMT kernels of
+/// kernels/gdr.cu; bf16 inputs run the tensor-core kernels of kernels/gdr_tc.cu
+/// (bf16 operands, fp32 accumulation and fp32 state, `T_C` included), whose results
+/// differ from the fp32 kernels by bf16 rounding of intermediates (relative L2 error
+/// 2–5e-3 on output and state up to T = 4096 in the host emulation, against ~1e-3 of
+/// bf16 output rounding alone; `T_C` ~1e-2 at T = 4096).
 #[allow(clippy::too_many_arguments)]
 pub fn chunked<T: Elem>(
     gpu: &Gpu,
@@ -259,6 +356,9 @@ fn chunked_impl<T: Elem>(
     if d.t == 0 || d.hv == 0 {
         return Ok(());
     }
+    if ws.path::<T>() == ChunkedPath::TensorCores {
+        return chunked_tc(gpu, d, q, k, v, g, beta, state, out, trans, ws, marks);
+    }
     let nt = d.t.div_ceil(CHUNK);
     Workspace::ensure(gpu, &mut ws.gcum, d.hv * d.t)?;
     Workspace::ensure(gpu, &mut ws.w, d.hv * d.t * d.dk)?;
@@ -342,6 +442,131 @@ fn chunked_impl<T: Elem>(
     Ok(())
 }
 
+// Dynamic shared memory of the tensor-core kernels (TC_*_SMEM in gdr_tc.cu).
+const TC_LD: usize = PREFILL_DIM + 8;
+const TC_ALD: usize = CHUNK + 8;
+const SMEM_PREP_TC: u32 = (2 * CHUNK * TC_LD * 2
+    + 2 * CHUNK * TC_ALD * 2
+    + CHUNK * (CHUNK + 1) * 4
+    + 3 * 256 * 4
+    + 3 * CHUNK * 4) as u32;
+/// Ring stages of the tensor-core state kernel (TC_STAGES).
+const TC_STAGES: usize = 3;
+/// Shared memory of `gdr_state_tc_bf16_{bv}`: TC_STAGES · TC_STAGE_U4(bv/16) · 16 bytes.
+fn smem_state_tc(bv: usize) -> u32 {
+    (TC_STAGES * (2048 + bv / 16 * 128 + 1) * 16) as u32
+}
+const SMEM_OUT_TC: u32 = (2 * CHUNK * TC_LD * 2 + CHUNK * 4) as u32;
+/// Bytes of one fragment-tiled 64×128 bf16 matrix, as f32 elements.
+const TILE_F32: usize = CHUNK * PREFILL_DIM / 2;
+
+/// The tensor-core path of [`chunked`] (bf16 `T` only; shapes checked by the caller).
+/// Three launches: `gdr_prep_tc_bf16` (grid NT×Hv, 256 threads), `gdr_state_tc_bf16_{BV}`
+/// (grid Hv×(dv [+ dk])/BV, 2·BV threads), `gdr_output_tc_bf16` (grid NT×Hv, 256).
+#[allow(clippy::too_many_arguments)]
+fn chunked_tc<T: Elem>(
+    gpu: &Gpu,
+    d: &GdrDims,
+    q: &CudaSlice<T>,
+    k: &CudaSlice<T>,
+    v: &CudaSlice<T>,
+    g: &CudaSlice<f32>,
+    beta: &CudaSlice<f32>,
+    state: &mut CudaSlice<f32>,
+    out: &mut CudaSlice<T>,
+    trans: Option<&mut CudaSlice<f32>>,
+    ws: &mut Workspace,
+    mut marks: Option<&mut [cudarc::driver::CudaEvent; 4]>,
+) -> Result<()> {
+    debug_assert_eq!(T::SUFFIX, "bf16");
+    let nt = d.t.div_ceil(CHUNK);
+    let tiles = nt * d.hv;
+    Workspace::ensure(gpu, &mut ws.gcum, tiles * CHUNK)?;
+    Workspace::ensure(gpu, &mut ws.w, tiles * TILE_F32)?;
+    Workspace::ensure(gpu, &mut ws.kt, tiles * TILE_F32)?;
+    Workspace::ensure(gpu, &mut ws.u, tiles * TILE_F32)?;
+    Workspace::ensure(gpu, &mut ws.hs, tiles * 2 * TILE_F32)?;
+    let bv = ws.state_bv;
+    let (gcum, w, kt, u, hs) = (
+        ws.gcum.as_mut().expect("allocated"),
+        ws.w.as_mut().expect("allocated"),
+        ws.kt.as_mut().expect("allocated"),
+        ws.u.as_mut().expect("allocated"),
+        ws.hs.as_mut().expect("allocated"),
+    );
+    let (t, hk, hv) = (d.t as i32, d.hk as i32, d.hv as i32);
+    let mut mark = |i: usize| -> Result<()> {
+        if let Some(m) = marks.as_deref_mut() {
+            m[i].record(gpu.stream())?;
+        }
+        Ok(())
+    };
+    mark(0)?;
+    // A: per chunk G, W, K̃ᵀ, Uᵀ.
+    let f = gpu.function(&GDR_TC, "gdr_prep_tc_bf16", SMEM_PREP_TC)?;
+    let cfg = LaunchConfig {
+        grid_dim: (nt as u32, d.hv as u32, 1),
+        block_dim: (256, 1, 1),
+        shared_mem_bytes: SMEM_PREP_TC,
+    };
+    let mut b = gpu.stream().launch_builder(&f);
+    b.arg(k)
+        .arg(v)
+        .arg(g)
+        .arg(beta)
+        .arg(&mut *gcum)
+        .arg(&mut *w)
+        .arg(&mut *kt)
+        .arg(&mut *u)
+        .arg(&t)
+        .arg(&hk)
+        .arg(&hv);
+    // SAFETY: matches `gdr_prep_tc_bf16`; T is bf16 (path selection), buffers sized above.
+    unsafe { b.launch(cfg) }?;
+    mark(1)?;
+    // B: sequential over chunks.
+    let ncols = d.dv + if trans.is_some() { d.dk } else { 0 };
+    let smem = smem_state_tc(bv);
+    let f = gpu.function(&GDR_TC, &format!("gdr_state_tc_bf16_{bv}"), smem)?;
+    let cfg = LaunchConfig {
+        grid_dim: (d.hv as u32, (ncols / bv) as u32, 1),
+        block_dim: (2 * bv as u32, 1, 1),
+        shared_mem_bytes: smem,
+    };
+    let null: u64 = 0;
+    let mut b = gpu.stream().launch_builder(&f);
+    b.arg(&*w).arg(&*kt).arg(&mut *u).arg(&*gcum).arg(state);
+    match trans {
+        Some(tr) => b.arg(tr),
+        None => b.arg(&null),
+    };
+    b.arg(&mut *hs).arg(&t);
+    // SAFETY: matches `gdr_state_tc_bf16_*`; buffers sized above.
+    unsafe { b.launch(cfg) }?;
+    mark(2)?;
+    // C: outputs.
+    let f = gpu.function(&GDR_TC, "gdr_output_tc_bf16", SMEM_OUT_TC)?;
+    let cfg = LaunchConfig {
+        grid_dim: (nt as u32, d.hv as u32, 1),
+        block_dim: (256, 1, 1),
+        shared_mem_bytes: SMEM_OUT_TC,
+    };
+    let mut b = gpu.stream().launch_builder(&f);
+    b.arg(q)
+        .arg(k)
+        .arg(&*gcum)
+        .arg(&*u)
+        .arg(&*hs)
+        .arg(out)
+        .arg(&t)
+        .arg(&hk)
+        .arg(&hv);
+    // SAFETY: matches `gdr_output_tc_bf16`; buffers sized above.
+    unsafe { b.launch(cfg) }?;
+    mark(3)?;
+    Ok(())
+}
+
 /// [`chunked`] that also returns the segment transition `T_C` in `trans`
 /// (`[Hv, dk, dk]`, overwritten): `S_final = T_C S_initial + S_{C|0}`.
 #[allow(clippy::too_many_arguments)]
@@ -360,4 +585,43 @@ pub fn chunked_with_transition<T: Elem>(
 ) -> Result<()> {
     set_identity(gpu, trans, d.hv, d.dk)?;
     chunked(gpu, d, q, k, v, g, beta, state, out, Some(trans), ws)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn path_selected_by_element_type() {
+        let mut ws = Workspace::new();
+        ws.force_path(None);
+        ws.set_state_bv(DEFAULT_STATE_BV).unwrap();
+        assert_eq!(ws.path::<half::bf16>(), ChunkedPath::TensorCores);
+        assert_eq!(ws.path::<f32>(), ChunkedPath::Simt);
+        ws.force_path(Some(ChunkedPath::Simt));
+        assert_eq!(ws.path::<half::bf16>(), ChunkedPath::Simt);
+        // f32 inputs have no tensor-core kernels.
+        ws.force_path(Some(ChunkedPath::TensorCores));
+        assert_eq!(ws.path::<f32>(), ChunkedPath::Simt);
+        assert_eq!(ws.state_bv(), DEFAULT_STATE_BV);
+        ws.set_state_bv(64).unwrap();
+        assert_eq!(ws.state_bv(), 64);
+        assert!(ws.set_state_bv(16).is_err());
+        assert_eq!(ws.state_bv(), 64);
+    }
+
+    #[test]
+    fn tensor_core_shared_memory_sizes() {
+        // TC_PREP_SMEM, TC_OUT_SMEM and the state kernel's ring of kernels/gdr_tc.cu,
+        // all within the 227 KiB a block may use on H100/H200.
+        assert_eq!(SMEM_PREP_TC, 73_728);
+        assert_eq!(SMEM_OUT_TC, 35_072);
+        assert_eq!(smem_state_tc(32), 3 * 2305 * 16);
+        assert_eq!(smem_state_tc(64), 3 * 2561 * 16);
+        assert!(STATE_BV.iter().all(|&b| smem_state_tc(b) <= 227 * 1024));
+        // BV = 32: two blocks per SM (228 KiB per SM, 1 KiB reserved per block), so the
+        // 256 blocks of Hv = 32 with T_C run in one wave on 132 SMs.
+        assert!(2 * (smem_state_tc(32) as usize + 1024) <= 228 * 1024);
+        assert_eq!(TILE_F32 * 4, 16 * 1024);
+    }
 }

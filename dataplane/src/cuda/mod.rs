@@ -13,7 +13,7 @@
 //!   [`ops`] (RMSNorm variants, partial RoPE and K re-rotation, causal conv1d prefill
 //!   and one-token update), [`gdr`] (gated delta rule one-token recurrent decode and
 //!   chunked prefill from an initial state, optionally with the segment transition
-//!   `T_C`), [`transition`] (dense pair compose/apply through cuBLAS strided batched
+//!   `T_C`; bf16 prefill on tensor cores), [`transition`] (dense pair compose/apply through cuBLAS strided batched
 //!   GEMM), [`attn`] (causal GQA attention prefill over KV at arbitrary positions: a tiled
 //!   SIMT kernel, a cuBLAS GEMM path `attn::prefill_fast` for long spans, and for bf16 a
 //!   FlashAttention-2 tensor-core kernel `attn::prefill_flash`),

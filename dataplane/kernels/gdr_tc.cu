@@ -1,0 +1,609 @@
+// Chunked gated delta rule prefill on tensor cores, bf16 q/k/v (fp32 state).
+//
+// Same contract and algebra as the fp32 SIMT kernels of gdr.cu (which stay the f32
+// path and the reference); CPU reference: dataplane/src/linear/gdr.rs. Host side:
+// dataplane/src/cuda/gdr.rs (selects these kernels for bf16 inputs).
+//
+// Algorithm: Yang, Kautz, Hatamizadeh 2024, "Gated Delta Networks: Improving Mamba2 with
+// Delta Rule" (the recurrence S_t = e^{g_t}(I − β_t k_t k_tᵀ) S_{t−1} + β_t k_t v_tᵀ),
+// chunked with the WY / UT-transform form of Yang et al. 2024, "Parallelizing Linear
+// Transformers with the Delta Rule over Sequence Length". Per chunk of 64 tokens, with
+// chunk-local cumulative log decay G_i = Σ_{j≤i} g_j and chunk-initial state S:
+//   L  = strictly-lower(β_i e^{G_i−G_j} k_i·k_j),  M = (I + L)⁻¹
+//   W  = M diag(β e^G) K,  U = M diag(β) V          (prep, parallel over chunks)
+//   Ũ  = U − W S;  S' = e^{G_c} S + K̃ᵀ Ũ,  K̃_i = e^{G_c−G_i} k_i   (state, sequential)
+//   O  = diag(e^G) Q S + (Q Kᵀ ⊙ e^{G_i−G_m})_{m≤i} Ũ                (output, parallel)
+// All products run as mma.sync m16n8k16 (bf16 operands, fp32 accumulation); the state S
+// is accumulated in fp32 registers and rounded to bf16 only as an mma operand; M is
+// solved in fp32. bf16-rounded intermediates (as FLA's kernels): W, U, K̃, Ũ, the
+// per-chunk state snapshots, P. Relative L2 error against the fp64 recurrence in the
+// host emulation (tools/gdr-tc-emu): 2–5e-3 on output and state for T ≤ 4096, T_C up to
+// ~1.3e-2 at T = 4096 (rounding errors of all chunks add up in the product).
+//
+// Fragment tiles ("F-tiles"). A 16×16 bf16 block X is stored as 32 lanes × uint4, lane
+// (g = lane/4, q = lane%4) holding four bf16 pairs (low half = lower column), in one of
+// two orders:
+//   A order { X[g][2q..2q+1], X[g+8][2q..], X[g][2q+8..], X[g+8][2q+8..] } — the mma A
+//           fragment of X; as a B operand (X rows = n, columns = k) n-tile 0 (rows 0–7)
+//           is (.x, .z) and n-tile 1 is (.y, .w);
+//   B order { X[g][2q..2q+1], X[g][2q+8..], X[g+8][2q..], X[g+8][2q+8..] } — B operands
+//           (.x, .y) and (.z, .w) as loaded (register pairs, no moves).
+// Two adjacent n8 accumulator tiles (columns 0–7, 8–15) of an m16 tile pack into either
+// without data movement between lanes. An R×C matrix is a row-major grid of such blocks
+// (block (rb, cb) at ((rb·C/16 + cb)·32 + lane) uint4s). Per (value head h, chunk n),
+// "tile" = h·NT + n:
+//   Wf  [tile][4 i-blocks][8 c-blocks]   W, B order           (64 × 128)   16 KiB
+//   Ktf [tile][8 c-blocks][4 i-blocks]   K̃ᵀ, B order          (128 × 64)   16 KiB
+//   Uf  [tile][8 j-blocks][4 i-blocks]   Uᵀ then Ũᵀ, A order  (128 × 64)   16 KiB
+//   Hsf [tile][8 j-blocks][8 c-blocks]   chunk-initial Sᵀ, A order (128 × 128) 32 KiB
+// (W and K̃ᵀ are B operands of the sequential state kernel; Ũᵀ and Sᵀ are produced there
+// as A fragments, and read as B operands by the parallel output kernel.)
+//   gcum [Hv][NT·64] fp32 G (rows past the sequence end repeat the last G)
+// Rows of a partial last chunk are zero in W, U, K̃ (their β and k are zero).
+//
+// Layouts of the inputs and outputs (as gdr.cu): q, k [T, Hk, 128] bf16, v [T, Hv, 128]
+// bf16, g, beta [T, Hv] fp32, state [Hv, 128, 128] fp32 K-major, trans [Hv, 128, 128]
+// fp32 row-major, o [T, Hv, 128] bf16. Value head h reads key head h / (Hv/Hk).
+
+#define TC_CH 64     // chunk length
+#define TC_D 128     // dk = dv
+#define TC_LD 136    // bf16 row stride of 64×128 staging tiles: 272 B (ldmatrix rows 16-B
+                     // aligned; 32-bit fragment loads and ldmatrix phases conflict-free)
+#define TC_ALD 72    // bf16 row stride of the 64×64 staging tiles (144 B, same properties)
+#define TC_LLD (TC_CH + 1)  // fp32 row stride of L and M
+#define TC_FLUSH 9.094947e-13f  // transition entries below 2^-40 → 0 (linear::gdr FLUSH_UNIT)
+
+// ---------------------------------------------------------------------------------------
+// Warp-level primitives (inline PTX). HYPIC_HOST_EMU: a host build supplies its own.
+#ifndef HYPIC_HOST_EMU
+// c += a·b, m16n8k16, row.col, bf16 in, fp32 accumulate. a: A fragment (4 regs), b0/b1:
+// B fragment (k 2q..2q+1 / 2q+8.. of column g).
+__device__ __forceinline__ void tc_mma(float* c, const unsigned* a, unsigned b0, unsigned b1) {
+    asm volatile(
+        "mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 "
+        "{%0, %1, %2, %3}, {%4, %5, %6, %7}, {%8, %9}, {%0, %1, %2, %3};\n"
+        : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
+        : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
+}
+
+// ldmatrix.sync.aligned.m8n8.x4.trans.shared.b16: lane l gives the address of row
+// (l & 7) of 8×8 matrix (l >> 3) (16 contiguous bytes); register i of lane (g, q)
+// receives elements (row 2q, column g) (low half) and (2q+1, g) (high) of matrix i.
+__device__ __forceinline__ void tc_ldsm_x4_trans(unsigned* f, const bf16* p) {
+    const unsigned a = (unsigned)__cvta_generic_to_shared(p);
+    asm volatile("ldmatrix.sync.aligned.m8n8.x4.trans.shared.b16 {%0, %1, %2, %3}, [%4];\n"
+                 : "=r"(f[0]), "=r"(f[1]), "=r"(f[2]), "=r"(f[3])
+                 : "r"(a)
+                 : "memory");
+}
+
+// Asynchronous global → shared copies: 16 bytes bypassing L1 (cp.async.cg), 4 bytes
+// (cp.async.ca); commit of the copies issued so far as one group; wait until at most
+// N groups are pending.
+__device__ __forceinline__ void tc_cp16(void* smem, const void* gmem) {
+    const unsigned s = (unsigned)__cvta_generic_to_shared(smem);
+    asm volatile("cp.async.cg.shared.global [%0], [%1], 16;\n" ::"r"(s), "l"(gmem) : "memory");
+}
+__device__ __forceinline__ void tc_cp4(void* smem, const void* gmem) {
+    const unsigned s = (unsigned)__cvta_generic_to_shared(smem);
+    asm volatile("cp.async.ca.shared.global [%0], [%1], 4;\n" ::"r"(s), "l"(gmem) : "memory");
+}
+__device__ __forceinline__ void tc_cp_commit() { asm volatile("cp.async.commit_group;\n" ::: "memory"); }
+template <int N>
+__device__ __forceinline__ void tc_cp_wait() {
+    asm volatile("cp.async.wait_group %0;\n" ::"n"(N) : "memory");
+}
+#endif
+
+// Dynamic shared memory of all three kernels (carved per kernel).
+extern __shared__ uint4 tc_sm[];
+
+// ---------------------------------------------------------------------------------------
+// Small helpers.
+__device__ __forceinline__ unsigned tc_pack(float lo, float hi) {
+    __nv_bfloat162 v = __floats2bfloat162_rn(lo, hi);
+    return *reinterpret_cast<unsigned*>(&v);
+}
+__device__ __forceinline__ float2 tc_unpack(unsigned u) {
+    __nv_bfloat162 v = *reinterpret_cast<__nv_bfloat162*>(&u);
+    return __bfloat1622float2(v);
+}
+__device__ __forceinline__ unsigned tc_ld32(const bf16* p) { return *reinterpret_cast<const unsigned*>(p); }
+// F-tile block (B order) of the transpose of a 16×16 block of a row-major bf16 matrix X
+// in shared memory: rows m0..m0+15 of Xᵀ (columns of X), columns k0..k0+15 of Xᵀ (rows
+// of X). The four 8×8 matrices at X rows/columns (k0, m0), (k0+8, m0), (k0, m0+8),
+// (k0+8, m0+8) give .x, .y, .z, .w.
+__device__ __forceinline__ void tc_ldsm_t(unsigned* f, const bf16* X, int ld, int k0, int m0, int lane) {
+    const int mi = lane >> 3, r = lane & 7;
+    tc_ldsm_x4_trans(f, X + (k0 + r + 8 * (mi & 1)) * ld + m0 + 8 * (mi >> 1));
+}
+// mma A fragment of the 16×16 block of a row-major bf16 matrix X at (r0, c0) (plain
+// 32-bit loads): { X[g][2q..], X[g+8][2q..], X[g][2q+8..], X[g+8][2q+8..] }.
+__device__ __forceinline__ void tc_frag(unsigned* f, const bf16* X, int ld, int r0, int c0, int lane) {
+    const bf16* p = X + (r0 + (lane >> 2)) * ld + c0 + 2 * (lane & 3);
+    f[0] = tc_ld32(p);
+    f[1] = tc_ld32(p + 8 * ld);
+    f[2] = tc_ld32(p + 8);
+    f[3] = tc_ld32(p + 8 * ld + 8);
+}
+// F-tile block (B order) from two accumulator n8 tiles (columns 0–7 in c0, 8–15 in c1)
+// of one m16 tile.
+__device__ __forceinline__ uint4 tc_acc_tile(const float* c0, const float* c1) {
+    return make_uint4(tc_pack(c0[0], c0[1]), tc_pack(c1[0], c1[1]), tc_pack(c0[2], c0[3]), tc_pack(c1[2], c1[3]));
+}
+// F-tile block (A order) / mma A fragment from the same two accumulator tiles.
+__device__ __forceinline__ void tc_acc_afrag(unsigned* a, const float* c0, const float* c1) {
+    a[0] = tc_pack(c0[0], c0[1]);
+    a[1] = tc_pack(c0[2], c0[3]);
+    a[2] = tc_pack(c1[0], c1[1]);
+    a[3] = tc_pack(c1[2], c1[3]);
+}
+// Loads rows [t0, t0 + len) of one head of a [T, H, 128] bf16 tensor into a 64×128 shared
+// tile (row stride TC_LD); rows ≥ len are zero. 256 threads.
+__device__ __forceinline__ void tc_load_rows(bf16* dst, const bf16* src, int t0, int len, int nh, int hd, int tid) {
+    uint4 x[4];
+#pragma unroll
+    for (int it = 0; it < 4; ++it) {
+        const int idx = tid + 256 * it, i = idx >> 4, c8 = idx & 15;
+        x[it] = i < len ? *reinterpret_cast<const uint4*>(src + ((size_t)(t0 + i) * nh + hd) * TC_D + c8 * 8)
+                        : make_uint4(0u, 0u, 0u, 0u);
+    }
+#pragma unroll
+    for (int it = 0; it < 4; ++it) {
+        const int idx = tid + 256 * it, i = idx >> 4, c8 = idx & 15;
+        *reinterpret_cast<uint4*>(dst + i * TC_LD + c8 * 8) = x[it];
+    }
+}
+
+// ---------------------------------------------------------------------------------------
+// A  gdr_prep_tc_bf16: grid (NT, Hv), block 256 (8 warps). Per (chunk, head): G, β;
+// L from K Kᵀ (mma); M = (I + L)⁻¹ in fp32 (16×16 diagonal blocks by substitution, then
+// the off-diagonal blocks by block distance); W = (M diag(βe^G)) K and
+// Uᵀ = Vᵀ (M diag(β))ᵀ (mma, M rounded to bf16); K̃ᵀ. Writes gcum, Wf, Ktf, Uf.
+#define TC_PREP_SMEM (2 * TC_CH * TC_LD * 2 + 2 * TC_CH * TC_ALD * 2 + TC_CH * TC_LLD * 4 + 3 * 256 * 4 + 3 * TC_CH * 4)
+extern "C" __global__ void __launch_bounds__(256)
+    gdr_prep_tc_bf16(const bf16* __restrict__ k, const bf16* __restrict__ v, const float* __restrict__ g,
+                     const float* __restrict__ beta, float* __restrict__ gcum, uint4* __restrict__ Wf,
+                     uint4* __restrict__ Ktf, uint4* __restrict__ Uf, int t_len, int hk, int hv) {
+    bf16* Ks = reinterpret_cast<bf16*>(tc_sm);                // [64][TC_LD]
+    bf16* Vs = Ks + TC_CH * TC_LD;                             // [64][TC_LD]
+    // L (fp32 [64][TC_LLD]) until M is solved, then A1 = M diag(βe^G), A2 = M diag(β)
+    // (bf16 [64][TC_ALD] each) in the same bytes.
+    float* Ls = reinterpret_cast<float*>(Vs + TC_CH * TC_LD);
+    bf16* A1 = reinterpret_cast<bf16*>(Ls);
+    bf16* A2 = A1 + TC_CH * TC_ALD;
+    float* Ms = Ls + TC_CH * TC_ALD;                           // [64][TC_LLD] M
+    float* Xs = Ms + TC_CH * TC_LLD;                           // [3][16][16] scratch
+    float* G = Xs + 3 * 256;                                   // [64]
+    float* Bt = G + TC_CH;                                     // [64] β
+    float* Eb = Bt + TC_CH;                                    // [64] β e^G
+    const int n = blockIdx.x, h = blockIdx.y, kh = h / (hv / hk), tid = threadIdx.x;
+    const int lane = tid & 31, w = tid >> 5, gq = lane >> 2, tq = lane & 3;
+    const int nt = (t_len + TC_CH - 1) / TC_CH;
+    const int t0 = n * TC_CH, len = min(TC_CH, t_len - t0);
+    const size_t tile = (size_t)h * nt + n;
+    if (w == 0) {
+        // Inclusive scan of g over the chunk (2 tokens per lane; zero past the end).
+        const int i0 = 2 * lane, i1 = i0 + 1;
+        const float a = i0 < len ? g[(size_t)(t0 + i0) * hv + h] : 0.f;
+        const float b = i1 < len ? g[(size_t)(t0 + i1) * hv + h] : 0.f;
+        float s = a + b;
+#pragma unroll
+        for (int o = 1; o < 32; o <<= 1) {
+            const float y = __shfl_up_sync(0xffffffffu, s, o);
+            if (lane >= o) s += y;
+        }
+        const float b0 = i0 < len ? beta[(size_t)(t0 + i0) * hv + h] : 0.f;
+        const float b1 = i1 < len ? beta[(size_t)(t0 + i1) * hv + h] : 0.f;
+        G[i0] = s - b;
+        G[i1] = s;
+        Bt[i0] = b0;
+        Bt[i1] = b1;
+        Eb[i0] = b0 * expf(s - b);
+        Eb[i1] = b1 * expf(s);
+    }
+    tc_load_rows(Ks, k, t0, len, hk, kh, tid);
+    tc_load_rows(Vs, v, t0, len, hv, h, tid);
+    __syncthreads();
+    if (tid < TC_CH) gcum[tile * TC_CH + tid] = G[tid];
+    // L = β_i e^{G_i−G_m} (K Kᵀ)_im for m < i. Warp: rows 16·mt.., n-tiles 4·nh..4·nh+3.
+    {
+        const int mt = w >> 1, nh = w & 1;
+        float acc[4][4];
+#pragma unroll
+        for (int j = 0; j < 4; ++j) acc[j][0] = acc[j][1] = acc[j][2] = acc[j][3] = 0.f;
+#pragma unroll
+        for (int kc = 0; kc < TC_D / 16; ++kc) {
+            unsigned a[4];
+            tc_frag(a, Ks, TC_LD, 16 * mt, 16 * kc, lane);
+#pragma unroll
+            for (int j = 0; j < 4; ++j) {
+                const int nt8 = 4 * nh + j;
+                if (nt8 <= 2 * mt + 1) {  // warp-uniform: the tile holds some m ≤ i
+                    const bf16* p = Ks + (8 * nt8 + gq) * TC_LD + 16 * kc + 2 * tq;
+                    tc_mma(acc[j], a, tc_ld32(p), tc_ld32(p + 8));
+                }
+            }
+        }
+#pragma unroll
+        for (int j = 0; j < 4; ++j)
+#pragma unroll
+            for (int e = 0; e < 4; ++e) {
+                const int i = 16 * mt + gq + 8 * (e >> 1), m = 8 * (4 * nh + j) + 2 * tq + (e & 1);
+                Ls[i * TC_LLD + m] = m < i ? Bt[i] * expf(G[i] - G[m]) * acc[j][e] : 0.f;
+            }
+    }
+    __syncthreads();
+    // M = (I + L)⁻¹ (unit lower triangular). Diagonal 16×16 blocks: thread < 64 solves
+    // column c of block b by forward substitution (zeros above the diagonal included).
+    if (tid < TC_CH) {
+        const int o = 16 * (tid >> 4), c = tid & 15;
+        float x[16];
+#pragma unroll
+        for (int r = 0; r < 16; ++r) {
+            float s = r == c ? 1.f : 0.f;
+#pragma unroll
+            for (int r2 = 0; r2 < r; ++r2) s -= Ls[(o + r) * TC_LLD + o + r2] * x[r2];
+            x[r] = s;
+        }
+#pragma unroll
+        for (int r = 0; r < 16; ++r) Ms[(o + r) * TC_LLD + o + c] = x[r];
+    }
+    __syncthreads();
+    // Off-diagonal blocks by distance d: M_ij = −M_ii Σ_{k=j}^{i−1} L_ik M_kj (i = j + d).
+#pragma unroll 1
+    for (int d = 1; d < 4; ++d) {
+        const int nb = (4 - d) * 256;
+        for (int e = tid; e < nb; e += 256) {
+            const int bj = e >> 8, r = (e >> 4) & 15, c = e & 15, bi = bj + d;
+            float s = 0.f;
+            for (int kb = bj; kb < bi; ++kb) {
+#pragma unroll
+                for (int s2 = 0; s2 < 16; ++s2)
+                    s += Ls[(16 * bi + r) * TC_LLD + 16 * kb + s2] * Ms[(16 * kb + s2) * TC_LLD + 16 * bj + c];
+            }
+            Xs[e] = s;
+        }
+        __syncthreads();
+        for (int e = tid; e < nb; e += 256) {
+            const int bj = e >> 8, r = (e >> 4) & 15, c = e & 15, bi = bj + d;
+            float s = 0.f;
+#pragma unroll
+            for (int s2 = 0; s2 < 16; ++s2)
+                s += Ms[(16 * bi + r) * TC_LLD + 16 * bi + s2] * Xs[(bj << 8) + s2 * 16 + c];
+            Ms[(16 * bi + r) * TC_LLD + 16 * bj + c] = -s;
+        }
+        __syncthreads();
+    }
+    // A1 = M diag(βe^G), A2 = M diag(β) in bf16 (over L, which is no longer read);
+    // entries above the diagonal (never written in Ms) are zero.
+    for (int e = tid; e < TC_CH * TC_CH / 2; e += 256) {
+        const int i = e >> 5, m = 2 * (e & 31);
+        const float m0 = m <= i ? Ms[i * TC_LLD + m] : 0.f;
+        const float m1 = m + 1 <= i ? Ms[i * TC_LLD + m + 1] : 0.f;
+        *reinterpret_cast<unsigned*>(A1 + i * TC_ALD + m) = tc_pack(m0 * Eb[m], m1 * Eb[m + 1]);
+        *reinterpret_cast<unsigned*>(A2 + i * TC_ALD + m) = tc_pack(m0 * Bt[m], m1 * Bt[m + 1]);
+    }
+    __syncthreads();
+    // W = A1 K: warp rows 16·mt.., columns 64·ch.. (c-blocks 4·ch..4·ch+3). A1 is lower
+    // triangular, so k-blocks past the diagonal block are skipped.
+    {
+        const int mt = w & 3, ch = w >> 2;
+        float acc[8][4];
+#pragma unroll
+        for (int j = 0; j < 8; ++j) acc[j][0] = acc[j][1] = acc[j][2] = acc[j][3] = 0.f;
+#pragma unroll
+        for (int kk = 0; kk < 4; ++kk) {
+            if (kk <= mt) {
+                unsigned a[4];
+                tc_frag(a, A1, TC_ALD, 16 * mt, 16 * kk, lane);
+#pragma unroll
+                for (int qb = 0; qb < 4; ++qb) {
+                    unsigned b[4];
+                    tc_ldsm_t(b, Ks, TC_LD, 16 * kk, 16 * (4 * ch + qb), lane);  // F(Kᵀ block)
+                    tc_mma(acc[2 * qb], a, b[0], b[1]);
+                    tc_mma(acc[2 * qb + 1], a, b[2], b[3]);
+                }
+            }
+        }
+        uint4* dst = Wf + (tile * 32 + mt * 8 + 4 * ch) * 32 + lane;
+#pragma unroll
+        for (int qb = 0; qb < 4; ++qb) dst[qb * 32] = tc_acc_tile(acc[2 * qb], acc[2 * qb + 1]);
+    }
+    // Uᵀ = Vᵀ A2ᵀ: warp = j-block w (rows of Uᵀ), all 64 i. A2[i][m] = 0 for m > i, so
+    // k-block kk only reaches n-tiles nt8 ≥ 2·kk.
+    {
+        float acc[8][4];
+#pragma unroll
+        for (int j = 0; j < 8; ++j) acc[j][0] = acc[j][1] = acc[j][2] = acc[j][3] = 0.f;
+#pragma unroll
+        for (int kk = 0; kk < 4; ++kk) {
+            unsigned f[4];
+            tc_ldsm_t(f, Vs, TC_LD, 16 * kk, 16 * w, lane);  // F(Vᵀ block (w, kk))
+            const unsigned a[4] = {f[0], f[2], f[1], f[3]};
+#pragma unroll
+            for (int nt8 = 0; nt8 < 8; ++nt8) {
+                if (nt8 >= 2 * kk) {
+                    const bf16* p = A2 + (8 * nt8 + gq) * TC_ALD + 16 * kk + 2 * tq;
+                    tc_mma(acc[nt8], a, tc_ld32(p), tc_ld32(p + 8));
+                }
+            }
+        }
+        uint4* dst = Uf + (tile * 32 + w * 4) * 32 + lane;
+#pragma unroll
+        for (int ib = 0; ib < 4; ++ib) {
+            unsigned a[4];
+            tc_acc_afrag(a, acc[2 * ib], acc[2 * ib + 1]);
+            dst[ib * 32] = make_uint4(a[0], a[1], a[2], a[3]);
+        }
+    }
+    // K̃ᵀ: warp = c-block w; K̃_i = e^{G_last − G_i} k_i.
+    {
+        const float gl = G[TC_CH - 1];
+        uint4* dst = Ktf + (tile * 32 + w * 4) * 32 + lane;
+#pragma unroll
+        for (int ib = 0; ib < 4; ++ib) {
+            unsigned f[4];
+            tc_ldsm_t(f, Ks, TC_LD, 16 * ib, 16 * w, lane);  // F(Kᵀ block (w, ib))
+            const int i0 = 16 * ib + 2 * tq;                  // .x/.z: i0, i0+1; .y/.w: i0+8, i0+9
+            const float s0 = expf(gl - G[i0]), s1 = expf(gl - G[i0 + 1]);
+            const float s2 = expf(gl - G[i0 + 8]), s3 = expf(gl - G[i0 + 9]);
+            const float2 x0 = tc_unpack(f[0]), x1 = tc_unpack(f[1]), x2 = tc_unpack(f[2]), x3 = tc_unpack(f[3]);
+            dst[ib * 32] = make_uint4(tc_pack(x0.x * s0, x0.y * s1), tc_pack(x1.x * s2, x1.y * s3),
+                                      tc_pack(x2.x * s0, x2.y * s1), tc_pack(x3.x * s2, x3.y * s3));
+        }
+    }
+}
+
+// ---------------------------------------------------------------------------------------
+// B  gdr_state_tc_bf16_{32,64}: grid (Hv, (128 [+ 128 with trans]) / BV), block NW = BV/16
+// warps. Sequential over the chunks of one head. Warp w owns 16 columns j of the state
+// (block jb = blockIdx.y·NW + w over [state columns | transition columns]) as Sᵀ rows:
+// fp32 accumulators sacc (16 n-tiles over the 128 rows c of S), so the chunk step is
+//   sa  = bf16(Sᵀ) as A fragments (packed from the accumulators, no shared memory)
+//   Hs[n] = sa                                   (snapshot, F-tiles)
+//   Ũᵀ  = Uᵀ − Sᵀ Wᵀ                              (64 mma; Ũ written over U)
+//   Sᵀ  ← e^{G_c} Sᵀ + Ũᵀ K̃                        (64 mma, Ũᵀ packed from accumulators)
+// The chunk's W and K̃ᵀ (32 KiB, shared by the CTA's warps), the CTA's Uᵀ slice and G_c
+// stream through a TC_STAGES-deep cp.async ring in shared memory (chunk n+STAGES−1 is
+// requested while chunk n computes; one barrier per chunk). Transition blocks
+// (trans != null, jb ≥ 8; TRANS) run the same step with U = 0 and no writes, flushing
+// |T| < 2^-40 to 0 after every chunk.
+#define TC_STAGES 3
+// uint4 per ring stage: W 1024 | K̃ᵀ 1024 | Uᵀ slice NW·128 | G_c 1. Shared memory of the
+// kernel: TC_STAGES · TC_STAGE_U4(NW) · 16 bytes (108 KiB for BV = 32, so that two blocks
+// share an SM when the transition doubles the grid to 256 blocks at Hv = 32; 120 KiB for
+// BV = 64).
+#define TC_STAGE_U4(NW) (2048 + (NW) * 128 + 1)
+template <int NW, bool TRANS>
+__device__ __forceinline__ void gdr_state_tc_run(const uint4* __restrict__ Wf, const uint4* __restrict__ Ktf,
+                                                 uint4* Uf, const float* __restrict__ gcum, float* mat,
+                                                 uint4* Hsf, int jb0, int col0, int nt, size_t hb) {
+    constexpr int SU = TC_STAGE_U4(NW);
+    const int tid = threadIdx.x, w = tid >> 5, lane = tid & 31;
+    const int gq = lane >> 2, tq = lane & 3, jb = jb0 + w;
+    // sacc[ct][e] = Sᵀ[j0 + 8(e>>1)][8ct + 2tq + (e&1)] = mat[c][j], j0 = col0 + 16w + gq.
+    const int j0 = col0 + 16 * w + gq;
+    float sacc[16][4];
+#pragma unroll
+    for (int ct = 0; ct < 16; ++ct)
+#pragma unroll
+        for (int e = 0; e < 4; ++e) sacc[ct][e] = mat[(size_t)(8 * ct + 2 * tq + (e & 1)) * TC_D + j0 + 8 * (e >> 1)];
+    // Requests chunk n into its ring stage (an empty group past the end keeps the group
+    // count uniform for the wait).
+    auto issue = [&](int n) {
+        if (n < nt) {
+            uint4* dst = tc_sm + (n % TC_STAGES) * SU;
+            const uint4* ws = Wf + (hb + n) * 1024;
+            const uint4* ks = Ktf + (hb + n) * 1024;
+#pragma unroll
+            for (int it = 0; it < 1024 / (NW * 32); ++it) {
+                const int i = tid + it * NW * 32;
+                tc_cp16(dst + i, ws + i);
+                tc_cp16(dst + 1024 + i, ks + i);
+            }
+            if (!TRANS) {
+                const uint4* us = Uf + ((hb + n) * 32 + jb0 * 4) * 32;
+#pragma unroll
+                for (int it = 0; it < 4; ++it) tc_cp16(dst + 2048 + tid + it * NW * 32, us + tid + it * NW * 32);
+            }
+            if (tid == 0) tc_cp4(dst + 2048 + NW * 128, gcum + (hb + n) * TC_CH + TC_CH - 1);
+        }
+        tc_cp_commit();
+    };
+#pragma unroll
+    for (int s = 0; s < TC_STAGES - 1; ++s) issue(s);
+    for (int n = 0; n < nt; ++n) {
+        tc_cp_wait<TC_STAGES - 2>();
+        __syncthreads();  // chunk n landed for all threads; stage (n−1) % STAGES is free
+        issue(n + TC_STAGES - 1);
+        const uint4* Ws = tc_sm + (n % TC_STAGES) * SU;
+        const uint4* Kts = Ws + 1024;
+        const float eg = expf(*reinterpret_cast<const float*>(Ws + 2048 + NW * 128));
+        unsigned sa[8][4];
+#pragma unroll
+        for (int kc = 0; kc < 8; ++kc) tc_acc_afrag(sa[kc], sacc[2 * kc], sacc[2 * kc + 1]);
+        if (!TRANS) {
+            uint4* hs = Hsf + ((hb + n) * 64 + jb * 8) * 32 + lane;
+#pragma unroll
+            for (int kc = 0; kc < 8; ++kc) hs[kc * 32] = make_uint4(sa[kc][0], sa[kc][1], sa[kc][2], sa[kc][3]);
+        }
+        // (W S)ᵀ = Sᵀ Wᵀ: n-tiles over the chunk's 64 rows i.
+        float acc[8][4];
+#pragma unroll
+        for (int j = 0; j < 8; ++j) acc[j][0] = acc[j][1] = acc[j][2] = acc[j][3] = 0.f;
+#pragma unroll
+        for (int kc = 0; kc < 8; ++kc)
+#pragma unroll
+            for (int ib = 0; ib < 4; ++ib) {
+                const uint4 f = Ws[(ib * 8 + kc) * 32 + lane];
+                tc_mma(acc[2 * ib], sa[kc], f.x, f.y);
+                tc_mma(acc[2 * ib + 1], sa[kc], f.z, f.w);
+            }
+        // Ũᵀ = Uᵀ − (W S)ᵀ, as bf16 A fragments (Uᵀ is A order too).
+        unsigned ua[4][4];
+#pragma unroll
+        for (int ib = 0; ib < 4; ++ib) {
+            const uint4 uc = TRANS ? make_uint4(0u, 0u, 0u, 0u) : Ws[2048 + (w * 4 + ib) * 32 + lane];
+            const float2 u0 = tc_unpack(uc.x), u1 = tc_unpack(uc.y);
+            const float2 u2 = tc_unpack(uc.z), u3 = tc_unpack(uc.w);
+            const float* a0 = acc[2 * ib];
+            const float* a1 = acc[2 * ib + 1];
+            ua[ib][0] = tc_pack(u0.x - a0[0], u0.y - a0[1]);
+            ua[ib][1] = tc_pack(u1.x - a0[2], u1.y - a0[3]);
+            ua[ib][2] = tc_pack(u2.x - a1[0], u2.y - a1[1]);
+            ua[ib][3] = tc_pack(u3.x - a1[2], u3.y - a1[3]);
+            if (!TRANS)
+                Uf[((hb + n) * 32 + jb * 4 + ib) * 32 + lane] = make_uint4(ua[ib][0], ua[ib][1], ua[ib][2], ua[ib][3]);
+        }
+        // Sᵀ ← e^{G_c} Sᵀ + Ũᵀ K̃.
+#pragma unroll
+        for (int ct = 0; ct < 16; ++ct)
+#pragma unroll
+            for (int e = 0; e < 4; ++e) sacc[ct][e] *= eg;
+#pragma unroll
+        for (int ib = 0; ib < 4; ++ib)
+#pragma unroll
+            for (int cb = 0; cb < 8; ++cb) {
+                const uint4 f = Kts[(cb * 4 + ib) * 32 + lane];
+                tc_mma(sacc[2 * cb], ua[ib], f.x, f.y);
+                tc_mma(sacc[2 * cb + 1], ua[ib], f.z, f.w);
+            }
+        if (TRANS) {
+#pragma unroll
+            for (int ct = 0; ct < 16; ++ct)
+#pragma unroll
+                for (int e = 0; e < 4; ++e)
+                    if (fabsf(sacc[ct][e]) < TC_FLUSH) sacc[ct][e] = 0.f;
+        }
+    }
+    tc_cp_wait<0>();  // the empty trailing groups
+#pragma unroll
+    for (int ct = 0; ct < 16; ++ct)
+#pragma unroll
+        for (int e = 0; e < 4; ++e) mat[(size_t)(8 * ct + 2 * tq + (e & 1)) * TC_D + j0 + 8 * (e >> 1)] = sacc[ct][e];
+}
+
+template <int NW>
+__device__ __forceinline__ void gdr_state_tc_impl(const uint4* Wf, const uint4* Ktf, uint4* Uf, const float* gcum,
+                                                  float* state, float* trans, uint4* Hsf, int t_len) {
+    const int h = blockIdx.x, jb0 = blockIdx.y * NW;
+    const int nt = (t_len + TC_CH - 1) / TC_CH;
+    const size_t hb = (size_t)h * nt;
+    if (jb0 >= TC_D / 16)  // CTA-uniform (NW divides 8): transition columns
+        gdr_state_tc_run<NW, true>(Wf, Ktf, Uf, gcum, trans + (size_t)h * TC_D * TC_D, Hsf, jb0,
+                                   16 * jb0 - TC_D, nt, hb);
+    else
+        gdr_state_tc_run<NW, false>(Wf, Ktf, Uf, gcum, state + (size_t)h * TC_D * TC_D, Hsf, jb0, 16 * jb0, nt,
+                                    hb);
+}
+
+#define GDR_STATE_TC(BV)                                                                              \
+    extern "C" __global__ void __launch_bounds__(BV * 2, 1) gdr_state_tc_bf16_##BV(                   \
+        const uint4* Wf, const uint4* Ktf, uint4* Uf, const float* gcum, float* state, float* trans,  \
+        uint4* Hsf, int t_len) {                                                                      \
+        gdr_state_tc_impl<BV / 16>(Wf, Ktf, Uf, gcum, state, trans, Hsf, t_len);                      \
+    }
+GDR_STATE_TC(32)
+GDR_STATE_TC(64)
+
+// ---------------------------------------------------------------------------------------
+// C  gdr_output_tc_bf16: grid (NT, Hv), block 256 (8 warps). Warp: rows 16·mt.. of the
+// chunk (mt = w & 3), value columns 64·jh.. (jh = w >> 2). P = (Q Kᵀ ⊙ e^{G_i−G_m})_{m≤i}
+// for its rows (mma; packed to bf16 A fragments from the accumulators), then
+// O = e^{G_i} (Q S) + P Ũ with S (snapshot) and Ũ read as B fragments straight from
+// their (A-order) F-tiles in global memory.
+#define TC_OUT_SMEM (2 * TC_CH * TC_LD * 2 + TC_CH * 4)
+extern "C" __global__ void __launch_bounds__(256)
+    gdr_output_tc_bf16(const bf16* __restrict__ q, const bf16* __restrict__ k, const float* __restrict__ gcum,
+                       const uint4* __restrict__ Uf, const uint4* __restrict__ Hsf, bf16* __restrict__ out,
+                       int t_len, int hk, int hv) {
+    bf16* Qs = reinterpret_cast<bf16*>(tc_sm);  // [64][TC_LD]
+    bf16* Ks = Qs + TC_CH * TC_LD;               // [64][TC_LD]
+    float* G = reinterpret_cast<float*>(Ks + TC_CH * TC_LD);
+    const int n = blockIdx.x, h = blockIdx.y, kh = h / (hv / hk), tid = threadIdx.x;
+    const int lane = tid & 31, w = tid >> 5, gq = lane >> 2, tq = lane & 3;
+    const int nt = (t_len + TC_CH - 1) / TC_CH;
+    const int t0 = n * TC_CH, len = min(TC_CH, t_len - t0);
+    const size_t tile = (size_t)h * nt + n;
+    tc_load_rows(Qs, q, t0, len, hk, kh, tid);
+    tc_load_rows(Ks, k, t0, len, hk, kh, tid);
+    if (tid < TC_CH) G[tid] = gcum[tile * TC_CH + tid];
+    __syncthreads();
+    const int mt = w & 3, jh = w >> 2;
+    unsigned qa[8][4];
+#pragma unroll
+    for (int kc = 0; kc < 8; ++kc) tc_frag(qa[kc], Qs, TC_LD, 16 * mt, 16 * kc, lane);
+    // P for rows 16·mt.., key tiles nt8 ≤ 2·mt + 1 (the rest is masked out).
+    float p[8][4];
+#pragma unroll
+    for (int j = 0; j < 8; ++j) p[j][0] = p[j][1] = p[j][2] = p[j][3] = 0.f;
+#pragma unroll
+    for (int kc = 0; kc < 8; ++kc)
+#pragma unroll
+        for (int nt8 = 0; nt8 < 8; ++nt8)
+            if (nt8 <= 2 * mt + 1) {
+                const bf16* pk = Ks + (8 * nt8 + gq) * TC_LD + 16 * kc + 2 * tq;
+                tc_mma(p[nt8], qa[kc], tc_ld32(pk), tc_ld32(pk + 8));
+            }
+    const int i0 = 16 * mt + gq;
+    const float gi0 = G[i0], gi1 = G[i0 + 8];
+#pragma unroll
+    for (int nt8 = 0; nt8 < 8; ++nt8)
+#pragma unroll
+        for (int e = 0; e < 4; ++e) {
+            const int i = i0 + 8 * (e >> 1), m = 8 * nt8 + 2 * tq + (e & 1);
+            p[nt8][e] = m <= i ? p[nt8][e] * expf((e >> 1 ? gi1 : gi0) - G[m]) : 0.f;
+        }
+    // O = e^{G_i} Q S: B fragments from the snapshot F-tiles, j-blocks 4·jh..4·jh+3.
+    float o[8][4];
+#pragma unroll
+    for (int j = 0; j < 8; ++j) o[j][0] = o[j][1] = o[j][2] = o[j][3] = 0.f;
+    const uint4* hs = Hsf + (tile * 64 + 4 * jh * 8) * 32 + lane;
+#pragma unroll
+    for (int kc = 0; kc < 8; ++kc) {
+        uint4 f[4];
+#pragma unroll
+        for (int qb = 0; qb < 4; ++qb) f[qb] = hs[(qb * 8 + kc) * 32];
+#pragma unroll
+        for (int qb = 0; qb < 4; ++qb) {
+            tc_mma(o[2 * qb], qa[kc], f[qb].x, f[qb].z);
+            tc_mma(o[2 * qb + 1], qa[kc], f[qb].y, f[qb].w);
+        }
+    }
+    const float e0 = expf(gi0), e1 = expf(gi1);
+#pragma unroll
+    for (int j = 0; j < 8; ++j) {
+        o[j][0] *= e0;
+        o[j][1] *= e0;
+        o[j][2] *= e1;
+        o[j][3] *= e1;
+    }
+    // O += P Ũ over key blocks kk ≤ mt.
+    const uint4* uf = Uf + (tile * 32 + 4 * jh * 4) * 32 + lane;
+#pragma unroll
+    for (int kk = 0; kk < 4; ++kk) {
+        if (kk <= mt) {
+            unsigned a[4];
+            tc_acc_afrag(a, p[2 * kk], p[2 * kk + 1]);
+            uint4 f[4];
+#pragma unroll
+            for (int qb = 0; qb < 4; ++qb) f[qb] = uf[(qb * 4 + kk) * 32];
+#pragma unroll
+            for (int qb = 0; qb < 4; ++qb) {
+                tc_mma(o[2 * qb], a, f[qb].x, f[qb].z);
+                tc_mma(o[2 * qb + 1], a, f[qb].y, f[qb].w);
+            }
+        }
+    }
+#pragma unroll
+    for (int hh = 0; hh < 2; ++hh) {
+        const int i = i0 + 8 * hh;
+        if (i < len) {
+            bf16* dst = out + ((size_t)(t0 + i) * hv + h) * TC_D + 64 * jh + 2 * tq;
+#pragma unroll
+            for (int j = 0; j < 8; ++j)
+                *reinterpret_cast<__nv_bfloat162*>(dst + 8 * j) = __floats2bfloat162_rn(o[j][2 * hh], o[j][2 * hh + 1]);
+        }
+    }
+}

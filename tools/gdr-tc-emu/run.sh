@@ -1,0 +1,10 @@
+#!/usr/bin/env bash
+# Builds and runs the host emulation of kernels/gdr_tc.cu (g++ >= 12, C++20; no CUDA).
+#   tools/gdr-tc-emu/run.sh                # six small cases (T 1..200, Hk/Hv 2/4 and 1/2)
+#   tools/gdr-tc-emu/run.sh 1000 -1e-3 0   # one case: T, gate range [g_lo, g_hi], BV (32)
+# Every CUDA thread is an OS thread, so a case takes minutes on two cores.
+set -euo pipefail
+here="$(cd "$(dirname "$0")" && pwd)"
+out="${TMPDIR:-/tmp}/gdr_tc_emu"
+g++ -std=c++20 -O2 -pthread -I"$here" -I"$here/../../dataplane/kernels" "$here/gdr_tc_emu.cpp" -o "$out"
+exec "$out" "$@"
