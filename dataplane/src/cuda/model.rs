@@ -68,13 +68,14 @@ pub const ATTN_FAST_MIN_TQ: usize = 64;
 /// (measured on the H200 at the Qwen3.5-35B-A3B shape: a decode step at 16k context
 /// 171 ms, HYPIC's 8-token seams ~80 ms per segment at 16 segments).
 pub const ATTN_FAST_MIN_KV: usize = 512;
-/// bf16 query spans of at least this many tokens (tuned head dims) take the tensor-core
-/// flash kernel [`attn::prefill_flash`] (prefill, PIC segment builds, the final query of
-/// a request); shorter ones (decode, seam windows) keep the [`ATTN_FAST_MIN_TQ`] /
-/// [`ATTN_FAST_MIN_KV`] choice between [`attn::prefill_fast`] and [`attn::prefill`]:
-/// the flash kernel computes 128 query rows per CTA, so a span of a few tokens wastes
-/// most of its tensor work (the `gpu_bench` rows "short spans over a long cache" compare
-/// the three). The f32 model never takes it.
+/// bf16 query spans of at least this many tokens (tuned head dims), and bf16 spans of
+/// any length over at least [`ATTN_FAST_MIN_KV`] cached keys (decode and seam windows
+/// late in a long prompt), take the tensor-core flash kernel [`attn::prefill_flash`];
+/// short spans over a short cache keep the tiled [`attn::prefill`]. Measured on the
+/// H200 (gpu-check 2026-11-30, 16/2 heads × 256, 16,384 cached keys): 1 / 8 / 64
+/// queries take 0.127 / 0.129 / 0.140 ms with flash (split over the keys), 0.62 / 0.61 /
+/// 0.72 ms with the cuBLAS path, 13.4–16.1 ms tiled; a 4k causal prefill 0.58 ms flash
+/// against 1.70 ms cuBLAS. The f32 model never takes it.
 pub const ATTN_FLASH_MIN_TQ: usize = 64;
 /// Key dims of the tuned recurrent GDR kernel ([`gdr::recurrent`]).
 const GDR_REC_DK: [usize; 3] = [64, 128, 256];
@@ -1573,7 +1574,10 @@ where
         }
         kv.append(g, &k, &v, pos, t)?;
         let mut o: CudaSlice<T> = g.zeros(t * nh * hd)?;
-        if T::SUFFIX == "bf16" && ATTN_TUNED_HD.contains(&hd) && t >= ATTN_FLASH_MIN_TQ {
+        if T::SUFFIX == "bf16"
+            && ATTN_TUNED_HD.contains(&hd)
+            && (t >= ATTN_FLASH_MIN_TQ || kv.len >= ATTN_FAST_MIN_KV)
+        {
             attn::prefill_flash(
                 g, &q, pos, &kv.k, &kv.v, &kv.pos, &mut o, t, kv.len, nh, nkv, hd,
             )?;
