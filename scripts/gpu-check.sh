@@ -17,8 +17,15 @@
 #                                  # chunk_gated_delta_rule and torch SDPA,
 #                                  # the random-weight model test (cuda_random) and
 #                                  # the whole-model benchmark gpu_model_bench at the
-#                                  # Qwen3.5-35B-A3B shape (step `modelbench`, 240 s) in one
-#                                  # run, and writes $OUT/report.md (+ logs)
+#                                  # Qwen3.5-35B-A3B shape (step `modelbench`, 240 s) and
+#                                  # the server end to end (step `serve`: `hypic serve
+#                                  # --device cuda` against `--device cpu` on the bundled
+#                                  # model, scripts/serve_check.py) in one run, and writes
+#                                  # $OUT/report.md (+ logs)
+#
+# GPU_CHECK_STEPS selects steps for both halves: `build` then builds only the
+# executables those steps need (e.g. GPU_CHECK_STEPS=serve builds just the stripped
+# `hypic` binary, --release --features cuda, plus gpu_bench for the kernel cache).
 #
 # .device/ and .whl/ are git-ignored (add `/.device/` and `/.whl/` to
 # .git/info/exclude if they are not). .whl/ holds the FLA wheels:
@@ -37,48 +44,37 @@ mode="${1:-}"
 build() {
   set -e
   export CARGO_TARGET_DIR="${CARGO_TARGET_DIR:-$PWD/target}"
+  local steps=" ${GPU_CHECK_STEPS:-kernels attn moe model pic bench fla modelbench serve} "
+  wantb() { [[ "$steps" == *" $1 "* ]]; }
   mkdir -p .device/bin
-  local exe
-  exe=$(cargo test --release -p hypic-dataplane --features cuda --test cuda_kernels --no-run \
-        --message-format=json 2>/dev/null | grep -o '"executable":"[^"]*cuda_kernels[^"]*"' | tail -1 \
-        | sed 's/"executable":"\(.*\)"/\1/')
-  [ -n "$exe" ] || { echo "could not build the cuda_kernels test binary" >&2; exit 1; }
-  local exe_moe
-  exe_moe=$(cargo test --release -p hypic-dataplane --features cuda --test cuda_moe --no-run \
-        --message-format=json 2>/dev/null | grep -o '"executable":"[^"]*cuda_moe[^"]*"' | tail -1 \
-        | sed 's/"executable":"\(.*\)"/\1/')
-  [ -n "$exe_moe" ] || { echo "could not build the cuda_moe test binary" >&2; exit 1; }
-  local model_exe
-  model_exe=$(cargo test --release -p hypic-dataplane --features cuda --test cuda_model --no-run \
-        --message-format=json 2>/dev/null | grep -o '"executable":"[^"]*cuda_model[^"]*"' | tail -1 \
-        | sed 's/"executable":"\(.*\)"/\1/')
-  [ -n "$model_exe" ] || { echo "could not build the cuda_model test binary" >&2; exit 1; }
-  local pic_exe
-  pic_exe=$(cargo test --release -p hypic-dataplane --features cuda --test cuda_pic --no-run \
-        --message-format=json 2>/dev/null | grep -o '"executable":"[^"]*cuda_pic[^"]*"' | tail -1 \
-        | sed 's/"executable":"\(.*\)"/\1/')
-  [ -n "$pic_exe" ] || { echo "could not build the cuda_pic test binary" >&2; exit 1; }
-  local random_exe
-  random_exe=$(cargo test --release -p hypic-dataplane --features cuda --test cuda_random --no-run \
-        --message-format=json 2>/dev/null | grep -o '"executable":"[^"]*cuda_random[^"]*"' | tail -1 \
-        | sed 's/"executable":"\(.*\)"/\1/')
-  [ -n "$random_exe" ] || { echo "could not build the cuda_random test binary" >&2; exit 1; }
-  local attn_exe
-  attn_exe=$(cargo test --release -p hypic-dataplane --features cuda --test cuda_attn --no-run \
-        --message-format=json 2>/dev/null | grep -o '"executable":"[^"]*cuda_attn[^"]*"' | tail -1 \
-        | sed 's/"executable":"\(.*\)"/\1/')
-  [ -n "$attn_exe" ] || { echo "could not build the cuda_attn test binary" >&2; exit 1; }
+  local built=() pair name exe
+  # Test executables of each step.
+  for pair in kernels:cuda_kernels moe:cuda_moe model:cuda_model pic:cuda_pic \
+              modelbench:cuda_random attn:cuda_attn; do
+    wantb "${pair%%:*}" || continue
+    name=${pair#*:}
+    exe=$(cargo test --release -p hypic-dataplane --features cuda --test "$name" --no-run \
+          --message-format=json 2>/dev/null | grep -o "\"executable\":\"[^\"]*$name[^\"]*\"" | tail -1 \
+          | sed 's/"executable":"\(.*\)"/\1/')
+    [ -n "$exe" ] || { echo "could not build the $name test binary" >&2; exit 1; }
+    cp "$exe" ".device/bin/$name"
+    built+=(".device/bin/$name")
+  done
+  # gpu_bench always (it precompiles the kernel cache); gpu_model_bench for modelbench.
   cargo build --release -p hypic-dataplane --features cuda --example gpu_bench --example gpu_model_bench
-  cp "$exe" .device/bin/cuda_kernels
-  cp "$exe_moe" .device/bin/cuda_moe
-  cp "$model_exe" .device/bin/cuda_model
-  cp "$pic_exe" .device/bin/cuda_pic
-  cp "$random_exe" .device/bin/cuda_random
-  cp "$attn_exe" .device/bin/cuda_attn
   cp "$CARGO_TARGET_DIR/release/examples/gpu_bench" .device/bin/gpu_bench
-  cp "$CARGO_TARGET_DIR/release/examples/gpu_model_bench" .device/bin/gpu_model_bench
-  strip .device/bin/cuda_kernels .device/bin/cuda_moe .device/bin/cuda_model .device/bin/cuda_pic \
-    .device/bin/cuda_random .device/bin/cuda_attn .device/bin/gpu_bench .device/bin/gpu_model_bench || true
+  built+=(.device/bin/gpu_bench)
+  if wantb modelbench; then
+    cp "$CARGO_TARGET_DIR/release/examples/gpu_model_bench" .device/bin/gpu_model_bench
+    built+=(.device/bin/gpu_model_bench)
+  fi
+  # The server (step serve): the `hypic` binary with the CUDA backend.
+  if wantb serve; then
+    cargo build --release -p hypic-control --features cuda --bin hypic
+    cp "$CARGO_TARGET_DIR/release/hypic" .device/bin/hypic
+    built+=(.device/bin/hypic)
+  fi
+  strip "${built[@]}" || true
   if HYPIC_KERNEL_CACHE="$PWD/.device/kcache" .device/bin/gpu_bench --precompile sm_90a; then
     echo "kernel cache for sm_90a in .device/kcache"
   else
@@ -86,20 +82,21 @@ build() {
   fi
   # The device tool carries at most 64 MiB (working tree included): xz the executables
   # (about 3.5x smaller); `run` unpacks them.
-  rm -f .device/bin/*.xz
-  xz -T0 -6 .device/bin/cuda_* .device/bin/gpu_bench .device/bin/gpu_model_bench
+  for exe in "${built[@]}"; do rm -f "$exe.xz"; done
+  xz -T0 -6 "${built[@]}"
+  ls -l .device/bin
   du -sh .device
 }
 
 run() {
-  # GPU_CHECK_STEPS: which parts to run (default all): kernels attn moe model pic bench fla modelbench
-  local steps=" ${GPU_CHECK_STEPS:-kernels attn moe model pic bench fla modelbench} "
+  # GPU_CHECK_STEPS: which parts to run (default all): kernels attn moe model pic bench fla modelbench serve
+  local steps=" ${GPU_CHECK_STEPS:-kernels attn moe model pic bench fla modelbench serve} "
   want() { [[ "$steps" == *" $1 "* ]]; }
   local s_
   for s_ in $steps; do
     case "$s_" in
-      kernels|attn|moe|model|pic|bench|fla|modelbench) ;;
-      *) echo "unknown step \`$s_\` in GPU_CHECK_STEPS (known: kernels attn moe model pic bench fla modelbench)" >&2
+      kernels|attn|moe|model|pic|bench|fla|modelbench|serve) ;;
+      *) echo "unknown step \`$s_\` in GPU_CHECK_STEPS (known: kernels attn moe model pic bench fla modelbench serve)" >&2
          return 2 ;;
     esac
   done
@@ -129,7 +126,7 @@ PY
   chmod +x .device/bin/* 2>/dev/null || true
   local exe_ st_ missing_=0
   for st_ in kernels:cuda_kernels attn:cuda_attn moe:cuda_moe model:cuda_model pic:cuda_pic \
-             bench:gpu_bench modelbench:cuda_random modelbench:gpu_model_bench; do
+             bench:gpu_bench modelbench:cuda_random modelbench:gpu_model_bench serve:hypic; do
     exe_=${st_#*:}
     if want "${st_%%:*}" && [ ! -x ".device/bin/$exe_" ]; then
       echo "missing .device/bin/$exe_ (step ${st_%%:*}): run \`scripts/gpu-check.sh build\` first" >&2
@@ -373,6 +370,21 @@ PY
     echo "== GDR prefill vs FLA (same run)"
     cat "$OUT/gdr_vs_fla.md"
   fi
+  echo "== server end to end: hypic serve --device cuda vs --device cpu (scripts/serve_check.py)"
+  t0=$SECONDS
+  local serve_rc=0
+  : > "$OUT/serve.md"
+  if want serve; then
+    timeout 540 python3 scripts/serve_check.py --hypic .device/bin/hypic --model models/hypic-tiny \
+      --out "$OUT" > "$OUT/serve_check.log" 2>&1
+    serve_rc=$?
+    [ -s "$OUT/serve.md" ] || echo "serve check wrote no report (rc=$serve_rc); see serve_check.log" > "$OUT/serve.md"
+    cat "$OUT/serve.md"
+    tail -20 "$OUT/serve_check.log" | grep -A20 "^failures:" || true
+    echo "serve rc=$serve_rc in $((SECONDS - t0)) s"
+  else
+    echo "serve: skipped"
+  fi
 
   {
     echo "# HYPIC CUDA data plane: gpu-check report ($date_s)"
@@ -403,6 +415,10 @@ PY
       echo '```'
       echo; cat "$OUT/model_bench.md"
     fi
+    if want serve; then
+      echo; echo "## Server end to end (rc=$serve_rc)"; echo
+      cat "$OUT/serve.md"
+    fi
   } > "$OUT/report.md"
   echo "== report"; sed -n '/## Gated delta rule/,$p' "$OUT/report.md" | head -80
   [ "$test_rc" -ne 0 ] && return "$test_rc"
@@ -414,6 +430,7 @@ PY
   [ "$bench_rc" -ne 0 ] && return "$bench_rc"
   [ "$mbench_rc" -ne 0 ] && return "$mbench_rc"
   want fla && [ "$fla_rc" -ne 0 ] && return "$fla_rc"
+  [ "$serve_rc" -ne 0 ] && return "$serve_rc"
   return 0
 }
 

@@ -4,6 +4,8 @@ use dataplane::model::{Logits, Model};
 use dataplane::sampling::{Sampler, SamplingParams};
 use dataplane::state::ModelState;
 use dataplane::tokenizer::{ChatMessage, Tokenizer};
+use hypic_control::backend::{select_device, Device};
+pub use hypic_control::backend::{DeviceArg, DtypeArg};
 use indicatif::{ProgressBar, ProgressStyle};
 use std::io::Write;
 use std::path::{Path, PathBuf};
@@ -43,28 +45,8 @@ pub struct GenerateArgs {
     pub device: DeviceArg,
     /// Weight and activation type on the GPU backend: `f32` (same answers as the CPU
     /// backend to ~1e-6) or `bf16` (half the memory, fp32 accumulation and states).
-    #[arg(long, value_enum, default_value_t = DtypeArg::F32)]
+    #[arg(long, value_enum, default_value_t = DtypeArg::F32, env = "HYPIC_DTYPE")]
     pub dtype: DtypeArg,
-}
-
-/// `--device` choices.
-#[derive(Clone, Copy, Debug, PartialEq, Eq, clap::ValueEnum)]
-pub enum DeviceArg {
-    /// The CPU reference backend.
-    Cpu,
-    /// CUDA device 0.
-    Cuda,
-    /// CUDA when usable, else the CPU.
-    Auto,
-}
-
-/// `--dtype` choices of the GPU backend.
-#[derive(Clone, Copy, Debug, PartialEq, Eq, clap::ValueEnum)]
-pub enum DtypeArg {
-    /// fp32 weights and activations.
-    F32,
-    /// bf16 weights and activations.
-    Bf16,
 }
 
 /// The backend a generation runs on: prefill and one-token decode with its state.
@@ -91,67 +73,28 @@ impl<'a> Runner<'a> {
     ///
     /// Errors: `cuda` requested but not built in, or no usable device; upload failure.
     pub fn select(model: &'a Model, device: DeviceArg, dtype: DtypeArg) -> Result<(Self, String)> {
-        let cpu = |m: &'a Model| (Runner::Cpu(m, m.new_state()), "cpu".to_string());
-        if dtype == DtypeArg::Bf16 && device == DeviceArg::Cpu {
-            eprintln!(
-                "hypic: --dtype bf16 applies to the GPU backend only; the CPU backend runs in f32"
-            );
-        }
-        #[cfg(not(feature = "cuda"))]
-        {
-            match device {
-                DeviceArg::Cpu => Ok(cpu(model)),
-                DeviceArg::Cuda => bail!(
-                    "--device cuda: this binary was built without CUDA support; rebuild with \
-                     `cargo build --release --features cuda` or use --device cpu"
-                ),
-                DeviceArg::Auto => {
-                    if dtype == DtypeArg::Bf16 {
-                        eprintln!("hypic: --dtype bf16 applies to the GPU backend only; the CPU backend runs in f32");
+        let dev = select_device(device, dtype)?;
+        let desc = dev.describe(dtype);
+        match dev {
+            Device::Cpu => Ok((Runner::Cpu(model, model.new_state()), desc)),
+            #[cfg(feature = "cuda")]
+            Device::Cuda(gpu) => {
+                use dataplane::cuda::model::GpuModel;
+                Ok(match dtype {
+                    DtypeArg::F32 => {
+                        let m =
+                            GpuModel::<f32>::upload(gpu, model).context("uploading the weights")?;
+                        let s = m.new_state()?;
+                        (Runner::GpuF32(m, s), desc)
                     }
-                    eprintln!(
-                        "hypic: --device auto: built without CUDA support; using the CPU backend"
-                    );
-                    Ok(cpu(model))
-                }
+                    DtypeArg::Bf16 => {
+                        let m = GpuModel::<half::bf16>::upload(gpu, model)
+                            .context("uploading the weights")?;
+                        let s = m.new_state()?;
+                        (Runner::GpuBf16(m, s), desc)
+                    }
+                })
             }
-        }
-        #[cfg(feature = "cuda")]
-        {
-            use dataplane::cuda::device::{select, Backend, DeviceChoice};
-            use dataplane::cuda::model::GpuModel;
-            let choice = match device {
-                DeviceArg::Cpu => DeviceChoice::Cpu,
-                DeviceArg::Cuda => DeviceChoice::Cuda,
-                DeviceArg::Auto => DeviceChoice::Auto,
-            };
-            let gpu = match select(choice).with_context(|| {
-                "--device cuda: no usable CUDA device; use --device cpu, or --device auto to fall back"
-            })? {
-                Backend::Cpu => return Ok(cpu(model)),
-                Backend::Cuda(g) => g,
-            };
-            let desc = format!(
-                "{} {}",
-                Backend::Cuda(gpu.clone()).describe(),
-                match dtype {
-                    DtypeArg::F32 => "f32",
-                    DtypeArg::Bf16 => "bf16",
-                }
-            );
-            Ok(match dtype {
-                DtypeArg::F32 => {
-                    let m = GpuModel::<f32>::upload(gpu, model).context("uploading the weights")?;
-                    let s = m.new_state()?;
-                    (Runner::GpuF32(m, s), desc)
-                }
-                DtypeArg::Bf16 => {
-                    let m = GpuModel::<half::bf16>::upload(gpu, model)
-                        .context("uploading the weights")?;
-                    let s = m.new_state()?;
-                    (Runner::GpuBf16(m, s), desc)
-                }
-            })
         }
     }
 

@@ -9,6 +9,7 @@
 
 pub mod api;
 pub mod auth;
+pub mod backend;
 pub mod bench;
 pub mod catalog;
 pub mod policy;

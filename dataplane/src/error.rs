@@ -71,6 +71,9 @@ pub enum Error {
     /// Bad request input (empty prompt, token out of vocabulary, context too long, …).
     #[error("invalid input: {0}")]
     Input(String),
+    /// The compute device failed (driver, kernel or library error of the GPU backend).
+    #[error("device: {0}")]
+    Device(String),
 }
 
 /// Result alias for the data plane.

@@ -4,6 +4,7 @@
 pub mod config;
 #[cfg(feature = "cuda")]
 pub mod cuda;
+pub mod engine;
 pub mod error;
 pub mod eval;
 pub mod linear;

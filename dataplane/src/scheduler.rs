@@ -1,6 +1,7 @@
 //! Continuous-batching scheduler: one worker thread owns the model; new requests'
-//! prefill (with PIC assembly through [`PicEngine`]) interleaves with decode steps of
-//! the running batch.
+//! prefill (with PIC assembly through an [`Engine`]: the CPU
+//! [`crate::pic::PicEngine`] or the GPU `cuda::pic::GpuPicEngine`) interleaves with
+//! decode steps of the running batch.
 //!
 //! * Admission: a bounded queue (full → [`SubmitError::QueueFull`] with a retry hint);
 //!   a request leaves the queue when a recurrent-state slot is free **and** its KV
@@ -8,12 +9,14 @@
 //!   a request that waits longer than the queue timeout gets
 //!   [`GenEvent::Error`] with [`ErrorKind::QueueTimeout`].
 //! * Each iteration prefills at most one new request, then runs one batched decode
-//!   step over every running sequence ([`crate::model::Model::decode_batch`]).
+//!   step over every running sequence ([`Engine::decode_batch`]: on the CPU
+//!   `Model::decode_batch`, on the GPU `GpuModel::decode_batch`). Tokens are sampled
+//!   on the host from the returned logits with [`Sampler`] on both backends.
 //! * Cancellation: dropping the [`RequestHandle`] (client disconnect) or calling
 //!   [`RequestHandle::cancel`] frees the sequence's state at the next step.
-use crate::pic::{Mode, PicEngine, PicStats, SegmentRef};
+use crate::engine::{Engine, EnginePools};
+use crate::pic::{Mode, PicStats, SegmentRef};
 use crate::sampling::{Sampler, SamplingParams};
-use crate::state::ModelState;
 use serde::Serialize;
 use std::collections::VecDeque;
 use std::sync::atomic::{AtomicBool, AtomicU64, AtomicUsize, Ordering};
@@ -200,8 +203,8 @@ struct Queued {
     reservation: usize,
 }
 
-struct Running {
-    state: ModelState,
+struct Running<S> {
+    state: S,
     sampler: Sampler,
     next: u32,
     generated: usize,
@@ -224,13 +227,13 @@ struct Shared {
 pub struct Scheduler {
     shared: Arc<Shared>,
     cfg: SchedulerConfig,
-    engine: Arc<PicEngine>,
+    engine: Arc<dyn EnginePools>,
     worker: Option<std::thread::JoinHandle<()>>,
 }
 
 impl Scheduler {
-    /// Starts the worker thread over `engine`.
-    pub fn start(engine: Arc<PicEngine>, cfg: SchedulerConfig) -> Self {
+    /// Starts the worker thread over `engine` (CPU or GPU, see [`Engine`]).
+    pub fn start<E: Engine + 'static>(engine: Arc<E>, cfg: SchedulerConfig) -> Self {
         let shared = Arc::new(Shared {
             queue: Mutex::new(VecDeque::new()),
             wake: Condvar::new(),
@@ -250,8 +253,8 @@ impl Scheduler {
         }
     }
 
-    /// The engine (pools, model).
-    pub fn engine(&self) -> &Arc<PicEngine> {
+    /// The engine's pools and model configuration.
+    pub fn engine(&self) -> &Arc<dyn EnginePools> {
         &self.engine
     }
 
@@ -265,15 +268,10 @@ impl Scheduler {
         &self.cfg
     }
 
-    /// KV bytes one token costs across all full-attention layers (fp32 K and V).
+    /// KV bytes one token costs across all full-attention layers (K and V in the
+    /// engine's KV element type: fp32 on the CPU, `f32`/`bf16` on the GPU).
     pub fn kv_bytes_per_token(&self) -> usize {
-        let c = &self.engine.model().config;
-        let full = c
-            .layer_kinds
-            .iter()
-            .filter(|k| **k == crate::config::LayerKind::Full)
-            .count();
-        full * 2 * c.num_kv_heads * c.head_dim * 4 + full * 8
+        self.engine.kv_bytes_per_token()
     }
 
     /// Queues a request.
@@ -294,7 +292,7 @@ impl Scheduler {
         if req.max_tokens == 0 {
             return Err(SubmitError::Invalid("max_tokens must be at least 1".into()));
         }
-        let c = &self.engine.model().config;
+        let c = self.engine.config();
         let prompt: usize = req.segments.iter().map(|s| s.tokens.len()).sum();
         if prompt + req.max_tokens > c.max_position_embeddings {
             return Err(SubmitError::Invalid(format!(
@@ -386,9 +384,9 @@ fn token_event(logits: &[f32], id: u32, top: usize) -> GenEvent {
     }
 }
 
-fn worker_loop(shared: Arc<Shared>, engine: Arc<PicEngine>, cfg: SchedulerConfig) {
+fn worker_loop<E: Engine>(shared: Arc<Shared>, engine: Arc<E>, cfg: SchedulerConfig) {
     let metrics = shared.metrics.clone();
-    let mut running: Vec<Running> = vec![];
+    let mut running: Vec<Running<E::State>> = vec![];
     let mut reserved = 0usize;
     loop {
         if shared.shutdown.load(Ordering::Relaxed) {
@@ -443,7 +441,13 @@ fn worker_loop(shared: Arc<Shared>, engine: Arc<PicEngine>, cfg: SchedulerConfig
                 engine.run(&qr.req.segments, qr.req.mode, &qr.req.tenant)
             }));
             let res = match res {
-                Ok(r) => r.map_err(|e| (ErrorKind::InvalidRequest, e.to_string())),
+                Ok(r) => r.map_err(|e| {
+                    let kind = match e {
+                        crate::Error::Device(_) => ErrorKind::Internal,
+                        _ => ErrorKind::InvalidRequest,
+                    };
+                    (kind, e.to_string())
+                }),
                 Err(p) => Err((
                     ErrorKind::Internal,
                     format!("prefill failed: {}", panic_message(&*p)),
@@ -504,10 +508,10 @@ fn worker_loop(shared: Arc<Shared>, engine: Arc<PicEngine>, cfg: SchedulerConfig
         if !live.is_empty() {
             let tokens: Vec<u32> = live.iter().map(|r| r.next).collect();
             let step = {
-                let mut states: Vec<&mut ModelState> =
+                let mut states: Vec<&mut E::State> =
                     live.iter_mut().map(|r| &mut r.state).collect();
                 std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| {
-                    engine.model().decode_batch(&tokens, &mut states)
+                    engine.decode_batch(&tokens, &mut states)
                 }))
                 .unwrap_or_else(|p| {
                     Err(crate::Error::Input(format!(
@@ -543,7 +547,7 @@ fn worker_loop(shared: Arc<Shared>, engine: Arc<PicEngine>, cfg: SchedulerConfig
         metrics.running.store(running.len(), Ordering::Relaxed);
         metrics.kv_reserved_bytes.store(reserved, Ordering::Relaxed);
         metrics.state_bytes.store(
-            running.iter().map(|r| r.state.bytes()).sum(),
+            running.iter().map(|r| E::state_bytes(&r.state)).sum(),
             Ordering::Relaxed,
         );
     }
@@ -558,7 +562,7 @@ fn panic_message(p: &(dyn std::any::Any + Send)) -> String {
 
 /// Emits `r.next` (sampled from `logits`) unless it is a stop token; returns whether
 /// the sequence continues.
-fn emit(r: &mut Running, logits: &[f32], metrics: &SchedulerMetrics) -> bool {
+fn emit<S>(r: &mut Running<S>, logits: &[f32], metrics: &SchedulerMetrics) -> bool {
     if r.stop.contains(&r.next) {
         let _ = r.tx.send(GenEvent::Done {
             reason: FinishReason::Stop,

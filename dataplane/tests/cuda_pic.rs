@@ -845,6 +845,185 @@ mod gpu {
         assert!(e.build_entry(&[], 0).is_err());
     }
 
+    /// The serving path over the GPU engine, as `hypic serve --device cuda` wires it
+    /// (`dataplane::engine::{Engine, EnginePools}`): segment registration
+    /// (prefetch, residency, eviction, invalidation) and the scheduler's continuous
+    /// batching (four requests decoded together by `GpuModel::decode_batch`, tokens
+    /// sampled on the host), against the same calls on the CPU engine (hypic-tiny,
+    /// f32): equal prefetch results, `PicStats` and greedy tokens (a near tie at the
+    /// first difference, top-2 log-probability gap below 1e-3 on the CPU, is printed
+    /// and ends the comparison of that request).
+    #[test]
+    fn scheduler_over_the_gpu_engine_matches_cpu() {
+        use dataplane::engine::EnginePools;
+        use dataplane::pic::Prefetch;
+        use dataplane::sampling::SamplingParams;
+        use dataplane::scheduler::{GenEvent, GenRequest, Scheduler, SchedulerConfig};
+        let test = "scheduler_over_the_gpu_engine_matches_cpu";
+        let Some((g, _l)) = gpu(test) else {
+            return;
+        };
+        let label = "hypic-tiny";
+        let m = Arc::new(load(label).expect("model"));
+        let gm = Arc::new(GpuModel::<f32>::upload(g.clone(), &m).expect("upload"));
+        let cpu = Arc::new(PicEngine::new(m.clone(), label, 1 << 30, 1 << 30));
+        let gpe = Arc::new(GpuPicEngine::new(gm, label, 1 << 30, 1 << 30));
+        let mut rep = Report::new();
+        let b = EnginePools::backend(&*gpe);
+        println!("  backend {} ({} / {})", b.describe, b.device, b.dtype);
+        if b.device != "cuda" || b.dtype != "f32" {
+            rep.fail(format!("backend {b:?}"));
+        }
+        if EnginePools::kv_bytes_per_token(&*gpe) != EnginePools::kv_bytes_per_token(&*cpu) {
+            rep.fail("kv bytes per token differ for f32".into());
+        }
+        let vocab = m.config.vocab_size;
+        let base = prompt(11, 3, vocab, "t");
+        let kinds = |v: &[(Prefetch, usize)]| v.iter().map(|x| x.0).collect::<Vec<_>>();
+        for (i, seg) in base[1..4].iter().enumerate() {
+            for round in ["cold", "again"] {
+                let a = EnginePools::prefetch_many(&*cpu, &seg.tokens, "t", &[0, 8, 8])
+                    .expect("cpu prefetch");
+                let r = EnginePools::prefetch_many(&*gpe, &seg.tokens, "t", &[0, 8, 8])
+                    .expect("gpu prefetch");
+                println!("  prefetch doc {i} {round}: cpu {a:?} gpu {r:?}");
+                if kinds(&a) != kinds(&r) {
+                    rep.fail(format!("prefetch doc {i} {round}: cpu {a:?} gpu {r:?}"));
+                }
+            }
+            for body in [0, 8] {
+                let (a, r) = (
+                    EnginePools::resident_bytes(&*cpu, &seg.tokens, "t", body),
+                    EnginePools::resident_bytes(&*gpe, &seg.tokens, "t", body),
+                );
+                if a.is_none() || r.is_none() {
+                    rep.fail(format!("doc {i} body {body}: resident cpu {a:?} gpu {r:?}"));
+                }
+            }
+            if EnginePools::content_hash(&*gpe, &seg.tokens)
+                != EnginePools::content_hash(&*cpu, &seg.tokens)
+            {
+                rep.fail(format!("doc {i}: content hashes differ"));
+            }
+        }
+        let other = prompt(12, 3, vocab, "t");
+        let prompts = vec![
+            base.clone(),
+            reorder(&base),
+            vec![
+                base[0].clone(),
+                base[2].clone(),
+                base[3].clone(),
+                other[4].clone(),
+            ],
+            other,
+        ];
+        let req = |segments: Vec<SegmentRef>| GenRequest {
+            segments,
+            mode: Mode::hypic_default(),
+            tenant: "t".into(),
+            sampling: SamplingParams::default(),
+            max_tokens: 12,
+            stop_token_ids: vec![],
+            top_logprobs: 2,
+        };
+        type Run = (Option<PicStats>, Vec<(u32, Vec<(u32, f32)>)>, String);
+        let serve = |sched: &Scheduler| -> Vec<Run> {
+            let mut hs: Vec<_> = prompts
+                .iter()
+                .map(|p| sched.submit(req(p.clone())).expect("submit"))
+                .collect();
+            hs.iter_mut()
+                .map(|h| {
+                    let (mut stats, mut toks, mut end) = (None, vec![], String::new());
+                    while let Some(e) = h.events.blocking_recv() {
+                        match e {
+                            GenEvent::Started { stats: s, .. } => stats = Some(s),
+                            GenEvent::Token { id, top, .. } => toks.push((id, top)),
+                            GenEvent::Done { reason, .. } => {
+                                end = format!("{reason:?}");
+                                break;
+                            }
+                            GenEvent::Error { kind, message } => {
+                                end = format!("error {kind:?}: {message}");
+                                break;
+                            }
+                        }
+                    }
+                    (stats, toks, end)
+                })
+                .collect()
+        };
+        let cfg = SchedulerConfig::default();
+        let want = serve(&Scheduler::start(cpu.clone(), cfg.clone()));
+        let sg = Scheduler::start(gpe.clone(), cfg);
+        let got = serve(&sg);
+        if sg.metrics().generated_tokens.load(std::sync::atomic::Ordering::Relaxed) == 0 {
+            rep.fail("the GPU scheduler generated nothing".into());
+        }
+        for (i, ((ws, wt, we), (gs, gt, ge))) in want.iter().zip(&got).enumerate() {
+            let o = |s: &Option<PicStats>| s.as_ref().map(outcomes).unwrap_or_default();
+            println!(
+                "  request {i}: cpu {} {} tokens {we}, gpu {} {} tokens {ge}",
+                o(ws),
+                wt.len(),
+                o(gs),
+                gt.len()
+            );
+            if ws != gs {
+                rep.fail(format!("request {i}: stats differ: cpu {ws:?} gpu {gs:?}"));
+            }
+            if ge.starts_with("error") || we.starts_with("error") {
+                rep.fail(format!("request {i}: cpu {we}, gpu {ge}"));
+                continue;
+            }
+            let first = wt.iter().zip(gt).position(|(a, b)| a.0 != b.0);
+            match first {
+                None if wt.len() == gt.len() => {}
+                None => rep.fail(format!(
+                    "request {i}: {} tokens on the CPU, {} on the GPU",
+                    wt.len(),
+                    gt.len()
+                )),
+                Some(j) => {
+                    let top = &wt[j].1;
+                    let gap = match (top.first(), top.get(1)) {
+                        (Some(a), Some(b)) => a.1 - b.1,
+                        _ => f32::INFINITY,
+                    };
+                    if gap < 1e-3 {
+                        println!("  request {i}: near tie at token {j} (gap {gap:.1e})");
+                    } else {
+                        rep.fail(format!(
+                            "request {i}: token {j} differs (gap {gap:.2e}): cpu {:?} gpu {:?}",
+                            wt.iter().map(|x| x.0).collect::<Vec<_>>(),
+                            gt.iter().map(|x| x.0).collect::<Vec<_>>()
+                        ));
+                    }
+                }
+            }
+        }
+        drop(sg);
+        let (a, r) = (
+            EnginePools::evict_segment(&*cpu, &base[1].tokens, "t", &[0, 8]),
+            EnginePools::evict_segment(&*gpe, &base[1].tokens, "t", &[0, 8]),
+        );
+        println!("  evict doc 0: cpu {a} gpu {r}");
+        if a != r || r == 0 || EnginePools::resident_bytes(&*gpe, &base[1].tokens, "t", 8).is_some()
+        {
+            rep.fail(format!("evict: cpu {a} gpu {r}"));
+        }
+        let (a, r) = (
+            EnginePools::invalidate_owner(&*cpu, "t"),
+            EnginePools::invalidate_owner(&*gpe, "t"),
+        );
+        println!("  invalidate owner t: cpu {a} gpu {r}");
+        if a != r || EnginePools::public_usage(&*gpe).0 != 0 {
+            rep.fail(format!("invalidate: cpu {a} gpu {r}"));
+        }
+        rep.finish(test);
+    }
+
     /// The CPU half of the scenarios, without a device, so that a GPU run cannot
     /// fail on the test's own plumbing (prompts, modes, loading).
     #[test]

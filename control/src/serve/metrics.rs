@@ -5,7 +5,7 @@
 //! plane's per-policy counters (calls, faults by reason, fallbacks, time per
 //! call) are refreshed from their live values at each scrape.
 use crate::policy::{PolicyKind, PolicyRuntime};
-use dataplane::pic::PicEngine;
+use dataplane::engine::{BackendInfo, EnginePools};
 use dataplane::scheduler::SchedulerMetrics;
 use prometheus::{
     Encoder, GaugeVec, HistogramOpts, HistogramVec, IntCounterVec, IntGauge, IntGaugeVec, Opts,
@@ -41,6 +41,7 @@ pub struct ServeMetrics {
     spill_bytes: IntGaugeVec,
     pool_events: IntCounterVec,
     sched_events: IntCounterVec,
+    backend: IntGaugeVec,
     /// Entries the invalidation sweep checked and dropped (`event`: checked, dropped).
     pub sweep: IntCounterVec,
     policy_calls: IntCounterVec,
@@ -187,6 +188,13 @@ impl ServeMetrics {
             ),
             &["event"]
         ));
+        let backend = reg!(IntGaugeVec::new(
+            Opts::new(
+                "hypic_backend_info",
+                "The backend that serves (always 1): device (cpu, cuda), dtype (f32, bf16) and its description (e.g. cuda:0 NVIDIA H200 (sm_90a) f32)."
+            ),
+            &["device", "dtype", "backend"]
+        ));
         let sweep = reg!(IntCounterVec::new(
             Opts::new(
                 "hypic_invalidation_sweep_entries_total",
@@ -262,8 +270,17 @@ impl ServeMetrics {
             spill_bytes,
             pool_events,
             sched_events,
+            backend,
             last: Mutex::new(Last::default()),
         }
+    }
+
+    /// Records which backend serves (`hypic_backend_info`).
+    pub fn set_backend(&self, b: &BackendInfo) {
+        self.backend.reset();
+        self.backend
+            .with_label_values(&[b.device.as_str(), b.dtype.as_str(), b.describe.as_str()])
+            .set(1);
     }
 
     /// Refreshes the per-policy counters from the runtime's live values.
@@ -297,7 +314,7 @@ impl ServeMetrics {
     pub fn render(
         &self,
         sched: &SchedulerMetrics,
-        engine: &PicEngine,
+        engine: &dyn EnginePools,
         policies: &PolicyRuntime,
     ) -> String {
         self.queue_depth

@@ -17,6 +17,12 @@
 //!
 //! Configuration: flags, then `HYPIC_*` environment variables, then a TOML file
 //! (`--config`), then defaults ([`ServeConfig`]).
+//!
+//! Backend: `--device cpu|cuda|auto` and `--dtype f32|bf16` ([`crate::backend`], as
+//! `hypic generate`) pick the CPU [`PicEngine`] or, in a binary built with the `cuda`
+//! feature, the GPU `GpuPicEngine` (pools in device memory, host spill). Both sit
+//! behind [`dataplane::engine::Engine`]; the scheduler, the segment routes, the sweep
+//! and the metrics see only that interface.
 pub mod errors;
 pub mod metrics;
 pub mod prompt;
@@ -27,6 +33,7 @@ pub mod textgen;
 pub mod types;
 
 use anyhow::{bail, Context};
+use dataplane::engine::{BackendInfo, Engine, EnginePools};
 use dataplane::model::Model;
 use dataplane::pic::{Mode, PicEngine};
 use dataplane::scheduler::{Scheduler, SchedulerConfig};
@@ -38,6 +45,7 @@ use std::path::{Path, PathBuf};
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
+use crate::backend::{select_device, Device, DeviceArg, DtypeArg};
 use crate::{ControlArgs, ControlState};
 
 /// Server settings (the TOML file's keys; every key optional).
@@ -51,6 +59,12 @@ pub struct ServeConfig {
     /// Model id served in `/v1/models` and accepted in `model` (default: the
     /// folder name).
     pub model_id: Option<String>,
+    /// Backend: `cpu`, `cuda` (GPU 0; a startup error when unusable) or `auto`
+    /// (CUDA when usable, else the CPU with a line on stderr saying why).
+    pub device: DeviceArg,
+    /// Weight and activation type on the GPU backend: `f32` or `bf16` (the CPU
+    /// backend always runs f32).
+    pub dtype: DtypeArg,
     /// Default reuse mode: `hypic`, `prefix_cache`, `full_recompute`, `naive_addition`.
     pub mode: String,
     /// Default seam window of `hypic` mode.
@@ -109,6 +123,8 @@ impl Default for ServeConfig {
             bind: "127.0.0.1:8080".parse().expect("static address"),
             model: None,
             model_id: None,
+            device: DeviceArg::Auto,
+            dtype: DtypeArg::F32,
             mode: "hypic".into(),
             seam_width: 8,
             rope_fix: true,
@@ -150,6 +166,14 @@ pub struct ServeArgs {
     /// Model id to serve (default: the folder name).
     #[arg(long, env = "HYPIC_MODEL_ID")]
     pub model_id: Option<String>,
+    /// Backend: cpu, cuda (GPU 0; an error when unusable or not built in) or auto
+    /// (CUDA when usable, else the CPU with a log line saying why) [default: auto].
+    #[arg(long, value_enum, env = "HYPIC_DEVICE")]
+    pub device: Option<DeviceArg>,
+    /// Weight and activation type on the GPU backend: f32 (the CPU backend's answers)
+    /// or bf16 (half the weight memory) [default: f32].
+    #[arg(long, value_enum, env = "HYPIC_DTYPE")]
+    pub dtype: Option<DtypeArg>,
     /// Default reuse mode: hypic, prefix_cache, full_recompute, naive_addition.
     #[arg(long, env = "HYPIC_MODE")]
     pub mode: Option<String>,
@@ -235,6 +259,8 @@ impl ServeConfig {
         }
         set!(
             bind,
+            device,
+            dtype,
             mode,
             seam_width,
             rope_fix,
@@ -379,7 +405,8 @@ pub(crate) struct Inner {
     pub model_id: String,
     pub default_mode: Mode,
     pub tok: Arc<Tokenizer>,
-    pub engine: Arc<PicEngine>,
+    pub engine: Arc<dyn EnginePools>,
+    pub backend: BackendInfo,
     pub sched: Arc<Scheduler>,
     pub control: ControlState,
     pub control_router: axum::Router,
@@ -394,8 +421,69 @@ pub(crate) struct Inner {
 #[derive(Clone)]
 pub struct AppState(pub(crate) Arc<Inner>);
 
+/// Applies the pool settings to `engine` and starts the scheduler over it.
+fn wire<E: Engine + 'static>(
+    engine: Arc<E>,
+    cfg: &ServeConfig,
+    control: &ControlState,
+) -> (Arc<dyn EnginePools>, Arc<Scheduler>) {
+    engine.enable_spill(cfg.spill_mib << 20, cfg.spill_mib << 20);
+    // `control`: the control plane's active eviction/admission policies (Wasm or
+    // native) decide what the public pool keeps; `lru`: the engine's own LRU.
+    if cfg.pool_policy == "control" {
+        engine.set_public_policy(Box::new(
+            crate::policy::pool_adapter::RuntimePoolPolicy::new(
+                control.policies().clone(),
+                cfg.public_pool_mib << 20,
+            ),
+        ));
+    }
+    let sched = Arc::new(Scheduler::start(engine.clone(), cfg.scheduler()));
+    (engine, sched)
+}
+
+/// The PIC engine on `device` (uploading the weights for CUDA, in `cfg.dtype`) and
+/// the scheduler over it.
+fn start_engine(
+    cfg: &ServeConfig,
+    device: &Device,
+    model: Model,
+    model_id: &str,
+    control: &ControlState,
+) -> anyhow::Result<(Arc<dyn EnginePools>, Arc<Scheduler>)> {
+    let (public, private) = (cfg.public_pool_mib << 20, cfg.private_pool_mib << 20);
+    match device {
+        Device::Cpu => {
+            let engine = PicEngine::new(Arc::new(model), model_id, public, private);
+            Ok(wire(Arc::new(engine), cfg, control))
+        }
+        #[cfg(feature = "cuda")]
+        Device::Cuda(gpu) => {
+            use dataplane::cuda::model::GpuModel;
+            use dataplane::cuda::pic::GpuPicEngine;
+            Ok(match cfg.dtype {
+                DtypeArg::F32 => {
+                    let m = GpuModel::<f32>::upload(gpu.clone(), &model)
+                        .context("uploading the weights to the GPU")?;
+                    drop(model);
+                    let e = GpuPicEngine::new(Arc::new(m), model_id, public, private);
+                    wire(Arc::new(e), cfg, control)
+                }
+                DtypeArg::Bf16 => {
+                    let m = GpuModel::<half::bf16>::upload(gpu.clone(), &model)
+                        .context("uploading the weights to the GPU")?;
+                    drop(model);
+                    let e = GpuPicEngine::new(Arc::new(m), model_id, public, private);
+                    wire(Arc::new(e), cfg, control)
+                }
+            })
+        }
+    }
+}
+
 impl AppState {
-    /// Builds the state from a loaded model and a control-plane state.
+    /// Builds the state from a loaded model and a control-plane state, on the
+    /// backend `cfg.device` / `cfg.dtype` select ([`select_device`]).
     pub fn new(
         cfg: ServeConfig,
         model: Model,
@@ -403,37 +491,37 @@ impl AppState {
         model_id: String,
         control: ControlState,
     ) -> anyhow::Result<AppState> {
+        let device = select_device(cfg.device, cfg.dtype)?;
+        Self::on_device(cfg, &device, model, tok, model_id, control)
+    }
+
+    /// [`AppState::new`] on an already selected device.
+    pub fn on_device(
+        cfg: ServeConfig,
+        device: &Device,
+        model: Model,
+        tok: Tokenizer,
+        model_id: String,
+        control: ControlState,
+    ) -> anyhow::Result<AppState> {
         let default_mode = cfg.default_mode()?;
         let ctx = model.config.max_position_embeddings;
-        let engine = Arc::new(PicEngine::new(
-            Arc::new(model),
-            &model_id,
-            cfg.public_pool_mib << 20,
-            cfg.private_pool_mib << 20,
-        ));
-        engine.enable_spill(cfg.spill_mib << 20, cfg.spill_mib << 20);
-        // `control`: the control plane's active eviction/admission policies (Wasm or
-        // native) decide what the public pool keeps; `lru`: the engine's own LRU.
-        if cfg.pool_policy == "control" {
-            engine.set_public_policy(Box::new(
-                crate::policy::pool_adapter::RuntimePoolPolicy::new(
-                    control.policies().clone(),
-                    cfg.public_pool_mib << 20,
-                ),
-            ));
-        }
-        let sched = Arc::new(Scheduler::start(engine.clone(), cfg.scheduler()));
+        let (engine, sched) = start_engine(&cfg, device, model, &model_id, &control)?;
+        let backend = engine.backend();
         let control_router = crate::control_router(control.clone());
+        let metrics = metrics::ServeMetrics::new();
+        metrics.set_backend(&backend);
         Ok(AppState(Arc::new(Inner {
             cfg,
             model_id,
             default_mode,
             tok: Arc::new(tok),
             engine,
+            backend,
             sched,
             control,
             control_router,
-            metrics: metrics::ServeMetrics::new(),
+            metrics,
             known: Mutex::new(Known::default()),
             ledger: sweep::Ledger::default(),
             prefill_gate: tokio::sync::Semaphore::new(1),
@@ -441,9 +529,13 @@ impl AppState {
         })))
     }
 
-    /// The engine (pools).
-    pub fn engine(&self) -> &Arc<PicEngine> {
+    /// The engine's pools (CPU or GPU).
+    pub fn engine(&self) -> &Arc<dyn EnginePools> {
         &self.0.engine
+    }
+    /// Which backend serves (device, dtype, description).
+    pub fn backend(&self) -> &BackendInfo {
+        &self.0.backend
     }
     /// The scheduler.
     pub fn scheduler(&self) -> &Arc<Scheduler> {
@@ -515,6 +607,9 @@ pub fn model_location(cfg: &ServeConfig) -> anyhow::Result<(PathBuf, String)> {
 pub async fn spawn(cfg: ServeConfig) -> anyhow::Result<RunningServer> {
     cfg.validate()?;
     let (dir, id) = model_location(&cfg)?;
+    // The device first: `--device cuda` without CUDA fails before the model loads.
+    let (device_arg, dtype) = (cfg.device, cfg.dtype);
+    let device = tokio::task::spawn_blocking(move || select_device(device_arg, dtype)).await??;
     let (model, tok) = tokio::task::spawn_blocking(move || load_model(&dir)).await??;
     let control = crate::build_control_state(&cfg.control_args(), cfg.bind).await?;
     let listener = tokio::net::TcpListener::bind(cfg.bind)
@@ -522,7 +617,7 @@ pub async fn spawn(cfg: ServeConfig) -> anyhow::Result<RunningServer> {
         .with_context(|| format!("binding {}", cfg.bind))?;
     let addr = listener.local_addr()?;
     let sweep_every = cfg.invalidation_sweep_ms;
-    let state = AppState::new(cfg, model, tok, id, control)?;
+    let state = AppState::on_device(cfg, &device, model, tok, id, control)?;
     if sweep_every > 0 {
         sweep::spawn_sweeper(Arc::downgrade(&state.0), Duration::from_millis(sweep_every));
     }
@@ -554,11 +649,13 @@ pub fn run_serve_command(args: ServeArgs) -> anyhow::Result<()> {
         .build()?;
     rt.block_on(async move {
         let server = spawn(cfg).await?;
+        eprintln!("backend: {}", server.state.backend().describe);
         eprintln!(
-            "hypic: serving {} on {} (mode {}, OpenAI API at {}/v1)",
+            "hypic: serving {} on {} (mode {}, backend {}, OpenAI API at {}/v1)",
             server.state.model_id(),
             server.addr,
             server.state.config().mode,
+            server.state.backend().describe,
             server.url()
         );
         let _ = tokio::signal::ctrl_c().await;

@@ -152,6 +152,9 @@ async fn health(State(s): State<AppState>) -> Json<Value> {
     Json(json!({
         "status": "ok",
         "model": s.0.model_id,
+        "device": s.0.backend.device,
+        "dtype": s.0.backend.dtype,
+        "backend": s.0.backend.describe,
         "queue_depth": m.queue_depth.load(std::sync::atomic::Ordering::Relaxed),
         "running": m.running.load(std::sync::atomic::Ordering::Relaxed),
     }))
@@ -160,7 +163,7 @@ async fn health(State(s): State<AppState>) -> Json<Value> {
 async fn metrics(State(s): State<AppState>) -> Response {
     let text =
         s.0.metrics
-            .render(&s.0.sched.metrics(), &s.0.engine, s.0.control.policies());
+            .render(&s.0.sched.metrics(), &*s.0.engine, s.0.control.policies());
     (
         [(
             header::CONTENT_TYPE,

@@ -40,14 +40,15 @@ use super::model::{GpuLayerState, GpuModel, GpuState};
 use super::transition::DensePair;
 use super::{check_len, grid_for, ops, CudaError, CudaSlice, Elem, Gpu, Result};
 use crate::config::{LayerKind, ModelConfig};
+use crate::engine::{BackendInfo, Engine, EngineOutput, EnginePools};
 use crate::linear::gdr::GdrDims;
 use crate::linear::transition::TransitionKind;
 use crate::model::Logits;
 use crate::pic::engine::{
-    content_key, prefix_keys, public_key, tally, validate_segments, EntryLayer, Mode, Outcome,
-    PicStats, SegmentEntry, SegmentRef, SegmentStat, Snapshot,
+    content_key, fill_duplicates, prefix_keys, public_key, tally, validate_segments, EntryLayer,
+    Mode, Outcome, PicStats, Prefetch, SegmentEntry, SegmentRef, SegmentStat, Snapshot,
 };
-use crate::pic::pool::{CachePolicy, Key, Lru, Pool, PoolStats};
+use crate::pic::pool::{CachePolicy, Insert, Key, Lru, Pool, PoolStats};
 use crate::pic::spill::Spill;
 
 /// Left-multiplies `trans` by the gated-delta-rule transition of a span, any `dk`:
@@ -434,6 +435,10 @@ pub struct GpuPicEngine<T: Elem> {
     model_id: String,
     public: Mutex<Pool<GpuSegmentEntry<T>>>,
     private: Mutex<Pool<GpuSnapshot<T>>>,
+    /// Serialises the device work issued through the [`Engine`] interface (the
+    /// scheduler's prefill and decode, the server's segment prefetch), which come
+    /// from different threads.
+    serial: Mutex<()>,
 }
 
 impl<T: Elem> GpuPicEngine<T>
@@ -453,6 +458,7 @@ where
             model_id: model_id.to_string(),
             public: Mutex::new(Pool::new(public_bytes, Box::new(Lru))),
             private: Mutex::new(Pool::new(private_bytes, Box::new(Lru))),
+            serial: Mutex::new(()),
         }
     }
 
@@ -817,5 +823,197 @@ where
         }
         state.next_position = b + e.len as i64;
         Ok(())
+    }
+}
+
+/// Ahead-of-time segment registration on the device (`hypic serve`'s
+/// `/v1/segments`), as the CPU engine's: build a segment's public-pool entry before
+/// any request uses it, read its residency, drop it. Same keys as the CPU engine.
+impl<T: Elem> GpuPicEngine<T>
+where
+    CudaBlas: Gemm<T>,
+{
+    fn entry_key(&self, tokens: &[u32], isolation: &str, body_start: usize) -> Key {
+        public_key(&content_key(&self.model_id, tokens), isolation, body_start)
+    }
+
+    /// Builds the public-pool entry of `tokens` under `isolation` for each of
+    /// `body_starts` unless resident (one device prefill per missing body start);
+    /// results in the order of `body_starts`, as `PicEngine::prefetch_many`.
+    ///
+    /// Errors: empty segment, a token outside the vocabulary, over the context limit
+    /// ([`CudaError::Shape`] with the CPU engine's message); driver errors.
+    pub fn prefetch_many(
+        &self,
+        tokens: &[u32],
+        isolation: &str,
+        body_starts: &[usize],
+    ) -> Result<Vec<(Prefetch, usize)>> {
+        validate_segments(
+            self.model.config(),
+            &[SegmentRef {
+                tokens: tokens.to_vec(),
+                isolation: isolation.to_string(),
+            }],
+        )
+        .map_err(|e| CudaError::Shape(e.to_string()))?;
+        let mut out = vec![(Prefetch::NotNeeded, 0); body_starts.len()];
+        let mut missing: Vec<(usize, usize, Key)> = vec![];
+        for (j, &b) in body_starts.iter().enumerate() {
+            if b > 0 && b >= tokens.len() {
+                continue;
+            }
+            let key = self.entry_key(tokens, isolation, b);
+            match lock(&self.public).meta(&key).map(|m| m.bytes) {
+                Some(bytes) => out[j] = (Prefetch::Present, bytes),
+                None if missing.iter().any(|&(_, mb, _)| mb == b) => {}
+                None => missing.push((j, b, key)),
+            }
+        }
+        for (j, b, key) in missing {
+            let e = self.build_entry(tokens, b)?;
+            let bytes = e.bytes();
+            let r = lock(&self.public).insert(key, Arc::new(e), bytes, tokens.len(), isolation);
+            out[j] = match r {
+                Insert::Stored { .. } => (Prefetch::Stored, bytes),
+                Insert::Present => (Prefetch::Present, bytes),
+                Insert::NotAdmitted | Insert::NoRoom => (Prefetch::Refused, 0),
+            };
+        }
+        Ok(fill_duplicates(body_starts, out))
+    }
+
+    /// Device bytes of the resident public-pool entry of `tokens` under `isolation`
+    /// for `body_start`, if any. Not counted as a lookup.
+    pub fn resident_bytes(
+        &self,
+        tokens: &[u32],
+        isolation: &str,
+        body_start: usize,
+    ) -> Option<usize> {
+        let key = self.entry_key(tokens, isolation, body_start);
+        lock(&self.public).meta(&key).map(|m| m.bytes)
+    }
+
+    /// Removes the public-pool entries of `tokens` under `isolation` for each of
+    /// `body_starts`; returns how many were present.
+    pub fn evict_segment(&self, tokens: &[u32], isolation: &str, body_starts: &[usize]) -> usize {
+        let keys: Vec<Key> = body_starts
+            .iter()
+            .map(|&b| self.entry_key(tokens, isolation, b))
+            .collect();
+        let mut p = lock(&self.public);
+        keys.iter().filter(|k| p.remove(k)).count()
+    }
+
+    fn serial(&self) -> MutexGuard<'_, ()> {
+        lock(&self.serial)
+    }
+}
+
+fn device_err(e: CudaError) -> crate::Error {
+    crate::Error::Device(e.to_string())
+}
+
+impl<T: Elem> EnginePools for GpuPicEngine<T>
+where
+    CudaBlas: Gemm<T>,
+{
+    fn config(&self) -> &ModelConfig {
+        self.model.config()
+    }
+    fn backend(&self) -> BackendInfo {
+        let g = self.model.gpu();
+        BackendInfo {
+            device: "cuda".into(),
+            dtype: T::SUFFIX.into(),
+            describe: format!("cuda:0 {} ({}) {}", g.name(), g.arch(), T::SUFFIX),
+        }
+    }
+    fn kv_elem_bytes(&self) -> usize {
+        std::mem::size_of::<T>()
+    }
+    fn prefetch_many(
+        &self,
+        tokens: &[u32],
+        isolation: &str,
+        body_starts: &[usize],
+    ) -> crate::Result<Vec<(Prefetch, usize)>> {
+        validate_segments(
+            self.model.config(),
+            &[SegmentRef {
+                tokens: tokens.to_vec(),
+                isolation: isolation.to_string(),
+            }],
+        )?;
+        let _serial = self.serial();
+        GpuPicEngine::prefetch_many(self, tokens, isolation, body_starts).map_err(device_err)
+    }
+    fn resident_bytes(&self, tokens: &[u32], isolation: &str, body_start: usize) -> Option<usize> {
+        GpuPicEngine::resident_bytes(self, tokens, isolation, body_start)
+    }
+    fn evict_segment(&self, tokens: &[u32], isolation: &str, body_starts: &[usize]) -> usize {
+        GpuPicEngine::evict_segment(self, tokens, isolation, body_starts)
+    }
+    fn invalidate_owner(&self, isolation: &str) -> usize {
+        GpuPicEngine::invalidate_owner(self, isolation)
+    }
+    fn public_usage(&self) -> (usize, usize, PoolStats) {
+        GpuPicEngine::public_usage(self)
+    }
+    fn private_usage(&self) -> (usize, usize, PoolStats) {
+        GpuPicEngine::private_usage(self)
+    }
+    fn spill_usage(&self) -> [(usize, usize, usize); 2] {
+        GpuPicEngine::spill_usage(self)
+    }
+    fn clear(&self) {
+        GpuPicEngine::clear(self)
+    }
+    fn set_public_policy(&self, p: Box<dyn CachePolicy>) {
+        GpuPicEngine::set_public_policy(self, p)
+    }
+    fn enable_spill(&self, public_bytes: usize, private_bytes: usize) {
+        GpuPicEngine::enable_spill(self, public_bytes, private_bytes)
+    }
+    fn content_hash(&self, tokens: &[u32]) -> String {
+        GpuPicEngine::content_hash(self, tokens)
+    }
+}
+
+/// The scheduler's interface: prefill through [`GpuPicEngine::run`], decode through
+/// [`GpuModel::decode_batch`]; logits come back to the host. Invalid requests are
+/// [`crate::Error::Input`] (checked before any device work), device failures
+/// [`crate::Error::Device`].
+impl<T: Elem> Engine for GpuPicEngine<T>
+where
+    CudaBlas: Gemm<T>,
+{
+    type State = GpuState<T>;
+    fn run(
+        &self,
+        segments: &[SegmentRef],
+        mode: Mode,
+        tenant: &str,
+    ) -> crate::Result<EngineOutput<GpuState<T>>> {
+        validate_segments(self.model.config(), segments)?;
+        let _serial = self.serial();
+        let out = GpuPicEngine::run(self, segments, mode, tenant).map_err(device_err)?;
+        Ok(EngineOutput {
+            logits: out.logits,
+            state: out.state,
+            stats: out.stats,
+        })
+    }
+    fn decode_batch(
+        &self,
+        tokens: &[u32],
+        states: &mut [&mut GpuState<T>],
+    ) -> crate::Result<Vec<Vec<f32>>> {
+        let _serial = self.serial();
+        self.model.decode_batch(tokens, states).map_err(device_err)
+    }
+    fn state_bytes(state: &GpuState<T>) -> usize {
+        state.bytes()
     }
 }

@@ -687,7 +687,7 @@ pub(crate) fn tally(stats: &mut PicStats) {
 }
 
 /// A body start listed twice gets the result of its first listing.
-fn fill_duplicates(
+pub(crate) fn fill_duplicates(
     body_starts: &[usize],
     mut out: Vec<(Prefetch, usize)>,
 ) -> Vec<(Prefetch, usize)> {

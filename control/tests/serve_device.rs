@@ -1,0 +1,208 @@
+//! `hypic serve --device cpu|cuda|auto --dtype f32|bf16`: flags, environment-free
+//! config file keys, startup errors, and the backend that `/health`, `/metrics` and
+//! the startup log report. CPU only; the GPU end-to-end check is
+//! `scripts/serve_check.py` (gpu-check step `serve`).
+mod serve_common;
+
+use clap::Parser;
+use hypic_control::backend::{DeviceArg, DtypeArg};
+use hypic_control::serve::{spawn, ServeArgs, ServeConfig};
+use serve_common::{golden_model, metric, start};
+use std::process::Command;
+
+#[derive(Parser, Debug)]
+struct Cli {
+    #[command(flatten)]
+    serve: ServeArgs,
+}
+
+/// `hypic` with no `HYPIC_*` variable of the caller's environment.
+fn hypic() -> Command {
+    let mut c = Command::new(env!("CARGO_BIN_EXE_hypic"));
+    for (k, _) in std::env::vars() {
+        if k.starts_with("HYPIC_") {
+            c.env_remove(k);
+        }
+    }
+    c
+}
+
+#[test]
+fn device_and_dtype_default_to_auto_and_f32() {
+    let c = ServeConfig::default();
+    assert_eq!(c.device, DeviceArg::Auto);
+    assert_eq!(c.dtype, DtypeArg::F32);
+}
+
+#[test]
+fn device_and_dtype_from_the_config_file_then_flags() {
+    let dir = tempfile::tempdir().unwrap();
+    let p = dir.path().join("hypic.toml");
+    std::fs::write(&p, "device = \"cpu\"\ndtype = \"bf16\"\n").unwrap();
+    let args = ServeArgs {
+        config: Some(p.clone()),
+        ..Default::default()
+    };
+    let c = ServeConfig::resolve(&args).unwrap();
+    assert_eq!((c.device, c.dtype), (DeviceArg::Cpu, DtypeArg::Bf16));
+    let args = ServeArgs {
+        config: Some(p.clone()),
+        device: Some(DeviceArg::Cuda),
+        dtype: Some(DtypeArg::F32),
+        ..Default::default()
+    };
+    let c = ServeConfig::resolve(&args).unwrap();
+    assert_eq!(
+        (c.device, c.dtype),
+        (DeviceArg::Cuda, DtypeArg::F32),
+        "flags override the file"
+    );
+    std::fs::write(&p, "device = \"tpu\"\n").unwrap();
+    let e = format!("{:#}", ServeConfig::resolve(&args).unwrap_err());
+    assert!(
+        e.contains("tpu") && e.contains("cuda") && e.contains("cpu"),
+        "{e}"
+    );
+    std::fs::write(&p, "dtype = \"f16\"\n").unwrap();
+    let e = format!("{:#}", ServeConfig::resolve(&args).unwrap_err());
+    assert!(e.contains("f16") && e.contains("bf16"), "{e}");
+}
+
+#[test]
+fn flags_parse_and_bad_values_name_the_choices() {
+    let c = Cli::try_parse_from(["hypic", "--device", "cpu", "--dtype", "bf16"]).unwrap();
+    assert_eq!(c.serve.device, Some(DeviceArg::Cpu));
+    assert_eq!(c.serve.dtype, Some(DtypeArg::Bf16));
+    let e = Cli::try_parse_from(["hypic", "--dtype", "f64"]).unwrap_err();
+    assert_eq!(e.kind(), clap::error::ErrorKind::InvalidValue);
+    let m = e.to_string();
+    assert!(
+        m.contains("f64") && m.contains("f32") && m.contains("bf16"),
+        "{m}"
+    );
+    let e = Cli::try_parse_from(["hypic", "--device", "gpu0"]).unwrap_err();
+    assert_eq!(e.kind(), clap::error::ErrorKind::InvalidValue);
+    let m = e.to_string();
+    assert!(
+        m.contains("cpu") && m.contains("cuda") && m.contains("auto"),
+        "{m}"
+    );
+}
+
+#[test]
+fn the_binary_refuses_a_bad_dtype_before_starting() {
+    let dir = tempfile::tempdir().unwrap();
+    let out = hypic()
+        .args([
+            "serve",
+            "--dtype",
+            "f64",
+            "--bind",
+            "127.0.0.1:0",
+            "--data-dir",
+        ])
+        .arg(dir.path())
+        .output()
+        .unwrap();
+    assert_eq!(out.status.code(), Some(2), "{out:?}");
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert!(
+        err.contains("'f64'") && err.contains("f32") && err.contains("bf16"),
+        "{err}"
+    );
+}
+
+/// `--device cuda` where CUDA cannot run (no `cuda` feature, or no driver): a clear
+/// startup error naming the alternatives, before the model loads or the data
+/// directory is touched.
+#[test]
+fn the_binary_refuses_device_cuda_without_cuda() {
+    #[cfg(feature = "cuda")]
+    if dataplane::cuda::driver_present() {
+        eprintln!("a CUDA driver is present: nothing to check");
+        return;
+    }
+    let dir = tempfile::tempdir().unwrap();
+    let data = dir.path().join("data");
+    let out = hypic()
+        .args([
+            "serve",
+            "--device",
+            "cuda",
+            "--bind",
+            "127.0.0.1:0",
+            "--model",
+        ])
+        .arg(golden_model())
+        .arg("--data-dir")
+        .arg(&data)
+        .output()
+        .unwrap();
+    assert_eq!(out.status.code(), Some(1), "{out:?}");
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert!(err.contains("--device cuda"), "{err}");
+    #[cfg(not(feature = "cuda"))]
+    assert!(
+        err.contains("without CUDA support") && err.contains("--features cuda"),
+        "{err}"
+    );
+    #[cfg(feature = "cuda")]
+    assert!(err.contains("no usable CUDA device"), "{err}");
+    assert!(err.contains("--device cpu"), "{err}");
+    assert!(!data.exists(), "nothing is created before the device check");
+}
+
+#[cfg(not(feature = "cuda"))]
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn spawn_with_device_cuda_fails_without_the_feature() {
+    let dir = tempfile::tempdir().unwrap();
+    let cfg = ServeConfig {
+        bind: "127.0.0.1:0".parse().unwrap(),
+        model: Some(golden_model()),
+        data_dir: dir.path().to_path_buf(),
+        device: DeviceArg::Cuda,
+        ..ServeConfig::default()
+    };
+    let e = format!("{:#}", spawn(cfg).await.err().expect("no CUDA here"));
+    assert!(e.contains("without CUDA support"), "{e}");
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn health_and_metrics_name_the_cpu_backend() {
+    // bf16 on the CPU is ignored: the CPU backend runs f32.
+    let s = start(|c| {
+        c.device = DeviceArg::Cpu;
+        c.dtype = DtypeArg::Bf16;
+    })
+    .await;
+    assert_eq!(s.server.state.backend().describe, "cpu");
+    let (st, h) = s.get_as(None, "/health").await;
+    assert_eq!(st, 200);
+    assert_eq!(h["device"], "cpu", "{h}");
+    assert_eq!(h["dtype"], "f32", "{h}");
+    assert_eq!(h["backend"], "cpu", "{h}");
+    let m = s.metrics().await;
+    assert_eq!(
+        metric(
+            &m,
+            "hypic_backend_info",
+            "backend=\"cpu\",device=\"cpu\",dtype=\"f32\""
+        ),
+        Some(1.0),
+        "{m}"
+    );
+    s.server.stop().await;
+}
+
+/// `auto` where CUDA cannot run serves on the CPU (and says so on stderr).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn auto_falls_back_to_the_cpu() {
+    #[cfg(feature = "cuda")]
+    if dataplane::cuda::driver_present() {
+        return;
+    }
+    let s = start(|c| c.device = DeviceArg::Auto).await;
+    let (_, h) = s.get_as(None, "/health").await;
+    assert_eq!(h["device"], "cpu", "{h}");
+    s.server.stop().await;
+}

@@ -1,0 +1,207 @@
+//! The engine interface of the serving path: what the [`crate::scheduler`] and
+//! `hypic serve` need from a PIC engine, so that the CPU [`PicEngine`] and the GPU
+//! `cuda::pic::GpuPicEngine` (feature `cuda`) are interchangeable.
+//!
+//! * [`EnginePools`] (object safe): the model config, which backend serves, and the
+//!   pool operations of segment registration, residency, eviction, invalidation,
+//!   metrics and spill. The server keeps an `Arc<dyn EnginePools>`.
+//! * [`Engine`]: adds the request path, [`Engine::run`] (PIC assembly of a prompt,
+//!   returning the last-token logits and the running state) and
+//!   [`Engine::decode_batch`] (one decode step for several running sequences), over
+//!   the engine's own sequence state type ([`Engine::State`]: a host `ModelState` on
+//!   the CPU, a device `GpuState` on the GPU). The scheduler's worker is generic
+//!   over it.
+//!
+//! Logits come back to the host (fp32) in both engines: the scheduler samples with
+//! the CPU [`crate::sampling::Sampler`] and computes log-probabilities from them, so
+//! a seeded request draws the same way on either backend.
+use crate::config::{LayerKind, ModelConfig};
+use crate::error::Result;
+use crate::pic::pool::{CachePolicy, PoolStats};
+use crate::pic::{Mode, PicEngine, PicStats, Prefetch, SegmentRef};
+use crate::state::ModelState;
+use serde::Serialize;
+
+/// Which backend an engine runs on (for logs, `/health` and `/metrics`).
+#[derive(Clone, Debug, PartialEq, Eq, Serialize)]
+pub struct BackendInfo {
+    /// `cpu` or `cuda`.
+    pub device: String,
+    /// Weight and activation type: `f32` or `bf16`.
+    pub dtype: String,
+    /// One-line description: `cpu`, or `cuda:0 NVIDIA H200 (sm_90a) bf16`.
+    pub describe: String,
+}
+
+impl BackendInfo {
+    /// The CPU reference backend (always fp32).
+    pub fn cpu() -> Self {
+        BackendInfo {
+            device: "cpu".into(),
+            dtype: "f32".into(),
+            describe: "cpu".into(),
+        }
+    }
+}
+
+/// Result of [`Engine::run`].
+#[derive(Clone, Debug)]
+pub struct EngineOutput<S> {
+    /// Logits of the prompt's last token, `[vocab]` (host, fp32).
+    pub logits: Vec<f32>,
+    /// Running state after the prompt, ready for [`Engine::decode_batch`].
+    pub state: S,
+    /// PIC statistics.
+    pub stats: PicStats,
+}
+
+/// Pool-side operations of a PIC engine (object safe; see the module docs).
+pub trait EnginePools: Send + Sync {
+    /// The model's configuration.
+    fn config(&self) -> &ModelConfig;
+    /// Which backend serves.
+    fn backend(&self) -> BackendInfo;
+    /// Bytes of one K or V element in the engine's KV caches (4 for fp32).
+    fn kv_elem_bytes(&self) -> usize {
+        4
+    }
+    /// KV bytes one token costs across all full-attention layers (K and V, plus
+    /// its position).
+    fn kv_bytes_per_token(&self) -> usize {
+        let c = self.config();
+        let full = c
+            .layer_kinds
+            .iter()
+            .filter(|k| **k == LayerKind::Full)
+            .count();
+        full * 2 * c.num_kv_heads * c.head_dim * self.kv_elem_bytes() + full * 8
+    }
+    /// Builds the public-pool entries of `tokens` under `isolation` for each body
+    /// start unless resident (see [`PicEngine::prefetch_many`]).
+    fn prefetch_many(
+        &self,
+        tokens: &[u32],
+        isolation: &str,
+        body_starts: &[usize],
+    ) -> Result<Vec<(Prefetch, usize)>>;
+    /// Bytes of the resident public-pool entry, if any (not counted as a lookup).
+    fn resident_bytes(&self, tokens: &[u32], isolation: &str, body_start: usize) -> Option<usize>;
+    /// Removes the public-pool entries of `tokens` under `isolation` for each body
+    /// start; returns how many were present.
+    fn evict_segment(&self, tokens: &[u32], isolation: &str, body_starts: &[usize]) -> usize;
+    /// Drops every entry and snapshot owned by `isolation`; returns how many.
+    fn invalidate_owner(&self, isolation: &str) -> usize;
+    /// `(entries, bytes, stats)` of the public pool.
+    fn public_usage(&self) -> (usize, usize, PoolStats);
+    /// `(entries, bytes, stats)` of the private pool.
+    fn private_usage(&self) -> (usize, usize, PoolStats);
+    /// `(entries, bytes, capacity)` of the public and private spill tiers.
+    fn spill_usage(&self) -> [(usize, usize, usize); 2];
+    /// Clears both pools.
+    fn clear(&self);
+    /// Replaces the public pool's admission/eviction policy.
+    fn set_public_policy(&self, p: Box<dyn CachePolicy>);
+    /// Gives both pools host spill tiers of the given byte capacities (0: none).
+    fn enable_spill(&self, public_bytes: usize, private_bytes: usize);
+    /// SHA-256 (hex) of the model id and a segment's tokens.
+    fn content_hash(&self, tokens: &[u32]) -> String;
+}
+
+/// A PIC engine the scheduler can drive (see the module docs).
+pub trait Engine: EnginePools {
+    /// Running state of one sequence.
+    type State: 'static;
+    /// Serves one prompt: prefix/PIC reuse per `mode`, then the query segment
+    /// (see [`PicEngine::run`]).
+    ///
+    /// Errors: [`crate::Error::Input`] for an invalid request, [`crate::Error::Device`]
+    /// for a device failure.
+    fn run(
+        &self,
+        segments: &[SegmentRef],
+        mode: Mode,
+        tenant: &str,
+    ) -> Result<EngineOutput<Self::State>>;
+    /// Appends `tokens[b]` to `states[b]` for every `b`; returns `[B][vocab]` logits.
+    fn decode_batch(
+        &self,
+        tokens: &[u32],
+        states: &mut [&mut Self::State],
+    ) -> Result<Vec<Vec<f32>>>;
+    /// Memory held by a running state, bytes.
+    fn state_bytes(state: &Self::State) -> usize;
+}
+
+impl EnginePools for PicEngine {
+    fn config(&self) -> &ModelConfig {
+        &self.model().config
+    }
+    fn backend(&self) -> BackendInfo {
+        BackendInfo::cpu()
+    }
+    fn prefetch_many(
+        &self,
+        tokens: &[u32],
+        isolation: &str,
+        body_starts: &[usize],
+    ) -> Result<Vec<(Prefetch, usize)>> {
+        PicEngine::prefetch_many(self, tokens, isolation, body_starts)
+    }
+    fn resident_bytes(&self, tokens: &[u32], isolation: &str, body_start: usize) -> Option<usize> {
+        PicEngine::resident_bytes(self, tokens, isolation, body_start)
+    }
+    fn evict_segment(&self, tokens: &[u32], isolation: &str, body_starts: &[usize]) -> usize {
+        PicEngine::evict_segment(self, tokens, isolation, body_starts)
+    }
+    fn invalidate_owner(&self, isolation: &str) -> usize {
+        PicEngine::invalidate_owner(self, isolation)
+    }
+    fn public_usage(&self) -> (usize, usize, PoolStats) {
+        PicEngine::public_usage(self)
+    }
+    fn private_usage(&self) -> (usize, usize, PoolStats) {
+        PicEngine::private_usage(self)
+    }
+    fn spill_usage(&self) -> [(usize, usize, usize); 2] {
+        PicEngine::spill_usage(self)
+    }
+    fn clear(&self) {
+        PicEngine::clear(self)
+    }
+    fn set_public_policy(&self, p: Box<dyn CachePolicy>) {
+        PicEngine::set_public_policy(self, p)
+    }
+    fn enable_spill(&self, public_bytes: usize, private_bytes: usize) {
+        PicEngine::enable_spill(self, public_bytes, private_bytes)
+    }
+    fn content_hash(&self, tokens: &[u32]) -> String {
+        PicEngine::content_hash(self, tokens)
+    }
+}
+
+impl Engine for PicEngine {
+    type State = ModelState;
+    fn run(
+        &self,
+        segments: &[SegmentRef],
+        mode: Mode,
+        tenant: &str,
+    ) -> Result<EngineOutput<ModelState>> {
+        let out = PicEngine::run(self, segments, mode, tenant)?;
+        Ok(EngineOutput {
+            logits: out.logits,
+            state: out.state,
+            stats: out.stats,
+        })
+    }
+    fn decode_batch(
+        &self,
+        tokens: &[u32],
+        states: &mut [&mut ModelState],
+    ) -> Result<Vec<Vec<f32>>> {
+        self.model().decode_batch(tokens, states)
+    }
+    fn state_bytes(state: &ModelState) -> usize {
+        state.bytes()
+    }
+}
