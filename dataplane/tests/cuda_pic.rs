@@ -958,7 +958,12 @@ mod gpu {
         let want = serve(&Scheduler::start(cpu.clone(), cfg.clone()));
         let sg = Scheduler::start(gpe.clone(), cfg);
         let got = serve(&sg);
-        if sg.metrics().generated_tokens.load(std::sync::atomic::Ordering::Relaxed) == 0 {
+        if sg
+            .metrics()
+            .generated_tokens
+            .load(std::sync::atomic::Ordering::Relaxed)
+            == 0
+        {
             rep.fail("the GPU scheduler generated nothing".into());
         }
         for (i, ((ws, wt, we), (gs, gt, ge))) in want.iter().zip(&got).enumerate() {
