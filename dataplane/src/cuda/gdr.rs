@@ -215,19 +215,13 @@ impl Workspace {
         self.state_bv
     }
 
-    fn ensure<'a>(
-        gpu: &Gpu,
-        slot: &'a mut Option<CudaSlice<f32>>,
-        n: usize,
-    ) -> Result<&'a mut CudaSlice<f32>> {
+    fn ensure(gpu: &Gpu, slot: &mut Option<CudaSlice<f32>>, n: usize) -> Result<()> {
         if slot.as_ref().is_none_or(|b| b.len() < n) {
             *slot = None;
-        }
-        match slot {
-            Some(b) => Ok(b),
             // SAFETY: every element the kernels read is written first in the same call.
-            None => Ok(slot.insert(unsafe { gpu.stream().alloc::<f32>(n.max(1)) }?)),
+            *slot = Some(unsafe { gpu.stream().alloc::<f32>(n.max(1)) }?);
         }
+        Ok(())
     }
 }
 
@@ -366,10 +360,16 @@ fn chunked_impl<T: Elem>(
         return chunked_tc(gpu, d, q, k, v, g, beta, state, out, trans, ws, marks);
     }
     let nt = d.t.div_ceil(CHUNK);
-    let gcum = Workspace::ensure(gpu, &mut ws.gcum, d.hv * d.t)?;
-    let w = Workspace::ensure(gpu, &mut ws.w, d.hv * d.t * d.dk)?;
-    let u = Workspace::ensure(gpu, &mut ws.u, d.hv * d.t * d.dv)?;
-    let hs = Workspace::ensure(gpu, &mut ws.hs, nt * d.hv * d.dk * d.dv)?;
+    Workspace::ensure(gpu, &mut ws.gcum, d.hv * d.t)?;
+    Workspace::ensure(gpu, &mut ws.w, d.hv * d.t * d.dk)?;
+    Workspace::ensure(gpu, &mut ws.u, d.hv * d.t * d.dv)?;
+    Workspace::ensure(gpu, &mut ws.hs, nt * d.hv * d.dk * d.dv)?;
+    let (gcum, w, u, hs) = (
+        ws.gcum.as_mut().expect("allocated"),
+        ws.w.as_mut().expect("allocated"),
+        ws.u.as_mut().expect("allocated"),
+        ws.hs.as_mut().expect("allocated"),
+    );
     let (t, hk, hv) = (d.t as i32, d.hk as i32, d.hv as i32);
     let sfx = T::SUFFIX;
     let mut mark = |i: usize| -> Result<()> {
@@ -481,12 +481,19 @@ fn chunked_tc<T: Elem>(
     debug_assert_eq!(T::SUFFIX, "bf16");
     let nt = d.t.div_ceil(CHUNK);
     let tiles = nt * d.hv;
+    Workspace::ensure(gpu, &mut ws.gcum, tiles * CHUNK)?;
+    Workspace::ensure(gpu, &mut ws.w, tiles * TILE_F32)?;
+    Workspace::ensure(gpu, &mut ws.kt, tiles * TILE_F32)?;
+    Workspace::ensure(gpu, &mut ws.u, tiles * TILE_F32)?;
+    Workspace::ensure(gpu, &mut ws.hs, tiles * 2 * TILE_F32)?;
     let bv = ws.state_bv;
-    let gcum = Workspace::ensure(gpu, &mut ws.gcum, tiles * CHUNK)?;
-    let w = Workspace::ensure(gpu, &mut ws.w, tiles * TILE_F32)?;
-    let kt = Workspace::ensure(gpu, &mut ws.kt, tiles * TILE_F32)?;
-    let u = Workspace::ensure(gpu, &mut ws.u, tiles * TILE_F32)?;
-    let hs = Workspace::ensure(gpu, &mut ws.hs, tiles * 2 * TILE_F32)?;
+    let (gcum, w, kt, u, hs) = (
+        ws.gcum.as_mut().expect("allocated"),
+        ws.w.as_mut().expect("allocated"),
+        ws.kt.as_mut().expect("allocated"),
+        ws.u.as_mut().expect("allocated"),
+        ws.hs.as_mut().expect("allocated"),
+    );
     let (t, hk, hv) = (d.t as i32, d.hk as i32, d.hv as i32);
     let mut mark = |i: usize| -> Result<()> {
         if let Some(m) = marks.as_deref_mut() {
