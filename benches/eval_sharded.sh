@@ -7,10 +7,14 @@
 # e.g. on a 16-core machine: benches/eval_sharded.sh target/release/hypic 16 512 eval-512
 # Shard i evaluates items [i*ceil(N/S), (i+1)*ceil(N/S)) (`--skip`/`--limit`) into
 # OUT_DIR/shard-i/; `hypic eval --merge` then writes OUT_DIR/report.{md,json} and
-# OUT_DIR/quality_vs_ttft.svg exactly as one run over the N prompts would (scores weighted
-# by item counts). TTFT is measured per shard process with RAYON_NUM_THREADS=1, so the
-# machine should have at least SHARDS cores.
+# OUT_DIR/quality_vs_ttft.svg with the scores and predictions one run over the N prompts
+# would give (scores weighted by item counts). TTFT is measured per shard process with
+# RAYON_NUM_THREADS=1, so the machine should have at least SHARDS cores.
 set -euo pipefail
+if (( $# < 4 )) || ! [[ $2 =~ ^[1-9][0-9]*$ && $3 =~ ^[1-9][0-9]*$ ]]; then
+  echo "usage: $0 HYPIC_BIN SHARDS N OUT_DIR [extra hypic eval args...]  (SHARDS, N >= 1)" >&2
+  exit 2
+fi
 bin=$1 shards=$2 n=$3 out=$4
 shift 4
 per=$(( (n + shards - 1) / shards ))

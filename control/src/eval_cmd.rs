@@ -100,6 +100,15 @@ pub fn run(a: EvalArgs) -> Result<()> {
     if let Some(h) = a.hop {
         items.retain(|i| i.hop == h);
     }
+    if a.skip > 0 && a.skip >= items.len() {
+        bail!(
+            "--skip {} is past the end: {} has {} items{}",
+            a.skip,
+            heldout.display(),
+            items.len(),
+            a.hop.map_or(String::new(), |h| format!(" with --hop {h}"))
+        );
+    }
     items.drain(..a.skip.min(items.len()));
     if let Some(n) = a.limit {
         items.truncate(n);
@@ -144,9 +153,22 @@ fn merge(files: &[PathBuf], out: &Path) -> Result<()> {
             std::fs::read_to_string(f).with_context(|| format!("reading {}", f.display()))?;
         let r: Vec<ModeReport> =
             serde_json::from_str(&text).with_context(|| format!("parsing {}", f.display()))?;
+        if r.is_empty() {
+            bail!(
+                "{} holds no mode reports: not a `hypic eval` report.json",
+                f.display()
+            );
+        }
         shards.push(r);
     }
-    let reports = merge_reports(&shards)?;
+    let reports = merge_reports(&shards).with_context(|| {
+        let names: Vec<String> = files
+            .iter()
+            .enumerate()
+            .map(|(k, f)| format!("shard {k} = {}", f.display()))
+            .collect();
+        format!("merging {}", names.join(", "))
+    })?;
     let n = reports.first().map_or(0, |r| r.n_single + r.n_two);
     let source = format!("{} merged shard reports", files.len());
     write_reports(&reports, n, &source, out)
