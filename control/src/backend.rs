@@ -162,8 +162,7 @@ mod tests {
     #[test]
     fn cuda_without_the_feature_names_the_alternatives() {
         let e = select_device(DeviceArg::Cuda, DtypeArg::F32)
-            .err()
-            .expect("no CUDA in this build")
+            .expect_err("no CUDA in this build")
             .to_string();
         assert!(e.contains("without CUDA support"), "{e}");
         assert!(

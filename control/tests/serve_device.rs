@@ -6,7 +6,9 @@ mod serve_common;
 
 use clap::Parser;
 use hypic_control::backend::{DeviceArg, DtypeArg};
-use hypic_control::serve::{spawn, ServeArgs, ServeConfig};
+#[cfg(not(feature = "cuda"))]
+use hypic_control::serve::spawn;
+use hypic_control::serve::{ServeArgs, ServeConfig};
 use serve_common::{golden_model, metric, start};
 use std::process::Command;
 

@@ -907,7 +907,7 @@ mod gpu {
             }
         }
         let other = prompt(12, 3, vocab, "t");
-        let prompts = vec![
+        let prompts = [
             base.clone(),
             reorder(&base),
             vec![
