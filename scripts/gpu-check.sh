@@ -165,6 +165,8 @@ PY
 
   echo "== whole-model tests (GPU vs CPU, dataplane/tests/cuda_model.rs)"
   t0=$SECONDS
+  # HYPIC_CUDA_POISON=1 (here and for cuda_pic / cuda_random): Gpu::scratch buffers start
+  # as NaN, so a kernel that reads an element nobody wrote fails the comparison.
   # Run from the repository root (fixtures and models/hypic-tiny are read from it);
   # a missing device is a failure here, not a skip.
   # Each test in its own process, so that a kernel fault (which poisons the CUDA
@@ -177,7 +179,7 @@ PY
     model_rc=1
   fi
   want model && for name in $list_model; do
-    HYPIC_REQUIRE_GPU=1 HYPIC_REPO_ROOT="$PWD" HYPIC_GREEDY_ITEMS=${HYPIC_GREEDY_ITEMS:-64} timeout 240 .device/bin/cuda_model --exact "$name" \
+    HYPIC_CUDA_POISON=${HYPIC_CUDA_POISON:-1} HYPIC_REQUIRE_GPU=1 HYPIC_REPO_ROOT="$PWD" HYPIC_GREEDY_ITEMS=${HYPIC_GREEDY_ITEMS:-64} timeout 240 .device/bin/cuda_model --exact "$name" \
       --test-threads=1 --nocapture >> "$OUT/model_tests.log" 2>&1
     rc=$?
     echo "cuda_model $name rc=$rc" >> "$OUT/model_tests.log"
@@ -196,7 +198,7 @@ PY
     pic_rc=1
   fi
   want pic && for name in $list_pic; do
-    HYPIC_REQUIRE_GPU=1 HYPIC_REPO_ROOT="$PWD" timeout 300 .device/bin/cuda_pic --exact "$name" \
+    HYPIC_CUDA_POISON=${HYPIC_CUDA_POISON:-1} HYPIC_REQUIRE_GPU=1 HYPIC_REPO_ROOT="$PWD" timeout 300 .device/bin/cuda_pic --exact "$name" \
       --test-threads=1 --nocapture >> "$OUT/pic_tests.log" 2>&1
     rc=$?
     echo "cuda_pic $name rc=$rc" >> "$OUT/pic_tests.log"
@@ -221,7 +223,7 @@ PY
   t0=$SECONDS
   local random_rc=0 mbench_rc=0
   if want modelbench; then
-    HYPIC_REQUIRE_GPU=1 HYPIC_REPO_ROOT="$PWD" timeout 120 .device/bin/cuda_random --test-threads=1 --nocapture \
+    HYPIC_CUDA_POISON=${HYPIC_CUDA_POISON:-1} HYPIC_REQUIRE_GPU=1 HYPIC_REPO_ROOT="$PWD" timeout 120 .device/bin/cuda_random --test-threads=1 --nocapture \
       > "$OUT/random_tests.log" 2>&1
     random_rc=$?
     timeout 240 .device/bin/gpu_model_bench --config benches/configs/qwen3_5_35b_a3b --random-weights \
@@ -270,13 +272,29 @@ except Exception as e:
     print(f"FLA failed: {type(e).__name__}: {e}")
 print("\n| T | torch SDPA (16 q / 2 kv × 256, causal, bf16) ms |")
 print("|---|---|")
+sdpa_in = {}
 for T in (4096, 16384):
     q = torch.randn(1, 16, T, 256, device=dev, dtype=torch.bfloat16)
     k = torch.randn(1, 2, T, 256, device=dev, dtype=torch.bfloat16)
     v = torch.randn(1, 2, T, 256, device=dev, dtype=torch.bfloat16)
+    sdpa_in[T] = (q, k, v)
     f = lambda: F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True)
     f(); torch.cuda.synchronize()
     print(f"| {T} | {do_bench(f, warmup=25, rep=200, return_mode='median'):.3f} |")
+# The same call pinned to each SDPA backend (the default above is torch's own choice).
+print("\n| T | SDPA backend | ms |")
+print("|---|---|---|")
+from torch.nn.attention import sdpa_kernel, SDPBackend
+for T, (q, k, v) in sdpa_in.items():
+    for name in ("FLASH_ATTENTION", "CUDNN_ATTENTION", "EFFICIENT_ATTENTION"):
+        try:
+            with sdpa_kernel(getattr(SDPBackend, name)):
+                f = lambda: F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True)
+                f(); torch.cuda.synchronize()
+                ms = do_bench(f, warmup=25, rep=200, return_mode='median')
+            print(f"| {T} | {name} | {ms:.3f} |")
+        except Exception as e:
+            print(f"| {T} | {name} | not available: {type(e).__name__} |")
 PY
   local fla_rc=$?
   want fla && echo "fla rc=$fla_rc in $((SECONDS - t0)) s" || echo "fla: skipped"
@@ -289,7 +307,7 @@ def lines(p):
         return open(p).read().splitlines()
     except OSError:
         return []
-ours, fast, sdpa = {}, {}, {}
+ours, fast, sdpa, sdpa_fa = {}, {}, {}, {}
 sec = False
 for l in lines(sys.argv[1]):
     if l.startswith("## "):
@@ -305,17 +323,20 @@ for l in lines(sys.argv[2]):
     m = re.match(r"\|\s*(\d+)\s*\|\s*([\d.]+)\s*\|\s*$", l) if on else None
     if m:
         sdpa[int(m.group(1))] = float(m.group(2))
+    m = re.match(r"\|\s*(\d+)\s*\|\s*FLASH_ATTENTION\s*\|\s*([\d.]+)\s*\|", l)
+    if m:
+        sdpa_fa[int(m.group(1))] = float(m.group(2))
 print("## Flash attention vs torch SDPA (same run; bf16, 16 q / 2 kv heads × 256, causal)\n")
 if not ours:
     print("no flash rows in bench.md (step `bench` not run, or it failed)\n")
 if not sdpa:
     print("no torch SDPA times in fla.md (step `fla` not run, or torch missing)\n")
-print("| T | attn::prefill_flash ms | attn::prefill_fast ms | torch SDPA ms | flash speed vs SDPA (goal ≥ 0.90) | cuBLAS path vs SDPA |")
-print("|---|---|---|---|---|---|")
+print("| T | attn::prefill_flash ms | attn::prefill_fast ms | torch SDPA ms (default backend) | flash speed vs SDPA (goal ≥ 0.90) | cuBLAS path vs SDPA | SDPA pinned to FLASH_ATTENTION ms | flash speed vs that |")
+print("|---|---|---|---|---|---|---|---|")
 f = lambda d, t: f"{d[t]:.3f}" if t in d else "–"
-r = lambda a, t: f"{sdpa[t] / a[t]:.2f}×" if t in a and t in sdpa and a[t] > 0 else "–"
+r = lambda a, t, ref=sdpa: f"{ref[t] / a[t]:.2f}×" if t in a and t in ref and a[t] > 0 else "–"
 for t in sorted(set(ours) | set(sdpa)):
-    print(f"| {t} | {f(ours, t)} | {f(fast, t)} | {f(sdpa, t)} | {r(ours, t)} | {r(fast, t)} |")
+    print(f"| {t} | {f(ours, t)} | {f(fast, t)} | {f(sdpa, t)} | {r(ours, t)} | {r(fast, t)} | {f(sdpa_fa, t)} | {r(ours, t, sdpa_fa)} |")
 PY
   cat "$OUT/flash_vs_sdpa.md"
   # Our GDR prefill (bench step) against FLA (fla step) from this run, as in the reports.

@@ -206,23 +206,18 @@ mod bench {
                 100.0 * (with_t / plain - 1.0),
                 t as f64 / plain / 1e3
             );
-            // The other state-kernel width and the fp32 SIMT kernels on the same inputs.
-            let other_bv = gdr::STATE_BV
+            // The other state-kernel widths and the fp32 SIMT kernels on the same inputs.
+            let mut variants: Vec<(String, Option<gdr::ChunkedPath>, usize)> = gdr::STATE_BV
                 .into_iter()
-                .find(|&b| b != ws.state_bv())
-                .unwrap_or(gdr::DEFAULT_STATE_BV);
-            for (label, force, bv) in [
-                (
-                    format!("bf16 tensor cores, state BV {other_bv}"),
-                    None,
-                    other_bv,
-                ),
-                (
-                    "fp32 SIMT".to_string(),
-                    Some(gdr::ChunkedPath::Simt),
-                    ws.state_bv(),
-                ),
-            ] {
+                .filter(|&b| b != ws.state_bv())
+                .map(|b| (format!("bf16 tensor cores, state BV {b}"), None, b))
+                .collect();
+            variants.push((
+                "fp32 SIMT".to_string(),
+                Some(gdr::ChunkedPath::Simt),
+                ws.state_bv(),
+            ));
+            for (label, force, bv) in variants {
                 let mut w2 = gdr::Workspace::new();
                 w2.force_path(force);
                 w2.set_state_bv(bv)?;

@@ -1,6 +1,7 @@
 // Glue kernels of the whole-model forward (dataplane/src/cuda/model.rs): embedding
-// gather, residual add, GDN input preparation (q/k L2-norm, v/z column copies, g and β),
-// attention projection split and output gate, SwiGLU, the host-routed MoE gather /
+// gather, residual add (alone and fused with the next RMSNorm), GDN input preparation
+// (q/k L2-norm, v/z copies, g and β in one launch), attention input preparation
+// (projection split, q/k RMSNorm and RoPE in one launch) and output gate, SwiGLU, the host-routed MoE gather /
 // scatter, and generic (any head dim) fallbacks of the gated delta rule recurrence and
 // of causal attention for head dims the tuned kernels are not built for (the tiny
 // golden models: dk = dv = 16, head_dim = 32). All math in fp32; T is float or bf16.
@@ -26,18 +27,9 @@ __device__ void add_inplace_impl(T* x, const T* y, size_t n) {
     GRID_STRIDE(idx, n) { x[idx] = from_f<T>(to_f(x[idx]) + to_f(y[idx])); }
 }
 
-// dst[r, c] = src[r · src_stride + src_off + c], c < width, r < rows.
-template <typename T>
-__device__ void copy_cols_impl(const T* src, int src_stride, int src_off, T* dst, int width, int rows) {
-    GRID_STRIDE(idx, (size_t)rows * width) {
-        const size_t r = idx / width, c = idx % width;
-        dst[idx] = src[r * src_stride + src_off + c];
-    }
-}
-
 // GDN q/k: mixed: [t, cd] (q_all | k_all | v_all after conv + SiLU), head j < hk of the
 // q part → q[t, j, :] = x · rsqrt(Σx² + eps) · q_scale; head j ≥ hk → k[t, j − hk, :]
-// = x · rsqrt(Σx² + eps). grid (t, 2·hk), block a multiple of 32 (≤ 1024).
+// = x · rsqrt(Σx² + eps). Blocks (t, j < 2·hk) of gdn_prep, block a multiple of 32 (≤ 1024).
 template <typename T>
 __device__ void gdn_qk_impl(const T* mixed, T* q, T* k, int hk, int dk, int cd, float q_scale, float eps) {
     __shared__ float sh[32];
@@ -63,39 +55,113 @@ __device__ void gdn_qk_impl(const T* mixed, T* q, T* k, int hk, int dk, int cd, 
 __device__ __forceinline__ float softplus_f(float x) { return x > 20.f ? x : log1pf(expf(x)); }
 __device__ __forceinline__ float sigmoid_f(float x) { return 1.f / (1.f + expf(-x)); }
 
-// GDN gates from the projection row (stride `stride`; b at off + h, a at off + hv + h):
-// β = sigmoid(b), g = neg_a[h] · softplus(a + dt_bias[h]). g, beta: [t, hv] fp32.
+// Residual add fused with the next zero-centred RMSNorm (add_inplace then rmsnorm_* mode 1
+// in one launch): x[row] += y[row] (rounded to T, as add_inplace), then
+// r[row] = (1 + w) · x · rsqrt(mean(x²) + eps). One block per row of width d; the host
+// uses rmsnorm_*'s block size for d, so the sum of squares reduces in the same order.
 template <typename T>
-__device__ void gdn_gates_impl(const T* proj, int stride, int off, const float* neg_a, const float* dt_bias,
-                               float* g, float* beta, int t, int hv) {
-    GRID_STRIDE(idx, (size_t)t * hv) {
-        const size_t r = idx / hv;
-        const int h = (int)(idx % hv);
-        const T* row = proj + r * stride + off;
-        beta[idx] = sigmoid_f(to_f(row[h]));
-        g[idx] = neg_a[h] * softplus_f(to_f(row[hv + h]) + dt_bias[h]);
+__device__ void add_rmsnorm_impl(T* x, const T* y, const float* w, T* r, int d, float eps) {
+    __shared__ float sh[32];
+    const size_t base = (size_t)blockIdx.x * d;
+    float ss = 0.f;
+    for (int i = threadIdx.x; i < d; i += blockDim.x) {
+        const T s = from_f<T>(to_f(x[base + i]) + to_f(y[base + i]));
+        x[base + i] = s;
+        const float v = to_f(s);
+        ss += v * v;
+    }
+    ss = block_sum(ss, sh);
+    const float rs = 1.f / sqrtf(ss / (float)d + eps);
+    for (int i = threadIdx.x; i < d; i += blockDim.x) {
+        float v = to_f(x[base + i]) * rs;  // this thread's own write above
+        v *= (1.f + w[i]);
+        r[base + i] = from_f<T>(v);
     }
 }
 
-// Fused attention projection row [qw | nkv·hd | nkv·hd], qw = nh·hd·(1 + gated), per
-// query head [q(hd) | gate(hd)] when gated → q, gate: [t, nh, hd]; k, v: [t, nkv, hd].
+// All GDN inputs in one launch (the q/k L2 norm, the v and z column copies, the gates): grid
+// (t, 2·hk + 1). Blocks y < 2·hk are gdn_qk's (q/k L2 norm per head); block y = 2·hk
+// copies the token's v (mixed columns 2·hk·dk ..) and z (proj columns cd ..) and computes
+// its gates from proj columns cd + vd .. (β = sigmoid(b), g = neg_a · softplus(a + dt_bias)).
+// mixed: [t, cd]; proj: [t, n_in]; q, k: [t, hk, dk]; v, z: [t, vd]; g, beta: [t, hv].
 template <typename T>
-__device__ void attn_split_impl(const T* qkv, T* q, T* gate, T* k, T* v, int t, int nh, int nkv, int hd, int gated) {
-    const int qw = nh * hd * (gated ? 2 : 1), kw = nkv * hd, w = qw + 2 * kw;
-    GRID_STRIDE(idx, (size_t)t * w) {
-        const size_t r = idx / w;
-        const int c = (int)(idx % w);
-        const T val = qkv[idx];
-        if (c < qw) {
-            const int per = gated ? 2 * hd : hd;
-            const int h = c / per, e = c % per;
-            if (e < hd) q[(r * nh + h) * hd + e] = val;
-            else gate[(r * nh + h) * hd + (e - hd)] = val;
-        } else if (c < qw + kw) {
-            k[r * kw + (c - qw)] = val;
-        } else {
-            v[r * kw + (c - qw - kw)] = val;
+__device__ void gdn_prep_impl(const T* mixed, const T* proj, T* q, T* k, T* v, T* z, float* g, float* beta,
+                              const float* neg_a, const float* dt_bias, int hk, int dk, int cd, int n_in, int vd,
+                              int hv, float q_scale, float eps) {
+    if ((int)blockIdx.y < 2 * hk) {
+        gdn_qk_impl<T>(mixed, q, k, hk, dk, cd, q_scale, eps);
+        return;
+    }
+    const size_t tok = blockIdx.x;
+    const T* mrow = mixed + tok * cd + (size_t)2 * hk * dk;
+    const T* prow = proj + tok * n_in;
+    for (int i = threadIdx.x; i < vd; i += blockDim.x) {
+        v[tok * vd + i] = mrow[i];
+        z[tok * vd + i] = prow[cd + i];
+    }
+    const T* gates = prow + cd + vd;
+    for (int h = threadIdx.x; h < hv; h += blockDim.x) {
+        beta[tok * hv + h] = sigmoid_f(to_f(gates[h]));
+        g[tok * hv + h] = neg_a[h] * softplus_f(to_f(gates[hv + h]) + dt_bias[h]);
+    }
+}
+
+// All attention inputs in one launch (projection split, the q/k zero-centred RMSNorms and the
+// q/k RoPE) from the fused projection row [qw | nkv·hd | nkv·hd], qw = nh·hd·(1 + gated),
+// per query head [q(hd) | gate(hd)] when gated. grid (t, nh + 2·nkv), 128 threads, dynamic shared memory (hd + 32) floats.
+// Block y < nh: query head y (gate copied when gated); y < nh + nkv: key head; else value
+// head (copied). A q/k head is normalised (w = q_norm or k_norm, [hd]), rounded to T — as
+// rmsnorm_* stores it — and then rotated as rope_* does (first `rot` dims, NeoX halves,
+// angle (float)pos[tok] · inv_freq[i]; rot = 0: no rotation, inv_freq may be null).
+// q, gate: [t, nh, hd]; k, v: [t, nkv, hd]; pos: [t] i64.
+template <typename T>
+__device__ void attn_prep_impl(const T* qkv, const float* q_norm, const float* k_norm, const i64* pos,
+                               const float* inv_freq, int rot, T* q, T* gate, T* k, T* v, int nh, int nkv,
+                               int hd, int gated, float eps) {
+    extern __shared__ float ap_sm[];
+    float* nv = ap_sm;        // [hd] normed values (after rounding to T)
+    float* red = ap_sm + hd;  // [32]
+    const size_t tok = blockIdx.x;
+    const int y = blockIdx.y;
+    const int qw = nh * hd * (gated ? 2 : 1), kw = nkv * hd;
+    const T* row = qkv + tok * (size_t)(qw + 2 * kw);
+    if (y >= nh + nkv) {
+        const int kh = y - nh - nkv;
+        for (int i = threadIdx.x; i < hd; i += blockDim.x) v[(tok * nkv + kh) * hd + i] = row[qw + kw + kh * hd + i];
+        return;
+    }
+    const bool is_q = y < nh;
+    const int head = is_q ? y : y - nh;
+    const T* src = is_q ? row + (size_t)head * (gated ? 2 * hd : hd) : row + qw + (size_t)head * hd;
+    const float* w = is_q ? q_norm : k_norm;
+    if (is_q && gated) {
+        for (int i = threadIdx.x; i < hd; i += blockDim.x) gate[(tok * nh + head) * hd + i] = src[hd + i];
+    }
+    float ss = 0.f;
+    for (int i = threadIdx.x; i < hd; i += blockDim.x) {
+        const float x = to_f(src[i]);
+        ss += x * x;
+    }
+    ss = block_sum(ss, red);
+    const float r = 1.f / sqrtf(ss / (float)hd + eps);
+    for (int i = threadIdx.x; i < hd; i += blockDim.x) {
+        float x = to_f(src[i]) * r;
+        x *= (1.f + w[i]);
+        nv[i] = to_f(from_f<T>(x));
+    }
+    __syncthreads();
+    T* dst = is_q ? q + (tok * nh + head) * hd : k + (tok * nkv + head) * hd;
+    const int half = rot / 2;
+    const i64 p = pos[tok];
+    for (int i = threadIdx.x; i < hd; i += blockDim.x) {
+        float o = nv[i];
+        if (i < rot) {
+            const int j = i < half ? i : i - half;
+            float sn, cs;
+            sincosf((float)p * inv_freq[j], &sn, &cs);
+            o = i < half ? nv[i] * cs - nv[i + half] * sn : nv[i] * cs + nv[j] * sn;
         }
+        dst[i] = from_f<T>(o);
     }
 }
 
@@ -254,21 +320,20 @@ __device__ void attn_generic_impl(const T* q, const T* k, const T* v, const i64*
         embed_gather_impl<T>(table, tokens, x, t, h, vocab);                                                  \
     }                                                                                                         \
     extern "C" __global__ void add_inplace_##S(T* x, const T* y, size_t n) { add_inplace_impl<T>(x, y, n); }  \
-    extern "C" __global__ void copy_cols_##S(const T* src, int src_stride, int src_off, T* dst, int width,   \
-                                             int rows) {                                                      \
-        copy_cols_impl<T>(src, src_stride, src_off, dst, width, rows);                                        \
+    extern "C" __global__ void add_rmsnorm_##S(T* x, const T* y, const float* w, T* r, int d, float eps) {     \
+        add_rmsnorm_impl<T>(x, y, w, r, d, eps);                                                              \
     }                                                                                                         \
-    extern "C" __global__ void gdn_qk_##S(const T* mixed, T* q, T* k, int hk, int dk, int cd, float q_scale,  \
-                                          float eps) {                                                        \
-        gdn_qk_impl<T>(mixed, q, k, hk, dk, cd, q_scale, eps);                                                \
+    extern "C" __global__ void gdn_prep_##S(const T* mixed, const T* proj, T* q, T* k, T* v, T* z, float* g,  \
+                                            float* beta, const float* neg_a, const float* dt_bias, int hk,    \
+                                            int dk, int cd, int n_in, int vd, int hv, float q_scale,          \
+                                            float eps) {                                                      \
+        gdn_prep_impl<T>(mixed, proj, q, k, v, z, g, beta, neg_a, dt_bias, hk, dk, cd, n_in, vd, hv, q_scale, \
+                         eps);                                                                                \
     }                                                                                                         \
-    extern "C" __global__ void gdn_gates_##S(const T* proj, int stride, int off, const float* neg_a,          \
-                                             const float* dt_bias, float* g, float* beta, int t, int hv) {    \
-        gdn_gates_impl<T>(proj, stride, off, neg_a, dt_bias, g, beta, t, hv);                                 \
-    }                                                                                                         \
-    extern "C" __global__ void attn_split_##S(const T* qkv, T* q, T* gate, T* k, T* v, int t, int nh, int nkv, \
-                                              int hd, int gated) {                                            \
-        attn_split_impl<T>(qkv, q, gate, k, v, t, nh, nkv, hd, gated);                                        \
+    extern "C" __global__ void attn_prep_##S(const T* qkv, const float* q_norm, const float* k_norm,          \
+                                             const i64* pos, const float* inv_freq, int rot, T* q, T* gate,   \
+                                             T* k, T* v, int nh, int nkv, int hd, int gated, float eps) {     \
+        attn_prep_impl<T>(qkv, q_norm, k_norm, pos, inv_freq, rot, q, gate, k, v, nh, nkv, hd, gated, eps);   \
     }                                                                                                         \
     extern "C" __global__ void mul_sigmoid_##S(T* o, const T* gate, size_t n) { mul_sigmoid_impl<T>(o, gate, n); } \
     extern "C" __global__ void swiglu_##S(const T* gu, T* act, int rows, int inter) {                         \

@@ -874,6 +874,83 @@ mod gpu {
         assert!(failures.is_empty(), "{}", failures.join("\n"));
     }
 
+    // ---- copy-on-write KV of cloned states ---------------------------------------------
+
+    /// `GpuState::try_clone` shares the KV buffers: appends on the original (in place,
+    /// at the buffer's tip), on a clone of the snapshot and on the snapshot itself
+    /// (both must copy first) each give the CPU's state for their own token sequence,
+    /// and none disturbs the rows another holder reads.
+    #[test]
+    fn cloned_states_keep_their_own_kv() {
+        let Some((g, _l)) = gpu("cloned_states_keep_their_own_kv") else {
+            return;
+        };
+        let mut failures = vec![];
+        for (label, dir) in model_dirs() {
+            let m = match load(&dir) {
+                Ok(m) => m,
+                Err(e) => {
+                    failures.push(e);
+                    continue;
+                }
+            };
+            let vocab = m.config.vocab_size;
+            let (p, x, y) = (
+                pseudo_tokens(20, vocab, 11),
+                pseudo_tokens(7, vocab, 12),
+                pseudo_tokens(5, vocab, 13),
+            );
+            let r = (|| -> std::result::Result<Vec<(String, f64, String)>, String> {
+                let e = |e: dataplane::cuda::CudaError| e.to_string();
+                let mut sp = m.new_state();
+                m.prefill(&p, &mut sp, Logits::None)
+                    .map_err(|e| e.to_string())?;
+                let (mut spx, mut spy) = (sp.clone(), sp.clone());
+                m.prefill(&x, &mut spx, Logits::None)
+                    .map_err(|e| e.to_string())?;
+                m.prefill(&y, &mut spy, Logits::None)
+                    .map_err(|e| e.to_string())?;
+                let gm = GpuModel::<f32>::upload(g.clone(), &m).map_err(e)?;
+                let mut a = gm.new_state().map_err(e)?;
+                gm.prefill(&p, &mut a, Logits::None).map_err(e)?;
+                let mut snap = a.try_clone().map_err(e)?;
+                let snap_before = snap.to_host().map_err(e)?;
+                gm.prefill(&x, &mut a, Logits::None).map_err(e)?; // in place
+                let mut b = snap.try_clone().map_err(e)?;
+                gm.prefill(&y, &mut b, Logits::None).map_err(e)?; // copies
+                let unchanged = snap.to_host().map_err(e)? == snap_before;
+                gm.prefill(&y, &mut snap, Logits::None).map_err(e)?; // copies too
+                let mut out = vec![];
+                for (what, cpu, st) in [
+                    ("original + x", &spx, &a),
+                    ("clone + y", &spy, &b),
+                    ("snapshot + y", &spy, &snap),
+                ] {
+                    let (w, txt) = state_diff(cpu, &st.to_host().map_err(e)?);
+                    out.push((what.to_string(), w, txt));
+                }
+                out.push((
+                    "snapshot untouched by the others' appends".into(),
+                    if unchanged { 0.0 } else { f64::INFINITY },
+                    String::new(),
+                ));
+                Ok(out)
+            })();
+            match r {
+                Ok(rows) => {
+                    for (what, w, txt) in rows {
+                        println!("{label}: {what}: worst {w:.2e}");
+                        if !ok(w, F32_STATE_TOL) {
+                            failures.push(format!("{label}: {what}: worst {w:e}\n{txt}"));
+                        }
+                    }
+                }
+                Err(e) => failures.push(format!("{label}: {e}")),
+            }
+        }
+        assert!(failures.is_empty(), "{}", failures.join("\n"));
+    }
+
     // ---- greedy generation ---------------------------------------------------------
 
     #[test]

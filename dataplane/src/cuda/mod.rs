@@ -129,6 +129,8 @@ pub struct Gpu {
     modules: Mutex<HashMap<&'static str, Arc<CudaModule>>>,
     funcs: Mutex<HashMap<String, CudaFunction>>,
     compile_log: Mutex<Vec<(String, compile::Origin, f64)>>,
+    /// `HYPIC_CUDA_POISON=1`: [`Gpu::scratch`] fills its buffers with 0xFF bytes.
+    poison: bool,
 }
 
 impl std::fmt::Debug for Gpu {
@@ -138,6 +140,31 @@ impl std::fmt::Debug for Gpu {
             .field("arch", &self.arch)
             .finish()
     }
+}
+
+/// Sets the release threshold of the device's default memory pool (the one
+/// `cuMemAllocAsync` draws from) to "never": freed device memory stays mapped in the pool
+/// and is handed out again, instead of being unmapped at the next stream synchronisation
+/// (the driver's default threshold is 0) and mapped again by the next allocation. The
+/// forward allocates its activations per call and every decode step synchronises, so
+/// without this each step pays for remapping. Device memory this process freed is
+/// therefore not returned to other processes while the context lives.
+fn keep_pool_memory(ctx: &Arc<CudaContext>) -> Result<()> {
+    use cudarc::driver::sys;
+    ctx.bind_to_thread()?;
+    let mut pool: sys::CUmemoryPool = std::ptr::null_mut();
+    let mut keep: u64 = u64::MAX;
+    // SAFETY: plain driver calls on this context's device; `pool` and `keep` outlive them.
+    unsafe {
+        sys::cuDeviceGetDefaultMemPool(&mut pool, ctx.cu_device()).result()?;
+        sys::cuMemPoolSetAttribute(
+            pool,
+            sys::CUmemPool_attribute::CU_MEMPOOL_ATTR_RELEASE_THRESHOLD,
+            (&mut keep as *mut u64).cast(),
+        )
+        .result()?;
+    }
+    Ok(())
 }
 
 /// Whether the CUDA driver library can be loaded at all (no device is touched).
@@ -180,6 +207,7 @@ impl Gpu {
         // One stream, in-order: cudarc's per-buffer event tracking is not needed.
         // SAFETY: all buffers of this backend are used on `stream` only.
         unsafe { ctx.disable_event_tracking() };
+        keep_pool_memory(&ctx)?;
         let (maj, min) = ctx.compute_capability()?;
         let name = ctx.name()?;
         let stream = ctx.default_stream();
@@ -194,6 +222,7 @@ impl Gpu {
             modules: Mutex::new(HashMap::new()),
             funcs: Mutex::new(HashMap::new()),
             compile_log: Mutex::new(Vec::new()),
+            poison: std::env::var("HYPIC_CUDA_POISON").is_ok_and(|v| v == "1"),
         }))
     }
 
@@ -245,6 +274,34 @@ impl Gpu {
     /// A zero-filled device buffer of `n` elements.
     pub fn zeros<T: DeviceRepr + ValidAsZeroBits>(&self, n: usize) -> Result<CudaSlice<T>> {
         Ok(self.stream.alloc_zeros(n.max(1))?)
+    }
+
+    /// A device buffer of `n` elements (at least one) for a kernel that writes every
+    /// element before anything reads it: no zero fill, so it costs no memset launch on
+    /// the hot path. With `HYPIC_CUDA_POISON=1` in the environment when the device was
+    /// opened, the buffer is filled with 0xFF bytes (NaN in f32 and bf16, −1 in
+    /// integers) so that a kernel reading an element nobody wrote shows up in the
+    /// GPU-vs-CPU tests (scripts/gpu-check.sh sets it for the test steps).
+    pub fn scratch<T: DeviceRepr + ValidAsZeroBits>(&self, n: usize) -> Result<CudaSlice<T>> {
+        // SAFETY: callers write every element before reading it (see above); the
+        // poison mode checks that in the tests.
+        let mut b = unsafe { self.stream.alloc::<T>(n.max(1)) }?;
+        if self.poison {
+            use cudarc::driver::DevicePtrMut;
+            let bytes = b.num_bytes();
+            let (ptr, _rec) = b.device_ptr_mut(&self.stream);
+            // SAFETY: `ptr` is the live allocation above, on `stream`; 0xFF bytes are a
+            // valid bit pattern for the float and integer element types used here.
+            unsafe {
+                cudarc::driver::result::memset_d8_async(ptr, 0xFF, bytes, self.stream.cu_stream())
+            }?;
+        }
+        Ok(b)
+    }
+
+    /// Whether [`Gpu::scratch`] poisons its buffers (`HYPIC_CUDA_POISON=1`).
+    pub fn poisons_scratch(&self) -> bool {
+        self.poison
     }
 
     /// Waits for all work issued so far; surfaces asynchronous kernel faults.

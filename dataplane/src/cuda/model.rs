@@ -40,10 +40,11 @@
 //!
 //! Not done yet: activations are allocated per call (no arena), the per-sequence
 //! part of `decode_batch` is a loop of single-sequence launches. Tests: `dataplane/tests/cuda_model.rs`.
+use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex};
 
 use cudarc::cublas::{CudaBlas, Gemm};
-use cudarc::driver::{LaunchConfig, PushKernelArg};
+use cudarc::driver::{DevicePtr, LaunchConfig, PushKernelArg};
 
 use super::compile::MODEL;
 use super::ops::NormKind;
@@ -203,29 +204,91 @@ pub struct ForwardTrace {
     pub layers: Vec<LayerTrace>,
 }
 
+/// Device buffers of a KV cache, shared by the [`GpuKv`]s that hold a prefix of it.
+struct KvBuf<T> {
+    k: CudaSlice<T>,
+    v: CudaSlice<T>,
+    pos: CudaSlice<i64>,
+    /// Capacity in tokens.
+    cap: usize,
+    /// Rows written so far by any holder: a holder whose `len` equals `tip` may append
+    /// in place (it claims the rows by moving `tip`); any other must copy first.
+    tip: AtomicUsize,
+}
+
 /// KV cache of one full-attention layer on the device, with capacity growth
 /// (doubling). Rows `[cap, Hkv, hd]` in `T`, the first `len` valid; positions `[cap]`
 /// i64, absolute positions of the cached tokens (any order, any values).
+///
+/// Copy-on-write sharing: [`GpuState::try_clone`] (the prefix cache's snapshots, the
+/// PIC engine's private pool) shares the buffers instead of copying them — a clone
+/// holds `len` and reads only rows below it. Appends go in place when this holder is at
+/// the buffer's tip (nobody wrote past its `len`), else into a fresh copy of its rows,
+/// so the rows another holder reads are never overwritten.
 pub struct GpuKv<T> {
-    pub(crate) k: CudaSlice<T>,
-    pub(crate) v: CudaSlice<T>,
-    pub(crate) pos: CudaSlice<i64>,
+    buf: Arc<KvBuf<T>>,
     pub(crate) len: usize,
-    cap: usize,
     /// Elements per cached token: `Hkv · hd`.
     pub(crate) row: usize,
 }
 
 impl<T: Elem> GpuKv<T> {
     fn with_capacity(gpu: &Gpu, row: usize, cap: usize) -> Result<Self> {
-        Ok(GpuKv {
-            k: gpu.zeros(cap * row)?,
-            v: gpu.zeros(cap * row)?,
-            pos: gpu.zeros(cap)?,
-            len: 0,
+        Self::from_bufs(
+            gpu.zeros(cap * row)?,
+            gpu.zeros(cap * row)?,
+            gpu.zeros(cap)?,
+            row,
             cap,
+        )
+    }
+
+    /// As [`GpuKv::with_capacity`] without zero-filling: only rows below `len` are
+    /// ever read (the attention kernels take `len`), so copies that fill them need no
+    /// memset first ([`Gpu::scratch`]; poisoned in the GPU tests).
+    fn uninit(gpu: &Gpu, row: usize, cap: usize) -> Result<Self> {
+        Self::from_bufs(
+            gpu.scratch(cap * row)?,
+            gpu.scratch(cap * row)?,
+            gpu.scratch(cap)?,
+            row,
+            cap,
+        )
+    }
+
+    fn from_bufs(
+        k: CudaSlice<T>,
+        v: CudaSlice<T>,
+        pos: CudaSlice<i64>,
+        row: usize,
+        cap: usize,
+    ) -> Result<Self> {
+        Ok(GpuKv {
+            buf: Arc::new(KvBuf {
+                k,
+                v,
+                pos,
+                cap,
+                tip: AtomicUsize::new(0),
+            }),
+            len: 0,
             row,
         })
+    }
+
+    /// Cached keys `[cap, Hkv, hd]` (rows below [`GpuKv::len`] valid).
+    pub(crate) fn k(&self) -> &CudaSlice<T> {
+        &self.buf.k
+    }
+
+    /// Cached values `[cap, Hkv, hd]` (rows below [`GpuKv::len`] valid).
+    pub(crate) fn v(&self) -> &CudaSlice<T> {
+        &self.buf.v
+    }
+
+    /// Positions of the cached tokens `[cap]` i64 (the first [`GpuKv::len`] valid).
+    pub(crate) fn pos(&self) -> &CudaSlice<i64> {
+        &self.buf.pos
     }
 
     /// Number of cached tokens.
@@ -240,29 +303,65 @@ impl<T: Elem> GpuKv<T> {
 
     /// Capacity in tokens.
     pub fn capacity(&self) -> usize {
-        self.cap
+        self.buf.cap
     }
 
-    /// Grows the buffers (keeping the first `len` rows) to hold at least `need` tokens.
-    fn reserve(&mut self, gpu: &Gpu, need: usize) -> Result<()> {
-        if need <= self.cap {
+    /// Bytes of the device buffers this cache holds (shared ones included in full).
+    fn bytes(&self) -> usize {
+        std::mem::size_of::<T>() * (self.buf.k.len() + self.buf.v.len()) + 8 * self.buf.pos.len()
+    }
+
+    /// A holder of the same buffers and the same `len` (no device copy; see the type's
+    /// docs for how later appends keep both views intact).
+    fn share(&self) -> Self {
+        GpuKv {
+            buf: self.buf.clone(),
+            len: self.len,
+            row: self.row,
+        }
+    }
+
+    /// Makes rows `len..need` writable by this holder: in place when the buffer has
+    /// the room and this holder is at its tip (claimed by moving the tip to `need`),
+    /// else into new buffers (capacity doubling) holding a copy of rows `..len`.
+    fn claim(&mut self, gpu: &Gpu, need: usize) -> Result<()> {
+        if need <= self.buf.cap {
+            if let Some(b) = Arc::get_mut(&mut self.buf) {
+                // Sole holder: rows past `len` are nobody's.
+                b.tip.store(need, Ordering::Release);
+                return Ok(());
+            }
+        }
+        if need <= self.buf.cap
+            && self
+                .buf
+                .tip
+                .compare_exchange(self.len, need, Ordering::AcqRel, Ordering::Acquire)
+                .is_ok()
+        {
             return Ok(());
         }
-        let cap = need.max(2 * self.cap).max(16);
-        let mut k: CudaSlice<T> = gpu.zeros(cap * self.row)?;
-        let mut v: CudaSlice<T> = gpu.zeros(cap * self.row)?;
-        let mut pos: CudaSlice<i64> = gpu.zeros(cap)?;
+        let grow = if need > self.buf.cap {
+            2 * self.buf.cap
+        } else {
+            self.buf.cap
+        };
+        let cap = need.max(grow).max(16);
+        let mut fresh = Self::uninit(gpu, self.row, cap)?;
         let n = self.len * self.row;
         if self.len > 0 {
+            let b = Arc::get_mut(&mut fresh.buf)
+                .ok_or_else(|| shape_err("fresh KV buffer shared".into()))?;
             let s = gpu.stream();
-            s.memcpy_dtod(&self.k.slice(..n), &mut k.slice_mut(..n))?;
-            s.memcpy_dtod(&self.v.slice(..n), &mut v.slice_mut(..n))?;
-            s.memcpy_dtod(&self.pos.slice(..self.len), &mut pos.slice_mut(..self.len))?;
+            s.memcpy_dtod(&self.buf.k.slice(..n), &mut b.k.slice_mut(..n))?;
+            s.memcpy_dtod(&self.buf.v.slice(..n), &mut b.v.slice_mut(..n))?;
+            s.memcpy_dtod(
+                &self.buf.pos.slice(..self.len),
+                &mut b.pos.slice_mut(..self.len),
+            )?;
         }
-        self.k = k;
-        self.v = v;
-        self.pos = pos;
-        self.cap = cap;
+        fresh.buf.tip.store(need, Ordering::Release);
+        self.buf = fresh.buf;
         Ok(())
     }
 
@@ -281,17 +380,59 @@ impl<T: Elem> GpuKv<T> {
         if t == 0 {
             return Ok(());
         }
-        self.reserve(gpu, self.len + t)?;
-        let (a, b) = (self.len * self.row, (self.len + t) * self.row);
+        self.claim(gpu, self.len + t)?;
+        let es = std::mem::size_of::<T>();
+        let (a, n) = (self.len * self.row, t * self.row);
         let s = gpu.stream();
-        s.memcpy_dtod(&k.slice(..t * self.row), &mut self.k.slice_mut(a..b))?;
-        s.memcpy_dtod(&v.slice(..t * self.row), &mut self.v.slice_mut(a..b))?;
-        s.memcpy_dtod(
-            &pos.slice(..t),
-            &mut self.pos.slice_mut(self.len..self.len + t),
-        )?;
+        let (src_k, _rk) = k.device_ptr(s);
+        let (src_v, _rv) = v.device_ptr(s);
+        let (src_p, _rp) = pos.device_ptr(s);
+        let (dst_k, _wk) = self.buf.k.device_ptr(s);
+        let (dst_v, _wv) = self.buf.v.device_ptr(s);
+        let (dst_p, _wp) = self.buf.pos.device_ptr(s);
+        // SAFETY: `claim` reserved rows `len..len + t` of the buffers for this holder
+        // (capacity checked there): no other holder reads them (each reads below its
+        // own len ≤ the old tip) and no other holder writes them (the tip moved past
+        // them). Sources hold t rows (checked above). All on the one stream.
+        unsafe {
+            cudarc::driver::result::memcpy_dtod_async(
+                dst_k + (a * es) as u64,
+                src_k,
+                n * es,
+                s.cu_stream(),
+            )?;
+            cudarc::driver::result::memcpy_dtod_async(
+                dst_v + (a * es) as u64,
+                src_v,
+                n * es,
+                s.cu_stream(),
+            )?;
+            cudarc::driver::result::memcpy_dtod_async(
+                dst_p + (self.len * 8) as u64,
+                src_p,
+                t * 8,
+                s.cu_stream(),
+            )?;
+        }
         self.len += t;
         Ok(())
+    }
+
+    /// Uploads `n` host rows into a fresh cache (capacity `n` rounded up to 16).
+    fn from_host_rows(gpu: &Gpu, row: usize, kv: &KvCache) -> Result<Self> {
+        let n = kv.positions.len();
+        let mut g = Self::with_capacity(gpu, row, n.div_ceil(16) * 16)?;
+        if n > 0 {
+            let b = Arc::get_mut(&mut g.buf)
+                .ok_or_else(|| shape_err("fresh KV buffer shared".into()))?;
+            let st = gpu.stream();
+            st.memcpy_htod(&to_elems::<T>(&kv.k), &mut b.k.slice_mut(..n * row))?;
+            st.memcpy_htod(&to_elems::<T>(&kv.v), &mut b.v.slice_mut(..n * row))?;
+            st.memcpy_htod(&kv.positions, &mut b.pos.slice_mut(..n))?;
+            b.tip.store(n, Ordering::Release);
+            g.len = n;
+        }
+        Ok(g)
     }
 }
 
@@ -307,6 +448,21 @@ pub enum GpuLayerState<T> {
     },
     /// Full-attention layer: KV cache.
     Full(GpuKv<T>),
+}
+
+impl<T: Elem> GpuLayerState<T> {
+    /// A copy of this layer's state as [`GpuState::try_clone`] takes it: conv tail and
+    /// recurrent state in new buffers, the KV cache shared copy-on-write.
+    pub(crate) fn try_clone_on(&self, gpu: &Gpu) -> Result<Self> {
+        let s = gpu.stream();
+        Ok(match self {
+            GpuLayerState::Linear { conv, recurrent } => GpuLayerState::Linear {
+                conv: s.clone_dtod(conv)?,
+                recurrent: s.clone_dtod(recurrent)?,
+            },
+            GpuLayerState::Full(kv) => GpuLayerState::Full(kv.share()),
+        })
+    }
 }
 
 /// Whole-model device state of one sequence (the GPU counterpart of [`ModelState`]).
@@ -465,18 +621,7 @@ impl<T: Elem> GpuState<T> {
                     conv: up_f32(gpu, &ls.conv)?,
                     recurrent: up_f32(gpu, &ls.recurrent)?,
                 },
-                LayerState::Full(kv) => {
-                    let n = kv.positions.len();
-                    let mut g = GpuKv::with_capacity(gpu, row, n.div_ceil(16) * 16)?;
-                    if n > 0 {
-                        let st = gpu.stream();
-                        st.memcpy_htod(&to_elems::<T>(&kv.k), &mut g.k.slice_mut(..n * row))?;
-                        st.memcpy_htod(&to_elems::<T>(&kv.v), &mut g.v.slice_mut(..n * row))?;
-                        st.memcpy_htod(&kv.positions, &mut g.pos.slice_mut(..n))?;
-                        g.len = n;
-                    }
-                    GpuLayerState::Full(g)
-                }
+                LayerState::Full(kv) => GpuLayerState::Full(GpuKv::from_host_rows(gpu, row, kv)?),
             });
         }
         gpu.sync()?;
@@ -505,13 +650,13 @@ impl<T: Elem> GpuState<T> {
                     let positions = if n == 0 {
                         vec![]
                     } else {
-                        let p = gpu.stream().clone_dtoh(&kv.pos.slice(..n))?;
+                        let p = gpu.stream().clone_dtoh(&kv.pos().slice(..n))?;
                         gpu.sync()?;
                         p
                     };
                     LayerState::Full(KvCache {
-                        k: download_f32(gpu, &kv.k, n * kv.row)?,
-                        v: download_f32(gpu, &kv.v, n * kv.row)?,
+                        k: download_f32(gpu, kv.k(), n * kv.row)?,
+                        v: download_f32(gpu, kv.v(), n * kv.row)?,
                         positions,
                     })
                 }
@@ -523,39 +668,29 @@ impl<T: Elem> GpuState<T> {
         })
     }
 
-    /// A copy of this state in new device buffers (KV capacity = its length rounded
-    /// up to 16 tokens). Issued on the stream; no host round trip.
+    /// A copy of this state: conv tails and recurrent states in new device buffers,
+    /// KV caches shared copy-on-write ([`GpuKv`]: no device copy now; the first append
+    /// to either side that would overwrite rows the other reads copies them). Issued
+    /// on the stream; no host round trip.
     pub fn try_clone(&self) -> Result<Self> {
-        let gpu = &self.gpu;
-        let s = gpu.stream();
-        let mut layers = Vec::with_capacity(self.layers.len());
-        for l in &self.layers {
-            layers.push(match l {
-                GpuLayerState::Linear { conv, recurrent } => GpuLayerState::Linear {
-                    conv: s.clone_dtod(conv)?,
-                    recurrent: s.clone_dtod(recurrent)?,
-                },
-                GpuLayerState::Full(kv) => {
-                    let n = kv.len;
-                    let mut g = GpuKv::with_capacity(gpu, kv.row, n.div_ceil(16) * 16)?;
-                    if n > 0 {
-                        let m = n * kv.row;
-                        s.memcpy_dtod(&kv.k.slice(..m), &mut g.k.slice_mut(..m))?;
-                        s.memcpy_dtod(&kv.v.slice(..m), &mut g.v.slice_mut(..m))?;
-                        s.memcpy_dtod(&kv.pos.slice(..n), &mut g.pos.slice_mut(..n))?;
-                        g.len = n;
-                    }
-                    GpuLayerState::Full(g)
-                }
-            });
-        }
-        Ok(GpuState {
-            gpu: gpu.clone(),
+        let layers = self
+            .layers
+            .iter()
+            .map(|l| l.try_clone_on(&self.gpu))
+            .collect::<Result<Vec<_>>>()?;
+        Ok(self.with_layers(layers, self.next_position))
+    }
+
+    /// A state of the same model and device made of `layers` (e.g. per-layer copies
+    /// taken with [`GpuLayerState::try_clone_on`] during a layer-major forward).
+    pub(crate) fn with_layers(&self, layers: Vec<GpuLayerState<T>>, next_position: i64) -> Self {
+        GpuState {
+            gpu: self.gpu.clone(),
             conv_len: self.conv_len,
             rec_len: self.rec_len,
             layers,
-            next_position: self.next_position,
-        })
+            next_position,
+        }
     }
 
     /// The device this state lives on.
@@ -564,13 +699,13 @@ impl<T: Elem> GpuState<T> {
     }
 
     /// Device bytes held by this state (capacity, not just the used part).
+    /// KV buffers shared with other states ([`GpuState::try_clone`]) count in full.
     pub fn bytes(&self) -> usize {
-        let es = std::mem::size_of::<T>();
         self.layers
             .iter()
             .map(|l| match l {
                 GpuLayerState::Linear { conv, recurrent } => 4 * (conv.len() + recurrent.len()),
-                GpuLayerState::Full(kv) => es * (kv.k.len() + kv.v.len()) + 8 * kv.pos.len(),
+                GpuLayerState::Full(kv) => kv.bytes(),
             })
             .sum()
     }
@@ -813,7 +948,7 @@ where
         let g = &*self.gpu;
         let (n, h) = (tokens.len(), self.config.hidden_size);
         let tok_d = g.upload(tokens)?;
-        let mut x: CudaSlice<T> = g.zeros(n * h)?;
+        let mut x: CudaSlice<T> = g.scratch(n * h)?;
         let f = g.function(&MODEL, &format!("embed_gather_{}", T::SUFFIX), 0)?;
         let (ni, hi, vi) = (
             dim_i32("tokens", n)?,
@@ -909,7 +1044,7 @@ where
         let xs = g
             .stream()
             .clone_dtod(&x.slice(row0 * h..(row0 + rows) * h))?;
-        let mut hn: CudaSlice<T> = g.zeros(rows * h)?;
+        let mut hn: CudaSlice<T> = g.scratch(rows * h)?;
         ops::rms_norm(
             g,
             NormKind::ZeroCentred,
@@ -921,7 +1056,7 @@ where
             c.rms_norm_eps,
         )?;
         let w = self.lm_head.as_ref().unwrap_or(&self.embed);
-        let mut out: CudaSlice<T> = g.zeros(rows * vocab)?;
+        let mut out: CudaSlice<T> = g.scratch(rows * vocab)?;
         blas::linear(g, &hn, rows, h, w, vocab, &mut out, T::from_f32(0.0))?;
         download_f32(g, &out, rows * vocab)
     }
@@ -993,18 +1128,22 @@ where
             tr.embed = download_f32(g, &x, t * h)?;
             tr.layers.clear();
         }
-        let mut r: CudaSlice<T> = g.zeros(t * h)?;
-        for (i, (lw, ls)) in self.layers.iter().zip(state.layers.iter_mut()).enumerate() {
+        let mut r: CudaSlice<T> = g.scratch(t * h)?;
+        if let Some(l0) = self.layers.first() {
             ops::rms_norm(
                 g,
                 NormKind::ZeroCentred,
                 &x,
                 None,
-                &lw.input_norm,
+                &l0.input_norm,
                 &mut r,
                 t,
                 c.rms_norm_eps,
             )?;
+        }
+        // `r` holds layer i's input norm of `x` at the top of each iteration: each residual
+        // add is fused with the norm that follows it (`add_rmsnorm_*`).
+        for (i, (lw, ls)) in self.layers.iter().zip(state.layers.iter_mut()).enumerate() {
             let mut pair = None;
             let body_from = capture.as_ref().map(|c| c.0);
             let mixed = match (&lw.mixer, ls) {
@@ -1023,26 +1162,19 @@ where
             if let Some((_, pairs)) = capture.as_mut() {
                 pairs.push(pair);
             }
-            self.add_inplace(&mut x, &mixed, t * h)?;
+            self.add_norm(&mut x, &mixed, &lw.post_norm, &mut r, t)?;
             let after_mixer = match trace.as_deref() {
                 Some(_) => download_f32(g, &x, t * h)
                     .map_err(|e| context(e, &format!("layer {i} after the mixer")))?,
                 None => vec![],
             };
-            ops::rms_norm(
-                g,
-                NormKind::ZeroCentred,
-                &x,
-                None,
-                &lw.post_norm,
-                &mut r,
-                t,
-                c.rms_norm_eps,
-            )?;
             let f = self
                 .ffn(&lw.ffn, &r, t)
                 .map_err(|e| context(e, &format!("layer {i} FFN")))?;
-            self.add_inplace(&mut x, &f, t * h)?;
+            match self.layers.get(i + 1) {
+                Some(next) => self.add_norm(&mut x, &f, &next.input_norm, &mut r, t)?,
+                None => self.add_inplace(&mut x, &f, t * h)?,
+            }
             if let Some(tr) = trace.as_deref_mut() {
                 tr.layers.push(LayerTrace {
                     after_mixer,
@@ -1055,20 +1187,144 @@ where
         Ok(x)
     }
 
+    /// Layer-major forward of spans that follow each other in one sequence, each
+    /// followed by a per-layer hook: for every layer, span i's mixer runs from the
+    /// layer state (`state.layers[l]`) at positions `spans[i].1 ..`, then
+    /// `after_mixer(l, i, layer state)` runs (the PIC engine composes segment i's cached
+    /// body there, so span i + 1 sees it); the norms and the FFN then run once over the
+    /// rows of all spans together (one MoE pass: each expert's weights are read once
+    /// per layer instead of once per span). The same math per row as running the
+    /// spans one after the other through [`GpuModel::prefill`] with the hooks in
+    /// between; only the batched GEMM shapes differ. Empty spans run no mixer (their
+    /// hooks still run); `state.next_position` is left to the caller. No logits.
+    ///
+    /// Errors: a token ≥ vocab, a state that does not match; hook errors.
+    pub(crate) fn forward_spans(
+        &self,
+        spans: &[(&[u32], i64)],
+        state: &mut GpuState<T>,
+        mut after_mixer: impl FnMut(usize, usize, &mut GpuLayerState<T>) -> Result<()>,
+    ) -> Result<()> {
+        let c = &self.config;
+        let g = &*self.gpu;
+        let h = c.hidden_size;
+        if state.layers.len() != self.layers.len() {
+            return Err(shape_err(format!(
+                "state has {} layers, the model {}",
+                state.layers.len(),
+                self.layers.len()
+            )));
+        }
+        for (tokens, _) in spans {
+            if !tokens.is_empty() {
+                self.check_inputs(tokens, state)?;
+            }
+        }
+        let rows: usize = spans.iter().map(|s| s.0.len()).sum();
+        if rows == 0 {
+            for (l, ls) in state.layers.iter_mut().enumerate() {
+                for i in 0..spans.len() {
+                    after_mixer(l, i, ls)?;
+                }
+            }
+            return Ok(());
+        }
+        let tokens: Vec<u32> = spans.iter().flat_map(|s| s.0.iter().copied()).collect();
+        let positions: Vec<i64> = spans
+            .iter()
+            .flat_map(|&(t, p0)| (0..t.len() as i64).map(move |j| p0 + j))
+            .collect();
+        let offsets: Vec<usize> = spans
+            .iter()
+            .scan(0usize, |o, s| {
+                let a = *o;
+                *o += s.0.len();
+                Some(a)
+            })
+            .collect();
+        let single = spans.iter().filter(|s| !s.0.is_empty()).count() == 1;
+        let pos_d = g.upload(&positions)?;
+        let st = g.stream();
+        let mut x = self.embed_tokens(&tokens)?;
+        let mut r: CudaSlice<T> = g.scratch(rows * h)?;
+        if let Some(l0) = self.layers.first() {
+            ops::rms_norm(
+                g,
+                NormKind::ZeroCentred,
+                &x,
+                None,
+                &l0.input_norm,
+                &mut r,
+                rows,
+                c.rms_norm_eps,
+            )?;
+        }
+        for (l, (lw, ls)) in self.layers.iter().zip(state.layers.iter_mut()).enumerate() {
+            let mut mixed: CudaSlice<T> = g.scratch(rows * h)?;
+            for (i, &(span, _)) in spans.iter().enumerate() {
+                let t = span.len();
+                if t > 0 {
+                    let (rr, pp);
+                    // A lone span uses the buffers as they are; else its rows are copied.
+                    let (ri, pi) = if single {
+                        (&r, &pos_d)
+                    } else {
+                        let a = offsets[i];
+                        rr = st.clone_dtod(&r.slice(a * h..(a + t) * h))?;
+                        pp = st.clone_dtod(&pos_d.slice(a..a + t))?;
+                        (&rr, &pp)
+                    };
+                    let m = match (&lw.mixer, &mut *ls) {
+                        (MixerW::Linear(w), GpuLayerState::Linear { conv, recurrent }) => self
+                            .gdn(w, ri, t, conv, recurrent, None)
+                            .map_err(|e| context(e, &format!("layer {l} GDN mixer")))?,
+                        (MixerW::Full(w), GpuLayerState::Full(kv)) => self
+                            .attention(w, ri, t, pi, kv)
+                            .map_err(|e| context(e, &format!("layer {l} attention mixer")))?,
+                        _ => {
+                            return Err(shape_err(format!(
+                                "layer {l}: state kind does not match the layer"
+                            )))
+                        }
+                    };
+                    if single {
+                        mixed = m;
+                    } else {
+                        let a = offsets[i];
+                        st.memcpy_dtod(
+                            &m.slice(..t * h),
+                            &mut mixed.slice_mut(a * h..(a + t) * h),
+                        )?;
+                    }
+                }
+                after_mixer(l, i, ls)?;
+            }
+            self.add_norm(&mut x, &mixed, &lw.post_norm, &mut r, rows)?;
+            let f = self
+                .ffn(&lw.ffn, &r, rows)
+                .map_err(|e| context(e, &format!("layer {l} FFN")))?;
+            match self.layers.get(l + 1) {
+                Some(next) => self.add_norm(&mut x, &f, &next.input_norm, &mut r, rows)?,
+                None => self.add_inplace(&mut x, &f, rows * h)?,
+            }
+        }
+        Ok(())
+    }
+
     /// The FFN of one layer over `r` (`[t, h]`, normed) → `[t, h]`.
     fn ffn(&self, f: &FfnW<T>, r: &CudaSlice<T>, t: usize) -> Result<CudaSlice<T>> {
         let g = &*self.gpu;
         let h = self.config.hidden_size;
         Ok(match f {
             FfnW::Dense(m) if self.ffn_path == FfnPath::Fused => {
-                let mut o: CudaSlice<T> = g.zeros(t * h)?;
+                let mut o: CudaSlice<T> = g.scratch(t * h)?;
                 moe::mlp_forward(g, &m.gate_up, &m.down, r, t, h, m.inter, &mut o)?;
                 o
             }
             FfnW::Dense(m) => self.mlp(m, r, t)?,
             FfnW::Moe(m) => self.moe(m, r, t)?,
             FfnW::MoeFused(w) => {
-                let mut o: CudaSlice<T> = g.zeros(t * h)?;
+                let mut o: CudaSlice<T> = g.scratch(t * h)?;
                 let mut ws = self.moe_ws.lock().unwrap_or_else(|e| e.into_inner());
                 moe::moe_forward(g, w, r, t, &mut ws, &mut o)?;
                 o
@@ -1110,25 +1366,27 @@ where
         let mut x = self.embed_tokens(tokens)?;
         let zero = T::from_f32(0.0);
         let st = g.stream();
-        let mut r: CudaSlice<T> = g.zeros(bsz * h)?;
-        for (i, lw) in self.layers.iter().enumerate() {
+        let mut r: CudaSlice<T> = g.scratch(bsz * h)?;
+        if let Some(l0) = self.layers.first() {
             ops::rms_norm(
                 g,
                 NormKind::ZeroCentred,
                 &x,
                 None,
-                &lw.input_norm,
+                &l0.input_norm,
                 &mut r,
                 bsz,
                 c.rms_norm_eps,
             )?;
+        }
+        for (i, lw) in self.layers.iter().enumerate() {
             let mixed = match &lw.mixer {
                 MixerW::Linear(w) => {
                     let n_in = c.conv_dim() + c.value_dim() + 2 * c.linear_v_heads;
                     let vd = c.value_dim();
-                    let mut proj: CudaSlice<T> = g.zeros(bsz * n_in)?;
+                    let mut proj: CudaSlice<T> = g.scratch(bsz * n_in)?;
                     blas::linear(g, &r, bsz, h, &w.w_in, n_in, &mut proj, zero)?;
-                    let mut normed: CudaSlice<T> = g.zeros(bsz * vd)?;
+                    let mut normed: CudaSlice<T> = g.scratch(bsz * vd)?;
                     for (j, s) in states.iter_mut().enumerate() {
                         let GpuLayerState::Linear { conv, recurrent } = &mut s.layers[i] else {
                             return Err(shape_err(format!("layer {i}: state kind")));
@@ -1140,16 +1398,16 @@ where
                             &mut normed.slice_mut(j * vd..(j + 1) * vd),
                         )?;
                     }
-                    let mut out: CudaSlice<T> = g.zeros(bsz * h)?;
+                    let mut out: CudaSlice<T> = g.scratch(bsz * h)?;
                     blas::linear(g, &normed, bsz, vd, &w.out, h, &mut out, zero)?;
                     out
                 }
                 MixerW::Full(w) => {
                     let fw = self.attn_qkv_width();
                     let ow = c.num_heads * c.head_dim;
-                    let mut qkv: CudaSlice<T> = g.zeros(bsz * fw)?;
+                    let mut qkv: CudaSlice<T> = g.scratch(bsz * fw)?;
                     blas::linear(g, &r, bsz, h, &w.qkv, fw, &mut qkv, zero)?;
-                    let mut o: CudaSlice<T> = g.zeros(bsz * ow)?;
+                    let mut o: CudaSlice<T> = g.scratch(bsz * ow)?;
                     for (j, s) in states.iter_mut().enumerate() {
                         let GpuLayerState::Full(kv) = &mut s.layers[i] else {
                             return Err(shape_err(format!("layer {i}: state kind")));
@@ -1159,24 +1417,17 @@ where
                         let oj = self.attn_core(w, &qj, 1, &pj, kv)?;
                         st.memcpy_dtod(&oj.slice(..ow), &mut o.slice_mut(j * ow..(j + 1) * ow))?;
                     }
-                    let mut out: CudaSlice<T> = g.zeros(bsz * h)?;
+                    let mut out: CudaSlice<T> = g.scratch(bsz * h)?;
                     blas::linear(g, &o, bsz, ow, &w.o, h, &mut out, zero)?;
                     out
                 }
             };
-            self.add_inplace(&mut x, &mixed, bsz * h)?;
-            ops::rms_norm(
-                g,
-                NormKind::ZeroCentred,
-                &x,
-                None,
-                &lw.post_norm,
-                &mut r,
-                bsz,
-                c.rms_norm_eps,
-            )?;
+            self.add_norm(&mut x, &mixed, &lw.post_norm, &mut r, bsz)?;
             let f = self.ffn(&lw.ffn, &r, bsz)?;
-            self.add_inplace(&mut x, &f, bsz * h)?;
+            match self.layers.get(i + 1) {
+                Some(next) => self.add_norm(&mut x, &f, &next.input_norm, &mut r, bsz)?,
+                None => self.add_inplace(&mut x, &f, bsz * h)?,
+            }
         }
         for s in states.iter_mut() {
             s.next_position += 1;
@@ -1186,6 +1437,40 @@ where
             .chunks_exact(c.vocab_size)
             .map(|l| l.to_vec())
             .collect())
+    }
+
+    /// `x += y`, then `r = ZeroCentred-RMSNorm(x; w)`, over `rows` rows of width
+    /// `hidden` (`x, y, r: [rows, hidden]`, `w: [hidden]` fp32): [`GpuModel::add_inplace`]
+    /// and [`ops::rms_norm`] in one launch (`add_rmsnorm_*` in model.cu), same roundings.
+    fn add_norm(
+        &self,
+        x: &mut CudaSlice<T>,
+        y: &CudaSlice<T>,
+        w: &CudaSlice<f32>,
+        r: &mut CudaSlice<T>,
+        rows: usize,
+    ) -> Result<()> {
+        let d = w.len();
+        check_len("x", x, rows * d)?;
+        check_len("y", y, rows * d)?;
+        check_len("r", r, rows * d)?;
+        if rows == 0 || d == 0 {
+            return Ok(());
+        }
+        let g = &*self.gpu;
+        let f = g.function(&MODEL, &format!("add_rmsnorm_{}", T::SUFFIX), 0)?;
+        let cfg = LaunchConfig {
+            grid_dim: (rows as u32, 1, 1),
+            // rmsnorm_*'s block size for d (ops::rms_norm): the same reduction order.
+            block_dim: (if d <= 512 { 128 } else { 256 }, 1, 1),
+            shared_mem_bytes: 0,
+        };
+        let (di, eps) = (dim_i32("hidden", d)?, self.config.rms_norm_eps);
+        let mut b = g.stream().launch_builder(&f);
+        b.arg(x).arg(y).arg(w).arg(r).arg(&di).arg(&eps);
+        // SAFETY: matches `add_rmsnorm_*`; x, y, r: [rows, d] checked, w: [d].
+        unsafe { b.launch(cfg) }?;
+        Ok(())
     }
 
     fn add_inplace(&self, x: &mut CudaSlice<T>, y: &CudaSlice<T>, n: usize) -> Result<()> {
@@ -1198,42 +1483,6 @@ where
         b.arg(x).arg(y).arg(&nn);
         // SAFETY: matches `add_inplace_*`; lengths checked.
         unsafe { b.launch(cfg1(n)) }?;
-        Ok(())
-    }
-
-    /// `dst[r, :width] = src[r, off..off + width]` for `rows` rows of stride `stride`.
-    fn copy_cols(
-        &self,
-        src: &CudaSlice<T>,
-        stride: usize,
-        off: usize,
-        dst: &mut CudaSlice<T>,
-        width: usize,
-        rows: usize,
-    ) -> Result<()> {
-        if off + width > stride {
-            return Err(shape_err(format!(
-                "copy_cols: columns {off}..{} exceed the row width {stride}",
-                off + width
-            )));
-        }
-        check_len("copy_cols src", src, rows * stride)?;
-        check_len("copy_cols dst", dst, rows * width)?;
-        if rows * width == 0 {
-            return Ok(());
-        }
-        let g = &*self.gpu;
-        let f = g.function(&MODEL, &format!("copy_cols_{}", T::SUFFIX), 0)?;
-        let (s, o, w, r) = (
-            dim_i32("stride", stride)?,
-            dim_i32("offset", off)?,
-            dim_i32("width", width)?,
-            dim_i32("rows", rows)?,
-        );
-        let mut b = g.stream().launch_builder(&f);
-        b.arg(src).arg(&s).arg(&o).arg(dst).arg(&w).arg(&r);
-        // SAFETY: matches `copy_cols_*`; bounds checked.
-        unsafe { b.launch(cfg1(rows * width)) }?;
         Ok(())
     }
 
@@ -1253,10 +1502,10 @@ where
         let h = c.hidden_size;
         let n_in = c.conv_dim() + c.value_dim() + 2 * c.linear_v_heads;
         let zero = T::from_f32(0.0);
-        let mut proj: CudaSlice<T> = g.zeros(t * n_in)?;
+        let mut proj: CudaSlice<T> = g.scratch(t * n_in)?;
         blas::linear(g, r, t, h, &w.w_in, n_in, &mut proj, zero)?;
         let normed = self.gdn_core(w, &proj, t, conv_tail, rec, capture)?;
-        let mut out: CudaSlice<T> = g.zeros(t * h)?;
+        let mut out: CudaSlice<T> = g.scratch(t * h)?;
         blas::linear(g, &normed, t, c.value_dim(), &w.out, h, &mut out, zero)?;
         Ok(out)
     }
@@ -1285,7 +1534,7 @@ where
         let n_in = cd + vd + 2 * hv;
         let kk = c.conv_kernel;
         check_len("GDN projection [t, n_in]", proj, t * n_in)?;
-        let mut mixed: CudaSlice<T> = g.zeros(t * cd)?;
+        let mut mixed: CudaSlice<T> = g.scratch(t * cd)?;
         if t == 1 {
             ops::conv1d_update(g, proj, &w.conv, conv_tail, &mut mixed, cd, kk, true)?;
         } else {
@@ -1293,71 +1542,70 @@ where
                 g, proj, n_in, &w.conv, conv_tail, &mut mixed, t, cd, kk, true,
             )?;
         }
-        // q, k: L2-normalised per head (q also scaled).
-        let mut q: CudaSlice<T> = g.zeros(t * kd)?;
-        let mut k: CudaSlice<T> = g.zeros(t * kd)?;
+        // q, k (L2-normalised per head, q also scaled), v, z and the gates g, β in one
+        // launch (`gdn_prep_*`: gdn_qk's blocks plus one block per token for the rest).
+        let mut q: CudaSlice<T> = g.scratch(t * kd)?;
+        let mut k: CudaSlice<T> = g.scratch(t * kd)?;
+        let mut v: CudaSlice<T> = g.scratch(t * vd)?;
+        let mut z: CudaSlice<T> = g.scratch(t * vd)?;
+        let mut gg: CudaSlice<f32> = g.scratch(t * hv)?;
+        let mut beta: CudaSlice<f32> = g.scratch(t * hv)?;
         {
-            let f = g.function(&MODEL, &format!("gdn_qk_{}", T::SUFFIX), 0)?;
-            let (hki, dki, cdi) = (
+            let f = g.function(&MODEL, &format!("gdn_prep_{}", T::SUFFIX), 0)?;
+            let (hki, dki, cdi, ni, vdi, hvi) = (
                 dim_i32("Hk", hk)?,
                 dim_i32("dk", dk)?,
                 dim_i32("conv_dim", cd)?,
+                dim_i32("n_in", n_in)?,
+                dim_i32("value_dim", vd)?,
+                dim_i32("Hv", hv)?,
             );
+            if cd < 2 * kd + vd {
+                return Err(shape_err(format!(
+                    "conv_dim {cd} < 2·key_dim + value_dim = {}",
+                    2 * kd + vd
+                )));
+            }
             let scale = (dk as f32).powf(-0.5);
             let eps = L2_EPS;
             let cfg = LaunchConfig {
-                grid_dim: (dim_i32("t", t)? as u32, (2 * hk) as u32, 1),
+                grid_dim: (dim_i32("t", t)? as u32, (2 * hk + 1) as u32, 1),
                 block_dim: (if dk <= 32 { 32 } else { 128 }, 1, 1),
                 shared_mem_bytes: 0,
             };
             let mut b = g.stream().launch_builder(&f);
             b.arg(&mixed)
+                .arg(proj)
                 .arg(&mut q)
                 .arg(&mut k)
+                .arg(&mut v)
+                .arg(&mut z)
+                .arg(&mut gg)
+                .arg(&mut beta)
+                .arg(&w.neg_a)
+                .arg(&w.dt_bias)
                 .arg(&hki)
                 .arg(&dki)
                 .arg(&cdi)
+                .arg(&ni)
+                .arg(&vdi)
+                .arg(&hvi)
                 .arg(&scale)
                 .arg(&eps);
-            // SAFETY: matches `gdn_qk_*`; q, k: [t, hk, dk]; mixed: [t, cd], cd ≥ 2·hk·dk.
+            // SAFETY: matches `gdn_prep_*`; mixed: [t, cd] with cd ≥ 2·kd + vd (checked),
+            // proj: [t, n_in] (checked), n_in = cd + vd + 2·hv; q, k: [t, hk, dk];
+            // v, z: [t, vd]; gg, beta: [t, hv]; neg_a, dt_bias: [hv].
             unsafe { b.launch(cfg) }?;
         }
-        let mut v: CudaSlice<T> = g.zeros(t * vd)?;
-        self.copy_cols(&mixed, cd, 2 * kd, &mut v, vd, t)?;
-        let mut z: CudaSlice<T> = g.zeros(t * vd)?;
-        self.copy_cols(proj, n_in, cd, &mut z, vd, t)?;
-        let mut gg: CudaSlice<f32> = g.zeros(t * hv)?;
-        let mut beta: CudaSlice<f32> = g.zeros(t * hv)?;
-        {
-            let f = g.function(&MODEL, &format!("gdn_gates_{}", T::SUFFIX), 0)?;
-            let (si, oi, ti, hvi) = (
-                dim_i32("n_in", n_in)?,
-                dim_i32("offset", cd + vd)?,
-                dim_i32("t", t)?,
-                dim_i32("Hv", hv)?,
-            );
-            let mut b = g.stream().launch_builder(&f);
-            b.arg(proj)
-                .arg(&si)
-                .arg(&oi)
-                .arg(&w.neg_a)
-                .arg(&w.dt_bias)
-                .arg(&mut gg)
-                .arg(&mut beta)
-                .arg(&ti)
-                .arg(&hvi);
-            // SAFETY: matches `gdn_gates_*`; proj: [t, n_in], g/beta: [t, hv].
-            unsafe { b.launch(cfg1(t * hv)) }?;
-        }
         let d = GdrDims { t, hk, hv, dk, dv };
-        let mut core: CudaSlice<T> = g.zeros(t * vd)?;
+        let mut core: CudaSlice<T> = g.scratch(t * vd)?;
         match capture {
             None => self.gdr_span(&d, &q, &k, &v, &gg, &beta, rec, &mut core, None)?,
             Some((from, out)) => {
                 *out = Some(self.gdr_capture(&d, from, &q, &k, &v, &gg, &beta, rec, &mut core)?);
             }
         }
-        let mut normed: CudaSlice<T> = g.zeros(t * vd)?;
+        let mut normed: CudaSlice<T> = g.scratch(t * vd)?;
         ops::rms_norm(
             g,
             NormKind::Gated,
@@ -1492,10 +1740,10 @@ where
         let h = c.hidden_size;
         let fw = self.attn_qkv_width();
         let zero = T::from_f32(0.0);
-        let mut qkv: CudaSlice<T> = g.zeros(t * fw)?;
+        let mut qkv: CudaSlice<T> = g.scratch(t * fw)?;
         blas::linear(g, r, t, h, &w.qkv, fw, &mut qkv, zero)?;
         let o = self.attn_core(w, &qkv, t, pos, kv)?;
-        let mut out: CudaSlice<T> = g.zeros(t * h)?;
+        let mut out: CudaSlice<T> = g.scratch(t * h)?;
         blas::linear(g, &o, t, c.num_heads * c.head_dim, &w.o, h, &mut out, zero)?;
         Ok(out)
     }
@@ -1519,81 +1767,121 @@ where
         let fw = self.attn_qkv_width();
         check_len("attention projection [t, qkv]", qkv, t * fw)?;
         check_len("positions", pos, t)?;
-        let mut q_raw: CudaSlice<T> = g.zeros(t * nh * hd)?;
-        let mut gate: CudaSlice<T> = g.zeros(if gated { t * nh * hd } else { 1 })?;
-        let mut k_raw: CudaSlice<T> = g.zeros(t * kw)?;
-        let mut v: CudaSlice<T> = g.zeros(t * kw)?;
+        // Split, q/k zero-centred RMSNorm and q/k RoPE in one launch (`attn_prep_*`).
+        let mut q: CudaSlice<T> = g.scratch(t * nh * hd)?;
+        let mut gate: CudaSlice<T> = g.scratch(if gated { t * nh * hd } else { 1 })?;
+        let mut k: CudaSlice<T> = g.scratch(t * kw)?;
+        let mut v: CudaSlice<T> = g.scratch(t * kw)?;
         {
-            let f = g.function(&MODEL, &format!("attn_split_{}", T::SUFFIX), 0)?;
-            let (ti, nhi, nkvi, hdi, gi) = (
-                dim_i32("t", t)?,
+            check_len("q_norm", &w.q_norm, hd)?;
+            check_len("k_norm", &w.k_norm, hd)?;
+            let rot = self.inv_freq.as_ref().map_or(0, |f| 2 * f.len());
+            if rot > hd {
+                return Err(shape_err(format!("rotary dims {rot} > head_dim {hd}")));
+            }
+            let f = g.function(&MODEL, &format!("attn_prep_{}", T::SUFFIX), 0)?;
+            let (roti, nhi, nkvi, hdi, gi) = (
+                rot as i32,
                 dim_i32("heads", nh)?,
                 dim_i32("kv heads", nkv)?,
                 dim_i32("head_dim", hd)?,
                 gated as i32,
             );
+            let eps = c.rms_norm_eps;
+            let cfg = LaunchConfig {
+                grid_dim: (dim_i32("t", t)? as u32, (nh + 2 * nkv) as u32, 1),
+                // rmsnorm_*'s block size for hd (the same reduction order).
+                block_dim: (if hd <= 512 { 128 } else { 256 }, 1, 1),
+                shared_mem_bytes: ((hd + 32) * 4) as u32,
+            };
+            let null: u64 = 0;
             let mut b = g.stream().launch_builder(&f);
-            b.arg(qkv)
-                .arg(&mut q_raw)
+            b.arg(qkv).arg(&w.q_norm).arg(&w.k_norm).arg(pos);
+            match &self.inv_freq {
+                Some(inv) => b.arg(inv),
+                None => b.arg(&null),
+            };
+            b.arg(&roti)
+                .arg(&mut q)
                 .arg(&mut gate)
-                .arg(&mut k_raw)
+                .arg(&mut k)
                 .arg(&mut v)
-                .arg(&ti)
                 .arg(&nhi)
                 .arg(&nkvi)
                 .arg(&hdi)
-                .arg(&gi);
-            // SAFETY: matches `attn_split_*`; buffers sized from the same dims.
-            unsafe { b.launch(cfg1(t * fw)) }?;
-        }
-        let mut q: CudaSlice<T> = g.zeros(t * nh * hd)?;
-        ops::rms_norm(
-            g,
-            NormKind::ZeroCentred,
-            &q_raw,
-            None,
-            &w.q_norm,
-            &mut q,
-            t * nh,
-            c.rms_norm_eps,
-        )?;
-        let mut k: CudaSlice<T> = g.zeros(t * kw)?;
-        ops::rms_norm(
-            g,
-            NormKind::ZeroCentred,
-            &k_raw,
-            None,
-            &w.k_norm,
-            &mut k,
-            t * nkv,
-            c.rms_norm_eps,
-        )?;
-        if let Some(inv) = &self.inv_freq {
-            ops::rope(g, &mut q, Some(pos), 0, inv, t, nh, hd)?;
-            ops::rope(g, &mut k, Some(pos), 0, inv, t, nkv, hd)?;
+                .arg(&gi)
+                .arg(&eps);
+            // SAFETY: matches `attn_prep_*`; qkv: [t, fw] and pos: [t] checked above;
+            // q, gate: [t, nh, hd] (gate unused when not gated); k, v: [t, nkv, hd];
+            // q_norm, k_norm: [hd]; inv_freq: [rot/2] (null only with rot = 0).
+            unsafe { b.launch(cfg) }?;
         }
         kv.append(g, &k, &v, pos, t)?;
-        let mut o: CudaSlice<T> = g.zeros(t * nh * hd)?;
+        let mut o: CudaSlice<T> = g.scratch(t * nh * hd)?;
         if T::SUFFIX == "bf16"
             && ATTN_TUNED_HD.contains(&hd)
             && (t >= ATTN_FLASH_MIN_TQ || kv.len >= ATTN_FAST_MIN_KV)
         {
             attn::prefill_flash(
-                g, &q, pos, &kv.k, &kv.v, &kv.pos, &mut o, t, kv.len, nh, nkv, hd,
+                g,
+                &q,
+                pos,
+                kv.k(),
+                kv.v(),
+                kv.pos(),
+                &mut o,
+                t,
+                kv.len,
+                nh,
+                nkv,
+                hd,
             )?;
         } else if ATTN_TUNED_HD.contains(&hd)
             && (t >= ATTN_FAST_MIN_TQ || kv.len >= ATTN_FAST_MIN_KV)
         {
             attn::prefill_fast(
-                g, &q, pos, &kv.k, &kv.v, &kv.pos, &mut o, t, kv.len, nh, nkv, hd,
+                g,
+                &q,
+                pos,
+                kv.k(),
+                kv.v(),
+                kv.pos(),
+                &mut o,
+                t,
+                kv.len,
+                nh,
+                nkv,
+                hd,
             )?;
         } else if ATTN_TUNED_HD.contains(&hd) {
             attn::prefill(
-                g, &q, pos, &kv.k, &kv.v, &kv.pos, &mut o, t, kv.len, nh, nkv, hd,
+                g,
+                &q,
+                pos,
+                kv.k(),
+                kv.v(),
+                kv.pos(),
+                &mut o,
+                t,
+                kv.len,
+                nh,
+                nkv,
+                hd,
             )?;
         } else {
             attn_generic(
-                g, &q, pos, &kv.k, &kv.v, &kv.pos, &mut o, t, kv.len, nh, nkv, hd,
+                g,
+                &q,
+                pos,
+                kv.k(),
+                kv.v(),
+                kv.pos(),
+                &mut o,
+                t,
+                kv.len,
+                nh,
+                nkv,
+                hd,
             )?;
         }
         if gated {
@@ -1614,9 +1902,9 @@ where
         let h = self.config.hidden_size;
         let i = m.inter;
         let zero = T::from_f32(0.0);
-        let mut gu: CudaSlice<T> = g.zeros(rows * 2 * i)?;
+        let mut gu: CudaSlice<T> = g.scratch(rows * 2 * i)?;
         blas::linear(g, x, rows, h, &m.gate_up, 2 * i, &mut gu, zero)?;
-        let mut act: CudaSlice<T> = g.zeros(rows * i)?;
+        let mut act: CudaSlice<T> = g.scratch(rows * i)?;
         {
             let f = g.function(&MODEL, &format!("swiglu_{}", T::SUFFIX), 0)?;
             let (ri, ii) = (dim_i32("rows", rows)?, dim_i32("intermediate", i)?);
@@ -1625,7 +1913,7 @@ where
             // SAFETY: matches `swiglu_*`; gu: [rows, 2i], act: [rows, i].
             unsafe { b.launch(cfg1(rows * i)) }?;
         }
-        let mut out: CudaSlice<T> = g.zeros(rows * h)?;
+        let mut out: CudaSlice<T> = g.scratch(rows * h)?;
         blas::linear(g, &act, rows, i, &m.down, h, &mut out, zero)?;
         Ok(out)
     }

@@ -622,59 +622,96 @@ where
             }
         }
 
-        // 2. Remaining segments.
-        let mut logits = vec![];
-        for i in start..n {
-            let seg = &segments[i];
-            let m = seg.tokens.len();
-            let last = i + 1 == n;
-            let body_start = match mode {
-                Mode::Hypic { seam_width, .. } if i > 0 => seam_width,
-                _ => 0,
-            };
-            let compute_here = last
+        // 2. Remaining segments. A run of consecutive composed segments (cache hits and
+        // misses) goes through the model together (`compose_run`: their seam windows
+        // layer-major, one FFN pass per layer); a computed segment (the last one, every
+        // segment of full recompute / prefix cache, a segment inside its seam window)
+        // is prefilled on its own.
+        let rope_fix = match mode {
+            Mode::Hypic { rope_fix, .. } => rope_fix,
+            _ => true,
+        };
+        let naive = mode == Mode::NaiveAddition;
+        let body_start_of = |i: usize| match mode {
+            Mode::Hypic { seam_width, .. } if i > 0 => seam_width,
+            _ => 0,
+        };
+        let compute_here = |i: usize| {
+            i + 1 == n
                 || matches!(mode, Mode::FullRecompute | Mode::PrefixCache)
-                || (matches!(mode, Mode::Hypic { .. }) && body_start >= m);
-            if compute_here {
+                || (matches!(mode, Mode::Hypic { .. })
+                    && body_start_of(i) >= segments[i].tokens.len())
+        };
+        let mut logits = vec![];
+        let mut i = start;
+        while i < n {
+            if compute_here(i) {
+                let seg = &segments[i];
+                let last = i + 1 == n;
                 logits = model.prefill(
                     &seg.tokens,
                     &mut state,
                     if last { Logits::Last } else { Logits::None },
                 )?;
-                stats.segments.push(stat(i, Outcome::Computed, m, 0));
-            } else {
-                let key = public_key(&contents[i], &seg.isolation, body_start);
-                let (entry, outcome) = match self.get_public(&key) {
+                stats
+                    .segments
+                    .push(stat(i, Outcome::Computed, seg.tokens.len(), 0));
+                if use_private {
+                    let snap = GpuSnapshot {
+                        state: state.try_clone()?,
+                        logits: if last { Some(logits.clone()) } else { None },
+                    };
+                    let bytes = snap.state.bytes() + 4 * logits.len();
+                    lock(&self.private).insert(pkeys[i], Arc::new(snap), bytes, 0, tenant);
+                }
+                i += 1;
+                continue;
+            }
+            let mut j = i;
+            let mut entries = vec![];
+            while j < n && !compute_here(j) {
+                let seg = &segments[j];
+                let body_start = body_start_of(j);
+                let key = public_key(&contents[j], &seg.isolation, body_start);
+                entries.push(match self.get_public(&key) {
                     Some(e) => (e, Outcome::Hit),
                     None => {
                         let e = Arc::new(self.build_entry(&seg.tokens, body_start)?);
                         let bytes = e.bytes();
+                        let m = seg.tokens.len();
                         lock(&self.public).insert(key, e.clone(), bytes, m, &seg.isolation);
                         (e, Outcome::Miss)
                     }
-                };
-                let rope_fix = match mode {
-                    Mode::Hypic { rope_fix, .. } => rope_fix,
-                    _ => true,
-                };
-                let naive = mode == Mode::NaiveAddition;
-                self.compose(&seg.tokens, &entry, &mut state, naive, rope_fix)?;
-                let window = body_start.min(m);
+                });
+                j += 1;
+            }
+            let es: Vec<&GpuSegmentEntry<T>> = entries.iter().map(|(e, _)| &**e).collect();
+            let snaps = self.compose_run(
+                &segments[i..j],
+                &es,
+                &mut state,
+                naive,
+                rope_fix,
+                use_private,
+            )?;
+            for (k, (e, outcome)) in entries.iter().enumerate() {
+                let m = segments[i + k].tokens.len();
+                let window = e.body_start.min(m);
                 let (computed, reused) = match outcome {
                     Outcome::Hit => (window, m - window),
                     _ => (m + window, 0),
                 };
-                stats.segments.push(stat(i, outcome, computed, reused));
+                stats.segments.push(stat(i + k, *outcome, computed, reused));
             }
-            if use_private {
+            for (k, snap_state) in snaps.into_iter().enumerate() {
                 let snap = GpuSnapshot {
-                    state: state.try_clone()?,
-                    logits: if last { Some(logits.clone()) } else { None },
+                    state: snap_state,
+                    logits: None,
                 };
-                let bytes = snap.state.bytes() + 4 * logits.len();
-                let owner = tenant.to_string();
-                lock(&self.private).insert(pkeys[i], Arc::new(snap), bytes, 0, &owner);
+                let bytes = snap.state.bytes();
+                lock(&self.private).insert(pkeys[i + k], Arc::new(snap), bytes, 0, tenant);
             }
+            i = j;
         }
         tally(&mut stats);
         Ok(GpuPicOutput {
@@ -722,8 +759,8 @@ where
                         (gpu.zeros(1)?, gpu.zeros(1)?)
                     } else {
                         (
-                            s.clone_dtod(&kv.k.slice(from * row..m * row))?,
-                            s.clone_dtod(&kv.v.slice(from * row..m * row))?,
+                            s.clone_dtod(&kv.k().slice(from * row..m * row))?,
+                            s.clone_dtod(&kv.v().slice(from * row..m * row))?,
                         )
                     };
                     GpuEntryLayer::Full { k, v, rows, row }
@@ -743,85 +780,142 @@ where
         })
     }
 
-    /// Places a cached segment after the running `state` at `b = state.next_position`:
-    /// recomputes the seam window `tokens[..body_start]` through the whole model, then
-    /// composes the body (or adds it, `naive`) and appends the (re-rotated) body KV.
-    fn compose(
+    /// Places cached segments one after the other after the running `state` (segment
+    /// k at `b_k = state.next_position + Σ_{j<k} len_j`): per layer, segment k's seam
+    /// window `tokens[..body_start]` runs through the layer's mixer at its new positions
+    /// from the running layer state, then the body is composed into that state (or
+    /// added, `naive`) and its (re-rotated) KV appended; the FFN runs once per layer over
+    /// all seam windows ([`GpuModel::forward_spans`]). The same result per segment as
+    /// recomputing each seam through the whole model and then composing its body, one
+    /// segment after the other.
+    ///
+    /// With `snapshots`, also returns the state after each segment (the private pool's
+    /// entries): per layer, a copy taken right after the segment's body is composed
+    /// (KV shared copy-on-write). Else an empty vector.
+    fn compose_run(
         &self,
-        tokens: &[u32],
-        e: &GpuSegmentEntry<T>,
+        segments: &[SegmentRef],
+        entries: &[&GpuSegmentEntry<T>],
         state: &mut GpuState<T>,
+        naive: bool,
+        rope_fix: bool,
+        snapshots: bool,
+    ) -> Result<Vec<GpuState<T>>> {
+        let model = &self.model;
+        let gpu = model.gpu();
+        let nl = state.layers.len();
+        let mut starts = Vec::with_capacity(entries.len());
+        let mut b = state.next_position;
+        for (seg, e) in segments.iter().zip(entries) {
+            if e.len != seg.tokens.len() || e.body_start > e.len || e.layers.len() != nl {
+                return Err(CudaError::Shape(format!(
+                    "cache entry ({} tokens, body from {}, {} layers) does not match the \
+                     segment ({} tokens) or the state ({nl} layers)",
+                    e.len,
+                    e.body_start,
+                    e.layers.len(),
+                    seg.tokens.len(),
+                )));
+            }
+            starts.push(b);
+            b += e.len as i64;
+        }
+        let spans: Vec<(&[u32], i64)> = segments
+            .iter()
+            .zip(entries)
+            .zip(&starts)
+            .map(|((seg, e), &b)| (&seg.tokens[..e.body_start], b))
+            .collect();
+        let mut snap_layers: Vec<Vec<GpuLayerState<T>>> = if snapshots {
+            (0..entries.len()).map(|_| Vec::with_capacity(nl)).collect()
+        } else {
+            vec![]
+        };
+        model.forward_spans(&spans, state, |l, k, ls| {
+            let e = entries[k];
+            self.compose_layer(
+                l,
+                ls,
+                &e.layers[l],
+                starts[k] + e.body_start as i64,
+                starts[k],
+                naive,
+                rope_fix,
+            )?;
+            if snapshots {
+                snap_layers[k].push(ls.try_clone_on(gpu)?);
+            }
+            Ok(())
+        })?;
+        state.next_position = b;
+        Ok(snap_layers
+            .into_iter()
+            .enumerate()
+            .map(|(k, layers)| state.with_layers(layers, starts[k] + entries[k].len as i64))
+            .collect())
+    }
+
+    /// Composes one layer of a cached segment into the running layer state `ls`: GDN
+    /// `S ← T_body S + S_body|0` (or `S + S_body|0`, `naive`) and the segment's conv
+    /// tail; attention: the body K re-rotated by `R(b)` (`b` the segment's new start;
+    /// not when `rope_fix` is off or `b = 0`) and V appended at positions `body_pos ..`.
+    #[allow(clippy::too_many_arguments)]
+    fn compose_layer(
+        &self,
+        i: usize,
+        ls: &mut GpuLayerState<T>,
+        el: &GpuEntryLayer<T>,
+        body_pos: i64,
+        b: i64,
         naive: bool,
         rope_fix: bool,
     ) -> Result<()> {
         let model = &self.model;
         let c = model.config();
         let gpu = model.gpu();
-        if e.len != tokens.len() || e.body_start > e.len || e.layers.len() != state.layers.len() {
-            return Err(CudaError::Shape(format!(
-                "cache entry ({} tokens, body from {}, {} layers) does not match the segment \
-                 ({} tokens) or the state ({} layers)",
-                e.len,
-                e.body_start,
-                e.layers.len(),
-                tokens.len(),
-                state.layers.len()
-            )));
-        }
-        let b = state.next_position;
-        if e.body_start > 0 {
-            model.prefill(&tokens[..e.body_start], state, Logits::None)?;
-        }
         let (nkv, hd) = (c.num_kv_heads, c.head_dim);
         let s = gpu.stream();
-        for (i, (ls, el)) in state.layers.iter_mut().zip(&e.layers).enumerate() {
-            match (ls, el, c.layer_kinds[i]) {
-                (
-                    GpuLayerState::Linear { conv, recurrent },
-                    GpuEntryLayer::Linear {
-                        pair,
-                        conv_tail,
-                        conv_len,
-                    },
-                    LayerKind::Linear,
-                ) => {
-                    let n = pair.hv * pair.dk * pair.dv;
-                    if naive {
-                        axpby(gpu, recurrent, &pair.b, 1.0, 1.0, n)?;
-                    } else {
-                        let mut out: CudaSlice<f32> = gpu.zeros(n)?;
-                        pair.apply_into(gpu, recurrent, &mut out)?;
-                        *recurrent = out;
-                    }
-                    check_len("conv tail", conv_tail, *conv_len)?;
-                    *conv = s.clone_dtod(conv_tail)?;
+        match (ls, el, c.layer_kinds[i]) {
+            (
+                GpuLayerState::Linear { conv, recurrent },
+                GpuEntryLayer::Linear {
+                    pair,
+                    conv_tail,
+                    conv_len,
+                },
+                LayerKind::Linear,
+            ) => {
+                let n = pair.hv * pair.dk * pair.dv;
+                if naive {
+                    axpby(gpu, recurrent, &pair.b, 1.0, 1.0, n)?;
+                } else {
+                    let mut out: CudaSlice<f32> = gpu.zeros(n)?;
+                    pair.apply_into(gpu, recurrent, &mut out)?;
+                    *recurrent = out;
                 }
-                (
-                    GpuLayerState::Full(kv),
-                    GpuEntryLayer::Full { k, v, rows, row },
-                    LayerKind::Full,
-                ) => {
-                    let (rows, row) = (*rows, *row);
-                    if rows == 0 {
-                        continue;
-                    }
-                    let mut kr = s.clone_dtod(&k.slice(..rows * row))?;
-                    if rope_fix && b != 0 {
-                        if let Some(inv) = model.inv_freq() {
-                            ops::rope(gpu, &mut kr, None, b, inv, rows, nkv, hd)?;
-                        }
-                    }
-                    let pos = iota(gpu, b + e.body_start as i64, rows)?;
-                    kv.append(gpu, &kr, v, &pos, rows)?;
+                check_len("conv tail", conv_tail, *conv_len)?;
+                *conv = s.clone_dtod(conv_tail)?;
+            }
+            (GpuLayerState::Full(kv), GpuEntryLayer::Full { k, v, rows, row }, LayerKind::Full) => {
+                let (rows, row) = (*rows, *row);
+                if rows == 0 {
+                    return Ok(());
                 }
-                _ => {
-                    return Err(CudaError::Shape(format!(
-                        "layer {i}: cache entry does not match the model"
-                    )))
+                let mut kr = s.clone_dtod(&k.slice(..rows * row))?;
+                if rope_fix && b != 0 {
+                    if let Some(inv) = model.inv_freq() {
+                        ops::rope(gpu, &mut kr, None, b, inv, rows, nkv, hd)?;
+                    }
                 }
+                let pos = iota(gpu, body_pos, rows)?;
+                kv.append(gpu, &kr, v, &pos, rows)?;
+            }
+            _ => {
+                return Err(CudaError::Shape(format!(
+                    "layer {i}: cache entry does not match the model"
+                )))
             }
         }
-        state.next_position = b + e.len as i64;
         Ok(())
     }
 }
