@@ -71,7 +71,7 @@ M = {
   "no-proxy-fence": [["    fw_cp_wait_all();\n    fw_fence_proxy_async();\n    __syncthreads();\n    // The wgmma",
                       "    fw_cp_wait_all();\n    __syncthreads();\n    // The wgmma"]],
   # P packed before P V(i) retired (register A overwritten in flight)
-  "early-pack": [["                 acc[n][3] *= c1;\n        }\n        pack_p();", "                 acc[n][3] *= c1;\n        }\n"],
+  "early-pack": [["            acc[n][3] *= c1;\n        }\n        pack_p();", "            acc[n][3] *= c1;\n        }\n"],
                  ["        fw_wgmma_wait<0, NT * 4>(&acc[0][0]);\n#pragma unroll\n        for (int n = 0; n < NT; ++n) {",
                   "        pack_p();\n        fw_wgmma_wait<0, NT * 4>(&acc[0][0]);\n#pragma unroll\n        for (int n = 0; n < NT; ++n) {"]],
   # O rescaled before P V(i) retired
@@ -86,7 +86,7 @@ for name, pairs in M.items():
     json.dump(pairs, open(f"{out}/mut_{name}.json", "w"))
 open(f"{out}/mutants.txt", "w").write("\n".join(M))
 PY
-    for m in $(cat "$out/mutants.txt"); do
+    for m in ${EMU_MUTANTS:-$(cat "$out/mutants.txt")}; do
         gen flash_wg "$out/gen_flash_wg.inc" 0 "$out/mut_$m.json"
         $CXX -o "$out/flash_wg_mut" "$here/flash_wg_emu.cpp"
         if "$out/flash_wg_mut" quick > "$out/mut_$m.log" 2>&1; then
