@@ -69,6 +69,10 @@
 // 199 808 for HD 256, 101 504 for HD 128.
 //
 // Instances attn_flash_wg_bf16_{256,128}; grid (ceil(tq / 128)·nh, nsplit), block 256.
+// The module compiles to nothing for targets without wgmma (sm_90a only; compile::ALL
+// builds every module for the device, attn.rs refuses other devices before looking up a
+// kernel). The host emulator defines FW_HOST_EMULATOR.
+#if defined(__CUDA_ARCH_FEAT_SM90_ALL) || defined(FW_HOST_EMULATOR)
 #define FW_BR 128
 #define FW_BC 64
 #define FW_THREADS 256
@@ -538,3 +542,4 @@ __device__ __forceinline__ void attn_flash_wg_impl(const bf16* __restrict__ q, c
     }
 ATTN_FLASH_WG(256)
 ATTN_FLASH_WG(128)
+#endif  // sm_90a

@@ -34,6 +34,8 @@
 
 #include "emu.h"
 
+#define FW_HOST_EMULATOR 1
+
 struct EmuWgOp {
     int n = 0;          // N of m64nNk16
     bool rs = false;    // A from registers
