@@ -333,7 +333,8 @@ mod bench {
             "Tiled SIMT kernel `attn::prefill` vs the cuBLAS path `attn::prefill_fast` \
              (query blocks stop at their last visible key: (B + 1) / 2B of the full score work \
              for B blocks) vs the tensor-core flash kernel `attn::prefill_flash` \
-             (FlashAttention-2, mma.sync; skips the key tiles above the diagonal). \
+             (FlashAttention-2, mma.sync; skips the key tiles above the diagonal) and its \
+             Hopper version `attn::prefill_flash_wg` (wgmma, FlashAttention-3 scheme). \
              TFLOP/s count the causal FLOPs; gpu-check's report sets the flash rows against \
              torch SDPA from the same run.\n"
         );
@@ -341,6 +342,7 @@ mod bench {
         println!("|---|---|---|---|---|");
         let alens: &[usize] = if quick { &[4096] } else { &[4096, 16384] };
         let mut flash_checks = Vec::new();
+        let mut wg_checks = Vec::new();
         for &t in alens {
             let (nh, nkv, hd) = (16usize, 2usize, 256usize);
             let q = rand_up::<bf16>(&g, &mut r, t * nh * hd, -1.0, 1.0)?;
@@ -386,6 +388,17 @@ mod bench {
                 );
                 flash_checks.push((t, tiles, rel_diff(&g.download(&o)?, &want)));
             }
+            // The Hopper wgmma kernel (sm_90 only; gpu-check reports it as its own column).
+            if g.arch() == "sm_90a" {
+                let ms = time_ms(&g, 3, reps.max(10), || {
+                    attn::prefill_flash_wg(&g, &q, &p, &k, &v, &p, &mut o, t, t, nh, nkv, hd)
+                })?;
+                println!(
+                    "| {t} | flash-wg (wgmma, 128 × 64 tiles) | {ms:.3} | {:.1} | 0 |",
+                    flops / ms / 1e9
+                );
+                wg_checks.push((t, rel_diff(&g.download(&o)?, &want)));
+            }
         }
         println!();
         for (t, tl, d) in flash_checks {
@@ -394,6 +407,15 @@ mod bench {
                  difference {d:.2e}",
                 tl.br, tl.bc
             );
+        }
+        for (t, d) in wg_checks {
+            println!(
+                "- T = {t}, flash-wg (wgmma): output vs the cuBLAS path, norm-wise relative \
+                 difference {d:.2e}"
+            );
+        }
+        if g.arch() != "sm_90a" {
+            println!("- flash-wg (wgmma) not timed: {} is not sm_90", g.arch());
         }
         if !quick {
             short_spans(&g, &mut r)?;

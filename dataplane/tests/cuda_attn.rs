@@ -28,6 +28,12 @@
 //! other tile shapes (`attn::flash_variants`) on causal 1000 and the seam case; `f32`
 //! and head_dim 96 are `Shape` errors.
 //!
+//! Wgmma flash cases (`attn::prefill_flash_wg`, Hopper only: SKIP on other devices;
+//! bf16; 16/2 and 8/1 heads × 256 and × 128): `flash_wg_causal_bf16` (causal T = 1, 17,
+//! 64, 200, 333, 512, 1000, key splits 3, 7, 64, permuted positions, blind queries, empty
+//! cache), `flash_wg_seam_bf16` (the flash seam cases), `flash_wg_vs_flash_4096` (causal
+//! T = 4096, 16/2 × 256, against `attn::prefill_flash`), `flash_wg_errors_are_errors`.
+//!
 //! Tolerances: f32 1e-5 norm-wise / 1e-4 max-relative; bf16 4e-3 / 4e-2 (against
 //! the CPU on the bf16-rounded inputs: the fast path stores the probabilities `P` in
 //! bf16 before the `P·V` GEMM, the tiled kernel keeps them in fp32; both round `o`).
@@ -160,6 +166,8 @@ mod gpu {
         Fast(usize),
         /// `attn::prefill_flash_with` with these options (`split: None`: its own plan).
         Flash(attn::FlashOpts),
+        /// `attn::prefill_flash_wg_with` with this many key splits (`None`: its own plan).
+        FlashWg(Option<usize>),
     }
 
     /// One case: random q/k/v at the given positions; fast path (workspace `budget`)
@@ -267,6 +275,17 @@ mod gpu {
                 );
                 (w, "flash")
             }
+            Path::FlashWg(split) => {
+                let sp = match split {
+                    Some(s) => format!("split {s}"),
+                    None => "split auto".to_string(),
+                };
+                let w = format!(
+                    "{name} {} {nh}/{nkv}×{hd} tq={tq} n_kv={n} (wgmma, {sp})",
+                    T::SUFFIX
+                );
+                (w, "flash-wg")
+            }
         };
         let mut fast = up::<T>(g, &vec![f32::NAN; on.max(1)]);
         let r = match path {
@@ -275,6 +294,9 @@ mod gpu {
             ),
             Path::Flash(opts) => attn::prefill_flash_with(
                 g, &qd, &qp, &kd, &vd, &kp, &mut fast, tq, n, nh, nkv, hd, opts,
+            ),
+            Path::FlashWg(split) => attn::prefill_flash_wg_with(
+                g, &qd, &qp, &kd, &vd, &kp, &mut fast, tq, n, nh, nkv, hd, split,
             ),
         };
         if let Err(e) = r.and_then(|_| g.sync()) {
@@ -724,5 +746,234 @@ mod gpu {
         let e = attn::prefill_flash(&g, &q, &pos, &k, &v, &pos, &mut o, tq, n, nh, nkv, hd);
         println!("flash hd 96: {e:?}");
         assert!(matches!(e, Err(dataplane::cuda::CudaError::Shape(_))));
+    }
+    /// The device for the wgmma tests: `None` (SKIP) without a device or on one that is
+    /// not sm_90 (`prefill_flash_wg` is Hopper-only).
+    fn gpu_wg(test: &str) -> Option<(Arc<Gpu>, MutexGuard<'static, ()>)> {
+        let (g, l) = gpu(test)?;
+        if g.arch() != "sm_90a" {
+            println!(
+                "SKIP {test}: {} is {}, prefill_flash_wg needs sm_90",
+                g.name(),
+                g.arch()
+            );
+            return None;
+        }
+        Some((g, l))
+    }
+
+    /// Head shapes of the wgmma kernel (head dims 256 and 128).
+    const FLASH_WG_HEADS: [(usize, usize, usize); 4] =
+        [(16, 2, 256), (8, 1, 256), (16, 2, 128), (8, 1, 128)];
+
+    /// `attn::prefill_flash_wg` (kernels/flash_wg.cu) vs the CPU and the tiled kernel:
+    /// causal prefill at T = 1, 17, 64, 200, 333, 512, 1000 (partial 128-query / 64-key
+    /// tiles, a CTA whose second warpgroup is entirely past tq), key splits (3, 7, more
+    /// splits than tiles), permuted positions, blind queries, an empty cache.
+    #[test]
+    fn flash_wg_causal_bf16() {
+        let test = "flash_wg_causal_bf16";
+        let Some((g, _l)) = gpu_wg(test) else { return };
+        let mut f = Failures::default();
+        for (i, &h) in FLASH_WG_HEADS.iter().enumerate() {
+            for (j, t) in [1usize, 17, 64, 200, 333, 512, 1000]
+                .into_iter()
+                .enumerate()
+            {
+                let pos: Vec<i64> = (0..t as i64).collect();
+                let seed = 500 + 10 * i as u64 + j as u64;
+                let p = Path::FlashWg(None);
+                case_path::<bf16>(&g, "causal", &pos, &pos, h, p, seed, &mut f);
+            }
+        }
+        let pos: Vec<i64> = (0..1000).collect();
+        let p3 = Path::FlashWg(Some(3));
+        case_path::<bf16>(&g, "causal", &pos, &pos, FLASH_WG_HEADS[0], p3, 550, &mut f);
+        let p7 = Path::FlashWg(Some(7));
+        case_path::<bf16>(&g, "causal", &pos, &pos, FLASH_WG_HEADS[3], p7, 551, &mut f);
+        let pos: Vec<i64> = (0..200).collect();
+        let p64 = Path::FlashWg(Some(64));
+        case_path::<bf16>(
+            &g,
+            "causal",
+            &pos,
+            &pos,
+            FLASH_WG_HEADS[1],
+            p64,
+            552,
+            &mut f,
+        );
+        let n = 300usize;
+        let kv_pos: Vec<i64> = (0..n).map(|i| ((i * 7919) % n) as i64).collect();
+        let q_pos: Vec<i64> = (0..n).map(|i| ((i * 13) % n) as i64).collect();
+        for (i, &h) in FLASH_WG_HEADS.iter().enumerate() {
+            let p = Path::FlashWg(if i % 2 == 0 { None } else { Some(2) });
+            case_path::<bf16>(
+                &g,
+                "shuffled",
+                &q_pos,
+                &kv_pos,
+                h,
+                p,
+                560 + i as u64,
+                &mut f,
+            );
+        }
+        let q_pos: Vec<i64> = (-40..30).collect();
+        let kv_pos: Vec<i64> = (0..50).rev().collect();
+        let p = Path::FlashWg(None);
+        case_path::<bf16>(
+            &g,
+            "blind",
+            &q_pos,
+            &kv_pos,
+            FLASH_WG_HEADS[0],
+            p,
+            570,
+            &mut f,
+        );
+        case_path::<bf16>(
+            &g,
+            "blind",
+            &q_pos,
+            &kv_pos,
+            FLASH_WG_HEADS[3],
+            p,
+            571,
+            &mut f,
+        );
+        let pos: Vec<i64> = (0..70).collect();
+        case_path::<bf16>(
+            &g,
+            "empty cache",
+            &pos,
+            &[],
+            FLASH_WG_HEADS[0],
+            p,
+            580,
+            &mut f,
+        );
+        f.assert_none(test);
+    }
+
+    /// `attn::prefill_flash_wg` on the seam cases of `flash_seam_bf16`: keys out of order
+    /// with a gap, queries after it, one query that sees no key; the window appended after
+    /// the cache; a short span over a long scrambled cache (split plan and no split).
+    #[test]
+    fn flash_wg_seam_bf16() {
+        let test = "flash_wg_seam_bf16";
+        let Some((g, _l)) = gpu_wg(test) else { return };
+        let mut f = Failures::default();
+        let (q_pos, kv_pos) = seam_positions();
+        for (i, &h) in FLASH_WG_HEADS.iter().enumerate() {
+            let p = Path::FlashWg(None);
+            case_path::<bf16>(&g, "seam", &q_pos, &kv_pos, h, p, 600 + i as u64, &mut f);
+        }
+        let p2 = Path::FlashWg(Some(2));
+        case_path::<bf16>(
+            &g,
+            "seam",
+            &q_pos,
+            &kv_pos,
+            FLASH_WG_HEADS[0],
+            p2,
+            610,
+            &mut f,
+        );
+        let mut kv2 = kv_pos.clone();
+        kv2.extend(1077..1177i64);
+        let q2: Vec<i64> = (1077..1177i64).collect();
+        for (i, &h) in FLASH_WG_HEADS.iter().enumerate() {
+            let p = Path::FlashWg(None);
+            case_path::<bf16>(
+                &g,
+                "seam window 100",
+                &q2,
+                &kv2,
+                h,
+                p,
+                620 + i as u64,
+                &mut f,
+            );
+        }
+        let blocks = 47usize;
+        let mut kv3: Vec<i64> = Vec::new();
+        for b in 0..blocks {
+            let s = ((b * 29) % blocks) as i64 * 64;
+            kv3.extend(s..s + 64);
+        }
+        kv3.truncate(blocks * 64 - 21);
+        let q3: Vec<i64> = (0..100i64).map(|i| 3008 - 1500 + 15 * i).collect();
+        let h0 = FLASH_WG_HEADS[0];
+        let (pa, p1) = (Path::FlashWg(None), Path::FlashWg(Some(1)));
+        case_path::<bf16>(&g, "long cache", &q3, &kv3, h0, pa, 630, &mut f);
+        case_path::<bf16>(&g, "long cache", &q3, &kv3, h0, p1, 631, &mut f);
+        let h3 = FLASH_WG_HEADS[3];
+        case_path::<bf16>(&g, "long cache", &q3[..8], &kv3, h3, pa, 632, &mut f);
+        f.assert_none(test);
+    }
+
+    /// `attn::prefill_flash_wg` vs `attn::prefill_flash` at T = 4096 (causal, 16/2 heads ×
+    /// 256, the benchmark shape), norm-wise and max-relative as the bf16 CPU tolerances.
+    #[test]
+    fn flash_wg_vs_flash_4096() {
+        let test = "flash_wg_vs_flash_4096";
+        let Some((g, _l)) = gpu_wg(test) else { return };
+        let mut f = Failures::default();
+        let (t, nh, nkv, hd) = (4096usize, 16usize, 2usize, 256usize);
+        let mut r = StdRng::seed_from_u64(700);
+        let q = up::<bf16>(&g, &uniform(&mut r, t * nh * hd));
+        let k = up::<bf16>(&g, &uniform(&mut r, t * nkv * hd));
+        let v = up::<bf16>(&g, &uniform(&mut r, t * nkv * hd));
+        let pos = g.upload(&(0..t as i64).collect::<Vec<_>>()).unwrap();
+        let mut a = up::<bf16>(&g, &vec![f32::NAN; t * nh * hd]);
+        let mut b = up::<bf16>(&g, &vec![f32::NAN; t * nh * hd]);
+        attn::prefill_flash(&g, &q, &pos, &k, &v, &pos, &mut a, t, t, nh, nkv, hd).unwrap();
+        attn::prefill_flash_wg(&g, &q, &pos, &k, &v, &pos, &mut b, t, t, nh, nkv, hd).unwrap();
+        g.sync().unwrap();
+        let (a, b) = (down(&g, &a, t * nh * hd), down(&g, &b, t * nh * hd));
+        let (tol, tol_max) = tols::<bf16>();
+        f.check(
+            "causal 4096 16/2×256: flash-wg vs flash",
+            &b,
+            &a,
+            tol,
+            tol_max,
+        );
+        f.assert_none(test);
+    }
+
+    #[test]
+    fn flash_wg_errors_are_errors() {
+        let Some((g, _l)) = gpu("flash_wg_errors_are_errors") else {
+            return;
+        };
+        let (tq, n, nh, nkv) = (70usize, 70usize, 4usize, 2usize);
+        let pos = g.upload(&(0..70i64).collect::<Vec<_>>()).unwrap();
+        // f32 is not supported (on any device).
+        let hd = 128;
+        let z = |len: usize| g.zeros::<f32>(len).unwrap();
+        let (q, k, v) = (z(tq * nh * hd), z(n * nkv * hd), z(n * nkv * hd));
+        let mut o = z(tq * nh * hd);
+        let e = attn::prefill_flash_wg(&g, &q, &pos, &k, &v, &pos, &mut o, tq, n, nh, nkv, hd);
+        println!("flash-wg f32: {e:?}");
+        assert!(matches!(e, Err(dataplane::cuda::CudaError::Shape(_))));
+        // head_dim 64 is not compiled.
+        let hd = 64;
+        let zb = |len: usize| g.zeros::<bf16>(len).unwrap();
+        let (q, k, v) = (zb(tq * nh * hd), zb(n * nkv * hd), zb(n * nkv * hd));
+        let mut o = zb(tq * nh * hd);
+        let e = attn::prefill_flash_wg(&g, &q, &pos, &k, &v, &pos, &mut o, tq, n, nh, nkv, hd);
+        println!("flash-wg hd 64: {e:?}");
+        assert!(matches!(e, Err(dataplane::cuda::CudaError::Shape(_))));
+        // A device other than sm_90: Unavailable.
+        if g.arch() != "sm_90a" {
+            let hd = 256;
+            let (q, k, v) = (zb(tq * nh * hd), zb(n * nkv * hd), zb(n * nkv * hd));
+            let mut o = zb(tq * nh * hd);
+            let e = attn::prefill_flash_wg(&g, &q, &pos, &k, &v, &pos, &mut o, tq, n, nh, nkv, hd);
+            println!("flash-wg on {}: {e:?}", g.arch());
+            assert!(matches!(e, Err(dataplane::cuda::CudaError::Unavailable(_))));
+        }
     }
 }

@@ -115,6 +115,11 @@ inline EmuState emu;
 inline emu_dim3 blockIdx, blockDim, gridDim;
 #define threadIdx (emu.cur->tidx)
 inline unsigned char* emu_dyn_smem = nullptr;
+// Hooks for extensions (emu_wg.h): at the start of each block (thread count), when a
+// thread's kernel body returns, and after a cp.async copy landed in shared memory.
+inline std::function<void(unsigned)> emu_block_hook;
+inline std::function<void()> emu_exit_hook;
+inline void (*emu_cp_hook)(unsigned dst, int bytes) = nullptr;
 
 [[noreturn]] inline void emu_fail(const char* what) {
     std::fprintf(stderr, "EMU ERROR: %s (thread %u, block %u,%u)\n", what, emu.cur ? emu.cur->tidx.x : 0u,
@@ -140,6 +145,7 @@ inline void __syncthreads() { emu_arrive(emu.block_bar); }
 
 static void emu_fiber_entry() {
     emu.body();
+    if (emu_exit_hook) emu_exit_hook();
     emu.cur->done = true;
     swapcontext(&emu.cur->ctx, &emu.sched);
 }
@@ -157,6 +163,7 @@ inline void emu_launch(emu_dim3 grid, unsigned threads, size_t dyn, std::functio
             emu.th.assign(threads, EmuThread{});
             emu.warps.assign((threads + 31) / 32, EmuWarp{});
             for (auto& w : emu.warps) w.bar.expected = 32;
+            if (emu_block_hook) emu_block_hook(threads);
             emu.block_bar = EmuBarrier{};
             emu.block_bar.expected = (int)threads;
             emu.body = kernel;
@@ -256,6 +263,7 @@ inline void emu_do_cp(const EmuThread::Cp& c) {
         if ((uintptr_t)c.src % c.bytes) emu_fail("cp.async source misaligned");
         std::memcpy(emu_dyn_smem + c.dst, c.src, c.bytes);
     }
+    if (emu_cp_hook) emu_cp_hook(c.dst, c.bytes);
 }
 
 inline void fa_cp_async16(unsigned dst, const void* src, bool ok) {

@@ -1,27 +1,108 @@
 #!/usr/bin/env bash
-# Checks the flash-attention kernels (dataplane/kernels/flash.cu) on the CPU: the real
-# kernel source, with its PTX primitives (the block between `<device-primitives>` markers)
-# swapped for the emulations in emu.h, runs as one fiber per CUDA thread against a
-# double-precision reference. Needs g++ (C++17). Usage:
-#   tools/kernel-emu/run.sh [quick]          # cp.async copies land at wait_group
+# Checks the flash-attention kernels on the CPU: the real kernel source, with its PTX
+# primitives (the block between `<device-primitives>` markers) swapped for the emulations
+# in emu.h (and emu_wg.h), runs as one fiber per CUDA thread against a double-precision
+# reference. Needs g++ (C++17). Usage:
+#   tools/kernel-emu/run.sh [quick]          # flash.cu; cp.async copies land at wait_group
 #   EMU_EAGER_CP=1 tools/kernel-emu/run.sh   # ... or as soon as they are issued
+#   tools/kernel-emu/run.sh wg [quick]       # flash_wg.cu (wgmma); EMU_SMEM_SHIFT=16 offsets
+#                                            # the dynamic shared memory base (alignment code)
+#   tools/kernel-emu/run.sh wg-mutants       # deliberately broken variants of flash_wg.cu must
+#                                            # fail (swizzle, fragments, descriptors, fences)
 set -euo pipefail
 here="$(cd "$(dirname "$0")" && pwd)"
 kernels="$here/../../dataplane/kernels"
 out="${EMU_OUT:-/tmp/hypic-kernel-emu}"
 mkdir -p "$out"
-python3 - "$kernels" "$out/gen_flash.inc" <<'PY'
-import re, sys
-k, dst = sys.argv[1], sys.argv[2]
+mode="${1:-}"
+gen() {  # gen <module> <dst> <with common: 1|0> [python replacement pairs file]
+python3 - "$kernels" "$1" "$2" "$3" "${4:-}" <<'PY'
+import re, sys, json
+k, name, dst, with_common, muts = sys.argv[1:6]
 common = open(f"{k}/common.cuh").read().replace("#include <cuda_bf16.h>", "")
-flash = open(f"{k}/flash.cu").read()
-flash, n = re.subn(r"// <device-primitives>.*?// </device-primitives>", "", flash, flags=re.S)
+src = open(f"{k}/{name}.cu").read()
+if muts:
+    for old, new in json.load(open(muts)):
+        assert src.count(old) >= 1, f"mutation anchor not found: {old}"
+        src = src.replace(old, new)
+src, n = re.subn(r"// <device-primitives>.*?// </device-primitives>", "", src, flags=re.S)
 assert n == 1, "primitives block not found"
-decl = "extern __shared__ __align__(16) unsigned char fa_smem[];"
-assert decl in flash, "dynamic shared memory declaration not found"
-flash = flash.replace(decl, "unsigned char* fa_smem = emu_dyn_smem;")
-open(dst, "w").write(common + '\n#line 1 "flash.cu"\n' + flash)
+decls = {"flash": ("extern __shared__ __align__(16) unsigned char fa_smem[];",
+                   "unsigned char* fa_smem = emu_dyn_smem;"),
+         "flash_wg": ("extern __shared__ __align__(1024) unsigned char fw_smem[];",
+                      "unsigned char* fw_smem = emu_dyn_smem + emu_smem_shift;")}
+decl, repl = decls[name]
+assert decl in src, "dynamic shared memory declaration not found"
+src = src.replace(decl, repl)
+open(dst, "w").write((common if with_common == "1" else "") + f'\n#line 1 "{name}.cu"\n' + src)
 PY
-g++ -std=c++17 -O2 -Wall -Wno-unused-function -Wno-unused-variable -Wno-unknown-pragmas -I"$here" -I"$out" \
-  -o "$out/flash_emu" "$here/flash_emu.cpp"
-"$out/flash_emu" "$@"
+}
+CXX="g++ -std=c++17 -O2 -Wall -Wno-unused-function -Wno-unused-variable -Wno-unknown-pragmas -I$here -I$out"
+case "$mode" in
+wg)
+    shift
+    gen flash "$out/gen_flash.inc" 1
+    gen flash_wg "$out/gen_flash_wg.inc" 0
+    $CXX -o "$out/flash_wg_emu" "$here/flash_wg_emu.cpp"
+    "$out/flash_wg_emu" "$@"
+    ;;
+wg-mutants)
+    gen flash "$out/gen_flash.inc" 1
+    fails=0
+    python3 - "$out" <<'PY'
+import json, sys
+out = sys.argv[1]
+M = {
+  # 128-byte swizzle of the loaders off by one row
+  "swizzle": [["((((c >> 3) & 7) ^ (r & 7)) << 4)", "((((c >> 3) & 7) ^ ((r + 1) & 7)) << 4)"]],
+  # no swizzle in the loaders (plain row-major 128-byte rows)
+  "noswizzle": [["((((c >> 3) & 7) ^ (r & 7)) << 4)", "(((c >> 3) & 7) << 4)"]],
+  # register A fragment: rows g / g+8 swapped (a1 <-> a2)
+  "frag-a": [["p[kk][1] = fw_pack(s[2 * kk][2], s[2 * kk][3]);", "p[kk][2] = fw_pack(s[2 * kk][2], s[2 * kk][3]);"],
+             ["p[kk][2] = fw_pack(s[2 * kk + 1][0], s[2 * kk + 1][1]);", "p[kk][1] = fw_pack(s[2 * kk + 1][0], s[2 * kk + 1][1]);"]],
+  # accumulator layout misread: the masks of the two row halves swapped
+  "frag-acc": [["if (!v0 || p0 > qp1) s[n][2] = NEG_INF;", "if (!v0 || p0 > qp0) s[n][2] = NEG_INF;"],
+               ["if (!v0 || p0 > qp0) s[n][0] = NEG_INF;", "if (!v0 || p0 > qp1) s[n][0] = NEG_INF;"]],
+  # V descriptor: LBO and SBO swapped
+  "v-lbo-sbo": [["fw_desc(va + kk * 16 * 128, BC * 128, 1024)", "fw_desc(va + kk * 16 * 128, 1024, BC * 128)"]],
+  # K-major k16 step inside the swizzle atom by 16 instead of 32 bytes
+  "k-step": [["const unsigned kc = (kk & 3) * 32;", "const unsigned kc = (kk & 3) * 16;"]],
+  # no fence.proxy.async after the copies
+  "no-proxy-fence": [["    fw_cp_wait_all();\n    fw_fence_proxy_async();\n    __syncthreads();\n    // The wgmma",
+                      "    fw_cp_wait_all();\n    __syncthreads();\n    // The wgmma"]],
+  # P packed before P V(i) retired (register A overwritten in flight)
+  "early-pack": [["            acc[n][3] *= c1;\n        }\n        pack_p();", "            acc[n][3] *= c1;\n        }\n"],
+                 ["        fw_wgmma_wait<0, NT * 4>(&acc[0][0]);\n#pragma unroll\n        for (int n = 0; n < NT; ++n) {",
+                  "        pack_p();\n        fw_wgmma_wait<0, NT * 4>(&acc[0][0]);\n#pragma unroll\n        for (int n = 0; n < NT; ++n) {"]],
+  # O rescaled before P V(i) retired
+  "early-rescale": [["        fw_wgmma_wait<0, NT * 4>(&acc[0][0]);\n#pragma unroll\n        for (int n = 0; n < NT; ++n) {\n            acc[n][0] *= c0;\n            acc[n][1] *= c0;\n            acc[n][2] *= c1;\n            acc[n][3] *= c1;\n        }",
+                     "#pragma unroll\n        for (int n = 0; n < NT; ++n) {\n            acc[n][0] *= c0;\n            acc[n][1] *= c0;\n            acc[n][2] *= c1;\n            acc[n][3] *= c1;\n        }\n        fw_wgmma_wait<0, NT * 4>(&acc[0][0]);"]],
+  # K(i+2) loaded into the stage S(i+1) reads
+  "stage": [["if (jnn < je) load_k(jnn, i & 1);", "if (jnn < je) load_k(jnn, (i + 1) & 1);"]],
+  # shared memory base not rounded up to 1024 bytes (the mutants run with EMU_SMEM_SHIFT=16)
+  "no-align": [["unsigned char* base = fw_smem + ((1024u - (fw_smem_u32(fw_smem) & 1023u)) & 1023u);",
+                "unsigned char* base = fw_smem;"]],
+  # no wgmma.fence before the loop's wgmma
+  "no-fence": [["        fw_wgmma_fence();\n        issue_s((i + 1) & 1);", "        issue_s((i + 1) & 1);"]],
+}
+for name, pairs in M.items():
+    json.dump(pairs, open(f"{out}/mut_{name}.json", "w"))
+open(f"{out}/mutants.txt", "w").write("\n".join(M))
+PY
+    for m in ${EMU_MUTANTS:-$(cat "$out/mutants.txt")}; do
+        gen flash_wg "$out/gen_flash_wg.inc" 0 "$out/mut_$m.json"
+        $CXX -o "$out/flash_wg_mut" "$here/flash_wg_emu.cpp"
+        if EMU_SMEM_SHIFT=16 "$out/flash_wg_mut" quick > "$out/mut_$m.log" 2>&1; then
+            echo "MUTANT SURVIVED: $m"; fails=$((fails + 1))
+        else
+            echo "caught $m: $(grep -m1 -E 'EMU ERROR|FAIL' "$out/mut_$m.log")"
+        fi
+    done
+    [ "$fails" = 0 ] && echo "all mutants caught" || { echo "$fails mutant(s) survived"; exit 1; }
+    ;;
+*)
+    gen flash "$out/gen_flash.inc" 1
+    $CXX -o "$out/flash_emu" "$here/flash_emu.cpp"
+    "$out/flash_emu" "$@"
+    ;;
+esac

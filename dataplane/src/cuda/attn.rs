@@ -15,7 +15,7 @@ use cudarc::cublas::sys::{cublasComputeType_t, cublasGemmAlgo_t, cublasOperation
 use cudarc::driver::sys::CUdevice_attribute;
 use cudarc::driver::{DevicePtr, DevicePtrMut, LaunchConfig, PushKernelArg};
 
-use super::compile::{ATTN, FLASH};
+use super::compile::{ATTN, FLASH, FLASH_WG};
 use super::{check_len, CudaError, CudaSlice, Elem, Gpu, Result};
 
 /// Shape checks shared by [`prefill`] and [`prefill_fast`].
@@ -744,5 +744,231 @@ pub fn prefill_flash_with<T: Elem>(
         unsafe { b.launch(cfg) }?;
     }
     // The workspace is freed (stream-ordered) after the merge has been queued.
+    Ok(())
+}
+
+/// Head dims compiled in `kernels/flash_wg.cu` (instances `attn_flash_wg_bf16_{hd}`).
+pub const FLASH_WG_HEAD_DIMS: [usize; 2] = [128, 256];
+
+/// Query rows per CTA of the wgmma kernel (two warpgroups of 64 rows).
+const FLASH_WG_BR: usize = 128;
+/// Keys per tile of the wgmma kernel (the tile summaries of flash.cu are built for it).
+const FLASH_WG_BC: usize = 64;
+
+/// Dynamic shared memory of the wgmma flash kernel for head dim `hd`, bytes: 1024 of
+/// alignment slack (the 128-byte-swizzle atoms must start on 1024-byte boundaries), the
+/// Q tile (128 rows) and two stages of K and V tiles (64 keys) in bf16, then the query
+/// and key positions and reduction space (i64): `1024 + (hd/64)·(128 + 4·64)·128 +
+/// (128 + 2·64 + 16)·8` (199 808 for hd 256, 101 504 for hd 128).
+pub fn flash_wg_smem_bytes(hd: usize) -> usize {
+    1024 + (hd / 64) * (FLASH_WG_BR + 4 * FLASH_WG_BC) * 128
+        + (FLASH_WG_BR + 2 * FLASH_WG_BC + 16) * 8
+}
+
+/// Same contract as [`prefill`] and [`prefill_flash`] (shapes, layouts, position
+/// masking, zeros for a query that sees no key), bf16 only, on Hopper's warpgroup tensor
+/// cores: our kernel `kernels/flash_wg.cu`, the FlashAttention-3 scheme (J. Shah et al.,
+/// 2024, "FlashAttention-3: Fast and Accurate Attention with Asynchrony and
+/// Low-precision": `wgmma` with shared-memory descriptors, softmax overlapped with the
+/// asynchronous GEMMs inside each warpgroup) without warp specialisation:
+///
+/// * `q`: `[tq, nh, hd]`, `q_pos`: `[tq]` i64; `k`, `v`: `[n_kv, nkv, hd]`, `kv_pos`:
+///   `[n_kv]` i64 (any order, any values); `o`: `[tq, nh, hd]`; `nh` a multiple of `nkv`;
+///   `hd` ∈ [`FLASH_WG_HEAD_DIMS`];
+/// * one CTA of two warpgroups per 128 queries of one head; key/value tiles of 64 keys
+///   stream through shared memory (`cp.async`, 128-byte swizzle, two stages); per tile
+///   `S = Q Kᵀ` by `wgmma.m64n64k16` (A and B from shared memory) and `O += P V` by
+///   `wgmma.m64n{hd}k16` (P from registers, V MN-major); the scores of tile i + 1 are
+///   computed while `P V` of tile i runs;
+/// * masking, tile skipping and key splits are [`prefill_flash`]'s (flash.cu's tile
+///   summary kernels for 64-key tiles and its split merge; [`flash_plan`] for 128 × 64).
+///
+/// Errors: `T` not bf16 or `hd` not in [`FLASH_WG_HEAD_DIMS`] → [`CudaError::Shape`]; a
+/// device other than sm_90 (H100 / H200) → [`CudaError::Unavailable`]. Workspace as
+/// [`prefill_flash`]. Tests: `flash_wg_*` in `dataplane/tests/cuda_attn.rs`; CPU check of
+/// the kernel: `tools/kernel-emu/run.sh wg`.
+#[allow(clippy::too_many_arguments)]
+pub fn prefill_flash_wg<T: Elem>(
+    gpu: &Gpu,
+    q: &CudaSlice<T>,
+    q_pos: &CudaSlice<i64>,
+    k: &CudaSlice<T>,
+    v: &CudaSlice<T>,
+    kv_pos: &CudaSlice<i64>,
+    o: &mut CudaSlice<T>,
+    tq: usize,
+    n_kv: usize,
+    nh: usize,
+    nkv: usize,
+    hd: usize,
+) -> Result<()> {
+    prefill_flash_wg_with(gpu, q, q_pos, k, v, kv_pos, o, tq, n_kv, nh, nkv, hd, None)
+}
+
+/// [`prefill_flash_wg`] with an explicit number of key splits (`None`: [`flash_plan`];
+/// `Some(n)` clamped to `1..=FLASH_MAX_SPLIT`; tests cross split boundaries with it).
+#[allow(clippy::too_many_arguments)]
+pub fn prefill_flash_wg_with<T: Elem>(
+    gpu: &Gpu,
+    q: &CudaSlice<T>,
+    q_pos: &CudaSlice<i64>,
+    k: &CudaSlice<T>,
+    v: &CudaSlice<T>,
+    kv_pos: &CudaSlice<i64>,
+    o: &mut CudaSlice<T>,
+    tq: usize,
+    n_kv: usize,
+    nh: usize,
+    nkv: usize,
+    hd: usize,
+    split: Option<usize>,
+) -> Result<()> {
+    if T::SUFFIX != "bf16" {
+        return Err(CudaError::Shape(format!(
+            "attn::prefill_flash_wg takes bf16 only, got {} (use attn::prefill or attn::prefill_fast)",
+            T::SUFFIX
+        )));
+    }
+    if !FLASH_WG_HEAD_DIMS.contains(&hd) {
+        return Err(CudaError::Shape(format!(
+            "attn::prefill_flash_wg supports head_dim {FLASH_WG_HEAD_DIMS:?}, got {hd} (use \
+             attn::prefill_flash)"
+        )));
+    }
+    check_args(q, q_pos, k, v, kv_pos, o, tq, n_kv, nh, nkv, hd)?;
+    if gpu.arch() != "sm_90a" {
+        return Err(CudaError::Unavailable(format!(
+            "attn::prefill_flash_wg needs an sm_90 device (wgmma), this one is {} ({})",
+            gpu.name(),
+            gpu.arch()
+        )));
+    }
+    if tq == 0 || nh == 0 {
+        return Ok(());
+    }
+    let tl = FlashTiles {
+        br: FLASH_WG_BR,
+        bc: FLASH_WG_BC,
+    };
+    let ctx = gpu.context();
+    let smem = flash_wg_smem_bytes(hd);
+    let optin = ctx
+        .attribute(CUdevice_attribute::CU_DEVICE_ATTRIBUTE_MAX_SHARED_MEMORY_PER_BLOCK_OPTIN)?
+        as usize;
+    if smem > optin {
+        return Err(CudaError::Unavailable(format!(
+            "attn::prefill_flash_wg for head_dim {hd} needs {smem} bytes of shared memory per \
+             block, the device allows {optin}"
+        )));
+    }
+    let sms = ctx.attribute(CUdevice_attribute::CU_DEVICE_ATTRIBUTE_MULTIPROCESSOR_COUNT)? as usize;
+    let nsplit = match split {
+        Some(n) => n.clamp(1, FLASH_MAX_SPLIT),
+        None => flash_plan(tq, n_kv, nh, hd, tl, sms, FAST_WORKSPACE_BYTES),
+    };
+    let nqt = tq.div_ceil(tl.br);
+    let ntk = n_kv.div_ceil(tl.bc);
+    let bc_i = tl.bc as i32;
+    let (tq_i, nkv_len_i) = (i32_dim("tq", tq)?, i32_dim("n_kv", n_kv)?);
+    let (nh_i, nkvh_i) = (i32_dim("nh", nh)?, i32_dim("nkv", nkv)?);
+    let grid_x = u32::try_from(nqt * nh)
+        .map_err(|_| CudaError::Shape(format!("{nqt} query tiles × {nh} heads exceed u32")))?;
+    let rows = tq * nh;
+    let rows_u =
+        u32::try_from(rows).map_err(|_| CudaError::Shape(format!("tq·nh = {rows} exceeds u32")))?;
+    let stream = gpu.stream();
+    // Key tile summaries for 64-key tiles: [3][ntk] i64 (flash.cu's kernels).
+    // SAFETY: fully written by attn_flash_tiles before the main kernel reads it (and
+    // never read when ntk = 0).
+    let mut tiles = unsafe { stream.alloc::<i64>(3 * ntk.max(1)) }?;
+    if ntk > 0 {
+        let f = gpu.function(&FLASH, "attn_flash_tiles", 0)?;
+        let cfg = LaunchConfig {
+            grid_dim: (ntk.div_ceil(8) as u32, 1, 1),
+            block_dim: (256, 1, 1),
+            shared_mem_bytes: 0,
+        };
+        let mut b = stream.launch_builder(&f);
+        b.arg(kv_pos).arg(&nkv_len_i).arg(&bc_i).arg(&mut tiles);
+        // SAFETY: matches `attn_flash_tiles`; kv_pos ≥ n_kv, tiles ≥ 3·ceil(n_kv/bc).
+        unsafe { b.launch(cfg) }?;
+        let f = gpu.function(&FLASH, "attn_flash_tiles_suffix", 0)?;
+        let cfg = LaunchConfig {
+            grid_dim: (1, 1, 1),
+            block_dim: (FLASH_TILE_THREADS, 1, 1),
+            shared_mem_bytes: 0,
+        };
+        let ntk_i = ntk as i32;
+        let mut b = stream.launch_builder(&f);
+        b.arg(&ntk_i).arg(&mut tiles);
+        // SAFETY: matches `attn_flash_tiles_suffix`; tiles ≥ 3·ntk, minima written above.
+        unsafe { b.launch(cfg) }?;
+    }
+    // Split partials: wo [nsplit][tq·nh][hd] fp32, wml [nsplit][tq·nh][2] fp32.
+    // SAFETY: every (split, row) of both is written by the main kernel before the merge
+    // reads it.
+    let mut ws = if nsplit > 1 {
+        Some((
+            unsafe { stream.alloc::<f32>(nsplit * rows * hd) }?,
+            unsafe { stream.alloc::<f32>(nsplit * rows * 2) }?,
+        ))
+    } else {
+        None
+    };
+    let (mut wo_p, mut wml_p) = (0u64, 0u64);
+    let _ws_guards = ws.as_mut().map(|(a, b)| {
+        let (pa, ga) = a.device_ptr_mut(stream);
+        let (pb, gb) = b.device_ptr_mut(stream);
+        (wo_p, wml_p) = (pa, pb);
+        (ga, gb)
+    });
+    let scale_log2 = (hd as f32).powf(-0.5) * std::f32::consts::LOG2_E;
+    let name = format!("attn_flash_wg_bf16_{hd}");
+    let f = gpu.function(&FLASH_WG, &name, smem as u32)?;
+    let cfg = LaunchConfig {
+        grid_dim: (grid_x, nsplit as u32, 1),
+        block_dim: (256, 1, 1),
+        shared_mem_bytes: smem as u32,
+    };
+    {
+        let mut b = stream.launch_builder(&f);
+        b.arg(q)
+            .arg(k)
+            .arg(v)
+            .arg(q_pos)
+            .arg(kv_pos)
+            .arg(&tiles)
+            .arg(&mut *o)
+            .arg(&wo_p)
+            .arg(&wml_p)
+            .arg(&tq_i)
+            .arg(&nkv_len_i)
+            .arg(&nh_i)
+            .arg(&nkvh_i)
+            .arg(&scale_log2);
+        // SAFETY: matches `attn_flash_wg_bf16_{hd}` (the argument list of the flash.cu
+        // instances; workspace addresses as u64, 0 when unused: written only when
+        // gridDim.y > 1); lengths checked by check_args, tiles and workspace sized above.
+        unsafe { b.launch(cfg) }?;
+    }
+    if nsplit > 1 {
+        let f = gpu.function(&FLASH, "attn_flash_combine_bf16", 0)?;
+        let cfg = LaunchConfig {
+            grid_dim: (rows_u, 1, 1),
+            block_dim: (128, 1, 1),
+            shared_mem_bytes: 0,
+        };
+        let (rows_i, hd_i, ns_i) = (i32_dim("tq·nh", rows)?, hd as i32, nsplit as i32);
+        let mut b = stream.launch_builder(&f);
+        b.arg(&wo_p)
+            .arg(&wml_p)
+            .arg(o)
+            .arg(&rows_i)
+            .arg(&hd_i)
+            .arg(&ns_i);
+        // SAFETY: matches `attn_flash_combine_bf16`; wo, wml hold nsplit·rows·hd and
+        // nsplit·rows·2 floats, o holds rows·hd elements (check_args).
+        unsafe { b.launch(cfg) }?;
+    }
     Ok(())
 }

@@ -68,6 +68,13 @@ pub const FLASH: KernelSource = KernelSource {
     text: include_str!("../../kernels/flash.cu"),
 };
 
+/// Hopper (sm_90a) wgmma flash attention for bf16 (`kernels/flash_wg.cu`,
+/// `attn::prefill_flash_wg`); uses FLASH's tile-summary and merge kernels.
+pub const FLASH_WG: KernelSource = KernelSource {
+    name: "flash_wg",
+    text: include_str!("../../kernels/flash_wg.cu"),
+};
+
 /// Glue kernels of the whole-model forward (`kernels/model.cu`): embedding, residual
 /// add, GDN input preparation, attention split and gate, SwiGLU, host-routed MoE
 /// gather/scatter, generic-head-dim fallbacks of the GDR recurrence and attention.
@@ -100,8 +107,8 @@ pub const INIT: KernelSource = KernelSource {
 };
 
 /// Every kernel module (used by the compile check and to warm the cache).
-pub const ALL: [KernelSource; 12] = [
-    NORM, ROPE, CONV, GDR, GDR_TC, ATTN, FLASH, MODEL, MOE, SAMPLE, PIC, INIT,
+pub const ALL: [KernelSource; 13] = [
+    NORM, ROPE, CONV, GDR, GDR_TC, ATTN, FLASH, FLASH_WG, MODEL, MOE, SAMPLE, PIC, INIT,
 ];
 
 /// NVRTC target name for a compute capability: `sm_90a` for 9.0 (Hopper, so that
