@@ -356,7 +356,7 @@ extern "C" __global__ void __launch_bounds__(256)
 }
 
 // ---------------------------------------------------------------------------------------
-// B  gdr_state_tc_bf16_{16,32,64}: grid (Hv, (128 [+ 128 with trans]) / BV), block NW = BV/16
+// B  gdr_state_tc_bf16_{32,64}: grid (Hv, (128 [+ 128 with trans]) / BV), block NW = BV/16
 // warps. Sequential over the chunks of one head. Warp w owns 16 columns j of the state
 // (block jb = blockIdx.y·NW + w over [state columns | transition columns]) as Sᵀ rows:
 // fp32 accumulators sacc (16 n-tiles over the 128 rows c of S), so the chunk step is
@@ -373,8 +373,8 @@ extern "C" __global__ void __launch_bounds__(256)
 // uint4 per ring stage: W 1024 | K̃ᵀ 1024 | Uᵀ slice NW·128 | G_c 1. Shared memory of the
 // kernel: TC_STAGES · TC_STAGE_U4(NW) · 16 bytes (108 KiB for BV = 32, so that two blocks
 // share an SM when the transition doubles the grid to 256 blocks at Hv = 32; 120 KiB for
-// BV = 64; 102 KiB for BV = 16, one warp per block: 256 blocks at Hv = 32 without the
-// transition, two per SM).
+// BV = 64). A one-warp BV = 16 version was slower at every T (gpu-check 2026-11-30 run J:
+// 1.74 against 1.20 µs per chunk at 4k).
 #define TC_STAGE_U4(NW) (2048 + (NW) * 128 + 1)
 template <int NW, bool TRANS>
 __device__ __forceinline__ void gdr_state_tc_run(const uint4* __restrict__ Wf, const uint4* __restrict__ Ktf,
@@ -505,7 +505,6 @@ __device__ __forceinline__ void gdr_state_tc_impl(const uint4* Wf, const uint4* 
         uint4* Hsf, int t_len) {                                                                      \
         gdr_state_tc_impl<BV / 16>(Wf, Ktf, Uf, gcum, state, trans, Hsf, t_len);                      \
     }
-GDR_STATE_TC(16)
 GDR_STATE_TC(32)
 GDR_STATE_TC(64)
 

@@ -65,8 +65,7 @@ int run(const Case& cs, unsigned seed) {
     emu_launch(nt, hv, 256, [&] { gdr_prep_tc_bf16(kb.data(), vb.data(), g.data(), beta.data(), gcum.data(), Wf.data(), Ktf.data(), Uf.data(), T, hk, hv); });
     const int ny = (128 + (cs.trans ? 128 : 0)) / cs.bv;
     emu_launch(hv, ny, cs.bv * 2, [&] {
-        if (cs.bv == 16) gdr_state_tc_bf16_16(Wf.data(), Ktf.data(), Uf.data(), gcum.data(), st.data(), cs.trans ? tr.data() : nullptr, Hsf.data(), T);
-        else if (cs.bv == 32) gdr_state_tc_bf16_32(Wf.data(), Ktf.data(), Uf.data(), gcum.data(), st.data(), cs.trans ? tr.data() : nullptr, Hsf.data(), T);
+        if (cs.bv == 32) gdr_state_tc_bf16_32(Wf.data(), Ktf.data(), Uf.data(), gcum.data(), st.data(), cs.trans ? tr.data() : nullptr, Hsf.data(), T);
         else gdr_state_tc_bf16_64(Wf.data(), Ktf.data(), Uf.data(), gcum.data(), st.data(), cs.trans ? tr.data() : nullptr, Hsf.data(), T);
     });
     emu_launch(nt, hv, 256, [&] { gdr_output_tc_bf16(qb.data(), kb.data(), gcum.data(), Uf.data(), Hsf.data(), ob.data(), T, hk, hv); });

@@ -117,7 +117,7 @@ pub enum ChunkedPath {
 /// Value columns per block of the tensor-core state kernel that are built (16 per warp):
 /// 32 (2 warps; Hv·dv/32 blocks, 128 at Hv = 32) or 64 (4 warps; half the blocks, half
 /// the L2 → shared-memory traffic for W and K̃, twice the shared-memory reads per SM).
-pub const STATE_BV: [usize; 3] = [16, 32, 64];
+pub const STATE_BV: [usize; 2] = [32, 64];
 /// Default of [`Workspace::set_state_bv`].
 pub const DEFAULT_STATE_BV: usize = 32;
 
@@ -136,7 +136,7 @@ pub const DEFAULT_STATE_BV: usize = 32;
 ///
 /// A new workspace takes its defaults from the environment, for A/B runs of a built
 /// binary: `HYPIC_GDR_KERNELS=simt` forces the SIMT kernels (anything else: automatic),
-/// `HYPIC_GDR_STATE_BV=16|32|64` sets [`Workspace::set_state_bv`].
+/// `HYPIC_GDR_STATE_BV=32|64` sets [`Workspace::set_state_bv`].
 pub struct Workspace {
     gcum: Option<CudaSlice<f32>>,
     w: Option<CudaSlice<f32>>,
@@ -618,7 +618,6 @@ mod tests {
         assert_eq!(SMEM_OUT_TC, 35_072);
         assert_eq!(smem_state_tc(32), 3 * 2305 * 16);
         assert_eq!(smem_state_tc(64), 3 * 2561 * 16);
-        assert_eq!(smem_state_tc(16), 3 * 2177 * 16);
         assert!(STATE_BV.iter().all(|&b| smem_state_tc(b) <= 227 * 1024));
         // BV = 32: two blocks per SM (228 KiB per SM, 1 KiB reserved per block), so the
         // 256 blocks of Hv = 32 with T_C run in one wave on 132 SMs.
