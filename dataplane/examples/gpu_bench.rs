@@ -132,6 +132,7 @@ mod bench {
         for (m, o, s) in g.compile_log() {
             println!("- module {m}: {o:?} {s:.3} s");
         }
+        host_costs(&g)?;
         let mut r = rand::rngs::StdRng::seed_from_u64(1);
         let (hk, hv, dk, dv) = (16usize, 32usize, 128usize, 128usize);
         let lens: &[usize] = if quick {
@@ -425,6 +426,62 @@ mod bench {
     }
 
     /// `‖a − b‖ / ‖b‖` over bf16 outputs.
+    /// Host cost of the operations a decode step is made of: each issued `N` times in a
+    /// row (host time per issue), then one synchronisation (device time per operation
+    /// when the device is the slower side). A one-token forward of the 40-layer model
+    /// issues about a thousand of these.
+    fn host_costs(g: &Gpu) -> Result<()> {
+        use dataplane::cuda::ops::{self, NormKind};
+        const N: usize = 2000;
+        println!(
+            "\n## Host cost per device operation ({N} issued back to back, then one sync; µs)\n"
+        );
+        println!("| operation | host µs per issue | until the device is done, µs per op |");
+        println!("|---|---|---|");
+        let x: CudaSlice<bf16> = g.zeros(2048)?;
+        let w: CudaSlice<bf16> = g.zeros(2048 * 2048)?;
+        let nw: CudaSlice<f32> = g.zeros(2048)?;
+        let mut y: CudaSlice<bf16> = g.zeros(2048)?;
+        let row = |name: &str, f: &mut dyn FnMut() -> Result<()>| -> Result<()> {
+            f()?;
+            g.sync()?;
+            let t = std::time::Instant::now();
+            for _ in 0..N {
+                f()?;
+            }
+            let issue = t.elapsed().as_secs_f64();
+            g.sync()?;
+            let done = t.elapsed().as_secs_f64();
+            println!(
+                "| {name} | {:.2} | {:.2} |",
+                issue * 1e6 / N as f64,
+                done * 1e6 / N as f64
+            );
+            Ok(())
+        };
+        row("kernel lookup (`Gpu::function`, no launch)", &mut || {
+            g.function(&dataplane::cuda::compile::NORM, "rmsnorm_bf16", 0)
+                .map(|_| ())
+        })?;
+        row(
+            "scratch buffer 8 KiB: allocate + free (stream-ordered pool)",
+            &mut || g.scratch::<bf16>(4096).map(drop),
+        )?;
+        row("zeroed buffer 8 KiB: allocate + memset + free", &mut || {
+            g.zeros::<bf16>(4096).map(drop)
+        })?;
+        row("kernel launch: RMSNorm of one 2048-wide row", &mut || {
+            ops::rms_norm(g, NormKind::ZeroCentred, &x, None, &nw, &mut y, 1, 1e-6)
+        })?;
+        row("cuBLAS GEMM 1 × 2048 → 2048 (bf16)", &mut || {
+            blas::linear(g, &x, 1, 2048, &w, 2048, &mut y, bf16::ZERO)
+        })?;
+        row("device copy 4 KiB (memcpy_dtod)", &mut || {
+            g.stream().memcpy_dtod(&x, &mut y).map_err(Into::into)
+        })?;
+        Ok(())
+    }
+
     fn rel_diff(a: &[bf16], b: &[bf16]) -> f64 {
         let (mut num, mut den) = (0f64, 0f64);
         for (x, y) in a.iter().zip(b) {

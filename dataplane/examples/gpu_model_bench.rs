@@ -326,8 +326,8 @@ mod bench {
         println!(
             "\n## Decode step (one token, host logits; ms, median of 10 after 2 warm-up steps)\n"
         );
-        println!("| context | step ms | tokens/s |");
-        println!("|---|---|---|");
+        println!("| context | step ms | tokens/s | forward without logits: host enqueue ms | … until the device is done ms | 8-token span (a seam window) ms |");
+        println!("|---|---|---|---|---|---|");
         for &ctx in ctxs {
             let toks = prompt(ctx, c.vocab_size, 77 + ctx as u64);
             let mut st = m.new_state().map_err(e)?;
@@ -342,7 +342,34 @@ mod bench {
                 }
             }
             let s = median(ts);
-            println!("| {ctx} | {:.2} | {:.0} |", s * 1e3, 1.0 / s);
+            // Where the step's time goes: the time to issue one token's forward (no LM
+            // head, no download) against the time until the device has finished it.
+            // Equal times mean the host's launches are the bottleneck.
+            let (mut enq, mut done, mut seam) = (vec![], vec![], vec![]);
+            for i in 0..8u32 {
+                g.sync().map_err(e)?;
+                let t = Instant::now();
+                m.prefill(&[i % c.vocab_size as u32], &mut st, Logits::None)
+                    .map_err(e)?;
+                enq.push(t.elapsed().as_secs_f64());
+                g.sync().map_err(e)?;
+                done.push(t.elapsed().as_secs_f64());
+                let span: Vec<u32> = (0..8u32)
+                    .map(|j| (i * 8 + j) % c.vocab_size as u32)
+                    .collect();
+                let t = Instant::now();
+                m.prefill(&span, &mut st, Logits::None).map_err(e)?;
+                g.sync().map_err(e)?;
+                seam.push(t.elapsed().as_secs_f64());
+            }
+            println!(
+                "| {ctx} | {:.2} | {:.0} | {:.2} | {:.2} | {:.2} |",
+                s * 1e3,
+                1.0 / s,
+                median(enq) * 1e3,
+                median(done) * 1e3,
+                median(seam) * 1e3
+            );
         }
         drop(m);
         layer_split::<T>(g, &c, a, &full_by_len)

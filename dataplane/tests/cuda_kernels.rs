@@ -147,6 +147,62 @@ mod gpu {
         ));
     }
 
+    /// bf16 projections of ≤ 8 rows take the GEMV kernel (`blas::linear`): against an
+    /// fp64 product of the same bf16-rounded inputs, and against cuBLAS (the same rows
+    /// inside a 9-row product, which cuBLAS computes).
+    #[test]
+    fn small_batch_linear_matches_cpu_and_cublas() {
+        let (g, _l) = gpu();
+        let mut r = rng(77);
+        for &(inp, out) in &[(64usize, 1usize), (2048, 37), (512, 1000), (4096, 2048)] {
+            let x9 = round_bf16(&uniform(&mut r, 9 * inp, -1.0, 1.0));
+            let w = round_bf16(&uniform(&mut r, out * inp, -0.1, 0.1));
+            let wd = up::<bf16>(&g, &w);
+            let mut y9 = poisoned::<bf16>(&g, 9 * out);
+            cuda::blas::linear(
+                &g,
+                &up::<bf16>(&g, &x9),
+                9,
+                inp,
+                &wd,
+                out,
+                &mut y9,
+                bf16::ZERO,
+            )
+            .unwrap();
+            let y9 = down(&g, &y9, 9 * out);
+            for t in 1..=cuda::blas::GEMV_MAX_ROWS {
+                let x = &x9[..t * inp];
+                let mut y = poisoned::<bf16>(&g, t * out);
+                cuda::blas::linear(&g, &up::<bf16>(&g, x), t, inp, &wd, out, &mut y, bf16::ZERO)
+                    .unwrap();
+                let y = down(&g, &y, t * out);
+                let cpu: Vec<f32> = (0..t * out)
+                    .map(|i| {
+                        let (row, o) = (i / out, i % out);
+                        (0..inp)
+                            .map(|j| x[row * inp + j] as f64 * w[o * inp + j] as f64)
+                            .sum::<f64>() as f32
+                    })
+                    .collect();
+                check(
+                    &format!("gemv bf16 t={t} {inp}→{out} vs cpu"),
+                    &y,
+                    &cpu,
+                    5e-3,
+                    5e-2,
+                );
+                check(
+                    &format!("gemv bf16 t={t} {inp}→{out} vs cublas"),
+                    &y,
+                    &y9[..t * out],
+                    5e-3,
+                    5e-2,
+                );
+            }
+        }
+    }
+
     fn rmsnorm_case<T: Elem>(tol: f64) {
         let (g, _l) = gpu();
         for &(rows, d) in &[(37usize, 128usize), (9, 2048)] {

@@ -3,10 +3,18 @@
 //! Row-major buffers in the layouts of the CPU backend (`ops::linear`): activations
 //! `x: [t, inp]`, weights `w: [out, inp]` (HF `nn.Linear.weight`), result
 //! `y: [t, out]`. fp32 uses SGEMM; bf16 uses `cublasGemmEx` with bf16 inputs and
-//! outputs and fp32 accumulation (cudarc's `Gemm<bf16>`).
+//! outputs and fp32 accumulation (cudarc's `Gemm<bf16>`), except for at most
+//! [`GEMV_MAX_ROWS`] rows (decode steps, seam windows), which take the warp-per-row
+//! kernel of `kernels/gemv.cu`: the same math with the weight read once, and less host
+//! time per call (gpu_bench's host-cost table: ~9 µs per cuBLAS call, ~4 µs per launch).
 use cudarc::cublas::{sys::cublasOperation_t, Gemm, GemmConfig};
+use cudarc::driver::{LaunchConfig, PushKernelArg};
 
+use super::compile::GEMV;
 use super::{check_len, CudaSlice, Gpu, Result};
+
+/// Largest row count of a bf16 [`linear`] that takes the GEMV kernel instead of cuBLAS.
+pub const GEMV_MAX_ROWS: usize = 8;
 
 /// `y = x · wᵀ + beta · y`: `x: [t, inp]`, `w: [out, inp]`, `y: [t, out]`, all
 /// row-major. Issued as the column-major product `yᵀ = w · xᵀ` (`w` read transposed).
@@ -33,6 +41,15 @@ where
     if t == 0 || out == 0 {
         return Ok(());
     }
+    if T::SUFFIX == "bf16"
+        && t <= GEMV_MAX_ROWS
+        && inp % 8 == 0
+        && beta.to_f32() == 0.0
+        && out <= i32::MAX as usize
+        && inp <= i32::MAX as usize
+    {
+        return gemv(gpu, x, t, inp, w, out, y);
+    }
     let cfg = GemmConfig {
         transa: cublasOperation_t::CUBLAS_OP_T,
         transb: cublasOperation_t::CUBLAS_OP_N,
@@ -47,5 +64,32 @@ where
     };
     // SAFETY: lengths checked above; column-major view of the row-major buffers.
     unsafe { gpu.blas().gemm(cfg, w, x, y) }?;
+    Ok(())
+}
+
+/// `y = x · wᵀ` for bf16 with `t ≤ GEMV_MAX_ROWS` rows and `inp % 8 == 0` (checked by
+/// [`linear`]): one warp per output row (`gemv_bf16`).
+fn gemv<T: super::Elem>(
+    gpu: &Gpu,
+    x: &CudaSlice<T>,
+    t: usize,
+    inp: usize,
+    w: &CudaSlice<T>,
+    out: usize,
+    y: &mut CudaSlice<T>,
+) -> Result<()> {
+    let f = gpu.function(&GEMV, "gemv_bf16", 0)?;
+    let cfg = LaunchConfig {
+        grid_dim: (out.div_ceil(8) as u32, 1, 1),
+        block_dim: (256, 1, 1),
+        shared_mem_bytes: 0,
+    };
+    let (ti, ii, oi) = (t as i32, inp as i32, out as i32);
+    let mut b = gpu.stream().launch_builder(&f);
+    b.arg(x).arg(w).arg(y).arg(&ti).arg(&ii).arg(&oi);
+    // SAFETY: matches `gemv_bf16`; T is bf16 (checked by the caller), lengths checked by
+    // `linear`, 1 ≤ t ≤ 8, inp % 8 == 0 (16-byte loads from cudaMalloc'd rows: every
+    // row start is a multiple of 16 bytes).
+    unsafe { b.launch(cfg) }?;
     Ok(())
 }

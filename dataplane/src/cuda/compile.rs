@@ -83,6 +83,13 @@ pub const MODEL: KernelSource = KernelSource {
     text: include_str!("../../kernels/model.cu"),
 };
 
+/// Small-batch bf16 projections, one warp per output row (`kernels/gemv.cu`,
+/// `blas::linear` for at most `blas::GEMV_MAX_ROWS` rows).
+pub const GEMV: KernelSource = KernelSource {
+    name: "gemv",
+    text: include_str!("../../kernels/gemv.cu"),
+};
+
 /// Mixture-of-experts routing, grouped GEMMs, combine, SwiGLU (`kernels/moe.cu`).
 pub const MOE: KernelSource = KernelSource {
     name: "moe",
@@ -107,8 +114,8 @@ pub const INIT: KernelSource = KernelSource {
 };
 
 /// Every kernel module (used by the compile check and to warm the cache).
-pub const ALL: [KernelSource; 13] = [
-    NORM, ROPE, CONV, GDR, GDR_TC, ATTN, FLASH, FLASH_WG, MODEL, MOE, SAMPLE, PIC, INIT,
+pub const ALL: [KernelSource; 14] = [
+    NORM, ROPE, CONV, GDR, GDR_TC, ATTN, FLASH, FLASH_WG, MODEL, GEMV, MOE, SAMPLE, PIC, INIT,
 ];
 
 /// NVRTC target name for a compute capability: `sm_90a` for 9.0 (Hopper, so that

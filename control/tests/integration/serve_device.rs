@@ -2,7 +2,7 @@
 //! config file keys, startup errors, and the backend that `/health`, `/metrics` and
 //! the startup log report. CPU only; the GPU end-to-end check is
 //! `scripts/serve_check.py` (gpu-check step `serve`).
-mod serve_common;
+use crate::serve_common;
 
 use clap::Parser;
 use hypic_control::backend::{DeviceArg, DtypeArg};

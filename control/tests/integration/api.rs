@@ -2,7 +2,7 @@
 //! keys, grant revocation, segment versions over HTTP, and the operator
 //! policy lifecycle (upload, dry run, activate, roll back, audit).
 
-mod common;
+use crate::common;
 
 use axum::body::Body;
 use axum::http::{Method, Request, StatusCode};

@@ -2,7 +2,7 @@
 //! every request completes or gets a clean 429 with Retry-After, nothing hangs, and
 //! the scheduler's state and KV reservations return to zero afterwards. A client
 //! that disconnects mid-stream has its sequence cancelled.
-mod serve_common;
+use crate::serve_common;
 
 use serde_json::{json, Value};
 use serve_common::{metric, start};

@@ -1,7 +1,7 @@
 //! Catalog tests, each run against SQLite (temp file) and Postgres (fresh
 //! schema): migrations, versions, grants, audit log, policies, concurrency.
 
-mod common;
+use crate::common;
 
 use std::collections::BTreeMap;
 use std::sync::Arc;

@@ -1,6 +1,6 @@
 //! Bad input to `hypic serve`, each case a clear OpenAI-style JSON error with the
 //! right status; the server keeps serving afterwards.
-mod serve_common;
+use crate::serve_common;
 
 use reqwest::Method;
 use serde_json::json;

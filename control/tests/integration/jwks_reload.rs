@@ -3,7 +3,7 @@
 //! tokens of removed keys get 401 from the next request on; a broken file
 //! keeps the previous keys.
 
-mod common;
+use crate::common;
 
 use std::path::{Path, PathBuf};
 use std::sync::Arc;

@@ -2,7 +2,7 @@
 //! are contained (native default used, fault counted and audited), and the
 //! simulator reports what a trace does under each policy.
 
-mod common;
+use crate::common;
 
 use std::sync::Arc;
 

@@ -1,6 +1,6 @@
 //! Hostile review of the control plane (issue 7): regression tests for the
 //! problems it found.
-mod serve_common;
+use crate::serve_common;
 
 use serde_json::{json, Value};
 use serve_common::{start, Srv};
@@ -61,7 +61,7 @@ async fn segment_ids_in_paths_cannot_address_other_resources() {
     assert_eq!(v["current_version"], 1, "{v}");
 }
 
-mod common;
+use crate::common;
 
 use axum::body::Body;
 use axum::http::{Method, Request, StatusCode};

@@ -1,7 +1,7 @@
 //! `hypic serve` end to end over a loopback port: OpenAI shapes (streaming and
 //! not), cached_tokens on repeated and reordered requests, per-segment stats,
 //! modes, stop/n/logprobs, the segment registry, auth, metrics.
-mod serve_common;
+use crate::serve_common;
 
 use serde_json::{json, Value};
 use serve_common::{assert_error, metric, start};

@@ -2,7 +2,7 @@
 //! group grants against the real pools, the periodic invalidation sweep (TTL)
 //! dropping idle entries from the public pool, and per-policy metrics on the
 //! Prometheus endpoint.
-mod serve_common;
+use crate::serve_common;
 
 use std::time::{Duration, Instant};
 

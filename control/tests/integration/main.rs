@@ -1,0 +1,20 @@
+//! The control plane's integration tests, one module per area, linked into one test
+//! binary (each separate test binary linked the whole dependency tree: wasmtime, sqlx,
+//! axum; twelve of them took about five minutes of CI's build).
+//!
+//! `cargo test -p hypic-control --test integration <area>::` runs one area.
+
+mod common;
+mod serve_common;
+
+mod api;
+mod auth_unit;
+mod catalog;
+mod jwks_reload;
+mod policy;
+mod review7;
+mod serve_api;
+mod serve_bad_input;
+mod serve_control;
+mod serve_device;
+mod serve_load;
