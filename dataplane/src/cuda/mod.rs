@@ -142,18 +142,21 @@ impl std::fmt::Debug for Gpu {
     }
 }
 
+/// Device memory the default pool keeps mapped after it is freed: [`keep_pool_memory`].
+pub const POOL_KEEP_BYTES: u64 = 8 << 30;
+
 /// Sets the release threshold of the device's default memory pool (the one
-/// `cuMemAllocAsync` draws from) to "never": freed device memory stays mapped in the pool
-/// and is handed out again, instead of being unmapped at the next stream synchronisation
-/// (the driver's default threshold is 0) and mapped again by the next allocation. The
-/// forward allocates its activations per call and every decode step synchronises, so
-/// without this each step pays for remapping. Device memory this process freed is
-/// therefore not returned to other processes while the context lives.
+/// `cuMemAllocAsync` draws from) to [`POOL_KEEP_BYTES`]: up to that much freed device
+/// memory stays mapped in the pool and is handed out again, instead of being unmapped
+/// at the next stream synchronisation (the driver's default threshold is 0) and mapped
+/// again by the next allocation. The forward allocates its activations per call and
+/// every decode step synchronises. Bounded so that a long prefill's activations are
+/// returned for allocations outside the pool (cuBLAS, kernel modules loaded later).
 fn keep_pool_memory(ctx: &Arc<CudaContext>) -> Result<()> {
     use cudarc::driver::sys;
     ctx.bind_to_thread()?;
     let mut pool: sys::CUmemoryPool = std::ptr::null_mut();
-    let mut keep: u64 = u64::MAX;
+    let mut keep: u64 = POOL_KEEP_BYTES;
     // SAFETY: plain driver calls on this context's device; `pool` and `keep` outlive them.
     unsafe {
         sys::cuDeviceGetDefaultMemPool(&mut pool, ctx.cu_device()).result()?;
@@ -207,7 +210,9 @@ impl Gpu {
         // One stream, in-order: cudarc's per-buffer event tracking is not needed.
         // SAFETY: all buffers of this backend are used on `stream` only.
         unsafe { ctx.disable_event_tracking() };
-        keep_pool_memory(&ctx)?;
+        // Not fatal: without a default memory pool (some virtualised devices) cudarc
+        // allocates synchronously and there is nothing to tune.
+        let _ = keep_pool_memory(&ctx);
         let (maj, min) = ctx.compute_capability()?;
         let name = ctx.name()?;
         let stream = ctx.default_stream();

@@ -310,9 +310,16 @@ impl<T: Elem> GpuKv<T> {
         self.buf.cap
     }
 
-    /// Bytes of the device buffers this cache holds (shared ones included in full).
+    /// Device bytes charged to this holder: the whole buffers when it is their only
+    /// holder, else its own rows (`len`), so that snapshots sharing one buffer with the
+    /// live state are not each charged its full capacity.
     fn bytes(&self) -> usize {
-        std::mem::size_of::<T>() * (self.buf.k.len() + self.buf.v.len()) + 8 * self.buf.pos.len()
+        let rows = if Arc::strong_count(&self.buf) == 1 {
+            self.buf.cap
+        } else {
+            self.len
+        };
+        (2 * std::mem::size_of::<T>() * self.row + 8) * rows
     }
 
     /// A holder of the same buffers and the same `len` (no device copy; see the type's
@@ -702,8 +709,8 @@ impl<T: Elem> GpuState<T> {
         &self.gpu
     }
 
-    /// Device bytes held by this state (capacity, not just the used part).
-    /// KV buffers shared with other states ([`GpuState::try_clone`]) count in full.
+    /// Device bytes held by this state (capacity, not just the used part; a KV buffer
+    /// shared with other states ([`GpuState::try_clone`]) counts only this state's rows).
     pub fn bytes(&self) -> usize {
         self.layers
             .iter()
@@ -1223,6 +1230,9 @@ where
             if !tokens.is_empty() {
                 self.check_inputs(tokens, state)?;
             }
+        }
+        if !Arc::ptr_eq(&state.gpu, &self.gpu) {
+            return Err(shape_err("the state lives on another Gpu handle".into()));
         }
         let rows: usize = spans.iter().map(|s| s.0.len()).sum();
         if rows == 0 {

@@ -686,14 +686,13 @@ where
                 j += 1;
             }
             let es: Vec<&GpuSegmentEntry<T>> = entries.iter().map(|(e, _)| &**e).collect();
-            let snaps = self.compose_run(
-                &segments[i..j],
-                &es,
-                &mut state,
-                naive,
-                rope_fix,
-                use_private,
-            )?;
+            let keep = if use_private {
+                self.snapshots_to_keep(&state, j - i)
+            } else {
+                0
+            };
+            let snaps =
+                self.compose_run(&segments[i..j], &es, &mut state, naive, rope_fix, keep)?;
             for (k, (e, outcome)) in entries.iter().enumerate() {
                 let m = segments[i + k].tokens.len();
                 let window = e.body_start.min(m);
@@ -703,7 +702,7 @@ where
                 };
                 stats.segments.push(stat(i + k, *outcome, computed, reused));
             }
-            for (k, snap_state) in snaps.into_iter().enumerate() {
+            for (k, snap_state) in snaps {
                 let snap = GpuSnapshot {
                     state: snap_state,
                     logits: None,
@@ -789,9 +788,9 @@ where
     /// recomputing each seam through the whole model and then composing its body, one
     /// segment after the other.
     ///
-    /// With `snapshots`, also returns the state after each segment (the private pool's
-    /// entries): per layer, a copy taken right after the segment's body is composed
-    /// (KV shared copy-on-write). Else an empty vector.
+    /// Also returns `(k, state after segment k)` for the last `keep` segments of the run
+    /// (the private pool's entries): per layer, a copy taken right after the segment's
+    /// body is composed (KV shared copy-on-write).
     fn compose_run(
         &self,
         segments: &[SegmentRef],
@@ -799,8 +798,8 @@ where
         state: &mut GpuState<T>,
         naive: bool,
         rope_fix: bool,
-        snapshots: bool,
-    ) -> Result<Vec<GpuState<T>>> {
+        keep: usize,
+    ) -> Result<Vec<(usize, GpuState<T>)>> {
         let model = &self.model;
         let gpu = model.gpu();
         let nl = state.layers.len();
@@ -826,11 +825,10 @@ where
             .zip(&starts)
             .map(|((seg, e), &b)| (&seg.tokens[..e.body_start], b))
             .collect();
-        let mut snap_layers: Vec<Vec<GpuLayerState<T>>> = if snapshots {
-            (0..entries.len()).map(|_| Vec::with_capacity(nl)).collect()
-        } else {
-            vec![]
-        };
+        let first_kept = entries.len() - keep.min(entries.len());
+        let mut snap_layers: Vec<Vec<GpuLayerState<T>>> = (first_kept..entries.len())
+            .map(|_| Vec::with_capacity(nl))
+            .collect();
         model.forward_spans(&spans, state, |l, k, ls| {
             let e = entries[k];
             self.compose_layer(
@@ -842,8 +840,8 @@ where
                 naive,
                 rope_fix,
             )?;
-            if snapshots {
-                snap_layers[k].push(ls.try_clone_on(gpu)?);
+            if k >= first_kept {
+                snap_layers[k - first_kept].push(ls.try_clone_on(gpu)?);
             }
             Ok(())
         })?;
@@ -851,8 +849,35 @@ where
         Ok(snap_layers
             .into_iter()
             .enumerate()
-            .map(|(k, layers)| state.with_layers(layers, starts[k] + entries[k].len as i64))
+            .map(|(s, layers)| {
+                let k = first_kept + s;
+                (
+                    k,
+                    state.with_layers(layers, starts[k] + entries[k].len as i64),
+                )
+            })
             .collect())
+    }
+
+    /// How many of a run of `n` composed segments get a private-pool snapshot: as many
+    /// as the pool (device capacity plus its host spill tier) can hold at the size of
+    /// `state`'s recurrent part, counted from the run's end. The per-segment path
+    /// inserted one snapshot per segment and the LRU pool kept the newest that fit, so
+    /// earlier ones would only be made to be evicted (and all of them would be alive on
+    /// the device at once until the run ends).
+    fn snapshots_to_keep(&self, state: &GpuState<T>, n: usize) -> usize {
+        let per = state
+            .layers
+            .iter()
+            .map(|l| match l {
+                GpuLayerState::Linear { conv, recurrent } => 4 * (conv.len() + recurrent.len()),
+                GpuLayerState::Full(_) => 0,
+            })
+            .sum::<usize>()
+            .max(1);
+        let pool = lock(&self.private);
+        let room = pool.capacity_bytes() + pool.spill_usage().2;
+        (room / per).min(n)
     }
 
     /// Composes one layer of a cached segment into the running layer state `ls`: GDN
