@@ -108,7 +108,8 @@ __device__ void gdn_prep_impl(const T* mixed, const T* proj, T* q, T* k, T* v, T
 
 // All attention inputs in one launch (projection split, the q/k zero-centred RMSNorms and the
 // q/k RoPE) from the fused projection row [qw | nkv·hd | nkv·hd], qw = nh·hd·(1 + gated),
-// per query head [q(hd) | gate(hd)] when gated. grid (t, nh + 2·nkv), 128 threads (256 for hd > 512, as rmsnorm_*), dynamic shared memory (hd + 32) floats.
+// per query head [q(hd) | gate(hd)] when gated. grid (t, nh + 2·nkv), 128 threads (256
+// for hd > 512, as rmsnorm_*), dynamic shared memory (hd + 32) floats.
 // Block y < nh: query head y (gate copied when gated); y < nh + nkv: key head; else value
 // head (copied). A q/k head is normalised (w = q_norm or k_norm, [hd]), rounded to T — as
 // rmsnorm_* stores it — and then rotated as rope_* does (first `rot` dims, NeoX halves,
