@@ -1,7 +1,6 @@
 //! Catalog tests, each run against SQLite (temp file) and Postgres (fresh
 //! schema): migrations, versions, grants, audit log, policies, concurrency.
 
-
 use std::collections::BTreeMap;
 use std::sync::Arc;
 
