@@ -356,6 +356,279 @@ extern "C" __global__ void __launch_bounds__(256)
 }
 
 // ---------------------------------------------------------------------------------------
+// A' gdr_prep_tc2_bf16: same grid, block, arguments and outputs as gdr_prep_tc_bf16, in
+// 53 KiB of shared memory and ≤ 64 registers per thread, so that four blocks share an SM
+// (three for gdr_prep_tc_bf16: 72 KiB, 66 registers). One fp32 64×64 buffer (row stride
+// TC_MLD) holds L in its lower blocks; M = (I + L)⁻¹ is solved into the same buffer:
+// M_ab (16×16 block, a ≥ b) is stored row-major at block position (b, a) — the diagonal
+// blocks over L_aa, the off-diagonal ones in the unused upper triangle — so no L block is
+// overwritten while still needed and no second buffer is needed. W and U take their
+// mma fragments of M diag(βe^G) and M diag(β) straight from the fp32 M (no bf16 copies).
+// The off-diagonal blocks run on tensor cores with operands split into bf16 hi + lo
+// (three mma per product: hi·hi + hi·lo + lo·hi, ~16 significant bits, fp32
+// accumulation): round d = 1, 2, 3, warp j computes M_ij (i = j + d) as
+//   Xᵀ = Σ_{k=j}^{i−1} M_kjᵀ L_ikᵀ  (accumulators),  M_ij = −M_ii X  (X as B fragments),
+// one barrier per round (the SIMT version: 4 KiB of scratch, two barriers per round and
+// ~4k shared-memory loads per warp-set). Warps 2–7 write K̃ᵀ while warps 0–1 solve the
+// 16×16 diagonal blocks.
+#define TC_MLD 72  // fp32 row stride of L / M (float2 fragment loads and stores conflict-free)
+#define TC_PREP2_SMEM (2 * TC_CH * TC_LD * 2 + TC_CH * TC_MLD * 4 + 3 * TC_CH * 4)
+
+// bf16 hi/lo split of two floats (a, b): hi = bf16(a, b), lo = bf16(a − hi, b − hi).
+__device__ __forceinline__ void tc_split(float a, float b, unsigned& hi, unsigned& lo) {
+    hi = tc_pack(a, b);
+    const float2 h = tc_unpack(hi);
+    lo = tc_pack(a - h.x, b - h.y);
+}
+// c += a·b to ~fp32 accuracy from split operands (hi·hi + hi·lo + lo·hi).
+__device__ __forceinline__ void tc_mma3(float* c, const unsigned* ah, const unsigned* al, unsigned bh0, unsigned bh1,
+                                        unsigned bl0, unsigned bl1) {
+    tc_mma(c, al, bh0, bh1);
+    tc_mma(c, ah, bl0, bl1);
+    tc_mma(c, ah, bh0, bh1);
+}
+
+extern "C" __global__ void __launch_bounds__(256, 4)
+    gdr_prep_tc2_bf16(const bf16* __restrict__ k, const bf16* __restrict__ v, const float* __restrict__ g,
+                      const float* __restrict__ beta, float* __restrict__ gcum, uint4* __restrict__ Wf,
+                      uint4* __restrict__ Ktf, uint4* __restrict__ Uf, int t_len, int hk, int hv) {
+    bf16* Ks = reinterpret_cast<bf16*>(tc_sm);                // [64][TC_LD]
+    bf16* Vs = Ks + TC_CH * TC_LD;                             // [64][TC_LD]
+    float* Ls = reinterpret_cast<float*>(Vs + TC_CH * TC_LD);  // [64][TC_MLD] L, then M
+    float* G = Ls + TC_CH * TC_MLD;                            // [64]
+    float* Bt = G + TC_CH;                                     // [64] β
+    float* Eb = Bt + TC_CH;                                    // [64] β e^G
+    const int n = blockIdx.x, h = blockIdx.y, kh = h / (hv / hk), tid = threadIdx.x;
+    const int lane = tid & 31, w = tid >> 5, gq = lane >> 2, tq = lane & 3;
+    const int nt = (t_len + TC_CH - 1) / TC_CH;
+    const int t0 = n * TC_CH, len = min(TC_CH, t_len - t0);
+    const size_t tile = (size_t)h * nt + n;
+    if (w == 0) {
+        // Inclusive scan of g over the chunk (2 tokens per lane; zero past the end).
+        const int i0 = 2 * lane, i1 = i0 + 1;
+        const float a = i0 < len ? g[(size_t)(t0 + i0) * hv + h] : 0.f;
+        const float b = i1 < len ? g[(size_t)(t0 + i1) * hv + h] : 0.f;
+        float s = a + b;
+#pragma unroll
+        for (int o = 1; o < 32; o <<= 1) {
+            const float y = __shfl_up_sync(0xffffffffu, s, o);
+            if (lane >= o) s += y;
+        }
+        const float b0 = i0 < len ? beta[(size_t)(t0 + i0) * hv + h] : 0.f;
+        const float b1 = i1 < len ? beta[(size_t)(t0 + i1) * hv + h] : 0.f;
+        G[i0] = s - b;
+        G[i1] = s;
+        Bt[i0] = b0;
+        Bt[i1] = b1;
+        Eb[i0] = b0 * expf(s - b);
+        Eb[i1] = b1 * expf(s);
+    }
+    tc_load_rows(Ks, k, t0, len, hk, kh, tid);
+    tc_load_rows(Vs, v, t0, len, hv, h, tid);
+    __syncthreads();
+    if (tid < TC_CH) gcum[tile * TC_CH + tid] = G[tid];
+    // L = β_i e^{G_i−G_m} (K Kᵀ)_im for m < i (0 for m ≥ i in the diagonal blocks).
+    // Warp: rows 16·mt.., n-tiles 4·nh..4·nh+3 (those with some m ≤ i).
+    {
+        const int mt = w >> 1, nh = w & 1;
+        float acc[4][4];
+#pragma unroll
+        for (int j = 0; j < 4; ++j) acc[j][0] = acc[j][1] = acc[j][2] = acc[j][3] = 0.f;
+#pragma unroll
+        for (int kc = 0; kc < TC_D / 16; ++kc) {
+            unsigned a[4];
+            tc_frag(a, Ks, TC_LD, 16 * mt, 16 * kc, lane);
+#pragma unroll
+            for (int j = 0; j < 4; ++j) {
+                const int nt8 = 4 * nh + j;
+                if (nt8 <= 2 * mt + 1) {  // warp-uniform
+                    const bf16* p = Ks + (8 * nt8 + gq) * TC_LD + 16 * kc + 2 * tq;
+                    tc_mma(acc[j], a, tc_ld32(p), tc_ld32(p + 8));
+                }
+            }
+        }
+#pragma unroll
+        for (int j = 0; j < 4; ++j) {
+            const int nt8 = 4 * nh + j;
+            if (nt8 <= 2 * mt + 1) {
+#pragma unroll
+                for (int hh = 0; hh < 2; ++hh) {
+                    const int i = 16 * mt + gq + 8 * hh, m = 8 * nt8 + 2 * tq;
+                    const float bi = Bt[i], gi = G[i];
+                    float2 x;
+                    x.x = m < i ? bi * expf(gi - G[m]) * acc[j][2 * hh] : 0.f;
+                    x.y = m + 1 < i ? bi * expf(gi - G[m + 1]) * acc[j][2 * hh + 1] : 0.f;
+                    *reinterpret_cast<float2*>(Ls + i * TC_MLD + m) = x;
+                }
+            }
+        }
+    }
+    __syncthreads();
+    if (tid < TC_CH) {
+        // M_bb = (I + L_bb)⁻¹: thread solves column c of diagonal block b by forward
+        // substitution and writes it over L_bb once the block's 16 lanes (one half-warp)
+        // have read L_bb. Blocks (0, 1) in warp 0 and (2, 3) in warp 1: two addresses
+        // 16 banks apart per load.
+        const int o = 16 * (tid >> 4), c = tid & 15;
+        float x[16];
+#pragma unroll
+        for (int r = 0; r < 16; ++r) {
+            float s = r == c ? 1.f : 0.f;
+#pragma unroll
+            for (int r2 = 0; r2 < r; ++r2) s -= Ls[(o + r) * TC_MLD + o + r2] * x[r2];
+            x[r] = s;
+        }
+        __syncwarp();
+#pragma unroll
+        for (int r = 0; r < 16; ++r) Ls[(o + r) * TC_MLD + o + c] = x[r];
+    } else {
+        // K̃ᵀ (warps 2–7 over the 8 c-blocks): K̃_i = e^{G_last − G_i} k_i.
+        const float gl = G[TC_CH - 1];
+        for (int cb = w - 2; cb < TC_D / 16; cb += 6) {
+            uint4* dst = Ktf + (tile * 32 + cb * 4) * 32 + lane;
+#pragma unroll
+            for (int ib = 0; ib < 4; ++ib) {
+                unsigned f[4];
+                tc_ldsm_t(f, Ks, TC_LD, 16 * ib, 16 * cb, lane);  // F(Kᵀ block (cb, ib))
+                const int i0 = 16 * ib + 2 * tq;                   // .x/.z: i0, i0+1; .y/.w: i0+8, i0+9
+                const float s0 = expf(gl - G[i0]), s1 = expf(gl - G[i0 + 1]);
+                const float s2 = expf(gl - G[i0 + 8]), s3 = expf(gl - G[i0 + 9]);
+                const float2 x0 = tc_unpack(f[0]), x1 = tc_unpack(f[1]), x2 = tc_unpack(f[2]), x3 = tc_unpack(f[3]);
+                dst[ib * 32] = make_uint4(tc_pack(x0.x * s0, x0.y * s1), tc_pack(x1.x * s2, x1.y * s3),
+                                          tc_pack(x2.x * s0, x2.y * s1), tc_pack(x3.x * s2, x3.y * s3));
+            }
+        }
+    }
+    __syncthreads();
+    // Off-diagonal blocks by distance d; warp j < 4 − d computes M_ij, i = j + d. Reads
+    // L_ik (block (i, k)), M_kj (block (j, k)) for k − j < d and M_ii; writes block (j, i).
+#pragma unroll 1
+    for (int d = 1; d < 4; ++d) {
+        if (w < 4 - d) {
+            const int j = w, i = j + d;
+            float xt[2][4];
+#pragma unroll
+            for (int e = 0; e < 4; ++e) xt[0][e] = xt[1][e] = 0.f;
+#pragma unroll 1
+            for (int kb = j; kb < i; ++kb) {
+                // A = M_kjᵀ: {M[2q][g], M[2q+1][g]}, (g+8), (2q+8), both.
+                const float* mb = Ls + (16 * j + 2 * tq) * TC_MLD + 16 * kb + gq;
+                unsigned ah[4], al[4];
+                tc_split(mb[0], mb[TC_MLD], ah[0], al[0]);
+                tc_split(mb[8], mb[TC_MLD + 8], ah[1], al[1]);
+                tc_split(mb[8 * TC_MLD], mb[9 * TC_MLD], ah[2], al[2]);
+                tc_split(mb[8 * TC_MLD + 8], mb[9 * TC_MLD + 8], ah[3], al[3]);
+                // B = L_ikᵀ: n-tile nt (X rows 8·nt + g): {L[8nt+g][2q..]}, {L[8nt+g][2q+8..]}.
+#pragma unroll
+                for (int nt2 = 0; nt2 < 2; ++nt2) {
+                    const float* lb = Ls + (16 * i + 8 * nt2 + gq) * TC_MLD + 16 * kb + 2 * tq;
+                    const float2 l0 = *reinterpret_cast<const float2*>(lb);
+                    const float2 l1 = *reinterpret_cast<const float2*>(lb + 8);
+                    unsigned bh0, bl0, bh1, bl1;
+                    tc_split(l0.x, l0.y, bh0, bl0);
+                    tc_split(l1.x, l1.y, bh1, bl1);
+                    tc_mma3(xt[nt2], ah, al, bh0, bh1, bl0, bl1);
+                }
+            }
+            // M_ij = −M_ii X: A = M_ii (row-major fp32 at block (i, i)), B = X from the
+            // accumulators of Xᵀ (n-tile 0: X columns g → xt[·][0..1]; 1: g+8 → [2..3]).
+            const float* db = Ls + (16 * i + gq) * TC_MLD + 16 * i + 2 * tq;
+            unsigned ah[4], al[4];
+            {
+                const float2 d0 = *reinterpret_cast<const float2*>(db);
+                const float2 d1 = *reinterpret_cast<const float2*>(db + 8 * TC_MLD);
+                const float2 d2 = *reinterpret_cast<const float2*>(db + 8);
+                const float2 d3 = *reinterpret_cast<const float2*>(db + 8 * TC_MLD + 8);
+                tc_split(d0.x, d0.y, ah[0], al[0]);
+                tc_split(d1.x, d1.y, ah[1], al[1]);
+                tc_split(d2.x, d2.y, ah[2], al[2]);
+                tc_split(d3.x, d3.y, ah[3], al[3]);
+            }
+            float mo[2][4];
+#pragma unroll
+            for (int nt2 = 0; nt2 < 2; ++nt2) {
+#pragma unroll
+                for (int e = 0; e < 4; ++e) mo[nt2][e] = 0.f;
+                unsigned bh0, bl0, bh1, bl1;
+                tc_split(xt[0][2 * nt2], xt[0][2 * nt2 + 1], bh0, bl0);
+                tc_split(xt[1][2 * nt2], xt[1][2 * nt2 + 1], bh1, bl1);
+                tc_mma3(mo[nt2], ah, al, bh0, bh1, bl0, bl1);
+            }
+            float* ob = Ls + (16 * j + gq) * TC_MLD + 16 * i + 2 * tq;
+#pragma unroll
+            for (int nt2 = 0; nt2 < 2; ++nt2) {
+                *reinterpret_cast<float2*>(ob + 8 * nt2) = make_float2(-mo[nt2][0], -mo[nt2][1]);
+                *reinterpret_cast<float2*>(ob + 8 * TC_MLD + 8 * nt2) = make_float2(-mo[nt2][2], -mo[nt2][3]);
+            }
+        }
+        __syncthreads();
+    }
+    // W = M diag(βe^G) K: warp rows 16·mt.., columns 64·ch.. (c-blocks 4·ch..4·ch+3);
+    // A fragments from M_{mt,kk} (block (kk, mt)) scaled by βe^G of the columns.
+    {
+        const int mt = w & 3, ch = w >> 2;
+        float acc[8][4];
+#pragma unroll
+        for (int j = 0; j < 8; ++j) acc[j][0] = acc[j][1] = acc[j][2] = acc[j][3] = 0.f;
+#pragma unroll
+        for (int kk = 0; kk < 4; ++kk) {
+            if (kk <= mt) {
+                const float* mb = Ls + (16 * kk + gq) * TC_MLD + 16 * mt + 2 * tq;
+                const float2 e0 = *reinterpret_cast<const float2*>(Eb + 16 * kk + 2 * tq);
+                const float2 e1 = *reinterpret_cast<const float2*>(Eb + 16 * kk + 2 * tq + 8);
+                const float2 m0 = *reinterpret_cast<const float2*>(mb);
+                const float2 m1 = *reinterpret_cast<const float2*>(mb + 8 * TC_MLD);
+                const float2 m2 = *reinterpret_cast<const float2*>(mb + 8);
+                const float2 m3 = *reinterpret_cast<const float2*>(mb + 8 * TC_MLD + 8);
+                const unsigned a[4] = {tc_pack(m0.x * e0.x, m0.y * e0.y), tc_pack(m1.x * e0.x, m1.y * e0.y),
+                                       tc_pack(m2.x * e1.x, m2.y * e1.y), tc_pack(m3.x * e1.x, m3.y * e1.y)};
+#pragma unroll
+                for (int qb = 0; qb < 4; ++qb) {
+                    unsigned b[4];
+                    tc_ldsm_t(b, Ks, TC_LD, 16 * kk, 16 * (4 * ch + qb), lane);  // F(Kᵀ block)
+                    tc_mma(acc[2 * qb], a, b[0], b[1]);
+                    tc_mma(acc[2 * qb + 1], a, b[2], b[3]);
+                }
+            }
+        }
+        uint4* dst = Wf + (tile * 32 + mt * 8 + 4 * ch) * 32 + lane;
+#pragma unroll
+        for (int qb = 0; qb < 4; ++qb) dst[qb * 32] = tc_acc_tile(acc[2 * qb], acc[2 * qb + 1]);
+    }
+    // Uᵀ = Vᵀ (M diag(β))ᵀ: warp = j-block w (rows of Uᵀ), all 64 i; B fragments of rows
+    // i = 8·nt8 + g of M diag(β) from M_{nt8/2,kk} (block (kk, nt8/2)); nt8 ≥ 2·kk only.
+    {
+        float acc[8][4];
+#pragma unroll
+        for (int j = 0; j < 8; ++j) acc[j][0] = acc[j][1] = acc[j][2] = acc[j][3] = 0.f;
+#pragma unroll
+        for (int kk = 0; kk < 4; ++kk) {
+            unsigned f[4];
+            tc_ldsm_t(f, Vs, TC_LD, 16 * kk, 16 * w, lane);  // F(Vᵀ block (w, kk))
+            const unsigned a[4] = {f[0], f[2], f[1], f[3]};
+            const float2 e0 = *reinterpret_cast<const float2*>(Bt + 16 * kk + 2 * tq);
+            const float2 e1 = *reinterpret_cast<const float2*>(Bt + 16 * kk + 2 * tq + 8);
+#pragma unroll
+            for (int nt8 = 0; nt8 < 8; ++nt8) {
+                if (nt8 >= 2 * kk) {
+                    const float* mb = Ls + (16 * kk + 8 * (nt8 & 1) + gq) * TC_MLD + 16 * (nt8 >> 1) + 2 * tq;
+                    const float2 m0 = *reinterpret_cast<const float2*>(mb);
+                    const float2 m1 = *reinterpret_cast<const float2*>(mb + 8);
+                    tc_mma(acc[nt8], a, tc_pack(m0.x * e0.x, m0.y * e0.y), tc_pack(m1.x * e1.x, m1.y * e1.y));
+                }
+            }
+        }
+        uint4* dst = Uf + (tile * 32 + w * 4) * 32 + lane;
+#pragma unroll
+        for (int ib = 0; ib < 4; ++ib) {
+            unsigned a[4];
+            tc_acc_afrag(a, acc[2 * ib], acc[2 * ib + 1]);
+            dst[ib * 32] = make_uint4(a[0], a[1], a[2], a[3]);
+        }
+    }
+}
+
+// ---------------------------------------------------------------------------------------
 // B  gdr_state_tc_bf16_{32,64}: grid (Hv, (128 [+ 128 with trans]) / BV), block NW = BV/16
 // warps. Sequential over the chunks of one head. Warp w owns 16 columns j of the state
 // (block jb = blockIdx.y·NW + w over [state columns | transition columns]) as Sᵀ rows:

@@ -25,6 +25,7 @@ struct uint3 { unsigned x, y, z; };
 struct uint4 { unsigned x, y, z, w; };
 struct float2 { float x, y; };
 inline uint4 make_uint4(unsigned a, unsigned b, unsigned c, unsigned d) { return uint4{a, b, c, d}; }
+inline float2 make_float2(float a, float b) { return float2{a, b}; }
 
 struct bf16 { uint16_t b; };
 typedef bf16 __nv_bfloat16;
@@ -57,6 +58,8 @@ thread_local uint3 threadIdx, blockIdx;
 thread_local EmuBlock* emu_block;
 inline EmuWarp& emu_warp() { return *emu_block->warps[threadIdx.x >> 5]; }
 inline void __syncthreads() { emu_block->bar->arrive_and_wait(); }
+// All 32 lanes of the warp must call it (as the kernels do).
+inline void __syncwarp(unsigned = 0xffffffffu) { emu_warp().bar.arrive_and_wait(); }
 
 inline float __shfl_up_sync(unsigned, float v, int o) {
     EmuWarp& W = emu_warp();

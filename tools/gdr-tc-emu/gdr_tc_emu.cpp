@@ -6,6 +6,7 @@
 #include "emu.h"
 #include <cstdio>
 #include <random>
+#include <cstdlib>
 uint4 tc_sm[16384];  // dynamic shared memory (blocks run one at a time)
 #include "gdr_tc.cu"
 
@@ -62,7 +63,27 @@ int run(const Case& cs, unsigned seed) {
     std::memset(Uf.data(), 0xff, Uf.size() * 16); std::memset(Hsf.data(), 0xff, Hsf.size() * 16);
     std::vector<float> st = s0, tr((size_t)hv * D * D, 0.f);
     for (int h = 0; h < hv; ++h) for (int i = 0; i < D; ++i) tr[(size_t)h * D * D + i * D + i] = 1.f;
-    emu_launch(nt, hv, 256, [&] { gdr_prep_tc_bf16(kb.data(), vb.data(), g.data(), beta.data(), gcum.data(), Wf.data(), Ktf.data(), Uf.data(), T, hk, hv); });
+    // EMU_PREP=1: gdr_prep_tc_bf16; otherwise gdr_prep_tc2_bf16 (the default kernel).
+    static const bool prep1 = getenv("EMU_PREP") && atoi(getenv("EMU_PREP")) == 1;
+    emu_launch(nt, hv, 256, [&] {
+        if (prep1) gdr_prep_tc_bf16(kb.data(), vb.data(), g.data(), beta.data(), gcum.data(), Wf.data(), Ktf.data(), Uf.data(), T, hk, hv);
+        else gdr_prep_tc2_bf16(kb.data(), vb.data(), g.data(), beta.data(), gcum.data(), Wf.data(), Ktf.data(), Uf.data(), T, hk, hv);
+    });
+    if (!prep1) {
+        // Both prep kernels on the same inputs: relative L2 distance of their W, K̃ᵀ, Uᵀ
+        // (bf16 rounding of M diag(·) and of the products; gcum must match exactly).
+        std::vector<float> gc1(gcum.size());
+        std::vector<uint4> W1(Wf.size()), K1(Wf.size()), U1(Wf.size());
+        emu_launch(nt, hv, 256, [&] { gdr_prep_tc_bf16(kb.data(), vb.data(), g.data(), beta.data(), gc1.data(), W1.data(), K1.data(), U1.data(), T, hk, hv); });
+        auto dist = [](const std::vector<uint4>& a, const std::vector<uint4>& b) {
+            double num = 0, den = 0;
+            const uint16_t* x = (const uint16_t*)a.data(); const uint16_t* y = (const uint16_t*)b.data();
+            for (size_t i = 0; i < a.size() * 8; ++i) { double d = (double)emu_bf2f(x[i]) - emu_bf2f(y[i]); num += d * d; den += (double)emu_bf2f(y[i]) * emu_bf2f(y[i]); }
+            return std::sqrt(num / std::max(den, 1e-300));
+        };
+        printf("  prep2 vs prep1: W %.2e K~ %.2e U %.2e gcum %s\n", dist(Wf, W1), dist(Ktf, K1), dist(Uf, U1),
+               std::memcmp(gc1.data(), gcum.data(), gcum.size() * 4) ? "DIFFERS" : "same");
+    }
     const int ny = (128 + (cs.trans ? 128 : 0)) / cs.bv;
     emu_launch(hv, ny, cs.bv * 2, [&] {
         if (cs.bv == 32) gdr_state_tc_bf16_32(Wf.data(), Ktf.data(), Uf.data(), gcum.data(), st.data(), cs.trans ? tr.data() : nullptr, Hsf.data(), T);
@@ -74,7 +95,7 @@ int run(const Case& cs, unsigned seed) {
     const double eo = rel(O, of), es = rel(S, st);
     double et = 0; double tn = 0;
     if (cs.trans) { et = rel(TC, tr); for (double x : TC) tn += x * x; tn = std::sqrt(tn); }
-    printf("T=%d Hk=%d Hv=%d g in [%g,%g] trans=%d BV=%d: out %.2e state %.2e T_C %.2e (|T_C| %.2e)\n", T, hk, hv, cs.glo, cs.ghi, cs.trans, cs.bv, eo, es, et, tn);
+    printf("prep%d T=%d Hk=%d Hv=%d g in [%g,%g] trans=%d BV=%d: out %.2e state %.2e T_C %.2e (|T_C| %.2e)\n", prep1 ? 1 : 2, T, hk, hv, cs.glo, cs.ghi, cs.trans, cs.bv, eo, es, et, tn);
     return (eo < 1e-2 && es < 1e-2 && et < 2e-2) ? 0 : 1;
 }
 
