@@ -143,13 +143,14 @@ mod bench {
         let mut ws = gdr::Workspace::new();
         println!("\n## Gated delta rule chunked prefill (bf16 in, fp32 state; H={hk}, HV={hv}, dk=dv={dk})\n");
         println!(
-            "Kernels: {} (state kernel {} value columns per block); other kernels in the \
-             per-stage table below.\n",
+            "Kernels: {} (state kernel {} value columns per block, prep kernel {}); other \
+             kernels in the per-stage table below.\n",
             match ws.path::<bf16>() {
                 gdr::ChunkedPath::TensorCores => "bf16 tensor cores (kernels/gdr_tc.cu)",
                 gdr::ChunkedPath::Simt => "fp32 SIMT (kernels/gdr.cu)",
             },
-            ws.state_bv()
+            ws.state_bv(),
+            ws.prep_kernel()
         );
         println!("| T | prefill ms | prefill + T_C ms | T_C overhead | Mtok/s |");
         println!("|---|---|---|---|---|");
@@ -207,21 +208,44 @@ mod bench {
                 100.0 * (with_t / plain - 1.0),
                 t as f64 / plain / 1e3
             );
-            // The other state-kernel widths and the fp32 SIMT kernels on the same inputs.
-            let mut variants: Vec<(String, Option<gdr::ChunkedPath>, usize)> = gdr::STATE_BV
+            // The other state-kernel widths, the other prep kernels and the fp32 SIMT
+            // kernels on the same inputs.
+            let mut variants: Vec<(String, Option<gdr::ChunkedPath>, usize, usize)> = gdr::STATE_BV
                 .into_iter()
                 .filter(|&b| b != ws.state_bv())
-                .map(|b| (format!("bf16 tensor cores, state BV {b}"), None, b))
+                .map(|b| {
+                    (
+                        format!("bf16 tensor cores, state BV {b}"),
+                        None,
+                        b,
+                        ws.prep_kernel(),
+                    )
+                })
                 .collect();
+            variants.extend(
+                gdr::PREP_KERNELS
+                    .into_iter()
+                    .filter(|&p| p != ws.prep_kernel())
+                    .map(|p| {
+                        (
+                            format!("bf16 tensor cores, prep kernel {p}"),
+                            None,
+                            ws.state_bv(),
+                            p,
+                        )
+                    }),
+            );
             variants.push((
                 "fp32 SIMT".to_string(),
                 Some(gdr::ChunkedPath::Simt),
                 ws.state_bv(),
+                ws.prep_kernel(),
             ));
-            for (label, force, bv) in variants {
+            for (label, force, bv, prep) in variants {
                 let mut w2 = gdr::Workspace::new();
                 w2.force_path(force);
                 w2.set_state_bv(bv)?;
+                w2.set_prep_kernel(prep)?;
                 let ms = time_ms(&g, 2, reps.min(10), || {
                     gdr::chunked(
                         &g, &d, &q, &k, &v, &gg, &beta, &mut s, &mut o, None, &mut w2,

@@ -120,6 +120,14 @@ pub enum ChunkedPath {
 pub const STATE_BV: [usize; 2] = [32, 64];
 /// Default of [`Workspace::set_state_bv`].
 pub const DEFAULT_STATE_BV: usize = 32;
+/// Versions of the tensor-core prep kernel (stage A) that are built: 1
+/// `gdr_prep_tc_bf16` (72 KiB shared memory, 3 blocks per SM; M solved in fp32 SIMT),
+/// 2 `gdr_prep_tc2_bf16` (53 KiB, ≤ 64 registers, 4 blocks per SM; M solved in place,
+/// off-diagonal blocks on tensor cores with hi/lo-split bf16 operands). Same outputs up
+/// to bf16 rounding of `M diag(·)`.
+pub const PREP_KERNELS: [usize; 2] = [1, 2];
+/// Default of [`Workspace::set_prep_kernel`].
+pub const DEFAULT_PREP_KERNEL: usize = 2;
 
 /// Scratch of the chunked prefill, reusable across calls (grows as needed), and the
 /// choice of kernels.
@@ -136,7 +144,8 @@ pub const DEFAULT_STATE_BV: usize = 32;
 ///
 /// A new workspace takes its defaults from the environment, for A/B runs of a built
 /// binary: `HYPIC_GDR_KERNELS=simt` forces the SIMT kernels (anything else: automatic),
-/// `HYPIC_GDR_STATE_BV=32|64` sets [`Workspace::set_state_bv`].
+/// `HYPIC_GDR_STATE_BV=32|64` sets [`Workspace::set_state_bv`], `HYPIC_GDR_PREP=1|2`
+/// [`Workspace::set_prep_kernel`].
 pub struct Workspace {
     gcum: Option<CudaSlice<f32>>,
     w: Option<CudaSlice<f32>>,
@@ -145,6 +154,7 @@ pub struct Workspace {
     kt: Option<CudaSlice<f32>>,
     force: Option<ChunkedPath>,
     state_bv: usize,
+    prep: usize,
 }
 
 impl Default for Workspace {
@@ -158,6 +168,11 @@ impl Default for Workspace {
             .and_then(|v| v.parse::<usize>().ok())
             .filter(|b| STATE_BV.contains(b))
             .unwrap_or(DEFAULT_STATE_BV);
+        let prep = std::env::var("HYPIC_GDR_PREP")
+            .ok()
+            .and_then(|v| v.parse::<usize>().ok())
+            .filter(|p| PREP_KERNELS.contains(p))
+            .unwrap_or(DEFAULT_PREP_KERNEL);
         Workspace {
             gcum: None,
             w: None,
@@ -166,6 +181,7 @@ impl Default for Workspace {
             kt: None,
             force,
             state_bv,
+            prep,
         }
     }
 }
@@ -213,6 +229,22 @@ impl Workspace {
     /// Value columns per block of the tensor-core state kernel.
     pub fn state_bv(&self) -> usize {
         self.state_bv
+    }
+
+    /// Version of the tensor-core prep kernel, one of [`PREP_KERNELS`].
+    pub fn set_prep_kernel(&mut self, version: usize) -> Result<()> {
+        if !PREP_KERNELS.contains(&version) {
+            return Err(CudaError::Shape(format!(
+                "GDR prep kernel version {version}: built are {PREP_KERNELS:?}"
+            )));
+        }
+        self.prep = version;
+        Ok(())
+    }
+
+    /// Version of the tensor-core prep kernel.
+    pub fn prep_kernel(&self) -> usize {
+        self.prep
     }
 
     fn ensure(gpu: &Gpu, slot: &mut Option<CudaSlice<f32>>, n: usize) -> Result<()> {
@@ -450,6 +482,9 @@ const SMEM_PREP_TC: u32 = (2 * CHUNK * TC_LD * 2
     + CHUNK * (CHUNK + 1) * 4
     + 3 * 256 * 4
     + 3 * CHUNK * 4) as u32;
+/// fp32 row stride of L / M in `gdr_prep_tc2_bf16` (TC_MLD).
+const TC_MLD: usize = CHUNK + 8;
+const SMEM_PREP2_TC: u32 = (2 * CHUNK * TC_LD * 2 + CHUNK * TC_MLD * 4 + 3 * CHUNK * 4) as u32;
 /// Ring stages of the tensor-core state kernel (TC_STAGES).
 const TC_STAGES: usize = 3;
 /// Shared memory of `gdr_state_tc_bf16_{bv}`: TC_STAGES · TC_STAGE_U4(bv/16) · 16 bytes.
@@ -502,12 +537,16 @@ fn chunked_tc<T: Elem>(
         Ok(())
     };
     mark(0)?;
-    // A: per chunk G, W, K̃ᵀ, Uᵀ.
-    let f = gpu.function(&GDR_TC, "gdr_prep_tc_bf16", SMEM_PREP_TC)?;
+    // A: per chunk G, W, K̃ᵀ, Uᵀ (both versions: same arguments and outputs).
+    let (name, smem) = match ws.prep {
+        1 => ("gdr_prep_tc_bf16", SMEM_PREP_TC),
+        _ => ("gdr_prep_tc2_bf16", SMEM_PREP2_TC),
+    };
+    let f = gpu.function(&GDR_TC, name, smem)?;
     let cfg = LaunchConfig {
         grid_dim: (nt as u32, d.hv as u32, 1),
         block_dim: (256, 1, 1),
-        shared_mem_bytes: SMEM_PREP_TC,
+        shared_mem_bytes: smem,
     };
     let mut b = gpu.stream().launch_builder(&f);
     b.arg(k)
@@ -521,7 +560,7 @@ fn chunked_tc<T: Elem>(
         .arg(&t)
         .arg(&hk)
         .arg(&hv);
-    // SAFETY: matches `gdr_prep_tc_bf16`; T is bf16 (path selection), buffers sized above.
+    // SAFETY: matches `gdr_prep_tc_bf16` / `gdr_prep_tc2_bf16`; T is bf16 (path selection), buffers sized above.
     unsafe { b.launch(cfg) }?;
     mark(1)?;
     // B: sequential over chunks.
@@ -608,6 +647,11 @@ mod tests {
         assert_eq!(ws.state_bv(), 64);
         assert!(ws.set_state_bv(48).is_err());
         assert_eq!(ws.state_bv(), 64);
+        ws.set_prep_kernel(1).unwrap();
+        assert_eq!(ws.prep_kernel(), 1);
+        assert!(ws.set_prep_kernel(3).is_err());
+        assert_eq!(ws.prep_kernel(), 1);
+        assert!(PREP_KERNELS.contains(&DEFAULT_PREP_KERNEL));
     }
 
     #[test]
@@ -615,6 +659,9 @@ mod tests {
         // TC_PREP_SMEM, TC_OUT_SMEM and the state kernel's ring of kernels/gdr_tc.cu,
         // all within the 227 KiB a block may use on H100/H200.
         assert_eq!(SMEM_PREP_TC, 73_728);
+        // gdr_prep_tc2_bf16: four blocks per SM (its ≤ 64 registers allow them too).
+        assert_eq!(SMEM_PREP2_TC, 54_016);
+        assert!(4 * (SMEM_PREP2_TC as usize + 1024) <= 228 * 1024);
         assert_eq!(SMEM_OUT_TC, 35_072);
         assert_eq!(smem_state_tc(32), 3 * 2305 * 16);
         assert_eq!(smem_state_tc(64), 3 * 2561 * 16);
