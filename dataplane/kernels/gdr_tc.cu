@@ -77,6 +77,21 @@ __device__ __forceinline__ void tc_ldsm_x4_trans(unsigned* f, const bf16* p) {
                  : "memory");
 }
 
+// ldmatrix.sync.aligned.m8n8.x4.shared.b16 (no transpose): lane l gives the address of
+// row (l & 7) of 8×8 matrix (l >> 3); register i of lane (g, q) receives elements
+// (row g, columns 2q, 2q+1) of matrix i.
+__device__ __forceinline__ void tc_ldsm_x4(unsigned* f, const bf16* p) {
+    const unsigned a = (unsigned)__cvta_generic_to_shared(p);
+    asm volatile("ldmatrix.sync.aligned.m8n8.x4.shared.b16 {%0, %1, %2, %3}, [%4];\n"
+                 : "=r"(f[0]), "=r"(f[1]), "=r"(f[2]), "=r"(f[3])
+                 : "r"(a)
+                 : "memory");
+}
+// Prefetch of the 128-byte line holding p into L2.
+__device__ __forceinline__ void tc_prefetch_l2(const void* p) {
+    asm volatile("prefetch.global.L2 [%0];\n" ::"l"(p));
+}
+
 // Asynchronous global → shared copies: 16 bytes bypassing L1 (cp.async.cg), 4 bytes
 // (cp.async.ca); commit of the copies issued so far as one group; wait until at most
 // N groups are pending.
@@ -125,6 +140,11 @@ __device__ __forceinline__ void tc_frag(unsigned* f, const bf16* X, int ld, int 
     f[1] = tc_ld32(p + 8 * ld);
     f[2] = tc_ld32(p + 8);
     f[3] = tc_ld32(p + 8 * ld + 8);
+}
+// mma A fragment of the 16×16 block of a row-major bf16 matrix X at (r0, c0) by one
+// ldmatrix (as tc_frag): matrices (r0, c0), (r0+8, c0), (r0, c0+8), (r0+8, c0+8).
+__device__ __forceinline__ void tc_ldsm_a(unsigned* f, const bf16* X, int ld, int r0, int c0, int lane) {
+    tc_ldsm_x4(f, X + (r0 + (lane & 7) + 8 * ((lane >> 3) & 1)) * ld + c0 + 8 * (lane >> 4));
 }
 // F-tile block (B order) from two accumulator n8 tiles (columns 0–7 in c0, 8–15 in c1)
 // of one m16 tile.
@@ -880,4 +900,129 @@ extern "C" __global__ void __launch_bounds__(256)
                 *reinterpret_cast<__nv_bfloat162*>(dst + 8 * j) = __floats2bfloat162_rn(o[j][2 * hh], o[j][2 * hh + 1]);
         }
     }
+}
+
+// ---------------------------------------------------------------------------------------
+// C' gdr_output_tc2_bf16: same grid, block, arguments and output as gdr_output_tc_bf16,
+// ≤ 64 registers per thread (gdr_output_tc_bf16: 128, two blocks per SM) so that four
+// blocks share an SM, and each warp reads distinct Hs / Ũ fragments (there every fragment
+// was read by the four row warps of its column half: 4× the L1 requests). The block's Hs
+// and Ũ tiles (48 KiB) are prefetched into L2 at entry. Then
+//   P = (Q Kᵀ ⊙ e^{G_i−G_m})_{m≤i}, warp rows 16·(w >> 1).., n-tiles 4·(w & 1)..,
+//       written as bf16 [64][TC_ALD] over K;
+//   O = e^{G_i} (Q S) + P Ũ, warp = value columns 16·w.. for all 64 rows (A fragments of
+//       Q and P by ldmatrix from shared memory, B fragments one uint4 per k-block).
+extern "C" __global__ void __launch_bounds__(256, 4)
+    gdr_output_tc2_bf16(const bf16* __restrict__ q, const bf16* __restrict__ k, const float* __restrict__ gcum,
+                        const uint4* __restrict__ Uf, const uint4* __restrict__ Hsf, bf16* __restrict__ out,
+                        int t_len, int hk, int hv) {
+    bf16* Qs = reinterpret_cast<bf16*>(tc_sm);  // [64][TC_LD]
+    bf16* Ks = Qs + TC_CH * TC_LD;               // [64][TC_LD] K, then P [64][TC_ALD]
+    bf16* Ps = Ks;
+    float* G = reinterpret_cast<float*>(Ks + TC_CH * TC_LD);
+    const int n = blockIdx.x, h = blockIdx.y, kh = h / (hv / hk), tid = threadIdx.x;
+    const int lane = tid & 31, w = tid >> 5, gq = lane >> 2, tq = lane & 3;
+    const int nt = (t_len + TC_CH - 1) / TC_CH;
+    const int t0 = n * TC_CH, len = min(TC_CH, t_len - t0);
+    const size_t tile = (size_t)h * nt + n;
+    tc_prefetch_l2(reinterpret_cast<const char*>(Hsf + tile * 2048) + 128 * tid);
+    if (tid < 128) tc_prefetch_l2(reinterpret_cast<const char*>(Uf + tile * 1024) + 128 * tid);
+    tc_load_rows(Qs, q, t0, len, hk, kh, tid);
+    tc_load_rows(Ks, k, t0, len, hk, kh, tid);
+    if (tid < TC_CH) G[tid] = gcum[tile * TC_CH + tid];
+    __syncthreads();
+    {
+        const int mt = w >> 1, nh = w & 1;
+        float p[4][4];
+#pragma unroll
+        for (int j = 0; j < 4; ++j) p[j][0] = p[j][1] = p[j][2] = p[j][3] = 0.f;
+        if (2 * mt + 1 >= 4 * nh) {  // warp-uniform: some tile has m ≤ i
+#pragma unroll
+            for (int kc = 0; kc < TC_D / 16; ++kc) {
+                unsigned a[4];
+                tc_ldsm_a(a, Qs, TC_LD, 16 * mt, 16 * kc, lane);
+#pragma unroll
+                for (int j = 0; j < 4; ++j) {
+                    const int nt8 = 4 * nh + j;
+                    if (nt8 <= 2 * mt + 1) {
+                        const bf16* pk = Ks + (8 * nt8 + gq) * TC_LD + 16 * kc + 2 * tq;
+                        tc_mma(p[j], a, tc_ld32(pk), tc_ld32(pk + 8));
+                    }
+                }
+            }
+        }
+        __syncthreads();  // K no longer read: P goes over it
+#pragma unroll
+        for (int j = 0; j < 4; ++j) {
+            const int nt8 = 4 * nh + j;
+            if (nt8 <= 2 * mt + 1) {
+#pragma unroll
+                for (int hh = 0; hh < 2; ++hh) {
+                    const int i = 16 * mt + gq + 8 * hh, m = 8 * nt8 + 2 * tq;
+                    const float gi = G[i];
+                    const float x0 = m <= i ? p[j][2 * hh] * expf(gi - G[m]) : 0.f;
+                    const float x1 = m + 1 <= i ? p[j][2 * hh + 1] * expf(gi - G[m + 1]) : 0.f;
+                    *reinterpret_cast<unsigned*>(Ps + i * TC_ALD + m) = tc_pack(x0, x1);
+                }
+            }
+        }
+    }
+    __syncthreads();
+    float o[4][2][4];
+#pragma unroll
+    for (int mt = 0; mt < 4; ++mt)
+#pragma unroll
+        for (int e = 0; e < 4; ++e) o[mt][0][e] = o[mt][1][e] = 0.f;
+    // O = Q S: B fragments of S (Sᵀ snapshot block (w, kc), A order: n-tile 0 = (.x, .z)).
+    const uint4* hs = Hsf + (tile * 64 + w * 8) * 32 + lane;
+#pragma unroll
+    for (int kc = 0; kc < 8; ++kc) {
+        const uint4 f = hs[kc * 32];
+#pragma unroll
+        for (int mt = 0; mt < 4; ++mt) {
+            unsigned a[4];
+            tc_ldsm_a(a, Qs, TC_LD, 16 * mt, 16 * kc, lane);
+            tc_mma(o[mt][0], a, f.x, f.z);
+            tc_mma(o[mt][1], a, f.y, f.w);
+        }
+    }
+#pragma unroll
+    for (int mt = 0; mt < 4; ++mt) {
+        const float e0 = expf(G[16 * mt + gq]), e1 = expf(G[16 * mt + gq + 8]);
+#pragma unroll
+        for (int nb = 0; nb < 2; ++nb) {
+            o[mt][nb][0] *= e0;
+            o[mt][nb][1] *= e0;
+            o[mt][nb][2] *= e1;
+            o[mt][nb][3] *= e1;
+        }
+    }
+    // O += P Ũ: Ũ block (w, kk) as B fragments; P rows 16·mt.. for mt ≥ kk.
+    const uint4* uf = Uf + (tile * 32 + w * 4) * 32 + lane;
+#pragma unroll
+    for (int kk = 0; kk < 4; ++kk) {
+        const uint4 f = uf[kk * 32];
+#pragma unroll
+        for (int mt = 0; mt < 4; ++mt) {
+            if (mt >= kk) {
+                unsigned a[4];
+                tc_ldsm_a(a, Ps, TC_ALD, 16 * mt, 16 * kk, lane);
+                tc_mma(o[mt][0], a, f.x, f.z);
+                tc_mma(o[mt][1], a, f.y, f.w);
+            }
+        }
+    }
+#pragma unroll
+    for (int mt = 0; mt < 4; ++mt)
+#pragma unroll
+        for (int hh = 0; hh < 2; ++hh) {
+            const int i = 16 * mt + gq + 8 * hh;
+            if (i < len) {
+                bf16* dst = out + ((size_t)(t0 + i) * hv + h) * TC_D + 16 * w + 2 * tq;
+#pragma unroll
+                for (int nb = 0; nb < 2; ++nb)
+                    *reinterpret_cast<__nv_bfloat162*>(dst + 8 * nb) =
+                        __floats2bfloat162_rn(o[mt][nb][2 * hh], o[mt][nb][2 * hh + 1]);
+            }
+        }
 }

@@ -116,6 +116,21 @@ inline void tc_ldsm_x4_trans(unsigned* f, const bf16* p) {
     }
     W.bar.arrive_and_wait();
 }
+// ldmatrix.sync.aligned.m8n8.x4.shared.b16 (no .trans): lane t receives in reg i the
+// elements (row t/4, cols 2(t%4), 2(t%4)+1) of matrix i.
+inline void tc_ldsm_x4(unsigned* f, const bf16* p) {
+    EmuWarp& W = emu_warp();
+    const int lane = threadIdx.x & 31;
+    W.ptr[lane] = p;
+    W.bar.arrive_and_wait();
+    const int g = lane >> 2, q = lane & 3;
+    for (int i = 0; i < 4; ++i) {
+        const bf16* row = (const bf16*)W.ptr[8 * i + g];
+        f[i] = (uint32_t)row[2 * q].b | ((uint32_t)row[2 * q + 1].b << 16);
+    }
+    W.bar.arrive_and_wait();
+}
+inline void tc_prefetch_l2(const void*) {}
 // cp.async copies complete at once here (the ring's waits and barriers are no-ops for
 // data, so this cannot catch a missing wait).
 inline void tc_cp16(void* s, const void* g) { std::memcpy(s, g, 16); }
