@@ -128,6 +128,13 @@ pub const DEFAULT_STATE_BV: usize = 32;
 pub const PREP_KERNELS: [usize; 2] = [1, 2];
 /// Default of [`Workspace::set_prep_kernel`].
 pub const DEFAULT_PREP_KERNEL: usize = 2;
+/// Versions of the tensor-core output kernel (stage C) that are built: 1
+/// `gdr_output_tc_bf16` (128 registers, 2 blocks per SM; warp = 16 rows × 64 columns),
+/// 2 `gdr_output_tc2_bf16` (≤ 64 registers, 4 blocks per SM; P once per block in shared
+/// memory, warp = 64 rows × 16 columns). Same arithmetic, bit-identical outputs.
+pub const OUTPUT_KERNELS: [usize; 2] = [1, 2];
+/// Default of [`Workspace::set_output_kernel`].
+pub const DEFAULT_OUTPUT_KERNEL: usize = 2;
 
 /// Scratch of the chunked prefill, reusable across calls (grows as needed), and the
 /// choice of kernels.
@@ -145,7 +152,7 @@ pub const DEFAULT_PREP_KERNEL: usize = 2;
 /// A new workspace takes its defaults from the environment, for A/B runs of a built
 /// binary: `HYPIC_GDR_KERNELS=simt` forces the SIMT kernels (anything else: automatic),
 /// `HYPIC_GDR_STATE_BV=32|64` sets [`Workspace::set_state_bv`], `HYPIC_GDR_PREP=1|2`
-/// [`Workspace::set_prep_kernel`].
+/// [`Workspace::set_prep_kernel`], `HYPIC_GDR_OUTPUT=1|2` [`Workspace::set_output_kernel`].
 pub struct Workspace {
     gcum: Option<CudaSlice<f32>>,
     w: Option<CudaSlice<f32>>,
@@ -155,6 +162,7 @@ pub struct Workspace {
     force: Option<ChunkedPath>,
     state_bv: usize,
     prep: usize,
+    output: usize,
 }
 
 impl Default for Workspace {
@@ -173,6 +181,11 @@ impl Default for Workspace {
             .and_then(|v| v.parse::<usize>().ok())
             .filter(|p| PREP_KERNELS.contains(p))
             .unwrap_or(DEFAULT_PREP_KERNEL);
+        let output = std::env::var("HYPIC_GDR_OUTPUT")
+            .ok()
+            .and_then(|v| v.parse::<usize>().ok())
+            .filter(|p| OUTPUT_KERNELS.contains(p))
+            .unwrap_or(DEFAULT_OUTPUT_KERNEL);
         Workspace {
             gcum: None,
             w: None,
@@ -182,6 +195,7 @@ impl Default for Workspace {
             force,
             state_bv,
             prep,
+            output,
         }
     }
 }
@@ -245,6 +259,22 @@ impl Workspace {
     /// Version of the tensor-core prep kernel.
     pub fn prep_kernel(&self) -> usize {
         self.prep
+    }
+
+    /// Version of the tensor-core output kernel, one of [`OUTPUT_KERNELS`].
+    pub fn set_output_kernel(&mut self, version: usize) -> Result<()> {
+        if !OUTPUT_KERNELS.contains(&version) {
+            return Err(CudaError::Shape(format!(
+                "GDR output kernel version {version}: built are {OUTPUT_KERNELS:?}"
+            )));
+        }
+        self.output = version;
+        Ok(())
+    }
+
+    /// Version of the tensor-core output kernel.
+    pub fn output_kernel(&self) -> usize {
+        self.output
     }
 
     fn ensure(gpu: &Gpu, slot: &mut Option<CudaSlice<f32>>, n: usize) -> Result<()> {
@@ -583,8 +613,12 @@ fn chunked_tc<T: Elem>(
     // SAFETY: matches `gdr_state_tc_bf16_*`; buffers sized above.
     unsafe { b.launch(cfg) }?;
     mark(2)?;
-    // C: outputs.
-    let f = gpu.function(&GDR_TC, "gdr_output_tc_bf16", SMEM_OUT_TC)?;
+    // C: outputs (both versions: same arguments, shared memory and output).
+    let name = match ws.output {
+        1 => "gdr_output_tc_bf16",
+        _ => "gdr_output_tc2_bf16",
+    };
+    let f = gpu.function(&GDR_TC, name, SMEM_OUT_TC)?;
     let cfg = LaunchConfig {
         grid_dim: (nt as u32, d.hv as u32, 1),
         block_dim: (256, 1, 1),
@@ -600,7 +634,7 @@ fn chunked_tc<T: Elem>(
         .arg(&t)
         .arg(&hk)
         .arg(&hv);
-    // SAFETY: matches `gdr_output_tc_bf16`; buffers sized above.
+    // SAFETY: matches `gdr_output_tc_bf16` / `gdr_output_tc2_bf16`; buffers sized above.
     unsafe { b.launch(cfg) }?;
     mark(3)?;
     Ok(())
@@ -652,6 +686,11 @@ mod tests {
         assert!(ws.set_prep_kernel(3).is_err());
         assert_eq!(ws.prep_kernel(), 1);
         assert!(PREP_KERNELS.contains(&DEFAULT_PREP_KERNEL));
+        ws.set_output_kernel(1).unwrap();
+        assert_eq!(ws.output_kernel(), 1);
+        assert!(ws.set_output_kernel(0).is_err());
+        assert_eq!(ws.output_kernel(), 1);
+        assert!(OUTPUT_KERNELS.contains(&DEFAULT_OUTPUT_KERNEL));
     }
 
     #[test]
@@ -662,7 +701,7 @@ mod tests {
         // gdr_prep_tc2_bf16: four blocks per SM (its ≤ 64 registers allow them too).
         assert_eq!(SMEM_PREP2_TC, 54_016);
         assert!(4 * (SMEM_PREP2_TC as usize + 1024) <= 228 * 1024);
-        assert_eq!(SMEM_OUT_TC, 35_072);
+        assert_eq!(SMEM_OUT_TC, 35_072); // both output kernels
         assert_eq!(smem_state_tc(32), 3 * 2305 * 16);
         assert_eq!(smem_state_tc(64), 3 * 2561 * 16);
         assert!(STATE_BV.iter().all(|&b| smem_state_tc(b) <= 227 * 1024));
