@@ -41,6 +41,13 @@
 //   gcum [Hv][NT·64] fp32 G (rows past the sequence end repeat the last G)
 // Rows of a partial last chunk are zero in W, U, K̃ (their β and k are zero).
 //
+// Stages A and C have two versions each with the same contract (the host picks one:
+// Workspace::set_prep_kernel / set_output_kernel): A gdr_prep_tc_bf16 (M solved in fp32
+// SIMT, 72 KiB shared memory) and A' gdr_prep_tc2_bf16 (M in place, off-diagonal blocks on
+// tensor cores with hi/lo-split operands, 53 KiB, ≤ 64 registers); C gdr_output_tc_bf16
+// (128 registers) and C' gdr_output_tc2_bf16 (≤ 64 registers, P shared through shared
+// memory; bit-identical output).
+//
 // Layouts of the inputs and outputs (as gdr.cu): q, k [T, Hk, 128] bf16, v [T, Hv, 128]
 // bf16, g, beta [T, Hv] fp32, state [Hv, 128, 128] fp32 K-major, trans [Hv, 128, 128]
 // fp32 row-major, o [T, Hv, 128] bf16. Value head h reads key head h / (Hv/Hk).
@@ -110,7 +117,7 @@ __device__ __forceinline__ void tc_cp_wait() {
 }
 #endif
 
-// Dynamic shared memory of all three kernels (carved per kernel).
+// Dynamic shared memory of all kernels (carved per kernel).
 extern __shared__ uint4 tc_sm[];
 
 // ---------------------------------------------------------------------------------------

@@ -526,8 +526,9 @@ const SMEM_OUT_TC: u32 = (2 * CHUNK * TC_LD * 2 + CHUNK * 4) as u32;
 const TILE_F32: usize = CHUNK * PREFILL_DIM / 2;
 
 /// The tensor-core path of [`chunked`] (bf16 `T` only; shapes checked by the caller).
-/// Three launches: `gdr_prep_tc_bf16` (grid NT×Hv, 256 threads), `gdr_state_tc_bf16_{BV}`
-/// (grid Hv×(dv [+ dk])/BV, 2·BV threads), `gdr_output_tc_bf16` (grid NT×Hv, 256).
+/// Three launches: `gdr_prep_tc{,2}_bf16` (grid NT×Hv, 256 threads; [`Workspace::set_prep_kernel`]),
+/// `gdr_state_tc_bf16_{BV}` (grid Hv×(dv [+ dk])/BV, 2·BV threads),
+/// `gdr_output_tc{,2}_bf16` (grid NT×Hv, 256; [`Workspace::set_output_kernel`]).
 #[allow(clippy::too_many_arguments)]
 fn chunked_tc<T: Elem>(
     gpu: &Gpu,
@@ -590,7 +591,8 @@ fn chunked_tc<T: Elem>(
         .arg(&t)
         .arg(&hk)
         .arg(&hv);
-    // SAFETY: matches `gdr_prep_tc_bf16` / `gdr_prep_tc2_bf16`; T is bf16 (path selection), buffers sized above.
+    // SAFETY: matches `gdr_prep_tc_bf16` / `gdr_prep_tc2_bf16`; T is bf16 (path
+    // selection), buffers sized above.
     unsafe { b.launch(cfg) }?;
     mark(1)?;
     // B: sequential over chunks.
