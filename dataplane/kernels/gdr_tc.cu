@@ -809,6 +809,152 @@ GDR_STATE_TC(32)
 GDR_STATE_TC(64)
 
 // ---------------------------------------------------------------------------------------
+// B' gdr_state_tc_bf16_32s: the state kernel with BV = 32 split over the state rows c:
+// grid (Hv, (128 [+ 128 with trans]) / 32) as gdr_state_tc_bf16_32, block 128 (4 warps).
+// Warp w owns j-block jb0 + (w >> 1) and the c-half ch = w & 1 of its Sᵀ rows (8 fp32
+// n-tiles), so a chunk step is 32 + 32 mma per warp instead of 64 + 64, on two barriers
+// more: the partial (W S)ᵀ over each c-half (16 × 64 fp32 per warp) is exchanged between
+// the two warps of a j-block through the chunk's W area of the ring once every warp is
+// done reading it (barrier), then read back (barrier) and added (a + b: the same Ũ in both
+// warps). Same ring (TC_STAGE_U4(2), 108 KiB) and outputs as gdr_state_tc_bf16_32; the
+// sum over c is split in two halves, so fp32 rounding differs in the last bits.
+template <bool TRANS>
+__device__ __forceinline__ void gdr_state_tc_run_s(const uint4* __restrict__ Wf, const uint4* __restrict__ Ktf,
+                                                   uint4* Uf, const float* __restrict__ gcum, float* mat,
+                                                   uint4* Hsf, int jb0, int col0, int nt, size_t hb) {
+    constexpr int NJ = 2, NT = 128, SU = TC_STAGE_U4(NJ);
+    const int tid = threadIdx.x, w = tid >> 5, lane = tid & 31;
+    const int gq = lane >> 2, tq = lane & 3, jw = w >> 1, ch = w & 1, jb = jb0 + jw;
+    // sacc[ct][e] = Sᵀ[j0 + 8(e>>1)][64ch + 8ct + 2tq + (e&1)] = mat[c][j], j0 = col0 + 16jw + gq.
+    const int j0 = col0 + 16 * jw + gq;
+    float sacc[8][4];
+#pragma unroll
+    for (int ct = 0; ct < 8; ++ct)
+#pragma unroll
+        for (int e = 0; e < 4; ++e)
+            sacc[ct][e] = mat[(size_t)(64 * ch + 8 * ct + 2 * tq + (e & 1)) * TC_D + j0 + 8 * (e >> 1)];
+    auto issue = [&](int n) {
+        if (n < nt) {
+            uint4* dst = tc_sm + (n % TC_STAGES) * SU;
+            const uint4* ws = Wf + (hb + n) * 1024;
+            const uint4* ks = Ktf + (hb + n) * 1024;
+#pragma unroll
+            for (int it = 0; it < 1024 / NT; ++it) {
+                const int i = tid + it * NT;
+                tc_cp16(dst + i, ws + i);
+                tc_cp16(dst + 1024 + i, ks + i);
+            }
+            if (!TRANS) {
+                const uint4* us = Uf + ((hb + n) * 32 + jb0 * 4) * 32;
+#pragma unroll
+                for (int it = 0; it < NJ * 128 / NT; ++it) tc_cp16(dst + 2048 + tid + it * NT, us + tid + it * NT);
+            }
+            if (tid == 0) tc_cp4(dst + 2048 + NJ * 128, gcum + (hb + n) * TC_CH + TC_CH - 1);
+        }
+        tc_cp_commit();
+    };
+#pragma unroll
+    for (int s = 0; s < TC_STAGES - 1; ++s) issue(s);
+    for (int n = 0; n < nt; ++n) {
+        tc_cp_wait<TC_STAGES - 2>();
+        __syncthreads();  // chunk n landed for all threads; stage (n−1) % STAGES is free
+        issue(n + TC_STAGES - 1);
+        uint4* Ws = tc_sm + (n % TC_STAGES) * SU;
+        const uint4* Kts = Ws + 1024;
+        const float eg = expf(*reinterpret_cast<const float*>(Ws + 2048 + NJ * 128));
+        unsigned sa[4][4];  // c-blocks 4ch + kc
+#pragma unroll
+        for (int kc = 0; kc < 4; ++kc) tc_acc_afrag(sa[kc], sacc[2 * kc], sacc[2 * kc + 1]);
+        if (!TRANS) {
+            uint4* hs = Hsf + ((hb + n) * 64 + jb * 8 + 4 * ch) * 32 + lane;
+#pragma unroll
+            for (int kc = 0; kc < 4; ++kc) hs[kc * 32] = make_uint4(sa[kc][0], sa[kc][1], sa[kc][2], sa[kc][3]);
+        }
+        // Partial (W S)ᵀ = Sᵀ Wᵀ over this c-half.
+        float acc[8][4];
+#pragma unroll
+        for (int j = 0; j < 8; ++j) acc[j][0] = acc[j][1] = acc[j][2] = acc[j][3] = 0.f;
+#pragma unroll
+        for (int kc = 0; kc < 4; ++kc)
+#pragma unroll
+            for (int ib = 0; ib < 4; ++ib) {
+                const uint4 f = Ws[(ib * 8 + 4 * ch + kc) * 32 + lane];
+                tc_mma(acc[2 * ib], sa[kc], f.x, f.y);
+                tc_mma(acc[2 * ib + 1], sa[kc], f.z, f.w);
+            }
+        __syncthreads();  // W of this stage read by all warps: its area takes the partials
+        float4* xw = reinterpret_cast<float4*>(Ws) + w * 256 + lane;
+#pragma unroll
+        for (int t = 0; t < 8; ++t) xw[t * 32] = make_float4(acc[t][0], acc[t][1], acc[t][2], acc[t][3]);
+        __syncthreads();
+        const float4* xp = reinterpret_cast<const float4*>(Ws) + (w ^ 1) * 256 + lane;
+#pragma unroll
+        for (int t = 0; t < 8; ++t) {
+            const float4 p = xp[t * 32];
+            acc[t][0] += p.x;
+            acc[t][1] += p.y;
+            acc[t][2] += p.z;
+            acc[t][3] += p.w;
+        }
+        // Ũᵀ = Uᵀ − (W S)ᵀ as bf16 A fragments; warp ch writes i-blocks 2ch, 2ch + 1.
+        unsigned ua[4][4];
+#pragma unroll
+        for (int ib = 0; ib < 4; ++ib) {
+            const uint4 uc = TRANS ? make_uint4(0u, 0u, 0u, 0u) : Ws[2048 + (jw * 4 + ib) * 32 + lane];
+            const float2 u0 = tc_unpack(uc.x), u1 = tc_unpack(uc.y);
+            const float2 u2 = tc_unpack(uc.z), u3 = tc_unpack(uc.w);
+            const float* a0 = acc[2 * ib];
+            const float* a1 = acc[2 * ib + 1];
+            ua[ib][0] = tc_pack(u0.x - a0[0], u0.y - a0[1]);
+            ua[ib][1] = tc_pack(u1.x - a0[2], u1.y - a0[3]);
+            ua[ib][2] = tc_pack(u2.x - a1[0], u2.y - a1[1]);
+            ua[ib][3] = tc_pack(u3.x - a1[2], u3.y - a1[3]);
+            if (!TRANS && (ib >> 1) == ch)
+                Uf[((hb + n) * 32 + jb * 4 + ib) * 32 + lane] = make_uint4(ua[ib][0], ua[ib][1], ua[ib][2], ua[ib][3]);
+        }
+        // Sᵀ ← e^{G_c} Sᵀ + Ũᵀ K̃ over this c-half.
+#pragma unroll
+        for (int ct = 0; ct < 8; ++ct)
+#pragma unroll
+            for (int e = 0; e < 4; ++e) sacc[ct][e] *= eg;
+#pragma unroll
+        for (int ib = 0; ib < 4; ++ib)
+#pragma unroll
+            for (int cb = 0; cb < 4; ++cb) {
+                const uint4 f = Kts[((4 * ch + cb) * 4 + ib) * 32 + lane];
+                tc_mma(sacc[2 * cb], ua[ib], f.x, f.y);
+                tc_mma(sacc[2 * cb + 1], ua[ib], f.z, f.w);
+            }
+        if (TRANS) {
+#pragma unroll
+            for (int ct = 0; ct < 8; ++ct)
+#pragma unroll
+                for (int e = 0; e < 4; ++e)
+                    if (fabsf(sacc[ct][e]) < TC_FLUSH) sacc[ct][e] = 0.f;
+        }
+    }
+    tc_cp_wait<0>();
+#pragma unroll
+    for (int ct = 0; ct < 8; ++ct)
+#pragma unroll
+        for (int e = 0; e < 4; ++e)
+            mat[(size_t)(64 * ch + 8 * ct + 2 * tq + (e & 1)) * TC_D + j0 + 8 * (e >> 1)] = sacc[ct][e];
+}
+
+extern "C" __global__ void __launch_bounds__(128, 1)
+    gdr_state_tc_bf16_32s(const uint4* Wf, const uint4* Ktf, uint4* Uf, const float* gcum, float* state,
+                          float* trans, uint4* Hsf, int t_len) {
+    const int h = blockIdx.x, jb0 = blockIdx.y * 2;
+    const int nt = (t_len + TC_CH - 1) / TC_CH;
+    const size_t hb = (size_t)h * nt;
+    if (jb0 >= TC_D / 16)  // CTA-uniform: transition columns
+        gdr_state_tc_run_s<true>(Wf, Ktf, Uf, gcum, trans + (size_t)h * TC_D * TC_D, Hsf, jb0, 16 * jb0 - TC_D, nt,
+                                 hb);
+    else
+        gdr_state_tc_run_s<false>(Wf, Ktf, Uf, gcum, state + (size_t)h * TC_D * TC_D, Hsf, jb0, 16 * jb0, nt, hb);
+}
+
+// ---------------------------------------------------------------------------------------
 // C  gdr_output_tc_bf16: grid (NT, Hv), block 256 (8 warps). Warp: rows 16·mt.. of the
 // chunk (mt = w & 3), value columns 64·jh.. (jh = w >> 2). P = (Q Kᵀ ⊙ e^{G_i−G_m})_{m≤i}
 // for its rows (mma; packed to bf16 A fragments from the accumulators), then

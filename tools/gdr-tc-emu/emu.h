@@ -26,6 +26,8 @@ struct uint4 { unsigned x, y, z, w; };
 struct float2 { float x, y; };
 inline uint4 make_uint4(unsigned a, unsigned b, unsigned c, unsigned d) { return uint4{a, b, c, d}; }
 inline float2 make_float2(float a, float b) { return float2{a, b}; }
+struct float4 { float x, y, z, w; };
+inline float4 make_float4(float a, float b, float c, float d) { return float4{a, b, c, d}; }
 
 struct bf16 { uint16_t b; };
 typedef bf16 __nv_bfloat16;
