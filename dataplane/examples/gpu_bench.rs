@@ -143,13 +143,14 @@ mod bench {
         let mut ws = gdr::Workspace::new();
         println!("\n## Gated delta rule chunked prefill (bf16 in, fp32 state; H={hk}, HV={hv}, dk=dv={dk})\n");
         println!(
-            "Kernels: {} (state kernel {} value columns per block, prep kernel {}, output \
-             kernel {}); other kernels in the per-stage table below.\n",
+            "Kernels: {} (state kernel {} value columns per block{}, prep kernel {}, \
+             output kernel {}); other kernels in the per-stage table below.\n",
             match ws.path::<bf16>() {
                 gdr::ChunkedPath::TensorCores => "bf16 tensor cores (kernels/gdr_tc.cu)",
                 gdr::ChunkedPath::Simt => "fp32 SIMT (kernels/gdr.cu)",
             },
             ws.state_bv(),
+            if ws.state_split() { " split" } else { "" },
             ws.prep_kernel(),
             ws.output_kernel()
         );
@@ -209,53 +210,45 @@ mod bench {
                 100.0 * (with_t / plain - 1.0),
                 t as f64 / plain / 1e3
             );
-            // The other state-kernel widths, prep and output kernels, the old prep and
-            // output kernels together, and the fp32 SIMT kernels on the same inputs:
-            // (label, forced path, state BV, prep kernel, output kernel).
-            let (bv0, p0, o0) = (ws.state_bv(), ws.prep_kernel(), ws.output_kernel());
-            let mut variants: Vec<(String, Option<gdr::ChunkedPath>, usize, usize, usize)> =
-                Vec::new();
+            // The other state-kernel widths (and the split BV 32 kernel), prep and output
+            // kernels, the old prep and output kernels together, and the fp32 SIMT kernels
+            // on the same inputs: (label, forced path, state BV, split, prep, output).
+            let (bv0, sp0, p0, o0) = (
+                ws.state_bv(),
+                ws.state_split(),
+                ws.prep_kernel(),
+                ws.output_kernel(),
+            );
+            type Variant = (String, Option<gdr::ChunkedPath>, usize, bool, usize, usize);
+            let mut variants: Vec<Variant> = Vec::new();
             for b in gdr::STATE_BV.into_iter().filter(|&b| b != bv0) {
-                variants.push((format!("bf16 tensor cores, state BV {b}"), None, b, p0, o0));
+                let label = format!("bf16 tensor cores, state BV {b}");
+                variants.push((label, None, b, false, p0, o0));
+            }
+            if !sp0 {
+                let b = gdr::STATE_SPLIT_BV;
+                let label = format!("bf16 tensor cores, state BV {b} split");
+                variants.push((label, None, b, true, p0, o0));
             }
             for p in gdr::PREP_KERNELS.into_iter().filter(|&p| p != p0) {
-                variants.push((
-                    format!("bf16 tensor cores, prep kernel {p}"),
-                    None,
-                    bv0,
-                    p,
-                    o0,
-                ));
+                let label = format!("bf16 tensor cores, prep kernel {p}");
+                variants.push((label, None, bv0, sp0, p, o0));
             }
             for o in gdr::OUTPUT_KERNELS.into_iter().filter(|&o| o != o0) {
-                variants.push((
-                    format!("bf16 tensor cores, output kernel {o}"),
-                    None,
-                    bv0,
-                    p0,
-                    o,
-                ));
+                let label = format!("bf16 tensor cores, output kernel {o}");
+                variants.push((label, None, bv0, sp0, p0, o));
             }
             if (p0, o0) != (1, 1) {
-                variants.push((
-                    "bf16 tensor cores, prep 1 + output 1".to_string(),
-                    None,
-                    bv0,
-                    1,
-                    1,
-                ));
+                let label = "bf16 tensor cores, prep 1 + output 1".to_string();
+                variants.push((label, None, bv0, sp0, 1, 1));
             }
-            variants.push((
-                "fp32 SIMT".to_string(),
-                Some(gdr::ChunkedPath::Simt),
-                bv0,
-                p0,
-                o0,
-            ));
-            for (label, force, bv, prep, output) in variants {
+            let simt = Some(gdr::ChunkedPath::Simt);
+            variants.push(("fp32 SIMT".to_string(), simt, bv0, sp0, p0, o0));
+            for (label, force, bv, split, prep, output) in variants {
                 let mut w2 = gdr::Workspace::new();
                 w2.force_path(force);
                 w2.set_state_bv(bv)?;
+                w2.set_state_split(split);
                 w2.set_prep_kernel(prep)?;
                 w2.set_output_kernel(output)?;
                 let ms = time_ms(&g, 2, reps.min(10), || {

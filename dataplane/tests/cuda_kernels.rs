@@ -604,7 +604,7 @@ mod gpu {
             )
         };
         let tag = format!(
-            "gdr chunked tc bf16 T={} Hk={} Hv={} g {} [{}, {}]{} BV={bv} prep {} output {}",
+            "gdr chunked tc bf16 T={} Hk={} Hv={} g {} [{}, {}]{} BV={bv}{} prep {} output {}",
             d.t,
             d.hk,
             d.hv,
@@ -612,6 +612,7 @@ mod gpu {
             gates.1,
             gates.2,
             if with_t { " +T_C" } else { "" },
+            if ws_tc.state_split() { " split" } else { "" },
             ws_tc.prep_kernel(),
             ws_tc.output_kernel()
         );
@@ -653,7 +654,8 @@ mod gpu {
     /// the fp32 SIMT kernels: T ∈ {1, 63, 64, 65, 200, 1000, 4096} (partial and whole
     /// chunks), Hk/Hv = 16/32 and 2/4, gates strongly negative (g ∈ [−20, −4]: the
     /// state keeps ~the last token, T_C flushes to 0) and near 0 (g ∈ [−1e-3, 0]), with
-    /// and without T_C, both state-kernel block widths, both prep and output kernels
+    /// and without T_C, both state-kernel block widths (BV 32 also split), both prep and
+    /// output kernels
     /// (every third case the old `gdr_prep_tc_bf16`, every fifth the old
     /// `gdr_output_tc_bf16`). dk = dv = 128 only (the chunked
     /// prefill is built for that shape; others return `CudaError::Shape`).
@@ -703,6 +705,8 @@ mod gpu {
                                 gdr::DEFAULT_OUTPUT_KERNEL
                             })
                             .unwrap();
+                        // Half of the BV 32 cases on the split state kernel.
+                        ws_tc.set_state_split(case % 4 == 2);
                         let tol_t = if t > 1000 { 6e-2 } else { 3e-2 };
                         gdr_tc_case(
                             &g,

@@ -120,6 +120,9 @@ pub enum ChunkedPath {
 pub const STATE_BV: [usize; 2] = [32, 64];
 /// Default of [`Workspace::set_state_bv`].
 pub const DEFAULT_STATE_BV: usize = 32;
+/// State block width of the split state kernel (`gdr_state_tc_bf16_32s`,
+/// [`Workspace::set_state_split`]).
+pub const STATE_SPLIT_BV: usize = 32;
 /// Versions of the tensor-core prep kernel (stage A) that are built: 1
 /// `gdr_prep_tc_bf16` (72 KiB shared memory, 3 blocks per SM; M solved in fp32 SIMT),
 /// 2 `gdr_prep_tc2_bf16` (53 KiB, ≤ 64 registers, 4 blocks per SM; M solved in place,
@@ -152,7 +155,8 @@ pub const DEFAULT_OUTPUT_KERNEL: usize = 2;
 /// A new workspace takes its defaults from the environment, for A/B runs of a built
 /// binary: `HYPIC_GDR_KERNELS=simt` forces the SIMT kernels (anything else: automatic),
 /// `HYPIC_GDR_STATE_BV=32|64` sets [`Workspace::set_state_bv`], `HYPIC_GDR_PREP=1|2`
-/// [`Workspace::set_prep_kernel`], `HYPIC_GDR_OUTPUT=1|2` [`Workspace::set_output_kernel`].
+/// [`Workspace::set_prep_kernel`], `HYPIC_GDR_OUTPUT=1|2` [`Workspace::set_output_kernel`],
+/// `HYPIC_GDR_STATE_SPLIT=1` [`Workspace::set_state_split`].
 pub struct Workspace {
     gcum: Option<CudaSlice<f32>>,
     w: Option<CudaSlice<f32>>,
@@ -163,6 +167,7 @@ pub struct Workspace {
     state_bv: usize,
     prep: usize,
     output: usize,
+    state_split: bool,
 }
 
 impl Default for Workspace {
@@ -186,6 +191,7 @@ impl Default for Workspace {
             .and_then(|v| v.parse::<usize>().ok())
             .filter(|p| OUTPUT_KERNELS.contains(p))
             .unwrap_or(DEFAULT_OUTPUT_KERNEL);
+        let state_split = std::env::var("HYPIC_GDR_STATE_SPLIT").as_deref() == Ok("1");
         Workspace {
             gcum: None,
             w: None,
@@ -196,6 +202,7 @@ impl Default for Workspace {
             state_bv,
             prep,
             output,
+            state_split,
         }
     }
 }
@@ -275,6 +282,20 @@ impl Workspace {
     /// Version of the tensor-core output kernel.
     pub fn output_kernel(&self) -> usize {
         self.output
+    }
+
+    /// With state block width [`STATE_SPLIT_BV`]: run `gdr_state_tc_bf16_32s` (4 warps
+    /// per block, each 16 state columns × half the state rows: half the mma per warp and
+    /// chunk, two more barriers) instead of `gdr_state_tc_bf16_32` (2 warps). No effect
+    /// with other widths. Default off (`HYPIC_GDR_STATE_SPLIT=1` turns it on).
+    pub fn set_state_split(&mut self, split: bool) {
+        self.state_split = split;
+    }
+
+    /// Whether the state kernel runs split ([`Workspace::set_state_split`]) — true only
+    /// when set and the width is [`STATE_SPLIT_BV`].
+    pub fn state_split(&self) -> bool {
+        self.state_split && self.state_bv == STATE_SPLIT_BV
     }
 
     fn ensure(gpu: &Gpu, slot: &mut Option<CudaSlice<f32>>, n: usize) -> Result<()> {
@@ -552,7 +573,7 @@ fn chunked_tc<T: Elem>(
     Workspace::ensure(gpu, &mut ws.kt, tiles * TILE_F32)?;
     Workspace::ensure(gpu, &mut ws.u, tiles * TILE_F32)?;
     Workspace::ensure(gpu, &mut ws.hs, tiles * 2 * TILE_F32)?;
-    let bv = ws.state_bv;
+    let (bv, split) = (ws.state_bv, ws.state_split());
     let (gcum, w, kt, u, hs) = (
         ws.gcum.as_mut().expect("allocated"),
         ws.w.as_mut().expect("allocated"),
@@ -598,10 +619,15 @@ fn chunked_tc<T: Elem>(
     // B: sequential over chunks.
     let ncols = d.dv + if trans.is_some() { d.dk } else { 0 };
     let smem = smem_state_tc(bv);
-    let f = gpu.function(&GDR_TC, &format!("gdr_state_tc_bf16_{bv}"), smem)?;
+    let (name, threads) = if split {
+        (format!("gdr_state_tc_bf16_{bv}s"), 4 * bv)
+    } else {
+        (format!("gdr_state_tc_bf16_{bv}"), 2 * bv)
+    };
+    let f = gpu.function(&GDR_TC, &name, smem)?;
     let cfg = LaunchConfig {
         grid_dim: (d.hv as u32, (ncols / bv) as u32, 1),
-        block_dim: (2 * bv as u32, 1, 1),
+        block_dim: (threads as u32, 1, 1),
         shared_mem_bytes: smem,
     };
     let null: u64 = 0;
@@ -612,7 +638,8 @@ fn chunked_tc<T: Elem>(
         None => b.arg(&null),
     };
     b.arg(&mut *hs).arg(&t);
-    // SAFETY: matches `gdr_state_tc_bf16_*`; buffers sized above.
+    // SAFETY: matches `gdr_state_tc_bf16_*` (`_32s`: same arguments and ring); buffers
+    // sized above.
     unsafe { b.launch(cfg) }?;
     mark(2)?;
     // C: outputs (both versions: same arguments, shared memory and output).
@@ -693,6 +720,10 @@ mod tests {
         assert!(ws.set_output_kernel(0).is_err());
         assert_eq!(ws.output_kernel(), 1);
         assert!(OUTPUT_KERNELS.contains(&DEFAULT_OUTPUT_KERNEL));
+        ws.set_state_split(true);
+        assert!(!ws.state_split()); // BV 64
+        ws.set_state_bv(STATE_SPLIT_BV).unwrap();
+        assert!(ws.state_split());
     }
 
     #[test]
