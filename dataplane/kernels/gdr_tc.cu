@@ -383,7 +383,9 @@ extern "C" __global__ void __launch_bounds__(256)
 }
 
 // ---------------------------------------------------------------------------------------
-// A' gdr_prep_tc2_bf16: same grid, block, arguments and outputs as gdr_prep_tc_bf16, in
+// A' gdr_prep_tc2_bf16: grid (Hv, NT) (value heads fastest: the heads sharing a key head
+// read its K chunk back to back, from L2), block 256; arguments and outputs as
+// gdr_prep_tc_bf16, in
 // 53 KiB of shared memory and ≤ 64 registers per thread, so that four blocks share an SM
 // (three for gdr_prep_tc_bf16: 72 KiB, 66 registers). One fp32 64×64 buffer (row stride
 // TC_MLD) holds L in its lower blocks; M = (I + L)⁻¹ is solved into the same buffer:
@@ -425,7 +427,7 @@ extern "C" __global__ void __launch_bounds__(256, 4)
     float* G = Ls + TC_CH * TC_MLD;                            // [64]
     float* Bt = G + TC_CH;                                     // [64] β
     float* Eb = Bt + TC_CH;                                    // [64] β e^G
-    const int n = blockIdx.x, h = blockIdx.y, kh = h / (hv / hk), tid = threadIdx.x;
+    const int h = blockIdx.x, n = blockIdx.y, kh = h / (hv / hk), tid = threadIdx.x;
     const int lane = tid & 31, w = tid >> 5, gq = lane >> 2, tq = lane & 3;
     const int nt = (t_len + TC_CH - 1) / TC_CH;
     const int t0 = n * TC_CH, len = min(TC_CH, t_len - t0);
@@ -1056,7 +1058,8 @@ extern "C" __global__ void __launch_bounds__(256)
 }
 
 // ---------------------------------------------------------------------------------------
-// C' gdr_output_tc2_bf16: same grid, block, arguments and output as gdr_output_tc_bf16,
+// C' gdr_output_tc2_bf16: grid (Hv, NT) (value heads fastest: Q and K chunks of a key head
+// are read back to back), block 256; arguments and output as gdr_output_tc_bf16,
 // ≤ 64 registers per thread (gdr_output_tc_bf16: 128, two blocks per SM) so that four
 // blocks share an SM, and each warp reads distinct Hs / Ũ fragments (there every fragment
 // was read by the four row warps of its column half: 4× the L1 requests). The block's Hs
@@ -1073,7 +1076,7 @@ extern "C" __global__ void __launch_bounds__(256, 4)
     bf16* Ks = Qs + TC_CH * TC_LD;               // [64][TC_LD] K, then P [64][TC_ALD]
     bf16* Ps = Ks;
     float* G = reinterpret_cast<float*>(Ks + TC_CH * TC_LD);
-    const int n = blockIdx.x, h = blockIdx.y, kh = h / (hv / hk), tid = threadIdx.x;
+    const int h = blockIdx.x, n = blockIdx.y, kh = h / (hv / hk), tid = threadIdx.x;
     const int lane = tid & 31, w = tid >> 5, gq = lane >> 2, tq = lane & 3;
     const int nt = (t_len + TC_CH - 1) / TC_CH;
     const int t0 = n * TC_CH, len = min(TC_CH, t_len - t0);

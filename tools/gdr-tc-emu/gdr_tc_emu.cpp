@@ -65,10 +65,8 @@ int run(const Case& cs, unsigned seed) {
     for (int h = 0; h < hv; ++h) for (int i = 0; i < D; ++i) tr[(size_t)h * D * D + i * D + i] = 1.f;
     // EMU_PREP=1: gdr_prep_tc_bf16; otherwise gdr_prep_tc2_bf16 (the default kernel).
     static const bool prep1 = getenv("EMU_PREP") && atoi(getenv("EMU_PREP")) == 1;
-    emu_launch(nt, hv, 256, [&] {
-        if (prep1) gdr_prep_tc_bf16(kb.data(), vb.data(), g.data(), beta.data(), gcum.data(), Wf.data(), Ktf.data(), Uf.data(), T, hk, hv);
-        else gdr_prep_tc2_bf16(kb.data(), vb.data(), g.data(), beta.data(), gcum.data(), Wf.data(), Ktf.data(), Uf.data(), T, hk, hv);
-    });
+    if (prep1) emu_launch(nt, hv, 256, [&] { gdr_prep_tc_bf16(kb.data(), vb.data(), g.data(), beta.data(), gcum.data(), Wf.data(), Ktf.data(), Uf.data(), T, hk, hv); });
+    else emu_launch(hv, nt, 256, [&] { gdr_prep_tc2_bf16(kb.data(), vb.data(), g.data(), beta.data(), gcum.data(), Wf.data(), Ktf.data(), Uf.data(), T, hk, hv); });
     if (!prep1) {
         // Both prep kernels on the same inputs: relative L2 distance of their W, K̃ᵀ, Uᵀ
         // (bf16 rounding of M diag(·) and of the products; gcum must match exactly).
@@ -99,7 +97,7 @@ int run(const Case& cs, unsigned seed) {
     std::vector<bf16> ob1(ob.size(), bf16{0x7fc0});
     emu_launch(nt, hv, 256, [&] { gdr_output_tc_bf16(qb.data(), kb.data(), gcum.data(), Uf.data(), Hsf.data(), ob1.data(), T, hk, hv); });
     if (out1) ob = ob1;
-    else emu_launch(nt, hv, 256, [&] { gdr_output_tc2_bf16(qb.data(), kb.data(), gcum.data(), Uf.data(), Hsf.data(), ob.data(), T, hk, hv); });
+    else emu_launch(hv, nt, 256, [&] { gdr_output_tc2_bf16(qb.data(), kb.data(), gcum.data(), Uf.data(), Hsf.data(), ob.data(), T, hk, hv); });
     std::vector<float> of(ob.size()), of1(ob.size());
     for (size_t i = 0; i < ob.size(); ++i) of[i] = emu_bf2f(ob[i].b), of1[i] = emu_bf2f(ob1[i].b);
     if (!out1) {

@@ -547,9 +547,10 @@ const SMEM_OUT_TC: u32 = (2 * CHUNK * TC_LD * 2 + CHUNK * 4) as u32;
 const TILE_F32: usize = CHUNK * PREFILL_DIM / 2;
 
 /// The tensor-core path of [`chunked`] (bf16 `T` only; shapes checked by the caller).
-/// Three launches: `gdr_prep_tc{,2}_bf16` (grid NT×Hv, 256 threads; [`Workspace::set_prep_kernel`]),
-/// `gdr_state_tc_bf16_{BV}` (grid Hv×(dv [+ dk])/BV, 2·BV threads),
-/// `gdr_output_tc{,2}_bf16` (grid NT×Hv, 256; [`Workspace::set_output_kernel`]).
+/// Three launches: `gdr_prep_tc{,2}_bf16` (grid NT×Hv, version 2 Hv×NT; 256 threads;
+/// [`Workspace::set_prep_kernel`]), `gdr_state_tc_bf16_{BV}[s]` (grid Hv×(dv [+ dk])/BV,
+/// 2·BV threads, split 4·BV), `gdr_output_tc{,2}_bf16` (as prep; 256 threads;
+/// [`Workspace::set_output_kernel`]).
 #[allow(clippy::too_many_arguments)]
 fn chunked_tc<T: Elem>(
     gpu: &Gpu,
@@ -574,6 +575,13 @@ fn chunked_tc<T: Elem>(
     Workspace::ensure(gpu, &mut ws.u, tiles * TILE_F32)?;
     Workspace::ensure(gpu, &mut ws.hs, tiles * 2 * TILE_F32)?;
     let (bv, split) = (ws.state_bv, ws.state_split());
+    // Version 2 of prep / output puts the chunks on grid y (at most 65535: T ≤ 4.19M);
+    // longer sequences run version 1.
+    let (prep, output) = if nt > 65_535 {
+        (1, 1)
+    } else {
+        (ws.prep, ws.output)
+    };
     let (gcum, w, kt, u, hs) = (
         ws.gcum.as_mut().expect("allocated"),
         ws.w.as_mut().expect("allocated"),
@@ -590,13 +598,22 @@ fn chunked_tc<T: Elem>(
     };
     mark(0)?;
     // A: per chunk G, W, K̃ᵀ, Uᵀ (both versions: same arguments and outputs).
-    let (name, smem) = match ws.prep {
-        1 => ("gdr_prep_tc_bf16", SMEM_PREP_TC),
-        _ => ("gdr_prep_tc2_bf16", SMEM_PREP2_TC),
+    // Grids: version 1 (NT, Hv), version 2 (Hv, NT) (value heads fastest).
+    let (name, smem, grid) = match prep {
+        1 => (
+            "gdr_prep_tc_bf16",
+            SMEM_PREP_TC,
+            (nt as u32, d.hv as u32, 1),
+        ),
+        _ => (
+            "gdr_prep_tc2_bf16",
+            SMEM_PREP2_TC,
+            (d.hv as u32, nt as u32, 1),
+        ),
     };
     let f = gpu.function(&GDR_TC, name, smem)?;
     let cfg = LaunchConfig {
-        grid_dim: (nt as u32, d.hv as u32, 1),
+        grid_dim: grid,
         block_dim: (256, 1, 1),
         shared_mem_bytes: smem,
     };
@@ -643,13 +660,14 @@ fn chunked_tc<T: Elem>(
     unsafe { b.launch(cfg) }?;
     mark(2)?;
     // C: outputs (both versions: same arguments, shared memory and output).
-    let name = match ws.output {
-        1 => "gdr_output_tc_bf16",
-        _ => "gdr_output_tc2_bf16",
+    // Grids: version 1 (NT, Hv), version 2 (Hv, NT) (value heads fastest).
+    let (name, grid) = match output {
+        1 => ("gdr_output_tc_bf16", (nt as u32, d.hv as u32, 1)),
+        _ => ("gdr_output_tc2_bf16", (d.hv as u32, nt as u32, 1)),
     };
     let f = gpu.function(&GDR_TC, name, SMEM_OUT_TC)?;
     let cfg = LaunchConfig {
-        grid_dim: (nt as u32, d.hv as u32, 1),
+        grid_dim: grid,
         block_dim: (256, 1, 1),
         shared_mem_bytes: SMEM_OUT_TC,
     };
