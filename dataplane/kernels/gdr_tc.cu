@@ -182,6 +182,20 @@ __device__ __forceinline__ void tc_load_rows(bf16* dst, const bf16* src, int t0,
     }
 }
 
+// tc_load_rows by cp.async (no staging registers; the caller commits and waits): rows
+// ≥ len are zeroed by plain stores.
+__device__ __forceinline__ void tc_load_rows_async(bf16* dst, const bf16* src, int t0, int len, int nh, int hd,
+                                                   int tid) {
+#pragma unroll
+    for (int it = 0; it < 4; ++it) {
+        const int idx = tid + 256 * it, i = idx >> 4, c8 = idx & 15;
+        if (i < len)
+            tc_cp16(dst + i * TC_LD + c8 * 8, src + ((size_t)(t0 + i) * nh + hd) * TC_D + c8 * 8);
+        else
+            *reinterpret_cast<uint4*>(dst + i * TC_LD + c8 * 8) = make_uint4(0u, 0u, 0u, 0u);
+    }
+}
+
 // ---------------------------------------------------------------------------------------
 // A  gdr_prep_tc_bf16: grid (NT, Hv), block 256 (8 warps). Per (chunk, head): G, β;
 // L from K Kᵀ (mma); M = (I + L)⁻¹ in fp32 (16×16 diagonal blocks by substitution, then
@@ -432,6 +446,11 @@ extern "C" __global__ void __launch_bounds__(256, 4)
     const int nt = (t_len + TC_CH - 1) / TC_CH;
     const int t0 = n * TC_CH, len = min(TC_CH, t_len - t0);
     const size_t tile = (size_t)h * nt + n;
+    // K and V by cp.async, two groups (V is first read by the U product).
+    tc_load_rows_async(Ks, k, t0, len, hk, kh, tid);
+    tc_cp_commit();
+    tc_load_rows_async(Vs, v, t0, len, hv, h, tid);
+    tc_cp_commit();
     if (w == 0) {
         // Inclusive scan of g over the chunk (2 tokens per lane; zero past the end).
         const int i0 = 2 * lane, i1 = i0 + 1;
@@ -452,8 +471,7 @@ extern "C" __global__ void __launch_bounds__(256, 4)
         Eb[i0] = b0 * expf(s - b);
         Eb[i1] = b1 * expf(s);
     }
-    tc_load_rows(Ks, k, t0, len, hk, kh, tid);
-    tc_load_rows(Vs, v, t0, len, hv, h, tid);
+    tc_cp_wait<1>();  // K landed (V may still be in flight until the W / U products)
     __syncthreads();
     if (tid < TC_CH) gcum[tile * TC_CH + tid] = G[tid];
     // L = β_i e^{G_i−G_m} (K Kᵀ)_im for m < i (0 for m ≥ i in the diagonal blocks).
@@ -590,6 +608,7 @@ extern "C" __global__ void __launch_bounds__(256, 4)
                 *reinterpret_cast<float2*>(ob + 8 * TC_MLD + 8 * nt2) = make_float2(-mo[nt2][2], -mo[nt2][3]);
             }
         }
+        if (d == 3) tc_cp_wait<0>();  // V, before the barrier that precedes W and U
         __syncthreads();
     }
     // W = M diag(βe^G) K: warp rows 16·mt.., columns 64·ch.. (c-blocks 4·ch..4·ch+3);
