@@ -41,6 +41,13 @@
 //   gcum [Hv][NT·64] fp32 G (rows past the sequence end repeat the last G)
 // Rows of a partial last chunk are zero in W, U, K̃ (their β and k are zero).
 //
+// Stages A and C have two versions each with the same contract (the host picks one:
+// Workspace::set_prep_kernel / set_output_kernel): A gdr_prep_tc_bf16 (M solved in fp32
+// SIMT, 72 KiB shared memory) and A' gdr_prep_tc2_bf16 (M in place, off-diagonal blocks on
+// tensor cores with hi/lo-split operands, 53 KiB, ≤ 64 registers); C gdr_output_tc_bf16
+// (128 registers) and C' gdr_output_tc2_bf16 (≤ 64 registers, P shared through shared
+// memory; bit-identical output).
+//
 // Layouts of the inputs and outputs (as gdr.cu): q, k [T, Hk, 128] bf16, v [T, Hv, 128]
 // bf16, g, beta [T, Hv] fp32, state [Hv, 128, 128] fp32 K-major, trans [Hv, 128, 128]
 // fp32 row-major, o [T, Hv, 128] bf16. Value head h reads key head h / (Hv/Hk).
@@ -77,6 +84,21 @@ __device__ __forceinline__ void tc_ldsm_x4_trans(unsigned* f, const bf16* p) {
                  : "memory");
 }
 
+// ldmatrix.sync.aligned.m8n8.x4.shared.b16 (no transpose): lane l gives the address of
+// row (l & 7) of 8×8 matrix (l >> 3); register i of lane (g, q) receives elements
+// (row g, columns 2q, 2q+1) of matrix i.
+__device__ __forceinline__ void tc_ldsm_x4(unsigned* f, const bf16* p) {
+    const unsigned a = (unsigned)__cvta_generic_to_shared(p);
+    asm volatile("ldmatrix.sync.aligned.m8n8.x4.shared.b16 {%0, %1, %2, %3}, [%4];\n"
+                 : "=r"(f[0]), "=r"(f[1]), "=r"(f[2]), "=r"(f[3])
+                 : "r"(a)
+                 : "memory");
+}
+// Prefetch of the 128-byte line holding p into L2.
+__device__ __forceinline__ void tc_prefetch_l2(const void* p) {
+    asm volatile("prefetch.global.L2 [%0];\n" ::"l"(p));
+}
+
 // Asynchronous global → shared copies: 16 bytes bypassing L1 (cp.async.cg), 4 bytes
 // (cp.async.ca); commit of the copies issued so far as one group; wait until at most
 // N groups are pending.
@@ -95,7 +117,7 @@ __device__ __forceinline__ void tc_cp_wait() {
 }
 #endif
 
-// Dynamic shared memory of all three kernels (carved per kernel).
+// Dynamic shared memory of all kernels (carved per kernel).
 extern __shared__ uint4 tc_sm[];
 
 // ---------------------------------------------------------------------------------------
@@ -126,6 +148,11 @@ __device__ __forceinline__ void tc_frag(unsigned* f, const bf16* X, int ld, int 
     f[2] = tc_ld32(p + 8);
     f[3] = tc_ld32(p + 8 * ld + 8);
 }
+// mma A fragment of the 16×16 block of a row-major bf16 matrix X at (r0, c0) by one
+// ldmatrix (as tc_frag): matrices (r0, c0), (r0+8, c0), (r0, c0+8), (r0+8, c0+8).
+__device__ __forceinline__ void tc_ldsm_a(unsigned* f, const bf16* X, int ld, int r0, int c0, int lane) {
+    tc_ldsm_x4(f, X + (r0 + (lane & 7) + 8 * ((lane >> 3) & 1)) * ld + c0 + 8 * (lane >> 4));
+}
 // F-tile block (B order) from two accumulator n8 tiles (columns 0–7 in c0, 8–15 in c1)
 // of one m16 tile.
 __device__ __forceinline__ uint4 tc_acc_tile(const float* c0, const float* c1) {
@@ -152,6 +179,20 @@ __device__ __forceinline__ void tc_load_rows(bf16* dst, const bf16* src, int t0,
     for (int it = 0; it < 4; ++it) {
         const int idx = tid + 256 * it, i = idx >> 4, c8 = idx & 15;
         *reinterpret_cast<uint4*>(dst + i * TC_LD + c8 * 8) = x[it];
+    }
+}
+
+// tc_load_rows by cp.async (no staging registers; the caller commits and waits): rows
+// ≥ len are zeroed by plain stores.
+__device__ __forceinline__ void tc_load_rows_async(bf16* dst, const bf16* src, int t0, int len, int nh, int hd,
+                                                   int tid) {
+#pragma unroll
+    for (int it = 0; it < 4; ++it) {
+        const int idx = tid + 256 * it, i = idx >> 4, c8 = idx & 15;
+        if (i < len)
+            tc_cp16(dst + i * TC_LD + c8 * 8, src + ((size_t)(t0 + i) * nh + hd) * TC_D + c8 * 8);
+        else
+            *reinterpret_cast<uint4*>(dst + i * TC_LD + c8 * 8) = make_uint4(0u, 0u, 0u, 0u);
     }
 }
 
@@ -356,6 +397,286 @@ extern "C" __global__ void __launch_bounds__(256)
 }
 
 // ---------------------------------------------------------------------------------------
+// A' gdr_prep_tc2_bf16: grid (Hv, NT) (value heads fastest: the heads sharing a key head
+// read its K chunk back to back, from L2), block 256; arguments and outputs as
+// gdr_prep_tc_bf16, in
+// 53 KiB of shared memory and ≤ 64 registers per thread, so that four blocks share an SM
+// (three for gdr_prep_tc_bf16: 72 KiB, 66 registers). One fp32 64×64 buffer (row stride
+// TC_MLD) holds L in its lower blocks; M = (I + L)⁻¹ is solved into the same buffer:
+// M_ab (16×16 block, a ≥ b) is stored row-major at block position (b, a) — the diagonal
+// blocks over L_aa, the off-diagonal ones in the unused upper triangle — so no L block is
+// overwritten while still needed and no second buffer is needed. W and U take their
+// mma fragments of M diag(βe^G) and M diag(β) straight from the fp32 M (no bf16 copies).
+// The off-diagonal blocks run on tensor cores with operands split into bf16 hi + lo
+// (three mma per product: hi·hi + hi·lo + lo·hi, ~16 significant bits, fp32
+// accumulation): round d = 1, 2, 3, warp j computes M_ij (i = j + d) as
+//   Xᵀ = Σ_{k=j}^{i−1} M_kjᵀ L_ikᵀ  (accumulators),  M_ij = −M_ii X  (X as B fragments),
+// one barrier per round (the SIMT version: 4 KiB of scratch, two barriers per round and
+// ~4k shared-memory loads per warp-set). Warps 2–7 write K̃ᵀ while warps 0–1 solve the
+// 16×16 diagonal blocks.
+#define TC_MLD 72  // fp32 row stride of L / M (float2 fragment loads and stores conflict-free)
+#define TC_PREP2_SMEM (2 * TC_CH * TC_LD * 2 + TC_CH * TC_MLD * 4 + 3 * TC_CH * 4)
+
+// bf16 hi/lo split of two floats (a, b): hi = bf16(a, b), lo = bf16(a − hi, b − hi).
+__device__ __forceinline__ void tc_split(float a, float b, unsigned& hi, unsigned& lo) {
+    hi = tc_pack(a, b);
+    const float2 h = tc_unpack(hi);
+    lo = tc_pack(a - h.x, b - h.y);
+}
+// c += a·b to ~fp32 accuracy from split operands (hi·hi + hi·lo + lo·hi).
+__device__ __forceinline__ void tc_mma3(float* c, const unsigned* ah, const unsigned* al, unsigned bh0, unsigned bh1,
+                                        unsigned bl0, unsigned bl1) {
+    tc_mma(c, al, bh0, bh1);
+    tc_mma(c, ah, bl0, bl1);
+    tc_mma(c, ah, bh0, bh1);
+}
+
+extern "C" __global__ void __launch_bounds__(256, 4)
+    gdr_prep_tc2_bf16(const bf16* __restrict__ k, const bf16* __restrict__ v, const float* __restrict__ g,
+                      const float* __restrict__ beta, float* __restrict__ gcum, uint4* __restrict__ Wf,
+                      uint4* __restrict__ Ktf, uint4* __restrict__ Uf, int t_len, int hk, int hv) {
+    bf16* Ks = reinterpret_cast<bf16*>(tc_sm);                // [64][TC_LD]
+    bf16* Vs = Ks + TC_CH * TC_LD;                             // [64][TC_LD]
+    float* Ls = reinterpret_cast<float*>(Vs + TC_CH * TC_LD);  // [64][TC_MLD] L, then M
+    float* G = Ls + TC_CH * TC_MLD;                            // [64]
+    float* Bt = G + TC_CH;                                     // [64] β
+    float* Eb = Bt + TC_CH;                                    // [64] β e^G
+    const int h = blockIdx.x, n = blockIdx.y, kh = h / (hv / hk), tid = threadIdx.x;
+    const int lane = tid & 31, w = tid >> 5, gq = lane >> 2, tq = lane & 3;
+    const int nt = (t_len + TC_CH - 1) / TC_CH;
+    const int t0 = n * TC_CH, len = min(TC_CH, t_len - t0);
+    const size_t tile = (size_t)h * nt + n;
+    // K and V by cp.async, two groups (V is first read by the U product).
+    tc_load_rows_async(Ks, k, t0, len, hk, kh, tid);
+    tc_cp_commit();
+    tc_load_rows_async(Vs, v, t0, len, hv, h, tid);
+    tc_cp_commit();
+    if (w == 0) {
+        // Inclusive scan of g over the chunk (2 tokens per lane; zero past the end).
+        const int i0 = 2 * lane, i1 = i0 + 1;
+        const float a = i0 < len ? g[(size_t)(t0 + i0) * hv + h] : 0.f;
+        const float b = i1 < len ? g[(size_t)(t0 + i1) * hv + h] : 0.f;
+        float s = a + b;
+#pragma unroll
+        for (int o = 1; o < 32; o <<= 1) {
+            const float y = __shfl_up_sync(0xffffffffu, s, o);
+            if (lane >= o) s += y;
+        }
+        const float b0 = i0 < len ? beta[(size_t)(t0 + i0) * hv + h] : 0.f;
+        const float b1 = i1 < len ? beta[(size_t)(t0 + i1) * hv + h] : 0.f;
+        G[i0] = s - b;
+        G[i1] = s;
+        Bt[i0] = b0;
+        Bt[i1] = b1;
+        Eb[i0] = b0 * expf(s - b);
+        Eb[i1] = b1 * expf(s);
+    }
+    tc_cp_wait<1>();  // K landed (V may still be in flight until the W / U products)
+    __syncthreads();
+    if (tid < TC_CH) gcum[tile * TC_CH + tid] = G[tid];
+    // L = β_i e^{G_i−G_m} (K Kᵀ)_im for m < i (0 for m ≥ i in the diagonal blocks).
+    // Warp: rows 16·mt.., n-tiles 4·nh..4·nh+3 (those with some m ≤ i).
+    {
+        const int mt = w >> 1, nh = w & 1;
+        float acc[4][4];
+#pragma unroll
+        for (int j = 0; j < 4; ++j) acc[j][0] = acc[j][1] = acc[j][2] = acc[j][3] = 0.f;
+#pragma unroll
+        for (int kc = 0; kc < TC_D / 16; ++kc) {
+            unsigned a[4];
+            tc_frag(a, Ks, TC_LD, 16 * mt, 16 * kc, lane);
+#pragma unroll
+            for (int j = 0; j < 4; ++j) {
+                const int nt8 = 4 * nh + j;
+                if (nt8 <= 2 * mt + 1) {  // warp-uniform
+                    const bf16* p = Ks + (8 * nt8 + gq) * TC_LD + 16 * kc + 2 * tq;
+                    tc_mma(acc[j], a, tc_ld32(p), tc_ld32(p + 8));
+                }
+            }
+        }
+#pragma unroll
+        for (int j = 0; j < 4; ++j) {
+            const int nt8 = 4 * nh + j;
+            if (nt8 <= 2 * mt + 1) {
+#pragma unroll
+                for (int hh = 0; hh < 2; ++hh) {
+                    const int i = 16 * mt + gq + 8 * hh, m = 8 * nt8 + 2 * tq;
+                    const float bi = Bt[i], gi = G[i];
+                    float2 x;
+                    x.x = m < i ? bi * expf(gi - G[m]) * acc[j][2 * hh] : 0.f;
+                    x.y = m + 1 < i ? bi * expf(gi - G[m + 1]) * acc[j][2 * hh + 1] : 0.f;
+                    *reinterpret_cast<float2*>(Ls + i * TC_MLD + m) = x;
+                }
+            }
+        }
+    }
+    __syncthreads();
+    if (tid < TC_CH) {
+        // M_bb = (I + L_bb)⁻¹: thread solves column c of diagonal block b by forward
+        // substitution and writes it over L_bb once the block's 16 lanes (one half-warp)
+        // have read L_bb. Blocks (0, 1) in warp 0 and (2, 3) in warp 1: two addresses
+        // 16 banks apart per load.
+        const int o = 16 * (tid >> 4), c = tid & 15;
+        float x[16];
+#pragma unroll
+        for (int r = 0; r < 16; ++r) {
+            float s = r == c ? 1.f : 0.f;
+#pragma unroll
+            for (int r2 = 0; r2 < r; ++r2) s -= Ls[(o + r) * TC_MLD + o + r2] * x[r2];
+            x[r] = s;
+        }
+        __syncwarp();
+#pragma unroll
+        for (int r = 0; r < 16; ++r) Ls[(o + r) * TC_MLD + o + c] = x[r];
+    } else {
+        // K̃ᵀ (warps 2–7 over the 8 c-blocks): K̃_i = e^{G_last − G_i} k_i.
+        const float gl = G[TC_CH - 1];
+        for (int cb = w - 2; cb < TC_D / 16; cb += 6) {
+            uint4* dst = Ktf + (tile * 32 + cb * 4) * 32 + lane;
+#pragma unroll
+            for (int ib = 0; ib < 4; ++ib) {
+                unsigned f[4];
+                tc_ldsm_t(f, Ks, TC_LD, 16 * ib, 16 * cb, lane);  // F(Kᵀ block (cb, ib))
+                const int i0 = 16 * ib + 2 * tq;                   // .x/.z: i0, i0+1; .y/.w: i0+8, i0+9
+                const float s0 = expf(gl - G[i0]), s1 = expf(gl - G[i0 + 1]);
+                const float s2 = expf(gl - G[i0 + 8]), s3 = expf(gl - G[i0 + 9]);
+                const float2 x0 = tc_unpack(f[0]), x1 = tc_unpack(f[1]), x2 = tc_unpack(f[2]), x3 = tc_unpack(f[3]);
+                dst[ib * 32] = make_uint4(tc_pack(x0.x * s0, x0.y * s1), tc_pack(x1.x * s2, x1.y * s3),
+                                          tc_pack(x2.x * s0, x2.y * s1), tc_pack(x3.x * s2, x3.y * s3));
+            }
+        }
+    }
+    __syncthreads();
+    // Off-diagonal blocks by distance d; warp j < 4 − d computes M_ij, i = j + d. Reads
+    // L_ik (block (i, k)), M_kj (block (j, k)) for k − j < d and M_ii; writes block (j, i).
+#pragma unroll 1
+    for (int d = 1; d < 4; ++d) {
+        if (w < 4 - d) {
+            const int j = w, i = j + d;
+            float xt[2][4];
+#pragma unroll
+            for (int e = 0; e < 4; ++e) xt[0][e] = xt[1][e] = 0.f;
+#pragma unroll 1
+            for (int kb = j; kb < i; ++kb) {
+                // A = M_kjᵀ: {M[2q][g], M[2q+1][g]}, (g+8), (2q+8), both.
+                const float* mb = Ls + (16 * j + 2 * tq) * TC_MLD + 16 * kb + gq;
+                unsigned ah[4], al[4];
+                tc_split(mb[0], mb[TC_MLD], ah[0], al[0]);
+                tc_split(mb[8], mb[TC_MLD + 8], ah[1], al[1]);
+                tc_split(mb[8 * TC_MLD], mb[9 * TC_MLD], ah[2], al[2]);
+                tc_split(mb[8 * TC_MLD + 8], mb[9 * TC_MLD + 8], ah[3], al[3]);
+                // B = L_ikᵀ: n-tile nt (X rows 8·nt + g): {L[8nt+g][2q..]}, {L[8nt+g][2q+8..]}.
+#pragma unroll
+                for (int nt2 = 0; nt2 < 2; ++nt2) {
+                    const float* lb = Ls + (16 * i + 8 * nt2 + gq) * TC_MLD + 16 * kb + 2 * tq;
+                    const float2 l0 = *reinterpret_cast<const float2*>(lb);
+                    const float2 l1 = *reinterpret_cast<const float2*>(lb + 8);
+                    unsigned bh0, bl0, bh1, bl1;
+                    tc_split(l0.x, l0.y, bh0, bl0);
+                    tc_split(l1.x, l1.y, bh1, bl1);
+                    tc_mma3(xt[nt2], ah, al, bh0, bh1, bl0, bl1);
+                }
+            }
+            // M_ij = −M_ii X: A = M_ii (row-major fp32 at block (i, i)), B = X from the
+            // accumulators of Xᵀ (n-tile 0: X columns g → xt[·][0..1]; 1: g+8 → [2..3]).
+            const float* db = Ls + (16 * i + gq) * TC_MLD + 16 * i + 2 * tq;
+            unsigned ah[4], al[4];
+            {
+                const float2 d0 = *reinterpret_cast<const float2*>(db);
+                const float2 d1 = *reinterpret_cast<const float2*>(db + 8 * TC_MLD);
+                const float2 d2 = *reinterpret_cast<const float2*>(db + 8);
+                const float2 d3 = *reinterpret_cast<const float2*>(db + 8 * TC_MLD + 8);
+                tc_split(d0.x, d0.y, ah[0], al[0]);
+                tc_split(d1.x, d1.y, ah[1], al[1]);
+                tc_split(d2.x, d2.y, ah[2], al[2]);
+                tc_split(d3.x, d3.y, ah[3], al[3]);
+            }
+            float mo[2][4];
+#pragma unroll
+            for (int nt2 = 0; nt2 < 2; ++nt2) {
+#pragma unroll
+                for (int e = 0; e < 4; ++e) mo[nt2][e] = 0.f;
+                unsigned bh0, bl0, bh1, bl1;
+                tc_split(xt[0][2 * nt2], xt[0][2 * nt2 + 1], bh0, bl0);
+                tc_split(xt[1][2 * nt2], xt[1][2 * nt2 + 1], bh1, bl1);
+                tc_mma3(mo[nt2], ah, al, bh0, bh1, bl0, bl1);
+            }
+            float* ob = Ls + (16 * j + gq) * TC_MLD + 16 * i + 2 * tq;
+#pragma unroll
+            for (int nt2 = 0; nt2 < 2; ++nt2) {
+                *reinterpret_cast<float2*>(ob + 8 * nt2) = make_float2(-mo[nt2][0], -mo[nt2][1]);
+                *reinterpret_cast<float2*>(ob + 8 * TC_MLD + 8 * nt2) = make_float2(-mo[nt2][2], -mo[nt2][3]);
+            }
+        }
+        if (d == 3) tc_cp_wait<0>();  // V, before the barrier that precedes W and U
+        __syncthreads();
+    }
+    // W = M diag(βe^G) K: warp rows 16·mt.., columns 64·ch.. (c-blocks 4·ch..4·ch+3);
+    // A fragments from M_{mt,kk} (block (kk, mt)) scaled by βe^G of the columns.
+    {
+        const int mt = w & 3, ch = w >> 2;
+        float acc[8][4];
+#pragma unroll
+        for (int j = 0; j < 8; ++j) acc[j][0] = acc[j][1] = acc[j][2] = acc[j][3] = 0.f;
+#pragma unroll
+        for (int kk = 0; kk < 4; ++kk) {
+            if (kk <= mt) {
+                const float* mb = Ls + (16 * kk + gq) * TC_MLD + 16 * mt + 2 * tq;
+                const float2 e0 = *reinterpret_cast<const float2*>(Eb + 16 * kk + 2 * tq);
+                const float2 e1 = *reinterpret_cast<const float2*>(Eb + 16 * kk + 2 * tq + 8);
+                const float2 m0 = *reinterpret_cast<const float2*>(mb);
+                const float2 m1 = *reinterpret_cast<const float2*>(mb + 8 * TC_MLD);
+                const float2 m2 = *reinterpret_cast<const float2*>(mb + 8);
+                const float2 m3 = *reinterpret_cast<const float2*>(mb + 8 * TC_MLD + 8);
+                const unsigned a[4] = {tc_pack(m0.x * e0.x, m0.y * e0.y), tc_pack(m1.x * e0.x, m1.y * e0.y),
+                                       tc_pack(m2.x * e1.x, m2.y * e1.y), tc_pack(m3.x * e1.x, m3.y * e1.y)};
+#pragma unroll
+                for (int qb = 0; qb < 4; ++qb) {
+                    unsigned b[4];
+                    tc_ldsm_t(b, Ks, TC_LD, 16 * kk, 16 * (4 * ch + qb), lane);  // F(Kᵀ block)
+                    tc_mma(acc[2 * qb], a, b[0], b[1]);
+                    tc_mma(acc[2 * qb + 1], a, b[2], b[3]);
+                }
+            }
+        }
+        uint4* dst = Wf + (tile * 32 + mt * 8 + 4 * ch) * 32 + lane;
+#pragma unroll
+        for (int qb = 0; qb < 4; ++qb) dst[qb * 32] = tc_acc_tile(acc[2 * qb], acc[2 * qb + 1]);
+    }
+    // Uᵀ = Vᵀ (M diag(β))ᵀ: warp = j-block w (rows of Uᵀ), all 64 i; B fragments of rows
+    // i = 8·nt8 + g of M diag(β) from M_{nt8/2,kk} (block (kk, nt8/2)); nt8 ≥ 2·kk only.
+    {
+        float acc[8][4];
+#pragma unroll
+        for (int j = 0; j < 8; ++j) acc[j][0] = acc[j][1] = acc[j][2] = acc[j][3] = 0.f;
+#pragma unroll
+        for (int kk = 0; kk < 4; ++kk) {
+            unsigned f[4];
+            tc_ldsm_t(f, Vs, TC_LD, 16 * kk, 16 * w, lane);  // F(Vᵀ block (w, kk))
+            const unsigned a[4] = {f[0], f[2], f[1], f[3]};
+            const float2 e0 = *reinterpret_cast<const float2*>(Bt + 16 * kk + 2 * tq);
+            const float2 e1 = *reinterpret_cast<const float2*>(Bt + 16 * kk + 2 * tq + 8);
+#pragma unroll
+            for (int nt8 = 0; nt8 < 8; ++nt8) {
+                if (nt8 >= 2 * kk) {
+                    const float* mb = Ls + (16 * kk + 8 * (nt8 & 1) + gq) * TC_MLD + 16 * (nt8 >> 1) + 2 * tq;
+                    const float2 m0 = *reinterpret_cast<const float2*>(mb);
+                    const float2 m1 = *reinterpret_cast<const float2*>(mb + 8);
+                    tc_mma(acc[nt8], a, tc_pack(m0.x * e0.x, m0.y * e0.y), tc_pack(m1.x * e1.x, m1.y * e1.y));
+                }
+            }
+        }
+        uint4* dst = Uf + (tile * 32 + w * 4) * 32 + lane;
+#pragma unroll
+        for (int ib = 0; ib < 4; ++ib) {
+            unsigned a[4];
+            tc_acc_afrag(a, acc[2 * ib], acc[2 * ib + 1]);
+            dst[ib * 32] = make_uint4(a[0], a[1], a[2], a[3]);
+        }
+    }
+}
+
+// ---------------------------------------------------------------------------------------
 // B  gdr_state_tc_bf16_{32,64}: grid (Hv, (128 [+ 128 with trans]) / BV), block NW = BV/16
 // warps. Sequential over the chunks of one head. Warp w owns 16 columns j of the state
 // (block jb = blockIdx.y·NW + w over [state columns | transition columns]) as Sᵀ rows:
@@ -509,6 +830,152 @@ GDR_STATE_TC(32)
 GDR_STATE_TC(64)
 
 // ---------------------------------------------------------------------------------------
+// B' gdr_state_tc_bf16_32s: the state kernel with BV = 32 split over the state rows c:
+// grid (Hv, (128 [+ 128 with trans]) / 32) as gdr_state_tc_bf16_32, block 128 (4 warps).
+// Warp w owns j-block jb0 + (w >> 1) and the c-half ch = w & 1 of its Sᵀ rows (8 fp32
+// n-tiles), so a chunk step is 32 + 32 mma per warp instead of 64 + 64, on two barriers
+// more: the partial (W S)ᵀ over each c-half (16 × 64 fp32 per warp) is exchanged between
+// the two warps of a j-block through the chunk's W area of the ring once every warp is
+// done reading it (barrier), then read back (barrier) and added (a + b: the same Ũ in both
+// warps). Same ring (TC_STAGE_U4(2), 108 KiB) and outputs as gdr_state_tc_bf16_32; the
+// sum over c is split in two halves, so fp32 rounding differs in the last bits.
+template <bool TRANS>
+__device__ __forceinline__ void gdr_state_tc_run_s(const uint4* __restrict__ Wf, const uint4* __restrict__ Ktf,
+                                                   uint4* Uf, const float* __restrict__ gcum, float* mat,
+                                                   uint4* Hsf, int jb0, int col0, int nt, size_t hb) {
+    constexpr int NJ = 2, NT = 128, SU = TC_STAGE_U4(NJ);
+    const int tid = threadIdx.x, w = tid >> 5, lane = tid & 31;
+    const int gq = lane >> 2, tq = lane & 3, jw = w >> 1, ch = w & 1, jb = jb0 + jw;
+    // sacc[ct][e] = Sᵀ[j0 + 8(e>>1)][64ch + 8ct + 2tq + (e&1)] = mat[c][j], j0 = col0 + 16jw + gq.
+    const int j0 = col0 + 16 * jw + gq;
+    float sacc[8][4];
+#pragma unroll
+    for (int ct = 0; ct < 8; ++ct)
+#pragma unroll
+        for (int e = 0; e < 4; ++e)
+            sacc[ct][e] = mat[(size_t)(64 * ch + 8 * ct + 2 * tq + (e & 1)) * TC_D + j0 + 8 * (e >> 1)];
+    auto issue = [&](int n) {
+        if (n < nt) {
+            uint4* dst = tc_sm + (n % TC_STAGES) * SU;
+            const uint4* ws = Wf + (hb + n) * 1024;
+            const uint4* ks = Ktf + (hb + n) * 1024;
+#pragma unroll
+            for (int it = 0; it < 1024 / NT; ++it) {
+                const int i = tid + it * NT;
+                tc_cp16(dst + i, ws + i);
+                tc_cp16(dst + 1024 + i, ks + i);
+            }
+            if (!TRANS) {
+                const uint4* us = Uf + ((hb + n) * 32 + jb0 * 4) * 32;
+#pragma unroll
+                for (int it = 0; it < NJ * 128 / NT; ++it) tc_cp16(dst + 2048 + tid + it * NT, us + tid + it * NT);
+            }
+            if (tid == 0) tc_cp4(dst + 2048 + NJ * 128, gcum + (hb + n) * TC_CH + TC_CH - 1);
+        }
+        tc_cp_commit();
+    };
+#pragma unroll
+    for (int s = 0; s < TC_STAGES - 1; ++s) issue(s);
+    for (int n = 0; n < nt; ++n) {
+        tc_cp_wait<TC_STAGES - 2>();
+        __syncthreads();  // chunk n landed for all threads; stage (n−1) % STAGES is free
+        issue(n + TC_STAGES - 1);
+        uint4* Ws = tc_sm + (n % TC_STAGES) * SU;
+        const uint4* Kts = Ws + 1024;
+        const float eg = expf(*reinterpret_cast<const float*>(Ws + 2048 + NJ * 128));
+        unsigned sa[4][4];  // c-blocks 4ch + kc
+#pragma unroll
+        for (int kc = 0; kc < 4; ++kc) tc_acc_afrag(sa[kc], sacc[2 * kc], sacc[2 * kc + 1]);
+        if (!TRANS) {
+            uint4* hs = Hsf + ((hb + n) * 64 + jb * 8 + 4 * ch) * 32 + lane;
+#pragma unroll
+            for (int kc = 0; kc < 4; ++kc) hs[kc * 32] = make_uint4(sa[kc][0], sa[kc][1], sa[kc][2], sa[kc][3]);
+        }
+        // Partial (W S)ᵀ = Sᵀ Wᵀ over this c-half.
+        float acc[8][4];
+#pragma unroll
+        for (int j = 0; j < 8; ++j) acc[j][0] = acc[j][1] = acc[j][2] = acc[j][3] = 0.f;
+#pragma unroll
+        for (int kc = 0; kc < 4; ++kc)
+#pragma unroll
+            for (int ib = 0; ib < 4; ++ib) {
+                const uint4 f = Ws[(ib * 8 + 4 * ch + kc) * 32 + lane];
+                tc_mma(acc[2 * ib], sa[kc], f.x, f.y);
+                tc_mma(acc[2 * ib + 1], sa[kc], f.z, f.w);
+            }
+        __syncthreads();  // W of this stage read by all warps: its area takes the partials
+        float4* xw = reinterpret_cast<float4*>(Ws) + w * 256 + lane;
+#pragma unroll
+        for (int t = 0; t < 8; ++t) xw[t * 32] = make_float4(acc[t][0], acc[t][1], acc[t][2], acc[t][3]);
+        __syncthreads();
+        const float4* xp = reinterpret_cast<const float4*>(Ws) + (w ^ 1) * 256 + lane;
+#pragma unroll
+        for (int t = 0; t < 8; ++t) {
+            const float4 p = xp[t * 32];
+            acc[t][0] += p.x;
+            acc[t][1] += p.y;
+            acc[t][2] += p.z;
+            acc[t][3] += p.w;
+        }
+        // Ũᵀ = Uᵀ − (W S)ᵀ as bf16 A fragments; warp ch writes i-blocks 2ch, 2ch + 1.
+        unsigned ua[4][4];
+#pragma unroll
+        for (int ib = 0; ib < 4; ++ib) {
+            const uint4 uc = TRANS ? make_uint4(0u, 0u, 0u, 0u) : Ws[2048 + (jw * 4 + ib) * 32 + lane];
+            const float2 u0 = tc_unpack(uc.x), u1 = tc_unpack(uc.y);
+            const float2 u2 = tc_unpack(uc.z), u3 = tc_unpack(uc.w);
+            const float* a0 = acc[2 * ib];
+            const float* a1 = acc[2 * ib + 1];
+            ua[ib][0] = tc_pack(u0.x - a0[0], u0.y - a0[1]);
+            ua[ib][1] = tc_pack(u1.x - a0[2], u1.y - a0[3]);
+            ua[ib][2] = tc_pack(u2.x - a1[0], u2.y - a1[1]);
+            ua[ib][3] = tc_pack(u3.x - a1[2], u3.y - a1[3]);
+            if (!TRANS && (ib >> 1) == ch)
+                Uf[((hb + n) * 32 + jb * 4 + ib) * 32 + lane] = make_uint4(ua[ib][0], ua[ib][1], ua[ib][2], ua[ib][3]);
+        }
+        // Sᵀ ← e^{G_c} Sᵀ + Ũᵀ K̃ over this c-half.
+#pragma unroll
+        for (int ct = 0; ct < 8; ++ct)
+#pragma unroll
+            for (int e = 0; e < 4; ++e) sacc[ct][e] *= eg;
+#pragma unroll
+        for (int ib = 0; ib < 4; ++ib)
+#pragma unroll
+            for (int cb = 0; cb < 4; ++cb) {
+                const uint4 f = Kts[((4 * ch + cb) * 4 + ib) * 32 + lane];
+                tc_mma(sacc[2 * cb], ua[ib], f.x, f.y);
+                tc_mma(sacc[2 * cb + 1], ua[ib], f.z, f.w);
+            }
+        if (TRANS) {
+#pragma unroll
+            for (int ct = 0; ct < 8; ++ct)
+#pragma unroll
+                for (int e = 0; e < 4; ++e)
+                    if (fabsf(sacc[ct][e]) < TC_FLUSH) sacc[ct][e] = 0.f;
+        }
+    }
+    tc_cp_wait<0>();
+#pragma unroll
+    for (int ct = 0; ct < 8; ++ct)
+#pragma unroll
+        for (int e = 0; e < 4; ++e)
+            mat[(size_t)(64 * ch + 8 * ct + 2 * tq + (e & 1)) * TC_D + j0 + 8 * (e >> 1)] = sacc[ct][e];
+}
+
+extern "C" __global__ void __launch_bounds__(128, 1)
+    gdr_state_tc_bf16_32s(const uint4* Wf, const uint4* Ktf, uint4* Uf, const float* gcum, float* state,
+                          float* trans, uint4* Hsf, int t_len) {
+    const int h = blockIdx.x, jb0 = blockIdx.y * 2;
+    const int nt = (t_len + TC_CH - 1) / TC_CH;
+    const size_t hb = (size_t)h * nt;
+    if (jb0 >= TC_D / 16)  // CTA-uniform: transition columns
+        gdr_state_tc_run_s<true>(Wf, Ktf, Uf, gcum, trans + (size_t)h * TC_D * TC_D, Hsf, jb0, 16 * jb0 - TC_D, nt,
+                                 hb);
+    else
+        gdr_state_tc_run_s<false>(Wf, Ktf, Uf, gcum, state + (size_t)h * TC_D * TC_D, Hsf, jb0, 16 * jb0, nt, hb);
+}
+
+// ---------------------------------------------------------------------------------------
 // C  gdr_output_tc_bf16: grid (NT, Hv), block 256 (8 warps). Warp: rows 16·mt.. of the
 // chunk (mt = w & 3), value columns 64·jh.. (jh = w >> 2). P = (Q Kᵀ ⊙ e^{G_i−G_m})_{m≤i}
 // for its rows (mma; packed to bf16 A fragments from the accumulators), then
@@ -607,4 +1074,130 @@ extern "C" __global__ void __launch_bounds__(256)
                 *reinterpret_cast<__nv_bfloat162*>(dst + 8 * j) = __floats2bfloat162_rn(o[j][2 * hh], o[j][2 * hh + 1]);
         }
     }
+}
+
+// ---------------------------------------------------------------------------------------
+// C' gdr_output_tc2_bf16: grid (Hv, NT) (value heads fastest: Q and K chunks of a key head
+// are read back to back), block 256; arguments and output as gdr_output_tc_bf16,
+// ≤ 64 registers per thread (gdr_output_tc_bf16: 128, two blocks per SM) so that four
+// blocks share an SM, and each warp reads distinct Hs / Ũ fragments (there every fragment
+// was read by the four row warps of its column half: 4× the L1 requests). The block's Hs
+// and Ũ tiles (48 KiB) are prefetched into L2 at entry. Then
+//   P = (Q Kᵀ ⊙ e^{G_i−G_m})_{m≤i}, warp rows 16·(w >> 1).., n-tiles 4·(w & 1)..,
+//       written as bf16 [64][TC_ALD] over K;
+//   O = e^{G_i} (Q S) + P Ũ, warp = value columns 16·w.. for all 64 rows (A fragments of
+//       Q and P by ldmatrix from shared memory, B fragments one uint4 per k-block).
+extern "C" __global__ void __launch_bounds__(256, 4)
+    gdr_output_tc2_bf16(const bf16* __restrict__ q, const bf16* __restrict__ k, const float* __restrict__ gcum,
+                        const uint4* __restrict__ Uf, const uint4* __restrict__ Hsf, bf16* __restrict__ out,
+                        int t_len, int hk, int hv) {
+    bf16* Qs = reinterpret_cast<bf16*>(tc_sm);  // [64][TC_LD]
+    bf16* Ks = Qs + TC_CH * TC_LD;               // [64][TC_LD] K, then P [64][TC_ALD]
+    bf16* Ps = Ks;
+    float* G = reinterpret_cast<float*>(Ks + TC_CH * TC_LD);
+    const int h = blockIdx.x, n = blockIdx.y, kh = h / (hv / hk), tid = threadIdx.x;
+    const int lane = tid & 31, w = tid >> 5, gq = lane >> 2, tq = lane & 3;
+    const int nt = (t_len + TC_CH - 1) / TC_CH;
+    const int t0 = n * TC_CH, len = min(TC_CH, t_len - t0);
+    const size_t tile = (size_t)h * nt + n;
+    tc_prefetch_l2(reinterpret_cast<const char*>(Hsf + tile * 2048) + 128 * tid);
+    if (tid < 128) tc_prefetch_l2(reinterpret_cast<const char*>(Uf + tile * 1024) + 128 * tid);
+    tc_load_rows(Qs, q, t0, len, hk, kh, tid);
+    tc_load_rows(Ks, k, t0, len, hk, kh, tid);
+    if (tid < TC_CH) G[tid] = gcum[tile * TC_CH + tid];
+    __syncthreads();
+    {
+        const int mt = w >> 1, nh = w & 1;
+        float p[4][4];
+#pragma unroll
+        for (int j = 0; j < 4; ++j) p[j][0] = p[j][1] = p[j][2] = p[j][3] = 0.f;
+        if (2 * mt + 1 >= 4 * nh) {  // warp-uniform: some tile has m ≤ i
+#pragma unroll
+            for (int kc = 0; kc < TC_D / 16; ++kc) {
+                unsigned a[4];
+                tc_ldsm_a(a, Qs, TC_LD, 16 * mt, 16 * kc, lane);
+#pragma unroll
+                for (int j = 0; j < 4; ++j) {
+                    const int nt8 = 4 * nh + j;
+                    if (nt8 <= 2 * mt + 1) {
+                        const bf16* pk = Ks + (8 * nt8 + gq) * TC_LD + 16 * kc + 2 * tq;
+                        tc_mma(p[j], a, tc_ld32(pk), tc_ld32(pk + 8));
+                    }
+                }
+            }
+        }
+        __syncthreads();  // K no longer read: P goes over it
+#pragma unroll
+        for (int j = 0; j < 4; ++j) {
+            const int nt8 = 4 * nh + j;
+            if (nt8 <= 2 * mt + 1) {
+#pragma unroll
+                for (int hh = 0; hh < 2; ++hh) {
+                    const int i = 16 * mt + gq + 8 * hh, m = 8 * nt8 + 2 * tq;
+                    const float gi = G[i];
+                    const float x0 = m <= i ? p[j][2 * hh] * expf(gi - G[m]) : 0.f;
+                    const float x1 = m + 1 <= i ? p[j][2 * hh + 1] * expf(gi - G[m + 1]) : 0.f;
+                    *reinterpret_cast<unsigned*>(Ps + i * TC_ALD + m) = tc_pack(x0, x1);
+                }
+            }
+        }
+    }
+    __syncthreads();
+    float o[4][2][4];
+#pragma unroll
+    for (int mt = 0; mt < 4; ++mt)
+#pragma unroll
+        for (int e = 0; e < 4; ++e) o[mt][0][e] = o[mt][1][e] = 0.f;
+    // O = Q S: B fragments of S (Sᵀ snapshot block (w, kc), A order: n-tile 0 = (.x, .z)).
+    const uint4* hs = Hsf + (tile * 64 + w * 8) * 32 + lane;
+#pragma unroll
+    for (int kc = 0; kc < 8; ++kc) {
+        const uint4 f = hs[kc * 32];
+#pragma unroll
+        for (int mt = 0; mt < 4; ++mt) {
+            unsigned a[4];
+            tc_ldsm_a(a, Qs, TC_LD, 16 * mt, 16 * kc, lane);
+            tc_mma(o[mt][0], a, f.x, f.z);
+            tc_mma(o[mt][1], a, f.y, f.w);
+        }
+    }
+#pragma unroll
+    for (int mt = 0; mt < 4; ++mt) {
+        const float e0 = expf(G[16 * mt + gq]), e1 = expf(G[16 * mt + gq + 8]);
+#pragma unroll
+        for (int nb = 0; nb < 2; ++nb) {
+            o[mt][nb][0] *= e0;
+            o[mt][nb][1] *= e0;
+            o[mt][nb][2] *= e1;
+            o[mt][nb][3] *= e1;
+        }
+    }
+    // O += P Ũ: Ũ block (w, kk) as B fragments; P rows 16·mt.. for mt ≥ kk.
+    const uint4* uf = Uf + (tile * 32 + w * 4) * 32 + lane;
+#pragma unroll
+    for (int kk = 0; kk < 4; ++kk) {
+        const uint4 f = uf[kk * 32];
+#pragma unroll
+        for (int mt = 0; mt < 4; ++mt) {
+            if (mt >= kk) {
+                unsigned a[4];
+                tc_ldsm_a(a, Ps, TC_ALD, 16 * mt, 16 * kk, lane);
+                tc_mma(o[mt][0], a, f.x, f.z);
+                tc_mma(o[mt][1], a, f.y, f.w);
+            }
+        }
+    }
+#pragma unroll
+    for (int mt = 0; mt < 4; ++mt)
+#pragma unroll
+        for (int hh = 0; hh < 2; ++hh) {
+            const int i = 16 * mt + gq + 8 * hh;
+            if (i < len) {
+                bf16* dst = out + ((size_t)(t0 + i) * hv + h) * TC_D + 16 * w + 2 * tq;
+#pragma unroll
+                for (int nb = 0; nb < 2; ++nb)
+                    *reinterpret_cast<__nv_bfloat162*>(dst + 8 * nb) =
+                        __floats2bfloat162_rn(o[mt][nb][2 * hh], o[mt][nb][2 * hh + 1]);
+            }
+        }
 }

@@ -604,14 +604,17 @@ mod gpu {
             )
         };
         let tag = format!(
-            "gdr chunked tc bf16 T={} Hk={} Hv={} g {} [{}, {}]{} BV={bv}",
+            "gdr chunked tc bf16 T={} Hk={} Hv={} g {} [{}, {}]{} BV={bv}{} prep {} output {}",
             d.t,
             d.hk,
             d.hv,
             gates.0,
             gates.1,
             gates.2,
-            if with_t { " +T_C" } else { "" }
+            if with_t { " +T_C" } else { "" },
+            if ws_tc.state_split() { " split" } else { "" },
+            ws_tc.prep_kernel(),
+            ws_tc.output_kernel()
         );
         check(&format!("{tag} out vs cpu"), &o_tc, &o, tol, 10.0 * tol);
         check(&format!("{tag} state vs cpu"), &s_tc, &s, tol, 10.0 * tol);
@@ -651,7 +654,10 @@ mod gpu {
     /// the fp32 SIMT kernels: T ∈ {1, 63, 64, 65, 200, 1000, 4096} (partial and whole
     /// chunks), Hk/Hv = 16/32 and 2/4, gates strongly negative (g ∈ [−20, −4]: the
     /// state keeps ~the last token, T_C flushes to 0) and near 0 (g ∈ [−1e-3, 0]), with
-    /// and without T_C, both state-kernel block widths. dk = dv = 128 only (the chunked
+    /// and without T_C, both state-kernel block widths (BV 32 also split), both prep and
+    /// output kernels
+    /// (every third case the old `gdr_prep_tc_bf16`, every fifth the old
+    /// `gdr_output_tc_bf16`). dk = dv = 128 only (the chunked
     /// prefill is built for that shape; others return `CudaError::Shape`).
     ///
     /// Tolerances: the path rounds W, U, K̃, Ũ, P, the state snapshots and the state as
@@ -683,6 +689,24 @@ mod gpu {
                             dv: 128,
                         };
                         let bv = gdr::STATE_BV[(case as usize) % gdr::STATE_BV.len()];
+                        // Every third case on the old prep kernel, every fifth on the old
+                        // output kernel, the rest on the defaults.
+                        ws_tc
+                            .set_prep_kernel(if case % 3 == 0 {
+                                gdr::PREP_KERNELS[0]
+                            } else {
+                                gdr::DEFAULT_PREP_KERNEL
+                            })
+                            .unwrap();
+                        ws_tc
+                            .set_output_kernel(if case % 5 == 0 {
+                                gdr::OUTPUT_KERNELS[0]
+                            } else {
+                                gdr::DEFAULT_OUTPUT_KERNEL
+                            })
+                            .unwrap();
+                        // Half of the BV 32 cases on the split state kernel.
+                        ws_tc.set_state_split(case % 4 == 2);
                         let tol_t = if t > 1000 { 6e-2 } else { 3e-2 };
                         gdr_tc_case(
                             &g,

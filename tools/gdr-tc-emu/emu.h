@@ -25,6 +25,9 @@ struct uint3 { unsigned x, y, z; };
 struct uint4 { unsigned x, y, z, w; };
 struct float2 { float x, y; };
 inline uint4 make_uint4(unsigned a, unsigned b, unsigned c, unsigned d) { return uint4{a, b, c, d}; }
+inline float2 make_float2(float a, float b) { return float2{a, b}; }
+struct float4 { float x, y, z, w; };
+inline float4 make_float4(float a, float b, float c, float d) { return float4{a, b, c, d}; }
 
 struct bf16 { uint16_t b; };
 typedef bf16 __nv_bfloat16;
@@ -57,6 +60,8 @@ thread_local uint3 threadIdx, blockIdx;
 thread_local EmuBlock* emu_block;
 inline EmuWarp& emu_warp() { return *emu_block->warps[threadIdx.x >> 5]; }
 inline void __syncthreads() { emu_block->bar->arrive_and_wait(); }
+// All 32 lanes of the warp must call it (as the kernels do).
+inline void __syncwarp(unsigned = 0xffffffffu) { emu_warp().bar.arrive_and_wait(); }
 
 inline float __shfl_up_sync(unsigned, float v, int o) {
     EmuWarp& W = emu_warp();
@@ -113,6 +118,21 @@ inline void tc_ldsm_x4_trans(unsigned* f, const bf16* p) {
     }
     W.bar.arrive_and_wait();
 }
+// ldmatrix.sync.aligned.m8n8.x4.shared.b16 (no .trans): lane t receives in reg i the
+// elements (row t/4, cols 2(t%4), 2(t%4)+1) of matrix i.
+inline void tc_ldsm_x4(unsigned* f, const bf16* p) {
+    EmuWarp& W = emu_warp();
+    const int lane = threadIdx.x & 31;
+    W.ptr[lane] = p;
+    W.bar.arrive_and_wait();
+    const int g = lane >> 2, q = lane & 3;
+    for (int i = 0; i < 4; ++i) {
+        const bf16* row = (const bf16*)W.ptr[8 * i + g];
+        f[i] = (uint32_t)row[2 * q].b | ((uint32_t)row[2 * q + 1].b << 16);
+    }
+    W.bar.arrive_and_wait();
+}
+inline void tc_prefetch_l2(const void*) {}
 // cp.async copies complete at once here (the ring's waits and barriers are no-ops for
 // data, so this cannot catch a missing wait).
 inline void tc_cp16(void* s, const void* g) { std::memcpy(s, g, 16); }

@@ -120,6 +120,24 @@ pub enum ChunkedPath {
 pub const STATE_BV: [usize; 2] = [32, 64];
 /// Default of [`Workspace::set_state_bv`].
 pub const DEFAULT_STATE_BV: usize = 32;
+/// State block width of the split state kernel (`gdr_state_tc_bf16_32s`,
+/// [`Workspace::set_state_split`]).
+pub const STATE_SPLIT_BV: usize = 32;
+/// Versions of the tensor-core prep kernel (stage A) that are built: 1
+/// `gdr_prep_tc_bf16` (72 KiB shared memory, 3 blocks per SM; M solved in fp32 SIMT),
+/// 2 `gdr_prep_tc2_bf16` (53 KiB, ≤ 64 registers, 4 blocks per SM; M solved in place,
+/// off-diagonal blocks on tensor cores with hi/lo-split bf16 operands). Same outputs up
+/// to bf16 rounding of `M diag(·)`.
+pub const PREP_KERNELS: [usize; 2] = [1, 2];
+/// Default of [`Workspace::set_prep_kernel`].
+pub const DEFAULT_PREP_KERNEL: usize = 2;
+/// Versions of the tensor-core output kernel (stage C) that are built: 1
+/// `gdr_output_tc_bf16` (128 registers, 2 blocks per SM; warp = 16 rows × 64 columns),
+/// 2 `gdr_output_tc2_bf16` (≤ 64 registers, 4 blocks per SM; P once per block in shared
+/// memory, warp = 64 rows × 16 columns). Same arithmetic, bit-identical outputs.
+pub const OUTPUT_KERNELS: [usize; 2] = [1, 2];
+/// Default of [`Workspace::set_output_kernel`].
+pub const DEFAULT_OUTPUT_KERNEL: usize = 2;
 
 /// Scratch of the chunked prefill, reusable across calls (grows as needed), and the
 /// choice of kernels.
@@ -136,7 +154,9 @@ pub const DEFAULT_STATE_BV: usize = 32;
 ///
 /// A new workspace takes its defaults from the environment, for A/B runs of a built
 /// binary: `HYPIC_GDR_KERNELS=simt` forces the SIMT kernels (anything else: automatic),
-/// `HYPIC_GDR_STATE_BV=32|64` sets [`Workspace::set_state_bv`].
+/// `HYPIC_GDR_STATE_BV=32|64` sets [`Workspace::set_state_bv`], `HYPIC_GDR_PREP=1|2`
+/// [`Workspace::set_prep_kernel`], `HYPIC_GDR_OUTPUT=1|2` [`Workspace::set_output_kernel`],
+/// `HYPIC_GDR_STATE_SPLIT=1` [`Workspace::set_state_split`].
 pub struct Workspace {
     gcum: Option<CudaSlice<f32>>,
     w: Option<CudaSlice<f32>>,
@@ -145,6 +165,9 @@ pub struct Workspace {
     kt: Option<CudaSlice<f32>>,
     force: Option<ChunkedPath>,
     state_bv: usize,
+    prep: usize,
+    output: usize,
+    state_split: bool,
 }
 
 impl Default for Workspace {
@@ -158,6 +181,17 @@ impl Default for Workspace {
             .and_then(|v| v.parse::<usize>().ok())
             .filter(|b| STATE_BV.contains(b))
             .unwrap_or(DEFAULT_STATE_BV);
+        let prep = std::env::var("HYPIC_GDR_PREP")
+            .ok()
+            .and_then(|v| v.parse::<usize>().ok())
+            .filter(|p| PREP_KERNELS.contains(p))
+            .unwrap_or(DEFAULT_PREP_KERNEL);
+        let output = std::env::var("HYPIC_GDR_OUTPUT")
+            .ok()
+            .and_then(|v| v.parse::<usize>().ok())
+            .filter(|p| OUTPUT_KERNELS.contains(p))
+            .unwrap_or(DEFAULT_OUTPUT_KERNEL);
+        let state_split = std::env::var("HYPIC_GDR_STATE_SPLIT").as_deref() == Ok("1");
         Workspace {
             gcum: None,
             w: None,
@@ -166,6 +200,9 @@ impl Default for Workspace {
             kt: None,
             force,
             state_bv,
+            prep,
+            output,
+            state_split,
         }
     }
 }
@@ -213,6 +250,52 @@ impl Workspace {
     /// Value columns per block of the tensor-core state kernel.
     pub fn state_bv(&self) -> usize {
         self.state_bv
+    }
+
+    /// Version of the tensor-core prep kernel, one of [`PREP_KERNELS`].
+    pub fn set_prep_kernel(&mut self, version: usize) -> Result<()> {
+        if !PREP_KERNELS.contains(&version) {
+            return Err(CudaError::Shape(format!(
+                "GDR prep kernel version {version}: built are {PREP_KERNELS:?}"
+            )));
+        }
+        self.prep = version;
+        Ok(())
+    }
+
+    /// Version of the tensor-core prep kernel.
+    pub fn prep_kernel(&self) -> usize {
+        self.prep
+    }
+
+    /// Version of the tensor-core output kernel, one of [`OUTPUT_KERNELS`].
+    pub fn set_output_kernel(&mut self, version: usize) -> Result<()> {
+        if !OUTPUT_KERNELS.contains(&version) {
+            return Err(CudaError::Shape(format!(
+                "GDR output kernel version {version}: built are {OUTPUT_KERNELS:?}"
+            )));
+        }
+        self.output = version;
+        Ok(())
+    }
+
+    /// Version of the tensor-core output kernel.
+    pub fn output_kernel(&self) -> usize {
+        self.output
+    }
+
+    /// With state block width [`STATE_SPLIT_BV`]: run `gdr_state_tc_bf16_32s` (4 warps
+    /// per block, each 16 state columns × half the state rows: half the mma per warp and
+    /// chunk, two more barriers) instead of `gdr_state_tc_bf16_32` (2 warps). No effect
+    /// with other widths. Default off (`HYPIC_GDR_STATE_SPLIT=1` turns it on).
+    pub fn set_state_split(&mut self, split: bool) {
+        self.state_split = split;
+    }
+
+    /// Whether the state kernel runs split ([`Workspace::set_state_split`]) — true only
+    /// when set and the width is [`STATE_SPLIT_BV`].
+    pub fn state_split(&self) -> bool {
+        self.state_split && self.state_bv == STATE_SPLIT_BV
     }
 
     fn ensure(gpu: &Gpu, slot: &mut Option<CudaSlice<f32>>, n: usize) -> Result<()> {
@@ -450,6 +533,9 @@ const SMEM_PREP_TC: u32 = (2 * CHUNK * TC_LD * 2
     + CHUNK * (CHUNK + 1) * 4
     + 3 * 256 * 4
     + 3 * CHUNK * 4) as u32;
+/// fp32 row stride of L / M in `gdr_prep_tc2_bf16` (TC_MLD).
+const TC_MLD: usize = CHUNK + 8;
+const SMEM_PREP2_TC: u32 = (2 * CHUNK * TC_LD * 2 + CHUNK * TC_MLD * 4 + 3 * CHUNK * 4) as u32;
 /// Ring stages of the tensor-core state kernel (TC_STAGES).
 const TC_STAGES: usize = 3;
 /// Shared memory of `gdr_state_tc_bf16_{bv}`: TC_STAGES · TC_STAGE_U4(bv/16) · 16 bytes.
@@ -461,8 +547,10 @@ const SMEM_OUT_TC: u32 = (2 * CHUNK * TC_LD * 2 + CHUNK * 4) as u32;
 const TILE_F32: usize = CHUNK * PREFILL_DIM / 2;
 
 /// The tensor-core path of [`chunked`] (bf16 `T` only; shapes checked by the caller).
-/// Three launches: `gdr_prep_tc_bf16` (grid NT×Hv, 256 threads), `gdr_state_tc_bf16_{BV}`
-/// (grid Hv×(dv [+ dk])/BV, 2·BV threads), `gdr_output_tc_bf16` (grid NT×Hv, 256).
+/// Three launches: `gdr_prep_tc{,2}_bf16` (grid NT×Hv, version 2 Hv×NT; 256 threads;
+/// [`Workspace::set_prep_kernel`]), `gdr_state_tc_bf16_{BV}[s]` (grid Hv×(dv [+ dk])/BV,
+/// 2·BV threads, split 4·BV), `gdr_output_tc{,2}_bf16` (as prep; 256 threads;
+/// [`Workspace::set_output_kernel`]).
 #[allow(clippy::too_many_arguments)]
 fn chunked_tc<T: Elem>(
     gpu: &Gpu,
@@ -486,7 +574,14 @@ fn chunked_tc<T: Elem>(
     Workspace::ensure(gpu, &mut ws.kt, tiles * TILE_F32)?;
     Workspace::ensure(gpu, &mut ws.u, tiles * TILE_F32)?;
     Workspace::ensure(gpu, &mut ws.hs, tiles * 2 * TILE_F32)?;
-    let bv = ws.state_bv;
+    let (bv, split) = (ws.state_bv, ws.state_split());
+    // Version 2 of prep / output puts the chunks on grid y (at most 65535: T ≤ 4.19M);
+    // longer sequences run version 1.
+    let (prep, output) = if nt > 65_535 {
+        (1, 1)
+    } else {
+        (ws.prep, ws.output)
+    };
     let (gcum, w, kt, u, hs) = (
         ws.gcum.as_mut().expect("allocated"),
         ws.w.as_mut().expect("allocated"),
@@ -502,12 +597,25 @@ fn chunked_tc<T: Elem>(
         Ok(())
     };
     mark(0)?;
-    // A: per chunk G, W, K̃ᵀ, Uᵀ.
-    let f = gpu.function(&GDR_TC, "gdr_prep_tc_bf16", SMEM_PREP_TC)?;
+    // A: per chunk G, W, K̃ᵀ, Uᵀ (both versions: same arguments and outputs).
+    // Grids: version 1 (NT, Hv), version 2 (Hv, NT) (value heads fastest).
+    let (name, smem, grid) = match prep {
+        1 => (
+            "gdr_prep_tc_bf16",
+            SMEM_PREP_TC,
+            (nt as u32, d.hv as u32, 1),
+        ),
+        _ => (
+            "gdr_prep_tc2_bf16",
+            SMEM_PREP2_TC,
+            (d.hv as u32, nt as u32, 1),
+        ),
+    };
+    let f = gpu.function(&GDR_TC, name, smem)?;
     let cfg = LaunchConfig {
-        grid_dim: (nt as u32, d.hv as u32, 1),
+        grid_dim: grid,
         block_dim: (256, 1, 1),
-        shared_mem_bytes: SMEM_PREP_TC,
+        shared_mem_bytes: smem,
     };
     let mut b = gpu.stream().launch_builder(&f);
     b.arg(k)
@@ -521,16 +629,22 @@ fn chunked_tc<T: Elem>(
         .arg(&t)
         .arg(&hk)
         .arg(&hv);
-    // SAFETY: matches `gdr_prep_tc_bf16`; T is bf16 (path selection), buffers sized above.
+    // SAFETY: matches `gdr_prep_tc_bf16` / `gdr_prep_tc2_bf16`; T is bf16 (path
+    // selection), buffers sized above.
     unsafe { b.launch(cfg) }?;
     mark(1)?;
     // B: sequential over chunks.
     let ncols = d.dv + if trans.is_some() { d.dk } else { 0 };
     let smem = smem_state_tc(bv);
-    let f = gpu.function(&GDR_TC, &format!("gdr_state_tc_bf16_{bv}"), smem)?;
+    let (name, threads) = if split {
+        (format!("gdr_state_tc_bf16_{bv}s"), 4 * bv)
+    } else {
+        (format!("gdr_state_tc_bf16_{bv}"), 2 * bv)
+    };
+    let f = gpu.function(&GDR_TC, &name, smem)?;
     let cfg = LaunchConfig {
         grid_dim: (d.hv as u32, (ncols / bv) as u32, 1),
-        block_dim: (2 * bv as u32, 1, 1),
+        block_dim: (threads as u32, 1, 1),
         shared_mem_bytes: smem,
     };
     let null: u64 = 0;
@@ -541,13 +655,19 @@ fn chunked_tc<T: Elem>(
         None => b.arg(&null),
     };
     b.arg(&mut *hs).arg(&t);
-    // SAFETY: matches `gdr_state_tc_bf16_*`; buffers sized above.
+    // SAFETY: matches `gdr_state_tc_bf16_*` (`_32s`: same arguments and ring); buffers
+    // sized above.
     unsafe { b.launch(cfg) }?;
     mark(2)?;
-    // C: outputs.
-    let f = gpu.function(&GDR_TC, "gdr_output_tc_bf16", SMEM_OUT_TC)?;
+    // C: outputs (both versions: same arguments, shared memory and output).
+    // Grids: version 1 (NT, Hv), version 2 (Hv, NT) (value heads fastest).
+    let (name, grid) = match output {
+        1 => ("gdr_output_tc_bf16", (nt as u32, d.hv as u32, 1)),
+        _ => ("gdr_output_tc2_bf16", (d.hv as u32, nt as u32, 1)),
+    };
+    let f = gpu.function(&GDR_TC, name, SMEM_OUT_TC)?;
     let cfg = LaunchConfig {
-        grid_dim: (nt as u32, d.hv as u32, 1),
+        grid_dim: grid,
         block_dim: (256, 1, 1),
         shared_mem_bytes: SMEM_OUT_TC,
     };
@@ -561,7 +681,7 @@ fn chunked_tc<T: Elem>(
         .arg(&t)
         .arg(&hk)
         .arg(&hv);
-    // SAFETY: matches `gdr_output_tc_bf16`; buffers sized above.
+    // SAFETY: matches `gdr_output_tc_bf16` / `gdr_output_tc2_bf16`; buffers sized above.
     unsafe { b.launch(cfg) }?;
     mark(3)?;
     Ok(())
@@ -608,6 +728,20 @@ mod tests {
         assert_eq!(ws.state_bv(), 64);
         assert!(ws.set_state_bv(48).is_err());
         assert_eq!(ws.state_bv(), 64);
+        ws.set_prep_kernel(1).unwrap();
+        assert_eq!(ws.prep_kernel(), 1);
+        assert!(ws.set_prep_kernel(3).is_err());
+        assert_eq!(ws.prep_kernel(), 1);
+        assert!(PREP_KERNELS.contains(&DEFAULT_PREP_KERNEL));
+        ws.set_output_kernel(1).unwrap();
+        assert_eq!(ws.output_kernel(), 1);
+        assert!(ws.set_output_kernel(0).is_err());
+        assert_eq!(ws.output_kernel(), 1);
+        assert!(OUTPUT_KERNELS.contains(&DEFAULT_OUTPUT_KERNEL));
+        ws.set_state_split(true);
+        assert!(!ws.state_split()); // BV 64
+        ws.set_state_bv(STATE_SPLIT_BV).unwrap();
+        assert!(ws.state_split());
     }
 
     #[test]
@@ -615,7 +749,10 @@ mod tests {
         // TC_PREP_SMEM, TC_OUT_SMEM and the state kernel's ring of kernels/gdr_tc.cu,
         // all within the 227 KiB a block may use on H100/H200.
         assert_eq!(SMEM_PREP_TC, 73_728);
-        assert_eq!(SMEM_OUT_TC, 35_072);
+        // gdr_prep_tc2_bf16: four blocks per SM (its ≤ 64 registers allow them too).
+        assert_eq!(SMEM_PREP2_TC, 54_016);
+        assert!(4 * (SMEM_PREP2_TC as usize + 1024) <= 228 * 1024);
+        assert_eq!(SMEM_OUT_TC, 35_072); // both output kernels
         assert_eq!(smem_state_tc(32), 3 * 2305 * 16);
         assert_eq!(smem_state_tc(64), 3 * 2561 * 16);
         assert!(STATE_BV.iter().all(|&b| smem_state_tc(b) <= 227 * 1024));
