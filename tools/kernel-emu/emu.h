@@ -128,10 +128,11 @@ inline std::function<void()> emu_block_end_hook;
 inline uint64_t emu_epoch = 0;
 inline void (*emu_cp_hook)(unsigned dst, int bytes) = nullptr;
 
-[[noreturn]] inline void emu_fail(const char* what) {
+[[noreturn]] inline void emu_fail(const char* what) {  // _Exit: no destructors on a fiber stack
     std::fprintf(stderr, "EMU ERROR: %s (thread %u, block %u,%u)\n", what, emu.cur ? emu.cur->tidx.x : 0u,
                  blockIdx.x, blockIdx.y);
-    std::exit(3);
+    std::fflush(nullptr);
+    std::_Exit(3);
 }
 
 inline void emu_yield() { swapcontext(&emu.cur->ctx, &emu.sched); }
