@@ -69,6 +69,9 @@
 // 199 808 for HD 256, 101 504 for HD 128.
 //
 // Instances attn_flash_wg_bf16_{256,128}; grid (ceil(tq / 128)·nh, nsplit), block 256.
+// The warp-specialised variant attn_flash_wg3_bf16_{256,128} (block 384: a producer
+// warpgroup with mbarriers, two ping-pong consumer warpgroups) follows the first kernel
+// and reuses its primitives, descriptors, loaders and fragment code.
 // The module compiles to nothing for targets without wgmma (sm_90a only; compile::ALL
 // builds every module for the device, attn.rs refuses other devices before looking up a
 // kernel). The host emulator defines FW_HOST_EMULATOR.
@@ -639,6 +642,22 @@ ATTN_FLASH_WG(128)
 //   the same tile list, so every arrival is matched by a sync).
 // Registers: 128·(FW3_REG_LOAD + 2·FW3_REG_MMA) ≤ 65536; the launch bound (384, 1) gives
 // 168 per thread at entry (65536 / 384 rounded down to 8), and 24 + 2·240 = 3·168.
+// ptxas allocates each setmaxnreg region within its count (checked with NVRTC 13: at 200
+// the HD-256 consumer spills and ptxas serialises its wgmma (C7512); at 240 no spills);
+// the launch bound's minimum of 1 CTA per SM pins the entry count (without it ptxas drops
+// setmaxnreg, C7508).
+// Hardware facts used here (PTX ISA 8.x/9.0: "mbarrier" (init, arrive, try_wait.parity,
+// phase completion, expected / pending counts), "cp.async.mbarrier.arrive" (.noinc: the
+// asynchronous arrival is not pre-counted, so the expected count includes it; triggered
+// when all prior cp.async of the thread completed), "bar.sync / bar.arrive" (named
+// barriers 0..15, thread count a multiple of the warp size), "setmaxnreg" (24..256 in
+// steps of 8, same value in all warps of a warpgroup, per-CTA pool, .inc blocks until
+// available), "Memory Consistency Model: proxies" (cp.async writes are generic-proxy
+// writes; wgmma operand reads are async-proxy reads; a fence.proxy.async orders them once
+// the writes are visible to the fencing thread, here through the mbarrier acquire);
+// FA3 paper §3.1 (warp specialisation with setmaxnreg, ping-pong with named barriers),
+// §3.2 (intra-warpgroup overlap); CUTLASS's PipelineAsync / cpasync_barrier_arrive_noinc
+// for the cp.async-with-mbarrier producer pattern and its producer start phase 1).
 // Shared memory (base rounded up to 1024): sQ [NCB][128][128 B] | sK [S][NCB][64][128 B] |
 // sV [S][NCB][64][128 B] | sQP [128] i64 | sKP [S][64] i64 | sRed [32] i64 | mbarriers [16]
 // = 1024 + NCB·(128 + 2·S·64)·128 + (128 + 64·S + 48)·8 bytes (attn.rs:
@@ -787,6 +806,9 @@ __device__ __forceinline__ void attn_flash_wg3_impl(const bf16* __restrict__ q, 
             j = jn;
             ++t;
         }
+        // Not needed for the mbarriers (they track the copies); the producer just does not
+        // exit with copies in flight (wait_group only covers committed groups).
+        fw_cp_commit();
         fw_cp_wait_all();
         return;
     }
