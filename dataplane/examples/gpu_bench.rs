@@ -416,6 +416,20 @@ mod bench {
                     flops / ms / 1e9
                 );
                 wg3_checks.push((t, rel_diff(&g.download(&o)?, &want)));
+                let opts = attn::FlashWgOpts {
+                    split: None,
+                    kernel: attn::FlashWgKernel::WarpSpecializedNoPingPong,
+                };
+                let ms = time_ms(&g, 3, reps.max(10), || {
+                    attn::prefill_flash_wg_with(
+                        &g, &q, &p, &k, &v, &p, &mut o, t, t, nh, nkv, hd, opts,
+                    )
+                })?;
+                println!(
+                    "| {t} | variant: flash-wg3 without ping-pong (wgmma, warp-specialised) \
+                     | {ms:.3} | {:.1} | 0 |",
+                    flops / ms / 1e9
+                );
             }
         }
         println!();

@@ -667,7 +667,7 @@ ATTN_FLASH_WG(128)
 #define FW3_REG_MMA 240
 #define FW3_STAGES(HD) ((HD) == 256 ? 2 : 3)
 
-template <int HD>
+template <int HD, bool PINGPONG>
 __device__ __forceinline__ void attn_flash_wg3_impl(const bf16* __restrict__ q, const bf16* __restrict__ k,
                                                     const bf16* __restrict__ v, const i64* __restrict__ q_pos,
                                                     const i64* __restrict__ kv_pos, const i64* __restrict__ tiles,
@@ -921,7 +921,7 @@ __device__ __forceinline__ void attn_flash_wg3_impl(const bf16* __restrict__ q, 
         softmax(j, 0, c0, c1);
         fw_mbar_arrive(bar_ke(0));
         pack_p();
-        if (wgc == 1) fw_bar_arrive(1, 2 * PT);  // consumer 0 issues first
+        if (PINGPONG && wgc == 1) fw_bar_arrive(1, 2 * PT);  // consumer 0 issues first
     }
     int t = 0, sk = S > 1 ? 1 : 0, sv = 0;  // stages of K(t + 1) and V(t)
     while (j < je) {
@@ -929,11 +929,11 @@ __device__ __forceinline__ void attn_flash_wg3_impl(const bf16* __restrict__ q, 
         if (jn < je) fw_mbar_wait(bar_kf(sk), ((t + 1) / S) & 1);
         fw_mbar_wait(bar_vf(sv), (t / S) & 1);
         fw_fence_proxy_async();
-        fw_bar_sync(1 + wgc, 2 * PT);  // my turn at the tensor cores
+        if (PINGPONG) fw_bar_sync(1 + wgc, 2 * PT);  // my turn at the tensor cores
         fw_wgmma_fence();
         issue_s(sk);  // for the last tile: scores of a stale stage, unused
         issue_pv(sv);
-        if (wgc == 0 || jn < je) fw_bar_arrive(2 - wgc, 2 * PT);  // the other's turn
+        if (PINGPONG && (wgc == 0 || jn < je)) fw_bar_arrive(2 - wgc, 2 * PT);  // the other's turn
         fw_wgmma_wait<1, ST * 4>(&s[0][0]);  // S(t+1) done, P V(t) may still run
         float c0 = 1.f, c1 = 1.f;
         if (jn < je) {
@@ -1001,14 +1001,18 @@ __device__ __forceinline__ void attn_flash_wg3_impl(const bf16* __restrict__ q, 
     }
 }
 
-#define ATTN_FLASH_WG3(HD)                                                                            \
-    extern "C" __global__ void __launch_bounds__(FW3_THREADS, 1) attn_flash_wg3_bf16_##HD(            \
+// attn_flash_wg3_bf16_{HD}: with ping-pong; attn_flash_wg3np_bf16_{HD}: without (the two
+// consumers issue their wgmma independently; for timing the ping-pong's effect).
+#define ATTN_FLASH_WG3(NAME, HD, PP)                                                                  \
+    extern "C" __global__ void __launch_bounds__(FW3_THREADS, 1) NAME##_bf16_##HD(                    \
         const bf16* q, const bf16* k, const bf16* v, const i64* q_pos, const i64* kv_pos,             \
         const i64* tiles, bf16* o, float* wo, float* wml, int tq, int n_kv, int nh, int nkv,          \
         float scale_log2) {                                                                           \
-        attn_flash_wg3_impl<HD>(q, k, v, q_pos, kv_pos, tiles, o, wo, wml, tq, n_kv, nh, nkv,         \
-                                scale_log2);                                                          \
+        attn_flash_wg3_impl<HD, PP>(q, k, v, q_pos, kv_pos, tiles, o, wo, wml, tq, n_kv, nh, nkv,     \
+                                    scale_log2);                                                      \
     }
-ATTN_FLASH_WG3(256)
-ATTN_FLASH_WG3(128)
+ATTN_FLASH_WG3(attn_flash_wg3, 256, true)
+ATTN_FLASH_WG3(attn_flash_wg3, 128, true)
+ATTN_FLASH_WG3(attn_flash_wg3np, 256, false)
+ATTN_FLASH_WG3(attn_flash_wg3np, 128, false)
 #endif  // sm_90a

@@ -954,12 +954,17 @@ mod gpu {
         wg_vs_flash_4096("flash_wg_vs_flash_4096", attn::FlashWgKernel::Basic);
     }
 
-    /// [`flash_wg_vs_flash_4096`] for the warp-specialised kernel.
+    /// [`flash_wg_vs_flash_4096`] for the warp-specialised kernel, with and without
+    /// ping-pong.
     #[test]
     fn flash_wg3_vs_flash_4096() {
         wg_vs_flash_4096(
             "flash_wg3_vs_flash_4096",
             attn::FlashWgKernel::WarpSpecialized,
+        );
+        wg_vs_flash_4096(
+            "flash_wg3_vs_flash_4096",
+            attn::FlashWgKernel::WarpSpecializedNoPingPong,
         );
     }
 

@@ -2,8 +2,9 @@
 // see run.sh: `run.sh wg`) in the host emulator of emu.h + emu_wg.h against a
 // double-precision reference of the attention contract (model::attention). The key tile
 // summaries and the split merge are flash.cu's kernels, as in attn::prefill_flash_wg.
-// Usage: flash_wg_emu [quick] [basic|wg3|both] (default both): attn_flash_wg_bf16_* (256
-// threads) and / or the warp-specialised attn_flash_wg3_bf16_* (384 threads).
+// Usage: flash_wg_emu [quick] [basic|wg3|wg3np|both|all] (default both): attn_flash_wg_bf16_*
+// (256 threads) and / or the warp-specialised attn_flash_wg3_bf16_* (384 threads; wg3np:
+// attn_flash_wg3np_bf16_*, without ping-pong; all: the three).
 #include "emu_wg.h"
 
 typedef long long i64;
@@ -14,7 +15,7 @@ typedef long long i64;
 #include <string>
 
 static int g_fail = 0;
-static int g_variant = 0;  // 0: attn_flash_wg_*, 1: attn_flash_wg3_*
+static int g_variant = 0;  // 0: attn_flash_wg_*, 1: attn_flash_wg3_*, 2: attn_flash_wg3np_*
 static double g_worst_rel = 0, g_worst_mrel = 0;
 
 typedef void (*FlashKernel)(const bf16*, const bf16*, const bf16*, const i64*, const i64*, const i64*, bf16*,
@@ -92,8 +93,9 @@ static void run_case(const std::string& name, const std::vector<i64>& q_pos, con
                             ? 1024 + (size_t)(hd / 64) * (br + 4 * bc) * 128 + (size_t)(br + 2 * bc + 16) * 8
                             : 1024 + (size_t)(hd / 64) * (br + 2 * st3 * bc) * 128 + (size_t)(br + st3 * bc + 48) * 8;
     const float sl2 = (float)(scale * 1.4426950408889634);
-    const FlashKernel f = g_variant == 0 ? (hd == 256 ? attn_flash_wg_bf16_256 : attn_flash_wg_bf16_128)
-                                         : (hd == 256 ? attn_flash_wg3_bf16_256 : attn_flash_wg3_bf16_128);
+    const FlashKernel f = g_variant == 0   ? (hd == 256 ? attn_flash_wg_bf16_256 : attn_flash_wg_bf16_128)
+                          : g_variant == 1 ? (hd == 256 ? attn_flash_wg3_bf16_256 : attn_flash_wg3_bf16_128)
+                                           : (hd == 256 ? attn_flash_wg3np_bf16_256 : attn_flash_wg3np_bf16_128);
     const unsigned threads = g_variant == 0 ? 256 : 384;
     const long ops0 = emu_wg_count;
     emu_launch({(unsigned)(nqt * nh), (unsigned)nsplit, 1}, threads, smem + emu_smem_shift, [&] {
@@ -123,7 +125,7 @@ static void run_case(const std::string& name, const std::vector<i64>& q_pos, con
     const double rel = den > 0 ? std::sqrt(num / den) : std::sqrt(num), mrel = maxw > 0 ? maxd / maxw : maxd;
     const bool pass = !nan && !zero_bad && rel <= 4e-3 && mrel <= 4e-2;
     std::printf("%s %s %s: %d/%d x %d, tq=%d n_kv=%d split %d: rel %.2e max rel %.2e (%ld wgmma)%s%s\n",
-                pass ? "ok  " : "FAIL", g_variant ? "wg3" : "wg ", name.c_str(), nh, nkv, hd, tq, n, nsplit, rel, mrel, emu_wg_count - ops0,
+                pass ? "ok  " : "FAIL", g_variant == 2 ? "wg3np" : g_variant ? "wg3" : "wg ", name.c_str(), nh, nkv, hd, tq, n, nsplit, rel, mrel, emu_wg_count - ops0,
                 nan ? " NaN" : "", zero_bad ? " nonzero-for-blind-query" : "");
     g_worst_rel = std::max(g_worst_rel, rel);
     g_worst_mrel = std::max(g_worst_mrel, mrel);
@@ -209,14 +211,19 @@ int main(int argc, char** argv) {
         if (a == "quick") quick = true;
         else which = a;
     }
-    if (which == "basic" || which == "both") {
+    if (which == "basic" || which == "both" || which == "all") {
         g_variant = 0;
         emu.eager_cp = eager;
         all_cases(quick);
     }
-    if (which == "wg3" || which == "both") {
-        // The producer's copies land at its cp.async.mbarrier.arrive (EMU_EAGER_CP does not apply).
+    // The producer's copies land at its cp.async.mbarrier.arrive (EMU_EAGER_CP does not apply).
+    if (which == "wg3" || which == "both" || which == "all") {
         g_variant = 1;
+        emu.eager_cp = false;
+        all_cases(quick);
+    }
+    if (which == "wg3np" || which == "all") {
+        g_variant = 2;
         emu.eager_cp = false;
         all_cases(quick);
     }

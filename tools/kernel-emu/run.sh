@@ -5,7 +5,7 @@
 # reference. Needs g++ (C++17). Usage:
 #   tools/kernel-emu/run.sh [quick]          # flash.cu; cp.async copies land at wait_group
 #   EMU_EAGER_CP=1 tools/kernel-emu/run.sh   # ... or as soon as they are issued
-#   tools/kernel-emu/run.sh wg [quick] [basic|wg3]  # flash_wg.cu (wgmma): attn_flash_wg_* and the
+#   tools/kernel-emu/run.sh wg [quick] [basic|wg3|wg3np|all]  # flash_wg.cu: attn_flash_wg_* and the
 #                                            # warp-specialised attn_flash_wg3_* (default both);
 #                                            # EMU_SMEM_SHIFT=16 offsets the dynamic shared
 #                                            # memory base (alignment code)
@@ -115,9 +115,10 @@ W3 = {
   # producer fills V into the wrong stage of the ring
   "wg3-stage": [["load_tile(v, sVa + sv * TBYTES, j);", "load_tile(v, sVa + (sv + 1 == S ? 0 : sv + 1) * TBYTES, j);"]],
   # ping-pong: consumer 1 also arrives after its last issue (an arrival nobody syncs on)
-  "wg3-pingpong-arrive": [["if (wgc == 0 || jn < je) fw_bar_arrive(2 - wgc, 2 * PT);", "fw_bar_arrive(2 - wgc, 2 * PT);"]],
+  "wg3-pingpong-arrive": [["if (PINGPONG && (wgc == 0 || jn < je)) fw_bar_arrive(2 - wgc, 2 * PT);",
+                           "if (PINGPONG) fw_bar_arrive(2 - wgc, 2 * PT);"]],
   # ping-pong: consumer 1 does not open consumer 0's first turn
-  "wg3-pingpong-open": [["        if (wgc == 1) fw_bar_arrive(1, 2 * PT);  // consumer 0 issues first\n", ""]],
+  "wg3-pingpong-open": [["        if (PINGPONG && wgc == 1) fw_bar_arrive(1, 2 * PT);  // consumer 0 issues first\n", ""]],
   # setmaxnreg not a multiple of 8
   "wg3-regs-align": [["#define FW3_REG_MMA 240", "#define FW3_REG_MMA 236"]],
   # producer keeps 40 registers: the pool cannot grant 2 × 128 × 240

@@ -800,6 +800,9 @@ pub enum FlashWgKernel {
     /// warpgroups (`setmaxnreg` 240) run the wgmma loop without block barriers, ping-pong
     /// scheduled by named barriers (one's softmax under the other's GEMMs).
     WarpSpecialized,
+    /// `attn_flash_wg3np_bf16_{hd}`: [`FlashWgKernel::WarpSpecialized`] without the
+    /// ping-pong (the consumers issue their GEMMs independently); for timing its effect.
+    WarpSpecializedNoPingPong,
 }
 
 /// Options of [`prefill_flash_wg_with`]; the default is what [`prefill_flash_wg`] does.
@@ -905,6 +908,9 @@ pub fn prefill_flash_wg_with<T: Elem>(
     let (smem, threads, prefix) = match opts.kernel {
         FlashWgKernel::Basic => (flash_wg_smem_bytes(hd), 256u32, "attn_flash_wg"),
         FlashWgKernel::WarpSpecialized => (flash_wg3_smem_bytes(hd), 384u32, "attn_flash_wg3"),
+        FlashWgKernel::WarpSpecializedNoPingPong => {
+            (flash_wg3_smem_bytes(hd), 384u32, "attn_flash_wg3np")
+        }
     };
     let optin = ctx
         .attribute(CUdevice_attribute::CU_DEVICE_ATTRIBUTE_MAX_SHARED_MEMORY_PER_BLOCK_OPTIN)?
