@@ -820,7 +820,10 @@ pub struct FlashWgOpts {
 /// cores: our kernel `kernels/flash_wg.cu`, the FlashAttention-3 scheme (J. Shah et al.,
 /// 2024, "FlashAttention-3: Fast and Accurate Attention with Asynchrony and
 /// Low-precision": `wgmma` with shared-memory descriptors, softmax overlapped with the
-/// asynchronous GEMMs inside each warpgroup) without warp specialisation:
+/// asynchronous GEMMs inside each warpgroup) without warp specialisation (the default
+/// [`FlashWgKernel::Basic`]; [`prefill_flash_wg_with`] with
+/// [`FlashWgKernel::WarpSpecialized`] runs the warp-specialised kernel: producer
+/// warpgroup, mbarrier ring, `setmaxnreg`, ping-pong consumers):
 ///
 /// * `q`: `[tq, nh, hd]`, `q_pos`: `[tq]` i64; `k`, `v`: `[n_kv, nkv, hd]`, `kv_pos`:
 ///   `[n_kv]` i64 (any order, any values); `o`: `[tq, nh, hd]`; `nh` a multiple of `nkv`;
