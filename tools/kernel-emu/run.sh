@@ -119,6 +119,13 @@ W3 = {
                            "if (PINGPONG) fw_bar_arrive(2 - wgc, 2 * PT);"]],
   # ping-pong: consumer 1 does not open consumer 0's first turn
   "wg3-pingpong-open": [["        if (PINGPONG && wgc == 1) fw_bar_arrive(1, 2 * PT);  // consumer 0 issues first\n", ""]],
+  # fragment / descriptor / ordering mutants of the basic kernel, on the wg3 copy of the code
+  "wg3-frag-a": M["frag-a"],
+  "wg3-k-step": M["k-step"],
+  "wg3-v-lbo-sbo": M["v-lbo-sbo"],
+  # P packed before P V(t) retired (register A overwritten in flight)
+  "wg3-early-pack": [["        fw_wgmma_wait<0, NT * 4>(&acc[0][0]);\n        fw_mbar_arrive(bar_ve(sv));",
+                      "        pack_p();\n        fw_wgmma_wait<0, NT * 4>(&acc[0][0]);\n        fw_mbar_arrive(bar_ve(sv));"]],
   # setmaxnreg not a multiple of 8
   "wg3-regs-align": [["#define FW3_REG_MMA 240", "#define FW3_REG_MMA 236"]],
   # producer keeps 40 registers: the pool cannot grant 2 × 128 × 240
