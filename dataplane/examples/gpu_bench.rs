@@ -430,6 +430,20 @@ mod bench {
                      | {ms:.3} | {:.1} | 0 |",
                     flops / ms / 1e9
                 );
+                let opts = attn::FlashWgOpts {
+                    split: None,
+                    kernel: attn::FlashWgKernel::WarpSpecializedBc80,
+                };
+                let ms = time_ms(&g, 3, reps.max(10), || {
+                    attn::prefill_flash_wg_with(
+                        &g, &q, &p, &k, &v, &p, &mut o, t, t, nh, nkv, hd, opts,
+                    )
+                })?;
+                println!(
+                    "| {t} | variant: flash-wg3 with 128 × 80 tiles (wgmma, warp-specialised) \
+                     | {ms:.3} | {:.1} | 0 |",
+                    flops / ms / 1e9
+                );
             }
         }
         println!();

@@ -153,6 +153,21 @@ __device__ __forceinline__ void fw_wgmma_ss_n64(float* d, unsigned long long da,
         : "l"(da), "l"(db), "r"(scale_d));
 }
 
+// d (64×80 fp32) = (scale_d ? d : 0) + A · B, as fw_wgmma_ss_n64 with N = 80 (80-key tiles).
+__device__ __forceinline__ void fw_wgmma_ss_n80(float* d, unsigned long long da, unsigned long long db, int scale_d) {
+    asm volatile(
+        "{\n.reg .pred p;\nsetp.ne.b32 p, %42, 0;\n"
+        "wgmma.mma_async.sync.aligned.m64n80k16.f32.bf16.bf16 "
+        "{%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, %16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31, %32, %33, %34, %35, %36, %37, %38, %39}, %40, %41, p, 1, 1, 0, 0;\n}\n"
+        :
+          "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]), "+f"(d[7]),
+          "+f"(d[8]), "+f"(d[9]), "+f"(d[10]), "+f"(d[11]), "+f"(d[12]), "+f"(d[13]), "+f"(d[14]), "+f"(d[15]),
+          "+f"(d[16]), "+f"(d[17]), "+f"(d[18]), "+f"(d[19]), "+f"(d[20]), "+f"(d[21]), "+f"(d[22]), "+f"(d[23]),
+          "+f"(d[24]), "+f"(d[25]), "+f"(d[26]), "+f"(d[27]), "+f"(d[28]), "+f"(d[29]), "+f"(d[30]), "+f"(d[31]),
+          "+f"(d[32]), "+f"(d[33]), "+f"(d[34]), "+f"(d[35]), "+f"(d[36]), "+f"(d[37]), "+f"(d[38]), "+f"(d[39])
+        : "l"(da), "l"(db), "r"(scale_d));
+}
+
 // d (64×256 fp32) += A · B: A 64×16 bf16 from registers a[4], B 16×256 MN-major in shared
 // memory (descriptor db, trans-b = 1).
 __device__ __forceinline__ void fw_wgmma_rs_n256(float* d, const unsigned* a, unsigned long long db) {
@@ -301,6 +316,19 @@ template <> struct FwPv<256> {
 template <> struct FwPv<128> {
     static __device__ __forceinline__ void mma(float* d, const unsigned* a, unsigned long long db) {
         fw_wgmma_rs_n128(d, a, db);
+    }
+};
+
+// S = Q Kᵀ k-step for key tiles of BC = 64 or 80 (the warp-specialised kernel).
+template <int BC> struct FwS;
+template <> struct FwS<64> {
+    static __device__ __forceinline__ void mma(float* d, unsigned long long da, unsigned long long db, int sd) {
+        fw_wgmma_ss_n64(d, da, db, sd);
+    }
+};
+template <> struct FwS<80> {
+    static __device__ __forceinline__ void mma(float* d, unsigned long long da, unsigned long long db, int sd) {
+        fw_wgmma_ss_n80(d, da, db, sd);
     }
 };
 
@@ -616,7 +644,7 @@ ATTN_FLASH_WG(128)
 // intra-warpgroup overlap) on the same layouts, descriptors and fragments as the kernel above.
 // Same contract, arguments and grid; block = 3 warpgroups (384 threads):
 // * warpgroup 0, the producer: setmaxnreg.dec to FW3_REG_LOAD registers; loads Q once, then
-//   the visible K and V tiles in the order the consumers use them, K(0), K(1), V(0), K(2),
+//   the visible K and V tiles (BC keys) in the order the consumers use them, K(0), K(1), V(0), K(2),
 //   V(1), ..., into a ring of FW3_STAGES(HD) stages (3 at HD 128; 2 at HD 256, where Q and
 //   two K/V stages already take 192 KiB of the 227 KiB) with cp.async (the swizzled loader
 //   above); each load ends with cp.async.mbarrier.arrive.noinc on the stage's "full"
@@ -658,23 +686,26 @@ ATTN_FLASH_WG(128)
 // FA3 paper §3.1 (warp specialisation with setmaxnreg, ping-pong with named barriers),
 // §3.2 (intra-warpgroup overlap); CUTLASS's PipelineAsync / cpasync_barrier_arrive_noinc
 // for the cp.async-with-mbarrier producer pattern and its producer start phase 1).
-// Shared memory (base rounded up to 1024): sQ [NCB][128][128 B] | sK [S][NCB][64][128 B] |
-// sV [S][NCB][64][128 B] | sQP [128] i64 | sKP [S][64] i64 | sRed [32] i64 | mbarriers [16]
-// = 1024 + NCB·(128 + 2·S·64)·128 + (128 + 64·S + 48)·8 bytes (attn.rs:
-// flash_wg3_smem_bytes): 200 064 for HD 256 (S 2), 135 040 for HD 128 (S 3).
+// Key tiles of BC = 64 (attn_flash_wg3_*, attn_flash_wg3np_*) or 80 keys (attn_flash_wg3b80_*).
+// Shared memory (base rounded up to 1024): sQ [NCB][128][128 B] | sK [S][NCB][BC][128 B] |
+// sV [S][NCB][BC][128 B] | sKP [S][BC] i64 | sRed [32] i64 | mbarriers [16]
+// = 1024 + NCB·(128 + 2·S·BC)·128 + (S·BC + 48)·8 bytes (attn.rs: flash_wg3_smem_bytes):
+// HD 256 (S 2): 199 040 (BC 64), 232 064 (BC 80, of the 232 448 an H100 / H200 CTA may
+// have); HD 128 (S 3): 134 016 (BC 64), 158 976 (BC 80). The query positions are read
+// from global memory (no room for them at BC 80).
 #define FW3_THREADS 384
 #define FW3_REG_LOAD 24
 #define FW3_REG_MMA 240
 #define FW3_STAGES(HD) ((HD) == 256 ? 2 : 3)
 
-template <int HD, bool PINGPONG>
+template <int HD, int BC, bool PINGPONG>
 __device__ __forceinline__ void attn_flash_wg3_impl(const bf16* __restrict__ q, const bf16* __restrict__ k,
                                                     const bf16* __restrict__ v, const i64* __restrict__ q_pos,
                                                     const i64* __restrict__ kv_pos, const i64* __restrict__ tiles,
                                                     bf16* __restrict__ o, float* __restrict__ wo,
                                                     float* __restrict__ wml, int tq, int n_kv, int nh, int nkv,
                                                     float scale_log2) {
-    constexpr int BR = FW_BR, BC = FW_BC, THREADS = FW3_THREADS, S = FW3_STAGES(HD);
+    constexpr int BR = FW_BR, THREADS = FW3_THREADS, S = FW3_STAGES(HD);
     constexpr int NCB = HD / 64;
     constexpr int QBYTES = NCB * BR * 128;
     constexpr int TBYTES = NCB * BC * 128;  // one K or V stage
@@ -683,6 +714,7 @@ __device__ __forceinline__ void attn_flash_wg3_impl(const bf16* __restrict__ q, 
     constexpr int W = THREADS / 32;
     constexpr int PT = 128;  // producer threads
     static_assert(HD == 128 || HD == 256, "head dim");
+    static_assert(BC == 64 || BC == 80, "key tile");  // regions of BC·128 bytes: whole 1024-byte atoms
     static_assert((BR * HD / 8) % PT == 0 && (BC * HD / 8) % PT == 0, "loader shape");
     static_assert(PT * (FW3_REG_LOAD + 2 * FW3_REG_MMA) <= 65536, "register pool");
     extern __shared__ __align__(1024) unsigned char fw_smem[];
@@ -690,8 +722,7 @@ __device__ __forceinline__ void attn_flash_wg3_impl(const bf16* __restrict__ q, 
     unsigned char* sQ = base;
     unsigned char* sK = sQ + QBYTES;
     unsigned char* sV = sK + S * TBYTES;
-    i64* sQP = reinterpret_cast<i64*>(sV + S * TBYTES);
-    i64* sKP = sQP + BR;
+    i64* sKP = reinterpret_cast<i64*>(sV + S * TBYTES);
     i64* sRed = sKP + S * BC;
     unsigned long long* sBar = reinterpret_cast<unsigned long long*>(sRed + 32);
 
@@ -731,7 +762,6 @@ __device__ __forceinline__ void attn_flash_wg3_impl(const bf16* __restrict__ q, 
     if (tid < BR) {
         const bool ok = q0 + tid < tq;
         const i64 p = ok ? q_pos[q0 + tid] : FW_I64_MIN;
-        sQP[tid] = p;
         if (ok) {
             mn = p;
             mx = p;
@@ -820,7 +850,10 @@ __device__ __forceinline__ void attn_flash_wg3_impl(const bf16* __restrict__ q, 
 #pragma unroll
     for (int w = 1; w < W; ++w) qmin = fw_min64(qmin, sRed[w]);
     const int row0 = cwarp * 16 + (lane >> 2);  // this thread's accumulator rows row0, row0 + 8
-    const i64 qp0 = sQP[row0], qp1 = sQP[row0 + 8];
+    // This thread's query positions (rows past tq: I64_MIN, they see nothing), from global
+    // memory (no shared copy: 128 × 80 tiles at HD 256 leave no room for it).
+    const i64 qp0 = q0 + row0 < tq ? q_pos[q0 + row0] : FW_I64_MIN;
+    const i64 qp1 = q0 + row0 + 8 < tq ? q_pos[q0 + row0 + 8] : FW_I64_MIN;
 
     float s[ST][4];
     float acc[NT][4];
@@ -836,8 +869,8 @@ __device__ __forceinline__ void attn_flash_wg3_impl(const bf16* __restrict__ q, 
 #pragma unroll
         for (int kk = 0; kk < HD / 16; ++kk) {
             const unsigned kc = (kk & 3) * 32;
-            fw_wgmma_ss_n64(&s[0][0], fw_desc(qa + (kk >> 2) * BR * 128 + kc, 16, 1024),
-                            fw_desc(ka + (kk >> 2) * BC * 128 + kc, 16, 1024), kk > 0);
+            FwS<BC>::mma(&s[0][0], fw_desc(qa + (kk >> 2) * BR * 128 + kc, 16, 1024),
+                         fw_desc(ka + (kk >> 2) * BC * 128 + kc, 16, 1024), kk > 0);
         }
         fw_wgmma_commit();
     };
@@ -1001,18 +1034,24 @@ __device__ __forceinline__ void attn_flash_wg3_impl(const bf16* __restrict__ q, 
     }
 }
 
-// attn_flash_wg3_bf16_{HD}: with ping-pong; attn_flash_wg3np_bf16_{HD}: without (the two
-// consumers issue their wgmma independently; for timing the ping-pong's effect).
-#define ATTN_FLASH_WG3(NAME, HD, PP)                                                                  \
+// attn_flash_wg3_bf16_{HD}: 64-key tiles with ping-pong; attn_flash_wg3np_bf16_{HD}:
+// without (the two consumers issue their wgmma independently; for timing the ping-pong's
+// effect); attn_flash_wg3b80_bf16_{HD}: 80-key tiles (FA3's choice at head dim 256: the
+// S = Q Kᵀ wgmma m64n80 reads 4.5 KiB of shared memory per 40 tensor-core cycles instead
+// of 4 KiB per 32, and the per-tile costs spread over 25% more keys; tile summaries with
+// bc = 80).
+#define ATTN_FLASH_WG3(NAME, HD, BC, PP)                                                              \
     extern "C" __global__ void __launch_bounds__(FW3_THREADS, 1) NAME##_bf16_##HD(                    \
         const bf16* q, const bf16* k, const bf16* v, const i64* q_pos, const i64* kv_pos,             \
         const i64* tiles, bf16* o, float* wo, float* wml, int tq, int n_kv, int nh, int nkv,          \
         float scale_log2) {                                                                           \
-        attn_flash_wg3_impl<HD, PP>(q, k, v, q_pos, kv_pos, tiles, o, wo, wml, tq, n_kv, nh, nkv,     \
-                                    scale_log2);                                                      \
+        attn_flash_wg3_impl<HD, BC, PP>(q, k, v, q_pos, kv_pos, tiles, o, wo, wml, tq, n_kv, nh, nkv, \
+                                        scale_log2);                                                  \
     }
-ATTN_FLASH_WG3(attn_flash_wg3, 256, true)
-ATTN_FLASH_WG3(attn_flash_wg3, 128, true)
-ATTN_FLASH_WG3(attn_flash_wg3np, 256, false)
-ATTN_FLASH_WG3(attn_flash_wg3np, 128, false)
+ATTN_FLASH_WG3(attn_flash_wg3, 256, 64, true)
+ATTN_FLASH_WG3(attn_flash_wg3, 128, 64, true)
+ATTN_FLASH_WG3(attn_flash_wg3np, 256, 64, false)
+ATTN_FLASH_WG3(attn_flash_wg3np, 128, 64, false)
+ATTN_FLASH_WG3(attn_flash_wg3b80, 256, 80, true)
+ATTN_FLASH_WG3(attn_flash_wg3b80, 128, 80, true)
 #endif  // sm_90a

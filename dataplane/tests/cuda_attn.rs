@@ -34,7 +34,9 @@
 //! cache), `flash_wg_seam_bf16` (the flash seam cases), `flash_wg_vs_flash_4096` (causal
 //! T = 4096, 16/2 × 256, against `attn::prefill_flash`), `flash_wg_errors_are_errors`;
 //! `flash_wg3_causal_bf16`, `flash_wg3_seam_bf16`, `flash_wg3_vs_flash_4096`: the same
-//! cases on the warp-specialised kernel (`attn::FlashWgKernel::WarpSpecialized`).
+//! cases on the warp-specialised kernel (`attn::FlashWgKernel::WarpSpecialized`; the
+//! 4096 test also its `WarpSpecializedNoPingPong` and `WarpSpecializedBc80` variants);
+//! `flash_wg3b80_causal_bf16`, `flash_wg3b80_seam_bf16`: on `WarpSpecializedBc80`.
 //!
 //! Tolerances: f32 1e-5 norm-wise / 1e-4 max-relative; bf16 4e-3 / 4e-2 (against
 //! the CPU on the bf16-rounded inputs: the fast path stores the probabilities `P` in
@@ -170,8 +172,8 @@ mod gpu {
         Flash(attn::FlashOpts),
         /// `attn::prefill_flash_wg_with` with this many key splits (`None`: its own plan).
         FlashWg(Option<usize>),
-        /// The same with `FlashWgKernel::WarpSpecialized` (`attn_flash_wg3_*`).
-        FlashWg3(Option<usize>),
+        /// The same with another kernel (`FlashWgKernel::WarpSpecialized*`).
+        FlashWgK(Option<usize>, attn::FlashWgKernel),
     }
 
     /// One case: random q/k/v at the given positions; fast path (workspace `budget`)
@@ -279,14 +281,14 @@ mod gpu {
                 );
                 (w, "flash")
             }
-            Path::FlashWg(split) | Path::FlashWg3(split) => {
+            Path::FlashWg(split) | Path::FlashWgK(split, _) => {
                 let sp = match split {
                     Some(s) => format!("split {s}"),
                     None => "split auto".to_string(),
                 };
                 let (kind, label) = match path {
-                    Path::FlashWg3(_) => ("wgmma, warp-specialised", "flash-wg3"),
-                    _ => ("wgmma", "flash-wg"),
+                    Path::FlashWgK(_, k) => (format!("wgmma, {k:?}"), "flash-wg3"),
+                    _ => ("wgmma".to_string(), "flash-wg"),
                 };
                 let w = format!(
                     "{name} {} {nh}/{nkv}×{hd} tq={tq} n_kv={n} ({kind}, {sp})",
@@ -303,9 +305,9 @@ mod gpu {
             Path::Flash(opts) => attn::prefill_flash_with(
                 g, &qd, &qp, &kd, &vd, &kp, &mut fast, tq, n, nh, nkv, hd, opts,
             ),
-            Path::FlashWg(split) | Path::FlashWg3(split) => {
+            Path::FlashWg(split) | Path::FlashWgK(split, _) => {
                 let kernel = match path {
-                    Path::FlashWg3(_) => attn::FlashWgKernel::WarpSpecialized,
+                    Path::FlashWgK(_, k) => k,
                     _ => attn::FlashWgKernel::Basic,
                 };
                 let opts = attn::FlashWgOpts { split, kernel };
@@ -794,7 +796,18 @@ mod gpu {
     /// (`FlashWgKernel::WarpSpecialized`, `attn_flash_wg3_*`).
     #[test]
     fn flash_wg3_causal_bf16() {
-        wg_causal_cases("flash_wg3_causal_bf16", Path::FlashWg3);
+        wg_causal_cases("flash_wg3_causal_bf16", |s| {
+            Path::FlashWgK(s, attn::FlashWgKernel::WarpSpecialized)
+        });
+    }
+
+    /// [`flash_wg_causal_bf16`]'s cases on the warp-specialised kernel with 80-key tiles
+    /// (`FlashWgKernel::WarpSpecializedBc80`, `attn_flash_wg3b80_*`).
+    #[test]
+    fn flash_wg3b80_causal_bf16() {
+        wg_causal_cases("flash_wg3b80_causal_bf16", |s| {
+            Path::FlashWgK(s, attn::FlashWgKernel::WarpSpecializedBc80)
+        });
     }
 
     fn wg_causal_cases(test: &str, mk: fn(Option<usize>) -> Path) {
@@ -892,7 +905,17 @@ mod gpu {
     /// [`flash_wg_seam_bf16`]'s cases on the warp-specialised kernel.
     #[test]
     fn flash_wg3_seam_bf16() {
-        wg_seam_cases("flash_wg3_seam_bf16", Path::FlashWg3);
+        wg_seam_cases("flash_wg3_seam_bf16", |s| {
+            Path::FlashWgK(s, attn::FlashWgKernel::WarpSpecialized)
+        });
+    }
+
+    /// [`flash_wg_seam_bf16`]'s cases on the warp-specialised kernel with 80-key tiles.
+    #[test]
+    fn flash_wg3b80_seam_bf16() {
+        wg_seam_cases("flash_wg3b80_seam_bf16", |s| {
+            Path::FlashWgK(s, attn::FlashWgKernel::WarpSpecializedBc80)
+        });
     }
 
     fn wg_seam_cases(test: &str, mk: fn(Option<usize>) -> Path) {
@@ -954,8 +977,8 @@ mod gpu {
         wg_vs_flash_4096("flash_wg_vs_flash_4096", attn::FlashWgKernel::Basic);
     }
 
-    /// [`flash_wg_vs_flash_4096`] for the warp-specialised kernel, with and without
-    /// ping-pong.
+    /// [`flash_wg_vs_flash_4096`] for the warp-specialised kernels (with and without
+    /// ping-pong, 80-key tiles).
     #[test]
     fn flash_wg3_vs_flash_4096() {
         wg_vs_flash_4096(
@@ -965,6 +988,10 @@ mod gpu {
         wg_vs_flash_4096(
             "flash_wg3_vs_flash_4096",
             attn::FlashWgKernel::WarpSpecializedNoPingPong,
+        );
+        wg_vs_flash_4096(
+            "flash_wg3_vs_flash_4096",
+            attn::FlashWgKernel::WarpSpecializedBc80,
         );
     }
 

@@ -405,6 +405,9 @@ inline void fw_wgmma_wait(float*) {
 inline void fw_wgmma_ss_n64(float* d, unsigned long long da, unsigned long long db, int scale_d) {
     emu_wg_issue(64, false, da, nullptr, db, 0, scale_d, d);
 }
+inline void fw_wgmma_ss_n80(float* d, unsigned long long da, unsigned long long db, int scale_d) {
+    emu_wg_issue(80, false, da, nullptr, db, 0, scale_d, d);
+}
 inline void fw_wgmma_rs_n256(float* d, const unsigned* a, unsigned long long db) {
     emu_wg_issue(256, true, 0, a, db, 1, 1, d);
 }

@@ -2,9 +2,10 @@
 // see run.sh: `run.sh wg`) in the host emulator of emu.h + emu_wg.h against a
 // double-precision reference of the attention contract (model::attention). The key tile
 // summaries and the split merge are flash.cu's kernels, as in attn::prefill_flash_wg.
-// Usage: flash_wg_emu [quick] [basic|wg3|wg3np|both|all] (default both): attn_flash_wg_bf16_*
-// (256 threads) and / or the warp-specialised attn_flash_wg3_bf16_* (384 threads; wg3np:
-// attn_flash_wg3np_bf16_*, without ping-pong; all: the three).
+// Usage: flash_wg_emu [quick] [basic|wg3|wg3np|wg3b80|both|all] (default both):
+// attn_flash_wg_bf16_* (256 threads) and / or the warp-specialised attn_flash_wg3_bf16_*
+// (384 threads; wg3np: attn_flash_wg3np_bf16_*, without ping-pong; wg3b80:
+// attn_flash_wg3b80_bf16_*, 80-key tiles; all: the four).
 #include "emu_wg.h"
 
 typedef long long i64;
@@ -15,7 +16,8 @@ typedef long long i64;
 #include <string>
 
 static int g_fail = 0;
-static int g_variant = 0;  // 0: attn_flash_wg_*, 1: attn_flash_wg3_*, 2: attn_flash_wg3np_*
+static int g_variant = 0;  // 0: attn_flash_wg_*, 1: attn_flash_wg3_*, 2: attn_flash_wg3np_*, 3: attn_flash_wg3b80_*
+static const char* const g_vname[] = {"wg ", "wg3", "wg3np", "wg3b80"};
 static double g_worst_rel = 0, g_worst_mrel = 0;
 
 typedef void (*FlashKernel)(const bf16*, const bf16*, const bf16*, const i64*, const i64*, const i64*, bf16*,
@@ -23,7 +25,7 @@ typedef void (*FlashKernel)(const bf16*, const bf16*, const bf16*, const i64*, c
 
 static void run_case(const std::string& name, const std::vector<i64>& q_pos, const std::vector<i64>& kv_pos,
                      int nh, int nkv, int hd, int nsplit, unsigned seed) {
-    const int br = 128, bc = 64;
+    const int br = 128, bc = g_variant == 3 ? 80 : 64;
     const int tq = (int)q_pos.size(), n = (int)kv_pos.size();
     std::mt19937 rng(seed);
     std::uniform_real_distribution<float> U(-1.f, 1.f);
@@ -91,11 +93,17 @@ static void run_case(const std::string& name, const std::vector<i64>& q_pos, con
     const size_t st3 = hd == 256 ? 2 : 3;
     const size_t smem = g_variant == 0
                             ? 1024 + (size_t)(hd / 64) * (br + 4 * bc) * 128 + (size_t)(br + 2 * bc + 16) * 8
-                            : 1024 + (size_t)(hd / 64) * (br + 2 * st3 * bc) * 128 + (size_t)(br + st3 * bc + 48) * 8;
+                            : 1024 + (size_t)(hd / 64) * (br + 2 * st3 * bc) * 128 + (size_t)(st3 * bc + 48) * 8;
+    if (smem > 232448) {
+        std::printf("FAIL %s: %zu bytes of shared memory exceed the 232 448 of a CTA\n", name.c_str(), smem);
+        ++g_fail;
+        return;
+    }
     const float sl2 = (float)(scale * 1.4426950408889634);
     const FlashKernel f = g_variant == 0   ? (hd == 256 ? attn_flash_wg_bf16_256 : attn_flash_wg_bf16_128)
                           : g_variant == 1 ? (hd == 256 ? attn_flash_wg3_bf16_256 : attn_flash_wg3_bf16_128)
-                                           : (hd == 256 ? attn_flash_wg3np_bf16_256 : attn_flash_wg3np_bf16_128);
+                          : g_variant == 2 ? (hd == 256 ? attn_flash_wg3np_bf16_256 : attn_flash_wg3np_bf16_128)
+                                           : (hd == 256 ? attn_flash_wg3b80_bf16_256 : attn_flash_wg3b80_bf16_128);
     const unsigned threads = g_variant == 0 ? 256 : 384;
     const long ops0 = emu_wg_count;
     emu_launch({(unsigned)(nqt * nh), (unsigned)nsplit, 1}, threads, smem + emu_smem_shift, [&] {
@@ -125,7 +133,7 @@ static void run_case(const std::string& name, const std::vector<i64>& q_pos, con
     const double rel = den > 0 ? std::sqrt(num / den) : std::sqrt(num), mrel = maxw > 0 ? maxd / maxw : maxd;
     const bool pass = !nan && !zero_bad && rel <= 4e-3 && mrel <= 4e-2;
     std::printf("%s %s %s: %d/%d x %d, tq=%d n_kv=%d split %d: rel %.2e max rel %.2e (%ld wgmma)%s%s\n",
-                pass ? "ok  " : "FAIL", g_variant == 2 ? "wg3np" : g_variant ? "wg3" : "wg ", name.c_str(), nh, nkv, hd, tq, n, nsplit, rel, mrel, emu_wg_count - ops0,
+                pass ? "ok  " : "FAIL", g_vname[g_variant], name.c_str(), nh, nkv, hd, tq, n, nsplit, rel, mrel, emu_wg_count - ops0,
                 nan ? " NaN" : "", zero_bad ? " nonzero-for-blind-query" : "");
     g_worst_rel = std::max(g_worst_rel, rel);
     g_worst_mrel = std::max(g_worst_mrel, mrel);
@@ -224,6 +232,11 @@ int main(int argc, char** argv) {
     }
     if (which == "wg3np" || which == "all") {
         g_variant = 2;
+        emu.eager_cp = false;
+        all_cases(quick);
+    }
+    if (which == "wg3b80" || which == "all") {
+        g_variant = 3;
         emu.eager_cp = false;
         all_cases(quick);
     }

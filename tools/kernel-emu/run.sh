@@ -5,8 +5,9 @@
 # reference. Needs g++ (C++17). Usage:
 #   tools/kernel-emu/run.sh [quick]          # flash.cu; cp.async copies land at wait_group
 #   EMU_EAGER_CP=1 tools/kernel-emu/run.sh   # ... or as soon as they are issued
-#   tools/kernel-emu/run.sh wg [quick] [basic|wg3|wg3np|all]  # flash_wg.cu: attn_flash_wg_* and the
-#                                            # warp-specialised attn_flash_wg3_* (default both);
+#   tools/kernel-emu/run.sh wg [quick] [basic|wg3|wg3np|wg3b80|all]  # flash_wg.cu: attn_flash_wg_* and
+#                                            # the warp-specialised attn_flash_wg3*_* (default: basic
+#                                            # and wg3; all: also wg3np, wg3b80);
 #                                            # EMU_SMEM_SHIFT=16 offsets the dynamic shared
 #                                            # memory base (alignment code)
 #   tools/kernel-emu/run.sh wg-mutants       # deliberately broken variants of flash_wg.cu must

@@ -775,15 +775,15 @@ pub fn flash_wg3_stages(hd: usize) -> usize {
     }
 }
 
-/// Dynamic shared memory of the warp-specialised wgmma kernel (`attn_flash_wg3_*`),
-/// bytes: 1024 of alignment slack, the Q tile (128 rows), `S` = [`flash_wg3_stages`]
-/// stages of K and V tiles (64 keys) in bf16, then query / key positions, reduction
-/// space and 16 mbarriers: `1024 + (hd/64)·(128 + 2·S·64)·128 + (128 + 64·S + 48)·8`
-/// (200 064 for hd 256, 135 040 for hd 128).
-pub fn flash_wg3_smem_bytes(hd: usize) -> usize {
+/// Dynamic shared memory of the warp-specialised wgmma kernels (`attn_flash_wg3*`) for
+/// key tiles of `bc` keys (64, or 80 for [`FlashWgKernel::WarpSpecializedBc80`]), bytes:
+/// 1024 of alignment slack, the Q tile (128 rows), `S` = [`flash_wg3_stages`] stages of K
+/// and V tiles in bf16, then key positions, reduction space and 16 mbarriers:
+/// `1024 + (hd/64)·(128 + 2·S·bc)·128 + (S·bc + 48)·8` (hd 256: 199 040 for bc 64,
+/// 232 064 for bc 80; hd 128: 134 016, 158 976).
+pub fn flash_wg3_smem_bytes(hd: usize, bc: usize) -> usize {
     let s = flash_wg3_stages(hd);
-    1024 + (hd / 64) * (FLASH_WG_BR + 2 * s * FLASH_WG_BC) * 128
-        + (FLASH_WG_BR + s * FLASH_WG_BC + 48) * 8
+    1024 + (hd / 64) * (FLASH_WG_BR + 2 * s * bc) * 128 + (s * bc + 48) * 8
 }
 
 /// Which kernel of `kernels/flash_wg.cu` [`prefill_flash_wg_with`] runs (same contract,
@@ -803,6 +803,11 @@ pub enum FlashWgKernel {
     /// `attn_flash_wg3np_bf16_{hd}`: [`FlashWgKernel::WarpSpecialized`] without the
     /// ping-pong (the consumers issue their GEMMs independently); for timing its effect.
     WarpSpecializedNoPingPong,
+    /// `attn_flash_wg3b80_bf16_{hd}`: [`FlashWgKernel::WarpSpecialized`] with key tiles of
+    /// 80 (FlashAttention-3's tile at head dim 256: less shared-memory traffic per FLOP in
+    /// `S = Q Kᵀ`, per-tile costs over more keys; tile summaries and split plan for 128 ×
+    /// 80).
+    WarpSpecializedBc80,
 }
 
 /// Options of [`prefill_flash_wg_with`]; the default is what [`prefill_flash_wg`] does.
@@ -905,14 +910,20 @@ pub fn prefill_flash_wg_with<T: Elem>(
     }
     let tl = FlashTiles {
         br: FLASH_WG_BR,
-        bc: FLASH_WG_BC,
+        bc: match opts.kernel {
+            FlashWgKernel::WarpSpecializedBc80 => 80,
+            _ => FLASH_WG_BC,
+        },
     };
     let ctx = gpu.context();
     let (smem, threads, prefix) = match opts.kernel {
         FlashWgKernel::Basic => (flash_wg_smem_bytes(hd), 256u32, "attn_flash_wg"),
-        FlashWgKernel::WarpSpecialized => (flash_wg3_smem_bytes(hd), 384u32, "attn_flash_wg3"),
+        FlashWgKernel::WarpSpecialized => (flash_wg3_smem_bytes(hd, 64), 384u32, "attn_flash_wg3"),
         FlashWgKernel::WarpSpecializedNoPingPong => {
-            (flash_wg3_smem_bytes(hd), 384u32, "attn_flash_wg3np")
+            (flash_wg3_smem_bytes(hd, 64), 384u32, "attn_flash_wg3np")
+        }
+        FlashWgKernel::WarpSpecializedBc80 => {
+            (flash_wg3_smem_bytes(hd, 80), 384u32, "attn_flash_wg3b80")
         }
     };
     let optin = ctx
