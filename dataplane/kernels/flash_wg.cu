@@ -644,9 +644,10 @@ ATTN_FLASH_WG(128)
 // intra-warpgroup overlap) on the same layouts, descriptors and fragments as the kernel above.
 // Same contract, arguments and grid; block = 3 warpgroups (384 threads):
 // * warpgroup 0, the producer: setmaxnreg.dec to FW3_REG_LOAD registers; loads Q once, then
-//   the visible K and V tiles (BC keys) in the order the consumers use them, K(0), K(1), V(0), K(2),
-//   V(1), ..., into a ring of FW3_STAGES(HD) stages (3 at HD 128; 2 at HD 256, where Q and
-//   two K/V stages already take 192 KiB of the 227 KiB) with cp.async (the swizzled loader
+//   the visible K and V tiles (BC keys) in the order the consumers use them, K(0), K(1),
+//   V(0), K(2), V(1), ..., into a ring of FW3_STAGES(HD) stages (3 at HD 128; 2 at HD 256,
+//   where Q and two K/V stages already take 192 KiB (BC 64) or 224 KiB (BC 80) of the
+//   227 KiB) with cp.async (the swizzled loader
 //   above); each load ends with cp.async.mbarrier.arrive.noinc on the stage's "full"
 //   mbarrier (expected count 128: one asynchronous arrival per producer thread, when its
 //   copies have landed). Before refilling a stage it waits on the stage's "empty" mbarrier
