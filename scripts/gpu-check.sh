@@ -307,16 +307,18 @@ def lines(p):
         return open(p).read().splitlines()
     except OSError:
         return []
-ours, wg, fast, sdpa, sdpa_fa = {}, {}, {}, {}, {}
+ours, wg, wg3, fast, sdpa, sdpa_fa = {}, {}, {}, {}, {}, {}
 sec = False
 for l in lines(sys.argv[1]):
     if l.startswith("## "):
         sec = l.startswith("## Attention prefill")
     # Kernel column "flash (FA-2 ...)" → attn::prefill_flash, "flash-wg (wgmma ...)" →
-    # attn::prefill_flash_wg, "cuBLAS ..." → attn::prefill_fast ("variant: ..." rows skipped).
-    m = re.match(r"\|\s*(\d+)\s*\|\s*(flash-wg|flash|cuBLAS)\b(?!-)[^|]*\|\s*([\d.]+)\s*\|", l) if sec else None
+    # attn::prefill_flash_wg, "flash-wg3 (wgmma, warp-specialised ...)" → the same with
+    # FlashWgKernel::WarpSpecialized, "cuBLAS ..." → attn::prefill_fast ("variant: ..." rows
+    # skipped). \b(?!-) after the name: "flash-wg3" is not read as "flash-wg" or "flash".
+    m = re.match(r"\|\s*(\d+)\s*\|\s*(flash-wg3|flash-wg|flash|cuBLAS)\b(?!-)[^|]*\|\s*([\d.]+)\s*\|", l) if sec else None
     if m:
-        {"flash": ours, "flash-wg": wg, "cuBLAS": fast}[m.group(2)][int(m.group(1))] = float(m.group(3))
+        {"flash": ours, "flash-wg": wg, "flash-wg3": wg3, "cuBLAS": fast}[m.group(2)][int(m.group(1))] = float(m.group(3))
 on = False
 for l in lines(sys.argv[2]):
     if "torch SDPA" in l:
@@ -333,12 +335,12 @@ if not ours:
     print("no flash rows in bench.md (step `bench` not run, or it failed)\n")
 if not sdpa:
     print("no torch SDPA times in fla.md (step `fla` not run, or torch missing)\n")
-print("| T | attn::prefill_flash ms | attn::prefill_flash_wg ms | attn::prefill_fast ms | torch SDPA ms (default backend) | flash vs SDPA (goal ≥ 0.90) | flash-wg vs SDPA (goal ≥ 0.90) | cuBLAS path vs SDPA | SDPA pinned to FLASH_ATTENTION ms | flash vs that | flash-wg vs that |")
-print("|---|---|---|---|---|---|---|---|---|---|---|")
+print("| T | attn::prefill_flash ms | attn::prefill_flash_wg ms | flash_wg WarpSpecialized (flash-wg3) ms | attn::prefill_fast ms | torch SDPA ms (default backend) | flash vs SDPA (goal ≥ 0.90) | flash-wg vs SDPA (goal ≥ 0.90) | flash-wg3 vs SDPA (goal ≥ 0.90) | cuBLAS path vs SDPA | SDPA pinned to FLASH_ATTENTION ms | flash vs that | flash-wg vs that | flash-wg3 vs that |")
+print("|---|---|---|---|---|---|---|---|---|---|---|---|---|---|")
 f = lambda d, t: f"{d[t]:.3f}" if t in d else "–"
 r = lambda a, t, ref=sdpa: f"{ref[t] / a[t]:.2f}×" if t in a and t in ref and a[t] > 0 else "–"
-for t in sorted(set(ours) | set(wg) | set(sdpa)):
-    print(f"| {t} | {f(ours, t)} | {f(wg, t)} | {f(fast, t)} | {f(sdpa, t)} | {r(ours, t)} | {r(wg, t)} | {r(fast, t)} | {f(sdpa_fa, t)} | {r(ours, t, sdpa_fa)} | {r(wg, t, sdpa_fa)} |")
+for t in sorted(set(ours) | set(wg) | set(wg3) | set(sdpa)):
+    print(f"| {t} | {f(ours, t)} | {f(wg, t)} | {f(wg3, t)} | {f(fast, t)} | {f(sdpa, t)} | {r(ours, t)} | {r(wg, t)} | {r(wg3, t)} | {r(fast, t)} | {f(sdpa_fa, t)} | {r(ours, t, sdpa_fa)} | {r(wg, t, sdpa_fa)} | {r(wg3, t, sdpa_fa)} |")
 PY
   cat "$OUT/flash_vs_sdpa.md"
   # Our GDR prefill (bench step) against FLA (fla step) from this run, as in the reports.

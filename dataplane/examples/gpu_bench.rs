@@ -364,7 +364,8 @@ mod bench {
              (query blocks stop at their last visible key: (B + 1) / 2B of the full score work \
              for B blocks) vs the tensor-core flash kernel `attn::prefill_flash` \
              (FlashAttention-2, mma.sync; skips the key tiles above the diagonal) and its \
-             Hopper version `attn::prefill_flash_wg` (wgmma, FlashAttention-3 scheme). \
+             Hopper version `attn::prefill_flash_wg` (wgmma, FlashAttention-3 scheme; \
+             flash-wg3: its warp-specialised kernel, `FlashWgKernel::WarpSpecialized`). \
              TFLOP/s count the causal FLOPs; gpu-check's report sets the flash rows against \
              torch SDPA from the same run.\n"
         );
@@ -373,6 +374,7 @@ mod bench {
         let alens: &[usize] = if quick { &[4096] } else { &[4096, 16384] };
         let mut flash_checks = Vec::new();
         let mut wg_checks = Vec::new();
+        let mut wg3_checks = Vec::new();
         for &t in alens {
             let (nh, nkv, hd) = (16usize, 2usize, 256usize);
             let q = rand_up::<bf16>(&g, &mut r, t * nh * hd, -1.0, 1.0)?;
@@ -428,6 +430,50 @@ mod bench {
                     flops / ms / 1e9
                 );
                 wg_checks.push((t, rel_diff(&g.download(&o)?, &want)));
+                let opts = attn::FlashWgOpts {
+                    split: None,
+                    kernel: attn::FlashWgKernel::WarpSpecialized,
+                };
+                let ms = time_ms(&g, 3, reps.max(10), || {
+                    attn::prefill_flash_wg_with(
+                        &g, &q, &p, &k, &v, &p, &mut o, t, t, nh, nkv, hd, opts,
+                    )
+                })?;
+                println!(
+                    "| {t} | flash-wg3 (wgmma, warp-specialised, 128 × 64 tiles, {} K/V stages) \
+                     | {ms:.3} | {:.1} | 0 |",
+                    attn::flash_wg3_stages(hd),
+                    flops / ms / 1e9
+                );
+                wg3_checks.push((t, rel_diff(&g.download(&o)?, &want)));
+                let opts = attn::FlashWgOpts {
+                    split: None,
+                    kernel: attn::FlashWgKernel::WarpSpecializedNoPingPong,
+                };
+                let ms = time_ms(&g, 3, reps.max(10), || {
+                    attn::prefill_flash_wg_with(
+                        &g, &q, &p, &k, &v, &p, &mut o, t, t, nh, nkv, hd, opts,
+                    )
+                })?;
+                println!(
+                    "| {t} | variant: flash-wg3 without ping-pong (wgmma, warp-specialised) \
+                     | {ms:.3} | {:.1} | 0 |",
+                    flops / ms / 1e9
+                );
+                let opts = attn::FlashWgOpts {
+                    split: None,
+                    kernel: attn::FlashWgKernel::WarpSpecializedBc80,
+                };
+                let ms = time_ms(&g, 3, reps.max(10), || {
+                    attn::prefill_flash_wg_with(
+                        &g, &q, &p, &k, &v, &p, &mut o, t, t, nh, nkv, hd, opts,
+                    )
+                })?;
+                println!(
+                    "| {t} | variant: flash-wg3 with 128 × 80 tiles (wgmma, warp-specialised) \
+                     | {ms:.3} | {:.1} | 0 |",
+                    flops / ms / 1e9
+                );
             }
         }
         println!();
@@ -442,6 +488,12 @@ mod bench {
             println!(
                 "- T = {t}, flash-wg (wgmma): output vs the cuBLAS path, norm-wise relative \
                  difference {d:.2e}"
+            );
+        }
+        for (t, d) in wg3_checks {
+            println!(
+                "- T = {t}, flash-wg3 (wgmma, warp-specialised): output vs the cuBLAS path, \
+                 norm-wise relative difference {d:.2e}"
             );
         }
         if g.arch() != "sm_90a" {

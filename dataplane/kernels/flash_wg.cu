@@ -69,6 +69,9 @@
 // 199 808 for HD 256, 101 504 for HD 128.
 //
 // Instances attn_flash_wg_bf16_{256,128}; grid (ceil(tq / 128)·nh, nsplit), block 256.
+// The warp-specialised variant attn_flash_wg3_bf16_{256,128} (block 384: a producer
+// warpgroup with mbarriers, two ping-pong consumer warpgroups) follows the first kernel
+// and reuses its primitives, descriptors, loaders and fragment code.
 // The module compiles to nothing for targets without wgmma (sm_90a only; compile::ALL
 // builds every module for the device, attn.rs refuses other devices before looking up a
 // kernel). The host emulator defines FW_HOST_EMULATOR.
@@ -150,6 +153,21 @@ __device__ __forceinline__ void fw_wgmma_ss_n64(float* d, unsigned long long da,
         : "l"(da), "l"(db), "r"(scale_d));
 }
 
+// d (64×80 fp32) = (scale_d ? d : 0) + A · B, as fw_wgmma_ss_n64 with N = 80 (80-key tiles).
+__device__ __forceinline__ void fw_wgmma_ss_n80(float* d, unsigned long long da, unsigned long long db, int scale_d) {
+    asm volatile(
+        "{\n.reg .pred p;\nsetp.ne.b32 p, %42, 0;\n"
+        "wgmma.mma_async.sync.aligned.m64n80k16.f32.bf16.bf16 "
+        "{%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, %16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31, %32, %33, %34, %35, %36, %37, %38, %39}, %40, %41, p, 1, 1, 0, 0;\n}\n"
+        :
+          "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]), "+f"(d[7]),
+          "+f"(d[8]), "+f"(d[9]), "+f"(d[10]), "+f"(d[11]), "+f"(d[12]), "+f"(d[13]), "+f"(d[14]), "+f"(d[15]),
+          "+f"(d[16]), "+f"(d[17]), "+f"(d[18]), "+f"(d[19]), "+f"(d[20]), "+f"(d[21]), "+f"(d[22]), "+f"(d[23]),
+          "+f"(d[24]), "+f"(d[25]), "+f"(d[26]), "+f"(d[27]), "+f"(d[28]), "+f"(d[29]), "+f"(d[30]), "+f"(d[31]),
+          "+f"(d[32]), "+f"(d[33]), "+f"(d[34]), "+f"(d[35]), "+f"(d[36]), "+f"(d[37]), "+f"(d[38]), "+f"(d[39])
+        : "l"(da), "l"(db), "r"(scale_d));
+}
+
 // d (64×256 fp32) += A · B: A 64×16 bf16 from registers a[4], B 16×256 MN-major in shared
 // memory (descriptor db, trans-b = 1).
 __device__ __forceinline__ void fw_wgmma_rs_n256(float* d, const unsigned* a, unsigned long long db) {
@@ -195,6 +213,70 @@ __device__ __forceinline__ void fw_wgmma_rs_n128(float* d, const unsigned* a, un
           "+f"(d[56]), "+f"(d[57]), "+f"(d[58]), "+f"(d[59]), "+f"(d[60]), "+f"(d[61]), "+f"(d[62]), "+f"(d[63])
         : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(db), "r"(1));
 }
+
+// ---- warp-specialised variant (attn_flash_wg3_*) ----
+// 8 bytes global → shared (cp.async.ca), ok = false writes 8 zero bytes (src not read).
+__device__ __forceinline__ void fw_cp_async8z(unsigned dst, const void* src, bool ok) {
+    asm volatile("cp.async.ca.shared.global [%0], [%1], 8, %2;\n" ::"r"(dst), "l"(src), "r"(ok ? 8 : 0)
+                 : "memory");
+}
+
+// mbarrier (PTX ISA "Parallel Synchronization and Communication Instructions: mbarrier"): a
+// 64-bit object in shared memory with an expected arrival count, a pending count and a
+// phase; the phase completes when the pending count reaches zero (then it is reset to the
+// expected count and the phase number advances).
+__device__ __forceinline__ void fw_mbar_init(unsigned bar, unsigned count) {
+    asm volatile("mbarrier.init.shared::cta.b64 [%0], %1;\n" ::"r"(bar), "r"(count) : "memory");
+}
+
+// Makes the mbarrier initialisations visible (CUTLASS fence_barrier_init), before the
+// barrier that publishes them to the other threads.
+__device__ __forceinline__ void fw_mbar_init_fence() {
+    asm volatile("fence.mbarrier_init.release.cluster;\n" ::: "memory");
+}
+
+// Arrive (release semantics, CTA scope) on the current phase.
+__device__ __forceinline__ void fw_mbar_arrive(unsigned bar) {
+    asm volatile("{\n.reg .b64 st;\nmbarrier.arrive.shared::cta.b64 st, [%0];\n}\n" ::"r"(bar) : "memory");
+}
+
+// Blocks until the phase of parity `parity` has completed: try_wait.parity succeeds iff the
+// parity of the current (incomplete) phase differs from `parity` (so on a fresh barrier,
+// parity 1 succeeds at once: the "phase before the first" counts as completed). Acquire
+// semantics (CTA scope) by default.
+__device__ __forceinline__ void fw_mbar_wait(unsigned bar, unsigned parity) {
+    asm volatile(
+        "{\n.reg .pred p;\nFW_WAIT:\nmbarrier.try_wait.parity.shared::cta.b64 p, [%0], %1;\n@p bra FW_DONE;\n"
+        "bra FW_WAIT;\nFW_DONE:\n}\n" ::"r"(bar),
+        "r"(parity)
+        : "memory");
+}
+
+// Asynchronous arrive-on `bar` once every cp.async this thread issued before has completed;
+// .noinc: the arrival counts against the barrier's expected count (init count includes it).
+__device__ __forceinline__ void fw_cp_mbar_arrive(unsigned bar) {
+    asm volatile("cp.async.mbarrier.arrive.noinc.shared::cta.b64 [%0];\n" ::"r"(bar) : "memory");
+}
+
+// Named barriers 1..15 (0 is __syncthreads): bar.sync waits until `count` threads (a
+// multiple of 32) have arrived, bar.arrive arrives without waiting.
+__device__ __forceinline__ void fw_bar_sync(int id, int count) {
+    asm volatile("bar.sync %0, %1;\n" ::"r"(id), "r"(count) : "memory");
+}
+__device__ __forceinline__ void fw_bar_arrive(int id, int count) {
+    asm volatile("bar.arrive %0, %1;\n" ::"r"(id), "r"(count) : "memory");
+}
+
+// Per-thread register budget of the executing warpgroup (all its warps execute the same
+// one): .dec returns registers to the CTA's pool, .inc blocks until the pool has them.
+template <int N>
+__device__ __forceinline__ void fw_setmaxnreg_inc() {
+    asm volatile("setmaxnreg.inc.sync.aligned.u32 %0;\n" ::"n"(N));
+}
+template <int N>
+__device__ __forceinline__ void fw_setmaxnreg_dec() {
+    asm volatile("setmaxnreg.dec.sync.aligned.u32 %0;\n" ::"n"(N));
+}
 // </device-primitives>
 
 // Shared-memory matrix descriptor with 128-byte swizzle (mode 1 in bits 62-63), base
@@ -234,6 +316,19 @@ template <> struct FwPv<256> {
 template <> struct FwPv<128> {
     static __device__ __forceinline__ void mma(float* d, const unsigned* a, unsigned long long db) {
         fw_wgmma_rs_n128(d, a, db);
+    }
+};
+
+// S = Q Kᵀ k-step for key tiles of BC = 64 or 80 (the warp-specialised kernel).
+template <int BC> struct FwS;
+template <> struct FwS<64> {
+    static __device__ __forceinline__ void mma(float* d, unsigned long long da, unsigned long long db, int sd) {
+        fw_wgmma_ss_n64(d, da, db, sd);
+    }
+};
+template <> struct FwS<80> {
+    static __device__ __forceinline__ void mma(float* d, unsigned long long da, unsigned long long db, int sd) {
+        fw_wgmma_ss_n80(d, da, db, sd);
     }
 };
 
@@ -542,4 +637,422 @@ __device__ __forceinline__ void attn_flash_wg_impl(const bf16* __restrict__ q, c
     }
 ATTN_FLASH_WG(256)
 ATTN_FLASH_WG(128)
+// ============================================================================================
+// Warp-specialised variant attn_flash_wg3_bf16_{256,128} (attn::prefill_flash_wg_with with
+// FlashWgKernel::WarpSpecialized): the FlashAttention-3 schedule (Shah et al. 2024, §3.1
+// "producer-consumer asynchrony through warp-specialization and pingpong scheduling", §3.2
+// intra-warpgroup overlap) on the same layouts, descriptors and fragments as the kernel above.
+// Same contract, arguments and grid; block = 3 warpgroups (384 threads):
+// * warpgroup 0, the producer: setmaxnreg.dec to FW3_REG_LOAD registers; loads Q once, then
+//   the visible K and V tiles (BC keys) in the order the consumers use them, K(0), K(1),
+//   V(0), K(2), V(1), ..., into a ring of FW3_STAGES(HD) stages (3 at HD 128; 2 at HD 256,
+//   where Q and two K/V stages already take 192 KiB (BC 64) or 224 KiB (BC 80) of the
+//   227 KiB) with cp.async (the swizzled loader
+//   above); each load ends with cp.async.mbarrier.arrive.noinc on the stage's "full"
+//   mbarrier (expected count 128: one asynchronous arrival per producer thread, when its
+//   copies have landed). Before refilling a stage it waits on the stage's "empty" mbarrier
+//   (expected count 256: every consumer thread arrives once its wgmma reading the stage
+//   retired). Phase parities: tile t of a ring of S stages is the (t / S)-th use of stage
+//   t % S: consumers wait "full" with parity (t / S) & 1, the producer waits "empty" with
+//   parity ((t / S) & 1) ^ 1 (fresh barrier: parity 1 passes at once).
+// * warpgroups 1 and 2, the consumers (query rows 0..63 and 64..127): setmaxnreg.inc to
+//   FW3_REG_MMA registers; the loop of the kernel above without __syncthreads and without
+//   loads: wait full K(i+1) / V(i), fence.proxy.async (cp.async writes through the generic
+//   proxy, wgmma reads through the async proxy; the fence is issued by the reading thread
+//   after the acquire of the mbarrier wait), issue S(i+1) = Q K(i+1)ᵀ and O += P(i) V(i),
+//   softmax of S(i+1) while P V runs, rescale, pack P(i+1); "empty" arrivals after the
+//   wait_group that retires the reading wgmma (K: after the softmax, which also reads the
+//   key positions of the stage).
+// * ping-pong (FA3 §3.1): named barrier 1 + w gates the wgmma issue of consumer w (256
+//   threads: its own 128 bar.sync + the other's 128 bar.arrive); after issuing, consumer w
+//   arrives on the other's barrier, so the GEMMs of one warpgroup queue behind the other's
+//   and one warpgroup's softmax / rescale runs while the other's GEMMs occupy the tensor
+//   cores. Consumer 1 opens consumer 0's first turn; its last arrival is skipped (both run
+//   the same tile list, so every arrival is matched by a sync).
+// Registers: 128·(FW3_REG_LOAD + 2·FW3_REG_MMA) ≤ 65536; the launch bound (384, 1) gives
+// 168 per thread at entry (65536 / 384 rounded down to 8), and 24 + 2·240 = 3·168.
+// ptxas allocates each setmaxnreg region within its count (checked with NVRTC 13: at 200
+// the HD-256 consumer spills and ptxas serialises its wgmma (C7512); at 240 no spills);
+// the launch bound's minimum of 1 CTA per SM pins the entry count (without it ptxas drops
+// setmaxnreg, C7508).
+// Hardware facts used here (PTX ISA 8.x/9.0: "mbarrier" (init, arrive, try_wait.parity,
+// phase completion, expected / pending counts), "cp.async.mbarrier.arrive" (.noinc: the
+// asynchronous arrival is not pre-counted, so the expected count includes it; triggered
+// when all prior cp.async of the thread completed), "bar.sync / bar.arrive" (named
+// barriers 0..15, thread count a multiple of the warp size), "setmaxnreg" (24..256 in
+// steps of 8, same value in all warps of a warpgroup, per-CTA pool, .inc blocks until
+// available), "Memory Consistency Model: proxies" (cp.async writes are generic-proxy
+// writes; wgmma operand reads are async-proxy reads; a fence.proxy.async orders them once
+// the writes are visible to the fencing thread, here through the mbarrier acquire);
+// FA3 paper §3.1 (warp specialisation with setmaxnreg, ping-pong with named barriers),
+// §3.2 (intra-warpgroup overlap); CUTLASS's PipelineAsync / cpasync_barrier_arrive_noinc
+// for the cp.async-with-mbarrier producer pattern and its producer start phase 1).
+// Key tiles of BC = 64 (attn_flash_wg3_*, attn_flash_wg3np_*) or 80 keys (attn_flash_wg3b80_*).
+// Shared memory (base rounded up to 1024): sQ [NCB][128][128 B] | sK [S][NCB][BC][128 B] |
+// sV [S][NCB][BC][128 B] | sKP [S][BC] i64 | sRed [32] i64 | mbarriers [16]
+// = 1024 + NCB·(128 + 2·S·BC)·128 + (S·BC + 48)·8 bytes (attn.rs: flash_wg3_smem_bytes):
+// HD 256 (S 2): 199 040 (BC 64), 232 064 (BC 80, of the 232 448 an H100 / H200 CTA may
+// have); HD 128 (S 3): 134 016 (BC 64), 158 976 (BC 80). The query positions are read
+// from global memory (no room for them at BC 80).
+#define FW3_THREADS 384
+#define FW3_REG_LOAD 24
+#define FW3_REG_MMA 240
+#define FW3_STAGES(HD) ((HD) == 256 ? 2 : 3)
+
+template <int HD, int BC, bool PINGPONG>
+__device__ __forceinline__ void attn_flash_wg3_impl(const bf16* __restrict__ q, const bf16* __restrict__ k,
+                                                    const bf16* __restrict__ v, const i64* __restrict__ q_pos,
+                                                    const i64* __restrict__ kv_pos, const i64* __restrict__ tiles,
+                                                    bf16* __restrict__ o, float* __restrict__ wo,
+                                                    float* __restrict__ wml, int tq, int n_kv, int nh, int nkv,
+                                                    float scale_log2) {
+    constexpr int BR = FW_BR, THREADS = FW3_THREADS, S = FW3_STAGES(HD);
+    constexpr int NCB = HD / 64;
+    constexpr int QBYTES = NCB * BR * 128;
+    constexpr int TBYTES = NCB * BC * 128;  // one K or V stage
+    constexpr int NT = HD / 8;
+    constexpr int ST = BC / 8;
+    constexpr int W = THREADS / 32;
+    constexpr int PT = 128;  // producer threads
+    static_assert(HD == 128 || HD == 256, "head dim");
+    static_assert(BC == 64 || BC == 80, "key tile");  // regions of BC·128 bytes: whole 1024-byte atoms
+    static_assert((BR * HD / 8) % PT == 0 && (BC * HD / 8) % PT == 0, "loader shape");
+    static_assert(PT * (FW3_REG_LOAD + 2 * FW3_REG_MMA) <= 65536, "register pool");
+    extern __shared__ __align__(1024) unsigned char fw_smem[];
+    unsigned char* base = fw_smem + ((1024u - (fw_smem_u32(fw_smem) & 1023u)) & 1023u);
+    unsigned char* sQ = base;
+    unsigned char* sK = sQ + QBYTES;
+    unsigned char* sV = sK + S * TBYTES;
+    i64* sKP = reinterpret_cast<i64*>(sV + S * TBYTES);
+    i64* sRed = sKP + S * BC;
+    unsigned long long* sBar = reinterpret_cast<unsigned long long*>(sRed + 32);
+
+    const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5, wg = tid >> 7;
+    const int nqt = (tq + BR - 1) / BR;
+    const int qt = nqt - 1 - (int)(blockIdx.x / (unsigned)nh);
+    const int h = (int)(blockIdx.x % (unsigned)nh);
+    const int kh = h / (nh / nkv);
+    const int q0 = qt * BR;
+    const int ntk = (n_kv + BC - 1) / BC;
+    const int nsplit = gridDim.y;
+    const int per = (ntk + nsplit - 1) / nsplit;
+    const int jb = min(ntk, (int)blockIdx.y * per), je = min(ntk, jb + per);
+    const i64* tmin = tiles;
+    const i64* tmax = tiles + ntk;
+    const i64* smin = tiles + 2 * ntk;
+    // mbarrier addresses: Q full; K full / V full / K empty / V empty per stage.
+    const unsigned bar0 = fw_smem_u32(sBar);
+    auto bar_q = [&]() { return bar0; };
+    auto bar_kf = [&](int st) { return bar0 + 8u * (1 + st); };
+    auto bar_vf = [&](int st) { return bar0 + 8u * (1 + S + st); };
+    auto bar_ke = [&](int st) { return bar0 + 8u * (1 + 2 * S + st); };
+    auto bar_ve = [&](int st) { return bar0 + 8u * (1 + 3 * S + st); };
+
+    if (tid == 0) {
+        fw_mbar_init(bar_q(), PT);
+        for (int st = 0; st < S; ++st) {
+            fw_mbar_init(bar_kf(st), PT);
+            fw_mbar_init(bar_vf(st), PT);
+            fw_mbar_init(bar_ke(st), THREADS - PT);
+            fw_mbar_init(bar_ve(st), THREADS - PT);
+        }
+        fw_mbar_init_fence();
+    }
+    // Query positions (rows past tq: I64_MIN) and their min / max over the real rows.
+    i64 mn = FW_I64_MAX, mx = FW_I64_MIN;
+    if (tid < BR) {
+        const bool ok = q0 + tid < tq;
+        const i64 p = ok ? q_pos[q0 + tid] : FW_I64_MIN;
+        if (ok) {
+            mn = p;
+            mx = p;
+        }
+    }
+#pragma unroll
+    for (int off = 16; off > 0; off >>= 1) {
+        mn = fw_min64(mn, __shfl_xor_sync(0xffffffffu, mn, off));
+        mx = fw_max64(mx, __shfl_xor_sync(0xffffffffu, mx, off));
+    }
+    if (lane == 0) {
+        sRed[warp] = mn;
+        sRed[W + warp] = mx;
+    }
+    __syncthreads();  // the only block-wide barrier: positions, reductions, mbarrier inits
+    i64 qmax = sRed[W];
+#pragma unroll
+    for (int w = 1; w < W; ++w) qmax = fw_max64(qmax, sRed[W + w]);
+    const unsigned sQa = fw_smem_u32(sQ), sKa = fw_smem_u32(sK), sVa = fw_smem_u32(sV);
+
+    if (wg == 0) {
+        // ---------------- producer ----------------
+        fw_setmaxnreg_dec<FW3_REG_LOAD>();
+        const int pt = tid;
+#pragma unroll 4
+        for (int i = 0; i < BR * HD / 8 / PT; ++i) {
+            const int c = pt + i * PT;
+            const int r = (c >> 3) % BR, col = (c & 7) * 8 + (c / (8 * BR)) * 64;
+            const bool ok = q0 + r < tq;
+            const bf16* src = q + (ok ? ((size_t)(q0 + r) * nh + h) * HD + col : 0);
+            fw_cp_async16(sQa + fw_swz(BR, r, col), src, ok);
+        }
+        fw_cp_mbar_arrive(bar_q());
+        auto load_tile = [&](const bf16* g, unsigned dst, int j) {
+            const int j0 = j * BC;
+#pragma unroll 4
+            for (int i = 0; i < BC * HD / 8 / PT; ++i) {
+                const int c = pt + i * PT;
+                const int r = (c >> 3) % BC, col = (c & 7) * 8 + (c / (8 * BC)) * 64;
+                const bool ok = j0 + r < n_kv;
+                const size_t off = ok ? ((size_t)(j0 + r) * nkv + kh) * HD + col : 0;
+                fw_cp_async16(dst + fw_swz(BC, r, col), g + off, ok);
+            }
+        };
+        int j = fw_next_tile(tmin, smin, jb, je, qmax, lane);
+        int t = 0, sk = 0, sv = 0;  // tile counter; stages of K(t + 1) (after the first) and V(t)
+        if (j < je) {
+            fw_mbar_wait(bar_ke(0), 1);  // first use of the stage: passes at once
+            load_tile(k, sKa, j);
+            if (pt < BC) {
+                const bool ok = j * BC + pt < n_kv;
+                fw_cp_async8z(fw_smem_u32(sKP + pt), kv_pos + (ok ? j * BC + pt : 0), ok);
+            }
+            fw_cp_mbar_arrive(bar_kf(0));
+        }
+        while (j < je) {
+            const int jn = fw_next_tile(tmin, smin, j + 1, je, qmax, lane);
+            if (jn < je) {
+                sk = sk + 1 == S ? 0 : sk + 1;
+                fw_mbar_wait(bar_ke(sk), (((t + 1) / S) & 1) ^ 1);
+                load_tile(k, sKa + sk * TBYTES, jn);
+                if (pt < BC) {
+                    const bool ok = jn * BC + pt < n_kv;
+                    fw_cp_async8z(fw_smem_u32(sKP + sk * BC + pt), kv_pos + (ok ? jn * BC + pt : 0), ok);
+                }
+                fw_cp_mbar_arrive(bar_kf(sk));
+            }
+            fw_mbar_wait(bar_ve(sv), ((t / S) & 1) ^ 1);
+            load_tile(v, sVa + sv * TBYTES, j);
+            fw_cp_mbar_arrive(bar_vf(sv));
+            sv = sv + 1 == S ? 0 : sv + 1;
+            j = jn;
+            ++t;
+        }
+        // Not needed for the mbarriers (they track the copies); the producer just does not
+        // exit with copies in flight (wait_group only covers committed groups).
+        fw_cp_commit();
+        fw_cp_wait_all();
+        return;
+    }
+
+    // ---------------- consumers ----------------
+    fw_setmaxnreg_inc<FW3_REG_MMA>();
+    const int ct = tid - PT, cwarp = ct >> 5, wgc = ct >> 7;
+    i64 qmin = sRed[0];
+#pragma unroll
+    for (int w = 1; w < W; ++w) qmin = fw_min64(qmin, sRed[w]);
+    const int row0 = cwarp * 16 + (lane >> 2);  // this thread's accumulator rows row0, row0 + 8
+    // This thread's query positions (rows past tq: I64_MIN, they see nothing), from global
+    // memory (no shared copy: 128 × 80 tiles at HD 256 leave no room for it).
+    const i64 qp0 = q0 + row0 < tq ? q_pos[q0 + row0] : FW_I64_MIN;
+    const i64 qp1 = q0 + row0 + 8 < tq ? q_pos[q0 + row0 + 8] : FW_I64_MIN;
+
+    float s[ST][4];
+    float acc[NT][4];
+    unsigned p[BC / 16][4];
+#pragma unroll
+    for (int n = 0; n < NT; ++n) acc[n][0] = acc[n][1] = acc[n][2] = acc[n][3] = 0.f;
+#pragma unroll
+    for (int n = 0; n < BC / 16; ++n) p[n][0] = p[n][1] = p[n][2] = p[n][3] = 0u;
+    float m0 = NEG_INF, m1 = NEG_INF, l0 = 0.f, l1 = 0.f;
+
+    auto issue_s = [&](int st) {
+        const unsigned qa = sQa + wgc * 64 * 128, ka = sKa + st * TBYTES;
+#pragma unroll
+        for (int kk = 0; kk < HD / 16; ++kk) {
+            const unsigned kc = (kk & 3) * 32;
+            FwS<BC>::mma(&s[0][0], fw_desc(qa + (kk >> 2) * BR * 128 + kc, 16, 1024),
+                         fw_desc(ka + (kk >> 2) * BC * 128 + kc, 16, 1024), kk > 0);
+        }
+        fw_wgmma_commit();
+    };
+    auto issue_pv = [&](int st) {
+        const unsigned va = sVa + st * TBYTES;
+#pragma unroll
+        for (int kk = 0; kk < BC / 16; ++kk)
+            FwPv<HD>::mma(&acc[0][0], p[kk], fw_desc(va + kk * 16 * 128, BC * 128, 1024));
+        fw_wgmma_commit();
+    };
+    auto softmax = [&](int j, int st, float& c0, float& c1) {
+        const int nvalid = n_kv - j * BC;
+        const bool full = nvalid >= BC && tmax[j] <= qmin;
+        const i64* kp = sKP + st * BC;
+#pragma unroll
+        for (int n = 0; n < ST; ++n) {
+#pragma unroll
+            for (int e = 0; e < 4; ++e) s[n][e] *= scale_log2;
+            if (!full) {
+                const int c = n * 8 + 2 * (lane & 3);
+                const i64 p0 = kp[c], p1 = kp[c + 1];
+                const bool v0 = c < nvalid, v1 = c + 1 < nvalid;
+                if (!v0 || p0 > qp0) s[n][0] = NEG_INF;
+                if (!v1 || p1 > qp0) s[n][1] = NEG_INF;
+                if (!v0 || p0 > qp1) s[n][2] = NEG_INF;
+                if (!v1 || p1 > qp1) s[n][3] = NEG_INF;
+            }
+        }
+        float r0 = NEG_INF, r1 = NEG_INF;
+#pragma unroll
+        for (int n = 0; n < ST; ++n) {
+            r0 = fmaxf(r0, fmaxf(s[n][0], s[n][1]));
+            r1 = fmaxf(r1, fmaxf(s[n][2], s[n][3]));
+        }
+        r0 = fmaxf(r0, __shfl_xor_sync(0xffffffffu, r0, 1));
+        r0 = fmaxf(r0, __shfl_xor_sync(0xffffffffu, r0, 2));
+        r1 = fmaxf(r1, __shfl_xor_sync(0xffffffffu, r1, 1));
+        r1 = fmaxf(r1, __shfl_xor_sync(0xffffffffu, r1, 2));
+        const float n0 = fmaxf(m0, r0), n1 = fmaxf(m1, r1);
+        const float b0 = n0 == NEG_INF ? 0.f : n0, b1 = n1 == NEG_INF ? 0.f : n1;
+        c0 = fw_exp2(m0 - b0);
+        c1 = fw_exp2(m1 - b1);
+        m0 = n0;
+        m1 = n1;
+        float ls0 = 0.f, ls1 = 0.f;
+#pragma unroll
+        for (int n = 0; n < ST; ++n) {
+            s[n][0] = fw_exp2(s[n][0] - b0);
+            s[n][1] = fw_exp2(s[n][1] - b0);
+            s[n][2] = fw_exp2(s[n][2] - b1);
+            s[n][3] = fw_exp2(s[n][3] - b1);
+            ls0 += s[n][0] + s[n][1];
+            ls1 += s[n][2] + s[n][3];
+        }
+        l0 = l0 * c0 + ls0;
+        l1 = l1 * c1 + ls1;
+    };
+    auto pack_p = [&]() {
+#pragma unroll
+        for (int kk = 0; kk < BC / 16; ++kk) {
+            p[kk][0] = fw_pack(s[2 * kk][0], s[2 * kk][1]);
+            p[kk][1] = fw_pack(s[2 * kk][2], s[2 * kk][3]);
+            p[kk][2] = fw_pack(s[2 * kk + 1][0], s[2 * kk + 1][1]);
+            p[kk][3] = fw_pack(s[2 * kk + 1][2], s[2 * kk + 1][3]);
+        }
+    };
+
+    // Prologue: Q, K(0) → S(0), P(0).
+    int j = fw_next_tile(tmin, smin, jb, je, qmax, lane);
+    int jn = j < je ? fw_next_tile(tmin, smin, j + 1, je, qmax, lane) : je;
+    fw_mbar_wait(bar_q(), 0);
+    if (j < je) fw_mbar_wait(bar_kf(0), 0);
+    fw_fence_proxy_async();
+    // wgmma unconditionally (see the kernel above: C7520); without a tile the scores of the
+    // unwritten stage are never used.
+    fw_wgmma_fence();
+    issue_s(0);
+    fw_wgmma_wait<0, ST * 4>(&s[0][0]);
+    if (j < je) {
+        float c0, c1;
+        softmax(j, 0, c0, c1);
+        fw_mbar_arrive(bar_ke(0));
+        pack_p();
+        if (PINGPONG && wgc == 1) fw_bar_arrive(1, 2 * PT);  // consumer 0 issues first
+    }
+    int t = 0, sk = S > 1 ? 1 : 0, sv = 0;  // stages of K(t + 1) and V(t)
+    while (j < je) {
+        const int jnn = jn < je ? fw_next_tile(tmin, smin, jn + 1, je, qmax, lane) : je;
+        if (jn < je) fw_mbar_wait(bar_kf(sk), ((t + 1) / S) & 1);
+        fw_mbar_wait(bar_vf(sv), (t / S) & 1);
+        fw_fence_proxy_async();
+        if (PINGPONG) fw_bar_sync(1 + wgc, 2 * PT);  // my turn at the tensor cores
+        fw_wgmma_fence();
+        issue_s(sk);  // for the last tile: scores of a stale stage, unused
+        issue_pv(sv);
+        if (PINGPONG && (wgc == 0 || jn < je)) fw_bar_arrive(2 - wgc, 2 * PT);  // the other's turn
+        fw_wgmma_wait<1, ST * 4>(&s[0][0]);  // S(t+1) done, P V(t) may still run
+        float c0 = 1.f, c1 = 1.f;
+        if (jn < je) {
+            softmax(jn, sk, c0, c1);
+            fw_mbar_arrive(bar_ke(sk));  // K(t+1) and its positions no longer read
+        }
+        fw_wgmma_wait<0, NT * 4>(&acc[0][0]);
+        fw_mbar_arrive(bar_ve(sv));  // V(t) no longer read
+#pragma unroll
+        for (int n = 0; n < NT; ++n) {
+            acc[n][0] *= c0;
+            acc[n][1] *= c0;
+            acc[n][2] *= c1;
+            acc[n][3] *= c1;
+        }
+        pack_p();
+        sk = sk + 1 == S ? 0 : sk + 1;
+        sv = sv + 1 == S ? 0 : sv + 1;
+        j = jn;
+        jn = jnn;
+        ++t;
+    }
+
+    l0 += __shfl_xor_sync(0xffffffffu, l0, 1);
+    l0 += __shfl_xor_sync(0xffffffffu, l0, 2);
+    l1 += __shfl_xor_sync(0xffffffffu, l1, 1);
+    l1 += __shfl_xor_sync(0xffffffffu, l1, 2);
+    const int g0 = q0 + row0, g1 = g0 + 8;
+    const int col = 2 * (lane & 3);
+    if (nsplit == 1) {
+        const float i0 = l0 > 0.f ? 1.f / l0 : 0.f, i1 = l1 > 0.f ? 1.f / l1 : 0.f;
+        if (g0 < tq) {
+            bf16* d = o + ((size_t)g0 * nh + h) * HD + col;
+#pragma unroll
+            for (int n = 0; n < NT; ++n)
+                *reinterpret_cast<__nv_bfloat162*>(d + n * 8) =
+                    __floats2bfloat162_rn(acc[n][0] * i0, acc[n][1] * i0);
+        }
+        if (g1 < tq) {
+            bf16* d = o + ((size_t)g1 * nh + h) * HD + col;
+#pragma unroll
+            for (int n = 0; n < NT; ++n)
+                *reinterpret_cast<__nv_bfloat162*>(d + n * 8) =
+                    __floats2bfloat162_rn(acc[n][2] * i1, acc[n][3] * i1);
+        }
+    } else {
+        const size_t rows = (size_t)tq * nh;
+        const size_t sp = (size_t)blockIdx.y * rows;
+        if (g0 < tq) {
+            const size_t r = sp + (size_t)g0 * nh + h;
+            float* d = wo + r * HD + col;
+#pragma unroll
+            for (int n = 0; n < NT; ++n)
+                *reinterpret_cast<float2*>(d + n * 8) = make_float2(acc[n][0], acc[n][1]);
+            if ((lane & 3) == 0) *reinterpret_cast<float2*>(wml + r * 2) = make_float2(m0, l0);
+        }
+        if (g1 < tq) {
+            const size_t r = sp + (size_t)g1 * nh + h;
+            float* d = wo + r * HD + col;
+#pragma unroll
+            for (int n = 0; n < NT; ++n)
+                *reinterpret_cast<float2*>(d + n * 8) = make_float2(acc[n][2], acc[n][3]);
+            if ((lane & 3) == 0) *reinterpret_cast<float2*>(wml + r * 2) = make_float2(m1, l1);
+        }
+    }
+}
+
+// attn_flash_wg3_bf16_{HD}: 64-key tiles with ping-pong; attn_flash_wg3np_bf16_{HD}:
+// without (the two consumers issue their wgmma independently; for timing the ping-pong's
+// effect); attn_flash_wg3b80_bf16_{HD}: 80-key tiles (FA3's choice at head dim 256: the
+// S = Q Kᵀ wgmma m64n80 reads 4.5 KiB of shared memory per 40 tensor-core cycles instead
+// of 4 KiB per 32, and the per-tile costs spread over 25% more keys; tile summaries with
+// bc = 80).
+#define ATTN_FLASH_WG3(NAME, HD, BC, PP)                                                              \
+    extern "C" __global__ void __launch_bounds__(FW3_THREADS, 1) NAME##_bf16_##HD(                    \
+        const bf16* q, const bf16* k, const bf16* v, const i64* q_pos, const i64* kv_pos,             \
+        const i64* tiles, bf16* o, float* wo, float* wml, int tq, int n_kv, int nh, int nkv,          \
+        float scale_log2) {                                                                           \
+        attn_flash_wg3_impl<HD, BC, PP>(q, k, v, q_pos, kv_pos, tiles, o, wo, wml, tq, n_kv, nh, nkv, \
+                                        scale_log2);                                                  \
+    }
+ATTN_FLASH_WG3(attn_flash_wg3, 256, 64, true)
+ATTN_FLASH_WG3(attn_flash_wg3, 128, 64, true)
+ATTN_FLASH_WG3(attn_flash_wg3np, 256, 64, false)
+ATTN_FLASH_WG3(attn_flash_wg3np, 128, 64, false)
+ATTN_FLASH_WG3(attn_flash_wg3b80, 256, 80, true)
+ATTN_FLASH_WG3(attn_flash_wg3b80, 128, 80, true)
 #endif  // sm_90a

@@ -32,7 +32,11 @@
 //! bf16; 16/2 and 8/1 heads × 256 and × 128): `flash_wg_causal_bf16` (causal T = 1, 17,
 //! 64, 200, 333, 512, 1000, key splits 3, 7, 64, permuted positions, blind queries, empty
 //! cache), `flash_wg_seam_bf16` (the flash seam cases), `flash_wg_vs_flash_4096` (causal
-//! T = 4096, 16/2 × 256, against `attn::prefill_flash`), `flash_wg_errors_are_errors`.
+//! T = 4096, 16/2 × 256, against `attn::prefill_flash`), `flash_wg_errors_are_errors`;
+//! `flash_wg3_causal_bf16`, `flash_wg3_seam_bf16`, `flash_wg3_vs_flash_4096`: the same
+//! cases on the warp-specialised kernel (`attn::FlashWgKernel::WarpSpecialized`; the
+//! 4096 test also its `WarpSpecializedNoPingPong` and `WarpSpecializedBc80` variants);
+//! `flash_wg3b80_causal_bf16`, `flash_wg3b80_seam_bf16`: on `WarpSpecializedBc80`.
 //!
 //! Tolerances: f32 1e-5 norm-wise / 1e-4 max-relative; bf16 4e-3 / 4e-2 (against
 //! the CPU on the bf16-rounded inputs: the fast path stores the probabilities `P` in
@@ -168,6 +172,8 @@ mod gpu {
         Flash(attn::FlashOpts),
         /// `attn::prefill_flash_wg_with` with this many key splits (`None`: its own plan).
         FlashWg(Option<usize>),
+        /// The same with another kernel (`FlashWgKernel::WarpSpecialized*`).
+        FlashWgK(Option<usize>, attn::FlashWgKernel),
     }
 
     /// One case: random q/k/v at the given positions; fast path (workspace `budget`)
@@ -275,16 +281,20 @@ mod gpu {
                 );
                 (w, "flash")
             }
-            Path::FlashWg(split) => {
+            Path::FlashWg(split) | Path::FlashWgK(split, _) => {
                 let sp = match split {
                     Some(s) => format!("split {s}"),
                     None => "split auto".to_string(),
                 };
+                let (kind, label) = match path {
+                    Path::FlashWgK(_, k) => (format!("wgmma, {k:?}"), "flash-wg3"),
+                    _ => ("wgmma".to_string(), "flash-wg"),
+                };
                 let w = format!(
-                    "{name} {} {nh}/{nkv}×{hd} tq={tq} n_kv={n} (wgmma, {sp})",
+                    "{name} {} {nh}/{nkv}×{hd} tq={tq} n_kv={n} ({kind}, {sp})",
                     T::SUFFIX
                 );
-                (w, "flash-wg")
+                (w, label)
             }
         };
         let mut fast = up::<T>(g, &vec![f32::NAN; on.max(1)]);
@@ -295,9 +305,16 @@ mod gpu {
             Path::Flash(opts) => attn::prefill_flash_with(
                 g, &qd, &qp, &kd, &vd, &kp, &mut fast, tq, n, nh, nkv, hd, opts,
             ),
-            Path::FlashWg(split) => attn::prefill_flash_wg_with(
-                g, &qd, &qp, &kd, &vd, &kp, &mut fast, tq, n, nh, nkv, hd, split,
-            ),
+            Path::FlashWg(split) | Path::FlashWgK(split, _) => {
+                let kernel = match path {
+                    Path::FlashWgK(_, k) => k,
+                    _ => attn::FlashWgKernel::Basic,
+                };
+                let opts = attn::FlashWgOpts { split, kernel };
+                attn::prefill_flash_wg_with(
+                    g, &qd, &qp, &kd, &vd, &kp, &mut fast, tq, n, nh, nkv, hd, opts,
+                )
+            }
         };
         if let Err(e) = r.and_then(|_| g.sync()) {
             return fails.fail(format!("{what}: {label} failed: {e}"));
@@ -772,7 +789,28 @@ mod gpu {
     /// splits than tiles), permuted positions, blind queries, an empty cache.
     #[test]
     fn flash_wg_causal_bf16() {
-        let test = "flash_wg_causal_bf16";
+        wg_causal_cases("flash_wg_causal_bf16", Path::FlashWg);
+    }
+
+    /// [`flash_wg_causal_bf16`]'s cases on the warp-specialised kernel
+    /// (`FlashWgKernel::WarpSpecialized`, `attn_flash_wg3_*`).
+    #[test]
+    fn flash_wg3_causal_bf16() {
+        wg_causal_cases("flash_wg3_causal_bf16", |s| {
+            Path::FlashWgK(s, attn::FlashWgKernel::WarpSpecialized)
+        });
+    }
+
+    /// [`flash_wg_causal_bf16`]'s cases on the warp-specialised kernel with 80-key tiles
+    /// (`FlashWgKernel::WarpSpecializedBc80`, `attn_flash_wg3b80_*`).
+    #[test]
+    fn flash_wg3b80_causal_bf16() {
+        wg_causal_cases("flash_wg3b80_causal_bf16", |s| {
+            Path::FlashWgK(s, attn::FlashWgKernel::WarpSpecializedBc80)
+        });
+    }
+
+    fn wg_causal_cases(test: &str, mk: fn(Option<usize>) -> Path) {
         let Some((g, _l)) = gpu_wg(test) else { return };
         let mut f = Failures::default();
         for (i, &h) in FLASH_WG_HEADS.iter().enumerate() {
@@ -782,17 +820,17 @@ mod gpu {
             {
                 let pos: Vec<i64> = (0..t as i64).collect();
                 let seed = 500 + 10 * i as u64 + j as u64;
-                let p = Path::FlashWg(None);
+                let p = mk(None);
                 case_path::<bf16>(&g, "causal", &pos, &pos, h, p, seed, &mut f);
             }
         }
         let pos: Vec<i64> = (0..1000).collect();
-        let p3 = Path::FlashWg(Some(3));
+        let p3 = mk(Some(3));
         case_path::<bf16>(&g, "causal", &pos, &pos, FLASH_WG_HEADS[0], p3, 550, &mut f);
-        let p7 = Path::FlashWg(Some(7));
+        let p7 = mk(Some(7));
         case_path::<bf16>(&g, "causal", &pos, &pos, FLASH_WG_HEADS[3], p7, 551, &mut f);
         let pos: Vec<i64> = (0..200).collect();
-        let p64 = Path::FlashWg(Some(64));
+        let p64 = mk(Some(64));
         case_path::<bf16>(
             &g,
             "causal",
@@ -807,7 +845,7 @@ mod gpu {
         let kv_pos: Vec<i64> = (0..n).map(|i| ((i * 7919) % n) as i64).collect();
         let q_pos: Vec<i64> = (0..n).map(|i| ((i * 13) % n) as i64).collect();
         for (i, &h) in FLASH_WG_HEADS.iter().enumerate() {
-            let p = Path::FlashWg(if i % 2 == 0 { None } else { Some(2) });
+            let p = mk(if i % 2 == 0 { None } else { Some(2) });
             case_path::<bf16>(
                 &g,
                 "shuffled",
@@ -821,7 +859,7 @@ mod gpu {
         }
         let q_pos: Vec<i64> = (-40..30).collect();
         let kv_pos: Vec<i64> = (0..50).rev().collect();
-        let p = Path::FlashWg(None);
+        let p = mk(None);
         case_path::<bf16>(
             &g,
             "blind",
@@ -861,15 +899,34 @@ mod gpu {
     /// the cache; a short span over a long scrambled cache (split plan and no split).
     #[test]
     fn flash_wg_seam_bf16() {
-        let test = "flash_wg_seam_bf16";
+        wg_seam_cases("flash_wg_seam_bf16", Path::FlashWg);
+    }
+
+    /// [`flash_wg_seam_bf16`]'s cases on the warp-specialised kernel.
+    #[test]
+    fn flash_wg3_seam_bf16() {
+        wg_seam_cases("flash_wg3_seam_bf16", |s| {
+            Path::FlashWgK(s, attn::FlashWgKernel::WarpSpecialized)
+        });
+    }
+
+    /// [`flash_wg_seam_bf16`]'s cases on the warp-specialised kernel with 80-key tiles.
+    #[test]
+    fn flash_wg3b80_seam_bf16() {
+        wg_seam_cases("flash_wg3b80_seam_bf16", |s| {
+            Path::FlashWgK(s, attn::FlashWgKernel::WarpSpecializedBc80)
+        });
+    }
+
+    fn wg_seam_cases(test: &str, mk: fn(Option<usize>) -> Path) {
         let Some((g, _l)) = gpu_wg(test) else { return };
         let mut f = Failures::default();
         let (q_pos, kv_pos) = seam_positions();
         for (i, &h) in FLASH_WG_HEADS.iter().enumerate() {
-            let p = Path::FlashWg(None);
+            let p = mk(None);
             case_path::<bf16>(&g, "seam", &q_pos, &kv_pos, h, p, 600 + i as u64, &mut f);
         }
-        let p2 = Path::FlashWg(Some(2));
+        let p2 = mk(Some(2));
         case_path::<bf16>(
             &g,
             "seam",
@@ -884,7 +941,7 @@ mod gpu {
         kv2.extend(1077..1177i64);
         let q2: Vec<i64> = (1077..1177i64).collect();
         for (i, &h) in FLASH_WG_HEADS.iter().enumerate() {
-            let p = Path::FlashWg(None);
+            let p = mk(None);
             case_path::<bf16>(
                 &g,
                 "seam window 100",
@@ -905,7 +962,7 @@ mod gpu {
         kv3.truncate(blocks * 64 - 21);
         let q3: Vec<i64> = (0..100i64).map(|i| 3008 - 1500 + 15 * i).collect();
         let h0 = FLASH_WG_HEADS[0];
-        let (pa, p1) = (Path::FlashWg(None), Path::FlashWg(Some(1)));
+        let (pa, p1) = (mk(None), mk(Some(1)));
         case_path::<bf16>(&g, "long cache", &q3, &kv3, h0, pa, 630, &mut f);
         case_path::<bf16>(&g, "long cache", &q3, &kv3, h0, p1, 631, &mut f);
         let h3 = FLASH_WG_HEADS[3];
@@ -917,7 +974,28 @@ mod gpu {
     /// 256, the benchmark shape), norm-wise and max-relative as the bf16 CPU tolerances.
     #[test]
     fn flash_wg_vs_flash_4096() {
-        let test = "flash_wg_vs_flash_4096";
+        wg_vs_flash_4096("flash_wg_vs_flash_4096", attn::FlashWgKernel::Basic);
+    }
+
+    /// [`flash_wg_vs_flash_4096`] for the warp-specialised kernels (with and without
+    /// ping-pong, 80-key tiles).
+    #[test]
+    fn flash_wg3_vs_flash_4096() {
+        wg_vs_flash_4096(
+            "flash_wg3_vs_flash_4096",
+            attn::FlashWgKernel::WarpSpecialized,
+        );
+        wg_vs_flash_4096(
+            "flash_wg3_vs_flash_4096",
+            attn::FlashWgKernel::WarpSpecializedNoPingPong,
+        );
+        wg_vs_flash_4096(
+            "flash_wg3_vs_flash_4096",
+            attn::FlashWgKernel::WarpSpecializedBc80,
+        );
+    }
+
+    fn wg_vs_flash_4096(test: &str, kernel: attn::FlashWgKernel) {
         let Some((g, _l)) = gpu_wg(test) else { return };
         let mut f = Failures::default();
         let (t, nh, nkv, hd) = (4096usize, 16usize, 2usize, 256usize);
@@ -929,12 +1007,17 @@ mod gpu {
         let mut a = up::<bf16>(&g, &vec![f32::NAN; t * nh * hd]);
         let mut b = up::<bf16>(&g, &vec![f32::NAN; t * nh * hd]);
         attn::prefill_flash(&g, &q, &pos, &k, &v, &pos, &mut a, t, t, nh, nkv, hd).unwrap();
-        attn::prefill_flash_wg(&g, &q, &pos, &k, &v, &pos, &mut b, t, t, nh, nkv, hd).unwrap();
+        let opts = attn::FlashWgOpts {
+            split: None,
+            kernel,
+        };
+        attn::prefill_flash_wg_with(&g, &q, &pos, &k, &v, &pos, &mut b, t, t, nh, nkv, hd, opts)
+            .unwrap();
         g.sync().unwrap();
         let (a, b) = (down(&g, &a, t * nh * hd), down(&g, &b, t * nh * hd));
         let (tol, tol_max) = tols::<bf16>();
         f.check(
-            "causal 4096 16/2×256: flash-wg vs flash",
+            &format!("causal 4096 16/2×256: flash-wg ({kernel:?}) vs flash"),
             &b,
             &a,
             tol,

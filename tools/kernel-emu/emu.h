@@ -84,6 +84,7 @@ struct EmuThread {
     std::vector<char> stack;
     emu_dim3 tidx;
     bool done = false;
+    bool spun = false;  // returned to the scheduler from a spin wait whose condition was false
     EmuBarrier* waiting = nullptr;
     uint64_t wait_gen = 0;
     struct Cp {
@@ -119,17 +120,25 @@ inline unsigned char* emu_dyn_smem = nullptr;
 // thread's kernel body returns, and after a cp.async copy landed in shared memory.
 inline std::function<void(unsigned)> emu_block_hook;
 inline std::function<void()> emu_exit_hook;
+// Called once per block after every thread finished (leftover-state checks).
+inline std::function<void()> emu_block_end_hook;
+// Bumped by every change of synchronisation state (barrier / mbarrier arrivals): a pass of
+// the scheduler in which no thread ran except spin waits that failed, and the epoch did not
+// move, is a deadlock.
+inline uint64_t emu_epoch = 0;
 inline void (*emu_cp_hook)(unsigned dst, int bytes) = nullptr;
 
-[[noreturn]] inline void emu_fail(const char* what) {
+[[noreturn]] inline void emu_fail(const char* what) {  // _Exit: no destructors on a fiber stack
     std::fprintf(stderr, "EMU ERROR: %s (thread %u, block %u,%u)\n", what, emu.cur ? emu.cur->tidx.x : 0u,
                  blockIdx.x, blockIdx.y);
-    std::exit(3);
+    std::fflush(nullptr);
+    std::_Exit(3);
 }
 
 inline void emu_yield() { swapcontext(&emu.cur->ctx, &emu.sched); }
 
 inline void emu_arrive(EmuBarrier& b) {
+    ++emu_epoch;
     if (++b.count == b.expected) {
         b.count = 0;
         ++b.gen;
@@ -142,6 +151,15 @@ inline void emu_arrive(EmuBarrier& b) {
 }
 
 inline void __syncthreads() { emu_arrive(emu.block_bar); }
+
+// Spin wait (mbarrier try_wait loops, register pool): yields until cond() holds.
+template <typename F>
+inline void emu_spin(F cond) {
+    while (!cond()) {
+        emu.cur->spun = true;
+        emu_yield();
+    }
+}
 
 static void emu_fiber_entry() {
     emu.body();
@@ -188,8 +206,10 @@ inline void emu_launch(emu_dim3 grid, unsigned threads, size_t dyn, std::functio
                         continue;
                     }
                     emu.cur = &f;
+                    const uint64_t ep = emu_epoch;
+                    f.spun = false;
                     swapcontext(&emu.sched, &f.ctx);
-                    progress = true;
+                    if (!f.spun || emu_epoch != ep) progress = true;
                     if (!f.done) ++left;
                     if (f.done && !f.pending.empty()) emu_fail("thread exited with cp.async in flight");
                 }
@@ -199,6 +219,7 @@ inline void emu_launch(emu_dim3 grid, unsigned threads, size_t dyn, std::functio
                 }
             }
             emu.cur = nullptr;
+            if (emu_block_end_hook) emu_block_end_hook();
         }
     }
 }

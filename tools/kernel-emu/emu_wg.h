@@ -28,6 +28,32 @@
 // last wait_group; an operand byte written by cp.async and not yet followed by the
 // writer's fence.proxy.async fails; a thread that exits with uncommitted or pending wgmma
 // fails.
+//
+// The warp-specialised kernel (attn_flash_wg3_*) adds, emulated from the PTX ISA
+// ("mbarrier", "cp.async.mbarrier.arrive", "bar.sync / bar.arrive", "setmaxnreg",
+// "fence.proxy.async"):
+// * mbarrier objects (kept beside shared memory, keyed by address): init (count), arrive,
+//   cp.async.mbarrier.arrive.noinc (the thread's pending cp.async land at that instruction,
+//   then one arrival), try_wait.parity (succeeds iff the parity of the current, incomplete
+//   phase differs from the operand; the phase waited for is then "current − 1"). A thread
+//   that completes a phase yields at once, so the waiters (e.g. the producer refilling a
+//   stage) run before it goes on. Left over at the end of a block: a partial phase fails.
+// * every shared byte landed through cp.async.mbarrier.arrive carries the tag (mbarrier,
+//   phase); a wgmma reading it needs every thread of its warpgroup to have waited for
+//   exactly that phase of that mbarrier and to have run fence.proxy.async after the wait
+//   (a later or earlier phase fails: read before the data was waited for / wrong parity,
+//   or a stage refilled before its readers were done);
+// * per shared byte, the wgmma that read it and have not yet been retired by all 128
+//   threads of their warpgroup (wait_group): a copy landing on such a byte fails (a stage
+//   overwritten while a wgmma still reads it, e.g. released before the wait_group);
+// * named barriers 1..15: bar.sync (waits) and bar.arrive (does not) with a thread count
+//   that must be a multiple of 32 and agree within a generation; arrivals left pending at
+//   the end of a block fail;
+// * setmaxnreg.{inc,dec}: the count must be a multiple of 8 in [24, 256], the same in all
+//   128 threads of the warpgroup, .dec not above / .inc not below the current count; a
+//   per-block pool starts at threads · (65536 / threads rounded down to 8, at most 255)
+//   registers (the launch bound's entry count) minus the allocation, .inc waits for the pool;
+// * spin waits take part in the deadlock check (emu.h).
 #pragma once
 #include <map>
 #include <memory>
@@ -47,6 +73,8 @@ struct EmuWgOp {
     std::vector<float> Bexec;
     bool checked = false;
     uint32_t areg[128][4];
+    std::vector<unsigned> addrs;  // shared bytes read (first byte of each bf16)
+    int retired = 0;              // threads that retired it (wait_group)
 };
 
 struct EmuWgPending {
@@ -63,12 +91,30 @@ struct EmuWgThread {
     std::vector<std::vector<EmuWgPending>> groups;   // committed, oldest first
     uint64_t seq = 0;                                // wgmma issued so far
     std::vector<std::pair<unsigned, int>> dirty;     // cp.async writes since the last proxy fence
+    std::vector<long> waited, pfenced;               // per mbarrier id: phase last waited for (at the last proxy fence)
+    int regs = 0;                                    // setmaxnreg count (0: entry count)
+};
+
+constexpr long EMU_NEVER = -1000000;
+
+struct EmuMbar {
+    int id = 0;
+    int expected = 0, pending = 0;
+    long phase = 0;  // completed phases
+};
+
+struct EmuWgRegs {
+    EmuBarrier bar;
+    int val[128];
+    int cur = 0;
+    bool granted = false;
 };
 
 struct EmuWgGroup {
     EmuBarrier bar;
     uint64_t dep[128][8];
     std::map<uint64_t, std::shared_ptr<EmuWgOp>> ops;
+    EmuWgRegs regs;
 };
 
 inline std::vector<EmuWgThread> emu_wg_th;
@@ -76,6 +122,14 @@ inline std::vector<EmuWgGroup> emu_wg_grp;
 inline std::vector<int> emu_wg_dirty;  // per shared byte: thread whose generic write is unfenced, or -1
 inline unsigned emu_smem_shift = 0;    // extra offset of the dynamic shared memory base (alignment test)
 inline long emu_wg_count = 0;
+inline std::map<unsigned, EmuMbar> emu_mbar;           // by shared address
+inline std::vector<int> emu_wg_tag_bar;                // per shared byte: mbarrier id of its landing, or -1
+inline std::vector<long> emu_wg_tag_ph;                // ... and the phase
+inline std::vector<int> emu_wg_readers;                // per shared byte: wgmma in flight reading it
+inline int emu_land_bar = -1;                          // tag of the copies landing now
+inline long emu_land_ph = 0;
+inline EmuBarrier emu_named[16];
+inline long emu_reg_pool = 0;
 
 inline void emu_wg_init() {
     emu_block_hook = [](unsigned threads) {
@@ -84,6 +138,35 @@ inline void emu_wg_init() {
         emu_wg_grp.resize((threads + 127) / 128);
         for (auto& g : emu_wg_grp) g.bar.expected = 128;
         emu_wg_dirty.assign(emu.smem.size(), -1);
+        emu_wg_tag_bar.assign(emu.smem.size(), -1);
+        emu_wg_tag_ph.assign(emu.smem.size(), 0);
+        emu_wg_readers.assign(emu.smem.size(), 0);
+        emu_mbar.clear();
+        for (auto& b : emu_named) b = EmuBarrier{};
+        int r0 = std::min(255u, (65536u / threads) & ~7u);
+        emu_reg_pool = 65536 - (long)threads * r0;
+        for (auto& t : emu_wg_th) t.regs = r0;
+        for (auto& g : emu_wg_grp) {
+            g.regs.bar = EmuBarrier{};
+            g.regs.bar.expected = 128;
+            g.regs.cur = r0;
+            g.regs.granted = false;
+        }
+    };
+    emu_block_end_hook = [] {
+        for (auto& m : emu_mbar)
+            if (m.second.pending != m.second.expected) {
+                std::fprintf(stderr, "EMU ERROR: mbarrier %u (id %d) left with a partial phase: %d of %d arrivals "
+                             "(block %u,%u)\n", m.first, m.second.id, m.second.expected - m.second.pending,
+                             m.second.expected, blockIdx.x, blockIdx.y);
+                std::exit(3);
+            }
+        for (int i = 1; i < 16; ++i)
+            if (emu_named[i].count) {
+                std::fprintf(stderr, "EMU ERROR: named barrier %d left with %d pending arrivals (block %u,%u)\n", i,
+                             emu_named[i].count, blockIdx.x, blockIdx.y);
+                std::exit(3);
+            }
     };
     emu_exit_hook = [] {
         if (emu_wg_th.empty()) return;
@@ -92,7 +175,19 @@ inline void emu_wg_init() {
     };
     emu_cp_hook = [](unsigned dst, int bytes) {
         if (emu_wg_th.empty()) return;
-        for (int b = 0; b < bytes; ++b) emu_wg_dirty[dst + b] = (int)threadIdx.x;
+        for (int b = 0; b < bytes; ++b)
+            if (emu_wg_readers[dst + b])
+                emu_fail("shared memory overwritten while a wgmma reading it is in flight (not yet retired by "
+                         "every thread of its warpgroup)");
+        if (emu_land_bar >= 0) {  // landed through cp.async.mbarrier.arrive: tagged, no proxy fence by the writer
+            for (int b = 0; b < bytes; ++b) {
+                emu_wg_dirty[dst + b] = -1;
+                emu_wg_tag_bar[dst + b] = emu_land_bar;
+                emu_wg_tag_ph[dst + b] = emu_land_ph;
+            }
+            return;
+        }
+        for (int b = 0; b < bytes; ++b) emu_wg_dirty[dst + b] = (int)threadIdx.x, emu_wg_tag_bar[dst + b] = -1;
         emu_wg_th[threadIdx.x].dirty.push_back({dst, bytes});
     };
 }
@@ -112,6 +207,7 @@ inline void fw_fence_proxy_async() {
         for (int b = 0; b < d.second; ++b)
             if (emu_wg_dirty[d.first + b] == (int)threadIdx.x) emu_wg_dirty[d.first + b] = -1;
     t.dirty.clear();
+    t.pfenced = t.waited;
 }
 
 inline void fw_wgmma_fence() { emu_wg_th[threadIdx.x].fenced = true; }
@@ -143,13 +239,52 @@ inline unsigned emu_wg_addr(unsigned long long desc, int mn, int k, bool mn_majo
     return a ^ (((a >> 7) & 7) << 4);
 }
 
-inline void emu_wg_fetch(EmuWgOp& op, float (*A)[16], std::vector<float>& B) {
+// At issue (record = true): the operand addresses are recorded (in-flight readers) and
+// checked against the mbarrier tags: every thread of the issuing warpgroup `wg` must have
+// waited for the tagged phase and fenced after it.
+inline void emu_wg_fetch(EmuWgOp& op, float (*A)[16], std::vector<float>& B, int wg = -1) {
+    std::vector<long> cons;
+    auto at = [&](unsigned a) {
+        if (wg >= 0) {
+            op.addrs.push_back(a);
+            for (unsigned b = a; b < a + 2 && b < emu_wg_tag_bar.size(); ++b) {
+                const int id = emu_wg_tag_bar[b];
+                if (id < 0) continue;
+                if ((int)cons.size() <= id) cons.resize(id + 1, EMU_NEVER - 1);
+                if (cons[id] == EMU_NEVER - 1) {
+                    long v = EMU_NEVER - 2;
+                    for (int l = 0; l < 128; ++l) {
+                        const auto& f = emu_wg_th[wg * 128 + l].pfenced;
+                        const long x = (int)f.size() > id ? f[id] : EMU_NEVER;
+                        if (l == 0) v = x;
+                        else if (x != v) v = EMU_NEVER - 3;
+                    }
+                    cons[id] = v;
+                }
+                const long ph = emu_wg_tag_ph[b];
+                if (cons[id] == EMU_NEVER - 3)
+                    emu_fail("wgmma operand: the threads of the warpgroup waited for different phases of its mbarrier");
+                if (cons[id] < ph) {
+                    std::fprintf(stderr, "(mbarrier id %d: data of phase %ld, warpgroup waited+fenced phase %ld)\n", id, ph, cons[id]);
+                    emu_fail("wgmma reads shared memory filled under an mbarrier phase its warpgroup has not waited for "
+                             "(or not fenced with fence.proxy.async after the wait)");
+                }
+                if (cons[id] > ph) {
+                    std::fprintf(stderr, "(mbarrier id %d: data of phase %ld, warpgroup waited+fenced phase %ld)\n", id, ph, cons[id]);
+                    emu_fail("wgmma reads shared memory older than the mbarrier phase its warpgroup waited for");
+                }
+            }
+        }
+        return emu_wg_elem(a);
+    };
     if (!op.rs)
         for (int m = 0; m < 64; ++m)
-            for (int k = 0; k < 16; ++k) A[m][k] = emu_wg_elem(emu_wg_addr(op.da, m, k, false));
+            for (int k = 0; k < 16; ++k) A[m][k] = at(emu_wg_addr(op.da, m, k, false));
     B.assign((size_t)16 * op.n, 0.f);
     for (int k = 0; k < 16; ++k)
-        for (int nn = 0; nn < op.n; ++nn) B[(size_t)k * op.n + nn] = emu_wg_elem(emu_wg_addr(op.db, nn, k, op.tb != 0));
+        for (int nn = 0; nn < op.n; ++nn) B[(size_t)k * op.n + nn] = at(emu_wg_addr(op.db, nn, k, op.tb != 0));
+    if (wg >= 0)
+        for (unsigned a : op.addrs) ++emu_wg_readers[a], ++emu_wg_readers[a + 1];
 }
 
 // Accumulator element i of lane-in-warpgroup t: (row, column).
@@ -192,7 +327,7 @@ inline void emu_wg_issue(int n, bool rs, unsigned long long da, const unsigned* 
                     op->A[row][col] = emu_lo(op->areg[l][r]);
                     op->A[row][col + 1] = emu_hi(op->areg[l][r]);
                 }
-        emu_wg_fetch(*op, op->A, op->B);
+        emu_wg_fetch(*op, op->A, op->B, (int)(t / 128));
         g.ops[seq] = op;
         ++emu_wg_count;
     } else {
@@ -235,6 +370,10 @@ inline void emu_wg_exec(EmuWgPending& p) {
         op.checked = true;
     }
     const int t = threadIdx.x % 128, cnt = op.n / 2;
+    if (++op.retired == 128) {
+        for (unsigned a : op.addrs) --emu_wg_readers[a], --emu_wg_readers[a + 1];
+        op.addrs.clear();
+    }
     if (p.aptr)
         for (int r = 0; r < 4; ++r)
             if (p.aptr[r] != op.areg[t][r]) emu_fail("wgmma register A modified while the wgmma was in flight");
@@ -266,9 +405,130 @@ inline void fw_wgmma_wait(float*) {
 inline void fw_wgmma_ss_n64(float* d, unsigned long long da, unsigned long long db, int scale_d) {
     emu_wg_issue(64, false, da, nullptr, db, 0, scale_d, d);
 }
+inline void fw_wgmma_ss_n80(float* d, unsigned long long da, unsigned long long db, int scale_d) {
+    emu_wg_issue(80, false, da, nullptr, db, 0, scale_d, d);
+}
 inline void fw_wgmma_rs_n256(float* d, const unsigned* a, unsigned long long db) {
     emu_wg_issue(256, true, 0, a, db, 1, 1, d);
 }
 inline void fw_wgmma_rs_n128(float* d, const unsigned* a, unsigned long long db) {
     emu_wg_issue(128, true, 0, a, db, 1, 1, d);
+}
+
+// ---- warp specialisation (attn_flash_wg3_*) -------------------------------------------------
+inline void fw_cp_async8z(unsigned dst, const void* src, bool ok) {
+    EmuThread::Cp c{dst, src, 8, !ok};
+    emu.cur->pending.push_back(c);
+}
+
+inline EmuMbar& emu_mbar_at(unsigned bar) {
+    auto it = emu_mbar.find(bar);
+    if (it == emu_mbar.end()) emu_fail("mbarrier used before mbarrier.init");
+    return it->second;
+}
+
+inline void fw_mbar_init(unsigned bar, unsigned count) {
+    if (bar % 8 || bar + 8 > emu.smem.size()) emu_fail("mbarrier address misaligned / out of range");
+    if (emu_mbar.count(bar)) emu_fail("mbarrier initialised twice");
+    if (count < 1 || count > (1u << 20) - 1) emu_fail("mbarrier count out of range");
+    EmuMbar m;
+    m.id = (int)emu_mbar.size();
+    m.expected = m.pending = (int)count;
+    emu_mbar[bar] = m;
+    std::memset(emu_dyn_smem + bar, 0x5a, 8);  // the object's bytes: opaque
+}
+
+inline void fw_mbar_init_fence() {}
+
+inline void emu_mbar_arrive(EmuMbar& m) {
+    ++emu_epoch;
+    if (m.pending <= 0) emu_fail("mbarrier arrival beyond its expected count");
+    if (--m.pending == 0) {
+        m.pending = m.expected;
+        ++m.phase;
+        emu_yield();  // waiters first
+    }
+}
+
+inline void fw_mbar_arrive(unsigned bar) { emu_mbar_arrive(emu_mbar_at(bar)); }
+
+inline void fw_mbar_wait(unsigned bar, unsigned parity) {
+    EmuMbar& m = emu_mbar_at(bar);
+    if (parity > 1) emu_fail("mbarrier parity not 0 / 1");
+    emu_spin([&] { return (unsigned)(m.phase & 1) != parity; });
+    auto& w = emu_wg_th[threadIdx.x].waited;
+    if ((int)w.size() <= m.id) w.resize(m.id + 1, EMU_NEVER);
+    w[m.id] = m.phase - 1;
+}
+
+inline void fw_cp_mbar_arrive(unsigned bar) {
+    EmuMbar& m = emu_mbar_at(bar);
+    emu_land_bar = m.id;
+    emu_land_ph = m.phase;
+    for (auto& c : emu.cur->pending) emu_do_cp(c);
+    emu.cur->pending.clear();
+    emu_land_bar = -1;
+    emu_mbar_arrive(m);
+}
+
+inline void emu_named_check(int id, int count) {
+    if (id < 1 || id > 15) emu_fail("named barrier id not in 1..15");
+    if (count <= 0 || count % 32 || count > (int)blockDim.x) emu_fail("named barrier thread count not a multiple of 32");
+    EmuBarrier& b = emu_named[id];
+    if (b.count == 0) b.expected = count;
+    else if (b.expected != count) emu_fail("named barrier used with different thread counts in one generation");
+}
+
+inline void fw_bar_sync(int id, int count) {
+    emu_named_check(id, count);
+    emu_arrive(emu_named[id]);
+}
+
+inline void fw_bar_arrive(int id, int count) {
+    emu_named_check(id, count);
+    EmuBarrier& b = emu_named[id];
+    ++emu_epoch;
+    if (++b.count == b.expected) {
+        b.count = 0;
+        ++b.gen;
+    }
+}
+
+inline void emu_setmaxnreg(int n, bool inc) {
+    if (n < 24 || n > 256 || n % 8) emu_fail("setmaxnreg count not a multiple of 8 in [24, 256]");
+    const unsigned t = threadIdx.x;
+    EmuWgGroup& g = emu_wg_grp[t / 128];
+    if (blockDim.x % 128) emu_fail("setmaxnreg in a block that is not whole warpgroups");
+    g.regs.val[t % 128] = inc ? n : -n;
+    emu_arrive(g.regs.bar);
+    for (int l = 0; l < 128; ++l)
+        if (g.regs.val[l] != g.regs.val[t % 128]) emu_fail("setmaxnreg differs within a warpgroup");
+    auto& me = emu_wg_th[t];
+    if (inc && n < me.regs) emu_fail("setmaxnreg.inc below the current count");
+    if (!inc && n > me.regs) emu_fail("setmaxnreg.dec above the current count");
+    const long delta = 128L * (n - g.regs.cur);
+    if (!inc) {
+        if (t % 128 == 0) emu_reg_pool -= delta, g.regs.cur = n;
+    } else {
+        emu_spin([&] {
+            if (g.regs.granted) return true;
+            if (emu_reg_pool >= delta) {
+                emu_reg_pool -= delta;
+                g.regs.cur = n;
+                g.regs.granted = true;
+                ++emu_epoch;
+                return true;
+            }
+            return false;
+        });
+    }
+    me.regs = n;
+}
+template <int N>
+inline void fw_setmaxnreg_inc() {
+    emu_setmaxnreg(N, true);
+}
+template <int N>
+inline void fw_setmaxnreg_dec() {
+    emu_setmaxnreg(N, false);
 }

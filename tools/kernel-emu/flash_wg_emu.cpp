@@ -2,6 +2,10 @@
 // see run.sh: `run.sh wg`) in the host emulator of emu.h + emu_wg.h against a
 // double-precision reference of the attention contract (model::attention). The key tile
 // summaries and the split merge are flash.cu's kernels, as in attn::prefill_flash_wg.
+// Usage: flash_wg_emu [quick] [basic|wg3|wg3np|wg3b80|both|all] (default both):
+// attn_flash_wg_bf16_* (256 threads) and / or the warp-specialised attn_flash_wg3_bf16_*
+// (384 threads; wg3np: attn_flash_wg3np_bf16_*, without ping-pong; wg3b80:
+// attn_flash_wg3b80_bf16_*, 80-key tiles; all: the four).
 #include "emu_wg.h"
 
 typedef long long i64;
@@ -12,6 +16,8 @@ typedef long long i64;
 #include <string>
 
 static int g_fail = 0;
+static int g_variant = 0;  // 0: attn_flash_wg_*, 1: attn_flash_wg3_*, 2: attn_flash_wg3np_*, 3: attn_flash_wg3b80_*
+static const char* const g_vname[] = {"wg ", "wg3", "wg3np", "wg3b80"};
 static double g_worst_rel = 0, g_worst_mrel = 0;
 
 typedef void (*FlashKernel)(const bf16*, const bf16*, const bf16*, const i64*, const i64*, const i64*, bf16*,
@@ -19,7 +25,7 @@ typedef void (*FlashKernel)(const bf16*, const bf16*, const bf16*, const i64*, c
 
 static void run_case(const std::string& name, const std::vector<i64>& q_pos, const std::vector<i64>& kv_pos,
                      int nh, int nkv, int hd, int nsplit, unsigned seed) {
-    const int br = 128, bc = 64;
+    const int br = 128, bc = g_variant == 3 ? 80 : 64;
     const int tq = (int)q_pos.size(), n = (int)kv_pos.size();
     std::mt19937 rng(seed);
     std::uniform_real_distribution<float> U(-1.f, 1.f);
@@ -83,11 +89,24 @@ static void run_case(const std::string& name, const std::vector<i64>& q_pos, con
     const size_t rows = (size_t)tq * nh;
     std::vector<float> wo(nsplit > 1 ? rows * hd * nsplit : 1, NAN), wml(nsplit > 1 ? rows * 2 * nsplit : 1, NAN);
     const int nqt = (tq + br - 1) / br;
-    const size_t smem = 1024 + (size_t)(hd / 64) * (br + 4 * bc) * 128 + (size_t)(br + 2 * bc + 16) * 8;
+    // attn.rs: flash_wg_smem_bytes / flash_wg3_smem_bytes (stages: 2, or 3 at HD 128).
+    const size_t st3 = hd == 256 ? 2 : 3;
+    const size_t smem = g_variant == 0
+                            ? 1024 + (size_t)(hd / 64) * (br + 4 * bc) * 128 + (size_t)(br + 2 * bc + 16) * 8
+                            : 1024 + (size_t)(hd / 64) * (br + 2 * st3 * bc) * 128 + (size_t)(st3 * bc + 48) * 8;
+    if (smem > 232448) {
+        std::printf("FAIL %s: %zu bytes of shared memory exceed the 232 448 of a CTA\n", name.c_str(), smem);
+        ++g_fail;
+        return;
+    }
     const float sl2 = (float)(scale * 1.4426950408889634);
-    const FlashKernel f = hd == 256 ? attn_flash_wg_bf16_256 : attn_flash_wg_bf16_128;
+    const FlashKernel f = g_variant == 0   ? (hd == 256 ? attn_flash_wg_bf16_256 : attn_flash_wg_bf16_128)
+                          : g_variant == 1 ? (hd == 256 ? attn_flash_wg3_bf16_256 : attn_flash_wg3_bf16_128)
+                          : g_variant == 2 ? (hd == 256 ? attn_flash_wg3np_bf16_256 : attn_flash_wg3np_bf16_128)
+                                           : (hd == 256 ? attn_flash_wg3b80_bf16_256 : attn_flash_wg3b80_bf16_128);
+    const unsigned threads = g_variant == 0 ? 256 : 384;
     const long ops0 = emu_wg_count;
-    emu_launch({(unsigned)(nqt * nh), (unsigned)nsplit, 1}, 256, smem + emu_smem_shift, [&] {
+    emu_launch({(unsigned)(nqt * nh), (unsigned)nsplit, 1}, threads, smem + emu_smem_shift, [&] {
         f(q.data(), k.data(), v.data(), q_pos.data(), kvp.data(), tiles.data(), o.data(), wo.data(), wml.data(), tq, n,
           nh, nkv, sl2);
     });
@@ -113,8 +132,8 @@ static void run_case(const std::string& name, const std::vector<i64>& q_pos, con
     }
     const double rel = den > 0 ? std::sqrt(num / den) : std::sqrt(num), mrel = maxw > 0 ? maxd / maxw : maxd;
     const bool pass = !nan && !zero_bad && rel <= 4e-3 && mrel <= 4e-2;
-    std::printf("%s %s: %d/%d x %d, tq=%d n_kv=%d split %d: rel %.2e max rel %.2e (%ld wgmma)%s%s\n",
-                pass ? "ok  " : "FAIL", name.c_str(), nh, nkv, hd, tq, n, nsplit, rel, mrel, emu_wg_count - ops0,
+    std::printf("%s %s %s: %d/%d x %d, tq=%d n_kv=%d split %d: rel %.2e max rel %.2e (%ld wgmma)%s%s\n",
+                pass ? "ok  " : "FAIL", g_vname[g_variant], name.c_str(), nh, nkv, hd, tq, n, nsplit, rel, mrel, emu_wg_count - ops0,
                 nan ? " NaN" : "", zero_bad ? " nonzero-for-blind-query" : "");
     g_worst_rel = std::max(g_worst_rel, rel);
     g_worst_mrel = std::max(g_worst_mrel, mrel);
@@ -133,10 +152,7 @@ static void wg_case(const std::string& name, const std::vector<i64>& q_pos, cons
     run_case(name, q_pos, kv_pos, nh, nkv, hd, nsplit, seed);
 }
 
-int main(int argc, char** argv) {
-    emu.eager_cp = getenv("EMU_EAGER_CP") && atoi(getenv("EMU_EAGER_CP"));
-    if (getenv("EMU_SMEM_SHIFT")) emu_smem_shift = (unsigned)atoi(getenv("EMU_SMEM_SHIFT"));
-    const bool quick = argc > 1 && std::string(argv[1]) == "quick";
+static void all_cases(bool quick) {
     // Causal prefill at 0..T (T not always a tile multiple), GQA 16/2 and 8/1, HD 256.
     wg_case("causal", range(0, 64), range(0, 64), 16, 2, 256, 1, 1);
     wg_case("causal", range(0, 200), range(0, 200), 8, 1, 256, 1, 2);
@@ -188,6 +204,41 @@ int main(int argc, char** argv) {
         auto tail = range(64, 100);
         kvs.insert(kvs.end(), tail.begin(), tail.end());
         wg_case("sparse tiles", {100, 5000, 30, 63}, kvs, 2, 1, 256, 1, 71);
+    }
+    // Many visible tiles at HD 128 with a split (the 3-stage ring wraps several times).
+    if (!quick) wg_case("causal split", range(0, 700), range(0, 700), 2, 1, 128, 2, 81);
+}
+
+int main(int argc, char** argv) {
+    const bool eager = getenv("EMU_EAGER_CP") && atoi(getenv("EMU_EAGER_CP"));
+    if (getenv("EMU_SMEM_SHIFT")) emu_smem_shift = (unsigned)atoi(getenv("EMU_SMEM_SHIFT"));
+    bool quick = false;
+    std::string which = "both";
+    for (int i = 1; i < argc; ++i) {
+        const std::string a = argv[i];
+        if (a == "quick") quick = true;
+        else which = a;
+    }
+    if (which == "basic" || which == "both" || which == "all") {
+        g_variant = 0;
+        emu.eager_cp = eager;
+        all_cases(quick);
+    }
+    // The producer's copies land at its cp.async.mbarrier.arrive (EMU_EAGER_CP does not apply).
+    if (which == "wg3" || which == "both" || which == "all") {
+        g_variant = 1;
+        emu.eager_cp = false;
+        all_cases(quick);
+    }
+    if (which == "wg3np" || which == "all") {
+        g_variant = 2;
+        emu.eager_cp = false;
+        all_cases(quick);
+    }
+    if (which == "wg3b80" || which == "all") {
+        g_variant = 3;
+        emu.eager_cp = false;
+        all_cases(quick);
     }
     std::printf("%s: %d failure(s); worst rel %.2e, worst max rel %.2e (%ld wgmma emulated)\n",
                 g_fail ? "FAILED" : "passed", g_fail, g_worst_rel, g_worst_mrel, emu_wg_count);

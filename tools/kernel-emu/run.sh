@@ -5,10 +5,15 @@
 # reference. Needs g++ (C++17). Usage:
 #   tools/kernel-emu/run.sh [quick]          # flash.cu; cp.async copies land at wait_group
 #   EMU_EAGER_CP=1 tools/kernel-emu/run.sh   # ... or as soon as they are issued
-#   tools/kernel-emu/run.sh wg [quick]       # flash_wg.cu (wgmma); EMU_SMEM_SHIFT=16 offsets
-#                                            # the dynamic shared memory base (alignment code)
+#   tools/kernel-emu/run.sh wg [quick] [basic|wg3|wg3np|wg3b80|all]  # flash_wg.cu: attn_flash_wg_* and
+#                                            # the warp-specialised attn_flash_wg3*_* (default: basic
+#                                            # and wg3; all: also wg3np, wg3b80);
+#                                            # EMU_SMEM_SHIFT=16 offsets the dynamic shared
+#                                            # memory base (alignment code)
 #   tools/kernel-emu/run.sh wg-mutants       # deliberately broken variants of flash_wg.cu must
-#                                            # fail (swizzle, fragments, descriptors, fences)
+#                                            # fail (swizzle, fragments, descriptors, fences;
+#                                            # wg3-*: mbarrier parities / waits / releases,
+#                                            # proxy fence, ping-pong barriers, setmaxnreg)
 set -euo pipefail
 here="$(cd "$(dirname "$0")" && pwd)"
 kernels="$here/../../dataplane/kernels"
@@ -85,17 +90,62 @@ M = {
   # no wgmma.fence before the loop's wgmma
   "no-fence": [["        fw_wgmma_fence();\n        issue_s((i + 1) & 1);", "        issue_s((i + 1) & 1);"]],
 }
+W3 = {
+  # consumer waits for V(t) with the wrong phase parity
+  "wg3-parity-v": [["fw_mbar_wait(bar_vf(sv), (t / S) & 1);", "fw_mbar_wait(bar_vf(sv), ((t / S) & 1) ^ 1);"]],
+  # consumer waits for K(t+1) with the wrong phase parity
+  "wg3-parity-k": [["if (jn < je) fw_mbar_wait(bar_kf(sk), ((t + 1) / S) & 1);",
+                    "if (jn < je) fw_mbar_wait(bar_kf(sk), (((t + 1) / S) & 1) ^ 1);"]],
+  # consumer does not wait for K(t+1) before S(t+1) reads its stage
+  "wg3-no-wait-k": [["        if (jn < je) fw_mbar_wait(bar_kf(sk), ((t + 1) / S) & 1);\n", ""]],
+  # consumer does not wait for Q
+  "wg3-no-wait-q": [["    fw_mbar_wait(bar_q(), 0);\n", ""]],
+  # no fence.proxy.async between the mbarrier wait and the wgmma of the loop
+  "wg3-no-proxy-fence": [["        fw_mbar_wait(bar_vf(sv), (t / S) & 1);\n        fw_fence_proxy_async();",
+                          "        fw_mbar_wait(bar_vf(sv), (t / S) & 1);"]],
+  # V stage released before the wait_group that retires P V (producer refills it in flight)
+  "wg3-early-release-v": [["        fw_wgmma_wait<0, NT * 4>(&acc[0][0]);\n        fw_mbar_arrive(bar_ve(sv));",
+                           "        fw_mbar_arrive(bar_ve(sv));\n        fw_wgmma_wait<0, NT * 4>(&acc[0][0]);"]],
+  # K stage released right after the issue, before S(t+1) retired
+  "wg3-early-release-k": [["            fw_mbar_arrive(bar_ke(sk));  // K(t+1)", "            // K(t+1)"],
+                          ["        issue_pv(sv);\n", "        issue_pv(sv);\n        if (jn < je) fw_mbar_arrive(bar_ke(sk));\n"]],
+  # producer overwrites a V stage without waiting for its release
+  "wg3-no-empty-wait": [["            fw_mbar_wait(bar_ve(sv), ((t / S) & 1) ^ 1);\n", ""]],
+  # producer waits for the release of a K stage with the wrong parity
+  "wg3-producer-parity": [["fw_mbar_wait(bar_ke(sk), (((t + 1) / S) & 1) ^ 1);", "fw_mbar_wait(bar_ke(sk), ((t + 1) / S) & 1);"]],
+  # producer fills V into the wrong stage of the ring
+  "wg3-stage": [["load_tile(v, sVa + sv * TBYTES, j);", "load_tile(v, sVa + (sv + 1 == S ? 0 : sv + 1) * TBYTES, j);"]],
+  # ping-pong: consumer 1 also arrives after its last issue (an arrival nobody syncs on)
+  "wg3-pingpong-arrive": [["if (PINGPONG && (wgc == 0 || jn < je)) fw_bar_arrive(2 - wgc, 2 * PT);",
+                           "if (PINGPONG) fw_bar_arrive(2 - wgc, 2 * PT);"]],
+  # ping-pong: consumer 1 does not open consumer 0's first turn
+  "wg3-pingpong-open": [["        if (PINGPONG && wgc == 1) fw_bar_arrive(1, 2 * PT);  // consumer 0 issues first\n", ""]],
+  # fragment / descriptor / ordering mutants of the basic kernel, on the wg3 copy of the code
+  "wg3-frag-a": M["frag-a"],
+  "wg3-k-step": M["k-step"],
+  "wg3-v-lbo-sbo": M["v-lbo-sbo"],
+  # P packed before P V(t) retired (register A overwritten in flight)
+  "wg3-early-pack": [["        fw_wgmma_wait<0, NT * 4>(&acc[0][0]);\n        fw_mbar_arrive(bar_ve(sv));",
+                      "        pack_p();\n        fw_wgmma_wait<0, NT * 4>(&acc[0][0]);\n        fw_mbar_arrive(bar_ve(sv));"]],
+  # setmaxnreg not a multiple of 8
+  "wg3-regs-align": [["#define FW3_REG_MMA 240", "#define FW3_REG_MMA 236"]],
+  # producer keeps 40 registers: the pool cannot grant 2 × 128 × 240
+  "wg3-regs-pool": [["fw_setmaxnreg_dec<FW3_REG_LOAD>();", "fw_setmaxnreg_dec<40>();"]],
+}
 for name, pairs in M.items():
     json.dump(pairs, open(f"{out}/mut_{name}.json", "w"))
-open(f"{out}/mutants.txt", "w").write("\n".join(M))
+for name, pairs in W3.items():
+    json.dump(pairs, open(f"{out}/mut_{name}.json", "w"))
+open(f"{out}/mutants.txt", "w").write("\n".join(list(M) + list(W3)))
 PY
     for m in ${EMU_MUTANTS:-$(cat "$out/mutants.txt")}; do
         gen flash_wg "$out/gen_flash_wg.inc" 0 "$out/mut_$m.json"
         $CXX -o "$out/flash_wg_mut" "$here/flash_wg_emu.cpp"
-        if EMU_SMEM_SHIFT=16 "$out/flash_wg_mut" quick > "$out/mut_$m.log" 2>&1; then
+        case "$m" in wg3-*) variant=wg3 ;; *) variant=basic ;; esac
+        if EMU_SMEM_SHIFT=16 timeout 600 "$out/flash_wg_mut" quick $variant > "$out/mut_$m.log" 2>&1; then
             echo "MUTANT SURVIVED: $m"; fails=$((fails + 1))
         else
-            echo "caught $m: $(grep -m1 -E 'EMU ERROR|FAIL' "$out/mut_$m.log")"
+            echo "caught $m: $(grep -m1 -E 'EMU ERROR|FAIL' "$out/mut_$m.log" || tail -c 200 "$out/mut_$m.log")"
         fi
     done
     [ "$fails" = 0 ] && echo "all mutants caught" || { echo "$fails mutant(s) survived"; exit 1; }

@@ -765,12 +765,70 @@ pub fn flash_wg_smem_bytes(hd: usize) -> usize {
         + (FLASH_WG_BR + 2 * FLASH_WG_BC + 16) * 8
 }
 
+/// K/V ring stages of the warp-specialised wgmma kernel (`FW3_STAGES`): 2 at head dim
+/// 256 (Q and two K/V stages take 192 KiB of the 227 KiB), 3 at 128.
+pub fn flash_wg3_stages(hd: usize) -> usize {
+    if hd == 256 {
+        2
+    } else {
+        3
+    }
+}
+
+/// Dynamic shared memory of the warp-specialised wgmma kernels (`attn_flash_wg3*`) for
+/// key tiles of `bc` keys (64, or 80 for [`FlashWgKernel::WarpSpecializedBc80`]), bytes:
+/// 1024 of alignment slack, the Q tile (128 rows), `S` = [`flash_wg3_stages`] stages of K
+/// and V tiles in bf16, then key positions, reduction space and 16 mbarriers:
+/// `1024 + (hd/64)·(128 + 2·S·bc)·128 + (S·bc + 48)·8` (hd 256: 199 040 for bc 64,
+/// 232 064 for bc 80; hd 128: 134 016, 158 976).
+pub fn flash_wg3_smem_bytes(hd: usize, bc: usize) -> usize {
+    let s = flash_wg3_stages(hd);
+    1024 + (hd / 64) * (FLASH_WG_BR + 2 * s * bc) * 128 + (s * bc + 48) * 8
+}
+
+/// Which kernel of `kernels/flash_wg.cu` [`prefill_flash_wg_with`] runs (same contract,
+/// arguments, tiles and split plan).
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub enum FlashWgKernel {
+    /// `attn_flash_wg_bf16_{hd}`: two warpgroups (256 threads) that both load (cp.async,
+    /// two K/V stages, a block barrier per key tile) and compute.
+    #[default]
+    Basic,
+    /// `attn_flash_wg3_bf16_{hd}`: FlashAttention-3 warp specialisation (384 threads): a
+    /// producer warpgroup (`setmaxnreg` 24) loads Q and a ring of K/V stages
+    /// ([`flash_wg3_stages`]) with cp.async completing on mbarriers; two consumer
+    /// warpgroups (`setmaxnreg` 240) run the wgmma loop without block barriers, ping-pong
+    /// scheduled by named barriers (one's softmax under the other's GEMMs).
+    WarpSpecialized,
+    /// `attn_flash_wg3np_bf16_{hd}`: [`FlashWgKernel::WarpSpecialized`] without the
+    /// ping-pong (the consumers issue their GEMMs independently); for timing its effect.
+    WarpSpecializedNoPingPong,
+    /// `attn_flash_wg3b80_bf16_{hd}`: [`FlashWgKernel::WarpSpecialized`] with key tiles of
+    /// 80 (FlashAttention-3's tile at head dim 256: less shared-memory traffic per FLOP in
+    /// `S = Q Kᵀ`, per-tile costs over more keys; tile summaries and split plan for 128 ×
+    /// 80).
+    WarpSpecializedBc80,
+}
+
+/// Options of [`prefill_flash_wg_with`]; the default is what [`prefill_flash_wg`] does.
+#[derive(Clone, Copy, Debug, Default)]
+pub struct FlashWgOpts {
+    /// Key splits per (query tile, head): `None` lets [`flash_plan`] choose; `Some(n)` is
+    /// clamped to `1..=FLASH_MAX_SPLIT` (tests cross split boundaries with it).
+    pub split: Option<usize>,
+    /// The kernel (default [`FlashWgKernel::Basic`]).
+    pub kernel: FlashWgKernel,
+}
+
 /// Same contract as [`prefill`] and [`prefill_flash`] (shapes, layouts, position
 /// masking, zeros for a query that sees no key), bf16 only, on Hopper's warpgroup tensor
 /// cores: our kernel `kernels/flash_wg.cu`, the FlashAttention-3 scheme (J. Shah et al.,
 /// 2024, "FlashAttention-3: Fast and Accurate Attention with Asynchrony and
 /// Low-precision": `wgmma` with shared-memory descriptors, softmax overlapped with the
-/// asynchronous GEMMs inside each warpgroup) without warp specialisation:
+/// asynchronous GEMMs inside each warpgroup) without warp specialisation (the default
+/// [`FlashWgKernel::Basic`]; [`prefill_flash_wg_with`] with
+/// [`FlashWgKernel::WarpSpecialized`] runs the warp-specialised kernel: producer
+/// warpgroup, mbarrier ring, `setmaxnreg`, ping-pong consumers):
 ///
 /// * `q`: `[tq, nh, hd]`, `q_pos`: `[tq]` i64; `k`, `v`: `[n_kv, nkv, hd]`, `kv_pos`:
 ///   `[n_kv]` i64 (any order, any values); `o`: `[tq, nh, hd]`; `nh` a multiple of `nkv`;
@@ -802,11 +860,14 @@ pub fn prefill_flash_wg<T: Elem>(
     nkv: usize,
     hd: usize,
 ) -> Result<()> {
-    prefill_flash_wg_with(gpu, q, q_pos, k, v, kv_pos, o, tq, n_kv, nh, nkv, hd, None)
+    let opts = FlashWgOpts::default();
+    prefill_flash_wg_with(gpu, q, q_pos, k, v, kv_pos, o, tq, n_kv, nh, nkv, hd, opts)
 }
 
-/// [`prefill_flash_wg`] with an explicit number of key splits (`None`: [`flash_plan`];
-/// `Some(n)` clamped to `1..=FLASH_MAX_SPLIT`; tests cross split boundaries with it).
+/// [`prefill_flash_wg`] with options: the number of key splits (`None`: [`flash_plan`];
+/// `Some(n)` clamped to `1..=FLASH_MAX_SPLIT`; tests cross split boundaries with it) and
+/// the kernel ([`FlashWgKernel`]; tests `flash_wg3_*` and gpu_bench's `flash-wg3` row run
+/// [`FlashWgKernel::WarpSpecialized`]).
 #[allow(clippy::too_many_arguments)]
 pub fn prefill_flash_wg_with<T: Elem>(
     gpu: &Gpu,
@@ -821,8 +882,9 @@ pub fn prefill_flash_wg_with<T: Elem>(
     nh: usize,
     nkv: usize,
     hd: usize,
-    split: Option<usize>,
+    opts: FlashWgOpts,
 ) -> Result<()> {
+    let split = opts.split;
     if T::SUFFIX != "bf16" {
         return Err(CudaError::Shape(format!(
             "attn::prefill_flash_wg takes bf16 only, got {} (use attn::prefill or attn::prefill_fast)",
@@ -848,10 +910,22 @@ pub fn prefill_flash_wg_with<T: Elem>(
     }
     let tl = FlashTiles {
         br: FLASH_WG_BR,
-        bc: FLASH_WG_BC,
+        bc: match opts.kernel {
+            FlashWgKernel::WarpSpecializedBc80 => 80,
+            _ => FLASH_WG_BC,
+        },
     };
     let ctx = gpu.context();
-    let smem = flash_wg_smem_bytes(hd);
+    let (smem, threads, prefix) = match opts.kernel {
+        FlashWgKernel::Basic => (flash_wg_smem_bytes(hd), 256u32, "attn_flash_wg"),
+        FlashWgKernel::WarpSpecialized => (flash_wg3_smem_bytes(hd, 64), 384u32, "attn_flash_wg3"),
+        FlashWgKernel::WarpSpecializedNoPingPong => {
+            (flash_wg3_smem_bytes(hd, 64), 384u32, "attn_flash_wg3np")
+        }
+        FlashWgKernel::WarpSpecializedBc80 => {
+            (flash_wg3_smem_bytes(hd, 80), 384u32, "attn_flash_wg3b80")
+        }
+    };
     let optin = ctx
         .attribute(CUdevice_attribute::CU_DEVICE_ATTRIBUTE_MAX_SHARED_MEMORY_PER_BLOCK_OPTIN)?
         as usize;
@@ -923,11 +997,11 @@ pub fn prefill_flash_wg_with<T: Elem>(
         (ga, gb)
     });
     let scale_log2 = (hd as f32).powf(-0.5) * std::f32::consts::LOG2_E;
-    let name = format!("attn_flash_wg_bf16_{hd}");
+    let name = format!("{prefix}_bf16_{hd}");
     let f = gpu.function(&FLASH_WG, &name, smem as u32)?;
     let cfg = LaunchConfig {
         grid_dim: (grid_x, nsplit as u32, 1),
-        block_dim: (256, 1, 1),
+        block_dim: (threads, 1, 1),
         shared_mem_bytes: smem as u32,
     };
     {
@@ -946,7 +1020,8 @@ pub fn prefill_flash_wg_with<T: Elem>(
             .arg(&nh_i)
             .arg(&nkvh_i)
             .arg(&scale_log2);
-        // SAFETY: matches `attn_flash_wg_bf16_{hd}` (the argument list of the flash.cu
+        // SAFETY: matches `attn_flash_wg_bf16_{hd}` / `attn_flash_wg3_bf16_{hd}` (block
+        // 256 / 384 threads, their launch bounds; the argument list of the flash.cu
         // instances; workspace addresses as u64, 0 when unused: written only when
         // gridDim.y > 1); lengths checked by check_args, tiles and workspace sized above.
         unsafe { b.launch(cfg) }?;
