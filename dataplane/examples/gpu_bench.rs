@@ -554,9 +554,10 @@ mod bench {
         row("kernel launch: RMSNorm of one 2048-wide row", &mut || {
             ops::rms_norm(g, NormKind::ZeroCentred, &x, None, &nw, &mut y, 1, 1e-6)
         })?;
-        row("`blas::linear` 1 × 2048 → 2048, bf16 (the GEMV kernel; was cuBLAS: 9.1 µs host)", &mut || {
-            blas::linear(g, &x, 1, 2048, &w, 2048, &mut y, bf16::ZERO)
-        })?;
+        row(
+            "`blas::linear` 1 × 2048 → 2048, bf16 (the GEMV kernel; was cuBLAS: 9.1 µs host)",
+            &mut || blas::linear(g, &x, 1, 2048, &w, 2048, &mut y, bf16::ZERO),
+        )?;
         row("device copy 4 KiB (memcpy_dtod)", &mut || {
             g.stream().memcpy_dtod(&x, &mut y).map_err(Into::into)
         })?;
