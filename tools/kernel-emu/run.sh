@@ -104,8 +104,7 @@ W3 = {
   # consumer does not wait for Q
   "wg3-no-wait-q": [["    fw_mbar_wait(bar_q(), 0);\n", ""]],
   # no fence.proxy.async between the mbarrier wait and the wgmma of the loop
-  "wg3-no-proxy-fence": [["        fw_mbar_wait(bar_vf(sv), (t / S) & 1);\n        fw_fence_proxy_async();",
-                          "        fw_mbar_wait(bar_vf(sv), (t / S) & 1);"]],
+  "wg3-no-proxy-fence": [["        if (!TMA) fw_fence_proxy_async();\n", ""]],
   # V stage released before the wait_group that retires P V (producer refills it in flight)
   "wg3-early-release-v": [["        fw_wgmma_wait<0, NT * 4>(&acc[0][0]);\n        fw_mbar_arrive(bar_ve(sv));",
                            "        fw_mbar_arrive(bar_ve(sv));\n        fw_wgmma_wait<0, NT * 4>(&acc[0][0]);"]],
