@@ -365,7 +365,8 @@ mod bench {
              for B blocks) vs the tensor-core flash kernel `attn::prefill_flash` \
              (FlashAttention-2, mma.sync; skips the key tiles above the diagonal) and its \
              Hopper version `attn::prefill_flash_wg` (wgmma, FlashAttention-3 scheme; \
-             flash-wg3: its warp-specialised kernel, `FlashWgKernel::WarpSpecialized`). \
+             flash-wg3: its warp-specialised kernel, `FlashWgKernel::WarpSpecialized`; \
+             flash-wg3tma: the same with TMA loads, `FlashWgKernel::WarpSpecializedTma`). \
              TFLOP/s count the causal FLOPs; gpu-check's report sets the flash rows against \
              torch SDPA from the same run.\n"
         );
@@ -375,6 +376,7 @@ mod bench {
         let mut flash_checks = Vec::new();
         let mut wg_checks = Vec::new();
         let mut wg3_checks = Vec::new();
+        let mut tma_checks = Vec::new();
         for &t in alens {
             let (nh, nkv, hd) = (16usize, 2usize, 256usize);
             let q = rand_up::<bf16>(&g, &mut r, t * nh * hd, -1.0, 1.0)?;
@@ -474,6 +476,22 @@ mod bench {
                      | {ms:.3} | {:.1} | 0 |",
                     flops / ms / 1e9
                 );
+                let opts = attn::FlashWgOpts {
+                    split: None,
+                    kernel: attn::FlashWgKernel::WarpSpecializedTma,
+                };
+                let ms = time_ms(&g, 3, reps.max(10), || {
+                    attn::prefill_flash_wg_with(
+                        &g, &q, &p, &k, &v, &p, &mut o, t, t, nh, nkv, hd, opts,
+                    )
+                })?;
+                println!(
+                    "| {t} | variant: flash-wg3tma (wgmma, warp-specialised, TMA K/V loads, \
+                     128 × 64 tiles, {} K/V stages) | {ms:.3} | {:.1} | 0 |",
+                    attn::flash_wg3_stages(hd),
+                    flops / ms / 1e9
+                );
+                tma_checks.push((t, rel_diff(&g.download(&o)?, &want)));
             }
         }
         println!();
@@ -494,6 +512,12 @@ mod bench {
             println!(
                 "- T = {t}, flash-wg3 (wgmma, warp-specialised): output vs the cuBLAS path, \
                  norm-wise relative difference {d:.2e}"
+            );
+        }
+        for (t, d) in tma_checks {
+            println!(
+                "- T = {t}, flash-wg3tma (wgmma, warp-specialised, TMA): output vs the cuBLAS \
+                 path, norm-wise relative difference {d:.2e}"
             );
         }
         if g.arch() != "sm_90a" {

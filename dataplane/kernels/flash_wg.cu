@@ -71,7 +71,8 @@
 // Instances attn_flash_wg_bf16_{256,128}; grid (ceil(tq / 128)·nh, nsplit), block 256.
 // The warp-specialised variant attn_flash_wg3_bf16_{256,128} (block 384: a producer
 // warpgroup with mbarriers, two ping-pong consumer warpgroups) follows the first kernel
-// and reuses its primitives, descriptors, loaders and fragment code.
+// and reuses its primitives, descriptors, loaders and fragment code; attn_flash_wg3tma_*
+// is that kernel with K / V loaded by TMA.
 // The module compiles to nothing for targets without wgmma (sm_90a only; compile::ALL
 // builds every module for the device, attn.rs refuses other devices before looking up a
 // kernel). The host emulator defines FW_HOST_EMULATOR.
@@ -276,6 +277,38 @@ __device__ __forceinline__ void fw_setmaxnreg_inc() {
 template <int N>
 __device__ __forceinline__ void fw_setmaxnreg_dec() {
     asm volatile("setmaxnreg.dec.sync.aligned.u32 %0;\n" ::"n"(N));
+}
+
+// ---- TMA (attn_flash_wg3tma_*) ----
+// A CUtensorMap (CUDA driver API: 128 opaque bytes, 64-byte aligned), encoded on the host
+// by cuTensorMapEncodeTiled (attn.rs: encode_kv_map) and passed by value as a
+// __grid_constant__ kernel parameter; its generic address is the TMA operand.
+struct alignas(64) FwTmap {
+    unsigned long long opaque[16];
+};
+
+// mbarrier.arrive.expect_tx: raises the transaction count of the current phase by `bytes`,
+// then arrives (one arrival of the expected count). The phase completes when both the
+// pending arrivals and the transaction count are zero.
+__device__ __forceinline__ void fw_mbar_expect_tx(unsigned bar, unsigned bytes) {
+    asm volatile("mbarrier.arrive.expect_tx.shared::cta.b64 _, [%0], %1;\n" ::"r"(bar), "r"(bytes) : "memory");
+}
+
+// Tensor copy of one box (tensor map `map`, box origin (c0, c1) = (innermost element,
+// row)) global → shared at `dst` (the swizzle of the map applied by the copy engine;
+// elements outside the tensor are zero-filled); completes `bytes of the box` transactions
+// on mbarrier `bar` when it lands. Writes through the async proxy.
+__device__ __forceinline__ void fw_tma_load_2d(unsigned dst, const FwTmap* map, int c0, int c1, unsigned bar) {
+    asm volatile(
+        "cp.async.bulk.tensor.2d.shared::cluster.global.mbarrier::complete_tx::bytes [%0], [%1, {%2, %3}], "
+        "[%4];\n" ::"r"(dst),
+        "l"((unsigned long long)map), "r"(c0), "r"(c1), "r"(bar)
+        : "memory");
+}
+
+// Brings the tensor map into the descriptor cache ahead of the first copy.
+__device__ __forceinline__ void fw_tma_prefetch(const FwTmap* map) {
+    asm volatile("prefetch.tensormap [%0];\n" ::"l"((unsigned long long)map) : "memory");
 }
 // </device-primitives>
 
@@ -694,18 +727,40 @@ ATTN_FLASH_WG(128)
 // HD 256 (S 2): 199 040 (BC 64), 232 064 (BC 80, of the 232 448 an H100 / H200 CTA may
 // have); HD 128 (S 3): 134 016 (BC 64), 158 976 (BC 80). The query positions are read
 // from global memory (no room for them at BC 80).
+// TMA variant attn_flash_wg3tma_bf16_{256,128} (FlashWgKernel::WarpSpecializedTma; two more
+// kernel parameters, the tensor maps of K and V): Q still by cp.async from the whole producer
+// warpgroup; then producer warp 0 alone runs the tile loop: per K tile its 32 lanes copy the
+// key positions (cp.async + cp.async.mbarrier.arrive.noinc: 32 arrivals) and lane 0 runs
+// mbarrier.arrive.expect_tx(TBYTES) and issues NCB boxes of 64 elements × 64 keys
+// (cp.async.bulk.tensor.2d ... .mbarrier::complete_tx::bytes) at (kh·HD + 64·cb, j·64) of
+// the [n_kv][nkv·HD] view into region cb of the stage (K full count 33); V tiles the same
+// without positions (V full count 1). Facts used (PTX ISA 8.x/9.0 "Tensors" (tiled mode,
+// bounding box, swizzle modes; "Out of Bounds Access": box elements outside the tensor are
+// filled with zeros in the default fill mode, the driver's CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE
+// (the other mode, NAN_REQUEST_ZERO_FMA, fills NaN)), "cp.async.bulk.tensor" (writes
+// through the async proxy; complete_tx of the box's bytes on the mbarrier, OOB elements
+// included), "mbarrier" (expect-tx / tx-count: a phase completes when the pending
+// arrivals and the tx-count are both zero); CUDA driver API cuTensorMapEncodeTiled
+// (64-byte aligned map, global address 16-byte aligned, strides multiples of 16 < 2^40,
+// box sizes ≤ 256, inner box ≤ 128 bytes with CU_TENSOR_MAP_SWIZZLE_128B); CUTLASS
+// SM90_TMA_LOAD_2D / ClusterTransactionBarrier::arrive_and_expect_tx for the same
+// instruction forms, __grid_constant__ tensor-map parameters). The copy engine's 128-byte
+// swizzle is a function of the shared address bits (16-byte chunk bits [4,7) ^= [7,10)),
+// the one the wgmma descriptors read; stages start on 1024-byte boundaries. The consumers
+// need no fence.proxy.async for the TMA data (async proxy on both sides): the mbarrier
+// wait orders it; the Q tile (cp.async) is fenced once in the prologue.
 #define FW3_THREADS 384
 #define FW3_REG_LOAD 24
 #define FW3_REG_MMA 240
 #define FW3_STAGES(HD) ((HD) == 256 ? 2 : 3)
 
-template <int HD, int BC, bool PINGPONG>
+template <int HD, int BC, bool PINGPONG, bool TMA>
 __device__ __forceinline__ void attn_flash_wg3_impl(const bf16* __restrict__ q, const bf16* __restrict__ k,
                                                     const bf16* __restrict__ v, const i64* __restrict__ q_pos,
                                                     const i64* __restrict__ kv_pos, const i64* __restrict__ tiles,
                                                     bf16* __restrict__ o, float* __restrict__ wo,
                                                     float* __restrict__ wml, int tq, int n_kv, int nh, int nkv,
-                                                    float scale_log2) {
+                                                    float scale_log2, const FwTmap* tmk, const FwTmap* tmv) {
     constexpr int BR = FW_BR, THREADS = FW3_THREADS, S = FW3_STAGES(HD);
     constexpr int NCB = HD / 64;
     constexpr int QBYTES = NCB * BR * 128;
@@ -751,8 +806,10 @@ __device__ __forceinline__ void attn_flash_wg3_impl(const bf16* __restrict__ q, 
     if (tid == 0) {
         fw_mbar_init(bar_q(), PT);
         for (int st = 0; st < S; ++st) {
-            fw_mbar_init(bar_kf(st), PT);
-            fw_mbar_init(bar_vf(st), PT);
+            // TMA: K full = 32 cp.async arrivals (key positions, producer warp 0) + the
+            // expect_tx arrival; V full = the expect_tx arrival.
+            fw_mbar_init(bar_kf(st), TMA ? 33 : PT);
+            fw_mbar_init(bar_vf(st), TMA ? 1 : PT);
             fw_mbar_init(bar_ke(st), THREADS - PT);
             fw_mbar_init(bar_ve(st), THREADS - PT);
         }
@@ -796,6 +853,56 @@ __device__ __forceinline__ void attn_flash_wg3_impl(const bf16* __restrict__ q, 
             fw_cp_async16(sQa + fw_swz(BR, r, col), src, ok);
         }
         fw_cp_mbar_arrive(bar_q());
+        if constexpr (TMA) {
+            // One warp runs the loop (the tile search is warp-wide); lane 0 issues the boxes.
+            if (warp != 0) {
+                fw_cp_commit();
+                fw_cp_wait_all();
+                return;
+            }
+            // Tile j into stage st: NCB boxes of 64 columns × BC keys (8 KiB at BC 64), the
+            // box of column block cb at (kh·HD + 64·cb, j·BC) of the [n_kv][nkv·HD] view,
+            // landing as the [BC][128 B] swizzled region cb of the stage.
+            auto tma_tile = [&](const FwTmap* map, unsigned dst, unsigned bar, int j) {
+                fw_mbar_expect_tx(bar, TBYTES);
+#pragma unroll
+                for (int cb = 0; cb < NCB; ++cb) fw_tma_load_2d(dst + cb * BC * 128, map, kh * HD + cb * 64, j * BC, bar);
+            };
+            auto load_kp = [&](int st, int j) {
+                for (int r = lane; r < BC; r += 32) {
+                    const bool ok = j * BC + r < n_kv;
+                    fw_cp_async8z(fw_smem_u32(sKP + st * BC + r), kv_pos + (ok ? j * BC + r : 0), ok);
+                }
+                fw_cp_mbar_arrive(bar_kf(st));
+                if (lane == 0) tma_tile(tmk, sKa + st * TBYTES, bar_kf(st), j);
+            };
+            int j = fw_next_tile(tmin, smin, jb, je, qmax, lane);
+            int t = 0, sk = 0, sv = 0;
+            if (j < je) {  // (no tile, e.g. n_kv = 0: the maps may be dummies, never touched)
+                if (lane == 0) {
+                    fw_tma_prefetch(tmk);
+                    fw_tma_prefetch(tmv);
+                }
+                fw_mbar_wait(bar_ke(0), 1);
+                load_kp(0, j);
+            }
+            while (j < je) {
+                const int jn = fw_next_tile(tmin, smin, j + 1, je, qmax, lane);
+                if (jn < je) {
+                    sk = sk + 1 == S ? 0 : sk + 1;
+                    fw_mbar_wait(bar_ke(sk), (((t + 1) / S) & 1) ^ 1);
+                    load_kp(sk, jn);
+                }
+                fw_mbar_wait(bar_ve(sv), ((t / S) & 1) ^ 1);
+                if (lane == 0) tma_tile(tmv, sVa + sv * TBYTES, bar_vf(sv), j);
+                sv = sv + 1 == S ? 0 : sv + 1;
+                j = jn;
+                ++t;
+            }
+            fw_cp_commit();
+            fw_cp_wait_all();
+            return;
+        }
         auto load_tile = [&](const bf16* g, unsigned dst, int j) {
             const int j0 = j * BC;
 #pragma unroll 4
@@ -962,7 +1069,8 @@ __device__ __forceinline__ void attn_flash_wg3_impl(const bf16* __restrict__ q, 
         const int jnn = jn < je ? fw_next_tile(tmin, smin, jn + 1, je, qmax, lane) : je;
         if (jn < je) fw_mbar_wait(bar_kf(sk), ((t + 1) / S) & 1);
         fw_mbar_wait(bar_vf(sv), (t / S) & 1);
-        fw_fence_proxy_async();
+        // cp.async (generic proxy) → wgmma (async proxy); TMA writes through the async proxy.
+        if (!TMA) fw_fence_proxy_async();
         if (PINGPONG) fw_bar_sync(1 + wgc, 2 * PT);  // my turn at the tensor cores
         fw_wgmma_fence();
         issue_s(sk);  // for the last tile: scores of a stale stage, unused
@@ -1046,8 +1154,8 @@ __device__ __forceinline__ void attn_flash_wg3_impl(const bf16* __restrict__ q, 
         const bf16* q, const bf16* k, const bf16* v, const i64* q_pos, const i64* kv_pos,             \
         const i64* tiles, bf16* o, float* wo, float* wml, int tq, int n_kv, int nh, int nkv,          \
         float scale_log2) {                                                                           \
-        attn_flash_wg3_impl<HD, BC, PP>(q, k, v, q_pos, kv_pos, tiles, o, wo, wml, tq, n_kv, nh, nkv, \
-                                        scale_log2);                                                  \
+        attn_flash_wg3_impl<HD, BC, PP, false>(q, k, v, q_pos, kv_pos, tiles, o, wo, wml, tq, n_kv, nh,   \
+                                               nkv, scale_log2, nullptr, nullptr);                    \
     }
 ATTN_FLASH_WG3(attn_flash_wg3, 256, 64, true)
 ATTN_FLASH_WG3(attn_flash_wg3, 128, 64, true)
@@ -1055,4 +1163,18 @@ ATTN_FLASH_WG3(attn_flash_wg3np, 256, 64, false)
 ATTN_FLASH_WG3(attn_flash_wg3np, 128, 64, false)
 ATTN_FLASH_WG3(attn_flash_wg3b80, 256, 80, true)
 ATTN_FLASH_WG3(attn_flash_wg3b80, 128, 80, true)
+
+// attn_flash_wg3tma_bf16_{HD}: attn_flash_wg3_bf16_{HD} (64-key tiles, ping-pong) with the K
+// and V tiles loaded by TMA (two more arguments: the tensor maps of K and V, attn.rs:
+// encode_kv_map).
+#define ATTN_FLASH_WG3TMA(HD)                                                                          \
+    extern "C" __global__ void __launch_bounds__(FW3_THREADS, 1) attn_flash_wg3tma_bf16_##HD(          \
+        const bf16* q, const bf16* k, const bf16* v, const i64* q_pos, const i64* kv_pos,             \
+        const i64* tiles, bf16* o, float* wo, float* wml, int tq, int n_kv, int nh, int nkv,          \
+        float scale_log2, const __grid_constant__ FwTmap tmk, const __grid_constant__ FwTmap tmv) {   \
+        attn_flash_wg3_impl<HD, 64, true, true>(q, k, v, q_pos, kv_pos, tiles, o, wo, wml, tq, n_kv, nh,  \
+                                                nkv, scale_log2, &tmk, &tmv);                         \
+    }
+ATTN_FLASH_WG3TMA(256)
+ATTN_FLASH_WG3TMA(128)
 #endif  // sm_90a

@@ -36,7 +36,9 @@
 //! `flash_wg3_causal_bf16`, `flash_wg3_seam_bf16`, `flash_wg3_vs_flash_4096`: the same
 //! cases on the warp-specialised kernel (`attn::FlashWgKernel::WarpSpecialized`; the
 //! 4096 test also its `WarpSpecializedNoPingPong` and `WarpSpecializedBc80` variants);
-//! `flash_wg3b80_causal_bf16`, `flash_wg3b80_seam_bf16`: on `WarpSpecializedBc80`.
+//! `flash_wg3b80_causal_bf16`, `flash_wg3b80_seam_bf16`: on `WarpSpecializedBc80`;
+//! `flash_wg3tma_causal_bf16`, `flash_wg3tma_seam_bf16`, `flash_wg3tma_vs_flash_4096`: on
+//! `WarpSpecializedTma` (K/V by TMA).
 //!
 //! Tolerances: f32 1e-5 norm-wise / 1e-4 max-relative; bf16 4e-3 / 4e-2 (against
 //! the CPU on the bf16-rounded inputs: the fast path stores the probabilities `P` in
@@ -801,6 +803,15 @@ mod gpu {
         });
     }
 
+    /// [`flash_wg_causal_bf16`]'s cases on the warp-specialised kernel with TMA loads
+    /// (`FlashWgKernel::WarpSpecializedTma`, `attn_flash_wg3tma_*`).
+    #[test]
+    fn flash_wg3tma_causal_bf16() {
+        wg_causal_cases("flash_wg3tma_causal_bf16", |s| {
+            Path::FlashWgK(s, attn::FlashWgKernel::WarpSpecializedTma)
+        });
+    }
+
     /// [`flash_wg_causal_bf16`]'s cases on the warp-specialised kernel with 80-key tiles
     /// (`FlashWgKernel::WarpSpecializedBc80`, `attn_flash_wg3b80_*`).
     #[test]
@@ -910,6 +921,14 @@ mod gpu {
         });
     }
 
+    /// [`flash_wg_seam_bf16`]'s cases on the warp-specialised kernel with TMA loads.
+    #[test]
+    fn flash_wg3tma_seam_bf16() {
+        wg_seam_cases("flash_wg3tma_seam_bf16", |s| {
+            Path::FlashWgK(s, attn::FlashWgKernel::WarpSpecializedTma)
+        });
+    }
+
     /// [`flash_wg_seam_bf16`]'s cases on the warp-specialised kernel with 80-key tiles.
     #[test]
     fn flash_wg3b80_seam_bf16() {
@@ -992,6 +1011,15 @@ mod gpu {
         wg_vs_flash_4096(
             "flash_wg3_vs_flash_4096",
             attn::FlashWgKernel::WarpSpecializedBc80,
+        );
+    }
+
+    /// [`flash_wg_vs_flash_4096`] for the warp-specialised kernel with TMA loads.
+    #[test]
+    fn flash_wg3tma_vs_flash_4096() {
+        wg_vs_flash_4096(
+            "flash_wg3tma_vs_flash_4096",
+            attn::FlashWgKernel::WarpSpecializedTma,
         );
     }
 

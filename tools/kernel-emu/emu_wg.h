@@ -61,6 +61,7 @@
 #include "emu.h"
 
 #define FW_HOST_EMULATOR 1
+#define __grid_constant__
 
 struct EmuWgOp {
     int n = 0;          // N of m64nNk16
@@ -101,6 +102,7 @@ struct EmuMbar {
     int id = 0;
     int expected = 0, pending = 0;
     long phase = 0;  // completed phases
+    long tx = 0;     // transaction count (bytes) of the current phase: expect_tx adds, complete_tx subtracts
 };
 
 struct EmuWgRegs {
@@ -125,6 +127,7 @@ inline long emu_wg_count = 0;
 inline std::map<unsigned, EmuMbar> emu_mbar;           // by shared address
 inline std::vector<int> emu_wg_tag_bar;                // per shared byte: mbarrier id of its landing, or -1
 inline std::vector<long> emu_wg_tag_ph;                // ... and the phase
+inline std::vector<char> emu_wg_tag_async;             // ... and whether it landed through the async proxy (TMA)
 inline std::vector<int> emu_wg_readers;                // per shared byte: wgmma in flight reading it
 inline int emu_land_bar = -1;                          // tag of the copies landing now
 inline long emu_land_ph = 0;
@@ -140,6 +143,7 @@ inline void emu_wg_init() {
         emu_wg_dirty.assign(emu.smem.size(), -1);
         emu_wg_tag_bar.assign(emu.smem.size(), -1);
         emu_wg_tag_ph.assign(emu.smem.size(), 0);
+        emu_wg_tag_async.assign(emu.smem.size(), 0);
         emu_wg_readers.assign(emu.smem.size(), 0);
         emu_mbar.clear();
         for (auto& b : emu_named) b = EmuBarrier{};
@@ -155,10 +159,11 @@ inline void emu_wg_init() {
     };
     emu_block_end_hook = [] {
         for (auto& m : emu_mbar)
-            if (m.second.pending != m.second.expected) {
-                std::fprintf(stderr, "EMU ERROR: mbarrier %u (id %d) left with a partial phase: %d of %d arrivals "
-                             "(block %u,%u)\n", m.first, m.second.id, m.second.expected - m.second.pending,
-                             m.second.expected, blockIdx.x, blockIdx.y);
+            if (m.second.pending != m.second.expected || m.second.tx != 0) {
+                std::fprintf(stderr, "EMU ERROR: mbarrier %u (id %d) left with a partial phase: %d of %d arrivals, "
+                             "transaction count %ld (block %u,%u)\n", m.first, m.second.id,
+                             m.second.expected - m.second.pending, m.second.expected, m.second.tx, blockIdx.x,
+                             blockIdx.y);
                 std::exit(3);
             }
         for (int i = 1; i < 16; ++i)
@@ -184,6 +189,7 @@ inline void emu_wg_init() {
                 emu_wg_dirty[dst + b] = -1;
                 emu_wg_tag_bar[dst + b] = emu_land_bar;
                 emu_wg_tag_ph[dst + b] = emu_land_ph;
+                emu_wg_tag_async[dst + b] = 0;
             }
             return;
         }
@@ -248,14 +254,18 @@ inline void emu_wg_fetch(EmuWgOp& op, float (*A)[16], std::vector<float>& B, int
         if (wg >= 0) {
             op.addrs.push_back(a);
             for (unsigned b = a; b < a + 2 && b < emu_wg_tag_bar.size(); ++b) {
-                const int id = emu_wg_tag_bar[b];
-                if (id < 0) continue;
+                const int id0 = emu_wg_tag_bar[b];
+                if (id0 < 0) continue;
+                // TMA data (async proxy, like the wgmma read): the mbarrier wait suffices;
+                // cp.async data (generic proxy): the wait and a fence.proxy.async after it.
+                const bool async = emu_wg_tag_async[b];
+                const int id = 2 * id0 + async;
                 if ((int)cons.size() <= id) cons.resize(id + 1, EMU_NEVER - 1);
                 if (cons[id] == EMU_NEVER - 1) {
                     long v = EMU_NEVER - 2;
                     for (int l = 0; l < 128; ++l) {
-                        const auto& f = emu_wg_th[wg * 128 + l].pfenced;
-                        const long x = (int)f.size() > id ? f[id] : EMU_NEVER;
+                        const auto& f = async ? emu_wg_th[wg * 128 + l].waited : emu_wg_th[wg * 128 + l].pfenced;
+                        const long x = (int)f.size() > id0 ? f[id0] : EMU_NEVER;
                         if (l == 0) v = x;
                         else if (x != v) v = EMU_NEVER - 3;
                     }
@@ -265,12 +275,12 @@ inline void emu_wg_fetch(EmuWgOp& op, float (*A)[16], std::vector<float>& B, int
                 if (cons[id] == EMU_NEVER - 3)
                     emu_fail("wgmma operand: the threads of the warpgroup waited for different phases of its mbarrier");
                 if (cons[id] < ph) {
-                    std::fprintf(stderr, "(mbarrier id %d: data of phase %ld, warpgroup waited+fenced phase %ld)\n", id, ph, cons[id]);
+                    std::fprintf(stderr, "(mbarrier id %d: data of phase %ld, warpgroup waited+fenced phase %ld)\n", id0, ph, cons[id]);
                     emu_fail("wgmma reads shared memory filled under an mbarrier phase its warpgroup has not waited for "
                              "(or not fenced with fence.proxy.async after the wait)");
                 }
                 if (cons[id] > ph) {
-                    std::fprintf(stderr, "(mbarrier id %d: data of phase %ld, warpgroup waited+fenced phase %ld)\n", id, ph, cons[id]);
+                    std::fprintf(stderr, "(mbarrier id %d: data of phase %ld, warpgroup waited+fenced phase %ld)\n", id0, ph, cons[id]);
                     emu_fail("wgmma reads shared memory older than the mbarrier phase its warpgroup waited for");
                 }
             }
@@ -440,14 +450,21 @@ inline void fw_mbar_init(unsigned bar, unsigned count) {
 
 inline void fw_mbar_init_fence() {}
 
-inline void emu_mbar_arrive(EmuMbar& m) {
-    ++emu_epoch;
-    if (m.pending <= 0) emu_fail("mbarrier arrival beyond its expected count");
-    if (--m.pending == 0) {
+// The phase completes when every expected arrival came and the transaction count is back
+// at zero (PTX ISA "mbarrier": phase completion with tx-count).
+inline void emu_mbar_maybe_complete(EmuMbar& m) {
+    if (m.pending == 0 && m.tx == 0) {
         m.pending = m.expected;
         ++m.phase;
         emu_yield();  // waiters first
     }
+}
+
+inline void emu_mbar_arrive(EmuMbar& m) {
+    ++emu_epoch;
+    if (m.pending <= 0) emu_fail("mbarrier arrival beyond its expected count");
+    --m.pending;
+    emu_mbar_maybe_complete(m);
 }
 
 inline void fw_mbar_arrive(unsigned bar) { emu_mbar_arrive(emu_mbar_at(bar)); }
@@ -531,4 +548,92 @@ inline void fw_setmaxnreg_inc() {
 template <int N>
 inline void fw_setmaxnreg_dec() {
     emu_setmaxnreg(N, false);
+}
+
+// ---- TMA (attn_flash_wg3tma_*) ----------------------------------------------------------
+// Emulated from the CUDA driver API (cuTensorMapEncodeTiled: parameter requirements) and
+// the PTX ISA ("Tensors": tiled mode, bounding box, out-of-bound elements zero-filled,
+// swizzle modes; "cp.async.bulk.tensor" with .mbarrier::complete_tx::bytes; "mbarrier":
+// expect-tx and tx-count). The emulated map keeps its parameters in the opaque words;
+// a copy lands at once, as the 16-byte chunks of the 128-byte swizzle of the destination's
+// absolute shared address (chunk bits [4,7) ^= bits [7,10)), tagged with the mbarrier and
+// its current phase and marked as async-proxy data (a wgmma needs its warpgroup's wait
+// for that phase, no fence.proxy.async), then completes the box's bytes on the mbarrier
+// (out-of-bound elements count: the box is always whole).
+struct alignas(64) FwTmap {
+    unsigned long long opaque[16];
+};
+constexpr unsigned long long EMU_TMAP_MAGIC = 0x544d4150454d55ull;
+
+// cuTensorMapEncodeTiled for what the kernels use: rank 2, element size esize bytes,
+// interleave none, element strides 1, swizzle 0 (none) or 3 (128 B). Returns false (the
+// driver's CUDA_ERROR_INVALID_VALUE) where the documented requirements fail.
+inline bool emu_tmap_encode_tiled(FwTmap* m, int esize, const void* base, const unsigned long long dim[2],
+                                  const unsigned long long stride1, const unsigned box[2], int swizzle) {
+    if ((uintptr_t)m % 64 || (uintptr_t)base % 16) return false;
+    if (!dim[0] || !dim[1] || dim[0] > (1ull << 32) || dim[1] > (1ull << 32)) return false;
+    if (stride1 % 16 || stride1 >= (1ull << 40)) return false;
+    if (!box[0] || !box[1] || box[0] > 256 || box[1] > 256 || (box[0] * esize) % 16) return false;
+    if (swizzle == 3 && box[0] * esize > 128) return false;
+    std::memset(m, 0, sizeof *m);
+    m->opaque[0] = EMU_TMAP_MAGIC;
+    m->opaque[1] = (unsigned long long)(uintptr_t)base;
+    m->opaque[2] = dim[0];
+    m->opaque[3] = dim[1];
+    m->opaque[4] = stride1;
+    m->opaque[5] = box[0];
+    m->opaque[6] = box[1];
+    m->opaque[7] = (unsigned long long)esize;
+    m->opaque[8] = (unsigned long long)swizzle;
+    return true;
+}
+
+inline void fw_tma_prefetch(const FwTmap* m) {
+    if (m->opaque[0] != EMU_TMAP_MAGIC) emu_fail("prefetch.tensormap of a tensor map that was not encoded");
+}
+
+inline void fw_mbar_expect_tx(unsigned bar, unsigned bytes) {
+    EmuMbar& m = emu_mbar_at(bar);
+    if (bytes >= (1u << 20)) emu_fail("expect_tx count out of range");
+    m.tx += bytes;
+    emu_mbar_arrive(m);
+}
+
+inline void fw_tma_load_2d(unsigned dst, const FwTmap* map, int c0, int c1, unsigned bar) {
+    if (map->opaque[0] != EMU_TMAP_MAGIC) emu_fail("TMA with a tensor map that was not encoded");
+    EmuMbar& m = emu_mbar_at(bar);
+    const char* base = (const char*)(uintptr_t)map->opaque[1];
+    const long long d0 = (long long)map->opaque[2], d1 = (long long)map->opaque[3];
+    const unsigned long long st1 = map->opaque[4];
+    const int b0 = (int)map->opaque[5], b1 = (int)map->opaque[6], es = (int)map->opaque[7];
+    const int swz = (int)map->opaque[8];
+    const int rowb = b0 * es;
+    if (swz != 3 || rowb != 128) emu_fail("TMA: only 128-byte swizzle with 128-byte box rows is emulated");
+    if (dst % 1024) emu_fail("TMA destination not 1024-byte aligned (128-byte swizzle atom)");
+    const unsigned bytes = (unsigned)(rowb * b1);
+    if (dst + bytes > emu.smem.size()) emu_fail("TMA destination out of shared memory");
+    emu_land_bar = m.id;
+    emu_land_ph = m.phase;
+    for (int r = 0; r < b1; ++r)
+        for (int ch = 0; ch < rowb / 16; ++ch) {
+            const unsigned a = dst + (unsigned)(r * rowb + ch * 16);
+            const unsigned sa = a ^ (((a >> 7) & 7) << 4);
+            unsigned char buf[16];
+            for (int e = 0; e < 16 / es; ++e) {
+                const long long g0 = (long long)c0 + ch * (16 / es) + e, g1 = (long long)c1 + r;
+                if (g0 < 0 || g0 >= d0 || g1 < 0 || g1 >= d1)
+                    std::memset(buf + e * es, 0, es);
+                else
+                    std::memcpy(buf + e * es, base + (size_t)g1 * st1 + (size_t)g0 * es, es);
+            }
+            std::memcpy(emu_dyn_smem + sa, buf, 16);
+            if (emu_cp_hook) emu_cp_hook(sa, 16);
+            for (int b = 0; b < 16; ++b) emu_wg_tag_async[sa + b] = 1;
+        }
+    emu_land_bar = -1;
+    ++emu_epoch;
+    m.tx -= bytes;
+    if (m.tx < 0 && m.pending == m.expected)
+        emu_fail("TMA completed more bytes than the phase expects (expect_tx count too small)");
+    emu_mbar_maybe_complete(m);
 }

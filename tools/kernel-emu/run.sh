@@ -5,15 +5,18 @@
 # reference. Needs g++ (C++17). Usage:
 #   tools/kernel-emu/run.sh [quick]          # flash.cu; cp.async copies land at wait_group
 #   EMU_EAGER_CP=1 tools/kernel-emu/run.sh   # ... or as soon as they are issued
-#   tools/kernel-emu/run.sh wg [quick] [basic|wg3|wg3np|wg3b80|all]  # flash_wg.cu: attn_flash_wg_* and
-#                                            # the warp-specialised attn_flash_wg3*_* (default: basic
-#                                            # and wg3; all: also wg3np, wg3b80);
+#   tools/kernel-emu/run.sh wg [quick] [basic|wg3|wg3np|wg3b80|wg3tma|all]  # flash_wg.cu:
+#                                            # attn_flash_wg_* and the warp-specialised attn_flash_wg3*_*
+#                                            # (default: basic, wg3 and wg3tma; all: also wg3np, wg3b80);
 #                                            # EMU_SMEM_SHIFT=16 offsets the dynamic shared
 #                                            # memory base (alignment code)
 #   tools/kernel-emu/run.sh wg-mutants       # deliberately broken variants of flash_wg.cu must
 #                                            # fail (swizzle, fragments, descriptors, fences;
 #                                            # wg3-*: mbarrier parities / waits / releases,
-#                                            # proxy fence, ping-pong barriers, setmaxnreg)
+#                                            # proxy fence, ping-pong barriers, setmaxnreg;
+#                                            # tma-*: expect_tx bytes, box coordinates /
+#                                            # destinations, missing waits, barrier counts)
+#   EMU_MUTANTS="tma-box-row tma-stage" tools/kernel-emu/run.sh wg-mutants  # a subset
 set -euo pipefail
 here="$(cd "$(dirname "$0")" && pwd)"
 kernels="$here/../../dataplane/kernels"
@@ -42,7 +45,7 @@ src = src.replace(decl, repl)
 open(dst, "w").write((common if with_common == "1" else "") + f'\n#line 1 "{name}.cu"\n' + src)
 PY
 }
-CXX="g++ -std=c++17 -O2 -Wall -Wno-unused-function -Wno-unused-variable -Wno-unknown-pragmas -I$here -I$out"
+CXX="g++ -std=c++17 -O2 -Wall -Wno-psabi -Wno-unused-function -Wno-unused-variable -Wno-unknown-pragmas -I$here -I$out"
 case "$mode" in
 wg)
     shift
@@ -101,8 +104,7 @@ W3 = {
   # consumer does not wait for Q
   "wg3-no-wait-q": [["    fw_mbar_wait(bar_q(), 0);\n", ""]],
   # no fence.proxy.async between the mbarrier wait and the wgmma of the loop
-  "wg3-no-proxy-fence": [["        fw_mbar_wait(bar_vf(sv), (t / S) & 1);\n        fw_fence_proxy_async();",
-                          "        fw_mbar_wait(bar_vf(sv), (t / S) & 1);"]],
+  "wg3-no-proxy-fence": [["        if (!TMA) fw_fence_proxy_async();\n", ""]],
   # V stage released before the wait_group that retires P V (producer refills it in flight)
   "wg3-early-release-v": [["        fw_wgmma_wait<0, NT * 4>(&acc[0][0]);\n        fw_mbar_arrive(bar_ve(sv));",
                            "        fw_mbar_arrive(bar_ve(sv));\n        fw_wgmma_wait<0, NT * 4>(&acc[0][0]);"]],
@@ -132,16 +134,39 @@ W3 = {
   # producer keeps 40 registers: the pool cannot grant 2 × 128 × 240
   "wg3-regs-pool": [["fw_setmaxnreg_dec<FW3_REG_LOAD>();", "fw_setmaxnreg_dec<40>();"]],
 }
+T = {
+  # expect_tx one box short: the phase completes before the last box landed
+  "tma-expect-tx-small": [["fw_mbar_expect_tx(bar, TBYTES);", "fw_mbar_expect_tx(bar, TBYTES - BC * 128);"]],
+  # expect_tx 16 bytes too many: the phase never completes
+  "tma-expect-tx-large": [["fw_mbar_expect_tx(bar, TBYTES);", "fw_mbar_expect_tx(bar, TBYTES + 16);"]],
+  # box one key further down
+  "tma-box-row": [["kh * HD + cb * 64, j * BC, bar);", "kh * HD + cb * 64, j * BC + 1, bar);"]],
+  # box of the wrong kv head / column block
+  "tma-box-col": [["kh * HD + cb * 64, j * BC, bar);", "cb * 64, j * BC, bar);"]],
+  # column block cb landing in the wrong region of the stage
+  "tma-box-dst": [["fw_tma_load_2d(dst + cb * BC * 128,", "fw_tma_load_2d(dst + (NCB - 1 - cb) * BC * 128,"]],
+  # V into the wrong stage of the ring
+  "tma-stage": [["tma_tile(tmv, sVa + sv * TBYTES, bar_vf(sv), j);", "tma_tile(tmv, sVa + (sv + 1 == S ? 0 : sv + 1) * TBYTES, bar_vf(sv), j);"]],
+  # consumer does not wait for K(t+1) / V(t)
+  "tma-no-wait-k": [["        if (jn < je) fw_mbar_wait(bar_kf(sk), ((t + 1) / S) & 1);\n", ""]],
+  "tma-no-wait-v": [["        fw_mbar_wait(bar_vf(sv), (t / S) & 1);\n        // cp.async", "        // cp.async"]],
+  # producer refills a V stage without waiting for its release
+  "tma-no-empty-wait": [["                fw_mbar_wait(bar_ve(sv), ((t / S) & 1) ^ 1);\n                if (lane == 0) tma_tile", "                if (lane == 0) tma_tile"]],
+  # K full barrier without the expect_tx arrival in its count
+  "tma-kf-count": [["fw_mbar_init(bar_kf(st), TMA ? 33 : PT);", "fw_mbar_init(bar_kf(st), TMA ? 32 : PT);"]],
+}
+for name, pairs in T.items():
+    json.dump(pairs, open(f"{out}/mut_{name}.json", "w"))
 for name, pairs in M.items():
     json.dump(pairs, open(f"{out}/mut_{name}.json", "w"))
 for name, pairs in W3.items():
     json.dump(pairs, open(f"{out}/mut_{name}.json", "w"))
-open(f"{out}/mutants.txt", "w").write("\n".join(list(M) + list(W3)))
+open(f"{out}/mutants.txt", "w").write("\n".join(list(M) + list(W3) + list(T)))
 PY
     for m in ${EMU_MUTANTS:-$(cat "$out/mutants.txt")}; do
         gen flash_wg "$out/gen_flash_wg.inc" 0 "$out/mut_$m.json"
         $CXX -o "$out/flash_wg_mut" "$here/flash_wg_emu.cpp"
-        case "$m" in wg3-*) variant=wg3 ;; *) variant=basic ;; esac
+        case "$m" in wg3-*) variant=wg3 ;; tma-*) variant=wg3tma ;; *) variant=basic ;; esac
         if EMU_SMEM_SHIFT=16 timeout 600 "$out/flash_wg_mut" quick $variant > "$out/mut_$m.log" 2>&1; then
             echo "MUTANT SURVIVED: $m"; fails=$((fails + 1))
         else

@@ -808,6 +808,86 @@ pub enum FlashWgKernel {
     /// `S = Q Kᵀ`, per-tile costs over more keys; tile summaries and split plan for 128 ×
     /// 80).
     WarpSpecializedBc80,
+    /// `attn_flash_wg3tma_bf16_{hd}`: [`FlashWgKernel::WarpSpecialized`] (64-key tiles,
+    /// ping-pong) with the K and V tiles loaded by TMA: one producer thread issues
+    /// `cp.async.bulk.tensor.2d` boxes of 64 keys × 64 elements (128-byte swizzle) over
+    /// tensor maps built on the host with `cuTensorMapEncodeTiled` ([`encode_kv_map`]),
+    /// completing on the stage's mbarrier through `mbarrier.arrive.expect_tx`.
+    WarpSpecializedTma,
+}
+
+/// A `CUtensorMap` (128 opaque bytes, 64-byte aligned; CUDA 13's header aligns it to 128)
+/// passed by value as a kernel argument (`const __grid_constant__ FwTmap` in flash_wg.cu).
+#[repr(C, align(128))]
+#[derive(Clone, Copy, Debug)]
+pub struct TensorMapArg(pub [u64; 16]);
+
+// SAFETY: plain bytes with the size of CUtensorMap; the kernel parameter has that type.
+unsafe impl cudarc::driver::DeviceRepr for TensorMapArg {}
+
+/// Tensor map of a bf16 K or V buffer `[n_kv, nkv, hd]` at device address `ptr` for
+/// `attn_flash_wg3tma_*`: the 2-D view `[n_kv rows][nkv·hd elements]` (row stride
+/// `nkv·hd·2` bytes), boxes of 64 elements (128 bytes) × 64 rows with
+/// `CU_TENSOR_MAP_SWIZZLE_128B` (the 128-byte swizzle the wgmma descriptors expect),
+/// interleave none, element strides 1, L2 promotion 256 B, out-of-bound fill none (rows
+/// past `n_kv` land as zeros; the kernel masks them by position anyway). `n_kv = 0` gives
+/// a zeroed map (the kernel issues no copy without a key tile). Errors: an unsupported
+/// shape, a driver without `cuTensorMapEncodeTiled`, or the driver rejecting the
+/// parameters → [`CudaError`] (never a panic).
+pub fn encode_kv_map(ptr: u64, n_kv: usize, nkv: usize, hd: usize) -> Result<TensorMapArg> {
+    use cudarc::driver::sys;
+    let mut m = TensorMapArg([0; 16]);
+    if n_kv == 0 {
+        return Ok(m);
+    }
+    let row = nkv * hd;
+    if ptr % 16 != 0 || (row * 2) % 16 != 0 || hd % 64 != 0 {
+        return Err(CudaError::Shape(format!(
+            "attn: TMA map needs a 16-byte aligned buffer and rows of a multiple of 16 bytes \
+             (address {ptr:#x}, {nkv} kv heads × {hd})"
+        )));
+    }
+    if n_kv as u64 > 1u64 << 32 || (row * 2) as u64 >= 1u64 << 40 {
+        return Err(CudaError::Shape(format!(
+            "attn: n_kv = {n_kv} too large for a tensor map"
+        )));
+    }
+    let dims = [row as u64, n_kv as u64];
+    let strides = [(row * 2) as u64];
+    let boxd = [64u32, FLASH_WG_BC as u32];
+    let estr = [1u32, 1u32];
+    let mp = &mut m as *mut TensorMapArg as *mut sys::CUtensorMap;
+    // The symbol is resolved on first use; cudarc panics if the driver lacks it.
+    let r = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| {
+        // SAFETY: mp points to 128 writable bytes aligned to 128; the arrays hold rank (2)
+        // dims, box sizes and element strides and rank − 1 strides; ptr is a device
+        // address of n_kv·nkv·hd bf16 elements (checked by the caller).
+        unsafe {
+            sys::cuTensorMapEncodeTiled(
+                mp,
+                sys::CUtensorMapDataType::CU_TENSOR_MAP_DATA_TYPE_BFLOAT16,
+                2,
+                ptr as *mut std::ffi::c_void,
+                dims.as_ptr(),
+                strides.as_ptr(),
+                boxd.as_ptr(),
+                estr.as_ptr(),
+                sys::CUtensorMapInterleave::CU_TENSOR_MAP_INTERLEAVE_NONE,
+                sys::CUtensorMapSwizzle::CU_TENSOR_MAP_SWIZZLE_128B,
+                sys::CUtensorMapL2promotion::CU_TENSOR_MAP_L2_PROMOTION_L2_256B,
+                sys::CUtensorMapFloatOOBfill::CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE,
+            )
+        }
+    }));
+    match r {
+        Ok(sys::CUresult::CUDA_SUCCESS) => Ok(m),
+        Ok(e) => Err(CudaError::Driver(format!(
+            "cuTensorMapEncodeTiled ({n_kv} × {row} bf16, box 64 × {FLASH_WG_BC}, 128-byte swizzle): {e:?}"
+        ))),
+        Err(_) => Err(CudaError::Unavailable(
+            "the CUDA driver has no cuTensorMapEncodeTiled (TMA needs CUDA 12 and sm_90)".into(),
+        )),
+    }
 }
 
 /// Options of [`prefill_flash_wg_with`]; the default is what [`prefill_flash_wg`] does.
@@ -925,6 +1005,9 @@ pub fn prefill_flash_wg_with<T: Elem>(
         FlashWgKernel::WarpSpecializedBc80 => {
             (flash_wg3_smem_bytes(hd, 80), 384u32, "attn_flash_wg3b80")
         }
+        FlashWgKernel::WarpSpecializedTma => {
+            (flash_wg3_smem_bytes(hd, 64), 384u32, "attn_flash_wg3tma")
+        }
     };
     let optin = ctx
         .attribute(CUdevice_attribute::CU_DEVICE_ATTRIBUTE_MAX_SHARED_MEMORY_PER_BLOCK_OPTIN)?
@@ -999,6 +1082,18 @@ pub fn prefill_flash_wg_with<T: Elem>(
     let scale_log2 = (hd as f32).powf(-0.5) * std::f32::consts::LOG2_E;
     let name = format!("{prefix}_bf16_{hd}");
     let f = gpu.function(&FLASH_WG, &name, smem as u32)?;
+    // Tensor maps of K and V (attn_flash_wg3tma_* only).
+    let tma = opts.kernel == FlashWgKernel::WarpSpecializedTma;
+    let (mk, mv) = if tma {
+        let (kp, _kg) = k.device_ptr(stream);
+        let (vp, _vg) = v.device_ptr(stream);
+        (
+            encode_kv_map(kp, n_kv, nkv, hd)?,
+            encode_kv_map(vp, n_kv, nkv, hd)?,
+        )
+    } else {
+        (TensorMapArg([0; 16]), TensorMapArg([0; 16]))
+    };
     let cfg = LaunchConfig {
         grid_dim: (grid_x, nsplit as u32, 1),
         block_dim: (threads, 1, 1),
@@ -1020,10 +1115,15 @@ pub fn prefill_flash_wg_with<T: Elem>(
             .arg(&nh_i)
             .arg(&nkvh_i)
             .arg(&scale_log2);
+        if tma {
+            b.arg(&mk).arg(&mv);
+        }
         // SAFETY: matches `attn_flash_wg_bf16_{hd}` / `attn_flash_wg3_bf16_{hd}` (block
         // 256 / 384 threads, their launch bounds; the argument list of the flash.cu
         // instances; workspace addresses as u64, 0 when unused: written only when
-        // gridDim.y > 1); lengths checked by check_args, tiles and workspace sized above.
+        // gridDim.y > 1); lengths checked by check_args, tiles and workspace sized above;
+        // `attn_flash_wg3tma_*` takes the two tensor maps (by value, 128 bytes each) of k
+        // and v, which outlive the launch's reads in stream order like k and v themselves.
         unsafe { b.launch(cfg) }?;
     }
     if nsplit > 1 {
