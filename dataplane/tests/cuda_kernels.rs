@@ -692,14 +692,14 @@ mod gpu {
                         // Every third case on the old prep kernel, every fifth on the old
                         // output kernel, the rest on the defaults.
                         ws_tc
-                            .set_prep_kernel(if case % 3 == 0 {
+                            .set_prep_kernel(if case.is_multiple_of(3) {
                                 gdr::PREP_KERNELS[0]
                             } else {
                                 gdr::DEFAULT_PREP_KERNEL
                             })
                             .unwrap();
                         ws_tc
-                            .set_output_kernel(if case % 5 == 0 {
+                            .set_output_kernel(if case.is_multiple_of(5) {
                                 gdr::OUTPUT_KERNELS[0]
                             } else {
                                 gdr::DEFAULT_OUTPUT_KERNEL

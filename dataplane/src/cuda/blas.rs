@@ -43,7 +43,7 @@ where
     }
     if T::SUFFIX == "bf16"
         && t <= GEMV_MAX_ROWS
-        && inp % 8 == 0
+        && inp.is_multiple_of(8)
         && beta.to_f32() == 0.0
         && out <= i32::MAX as usize
         && inp <= i32::MAX as usize

@@ -13,7 +13,7 @@
 //! * attention mixer: one fused `q|gate, k, v` projection, per-head q/k zero-centred
 //!   RMSNorm, partial RoPE at the absolute positions, append to the KV cache, causal GQA
 //!   attention over cached + new KV (for `head_dim ∈ {64, 128, 256}`: in bf16 the
-//!   tensor-core flash kernel `attn::prefill_flash_wg` (wgmma, sm_90a) or
+//!   tensor-core flash kernel `attn::prefill_flash_wg_with` (wgmma + TMA, sm_90a) or
 //!   `attn::prefill_flash` for spans of ≥ [`ATTN_FLASH_MIN_TQ`] tokens; otherwise the GEMM-based `attn::prefill_fast` for spans of
 //!   ≥ [`ATTN_FAST_MIN_TQ`] tokens or over ≥ [`ATTN_FAST_MIN_KV`] cached keys, else the
 //!   tuned tiled kernel; other head dims a generic one), sigmoid output gate, o proj;
@@ -78,9 +78,11 @@ pub const ATTN_FAST_MIN_KV: usize = 512;
 /// 0.72 ms with the cuBLAS path, 13.4–16.1 ms tiled; a 4k causal prefill 0.58 ms flash
 /// against 1.70 ms cuBLAS. The f32 model never takes it. On sm_90a (Hopper), bf16
 /// spans of at least this many tokens with head dim 128 or 256 take the wgmma kernel
-/// [`attn::prefill_flash_wg`] instead (4k causal prefill 0.39 ms, 16k 5.2 ms against
-/// 0.59 / 8.4 ms with `prefill_flash`; gpu-check 2026-11-30 run J); shorter spans keep
-/// `prefill_flash`, whose key splits suit a handful of queries over a long cache.
+/// [`attn::prefill_flash_wg_with`] with TMA loads ([`attn::FlashWgKernel::
+/// WarpSpecializedTma`]; the Basic wgmma kernel when tensor maps are unavailable)
+/// instead (4k causal prefill 0.29 ms, 16k 3.96 ms against 0.59 / 8.3 ms with
+/// `prefill_flash`; gpu-check 2026-11-30 run P); shorter spans keep `prefill_flash`,
+/// whose key splits suit a handful of queries over a long cache.
 pub const ATTN_FLASH_MIN_TQ: usize = 64;
 /// Key dims of the tuned recurrent GDR kernel ([`gdr::recurrent`]).
 const GDR_REC_DK: [usize; 3] = [64, 128, 256];
@@ -1837,20 +1839,32 @@ where
             && attn::FLASH_WG_HEAD_DIMS.contains(&hd)
             && g.arch() == "sm_90a"
         {
-            attn::prefill_flash_wg(
-                g,
-                &q,
-                pos,
-                kv.k(),
-                kv.v(),
-                kv.pos(),
-                &mut o,
-                t,
-                kv.len,
-                nh,
-                nkv,
-                hd,
-            )?;
+            // TMA loads (the fastest measured); the Basic wgmma kernel where the driver
+            // cannot build tensor maps.
+            let run = |o: &mut CudaSlice<T>, kernel| {
+                attn::prefill_flash_wg_with(
+                    g,
+                    &q,
+                    pos,
+                    kv.k(),
+                    kv.v(),
+                    kv.pos(),
+                    o,
+                    t,
+                    kv.len,
+                    nh,
+                    nkv,
+                    hd,
+                    attn::FlashWgOpts {
+                        split: None,
+                        kernel,
+                    },
+                )
+            };
+            match run(&mut o, attn::FlashWgKernel::WarpSpecializedTma) {
+                Err(CudaError::Unavailable(_)) => run(&mut o, attn::FlashWgKernel::Basic)?,
+                r => r?,
+            }
         } else if T::SUFFIX == "bf16"
             && ATTN_TUNED_HD.contains(&hd)
             && (t >= ATTN_FLASH_MIN_TQ || kv.len >= ATTN_FAST_MIN_KV)
