@@ -492,6 +492,21 @@ mod bench {
                     flops / ms / 1e9
                 );
                 tma_checks.push((t, rel_diff(&g.download(&o)?, &want)));
+                let opts = attn::FlashWgOpts {
+                    split: None,
+                    kernel: attn::FlashWgKernel::WarpSpecializedTmaNoPingPong,
+                };
+                let ms = time_ms(&g, 3, reps.max(10), || {
+                    attn::prefill_flash_wg_with(
+                        &g, &q, &p, &k, &v, &p, &mut o, t, t, nh, nkv, hd, opts,
+                    )
+                })?;
+                println!(
+                    "| {t} | variant: flash-wg3tmanp (the same without ping-pong) | {ms:.3} | {:.1} \
+                     | 0 |",
+                    flops / ms / 1e9
+                );
+                tma_checks.push((t, rel_diff(&g.download(&o)?, &want)));
             }
         }
         println!();

@@ -1167,14 +1167,17 @@ ATTN_FLASH_WG3(attn_flash_wg3b80, 128, 80, true)
 // attn_flash_wg3tma_bf16_{HD}: attn_flash_wg3_bf16_{HD} (64-key tiles, ping-pong) with the K
 // and V tiles loaded by TMA (two more arguments: the tensor maps of K and V, attn.rs:
 // encode_kv_map).
-#define ATTN_FLASH_WG3TMA(HD)                                                                          \
-    extern "C" __global__ void __launch_bounds__(FW3_THREADS, 1) attn_flash_wg3tma_bf16_##HD(          \
+#define ATTN_FLASH_WG3TMA(NAME, HD, PP)                                                                \
+    extern "C" __global__ void __launch_bounds__(FW3_THREADS, 1) NAME##_bf16_##HD(                     \
         const bf16* q, const bf16* k, const bf16* v, const i64* q_pos, const i64* kv_pos,             \
         const i64* tiles, bf16* o, float* wo, float* wml, int tq, int n_kv, int nh, int nkv,          \
         float scale_log2, const __grid_constant__ FwTmap tmk, const __grid_constant__ FwTmap tmv) {   \
-        attn_flash_wg3_impl<HD, 64, true, true>(q, k, v, q_pos, kv_pos, tiles, o, wo, wml, tq, n_kv, nh,  \
-                                                nkv, scale_log2, &tmk, &tmv);                         \
+        attn_flash_wg3_impl<HD, 64, PP, true>(q, k, v, q_pos, kv_pos, tiles, o, wo, wml, tq, n_kv, nh,  \
+                                              nkv, scale_log2, &tmk, &tmv);                           \
     }
-ATTN_FLASH_WG3TMA(256)
-ATTN_FLASH_WG3TMA(128)
+ATTN_FLASH_WG3TMA(attn_flash_wg3tma, 256, true)
+ATTN_FLASH_WG3TMA(attn_flash_wg3tma, 128, true)
+// attn_flash_wg3tmanp_bf16_{HD}: the same without the ping-pong named barriers.
+ATTN_FLASH_WG3TMA(attn_flash_wg3tmanp, 256, false)
+ATTN_FLASH_WG3TMA(attn_flash_wg3tmanp, 128, false)
 #endif  // sm_90a

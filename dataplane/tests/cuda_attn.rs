@@ -1021,6 +1021,18 @@ mod gpu {
             "flash_wg3tma_vs_flash_4096",
             attn::FlashWgKernel::WarpSpecializedTma,
         );
+        wg_vs_flash_4096(
+            "flash_wg3tma_vs_flash_4096",
+            attn::FlashWgKernel::WarpSpecializedTmaNoPingPong,
+        );
+    }
+
+    /// The TMA kernel without ping-pong over the causal cases.
+    #[test]
+    fn flash_wg3tmanp_causal_bf16() {
+        wg_causal_cases("flash_wg3tmanp_causal_bf16", |s| {
+            Path::FlashWgK(s, attn::FlashWgKernel::WarpSpecializedTmaNoPingPong)
+        });
     }
 
     fn wg_vs_flash_4096(test: &str, kernel: attn::FlashWgKernel) {

@@ -2,7 +2,7 @@
 // see run.sh: `run.sh wg`) in the host emulator of emu.h + emu_wg.h against a
 // double-precision reference of the attention contract (model::attention). The key tile
 // summaries and the split merge are flash.cu's kernels, as in attn::prefill_flash_wg.
-// Usage: flash_wg_emu [quick] [basic|wg3|wg3np|wg3b80|wg3tma|both|all] (default both: basic, wg3, wg3tma):
+// Usage: flash_wg_emu [quick] [basic|wg3|wg3np|wg3b80|wg3tma|wg3tmanp|both|all] (default both: basic, wg3, wg3tma):
 // attn_flash_wg_bf16_* (256 threads) and / or the warp-specialised attn_flash_wg3_bf16_*
 // (384 threads; wg3np: attn_flash_wg3np_bf16_*, without ping-pong; wg3b80:
 // attn_flash_wg3b80_bf16_*, 80-key tiles; wg3tma: attn_flash_wg3tma_bf16_*, K/V by TMA; all: the
@@ -18,8 +18,8 @@ typedef long long i64;
 
 static int g_fail = 0;
 static int g_variant = 0;  // 0: attn_flash_wg_*, 1: attn_flash_wg3_*, 2: attn_flash_wg3np_*, 3: attn_flash_wg3b80_*,
-                           // 4: attn_flash_wg3tma_*
-static const char* const g_vname[] = {"wg ", "wg3", "wg3np", "wg3b80", "wg3tma"};
+                           // 4: attn_flash_wg3tma_*, 5: attn_flash_wg3tmanp_*
+static const char* const g_vname[] = {"wg ", "wg3", "wg3np", "wg3b80", "wg3tma", "wg3tmanp"};
 static double g_worst_rel = 0, g_worst_mrel = 0;
 
 typedef void (*FlashKernel)(const bf16*, const bf16*, const bf16*, const i64*, const i64*, const i64*, bf16*,
@@ -107,7 +107,7 @@ static void run_case(const std::string& name, const std::vector<i64>& q_pos, con
     // attn.rs: encode_kv_map. K and V viewed as [n_kv rows][nkv·hd bf16], boxes of 64 × 64
     // with the 128-byte swizzle; no key: zeroed maps (the kernel issues no copy).
     FwTmap mk{}, mv{};
-    if (g_variant == 4 && n > 0) {
+    if (g_variant >= 4 && n > 0) {
         const unsigned long long dim[2] = {(unsigned long long)nkv * hd, (unsigned long long)n};
         const unsigned box[2] = {64, 64};
         if (!emu_tmap_encode_tiled(&mk, 2, k.data(), dim, (unsigned long long)nkv * hd * 2, box, 3) ||
@@ -117,7 +117,8 @@ static void run_case(const std::string& name, const std::vector<i64>& q_pos, con
             return;
         }
     }
-    const FlashTmaKernel ft = hd == 256 ? attn_flash_wg3tma_bf16_256 : attn_flash_wg3tma_bf16_128;
+    const FlashTmaKernel ft = g_variant == 5 ? (hd == 256 ? attn_flash_wg3tmanp_bf16_256 : attn_flash_wg3tmanp_bf16_128)
+                                             : (hd == 256 ? attn_flash_wg3tma_bf16_256 : attn_flash_wg3tma_bf16_128);
     const FlashKernel f = g_variant == 0   ? (hd == 256 ? attn_flash_wg_bf16_256 : attn_flash_wg_bf16_128)
                           : g_variant == 1 ? (hd == 256 ? attn_flash_wg3_bf16_256 : attn_flash_wg3_bf16_128)
                           : g_variant == 2 ? (hd == 256 ? attn_flash_wg3np_bf16_256 : attn_flash_wg3np_bf16_128)
@@ -126,7 +127,7 @@ static void run_case(const std::string& name, const std::vector<i64>& q_pos, con
     const unsigned threads = g_variant == 0 ? 256 : 384;
     const long ops0 = emu_wg_count;
     emu_launch({(unsigned)(nqt * nh), (unsigned)nsplit, 1}, threads, smem + emu_smem_shift, [&] {
-        if (g_variant == 4)
+        if (g_variant >= 4)
             ft(q.data(), k.data(), v.data(), q_pos.data(), kvp.data(), tiles.data(), o.data(), wo.data(), wml.data(), tq,
                n, nh, nkv, sl2, mk, mv);
         else
@@ -265,6 +266,11 @@ int main(int argc, char** argv) {
     }
     if (which == "wg3tma" || which == "both" || which == "all") {
         g_variant = 4;
+        emu.eager_cp = false;
+        all_cases(quick);
+    }
+    if (which == "wg3tmanp" || which == "all") {
+        g_variant = 5;
         emu.eager_cp = false;
         all_cases(quick);
     }

@@ -5,7 +5,7 @@
 # reference. Needs g++ (C++17). Usage:
 #   tools/kernel-emu/run.sh [quick]          # flash.cu; cp.async copies land at wait_group
 #   EMU_EAGER_CP=1 tools/kernel-emu/run.sh   # ... or as soon as they are issued
-#   tools/kernel-emu/run.sh wg [quick] [basic|wg3|wg3np|wg3b80|wg3tma|all]  # flash_wg.cu:
+#   tools/kernel-emu/run.sh wg [quick] [basic|wg3|wg3np|wg3b80|wg3tma|wg3tmanp|all]  # flash_wg.cu:
 #                                            # attn_flash_wg_* and the warp-specialised attn_flash_wg3*_*
 #                                            # (default: basic, wg3 and wg3tma; all: also wg3np, wg3b80);
 #                                            # EMU_SMEM_SHIFT=16 offsets the dynamic shared

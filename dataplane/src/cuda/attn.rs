@@ -814,6 +814,9 @@ pub enum FlashWgKernel {
     /// tensor maps built on the host with `cuTensorMapEncodeTiled` ([`encode_kv_map`]),
     /// completing on the stage's mbarrier through `mbarrier.arrive.expect_tx`.
     WarpSpecializedTma,
+    /// `attn_flash_wg3tmanp_bf16_{hd}`: [`FlashWgKernel::WarpSpecializedTma`] without the
+    /// ping-pong named barriers (for timing their effect with TMA loads).
+    WarpSpecializedTmaNoPingPong,
 }
 
 /// A `CUtensorMap` (128 opaque bytes, 64-byte aligned; CUDA 13's header aligns it to 128)
@@ -1005,6 +1008,9 @@ pub fn prefill_flash_wg_with<T: Elem>(
         FlashWgKernel::WarpSpecializedBc80 => {
             (flash_wg3_smem_bytes(hd, 80), 384u32, "attn_flash_wg3b80")
         }
+        FlashWgKernel::WarpSpecializedTmaNoPingPong => {
+            (flash_wg3_smem_bytes(hd, 64), 384u32, "attn_flash_wg3tmanp")
+        }
         FlashWgKernel::WarpSpecializedTma => {
             (flash_wg3_smem_bytes(hd, 64), 384u32, "attn_flash_wg3tma")
         }
@@ -1083,7 +1089,10 @@ pub fn prefill_flash_wg_with<T: Elem>(
     let name = format!("{prefix}_bf16_{hd}");
     let f = gpu.function(&FLASH_WG, &name, smem as u32)?;
     // Tensor maps of K and V (attn_flash_wg3tma_* only).
-    let tma = opts.kernel == FlashWgKernel::WarpSpecializedTma;
+    let tma = matches!(
+        opts.kernel,
+        FlashWgKernel::WarpSpecializedTma | FlashWgKernel::WarpSpecializedTmaNoPingPong
+    );
     let (mk, mv) = if tma {
         let (kp, _kg) = k.device_ptr(stream);
         let (vp, _vg) = v.device_ptr(stream);
