@@ -358,7 +358,7 @@ impl PolicySlot {
         put_u64(&mut input, s.tenant);
         put_u32(&mut input, (s.public as u32) | ((s.owner as u32) << 1));
         put_u32(&mut input, 0);
-        let r = w.call_bool(&input, now_ms() as i64);
+        let r = w.call_bool(&input, now_ms());
         let (v, f) = self.finish(r, || native::isolation(s));
         (v && s.public, f)
     }

@@ -199,11 +199,17 @@ fn remember(s: &AppState, id: &str, version: i64, hash: &str, tokens: Arc<Vec<u3
 /// Prefills the current version of `seg` into the caller's namespace and reports
 /// residency to the catalog.
 async fn prefill(s: &AppState, tenant: &str, seg: &Segment, tokens: Arc<Vec<u32>>) -> Value {
-    let snap =
-        match crate::api::resolve_snapshot(&s.0.control, tenant, &[seg.id.clone()], None).await {
-            Ok(r) => r,
-            Err(e) => return json!({"error": e.message}),
-        };
+    let snap = match crate::api::resolve_snapshot(
+        &s.0.control,
+        tenant,
+        std::slice::from_ref(&seg.id),
+        None,
+    )
+    .await
+    {
+        Ok(r) => r,
+        Err(e) => return json!({"error": e.message}),
+    };
     let Some(item) = snap.segments.into_iter().next() else {
         return json!({"error": "no snapshot"});
     };

@@ -198,7 +198,7 @@ fn builtin_isolation_strict_vs_shared_and_host_never_widens() {
     assert_eq!(shared.isolation(&public), (true, None));
     assert_eq!(shared.isolation(&private), (false, None));
     // A policy that always says "shared" still cannot share a private segment.
-    let always = wat::parse_str(&module(
+    let always = wat::parse_str(module(
         "isolation",
         "(func (export \"hypic_isolation\") (result i32) i32.const 1)",
     ))
