@@ -38,8 +38,14 @@
 //! The PIC cache build (body transitions of a span, `Model::layer_forward_capture*`)
 //! is the crate-internal `prefill_capture`, used by [`super::pic`].
 //!
-//! Not done yet: activations are allocated per call (no arena), the per-sequence
-//! part of `decode_batch` is a loop of single-sequence launches. Tests: `dataplane/tests/cuda_model.rs`.
+//! The PIC engine's composition of cached segments runs layer-major through
+//! `forward_spans` (one FFN pass per layer for all seam windows).
+//!
+//! Not done yet: no CUDA graphs, so a one-token step is ~1,000 launches and bounded by
+//! their host cost (~5 µs each on the H200 machine: gpu_bench's host-cost table);
+//! activations are allocated per call from the stream-ordered pool; the per-sequence
+//! part of `decode_batch` is a loop of single-sequence launches. Tests:
+//! `dataplane/tests/cuda_model.rs`.
 use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex};
 

@@ -20,8 +20,12 @@
 //!   attention layers append the body K re-rotated by `R(b)` (`b` the segment's new
 //!   start; not rotated when `rope_fix` is off) and V at positions
 //!   `b + body_start ..`;
-//! * seam: the first `w` tokens run through the whole model ([`GpuModel::prefill`]) at
-//!   their new positions from the running state, before the body is composed.
+//! * seam: the first `w` tokens run through the whole model at their new positions from
+//!   the running state, before the body is composed. A run of consecutive cached
+//!   segments goes through the model together, layer-major
+//!   (`GpuModel::forward_spans`): per layer, each segment's seam window through the
+//!   mixer, then its body composed into the layer state, then one FFN pass over all the
+//!   seam windows — the same result as one segment after the other.
 //!
 //! Spill ([`GpuPicEngine::enable_spill`]): entries evicted from device memory are
 //! downloaded and encoded in the CPU blob formats (`pic::spill`, fp32 exact; bf16 KV
