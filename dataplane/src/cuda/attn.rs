@@ -640,43 +640,14 @@ pub fn prefill_flash_with<T: Elem>(
         None => flash_plan(tq, n_kv, nh, hd, tl, sms, FAST_WORKSPACE_BYTES),
     };
     let nqt = tq.div_ceil(tl.br);
-    let ntk = n_kv.div_ceil(tl.bc);
-    let bc_i = tl.bc as i32;
     let (tq_i, nkv_len_i) = (i32_dim("tq", tq)?, i32_dim("n_kv", n_kv)?);
     let (nh_i, nkvh_i) = (i32_dim("nh", nh)?, i32_dim("nkv", nkv)?);
     let grid_x = u32::try_from(nqt * nh)
         .map_err(|_| CudaError::Shape(format!("{nqt} query tiles × {nh} heads exceed u32")))?;
     let rows = tq * nh;
-    let rows_u =
-        u32::try_from(rows).map_err(|_| CudaError::Shape(format!("tq·nh = {rows} exceeds u32")))?;
     let stream = gpu.stream();
     // Key tile summaries: [3][ntk] i64 (min, max, suffix min of the minima).
-    // SAFETY: fully written by attn_flash_tiles before the main kernel reads it (and
-    // never read when ntk = 0).
-    let mut tiles = unsafe { stream.alloc::<i64>(3 * ntk.max(1)) }?;
-    if ntk > 0 {
-        let f = gpu.function(&FLASH, "attn_flash_tiles", 0)?;
-        let cfg = LaunchConfig {
-            grid_dim: (ntk.div_ceil(8) as u32, 1, 1),
-            block_dim: (256, 1, 1),
-            shared_mem_bytes: 0,
-        };
-        let mut b = stream.launch_builder(&f);
-        b.arg(kv_pos).arg(&nkv_len_i).arg(&bc_i).arg(&mut tiles);
-        // SAFETY: matches `attn_flash_tiles`; kv_pos ≥ n_kv, tiles ≥ 3·ceil(n_kv/bc).
-        unsafe { b.launch(cfg) }?;
-        let f = gpu.function(&FLASH, "attn_flash_tiles_suffix", 0)?;
-        let cfg = LaunchConfig {
-            grid_dim: (1, 1, 1),
-            block_dim: (FLASH_TILE_THREADS, 1, 1),
-            shared_mem_bytes: 0,
-        };
-        let ntk_i = ntk as i32;
-        let mut b = stream.launch_builder(&f);
-        b.arg(&ntk_i).arg(&mut tiles);
-        // SAFETY: matches `attn_flash_tiles_suffix`; tiles ≥ 3·ntk, minima written above.
-        unsafe { b.launch(cfg) }?;
-    }
+    let tiles = flash_tile_summaries(gpu, kv_pos, n_kv, tl.bc)?;
     // Split partials: wo [nsplit][tq·nh][hd] fp32, wml [nsplit][tq·nh][2] fp32.
     // SAFETY: every (split, row) of both is written by the main kernel before the merge
     // reads it.
@@ -725,25 +696,87 @@ pub fn prefill_flash_with<T: Elem>(
         unsafe { b.launch(cfg) }?;
     }
     if nsplit > 1 {
-        let f = gpu.function(&FLASH, "attn_flash_combine_bf16", 0)?;
-        let cfg = LaunchConfig {
-            grid_dim: (rows_u, 1, 1),
-            block_dim: (128, 1, 1),
-            shared_mem_bytes: 0,
-        };
-        let (rows_i, hd_i, ns_i) = (i32_dim("tq·nh", rows)?, hd as i32, nsplit as i32);
-        let mut b = stream.launch_builder(&f);
-        b.arg(&wo_p)
-            .arg(&wml_p)
-            .arg(o)
-            .arg(&rows_i)
-            .arg(&hd_i)
-            .arg(&ns_i);
-        // SAFETY: matches `attn_flash_combine_bf16`; wo, wml hold nsplit·rows·hd and
-        // nsplit·rows·2 floats, o holds rows·hd elements (check_args).
-        unsafe { b.launch(cfg) }?;
+        flash_merge_splits(gpu, wo_p, wml_p, o, rows, hd, nsplit)?;
     }
     // The workspace is freed (stream-ordered) after the merge has been queued.
+    Ok(())
+}
+
+/// Key-tile summaries of `kv_pos` (`[n_kv]` i64) for tiles of `bc` keys, as flash.cu's
+/// `attn_flash_tiles` / `attn_flash_tiles_suffix` write them: `[3][ceil(n_kv / bc)]` i64
+/// (per tile the minimum and maximum position, then the suffix minimum of the minima over
+/// the following tiles), read by the flash kernels to skip or unmask whole tiles. A
+/// buffer of 3 elements, never read, when `n_kv = 0`.
+fn flash_tile_summaries(
+    gpu: &Gpu,
+    kv_pos: &CudaSlice<i64>,
+    n_kv: usize,
+    bc: usize,
+) -> Result<CudaSlice<i64>> {
+    let ntk = n_kv.div_ceil(bc);
+    let stream = gpu.stream();
+    // SAFETY: fully written by attn_flash_tiles before any kernel reads it (and never read
+    // when ntk = 0).
+    let mut tiles = unsafe { stream.alloc::<i64>(3 * ntk.max(1)) }?;
+    if ntk > 0 {
+        let (nkv_len_i, bc_i) = (i32_dim("n_kv", n_kv)?, bc as i32);
+        let f = gpu.function(&FLASH, "attn_flash_tiles", 0)?;
+        let cfg = LaunchConfig {
+            grid_dim: (ntk.div_ceil(8) as u32, 1, 1),
+            block_dim: (256, 1, 1),
+            shared_mem_bytes: 0,
+        };
+        let mut b = stream.launch_builder(&f);
+        b.arg(kv_pos).arg(&nkv_len_i).arg(&bc_i).arg(&mut tiles);
+        // SAFETY: matches `attn_flash_tiles`; kv_pos ≥ n_kv, tiles ≥ 3·ceil(n_kv/bc).
+        unsafe { b.launch(cfg) }?;
+        let f = gpu.function(&FLASH, "attn_flash_tiles_suffix", 0)?;
+        let cfg = LaunchConfig {
+            grid_dim: (1, 1, 1),
+            block_dim: (FLASH_TILE_THREADS, 1, 1),
+            shared_mem_bytes: 0,
+        };
+        let ntk_i = ntk as i32;
+        let mut b = stream.launch_builder(&f);
+        b.arg(&ntk_i).arg(&mut tiles);
+        // SAFETY: matches `attn_flash_tiles_suffix`; tiles ≥ 3·ntk, minima written above.
+        unsafe { b.launch(cfg) }?;
+    }
+    Ok(tiles)
+}
+
+/// Merges the `nsplit` key-split partials of a flash kernel into `o` (`[rows, hd]`
+/// bf16, `rows = tq·nh`): `wo` (`[nsplit][rows][hd]` fp32 unnormalised outputs) and `wml`
+/// (`[nsplit][rows][2]` fp32 row maxima in the log2 domain and row sums), given as device
+/// addresses (flash.cu's `attn_flash_combine_bf16`).
+fn flash_merge_splits<T: Elem>(
+    gpu: &Gpu,
+    wo_p: u64,
+    wml_p: u64,
+    o: &mut CudaSlice<T>,
+    rows: usize,
+    hd: usize,
+    nsplit: usize,
+) -> Result<()> {
+    let rows_u =
+        u32::try_from(rows).map_err(|_| CudaError::Shape(format!("tq·nh = {rows} exceeds u32")))?;
+    let f = gpu.function(&FLASH, "attn_flash_combine_bf16", 0)?;
+    let cfg = LaunchConfig {
+        grid_dim: (rows_u, 1, 1),
+        block_dim: (128, 1, 1),
+        shared_mem_bytes: 0,
+    };
+    let (rows_i, hd_i, ns_i) = (i32_dim("tq·nh", rows)?, hd as i32, nsplit as i32);
+    let mut b = gpu.stream().launch_builder(&f);
+    b.arg(&wo_p)
+        .arg(&wml_p)
+        .arg(o)
+        .arg(&rows_i)
+        .arg(&hd_i)
+        .arg(&ns_i);
+    // SAFETY: matches `attn_flash_combine_bf16`; the callers allocate wo, wml with
+    // nsplit·rows·hd and nsplit·rows·2 floats, and o holds rows·hd elements (check_args).
+    unsafe { b.launch(cfg) }?;
     Ok(())
 }
 
@@ -1030,43 +1063,14 @@ pub fn prefill_flash_wg_with<T: Elem>(
         None => flash_plan(tq, n_kv, nh, hd, tl, sms, FAST_WORKSPACE_BYTES),
     };
     let nqt = tq.div_ceil(tl.br);
-    let ntk = n_kv.div_ceil(tl.bc);
-    let bc_i = tl.bc as i32;
     let (tq_i, nkv_len_i) = (i32_dim("tq", tq)?, i32_dim("n_kv", n_kv)?);
     let (nh_i, nkvh_i) = (i32_dim("nh", nh)?, i32_dim("nkv", nkv)?);
     let grid_x = u32::try_from(nqt * nh)
         .map_err(|_| CudaError::Shape(format!("{nqt} query tiles × {nh} heads exceed u32")))?;
     let rows = tq * nh;
-    let rows_u =
-        u32::try_from(rows).map_err(|_| CudaError::Shape(format!("tq·nh = {rows} exceeds u32")))?;
     let stream = gpu.stream();
     // Key tile summaries for 64-key tiles: [3][ntk] i64 (flash.cu's kernels).
-    // SAFETY: fully written by attn_flash_tiles before the main kernel reads it (and
-    // never read when ntk = 0).
-    let mut tiles = unsafe { stream.alloc::<i64>(3 * ntk.max(1)) }?;
-    if ntk > 0 {
-        let f = gpu.function(&FLASH, "attn_flash_tiles", 0)?;
-        let cfg = LaunchConfig {
-            grid_dim: (ntk.div_ceil(8) as u32, 1, 1),
-            block_dim: (256, 1, 1),
-            shared_mem_bytes: 0,
-        };
-        let mut b = stream.launch_builder(&f);
-        b.arg(kv_pos).arg(&nkv_len_i).arg(&bc_i).arg(&mut tiles);
-        // SAFETY: matches `attn_flash_tiles`; kv_pos ≥ n_kv, tiles ≥ 3·ceil(n_kv/bc).
-        unsafe { b.launch(cfg) }?;
-        let f = gpu.function(&FLASH, "attn_flash_tiles_suffix", 0)?;
-        let cfg = LaunchConfig {
-            grid_dim: (1, 1, 1),
-            block_dim: (FLASH_TILE_THREADS, 1, 1),
-            shared_mem_bytes: 0,
-        };
-        let ntk_i = ntk as i32;
-        let mut b = stream.launch_builder(&f);
-        b.arg(&ntk_i).arg(&mut tiles);
-        // SAFETY: matches `attn_flash_tiles_suffix`; tiles ≥ 3·ntk, minima written above.
-        unsafe { b.launch(cfg) }?;
-    }
+    let tiles = flash_tile_summaries(gpu, kv_pos, n_kv, tl.bc)?;
     // Split partials: wo [nsplit][tq·nh][hd] fp32, wml [nsplit][tq·nh][2] fp32.
     // SAFETY: every (split, row) of both is written by the main kernel before the merge
     // reads it.
@@ -1136,23 +1140,7 @@ pub fn prefill_flash_wg_with<T: Elem>(
         unsafe { b.launch(cfg) }?;
     }
     if nsplit > 1 {
-        let f = gpu.function(&FLASH, "attn_flash_combine_bf16", 0)?;
-        let cfg = LaunchConfig {
-            grid_dim: (rows_u, 1, 1),
-            block_dim: (128, 1, 1),
-            shared_mem_bytes: 0,
-        };
-        let (rows_i, hd_i, ns_i) = (i32_dim("tq·nh", rows)?, hd as i32, nsplit as i32);
-        let mut b = stream.launch_builder(&f);
-        b.arg(&wo_p)
-            .arg(&wml_p)
-            .arg(o)
-            .arg(&rows_i)
-            .arg(&hd_i)
-            .arg(&ns_i);
-        // SAFETY: matches `attn_flash_combine_bf16`; wo, wml hold nsplit·rows·hd and
-        // nsplit·rows·2 floats, o holds rows·hd elements (check_args).
-        unsafe { b.launch(cfg) }?;
+        flash_merge_splits(gpu, wo_p, wml_p, o, rows, hd, nsplit)?;
     }
     Ok(())
 }
