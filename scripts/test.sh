@@ -9,5 +9,6 @@ if command -v pg_isready >/dev/null && ! pg_isready -h 127.0.0.1 -p 5432 -q; the
     pg_ctlcluster --skip-systemctl-redirect "$(ls /etc/postgresql | head -1)" main start || true
   fi
 fi
-export HYPIC_TEST_DATABASE_URL="${HYPIC_TEST_DATABASE_URL:-postgres://postgres@127.0.0.1:5432/test}"
+# The Postgres the catalog tests use (control/tests/integration/common: pg_url).
+export HYPIC_TEST_PG_URL="${HYPIC_TEST_PG_URL:-postgres://postgres@127.0.0.1:5432/test}"
 cargo test --workspace --locked
