@@ -507,6 +507,35 @@ mod bench {
                     flops / ms / 1e9
                 );
                 tma_checks.push((t, rel_diff(&g.download(&o)?, &want)));
+                for (kernel, label) in [
+                    (
+                        attn::FlashWgKernel::WarpSpecializedTmaBc80,
+                        "flash-wg3tmab80 (TMA, 128 × 80 tiles)",
+                    ),
+                    (
+                        attn::FlashWgKernel::WarpSpecializedTmaLean,
+                        "flash-wg3tmal (TMA, lean consumer loop, 128 × 64 tiles)",
+                    ),
+                    (
+                        attn::FlashWgKernel::WarpSpecializedTmaLeanBc80,
+                        "flash-wg3tmalb80 (TMA, lean consumer loop, 128 × 80 tiles)",
+                    ),
+                ] {
+                    let opts = attn::FlashWgOpts {
+                        split: None,
+                        kernel,
+                    };
+                    let ms = time_ms(&g, 3, reps.max(10), || {
+                        attn::prefill_flash_wg_with(
+                            &g, &q, &p, &k, &v, &p, &mut o, t, t, nh, nkv, hd, opts,
+                        )
+                    })?;
+                    println!(
+                        "| {t} | variant: {label} | {ms:.3} | {:.1} | 0 |",
+                        flops / ms / 1e9
+                    );
+                    tma_checks.push((t, rel_diff(&g.download(&o)?, &want)));
+                }
             }
         }
         println!();

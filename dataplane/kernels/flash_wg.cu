@@ -340,6 +340,20 @@ __device__ __forceinline__ int fw_next_tile(const i64* tmin, const i64* smin, in
     return je;
 }
 
+// Number of tiles in [j, je) that some query of the CTA can see (the tiles fw_next_tile
+// walks; a warp vote per 32 tiles, uniform over the block).
+__device__ __forceinline__ int fw_count_tiles(const i64* tmin, const i64* smin, int j, int je, i64 qmax,
+                                              int lane) {
+    int n = 0;
+    while (j < je) {
+        if (smin[j] > qmax) break;
+        const int jj = j + lane;
+        n += __popc(__ballot_sync(0xffffffffu, jj < je && tmin[jj] <= qmax));
+        j += 32;
+    }
+    return n;
+}
+
 template <int HD> struct FwPv;
 template <> struct FwPv<256> {
     static __device__ __forceinline__ void mma(float* d, const unsigned* a, unsigned long long db) {
@@ -754,7 +768,7 @@ ATTN_FLASH_WG(128)
 #define FW3_REG_MMA 240
 #define FW3_STAGES(HD) ((HD) == 256 ? 2 : 3)
 
-template <int HD, int BC, bool PINGPONG, bool TMA>
+template <int HD, int BC, bool PINGPONG, bool TMA, bool LEAN>
 __device__ __forceinline__ void attn_flash_wg3_impl(const bf16* __restrict__ q, const bf16* __restrict__ k,
                                                     const bf16* __restrict__ v, const i64* __restrict__ q_pos,
                                                     const i64* __restrict__ kv_pos, const i64* __restrict__ tiles,
@@ -773,6 +787,8 @@ __device__ __forceinline__ void attn_flash_wg3_impl(const bf16* __restrict__ q, 
     static_assert(BC == 64 || BC == 80, "key tile");  // regions of BC·128 bytes: whole 1024-byte atoms
     static_assert((BR * HD / 8) % PT == 0 && (BC * HD / 8) % PT == 0, "loader shape");
     static_assert(PT * (FW3_REG_LOAD + 2 * FW3_REG_MMA) <= 65536, "register pool");
+    static_assert(!LEAN || TMA, "the lean consumer loop takes its tile facts from the TMA producer");
+    static_assert(2 * W + 2 * S <= 32, "tile facts share sRed");
     extern __shared__ __align__(1024) unsigned char fw_smem[];
     unsigned char* base = fw_smem + ((1024u - (fw_smem_u32(fw_smem) & 1023u)) & 1023u);
     unsigned char* sQ = base;
@@ -781,6 +797,9 @@ __device__ __forceinline__ void attn_flash_wg3_impl(const bf16* __restrict__ q, 
     i64* sKP = reinterpret_cast<i64*>(sV + S * TBYTES);
     i64* sRed = sKP + S * BC;
     unsigned long long* sBar = reinterpret_cast<unsigned long long*>(sRed + 32);
+    // LEAN: per K stage st, the tile facts in sRed[2W + 2st ..]: the tile's largest key
+    // position (tmax[j], copied by cp.async) and its index j.
+    i64* sFact = sRed + 2 * W;
 
     const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5, wg = tid >> 7;
     const int nqt = (tq + BR - 1) / BR;
@@ -869,6 +888,13 @@ __device__ __forceinline__ void attn_flash_wg3_impl(const bf16* __restrict__ q, 
                 for (int cb = 0; cb < NCB; ++cb) fw_tma_load_2d(dst + cb * BC * 128, map, kh * HD + cb * 64, j * BC, bar);
             };
             auto load_kp = [&](int st, int j) {
+                if (LEAN && lane == 0) {
+                    // j: published by lane 0's expect_tx arrival below (release; the
+                    // consumers' wait on the stage acquires); tmax[j]: a cp.async that lane
+                    // 0's asynchronous arrival covers, like the key positions.
+                    sFact[2 * st + 1] = j;
+                    fw_cp_async8z(fw_smem_u32(sFact + 2 * st), tmax + j, true);
+                }
                 for (int r = lane; r < BC; r += 32) {
                     const bool ok = j * BC + r < n_kv;
                     fw_cp_async8z(fw_smem_u32(sKP + st * BC + r), kv_pos + (ok ? j * BC + r : 0), ok);
@@ -989,14 +1015,19 @@ __device__ __forceinline__ void attn_flash_wg3_impl(const bf16* __restrict__ q, 
             FwPv<HD>::mma(&acc[0][0], p[kk], fw_desc(va + kk * 16 * 128, BC * 128, 1024));
         fw_wgmma_commit();
     };
-    auto softmax = [&](int j, int st, float& c0, float& c1) {
-        const int nvalid = n_kv - j * BC;
-        const bool full = nvalid >= BC && tmax[j] <= qmin;
+    // Scores of one tile → probabilities (in s), running max / sum; c0, c1: the factors
+    // that rescale the accumulator rows. `nvalid`: keys of the tile inside n_kv (may exceed
+    // BC); `full`: every key of the tile is visible to every query row of the CTA (no
+    // masking). LEAN keeps s and m in the raw score domain and folds the scale into the
+    // exponent's FMA: 2^(s·scale − m·scale), as FA3 does.
+    auto softmax = [&](int nvalid, bool full, int st, float& c0, float& c1) {
         const i64* kp = sKP + st * BC;
 #pragma unroll
         for (int n = 0; n < ST; ++n) {
+            if (!LEAN) {
 #pragma unroll
-            for (int e = 0; e < 4; ++e) s[n][e] *= scale_log2;
+                for (int e = 0; e < 4; ++e) s[n][e] *= scale_log2;
+            }
             if (!full) {
                 const int c = n * 8 + 2 * (lane & 3);
                 const i64 p0 = kp[c], p1 = kp[c + 1];
@@ -1019,20 +1050,36 @@ __device__ __forceinline__ void attn_flash_wg3_impl(const bf16* __restrict__ q, 
         r1 = fmaxf(r1, __shfl_xor_sync(0xffffffffu, r1, 2));
         const float n0 = fmaxf(m0, r0), n1 = fmaxf(m1, r1);
         const float b0 = n0 == NEG_INF ? 0.f : n0, b1 = n1 == NEG_INF ? 0.f : n1;
-        c0 = fw_exp2(m0 - b0);
-        c1 = fw_exp2(m1 - b1);
+        float ls0 = 0.f, ls1 = 0.f;
+        if constexpr (LEAN) {
+            // −inf (masked score, or an empty running max) stays −inf → 2^−inf = 0.
+            const float nb0 = -b0 * scale_log2, nb1 = -b1 * scale_log2;
+            c0 = fw_exp2(fmaf(m0, scale_log2, nb0));
+            c1 = fw_exp2(fmaf(m1, scale_log2, nb1));
+#pragma unroll
+            for (int n = 0; n < ST; ++n) {
+                s[n][0] = fw_exp2(fmaf(s[n][0], scale_log2, nb0));
+                s[n][1] = fw_exp2(fmaf(s[n][1], scale_log2, nb0));
+                s[n][2] = fw_exp2(fmaf(s[n][2], scale_log2, nb1));
+                s[n][3] = fw_exp2(fmaf(s[n][3], scale_log2, nb1));
+                ls0 += s[n][0] + s[n][1];
+                ls1 += s[n][2] + s[n][3];
+            }
+        } else {
+            c0 = fw_exp2(m0 - b0);
+            c1 = fw_exp2(m1 - b1);
+#pragma unroll
+            for (int n = 0; n < ST; ++n) {
+                s[n][0] = fw_exp2(s[n][0] - b0);
+                s[n][1] = fw_exp2(s[n][1] - b0);
+                s[n][2] = fw_exp2(s[n][2] - b1);
+                s[n][3] = fw_exp2(s[n][3] - b1);
+                ls0 += s[n][0] + s[n][1];
+                ls1 += s[n][2] + s[n][3];
+            }
+        }
         m0 = n0;
         m1 = n1;
-        float ls0 = 0.f, ls1 = 0.f;
-#pragma unroll
-        for (int n = 0; n < ST; ++n) {
-            s[n][0] = fw_exp2(s[n][0] - b0);
-            s[n][1] = fw_exp2(s[n][1] - b0);
-            s[n][2] = fw_exp2(s[n][2] - b1);
-            s[n][3] = fw_exp2(s[n][3] - b1);
-            ls0 += s[n][0] + s[n][1];
-            ls1 += s[n][2] + s[n][3];
-        }
         l0 = l0 * c0 + ls0;
         l1 = l1 * c1 + ls1;
     };
@@ -1046,28 +1093,54 @@ __device__ __forceinline__ void attn_flash_wg3_impl(const bf16* __restrict__ q, 
         }
     };
 
+    // The CTA's visible tiles: LEAN counts them once (the loop reads no global memory; the
+    // producer publishes each K stage's tile facts in sFact), otherwise the loop walks the
+    // tile summaries (j: tile t, jn: tile t + 1, je: none). Both counts come from warp
+    // votes, so the loop is provably warpgroup-uniform (ptxas C7520 otherwise).
+    int j = 0, jn = 0, nvis = 0;
+    if constexpr (LEAN) {
+        nvis = fw_count_tiles(tmin, smin, jb, je, qmax, lane);
+    } else {
+        j = fw_next_tile(tmin, smin, jb, je, qmax, lane);
+        jn = j < je ? fw_next_tile(tmin, smin, j + 1, je, qmax, lane) : je;
+    }
+    bool have = LEAN ? nvis > 0 : j < je;         // tile t exists
+    bool have_next = LEAN ? nvis > 1 : jn < je;   // tile t + 1 exists
+    // Valid keys and "no masking" of tile jj, held in K stage st.
+    auto facts = [&](int jj, int st, int& nvalid, bool& full) {
+        if constexpr (LEAN) {
+            nvalid = n_kv - (int)sFact[2 * st + 1] * BC;
+            full = nvalid >= BC && sFact[2 * st] <= qmin;
+        } else {
+            nvalid = n_kv - jj * BC;
+            full = nvalid >= BC && tmax[jj] <= qmin;
+        }
+    };
+
     // Prologue: Q, K(0) → S(0), P(0).
-    int j = fw_next_tile(tmin, smin, jb, je, qmax, lane);
-    int jn = j < je ? fw_next_tile(tmin, smin, j + 1, je, qmax, lane) : je;
     fw_mbar_wait(bar_q(), 0);
-    if (j < je) fw_mbar_wait(bar_kf(0), 0);
+    if (have) fw_mbar_wait(bar_kf(0), 0);
     fw_fence_proxy_async();
     // wgmma unconditionally (see the kernel above: C7520); without a tile the scores of the
     // unwritten stage are never used.
     fw_wgmma_fence();
     issue_s(0);
     fw_wgmma_wait<0, ST * 4>(&s[0][0]);
-    if (j < je) {
+    if (have) {
+        int nv;
+        bool fl;
+        facts(j, 0, nv, fl);
         float c0, c1;
-        softmax(j, 0, c0, c1);
+        softmax(nv, fl, 0, c0, c1);
         fw_mbar_arrive(bar_ke(0));
         pack_p();
         if (PINGPONG && wgc == 1) fw_bar_arrive(1, 2 * PT);  // consumer 0 issues first
     }
     int t = 0, sk = S > 1 ? 1 : 0, sv = 0;  // stages of K(t + 1) and V(t)
-    while (j < je) {
-        const int jnn = jn < je ? fw_next_tile(tmin, smin, jn + 1, je, qmax, lane) : je;
-        if (jn < je) fw_mbar_wait(bar_kf(sk), ((t + 1) / S) & 1);
+    while (have) {
+        int jnn = je;
+        if constexpr (!LEAN) jnn = have_next ? fw_next_tile(tmin, smin, jn + 1, je, qmax, lane) : je;
+        if (have_next) fw_mbar_wait(bar_kf(sk), ((t + 1) / S) & 1);
         fw_mbar_wait(bar_vf(sv), (t / S) & 1);
         // cp.async (generic proxy) → wgmma (async proxy); TMA writes through the async proxy.
         if (!TMA) fw_fence_proxy_async();
@@ -1075,12 +1148,15 @@ __device__ __forceinline__ void attn_flash_wg3_impl(const bf16* __restrict__ q, 
         fw_wgmma_fence();
         issue_s(sk);  // for the last tile: scores of a stale stage, unused
         issue_pv(sv);
-        if (PINGPONG && (wgc == 0 || jn < je)) fw_bar_arrive(2 - wgc, 2 * PT);  // the other's turn
+        if (PINGPONG && (wgc == 0 || have_next)) fw_bar_arrive(2 - wgc, 2 * PT);  // the other's turn
         fw_wgmma_wait<1, ST * 4>(&s[0][0]);  // S(t+1) done, P V(t) may still run
         float c0 = 1.f, c1 = 1.f;
-        if (jn < je) {
-            softmax(jn, sk, c0, c1);
-            fw_mbar_arrive(bar_ke(sk));  // K(t+1) and its positions no longer read
+        if (have_next) {
+            int nv;
+            bool fl;
+            facts(jn, sk, nv, fl);
+            softmax(nv, fl, sk, c0, c1);
+            fw_mbar_arrive(bar_ke(sk));  // K(t+1), its positions and facts no longer read
         }
         fw_wgmma_wait<0, NT * 4>(&acc[0][0]);
         fw_mbar_arrive(bar_ve(sv));  // V(t) no longer read
@@ -1094,11 +1170,17 @@ __device__ __forceinline__ void attn_flash_wg3_impl(const bf16* __restrict__ q, 
         pack_p();
         sk = sk + 1 == S ? 0 : sk + 1;
         sv = sv + 1 == S ? 0 : sv + 1;
-        j = jn;
-        jn = jnn;
         ++t;
+        if constexpr (LEAN) {
+            have = t < nvis;
+            have_next = t + 1 < nvis;
+        } else {
+            j = jn;
+            jn = jnn;
+            have = j < je;
+            have_next = jn < je;
+        }
     }
-
     l0 += __shfl_xor_sync(0xffffffffu, l0, 1);
     l0 += __shfl_xor_sync(0xffffffffu, l0, 2);
     l1 += __shfl_xor_sync(0xffffffffu, l1, 1);
@@ -1130,7 +1212,7 @@ __device__ __forceinline__ void attn_flash_wg3_impl(const bf16* __restrict__ q, 
 #pragma unroll
             for (int n = 0; n < NT; ++n)
                 *reinterpret_cast<float2*>(d + n * 8) = make_float2(acc[n][0], acc[n][1]);
-            if ((lane & 3) == 0) *reinterpret_cast<float2*>(wml + r * 2) = make_float2(m0, l0);
+            if ((lane & 3) == 0) *reinterpret_cast<float2*>(wml + r * 2) = make_float2(LEAN ? m0 * scale_log2 : m0, l0);
         }
         if (g1 < tq) {
             const size_t r = sp + (size_t)g1 * nh + h;
@@ -1138,7 +1220,7 @@ __device__ __forceinline__ void attn_flash_wg3_impl(const bf16* __restrict__ q, 
 #pragma unroll
             for (int n = 0; n < NT; ++n)
                 *reinterpret_cast<float2*>(d + n * 8) = make_float2(acc[n][2], acc[n][3]);
-            if ((lane & 3) == 0) *reinterpret_cast<float2*>(wml + r * 2) = make_float2(m1, l1);
+            if ((lane & 3) == 0) *reinterpret_cast<float2*>(wml + r * 2) = make_float2(LEAN ? m1 * scale_log2 : m1, l1);
         }
     }
 }
@@ -1154,7 +1236,7 @@ __device__ __forceinline__ void attn_flash_wg3_impl(const bf16* __restrict__ q, 
         const bf16* q, const bf16* k, const bf16* v, const i64* q_pos, const i64* kv_pos,             \
         const i64* tiles, bf16* o, float* wo, float* wml, int tq, int n_kv, int nh, int nkv,          \
         float scale_log2) {                                                                           \
-        attn_flash_wg3_impl<HD, BC, PP, false>(q, k, v, q_pos, kv_pos, tiles, o, wo, wml, tq, n_kv, nh,   \
+        attn_flash_wg3_impl<HD, BC, PP, false, false>(q, k, v, q_pos, kv_pos, tiles, o, wo, wml, tq, n_kv, nh,   \
                                                nkv, scale_log2, nullptr, nullptr);                    \
     }
 ATTN_FLASH_WG3(attn_flash_wg3, 256, 64, true)
@@ -1167,17 +1249,27 @@ ATTN_FLASH_WG3(attn_flash_wg3b80, 128, 80, true)
 // attn_flash_wg3tma_bf16_{HD}: attn_flash_wg3_bf16_{HD} (64-key tiles, ping-pong) with the K
 // and V tiles loaded by TMA (two more arguments: the tensor maps of K and V, attn.rs:
 // encode_kv_map).
-#define ATTN_FLASH_WG3TMA(NAME, HD, PP)                                                                \
+#define ATTN_FLASH_WG3TMA(NAME, HD, BC, PP, LEAN)                                                      \
     extern "C" __global__ void __launch_bounds__(FW3_THREADS, 1) NAME##_bf16_##HD(                     \
         const bf16* q, const bf16* k, const bf16* v, const i64* q_pos, const i64* kv_pos,             \
         const i64* tiles, bf16* o, float* wo, float* wml, int tq, int n_kv, int nh, int nkv,          \
         float scale_log2, const __grid_constant__ FwTmap tmk, const __grid_constant__ FwTmap tmv) {   \
-        attn_flash_wg3_impl<HD, 64, PP, true>(q, k, v, q_pos, kv_pos, tiles, o, wo, wml, tq, n_kv, nh,  \
-                                              nkv, scale_log2, &tmk, &tmv);                           \
+        attn_flash_wg3_impl<HD, BC, PP, true, LEAN>(q, k, v, q_pos, kv_pos, tiles, o, wo, wml, tq, n_kv,  \
+                                                    nh, nkv, scale_log2, &tmk, &tmv);                 \
     }
-ATTN_FLASH_WG3TMA(attn_flash_wg3tma, 256, true)
-ATTN_FLASH_WG3TMA(attn_flash_wg3tma, 128, true)
+ATTN_FLASH_WG3TMA(attn_flash_wg3tma, 256, 64, true, false)
+ATTN_FLASH_WG3TMA(attn_flash_wg3tma, 128, 64, true, false)
 // attn_flash_wg3tmanp_bf16_{HD}: the same without the ping-pong named barriers.
-ATTN_FLASH_WG3TMA(attn_flash_wg3tmanp, 256, false)
-ATTN_FLASH_WG3TMA(attn_flash_wg3tmanp, 128, false)
+ATTN_FLASH_WG3TMA(attn_flash_wg3tmanp, 256, 64, false, false)
+ATTN_FLASH_WG3TMA(attn_flash_wg3tmanp, 128, 64, false, false)
+// attn_flash_wg3tmab80_bf16_{HD}: TMA with 80-key tiles (tile summaries with bc = 80).
+ATTN_FLASH_WG3TMA(attn_flash_wg3tmab80, 256, 80, true, false)
+ATTN_FLASH_WG3TMA(attn_flash_wg3tmab80, 128, 80, true, false)
+// attn_flash_wg3tmal_bf16_{HD} / attn_flash_wg3tmalb80_bf16_{HD}: TMA with the lean consumer
+// loop (no global reads: the tile count once, tile facts from the producer through shared
+// memory; scale folded into the exponent's FMA), 64- / 80-key tiles.
+ATTN_FLASH_WG3TMA(attn_flash_wg3tmal, 256, 64, true, true)
+ATTN_FLASH_WG3TMA(attn_flash_wg3tmal, 128, 64, true, true)
+ATTN_FLASH_WG3TMA(attn_flash_wg3tmalb80, 256, 80, true, true)
+ATTN_FLASH_WG3TMA(attn_flash_wg3tmalb80, 128, 80, true, true)
 #endif  // sm_90a

@@ -929,6 +929,21 @@ mod gpu {
         });
     }
 
+    /// [`flash_wg_seam_bf16`]'s cases on the lean TMA kernels (64- and 80-key tiles) and
+    /// the TMA kernel with 80-key tiles.
+    #[test]
+    fn flash_wg3tma_variants_seam_bf16() {
+        wg_seam_cases("flash_wg3tmal_seam_bf16", |s| {
+            Path::FlashWgK(s, attn::FlashWgKernel::WarpSpecializedTmaLean)
+        });
+        wg_seam_cases("flash_wg3tmalb80_seam_bf16", |s| {
+            Path::FlashWgK(s, attn::FlashWgKernel::WarpSpecializedTmaLeanBc80)
+        });
+        wg_seam_cases("flash_wg3tmab80_seam_bf16", |s| {
+            Path::FlashWgK(s, attn::FlashWgKernel::WarpSpecializedTmaBc80)
+        });
+    }
+
     /// [`flash_wg_seam_bf16`]'s cases on the warp-specialised kernel with 80-key tiles.
     #[test]
     fn flash_wg3b80_seam_bf16() {
@@ -1025,6 +1040,44 @@ mod gpu {
             "flash_wg3tma_vs_flash_4096",
             attn::FlashWgKernel::WarpSpecializedTmaNoPingPong,
         );
+    }
+
+    /// [`flash_wg_vs_flash_4096`] for the TMA kernels with 80-key tiles and with the lean
+    /// consumer loop.
+    #[test]
+    fn flash_wg3tma_variants_vs_flash_4096() {
+        for k in [
+            attn::FlashWgKernel::WarpSpecializedTmaBc80,
+            attn::FlashWgKernel::WarpSpecializedTmaLean,
+            attn::FlashWgKernel::WarpSpecializedTmaLeanBc80,
+        ] {
+            wg_vs_flash_4096("flash_wg3tma_variants_vs_flash_4096", k);
+        }
+    }
+
+    /// The lean TMA kernel (`attn_flash_wg3tmal_*`) over the causal cases.
+    #[test]
+    fn flash_wg3tmal_causal_bf16() {
+        wg_causal_cases("flash_wg3tmal_causal_bf16", |s| {
+            Path::FlashWgK(s, attn::FlashWgKernel::WarpSpecializedTmaLean)
+        });
+    }
+
+    /// The lean TMA kernel with 80-key tiles (`attn_flash_wg3tmalb80_*`) over the causal
+    /// cases.
+    #[test]
+    fn flash_wg3tmalb80_causal_bf16() {
+        wg_causal_cases("flash_wg3tmalb80_causal_bf16", |s| {
+            Path::FlashWgK(s, attn::FlashWgKernel::WarpSpecializedTmaLeanBc80)
+        });
+    }
+
+    /// The TMA kernel with 80-key tiles (`attn_flash_wg3tmab80_*`) over the causal cases.
+    #[test]
+    fn flash_wg3tmab80_causal_bf16() {
+        wg_causal_cases("flash_wg3tmab80_causal_bf16", |s| {
+            Path::FlashWgK(s, attn::FlashWgKernel::WarpSpecializedTmaBc80)
+        });
     }
 
     /// The TMA kernel without ping-pong over the causal cases.

@@ -47,6 +47,7 @@ inline float __int_as_float(int i) {
     return f;
 }
 inline int __ffs(int x) { return x == 0 ? 0 : __builtin_ctz((unsigned)x) + 1; }
+inline int __popc(unsigned x) { return __builtin_popcount(x); }
 
 // ---- bf16 --------------------------------------------------------------------------------
 struct __nv_bfloat16 {

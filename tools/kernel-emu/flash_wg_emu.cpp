@@ -2,11 +2,13 @@
 // see run.sh: `run.sh wg`) in the host emulator of emu.h + emu_wg.h against a
 // double-precision reference of the attention contract (model::attention). The key tile
 // summaries and the split merge are flash.cu's kernels, as in attn::prefill_flash_wg.
-// Usage: flash_wg_emu [quick] [basic|wg3|wg3np|wg3b80|wg3tma|wg3tmanp|both|all] (default both: basic, wg3, wg3tma):
+// Usage: flash_wg_emu [quick] [basic|wg3|wg3np|wg3b80|wg3tma|wg3tmanp|wg3tmab80|wg3tmal|wg3tmalb80|both|all]
+// (default both: basic, wg3, wg3tma, wg3tmal):
 // attn_flash_wg_bf16_* (256 threads) and / or the warp-specialised attn_flash_wg3_bf16_*
 // (384 threads; wg3np: attn_flash_wg3np_bf16_*, without ping-pong; wg3b80:
-// attn_flash_wg3b80_bf16_*, 80-key tiles; wg3tma: attn_flash_wg3tma_bf16_*, K/V by TMA; all: the
-// five).
+// attn_flash_wg3b80_bf16_*, 80-key tiles; wg3tma: attn_flash_wg3tma_bf16_*, K/V by TMA; wg3tmab80:
+// the same with 80-key tiles; wg3tmal / wg3tmalb80: TMA with the lean consumer loop, 64- / 80-key
+// tiles; all: the nine).
 #include "emu_wg.h"
 
 typedef long long i64;
@@ -18,8 +20,10 @@ typedef long long i64;
 
 static int g_fail = 0;
 static int g_variant = 0;  // 0: attn_flash_wg_*, 1: attn_flash_wg3_*, 2: attn_flash_wg3np_*, 3: attn_flash_wg3b80_*,
-                           // 4: attn_flash_wg3tma_*, 5: attn_flash_wg3tmanp_*
-static const char* const g_vname[] = {"wg ", "wg3", "wg3np", "wg3b80", "wg3tma", "wg3tmanp"};
+                           // 4: attn_flash_wg3tma_*, 5: attn_flash_wg3tmanp_*, 6: attn_flash_wg3tmab80_*,
+                           // 7: attn_flash_wg3tmal_*, 8: attn_flash_wg3tmalb80_*
+static const char* const g_vname[] = {"wg ",    "wg3",       "wg3np",   "wg3b80",    "wg3tma",
+                                      "wg3tmanp", "wg3tmab80", "wg3tmal", "wg3tmalb80"};
 static double g_worst_rel = 0, g_worst_mrel = 0;
 
 typedef void (*FlashKernel)(const bf16*, const bf16*, const bf16*, const i64*, const i64*, const i64*, bf16*,
@@ -29,7 +33,7 @@ typedef void (*FlashTmaKernel)(const bf16*, const bf16*, const bf16*, const i64*
 
 static void run_case(const std::string& name, const std::vector<i64>& q_pos, const std::vector<i64>& kv_pos,
                      int nh, int nkv, int hd, int nsplit, unsigned seed) {
-    const int br = 128, bc = g_variant == 3 ? 80 : 64;
+    const int br = 128, bc = g_variant == 3 || g_variant == 6 || g_variant == 8 ? 80 : 64;
     const int tq = (int)q_pos.size(), n = (int)kv_pos.size();
     std::mt19937 rng(seed);
     std::uniform_real_distribution<float> U(-1.f, 1.f);
@@ -109,7 +113,7 @@ static void run_case(const std::string& name, const std::vector<i64>& q_pos, con
     FwTmap mk{}, mv{};
     if (g_variant >= 4 && n > 0) {
         const unsigned long long dim[2] = {(unsigned long long)nkv * hd, (unsigned long long)n};
-        const unsigned box[2] = {64, 64};
+        const unsigned box[2] = {64, (unsigned)bc};
         if (!emu_tmap_encode_tiled(&mk, 2, k.data(), dim, (unsigned long long)nkv * hd * 2, box, 3) ||
             !emu_tmap_encode_tiled(&mv, 2, v.data(), dim, (unsigned long long)nkv * hd * 2, box, 3)) {
             std::printf("FAIL %s: tensor map encoding rejected\n", name.c_str());
@@ -117,8 +121,12 @@ static void run_case(const std::string& name, const std::vector<i64>& q_pos, con
             return;
         }
     }
-    const FlashTmaKernel ft = g_variant == 5 ? (hd == 256 ? attn_flash_wg3tmanp_bf16_256 : attn_flash_wg3tmanp_bf16_128)
-                                             : (hd == 256 ? attn_flash_wg3tma_bf16_256 : attn_flash_wg3tma_bf16_128);
+    const FlashTmaKernel ft =
+        g_variant == 5   ? (hd == 256 ? attn_flash_wg3tmanp_bf16_256 : attn_flash_wg3tmanp_bf16_128)
+        : g_variant == 6 ? (hd == 256 ? attn_flash_wg3tmab80_bf16_256 : attn_flash_wg3tmab80_bf16_128)
+        : g_variant == 7 ? (hd == 256 ? attn_flash_wg3tmal_bf16_256 : attn_flash_wg3tmal_bf16_128)
+        : g_variant == 8 ? (hd == 256 ? attn_flash_wg3tmalb80_bf16_256 : attn_flash_wg3tmalb80_bf16_128)
+                         : (hd == 256 ? attn_flash_wg3tma_bf16_256 : attn_flash_wg3tma_bf16_128);
     const FlashKernel f = g_variant == 0   ? (hd == 256 ? attn_flash_wg_bf16_256 : attn_flash_wg_bf16_128)
                           : g_variant == 1 ? (hd == 256 ? attn_flash_wg3_bf16_256 : attn_flash_wg3_bf16_128)
                           : g_variant == 2 ? (hd == 256 ? attn_flash_wg3np_bf16_256 : attn_flash_wg3np_bf16_128)
@@ -271,6 +279,21 @@ int main(int argc, char** argv) {
     }
     if (which == "wg3tmanp" || which == "all") {
         g_variant = 5;
+        emu.eager_cp = false;
+        all_cases(quick);
+    }
+    if (which == "wg3tmab80" || which == "all") {
+        g_variant = 6;
+        emu.eager_cp = false;
+        all_cases(quick);
+    }
+    if (which == "wg3tmal" || which == "both" || which == "all") {
+        g_variant = 7;
+        emu.eager_cp = false;
+        all_cases(quick);
+    }
+    if (which == "wg3tmalb80" || which == "all") {
+        g_variant = 8;
         emu.eager_cp = false;
         all_cases(quick);
     }

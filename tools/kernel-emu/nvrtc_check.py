@@ -39,3 +39,8 @@ if os.environ.get("PTX_OUT"):
     buf = ctypes.create_string_buffer(n.value)
     lib.nvrtcGetPTX(prog, buf)
     open(os.environ["PTX_OUT"], "wb").write(buf.value)
+if os.environ.get("CUBIN_OUT"):  # for cuobjdump -sass / nvdisasm (e.g. where the spills are)
+    lib.nvrtcGetCUBINSize(prog, ctypes.byref(n))
+    buf = ctypes.create_string_buffer(n.value)
+    lib.nvrtcGetCUBIN(prog, buf)
+    open(os.environ["CUBIN_OUT"], "wb").write(buf.raw[: n.value])

@@ -850,6 +850,43 @@ pub enum FlashWgKernel {
     /// `attn_flash_wg3tmanp_bf16_{hd}`: [`FlashWgKernel::WarpSpecializedTma`] without the
     /// ping-pong named barriers (for timing their effect with TMA loads).
     WarpSpecializedTmaNoPingPong,
+    /// `attn_flash_wg3tmab80_bf16_{hd}`: [`FlashWgKernel::WarpSpecializedTma`] with key
+    /// tiles of 80 (boxes of 80 rows; tile summaries and split plan for 128 × 80).
+    WarpSpecializedTmaBc80,
+    /// `attn_flash_wg3tmal_bf16_{hd}`: [`FlashWgKernel::WarpSpecializedTma`] with a lean
+    /// consumer loop: the consumers count their visible key tiles once (a warp vote per 32
+    /// tile summaries) and read no global memory in the loop; the producer publishes each
+    /// K stage's tile index and largest key position in shared memory (the index by its
+    /// releasing `expect_tx` arrival, the position by a cp.async its asynchronous arrival
+    /// covers); the softmax folds the scale into the exponent's FMA (`2^(s·c − m·c)`, FA3).
+    WarpSpecializedTmaLean,
+    /// `attn_flash_wg3tmalb80_bf16_{hd}`: [`FlashWgKernel::WarpSpecializedTmaLean`] with key
+    /// tiles of 80.
+    WarpSpecializedTmaLeanBc80,
+}
+
+impl FlashWgKernel {
+    /// Keys per tile of the kernel (64, or 80 for the `*Bc80` kernels).
+    pub fn key_tile(self) -> usize {
+        match self {
+            FlashWgKernel::WarpSpecializedBc80
+            | FlashWgKernel::WarpSpecializedTmaBc80
+            | FlashWgKernel::WarpSpecializedTmaLeanBc80 => 80,
+            _ => FLASH_WG_BC,
+        }
+    }
+
+    /// Whether the kernel takes the tensor maps of K and V ([`encode_kv_map`]).
+    pub fn uses_tma(self) -> bool {
+        matches!(
+            self,
+            FlashWgKernel::WarpSpecializedTma
+                | FlashWgKernel::WarpSpecializedTmaNoPingPong
+                | FlashWgKernel::WarpSpecializedTmaBc80
+                | FlashWgKernel::WarpSpecializedTmaLean
+                | FlashWgKernel::WarpSpecializedTmaLeanBc80
+        )
+    }
 }
 
 /// A `CUtensorMap` (128 opaque bytes, 64-byte aligned; CUDA 13's header aligns it to 128)
@@ -862,25 +899,32 @@ pub struct TensorMapArg(pub [u64; 16]);
 unsafe impl cudarc::driver::DeviceRepr for TensorMapArg {}
 
 /// Tensor map of a bf16 K or V buffer `[n_kv, nkv, hd]` at device address `ptr` for
-/// `attn_flash_wg3tma_*`: the 2-D view `[n_kv rows][nkv·hd elements]` (row stride
-/// `nkv·hd·2` bytes), boxes of 64 elements (128 bytes) × 64 rows with
+/// the TMA kernels (`attn_flash_wg3tma*_*`): the 2-D view `[n_kv rows][nkv·hd elements]`
+/// (row stride `nkv·hd·2` bytes), boxes of 64 elements (128 bytes) × `bc` rows (the key
+/// tile, 64 or 80: [`FlashWgKernel::key_tile`]) with
 /// `CU_TENSOR_MAP_SWIZZLE_128B` (the 128-byte swizzle the wgmma descriptors expect),
 /// interleave none, element strides 1, L2 promotion 256 B, out-of-bound fill none (rows
 /// past `n_kv` land as zeros; the kernel masks them by position anyway). `n_kv = 0` gives
 /// a zeroed map (the kernel issues no copy without a key tile). Errors: an unsupported
 /// shape, a driver without `cuTensorMapEncodeTiled`, or the driver rejecting the
 /// parameters → [`CudaError`] (never a panic).
-pub fn encode_kv_map(ptr: u64, n_kv: usize, nkv: usize, hd: usize) -> Result<TensorMapArg> {
+pub fn encode_kv_map(
+    ptr: u64,
+    n_kv: usize,
+    nkv: usize,
+    hd: usize,
+    bc: usize,
+) -> Result<TensorMapArg> {
     use cudarc::driver::sys;
     let mut m = TensorMapArg([0; 16]);
     if n_kv == 0 {
         return Ok(m);
     }
     let row = nkv * hd;
-    if ptr % 16 != 0 || (row * 2) % 16 != 0 || hd % 64 != 0 {
+    if ptr % 16 != 0 || (row * 2) % 16 != 0 || hd % 64 != 0 || !(1..=256).contains(&bc) {
         return Err(CudaError::Shape(format!(
             "attn: TMA map needs a 16-byte aligned buffer and rows of a multiple of 16 bytes \
-             (address {ptr:#x}, {nkv} kv heads × {hd})"
+             and 1 to 256 rows per box (address {ptr:#x}, {nkv} kv heads × {hd}, {bc} rows)"
         )));
     }
     if n_kv as u64 > 1u64 << 32 || (row * 2) as u64 >= 1u64 << 40 {
@@ -890,7 +934,7 @@ pub fn encode_kv_map(ptr: u64, n_kv: usize, nkv: usize, hd: usize) -> Result<Ten
     }
     let dims = [row as u64, n_kv as u64];
     let strides = [(row * 2) as u64];
-    let boxd = [64u32, FLASH_WG_BC as u32];
+    let boxd = [64u32, bc as u32];
     let estr = [1u32, 1u32];
     let mp = &mut m as *mut TensorMapArg as *mut sys::CUtensorMap;
     // The symbol is resolved on first use; cudarc panics if the driver lacks it.
@@ -918,7 +962,7 @@ pub fn encode_kv_map(ptr: u64, n_kv: usize, nkv: usize, hd: usize) -> Result<Ten
     match r {
         Ok(sys::CUresult::CUDA_SUCCESS) => Ok(m),
         Ok(e) => Err(CudaError::Driver(format!(
-            "cuTensorMapEncodeTiled ({n_kv} × {row} bf16, box 64 × {FLASH_WG_BC}, 128-byte swizzle): {e:?}"
+            "cuTensorMapEncodeTiled ({n_kv} × {row} bf16, box 64 × {bc}, 128-byte swizzle): {e:?}"
         ))),
         Err(_) => Err(CudaError::Unavailable(
             "the CUDA driver has no cuTensorMapEncodeTiled (TMA needs CUDA 12 and sm_90)".into(),
@@ -1026,10 +1070,7 @@ pub fn prefill_flash_wg_with<T: Elem>(
     }
     let tl = FlashTiles {
         br: FLASH_WG_BR,
-        bc: match opts.kernel {
-            FlashWgKernel::WarpSpecializedBc80 => 80,
-            _ => FLASH_WG_BC,
-        },
+        bc: opts.kernel.key_tile(),
     };
     let ctx = gpu.context();
     let (smem, threads, prefix) = match opts.kernel {
@@ -1046,6 +1087,15 @@ pub fn prefill_flash_wg_with<T: Elem>(
         }
         FlashWgKernel::WarpSpecializedTma => {
             (flash_wg3_smem_bytes(hd, 64), 384u32, "attn_flash_wg3tma")
+        }
+        FlashWgKernel::WarpSpecializedTmaBc80 => {
+            (flash_wg3_smem_bytes(hd, 80), 384u32, "attn_flash_wg3tmab80")
+        }
+        FlashWgKernel::WarpSpecializedTmaLean => {
+            (flash_wg3_smem_bytes(hd, 64), 384u32, "attn_flash_wg3tmal")
+        }
+        FlashWgKernel::WarpSpecializedTmaLeanBc80 => {
+            (flash_wg3_smem_bytes(hd, 80), 384u32, "attn_flash_wg3tmalb80")
         }
     };
     let optin = ctx
@@ -1093,16 +1143,13 @@ pub fn prefill_flash_wg_with<T: Elem>(
     let name = format!("{prefix}_bf16_{hd}");
     let f = gpu.function(&FLASH_WG, &name, smem as u32)?;
     // Tensor maps of K and V (attn_flash_wg3tma_* only).
-    let tma = matches!(
-        opts.kernel,
-        FlashWgKernel::WarpSpecializedTma | FlashWgKernel::WarpSpecializedTmaNoPingPong
-    );
+    let tma = opts.kernel.uses_tma();
     let (mk, mv) = if tma {
         let (kp, _kg) = k.device_ptr(stream);
         let (vp, _vg) = v.device_ptr(stream);
         (
-            encode_kv_map(kp, n_kv, nkv, hd)?,
-            encode_kv_map(vp, n_kv, nkv, hd)?,
+            encode_kv_map(kp, n_kv, nkv, hd, tl.bc)?,
+            encode_kv_map(vp, n_kv, nkv, hd, tl.bc)?,
         )
     } else {
         (TensorMapArg([0; 16]), TensorMapArg([0; 16]))

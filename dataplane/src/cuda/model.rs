@@ -84,12 +84,19 @@ pub const ATTN_FAST_MIN_KV: usize = 512;
 /// 0.72 ms with the cuBLAS path, 13.4–16.1 ms tiled; a 4k causal prefill 0.58 ms flash
 /// against 1.70 ms cuBLAS. The f32 model never takes it. On sm_90a (Hopper), bf16
 /// spans of at least this many tokens with head dim 128 or 256 take the wgmma kernel
-/// [`attn::prefill_flash_wg_with`] with TMA loads ([`attn::FlashWgKernel::
-/// WarpSpecializedTma`]; the Basic wgmma kernel when tensor maps are unavailable)
-/// instead (4k causal prefill 0.29 ms, 16k 3.96 ms against 0.59 / 8.3 ms with
-/// `prefill_flash`; gpu-check 2026-11-30 run P); shorter spans keep `prefill_flash`,
-/// whose key splits suit a handful of queries over a long cache.
+/// [`attn::prefill_flash_wg_with`] with TMA loads and the lean consumer loop
+/// ([`attn::FlashWgKernel::WarpSpecializedTmaLean`], 80-key tiles from
+/// [`ATTN_WG_BC80_MIN_KV`] keys; the Basic wgmma kernel when tensor maps are
+/// unavailable) instead (4k causal prefill 0.262 ms, 16k 3.246 ms against 0.58 / 8.3 ms
+/// with `prefill_flash` and 0.261 / 3.539 ms with torch SDPA; gpu-check 2026-11-30 run
+/// T); shorter spans keep `prefill_flash`, whose key splits suit a handful of queries
+/// over a long cache.
 pub const ATTN_FLASH_MIN_TQ: usize = 64;
+/// Keys (cached plus new) from which the wgmma attention takes 128 × 80 tiles
+/// ([`attn::FlashWgKernel::WarpSpecializedTmaLeanBc80`]) rather than 128 × 64: measured
+/// on the H200 (run T, causal, 16/2 heads × 256) 0.270 against 0.262 ms at 4k keys and
+/// 3.246 against 3.350 ms at 16k; the threshold sits between the two measured lengths.
+pub const ATTN_WG_BC80_MIN_KV: usize = 8192;
 /// Key dims of the tuned recurrent GDR kernel ([`gdr::recurrent`]).
 const GDR_REC_DK: [usize; 3] = [64, 128, 256];
 /// Largest head dim of the generic attention kernel.
@@ -1845,8 +1852,9 @@ where
             && attn::FLASH_WG_HEAD_DIMS.contains(&hd)
             && g.arch() == "sm_90a"
         {
-            // TMA loads (the fastest measured); the Basic wgmma kernel where the driver
-            // cannot build tensor maps.
+            // TMA loads with the lean consumer loop (the fastest measured), 80-key tiles
+            // from ATTN_WG_BC80_MIN_KV keys; the Basic wgmma kernel where the driver cannot
+            // build tensor maps.
             let run = |o: &mut CudaSlice<T>, kernel| {
                 attn::prefill_flash_wg_with(
                     g,
@@ -1867,7 +1875,12 @@ where
                     },
                 )
             };
-            match run(&mut o, attn::FlashWgKernel::WarpSpecializedTma) {
+            let kernel = if kv.len >= ATTN_WG_BC80_MIN_KV {
+                attn::FlashWgKernel::WarpSpecializedTmaLeanBc80
+            } else {
+                attn::FlashWgKernel::WarpSpecializedTmaLean
+            };
+            match run(&mut o, kernel) {
                 Err(CudaError::Unavailable(_)) => run(&mut o, attn::FlashWgKernel::Basic)?,
                 r => r?,
             }
