@@ -1094,9 +1094,11 @@ pub fn prefill_flash_wg_with<T: Elem>(
         FlashWgKernel::WarpSpecializedTmaLean => {
             (flash_wg3_smem_bytes(hd, 64), 384u32, "attn_flash_wg3tmal")
         }
-        FlashWgKernel::WarpSpecializedTmaLeanBc80 => {
-            (flash_wg3_smem_bytes(hd, 80), 384u32, "attn_flash_wg3tmalb80")
-        }
+        FlashWgKernel::WarpSpecializedTmaLeanBc80 => (
+            flash_wg3_smem_bytes(hd, 80),
+            384u32,
+            "attn_flash_wg3tmalb80",
+        ),
     };
     let optin = ctx
         .attribute(CUdevice_attribute::CU_DEVICE_ATTRIBUTE_MAX_SHARED_MEMORY_PER_BLOCK_OPTIN)?
