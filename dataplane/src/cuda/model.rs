@@ -94,8 +94,10 @@ pub const ATTN_FAST_MIN_KV: usize = 512;
 pub const ATTN_FLASH_MIN_TQ: usize = 64;
 /// Keys (cached plus new) from which the wgmma attention takes 128 × 80 tiles
 /// ([`attn::FlashWgKernel::WarpSpecializedTmaLeanBc80`]) rather than 128 × 64: measured
-/// on the H200 (run T, causal, 16/2 heads × 256) 0.270 against 0.262 ms at 4k keys and
-/// 3.246 against 3.350 ms at 16k; the threshold sits between the two measured lengths.
+/// on the H200 (causal, 16/2 heads × 256), 80-key tiles are 3 % faster at 16k keys in
+/// two runs (3.246 / 3.263 against 3.350 / 3.342 ms, runs T / U) and within run-to-run
+/// noise at 4k (0.270 / 0.261 against 0.262 / 0.266 ms); the threshold sits between the
+/// two measured lengths.
 pub const ATTN_WG_BC80_MIN_KV: usize = 8192;
 /// Key dims of the tuned recurrent GDR kernel ([`gdr::recurrent`]).
 const GDR_REC_DK: [usize; 3] = [64, 128, 256];
@@ -1219,10 +1221,13 @@ where
     /// `after_mixer(l, i, layer state)` runs (the PIC engine composes segment i's cached
     /// body there, so span i + 1 sees it); the norms and the FFN then run once over the
     /// rows of all spans together (one MoE pass: each expert's weights are read once
-    /// per layer instead of once per span). The same math per row as running the
-    /// spans one after the other through [`GpuModel::prefill`] with the hooks in
-    /// between; only the batched GEMM shapes differ. Empty spans run no mixer (their
-    /// hooks still run); `state.next_position` is left to the caller. No logits.
+    /// per layer instead of once per span), and so do the mixers' input and output
+    /// projections (two GEMMs per layer instead of two per span; only the stateful
+    /// middle — conv, gated delta rule, KV append and attention — runs per span). The
+    /// same math per row as running the spans one after the other through
+    /// [`GpuModel::prefill`] with the hooks in between; only the batched GEMM shapes
+    /// differ. Empty spans run no mixer (their hooks still run); `state.next_position`
+    /// is left to the caller. No logits.
     ///
     /// Errors: a token ≥ vocab, a state that does not match; hook errors.
     pub(crate) fn forward_spans(
@@ -1273,6 +1278,21 @@ where
             .collect();
         let single = spans.iter().filter(|s| !s.0.is_empty()).count() == 1;
         let pos_d = g.upload(&positions)?;
+        // Per-span positions for the attention layers (uploaded once, not per layer).
+        let span_pos: Vec<Option<CudaSlice<i64>>> = if single {
+            vec![]
+        } else {
+            spans
+                .iter()
+                .zip(&offsets)
+                .map(|(&(t, _), &a)| {
+                    (!t.is_empty())
+                        .then(|| g.upload(&positions[a..a + t.len()]))
+                        .transpose()
+                })
+                .collect::<Result<_>>()?
+        };
+        let zero = T::from_f32(0.0);
         let st = g.stream();
         let mut x = self.embed_tokens(&tokens)?;
         let mut r: CudaSlice<T> = g.scratch(rows * h)?;
@@ -1290,43 +1310,73 @@ where
         }
         for (l, (lw, ls)) in self.layers.iter().zip(state.layers.iter_mut()).enumerate() {
             let mut mixed: CudaSlice<T> = g.scratch(rows * h)?;
-            for (i, &(span, _)) in spans.iter().enumerate() {
-                let t = span.len();
-                if t > 0 {
-                    let (rr, pp);
-                    // A lone span uses the buffers as they are; else its rows are copied.
-                    let (ri, pi) = if single {
-                        (&r, &pos_d)
-                    } else {
+            if single {
+                for (i, &(span, _)) in spans.iter().enumerate() {
+                    let t = span.len();
+                    if t > 0 {
+                        mixed = match (&lw.mixer, &mut *ls) {
+                            (MixerW::Linear(w), GpuLayerState::Linear { conv, recurrent }) => self
+                                .gdn(w, &r, t, conv, recurrent, None)
+                                .map_err(|e| context(e, &format!("layer {l} GDN mixer")))?,
+                            (MixerW::Full(w), GpuLayerState::Full(kv)) => self
+                                .attention(w, &r, t, &pos_d, kv)
+                                .map_err(|e| context(e, &format!("layer {l} attention mixer")))?,
+                            _ => {
+                                return Err(shape_err(format!(
+                                    "layer {l}: state kind does not match the layer"
+                                )))
+                            }
+                        };
+                    }
+                    after_mixer(l, i, ls)?;
+                }
+            } else {
+                // Input projection over all rows; per span the stateful middle on its
+                // rows (copied out), its output copied into `mid`; one output projection.
+                let (w_in, n_in, w_out, n_mid) = match &lw.mixer {
+                    MixerW::Linear(w) => (
+                        &w.w_in,
+                        c.conv_dim() + c.value_dim() + 2 * c.linear_v_heads,
+                        &w.out,
+                        c.value_dim(),
+                    ),
+                    MixerW::Full(w) => (
+                        &w.qkv,
+                        self.attn_qkv_width(),
+                        &w.o,
+                        c.num_heads * c.head_dim,
+                    ),
+                };
+                let mut proj: CudaSlice<T> = g.scratch(rows * n_in)?;
+                blas::linear(g, &r, rows, h, w_in, n_in, &mut proj, zero)?;
+                let mut mid: CudaSlice<T> = g.scratch(rows * n_mid)?;
+                for (i, &(span, _)) in spans.iter().enumerate() {
+                    let t = span.len();
+                    if t > 0 {
                         let a = offsets[i];
-                        rr = st.clone_dtod(&r.slice(a * h..(a + t) * h))?;
-                        pp = st.clone_dtod(&pos_d.slice(a..a + t))?;
-                        (&rr, &pp)
-                    };
-                    let m = match (&lw.mixer, &mut *ls) {
-                        (MixerW::Linear(w), GpuLayerState::Linear { conv, recurrent }) => self
-                            .gdn(w, ri, t, conv, recurrent, None)
-                            .map_err(|e| context(e, &format!("layer {l} GDN mixer")))?,
-                        (MixerW::Full(w), GpuLayerState::Full(kv)) => self
-                            .attention(w, ri, t, pi, kv)
-                            .map_err(|e| context(e, &format!("layer {l} attention mixer")))?,
-                        _ => {
-                            return Err(shape_err(format!(
-                                "layer {l}: state kind does not match the layer"
-                            )))
-                        }
-                    };
-                    if single {
-                        mixed = m;
-                    } else {
-                        let a = offsets[i];
+                        let pj = st.clone_dtod(&proj.slice(a * n_in..(a + t) * n_in))?;
+                        let m = match (&lw.mixer, &mut *ls, &span_pos[i]) {
+                            (MixerW::Linear(w), GpuLayerState::Linear { conv, recurrent }, _) => {
+                                self.gdn_core(w, &pj, t, conv, recurrent, None)
+                                    .map_err(|e| context(e, &format!("layer {l} GDN mixer")))?
+                            }
+                            (MixerW::Full(w), GpuLayerState::Full(kv), Some(pi)) => self
+                                .attn_core(w, &pj, t, pi, kv)
+                                .map_err(|e| context(e, &format!("layer {l} attention mixer")))?,
+                            _ => {
+                                return Err(shape_err(format!(
+                                    "layer {l}: state kind does not match the layer"
+                                )))
+                            }
+                        };
                         st.memcpy_dtod(
-                            &m.slice(..t * h),
-                            &mut mixed.slice_mut(a * h..(a + t) * h),
+                            &m.slice(..t * n_mid),
+                            &mut mid.slice_mut(a * n_mid..(a + t) * n_mid),
                         )?;
                     }
+                    after_mixer(l, i, ls)?;
                 }
-                after_mixer(l, i, ls)?;
+                blas::linear(g, &mid, rows, n_mid, w_out, h, &mut mixed, zero)?;
             }
             self.add_norm(&mut x, &mixed, &lw.post_norm, &mut r, rows)?;
             let f = self

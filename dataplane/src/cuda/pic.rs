@@ -918,12 +918,17 @@ where
                 if naive {
                     axpby(gpu, recurrent, &pair.b, 1.0, 1.0, n)?;
                 } else {
-                    let mut out: CudaSlice<f32> = gpu.zeros(n)?;
+                    // Fully written by apply_into (B copied in, then T·S added).
+                    let mut out: CudaSlice<f32> = gpu.scratch(n)?;
                     pair.apply_into(gpu, recurrent, &mut out)?;
                     *recurrent = out;
                 }
                 check_len("conv tail", conv_tail, *conv_len)?;
-                *conv = s.clone_dtod(conv_tail)?;
+                if conv.len() == conv_tail.len() {
+                    s.memcpy_dtod(conv_tail, conv)?;
+                } else {
+                    *conv = s.clone_dtod(conv_tail)?;
+                }
             }
             (GpuLayerState::Full(kv), GpuEntryLayer::Full { k, v, rows, row }, LayerKind::Full) => {
                 let (rows, row) = (*rows, *row);
