@@ -371,6 +371,63 @@ mod bench {
                 median(seam) * 1e3
             );
         }
+        // The scratch cache (dataplane/src/cuda/scratch.rs) on and off, same run: decode
+        // step, its host enqueue time and an 8-token span at a 4k context.
+        println!(
+            "\n## Scratch cache on / off (4k context; ms, median of 10; `HYPIC_SCRATCH_CACHE_MB` \
+             sets the capacity, 0 = off)\n"
+        );
+        println!("| scratch cache | decode step ms | forward without logits: host enqueue ms | 8-token span ms | cache hits / misses during the rows |");
+        println!("|---|---|---|---|---|");
+        let cap0 = g.scratch_cache().capacity();
+        let toks = prompt(4096, c.vocab_size, 91);
+        for (label, cap) in [
+            ("off", 0usize),
+            ("on", cap0.max(1 << 20)),
+            ("off", 0),
+            ("on", cap0.max(1 << 20)),
+        ] {
+            g.scratch_cache().set_capacity(cap);
+            let mut st = m.new_state().map_err(e)?;
+            m.prefill(&toks, &mut st, Logits::None).map_err(e)?;
+            g.sync().map_err(e)?;
+            let s0 = g.scratch_cache().stats();
+            let (mut step, mut enq, mut seam) = (vec![], vec![], vec![]);
+            for i in 0..12u32 {
+                let t = Instant::now();
+                m.decode(i % c.vocab_size as u32, &mut st).map_err(e)?;
+                if i >= 2 {
+                    step.push(t.elapsed().as_secs_f64());
+                }
+                g.sync().map_err(e)?;
+                let t = Instant::now();
+                m.prefill(&[i % c.vocab_size as u32], &mut st, Logits::None)
+                    .map_err(e)?;
+                if i >= 2 {
+                    enq.push(t.elapsed().as_secs_f64());
+                }
+                g.sync().map_err(e)?;
+                let span: Vec<u32> = (0..8u32)
+                    .map(|j| (i * 8 + j) % c.vocab_size as u32)
+                    .collect();
+                let t = Instant::now();
+                m.prefill(&span, &mut st, Logits::None).map_err(e)?;
+                g.sync().map_err(e)?;
+                if i >= 2 {
+                    seam.push(t.elapsed().as_secs_f64());
+                }
+            }
+            let s1 = g.scratch_cache().stats();
+            println!(
+                "| {label} | {:.2} | {:.2} | {:.2} | {} / {} |",
+                median(step) * 1e3,
+                median(enq) * 1e3,
+                median(seam) * 1e3,
+                s1.hits - s0.hits,
+                s1.misses - s0.misses
+            );
+        }
+        g.scratch_cache().set_capacity(cap0);
         drop(m);
         layer_split::<T>(g, &c, a, &full_by_len)
     }

@@ -135,6 +135,63 @@ mod gpu {
         let _ = std::fs::remove_dir_all(&dir);
     }
 
+    /// The scratch cache hands a dropped buffer of the same byte size back (same device
+    /// address, counted as a hit; data written through it reads back), never caches
+    /// past its capacity or when it is 0, forgets buffers taken out with `into_slice`,
+    /// and frees everything on `flush`.
+    #[test]
+    fn scratch_cache_reuses_buffers_by_size() {
+        use cudarc::driver::DevicePtr;
+        let (g, _l) = gpu();
+        let cache = g.scratch_cache().clone();
+        let cap0 = cache.capacity();
+        cache.set_capacity(64 << 20);
+        cache.flush();
+        let addr = |b: &CudaSlice<f32>| b.device_ptr(g.stream()).0;
+        let s0 = cache.stats();
+        let a = g.scratch::<f32>(1000).unwrap();
+        let pa = addr(&a);
+        drop(a);
+        assert_eq!(cache.stats().held_bytes, 4000);
+        // Same bytes, another element type: the same buffer.
+        let b = g.scratch::<u32>(1000).unwrap();
+        assert_eq!(b.device_ptr(g.stream()).0, pa);
+        assert_eq!(cache.stats().held_bytes, 0);
+        drop(b);
+        // Data round trip through a reused buffer.
+        let mut c = g.scratch::<f32>(1000).unwrap();
+        assert_eq!(addr(&c), pa);
+        let want: Vec<f32> = (0..1000).map(|i| i as f32 * 0.5).collect();
+        g.stream().memcpy_htod(&want, &mut *c).unwrap();
+        assert_eq!(g.download(&c).unwrap(), want);
+        // Another size: a miss, a different buffer.
+        let d = g.scratch::<f32>(1001).unwrap();
+        assert_ne!(addr(&d), pa);
+        let s1 = cache.stats();
+        assert_eq!(s1.hits - s0.hits, 2);
+        assert_eq!(s1.misses - s0.misses, 2);
+        // Taken out: not returned.
+        let plain = c.into_slice();
+        drop(plain);
+        drop(d);
+        assert_eq!(cache.stats().held_bytes, 1001 * 4);
+        // Larger than an eighth of the capacity: freed, not cached.
+        drop(g.scratch::<u8>(9 << 20).unwrap());
+        assert_eq!(cache.stats().held_bytes, 1001 * 4);
+        // Capacity 0: nothing is kept; a smaller capacity frees what is held.
+        cache.set_capacity(0);
+        assert_eq!(cache.stats().held_bytes, 0);
+        drop(g.scratch::<f32>(1000).unwrap());
+        assert_eq!(cache.stats().held_bytes, 0);
+        cache.set_capacity(64 << 20);
+        drop(g.scratch::<f32>(10).unwrap());
+        assert_eq!(cache.stats().held_bytes, 40);
+        cache.flush();
+        assert_eq!(cache.stats().held_bytes, 0);
+        g.sync().unwrap();
+        cache.set_capacity(cap0);
+    }
+
     #[test]
     fn device_auto_selects_cuda() {
         let (_g, _l) = gpu();

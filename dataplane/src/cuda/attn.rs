@@ -16,7 +16,7 @@ use cudarc::driver::sys::CUdevice_attribute;
 use cudarc::driver::{DevicePtr, DevicePtrMut, LaunchConfig, PushKernelArg};
 
 use super::compile::{ATTN, FLASH, FLASH_WG};
-use super::{check_len, CudaError, CudaSlice, Elem, Gpu, Result};
+use super::{check_len, CudaError, CudaSlice, Elem, Gpu, Result, Scratch};
 
 /// Shape checks shared by [`prefill`] and [`prefill_fast`].
 #[allow(clippy::too_many_arguments)]
@@ -712,12 +712,12 @@ fn flash_tile_summaries(
     kv_pos: &CudaSlice<i64>,
     n_kv: usize,
     bc: usize,
-) -> Result<CudaSlice<i64>> {
+) -> Result<Scratch<i64>> {
     let ntk = n_kv.div_ceil(bc);
     let stream = gpu.stream();
-    // SAFETY: fully written by attn_flash_tiles before any kernel reads it (and never read
-    // when ntk = 0).
-    let mut tiles = unsafe { stream.alloc::<i64>(3 * ntk.max(1)) }?;
+    // Fully written by attn_flash_tiles before any kernel reads it (and never read when
+    // ntk = 0).
+    let mut tiles = gpu.scratch::<i64>(3 * ntk.max(1))?;
     if ntk > 0 {
         let (nkv_len_i, bc_i) = (i32_dim("n_kv", n_kv)?, bc as i32);
         let f = gpu.function(&FLASH, "attn_flash_tiles", 0)?;

@@ -32,6 +32,7 @@ use std::path::PathBuf;
 use std::sync::{Arc, Mutex};
 
 pub use cudarc::driver::{CudaSlice, CudaStream, DeviceRepr, ValidAsZeroBits};
+pub use scratch::{Scratch, ScratchCache, ScratchStats};
 
 pub mod attn;
 pub mod blas;
@@ -44,6 +45,7 @@ pub mod ops;
 pub mod pic;
 pub mod random;
 pub mod sample;
+pub mod scratch;
 pub mod transition;
 
 use compile::KernelSource;
@@ -131,6 +133,8 @@ pub struct Gpu {
     compile_log: Mutex<Vec<(String, compile::Origin, f64)>>,
     /// `HYPIC_CUDA_POISON=1`: [`Gpu::scratch`] fills its buffers with 0xFF bytes.
     poison: bool,
+    /// Buffers of [`Gpu::scratch`] come back here when dropped.
+    scratch_cache: Arc<ScratchCache>,
 }
 
 impl std::fmt::Debug for Gpu {
@@ -217,6 +221,15 @@ impl Gpu {
         let name = ctx.name()?;
         let stream = ctx.default_stream();
         let blas = cudarc::cublas::CudaBlas::new(stream.clone())?;
+        let cache_bytes = match std::env::var("HYPIC_SCRATCH_CACHE_MB") {
+            Ok(v) => v.trim().parse::<usize>().map(|mb| mb << 20).map_err(|_| {
+                CudaError::Shape(format!(
+                    "HYPIC_SCRATCH_CACHE_MB must be a whole number of MiB (0: off), got {v:?}"
+                ))
+            })?,
+            Err(_) => scratch::DEFAULT_CAPACITY,
+        };
+        let scratch_cache = ScratchCache::new(stream.clone(), cache_bytes);
         Ok(Arc::new(Gpu {
             ctx,
             stream,
@@ -228,6 +241,7 @@ impl Gpu {
             funcs: Mutex::new(HashMap::new()),
             compile_log: Mutex::new(Vec::new()),
             poison: std::env::var("HYPIC_CUDA_POISON").is_ok_and(|v| v == "1"),
+            scratch_cache,
         }))
     }
 
@@ -287,10 +301,30 @@ impl Gpu {
     /// opened, the buffer is filled with 0xFF bytes (NaN in f32 and bf16, −1 in
     /// integers) so that a kernel reading an element nobody wrote shows up in the
     /// GPU-vs-CPU tests (scripts/gpu-check.sh sets it for the test steps).
-    pub fn scratch<T: DeviceRepr + ValidAsZeroBits>(&self, n: usize) -> Result<CudaSlice<T>> {
-        // SAFETY: callers write every element before reading it (see above); the
-        // poison mode checks that in the tests.
-        let mut b = unsafe { self.stream.alloc::<T>(n.max(1)) }?;
+    ///
+    /// The buffer comes from, and returns to when dropped, the device's scratch cache
+    /// ([`scratch`](self::scratch): no driver call when a buffer of the same byte size
+    /// was dropped before). An allocation that fails for memory empties the cache and
+    /// retries once.
+    pub fn scratch<T: DeviceRepr + ValidAsZeroBits>(&self, n: usize) -> Result<Scratch<T>> {
+        let n = n.max(1);
+        let bytes = n * std::mem::size_of::<T>();
+        let mut b = match self.scratch_cache.take(bytes) {
+            // SAFETY: `p` is a live allocation of exactly `bytes` bytes on this stream,
+            // owned by the cache until now; callers write every element before reading
+            // it (see above), the poison mode checks that in the tests.
+            Some(p) => unsafe { self.stream.upgrade_device_ptr::<T>(p, n) },
+            // SAFETY: as above (uninitialised memory, written before it is read).
+            None => match unsafe { self.stream.alloc::<T>(n) } {
+                Ok(b) => b,
+                Err(e) if e.0 == cudarc::driver::sys::CUresult::CUDA_ERROR_OUT_OF_MEMORY => {
+                    self.scratch_cache.flush();
+                    // SAFETY: as above.
+                    unsafe { self.stream.alloc::<T>(n) }?
+                }
+                Err(e) => return Err(e.into()),
+            },
+        };
         if self.poison {
             use cudarc::driver::DevicePtrMut;
             let bytes = b.num_bytes();
@@ -301,7 +335,32 @@ impl Gpu {
                 cudarc::driver::result::memset_d8_async(ptr, 0xFF, bytes, self.stream.cu_stream())
             }?;
         }
+        Ok(Scratch::new(b, self.scratch_cache.clone()))
+    }
+
+    /// A zero-filled [`Gpu::scratch`] buffer (one memset on the stream).
+    pub fn scratch_zeroed<T: DeviceRepr + ValidAsZeroBits>(&self, n: usize) -> Result<Scratch<T>> {
+        let mut b = self.scratch::<T>(n)?;
+        self.stream.memset_zeros(&mut *b)?;
         Ok(b)
+    }
+
+    /// A [`Gpu::scratch`] copy of `src` (a slice or a view; one device copy).
+    pub fn scratch_copy<T, S>(&self, src: &S) -> Result<Scratch<T>>
+    where
+        T: DeviceRepr + ValidAsZeroBits,
+        S: cudarc::driver::DevicePtr<T>,
+    {
+        let mut b = self.scratch::<T>(src.len())?;
+        if src.len() > 0 {
+            self.stream.memcpy_dtod(src, &mut *b)?;
+        }
+        Ok(b)
+    }
+
+    /// The cache behind [`Gpu::scratch`] (capacity, counters, flush).
+    pub fn scratch_cache(&self) -> &Arc<ScratchCache> {
+        &self.scratch_cache
     }
 
     /// Whether [`Gpu::scratch`] poisons its buffers (`HYPIC_CUDA_POISON=1`).

@@ -57,6 +57,7 @@ use super::ops::NormKind;
 use super::transition::DensePair;
 use super::{
     attn, blas, check_len, gdr, grid_for, moe, ops, CudaError, CudaSlice, Elem, Gpu, Result,
+    Scratch,
 };
 use crate::config::{LayerKind, ModelConfig};
 use crate::linear::gdr::GdrDims;
@@ -269,9 +270,9 @@ impl<T: Elem> GpuKv<T> {
     /// memset first ([`Gpu::scratch`]; poisoned in the GPU tests).
     fn uninit(gpu: &Gpu, row: usize, cap: usize) -> Result<Self> {
         Self::from_bufs(
-            gpu.scratch(cap * row)?,
-            gpu.scratch(cap * row)?,
-            gpu.scratch(cap)?,
+            gpu.scratch(cap * row)?.into_slice(),
+            gpu.scratch(cap * row)?.into_slice(),
+            gpu.scratch(cap)?.into_slice(),
             row,
             cap,
         )
@@ -972,11 +973,11 @@ where
     /// Embedding rows of `tokens` (ids checked by the caller): `[len, hidden]` in `T`.
     ///
     /// Errors: a dimension beyond `i32`, or a driver failure.
-    fn embed_tokens(&self, tokens: &[u32]) -> Result<CudaSlice<T>> {
+    fn embed_tokens(&self, tokens: &[u32]) -> Result<Scratch<T>> {
         let g = &*self.gpu;
         let (n, h) = (tokens.len(), self.config.hidden_size);
         let tok_d = g.upload(tokens)?;
-        let mut x: CudaSlice<T> = g.scratch(n * h)?;
+        let mut x: Scratch<T> = g.scratch(n * h)?;
         let f = g.function(&MODEL, &format!("embed_gather_{}", T::SUFFIX), 0)?;
         let (ni, hi, vi) = (
             dim_i32("tokens", n)?,
@@ -1072,7 +1073,7 @@ where
         let xs = g
             .stream()
             .clone_dtod(&x.slice(row0 * h..(row0 + rows) * h))?;
-        let mut hn: CudaSlice<T> = g.scratch(rows * h)?;
+        let mut hn: Scratch<T> = g.scratch(rows * h)?;
         ops::rms_norm(
             g,
             NormKind::ZeroCentred,
@@ -1084,7 +1085,7 @@ where
             c.rms_norm_eps,
         )?;
         let w = self.lm_head.as_ref().unwrap_or(&self.embed);
-        let mut out: CudaSlice<T> = g.scratch(rows * vocab)?;
+        let mut out: Scratch<T> = g.scratch(rows * vocab)?;
         blas::linear(g, &hn, rows, h, w, vocab, &mut out, T::from_f32(0.0))?;
         download_f32(g, &out, rows * vocab)
     }
@@ -1144,7 +1145,7 @@ where
         state: &mut GpuState<T>,
         mut trace: Option<&mut ForwardTrace>,
         mut capture: Option<(usize, &mut Vec<Option<DensePair>>)>,
-    ) -> Result<CudaSlice<T>> {
+    ) -> Result<Scratch<T>> {
         self.check_inputs(tokens, state)?;
         let c = &self.config;
         let g = &*self.gpu;
@@ -1156,7 +1157,7 @@ where
             tr.embed = download_f32(g, &x, t * h)?;
             tr.layers.clear();
         }
-        let mut r: CudaSlice<T> = g.scratch(t * h)?;
+        let mut r: Scratch<T> = g.scratch(t * h)?;
         if let Some(l0) = self.layers.first() {
             ops::rms_norm(
                 g,
@@ -1295,7 +1296,7 @@ where
         let zero = T::from_f32(0.0);
         let st = g.stream();
         let mut x = self.embed_tokens(&tokens)?;
-        let mut r: CudaSlice<T> = g.scratch(rows * h)?;
+        let mut r: Scratch<T> = g.scratch(rows * h)?;
         if let Some(l0) = self.layers.first() {
             ops::rms_norm(
                 g,
@@ -1309,7 +1310,7 @@ where
             )?;
         }
         for (l, (lw, ls)) in self.layers.iter().zip(state.layers.iter_mut()).enumerate() {
-            let mut mixed: CudaSlice<T> = g.scratch(rows * h)?;
+            let mut mixed: Scratch<T> = g.scratch(rows * h)?;
             if single {
                 for (i, &(span, _)) in spans.iter().enumerate() {
                     let t = span.len();
@@ -1347,14 +1348,14 @@ where
                         c.num_heads * c.head_dim,
                     ),
                 };
-                let mut proj: CudaSlice<T> = g.scratch(rows * n_in)?;
+                let mut proj: Scratch<T> = g.scratch(rows * n_in)?;
                 blas::linear(g, &r, rows, h, w_in, n_in, &mut proj, zero)?;
-                let mut mid: CudaSlice<T> = g.scratch(rows * n_mid)?;
+                let mut mid: Scratch<T> = g.scratch(rows * n_mid)?;
                 for (i, &(span, _)) in spans.iter().enumerate() {
                     let t = span.len();
                     if t > 0 {
                         let a = offsets[i];
-                        let pj = st.clone_dtod(&proj.slice(a * n_in..(a + t) * n_in))?;
+                        let pj = g.scratch_copy(&proj.slice(a * n_in..(a + t) * n_in))?;
                         let m = match (&lw.mixer, &mut *ls, &span_pos[i]) {
                             (MixerW::Linear(w), GpuLayerState::Linear { conv, recurrent }, _) => {
                                 self.gdn_core(w, &pj, t, conv, recurrent, None)
@@ -1391,19 +1392,19 @@ where
     }
 
     /// The FFN of one layer over `r` (`[t, h]`, normed) → `[t, h]`.
-    fn ffn(&self, f: &FfnW<T>, r: &CudaSlice<T>, t: usize) -> Result<CudaSlice<T>> {
+    fn ffn(&self, f: &FfnW<T>, r: &CudaSlice<T>, t: usize) -> Result<Scratch<T>> {
         let g = &*self.gpu;
         let h = self.config.hidden_size;
         Ok(match f {
             FfnW::Dense(m) if self.ffn_path == FfnPath::Fused => {
-                let mut o: CudaSlice<T> = g.scratch(t * h)?;
+                let mut o: Scratch<T> = g.scratch(t * h)?;
                 moe::mlp_forward(g, &m.gate_up, &m.down, r, t, h, m.inter, &mut o)?;
                 o
             }
             FfnW::Dense(m) => self.mlp(m, r, t)?,
             FfnW::Moe(m) => self.moe(m, r, t)?,
             FfnW::MoeFused(w) => {
-                let mut o: CudaSlice<T> = g.scratch(t * h)?;
+                let mut o: Scratch<T> = g.scratch(t * h)?;
                 let mut ws = self.moe_ws.lock().unwrap_or_else(|e| e.into_inner());
                 moe::moe_forward(g, w, r, t, &mut ws, &mut o)?;
                 o
@@ -1445,7 +1446,7 @@ where
         let mut x = self.embed_tokens(tokens)?;
         let zero = T::from_f32(0.0);
         let st = g.stream();
-        let mut r: CudaSlice<T> = g.scratch(bsz * h)?;
+        let mut r: Scratch<T> = g.scratch(bsz * h)?;
         if let Some(l0) = self.layers.first() {
             ops::rms_norm(
                 g,
@@ -1463,40 +1464,40 @@ where
                 MixerW::Linear(w) => {
                     let n_in = c.conv_dim() + c.value_dim() + 2 * c.linear_v_heads;
                     let vd = c.value_dim();
-                    let mut proj: CudaSlice<T> = g.scratch(bsz * n_in)?;
+                    let mut proj: Scratch<T> = g.scratch(bsz * n_in)?;
                     blas::linear(g, &r, bsz, h, &w.w_in, n_in, &mut proj, zero)?;
-                    let mut normed: CudaSlice<T> = g.scratch(bsz * vd)?;
+                    let mut normed: Scratch<T> = g.scratch(bsz * vd)?;
                     for (j, s) in states.iter_mut().enumerate() {
                         let GpuLayerState::Linear { conv, recurrent } = &mut s.layers[i] else {
                             return Err(shape_err(format!("layer {i}: state kind")));
                         };
-                        let pj = st.clone_dtod(&proj.slice(j * n_in..(j + 1) * n_in))?;
+                        let pj = g.scratch_copy(&proj.slice(j * n_in..(j + 1) * n_in))?;
                         let nj = self.gdn_core(w, &pj, 1, conv, recurrent, None)?;
                         st.memcpy_dtod(
                             &nj.slice(..vd),
                             &mut normed.slice_mut(j * vd..(j + 1) * vd),
                         )?;
                     }
-                    let mut out: CudaSlice<T> = g.scratch(bsz * h)?;
+                    let mut out: Scratch<T> = g.scratch(bsz * h)?;
                     blas::linear(g, &normed, bsz, vd, &w.out, h, &mut out, zero)?;
                     out
                 }
                 MixerW::Full(w) => {
                     let fw = self.attn_qkv_width();
                     let ow = c.num_heads * c.head_dim;
-                    let mut qkv: CudaSlice<T> = g.scratch(bsz * fw)?;
+                    let mut qkv: Scratch<T> = g.scratch(bsz * fw)?;
                     blas::linear(g, &r, bsz, h, &w.qkv, fw, &mut qkv, zero)?;
-                    let mut o: CudaSlice<T> = g.scratch(bsz * ow)?;
+                    let mut o: Scratch<T> = g.scratch(bsz * ow)?;
                     for (j, s) in states.iter_mut().enumerate() {
                         let GpuLayerState::Full(kv) = &mut s.layers[i] else {
                             return Err(shape_err(format!("layer {i}: state kind")));
                         };
-                        let qj = st.clone_dtod(&qkv.slice(j * fw..(j + 1) * fw))?;
-                        let pj = st.clone_dtod(&pos_d.slice(j..j + 1))?;
+                        let qj = g.scratch_copy(&qkv.slice(j * fw..(j + 1) * fw))?;
+                        let pj = g.scratch_copy(&pos_d.slice(j..j + 1))?;
                         let oj = self.attn_core(w, &qj, 1, &pj, kv)?;
                         st.memcpy_dtod(&oj.slice(..ow), &mut o.slice_mut(j * ow..(j + 1) * ow))?;
                     }
-                    let mut out: CudaSlice<T> = g.scratch(bsz * h)?;
+                    let mut out: Scratch<T> = g.scratch(bsz * h)?;
                     blas::linear(g, &o, bsz, ow, &w.o, h, &mut out, zero)?;
                     out
                 }
@@ -1575,16 +1576,16 @@ where
         conv_tail: &mut CudaSlice<f32>,
         rec: &mut CudaSlice<f32>,
         capture: Option<(usize, &mut Option<DensePair>)>,
-    ) -> Result<CudaSlice<T>> {
+    ) -> Result<Scratch<T>> {
         let c = &self.config;
         let g = &*self.gpu;
         let h = c.hidden_size;
         let n_in = c.conv_dim() + c.value_dim() + 2 * c.linear_v_heads;
         let zero = T::from_f32(0.0);
-        let mut proj: CudaSlice<T> = g.scratch(t * n_in)?;
+        let mut proj: Scratch<T> = g.scratch(t * n_in)?;
         blas::linear(g, r, t, h, &w.w_in, n_in, &mut proj, zero)?;
         let normed = self.gdn_core(w, &proj, t, conv_tail, rec, capture)?;
-        let mut out: CudaSlice<T> = g.scratch(t * h)?;
+        let mut out: Scratch<T> = g.scratch(t * h)?;
         blas::linear(g, &normed, t, c.value_dim(), &w.out, h, &mut out, zero)?;
         Ok(out)
     }
@@ -1600,7 +1601,7 @@ where
         conv_tail: &mut CudaSlice<f32>,
         rec: &mut CudaSlice<f32>,
         capture: Option<(usize, &mut Option<DensePair>)>,
-    ) -> Result<CudaSlice<T>> {
+    ) -> Result<Scratch<T>> {
         let c = &self.config;
         let g = &*self.gpu;
         let (hk, hv, dk, dv) = (
@@ -1613,7 +1614,7 @@ where
         let n_in = cd + vd + 2 * hv;
         let kk = c.conv_kernel;
         check_len("GDN projection [t, n_in]", proj, t * n_in)?;
-        let mut mixed: CudaSlice<T> = g.scratch(t * cd)?;
+        let mut mixed: Scratch<T> = g.scratch(t * cd)?;
         if t == 1 {
             ops::conv1d_update(g, proj, &w.conv, conv_tail, &mut mixed, cd, kk, true)?;
         } else {
@@ -1623,12 +1624,12 @@ where
         }
         // q, k (L2-normalised per head, q also scaled), v, z and the gates g, β in one
         // launch (`gdn_prep_*`: gdn_qk's blocks plus one block per token for the rest).
-        let mut q: CudaSlice<T> = g.scratch(t * kd)?;
-        let mut k: CudaSlice<T> = g.scratch(t * kd)?;
-        let mut v: CudaSlice<T> = g.scratch(t * vd)?;
-        let mut z: CudaSlice<T> = g.scratch(t * vd)?;
-        let mut gg: CudaSlice<f32> = g.scratch(t * hv)?;
-        let mut beta: CudaSlice<f32> = g.scratch(t * hv)?;
+        let mut q: Scratch<T> = g.scratch(t * kd)?;
+        let mut k: Scratch<T> = g.scratch(t * kd)?;
+        let mut v: Scratch<T> = g.scratch(t * vd)?;
+        let mut z: Scratch<T> = g.scratch(t * vd)?;
+        let mut gg: Scratch<f32> = g.scratch(t * hv)?;
+        let mut beta: Scratch<f32> = g.scratch(t * hv)?;
         {
             let f = g.function(&MODEL, &format!("gdn_prep_{}", T::SUFFIX), 0)?;
             let (hki, dki, cdi, ni, vdi, hvi) = (
@@ -1677,14 +1678,14 @@ where
             unsafe { b.launch(cfg) }?;
         }
         let d = GdrDims { t, hk, hv, dk, dv };
-        let mut core: CudaSlice<T> = g.scratch(t * vd)?;
+        let mut core: Scratch<T> = g.scratch(t * vd)?;
         match capture {
             None => self.gdr_span(&d, &q, &k, &v, &gg, &beta, rec, &mut core, None)?,
             Some((from, out)) => {
                 *out = Some(self.gdr_capture(&d, from, &q, &k, &v, &gg, &beta, rec, &mut core)?);
             }
         }
-        let mut normed: CudaSlice<T> = g.scratch(t * vd)?;
+        let mut normed: Scratch<T> = g.scratch(t * vd)?;
         ops::rms_norm(
             g,
             NormKind::Gated,
@@ -1813,16 +1814,16 @@ where
         t: usize,
         pos: &CudaSlice<i64>,
         kv: &mut GpuKv<T>,
-    ) -> Result<CudaSlice<T>> {
+    ) -> Result<Scratch<T>> {
         let c = &self.config;
         let g = &*self.gpu;
         let h = c.hidden_size;
         let fw = self.attn_qkv_width();
         let zero = T::from_f32(0.0);
-        let mut qkv: CudaSlice<T> = g.scratch(t * fw)?;
+        let mut qkv: Scratch<T> = g.scratch(t * fw)?;
         blas::linear(g, r, t, h, &w.qkv, fw, &mut qkv, zero)?;
         let o = self.attn_core(w, &qkv, t, pos, kv)?;
-        let mut out: CudaSlice<T> = g.scratch(t * h)?;
+        let mut out: Scratch<T> = g.scratch(t * h)?;
         blas::linear(g, &o, t, c.num_heads * c.head_dim, &w.o, h, &mut out, zero)?;
         Ok(out)
     }
@@ -1837,7 +1838,7 @@ where
         t: usize,
         pos: &CudaSlice<i64>,
         kv: &mut GpuKv<T>,
-    ) -> Result<CudaSlice<T>> {
+    ) -> Result<Scratch<T>> {
         let c = &self.config;
         let g = &*self.gpu;
         let (nh, nkv, hd) = (c.num_heads, c.num_kv_heads, c.head_dim);
@@ -1847,10 +1848,10 @@ where
         check_len("attention projection [t, qkv]", qkv, t * fw)?;
         check_len("positions", pos, t)?;
         // Split, q/k zero-centred RMSNorm and q/k RoPE in one launch (`attn_prep_*`).
-        let mut q: CudaSlice<T> = g.scratch(t * nh * hd)?;
-        let mut gate: CudaSlice<T> = g.scratch(if gated { t * nh * hd } else { 1 })?;
-        let mut k: CudaSlice<T> = g.scratch(t * kw)?;
-        let mut v: CudaSlice<T> = g.scratch(t * kw)?;
+        let mut q: Scratch<T> = g.scratch(t * nh * hd)?;
+        let mut gate: Scratch<T> = g.scratch(if gated { t * nh * hd } else { 1 })?;
+        let mut k: Scratch<T> = g.scratch(t * kw)?;
+        let mut v: Scratch<T> = g.scratch(t * kw)?;
         {
             check_len("q_norm", &w.q_norm, hd)?;
             check_len("k_norm", &w.k_norm, hd)?;
@@ -1896,7 +1897,7 @@ where
             unsafe { b.launch(cfg) }?;
         }
         kv.append(g, &k, &v, pos, t)?;
-        let mut o: CudaSlice<T> = g.scratch(t * nh * hd)?;
+        let mut o: Scratch<T> = g.scratch(t * nh * hd)?;
         if T::SUFFIX == "bf16"
             && t >= ATTN_FLASH_MIN_TQ
             && attn::FLASH_WG_HEAD_DIMS.contains(&hd)
@@ -2013,14 +2014,14 @@ where
     }
 
     /// Dense SwiGLU MLP: `down(silu(gate(x)) · up(x))`, `x: [rows, h]` → `[rows, h]`.
-    fn mlp(&self, m: &MlpW<T>, x: &CudaSlice<T>, rows: usize) -> Result<CudaSlice<T>> {
+    fn mlp(&self, m: &MlpW<T>, x: &CudaSlice<T>, rows: usize) -> Result<Scratch<T>> {
         let g = &*self.gpu;
         let h = self.config.hidden_size;
         let i = m.inter;
         let zero = T::from_f32(0.0);
-        let mut gu: CudaSlice<T> = g.scratch(rows * 2 * i)?;
+        let mut gu: Scratch<T> = g.scratch(rows * 2 * i)?;
         blas::linear(g, x, rows, h, &m.gate_up, 2 * i, &mut gu, zero)?;
-        let mut act: CudaSlice<T> = g.scratch(rows * i)?;
+        let mut act: Scratch<T> = g.scratch(rows * i)?;
         {
             let f = g.function(&MODEL, &format!("swiglu_{}", T::SUFFIX), 0)?;
             let (ri, ii) = (dim_i32("rows", rows)?, dim_i32("intermediate", i)?);
@@ -2029,7 +2030,7 @@ where
             // SAFETY: matches `swiglu_*`; gu: [rows, 2i], act: [rows, i].
             unsafe { b.launch(cfg1(rows * i)) }?;
         }
-        let mut out: CudaSlice<T> = g.scratch(rows * h)?;
+        let mut out: Scratch<T> = g.scratch(rows * h)?;
         blas::linear(g, &act, rows, i, &m.down, h, &mut out, zero)?;
         Ok(out)
     }
@@ -2038,7 +2039,7 @@ where
     /// device, softmax/top-k on the host exactly as the CPU backend, per-expert row
     /// gather → SwiGLU → weighted scatter-add on the device, then the gated shared
     /// expert. `x: [t, h]` → `[t, h]`.
-    fn moe(&self, m: &MoeW<T>, x: &CudaSlice<T>, t: usize) -> Result<CudaSlice<T>> {
+    fn moe(&self, m: &MoeW<T>, x: &CudaSlice<T>, t: usize) -> Result<Scratch<T>> {
         let c = &self.config;
         let g = &*self.gpu;
         let h = c.hidden_size;
@@ -2061,7 +2062,7 @@ where
                 per_expert[j].1.push(wgt);
             }
         }
-        let mut out: CudaSlice<T> = g.zeros(t * h)?;
+        let mut out: Scratch<T> = g.scratch_zeroed(t * h)?;
         let hi = dim_i32("hidden", h)?;
         for (j, (rows, wgts)) in per_expert.iter().enumerate() {
             if rows.is_empty() {

@@ -42,7 +42,7 @@ use cudarc::driver::{LaunchConfig, PushKernelArg};
 use super::compile::PIC;
 use super::model::{GpuLayerState, GpuModel, GpuState};
 use super::transition::DensePair;
-use super::{check_len, grid_for, ops, CudaError, CudaSlice, Elem, Gpu, Result};
+use super::{check_len, grid_for, ops, CudaError, CudaSlice, Elem, Gpu, Result, Scratch};
 use crate::config::{LayerKind, ModelConfig};
 use crate::engine::{BackendInfo, Engine, EngineOutput, EnginePools};
 use crate::linear::gdr::GdrDims;
@@ -919,9 +919,9 @@ where
                     axpby(gpu, recurrent, &pair.b, 1.0, 1.0, n)?;
                 } else {
                     // Fully written by apply_into (B copied in, then T·S added).
-                    let mut out: CudaSlice<f32> = gpu.scratch(n)?;
+                    let mut out: Scratch<f32> = gpu.scratch(n)?;
                     pair.apply_into(gpu, recurrent, &mut out)?;
-                    *recurrent = out;
+                    *recurrent = out.into_slice();
                 }
                 check_len("conv tail", conv_tail, *conv_len)?;
                 if conv.len() == conv_tail.len() {
