@@ -4,6 +4,7 @@
 //!
 //! ```text
 //! gpu_model_bench --config DIR --random-weights [--dtype bf16|f32] [--seed N] [--reps N] [--quick]
+//!   [--profile-decode N]   # only N decode steps (4k context) between cuProfilerStart/Stop, for ncu
 //! ```
 //!
 //! `DIR/config.json` is an HF config (e.g. `benches/configs/qwen3_5_35b_a3b`); the
@@ -76,6 +77,9 @@ mod bench {
         seed: u64,
         reps: usize,
         quick: bool,
+        /// `--profile-decode N`: only N decode steps at a 4k context, between
+        /// cuProfilerStart / cuProfilerStop (for `ncu --profile-from-start off`).
+        profile_decode: usize,
     }
 
     fn parse() -> Res<Args> {
@@ -85,6 +89,7 @@ mod bench {
             seed: 0,
             reps: 3,
             quick: false,
+            profile_decode: 0,
         };
         let mut random = false;
         let mut it = std::env::args().skip(1);
@@ -97,6 +102,11 @@ mod bench {
                 "--seed" => a.seed = val(&k)?.parse().map_err(|e| format!("--seed: {e}"))?,
                 "--reps" => a.reps = val(&k)?.parse().map_err(|e| format!("--reps: {e}"))?,
                 "--quick" => a.quick = true,
+                "--profile-decode" => {
+                    a.profile_decode = val(&k)?
+                        .parse()
+                        .map_err(|e| format!("--profile-decode: {e}"))?
+                }
                 o => return Err(format!("unknown argument `{o}`")),
             }
         }
@@ -222,6 +232,30 @@ mod bench {
             t0.elapsed().as_secs_f64(),
             m.weight_bytes() as f64 / 1e9
         );
+        if a.profile_decode > 0 {
+            let toks = prompt(4096, c.vocab_size, 5);
+            let mut st = m.new_state().map_err(e)?;
+            m.prefill(&toks, &mut st, Logits::None).map_err(e)?;
+            for i in 0..3u32 {
+                m.decode(i, &mut st).map_err(e)?;
+            }
+            g.sync().map_err(e)?;
+            // SAFETY: plain driver calls on the current context (bound by the calls above).
+            unsafe { cudarc::driver::sys::cuProfilerStart() };
+            let t = Instant::now();
+            for i in 0..a.profile_decode as u32 {
+                m.decode(i % c.vocab_size as u32, &mut st).map_err(e)?;
+            }
+            g.sync().map_err(e)?;
+            // SAFETY: as above.
+            unsafe { cudarc::driver::sys::cuProfilerStop() };
+            println!(
+                "\n{} decode steps at a 4k context between cuProfilerStart/Stop: {:.2} ms each",
+                a.profile_decode,
+                t.elapsed().as_secs_f64() * 1e3 / a.profile_decode as f64
+            );
+            return Ok(());
+        }
 
         // TTFT.
         let shapes: Vec<(usize, usize)> = if a.quick {

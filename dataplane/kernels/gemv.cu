@@ -23,8 +23,11 @@ __device__ __forceinline__ void gemv_acc8(float* acc, uint4 wv, uint4 xv) {
     }
 }
 
-template <int T>
-__device__ void gemv_rows(const bf16* __restrict__ x, const bf16* __restrict__ w, bf16* __restrict__ y, int inp,
+__device__ __forceinline__ void gemv_store(bf16* y, float s) { *y = __float2bfloat16_rn(s); }
+__device__ __forceinline__ void gemv_store(float* y, float s) { *y = s; }
+
+template <int T, typename O>
+__device__ void gemv_rows(const bf16* __restrict__ x, const bf16* __restrict__ w, O* __restrict__ y, int inp,
                           int out) {
     const int lane = threadIdx.x & 31;
     const int o = blockIdx.x * (blockDim.x >> 5) + (threadIdx.x >> 5);
@@ -34,6 +37,8 @@ __device__ void gemv_rows(const bf16* __restrict__ x, const bf16* __restrict__ w
     float acc[T];
 #pragma unroll
     for (int r = 0; r < T; ++r) acc[r] = 0.f;
+    // (An explicit `#pragma unroll 4` here measured slower on the H200: 16.2 against 14.5
+    // µs for the 2048 → 12352 projection, 13.8 against 11.8 for 2048 → 9216.)
     for (int c = lane; c < chunks; c += 32) {
         const uint4 wv = __ldg(wr + c);
 #pragma unroll
@@ -45,21 +50,25 @@ __device__ void gemv_rows(const bf16* __restrict__ x, const bf16* __restrict__ w
 #pragma unroll
     for (int r = 0; r < T; ++r) {
         const float s = warp_sum(acc[r]);
-        if (lane == 0) y[(size_t)r * out + o] = __float2bfloat16_rn(s);
+        if (lane == 0) gemv_store(y + (size_t)r * out + o, s);
     }
 }
 
-extern "C" __global__ void __launch_bounds__(256) gemv_bf16(const bf16* x, const bf16* w, bf16* y, int t, int inp,
-                                                          int out) {
-    switch (t) {
-        case 1: gemv_rows<1>(x, w, y, inp, out); break;
-        case 2: gemv_rows<2>(x, w, y, inp, out); break;
-        case 3: gemv_rows<3>(x, w, y, inp, out); break;
-        case 4: gemv_rows<4>(x, w, y, inp, out); break;
-        case 5: gemv_rows<5>(x, w, y, inp, out); break;
-        case 6: gemv_rows<6>(x, w, y, inp, out); break;
-        case 7: gemv_rows<7>(x, w, y, inp, out); break;
-        case 8: gemv_rows<8>(x, w, y, inp, out); break;
-        default: break;  // the host never launches t outside 1..=GEMV_MAX_ROWS
+// gemv_bf16: bf16 output; gemv_bf16_f32: fp32 output (the MoE router's logits).
+#define GEMV_KERNEL(NAME, O)                                                                            \
+    extern "C" __global__ void __launch_bounds__(256) NAME(const bf16* x, const bf16* w, O* y, int t, int inp, \
+                                                          int out) {                                   \
+        switch (t) {                                                                                    \
+            case 1: gemv_rows<1, O>(x, w, y, inp, out); break;                                          \
+            case 2: gemv_rows<2, O>(x, w, y, inp, out); break;                                          \
+            case 3: gemv_rows<3, O>(x, w, y, inp, out); break;                                          \
+            case 4: gemv_rows<4, O>(x, w, y, inp, out); break;                                          \
+            case 5: gemv_rows<5, O>(x, w, y, inp, out); break;                                          \
+            case 6: gemv_rows<6, O>(x, w, y, inp, out); break;                                          \
+            case 7: gemv_rows<7, O>(x, w, y, inp, out); break;                                          \
+            case 8: gemv_rows<8, O>(x, w, y, inp, out); break;                                          \
+            default: break; /* the host never launches t outside 1..=GEMV_MAX_ROWS */                   \
+        }                                                                                               \
     }
-}
+GEMV_KERNEL(gemv_bf16, bf16)
+GEMV_KERNEL(gemv_bf16_f32, float)

@@ -64,6 +64,40 @@ __device__ void add_rmsnorm_impl(T* x, const T* y, const float* w, T* r, int d, 
     __shared__ float sh[32];
     const size_t base = (size_t)blockIdx.x * d;
     float ss = 0.f;
+    // Rows of up to AR_PT elements per thread (hidden sizes up to 2048 at 256 threads):
+    // all loads first, kept in registers for the second pass. The same elements per thread
+    // in the same order as the loop below, so the same sums (one load at a time, as below,
+    // left a one-row launch latency-bound: 8.6 µs for 2048 elements on the H200).
+    constexpr int AR_PT = 8;
+    if (d <= AR_PT * (int)blockDim.x) {
+        float xv[AR_PT], yv[AR_PT];
+#pragma unroll
+        for (int k = 0; k < AR_PT; ++k) {
+            const int i = threadIdx.x + k * blockDim.x;
+            if (i < d) {
+                xv[k] = to_f(x[base + i]);
+                yv[k] = to_f(y[base + i]);
+            }
+        }
+#pragma unroll
+        for (int k = 0; k < AR_PT; ++k) {
+            const int i = threadIdx.x + k * blockDim.x;
+            if (i < d) {
+                const T s = from_f<T>(xv[k] + yv[k]);
+                x[base + i] = s;
+                xv[k] = to_f(s);
+                ss += xv[k] * xv[k];
+            }
+        }
+        ss = block_sum(ss, sh);
+        const float rs = 1.f / sqrtf(ss / (float)d + eps);
+#pragma unroll
+        for (int k = 0; k < AR_PT; ++k) {
+            const int i = threadIdx.x + k * blockDim.x;
+            if (i < d) r[base + i] = from_f<T>(xv[k] * rs * (1.f + w[i]));
+        }
+        return;
+    }
     for (int i = threadIdx.x; i < d; i += blockDim.x) {
         const T s = from_f<T>(to_f(x[base + i]) + to_f(y[base + i]));
         x[base + i] = s;
@@ -80,9 +114,10 @@ __device__ void add_rmsnorm_impl(T* x, const T* y, const float* w, T* r, int d, 
 }
 
 // All GDN inputs in one launch (the q/k L2 norm, the v and z column copies, the gates): grid
-// (t, 2·hk + 1). Blocks y < 2·hk are gdn_qk's (q/k L2 norm per head); block y = 2·hk
-// copies the token's v (mixed columns 2·hk·dk ..) and z (proj columns cd ..) and computes
-// its gates from proj columns cd + vd .. (β = sigmoid(b), g = neg_a · softplus(a + dt_bias)).
+// (t, 2·hk + nvz), nvz ≥ 1. Blocks y < 2·hk are gdn_qk's (q/k L2 norm per head); blocks
+// y ≥ 2·hk copy the token's v (mixed columns 2·hk·dk ..) and z (proj columns cd ..), and
+// block y = 2·hk computes its gates from proj columns cd + vd .. (β = sigmoid(b),
+// g = neg_a · softplus(a + dt_bias)).
 // mixed: [t, cd]; proj: [t, n_in]; q, k: [t, hk, dk]; v, z: [t, vd]; g, beta: [t, hv].
 template <typename T>
 __device__ void gdn_prep_impl(const T* mixed, const T* proj, T* q, T* k, T* v, T* z, float* g, float* beta,
@@ -92,13 +127,18 @@ __device__ void gdn_prep_impl(const T* mixed, const T* proj, T* q, T* k, T* v, T
         gdn_qk_impl<T>(mixed, q, k, hk, dk, cd, q_scale, eps);
         return;
     }
+    // Blocks y = 2·hk .. gridDim.y − 1 share the token's v and z copies (one block for all
+    // of them left a one-token launch latency-bound: 26 µs on the H200); the first of them
+    // also computes the gates.
     const size_t tok = blockIdx.x;
+    const int b = (int)blockIdx.y - 2 * hk, nb = (int)gridDim.y - 2 * hk;
     const T* mrow = mixed + tok * cd + (size_t)2 * hk * dk;
     const T* prow = proj + tok * n_in;
-    for (int i = threadIdx.x; i < vd; i += blockDim.x) {
+    for (int i = b * blockDim.x + threadIdx.x; i < vd; i += nb * blockDim.x) {
         v[tok * vd + i] = mrow[i];
         z[tok * vd + i] = prow[cd + i];
     }
+    if (b != 0) return;
     const T* gates = prow + cd + vd;
     for (int h = threadIdx.x; h < hv; h += blockDim.x) {
         beta[tok * hv + h] = sigmoid_f(to_f(gates[h]));

@@ -67,18 +67,24 @@ where
     Ok(())
 }
 
-/// `y = x · wᵀ` for bf16 with `t ≤ GEMV_MAX_ROWS` rows and `inp % 8 == 0` (checked by
-/// [`linear`]): one warp per output row (`gemv_bf16`).
-fn gemv<T: super::Elem>(
+/// `y = x · wᵀ` for bf16 `x` (`[t, inp]`) and `w` (`[out, inp]`) with `t ≤ GEMV_MAX_ROWS`
+/// rows and `inp % 8 == 0` (checked by the callers: [`linear`], and the MoE router and
+/// shared expert in `moe::gemm_rm`): one warp per output row, fp32 accumulation; `y`
+/// (`[t, out]`) in bf16 (`gemv_bf16`) or fp32 (`gemv_bf16_f32`).
+pub(crate) fn gemv<T: super::Elem, O: super::Elem>(
     gpu: &Gpu,
     x: &CudaSlice<T>,
     t: usize,
     inp: usize,
     w: &CudaSlice<T>,
     out: usize,
-    y: &mut CudaSlice<T>,
+    y: &mut CudaSlice<O>,
 ) -> Result<()> {
-    let f = gpu.function(&GEMV, "gemv_bf16", 0)?;
+    let name = match O::SUFFIX {
+        "bf16" => "gemv_bf16",
+        _ => "gemv_bf16_f32",
+    };
+    let f = gpu.function(&GEMV, name, 0)?;
     let cfg = LaunchConfig {
         grid_dim: (out.div_ceil(8) as u32, 1, 1),
         block_dim: (256, 1, 1),
@@ -87,9 +93,9 @@ fn gemv<T: super::Elem>(
     let (ti, ii, oi) = (t as i32, inp as i32, out as i32);
     let mut b = gpu.stream().launch_builder(&f);
     b.arg(x).arg(w).arg(y).arg(&ti).arg(&ii).arg(&oi);
-    // SAFETY: matches `gemv_bf16`; T is bf16 (checked by the caller), lengths checked by
-    // `linear`, 1 ≤ t ≤ 8, inp % 8 == 0 (16-byte loads from cudaMalloc'd rows: every
-    // row start is a multiple of 16 bytes).
+    // SAFETY: matches `gemv_bf16` / `gemv_bf16_f32`; T is bf16 and O bf16 or f32 (checked
+    // by the callers), lengths checked by them, 1 ≤ t ≤ 8, inp % 8 == 0 (16-byte loads
+    // from cudaMalloc'd rows: every row start is a multiple of 16 bytes).
     unsafe { b.launch(cfg) }?;
     Ok(())
 }

@@ -1648,9 +1648,17 @@ where
             }
             let scale = (dk as f32).powf(-0.5);
             let eps = L2_EPS;
+            // v/z copy blocks: one element per thread for one token (64 at most; a few
+            // when the launch has many tokens anyway).
+            let threads = if dk <= 32 { 32 } else { 128 };
+            let nvz = if t <= 8 {
+                vd.div_ceil(threads).clamp(1, 64)
+            } else {
+                2
+            };
             let cfg = LaunchConfig {
-                grid_dim: (dim_i32("t", t)? as u32, (2 * hk + 1) as u32, 1),
-                block_dim: (if dk <= 32 { 32 } else { 128 }, 1, 1),
+                grid_dim: (dim_i32("t", t)? as u32, (2 * hk + nvz) as u32, 1),
+                block_dim: (threads as u32, 1, 1),
                 shared_mem_bytes: 0,
             };
             let mut b = g.stream().launch_builder(&f);

@@ -39,9 +39,12 @@ use super::{check_len, grid_for, CudaError, CudaSlice, Elem, Gpu, Result};
 const GBM: usize = 64;
 /// Columns per tile of the grouped GEMMs (`GBN` in moe.cu).
 const GBN: usize = 64;
-/// Warps per block of the small-batch kernels (`GV_WARPS` in moe.cu; 4 gate/up columns
-/// or 8 down columns per warp).
+/// Warps per block of the small-batch kernels (`GV_WARPS` in moe.cu).
 const GV_WARPS: u32 = 8;
+/// Gate/up column pairs per warp of `moe_gemv_gu_*` (`GV_COLS_GU` in moe.cu).
+const GV_COLS_GU: usize = 2;
+/// Output columns per warp of `moe_gemv_down_*` (`GV_COLS_DN` in moe.cu).
+const GV_COLS_DN: usize = 4;
 /// Largest expert count `moe_route` handles (32 lanes × `MOE_EPL`).
 pub const MAX_EXPERTS: usize = 512;
 /// Largest `top_k` `moe_route` handles (one lane per chosen expert).
@@ -281,6 +284,17 @@ pub(crate) fn gemm_rm<T: Elem, O: Elem>(
     check_len("y", y, t * out)?;
     if t == 0 || out == 0 {
         return Ok(());
+    }
+    // Few rows (decode, seam windows): the GEMV kernel (a cuBLAS call for one row ran a
+    // general GEMM plus a split-K reduction, ~18 µs of device time per MoE layer).
+    if T::SUFFIX == "bf16"
+        && matches!(O::SUFFIX, "bf16" | "f32")
+        && t <= super::blas::GEMV_MAX_ROWS
+        && inp.is_multiple_of(8)
+        && out <= i32::MAX as usize
+        && inp <= i32::MAX as usize
+    {
+        return super::blas::gemv(gpu, x, t, inp, w, out, y);
     }
     let alpha = 1f32;
     let beta = 0f32;
@@ -568,7 +582,7 @@ pub fn moe_forward<T: Elem>(
                 .arg(&i_i);
             // SAFETY: matches `moe_gemv_gu_*`; x [t,H], topk_idx/slot_pos [n], gate_up
             // [E,2I,H], act [n,I]; H, I multiples of 8 (vector loads); H floats of smem.
-            unsafe { b.launch(cfg(inter, GV_WARPS as usize * 4, h)) }?;
+            unsafe { b.launch(cfg(inter, GV_WARPS as usize * GV_COLS_GU, h)) }?;
             let f = gpu.function(
                 &MOE,
                 &format!("moe_gemv_down_{}", T::SUFFIX),
@@ -584,7 +598,7 @@ pub fn moe_forward<T: Elem>(
                 .arg(&i_i)
                 .arg(&h_i);
             // SAFETY: matches `moe_gemv_down_*`; act [n,I], down [E,H,I], y [n,H].
-            unsafe { b.launch(cfg(h, GV_WARPS as usize * 8, inter)) }?;
+            unsafe { b.launch(cfg(h, GV_WARPS as usize * GV_COLS_DN, inter)) }?;
         }
         path => {
             // 4. Grouped gate_up GEMM + SwiGLU → act [n, I]. Both kernels tile 64 rows ×
