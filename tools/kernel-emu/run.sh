@@ -97,10 +97,10 @@ W3 = {
   # consumer waits for V(t) with the wrong phase parity
   "wg3-parity-v": [["fw_mbar_wait(bar_vf(sv), (t / S) & 1);", "fw_mbar_wait(bar_vf(sv), ((t / S) & 1) ^ 1);"]],
   # consumer waits for K(t+1) with the wrong phase parity
-  "wg3-parity-k": [["if (jn < je) fw_mbar_wait(bar_kf(sk), ((t + 1) / S) & 1);",
-                    "if (jn < je) fw_mbar_wait(bar_kf(sk), (((t + 1) / S) & 1) ^ 1);"]],
+  "wg3-parity-k": [["if (have_next) fw_mbar_wait(bar_kf(sk), ((t + 1) / S) & 1);",
+                    "if (have_next) fw_mbar_wait(bar_kf(sk), (((t + 1) / S) & 1) ^ 1);"]],
   # consumer does not wait for K(t+1) before S(t+1) reads its stage
-  "wg3-no-wait-k": [["        if (jn < je) fw_mbar_wait(bar_kf(sk), ((t + 1) / S) & 1);\n", ""]],
+  "wg3-no-wait-k": [["        if (have_next) fw_mbar_wait(bar_kf(sk), ((t + 1) / S) & 1);\n", ""]],
   # consumer does not wait for Q
   "wg3-no-wait-q": [["    fw_mbar_wait(bar_q(), 0);\n", ""]],
   # no fence.proxy.async between the mbarrier wait and the wgmma of the loop
@@ -110,7 +110,7 @@ W3 = {
                            "        fw_mbar_arrive(bar_ve(sv));\n        fw_wgmma_wait<0, NT * 4>(&acc[0][0]);"]],
   # K stage released right after the issue, before S(t+1) retired
   "wg3-early-release-k": [["            fw_mbar_arrive(bar_ke(sk));  // K(t+1)", "            // K(t+1)"],
-                          ["        issue_pv(sv);\n", "        issue_pv(sv);\n        if (jn < je) fw_mbar_arrive(bar_ke(sk));\n"]],
+                          ["        issue_pv(sv);\n", "        issue_pv(sv);\n        if (have_next) fw_mbar_arrive(bar_ke(sk));\n"]],
   # producer overwrites a V stage without waiting for its release
   "wg3-no-empty-wait": [["            fw_mbar_wait(bar_ve(sv), ((t / S) & 1) ^ 1);\n", ""]],
   # producer waits for the release of a K stage with the wrong parity
@@ -118,7 +118,7 @@ W3 = {
   # producer fills V into the wrong stage of the ring
   "wg3-stage": [["load_tile(v, sVa + sv * TBYTES, j);", "load_tile(v, sVa + (sv + 1 == S ? 0 : sv + 1) * TBYTES, j);"]],
   # ping-pong: consumer 1 also arrives after its last issue (an arrival nobody syncs on)
-  "wg3-pingpong-arrive": [["if (PINGPONG && (wgc == 0 || jn < je)) fw_bar_arrive(2 - wgc, 2 * PT);",
+  "wg3-pingpong-arrive": [["if (PINGPONG && (wgc == 0 || have_next)) fw_bar_arrive(2 - wgc, 2 * PT);",
                            "if (PINGPONG) fw_bar_arrive(2 - wgc, 2 * PT);"]],
   # ping-pong: consumer 1 does not open consumer 0's first turn
   "wg3-pingpong-open": [["        if (PINGPONG && wgc == 1) fw_bar_arrive(1, 2 * PT);  // consumer 0 issues first\n", ""]],
@@ -148,7 +148,7 @@ T = {
   # V into the wrong stage of the ring
   "tma-stage": [["tma_tile(tmv, sVa + sv * TBYTES, bar_vf(sv), j);", "tma_tile(tmv, sVa + (sv + 1 == S ? 0 : sv + 1) * TBYTES, bar_vf(sv), j);"]],
   # consumer does not wait for K(t+1) / V(t)
-  "tma-no-wait-k": [["        if (jn < je) fw_mbar_wait(bar_kf(sk), ((t + 1) / S) & 1);\n", ""]],
+  "tma-no-wait-k": [["        if (have_next) fw_mbar_wait(bar_kf(sk), ((t + 1) / S) & 1);\n", ""]],
   "tma-no-wait-v": [["        fw_mbar_wait(bar_vf(sv), (t / S) & 1);\n        // cp.async", "        // cp.async"]],
   # producer refills a V stage without waiting for its release
   "tma-no-empty-wait": [["                fw_mbar_wait(bar_ve(sv), ((t / S) & 1) ^ 1);\n                if (lane == 0) tma_tile", "                if (lane == 0) tma_tile"]],
@@ -164,8 +164,14 @@ for name, pairs in W3.items():
 open(f"{out}/mutants.txt", "w").write("\n".join(list(M) + list(W3) + list(T)))
 PY
     for m in ${EMU_MUTANTS:-$(cat "$out/mutants.txt")}; do
-        gen flash_wg "$out/gen_flash_wg.inc" 0 "$out/mut_$m.json"
-        $CXX -o "$out/flash_wg_mut" "$here/flash_wg_emu.cpp"
+        # A stale anchor (the kernel changed under the mutant) or a mutant that does not
+        # build is a failure of the check, reported, not a catch.
+        if ! gen flash_wg "$out/gen_flash_wg.inc" 0 "$out/mut_$m.json" 2> "$out/mut_$m.log"; then
+            echo "MUTANT NOT APPLIED: $m: $(tail -n 1 "$out/mut_$m.log")"; fails=$((fails + 1)); continue
+        fi
+        if ! $CXX -o "$out/flash_wg_mut" "$here/flash_wg_emu.cpp" > "$out/mut_$m.log" 2>&1; then
+            echo "MUTANT DOES NOT BUILD: $m (see $out/mut_$m.log)"; fails=$((fails + 1)); continue
+        fi
         case "$m" in wg3-*) variant=wg3 ;; tma-*) variant=wg3tma ;; *) variant=basic ;; esac
         if EMU_SMEM_SHIFT=16 timeout 600 "$out/flash_wg_mut" quick $variant > "$out/mut_$m.log" 2>&1; then
             echo "MUTANT SURVIVED: $m"; fails=$((fails + 1))
@@ -173,7 +179,7 @@ PY
             echo "caught $m: $(grep -m1 -E 'EMU ERROR|FAIL' "$out/mut_$m.log" || tail -c 200 "$out/mut_$m.log")"
         fi
     done
-    [ "$fails" = 0 ] && echo "all mutants caught" || { echo "$fails mutant(s) survived"; exit 1; }
+    [ "$fails" = 0 ] && echo "all mutants caught" || { echo "$fails mutant(s) survived or not applied"; exit 1; }
     ;;
 *)
     gen flash "$out/gen_flash.inc" 1
