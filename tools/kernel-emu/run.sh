@@ -5,9 +5,10 @@
 # reference. Needs g++ (C++17). Usage:
 #   tools/kernel-emu/run.sh [quick]          # flash.cu; cp.async copies land at wait_group
 #   EMU_EAGER_CP=1 tools/kernel-emu/run.sh   # ... or as soon as they are issued
-#   tools/kernel-emu/run.sh wg [quick] [basic|wg3|wg3np|wg3b80|wg3tma|wg3tmanp|all]  # flash_wg.cu:
-#                                            # attn_flash_wg_* and the warp-specialised attn_flash_wg3*_*
-#                                            # (default: basic, wg3 and wg3tma; all: also wg3np, wg3b80);
+#   tools/kernel-emu/run.sh wg [quick] [basic|wg3|wg3np|wg3b80|wg3tma|wg3tmanp|wg3tmab80|wg3tmal|wg3tmalb80|all]
+#                                            # flash_wg.cu: attn_flash_wg_* and the warp-specialised
+#                                            # attn_flash_wg3*_* (default: basic, wg3, wg3tma and
+#                                            # wg3tmal; all: the nine);
 #                                            # EMU_SMEM_SHIFT=16 offsets the dynamic shared
 #                                            # memory base (alignment code)
 #   tools/kernel-emu/run.sh wg-mutants       # deliberately broken variants of flash_wg.cu must
@@ -15,7 +16,12 @@
 #                                            # wg3-*: mbarrier parities / waits / releases,
 #                                            # proxy fence, ping-pong barriers, setmaxnreg;
 #                                            # tma-*: expect_tx bytes, box coordinates /
-#                                            # destinations, missing waits, barrier counts)
+#                                            # destinations, missing waits, barrier counts;
+#                                            # lean-* (wg3tmal) / leanb80-* (wg3tmalb80): tile
+#                                            # facts (index, stage slot, stage read), tile count,
+#                                            # split m scale, exp2 FMA fold; tmab80-* (wg3tmab80):
+#                                            # 80-key boxes, incl. the host tensor map; a pair
+#                                            # [old, new, "host"] edits flash_wg_emu.cpp)
 #   EMU_MUTANTS="tma-box-row tma-stage" tools/kernel-emu/run.sh wg-mutants  # a subset
 set -euo pipefail
 here="$(cd "$(dirname "$0")" && pwd)"
@@ -30,7 +36,10 @@ k, name, dst, with_common, muts = sys.argv[1:6]
 common = open(f"{k}/common.cuh").read().replace("#include <cuda_bf16.h>", "")
 src = open(f"{k}/{name}.cu").read()
 if muts:
-    for old, new in json.load(open(muts)):
+    for pair in json.load(open(muts)):
+        if len(pair) > 2:  # [old, new, "host"]: an edit of flash_wg_emu.cpp (gen_host)
+            continue
+        old, new = pair
         assert src.count(old) >= 1, f"mutation anchor not found: {old}"
         src = src.replace(old, new)
 src, n = re.subn(r"// <device-primitives>.*?// </device-primitives>", "", src, flags=re.S)
@@ -43,6 +52,19 @@ decl, repl = decls[name]
 assert decl in src, "dynamic shared memory declaration not found"
 src = src.replace(decl, repl)
 open(dst, "w").write((common if with_common == "1" else "") + f'\n#line 1 "{name}.cu"\n' + src)
+PY
+}
+gen_host() {  # gen_host <dst> <mutant pairs file>: flash_wg_emu.cpp with the mutant's host edits
+python3 - "$here/flash_wg_emu.cpp" "$1" "$2" <<'PY'
+import json, sys
+src_path, dst, muts = sys.argv[1:4]
+src = open(src_path).read()
+for pair in json.load(open(muts)):
+    if len(pair) > 2:
+        assert pair[2] == "host", f"unknown mutation target: {pair[2]}"
+        assert src.count(pair[0]) >= 1, f"host mutation anchor not found: {pair[0]}"
+        src = src.replace(pair[0], pair[1])
+open(dst, "w").write(src)
 PY
 }
 CXX="g++ -std=c++17 -O2 -Wall -Wno-psabi -Wno-unused-function -Wno-unused-variable -Wno-unknown-pragmas -I$here -I$out"
@@ -97,10 +119,10 @@ W3 = {
   # consumer waits for V(t) with the wrong phase parity
   "wg3-parity-v": [["fw_mbar_wait(bar_vf(sv), (t / S) & 1);", "fw_mbar_wait(bar_vf(sv), ((t / S) & 1) ^ 1);"]],
   # consumer waits for K(t+1) with the wrong phase parity
-  "wg3-parity-k": [["if (jn < je) fw_mbar_wait(bar_kf(sk), ((t + 1) / S) & 1);",
-                    "if (jn < je) fw_mbar_wait(bar_kf(sk), (((t + 1) / S) & 1) ^ 1);"]],
+  "wg3-parity-k": [["if (have_next) fw_mbar_wait(bar_kf(sk), ((t + 1) / S) & 1);",
+                    "if (have_next) fw_mbar_wait(bar_kf(sk), (((t + 1) / S) & 1) ^ 1);"]],
   # consumer does not wait for K(t+1) before S(t+1) reads its stage
-  "wg3-no-wait-k": [["        if (jn < je) fw_mbar_wait(bar_kf(sk), ((t + 1) / S) & 1);\n", ""]],
+  "wg3-no-wait-k": [["        if (have_next) fw_mbar_wait(bar_kf(sk), ((t + 1) / S) & 1);\n", ""]],
   # consumer does not wait for Q
   "wg3-no-wait-q": [["    fw_mbar_wait(bar_q(), 0);\n", ""]],
   # no fence.proxy.async between the mbarrier wait and the wgmma of the loop
@@ -110,7 +132,7 @@ W3 = {
                            "        fw_mbar_arrive(bar_ve(sv));\n        fw_wgmma_wait<0, NT * 4>(&acc[0][0]);"]],
   # K stage released right after the issue, before S(t+1) retired
   "wg3-early-release-k": [["            fw_mbar_arrive(bar_ke(sk));  // K(t+1)", "            // K(t+1)"],
-                          ["        issue_pv(sv);\n", "        issue_pv(sv);\n        if (jn < je) fw_mbar_arrive(bar_ke(sk));\n"]],
+                          ["        issue_pv(sv);\n", "        issue_pv(sv);\n        if (have_next) fw_mbar_arrive(bar_ke(sk));\n"]],
   # producer overwrites a V stage without waiting for its release
   "wg3-no-empty-wait": [["            fw_mbar_wait(bar_ve(sv), ((t / S) & 1) ^ 1);\n", ""]],
   # producer waits for the release of a K stage with the wrong parity
@@ -118,7 +140,7 @@ W3 = {
   # producer fills V into the wrong stage of the ring
   "wg3-stage": [["load_tile(v, sVa + sv * TBYTES, j);", "load_tile(v, sVa + (sv + 1 == S ? 0 : sv + 1) * TBYTES, j);"]],
   # ping-pong: consumer 1 also arrives after its last issue (an arrival nobody syncs on)
-  "wg3-pingpong-arrive": [["if (PINGPONG && (wgc == 0 || jn < je)) fw_bar_arrive(2 - wgc, 2 * PT);",
+  "wg3-pingpong-arrive": [["if (PINGPONG && (wgc == 0 || have_next)) fw_bar_arrive(2 - wgc, 2 * PT);",
                            "if (PINGPONG) fw_bar_arrive(2 - wgc, 2 * PT);"]],
   # ping-pong: consumer 1 does not open consumer 0's first turn
   "wg3-pingpong-open": [["        if (PINGPONG && wgc == 1) fw_bar_arrive(1, 2 * PT);  // consumer 0 issues first\n", ""]],
@@ -148,32 +170,87 @@ T = {
   # V into the wrong stage of the ring
   "tma-stage": [["tma_tile(tmv, sVa + sv * TBYTES, bar_vf(sv), j);", "tma_tile(tmv, sVa + (sv + 1 == S ? 0 : sv + 1) * TBYTES, bar_vf(sv), j);"]],
   # consumer does not wait for K(t+1) / V(t)
-  "tma-no-wait-k": [["        if (jn < je) fw_mbar_wait(bar_kf(sk), ((t + 1) / S) & 1);\n", ""]],
+  "tma-no-wait-k": [["        if (have_next) fw_mbar_wait(bar_kf(sk), ((t + 1) / S) & 1);\n", ""]],
   "tma-no-wait-v": [["        fw_mbar_wait(bar_vf(sv), (t / S) & 1);\n        // cp.async", "        // cp.async"]],
   # producer refills a V stage without waiting for its release
   "tma-no-empty-wait": [["                fw_mbar_wait(bar_ve(sv), ((t / S) & 1) ^ 1);\n                if (lane == 0) tma_tile", "                if (lane == 0) tma_tile"]],
   # K full barrier without the expect_tx arrival in its count
   "tma-kf-count": [["fw_mbar_init(bar_kf(st), TMA ? 33 : PT);", "fw_mbar_init(bar_kf(st), TMA ? 32 : PT);"]],
 }
+L = {
+  # lean-* on attn_flash_wg3tmal_*, leanb80-* on attn_flash_wg3tmalb80_*, tmab80-* on
+  # attn_flash_wg3tmab80_*.
+  # producer publishes the wrong tile index in the stage's facts (masking of the next tile)
+  "lean-fact-index": [["sFact[2 * st + 1] = j;", "sFact[2 * st + 1] = j + 1;"]],
+  # producer publishes the tile index in the facts of the next stage of the ring
+  "lean-fact-slot": [["sFact[2 * st + 1] = j;", "sFact[2 * (st + 1 == S ? 0 : st + 1) + 1] = j;"]],
+  # tmax of the tile copied into the facts of the next stage of the ring
+  "lean-fact-tmax-slot": [["fw_cp_async8z(fw_smem_u32(sFact + 2 * st), tmax + j, true);",
+                           "fw_cp_async8z(fw_smem_u32(sFact + 2 * (st + 1 == S ? 0 : st + 1)), tmax + j, true);"]],
+  # (Not here: tmax copied after the cp.async.mbarrier.arrive, or j stored after the
+  # expect_tx arrival. Both survive: the emulator's shared memory is sequentially consistent,
+  # plain loads of sFact are not checked against the mbarrier tags (only wgmma operands are),
+  # and its scheduling lets the producer run ahead, so the late copy / store always lands
+  # before the consumers read the facts. Dropping fw_count_tiles' smin early exit is harmless:
+  # smin is a suffix minimum, so no tile past the exit is visible.)
+  # consumer reads the facts of V(t)'s stage instead of K(t+1)'s
+  "lean-fact-stage": [["facts(jn, sk, nv, fl);", "facts(jn, sv, nv, fl);"]],
+  # consumer tile count one past the range (counts tile je)
+  "lean-count-more": [["jj < je && tmin[jj] <= qmax));", "jj <= je && tmin[jj] <= qmax));"]],
+  # consumer tile count one short (the last visible tile never consumed)
+  "lean-count-less": [["        j += 32;\n    }\n    return n;\n", "        j += 32;\n    }\n    return n > 0 ? n - 1 : 0;\n"]],
+  # split output: running max written in the raw score domain (combine expects log2 units)
+  "lean-split-m": [["make_float2(LEAN ? m0 * scale_log2 : m0, l0)", "make_float2(m0, l0)"],
+                   ["make_float2(LEAN ? m1 * scale_log2 : m1, l1)", "make_float2(m1, l1)"]],
+  # exponent FMA with the wrong sign of the running max
+  "lean-fold-sign": [["const float nb0 = -b0 * scale_log2, nb1 = -b1 * scale_log2;",
+                      "const float nb0 = b0 * scale_log2, nb1 = b1 * scale_log2;"]],
+  # rescale factor c0 with the old running max left unscaled
+  "lean-fold-c0": [["c0 = fw_exp2(fmaf(m0, scale_log2, nb0));", "c0 = fw_exp2(m0 + nb0);"]],
+  # 80-key tiles: valid keys of the tile counted with 64-key tiles
+  "leanb80-nvalid": [["nvalid = n_kv - (int)sFact[2 * st + 1] * BC;", "nvalid = n_kv - (int)sFact[2 * st + 1] * 64;"]],
+  # 80-key TMA: tensor-map boxes of 64 rows (host side, the emulator's encode_kv_map)
+  "tmab80-box-rows": [["const unsigned box[2] = {64, (unsigned)bc};", "const unsigned box[2] = {64, 64u};", "host"]],
+  # 80-key TMA: box row coordinate of a 64-key tile
+  "tmab80-box-row": [["kh * HD + cb * 64, j * BC, bar);", "kh * HD + cb * 64, j * 64, bar);"]],
+  # 80-key TMA: column blocks land 64 rows apart (overlapping [80][128 B] regions)
+  "tmab80-box-dst": [["fw_tma_load_2d(dst + cb * BC * 128,", "fw_tma_load_2d(dst + cb * 64 * 128,"]],
+}
+for name, pairs in L.items():
+    json.dump(pairs, open(f"{out}/mut_{name}.json", "w"))
 for name, pairs in T.items():
     json.dump(pairs, open(f"{out}/mut_{name}.json", "w"))
 for name, pairs in M.items():
     json.dump(pairs, open(f"{out}/mut_{name}.json", "w"))
 for name, pairs in W3.items():
     json.dump(pairs, open(f"{out}/mut_{name}.json", "w"))
-open(f"{out}/mutants.txt", "w").write("\n".join(list(M) + list(W3) + list(T)))
+open(f"{out}/mutants.txt", "w").write("\n".join(list(M) + list(W3) + list(T) + list(L)))
 PY
     for m in ${EMU_MUTANTS:-$(cat "$out/mutants.txt")}; do
-        gen flash_wg "$out/gen_flash_wg.inc" 0 "$out/mut_$m.json"
-        $CXX -o "$out/flash_wg_mut" "$here/flash_wg_emu.cpp"
-        case "$m" in wg3-*) variant=wg3 ;; tma-*) variant=wg3tma ;; *) variant=basic ;; esac
+        # A stale anchor (the kernel changed under the mutant) or a mutant that does not
+        # build is a failure of the check, reported, not a catch.
+        if ! { gen flash_wg "$out/gen_flash_wg.inc" 0 "$out/mut_$m.json" &&
+               gen_host "$out/flash_wg_emu_mut.cpp" "$out/mut_$m.json"; } 2> "$out/mut_$m.log"; then
+            echo "MUTANT NOT APPLIED: $m: $(tail -n 1 "$out/mut_$m.log")"; fails=$((fails + 1)); continue
+        fi
+        if ! $CXX -o "$out/flash_wg_mut" "$out/flash_wg_emu_mut.cpp" > "$out/mut_$m.log" 2>&1; then
+            echo "MUTANT DOES NOT BUILD: $m (see $out/mut_$m.log)"; fails=$((fails + 1)); continue
+        fi
+        case "$m" in
+        wg3-*) variant=wg3 ;;
+        tma-*) variant=wg3tma ;;
+        lean-*) variant=wg3tmal ;;
+        leanb80-*) variant=wg3tmalb80 ;;
+        tmab80-*) variant=wg3tmab80 ;;
+        *) variant=basic ;;
+        esac
         if EMU_SMEM_SHIFT=16 timeout 600 "$out/flash_wg_mut" quick $variant > "$out/mut_$m.log" 2>&1; then
             echo "MUTANT SURVIVED: $m"; fails=$((fails + 1))
         else
             echo "caught $m: $(grep -m1 -E 'EMU ERROR|FAIL' "$out/mut_$m.log" || tail -c 200 "$out/mut_$m.log")"
         fi
     done
-    [ "$fails" = 0 ] && echo "all mutants caught" || { echo "$fails mutant(s) survived"; exit 1; }
+    [ "$fails" = 0 ] && echo "all mutants caught" || { echo "$fails mutant(s) survived or not applied"; exit 1; }
     ;;
 *)
     gen flash "$out/gen_flash.inc" 1
