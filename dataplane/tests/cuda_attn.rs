@@ -176,6 +176,8 @@ mod gpu {
         FlashWg(Option<usize>),
         /// The same with another kernel (`FlashWgKernel::WarpSpecialized*`).
         FlashWgK(Option<usize>, attn::FlashWgKernel),
+        /// `attn::decode` (one query) with this many key splits (`None`: its own plan).
+        Decode(Option<usize>),
     }
 
     /// One case: random q/k/v at the given positions; fast path (workspace `budget`)
@@ -298,6 +300,13 @@ mod gpu {
                 );
                 (w, label)
             }
+            Path::Decode(split) => {
+                let w = format!(
+                    "{name} {} {nh}/{nkv}×{hd} tq={tq} n_kv={n} (decode, split {split:?})",
+                    T::SUFFIX
+                );
+                (w, "decode")
+            }
         };
         let mut fast = up::<T>(g, &vec![f32::NAN; on.max(1)]);
         let r = match path {
@@ -316,6 +325,9 @@ mod gpu {
                 attn::prefill_flash_wg_with(
                     g, &qd, &qp, &kd, &vd, &kp, &mut fast, tq, n, nh, nkv, hd, opts,
                 )
+            }
+            Path::Decode(split) => {
+                attn::decode(g, &qd, &qp, &kd, &vd, &kp, &mut fast, n, nh, nkv, hd, split)
             }
         };
         if let Err(e) = r.and_then(|_| g.sync()) {
@@ -365,6 +377,81 @@ mod gpu {
             tol,
             tol_max,
         );
+    }
+
+    /// `attn::decode` (one query token, split over the keys) vs the CPU and the tiled
+    /// kernel: causal caches of 0 to 20,000 keys (splits of its own plan, one split, more
+    /// splits than keys), a scattered seam cache with the query in the middle (half the
+    /// keys visible), a query that sees nothing, and GQA groups of 1 to 8 heads at head
+    /// dims 128 and 256.
+    #[test]
+    fn decode_bf16() {
+        let test = "decode_bf16";
+        let Some((g, _l)) = gpu(test) else { return };
+        let mut f = Failures::default();
+        let heads = [
+            (16, 2, 256),
+            (16, 2, 128),
+            (8, 8, 128),
+            (8, 1, 256),
+            (4, 4, 256),
+        ];
+        let mut seed = 900;
+        for &h in &heads {
+            for n in [0usize, 1, 5, 31, 32, 33, 100, 4096] {
+                let kv: Vec<i64> = (0..n as i64).collect();
+                for split in [None, Some(1), Some(7), Some(1024)] {
+                    seed += 1;
+                    case_path::<bf16>(
+                        &g,
+                        "decode causal",
+                        &[n as i64],
+                        &kv,
+                        h,
+                        Path::Decode(split),
+                        seed,
+                        &mut f,
+                    );
+                }
+            }
+        }
+        let long: Vec<i64> = (0..20_000i64).collect();
+        case_path::<bf16>(
+            &g,
+            "decode long",
+            &[19_999],
+            &long,
+            heads[0],
+            Path::Decode(None),
+            950,
+            &mut f,
+        );
+        let (_, kv_pos) = seam_positions();
+        for (i, &h) in heads.iter().enumerate() {
+            for qp in [230i64, 1050, -3, 100_000] {
+                case_path::<bf16>(
+                    &g,
+                    "decode seam",
+                    &[qp],
+                    &kv_pos,
+                    h,
+                    Path::Decode(None),
+                    960 + i as u64,
+                    &mut f,
+                );
+            }
+        }
+        // Shapes it refuses, with an error, not a panic: head dim 64, 16 heads per kv head.
+        let q = up::<bf16>(&g, &vec![0.0; 16 * 256]);
+        let p = g.upload(&[0i64]).unwrap();
+        let mut o = up::<bf16>(&g, &vec![0.0; 16 * 256]);
+        if attn::decode(&g, &q, &p, &q, &q, &p, &mut o, 1, 16, 1, 64, None).is_ok() {
+            f.fail("decode accepted head dim 64".into());
+        }
+        if attn::decode(&g, &q, &p, &q, &q, &p, &mut o, 1, 16, 1, 256, None).is_ok() {
+            f.fail("decode accepted 16 query heads per kv head".into());
+        }
+        f.assert_none(test);
     }
 
     fn seam_positions() -> (Vec<i64>, Vec<i64>) {

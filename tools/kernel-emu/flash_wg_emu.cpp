@@ -251,6 +251,15 @@ int main(int argc, char** argv) {
         if (a == "quick") quick = true;
         else which = a;
     }
+    static const char* const known[] = {"basic", "wg3", "wg3np", "wg3b80", "wg3tma", "wg3tmanp",
+                                        "wg3tmab80", "wg3tmal", "wg3tmalb80", "both", "all"};
+    bool ok = false;
+    for (const char* k : known) ok = ok || which == k;
+    if (!ok) {
+        std::fprintf(stderr, "unknown variant '%s' (basic|wg3|wg3np|wg3b80|wg3tma|wg3tmanp|wg3tmab80|wg3tmal|"
+                             "wg3tmalb80|both|all)\n", which.c_str());
+        return 2;
+    }
     if (which == "basic" || which == "both" || which == "all") {
         g_variant = 0;
         emu.eager_cp = eager;

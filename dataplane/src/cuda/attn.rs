@@ -1193,3 +1193,111 @@ pub fn prefill_flash_wg_with<T: Elem>(
     }
     Ok(())
 }
+
+/// Head dims of the decode kernel (`attn_decode_bf16_{hd}` in `kernels/attn.cu`).
+pub const DECODE_HEAD_DIMS: [usize; 2] = [128, 256];
+/// Fewest keys per split of the decode kernel's own plan ([`decode`] with `split: None`).
+pub const DECODE_KEYS_PER_SPLIT: usize = 64;
+/// Most key splits of the decode kernel's own plan (the merge reads every split's row:
+/// more splits shorten each warp's key loop but lengthen the merge).
+pub const DECODE_PLAN_MAX_SPLIT: usize = 128;
+/// Most key splits of the decode kernel.
+pub const DECODE_MAX_SPLIT: usize = 1024;
+/// Most query heads per kv head of the decode kernel (one warp each; its launch bound of
+/// 256 threads leaves each thread the registers for eight K and V rows in flight).
+pub const DECODE_MAX_GROUP: usize = 8;
+
+/// Attention of one query token (decode) over `n_kv` cached keys at any positions,
+/// split over the keys ("flash-decoding", `kernels/attn.cu`: `attn_decode_bf16_{hd}` then
+/// `attn_decode_combine_bf16`): the same contract as [`prefill`] with `tq = 1`.
+///
+/// * `q`: `[1, nh, hd]`, `q_pos`: `[1]` i64; `k`, `v`: `[n_kv, nkv, hd]`, `kv_pos`:
+///   `[n_kv]` i64 (key j visible iff `kv_pos[j] ≤ q_pos[0]`); `o`: `[1, nh, hd]` (zeros
+///   when no key is visible).
+/// * `split`: key ranges per kv head (`None`: at least [`DECODE_KEYS_PER_SPLIT`] keys
+///   each, at most [`DECODE_PLAN_MAX_SPLIT`] ranges; given: clamped to
+///   `1..=`[`DECODE_MAX_SPLIT`]); one block per (kv head, range) whose warps are the
+///   group's query heads, so each K/V row is read from memory once per group.
+///
+/// Workspace: `nsplit·nh·(hd + 2)` floats (scratch). bf16 only, `hd` ∈
+/// [`DECODE_HEAD_DIMS`], `nh / nkv ≤` [`DECODE_MAX_GROUP`]; otherwise [`CudaError::Shape`]
+/// (never a panic).
+#[allow(clippy::too_many_arguments)]
+pub fn decode<T: Elem>(
+    gpu: &Gpu,
+    q: &CudaSlice<T>,
+    q_pos: &CudaSlice<i64>,
+    k: &CudaSlice<T>,
+    v: &CudaSlice<T>,
+    kv_pos: &CudaSlice<i64>,
+    o: &mut CudaSlice<T>,
+    n_kv: usize,
+    nh: usize,
+    nkv: usize,
+    hd: usize,
+    split: Option<usize>,
+) -> Result<()> {
+    if T::SUFFIX != "bf16" || !DECODE_HEAD_DIMS.contains(&hd) {
+        return Err(CudaError::Shape(format!(
+            "attn::decode takes bf16 with head_dim in {DECODE_HEAD_DIMS:?}, got {} × {hd}",
+            T::SUFFIX
+        )));
+    }
+    check_args(q, q_pos, k, v, kv_pos, o, 1, n_kv, nh, nkv, hd)?;
+    let group = nh / nkv;
+    if group > DECODE_MAX_GROUP {
+        return Err(CudaError::Shape(format!(
+            "attn::decode needs at most {DECODE_MAX_GROUP} query heads per kv head, got {nh} / \
+             {nkv}"
+        )));
+    }
+    if nh == 0 {
+        return Ok(());
+    }
+    let nsplit = split
+        .unwrap_or_else(|| {
+            n_kv.div_ceil(DECODE_KEYS_PER_SPLIT)
+                .min(DECODE_PLAN_MAX_SPLIT)
+        })
+        .clamp(1, DECODE_MAX_SPLIT);
+    let mut wo = gpu.scratch::<f32>(nsplit * nh * hd)?;
+    let mut wml = gpu.scratch::<f32>(nsplit * nh * 2)?;
+    let (n_i, nh_i, nkv_i) = (i32_dim("n_kv", n_kv)?, nh as i32, nkv as i32);
+    let scale_log2 = (hd as f32).powf(-0.5) * std::f32::consts::LOG2_E;
+    let stream = gpu.stream();
+    let f = gpu.function(&ATTN, &format!("attn_decode_bf16_{hd}"), 0)?;
+    let cfg = LaunchConfig {
+        grid_dim: (nkv as u32, nsplit as u32, 1),
+        block_dim: (32 * group as u32, 1, 1),
+        shared_mem_bytes: 0,
+    };
+    let mut b = stream.launch_builder(&f);
+    b.arg(q)
+        .arg(q_pos)
+        .arg(k)
+        .arg(v)
+        .arg(kv_pos)
+        .arg(&mut wo)
+        .arg(&mut wml)
+        .arg(&n_i)
+        .arg(&nh_i)
+        .arg(&nkv_i)
+        .arg(&scale_log2);
+    // SAFETY: matches `attn_decode_bf16_{hd}` (block 32·G ≤ 256 threads); lengths checked
+    // by check_args (q: nh·hd, k/v: n_kv·nkv·hd, kv_pos: n_kv, q_pos: 1); wo/wml sized for
+    // nsplit·nh rows, every (split, head) row written by its warp.
+    unsafe { b.launch(cfg) }?;
+    let f = gpu.function(&ATTN, "attn_decode_combine_bf16", 0)?;
+    let cfg = LaunchConfig {
+        grid_dim: (nh as u32, 1, 1),
+        block_dim: (hd as u32, 1, 1),
+        shared_mem_bytes: (nsplit * 4) as u32,
+    };
+    let (hd_i, ns_i) = (hd as i32, nsplit as i32);
+    let mut b = stream.launch_builder(&f);
+    b.arg(&wo).arg(&wml).arg(o).arg(&nh_i).arg(&hd_i).arg(&ns_i);
+    // SAFETY: matches `attn_decode_combine_bf16`; wo/wml written above for nsplit·nh rows,
+    // o holds nh·hd elements; nsplit floats of dynamic shared memory (≤ 4 KiB).
+    unsafe { b.launch(cfg) }?;
+    Ok(())
+}

@@ -1907,6 +1907,26 @@ where
         kv.append(g, &k, &v, pos, t)?;
         let mut o: Scratch<T> = g.scratch(t * nh * hd)?;
         if T::SUFFIX == "bf16"
+            && t == 1
+            && attn::DECODE_HEAD_DIMS.contains(&hd)
+            && nh / nkv <= attn::DECODE_MAX_GROUP
+        {
+            // One token (decode): the split-key decode kernel.
+            attn::decode(
+                g,
+                &q,
+                pos,
+                kv.k(),
+                kv.v(),
+                kv.pos(),
+                &mut o,
+                kv.len,
+                nh,
+                nkv,
+                hd,
+                None,
+            )?;
+        } else if T::SUFFIX == "bf16"
             && t >= ATTN_FLASH_MIN_TQ
             && attn::FLASH_WG_HEAD_DIMS.contains(&hd)
             && g.arch() == "sm_90a"
