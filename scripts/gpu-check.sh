@@ -54,9 +54,14 @@ build() {
     wantb "${pair%%:*}" || continue
     name=${pair#*:}
     exe=$(cargo test --release -p hypic-dataplane --features cuda --test "$name" --no-run \
-          --message-format=json 2>/dev/null | grep -o "\"executable\":\"[^\"]*$name[^\"]*\"" | tail -1 \
+          --message-format=json 2>"$CARGO_TARGET_DIR/gpu-check-$name.log" \
+          | grep -o "\"executable\":\"[^\"]*$name[^\"]*\"" | tail -1 \
           | sed 's/"executable":"\(.*\)"/\1/')
-    [ -n "$exe" ] || { echo "could not build the $name test binary" >&2; exit 1; }
+    [ -n "$exe" ] || {
+      echo "could not build the $name test binary; cargo said:" >&2
+      tail -40 "$CARGO_TARGET_DIR/gpu-check-$name.log" >&2
+      exit 1
+    }
     cp "$exe" ".device/bin/$name"
     built+=(".device/bin/$name")
   done
