@@ -921,7 +921,11 @@ pub fn encode_kv_map(
         return Ok(m);
     }
     let row = nkv * hd;
-    if ptr % 16 != 0 || (row * 2) % 16 != 0 || hd % 64 != 0 || !(1..=256).contains(&bc) {
+    if !ptr.is_multiple_of(16)
+        || !(row * 2).is_multiple_of(16)
+        || !hd.is_multiple_of(64)
+        || !(1..=256).contains(&bc)
+    {
         return Err(CudaError::Shape(format!(
             "attn: TMA map needs a 16-byte aligned buffer and rows of a multiple of 16 bytes \
              and 1 to 256 rows per box (address {ptr:#x}, {nkv} kv heads × {hd}, {bc} rows)"

@@ -373,13 +373,10 @@ impl PicEngine {
                         continue;
                     };
                     drop(pool);
-                    for j in 0..n {
-                        stats.segments.push(stat(
-                            j,
-                            Outcome::PrefixHit,
-                            0,
-                            segments[j].tokens.len(),
-                        ));
+                    for (j, seg) in segments.iter().enumerate().take(n) {
+                        stats
+                            .segments
+                            .push(stat(j, Outcome::PrefixHit, 0, seg.tokens.len()));
                     }
                     stats.hits = n;
                     stats.tokens_reused = segments.iter().map(|s| s.tokens.len()).sum();
@@ -391,10 +388,10 @@ impl PicEngine {
                 }
                 state = snap.state.clone();
                 start = i;
-                for j in 0..i {
+                for (j, seg) in segments.iter().enumerate().take(i) {
                     stats
                         .segments
-                        .push(stat(j, Outcome::PrefixHit, 0, segments[j].tokens.len()));
+                        .push(stat(j, Outcome::PrefixHit, 0, seg.tokens.len()));
                 }
                 break;
             }
