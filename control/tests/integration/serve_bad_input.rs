@@ -269,3 +269,100 @@ async fn empty_messages() {
     assert_error(st, &v, 400, "invalid_value");
     still_healthy(&s).await;
 }
+
+/// The error's `param`, and that its message has each of `words` and names no Rust
+/// type (serde's `untagged enum StopSpec`, `struct ChatMessageIn`, `i64`).
+fn assert_names(v: &serde_json::Value, param: Option<&str>, words: &[&str]) {
+    let e = &v["error"];
+    match param {
+        Some(p) => assert_eq!(e["param"], p, "{v}"),
+        None => assert!(e["param"].is_null(), "{v}"),
+    }
+    let m = e["message"].as_str().unwrap();
+    for w in words {
+        assert!(m.contains(w), "message lacks {w:?}: {v}");
+    }
+    for leak in [
+        "untagged",
+        "enum ",
+        "struct ",
+        "StopSpec",
+        "MessageContent",
+        "PromptSpec",
+        "ContentPart",
+        "ChatMessageIn",
+        "i64",
+        "u64",
+        "usize",
+        "f32",
+        "\u{1}",
+    ] {
+        assert!(!m.contains(leak), "message leaks {leak:?}: {v}");
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn body_must_be_a_json_object() {
+    let s = start(|_| {}).await;
+    for (body, kind) in [
+        (&b"[\"hello\"]"[..], "not an array"),
+        (b" [{\"prompt\": \"x\"}]", "not an array"),
+        (b"[]", "not an array"),
+        (b"\"hello\"", "not a string"),
+        (b"5", "not a number"),
+        (b"null", "not null"),
+        (b"true", "not a boolean"),
+    ] {
+        for path in ["/v1/completions", "/v1/chat/completions"] {
+            let (st, _, v) = s
+                .raw(Method::POST, path, Some(&s.token), body.to_vec())
+                .await;
+            assert_error(st, &v, 400, "invalid_type");
+            assert_names(&v, None, &["the request body must be a JSON object", kind]);
+        }
+    }
+    still_healthy(&s).await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn type_errors_in_json_terms() {
+    let s = start(|_| {}).await;
+    let cases = [
+        (
+            "/v1/completions",
+            json!({"prompt": "x", "max_tokens": "ten"}),
+            "max_tokens",
+            "'max_tokens' must be an integer (got the string \"ten\")",
+        ),
+        (
+            "/v1/completions",
+            json!({"prompt": "x", "seed": -1}),
+            "seed",
+            "'seed' must be a non-negative integer (got the number -1)",
+        ),
+        (
+            "/v1/completions",
+            json!({"prompt": "x", "temperature": [1]}),
+            "temperature",
+            "'temperature' must be a number (got an array)",
+        ),
+        (
+            "/v1/chat/completions",
+            json!({"messages": ["hi"]}),
+            "messages[0]",
+            "'messages[0]' must be an object (got the string \"hi\")",
+        ),
+        (
+            "/v1/chat/completions",
+            json!({"messages": {"role": "user"}}),
+            "messages",
+            "'messages' must be an array (got an object)",
+        ),
+    ];
+    for (path, body, param, words) in cases {
+        let (st, v) = s.post(path, &body).await;
+        assert_error(st, &v, 400, "invalid_type");
+        assert_names(&v, Some(param), &[words]);
+    }
+    still_healthy(&s).await;
+}
