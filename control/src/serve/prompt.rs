@@ -59,14 +59,23 @@ pub fn chat_segments(tok: &Tokenizer, msgs: &[ChatMessageIn]) -> Result<Vec<Stri
             None => vec![String::new()],
             Some(MessageContent::Text(t)) => vec![t.clone()],
             Some(MessageContent::Parts(ps)) => {
+                let param = format!("messages[{i}].content");
                 let mut v = Vec::with_capacity(ps.len());
                 for (j, p) in ps.iter().enumerate() {
                     if p.kind != "text" {
                         return Err(ServeError::invalid_param(
-                            &format!("messages[{i}].content[{j}].type"),
+                            &format!("{param}[{j}].type"),
                             format!(
-                                "content part type {:?} is not supported (only \"text\")",
+                                "only text content parts are supported; '{param}[{j}]' has type {:?}",
                                 p.kind
+                            ),
+                        ));
+                    }
+                    if let Some(f) = p.other_fields.first() {
+                        return Err(ServeError::invalid_param(
+                            &format!("{param}[{j}].{f}"),
+                            format!(
+                                "unknown field {f:?} in the text content part '{param}[{j}]' (a text part has 'type' and 'text')"
                             ),
                         ));
                     }
@@ -74,8 +83,10 @@ pub fn chat_segments(tok: &Tokenizer, msgs: &[ChatMessageIn]) -> Result<Vec<Stri
                         Some(t) => v.push(t.clone()),
                         None => {
                             return Err(ServeError::invalid_param(
-                                &format!("messages[{i}].content[{j}].text"),
-                                "a text content part needs 'text'",
+                                &format!("{param}[{j}].text"),
+                                format!(
+                                    "the text content part '{param}[{j}]' needs a string 'text'"
+                                ),
                             ))
                         }
                     }

@@ -540,10 +540,10 @@ fn check_max_tokens(
 
 fn check_stops(stop: Option<StopSpec>) -> Result<Vec<String>, ServeError> {
     let v = stop.map(|s| s.into_vec()).unwrap_or_default();
-    if v.len() > 4 {
+    if v.len() > MAX_STOPS {
         return Err(ServeError::invalid_param(
             "stop",
-            "at most 4 stop sequences",
+            format!("'stop' must be a string or an array of up to {MAX_STOPS} strings"),
         ));
     }
     if v.iter().any(|s| s.len() > 256) {

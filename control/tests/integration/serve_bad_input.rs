@@ -366,3 +366,143 @@ async fn type_errors_in_json_terms() {
     }
     still_healthy(&s).await;
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn stop_of_the_wrong_type() {
+    let s = start(|_| {}).await;
+    let rule = "'stop' must be a string or an array of up to 4 strings";
+    for (stop, found) in [
+        (json!(5), "the number 5"),
+        (json!([1, 2]), "element 0 is the number 1"),
+        (json!(["a", true]), "element 1 is the boolean true"),
+        (json!(["a", null]), "element 1 is null"),
+        (json!({"a": 1}), "an object"),
+        (json!(false), "the boolean false"),
+        (json!(["a", "b", "c", "d", "e"]), "got 5"),
+    ] {
+        for (path, body) in [
+            ("/v1/completions", json!({"prompt": "x", "stop": stop})),
+            (
+                "/v1/chat/completions",
+                json!({"messages": [{"role": "user", "content": "x"}], "stop": stop}),
+            ),
+        ] {
+            let (st, v) = s.post(path, &body).await;
+            assert_error(st, &v, 400, "invalid_type");
+            assert_names(&v, Some("stop"), &[rule, found]);
+        }
+    }
+    // Null is "no stop sequences"; a string and up to four strings are fine.
+    for stop in [json!(null), json!("zz"), json!(["zz", "yy", "xx", "ww"])] {
+        let (st, v) = s
+            .post(
+                "/v1/completions",
+                &json!({"prompt": "x", "max_tokens": 1, "stop": stop}),
+            )
+            .await;
+        assert_eq!(st, 200, "{stop}: {v}");
+    }
+    // `prompt` is read the same way.
+    let (st, v) = s.post("/v1/completions", &json!({"prompt": [1, 2]})).await;
+    assert_error(st, &v, 400, "invalid_type");
+    assert_names(
+        &v,
+        Some("prompt"),
+        &[
+            "'prompt' must be a string or an array of strings",
+            "element 0",
+        ],
+    );
+    still_healthy(&s).await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn chat_content_of_the_wrong_type() {
+    let s = start(|_| {}).await;
+    let chat = |content: serde_json::Value| {
+        json!({"messages": [
+            {"role": "system", "content": "be brief"},
+            {"role": "user", "content": content},
+        ]})
+    };
+    let rule = "'messages[1].content' must be a string or an array of content parts";
+    for (content, found) in [
+        (json!(5), "the number 5"),
+        (json!(true), "the boolean true"),
+        (json!({"type": "text", "text": "x"}), "an object"),
+    ] {
+        let (st, v) = s.post("/v1/chat/completions", &chat(content)).await;
+        assert_error(st, &v, 400, "invalid_type");
+        assert_names(&v, Some("messages[1].content"), &[rule, found]);
+    }
+    // A part that is not an object names the part.
+    for part in [json!(5), json!("hi"), json!(["text", "hi"])] {
+        let (st, v) = s.post("/v1/chat/completions", &chat(json!([part]))).await;
+        assert_error(st, &v, 400, "invalid_type");
+        assert_names(
+            &v,
+            Some("messages[1].content[0]"),
+            &["'messages[1].content[0]' must be a content part object"],
+        );
+    }
+    // Image (and other non-text) parts: only text is supported.
+    for part in [
+        json!({"type": "image_url", "image_url": {"url": "https://example.com/cat.png"}}),
+        json!({"type": "input_audio", "input_audio": {"data": "", "format": "wav"}}),
+    ] {
+        let (st, v) = s
+            .post(
+                "/v1/chat/completions",
+                &chat(json!([{"type": "text", "text": "what is this?"}, part])),
+            )
+            .await;
+        assert_error(st, &v, 400, "invalid_value");
+        assert_names(
+            &v,
+            Some("messages[1].content[1].type"),
+            &[
+                "only text content parts are supported",
+                "messages[1].content[1]",
+            ],
+        );
+    }
+    // A text part with a wrongly typed, missing or unknown field.
+    let cases = [
+        (
+            json!({"type": "text", "text": 7}),
+            "invalid_type",
+            "messages[1].content[0].text",
+            "must be a string",
+        ),
+        (
+            json!({"type": 3, "text": "x"}),
+            "invalid_type",
+            "messages[1].content[0].type",
+            "must be a string",
+        ),
+        (
+            json!({"text": "x"}),
+            "invalid_type",
+            "messages[1].content[0]",
+            "'type'",
+        ),
+        (
+            json!({"type": "text"}),
+            "invalid_value",
+            "messages[1].content[0].text",
+            "needs a string 'text'",
+        ),
+        (
+            json!({"type": "text", "text": "x", "txet": "y"}),
+            "invalid_value",
+            "messages[1].content[0].txet",
+            "unknown field \"txet\"",
+        ),
+    ];
+    for (part, code, param, words) in cases {
+        let (st, v) = s.post("/v1/chat/completions", &chat(json!([part]))).await;
+        assert_error(st, &v, 400, code);
+        assert_names(&v, Some(param), &[words]);
+    }
+    still_healthy(&s).await;
+}
