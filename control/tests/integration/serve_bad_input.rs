@@ -506,3 +506,106 @@ async fn chat_content_of_the_wrong_type() {
     }
     still_healthy(&s).await;
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn empty_segments_name_segments() {
+    let s = start(|_| {}).await;
+    let (st, v) = s.post("/v1/completions", &json!({"segments": []})).await;
+    assert_error(st, &v, 400, "invalid_value");
+    assert_names(&v, Some("segments"), &["'segments'", "empty array"]);
+    // Segments that are all empty text: the prompt is empty, and it came from `segments`.
+    let (st, v) = s
+        .post(
+            "/v1/completions",
+            &json!({"segments": [{"text": ""}, {"text": ""}]}),
+        )
+        .await;
+    assert_error(st, &v, 400, "invalid_value");
+    assert_names(&v, Some("segments"), &["'segments'", "empty"]);
+    let (st, v) = s.post("/v1/completions", &json!({"prompt": ""})).await;
+    assert_error(st, &v, 400, "invalid_value");
+    assert_names(&v, Some("prompt"), &["'prompt' is empty"]);
+    let (st, v) = s
+        .post("/v1/completions", &json!({"prompt": ["hello", ""]}))
+        .await;
+    assert_error(st, &v, 400, "invalid_value");
+    assert_names(&v, Some("prompt"), &["'prompt[1]' is empty"]);
+    still_healthy(&s).await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn chat_null_and_empty_content() {
+    let s = start(|_| {}).await;
+    let post = |msgs: serde_json::Value| {
+        let s = &s;
+        async move {
+            s.post(
+                "/v1/chat/completions",
+                &json!({"messages": msgs, "max_tokens": 1}),
+            )
+            .await
+        }
+    };
+    // Null or missing content: only valid for assistant tool calls (not supported).
+    for role in ["user", "system", "assistant"] {
+        for msg in [
+            json!({"role": role, "content": null}),
+            json!({"role": role}),
+        ] {
+            let (st, v) = post(json!([{"role": "user", "content": "hi"}, msg])).await;
+            assert_error(st, &v, 400, "invalid_value");
+            assert_names(
+                &v,
+                Some("messages[1].content"),
+                &[
+                    "'messages[1].content' is missing or null",
+                    &format!("role {role:?}"),
+                ],
+            );
+        }
+    }
+    let (st, v) = post(json!([
+        {"role": "user", "content": "hi"},
+        {"role": "assistant", "content": null,
+         "tool_calls": [{"id": "c1", "type": "function", "function": {"name": "f", "arguments": "{}"}}]},
+    ]))
+    .await;
+    assert_error(st, &v, 400, "invalid_value");
+    assert_names(
+        &v,
+        Some("messages[1].tool_calls"),
+        &["tool calls are not supported"],
+    );
+    // An empty array of parts.
+    for role in ["user", "system"] {
+        let (st, v) = post(json!([
+            {"role": "user", "content": "hi"},
+            {"role": role, "content": []},
+        ]))
+        .await;
+        assert_error(st, &v, 400, "invalid_value");
+        assert_names(
+            &v,
+            Some("messages[1].content"),
+            &["'messages[1].content' is an empty array"],
+        );
+    }
+    // Empty strings: fine in a conversation with text, a 400 when all are empty.
+    for msgs in [
+        json!([{"role": "user", "content": ""}]),
+        json!([{"role": "system", "content": ""}, {"role": "user", "content": ""}]),
+        json!([{"role": "user", "content": [{"type": "text", "text": ""}]}]),
+    ] {
+        let (st, v) = post(msgs.clone()).await;
+        assert_error(st, &v, 400, "invalid_value");
+        assert_names(&v, Some("messages"), &["'messages'", "empty content"]);
+    }
+    for msgs in [
+        json!([{"role": "system", "content": ""}, {"role": "user", "content": "hi"}]),
+        json!([{"role": "user", "content": [{"type": "text", "text": ""}, {"type": "text", "text": "hi"}]}]),
+    ] {
+        let (st, v) = post(msgs.clone()).await;
+        assert_eq!(st, 200, "{msgs}: {v}");
+    }
+    still_healthy(&s).await;
+}
