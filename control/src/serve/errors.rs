@@ -145,6 +145,69 @@ impl IntoResponse for ServeError {
     }
 }
 
+/// Starts the message of a [`field_rule`] error.
+const RULE_MARK: &str = "\u{1}rule:";
+
+/// A deserialisation error that states the rule a field breaks, e.g. `must be a
+/// string or an array of up to 4 strings`; [`parse_json`] puts the field's path in
+/// front of it.
+pub fn field_rule<E: serde::de::Error>(rule: impl std::fmt::Display) -> E {
+    E::custom(format_args!("{RULE_MARK}{rule}"))
+}
+
+/// What serde expected, in JSON's terms (serde names Rust types: `i64`, `struct X`).
+fn json_expected(exp: &str) -> String {
+    match exp {
+        "i8" | "i16" | "i32" | "i64" | "i128" | "isize" => "an integer".into(),
+        "u8" | "u16" | "u32" | "u64" | "u128" | "usize" => "a non-negative integer".into(),
+        "f32" | "f64" => "a number".into(),
+        "a sequence" => "an array".into(),
+        "a map" => "an object".into(),
+        e if e.starts_with("struct ") || e.starts_with("enum ") => "an object".into(),
+        e => e.into(),
+    }
+}
+
+/// What serde found, in JSON's terms.
+fn json_unexpected(unexp: &str) -> String {
+    match unexp {
+        "map" => return "an object".into(),
+        "sequence" => return "an array".into(),
+        "unit value" => return "null".into(),
+        _ => {}
+    }
+    for (serde_word, json_word) in [
+        ("floating point ", "the number "),
+        ("integer ", "the number "),
+        ("boolean ", "the boolean "),
+        ("string ", "the string "),
+    ] {
+        if let Some(v) = unexp.strip_prefix(serde_word) {
+            return format!("{json_word}{}", v.trim_matches('`'));
+        }
+    }
+    unexp.into()
+}
+
+/// The message of a data error at `path` (non-empty): `'path' must be …`.
+fn data_message(path: &str, msg: &str) -> String {
+    if let Some(rule) = msg.strip_prefix(RULE_MARK) {
+        return format!("'{path}' {rule}");
+    }
+    for prefix in ["invalid type: ", "invalid value: "] {
+        if let Some(rest) = msg.strip_prefix(prefix) {
+            if let Some((unexp, exp)) = rest.rsplit_once(", expected ") {
+                return format!(
+                    "'{path}' must be {} (got {})",
+                    json_expected(exp),
+                    json_unexpected(unexp)
+                );
+            }
+        }
+    }
+    format!("invalid value for '{path}': {msg}")
+}
+
 /// Parses a JSON request body: invalid UTF-8, malformed JSON and wrong types are
 /// 400s naming the problem (and the field path for type errors).
 pub fn parse_json<T: serde::de::DeserializeOwned>(bytes: &[u8]) -> Result<T, ServeError> {
@@ -167,6 +230,24 @@ pub fn parse_json<T: serde::de::DeserializeOwned>(bytes: &[u8]) -> Result<T, Ser
             format!("malformed JSON: {e}"),
         ));
     }
+    // A body is a JSON object (serde would read a struct from an array too, and
+    // report the first element as `[0]`).
+    match bytes.iter().find(|b| !b.is_ascii_whitespace()) {
+        Some(b'{') => {}
+        first => {
+            let kind = match first {
+                Some(b'[') => "an array",
+                Some(b'"') => "a string",
+                Some(b't' | b'f') => "a boolean",
+                Some(b'n') => "null",
+                _ => "a number",
+            };
+            return Err(ServeError::bad_request(
+                "invalid_type",
+                format!("the request body must be a JSON object, not {kind}"),
+            ));
+        }
+    }
     let de = &mut serde_json::Deserializer::from_slice(bytes);
     match serde_path_to_error::deserialize::<_, T>(de) {
         Ok(v) => Ok(v),
@@ -180,17 +261,19 @@ pub fn parse_json<T: serde::de::DeserializeOwned>(bytes: &[u8]) -> Result<T, Ser
                     format!("malformed JSON: {inner}"),
                 )),
                 Category::Data => {
-                    let mut err = ServeError::bad_request(
-                        "invalid_type",
-                        if path.is_empty() || path == "." {
-                            format!("invalid request body: {inner}")
-                        } else {
-                            format!("invalid value for '{path}': {inner}")
-                        },
-                    );
-                    if !path.is_empty() && path != "." {
-                        err.param = Some(path);
+                    // The bare message: the field's path says where, not line and column.
+                    let full = inner.to_string();
+                    let at = format!(" at line {} column {}", inner.line(), inner.column());
+                    let msg = full.strip_suffix(at.as_str()).unwrap_or(&full);
+                    if path.is_empty() || path == "." {
+                        let msg = msg.strip_prefix(RULE_MARK).unwrap_or(msg);
+                        return Err(ServeError::bad_request(
+                            "invalid_type",
+                            format!("invalid request body: {msg}"),
+                        ));
                     }
+                    let mut err = ServeError::bad_request("invalid_type", data_message(&path, msg));
+                    err.param = Some(path);
                     Err(err)
                 }
             }

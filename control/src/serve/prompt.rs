@@ -44,6 +44,7 @@ pub fn chat_segments(tok: &Tokenizer, msgs: &[ChatMessageIn]) -> Result<Vec<Stri
         ));
     }
     let mut conv = Vec::with_capacity(msgs.len());
+    let mut any_text = false;
     for (i, m) in msgs.iter().enumerate() {
         if !ROLES.contains(&m.role.as_str()) {
             return Err(ServeError::invalid_param(
@@ -55,18 +56,55 @@ pub fn chat_segments(tok: &Tokenizer, msgs: &[ChatMessageIn]) -> Result<Vec<Stri
                 ),
             ));
         }
+        let param = format!("messages[{i}].content");
         let parts: Vec<String> = match &m.content {
-            None => vec![String::new()],
+            // OpenAI allows null content only for assistant messages with tool calls.
+            None if m.role == "assistant" && m.tool_calls.is_some() => {
+                let param = format!("messages[{i}].tool_calls");
+                return Err(ServeError::invalid_param(
+                    &param,
+                    format!(
+                        "'{param}': tool calls are not supported; \
+                         give the assistant message's text in 'content'"
+                    ),
+                ));
+            }
+            None => {
+                return Err(ServeError::invalid_param(
+                    &param,
+                    format!(
+                        "'{param}' is missing or null; a message with role {:?} needs a string or an array of text parts",
+                        m.role
+                    ),
+                ))
+            }
             Some(MessageContent::Text(t)) => vec![t.clone()],
+            Some(MessageContent::Parts(ps)) if ps.is_empty() => {
+                return Err(ServeError::invalid_param(
+                    &param,
+                    format!(
+                        "'{param}' is an empty array; \
+                         give at least one text part (or a string)"
+                    ),
+                ))
+            }
             Some(MessageContent::Parts(ps)) => {
                 let mut v = Vec::with_capacity(ps.len());
                 for (j, p) in ps.iter().enumerate() {
                     if p.kind != "text" {
                         return Err(ServeError::invalid_param(
-                            &format!("messages[{i}].content[{j}].type"),
+                            &format!("{param}[{j}].type"),
                             format!(
-                                "content part type {:?} is not supported (only \"text\")",
+                                "only text content parts are supported; '{param}[{j}]' has type {:?}",
                                 p.kind
+                            ),
+                        ));
+                    }
+                    if let Some(f) = p.other_fields.first() {
+                        return Err(ServeError::invalid_param(
+                            &format!("{param}[{j}].{f}"),
+                            format!(
+                                "unknown field {f:?} in the text content part '{param}[{j}]' (a text part has 'type' and 'text')"
                             ),
                         ));
                     }
@@ -74,21 +112,18 @@ pub fn chat_segments(tok: &Tokenizer, msgs: &[ChatMessageIn]) -> Result<Vec<Stri
                         Some(t) => v.push(t.clone()),
                         None => {
                             return Err(ServeError::invalid_param(
-                                &format!("messages[{i}].content[{j}].text"),
-                                "a text content part needs 'text'",
+                                &format!("{param}[{j}].text"),
+                                format!("the text content part '{param}[{j}]' needs a string 'text'"),
                             ))
                         }
                     }
-                }
-                if v.is_empty() {
-                    v.push(String::new());
                 }
                 v
             }
         };
         if parts.iter().any(|p| p.contains(PART_MARK)) {
             return Err(ServeError::invalid_param(
-                &format!("messages[{i}].content"),
+                &param,
                 "content contains the reserved character U+10FFFD",
             ));
         }
@@ -101,10 +136,18 @@ pub fn chat_segments(tok: &Tokenizer, msgs: &[ChatMessageIn]) -> Result<Vec<Stri
             }
             _ => parts.join(PART_MARK),
         };
+        any_text |= parts.iter().any(|p| !p.is_empty());
         conv.push(ChatMessage {
             role: m.role.clone(),
             content,
         });
+    }
+    // An empty message is fine in a conversation, an empty conversation is not.
+    if !any_text {
+        return Err(ServeError::invalid_param(
+            "messages",
+            "every message in 'messages' has empty content; give some text to complete",
+        ));
     }
     let render = |k: usize, gen: bool| {
         tok.apply_chat_template(&conv[..k], gen)

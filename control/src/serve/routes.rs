@@ -310,17 +310,25 @@ pub(crate) async fn catalog_tokens(
 
 /// Resolves and tokenises a request's segments for `tenant`: catalog segments get
 /// a version pinned in one snapshot and the isolation key the control plane
-/// derives; inline text gets the tenant's private key.
+/// derives; inline text gets the tenant's private key. `field` is the request
+/// field the segments came from (`messages`, `prompt` or `segments`), named by the
+/// errors about the prompt as a whole; `empty` is the message when it has no tokens.
 pub async fn resolve(
     s: &AppState,
     tenant: &str,
     salt: Option<&str>,
     sources: Vec<SegSource>,
+    field: &str,
+    empty: &str,
 ) -> Result<Vec<Resolved>, ServeError> {
     if sources.len() > prompt::MAX_SEGMENTS {
         return Err(ServeError::invalid_param(
-            "segments",
-            format!("at most {} segments per request", prompt::MAX_SEGMENTS),
+            field,
+            format!(
+                "at most {} segments per request (got {})",
+                prompt::MAX_SEGMENTS,
+                sources.len()
+            ),
         ));
     }
     if let Some(salt) = salt {
@@ -438,12 +446,12 @@ pub async fn resolve(
         }
     }
     if out.is_empty() {
-        return Err(ServeError::invalid_param("prompt", "the prompt is empty"));
+        return Err(ServeError::invalid_param(field, empty));
     }
     let total: usize = out.iter().map(|r| r.tokens.len()).sum();
     if total > s.0.ctx {
         return Err(ServeError {
-            param: Some("messages".into()),
+            param: Some(field.into()),
             ..ServeError::bad_request(
                 "context_length_exceeded",
                 format!(
@@ -540,10 +548,10 @@ fn check_max_tokens(
 
 fn check_stops(stop: Option<StopSpec>) -> Result<Vec<String>, ServeError> {
     let v = stop.map(|s| s.into_vec()).unwrap_or_default();
-    if v.len() > 4 {
+    if v.len() > MAX_STOPS {
         return Err(ServeError::invalid_param(
             "stop",
-            "at most 4 stop sequences",
+            format!("'stop' must be a string or an array of up to {MAX_STOPS} strings"),
         ));
     }
     if v.iter().any(|s| s.len() > 256) {
@@ -1054,6 +1062,12 @@ async fn completions_inner(
                 .collect()
         }
         (None, Some(items)) => {
+            if items.is_empty() {
+                return Err(ServeError::invalid_param(
+                    "segments",
+                    "'segments' is an empty array; give at least one segment",
+                ));
+            }
             let mut v = Vec::with_capacity(items.len());
             for (i, it) in items.iter().enumerate() {
                 v.push(match (&it.text, &it.id) {
@@ -1085,24 +1099,20 @@ async fn completions_inner(
         }
     };
     let stops = check_stops(req.stop.clone())?;
+    let several = matches!(req.prompt, Some(PromptSpec::Many(ref v)) if v.len() > 1);
     let mut prompts = Vec::with_capacity(sources.len());
-    for src in sources {
-        let resolved = resolve(s, &p.tenant, salt.as_deref(), src)
-            .await
-            .map_err(|mut e| {
-                // `resolve` is shared with chat; here the prompt is `prompt`/`segments`.
-                if e.param.as_deref() == Some("messages") {
-                    e.param = Some(
-                        if req.segments.is_some() {
-                            "segments"
-                        } else {
-                            "prompt"
-                        }
-                        .into(),
-                    );
-                }
-                e
-            })?;
+    for (i, src) in sources.into_iter().enumerate() {
+        let (field, empty) = if req.segments.is_some() {
+            (
+                "segments",
+                "every segment in 'segments' is empty".to_string(),
+            )
+        } else if several {
+            ("prompt", format!("'prompt[{i}]' is empty"))
+        } else {
+            ("prompt", "'prompt' is empty".to_string())
+        };
+        let resolved = resolve(s, &p.tenant, salt.as_deref(), src, field, &empty).await?;
         prompts.push(resolved);
     }
     let longest = prompts
@@ -1176,6 +1186,8 @@ async fn chat_inner(
         &p.tenant,
         salt.as_deref(),
         texts.into_iter().map(SegSource::Text).collect(),
+        "messages",
+        "the conversation renders to an empty prompt",
     )
     .await?;
     let prompt_tokens: usize = segs.iter().map(|r| r.tokens.len()).sum();

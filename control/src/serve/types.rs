@@ -2,11 +2,16 @@
 //!
 //! Requests accept unknown fields (OpenAI clients send many optional parameters);
 //! known fields with a wrong type are rejected with a 400 naming the field.
+use super::errors::field_rule;
+use serde::de::{self, Deserializer, IgnoredAny, MapAccess, SeqAccess, Visitor};
 use serde::{Deserialize, Serialize};
+use std::fmt;
+
+/// At most this many stop sequences per request.
+pub const MAX_STOPS: usize = 4;
 
 /// `stop`: one string or a list of strings.
-#[derive(Clone, Debug, Deserialize)]
-#[serde(untagged)]
+#[derive(Clone, Debug)]
 pub enum StopSpec {
     /// One stop sequence.
     One(String),
@@ -20,6 +25,19 @@ impl StopSpec {
         match self {
             StopSpec::One(s) => vec![s],
             StopSpec::Many(v) => v,
+        }
+    }
+}
+
+impl<'de> Deserialize<'de> for StopSpec {
+    fn deserialize<D: Deserializer<'de>>(d: D) -> Result<Self, D::Error> {
+        let rule = format!("must be a string or an array of up to {MAX_STOPS} strings");
+        match string_or_strings(d, &rule)? {
+            StringOrStrings::One(s) => Ok(StopSpec::One(s)),
+            StringOrStrings::Many(v) if v.len() > MAX_STOPS => {
+                Err(field_rule(format!("{rule} (got {})", v.len())))
+            }
+            StringOrStrings::Many(v) => Ok(StopSpec::Many(v)),
         }
     }
 }
@@ -68,13 +86,23 @@ pub struct SegmentItem {
 }
 
 /// `prompt`: a string or a list of strings.
-#[derive(Clone, Debug, Deserialize)]
-#[serde(untagged)]
+#[derive(Clone, Debug)]
 pub enum PromptSpec {
     /// One prompt.
     One(String),
     /// Several prompts (one choice set each).
     Many(Vec<String>),
+}
+
+impl<'de> Deserialize<'de> for PromptSpec {
+    fn deserialize<D: Deserializer<'de>>(d: D) -> Result<Self, D::Error> {
+        Ok(
+            match string_or_strings(d, "must be a string or an array of strings")? {
+                StringOrStrings::One(s) => PromptSpec::One(s),
+                StringOrStrings::Many(v) => PromptSpec::Many(v),
+            },
+        )
+    }
 }
 
 /// `POST /v1/completions`.
@@ -131,21 +159,52 @@ pub struct CompletionRequest {
     pub hypic: Option<HypicRequestExt>,
 }
 
-/// A chat content part.
-#[derive(Clone, Debug, Deserialize)]
-#[serde(deny_unknown_fields)]
+/// A chat content part. Parts of any `type` are read (so that an image part is
+/// answered "only text content parts are supported", naming the part); other fields
+/// are kept by name for the same reason.
+#[derive(Clone, Debug, Default)]
 pub struct ContentPart {
     /// Only `text` is supported.
-    #[serde(rename = "type")]
     pub kind: String,
     /// The text.
-    #[serde(default)]
     pub text: Option<String>,
+    /// Names of the other fields (none are allowed in a text part).
+    pub other_fields: Vec<String>,
+}
+
+impl<'de> Deserialize<'de> for ContentPart {
+    fn deserialize<D: Deserializer<'de>>(d: D) -> Result<Self, D::Error> {
+        struct V;
+        impl<'de> Visitor<'de> for V {
+            type Value = ContentPart;
+            fn expecting(&self, f: &mut fmt::Formatter) -> fmt::Result {
+                f.write_str("a content part object such as {\"type\": \"text\", \"text\": \"...\"}")
+            }
+            fn visit_map<A: MapAccess<'de>>(self, mut m: A) -> Result<ContentPart, A::Error> {
+                let mut kind = None;
+                let mut part = ContentPart::default();
+                while let Some(k) = m.next_key::<String>()? {
+                    match k.as_str() {
+                        "type" => kind = Some(m.next_value::<String>()?),
+                        "text" => part.text = m.next_value::<Option<String>>()?,
+                        _ => {
+                            m.next_value::<IgnoredAny>()?;
+                            part.other_fields.push(k);
+                        }
+                    }
+                }
+                part.kind = kind.ok_or_else(|| {
+                    field_rule("needs a 'type' (only \"text\" content parts are supported)")
+                })?;
+                Ok(part)
+            }
+        }
+        d.deserialize_map(V)
+    }
 }
 
 /// Chat message content: a string or a list of parts.
-#[derive(Clone, Debug, Deserialize)]
-#[serde(untagged)]
+#[derive(Clone, Debug)]
 pub enum MessageContent {
     /// Plain text.
     Text(String),
@@ -153,14 +212,44 @@ pub enum MessageContent {
     Parts(Vec<ContentPart>),
 }
 
+impl<'de> Deserialize<'de> for MessageContent {
+    fn deserialize<D: Deserializer<'de>>(d: D) -> Result<Self, D::Error> {
+        struct V;
+        impl<'de> Visitor<'de> for V {
+            type Value = MessageContent;
+            fn expecting(&self, f: &mut fmt::Formatter) -> fmt::Result {
+                f.write_str("a string or an array of content parts")
+            }
+            fn visit_str<E: de::Error>(self, v: &str) -> Result<MessageContent, E> {
+                Ok(MessageContent::Text(v.to_string()))
+            }
+            fn visit_string<E: de::Error>(self, v: String) -> Result<MessageContent, E> {
+                Ok(MessageContent::Text(v))
+            }
+            fn visit_seq<A: SeqAccess<'de>>(self, mut a: A) -> Result<MessageContent, A::Error> {
+                let mut parts = Vec::new();
+                while let Some(p) = a.next_element::<ContentPart>()? {
+                    parts.push(p);
+                }
+                Ok(MessageContent::Parts(parts))
+            }
+        }
+        d.deserialize_any(V)
+    }
+}
+
 /// One chat message.
 #[derive(Clone, Debug, Deserialize)]
 pub struct ChatMessageIn {
     /// `system`, `developer`, `user`, `assistant` or `tool`.
     pub role: String,
-    /// Content (null is treated as empty, e.g. assistant tool calls).
+    /// Content (required: null is only valid for assistant tool calls, which are
+    /// not supported).
     #[serde(default)]
     pub content: Option<MessageContent>,
+    /// Assistant tool calls: read only to answer that they are not supported.
+    #[serde(default)]
+    pub tool_calls: Option<IgnoredAny>,
 }
 
 /// `POST /v1/chat/completions`.
@@ -329,4 +418,77 @@ pub struct ChatLogprob {
 pub struct ChatLogprobs {
     /// One entry per generated token.
     pub content: Vec<ChatLogprob>,
+}
+
+/// A string, or an array of strings (read by [`string_or_strings`]).
+enum StringOrStrings {
+    One(String),
+    Many(Vec<String>),
+}
+
+/// How a JSON value that is not a string reads in an error message.
+fn json_kind(v: &serde_json::Value) -> String {
+    use serde_json::Value;
+    match v {
+        Value::Null => "null".into(),
+        Value::Bool(b) => format!("the boolean {b}"),
+        Value::Number(n) => format!("the number {n}"),
+        Value::String(_) => "a string".into(),
+        Value::Array(_) => "an array".into(),
+        Value::Object(_) => "an object".into(),
+    }
+}
+
+/// Reads a string or an array of strings; anything else is `rule`, with what was
+/// found (the error names the field itself, not one element of it).
+fn string_or_strings<'de, D: Deserializer<'de>>(
+    d: D,
+    rule: &str,
+) -> Result<StringOrStrings, D::Error> {
+    struct V<'a>(&'a str);
+    impl<'de> Visitor<'de> for V<'_> {
+        type Value = StringOrStrings;
+        fn expecting(&self, f: &mut fmt::Formatter) -> fmt::Result {
+            f.write_str("a string or an array of strings")
+        }
+        fn visit_str<E: de::Error>(self, v: &str) -> Result<StringOrStrings, E> {
+            Ok(StringOrStrings::One(v.to_string()))
+        }
+        fn visit_string<E: de::Error>(self, v: String) -> Result<StringOrStrings, E> {
+            Ok(StringOrStrings::One(v))
+        }
+        fn visit_seq<A: SeqAccess<'de>>(self, mut a: A) -> Result<StringOrStrings, A::Error> {
+            let mut out = Vec::new();
+            while let Some(v) = a.next_element::<serde_json::Value>()? {
+                match v {
+                    serde_json::Value::String(s) => out.push(s),
+                    other => {
+                        return Err(field_rule(format!(
+                            "{} (element {} is {})",
+                            self.0,
+                            out.len(),
+                            json_kind(&other)
+                        )))
+                    }
+                }
+            }
+            Ok(StringOrStrings::Many(out))
+        }
+        fn visit_bool<E: de::Error>(self, v: bool) -> Result<StringOrStrings, E> {
+            Err(field_rule(format!("{} (got the boolean {v})", self.0)))
+        }
+        fn visit_i64<E: de::Error>(self, v: i64) -> Result<StringOrStrings, E> {
+            Err(field_rule(format!("{} (got the number {v})", self.0)))
+        }
+        fn visit_u64<E: de::Error>(self, v: u64) -> Result<StringOrStrings, E> {
+            Err(field_rule(format!("{} (got the number {v})", self.0)))
+        }
+        fn visit_f64<E: de::Error>(self, v: f64) -> Result<StringOrStrings, E> {
+            Err(field_rule(format!("{} (got the number {v})", self.0)))
+        }
+        fn visit_map<A: MapAccess<'de>>(self, _: A) -> Result<StringOrStrings, A::Error> {
+            Err(field_rule(format!("{} (got an object)", self.0)))
+        }
+    }
+    d.deserialize_any(V(rule))
 }

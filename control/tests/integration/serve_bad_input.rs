@@ -269,3 +269,343 @@ async fn empty_messages() {
     assert_error(st, &v, 400, "invalid_value");
     still_healthy(&s).await;
 }
+
+/// The error's `param`, and that its message has each of `words` and names no Rust
+/// type (serde's `untagged enum StopSpec`, `struct ChatMessageIn`, `i64`).
+fn assert_names(v: &serde_json::Value, param: Option<&str>, words: &[&str]) {
+    let e = &v["error"];
+    match param {
+        Some(p) => assert_eq!(e["param"], p, "{v}"),
+        None => assert!(e["param"].is_null(), "{v}"),
+    }
+    let m = e["message"].as_str().unwrap();
+    for w in words {
+        assert!(m.contains(w), "message lacks {w:?}: {v}");
+    }
+    for leak in [
+        "untagged",
+        "enum ",
+        "struct ",
+        "StopSpec",
+        "MessageContent",
+        "PromptSpec",
+        "ContentPart",
+        "ChatMessageIn",
+        "i64",
+        "u64",
+        "usize",
+        "f32",
+        "\u{1}",
+    ] {
+        assert!(!m.contains(leak), "message leaks {leak:?}: {v}");
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn body_must_be_a_json_object() {
+    let s = start(|_| {}).await;
+    for (body, kind) in [
+        (&b"[\"hello\"]"[..], "not an array"),
+        (b" [{\"prompt\": \"x\"}]", "not an array"),
+        (b"[]", "not an array"),
+        (b"\"hello\"", "not a string"),
+        (b"5", "not a number"),
+        (b"null", "not null"),
+        (b"true", "not a boolean"),
+    ] {
+        for path in ["/v1/completions", "/v1/chat/completions"] {
+            let (st, _, v) = s
+                .raw(Method::POST, path, Some(&s.token), body.to_vec())
+                .await;
+            assert_error(st, &v, 400, "invalid_type");
+            assert_names(&v, None, &["the request body must be a JSON object", kind]);
+        }
+    }
+    still_healthy(&s).await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn type_errors_in_json_terms() {
+    let s = start(|_| {}).await;
+    let cases = [
+        (
+            "/v1/completions",
+            json!({"prompt": "x", "max_tokens": "ten"}),
+            "max_tokens",
+            "'max_tokens' must be an integer (got the string \"ten\")",
+        ),
+        (
+            "/v1/completions",
+            json!({"prompt": "x", "seed": -1}),
+            "seed",
+            "'seed' must be a non-negative integer (got the number -1)",
+        ),
+        (
+            "/v1/completions",
+            json!({"prompt": "x", "temperature": [1]}),
+            "temperature",
+            "'temperature' must be a number (got an array)",
+        ),
+        (
+            "/v1/chat/completions",
+            json!({"messages": ["hi"]}),
+            "messages[0]",
+            "'messages[0]' must be an object (got the string \"hi\")",
+        ),
+        (
+            "/v1/chat/completions",
+            json!({"messages": {"role": "user"}}),
+            "messages",
+            "'messages' must be an array (got an object)",
+        ),
+    ];
+    for (path, body, param, words) in cases {
+        let (st, v) = s.post(path, &body).await;
+        assert_error(st, &v, 400, "invalid_type");
+        assert_names(&v, Some(param), &[words]);
+    }
+    still_healthy(&s).await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn stop_of_the_wrong_type() {
+    let s = start(|_| {}).await;
+    let rule = "'stop' must be a string or an array of up to 4 strings";
+    for (stop, found) in [
+        (json!(5), "the number 5"),
+        (json!([1, 2]), "element 0 is the number 1"),
+        (json!(["a", true]), "element 1 is the boolean true"),
+        (json!(["a", null]), "element 1 is null"),
+        (json!({"a": 1}), "an object"),
+        (json!(false), "the boolean false"),
+        (json!(["a", "b", "c", "d", "e"]), "got 5"),
+    ] {
+        for (path, body) in [
+            ("/v1/completions", json!({"prompt": "x", "stop": stop})),
+            (
+                "/v1/chat/completions",
+                json!({"messages": [{"role": "user", "content": "x"}], "stop": stop}),
+            ),
+        ] {
+            let (st, v) = s.post(path, &body).await;
+            assert_error(st, &v, 400, "invalid_type");
+            assert_names(&v, Some("stop"), &[rule, found]);
+        }
+    }
+    // Null is "no stop sequences"; a string and up to four strings are fine.
+    for stop in [json!(null), json!("zz"), json!(["zz", "yy", "xx", "ww"])] {
+        let (st, v) = s
+            .post(
+                "/v1/completions",
+                &json!({"prompt": "x", "max_tokens": 1, "stop": stop}),
+            )
+            .await;
+        assert_eq!(st, 200, "{stop}: {v}");
+    }
+    // `prompt` is read the same way.
+    let (st, v) = s.post("/v1/completions", &json!({"prompt": [1, 2]})).await;
+    assert_error(st, &v, 400, "invalid_type");
+    assert_names(
+        &v,
+        Some("prompt"),
+        &[
+            "'prompt' must be a string or an array of strings",
+            "element 0",
+        ],
+    );
+    still_healthy(&s).await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn chat_content_of_the_wrong_type() {
+    let s = start(|_| {}).await;
+    let chat = |content: serde_json::Value| {
+        json!({"messages": [
+            {"role": "system", "content": "be brief"},
+            {"role": "user", "content": content},
+        ]})
+    };
+    let rule = "'messages[1].content' must be a string or an array of content parts";
+    for (content, found) in [
+        (json!(5), "the number 5"),
+        (json!(true), "the boolean true"),
+        (json!({"type": "text", "text": "x"}), "an object"),
+    ] {
+        let (st, v) = s.post("/v1/chat/completions", &chat(content)).await;
+        assert_error(st, &v, 400, "invalid_type");
+        assert_names(&v, Some("messages[1].content"), &[rule, found]);
+    }
+    // A part that is not an object names the part.
+    for part in [json!(5), json!("hi"), json!(["text", "hi"])] {
+        let (st, v) = s.post("/v1/chat/completions", &chat(json!([part]))).await;
+        assert_error(st, &v, 400, "invalid_type");
+        assert_names(
+            &v,
+            Some("messages[1].content[0]"),
+            &["'messages[1].content[0]' must be a content part object"],
+        );
+    }
+    // Image (and other non-text) parts: only text is supported.
+    for part in [
+        json!({"type": "image_url", "image_url": {"url": "https://example.com/cat.png"}}),
+        json!({"type": "input_audio", "input_audio": {"data": "", "format": "wav"}}),
+    ] {
+        let (st, v) = s
+            .post(
+                "/v1/chat/completions",
+                &chat(json!([{"type": "text", "text": "what is this?"}, part])),
+            )
+            .await;
+        assert_error(st, &v, 400, "invalid_value");
+        assert_names(
+            &v,
+            Some("messages[1].content[1].type"),
+            &[
+                "only text content parts are supported",
+                "messages[1].content[1]",
+            ],
+        );
+    }
+    // A text part with a wrongly typed, missing or unknown field.
+    let cases = [
+        (
+            json!({"type": "text", "text": 7}),
+            "invalid_type",
+            "messages[1].content[0].text",
+            "must be a string",
+        ),
+        (
+            json!({"type": 3, "text": "x"}),
+            "invalid_type",
+            "messages[1].content[0].type",
+            "must be a string",
+        ),
+        (
+            json!({"text": "x"}),
+            "invalid_type",
+            "messages[1].content[0]",
+            "'type'",
+        ),
+        (
+            json!({"type": "text"}),
+            "invalid_value",
+            "messages[1].content[0].text",
+            "needs a string 'text'",
+        ),
+        (
+            json!({"type": "text", "text": "x", "txet": "y"}),
+            "invalid_value",
+            "messages[1].content[0].txet",
+            "unknown field \"txet\"",
+        ),
+    ];
+    for (part, code, param, words) in cases {
+        let (st, v) = s.post("/v1/chat/completions", &chat(json!([part]))).await;
+        assert_error(st, &v, 400, code);
+        assert_names(&v, Some(param), &[words]);
+    }
+    still_healthy(&s).await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn empty_segments_name_segments() {
+    let s = start(|_| {}).await;
+    let (st, v) = s.post("/v1/completions", &json!({"segments": []})).await;
+    assert_error(st, &v, 400, "invalid_value");
+    assert_names(&v, Some("segments"), &["'segments'", "empty array"]);
+    // Segments that are all empty text: the prompt is empty, and it came from `segments`.
+    let (st, v) = s
+        .post(
+            "/v1/completions",
+            &json!({"segments": [{"text": ""}, {"text": ""}]}),
+        )
+        .await;
+    assert_error(st, &v, 400, "invalid_value");
+    assert_names(&v, Some("segments"), &["'segments'", "empty"]);
+    let (st, v) = s.post("/v1/completions", &json!({"prompt": ""})).await;
+    assert_error(st, &v, 400, "invalid_value");
+    assert_names(&v, Some("prompt"), &["'prompt' is empty"]);
+    let (st, v) = s
+        .post("/v1/completions", &json!({"prompt": ["hello", ""]}))
+        .await;
+    assert_error(st, &v, 400, "invalid_value");
+    assert_names(&v, Some("prompt"), &["'prompt[1]' is empty"]);
+    still_healthy(&s).await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn chat_null_and_empty_content() {
+    let s = start(|_| {}).await;
+    let post = |msgs: serde_json::Value| {
+        let s = &s;
+        async move {
+            s.post(
+                "/v1/chat/completions",
+                &json!({"messages": msgs, "max_tokens": 1}),
+            )
+            .await
+        }
+    };
+    // Null or missing content: only valid for assistant tool calls (not supported).
+    for role in ["user", "system", "assistant"] {
+        for msg in [
+            json!({"role": role, "content": null}),
+            json!({"role": role}),
+        ] {
+            let (st, v) = post(json!([{"role": "user", "content": "hi"}, msg])).await;
+            assert_error(st, &v, 400, "invalid_value");
+            assert_names(
+                &v,
+                Some("messages[1].content"),
+                &[
+                    "'messages[1].content' is missing or null",
+                    &format!("role {role:?}"),
+                ],
+            );
+        }
+    }
+    let (st, v) = post(json!([
+        {"role": "user", "content": "hi"},
+        {"role": "assistant", "content": null,
+         "tool_calls": [{"id": "c1", "type": "function", "function": {"name": "f", "arguments": "{}"}}]},
+    ]))
+    .await;
+    assert_error(st, &v, 400, "invalid_value");
+    assert_names(
+        &v,
+        Some("messages[1].tool_calls"),
+        &["tool calls are not supported"],
+    );
+    // An empty array of parts.
+    for role in ["user", "system"] {
+        let (st, v) = post(json!([
+            {"role": "user", "content": "hi"},
+            {"role": role, "content": []},
+        ]))
+        .await;
+        assert_error(st, &v, 400, "invalid_value");
+        assert_names(
+            &v,
+            Some("messages[1].content"),
+            &["'messages[1].content' is an empty array"],
+        );
+    }
+    // Empty strings: fine in a conversation with text, a 400 when all are empty.
+    for msgs in [
+        json!([{"role": "user", "content": ""}]),
+        json!([{"role": "system", "content": ""}, {"role": "user", "content": ""}]),
+        json!([{"role": "user", "content": [{"type": "text", "text": ""}]}]),
+    ] {
+        let (st, v) = post(msgs.clone()).await;
+        assert_error(st, &v, 400, "invalid_value");
+        assert_names(&v, Some("messages"), &["'messages'", "empty content"]);
+    }
+    for msgs in [
+        json!([{"role": "system", "content": ""}, {"role": "user", "content": "hi"}]),
+        json!([{"role": "user", "content": [{"type": "text", "text": ""}, {"type": "text", "text": "hi"}]}]),
+    ] {
+        let (st, v) = post(msgs.clone()).await;
+        assert_eq!(st, 200, "{msgs}: {v}");
+    }
+    still_healthy(&s).await;
+}
