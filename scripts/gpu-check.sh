@@ -21,7 +21,8 @@
 #                                  # the server end to end (step `serve`: `hypic serve
 #                                  # --device cuda` against `--device cpu` on the bundled
 #                                  # model, scripts/serve_check.py) in one run, and writes
-#                                  # $OUT/report.md (+ logs)
+#                                  # $OUT/report.md (+ logs, and gpu_report.png where
+#                                  # matplotlib is installed: tools/plot_gpu_report.py)
 #
 # GPU_CHECK_STEPS selects steps for both halves: `build` then builds only the
 # executables those steps need (e.g. GPU_CHECK_STEPS=serve builds just the stripped
@@ -462,6 +463,9 @@ PY
       cat "$OUT/serve.md"
     fi
   } > "$OUT/report.md"
+  # The figure of the run's comparisons (kernels vs FLA / SDPA, TTFT, decode), where the
+  # machine's Python has matplotlib; not fatal.
+  python3 tools/plot_gpu_report.py "$OUT" --title "gpu-check $date_s" 2>&1 | tail -1 || true
   echo "== report"; sed -n '/## Gated delta rule/,$p' "$OUT/report.md" | head -80
   [ "$test_rc" -ne 0 ] && return "$test_rc"
   [ "$attn_rc" -ne 0 ] && return "$attn_rc"
