@@ -354,6 +354,59 @@ __device__ __forceinline__ int fw_count_tiles(const i64* tmin, const i64* smin, 
     return n;
 }
 
+// The end of a flash_wg kernel, per consumer thread (its accumulator rows g0 and g0 + 8 of
+// the CTA's query tile, columns 2·(lane & 3) + 8n): the row sums over the four lanes of each
+// row, then with one split the normalised bf16 output o, else the unnormalised fp32 partial
+// wo and (m, l) per row in wml for flash.cu's merge (m in the log2 domain), as flash.cu does.
+template <int HD>
+__device__ __forceinline__ void fw_epilogue(const float (&acc)[HD / 8][4], float m0, float m1, float l0, float l1,
+                                            int g0, int lane, int h, int tq, int nh, int nsplit, bf16* o, float* wo,
+                                            float* wml) {
+    constexpr int NT = HD / 8;
+    l0 += __shfl_xor_sync(0xffffffffu, l0, 1);
+    l0 += __shfl_xor_sync(0xffffffffu, l0, 2);
+    l1 += __shfl_xor_sync(0xffffffffu, l1, 1);
+    l1 += __shfl_xor_sync(0xffffffffu, l1, 2);
+    const int g1 = g0 + 8;
+    const int col = 2 * (lane & 3);
+    if (nsplit == 1) {
+        const float i0 = l0 > 0.f ? 1.f / l0 : 0.f, i1 = l1 > 0.f ? 1.f / l1 : 0.f;
+        if (g0 < tq) {
+            bf16* d = o + ((size_t)g0 * nh + h) * HD + col;
+#pragma unroll
+            for (int n = 0; n < NT; ++n)
+                *reinterpret_cast<__nv_bfloat162*>(d + n * 8) =
+                    __floats2bfloat162_rn(acc[n][0] * i0, acc[n][1] * i0);
+        }
+        if (g1 < tq) {
+            bf16* d = o + ((size_t)g1 * nh + h) * HD + col;
+#pragma unroll
+            for (int n = 0; n < NT; ++n)
+                *reinterpret_cast<__nv_bfloat162*>(d + n * 8) =
+                    __floats2bfloat162_rn(acc[n][2] * i1, acc[n][3] * i1);
+        }
+    } else {
+        const size_t rows = (size_t)tq * nh;
+        const size_t sp = (size_t)blockIdx.y * rows;
+        if (g0 < tq) {
+            const size_t r = sp + (size_t)g0 * nh + h;
+            float* d = wo + r * HD + col;
+#pragma unroll
+            for (int n = 0; n < NT; ++n)
+                *reinterpret_cast<float2*>(d + n * 8) = make_float2(acc[n][0], acc[n][1]);
+            if ((lane & 3) == 0) *reinterpret_cast<float2*>(wml + r * 2) = make_float2(m0, l0);
+        }
+        if (g1 < tq) {
+            const size_t r = sp + (size_t)g1 * nh + h;
+            float* d = wo + r * HD + col;
+#pragma unroll
+            for (int n = 0; n < NT; ++n)
+                *reinterpret_cast<float2*>(d + n * 8) = make_float2(acc[n][2], acc[n][3]);
+            if ((lane & 3) == 0) *reinterpret_cast<float2*>(wml + r * 2) = make_float2(m1, l1);
+        }
+    }
+}
+
 template <int HD> struct FwPv;
 template <> struct FwPv<256> {
     static __device__ __forceinline__ void mma(float* d, const unsigned* a, unsigned long long db) {
@@ -629,49 +682,8 @@ __device__ __forceinline__ void attn_flash_wg_impl(const bf16* __restrict__ q, c
         ++i;
     }
 
-    // Row sums over the four lanes of each row; output as in flash.cu.
-    l0 += __shfl_xor_sync(0xffffffffu, l0, 1);
-    l0 += __shfl_xor_sync(0xffffffffu, l0, 2);
-    l1 += __shfl_xor_sync(0xffffffffu, l1, 1);
-    l1 += __shfl_xor_sync(0xffffffffu, l1, 2);
-    const int g0 = q0 + row0, g1 = g0 + 8;
-    const int col = 2 * (lane & 3);
-    if (nsplit == 1) {
-        const float i0 = l0 > 0.f ? 1.f / l0 : 0.f, i1 = l1 > 0.f ? 1.f / l1 : 0.f;
-        if (g0 < tq) {
-            bf16* d = o + ((size_t)g0 * nh + h) * HD + col;
-#pragma unroll
-            for (int n = 0; n < NT; ++n)
-                *reinterpret_cast<__nv_bfloat162*>(d + n * 8) =
-                    __floats2bfloat162_rn(acc[n][0] * i0, acc[n][1] * i0);
-        }
-        if (g1 < tq) {
-            bf16* d = o + ((size_t)g1 * nh + h) * HD + col;
-#pragma unroll
-            for (int n = 0; n < NT; ++n)
-                *reinterpret_cast<__nv_bfloat162*>(d + n * 8) =
-                    __floats2bfloat162_rn(acc[n][2] * i1, acc[n][3] * i1);
-        }
-    } else {
-        const size_t rows = (size_t)tq * nh;
-        const size_t sp = (size_t)blockIdx.y * rows;
-        if (g0 < tq) {
-            const size_t r = sp + (size_t)g0 * nh + h;
-            float* d = wo + r * HD + col;
-#pragma unroll
-            for (int n = 0; n < NT; ++n)
-                *reinterpret_cast<float2*>(d + n * 8) = make_float2(acc[n][0], acc[n][1]);
-            if ((lane & 3) == 0) *reinterpret_cast<float2*>(wml + r * 2) = make_float2(m0, l0);
-        }
-        if (g1 < tq) {
-            const size_t r = sp + (size_t)g1 * nh + h;
-            float* d = wo + r * HD + col;
-#pragma unroll
-            for (int n = 0; n < NT; ++n)
-                *reinterpret_cast<float2*>(d + n * 8) = make_float2(acc[n][2], acc[n][3]);
-            if ((lane & 3) == 0) *reinterpret_cast<float2*>(wml + r * 2) = make_float2(m1, l1);
-        }
-    }
+    // Row sums, then the output as in flash.cu.
+    fw_epilogue<HD>(acc, m0, m1, l0, l1, q0 + row0, lane, h, tq, nh, nsplit, o, wo, wml);
 }
 
 #define ATTN_FLASH_WG(HD)                                                                             \
@@ -1181,48 +1193,8 @@ __device__ __forceinline__ void attn_flash_wg3_impl(const bf16* __restrict__ q, 
             have_next = jn < je;
         }
     }
-    l0 += __shfl_xor_sync(0xffffffffu, l0, 1);
-    l0 += __shfl_xor_sync(0xffffffffu, l0, 2);
-    l1 += __shfl_xor_sync(0xffffffffu, l1, 1);
-    l1 += __shfl_xor_sync(0xffffffffu, l1, 2);
-    const int g0 = q0 + row0, g1 = g0 + 8;
-    const int col = 2 * (lane & 3);
-    if (nsplit == 1) {
-        const float i0 = l0 > 0.f ? 1.f / l0 : 0.f, i1 = l1 > 0.f ? 1.f / l1 : 0.f;
-        if (g0 < tq) {
-            bf16* d = o + ((size_t)g0 * nh + h) * HD + col;
-#pragma unroll
-            for (int n = 0; n < NT; ++n)
-                *reinterpret_cast<__nv_bfloat162*>(d + n * 8) =
-                    __floats2bfloat162_rn(acc[n][0] * i0, acc[n][1] * i0);
-        }
-        if (g1 < tq) {
-            bf16* d = o + ((size_t)g1 * nh + h) * HD + col;
-#pragma unroll
-            for (int n = 0; n < NT; ++n)
-                *reinterpret_cast<__nv_bfloat162*>(d + n * 8) =
-                    __floats2bfloat162_rn(acc[n][2] * i1, acc[n][3] * i1);
-        }
-    } else {
-        const size_t rows = (size_t)tq * nh;
-        const size_t sp = (size_t)blockIdx.y * rows;
-        if (g0 < tq) {
-            const size_t r = sp + (size_t)g0 * nh + h;
-            float* d = wo + r * HD + col;
-#pragma unroll
-            for (int n = 0; n < NT; ++n)
-                *reinterpret_cast<float2*>(d + n * 8) = make_float2(acc[n][0], acc[n][1]);
-            if ((lane & 3) == 0) *reinterpret_cast<float2*>(wml + r * 2) = make_float2(LEAN ? m0 * scale_log2 : m0, l0);
-        }
-        if (g1 < tq) {
-            const size_t r = sp + (size_t)g1 * nh + h;
-            float* d = wo + r * HD + col;
-#pragma unroll
-            for (int n = 0; n < NT; ++n)
-                *reinterpret_cast<float2*>(d + n * 8) = make_float2(acc[n][2], acc[n][3]);
-            if ((lane & 3) == 0) *reinterpret_cast<float2*>(wml + r * 2) = make_float2(LEAN ? m1 * scale_log2 : m1, l1);
-        }
-    }
+    fw_epilogue<HD>(acc, LEAN ? m0 * scale_log2 : m0, LEAN ? m1 * scale_log2 : m1, l0, l1, q0 + row0, lane, h,
+                    tq, nh, nsplit, o, wo, wml);
 }
 
 // attn_flash_wg3_bf16_{HD}: 64-key tiles with ping-pong; attn_flash_wg3np_bf16_{HD}:

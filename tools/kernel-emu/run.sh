@@ -200,8 +200,7 @@ L = {
   # consumer tile count one short (the last visible tile never consumed)
   "lean-count-less": [["        j += 32;\n    }\n    return n;\n", "        j += 32;\n    }\n    return n > 0 ? n - 1 : 0;\n"]],
   # split output: running max written in the raw score domain (combine expects log2 units)
-  "lean-split-m": [["make_float2(LEAN ? m0 * scale_log2 : m0, l0)", "make_float2(m0, l0)"],
-                   ["make_float2(LEAN ? m1 * scale_log2 : m1, l1)", "make_float2(m1, l1)"]],
+  "lean-split-m": [["LEAN ? m0 * scale_log2 : m0, LEAN ? m1 * scale_log2 : m1", "m0, m1"]],
   # exponent FMA with the wrong sign of the running max
   "lean-fold-sign": [["const float nb0 = -b0 * scale_log2, nb1 = -b1 * scale_log2;",
                       "const float nb0 = b0 * scale_log2, nb1 = b1 * scale_log2;"]],

@@ -876,6 +876,21 @@ impl FlashWgKernel {
         }
     }
 
+    /// The kernel's name in `kernels/flash_wg.cu` without the `_bf16_{hd}` suffix.
+    pub fn name_prefix(self) -> &'static str {
+        match self {
+            FlashWgKernel::Basic => "attn_flash_wg",
+            FlashWgKernel::WarpSpecialized => "attn_flash_wg3",
+            FlashWgKernel::WarpSpecializedNoPingPong => "attn_flash_wg3np",
+            FlashWgKernel::WarpSpecializedBc80 => "attn_flash_wg3b80",
+            FlashWgKernel::WarpSpecializedTma => "attn_flash_wg3tma",
+            FlashWgKernel::WarpSpecializedTmaNoPingPong => "attn_flash_wg3tmanp",
+            FlashWgKernel::WarpSpecializedTmaBc80 => "attn_flash_wg3tmab80",
+            FlashWgKernel::WarpSpecializedTmaLean => "attn_flash_wg3tmal",
+            FlashWgKernel::WarpSpecializedTmaLeanBc80 => "attn_flash_wg3tmalb80",
+        }
+    }
+
     /// Whether the kernel takes the tensor maps of K and V ([`encode_kv_map`]).
     pub fn uses_tma(self) -> bool {
         matches!(
@@ -1077,33 +1092,11 @@ pub fn prefill_flash_wg_with<T: Elem>(
         bc: opts.kernel.key_tile(),
     };
     let ctx = gpu.context();
-    let (smem, threads, prefix) = match opts.kernel {
-        FlashWgKernel::Basic => (flash_wg_smem_bytes(hd), 256u32, "attn_flash_wg"),
-        FlashWgKernel::WarpSpecialized => (flash_wg3_smem_bytes(hd, 64), 384u32, "attn_flash_wg3"),
-        FlashWgKernel::WarpSpecializedNoPingPong => {
-            (flash_wg3_smem_bytes(hd, 64), 384u32, "attn_flash_wg3np")
-        }
-        FlashWgKernel::WarpSpecializedBc80 => {
-            (flash_wg3_smem_bytes(hd, 80), 384u32, "attn_flash_wg3b80")
-        }
-        FlashWgKernel::WarpSpecializedTmaNoPingPong => {
-            (flash_wg3_smem_bytes(hd, 64), 384u32, "attn_flash_wg3tmanp")
-        }
-        FlashWgKernel::WarpSpecializedTma => {
-            (flash_wg3_smem_bytes(hd, 64), 384u32, "attn_flash_wg3tma")
-        }
-        FlashWgKernel::WarpSpecializedTmaBc80 => {
-            (flash_wg3_smem_bytes(hd, 80), 384u32, "attn_flash_wg3tmab80")
-        }
-        FlashWgKernel::WarpSpecializedTmaLean => {
-            (flash_wg3_smem_bytes(hd, 64), 384u32, "attn_flash_wg3tmal")
-        }
-        FlashWgKernel::WarpSpecializedTmaLeanBc80 => (
-            flash_wg3_smem_bytes(hd, 80),
-            384u32,
-            "attn_flash_wg3tmalb80",
-        ),
+    let (smem, threads) = match opts.kernel {
+        FlashWgKernel::Basic => (flash_wg_smem_bytes(hd), 256u32),
+        _ => (flash_wg3_smem_bytes(hd, tl.bc), 384u32),
     };
+    let prefix = opts.kernel.name_prefix();
     let optin = ctx
         .attribute(CUdevice_attribute::CU_DEVICE_ATTRIBUTE_MAX_SHARED_MEMORY_PER_BLOCK_OPTIN)?
         as usize;
