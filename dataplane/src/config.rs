@@ -3,7 +3,7 @@
 //! Supports `qwen3_next` (flat) and `qwen3_5` / `qwen3_5_moe` (VL wrapper with the text
 //! model under `text_config`; also the bare `*_text` types). Keys and defaults follow
 //! HF transformers `configuration_qwen3_next.py` / `configuration_qwen3_5*.py`
-//! (see shared/MODELS.md §1.1).
+//! (see docs/pic-design.md §8.1).
 use crate::error::{io_err, Error, Result};
 use serde_json::Value;
 use std::path::Path;

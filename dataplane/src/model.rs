@@ -2,7 +2,8 @@
 //! span-level state API used by decoding and position-independent caching.
 //!
 //! Math follows HF transformers `modeling_qwen3_next.py` / `modeling_qwen3_5*.py`
-//! (shared/MODELS.md §1.2–1.7). Activations are fp32 `[T, hidden]` row-major.
+//! (docs/pic-design.md §8, Qwen3-Next and Qwen3.5). Activations are fp32 `[T, hidden]`
+//! row-major.
 use crate::config::{Family, LayerKind, ModelConfig};
 use crate::error::{Error, Result};
 use crate::linear::gdr::{self, GdrDims};
@@ -421,8 +422,8 @@ impl Model {
 
     /// [`Model::layer_forward`] that, for a linear layer and `capture_from = Some(w)`,
     /// also returns the cached-transition pair `(T_body, S_body|0)` of the span's
-    /// tokens `w..T` (DESIGN.md §2, §3): `T_body` from the chunked kernel in the same
-    /// pass, `S_body|0 = S_T − T_body · S_w`.
+    /// tokens `w..T` (docs/pic-design.md §2.4, §3): `T_body` from the chunked kernel in
+    /// the same pass, `S_body|0 = S_T − T_body · S_w`.
     pub fn layer_forward_capture(
         &self,
         i: usize,
@@ -613,7 +614,7 @@ impl Model {
     /// The gated delta rule over tokens `0..t` from `state` (advanced to the end):
     /// returns the core output `[t, Hv, dv]` and the body pair of `from..t`,
     /// `T_body` from the chunked kernel in the same pass and
-    /// `S_body|0 = S_t − T_body · S_from` (DESIGN.md §2).
+    /// `S_body|0 = S_t − T_body · S_from` (docs/pic-design.md §2.4).
     fn gdr_with_body_pair(
         &self,
         inp: &GdnInputs,

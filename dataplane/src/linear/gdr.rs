@@ -9,8 +9,8 @@
 //! o_t = Sᵀ q_t
 //! ```
 //!
-//! i.e. `S_t = exp(g_t)(I − β_t k_t k_tᵀ) S_{t−1} + β_t k_t v_tᵀ` (DESIGN.md §2,
-//! dense family). Source: HF transformers `torch_recurrent_gated_delta_rule`
+//! i.e. `S_t = exp(g_t)(I − β_t k_t k_tᵀ) S_{t−1} + β_t k_t v_tᵀ` (docs/pic-design.md
+//! §2.1, dense family). Source: HF transformers `torch_recurrent_gated_delta_rule`
 //! (modeling_qwen3_next.py) and FLA `fla/ops/gated_delta_rule/naive.py`.
 //! Callers pass q and k already L2-normalised and q already scaled by `dk^-0.5`.
 
@@ -166,7 +166,7 @@ pub fn chunked(
 ///
 /// Inputs and `state` (initial → final, in place) as in [`chunked`]. Returns
 /// `(o, t_c)`: `o` is `[T, Hv, dv]`; `t_c` is `[Hv, dk, dk]` fp32 row-major per head,
-/// `T_C = T_T ··· T_1` with `T_t = exp(g_t)(I − β_t k_t k_tᵀ)` (DESIGN.md §2), so
+/// `T_C = T_T ··· T_1` with `T_t = exp(g_t)(I − β_t k_t k_tᵀ)` (docs/pic-design.md §2.2), so
 /// that `S_final = T_C S_initial + S_{C|0}` where `S_{C|0}` is the final state from
 /// a zero start. `T_C` does not depend on the initial state.
 ///

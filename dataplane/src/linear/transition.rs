@@ -1,5 +1,5 @@
-//! Transition families for position-independent caching (DESIGN.md §2; issue 3
-//! item 1).
+//! Transition families for position-independent caching (docs/pic-design.md §2;
+//! issue 3 item 1).
 //!
 //! Every supported linear-attention layer is the recurrence (paper Eq. 2)
 //!
@@ -16,7 +16,7 @@
 //!
 //! (Scalar: RetNet, Lightning / Ring-linear with constant `g = ln γ`, Mamba2;
 //! diagonal: GLA; dense: Gated DeltaNet in Qwen3-Next/Qwen3.5 and Kimi Delta
-//! Attention, MODELS.md §1.4 and §3.)
+//! Attention, docs/pic-design.md §8.4 and §9.2.)
 //!
 //! A segment `C` of `m` tokens is summarised by the [`Pair`] `(T_C, S_{C|0})` with
 //! `T_C = T_m ··· T_1` and `S_{C|0}` the final state from a zero start, so that
@@ -374,7 +374,7 @@ fn token_loop(
     }
 }
 
-/// A cached segment transition `(T_C, S_{C|0})` for one layer (DESIGN.md §2).
+/// A cached segment transition `(T_C, S_{C|0})` for one layer (docs/pic-design.md §2.2).
 ///
 /// * `t`: `[Hv]` (scalar), `[Hv, dk]` (diagonal) or `[Hv, dk, dk]` (dense, row-major);
 /// * `b` (= `S_{C|0}`): `[Hv, dk, dv]` K-major, like the recurrent state.
@@ -970,7 +970,8 @@ mod tests {
 
     #[test]
     fn naive_addition_scalar_decay_loses_63_percent() {
-        // DESIGN.md §2: γ = 1 − 2⁻¹⁰ over 1024 tokens: ‖(T_C − I)S‖ / ‖S‖ = 1 − γ¹⁰²⁴.
+        // docs/pic-design.md §2.3: γ = 1 − 2⁻¹⁰ over 1024 tokens:
+        // ‖(T_C − I)S‖ / ‖S‖ = 1 − γ¹⁰²⁴.
         let d = GdrDims {
             t: 1024,
             hk: 1,

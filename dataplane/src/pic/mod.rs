@@ -1,4 +1,4 @@
-//! Position-independent caching (PIC) for hybrid models (DESIGN.md §2–§5):
+//! Position-independent caching (PIC) for hybrid models (docs/pic-design.md §2–§5):
 //! segment cache entries with cached transitions `(T_C, S_C|0)` for linear layers and
 //! body KV for full-attention layers, seam windows, RoPE re-rotation, the public pool
 //! of segment entries and the private pool of running-state snapshots.

@@ -1,8 +1,8 @@
 //! Byte-accounted cache pools with pluggable admission and eviction.
 //!
 //! Used for the public pool of segment entries and the private pool of running-state
-//! snapshots (DESIGN.md §5). The policy is a trait so that the control plane can plug
-//! in Wasm policies; [`Lru`] is the built-in default.
+//! snapshots (docs/pic-design.md §5.1). The policy is a trait so that the control
+//! plane can plug in Wasm policies; [`Lru`] is the built-in default.
 use std::collections::HashMap;
 use std::sync::Arc;
 
