@@ -154,7 +154,7 @@ PY
   echo "== attention fast path tests (dataplane/tests/cuda_attn.rs)"
   t0=$SECONDS
   if want attn; then
-  HYPIC_REQUIRE_GPU=1 timeout 300 .device/bin/cuda_attn --test-threads=1 --nocapture > "$OUT/attn_tests.log" 2>&1
+  timeout 300 .device/bin/cuda_attn --test-threads=1 --nocapture > "$OUT/attn_tests.log" 2>&1
   attn_rc=$?
   fi
   want attn && echo "attn tests rc=$attn_rc in $((SECONDS - t0)) s" || echo "attn tests: skipped"
@@ -185,7 +185,7 @@ PY
     model_rc=1
   fi
   want model && for name in $list_model; do
-    HYPIC_CUDA_POISON=${HYPIC_CUDA_POISON:-1} HYPIC_REQUIRE_GPU=1 HYPIC_REPO_ROOT="$PWD" HYPIC_GREEDY_ITEMS=${HYPIC_GREEDY_ITEMS:-64} timeout 240 .device/bin/cuda_model --exact "$name" \
+    HYPIC_CUDA_POISON=${HYPIC_CUDA_POISON:-1} HYPIC_REPO_ROOT="$PWD" HYPIC_GREEDY_ITEMS=${HYPIC_GREEDY_ITEMS:-64} timeout 240 .device/bin/cuda_model --exact "$name" \
       --test-threads=1 --nocapture >> "$OUT/model_tests.log" 2>&1
     rc=$?
     echo "cuda_model $name rc=$rc" >> "$OUT/model_tests.log"
@@ -204,7 +204,7 @@ PY
     pic_rc=1
   fi
   want pic && for name in $list_pic; do
-    HYPIC_CUDA_POISON=${HYPIC_CUDA_POISON:-1} HYPIC_REQUIRE_GPU=1 HYPIC_REPO_ROOT="$PWD" timeout 300 .device/bin/cuda_pic --exact "$name" \
+    HYPIC_CUDA_POISON=${HYPIC_CUDA_POISON:-1} HYPIC_REPO_ROOT="$PWD" timeout 300 .device/bin/cuda_pic --exact "$name" \
       --test-threads=1 --nocapture >> "$OUT/pic_tests.log" 2>&1
     rc=$?
     echo "cuda_pic $name rc=$rc" >> "$OUT/pic_tests.log"
@@ -229,7 +229,7 @@ PY
   t0=$SECONDS
   local random_rc=0 mbench_rc=0
   if want modelbench; then
-    HYPIC_CUDA_POISON=${HYPIC_CUDA_POISON:-1} HYPIC_REQUIRE_GPU=1 HYPIC_REPO_ROOT="$PWD" timeout 120 .device/bin/cuda_random --test-threads=1 --nocapture \
+    HYPIC_CUDA_POISON=${HYPIC_CUDA_POISON:-1} HYPIC_REPO_ROOT="$PWD" timeout 120 .device/bin/cuda_random --test-threads=1 --nocapture \
       > "$OUT/random_tests.log" 2>&1
     random_rc=$?
     timeout 240 .device/bin/gpu_model_bench --config benches/configs/qwen3_5_35b_a3b --random-weights \

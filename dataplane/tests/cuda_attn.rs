@@ -2,10 +2,8 @@
 //! kernel `cuda::attn::prefill_flash` against the CPU reference `model::attention` and
 //! against the tiled kernel `cuda::attn::prefill`.
 //!
-//! Built only with `--features cuda`; without the feature one test prints that the
-//! suite was skipped. With the feature but no usable CUDA device every test prints a
-//! `SKIP` line and passes, unless `HYPIC_REQUIRE_GPU=1` is set (scripts/gpu-check.sh
-//! sets it), which turns a missing device into a failure.
+//! Built only with `--features cuda` (without it this binary has no tests); built
+//! with the feature, every test needs a usable CUDA device and fails without one.
 //!
 //! Cases (each for f32 and bf16, at 16/2 heads × 256, 8/2 × 128 and 4/4 × 64):
 //! the PIC seam case (three cached segments out of order with a gap, an 8-query
@@ -28,7 +26,7 @@
 //! other tile shapes (`attn::flash_variants`) on causal 1000 and the seam case; `f32`
 //! and head_dim 96 are `Shape` errors.
 //!
-//! Wgmma flash cases (`attn::prefill_flash_wg`, Hopper only: SKIP on other devices;
+//! Wgmma flash cases (`attn::prefill_flash_wg`, Hopper only: they fail on other devices;
 //! bf16; 16/2 and 8/1 heads × 256 and × 128): `flash_wg_causal_bf16` (causal T = 1, 17,
 //! 64, 200, 333, 512, 1000, key splits 3, 7, 64, permuted positions, blind queries, empty
 //! cache), `flash_wg_seam_bf16` (the flash seam cases), `flash_wg_vs_flash_4096` (causal
@@ -43,15 +41,6 @@
 //! Tolerances: f32 1e-5 norm-wise / 1e-4 max-relative; bf16 4e-3 / 4e-2 (against
 //! the CPU on the bf16-rounded inputs: the fast path stores the probabilities `P` in
 //! bf16 before the `P·V` GEMM, the tiled kernel keeps them in fp32; both round `o`).
-
-#[cfg(not(feature = "cuda"))]
-#[test]
-fn cuda_attn_tests_skipped_without_feature() {
-    eprintln!(
-        "cuda_attn: built without `--features cuda`; the GPU attention tests are skipped \
-         (run scripts/gpu-check.sh on a GPU machine)"
-    );
-}
 
 #[cfg(feature = "cuda")]
 mod gpu {
@@ -80,11 +69,7 @@ mod gpu {
         match g {
             Ok(g) => Some((g.clone(), guard)),
             Err(e) => {
-                if std::env::var_os("HYPIC_REQUIRE_GPU").is_some() {
-                    panic!("{test}: HYPIC_REQUIRE_GPU is set but no CUDA device is usable: {e}");
-                }
-                println!("SKIP {test}: no usable CUDA device ({e})");
-                None
+                panic!("{test}: built with `--features cuda`, so it needs a CUDA device, and none is usable: {e}")
             }
         }
     }
@@ -853,18 +838,16 @@ mod gpu {
         println!("flash hd 96: {e:?}");
         assert!(matches!(e, Err(dataplane::cuda::CudaError::Shape(_))));
     }
-    /// The device for the wgmma tests: `None` (SKIP) without a device or on one that is
-    /// not sm_90 (`prefill_flash_wg` is Hopper-only).
+    /// The device for the wgmma tests; they fail on a device that is not sm_90
+    /// (`prefill_flash_wg` is Hopper-only).
     fn gpu_wg(test: &str) -> Option<(Arc<Gpu>, MutexGuard<'static, ()>)> {
         let (g, l) = gpu(test)?;
-        if g.arch() != "sm_90a" {
-            println!(
-                "SKIP {test}: {} is {}, prefill_flash_wg needs sm_90",
-                g.name(),
-                g.arch()
-            );
-            return None;
-        }
+        assert_eq!(
+            g.arch(),
+            "sm_90a",
+            "{test}: {} is not a Hopper GPU, and prefill_flash_wg needs sm_90",
+            g.name()
+        );
         Some((g, l))
     }
 

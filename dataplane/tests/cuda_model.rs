@@ -1,10 +1,8 @@
 //! Whole-model GPU forward (`dataplane::cuda::model`) against the CPU reference
 //! `model::Model` (issue 6).
 //!
-//! Built only with `--features cuda`; without the feature one test prints that the
-//! suite was skipped. With the feature but no usable CUDA device every test prints a
-//! `SKIP` line and passes, unless `HYPIC_REQUIRE_GPU=1` is set (scripts/gpu-check.sh
-//! sets it), which turns a missing device into a failure.
+//! Built only with `--features cuda` (without it this binary has no tests); built
+//! with the feature, every test needs a usable CUDA device and fails without one.
 //!
 //! Models: the three golden fixtures (`dataplane/tests/fixtures/golden/*`: dk = dv =
 //! 16, head_dim 32, so the generic GDR/attention kernels of model.cu; two of them MoE),
@@ -31,15 +29,6 @@
 //! Paths: the repository root is `$HYPIC_REPO_ROOT`, else the current folder or its
 //! parent when it holds `dataplane/tests/fixtures`, else the build-time checkout (the
 //! binary runs from a copied tree on the GPU machine).
-
-#[cfg(not(feature = "cuda"))]
-#[test]
-fn cuda_model_tests_skipped_without_feature() {
-    eprintln!(
-        "cuda_model: built without `--features cuda`; the GPU whole-model tests are skipped \
-         (run scripts/gpu-check.sh on a GPU machine)"
-    );
-}
 
 #[cfg(feature = "cuda")]
 #[path = "common/synthetic.rs"]
@@ -75,8 +64,8 @@ mod gpu {
     /// (KV after several layers; measured worst 1.2e-4).
     const F32_STATE_TOL: f64 = 1e-3;
 
-    /// The device, opened once, or `None` (with a SKIP line) when there is none and
-    /// `HYPIC_REQUIRE_GPU` is unset. The lock serialises tests on the one stream.
+    /// The device, opened once (a panic naming the cause when none is usable). The
+    /// lock serialises tests on the one stream.
     fn gpu(test: &str) -> Option<(Arc<Gpu>, MutexGuard<'static, ()>)> {
         static G: OnceLock<std::result::Result<Arc<Gpu>, String>> = OnceLock::new();
         static L: Mutex<()> = Mutex::new(());
@@ -92,11 +81,7 @@ mod gpu {
         match g {
             Ok(g) => Some((g.clone(), guard)),
             Err(e) => {
-                if std::env::var_os("HYPIC_REQUIRE_GPU").is_some() {
-                    panic!("{test}: HYPIC_REQUIRE_GPU is set but no CUDA device is usable: {e}");
-                }
-                println!("SKIP {test}: no usable CUDA device ({e})");
-                None
+                panic!("{test}: built with `--features cuda`, so it needs a CUDA device, and none is usable: {e}")
             }
         }
     }

@@ -1,11 +1,9 @@
 //! The GPU PIC engine (`dataplane::cuda::pic::GpuPicEngine`) against the CPU
 //! `pic::PicEngine` (issue 6, part 3).
 //!
-//! Built only with `--features cuda`; without the feature one test prints that the
-//! suite was skipped. With the feature but no usable CUDA device every GPU test prints
-//! a `SKIP` line and passes, unless `HYPIC_REQUIRE_GPU=1` is set (scripts/gpu-check.sh
-//! sets it). `cpu_side_runs_without_a_device` runs the CPU half of every scenario
-//! everywhere.
+//! Built only with `--features cuda` (without it this binary has no tests); built
+//! with the feature, every test needs a usable CUDA device and fails without one.
+//! `cpu_side_runs_without_a_device` runs the CPU half of every scenario.
 //!
 //! Models: the three golden fixtures (dk = dv = 16, head_dim 32: the generic
 //! transition kernel of pic.cu and the generic GDR/attention kernels), the bundled
@@ -31,15 +29,6 @@
 //!
 //! Every case prints a line starting with two spaces (collected into the gpu-check
 //! report).
-
-#[cfg(not(feature = "cuda"))]
-#[test]
-fn cuda_pic_tests_skipped_without_feature() {
-    eprintln!(
-        "cuda_pic: built without `--features cuda`; the GPU PIC tests are skipped \
-         (run scripts/gpu-check.sh on a GPU machine)"
-    );
-}
 
 #[cfg(feature = "cuda")]
 #[path = "common/synthetic.rs"]
@@ -86,11 +75,7 @@ mod gpu {
         match g {
             Ok(g) => Some((g.clone(), guard)),
             Err(e) => {
-                if std::env::var_os("HYPIC_REQUIRE_GPU").is_some() {
-                    panic!("{test}: HYPIC_REQUIRE_GPU is set but no CUDA device is usable: {e}");
-                }
-                println!("SKIP {test}: no usable CUDA device ({e})");
-                None
+                panic!("{test}: built with `--features cuda`, so it needs a CUDA device, and none is usable: {e}")
             }
         }
     }

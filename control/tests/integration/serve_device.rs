@@ -196,15 +196,20 @@ async fn health_and_metrics_name_the_cpu_backend() {
     s.server.stop().await;
 }
 
-/// `auto` where CUDA cannot run serves on the CPU (and says so on stderr).
+/// `auto` serves on the GPU where CUDA is built in and GPU 0 opens, and falls back
+/// to the CPU everywhere else.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn auto_falls_back_to_the_cpu() {
+async fn auto_picks_cuda_when_usable_else_the_cpu() {
     #[cfg(feature = "cuda")]
-    if dataplane::cuda::driver_present() {
-        return;
-    }
+    let want = if dataplane::cuda::Gpu::new(0).is_ok() {
+        "cuda"
+    } else {
+        "cpu"
+    };
+    #[cfg(not(feature = "cuda"))]
+    let want = "cpu";
     let s = start(|c| c.device = DeviceArg::Auto).await;
     let (_, h) = s.get_as(None, "/health").await;
-    assert_eq!(h["device"], "cpu", "{h}");
+    assert_eq!(h["device"], want, "{h}");
     s.server.stop().await;
 }
