@@ -3,7 +3,7 @@ use anyhow::{bail, Context, Result};
 use dataplane::model::{Logits, Model};
 use dataplane::sampling::{Sampler, SamplingParams};
 use dataplane::state::ModelState;
-use dataplane::tokenizer::{ChatMessage, Tokenizer};
+use dataplane::tokenizer::{ChatMessage, DecodeStream, Tokenizer};
 use hypic_control::backend::{select_device, Device};
 pub use hypic_control::backend::{DeviceArg, DtypeArg};
 use indicatif::{ProgressBar, ProgressStyle};
@@ -152,6 +152,34 @@ pub fn load(dir: &Path) -> Result<(Model, Tokenizer)> {
     Ok((model, tok))
 }
 
+/// Prints generated text as its tokens arrive, through the windowed detokeniser
+/// the server's streaming uses ([`DecodeStream`]): a character split across tokens
+/// is printed once the token completing it arrives.
+#[derive(Default)]
+struct Printer {
+    dec: DecodeStream,
+}
+
+impl Printer {
+    /// Adds one token and writes the text it completes.
+    fn token(&mut self, tok: &Tokenizer, id: u32, out: &mut impl Write) -> Result<()> {
+        let delta = self.dec.step(tok, id)?;
+        if !delta.is_empty() {
+            write!(out, "{delta}")?;
+            out.flush()?;
+        }
+        Ok(())
+    }
+
+    /// The sequence is over: writes what is held back (an incomplete last
+    /// character as U+FFFD).
+    fn finish(&mut self, tok: &Tokenizer, out: &mut impl Write) -> Result<()> {
+        write!(out, "{}", self.dec.flush(tok)?)?;
+        out.flush()?;
+        Ok(())
+    }
+}
+
 /// Runs `hypic generate`.
 pub fn run(a: GenerateArgs) -> Result<()> {
     let dir = match a.model.clone().or_else(default_model_dir) {
@@ -190,19 +218,13 @@ pub fn run(a: GenerateArgs) -> Result<()> {
     let mut next = sampler.sample(&logits);
     let ttft = t0.elapsed();
     let mut generated = vec![];
-    let mut printed = String::new();
+    let mut printer = Printer::default();
     let stdout = std::io::stdout();
     let t1 = Instant::now();
     let mut decode_steps = 0usize;
     while generated.len() < a.max_tokens && !tok.eos_ids.contains(&next) {
         generated.push(next);
-        let text = tok.decode(&generated)?;
-        if let Some(delta) = text.strip_prefix(printed.as_str()) {
-            let mut lock = stdout.lock();
-            write!(lock, "{delta}")?;
-            lock.flush()?;
-            printed = text;
-        }
+        printer.token(&tok, next, &mut stdout.lock())?;
         if generated.len() == a.max_tokens {
             break;
         }
@@ -210,6 +232,7 @@ pub fn run(a: GenerateArgs) -> Result<()> {
         decode_steps += 1;
         next = sampler.sample(&logits);
     }
+    printer.finish(&tok, &mut stdout.lock())?;
     let dt = t1.elapsed().as_secs_f64();
     println!();
     eprintln!(
@@ -247,6 +270,23 @@ mod tests {
         let want = m.prefill(&ids, &mut s, Logits::Last).unwrap().logits;
         assert_eq!(got, want);
         assert_eq!(r.decode(7).unwrap(), m.decode(7, &mut s).unwrap());
+    }
+
+    /// A character split across byte-level BPE tokens (CJK, emoji) does not stop
+    /// the printing: everything after it is printed too.
+    #[test]
+    fn printing_goes_on_after_a_character_split_across_tokens() {
+        let dir = Path::new(env!("CARGO_MANIFEST_DIR")).join("../models/hypic-tiny");
+        let tok = Tokenizer::from_dir(&dir).unwrap();
+        let text = "你好，世界！🙂 then plain English 日本語 and more text.";
+        let ids = tok.encode(text).unwrap();
+        let mut p = Printer::default();
+        let mut out = Vec::new();
+        for &id in &ids {
+            p.token(&tok, id, &mut out).unwrap();
+        }
+        p.finish(&tok, &mut out).unwrap();
+        assert_eq!(String::from_utf8(out).unwrap(), text);
     }
 
     #[cfg(not(feature = "cuda"))]

@@ -115,6 +115,24 @@ pub struct ServeConfig {
     /// active invalidation policy (e.g. TTL) and dropped from the pool when the
     /// policy says so, even if no request touches it. 0 turns the sweep off.
     pub invalidation_sweep_ms: u64,
+    // ---- Request bounds: tokenisation and per-request caps (see
+    // docs/operations/bounds.md). ----
+    /// Most segments one request may carry, all its prompts together (beyond: 400
+    /// naming `max_segments_per_request`). Each segment is looked up, and on a miss
+    /// prefilled and stored, on its own.
+    pub max_segments_per_request: usize,
+    /// Most prompt tokens one request may prefill, all its prompts and segments
+    /// together, counted before the cache is consulted so that the bound holds when
+    /// every segment misses (beyond: 400 naming `max_prefill_tokens_per_request`).
+    pub max_prefill_tokens_per_request: usize,
+    /// Largest text of one segment, bytes: an inline segment, a piece of a cut
+    /// prompt, a catalog segment's content when tokenised (beyond: 400).
+    pub max_segment_bytes: usize,
+    /// Largest content of one chat message, all its parts, bytes (beyond: 400).
+    pub max_message_bytes: usize,
+    /// Requests that may tokenise (or render a chat template) at once; the others
+    /// wait for a turn. Bounds the memory tokenisation takes.
+    pub tokenize_concurrency: usize,
 }
 
 impl Default for ServeConfig {
@@ -147,6 +165,11 @@ impl Default for ServeConfig {
             audience: crate::auth::DEFAULT_AUDIENCE.into(),
             disable_auth: false,
             invalidation_sweep_ms: 10_000,
+            max_segments_per_request: 256,
+            max_prefill_tokens_per_request: 32_768,
+            max_segment_bytes: 4 << 20,
+            max_message_bytes: 4 << 20,
+            tokenize_concurrency: 4,
         }
     }
 }
@@ -240,6 +263,21 @@ pub struct ServeArgs {
     /// Turn authentication off (loopback binds only).
     #[arg(long)]
     pub disable_auth: bool,
+    /// Most segments per request [default: 256].
+    #[arg(long, env = "HYPIC_MAX_SEGMENTS_PER_REQUEST")]
+    pub max_segments_per_request: Option<usize>,
+    /// Most prompt tokens one request may prefill [default: 32768].
+    #[arg(long, env = "HYPIC_MAX_PREFILL_TOKENS_PER_REQUEST")]
+    pub max_prefill_tokens_per_request: Option<usize>,
+    /// Largest text of one segment, bytes [default: 4194304].
+    #[arg(long, env = "HYPIC_MAX_SEGMENT_BYTES")]
+    pub max_segment_bytes: Option<usize>,
+    /// Largest content of one chat message, bytes [default: 4194304].
+    #[arg(long, env = "HYPIC_MAX_MESSAGE_BYTES")]
+    pub max_message_bytes: Option<usize>,
+    /// Requests that may tokenise at once [default: 4].
+    #[arg(long, env = "HYPIC_TOKENIZE_CONCURRENCY")]
+    pub tokenize_concurrency: Option<usize>,
 }
 
 impl ServeConfig {
@@ -281,6 +319,13 @@ impl ServeConfig {
             jwks_reload_ms,
             invalidation_sweep_ms
         );
+        set!(
+            max_segments_per_request,
+            max_prefill_tokens_per_request,
+            max_segment_bytes,
+            max_message_bytes,
+            tokenize_concurrency
+        );
         if a.model.is_some() {
             c.model = a.model.clone();
         }
@@ -318,6 +363,20 @@ impl ServeConfig {
         }
         if self.default_max_tokens == 0 || self.max_n == 0 {
             bail!("default_max_tokens and max_n must be at least 1");
+        }
+        for (name, v) in [
+            ("max_segments_per_request", self.max_segments_per_request),
+            (
+                "max_prefill_tokens_per_request",
+                self.max_prefill_tokens_per_request,
+            ),
+            ("max_segment_bytes", self.max_segment_bytes),
+            ("max_message_bytes", self.max_message_bytes),
+            ("tokenize_concurrency", self.tokenize_concurrency),
+        ] {
+            if v == 0 {
+                bail!("{name} must be at least 1");
+            }
         }
         Ok(())
     }
@@ -415,6 +474,8 @@ pub(crate) struct Inner {
     pub ledger: sweep::Ledger,
     pub prefill_gate: tokio::sync::Semaphore,
     pub ctx: usize,
+    /// Turns to tokenise (`tokenize_concurrency` permits).
+    pub tokenize_gate: Arc<tokio::sync::Semaphore>,
 }
 
 /// Shared state of the serving routes.
@@ -508,6 +569,7 @@ impl AppState {
         let ctx = model.config.max_position_embeddings;
         let (engine, sched) = start_engine(&cfg, device, model, &model_id, &control)?;
         let backend = engine.backend();
+        let cfg_tok_conc = cfg.tokenize_concurrency;
         let control_router = crate::control_router(control.clone());
         let metrics = metrics::ServeMetrics::new();
         metrics.set_backend(&backend);
@@ -526,6 +588,7 @@ impl AppState {
             ledger: sweep::Ledger::default(),
             prefill_gate: tokio::sync::Semaphore::new(1),
             ctx,
+            tokenize_gate: Arc::new(tokio::sync::Semaphore::new(cfg_tok_conc)),
         })))
     }
 

@@ -18,8 +18,6 @@ use dataplane::tokenizer::{ChatMessage, Tokenizer};
 pub const PART_MARK: &str = "\u{10FFFD}";
 /// At most this many messages per chat request.
 pub const MAX_MESSAGES: usize = 1024;
-/// At most this many segments per request.
-pub const MAX_SEGMENTS: usize = 1024;
 
 const ROLES: [&str; 5] = ["system", "developer", "user", "assistant", "tool"];
 
@@ -263,15 +261,4 @@ pub fn request_mode(ext: Option<&HypicRequestExt>, default: Mode) -> Result<Mode
             parse_mode(name, w, r).map_err(|e| ServeError::invalid_param("hypic.mode", e))
         }
     }
-}
-
-/// Tokenises segment texts; segments that encode to nothing are dropped.
-pub fn tokenize_all(tok: &Tokenizer, texts: &[String]) -> Result<Vec<Vec<u32>>, ServeError> {
-    texts
-        .iter()
-        .map(|t| {
-            tok.encode(t)
-                .map_err(|e| ServeError::bad_request("tokenization_error", e.to_string()))
-        })
-        .collect()
 }

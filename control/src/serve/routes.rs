@@ -22,6 +22,7 @@ use dataplane::sampling::SamplingParams;
 use dataplane::scheduler::{
     ErrorKind, FinishReason, GenEvent, GenRequest, RequestHandle, SubmitError,
 };
+use dataplane::tokenizer::Bounded;
 use futures_util::FutureExt;
 use serde_json::{json, Value};
 use std::collections::VecDeque;
@@ -248,6 +249,146 @@ fn private_key(s: &AppState, tenant: &str, salt: Option<&str>) -> String {
     s.0.control.keyer().isolation_key(tenant, &e, false, salt)
 }
 
+// ---- bounded tokenisation ---------------------------------------------------------
+
+/// Tokens one prompt may have: the model's context, or the per-request prefill cap
+/// when that is lower.
+fn prompt_limit(s: &AppState) -> usize {
+    s.0.ctx.min(s.0.cfg.max_prefill_tokens_per_request)
+}
+
+/// A prompt (in request field `field`) of `n` tokens (`exact`) or at least `n` is
+/// over [`prompt_limit`]: 400 naming the context or the request cap.
+fn over_limit(s: &AppState, field: &str, n: usize, exact: bool) -> ServeError {
+    let (ctx, cap) = (s.0.ctx, s.0.cfg.max_prefill_tokens_per_request);
+    let has = if exact {
+        format!("{n} tokens")
+    } else {
+        format!("at least {n} tokens")
+    };
+    let e = if ctx <= cap {
+        ServeError::bad_request(
+            "context_length_exceeded",
+            format!(
+                "this model's maximum context length is {ctx} tokens, but the prompt has {has}"
+            ),
+        )
+    } else {
+        ServeError::bad_request(
+            "prefill_tokens_exceeded",
+            format!(
+                "a request may prefill at most {cap} prompt tokens (max_prefill_tokens_per_request), but the prompt has {has}"
+            ),
+        )
+    };
+    ServeError {
+        param: Some(field.into()),
+        ..e
+    }
+}
+
+/// Refuses, before any tokenisation, a text of `bytes` bytes (the prompt of
+/// request field `field`) that cannot fit [`prompt_limit`] tokens: more bytes than
+/// the limit times the tokenizer's most bytes per token.
+pub(crate) fn check_fits(s: &AppState, field: &str, bytes: usize) -> Result<(), ServeError> {
+    if let Some(b) = s.0.tok.max_bytes_per_token() {
+        if bytes > prompt_limit(s).saturating_mul(b) {
+            return Err(over_limit(s, field, bytes.div_ceil(b), false));
+        }
+    }
+    Ok(())
+}
+
+/// Refuses a text of `bytes` bytes in `param` over the cap `cap` (config key
+/// `key`) per `what`: 400 `string_above_max_length`.
+pub(crate) fn check_bytes(
+    param: &str,
+    bytes: usize,
+    cap: usize,
+    key: &str,
+    what: &str,
+) -> Result<(), ServeError> {
+    if bytes > cap {
+        return Err(ServeError {
+            param: Some(param.into()),
+            ..ServeError::bad_request(
+                "string_above_max_length",
+                format!("'{param}' is {bytes} bytes; the server allows at most {cap} bytes per {what} ({key})"),
+            )
+        });
+    }
+    Ok(())
+}
+
+/// Refuses more than `max_segments_per_request` segments in one request.
+pub(crate) fn check_segment_count(s: &AppState, field: &str, n: usize) -> Result<(), ServeError> {
+    let cap = s.0.cfg.max_segments_per_request;
+    if n > cap {
+        return Err(ServeError {
+            param: Some(field.into()),
+            ..ServeError::bad_request(
+                "too_many_segments",
+                format!("a request may have at most {cap} segments (max_segments_per_request), but this one has {n}"),
+            )
+        });
+    }
+    Ok(())
+}
+
+/// Runs `f` on the blocking pool in a tokenisation turn (`tokenize_concurrency`
+/// turns; the turn is held until `f` returns, even when the request is dropped).
+pub(crate) async fn in_tokenize_turn<T: Send + 'static>(
+    s: &AppState,
+    f: impl FnOnce() -> T + Send + 'static,
+) -> Result<T, ServeError> {
+    let permit =
+        s.0.tokenize_gate
+            .clone()
+            .acquire_owned()
+            .await
+            .map_err(|e| ServeError::internal(e.to_string()))?;
+    tokio::task::spawn_blocking(move || {
+        let out = f();
+        drop(permit);
+        out
+    })
+    .await
+    .map_err(|e| ServeError::internal(e.to_string()))
+}
+
+/// Tokenises a segment's text (`param`: the field it came from) of at most
+/// `max_segment_bytes` bytes and the model's context in tokens, without tokenising
+/// more than a bounded piece of a text that cannot fit. 400 when over.
+pub(crate) async fn tokenize_segment(
+    s: &AppState,
+    content: String,
+    param: &str,
+) -> Result<Vec<u32>, ServeError> {
+    check_bytes(
+        param,
+        content.len(),
+        s.0.cfg.max_segment_bytes,
+        "max_segment_bytes",
+        "segment",
+    )?;
+    let (tok, ctx) = (s.0.tok.clone(), s.0.ctx);
+    match in_tokenize_turn(s, move || tok.encode_within(&content, ctx))
+        .await?
+        .map_err(|e| ServeError::bad_request("tokenization_error", e.to_string()))?
+    {
+        Bounded::Fits(ids) => Ok(ids),
+        Bounded::Over { at_least, .. } => Err(ServeError {
+            param: Some(param.into()),
+            ..ServeError::bad_request(
+                "context_length_exceeded",
+                format!(
+                    "the segment has at least {at_least} tokens, over the model's context of {ctx}"
+                ),
+            )
+        }),
+    }
+}
+
 /// Tokens of a catalog segment version (tokenised once per server).
 pub(crate) async fn catalog_tokens(
     s: &AppState,
@@ -287,12 +428,12 @@ pub(crate) async fn catalog_tokens(
             format!("segment {id:?} changed while the request was resolved; retry"),
         ));
     }
-    let tok = s.0.tok.clone();
-    let c2 = content.clone();
-    let tokens = tokio::task::spawn_blocking(move || tok.encode(&c2))
+    let tokens = tokenize_segment(s, content.clone(), "segments")
         .await
-        .map_err(|e| ServeError::internal(e.to_string()))?
-        .map_err(|e| ServeError::bad_request("tokenization_error", e.to_string()))?;
+        .map_err(|mut e| {
+            e.message = format!("catalog segment {id:?}: {}", e.message);
+            e
+        })?;
     let tokens = Arc::new(tokens);
     let mut k = s.0.known.lock().unwrap_or_else(|p| p.into_inner());
     if k.tokens.len() > 65536 {
@@ -321,16 +462,7 @@ pub async fn resolve(
     field: &str,
     empty: &str,
 ) -> Result<Vec<Resolved>, ServeError> {
-    if sources.len() > prompt::MAX_SEGMENTS {
-        return Err(ServeError::invalid_param(
-            field,
-            format!(
-                "at most {} segments per request (got {})",
-                prompt::MAX_SEGMENTS,
-                sources.len()
-            ),
-        ));
-    }
+    check_segment_count(s, field, sources.len())?;
     if let Some(salt) = salt {
         if salt.len() > 256 {
             return Err(ServeError::invalid_param(
@@ -374,16 +506,43 @@ pub async fn resolve(
             _ => None,
         })
         .collect();
+    let text_bytes: usize = texts.iter().map(|(_, t)| t.len()).sum();
+    check_fits(s, field, text_bytes)?;
+    for (_, t) in &texts {
+        check_bytes(
+            field,
+            t.len(),
+            s.0.cfg.max_segment_bytes,
+            "max_segment_bytes",
+            "segment",
+        )?;
+    }
+    // Inline texts share the prompt's budget: tokenisation stops at the first text
+    // that takes the prompt past it.
     let tok = s.0.tok.clone();
-    let encoded = tokio::task::spawn_blocking(move || {
-        texts
-            .into_iter()
-            .map(|(i, t)| tok.encode(&t).map(|ids| (i, t, ids)))
-            .collect::<Result<Vec<_>, _>>()
+    let limit = prompt_limit(s);
+    type Encoded = Result<Vec<(usize, String, Vec<u32>)>, usize>;
+    let encoded = in_tokenize_turn(s, move || -> dataplane::Result<Encoded> {
+        let mut left = limit;
+        let mut out = Vec::with_capacity(texts.len());
+        for (i, t) in texts {
+            match tok.encode_within(&t, left)? {
+                Bounded::Fits(ids) => {
+                    left -= ids.len();
+                    out.push((i, t, ids));
+                }
+                Bounded::Over { at_least, .. } => {
+                    return Ok(Err(limit - left + at_least));
+                }
+            }
+        }
+        Ok(Ok(out))
     })
-    .await
-    .map_err(|e| ServeError::internal(e.to_string()))?
-    .map_err(|e| ServeError::bad_request("tokenization_error", e.to_string()))?;
+    .await?
+    .map_err(|e: dataplane::error::Error| {
+        ServeError::bad_request("tokenization_error", e.to_string())
+    })?
+    .map_err(|n| over_limit(s, field, n, false))?;
     let mut encoded: std::collections::HashMap<usize, (String, Vec<u32>)> = encoded
         .into_iter()
         .map(|(i, t, ids)| (i, (t, ids)))
@@ -449,17 +608,8 @@ pub async fn resolve(
         return Err(ServeError::invalid_param(field, empty));
     }
     let total: usize = out.iter().map(|r| r.tokens.len()).sum();
-    if total > s.0.ctx {
-        return Err(ServeError {
-            param: Some(field.into()),
-            ..ServeError::bad_request(
-                "context_length_exceeded",
-                format!(
-                    "this model's maximum context length is {} tokens, but the prompt has {total} tokens",
-                    s.0.ctx
-                ),
-            )
-        });
+    if total > prompt_limit(s) {
+        return Err(over_limit(s, field, total, true));
     }
     Ok(out)
 }
@@ -1052,6 +1202,19 @@ async fn completions_inner(
                     "'prompt' must be a string or a list of 1 to 16 strings",
                 ));
             }
+            // Before any copy or tokenisation: each prompt must be able to fit, and
+            // the request may not carry too many segments.
+            let sep = s.0.cfg.separator.as_str();
+            let mut pieces = 0;
+            for t in &list {
+                check_fits(s, "prompt", t.len())?;
+                pieces += if sep.is_empty() {
+                    usize::from(!t.is_empty())
+                } else {
+                    t.split(sep).filter(|x| !x.is_empty()).count()
+                };
+            }
+            check_segment_count(s, "prompt", pieces)?;
             list.iter()
                 .map(|t| {
                     prompt::split_prompt(t, &s.0.cfg.separator)
@@ -1068,6 +1231,12 @@ async fn completions_inner(
                     "'segments' is an empty array; give at least one segment",
                 ));
             }
+            check_segment_count(s, "segments", items.len())?;
+            let bytes = items
+                .iter()
+                .map(|it| it.text.as_ref().map_or(0, |t| t.len()))
+                .sum();
+            check_fits(s, "segments", bytes)?;
             let mut v = Vec::with_capacity(items.len());
             for (i, it) in items.iter().enumerate() {
                 v.push(match (&it.text, &it.id) {
@@ -1101,6 +1270,8 @@ async fn completions_inner(
     let stops = check_stops(req.stop.clone())?;
     let several = matches!(req.prompt, Some(PromptSpec::Many(ref v)) if v.len() > 1);
     let mut prompts = Vec::with_capacity(sources.len());
+    let cap = s.0.cfg.max_prefill_tokens_per_request;
+    let mut request_tokens = 0usize;
     for (i, src) in sources.into_iter().enumerate() {
         let (field, empty) = if req.segments.is_some() {
             (
@@ -1113,6 +1284,18 @@ async fn completions_inner(
             ("prompt", "'prompt' is empty".to_string())
         };
         let resolved = resolve(s, &p.tenant, salt.as_deref(), src, field, &empty).await?;
+        request_tokens += resolved.iter().map(|r| r.tokens.len()).sum::<usize>();
+        if request_tokens > cap {
+            return Err(ServeError {
+                param: Some(field.into()),
+                ..ServeError::bad_request(
+                    "prefill_tokens_exceeded",
+                    format!(
+                        "a request may prefill at most {cap} prompt tokens (max_prefill_tokens_per_request), but its prompts have {request_tokens} tokens"
+                    ),
+                )
+            });
+        }
         prompts.push(resolved);
     }
     let longest = prompts
@@ -1158,11 +1341,24 @@ async fn chat_inner(
     let model = check_model(s, &req.model)?;
     let mode = prompt::request_mode(req.hypic.as_ref(), s.0.default_mode)?;
     let salt = req.hypic.as_ref().and_then(|h| h.salt.clone());
+    // Before rendering or tokenising: each message within its cap, and the whole
+    // conversation able to fit.
+    let mut bytes = 0;
+    for (i, m) in req.messages.iter().enumerate() {
+        let b = m.content.as_ref().map_or(0, |c| c.text_bytes());
+        check_bytes(
+            &format!("messages[{i}].content"),
+            b,
+            s.0.cfg.max_message_bytes,
+            "max_message_bytes",
+            "message",
+        )?;
+        bytes += b;
+    }
+    check_fits(s, "messages", bytes)?;
     let tok = s.0.tok.clone();
     let msgs = req.messages.clone();
-    let texts = tokio::task::spawn_blocking(move || prompt::chat_segments(&tok, &msgs))
-        .await
-        .map_err(|e| ServeError::internal(e.to_string()))??;
+    let texts = in_tokenize_turn(s, move || prompt::chat_segments(&tok, &msgs)).await??;
     let (temperature, top_p, n) = check_sampling(req.temperature, req.top_p, req.n, s.0.cfg.max_n)?;
     let logprobs = match (req.logprobs.unwrap_or(false), req.top_logprobs) {
         (_, Some(k)) if !(0..=20).contains(&k) => {

@@ -96,13 +96,9 @@ fn bad_id(id: &str) -> Option<Response> {
         })
 }
 
-/// Tokenises `content` (off the async runtime).
+/// Tokenises `content` (bounded: [`super::routes::tokenize_segment`]).
 async fn tokenize(s: &AppState, content: String) -> Result<Vec<u32>, ServeError> {
-    let tok = s.0.tok.clone();
-    tokio::task::spawn_blocking(move || tok.encode(&content))
-        .await
-        .map_err(|e| ServeError::internal(e.to_string()))?
-        .map_err(|e| ServeError::bad_request("tokenization_error", e.to_string()))
+    super::routes::tokenize_segment(s, content, "content").await
 }
 
 /// Parses a create/update body: content (string), optional prefill flag; adds

@@ -212,6 +212,19 @@ pub enum MessageContent {
     Parts(Vec<ContentPart>),
 }
 
+impl MessageContent {
+    /// Bytes of text: the string, or the sum of the parts' texts.
+    pub fn text_bytes(&self) -> usize {
+        match self {
+            MessageContent::Text(t) => t.len(),
+            MessageContent::Parts(ps) => ps
+                .iter()
+                .map(|p| p.text.as_ref().map_or(0, |t| t.len()))
+                .sum(),
+        }
+    }
+}
+
 impl<'de> Deserialize<'de> for MessageContent {
     fn deserialize<D: Deserializer<'de>>(d: D) -> Result<Self, D::Error> {
         struct V;

@@ -15,6 +15,7 @@ mod policy;
 mod review7;
 mod serve_api;
 mod serve_bad_input;
+mod serve_bounds;
 mod serve_control;
 mod serve_device;
 mod serve_load;
