@@ -289,12 +289,16 @@ impl From<CatalogError> for ApiError {
             ),
             CatalogError::Invalid(_) => ApiError::bad_request(e.to_string()),
             CatalogError::Db(_) | CatalogError::Migrate(_) => {
-                tracing::error!("catalog error: {e}");
+                // The cause (read-only, disk full, unreachable) is the operator's to
+                // fix and the client's to know; the database's own message is logged.
+                let cause = crate::readiness::DbCause::of_catalog(&e)
+                    .unwrap_or(crate::readiness::DbCause::Other);
+                tracing::error!(code = cause.code(), "catalog error: {e}");
                 ApiError::new(
-                    StatusCode::INTERNAL_SERVER_ERROR,
+                    cause.status(),
                     "server_error",
-                    "internal_error",
-                    "internal catalog error",
+                    cause.code(),
+                    cause.describe(),
                 )
             }
         }
@@ -305,6 +309,10 @@ impl IntoResponse for ApiError {
     fn into_response(self) -> Response {
         let body = serde_json::json!({"error": {"message": self.message, "type": self.kind, "param": null, "code": self.code}});
         let mut r = (self.status, Json(body)).into_response();
+        if self.status.is_server_error() {
+            r.extensions_mut()
+                .insert(crate::serve::reqlog::ErrorCause(self.message.clone()));
+        }
         if self.status == StatusCode::UNAUTHORIZED {
             r.headers_mut().insert(
                 header::WWW_AUTHENTICATE,
@@ -409,6 +417,9 @@ impl FromRequestParts<ControlState> for Caller {
                 a.verify(token.trim())?
             }
         };
+        if let Some(slot) = parts.extensions.get::<crate::serve::reqlog::LogSlot>() {
+            slot.set_tenant(state.inner.keyer.pseudonym(&p.tenant));
+        }
         let key = (p.tenant.clone(), p.sub.clone());
         let fresh = !state
             .inner

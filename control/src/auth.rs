@@ -17,6 +17,9 @@ use crate::catalog::{validate_id, Role, SnapshotEntry};
 
 /// Audience every HYPIC token must carry unless configured otherwise.
 pub const DEFAULT_AUDIENCE: &str = "hypic";
+/// Default longest token lifetime (`exp - iat`) that `hypic token` mints and the
+/// verifier accepts: 90 days, in seconds.
+pub const DEFAULT_MAX_TOKEN_LIFETIME_S: u64 = 90 * 86400;
 /// File in the data directory holding the HS256 signing secret (hex).
 pub const SECRET_FILE: &str = "jwt-secret";
 /// Tenant whose token is printed at first start.
@@ -159,6 +162,7 @@ pub struct JwksReload {
 /// content changes (key rotation without a restart).
 pub struct Authenticator {
     audience: String,
+    max_lifetime_s: u64,
     hs256: Option<DecodingKey>,
     jwks: Vec<JwksKey>,
     files: Vec<JwksFile>,
@@ -184,6 +188,7 @@ impl Authenticator {
         anyhow::ensure!(secret.len() >= 32, "HS256 secret must be at least 32 bytes");
         Ok(Authenticator {
             audience: audience.to_string(),
+            max_lifetime_s: DEFAULT_MAX_TOKEN_LIFETIME_S,
             hs256: Some(DecodingKey::from_secret(secret)?),
             jwks: vec![],
             files: vec![],
@@ -194,10 +199,19 @@ impl Authenticator {
     pub fn without_keys(audience: &str) -> Authenticator {
         Authenticator {
             audience: audience.to_string(),
+            max_lifetime_s: DEFAULT_MAX_TOKEN_LIFETIME_S,
             hs256: None,
             jwks: vec![],
             files: vec![],
         }
+    }
+
+    /// Sets the longest token lifetime accepted, seconds: a token whose `exp - iat`
+    /// (or, without `iat`, whose remaining time `exp - now`) exceeds it is refused
+    /// (default [`DEFAULT_MAX_TOKEN_LIFETIME_S`]).
+    pub fn with_max_lifetime(mut self, max_lifetime_s: u64) -> Authenticator {
+        self.max_lifetime_s = max_lifetime_s;
+        self
     }
 
     /// Adds the RS256 and EdDSA public keys of a JWKS document (fixed for the
@@ -335,6 +349,17 @@ impl Authenticator {
             _ => AuthError::Invalid(e.to_string()),
         })?;
         let c = data.claims;
+        let lifetime = if c.iat > 0 {
+            c.exp.saturating_sub(c.iat)
+        } else {
+            c.exp.saturating_sub(now_s())
+        };
+        if lifetime > self.max_lifetime_s.saturating_add(validation.leeway) {
+            return Err(AuthError::Invalid(format!(
+                "token lifetime of {lifetime} s exceeds this server's maximum of {} s",
+                self.max_lifetime_s
+            )));
+        }
         let role: Role = c.role.parse().map_err(AuthError::Invalid)?;
         validate_id("tenant", &c.tenant).map_err(|e| AuthError::Invalid(e.to_string()))?;
         if c.sub.is_empty() || c.sub.len() > 256 {
@@ -548,12 +573,23 @@ pub struct TokenArgs {
     /// Data directory holding the signing secret (created if missing).
     #[arg(long, env = "HYPIC_DATA_DIR", default_value = "hypic-data")]
     pub data_dir: PathBuf,
+    /// Longest lifetime `--ttl` may ask for (servers refuse longer tokens).
+    #[arg(long, env = "HYPIC_MAX_TOKEN_LIFETIME", default_value = "90d")]
+    pub max_lifetime: String,
 }
 
 /// Mints a token from `args` and returns it.
 pub fn token_from_args(args: &TokenArgs) -> anyhow::Result<String> {
     let role: Role = args.role.parse().map_err(|e: String| anyhow::anyhow!(e))?;
     let ttl = parse_ttl(&args.ttl)?;
+    let max = parse_ttl(&args.max_lifetime).context("--max-lifetime")?;
+    anyhow::ensure!(
+        ttl <= max,
+        "--ttl {} is longer than the maximum token lifetime of {max} s (--max-lifetime {}); \
+         servers refuse such tokens",
+        args.ttl,
+        args.max_lifetime
+    );
     let (secret, created) = load_or_create_secret(&args.data_dir)?;
     if created {
         eprintln!(
@@ -632,6 +668,14 @@ impl IsolationKeyer {
             Some(s) if !s.is_empty() => self.mac(&[b"salted", base.as_bytes(), s.as_bytes()]),
             _ => base,
         }
+    }
+
+    /// A short keyed hash of `tenant` for logs (12 hex digits): stable for a server
+    /// secret, not reversible without it.
+    pub fn pseudonym(&self, tenant: &str) -> String {
+        let mut h = self.mac(&[b"log-pseudonym", tenant.as_bytes()]);
+        h.truncate(12);
+        format!("t-{h}")
     }
 
     /// The cache key of one segment version under an isolation key.

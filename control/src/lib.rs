@@ -13,6 +13,7 @@ pub mod backend;
 pub mod bench;
 pub mod catalog;
 pub mod policy;
+pub mod readiness;
 pub mod serve;
 pub mod sim;
 
@@ -51,6 +52,10 @@ pub struct ControlArgs {
     /// Turn authentication off (only allowed on a loopback bind address).
     #[arg(long)]
     pub disable_auth: bool,
+    /// Longest token lifetime accepted (`exp - iat`), seconds.
+    #[arg(long = "max-token-lifetime", env = "HYPIC_MAX_TOKEN_LIFETIME",
+          value_parser = auth::parse_ttl, default_value = "90d")]
+    pub max_token_lifetime_s: u64,
 }
 
 /// Builds the control-plane state: checks the auth flag against `bind`,
@@ -72,14 +77,16 @@ pub async fn build_control_state(
             args.data_dir.join("catalog.sqlite").display()
         ),
     };
+    readiness::probe_postgres(&url).await?;
     let catalog = Catalog::connect(&url)
         .await
-        .with_context(|| format!("opening catalog {url}"))?;
+        .map_err(|e| readiness::startup_error(&url, e))?;
     let mode = if args.disable_auth {
         eprintln!("hypic: WARNING authentication is disabled (loopback only)");
         AuthMode::Disabled
     } else {
-        let mut a = auth::Authenticator::hs256(&fs.secret, &args.audience)?;
+        let mut a = auth::Authenticator::hs256(&fs.secret, &args.audience)?
+            .with_max_lifetime(args.max_token_lifetime_s);
         if let Some(j) = &args.jwks_file {
             a = a.with_jwks_file(j)?;
         }
@@ -107,19 +114,26 @@ pub struct ControlServeArgs {
     /// Control-plane options.
     #[command(flatten)]
     pub control: ControlArgs,
+    /// Connection limits and deadlines.
+    #[command(flatten)]
+    pub net: serve::net::NetArgs,
 }
 
 /// Serves the control-plane API alone until Ctrl-C.
 pub async fn run_control_command(args: ControlServeArgs) -> anyhow::Result<()> {
+    let limits = args.net.limits()?;
     let state = build_control_state(&args.control, args.bind).await?;
     let listener = tokio::net::TcpListener::bind(args.bind)
         .await
         .with_context(|| format!("binding {}", args.bind))?;
     eprintln!("hypic: control plane listening on http://{}", args.bind);
-    axum::serve(listener, control_router(state))
-        .with_graceful_shutdown(async {
-            let _ = tokio::signal::ctrl_c().await;
-        })
-        .await?;
+    let app = control_router(state.clone()).route(
+        "/ready",
+        axum::routing::get(move || readiness::ready_control(state.clone())),
+    );
+    serve::net::serve(listener, app, limits, async {
+        let _ = tokio::signal::ctrl_c().await;
+    })
+    .await?;
     Ok(())
 }

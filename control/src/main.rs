@@ -10,6 +10,16 @@ use clap::{Parser, Subcommand};
 struct Cli {
     #[command(subcommand)]
     command: Command,
+    /// Log format of the servers (`serve`, `control`) on stderr: text or json.
+    /// The filter comes from HYPIC_LOG, else RUST_LOG, else `info`.
+    #[arg(
+        long,
+        global = true,
+        value_enum,
+        env = "HYPIC_LOG_FORMAT",
+        default_value = "text"
+    )]
+    log_format: hypic_control::serve::reqlog::LogFormat,
 }
 
 #[derive(Subcommand)]
@@ -30,6 +40,9 @@ enum Command {
 
 fn main() {
     let cli = Cli::parse();
+    if matches!(cli.command, Command::Serve(_) | Command::Control(_)) {
+        hypic_control::serve::reqlog::init_logging(cli.log_format);
+    }
     let res = match cli.command {
         Command::Generate(a) => generate::run(a),
         Command::Eval(a) => eval_cmd::run(a),

@@ -258,6 +258,12 @@ impl Scheduler {
         &self.engine
     }
 
+    /// Whether the worker thread is alive and accepting requests.
+    pub fn is_running(&self) -> bool {
+        !self.shared.shutdown.load(Ordering::Relaxed)
+            && self.worker.as_ref().is_some_and(|w| !w.is_finished())
+    }
+
     /// Live counters.
     pub fn metrics(&self) -> Arc<SchedulerMetrics> {
         self.shared.metrics.clone()

@@ -132,6 +132,10 @@ impl From<crate::api::ApiError> for ServeError {
 impl IntoResponse for ServeError {
     fn into_response(self) -> Response {
         let mut r = (self.status, Json(self.body())).into_response();
+        if self.status.is_server_error() {
+            r.extensions_mut()
+                .insert(super::reqlog::ErrorCause(self.message.clone()));
+        }
         if let Some(s) = self.retry_after_s {
             if let Ok(v) = HeaderValue::from_str(&s.to_string()) {
                 r.headers_mut().insert(header::RETRY_AFTER, v);

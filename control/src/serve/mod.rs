@@ -25,7 +25,9 @@
 //! and the metrics see only that interface.
 pub mod errors;
 pub mod metrics;
+pub mod net;
 pub mod prompt;
+pub mod reqlog;
 pub mod routes;
 pub mod segments;
 pub mod sweep;
@@ -133,6 +135,22 @@ pub struct ServeConfig {
     /// Requests that may tokenise (or render a chat template) at once; the others
     /// wait for a turn. Bounds the memory tokenisation takes.
     pub tokenize_concurrency: usize,
+    // ---- connections and time a client may hold ([`net::NetLimits`]) ----
+    /// A request's headers must be complete within this many ms of the server
+    /// starting to wait for them (the accept, or the end of the previous response).
+    pub header_read_timeout_ms: u64,
+    /// A connection with no request in progress (just accepted, idle between
+    /// keep-alive requests, or still sending headers) is closed after this many
+    /// ms (0: off; the header-read timeout still applies).
+    pub idle_timeout_ms: u64,
+    /// A request's body must be received within this many ms of its headers
+    /// (beyond: 408 `body_read_timeout`).
+    pub body_read_timeout_ms: u64,
+    /// Open connections at most; at the cap the oldest idle connection is closed
+    /// to make room, and when all are busy a new one gets 503 and is closed.
+    pub max_connections: usize,
+    /// Longest token lifetime accepted (`exp - iat`), seconds.
+    pub max_token_lifetime_s: u64,
 }
 
 impl Default for ServeConfig {
@@ -170,6 +188,11 @@ impl Default for ServeConfig {
             max_segment_bytes: 4 << 20,
             max_message_bytes: 4 << 20,
             tokenize_concurrency: 4,
+            header_read_timeout_ms: net::DEFAULT_HEADER_READ_TIMEOUT_MS,
+            idle_timeout_ms: net::DEFAULT_IDLE_TIMEOUT_MS,
+            body_read_timeout_ms: net::DEFAULT_BODY_READ_TIMEOUT_MS,
+            max_connections: net::DEFAULT_MAX_CONNECTIONS,
+            max_token_lifetime_s: crate::auth::DEFAULT_MAX_TOKEN_LIFETIME_S,
         }
     }
 }
@@ -278,6 +301,12 @@ pub struct ServeArgs {
     /// Requests that may tokenise at once [default: 4].
     #[arg(long, env = "HYPIC_TOKENIZE_CONCURRENCY")]
     pub tokenize_concurrency: Option<usize>,
+    /// Connection limits and deadlines.
+    #[command(flatten)]
+    pub net: net::NetArgs,
+    /// Longest token lifetime accepted (exp - iat), e.g. 90d [default: 90d].
+    #[arg(long, env = "HYPIC_MAX_TOKEN_LIFETIME")]
+    pub max_token_lifetime: Option<String>,
 }
 
 impl ServeConfig {
@@ -339,6 +368,14 @@ impl ServeConfig {
             c.jwks_file = a.jwks_file.clone();
         }
         c.disable_auth |= a.disable_auth;
+        let n = &a.net;
+        c.header_read_timeout_ms = n.header_read_timeout_ms.unwrap_or(c.header_read_timeout_ms);
+        c.idle_timeout_ms = n.idle_timeout_ms.unwrap_or(c.idle_timeout_ms);
+        c.body_read_timeout_ms = n.body_read_timeout_ms.unwrap_or(c.body_read_timeout_ms);
+        c.max_connections = n.max_connections.unwrap_or(c.max_connections);
+        if let Some(t) = &a.max_token_lifetime {
+            c.max_token_lifetime_s = crate::auth::parse_ttl(t).context("--max-token-lifetime")?;
+        }
         c.validate()?;
         Ok(c)
     }
@@ -378,6 +415,10 @@ impl ServeConfig {
                 bail!("{name} must be at least 1");
             }
         }
+        self.net_limits()?;
+        if self.max_token_lifetime_s == 0 {
+            bail!("max_token_lifetime_s must be at least 1");
+        }
         Ok(())
     }
 
@@ -396,7 +437,18 @@ impl ServeConfig {
             jwks_reload_ms: self.jwks_reload_ms,
             audience: self.audience.clone(),
             disable_auth: self.disable_auth,
+            max_token_lifetime_s: self.max_token_lifetime_s,
         }
+    }
+
+    /// Connection limits and deadlines.
+    pub fn net_limits(&self) -> anyhow::Result<net::NetLimits> {
+        net::NetLimits::from_ms(
+            self.header_read_timeout_ms,
+            self.idle_timeout_ms,
+            self.body_read_timeout_ms,
+            self.max_connections,
+        )
     }
 
     /// Scheduler settings.
@@ -685,17 +737,11 @@ pub async fn spawn(cfg: ServeConfig) -> anyhow::Result<RunningServer> {
         sweep::spawn_sweeper(Arc::downgrade(&state.0), Duration::from_millis(sweep_every));
     }
     let app = routes::router(state.clone());
+    let limits = state.config().net_limits()?;
     let (tx, rx) = tokio::sync::oneshot::channel::<()>();
-    let join = tokio::spawn(async move {
-        axum::serve(
-            listener,
-            app.into_make_service_with_connect_info::<SocketAddr>(),
-        )
-        .with_graceful_shutdown(async {
-            let _ = rx.await;
-        })
-        .await
-    });
+    let join = tokio::spawn(net::serve(listener, app, limits, async {
+        let _ = rx.await;
+    }));
     Ok(RunningServer {
         addr,
         state,

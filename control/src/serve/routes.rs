@@ -58,6 +58,7 @@ pub fn router(state: AppState) -> Router {
     };
     Router::new()
         .route("/health", get(health).fallback(not_allowed))
+        .route("/ready", get(ready).fallback(not_allowed))
         .route("/metrics", get(metrics).fallback(not_allowed))
         .route("/v1/models", get(models).fallback(not_allowed))
         .route("/v1/models/{id}", get(model_one).fallback(not_allowed))
@@ -139,10 +140,22 @@ async fn catch_panic(req: axum::extract::Request, next: axum::middleware::Next) 
     }
 }
 
-/// Maps a body rejection (too large → 413).
+/// Maps a body rejection (too large → 413, body not received before the
+/// body-read deadline → 408).
 pub fn body_error(e: BytesRejection, limit: usize) -> ServeError {
     if e.status() == StatusCode::PAYLOAD_TOO_LARGE {
         ServeError::too_large(limit)
+    } else if super::net::BodyReadTimeout::is_in(&e) {
+        let mut r = ServeError::new(
+            StatusCode::REQUEST_TIMEOUT,
+            "timeout_error",
+            "body_read_timeout",
+            e.body_text(),
+        );
+        r.message = std::error::Error::source(&e)
+            .map(|s| s.to_string())
+            .unwrap_or(r.message);
+        r
     } else {
         ServeError::bad_request("invalid_body", e.body_text())
     }
@@ -159,6 +172,20 @@ async fn health(State(s): State<AppState>) -> Json<Value> {
         "queue_depth": m.queue_depth.load(std::sync::atomic::Ordering::Relaxed),
         "running": m.running.load(std::sync::atomic::Ordering::Relaxed),
     }))
+}
+
+/// Readiness: the catalog accepts a write, the model is loaded and the scheduler
+/// runs (see [`crate::readiness`]); `/health` is liveness only.
+async fn ready(State(s): State<AppState>) -> Response {
+    let sched = if s.0.sched.is_running() {
+        Ok(())
+    } else {
+        Err((
+            "scheduler_stopped",
+            "the scheduler is not running; no request can be served".to_string(),
+        ))
+    };
+    crate::readiness::ready_response(&s.0.control, vec![("model_loaded", sched)]).await
 }
 
 async fn metrics(State(s): State<AppState>) -> Response {
@@ -802,6 +829,8 @@ pub struct Driver {
     next_poll: usize,
     t0: Instant,
     endpoint: &'static str,
+    /// Tokens generated so far over all choices (for the request's log line).
+    tokens_out: Arc<std::sync::atomic::AtomicUsize>,
 }
 
 impl Driver {
@@ -831,6 +860,7 @@ impl Driver {
             next_poll: 0,
             t0,
             endpoint,
+            tokens_out: Arc::default(),
         }
     }
 
@@ -906,6 +936,8 @@ impl Driver {
                 }
                 c.last = Some(now);
                 c.generated += 1;
+                self.tokens_out
+                    .fetch_add(1, std::sync::atomic::Ordering::Relaxed);
                 let step = c.text.push(&tok, id);
                 let lps = if self.logprobs.is_some() {
                     vec![TokLp {
@@ -1505,6 +1537,7 @@ async fn run_job(
             );
         }
     }
+    let log_stats = request_stats(&job, &starts, &d.tokens_out);
     let ext = starts[0]
         .as_ref()
         .map(|st| hypic_ext(&job.set.mode, st, &job.prompts[0]));
@@ -1522,7 +1555,9 @@ async fn run_job(
     });
     let created = now_s();
     if job.stream {
-        return Ok(stream_response(d, job, id, created, starts, ext));
+        let mut r = stream_response(d, job, id, created, starts, ext);
+        r.extensions_mut().insert(log_stats);
+        return Ok(r);
     }
     // Non-streaming: collect everything.
     let nch = d.choices.len();
@@ -1583,7 +1618,30 @@ async fn run_job(
     if ext_all.len() > 1 {
         body["hypic_prompts"] = json!(ext_all);
     }
-    Ok(Json(body).into_response())
+    let mut r = Json(body).into_response();
+    r.extensions_mut().insert(log_stats);
+    Ok(r)
+}
+
+/// The figures of a request's log line (counts and times only, no text).
+fn request_stats(
+    job: &Job,
+    starts: &[Option<StartInfo>],
+    tokens_out: &Arc<std::sync::atomic::AtomicUsize>,
+) -> super::reqlog::RequestStats {
+    let usage = usage_of(&job.prompts, starts, job.set.n, 0);
+    let started = starts.iter().flatten();
+    super::reqlog::RequestStats {
+        prompt_tokens: usage.prompt_tokens,
+        cached_tokens: usage.prompt_tokens_details.cached_tokens,
+        completion_tokens: tokens_out.clone(),
+        ttft_ms: starts
+            .first()
+            .and_then(|s| s.as_ref())
+            .map(|s| s.ttft.as_secs_f64() * 1e3),
+        hits: started.clone().map(|s| s.stats.hits).sum(),
+        misses: started.map(|s| s.stats.misses).sum(),
+    }
 }
 
 fn stream_response(

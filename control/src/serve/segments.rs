@@ -48,6 +48,10 @@ async fn forward(
         Err(e) => match e {},
     };
     let status = resp.status();
+    let cause = resp
+        .extensions()
+        .get::<super::reqlog::ErrorCause>()
+        .cloned();
     let bytes = axum::body::to_bytes(resp.into_body(), 64 << 20)
         .await
         .map_err(|e| ServeError::internal(e.to_string()).into_response())?;
@@ -57,6 +61,9 @@ async fn forward(
             header::CONTENT_TYPE,
             header::HeaderValue::from_static("application/json"),
         );
+        if let Some(c) = cause {
+            r.extensions_mut().insert(c);
+        }
         return Err(r);
     }
     let v = serde_json::from_slice(&bytes).unwrap_or(Value::Null);

@@ -43,6 +43,7 @@ fn token_command_mints_verifiable_tokens() {
         sub: None,
         audience: "hypic".into(),
         data_dir: dir.path().to_path_buf(),
+        max_lifetime: "90d".into(),
     };
     let t = token_from_args(&args).unwrap();
     let (secret, created) = hypic_control::auth::load_or_create_secret(dir.path()).unwrap();

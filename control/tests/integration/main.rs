@@ -19,3 +19,4 @@ mod serve_bounds;
 mod serve_control;
 mod serve_device;
 mod serve_load;
+mod serve_netops;
