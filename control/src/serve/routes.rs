@@ -1113,6 +1113,8 @@ async fn completions_inner(
             ("prompt", "'prompt' is empty".to_string())
         };
         let resolved = resolve(s, &p.tenant, salt.as_deref(), src, field, &empty).await?;
+        s.0.first_use
+            .apply(s.0.engine.as_ref(), &p.tenant, mode, &resolved);
         prompts.push(resolved);
     }
     let longest = prompts
