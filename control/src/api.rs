@@ -22,8 +22,8 @@ use crate::catalog::{
     now_ms, Catalog, CatalogError, Group, NewSegment, Residency, Role, Segment, SnapshotEntry,
 };
 use crate::policy::{
-    opaque_id, EntryInfo, IsolationInfo, PolicyKind, PolicyRuntime, PolicySet, PolicySlot,
-    WasmPolicy,
+    opaque_id, EntryInfo, IsolationInfo, PolicyError, PolicyKind, PolicyRuntime, PolicySet,
+    PolicySlot,
 };
 use crate::sim::{parse_trace, simulate, SimStats};
 
@@ -963,17 +963,33 @@ async fn upload_policy(
     Body(u): Body<UploadPolicy>,
 ) -> ApiResult<crate::catalog::PolicyRecord> {
     let kind: PolicyKind = u.kind.parse().map_err(ApiError::bad_request)?;
-    let bytes = base64::engine::general_purpose::STANDARD
-        .decode(u.wasm_base64.trim())
-        .map_err(|e| ApiError::bad_request(format!("wasm_base64 is not valid base64: {e}")))?;
     let rt = &s.inner.policies;
-    let validated =
-        WasmPolicy::load(rt.engine(), kind, &bytes, &u.params, rt.limits()).and_then(|p| {
+    let limit = rt.limits().max_module_bytes;
+    // Refuse an oversized module before decoding it (base64: 4 characters per 3 bytes).
+    let b64 = u.wasm_base64.trim();
+    if b64.len() / 4 * 3 > limit.saturating_add(3) {
+        return Err(policy_error(PolicyError::TooLarge {
+            bytes: b64.len() / 4 * 3,
+            limit,
+        }));
+    }
+    let bytes = base64::engine::general_purpose::STANDARD
+        .decode(b64)
+        .map_err(|e| ApiError::bad_request(format!("wasm_base64 is not valid base64: {e}")))?;
+    // Compiled on the blocking pool (once per module: activation and dry runs of
+    // this module reuse it); at the compile cap this answers 429 at once.
+    let validated = rt
+        .load(kind, bytes.as_slice().into(), &u.params, false)
+        .await
+        .and_then(|p| {
             // Smoke call: the hook must answer a synthetic input within limits.
             let mut slot = PolicySlot::wasm(p, None);
             smoke(&mut slot)
         });
     if let Err(e) = validated {
+        if matches!(e, PolicyError::Busy { .. }) {
+            return Err(policy_error(e));
+        }
         s.inner
             .catalog
             .audit(
@@ -984,7 +1000,7 @@ async fn upload_policy(
                 &serde_json::json!({"kind": u.kind, "error": e.to_string()}),
             )
             .await?;
-        return Err(ApiError::bad_request(e.to_string()));
+        return Err(policy_error(e));
     }
     let params = if u.params.is_null() {
         "{}".to_string()
@@ -997,6 +1013,26 @@ async fn upload_policy(
             .insert_policy(&u.name, kind.as_str(), &bytes, &params, &p.sub)
             .await?,
     ))
+}
+
+/// A policy load error as an API error: 413 for a module over the size limit,
+/// 429 when the compile slots are taken, 400 otherwise.
+fn policy_error(e: PolicyError) -> ApiError {
+    match e {
+        PolicyError::TooLarge { .. } => ApiError::new(
+            StatusCode::PAYLOAD_TOO_LARGE,
+            "invalid_request_error",
+            "module_too_large",
+            e.to_string(),
+        ),
+        PolicyError::Busy { .. } => ApiError::new(
+            StatusCode::TOO_MANY_REQUESTS,
+            "rate_limit_error",
+            "compile_busy",
+            e.to_string(),
+        ),
+        other => ApiError::bad_request(other.to_string()),
+    }
 }
 
 fn smoke(slot: &mut PolicySlot) -> Result<(), crate::policy::PolicyError> {
@@ -1076,9 +1112,12 @@ async fn policy_stats(
         .iter()
         .map(|k| (k.as_str(), rt.active_id(*k)))
         .collect();
-    Ok(Json(
-        serde_json::json!({"active": active, "metrics": rt.metrics().snapshot()}),
-    ))
+    Ok(Json(serde_json::json!({
+        "active": active,
+        "metrics": rt.metrics().snapshot(),
+        "module_compiles": rt.modules().compiles(),
+        "modules_cached": rt.modules().len(),
+    })))
 }
 
 async fn activate_policy(
@@ -1091,23 +1130,19 @@ async fn activate_policy(
     let params: serde_json::Value =
         serde_json::from_str(&rec.params).unwrap_or(serde_json::Value::Null);
     let _serial = s.inner.activation.lock().await;
-    // Load first: a module that no longer loads is not activated.
-    WasmPolicy::load(
-        s.inner.policies.engine(),
-        kind,
-        &rec.module,
-        &params,
-        s.inner.policies.limits(),
-    )
-    .map_err(|e| ApiError::bad_request(e.to_string()))?;
+    // Load first (compiled module from the cache, or compiled on the blocking
+    // pool): a module that no longer loads is not activated.
+    let loaded = s
+        .inner
+        .policies
+        .load(kind, rec.module.into(), &params, false)
+        .await
+        .map_err(policy_error)?;
     s.inner
         .catalog
         .activate_policy(kind.as_str(), Some(id), &p.sub)
         .await?;
-    let _ = s
-        .inner
-        .policies
-        .activate_module(kind, Some(id), &rec.module, &params);
+    s.inner.policies.install_wasm(loaded, Some(id));
     Ok(Json(
         serde_json::json!({"kind": kind.as_str(), "active": id}),
     ))
@@ -1140,7 +1175,8 @@ async fn rollback_policy(
             let _ = s
                 .inner
                 .policies
-                .activate_module(kind, Some(id), &rec.module, &params);
+                .activate(kind, Some(id), rec.module.into(), &params)
+                .await;
         }
         None => s.inner.policies.set_native(kind),
     }
@@ -1189,12 +1225,14 @@ async fn dry_run(
     let trace = parse_trace(&b.trace).map_err(ApiError::bad_request)?;
     let rt = s.inner.policies.clone();
     let catalog = s.inner.catalog.clone();
-    let mut active = PolicySet::from_catalog(&catalog, rt.engine(), rt.limits()).await;
-    let mut candidate = PolicySet::from_catalog(&catalog, rt.engine(), rt.limits()).await;
+    let mut active = PolicySet::from_catalog(&catalog, &rt).await;
+    let mut candidate = PolicySet::from_catalog(&catalog, &rt).await;
     let params: serde_json::Value =
         serde_json::from_str(&rec.params).unwrap_or(serde_json::Value::Null);
-    let w = WasmPolicy::load(rt.engine(), kind, &rec.module, &params, rt.limits())
-        .map_err(|e| ApiError::bad_request(e.to_string()))?;
+    let w = rt
+        .load(kind, rec.module.into(), &params, false)
+        .await
+        .map_err(policy_error)?;
     candidate.set(PolicySlot::wasm(w, Some(id)));
     let cap = b.capacity_bytes;
     let (cand, act) = tokio::task::spawn_blocking(move || {

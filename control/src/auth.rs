@@ -652,6 +652,12 @@ impl IsolationKeyer {
     /// policy allows sharing (`policy_allows_shared`); everything else gets a
     /// per-tenant key. A client `salt` is mixed into whatever key was chosen,
     /// so it can split a namespace but never reach another tenant's.
+    ///
+    /// The key is `{account}/{mac}`: `account` names who the cache bytes are
+    /// charged to for per-tenant fairness in the pools
+    /// (`dataplane::pic::pool::owner_group`): `shared` for the shared namespace,
+    /// else a per-tenant pseudonym (salted namespaces are charged to the tenant,
+    /// so salts cannot multiply a tenant's share).
     pub fn isolation_key(
         &self,
         tenant: &str,
@@ -659,15 +665,28 @@ impl IsolationKeyer {
         policy_allows_shared: bool,
         salt: Option<&str>,
     ) -> String {
-        let base = if segment.public && policy_allows_shared {
+        let shared = segment.public && policy_allows_shared;
+        let base = if shared {
             self.mac(&[b"shared"])
         } else {
             self.mac(&[b"tenant", tenant.as_bytes()])
         };
-        match salt {
-            Some(s) if !s.is_empty() => self.mac(&[b"salted", base.as_bytes(), s.as_bytes()]),
-            _ => base,
-        }
+        let (account, key) = match salt {
+            Some(s) if !s.is_empty() => (
+                self.tenant_account(tenant),
+                self.mac(&[b"salted", base.as_bytes(), s.as_bytes()]),
+            ),
+            _ if shared => ("shared".to_string(), base),
+            _ => (self.tenant_account(tenant), base),
+        };
+        format!("{account}/{key}")
+    }
+
+    /// The pseudonym cache bytes of `tenant` are charged to (16 hex digits).
+    pub fn tenant_account(&self, tenant: &str) -> String {
+        let mut m = self.mac(&[b"account", tenant.as_bytes()]);
+        m.truncate(16);
+        m
     }
 
     /// A short keyed hash of `tenant` for logs (12 hex digits): stable for a server

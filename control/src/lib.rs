@@ -56,6 +56,12 @@ pub struct ControlArgs {
     #[arg(long = "max-token-lifetime", env = "HYPIC_MAX_TOKEN_LIFETIME",
           value_parser = auth::parse_ttl, default_value = "90d")]
     pub max_token_lifetime_s: u64,
+    /// Largest policy module accepted, bytes (larger uploads get 413).
+    #[arg(long, env = "HYPIC_POLICY_MAX_MODULE_BYTES", default_value_t = policy::DEFAULT_MAX_MODULE_BYTES)]
+    pub policy_max_module_bytes: usize,
+    /// Policy modules compiled at once (further uploads meanwhile get 429).
+    #[arg(long, env = "HYPIC_POLICY_MAX_CONCURRENT_COMPILES", default_value_t = policy::DEFAULT_MAX_CONCURRENT_COMPILES)]
+    pub policy_max_concurrent_compiles: usize,
 }
 
 /// Builds the control-plane state: checks the auth flag against `bind`,
@@ -95,7 +101,11 @@ pub async fn build_control_state(
     let sink = policy::AuditSink::spawn(catalog.clone());
     let rt = Arc::new(policy::PolicyRuntime::new(
         policy::policy_engine(),
-        policy::PolicyLimits::default(),
+        policy::PolicyLimits {
+            max_module_bytes: args.policy_max_module_bytes,
+            max_concurrent_compiles: args.policy_max_concurrent_compiles.max(1),
+            ..policy::PolicyLimits::default()
+        },
         Some(sink),
     ));
     rt.load_active(&catalog).await;

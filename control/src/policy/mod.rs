@@ -7,6 +7,7 @@
 //! load failure) falls back to the native default for that call, is counted
 //! in [`PolicyMetrics`] and audited as `policy.fault`.
 
+pub mod compile;
 pub mod pool_adapter;
 pub mod wasm;
 
@@ -20,6 +21,7 @@ use std::time::Instant;
 use serde::{Deserialize, Serialize};
 use tokio::sync::{mpsc, oneshot};
 
+pub use compile::ModuleCache;
 pub use wasm::{policy_engine, PolicyError, WasmPolicy};
 
 use crate::catalog::{now_ms, Catalog};
@@ -89,16 +91,27 @@ pub struct PolicyLimits {
     pub fuel_per_call: u64,
     /// Maximum linear memory in bytes.
     pub max_memory_bytes: usize,
-    /// Maximum module size at upload.
+    /// Maximum module size, bytes (larger uploads are refused with 413 before
+    /// anything is compiled). Default 1 MiB.
     pub max_module_bytes: usize,
+    /// Modules compiled at once on the blocking pool (more uploads meanwhile
+    /// get 429). Default 1.
+    pub max_concurrent_compiles: usize,
 }
+
+/// Default of [`PolicyLimits::max_module_bytes`]: 1 MiB.
+pub const DEFAULT_MAX_MODULE_BYTES: usize = 1 << 20;
+
+/// Default of [`PolicyLimits::max_concurrent_compiles`].
+pub const DEFAULT_MAX_CONCURRENT_COMPILES: usize = 1;
 
 impl Default for PolicyLimits {
     fn default() -> Self {
         PolicyLimits {
             fuel_per_call: 1_000_000,
             max_memory_bytes: 16 << 20,
-            max_module_bytes: 4 << 20,
+            max_module_bytes: DEFAULT_MAX_MODULE_BYTES,
+            max_concurrent_compiles: DEFAULT_MAX_CONCURRENT_COMPILES,
         }
     }
 }
@@ -214,13 +227,24 @@ pub struct PolicySlot {
     kind: PolicyKind,
     wasm: Option<WasmPolicy>,
     policy_id: Option<i64>,
-    consecutive_faults: u32,
+    /// Outcomes of the last [`TRIP_WINDOW_CALLS`] Wasm calls, newest in bit 0
+    /// (1 = fault).
+    recent_faults: u64,
     tripped: bool,
 }
 
-/// After this many consecutive faults a Wasm policy is disabled (native
-/// default) until it is activated again.
-pub const TRIP_AFTER_CONSECUTIVE_FAULTS: u32 = 16;
+/// A Wasm policy is disabled (native default until it is activated again) once
+/// this many of its last [`TRIP_WINDOW_CALLS`] calls faulted: a policy that
+/// always faults trips after 16 calls, one that faults on every other call
+/// after 31, and a rare fault never trips it.
+pub const TRIP_FAULTS_IN_WINDOW: u32 = 16;
+
+/// Length of the window of recent calls the breaker counts faults over.
+pub const TRIP_WINDOW_CALLS: u32 = 32;
+
+/// Kept for callers of the old name: the faults that trip the breaker when
+/// they are consecutive (see [`TRIP_FAULTS_IN_WINDOW`]).
+pub const TRIP_AFTER_CONSECUTIVE_FAULTS: u32 = TRIP_FAULTS_IN_WINDOW;
 
 impl PolicySlot {
     /// The native default of `kind`.
@@ -229,7 +253,7 @@ impl PolicySlot {
             kind,
             wasm: None,
             policy_id: None,
-            consecutive_faults: 0,
+            recent_faults: 0,
             tripped: false,
         }
     }
@@ -240,7 +264,7 @@ impl PolicySlot {
             kind: policy.kind(),
             wasm: Some(policy),
             policy_id,
-            consecutive_faults: 0,
+            recent_faults: 0,
             tripped: false,
         }
     }
@@ -260,21 +284,15 @@ impl PolicySlot {
         self.wasm.is_some() && !self.tripped
     }
 
+    /// Records one Wasm call's outcome; true when this call trips the breaker.
     fn record(&mut self, r: &Result<(), PolicyError>) -> bool {
-        match r {
-            Ok(()) => {
-                self.consecutive_faults = 0;
-                false
-            }
-            Err(_) => {
-                self.consecutive_faults += 1;
-                if self.consecutive_faults >= TRIP_AFTER_CONSECUTIVE_FAULTS && !self.tripped {
-                    self.tripped = true;
-                    return true;
-                }
-                false
-            }
+        let mask = (1u64 << TRIP_WINDOW_CALLS) - 1;
+        self.recent_faults = ((self.recent_faults << 1) | r.is_err() as u64) & mask;
+        if r.is_err() && self.recent_faults.count_ones() >= TRIP_FAULTS_IN_WINDOW && !self.tripped {
+            self.tripped = true;
+            return true;
         }
+        false
     }
 
     fn active(&mut self) -> Option<&mut WasmPolicy> {
@@ -375,7 +393,7 @@ impl PolicySlot {
             Err(e) => {
                 let e = if tripped {
                     PolicyError::Trap(format!(
-                        "{e}; disabled after {TRIP_AFTER_CONSECUTIVE_FAULTS} consecutive faults"
+                        "{e}; disabled after {TRIP_FAULTS_IN_WINDOW} faults in its last {TRIP_WINDOW_CALLS} calls"
                     ))
                 } else {
                     e
@@ -420,18 +438,15 @@ impl PolicySet {
     }
 
     /// Loads the active policies of the catalog (native where none is active
-    /// or the stored module no longer loads).
-    pub async fn from_catalog(
-        catalog: &Catalog,
-        engine: &wasmtime::Engine,
-        limits: PolicyLimits,
-    ) -> PolicySet {
+    /// or the stored module no longer loads), compiling through `rt`'s module
+    /// cache (so the modules the server runs are not compiled again).
+    pub async fn from_catalog(catalog: &Catalog, rt: &PolicyRuntime) -> PolicySet {
         let mut set = PolicySet::native();
         for kind in PolicyKind::ALL {
             if let Ok(Some(rec)) = catalog.active_policy(kind.as_str()).await {
                 let params: serde_json::Value =
                     serde_json::from_str(&rec.params).unwrap_or(serde_json::Value::Null);
-                if let Ok(p) = WasmPolicy::load(engine, kind, &rec.module, &params, limits) {
+                if let Ok(p) = rt.load(kind, rec.module.into(), &params, true).await {
                     set.set(PolicySlot::wasm(p, Some(rec.id)));
                 }
             }
@@ -701,6 +716,7 @@ struct LiveSlot {
 pub struct PolicyRuntime {
     engine: wasmtime::Engine,
     limits: PolicyLimits,
+    modules: ModuleCache,
     slots: [Mutex<LiveSlot>; 4],
     metrics: PolicyMetrics,
     audit: Option<AuditSink>,
@@ -716,6 +732,11 @@ impl PolicyRuntime {
     ) -> PolicyRuntime {
         let metrics = PolicyMetrics::default();
         PolicyRuntime {
+            modules: ModuleCache::new(
+                engine.clone(),
+                limits.max_module_bytes,
+                limits.max_concurrent_compiles,
+            ),
             engine,
             limits,
             slots: PolicyKind::ALL.map(|k| {
@@ -743,6 +764,62 @@ impl PolicyRuntime {
     /// Counters.
     pub fn metrics(&self) -> &PolicyMetrics {
         &self.metrics
+    }
+
+    /// The compiled-module cache (see [`ModuleCache::compiles`]).
+    pub fn modules(&self) -> &ModuleCache {
+        &self.modules
+    }
+
+    /// Compiles (through the module cache, on the blocking pool) and
+    /// instantiates a module of `kind`; nothing is installed. `wait`: see
+    /// [`ModuleCache::get`].
+    pub async fn load(
+        &self,
+        kind: PolicyKind,
+        bytes: Arc<[u8]>,
+        params: &serde_json::Value,
+        wait: bool,
+    ) -> Result<WasmPolicy, PolicyError> {
+        let module = self.modules.get(bytes, wait).await?;
+        WasmPolicy::from_module(&self.engine, kind, module, params, self.limits)
+    }
+
+    /// Installs an already loaded Wasm policy in its hook.
+    pub fn install_wasm(&self, policy: WasmPolicy, policy_id: Option<i64>) {
+        self.install(PolicySlot::wasm(policy, policy_id));
+    }
+
+    /// [`PolicyRuntime::activate_module`] for async callers: compiles on the
+    /// blocking pool through the module cache (waiting for a compile slot).
+    pub async fn activate(
+        &self,
+        kind: PolicyKind,
+        policy_id: Option<i64>,
+        bytes: Arc<[u8]>,
+        params: &serde_json::Value,
+    ) -> Result<(), PolicyError> {
+        let r = self.load(kind, bytes, params, true).await;
+        self.install_loaded(kind, policy_id, r)
+    }
+
+    fn install_loaded(
+        &self,
+        kind: PolicyKind,
+        policy_id: Option<i64>,
+        r: Result<WasmPolicy, PolicyError>,
+    ) -> Result<(), PolicyError> {
+        match r {
+            Ok(p) => {
+                self.install(PolicySlot::wasm(p, policy_id));
+                Ok(())
+            }
+            Err(e) => {
+                self.set_native(kind);
+                self.on_fault(kind, policy_id, &e, false);
+                Err(e)
+            }
+        }
     }
 
     /// The audit sink, if any.
@@ -777,9 +854,10 @@ impl PolicyRuntime {
         self.install(PolicySlot::native(kind));
     }
 
-    /// Loads and installs a Wasm policy. If it does not load, the native
-    /// default is installed instead, the fault is counted and audited, and the
-    /// error returned.
+    /// Loads and installs a Wasm policy, compiling on the calling thread when
+    /// the module is not cached (async callers use [`PolicyRuntime::activate`]).
+    /// If it does not load, the native default is installed instead, the fault
+    /// is counted and audited, and the error returned.
     pub fn activate_module(
         &self,
         kind: PolicyKind,
@@ -787,17 +865,11 @@ impl PolicyRuntime {
         bytes: &[u8],
         params: &serde_json::Value,
     ) -> Result<(), PolicyError> {
-        match WasmPolicy::load(&self.engine, kind, bytes, params, self.limits) {
-            Ok(p) => {
-                self.install(PolicySlot::wasm(p, policy_id));
-                Ok(())
-            }
-            Err(e) => {
-                self.set_native(kind);
-                self.on_fault(kind, policy_id, &e, false);
-                Err(e)
-            }
-        }
+        let r = self
+            .modules
+            .get_blocking(bytes)
+            .and_then(|m| WasmPolicy::from_module(&self.engine, kind, m, params, self.limits));
+        self.install_loaded(kind, policy_id, r)
     }
 
     fn on_fault(
@@ -887,7 +959,9 @@ impl PolicyRuntime {
                 Ok(Some(rec)) => {
                     let params: serde_json::Value =
                         serde_json::from_str(&rec.params).unwrap_or(serde_json::Value::Null);
-                    let _ = self.activate_module(kind, Some(rec.id), &rec.module, &params);
+                    let _ = self
+                        .activate(kind, Some(rec.id), rec.module.into(), &params)
+                        .await;
                 }
                 _ => self.set_native(kind),
             }

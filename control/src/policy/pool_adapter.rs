@@ -3,7 +3,7 @@
 //! so the active eviction and admission policies decide what the PIC engine's public
 //! pool keeps (`PicEngine::set_public_policy`).
 use super::{AdmitInfo, EntryInfo, PolicyRuntime};
-use dataplane::pic::pool::{CachePolicy, EntryMeta};
+use dataplane::pic::pool::{owner_group, CachePolicy, EntryMeta};
 use sha2::{Digest, Sha256};
 use std::collections::HashMap;
 use std::sync::Arc;
@@ -15,6 +15,7 @@ pub struct RuntimePoolPolicy {
     capacity: u64,
     /// Per-entry sightings for admit-on-second-sighting style policies.
     seen: HashMap<[u8; 32], u32>,
+    fair: bool,
 }
 
 impl RuntimePoolPolicy {
@@ -24,7 +25,15 @@ impl RuntimePoolPolicy {
             rt,
             capacity: capacity_bytes as u64,
             seen: HashMap::new(),
+            fair: true,
         }
+    }
+
+    /// Turns the pool's fair sharing between tenants on (the default) or off
+    /// (`dataplane::pic::pool::CachePolicy::fair_share`).
+    pub fn with_fair_share(mut self, on: bool) -> Self {
+        self.fair = on;
+        self
     }
 }
 
@@ -36,8 +45,20 @@ fn id64(b: &[u8]) -> u64 {
     u64::from_le_bytes(b[..8].try_into().expect("at least 8 bytes"))
 }
 
+/// Owner group of the shared namespace (see `IsolationKeyer::isolation_key`).
+const SHARED_GROUP: &str = "shared";
+
+/// The opaque tenant id a policy sees: a hash of the owner group (the tenant the
+/// bytes are charged to), 0 for the shared namespace.
 fn tenant_id(owner: &str) -> u64 {
-    id64(&Sha256::digest(owner.as_bytes()))
+    match owner_group(owner) {
+        SHARED_GROUP => 0,
+        g => id64(&Sha256::digest(g.as_bytes())),
+    }
+}
+
+fn is_shared(owner: &str) -> bool {
+    owner_group(owner) == SHARED_GROUP
 }
 
 fn info(m: &EntryMeta) -> EntryInfo {
@@ -49,7 +70,7 @@ fn info(m: &EntryMeta) -> EntryInfo {
         last_use_ms: m.last_use_ms,
         inserted_ms: m.inserted_ms,
         hits: m.hits.min(u32::MAX as u64) as u32,
-        shared: false,
+        shared: is_shared(&m.owner),
         superseded: false,
     }
 }
@@ -75,7 +96,7 @@ impl CachePolicy for RuntimePoolPolicy {
             tenant_used_bytes: owner_used_bytes as u64,
             capacity_bytes: self.capacity,
             seen_count: *seen,
-            shared: false,
+            shared: is_shared(&c.owner),
         };
         self.rt.admit(&a, catalog_now())
     }
@@ -84,6 +105,10 @@ impl CachePolicy for RuntimePoolPolicy {
         let infos: Vec<EntryInfo> = entries.iter().map(info).collect();
         let i = self.rt.evict(&infos, catalog_now());
         (i < entries.len()).then_some(i)
+    }
+
+    fn fair_share(&self) -> bool {
+        self.fair
     }
 }
 

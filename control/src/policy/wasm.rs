@@ -26,13 +26,30 @@ pub enum PolicyError {
     /// The call returned a value outside the allowed range.
     #[error("policy returned an invalid value: {0}")]
     BadReturn(String),
+    /// The module is larger than the configured limit (nothing was compiled).
+    #[error(
+        "policy module is {bytes} bytes, over the limit of {limit} bytes (policy_max_module_bytes)"
+    )]
+    TooLarge {
+        /// Size of the module, bytes.
+        bytes: usize,
+        /// The limit, bytes.
+        limit: usize,
+    },
+    /// As many modules as allowed are compiling already; try again later.
+    #[error("{limit} policy module(s) are compiling already (policy_max_concurrent_compiles); retry later")]
+    Busy {
+        /// The cap on concurrent compilations.
+        limit: usize,
+    },
 }
 
 impl PolicyError {
     /// Short label used in metrics and audit rows.
     pub fn label(&self) -> &'static str {
         match self {
-            PolicyError::Invalid(_) => "load",
+            PolicyError::Invalid(_) | PolicyError::TooLarge { .. } => "load",
+            PolicyError::Busy { .. } => "busy",
             PolicyError::Timeout => "timeout",
             PolicyError::Memory => "memory",
             PolicyError::Trap(_) => "trap",
@@ -129,7 +146,9 @@ pub fn encode_params(params: &serde_json::Value) -> Result<Vec<u8>, PolicyError>
 }
 
 impl WasmPolicy {
-    /// Compiles, instantiates and validates a module of `kind`.
+    /// Compiles, instantiates and validates a module of `kind` (compiles on the
+    /// calling thread; the server goes through [`super::PolicyRuntime`]'s module
+    /// cache instead).
     pub fn load(
         engine: &Engine,
         kind: PolicyKind,
@@ -137,23 +156,20 @@ impl WasmPolicy {
         params: &serde_json::Value,
         limits: PolicyLimits,
     ) -> Result<WasmPolicy, PolicyError> {
-        if bytes.len() > limits.max_module_bytes {
-            return Err(PolicyError::Invalid(format!(
-                "module is {} bytes, limit {}",
-                bytes.len(),
-                limits.max_module_bytes
-            )));
-        }
+        let module = compile(engine, bytes, limits.max_module_bytes)?;
+        WasmPolicy::from_module(engine, kind, module, params, limits)
+    }
+
+    /// Instantiates and validates an already compiled module of `kind` (see
+    /// [`compile`]). Cheap next to compiling: no code generation happens here.
+    pub fn from_module(
+        engine: &Engine,
+        kind: PolicyKind,
+        module: Module,
+        params: &serde_json::Value,
+        limits: PolicyLimits,
+    ) -> Result<WasmPolicy, PolicyError> {
         let params = encode_params(params)?;
-        let module = Module::new(engine, bytes)
-            .map_err(|e| PolicyError::Invalid(format!("does not compile: {e:#}")))?;
-        if let Some(imp) = module.imports().next() {
-            return Err(PolicyError::Invalid(format!(
-                "imports are not allowed (found {}::{})",
-                imp.module(),
-                imp.name()
-            )));
-        }
         check_exports(&module, kind)?;
         let mut p = WasmPolicy {
             engine: engine.clone(),
@@ -362,6 +378,9 @@ impl WasmPolicy {
             _ => Err(PolicyError::Invalid("not an eviction policy".into())),
         })?;
         if v < 0 || v as usize >= n {
+            // A bad return is handled like a trap (ABI.md): the instance, whose
+            // state produced it, is discarded.
+            self.inst = None;
             return Err(PolicyError::BadReturn(format!(
                 "victim index {v} not in 0..{n}"
             )));
@@ -383,11 +402,44 @@ impl WasmPolicy {
         match v {
             0 => Ok(false),
             1 => Ok(true),
-            other => Err(PolicyError::BadReturn(format!(
-                "returned {other}, expected 0 or 1"
-            ))),
+            other => {
+                // Handled like a trap (ABI.md): a fresh instance for the next call.
+                self.inst = None;
+                Err(PolicyError::BadReturn(format!(
+                    "returned {other}, expected 0 or 1"
+                )))
+            }
         }
     }
+}
+
+/// Compiles `bytes` to native code (CPU-heavy: seconds for a module of
+/// megabytes) and checks it has no imports.
+///
+/// Errors: [`PolicyError::TooLarge`] when `bytes` is longer than
+/// `max_module_bytes`; [`PolicyError::Invalid`] when it does not compile or
+/// imports anything.
+pub fn compile(
+    engine: &Engine,
+    bytes: &[u8],
+    max_module_bytes: usize,
+) -> Result<Module, PolicyError> {
+    if bytes.len() > max_module_bytes {
+        return Err(PolicyError::TooLarge {
+            bytes: bytes.len(),
+            limit: max_module_bytes,
+        });
+    }
+    let module = Module::new(engine, bytes)
+        .map_err(|e| PolicyError::Invalid(format!("does not compile: {e:#}")))?;
+    if let Some(imp) = module.imports().next() {
+        return Err(PolicyError::Invalid(format!(
+            "imports are not allowed (found {}::{})",
+            imp.module(),
+            imp.name()
+        )));
+    }
+    Ok(module)
 }
 
 fn check_exports(module: &Module, kind: PolicyKind) -> Result<(), PolicyError> {

@@ -23,7 +23,9 @@
 //! feature, the GPU `GpuPicEngine` (pools in device memory, host spill). Both sit
 //! behind [`dataplane::engine::Engine`]; the scheduler, the segment routes, the sweep
 //! and the metrics see only that interface.
+pub mod bounded;
 pub mod errors;
+pub mod first_use;
 pub mod metrics;
 pub mod net;
 pub mod prompt;
@@ -41,7 +43,6 @@ use dataplane::pic::{Mode, PicEngine};
 use dataplane::scheduler::{Scheduler, SchedulerConfig};
 use dataplane::tokenizer::Tokenizer;
 use serde::{Deserialize, Serialize};
-use std::collections::HashMap;
 use std::net::SocketAddr;
 use std::path::{Path, PathBuf};
 use std::sync::{Arc, Mutex};
@@ -151,6 +152,22 @@ pub struct ServeConfig {
     pub max_connections: usize,
     /// Longest token lifetime accepted (`exp - iat`), seconds.
     pub max_token_lifetime_s: u64,
+    /// Largest policy module accepted at upload, bytes (beyond: 413).
+    pub policy_max_module_bytes: usize,
+    /// Policy modules compiled at once, off the request threads (further
+    /// uploads meanwhile: 429).
+    pub policy_max_concurrent_compiles: usize,
+    /// Fair sharing of the public pool between tenants (default on): a tenant's
+    /// misses evict its own entries once it holds more than its share
+    /// (capacity / tenants holding entries) and never push another tenant below
+    /// its share (`dataplane::pic::pool::CachePolicy::fair_share`). Off: the
+    /// eviction policy chooses among every tenant's entries.
+    pub pool_fair_share: bool,
+    /// A tenant's first use of a shared (public) cache entry: `share` (use it as
+    /// is: its latency shows whether another tenant used it recently) or
+    /// `recompute` (that first use recomputes the entry, costing what a miss
+    /// costs; see [`first_use`]).
+    pub shared_first_use: String,
 }
 
 impl Default for ServeConfig {
@@ -193,6 +210,10 @@ impl Default for ServeConfig {
             body_read_timeout_ms: net::DEFAULT_BODY_READ_TIMEOUT_MS,
             max_connections: net::DEFAULT_MAX_CONNECTIONS,
             max_token_lifetime_s: crate::auth::DEFAULT_MAX_TOKEN_LIFETIME_S,
+            policy_max_module_bytes: crate::policy::DEFAULT_MAX_MODULE_BYTES,
+            policy_max_concurrent_compiles: crate::policy::DEFAULT_MAX_CONCURRENT_COMPILES,
+            pool_fair_share: true,
+            shared_first_use: "share".into(),
         }
     }
 }
@@ -283,6 +304,18 @@ pub struct ServeArgs {
     /// Token audience.
     #[arg(long)]
     pub audience: Option<String>,
+    /// Largest policy module accepted at upload, bytes [default: 1048576].
+    #[arg(long, env = "HYPIC_POLICY_MAX_MODULE_BYTES")]
+    pub policy_max_module_bytes: Option<usize>,
+    /// Policy modules compiled at once [default: 1].
+    #[arg(long, env = "HYPIC_POLICY_MAX_CONCURRENT_COMPILES")]
+    pub policy_max_concurrent_compiles: Option<usize>,
+    /// Fair sharing of the public pool between tenants: true or false [default: true].
+    #[arg(long, env = "HYPIC_POOL_FAIR_SHARE")]
+    pub pool_fair_share: Option<bool>,
+    /// A tenant's first use of a shared cache entry: share or recompute [default: share].
+    #[arg(long, env = "HYPIC_SHARED_FIRST_USE")]
+    pub shared_first_use: Option<String>,
     /// Turn authentication off (loopback binds only).
     #[arg(long)]
     pub disable_auth: bool,
@@ -346,7 +379,11 @@ impl ServeConfig {
             data_dir,
             audience,
             jwks_reload_ms,
-            invalidation_sweep_ms
+            invalidation_sweep_ms,
+            policy_max_module_bytes,
+            policy_max_concurrent_compiles,
+            pool_fair_share,
+            shared_first_use
         );
         set!(
             max_segments_per_request,
@@ -419,6 +456,15 @@ impl ServeConfig {
         if self.max_token_lifetime_s == 0 {
             bail!("max_token_lifetime_s must be at least 1");
         }
+        if !first_use::FIRST_USE_CHOICES.contains(&self.shared_first_use.as_str()) {
+            bail!(
+                "shared_first_use must be `share` or `recompute`, not {:?}",
+                self.shared_first_use
+            );
+        }
+        if self.policy_max_module_bytes == 0 || self.policy_max_concurrent_compiles == 0 {
+            bail!("policy_max_module_bytes and policy_max_concurrent_compiles must be at least 1");
+        }
         Ok(())
     }
 
@@ -438,6 +484,8 @@ impl ServeConfig {
             audience: self.audience.clone(),
             disable_auth: self.disable_auth,
             max_token_lifetime_s: self.max_token_lifetime_s,
+            policy_max_module_bytes: self.policy_max_module_bytes,
+            policy_max_concurrent_compiles: self.policy_max_concurrent_compiles,
         }
     }
 
@@ -505,10 +553,33 @@ pub(crate) struct CachedTokens {
 
 /// What this server knows of a catalog segment: tokenised versions and the
 /// isolation keys its entries were stored under (to evict them on update/delete).
-#[derive(Default, Debug)]
+/// Both are bounded ([`bounded`]): at most [`KNOWN_MAX_VERSIONS`] versions and
+/// [`KNOWN_MAX_TOKENS`] tokens, at most [`KNOWN_MAX_SEGMENTS`] segments'
+/// namespaces and [`bounded::KEY_SET_CAP`] namespaces each. A forgotten version
+/// is tokenised again on its next use; entries in a forgotten namespace are left
+/// to ordinary eviction.
+#[derive(Debug)]
 pub(crate) struct Known {
-    pub tokens: HashMap<(String, i64), CachedTokens>,
-    pub isolations: HashMap<String, std::collections::BTreeSet<String>>,
+    pub tokens: bounded::BoundedMap<(String, i64), CachedTokens>,
+    pub isolations: bounded::BoundedMap<String, bounded::KeySet>,
+}
+
+/// Most segment versions whose tokens a server keeps.
+pub const KNOWN_MAX_VERSIONS: usize = 65_536;
+/// Most tokens of segment versions a server keeps (all versions together).
+pub const KNOWN_MAX_TOKENS: usize = 16 << 20;
+/// Most segments whose cache namespaces a server remembers.
+pub const KNOWN_MAX_SEGMENTS: usize = 16_384;
+
+impl Default for Known {
+    fn default() -> Self {
+        Known {
+            tokens: bounded::BoundedMap::new(KNOWN_MAX_VERSIONS, KNOWN_MAX_TOKENS, |c| {
+                c.tokens.len()
+            }),
+            isolations: bounded::BoundedMap::new(KNOWN_MAX_SEGMENTS, KNOWN_MAX_SEGMENTS, |_| 1),
+        }
+    }
 }
 
 pub(crate) struct Inner {
@@ -523,6 +594,7 @@ pub(crate) struct Inner {
     pub control_router: axum::Router,
     pub metrics: metrics::ServeMetrics,
     pub known: Mutex<Known>,
+    pub first_use: first_use::FirstUse,
     pub ledger: sweep::Ledger,
     pub prefill_gate: tokio::sync::Semaphore,
     pub ctx: usize,
@@ -548,8 +620,11 @@ fn wire<E: Engine + 'static>(
             crate::policy::pool_adapter::RuntimePoolPolicy::new(
                 control.policies().clone(),
                 cfg.public_pool_mib << 20,
-            ),
+            )
+            .with_fair_share(cfg.pool_fair_share),
         ));
+    } else if !cfg.pool_fair_share {
+        engine.set_public_policy(Box::new(dataplane::pic::pool::GlobalLru));
     }
     let sched = Arc::new(Scheduler::start(engine.clone(), cfg.scheduler()));
     (engine, sched)
@@ -625,6 +700,7 @@ impl AppState {
         let control_router = crate::control_router(control.clone());
         let metrics = metrics::ServeMetrics::new();
         metrics.set_backend(&backend);
+        let first_use = first_use::FirstUse::new(&cfg.shared_first_use);
         Ok(AppState(Arc::new(Inner {
             cfg,
             model_id,
@@ -637,6 +713,7 @@ impl AppState {
             control_router,
             metrics,
             known: Mutex::new(Known::default()),
+            first_use,
             ledger: sweep::Ledger::default(),
             prefill_gate: tokio::sync::Semaphore::new(1),
             ctx,
@@ -667,6 +744,10 @@ impl AppState {
     /// The control-plane state.
     pub fn control(&self) -> &ControlState {
         &self.0.control
+    }
+    /// The `shared_first_use` state (first uses recomputed so far).
+    pub fn first_use(&self) -> &first_use::FirstUse {
+        &self.0.first_use
     }
     /// The wall-clock ledger of cache entries used by the invalidation sweep.
     pub fn ledger(&self) -> &sweep::Ledger {

@@ -1328,6 +1328,8 @@ async fn completions_inner(
                 )
             });
         }
+        s.0.first_use
+            .apply(s.0.engine.as_ref(), &p.tenant, mode, &resolved);
         prompts.push(resolved);
     }
     let longest = prompts

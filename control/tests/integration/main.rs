@@ -12,6 +12,7 @@ mod auth_unit;
 mod catalog;
 mod jwks_reload;
 mod policy;
+mod policy_area;
 mod review7;
 mod serve_api;
 mod serve_bad_input;

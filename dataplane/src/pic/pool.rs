@@ -41,19 +41,49 @@ fn unix_ms() -> u64 {
         .map_or(0, |d| d.as_millis() as u64)
 }
 
+/// The group an owner's bytes are charged to for fair sharing: the part of the
+/// owner before the first `/` (the control plane writes isolation keys as
+/// `{account}/{key}`, so every namespace of one tenant shares one group), or the
+/// whole owner when it has no `/`.
+pub fn owner_group(owner: &str) -> &str {
+    owner.split_once('/').map_or(owner, |(g, _)| g)
+}
+
 /// Admission and eviction decisions of a pool.
 pub trait CachePolicy: Send {
     /// Short name for metrics and logs.
     fn name(&self) -> &str;
     /// Whether a new entry may enter the pool (default: always). `owner_used_bytes`:
-    /// bytes the candidate's owner (isolation namespace) already holds in this pool,
-    /// for per-tenant quotas.
+    /// bytes the candidate's owner group ([`owner_group`], i.e. the tenant) already
+    /// holds in this pool, for per-tenant quotas.
     fn admit(&mut self, _candidate: &EntryMeta, _owner_used_bytes: usize) -> bool {
         true
     }
     /// Index into `entries` of the entry to evict next, or `None` to refuse eviction
-    /// (then the insertion fails). Called only with a non-empty slice.
+    /// (then the insertion fails). Called only with a non-empty slice. With fair
+    /// sharing on ([`CachePolicy::fair_share`]) `entries` holds only the entries the
+    /// inserting owner may displace.
     fn victim(&mut self, entries: &[EntryMeta]) -> Option<usize>;
+    /// Whether the pool shares its room fairly between owner groups (default: yes).
+    ///
+    /// With it on, when an insertion (or a restore from the spill tier) needs room
+    /// and `n` groups ([`owner_group`]) hold bytes, counting the inserting one, each
+    /// group's fair share is `capacity / n`:
+    /// * an inserting group that would end above its share makes room from its own
+    ///   entries only;
+    /// * otherwise it makes room from the entries of groups holding more than their
+    ///   share, and from its own entries when no group does;
+    /// * a group at or below its share is never evicted for another group's
+    ///   insertion: the insertion is refused instead ([`Insert::NoRoom`], counted in
+    ///   [`PoolStats::fair_share_refused`]).
+    ///
+    /// [`CachePolicy::victim`] still picks the victim among the entries allowed. So
+    /// one tenant's misses cannot push another tenant out of its share of the pool,
+    /// while a tenant alone may use all of it. With it off, the policy chooses among
+    /// all entries.
+    fn fair_share(&self) -> bool {
+        true
+    }
 }
 
 /// Least-recently-used eviction, admit everything.
@@ -73,6 +103,23 @@ impl CachePolicy for Lru {
     }
 }
 
+/// Least-recently-used over every entry, admit everything, without fair sharing
+/// between owner groups: one owner's insertions may evict anyone's entries.
+#[derive(Clone, Copy, Debug, Default)]
+pub struct GlobalLru;
+
+impl CachePolicy for GlobalLru {
+    fn name(&self) -> &str {
+        "global-lru"
+    }
+    fn victim(&mut self, entries: &[EntryMeta]) -> Option<usize> {
+        Lru.victim(entries)
+    }
+    fn fair_share(&self) -> bool {
+        false
+    }
+}
+
 /// Counters of a pool.
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
 pub struct PoolStats {
@@ -86,6 +133,9 @@ pub struct PoolStats {
     pub evictions: u64,
     /// Insertions refused (by admission, or too large, or no victim).
     pub rejected: u64,
+    /// Of `rejected`: insertions refused because making room would have evicted
+    /// other owners' entries below their fair share (see [`CachePolicy::fair_share`]).
+    pub fair_share_refused: u64,
     /// Evicted entries written to the spill tier.
     pub spilled: u64,
     /// Lookups served from the spill tier after the checksum verified (also
@@ -144,6 +194,8 @@ pub struct Pool<V> {
     entries: HashMap<Key, (Arc<V>, EntryMeta)>,
     /// Bytes held per owner (entries with bytes > 0 only).
     by_owner: HashMap<String, usize>,
+    /// Bytes held per owner group ([`owner_group`]; entries with bytes > 0 only).
+    by_group: HashMap<String, usize>,
     /// Last wall-clock stamp handed out (ms), see [`EntryMeta::last_use_ms`].
     last_stamp_ms: u64,
     policy: Box<dyn CachePolicy>,
@@ -176,11 +228,17 @@ impl<V> Pool<V> {
             clock: 0,
             entries: HashMap::new(),
             by_owner: HashMap::new(),
+            by_group: HashMap::new(),
             last_stamp_ms: 0,
             policy,
             stats: PoolStats::default(),
             spill: None,
         }
+    }
+
+    /// Bytes held by owner group `group` (see [`owner_group`]) in the primary tier.
+    pub fn group_bytes(&self, group: &str) -> usize {
+        self.by_group.get(group).copied().unwrap_or(0)
     }
 
     /// Replaces the policy (entries are kept).
@@ -249,8 +307,9 @@ impl<V> Pool<V> {
         meta.hits += 1;
         meta.last_use = self.clock;
         meta.last_use_ms = self.last_stamp_ms;
-        let victims = if self.policy.admit(&meta, self.owner_bytes(&meta.owner)) {
-            self.plan_room(meta.bytes)
+        let group_used = self.group_bytes(owner_group(&meta.owner));
+        let victims = if self.policy.admit(&meta, group_used) {
+            self.plan_room(&meta)
         } else {
             None
         };
@@ -275,23 +334,69 @@ impl<V> Pool<V> {
     }
 
     /// The primary-tier entries the policy names, in order, to make room for
-    /// `bytes` more; `None` when it cannot fit or the policy names no victim (then
-    /// nothing may be evicted).
-    fn plan_room(&mut self, bytes: usize) -> Option<Vec<Key>> {
+    /// `incoming`; `None` when it cannot fit, the policy names no victim, or fair
+    /// sharing allows no victim (then nothing may be evicted).
+    fn plan_room(&mut self, incoming: &EntryMeta) -> Option<Vec<Key>> {
+        let bytes = incoming.bytes;
         if bytes > self.capacity {
             return None;
+        }
+        if self.used + bytes <= self.capacity {
+            return Some(vec![]);
         }
         let mut metas: Vec<EntryMeta> = self.entries.values().map(|(_, m)| m.clone()).collect();
         let mut used = self.used;
         let mut victims = vec![];
+        let mine = owner_group(&incoming.owner).to_string();
+        let mut groups = self.by_group.clone();
+        let n = groups.len() + usize::from(!groups.contains_key(&mine));
+        let share = self.capacity / n.max(1);
+        let fair = self.policy.fair_share();
         while used + bytes > self.capacity {
             if metas.is_empty() {
                 return None;
             }
-            match self.policy.victim(&metas) {
-                Some(i) if i < metas.len() => {
-                    let m = metas.swap_remove(i);
+            // Which entries this insertion may displace (all of them without fair
+            // sharing).
+            let allowed: Vec<usize> = if fair {
+                let held = |g: &str| groups.get(g).copied().unwrap_or(0);
+                let own: Vec<usize> = (0..metas.len())
+                    .filter(|&i| owner_group(&metas[i].owner) == mine)
+                    .collect();
+                if held(&mine) + bytes > share {
+                    own
+                } else {
+                    let over: Vec<usize> = (0..metas.len())
+                        .filter(|&i| {
+                            let g = owner_group(&metas[i].owner);
+                            g != mine && held(g) > share
+                        })
+                        .collect();
+                    if over.is_empty() {
+                        own
+                    } else {
+                        over
+                    }
+                }
+            } else {
+                (0..metas.len()).collect()
+            };
+            if allowed.is_empty() {
+                self.stats.fair_share_refused += 1;
+                return None;
+            }
+            let candidates: Vec<EntryMeta> = if allowed.len() == metas.len() {
+                metas.clone()
+            } else {
+                allowed.iter().map(|&i| metas[i].clone()).collect()
+            };
+            match self.policy.victim(&candidates) {
+                Some(j) if j < allowed.len() => {
+                    let m = metas.swap_remove(allowed[j]);
                     used -= m.bytes;
+                    if let Some(b) = groups.get_mut(owner_group(&m.owner)) {
+                        *b = b.saturating_sub(m.bytes);
+                    }
                     victims.push(m.key);
                 }
                 _ => return None,
@@ -305,6 +410,10 @@ impl<V> Pool<V> {
         self.used += meta.bytes;
         if meta.bytes > 0 {
             *self.by_owner.entry(meta.owner.clone()).or_default() += meta.bytes;
+            *self
+                .by_group
+                .entry(owner_group(&meta.owner).to_string())
+                .or_default() += meta.bytes;
         }
         self.entries.insert(meta.key, (v, meta));
     }
@@ -359,6 +468,13 @@ impl<V> Pool<V> {
             *b -= m.bytes;
             if *b == 0 {
                 self.by_owner.remove(&m.owner);
+            }
+        }
+        let g = owner_group(&m.owner);
+        if let Some(b) = self.by_group.get_mut(g) {
+            *b -= m.bytes;
+            if *b == 0 {
+                self.by_group.remove(g);
             }
         }
         Some((v, m))
@@ -443,26 +559,20 @@ impl<V> Pool<V> {
             tokens,
             owner: owner.to_string(),
         };
-        if !self.policy.admit(&meta, self.owner_bytes(owner)) {
+        if !self
+            .policy
+            .admit(&meta, self.group_bytes(owner_group(owner)))
+        {
             self.stats.rejected += 1;
             return Insert::NotAdmitted;
         }
-        if bytes > self.capacity {
+        let Some(victims) = self.plan_room(&meta) else {
             self.stats.rejected += 1;
             return Insert::NoRoom;
-        }
-        let mut evicted = 0;
-        while self.used + bytes > self.capacity {
-            let metas: Vec<EntryMeta> = self.entries.values().map(|(_, m)| m.clone()).collect();
-            let victim = match self.policy.victim(&metas) {
-                Some(i) if i < metas.len() => metas[i].key,
-                _ => {
-                    self.stats.rejected += 1;
-                    return Insert::NoRoom;
-                }
-            };
-            self.evict(&victim);
-            evicted += 1;
+        };
+        let evicted = victims.len();
+        for victim in &victims {
+            self.evict(victim);
         }
         // A fresh value replaces a spilled copy (kept when the insert is refused).
         self.remove_spilled(&key);
@@ -517,6 +627,7 @@ impl<V> Pool<V> {
     pub fn clear(&mut self) {
         self.entries.clear();
         self.by_owner.clear();
+        self.by_group.clear();
         self.used = 0;
         if let Some(t) = self.spill.as_mut() {
             t.blobs.clear();
@@ -796,6 +907,11 @@ mod tests {
             }
         }
         assert_eq!(p.by_owner, owners, "{ctx}: by_owner");
+        let mut groups: HashMap<String, usize> = HashMap::new();
+        for (o, b) in &owners {
+            *groups.entry(owner_group(o).to_string()).or_default() += b;
+        }
+        assert_eq!(p.by_group, groups, "{ctx}: by_group");
         if let Some(t) = &p.spill {
             let su: usize = t.blobs.values().map(|b| b.bytes.len()).sum();
             assert_eq!(t.used, su, "{ctx}: spill used");
@@ -1014,6 +1130,71 @@ mod tests {
         );
         assert!(p.contains(&k(2)) && p.contains(&k(3)) && p.contains(&k(4)));
         check(&p, "quota");
+    }
+
+    /// A flooding owner group inserts many unique entries into a pool where a
+    /// victim group holds one hot entry; returns whether the hot entry survived
+    /// and the pool's counters.
+    fn flood(fair: bool) -> (bool, PoolStats, usize) {
+        let mut p: Pool<u32> = Pool::new(1000, Box::new(Lru));
+        if !fair {
+            p.set_policy(Box::new(GlobalLru));
+        }
+        let hot = [200u8; 32];
+        p.insert(hot, Arc::new(0), 100, 10, "victim/ns");
+        assert!(p.get(&hot).is_some());
+        for i in 0..200u32 {
+            let mut key = [0u8; 32];
+            key[..4].copy_from_slice(&i.to_le_bytes());
+            // The flooder spreads its entries over many namespaces (salts) of one
+            // account: they are charged to one group.
+            let owner = format!("flooder/salt{}", i % 17);
+            p.insert(key, Arc::new(i), 50, 10, &owner);
+            check(&p, "flood");
+        }
+        (p.contains(&hot), p.stats(), p.group_bytes("flooder"))
+    }
+
+    #[test]
+    fn a_flooding_owner_cannot_evict_another_owners_fair_share() {
+        let (kept, st, flooder) = flood(true);
+        assert!(kept, "the victim's entry was evicted by the flood");
+        assert!(flooder <= 900, "flooder holds {flooder} bytes");
+        assert!(st.evictions > 100, "the flooder recycles its own entries");
+        // Without fair sharing (LRU over everything) the same flood evicts it.
+        let (kept, _, _) = flood(false);
+        assert!(
+            !kept,
+            "the unfair pool keeps the hot entry: the test cannot fail"
+        );
+    }
+
+    #[test]
+    fn fair_share_refuses_rather_than_evict_below_a_share() {
+        // Two groups at exactly their share: a third group's insertion may not
+        // evict either; it is refused and counted.
+        let mut p: Pool<u32> = Pool::new(100, Box::new(Lru));
+        p.insert(k(1), Arc::new(1), 50, 10, "a/x");
+        p.insert(k(2), Arc::new(2), 50, 10, "b/y");
+        // Three groups: share 33; a and b are over it, so c may displace them.
+        assert_eq!(
+            p.insert(k(3), Arc::new(3), 30, 10, "c/z"),
+            Insert::Stored { evicted: 1 }
+        );
+        // c now wants more than its share: only its own entries may go.
+        assert_eq!(
+            p.insert(k(4), Arc::new(4), 40, 10, "c/z2"),
+            Insert::Stored { evicted: 1 }
+        );
+        assert!(!p.contains(&k(3)));
+        // An entry bigger than c's share with no own entry left to recycle.
+        let mut q: Pool<u32> = Pool::new(100, Box::new(Lru));
+        q.insert(k(1), Arc::new(1), 50, 10, "a");
+        q.insert(k(2), Arc::new(2), 50, 10, "b");
+        assert_eq!(q.insert(k(3), Arc::new(3), 40, 10, "c"), Insert::NoRoom);
+        assert_eq!(q.stats().fair_share_refused, 1);
+        assert!(q.contains(&k(1)) && q.contains(&k(2)));
+        check(&q, "refused");
     }
 
     #[test]
