@@ -18,3 +18,4 @@ mod serve_bad_input;
 mod serve_control;
 mod serve_device;
 mod serve_load;
+mod serve_reuse;
