@@ -6,6 +6,7 @@
 //! call) are refreshed from their live values at each scrape.
 use crate::policy::{PolicyKind, PolicyRuntime};
 use dataplane::engine::{BackendInfo, EnginePools};
+use dataplane::pic::{MissReason, PicStats};
 use dataplane::scheduler::SchedulerMetrics;
 use prometheus::{
     Encoder, GaugeVec, HistogramOpts, HistogramVec, IntCounterVec, IntGauge, IntGaugeVec, Opts,
@@ -28,6 +29,8 @@ pub struct ServeMetrics {
     pub prompt_tokens: IntCounterVec,
     /// Segments by mode and outcome.
     pub segments: IntCounterVec,
+    /// Segments not reused by mode and reason ([`MissReason`]).
+    pub segment_misses: IntCounterVec,
     /// Generated tokens by mode.
     pub completion_tokens: IntCounterVec,
     /// Requests by endpoint and status code.
@@ -51,6 +54,20 @@ pub struct ServeMetrics {
     policy_ns_per_call: GaugeVec,
     policy_active: IntGaugeVec,
     last: Mutex<Last>,
+    reuse: Mutex<HashMap<String, ReuseTally>>,
+}
+
+/// Requests served in a reuse mode before the server warns (once per mode) that
+/// none of them reused any prompt token.
+pub const NO_REUSE_WARN_AFTER: u64 = 32;
+
+/// Per-mode reuse tally behind the no-reuse warning.
+#[derive(Default)]
+struct ReuseTally {
+    requests: u64,
+    cached_tokens: u64,
+    warned: bool,
+    reasons: HashMap<MissReason, u64>,
 }
 
 #[derive(Default)]
@@ -128,6 +145,13 @@ impl ServeMetrics {
                 "Prompt segments by reuse mode and outcome (computed, prefix_hit, hit, miss)."
             ),
             &["mode", "outcome"]
+        ));
+        let segment_misses = reg!(IntCounterVec::new(
+            Opts::new(
+                "hypic_segment_misses_total",
+                "Prompt segments a reuse mode did not reuse, by mode and reason: never_seen, evicted, invalidated, damaged, not_admitted, role_mismatch (an entry exists for the other position role only), too_short_for_seam, private_prefix_miss."
+            ),
+            &["mode", "reason"]
         ));
         let completion_tokens = reg!(IntCounterVec::new(
             Opts::new("hypic_completion_tokens_total", "Generated tokens."),
@@ -259,6 +283,7 @@ impl ServeMetrics {
             e2e,
             prompt_tokens,
             segments,
+            segment_misses,
             completion_tokens,
             requests,
             queue_depth,
@@ -272,7 +297,63 @@ impl ServeMetrics {
             sched_events,
             backend,
             last: Mutex::new(Last::default()),
+            reuse: Mutex::new(HashMap::new()),
         }
+    }
+
+    /// Counts a started request's segments that were not reused by reason
+    /// (`hypic_segment_misses_total`), and logs one warning per mode (per server)
+    /// when the first [`NO_REUSE_WARN_AFTER`] or more requests of a reuse mode
+    /// (every mode but `full_recompute`) have reused no prompt token at all, naming
+    /// the miss reasons seen. Returns true when it warned now.
+    pub fn observe_reuse(&self, mode: &str, stats: &PicStats) -> bool {
+        let reasons: Vec<MissReason> = stats
+            .segments
+            .iter()
+            .filter_map(|s| s.miss_reason)
+            .collect();
+        for r in &reasons {
+            self.segment_misses
+                .with_label_values(&[mode, r.as_str()])
+                .inc();
+        }
+        if mode == "full_recompute" {
+            return false;
+        }
+        let mut all = self.reuse.lock().unwrap_or_else(|p| p.into_inner());
+        let t = all.entry(mode.to_string()).or_default();
+        t.requests += 1;
+        t.cached_tokens += stats.tokens_reused as u64;
+        if t.warned || t.cached_tokens > 0 {
+            return false;
+        }
+        for r in reasons {
+            *t.reasons.entry(r).or_default() += 1;
+        }
+        if t.requests < NO_REUSE_WARN_AFTER {
+            return false;
+        }
+        t.warned = true;
+        let mut by: Vec<(MissReason, u64)> = t.reasons.iter().map(|(r, n)| (*r, *n)).collect();
+        by.sort_by(|a, b| b.1.cmp(&a.1).then(a.0.as_str().cmp(b.0.as_str())));
+        let by: Vec<String> = by
+            .iter()
+            .map(|(r, n)| format!("{}={n}", r.as_str()))
+            .collect();
+        tracing::warn!(
+            mode,
+            requests = t.requests,
+            "no prompt token was reused in the first {} requests of mode {mode}; segments \
+             not reused by reason: {} (see hypic_segment_misses_total and each \
+             segment's miss_reason)",
+            t.requests,
+            if by.is_empty() {
+                "none".to_string()
+            } else {
+                by.join(", ")
+            }
+        );
+        true
     }
 
     /// Records which backend serves (`hypic_backend_info`).
@@ -401,5 +482,63 @@ impl ServeMetrics {
 impl Default for ServeMetrics {
     fn default() -> Self {
         Self::new()
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use dataplane::pic::{Outcome, SegmentStat};
+
+    fn stats(reused: usize, reason: Option<MissReason>) -> PicStats {
+        PicStats {
+            tokens_reused: reused,
+            segments: vec![SegmentStat {
+                index: 0,
+                tokens: 10,
+                outcome: if reused > 0 {
+                    Outcome::Hit
+                } else {
+                    Outcome::Miss
+                },
+                computed: 10 - reused,
+                reused,
+                content_hash: String::new(),
+                miss_reason: reason,
+            }],
+            ..PicStats::default()
+        }
+    }
+
+    #[test]
+    fn no_reuse_warns_once_per_mode_and_misses_are_counted_by_reason() {
+        let m = ServeMetrics::new();
+        let miss = stats(0, Some(MissReason::RoleMismatch));
+        for _ in 1..NO_REUSE_WARN_AFTER {
+            assert!(!m.observe_reuse("hypic", &miss));
+        }
+        assert!(m.observe_reuse("hypic", &miss), "warns at the threshold");
+        for _ in 0..2 * NO_REUSE_WARN_AFTER {
+            assert!(!m.observe_reuse("hypic", &miss), "only once");
+        }
+        // Full recompute reuses nothing by design; a mode that reused once never warns.
+        m.observe_reuse("prefix_cache", &stats(4, None));
+        for _ in 0..2 * NO_REUSE_WARN_AFTER {
+            assert!(!m.observe_reuse("full_recompute", &stats(0, None)));
+            assert!(!m.observe_reuse("prefix_cache", &miss));
+        }
+        // Another reuse mode has its own warning.
+        let warned = (0..NO_REUSE_WARN_AFTER)
+            .filter(|_| m.observe_reuse("naive_addition", &miss))
+            .count();
+        assert_eq!(warned, 1);
+        let n = |mode: &str| {
+            m.segment_misses
+                .with_label_values(&[mode, "role_mismatch"])
+                .get()
+        };
+        assert_eq!(n("hypic"), 3 * NO_REUSE_WARN_AFTER);
+        assert_eq!(n("prefix_cache"), 2 * NO_REUSE_WARN_AFTER);
+        assert_eq!(n("full_recompute"), 0);
     }
 }

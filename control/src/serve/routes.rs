@@ -894,6 +894,7 @@ impl Driver {
                             .with_label_values(&[self.mode, outcome_name(sgm.outcome)])
                             .inc();
                     }
+                    m.observe_reuse(self.mode, &stats);
                     self.choices[i].start = Some(StartInfo {
                         stats,
                         prompt_tokens,
@@ -1082,6 +1083,7 @@ pub fn hypic_ext(mode: &Mode, st: &StartInfo, segs: &[Resolved]) -> HypicRespons
                     id: r.and_then(|r| r.id.clone()),
                     version: r.and_then(|r| r.version),
                     shared: r.map(|r| r.shared).unwrap_or(false),
+                    miss_reason: x.miss_reason.map(|m| m.as_str().into()),
                 }
             })
             .collect(),

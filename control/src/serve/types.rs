@@ -360,6 +360,12 @@ pub struct SegmentReport {
     pub version: Option<i64>,
     /// True when the shared (cross-tenant) namespace was used.
     pub shared: bool,
+    /// Why the segment was not reused although the mode reuses work (every `miss`,
+    /// and a `computed` segment that is not the query): `never_seen`, `evicted`,
+    /// `invalidated`, `damaged`, `not_admitted`, `role_mismatch`,
+    /// `too_short_for_seam` or `private_prefix_miss`. Absent otherwise.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub miss_reason: Option<String>,
 }
 
 /// The `hypic` response extension.

@@ -21,3 +21,4 @@ mod serve_control;
 mod serve_device;
 mod serve_load;
 mod serve_netops;
+mod serve_reuse;

@@ -49,8 +49,9 @@ use crate::linear::gdr::GdrDims;
 use crate::linear::transition::TransitionKind;
 use crate::model::Logits;
 use crate::pic::engine::{
-    content_key, fill_duplicates, prefix_keys, public_key, tally, validate_segments, EntryLayer,
-    Mode, Outcome, PicStats, Prefetch, SegmentEntry, SegmentRef, SegmentStat, Snapshot,
+    computed_reason, content_key, fill_duplicates, miss_roles, prefix_keys, public_key,
+    public_miss_reason, tally, validate_segments, EntryLayer, MissReason, Mode, Outcome, PicStats,
+    Prefetch, SegmentEntry, SegmentRef, SegmentStat, Snapshot,
 };
 use crate::pic::pool::{CachePolicy, Insert, Key, Lru, Pool, PoolStats};
 use crate::pic::spill::Spill;
@@ -576,6 +577,7 @@ where
             computed,
             reused,
             content_hash: hex::encode(contents[i]),
+            miss_reason: None,
         };
         let use_private = mode != Mode::FullRecompute && mode != Mode::NaiveAddition;
         let pkeys = if use_private {
@@ -636,10 +638,7 @@ where
             _ => true,
         };
         let naive = mode == Mode::NaiveAddition;
-        let body_start_of = |i: usize| match mode {
-            Mode::Hypic { seam_width, .. } if i > 0 => seam_width,
-            _ => 0,
-        };
+        let body_start_of = |i: usize| mode.body_start(i);
         let compute_here = |i: usize| {
             i + 1 == n
                 || matches!(mode, Mode::FullRecompute | Mode::PrefixCache)
@@ -657,9 +656,15 @@ where
                     &mut state,
                     if last { Logits::Last } else { Logits::None },
                 )?;
-                stats
-                    .segments
-                    .push(stat(i, Outcome::Computed, seg.tokens.len(), 0));
+                let reason = computed_reason(&mode, last, || {
+                    use_private
+                        .then(|| lock(&self.private).departure(&pkeys[i]))
+                        .flatten()
+                });
+                stats.segments.push(SegmentStat {
+                    miss_reason: reason,
+                    ..stat(i, Outcome::Computed, seg.tokens.len(), 0)
+                });
                 if use_private {
                     let snap = GpuSnapshot {
                         state: state.try_clone()?,
@@ -678,18 +683,21 @@ where
                 let body_start = body_start_of(j);
                 let key = public_key(&contents[j], &seg.isolation, body_start);
                 entries.push(match self.get_public(&key) {
-                    Some(e) => (e, Outcome::Hit),
+                    Some(e) => (e, Outcome::Hit, None),
                     None => {
-                        let e = Arc::new(self.build_entry(&seg.tokens, body_start)?);
-                        let bytes = e.bytes();
-                        let m = seg.tokens.len();
-                        lock(&self.public).insert(key, e.clone(), bytes, m, &seg.isolation);
-                        (e, Outcome::Miss)
+                        let (e, reason) = self.build_roles(
+                            &seg.tokens,
+                            &seg.isolation,
+                            &contents[j],
+                            mode,
+                            body_start,
+                        )?;
+                        (e, Outcome::Miss, Some(reason))
                     }
                 });
                 j += 1;
             }
-            let es: Vec<&GpuSegmentEntry<T>> = entries.iter().map(|(e, _)| &**e).collect();
+            let es: Vec<&GpuSegmentEntry<T>> = entries.iter().map(|(e, _, _)| &**e).collect();
             let keep = if use_private {
                 self.snapshots_to_keep(&state, j - i)
             } else {
@@ -697,14 +705,17 @@ where
             };
             let snaps =
                 self.compose_run(&segments[i..j], &es, &mut state, naive, rope_fix, keep)?;
-            for (k, (e, outcome)) in entries.iter().enumerate() {
+            for (k, (e, outcome, reason)) in entries.iter().enumerate() {
                 let m = segments[i + k].tokens.len();
                 let window = e.body_start.min(m);
                 let (computed, reused) = match outcome {
                     Outcome::Hit => (window, m - window),
                     _ => (m + window, 0),
                 };
-                stats.segments.push(stat(i + k, *outcome, computed, reused));
+                stats.segments.push(SegmentStat {
+                    miss_reason: *reason,
+                    ..stat(i + k, *outcome, computed, reused)
+                });
             }
             for (k, snap_state) in snaps {
                 let snap = GpuSnapshot {
@@ -722,6 +733,49 @@ where
             state,
             stats,
         })
+    }
+
+    /// A public-pool miss on a segment (`tokens` under `isolation`, content key
+    /// `content`) whose position needs the entry of `body_start`: decides the miss
+    /// reason, builds that entry and the segment's entries for its other roles
+    /// ([`Mode::entry_body_starts`]) that are not resident, and offers them to the
+    /// pool, the needed one last (most recent). The same pool operations as the CPU
+    /// engine's miss path; each body start is one device prefill here (the CPU builds
+    /// them in one).
+    fn build_roles(
+        &self,
+        tokens: &[u32],
+        isolation: &str,
+        content: &Key,
+        mode: Mode,
+        body_start: usize,
+    ) -> Result<(Arc<GpuSegmentEntry<T>>, MissReason)> {
+        let m = tokens.len();
+        let roles = miss_roles(&mode, body_start, m);
+        let keys: Vec<Key> = roles
+            .iter()
+            .map(|&b| public_key(content, isolation, b))
+            .collect();
+        let key = public_key(content, isolation, body_start);
+        let (reason, others) = {
+            let pool = lock(&self.public);
+            let others: Vec<(usize, Key)> = roles
+                .iter()
+                .zip(&keys)
+                .filter(|(b, k)| **b != body_start && !pool.contains(k))
+                .map(|(b, k)| (*b, *k))
+                .collect();
+            (public_miss_reason(&pool, &key, &keys), others)
+        };
+        for (b, k) in others {
+            let e = self.build_entry(tokens, b)?;
+            let bytes = e.bytes();
+            lock(&self.public).insert(k, Arc::new(e), bytes, m, isolation);
+        }
+        let e = Arc::new(self.build_entry(tokens, body_start)?);
+        let bytes = e.bytes();
+        lock(&self.public).insert(key, e.clone(), bytes, m, isolation);
+        Ok((e, reason))
     }
 
     /// Prefills `tokens` alone on the device (fresh state, positions from 0) and

@@ -17,7 +17,7 @@
 //!
 //! In every mode but `FullRecompute`, the private pool is checked first: a request
 //! whose whole segment sequence was seen (in the same mode) is a full hit.
-use super::pool::{CachePolicy, Insert, Key, Lru, Pool, PoolStats};
+use super::pool::{CachePolicy, Departure, Insert, Key, Lru, Pool, PoolStats};
 use crate::config::LayerKind;
 use crate::error::{Error, Result};
 use crate::linear::transition::Pair;
@@ -54,6 +54,33 @@ impl Mode {
             rope_fix: true,
         }
     }
+    /// Body start of the public-pool entry that serves the segment at `index` of a
+    /// request: the seam width `w` for a middle segment in HYPIC mode, else 0 (the
+    /// first segment, reused whole; naive addition).
+    pub fn body_start(&self, index: usize) -> usize {
+        match self {
+            Mode::Hypic { seam_width, .. } if index > 0 => *seam_width,
+            _ => 0,
+        }
+    }
+
+    /// Body starts of the entries a public-pool miss on a segment of `len` tokens
+    /// builds, in the order they are built (one prefill): in HYPIC mode with
+    /// `0 < w < len` both roles a segment can take, `[0, w]` (first in a request:
+    /// whole; after another segment: body from `w`), so that a reordered request
+    /// finds the entry of the other role; otherwise `[0]` (a middle segment of at
+    /// most `w` tokens is computed, never cached). Empty for modes without a public
+    /// pool.
+    pub fn entry_body_starts(&self, len: usize) -> Vec<usize> {
+        match self {
+            Mode::FullRecompute | Mode::PrefixCache => vec![],
+            Mode::Hypic { seam_width, .. } if *seam_width > 0 && *seam_width < len => {
+                vec![0, *seam_width]
+            }
+            _ => vec![0],
+        }
+    }
+
     /// Mode tag hashed into private-pool keys.
     pub(crate) fn tag(&self) -> String {
         match self {
@@ -94,6 +121,75 @@ pub enum Outcome {
     Miss,
 }
 
+/// Why a segment was not reused although the mode reuses work: set on every
+/// [`Outcome::Miss`], and on a [`Outcome::Computed`] segment that is not the query
+/// (the last) in a reuse mode.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, Serialize, Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum MissReason {
+    /// No entry of this segment (tokens and isolation key) in any role, and none
+    /// left the pool recently: first use, or forgotten.
+    NeverSeen,
+    /// The entry was evicted for space (from the pool and its spill tier).
+    Evicted,
+    /// The entry was removed on purpose: segment update or deletion, grant
+    /// revocation, invalidation sweep.
+    Invalidated,
+    /// The entry's spilled copy failed its checksum on restore.
+    Damaged,
+    /// The entry was built before but the pool refused to store it (admission
+    /// policy or quota, or larger than the pool).
+    NotAdmitted,
+    /// An entry of this segment exists only for the other role (whole vs body from
+    /// the seam width): built ahead of time for one role, or the other role's entry
+    /// was refused or evicted alone.
+    RoleMismatch,
+    /// HYPIC mode, a middle segment no longer than the seam width: computed whole,
+    /// never cached.
+    TooShortForSeam,
+    /// Prefix-cache mode: no snapshot of the running state after this segment
+    /// prefix (the prefix differs from every cached one).
+    PrivatePrefixMiss,
+}
+
+impl MissReason {
+    /// Every reason, in declaration order.
+    pub const ALL: [MissReason; 8] = [
+        MissReason::NeverSeen,
+        MissReason::Evicted,
+        MissReason::Invalidated,
+        MissReason::Damaged,
+        MissReason::NotAdmitted,
+        MissReason::RoleMismatch,
+        MissReason::TooShortForSeam,
+        MissReason::PrivatePrefixMiss,
+    ];
+
+    /// The snake_case name (metric label, JSON value).
+    pub fn as_str(&self) -> &'static str {
+        match self {
+            MissReason::NeverSeen => "never_seen",
+            MissReason::Evicted => "evicted",
+            MissReason::Invalidated => "invalidated",
+            MissReason::Damaged => "damaged",
+            MissReason::NotAdmitted => "not_admitted",
+            MissReason::RoleMismatch => "role_mismatch",
+            MissReason::TooShortForSeam => "too_short_for_seam",
+            MissReason::PrivatePrefixMiss => "private_prefix_miss",
+        }
+    }
+
+    /// The reason remembered for a key that left a pool.
+    fn of_departure(d: Departure) -> Self {
+        match d {
+            Departure::Evicted => MissReason::Evicted,
+            Departure::Removed => MissReason::Invalidated,
+            Departure::Damaged => MissReason::Damaged,
+            Departure::Refused => MissReason::NotAdmitted,
+        }
+    }
+}
+
 /// Per-segment statistics.
 #[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
 pub struct SegmentStat {
@@ -109,6 +205,10 @@ pub struct SegmentStat {
     pub reused: usize,
     /// SHA-256 of the model id and the segment's tokens (hex).
     pub content_hash: String,
+    /// Why it was not reused, see [`MissReason`] (`None` for hits, the query and
+    /// full recompute).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub miss_reason: Option<MissReason>,
 }
 
 /// Request statistics.
@@ -347,6 +447,7 @@ impl PicEngine {
             computed,
             reused,
             content_hash: hex::encode(contents[i]),
+            miss_reason: None,
         };
         let use_private = mode != Mode::FullRecompute && mode != Mode::NaiveAddition;
         let prefix_keys = if use_private {
@@ -403,10 +504,7 @@ impl PicEngine {
             let seg = &segments[i];
             let m = seg.tokens.len();
             let last = i + 1 == n;
-            let body_start = match mode {
-                Mode::Hypic { seam_width, .. } if i > 0 => seam_width,
-                _ => 0,
-            };
+            let body_start = mode.body_start(i);
             let compute_here = last
                 || matches!(mode, Mode::FullRecompute | Mode::PrefixCache)
                 || (matches!(mode, Mode::Hypic { .. }) && body_start >= m);
@@ -417,18 +515,47 @@ impl PicEngine {
                     if last { Logits::Last } else { Logits::None },
                 )?;
                 logits = out.logits;
-                stats.segments.push(stat(i, Outcome::Computed, m, 0));
+                let reason = computed_reason(&mode, last, || {
+                    use_private
+                        .then(|| lock(&self.private).departure(&prefix_keys[i]))
+                        .flatten()
+                });
+                stats.segments.push(SegmentStat {
+                    miss_reason: reason,
+                    ..stat(i, Outcome::Computed, m, 0)
+                });
             } else {
                 let key = Self::public_key(&contents[i], &seg.isolation, body_start);
                 let found = lock(&self.public).get(&key);
-                let (entry, outcome) = match found {
-                    Some(e) => (e, Outcome::Hit),
+                let (entry, outcome, reason) = match found {
+                    Some(e) => (e, Outcome::Hit, None),
                     None => {
-                        let e = Arc::new(self.build_entry(&seg.tokens, body_start)?);
-                        let bytes = e.bytes();
-                        let _: Insert =
-                            lock(&self.public).insert(key, e.clone(), bytes, m, &seg.isolation);
-                        (e, Outcome::Miss)
+                        let roles = miss_roles(&mode, body_start, m);
+                        let keys: Vec<Key> = roles
+                            .iter()
+                            .map(|&b| Self::public_key(&contents[i], &seg.isolation, b))
+                            .collect();
+                        let reason = public_miss_reason(&lock(&self.public), &key, &keys);
+                        // Every role in one prefill, in the canonical order, so that an
+                        // entry is the same whichever role missed first.
+                        let built = self.build_entries(&seg.tokens, &roles)?;
+                        let mut needed = None;
+                        let mut pool = lock(&self.public);
+                        for ((b, k), e) in roles.iter().zip(keys).zip(built) {
+                            let e = Arc::new(e);
+                            if *b == body_start {
+                                needed = Some(e);
+                            } else if !pool.contains(&k) {
+                                let bytes = e.bytes();
+                                let _: Insert = pool.insert(k, e, bytes, m, &seg.isolation);
+                            }
+                        }
+                        let e = needed.ok_or_else(|| {
+                            Error::Input("no cache entry was built for the segment".into())
+                        })?;
+                        // The role used now last: the most recent under LRU.
+                        let _: Insert = pool.insert(key, e.clone(), e.bytes(), m, &seg.isolation);
+                        (e, Outcome::Miss, Some(reason))
                     }
                 };
                 let rope_fix = match mode {
@@ -442,7 +569,10 @@ impl PicEngine {
                     Outcome::Hit => (window, m - window),
                     _ => (m + window, 0),
                 };
-                stats.segments.push(stat(i, outcome, computed, reused));
+                stats.segments.push(SegmentStat {
+                    miss_reason: reason,
+                    ..stat(i, outcome, computed, reused)
+                });
             }
             if use_private {
                 let snap = Snapshot {
@@ -668,6 +798,57 @@ pub(crate) fn validate_segments(
         )));
     }
     Ok(())
+}
+
+/// Body starts a public-pool miss on a segment of `len` tokens builds in one prefill
+/// ([`Mode::entry_body_starts`]), always including `body_start` (the role needed),
+/// ascending.
+pub(crate) fn miss_roles(mode: &Mode, body_start: usize, len: usize) -> Vec<usize> {
+    let mut roles = mode.entry_body_starts(len);
+    if !roles.contains(&body_start) {
+        roles.push(body_start);
+        roles.sort_unstable();
+    }
+    roles
+}
+
+/// Why the public-pool lookup of `key` missed: how that key last left the pool
+/// (evicted, invalidated, damaged, refused), else whether an entry of the same
+/// segment for another role (`role_keys`, any of which may equal `key`) is resident,
+/// else never seen. Not a lookup: counters and recency are untouched.
+pub(crate) fn public_miss_reason<V>(pool: &Pool<V>, key: &Key, role_keys: &[Key]) -> MissReason {
+    if let Some(d) = pool.departure(key) {
+        return MissReason::of_departure(d);
+    }
+    if role_keys.iter().any(|k| k != key && pool.contains(k)) {
+        return MissReason::RoleMismatch;
+    }
+    MissReason::NeverSeen
+}
+
+/// Why a segment computed in place was not reused: `None` for the query (`last`)
+/// and in full recompute; in prefix-cache mode how the snapshot after this prefix
+/// left the private pool (`private_departure`, asked only then) or else
+/// [`MissReason::PrivatePrefixMiss`]; in HYPIC mode a middle segment inside its
+/// seam window, [`MissReason::TooShortForSeam`].
+pub(crate) fn computed_reason(
+    mode: &Mode,
+    last: bool,
+    private_departure: impl FnOnce() -> Option<Departure>,
+) -> Option<MissReason> {
+    if last {
+        return None;
+    }
+    match mode {
+        Mode::FullRecompute => None,
+        Mode::PrefixCache => Some(
+            private_departure()
+                .map(MissReason::of_departure)
+                .unwrap_or(MissReason::PrivatePrefixMiss),
+        ),
+        Mode::Hypic { .. } => Some(MissReason::TooShortForSeam),
+        Mode::NaiveAddition => None,
+    }
 }
 
 /// Sums the per-segment statistics into the request totals.

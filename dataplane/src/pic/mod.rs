@@ -7,5 +7,5 @@ pub mod pool;
 pub mod spill;
 
 pub use engine::{
-    Mode, Outcome, PicEngine, PicOutput, PicStats, Prefetch, SegmentRef, SegmentStat,
+    MissReason, Mode, Outcome, PicEngine, PicOutput, PicStats, Prefetch, SegmentRef, SegmentStat,
 };

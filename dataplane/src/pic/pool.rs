@@ -3,7 +3,7 @@
 //! Used for the public pool of segment entries and the private pool of running-state
 //! snapshots (docs/pic-design.md §5.1). The policy is a trait so that the control
 //! plane can plug in Wasm policies; [`Lru`] is the built-in default.
-use std::collections::HashMap;
+use std::collections::{HashMap, VecDeque};
 use std::sync::Arc;
 
 /// A 256-bit cache key (SHA-256 of the key material).
@@ -167,6 +167,54 @@ pub enum Insert {
     NoRoom,
 }
 
+/// How an entry left a pool (both tiers), as remembered for the reason of a later
+/// miss on its key ([`Pool::departure`]).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Departure {
+    /// Evicted for space (dropped, or its spilled copy dropped in turn).
+    Evicted,
+    /// Removed on request ([`Pool::remove`], [`Pool::remove_owner`]): segment update or
+    /// deletion, grant revocation, invalidation.
+    Removed,
+    /// Its spilled copy failed the checksum or the layout check on restore.
+    Damaged,
+    /// Offered but not stored: the policy refused admission, or no room.
+    Refused,
+}
+
+/// How many departed keys a pool remembers (oldest forgotten first): a bound on the
+/// memory the miss reasons take, about 64 bytes a key.
+pub const DEPARTURES_REMEMBERED: usize = 16_384;
+
+/// Bounded memory of departed keys: the newest [`DEPARTURES_REMEMBERED`].
+#[derive(Default)]
+struct Departures {
+    map: HashMap<Key, (Departure, u64)>,
+    order: VecDeque<(Key, u64)>,
+    seq: u64,
+}
+
+impl Departures {
+    fn record(&mut self, key: Key, d: Departure) {
+        self.seq += 1;
+        self.map.insert(key, (d, self.seq));
+        self.order.push_back((key, self.seq));
+        while self.order.len() > DEPARTURES_REMEMBERED {
+            if let Some((k, seq)) = self.order.pop_front() {
+                if self.map.get(&k).is_some_and(|&(_, s)| s == seq) {
+                    self.map.remove(&k);
+                }
+            }
+        }
+    }
+    fn forget(&mut self, key: &Key) {
+        self.map.remove(key);
+    }
+    fn get(&self, key: &Key) -> Option<Departure> {
+        self.map.get(key).map(|&(d, _)| d)
+    }
+}
+
 /// One spilled entry: the encoded value, its XXH3-64 checksum taken when it was
 /// written, and the entry's metadata.
 struct Blob {
@@ -201,6 +249,7 @@ pub struct Pool<V> {
     policy: Box<dyn CachePolicy>,
     stats: PoolStats,
     spill: Option<SpillTier<V>>,
+    gone: Departures,
 }
 
 impl<V: super::spill::Spill> Pool<V> {
@@ -233,6 +282,7 @@ impl<V> Pool<V> {
             policy,
             stats: PoolStats::default(),
             spill: None,
+            gone: Departures::default(),
         }
     }
 
@@ -299,6 +349,7 @@ impl<V> Pool<V> {
                     tier.used -= b.bytes.len();
                 }
                 self.stats.spill_corrupt += 1;
+                self.gone.record(*key, Departure::Damaged);
                 return None;
             }
         };
@@ -407,6 +458,7 @@ impl<V> Pool<V> {
 
     /// Puts an entry into the primary tier (room already made) and accounts it.
     fn store_primary(&mut self, meta: EntryMeta, v: Arc<V>) {
+        self.gone.forget(&meta.key);
         self.used += meta.bytes;
         if meta.bytes > 0 {
             *self.by_owner.entry(meta.owner.clone()).or_default() += meta.bytes;
@@ -426,11 +478,13 @@ impl<V> Pool<V> {
         };
         self.stats.evictions += 1;
         let Some(tier) = self.spill.as_mut() else {
+            self.gone.record(*key, Departure::Evicted);
             return;
         };
         let bytes = (tier.encode)(&v);
         if bytes.len() > tier.capacity {
             self.stats.spill_rejected += 1;
+            self.gone.record(*key, Departure::Evicted);
             return;
         }
         while tier.used + bytes.len() > tier.capacity {
@@ -445,6 +499,7 @@ impl<V> Pool<V> {
             if let Some(b) = tier.blobs.remove(&oldest) {
                 tier.used -= b.bytes.len();
                 self.stats.spill_evictions += 1;
+                self.gone.record(oldest, Departure::Evicted);
             }
         }
         tier.used += bytes.len();
@@ -564,10 +619,12 @@ impl<V> Pool<V> {
             .admit(&meta, self.group_bytes(owner_group(owner)))
         {
             self.stats.rejected += 1;
+            self.refused(key);
             return Insert::NotAdmitted;
         }
         let Some(victims) = self.plan_room(&meta) else {
             self.stats.rejected += 1;
+            self.refused(key);
             return Insert::NoRoom;
         };
         let evicted = victims.len();
@@ -581,11 +638,32 @@ impl<V> Pool<V> {
         Insert::Stored { evicted }
     }
 
+    /// Records a refused insert of `key`, unless a spilled copy stays (then a later
+    /// lookup still finds it).
+    fn refused(&mut self, key: Key) {
+        if !self.is_spilled(&key) {
+            self.gone.record(key, Departure::Refused);
+        }
+    }
+
     /// Removes `key` from both tiers; returns whether it was present.
     pub fn remove(&mut self, key: &Key) -> bool {
         let primary = self.take_primary(key).is_some();
         let spilled = self.remove_spilled(key);
+        if primary || spilled {
+            self.gone.record(*key, Departure::Removed);
+        }
         primary || spilled
+    }
+
+    /// How `key` last left the pool, when it is absent from both tiers and was
+    /// present (or offered) recently: the newest [`DEPARTURES_REMEMBERED`] departures
+    /// are kept. `None` for a key never seen, forgotten, or present. Not a lookup.
+    pub fn departure(&self, key: &Key) -> Option<Departure> {
+        if self.contains(key) {
+            return None;
+        }
+        self.gone.get(key)
     }
 
     fn remove_spilled(&mut self, key: &Key) -> bool {
@@ -680,6 +758,34 @@ mod tests {
 
     fn k(i: u8) -> Key {
         [i; 32]
+    }
+
+    #[test]
+    fn departures_are_remembered_bounded_and_forgotten_on_insert() {
+        let mut p: Pool<u32> = Pool::new(100, Box::new(Lru));
+        assert_eq!(p.departure(&k(1)), None);
+        p.insert(k(1), Arc::new(1), 60, 1, "a");
+        assert_eq!(p.departure(&k(1)), None, "present");
+        p.insert(k(2), Arc::new(2), 60, 1, "a");
+        assert_eq!(p.departure(&k(1)), Some(Departure::Evicted));
+        assert!(p.remove(&k(2)));
+        assert_eq!(p.departure(&k(2)), Some(Departure::Removed));
+        p.insert(k(3), Arc::new(3), 200, 1, "a");
+        assert_eq!(p.departure(&k(3)), Some(Departure::Refused));
+        p.insert(k(1), Arc::new(1), 10, 1, "a");
+        assert_eq!(p.departure(&k(1)), None, "back in the pool");
+        assert_eq!(p.remove_owner("a"), 1);
+        assert_eq!(p.departure(&k(1)), Some(Departure::Removed));
+        // Only the newest departures are kept.
+        for i in 0..=DEPARTURES_REMEMBERED as u32 {
+            let mut key = [0u8; 32];
+            key[..4].copy_from_slice(&i.to_le_bytes());
+            key[31] = 9;
+            p.insert(key, Arc::new(i), 200, 1, "a");
+        }
+        assert_eq!(p.departure(&k(1)), None, "forgotten");
+        assert!(p.gone.map.len() <= DEPARTURES_REMEMBERED);
+        assert!(p.gone.order.len() <= DEPARTURES_REMEMBERED);
     }
 
     #[test]
