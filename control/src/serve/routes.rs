@@ -535,9 +535,13 @@ pub async fn resolve(
         .collect();
     let text_bytes: usize = texts.iter().map(|(_, t)| t.len()).sum();
     check_fits(s, field, text_bytes)?;
-    for (_, t) in &texts {
+    for (i, t) in &texts {
+        let param = match field {
+            "segments" => format!("segments[{i}].text"),
+            _ => field.to_string(),
+        };
         check_bytes(
-            field,
+            &param,
             t.len(),
             s.0.cfg.max_segment_bytes,
             "max_segment_bytes",

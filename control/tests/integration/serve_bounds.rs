@@ -324,6 +324,7 @@ async fn prefill_token_and_byte_caps_name_the_limit() {
         )
         .await;
     assert_error(st, &v, 400, "string_above_max_length");
+    assert_eq!(v["error"]["param"], "segments[0].text", "{v}");
     assert!(
         v["error"]["message"]
             .as_str()
