@@ -109,7 +109,7 @@ async fn concurrent_large_uploads_do_not_stall_health() {
     let modules: Vec<Vec<u8>> = (0..3).map(|i| big_module(400, 60, i)).collect();
     // How long one module takes to compile here (directly, not through the server).
     let t = Instant::now();
-    wasmtime::Module::new(&policy_engine(), &big_module(400, 60, 99)).unwrap();
+    wasmtime::Module::new(&policy_engine(), big_module(400, 60, 99)).unwrap();
     let one = t.elapsed();
     eprintln!(
         "one {} KB module compiles in {one:?}",
