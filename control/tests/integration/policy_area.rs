@@ -411,6 +411,23 @@ async fn victim_under_flood(fair: bool) -> (usize, usize) {
             .await;
         assert_eq!(st, 200, "{v}");
     }
+    // The victim's running-state snapshots (private pool) also survive: its last
+    // request, repeated after the floods, restores the whole prompt.
+    let (st, v) = s
+        .post_as(
+            &s.token_b,
+            "/v1/completions",
+            &json!({"segments": [{"text": "Victim note 3."}, {"id": "vdoc"}, {"text": Q}],
+                    "max_tokens": 1}),
+        )
+        .await;
+    assert_eq!(st, 200, "{v}");
+    let restored = v["hypic"]["segments"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .all(|x| x["outcome"] == "prefix_hit");
+    assert!(restored, "the victim's snapshots were evicted: {v}");
     let (_, _, pstats) = s.server.state.engine().public_usage();
     eprintln!(
         "fair={fair}: victim hits {hits}/{uses}; public pool evictions {}, fair-share refusals {}",
