@@ -109,7 +109,7 @@ async fn concurrent_large_uploads_do_not_stall_health() {
     let modules: Vec<Vec<u8>> = (0..3).map(|i| big_module(400, 60, i)).collect();
     // How long one module takes to compile here (directly, not through the server).
     let t = Instant::now();
-    wasmtime::Module::new(&policy_engine(), &big_module(400, 60, 99)).unwrap();
+    wasmtime::Module::new(&policy_engine(), big_module(400, 60, 99)).unwrap();
     let one = t.elapsed();
     eprintln!(
         "one {} KB module compiles in {one:?}",
@@ -411,6 +411,23 @@ async fn victim_under_flood(fair: bool) -> (usize, usize) {
             .await;
         assert_eq!(st, 200, "{v}");
     }
+    // The victim's running-state snapshots (private pool) also survive: its last
+    // request, repeated after the floods, restores the whole prompt.
+    let (st, v) = s
+        .post_as(
+            &s.token_b,
+            "/v1/completions",
+            &json!({"segments": [{"text": "Victim note 3."}, {"id": "vdoc"}, {"text": Q}],
+                    "max_tokens": 1}),
+        )
+        .await;
+    assert_eq!(st, 200, "{v}");
+    let restored = v["hypic"]["segments"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .all(|x| x["outcome"] == "prefix_hit");
+    assert!(restored, "the victim's snapshots were evicted: {v}");
     let (_, _, pstats) = s.server.state.engine().public_usage();
     eprintln!(
         "fair={fair}: victim hits {hits}/{uses}; public pool evictions {}, fair-share refusals {}",
