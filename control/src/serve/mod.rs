@@ -115,6 +115,10 @@ pub struct ServeConfig {
     /// active invalidation policy (e.g. TTL) and dropped from the pool when the
     /// policy says so, even if no request touches it. 0 turns the sweep off.
     pub invalidation_sweep_ms: u64,
+    /// Largest content of one catalog segment version, bytes (beyond: 413).
+    pub max_segment_bytes: usize,
+    /// How long an `Idempotency-Key` of `POST /v1/segments` is remembered, seconds.
+    pub idempotency_ttl_s: u64,
 }
 
 impl Default for ServeConfig {
@@ -147,6 +151,8 @@ impl Default for ServeConfig {
             audience: crate::auth::DEFAULT_AUDIENCE.into(),
             disable_auth: false,
             invalidation_sweep_ms: 10_000,
+            max_segment_bytes: crate::catalog::DEFAULT_MAX_SEGMENT_BYTES,
+            idempotency_ttl_s: crate::DEFAULT_IDEMPOTENCY_TTL_S,
         }
     }
 }
@@ -234,6 +240,13 @@ pub struct ServeArgs {
     /// Invalidation sweep period, ms (0: off).
     #[arg(long, env = "HYPIC_INVALIDATION_SWEEP_MS")]
     pub invalidation_sweep_ms: Option<u64>,
+    /// Largest content of one catalog segment version, bytes [default: 1048576].
+    #[arg(long, env = "HYPIC_MAX_SEGMENT_BYTES")]
+    pub max_segment_bytes: Option<usize>,
+    /// How long an Idempotency-Key of POST /v1/segments is remembered, seconds
+    /// [default: 86400].
+    #[arg(long, env = "HYPIC_IDEMPOTENCY_TTL_S")]
+    pub idempotency_ttl_s: Option<u64>,
     /// Token audience.
     #[arg(long)]
     pub audience: Option<String>,
@@ -279,7 +292,9 @@ impl ServeConfig {
             data_dir,
             audience,
             jwks_reload_ms,
-            invalidation_sweep_ms
+            invalidation_sweep_ms,
+            max_segment_bytes,
+            idempotency_ttl_s
         );
         if a.model.is_some() {
             c.model = a.model.clone();
@@ -316,6 +331,9 @@ impl ServeConfig {
         if self.max_body_bytes < 1024 {
             bail!("max_body_bytes must be at least 1024");
         }
+        if self.max_segment_bytes == 0 {
+            bail!("max_segment_bytes must be at least 1");
+        }
         if self.default_max_tokens == 0 || self.max_n == 0 {
             bail!("default_max_tokens and max_n must be at least 1");
         }
@@ -337,6 +355,8 @@ impl ServeConfig {
             jwks_reload_ms: self.jwks_reload_ms,
             audience: self.audience.clone(),
             disable_auth: self.disable_auth,
+            max_segment_bytes: self.max_segment_bytes,
+            idempotency_ttl_s: self.idempotency_ttl_s,
         }
     }
 
