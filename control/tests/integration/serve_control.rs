@@ -192,6 +192,8 @@ async fn ttl_sweep_drops_idle_entries_without_any_request() {
         .await;
     assert_eq!(st, 200, "{v}");
     assert_eq!(v["hypic"]["residency"]["resident"], true, "{v}");
+    // The sweep's audit rows name segments by address.
+    let doc_ttl = v["address"].as_str().unwrap().to_string();
     let t_request = Instant::now();
     let inline =
         json!({"segments": [{"text": SYS}, {"text": DOC_A}, {"text": Q}], "max_tokens": 2});
@@ -294,7 +296,7 @@ async fn ttl_sweep_drops_idle_entries_without_any_request() {
         log.as_array()
             .unwrap()
             .iter()
-            .any(|r| r["detail"].as_str().unwrap().contains("doc-ttl")),
+            .any(|r| r["detail"].as_str().unwrap().contains(&doc_ttl)),
         "{log}"
     );
     let (_, g) = s.get("/v1/segments/doc-ttl").await;
