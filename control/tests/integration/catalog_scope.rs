@@ -93,7 +93,7 @@ async fn ids_are_scoped_to_their_owner(c: Catalog) {
     );
     // A's private segment by address: not readable by B.
     assert!(matches!(
-        c.snapshot("b", &[a_doc.address.clone()]).await,
+        c.snapshot("b", std::slice::from_ref(&a_doc.address)).await,
         Err(CatalogError::NotFound(_))
     ));
     // A's public segment: not by A's id (that is B's namespace), by address yes.
@@ -109,7 +109,10 @@ async fn ids_are_scoped_to_their_owner(c: Catalog) {
     assert_eq!(s[1].segment_id, b_doc.address);
     // A grant makes A's private segment readable by B, by address only.
     c.grant(&a_doc.address, "b", "alice").await.unwrap();
-    let s = c.snapshot("b", &[a_doc.address.clone()]).await.unwrap();
+    let s = c
+        .snapshot("b", std::slice::from_ref(&a_doc.address))
+        .await
+        .unwrap();
     assert_eq!(s[0].content_hash, a_doc.content_hash);
     assert_eq!(
         c.snapshot("b", &["doc".into()]).await.unwrap()[0].segment_id,
