@@ -12,6 +12,8 @@ struct Cli {
     command: Command,
 }
 
+// Parsed once at start: the size of the largest variant (the serve flags) costs nothing.
+#[allow(clippy::large_enum_variant)]
 #[derive(Subcommand)]
 enum Command {
     /// Generate a continuation of a prompt, streamed to stdout, then print TTFT and decode speed.
