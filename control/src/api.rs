@@ -226,6 +226,8 @@ pub struct ApiError {
     pub kind: &'static str,
     /// Machine-readable code.
     pub code: &'static str,
+    /// The request field the error is about, if any (`param` in the JSON).
+    pub param: Option<String>,
 }
 
 impl ApiError {
@@ -240,7 +242,14 @@ impl ApiError {
             message: message.into(),
             kind,
             code,
+            param: None,
         }
+    }
+
+    /// The same error, naming the request field it is about.
+    pub fn with_param(mut self, param: impl Into<String>) -> ApiError {
+        self.param = Some(param.into());
+        self
     }
     /// 400.
     pub fn bad_request(message: impl Into<String>) -> ApiError {
@@ -279,7 +288,8 @@ impl From<AuthError> for ApiError {
 
 impl From<CatalogError> for ApiError {
     fn from(e: CatalogError) -> ApiError {
-        match e {
+        let param = e.field();
+        let err = match e {
             CatalogError::NotFound(_) => ApiError::not_found(e.to_string()),
             CatalogError::Conflict(_) => ApiError::new(
                 StatusCode::CONFLICT,
@@ -287,7 +297,22 @@ impl From<CatalogError> for ApiError {
                 "conflict",
                 e.to_string(),
             ),
-            CatalogError::Invalid(_) => ApiError::bad_request(e.to_string()),
+            CatalogError::Invalid(_) | CatalogError::InvalidField(..) => {
+                ApiError::bad_request(e.to_string())
+            }
+            CatalogError::TooLarge(..) => ApiError::new(
+                StatusCode::PAYLOAD_TOO_LARGE,
+                "invalid_request_error",
+                "too_large",
+                e.to_string(),
+            ),
+            CatalogError::IdempotencyMismatch(_) => ApiError::new(
+                StatusCode::UNPROCESSABLE_ENTITY,
+                "invalid_request_error",
+                "idempotency_key_reused",
+                e.to_string(),
+            )
+            .with_param(IDEMPOTENCY_KEY),
             CatalogError::Db(_) | CatalogError::Migrate(_) => {
                 // The cause (read-only, disk full, unreachable) is the operator's to
                 // fix and the client's to know; the database's own message is logged.
@@ -301,13 +326,17 @@ impl From<CatalogError> for ApiError {
                     cause.describe(),
                 )
             }
+        };
+        match param {
+            Some(p) => err.with_param(p),
+            None => err,
         }
     }
 }
 
 impl IntoResponse for ApiError {
     fn into_response(self) -> Response {
-        let body = serde_json::json!({"error": {"message": self.message, "type": self.kind, "param": null, "code": self.code}});
+        let body = serde_json::json!({"error": {"message": self.message, "type": self.kind, "param": self.param, "code": self.code}});
         let mut r = (self.status, Json(body)).into_response();
         if self.status.is_server_error() {
             r.extensions_mut()
@@ -466,7 +495,7 @@ pub fn control_router(state: ControlState) -> Router {
     Router::new()
         .route("/v1/control/health", get(health))
         .route("/v1/whoami", get(whoami))
-        .route("/v1/segments", post(create_segment))
+        .route("/v1/segments", post(create_segment).get(list_segments))
         .route(
             "/v1/segments/{id}",
             get(get_segment).put(update_segment).delete(delete_segment),
@@ -512,34 +541,159 @@ async fn whoami(Caller(p): Caller) -> Json<Principal> {
     Json(p)
 }
 
+/// Header carrying a client's idempotency key on `POST /v1/segments`.
+pub const IDEMPOTENCY_KEY: &str = "Idempotency-Key";
+/// Response header set (`true`) when a create was answered from the record of
+/// an earlier request with the same idempotency key.
+pub const IDEMPOTENT_REPLAYED: &str = "Idempotent-Replayed";
+
+/// The live segment the caller addresses as `reference` (an own id or an
+/// address) and may read: owner, public, grant, group grant; operators read
+/// every segment. Anything else is the same 404 as a segment that does not
+/// exist, so ids of other tenants cannot be probed.
+pub async fn readable_segment(
+    state: &ControlState,
+    p: &Principal,
+    reference: &str,
+) -> Result<Segment, ApiError> {
+    let nf = || ApiError::not_found(format!("segment {reference:?} not found"));
+    if crate::catalog::validate_ref("segment id", reference).is_err() {
+        return Err(nf());
+    }
+    let seg = match state.inner.catalog.find_segment(&p.tenant, reference).await {
+        Ok(seg) => seg,
+        Err(CatalogError::NotFound(_)) => return Err(nf()),
+        Err(e) => return Err(e.into()),
+    };
+    if p.is_operator()
+        || state
+            .inner
+            .catalog
+            .can_read(&p.tenant, &seg.address)
+            .await?
+    {
+        Ok(seg)
+    } else {
+        Err(nf())
+    }
+}
+
 /// Owner tenant or operator may modify a segment.
-async fn require_owner(state: &ControlState, p: &Principal, id: &str) -> Result<Segment, ApiError> {
-    let seg = state.inner.catalog.get_segment(id).await?;
-    if p.is_operator() || seg.owner_tenant == p.tenant {
+async fn require_owner(
+    state: &ControlState,
+    p: &Principal,
+    reference: &str,
+) -> Result<Segment, ApiError> {
+    let seg = readable_segment(state, p, reference).await?;
+    if p.is_operator() || seg.owner_tenant.as_deref() == Some(p.tenant.as_str()) {
         return Ok(seg);
     }
-    if state.inner.catalog.can_read(&p.tenant, id).await? {
-        Err(ApiError::forbidden(
-            "not_owner",
-            format!("only the owner tenant or an operator may modify segment {id:?}"),
-        ))
-    } else {
-        // Do not reveal that a segment the caller cannot read exists.
-        Err(ApiError::not_found(format!("segment {id:?} not found")))
-    }
+    Err(ApiError::forbidden(
+        "not_owner",
+        format!("only the owner tenant or an operator may modify segment {reference:?}"),
+    ))
 }
 
 async fn create_segment(
     State(s): State<ControlState>,
     Caller(p): Caller,
+    headers: axum::http::HeaderMap,
     Body(seg): Body<NewSegment>,
-) -> ApiResult<Segment> {
-    Ok(Json(
-        s.inner
-            .catalog
-            .create_segment(&p.tenant, &p.sub, &seg)
-            .await?,
-    ))
+) -> Result<Response, ApiError> {
+    let key = match headers.get(IDEMPOTENCY_KEY) {
+        None => None,
+        Some(v) => Some(v.to_str().map_err(|_| {
+            ApiError::bad_request("the Idempotency-Key header must be printable ASCII")
+                .with_param(IDEMPOTENCY_KEY)
+        })?),
+    };
+    let c = s
+        .inner
+        .catalog
+        .create_segment_idempotent(&p.tenant, &p.sub, &seg, key)
+        .await?;
+    let mut r = Json(c.segment.view_for(&p.tenant, p.is_operator())).into_response();
+    if c.replayed {
+        r.headers_mut().insert(
+            IDEMPOTENT_REPLAYED,
+            header::HeaderValue::from_static("true"),
+        );
+    }
+    Ok(r)
+}
+
+/// Query of `GET /v1/segments`.
+#[derive(Debug, Default, Deserialize)]
+pub struct ListQuery {
+    /// Page size, 1..=1000 (default 100).
+    pub limit: Option<i64>,
+    /// Cursor: the `next` of the previous page.
+    pub after: Option<String>,
+}
+
+impl ListQuery {
+    /// The page size, or a 400 naming `limit`.
+    pub fn page_size(&self) -> Result<usize, ApiError> {
+        let max = crate::catalog::MAX_LIST_LIMIT as i64;
+        match self.limit {
+            None => Ok(crate::catalog::DEFAULT_LIST_LIMIT),
+            Some(l) if (1..=max).contains(&l) => Ok(l as usize),
+            Some(l) => Err(
+                ApiError::bad_request(format!("'limit' must be 1..={max}, not {l}"))
+                    .with_param("limit"),
+            ),
+        }
+    }
+
+    /// The cursor, or a 400 naming `after`.
+    pub fn cursor(&self) -> Result<Option<&str>, ApiError> {
+        match self.after.as_deref() {
+            None | Some("") => Ok(None),
+            Some(a)
+                if a.len() <= 300
+                    && a.bytes()
+                        .all(|b| b.is_ascii_alphanumeric() || b"._:-~/".contains(&b)) =>
+            {
+                Ok(Some(a))
+            }
+            Some(_) => Err(ApiError::bad_request(
+                "'after' must be the 'next' cursor of a previous page",
+            )
+            .with_param("after")),
+        }
+    }
+}
+
+/// Answer of the control plane's `GET /v1/segments`.
+#[derive(Debug, Serialize, Deserialize)]
+pub struct SegmentList {
+    /// Always `list`.
+    pub object: String,
+    /// The segments of this page, as the caller may see them.
+    pub data: Vec<Segment>,
+    /// Cursor of the next page (`after`), `null` on the last page.
+    pub next: Option<String>,
+}
+
+async fn list_segments(
+    State(s): State<ControlState>,
+    Caller(p): Caller,
+    ApiQuery(q): ApiQuery<ListQuery>,
+) -> ApiResult<SegmentList> {
+    let page = s
+        .inner
+        .catalog
+        .list_segments(&p.tenant, p.is_operator(), q.cursor()?, q.page_size()?)
+        .await?;
+    Ok(Json(SegmentList {
+        object: "list".into(),
+        data: page
+            .items
+            .into_iter()
+            .map(|x| x.view_for(&p.tenant, p.is_operator()))
+            .collect(),
+        next: page.next,
+    }))
 }
 
 async fn get_segment(
@@ -547,10 +701,8 @@ async fn get_segment(
     Caller(p): Caller,
     ApiPath(id): ApiPath<String>,
 ) -> ApiResult<Segment> {
-    if !p.is_operator() && !s.inner.catalog.can_read(&p.tenant, &id).await? {
-        return Err(ApiError::not_found(format!("segment {id:?} not found")));
-    }
-    Ok(Json(s.inner.catalog.get_segment(&id).await?))
+    let seg = readable_segment(&s, &p, &id).await?;
+    Ok(Json(seg.view_for(&p.tenant, p.is_operator())))
 }
 
 /// Body of `PUT /v1/segments/{id}`.
@@ -579,15 +731,15 @@ async fn update_segment(
     ApiPath(id): ApiPath<String>,
     Body(u): Body<UpdateSegment>,
 ) -> ApiResult<UpdateResult> {
-    require_owner(&s, &p, &id).await?;
+    let old = require_owner(&s, &p, &id).await?;
     let seg = s
         .inner
         .catalog
-        .update_segment(&id, &p.sub, &u.content, &u.tokens)
+        .update_segment(&old.address, &p.sub, &u.content, &u.tokens)
         .await?;
     let invalidated = invalidate_superseded(&s, &seg).await?;
     Ok(Json(UpdateResult {
-        segment: seg,
+        segment: seg.view_for(&p.tenant, p.is_operator()),
         invalidated_entries: invalidated,
     }))
 }
@@ -595,7 +747,7 @@ async fn update_segment(
 /// Runs the invalidation hook over the residency rows of superseded versions
 /// of `seg` and drops those it rejects.
 async fn invalidate_superseded(s: &ControlState, seg: &Segment) -> Result<u64, ApiError> {
-    let rows = s.inner.catalog.residency_of_segment(&seg.id).await?;
+    let rows = s.inner.catalog.residency_of_segment(&seg.address).await?;
     let now = now_ms() as u64;
     let mut dropped = 0;
     for r in rows.iter().filter(|r| r.version < seg.current_version) {
@@ -626,12 +778,12 @@ async fn delete_segment(
     Caller(p): Caller,
     ApiPath(id): ApiPath<String>,
 ) -> ApiResult<serde_json::Value> {
-    require_owner(&s, &p, &id).await?;
-    s.inner.catalog.delete_segment(&id, &p.sub).await?;
-    let dropped = s.inner.catalog.drop_all_residency(&id).await?;
-    Ok(Json(
-        serde_json::json!({"deleted": id, "invalidated_entries": dropped}),
-    ))
+    let seg = require_owner(&s, &p, &id).await?;
+    s.inner.catalog.delete_segment(&seg.address, &p.sub).await?;
+    let dropped = s.inner.catalog.drop_all_residency(&seg.address).await?;
+    Ok(Json(serde_json::json!({
+        "deleted": id, "address": seg.address, "invalidated_entries": dropped,
+    })))
 }
 
 async fn segment_versions(
@@ -639,10 +791,8 @@ async fn segment_versions(
     Caller(p): Caller,
     ApiPath(id): ApiPath<String>,
 ) -> ApiResult<Vec<crate::catalog::SegmentVersion>> {
-    if !p.is_operator() && !s.inner.catalog.can_read(&p.tenant, &id).await? {
-        return Err(ApiError::not_found(format!("segment {id:?} not found")));
-    }
-    Ok(Json(s.inner.catalog.versions(&id).await?))
+    let seg = readable_segment(&s, &p, &id).await?;
+    Ok(Json(s.inner.catalog.versions(&seg.address).await?))
 }
 
 /// Body of `POST /v1/segments/{id}/grants`.
@@ -657,8 +807,8 @@ async fn list_grants(
     Caller(p): Caller,
     ApiPath(id): ApiPath<String>,
 ) -> ApiResult<Vec<String>> {
-    require_owner(&s, &p, &id).await?;
-    Ok(Json(s.inner.catalog.grants(&id).await?))
+    let seg = require_owner(&s, &p, &id).await?;
+    Ok(Json(s.inner.catalog.grants(&seg.address).await?))
 }
 
 async fn add_grant(
@@ -667,8 +817,11 @@ async fn add_grant(
     ApiPath(id): ApiPath<String>,
     Body(g): Body<GrantBody>,
 ) -> ApiResult<serde_json::Value> {
-    require_owner(&s, &p, &id).await?;
-    s.inner.catalog.grant(&id, &g.tenant, &p.sub).await?;
+    let seg = require_owner(&s, &p, &id).await?;
+    s.inner
+        .catalog
+        .grant(&seg.address, &g.tenant, &p.sub)
+        .await?;
     Ok(Json(
         serde_json::json!({"segment": id, "granted": g.tenant}),
     ))
@@ -679,8 +832,11 @@ async fn revoke_grant(
     Caller(p): Caller,
     ApiPath((id, tenant)): ApiPath<(String, String)>,
 ) -> ApiResult<serde_json::Value> {
-    require_owner(&s, &p, &id).await?;
-    s.inner.catalog.revoke(&id, &tenant, &p.sub).await?;
+    let seg = require_owner(&s, &p, &id).await?;
+    s.inner
+        .catalog
+        .revoke(&seg.address, &tenant, &p.sub)
+        .await?;
     Ok(Json(serde_json::json!({"segment": id, "revoked": tenant})))
 }
 
@@ -696,8 +852,8 @@ async fn list_group_grants(
     Caller(p): Caller,
     ApiPath(id): ApiPath<String>,
 ) -> ApiResult<Vec<String>> {
-    require_owner(&s, &p, &id).await?;
-    Ok(Json(s.inner.catalog.group_grants(&id).await?))
+    let seg = require_owner(&s, &p, &id).await?;
+    Ok(Json(s.inner.catalog.group_grants(&seg.address).await?))
 }
 
 async fn add_group_grant(
@@ -706,8 +862,11 @@ async fn add_group_grant(
     ApiPath(id): ApiPath<String>,
     Body(g): Body<GroupGrantBody>,
 ) -> ApiResult<serde_json::Value> {
-    require_owner(&s, &p, &id).await?;
-    s.inner.catalog.grant_group(&id, &g.group, &p.sub).await?;
+    let seg = require_owner(&s, &p, &id).await?;
+    s.inner
+        .catalog
+        .grant_group(&seg.address, &g.group, &p.sub)
+        .await?;
     Ok(Json(
         serde_json::json!({"segment": id, "granted_group": g.group}),
     ))
@@ -718,8 +877,11 @@ async fn revoke_group_grant(
     Caller(p): Caller,
     ApiPath((id, group)): ApiPath<(String, String)>,
 ) -> ApiResult<serde_json::Value> {
-    require_owner(&s, &p, &id).await?;
-    s.inner.catalog.revoke_group(&id, &group, &p.sub).await?;
+    let seg = require_owner(&s, &p, &id).await?;
+    s.inner
+        .catalog
+        .revoke_group(&seg.address, &group, &p.sub)
+        .await?;
     Ok(Json(
         serde_json::json!({"segment": id, "revoked_group": group}),
     ))
@@ -795,7 +957,7 @@ async fn remove_member(
 /// Body of `POST /v1/snapshot`.
 #[derive(Debug, Deserialize)]
 pub struct SnapshotRequest {
-    /// Segment ids the request uses, in prompt order.
+    /// Segments the request uses (own ids or addresses), in prompt order.
     pub segments: Vec<String>,
     /// Optional client salt: narrows sharing (mixed into the key), never widens it.
     #[serde(default)]
@@ -805,8 +967,10 @@ pub struct SnapshotRequest {
 /// One pinned segment of a snapshot.
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
 pub struct SnapshotItem {
-    /// Segment id.
+    /// Segment id as the request gave it (an own id or an address).
     pub segment_id: String,
+    /// The segment's global address.
+    pub address: String,
     /// Pinned version.
     pub version: i64,
     /// Content hash of the pinned version.
@@ -830,7 +994,26 @@ pub struct SnapshotResponse {
     pub segments: Vec<SnapshotItem>,
 }
 
-/// Resolves a snapshot for `tenant`: pins versions and derives keys.
+/// The isolation key of a pinned segment for `tenant` and whether it is the
+/// shared namespace (public, and the isolation policy allows sharing).
+pub fn isolation_of(
+    s: &ControlState,
+    tenant: &str,
+    e: &SnapshotEntry,
+    salt: Option<&str>,
+) -> (String, bool) {
+    let allowed = s.inner.policies.isolation(&IsolationInfo {
+        segment: opaque_id(&e.segment_id),
+        tenant: opaque_id(tenant),
+        public: e.public,
+        owner: e.owner_tenant == tenant,
+    });
+    let shared = allowed && e.public;
+    (s.inner.keyer.isolation_key(tenant, e, shared, salt), shared)
+}
+
+/// Resolves a snapshot for `tenant`: pins versions and derives keys. `ids`
+/// are the tenant's own segment ids or addresses.
 pub async fn resolve_snapshot(
     s: &ControlState,
     tenant: &str,
@@ -844,15 +1027,8 @@ pub async fn resolve_snapshot(
     }
     let entries: Vec<SnapshotEntry> = s.inner.catalog.snapshot(tenant, ids).await?;
     let mut out = Vec::with_capacity(entries.len());
-    for e in entries {
-        let allowed = s.inner.policies.isolation(&IsolationInfo {
-            segment: opaque_id(&e.segment_id),
-            tenant: opaque_id(tenant),
-            public: e.public,
-            owner: e.owner_tenant == tenant,
-        });
-        let shared = allowed && e.public;
-        let isolation_key = s.inner.keyer.isolation_key(tenant, &e, shared, salt);
+    for (reference, e) in ids.iter().zip(entries) {
+        let (isolation_key, shared) = isolation_of(s, tenant, &e, salt);
         let cache_key = s.inner.keyer.cache_key(&isolation_key, &e);
         let resident_on = s
             .inner
@@ -863,7 +1039,8 @@ pub async fn resolve_snapshot(
             .map(|r| r.worker)
             .collect();
         out.push(SnapshotItem {
-            segment_id: e.segment_id,
+            segment_id: reference.clone(),
+            address: e.segment_id,
             version: e.version,
             content_hash: e.content_hash,
             isolation_key,

@@ -36,6 +36,64 @@ pub enum CatalogError {
     /// A migration error.
     #[error("migration error: {0}")]
     Migrate(#[from] sqlx::migrate::MigrateError),
+    /// A request field is invalid: (field, message).
+    #[error("{1}")]
+    InvalidField(&'static str, String),
+    /// A request field is over its size limit: (field, message).
+    #[error("{1}")]
+    TooLarge(&'static str, String),
+    /// An idempotency key was reused with a different request.
+    #[error("{0}")]
+    IdempotencyMismatch(String),
+}
+
+impl CatalogError {
+    /// The same error, naming `field` when it is an [`CatalogError::Invalid`].
+    pub fn for_field(self, field: &'static str) -> CatalogError {
+        match self {
+            CatalogError::Invalid(m) => CatalogError::InvalidField(field, m),
+            other => other,
+        }
+    }
+
+    /// The request field the error is about, if it names one.
+    pub fn field(&self) -> Option<&'static str> {
+        match self {
+            CatalogError::InvalidField(f, _) | CatalogError::TooLarge(f, _) => Some(f),
+            _ => None,
+        }
+    }
+}
+
+/// Default of [`CatalogLimits::max_content_bytes`]: 1 MiB.
+pub const DEFAULT_MAX_SEGMENT_BYTES: usize = 1 << 20;
+/// Default of [`CatalogLimits::idempotency_ttl_ms`]: 24 hours.
+pub const DEFAULT_IDEMPOTENCY_TTL_MS: i64 = 24 * 3600 * 1000;
+/// Longest segment name, bytes.
+pub const MAX_NAME_BYTES: usize = 256;
+/// Longest idempotency key, bytes.
+pub const MAX_IDEMPOTENCY_KEY_BYTES: usize = 255;
+/// Default page size of [`Catalog::list_segments`] callers.
+pub const DEFAULT_LIST_LIMIT: usize = 100;
+/// Largest page of [`Catalog::list_segments`].
+pub const MAX_LIST_LIMIT: usize = 1000;
+
+/// Size and lifetime limits of the catalog.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct CatalogLimits {
+    /// Largest content of one segment version, bytes (beyond: `TooLarge`, a 413).
+    pub max_content_bytes: usize,
+    /// How long an idempotency key is remembered, milliseconds.
+    pub idempotency_ttl_ms: i64,
+}
+
+impl Default for CatalogLimits {
+    fn default() -> Self {
+        CatalogLimits {
+            max_content_bytes: DEFAULT_MAX_SEGMENT_BYTES,
+            idempotency_ttl_ms: DEFAULT_IDEMPOTENCY_TTL_MS,
+        }
+    }
 }
 
 /// Result alias for catalog operations.
@@ -97,12 +155,24 @@ pub fn content_hash(content: &str) -> String {
 }
 
 /// A segment with its current version.
+///
+/// Addressing: a segment has an id chosen by its owner, unique among the
+/// owner's live segments (another tenant may use the same id; a deleted id may
+/// be used again), and an opaque global `address` (`~` and 32 hex digits)
+/// assigned at creation and never reused. A tenant addresses its own segments
+/// by id or address, and segments of other tenants it may read (public,
+/// granted) by address only.
 #[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
 pub struct Segment {
-    /// Segment id.
+    /// The id the viewer addresses the segment by: the owner's id for the
+    /// owner and for operators (see [`Segment::view_for`]), the address for
+    /// other tenants.
     pub id: String,
-    /// Owning tenant.
-    pub owner_tenant: String,
+    /// Opaque global address (`~` + 32 hex digits).
+    pub address: String,
+    /// Owning tenant; shown only to the owner and to operators.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub owner_tenant: Option<String>,
     /// Human-readable name.
     pub name: String,
     /// Explicitly public: every tenant may read it and it may use the shared
@@ -122,10 +192,52 @@ pub struct Segment {
     pub updated_at: i64,
 }
 
+impl Segment {
+    /// The segment as `tenant` may see it: unchanged for its owner and for
+    /// operators; for another tenant `id` is the address and `owner_tenant`
+    /// is hidden.
+    pub fn view_for(mut self, tenant: &str, operator: bool) -> Segment {
+        if !operator && self.owner_tenant.as_deref() != Some(tenant) {
+            self.id = self.address.clone();
+            self.owner_tenant = None;
+        }
+        self
+    }
+
+    /// The id `viewer` addresses this segment by in listings (its own id for
+    /// the owner, else the address).
+    pub fn view_id(&self, viewer: &str) -> String {
+        if self.owner_tenant.as_deref() == Some(viewer) {
+            self.id.clone()
+        } else {
+            self.address.clone()
+        }
+    }
+}
+
+/// Answer of [`Catalog::create_segment_idempotent`].
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct Created {
+    /// The segment as created (for a replay: as recorded at creation).
+    pub segment: Segment,
+    /// True when this is the recorded answer to an earlier request with the
+    /// same idempotency key.
+    pub replayed: bool,
+}
+
+/// One page of [`Catalog::list_segments`].
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct SegmentPage {
+    /// Segments of this page (full records: apply [`Segment::view_for`]).
+    pub items: Vec<Segment>,
+    /// Cursor (`after`) of the next page; `None` on the last page.
+    pub next: Option<String>,
+}
+
 /// One version of a segment.
 #[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
 pub struct SegmentVersion {
-    /// Segment id.
+    /// Segment address.
     pub segment_id: String,
     /// Version number.
     pub version: i64,
@@ -144,9 +256,10 @@ pub struct SegmentVersion {
 /// Input for creating a segment.
 #[derive(Clone, Debug, Default, Serialize, Deserialize)]
 pub struct NewSegment {
-    /// Segment id; must be 1..=128 characters of `[A-Za-z0-9._:-]`.
+    /// Segment id, unique among the owner's live segments; must be 1..=128
+    /// characters of `[A-Za-z0-9._:-]`.
     pub id: String,
-    /// Human-readable name (defaults to the id).
+    /// Human-readable name (defaults to the id), at most [`MAX_NAME_BYTES`] bytes.
     #[serde(default)]
     pub name: Option<String>,
     /// Content of version 1.
@@ -162,7 +275,7 @@ pub struct NewSegment {
 /// The version of one segment a request will use.
 #[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
 pub struct SnapshotEntry {
-    /// Segment id.
+    /// Segment address.
     pub segment_id: String,
     /// Version pinned for this request.
     pub version: i64,
@@ -258,6 +371,58 @@ pub struct Group {
 pub struct Catalog {
     pool: AnyPool,
     backend: Backend,
+    limits: CatalogLimits,
+}
+
+/// Whether `r` has the form of a segment address: `~` and 32 lowercase hex digits.
+pub fn is_address(r: &str) -> bool {
+    r.len() == 33
+        && r.starts_with('~')
+        && r[1..]
+            .bytes()
+            .all(|b| b.is_ascii_digit() || (b'a'..=b'f').contains(&b))
+}
+
+/// A fresh segment address.
+fn new_address() -> String {
+    format!("~{}", hex::encode(rand::random::<[u8; 16]>()))
+}
+
+/// Checks a segment reference: an address or a segment id.
+pub fn validate_ref(what: &str, r: &str) -> CatalogResult<()> {
+    if is_address(r) {
+        Ok(())
+    } else {
+        validate_id(what, r)
+    }
+}
+
+fn validate_name(name: &str) -> CatalogResult<()> {
+    if name.len() > MAX_NAME_BYTES {
+        return Err(CatalogError::InvalidField(
+            "name",
+            format!(
+                "'name' is {} bytes, over the limit of {MAX_NAME_BYTES}",
+                name.len()
+            ),
+        ));
+    }
+    validate_text("name", name).map_err(|e| e.for_field("name"))
+}
+
+fn validate_idempotency_key(k: &str) -> CatalogResult<()> {
+    if k.is_empty()
+        || k.len() > MAX_IDEMPOTENCY_KEY_BYTES
+        || !k.bytes().all(|b| (0x20..0x7f).contains(&b))
+    {
+        return Err(CatalogError::InvalidField(
+            "Idempotency-Key",
+            format!(
+                "the Idempotency-Key header must be 1..={MAX_IDEMPOTENCY_KEY_BYTES} printable ASCII characters"
+            ),
+        ));
+    }
+    Ok(())
 }
 
 /// Checks a segment or tenant id: 1..=128 characters of `[A-Za-z0-9._:-]`.
@@ -373,7 +538,11 @@ impl Catalog {
                 .execute(&pool)
                 .await?;
         }
-        let cat = Catalog { pool, backend };
+        let cat = Catalog {
+            pool,
+            backend,
+            limits: CatalogLimits::default(),
+        };
         cat.migrate().await?;
         Ok(cat)
     }
@@ -385,6 +554,17 @@ impl Catalog {
             Backend::Sqlite => SQLITE_MIGRATIONS.run(&self.pool).await?,
         }
         Ok(())
+    }
+
+    /// The same catalog with other limits.
+    pub fn with_limits(mut self, limits: CatalogLimits) -> Catalog {
+        self.limits = limits;
+        self
+    }
+
+    /// The limits in force.
+    pub fn limits(&self) -> CatalogLimits {
+        self.limits
     }
 
     /// The backend in use.
@@ -465,27 +645,107 @@ impl Catalog {
 
     // ---- segments ----------------------------------------------------------------
 
-    /// Creates a segment owned by `owner` with version 1.
+    /// Creates a segment owned by `owner` with version 1. `Conflict` when
+    /// `owner` already has a live segment with that id (ids of other tenants
+    /// and of deleted segments are free).
     pub async fn create_segment(
         &self,
         owner: &str,
         actor: &str,
         seg: &NewSegment,
     ) -> CatalogResult<Segment> {
-        validate_id("segment id", &seg.id)?;
+        Ok(self
+            .create_segment_idempotent(owner, actor, seg, None)
+            .await?
+            .segment)
+    }
+
+    /// Like [`Catalog::create_segment`], with an optional client idempotency
+    /// key (1..=255 printable ASCII characters, scoped to `owner`). The first
+    /// create with a key records the answer in the same transaction as the
+    /// segment; a retry with the same key and the same request within the
+    /// configured lifetime ([`CatalogLimits::idempotency_ttl_ms`]) gets that
+    /// answer again (`replayed: true`) instead of a conflict, even if the
+    /// segment changed or was deleted since. The same key with a different
+    /// request is [`CatalogError::IdempotencyMismatch`].
+    pub async fn create_segment_idempotent(
+        &self,
+        owner: &str,
+        actor: &str,
+        seg: &NewSegment,
+        idempotency_key: Option<&str>,
+    ) -> CatalogResult<Created> {
+        validate_id("segment id", &seg.id).map_err(|e| e.for_field("id"))?;
         validate_tokens(&seg.tokens)?;
         validate_text("content", &seg.content)?;
+        self.check_content_size(&seg.content)?;
         if let Some(name) = &seg.name {
-            validate_text("name", name)?;
+            validate_name(name)?;
+        }
+        if let Some(k) = idempotency_key {
+            validate_idempotency_key(k)?;
         }
         self.ensure_tenant(owner, owner).await?;
         let now = now_ms();
         let name = seg.name.clone().unwrap_or_else(|| seg.id.clone());
+        let request_hash = hex::encode(Sha256::digest(
+            serde_json::to_vec(seg).expect("a NewSegment always serialises"),
+        ));
+        if idempotency_key.is_some() {
+            // Expired records are forgotten first (bounded lifetime), also when
+            // this create fails.
+            sqlx::query("DELETE FROM segment_idempotency WHERE created_at < $1")
+                .bind(now - self.limits.idempotency_ttl_ms)
+                .execute(&self.pool)
+                .await?;
+        }
         let mut tx = self.pool.begin().await?;
+        if let Some(k) = idempotency_key {
+            // Claim the key; a concurrent create with the same key waits on the
+            // claim and then sees the record it committed.
+            let claimed = sqlx::query(
+                "INSERT INTO segment_idempotency (tenant_id, idem_key, request_hash, response, created_at) \
+                 VALUES ($1, $2, $3, '', $4) ON CONFLICT (tenant_id, idem_key) DO NOTHING",
+            )
+            .bind(owner)
+            .bind(k)
+            .bind(&request_hash)
+            .bind(now)
+            .execute(&mut *tx)
+            .await?
+            .rows_affected();
+            if claimed == 0 {
+                let row = sqlx::query(
+                    "SELECT request_hash, response FROM segment_idempotency \
+                     WHERE tenant_id = $1 AND idem_key = $2",
+                )
+                .bind(owner)
+                .bind(k)
+                .fetch_one(&mut *tx)
+                .await?;
+                let (hash, response): (String, String) = (row.get(0), row.get(1));
+                if hash != request_hash {
+                    return Err(CatalogError::IdempotencyMismatch(format!(
+                        "Idempotency-Key {k:?} was already used with a different request"
+                    )));
+                }
+                let segment: Segment = serde_json::from_str(&response).map_err(|e| {
+                    CatalogError::Db(sqlx::Error::Decode(
+                        format!("stored idempotent response: {e}").into(),
+                    ))
+                })?;
+                return Ok(Created {
+                    segment,
+                    replayed: true,
+                });
+            }
+        }
+        let address = new_address();
         let res = sqlx::query(
-            "INSERT INTO segments (id, owner_tenant, name, public, current_version, created_at, updated_at) \
-             VALUES ($1, $2, $3, $4, 1, $5, $5) ON CONFLICT (id) DO NOTHING",
+            "INSERT INTO segments (id, local_id, owner_tenant, name, public, current_version, created_at, updated_at) \
+             VALUES ($1, $2, $3, $4, $5, 1, $6, $6) ON CONFLICT DO NOTHING",
         )
+        .bind(&address)
         .bind(&seg.id)
         .bind(owner)
         .bind(&name)
@@ -499,7 +759,7 @@ impl Catalog {
                 seg.id
             )));
         }
-        insert_version(&mut tx, &seg.id, 1, &seg.content, &seg.tokens, actor, now).await?;
+        insert_version(&mut tx, &address, 1, &seg.content, &seg.tokens, actor, now).await?;
         insert_audit(
             &mut tx,
             actor,
@@ -507,34 +767,76 @@ impl Catalog {
             "segment.create",
             &seg.id,
             &serde_json::json!({
-                "version": 1, "content_hash": content_hash(&seg.content), "public": seg.public,
+                "address": address, "version": 1,
+                "content_hash": content_hash(&seg.content), "public": seg.public,
             }),
         )
         .await?;
+        let segment = Segment {
+            id: seg.id.clone(),
+            address: address.clone(),
+            owner_tenant: Some(owner.to_string()),
+            name,
+            public: seg.public,
+            current_version: 1,
+            content_hash: content_hash(&seg.content),
+            byte_len: seg.content.len() as i64,
+            tokens: seg.tokens.clone(),
+            created_at: now,
+            updated_at: now,
+        };
+        if let Some(k) = idempotency_key {
+            sqlx::query(
+                "UPDATE segment_idempotency SET response = $1 WHERE tenant_id = $2 AND idem_key = $3",
+            )
+            .bind(serde_json::to_string(&segment).expect("a Segment always serialises"))
+            .bind(owner)
+            .bind(k)
+            .execute(&mut *tx)
+            .await?;
+        }
         tx.commit().await?;
-        self.get_segment(&seg.id).await
+        Ok(Created {
+            segment,
+            replayed: false,
+        })
     }
 
-    /// Replaces the content of a segment: creates version `current + 1` and
-    /// marks the previous version superseded, atomically. Returns the new
-    /// current state.
+    fn check_content_size(&self, content: &str) -> CatalogResult<()> {
+        let max = self.limits.max_content_bytes;
+        if content.len() > max {
+            return Err(CatalogError::TooLarge(
+                "content",
+                format!(
+                    "'content' is {} bytes, over the limit of {max} bytes per segment",
+                    content.len()
+                ),
+            ));
+        }
+        Ok(())
+    }
+
+    /// Replaces the content of a segment (by address): creates version
+    /// `current + 1` and marks the previous version superseded, atomically.
+    /// Returns the new current state.
     pub async fn update_segment(
         &self,
-        id: &str,
+        address: &str,
         actor: &str,
         content: &str,
         tokens: &BTreeMap<String, i64>,
     ) -> CatalogResult<Segment> {
         self.update_segments(
             actor,
-            &[(id.to_string(), content.to_string(), tokens.clone())],
+            &[(address.to_string(), content.to_string(), tokens.clone())],
         )
         .await?;
-        self.get_segment(id).await
+        self.get_segment(address).await
     }
 
-    /// Updates several segments in one transaction: a snapshot sees either all
-    /// of the new versions or none of them. Returns the new version numbers.
+    /// Updates several segments (by address) in one transaction: a snapshot
+    /// sees either all of the new versions or none of them. Returns the new
+    /// version numbers.
     pub async fn update_segments(
         &self,
         actor: &str,
@@ -543,6 +845,7 @@ impl Catalog {
         for (_, content, t) in updates {
             validate_tokens(t)?;
             validate_text("content", content)?;
+            self.check_content_size(content)?;
         }
         // Lock rows in a fixed order to avoid deadlocks between concurrent batches.
         let mut order: Vec<usize> = (0..updates.len()).collect();
@@ -556,7 +859,7 @@ impl Catalog {
             // so concurrent updaters of one segment serialize here.
             let row = sqlx::query(
                 "UPDATE segments SET current_version = current_version + 1, updated_at = $1 \
-                 WHERE id = $2 AND deleted_at IS NULL RETURNING current_version, owner_tenant",
+                 WHERE id = $2 AND deleted_at IS NULL RETURNING current_version, owner_tenant, local_id",
             )
             .bind(now)
             .bind(id)
@@ -567,6 +870,7 @@ impl Catalog {
             };
             let v: i64 = row.get(0);
             let owner: String = row.get(1);
+            let local: String = row.get(2);
             sqlx::query("UPDATE segment_versions SET superseded_at = $1 WHERE segment_id = $2 AND version = $3")
                 .bind(now)
                 .bind(id)
@@ -579,9 +883,10 @@ impl Catalog {
                 actor,
                 Some(&owner),
                 "segment.update",
-                id,
+                &local,
                 &serde_json::json!({
-                    "version": v, "content_hash": content_hash(content), "superseded": v - 1,
+                    "address": id, "version": v,
+                    "content_hash": content_hash(content), "superseded": v - 1,
                 }),
             )
             .await?;
@@ -591,28 +896,31 @@ impl Catalog {
         Ok(versions)
     }
 
-    /// Soft-deletes a segment: its current version is superseded and lookups miss.
-    pub async fn delete_segment(&self, id: &str, actor: &str) -> CatalogResult<()> {
+    /// Soft-deletes a segment (by address): its current version is superseded
+    /// and lookups miss. Its owner may create a new segment with the same id
+    /// (it gets a new address).
+    pub async fn delete_segment(&self, address: &str, actor: &str) -> CatalogResult<()> {
         let now = now_ms();
         let mut tx = self.pool.begin().await?;
         let row = sqlx::query(
             "UPDATE segments SET deleted_at = $1, updated_at = $1 WHERE id = $2 AND deleted_at IS NULL \
-             RETURNING current_version, owner_tenant",
+             RETURNING current_version, owner_tenant, local_id",
         )
         .bind(now)
-        .bind(id)
+        .bind(address)
         .fetch_optional(&mut *tx)
         .await?;
         let Some(row) = row else {
-            return Err(CatalogError::NotFound(format!("segment {id:?}")));
+            return Err(CatalogError::NotFound(format!("segment {address:?}")));
         };
         let v: i64 = row.get(0);
         let owner: String = row.get(1);
+        let local: String = row.get(2);
         sqlx::query(
             "UPDATE segment_versions SET superseded_at = $1 WHERE segment_id = $2 AND version = $3",
         )
         .bind(now)
-        .bind(id)
+        .bind(address)
         .bind(v)
         .execute(&mut *tx)
         .await?;
@@ -621,69 +929,171 @@ impl Catalog {
             actor,
             Some(&owner),
             "segment.delete",
-            id,
-            &serde_json::json!({"version": v}),
+            &local,
+            &serde_json::json!({"address": address, "version": v}),
         )
         .await?;
         tx.commit().await?;
         Ok(())
     }
 
-    /// Ids of every non-deleted segment, sorted, without access checks (callers
-    /// filter with [`Catalog::can_read`]).
-    pub async fn segment_ids(&self) -> CatalogResult<Vec<String>> {
-        let rows = sqlx::query("SELECT id FROM segments WHERE deleted_at IS NULL ORDER BY id")
+    /// One page of the live segments `viewer` may read (every live segment
+    /// when `all`, for operators), in one statement: state, current version
+    /// and token counts. A tenant's page is ordered by the id it addresses the
+    /// segments by (its own segments by their id, then the others by address);
+    /// an operator's by `owner/id`; byte order in both. The page starts after
+    /// the cursor `after` and holds at most `limit` items (clamped to
+    /// 1..=[`MAX_LIST_LIMIT`]); `next` is the cursor of the following page,
+    /// `None` on the last one.
+    pub async fn list_segments(
+        &self,
+        viewer: &str,
+        all: bool,
+        after: Option<&str>,
+        limit: usize,
+    ) -> CatalogResult<SegmentPage> {
+        let limit = limit.clamp(1, MAX_LIST_LIMIT);
+        let collate = match self.backend {
+            Backend::Postgres => " COLLATE \"C\"",
+            Backend::Sqlite => "",
+        };
+        let (sk, filter) = if all {
+            (
+                format!("(s.owner_tenant || '/' || s.local_id){collate}"),
+                // $1 is bound either way.
+                "(s.owner_tenant = $1 OR 1 = 1)".to_string(),
+            )
+        } else {
+            (
+                format!("(CASE WHEN s.owner_tenant = $1 THEN s.local_id ELSE s.id END){collate}"),
+                readable_by("$1"),
+            )
+        };
+        let sql = format!(
+            "SELECT p.id, p.local_id, p.owner_tenant, p.name, p.public, p.current_version, \
+                    p.created_at, p.updated_at, v.content_hash, v.byte_len, t.model, t.tokens \
+             FROM (SELECT s.id, s.local_id, s.owner_tenant, s.name, s.public, s.current_version, \
+                          s.created_at, s.updated_at, {sk} AS sk \
+                   FROM segments s \
+                   WHERE s.deleted_at IS NULL AND {filter} AND {sk} > $2 \
+                   ORDER BY sk LIMIT $3) p \
+             JOIN segment_versions v ON v.segment_id = p.id AND v.version = p.current_version \
+             LEFT JOIN segment_token_counts t ON t.segment_id = p.id AND t.version = p.current_version \
+             ORDER BY p.sk, t.model"
+        );
+        let rows = sqlx::query(&sql)
+            .bind(viewer)
+            .bind(after.unwrap_or(""))
+            .bind(limit as i64 + 1)
             .fetch_all(&self.pool)
             .await?;
-        Ok(rows.iter().map(|r| r.get::<String, _>(0)).collect())
+        let mut items: Vec<Segment> = Vec::new();
+        for r in &rows {
+            let address: String = r.get(0);
+            if items.last().is_none_or(|s| s.address != address) {
+                items.push(Segment {
+                    id: r.get(1),
+                    address,
+                    owner_tenant: Some(r.get(2)),
+                    name: r.get(3),
+                    public: r.get::<i64, _>(4) != 0,
+                    current_version: r.get(5),
+                    created_at: r.get(6),
+                    updated_at: r.get(7),
+                    content_hash: r.get(8),
+                    byte_len: r.get(9),
+                    tokens: BTreeMap::new(),
+                });
+            }
+            let model: Option<String> = r.get(10);
+            if let (Some(m), Some(s)) = (model, items.last_mut()) {
+                s.tokens.insert(m, r.get::<i64, _>(11));
+            }
+        }
+        let next = if items.len() > limit {
+            items.truncate(limit);
+            items.last().map(|s| {
+                if all {
+                    format!("{}/{}", s.owner_tenant.as_deref().unwrap_or(""), s.id)
+                } else {
+                    s.view_id(viewer)
+                }
+            })
+        } else {
+            None
+        };
+        Ok(SegmentPage { items, next })
     }
 
-    /// The current state of a (non-deleted) segment, without access checks.
-    pub async fn get_segment(&self, id: &str) -> CatalogResult<Segment> {
+    /// The live segment `tenant` addresses as `reference`: an address
+    /// (`~…`, any owner) or an id of the tenant's own segments. No access
+    /// check (see [`Catalog::can_read`]); `NotFound` otherwise.
+    pub async fn find_segment(&self, tenant: &str, reference: &str) -> CatalogResult<Segment> {
+        if is_address(reference) {
+            return self.get_segment(reference).await;
+        }
         let row = sqlx::query(
-            "SELECT s.id, s.owner_tenant, s.name, s.public, s.current_version, v.content_hash, v.byte_len, \
-                    s.created_at, s.updated_at \
+            "SELECT id FROM segments WHERE owner_tenant = $1 AND local_id = $2 AND deleted_at IS NULL",
+        )
+        .bind(tenant)
+        .bind(reference)
+        .fetch_optional(&self.pool)
+        .await?
+        .ok_or_else(|| CatalogError::NotFound(format!("segment {reference:?}")))?;
+        self.get_segment(&row.get::<String, _>(0)).await
+    }
+
+    /// The current state of a live segment by address, without access checks.
+    pub async fn get_segment(&self, address: &str) -> CatalogResult<Segment> {
+        let row = sqlx::query(
+            "SELECT s.id, s.local_id, s.owner_tenant, s.name, s.public, s.current_version, v.content_hash, \
+                    v.byte_len, s.created_at, s.updated_at \
              FROM segments s JOIN segment_versions v ON v.segment_id = s.id AND v.version = s.current_version \
              WHERE s.id = $1 AND s.deleted_at IS NULL",
         )
-        .bind(id)
+        .bind(address)
         .fetch_optional(&self.pool)
         .await?
-        .ok_or_else(|| CatalogError::NotFound(format!("segment {id:?}")))?;
-        let version: i64 = row.get(4);
-        let tokens = self.tokens(id, version).await?;
+        .ok_or_else(|| CatalogError::NotFound(format!("segment {address:?}")))?;
+        let version: i64 = row.get(5);
+        let tokens = self.tokens(address, version).await?;
         Ok(Segment {
-            id: row.get(0),
-            owner_tenant: row.get(1),
-            name: row.get(2),
-            public: row.get::<i64, _>(3) != 0,
+            address: row.get(0),
+            id: row.get(1),
+            owner_tenant: Some(row.get(2)),
+            name: row.get(3),
+            public: row.get::<i64, _>(4) != 0,
             current_version: version,
-            content_hash: row.get(5),
-            byte_len: row.get(6),
+            content_hash: row.get(6),
+            byte_len: row.get(7),
             tokens,
-            created_at: row.get(7),
-            updated_at: row.get(8),
+            created_at: row.get(8),
+            updated_at: row.get(9),
         })
     }
 
-    /// The content of a given version.
-    pub async fn version_content(&self, id: &str, version: i64) -> CatalogResult<Option<String>> {
+    /// The content of a given version of the segment at `address`.
+    pub async fn version_content(
+        &self,
+        address: &str,
+        version: i64,
+    ) -> CatalogResult<Option<String>> {
         let row = sqlx::query(
             "SELECT content FROM segment_versions WHERE segment_id = $1 AND version = $2",
         )
-        .bind(id)
+        .bind(address)
         .bind(version)
         .fetch_optional(&self.pool)
         .await?
-        .ok_or_else(|| CatalogError::NotFound(format!("segment {id:?} version {version}")))?;
+        .ok_or_else(|| CatalogError::NotFound(format!("segment {address:?} version {version}")))?;
         Ok(row.get(0))
     }
 
-    async fn tokens(&self, id: &str, version: i64) -> CatalogResult<BTreeMap<String, i64>> {
+    async fn tokens(&self, address: &str, version: i64) -> CatalogResult<BTreeMap<String, i64>> {
         let rows = sqlx::query(
             "SELECT model, tokens FROM segment_token_counts WHERE segment_id = $1 AND version = $2",
         )
-        .bind(id)
+        .bind(address)
         .bind(version)
         .fetch_all(&self.pool)
         .await?;
@@ -693,13 +1103,14 @@ impl Catalog {
             .collect())
     }
 
-    /// All versions of a segment, oldest first.
-    pub async fn versions(&self, id: &str) -> CatalogResult<Vec<SegmentVersion>> {
+    /// All versions of the segment at `address`, oldest first
+    /// (`segment_id` is the address).
+    pub async fn versions(&self, address: &str) -> CatalogResult<Vec<SegmentVersion>> {
         let rows = sqlx::query(
             "SELECT segment_id, version, content_hash, byte_len, created_by, created_at, superseded_at \
              FROM segment_versions WHERE segment_id = $1 ORDER BY version",
         )
-        .bind(id)
+        .bind(address)
         .fetch_all(&self.pool)
         .await?;
         Ok(rows
@@ -716,91 +1127,108 @@ impl Catalog {
             .collect())
     }
 
-    /// Whether `tenant` may read segment `id`: it owns it, the segment is
-    /// public, it holds a grant, or it is a member of a group holding a grant.
-    /// Deleted segments are readable by no one.
-    pub async fn can_read(&self, tenant: &str, id: &str) -> CatalogResult<bool> {
+    /// Whether `tenant` may read the segment at `address`: it owns it, the
+    /// segment is public, it holds a grant, or it is a member of a group
+    /// holding a grant. Deleted segments are readable by no one.
+    pub async fn can_read(&self, tenant: &str, address: &str) -> CatalogResult<bool> {
         let row = sqlx::query(&format!(
             "SELECT 1 FROM segments s WHERE s.id = $1 AND s.deleted_at IS NULL AND {}",
             readable_by("$2")
         ))
-        .bind(id)
+        .bind(address)
         .bind(tenant)
         .fetch_optional(&self.pool)
         .await?;
         Ok(row.is_some())
     }
 
-    /// Pins the current version of each segment in `ids` for `tenant`, in one
+    /// Pins the current version of each segment `tenant` addresses in `refs`
+    /// (its own ids or addresses, see [`Catalog::find_segment`]), in one
     /// statement, so the snapshot is consistent: it never mixes versions of a
-    /// batch update, and each entry's hash is that of its version. Fails with
-    /// `NotFound` naming the first segment the tenant may not read (the caller
-    /// treats that as a miss: no key, no cache hit).
+    /// batch update, and each entry's hash is that of its version. Entries
+    /// come in the order of `refs`, `segment_id` being the address. Fails with
+    /// `NotFound` naming the first reference the tenant may not read (the
+    /// caller treats that as a miss: no key, no cache hit).
     pub async fn snapshot(
         &self,
         tenant: &str,
-        ids: &[String],
+        refs: &[String],
     ) -> CatalogResult<Vec<SnapshotEntry>> {
-        if ids.is_empty() {
+        if refs.is_empty() {
             return Ok(vec![]);
         }
-        if ids.len() > 1000 {
+        if refs.len() > 1000 {
             return Err(CatalogError::Invalid(
                 "at most 1000 segments per snapshot".into(),
             ));
         }
-        for id in ids {
-            validate_id("segment id", id)?;
+        for r in refs {
+            validate_ref("segment id", r)?;
         }
-        let placeholders: Vec<String> = (0..ids.len()).map(|i| format!("${}", i + 2)).collect();
+        let placeholders: Vec<String> = (0..refs.len()).map(|i| format!("${}", i + 2)).collect();
+        let list = placeholders.join(", ");
         let sql = format!(
-            "SELECT s.id, v.version, v.content_hash, s.owner_tenant, s.public \
+            "SELECT s.id, v.version, v.content_hash, s.owner_tenant, s.public, s.local_id \
              FROM segments s JOIN segment_versions v ON v.segment_id = s.id AND v.version = s.current_version \
-             WHERE s.deleted_at IS NULL AND s.id IN ({}) AND {}",
-            placeholders.join(", "),
+             WHERE s.deleted_at IS NULL AND (s.id IN ({list}) OR (s.owner_tenant = $1 AND s.local_id IN ({list}))) \
+             AND {}",
             readable_by("$1")
         );
         let mut q = sqlx::query(&sql).bind(tenant);
-        for id in ids {
-            q = q.bind(id);
+        for r in refs {
+            q = q.bind(r);
         }
         let rows = q.fetch_all(&self.pool).await?;
-        let found: BTreeMap<String, SnapshotEntry> = rows
-            .iter()
-            .map(|r: &AnyRow| {
-                let e = SnapshotEntry {
-                    segment_id: r.get(0),
-                    version: r.get(1),
-                    content_hash: r.get(2),
-                    owner_tenant: r.get(3),
-                    public: r.get::<i64, _>(4) != 0,
-                };
-                (e.segment_id.clone(), e)
-            })
-            .collect();
-        let mut out = Vec::with_capacity(ids.len());
-        for id in ids {
-            match found.get(id) {
+        let mut found: BTreeMap<String, SnapshotEntry> = BTreeMap::new();
+        for r in &rows {
+            let e = SnapshotEntry {
+                segment_id: r.get(0),
+                version: r.get(1),
+                content_hash: r.get(2),
+                owner_tenant: r.get(3),
+                public: r.get::<i64, _>(4) != 0,
+            };
+            let local: String = r.get(5);
+            if e.owner_tenant == tenant {
+                found.insert(local, e.clone());
+            }
+            found.insert(e.segment_id.clone(), e);
+        }
+        let mut out = Vec::with_capacity(refs.len());
+        for r in refs {
+            match found.get(r) {
                 Some(e) => out.push(e.clone()),
-                None => return Err(CatalogError::NotFound(format!("segment {id:?}"))),
+                None => return Err(CatalogError::NotFound(format!("segment {r:?}"))),
             }
         }
         Ok(out)
     }
 
+    /// The id of the segment at `address` as its owner named it (also for a
+    /// deleted one), for audit rows.
+    async fn local_id_of(&self, address: &str) -> CatalogResult<String> {
+        let row = sqlx::query("SELECT local_id FROM segments WHERE id = $1")
+            .bind(address)
+            .fetch_optional(&self.pool)
+            .await?;
+        Ok(row
+            .map(|r| r.get::<String, _>(0))
+            .unwrap_or_else(|| address.to_string()))
+    }
+
     // ---- grants ------------------------------------------------------------------
 
-    /// Grants `tenant` read access to segment `id`.
-    pub async fn grant(&self, id: &str, tenant: &str, actor: &str) -> CatalogResult<()> {
+    /// Grants `tenant` read access to the segment at `address`.
+    pub async fn grant(&self, address: &str, tenant: &str, actor: &str) -> CatalogResult<()> {
         validate_id("tenant id", tenant)?;
-        let seg = self.get_segment(id).await?;
+        let seg = self.get_segment(address).await?;
         self.ensure_tenant(tenant, tenant).await?;
         let mut tx = self.pool.begin().await?;
         sqlx::query(
             "INSERT INTO grants (segment_id, tenant_id, granted_by, created_at) VALUES ($1, $2, $3, $4) \
              ON CONFLICT (segment_id, tenant_id) DO NOTHING",
         )
-        .bind(id)
+        .bind(address)
         .bind(tenant)
         .bind(actor)
         .bind(now_ms())
@@ -809,10 +1237,10 @@ impl Catalog {
         insert_audit(
             &mut tx,
             actor,
-            Some(&seg.owner_tenant),
+            seg.owner_tenant.as_deref(),
             "grant.add",
-            id,
-            &serde_json::json!({"tenant": tenant}),
+            &seg.id,
+            &serde_json::json!({"address": address, "tenant": tenant}),
         )
         .await?;
         tx.commit().await?;
@@ -821,16 +1249,17 @@ impl Catalog {
 
     /// Revokes a grant; `NotFound` if there was none. The tenant's next
     /// snapshot of the segment fails, so it gets no key and no hit.
-    pub async fn revoke(&self, id: &str, tenant: &str, actor: &str) -> CatalogResult<()> {
+    pub async fn revoke(&self, address: &str, tenant: &str, actor: &str) -> CatalogResult<()> {
+        let local = self.local_id_of(address).await?;
         let mut tx = self.pool.begin().await?;
         let res = sqlx::query("DELETE FROM grants WHERE segment_id = $1 AND tenant_id = $2")
-            .bind(id)
+            .bind(address)
             .bind(tenant)
             .execute(&mut *tx)
             .await?;
         if res.rows_affected() == 0 {
             return Err(CatalogError::NotFound(format!(
-                "grant of segment {id:?} to {tenant:?}"
+                "grant of segment {address:?} to {tenant:?}"
             )));
         }
         insert_audit(
@@ -838,19 +1267,19 @@ impl Catalog {
             actor,
             None,
             "grant.revoke",
-            id,
-            &serde_json::json!({"tenant": tenant}),
+            &local,
+            &serde_json::json!({"address": address, "tenant": tenant}),
         )
         .await?;
         tx.commit().await?;
         Ok(())
     }
 
-    /// Tenants holding a grant on segment `id`.
-    pub async fn grants(&self, id: &str) -> CatalogResult<Vec<String>> {
+    /// Tenants holding a grant on the segment at `address`.
+    pub async fn grants(&self, address: &str) -> CatalogResult<Vec<String>> {
         let rows =
             sqlx::query("SELECT tenant_id FROM grants WHERE segment_id = $1 ORDER BY tenant_id")
-                .bind(id)
+                .bind(address)
                 .fetch_all(&self.pool)
                 .await?;
         Ok(rows.iter().map(|r| r.get::<String, _>(0)).collect())
@@ -1546,10 +1975,10 @@ impl Catalog {
         insert_audit(
             &mut tx,
             actor,
-            Some(&seg.owner_tenant),
+            seg.owner_tenant.as_deref(),
             "grant.group.add",
-            id,
-            &serde_json::json!({"group": group}),
+            &seg.id,
+            &serde_json::json!({"address": id, "group": group}),
         )
         .await?;
         tx.commit().await?;
@@ -1559,6 +1988,7 @@ impl Catalog {
     /// Revokes a group grant; `NotFound` if there was none. Members' next
     /// snapshots of the segment fail unless they can read it another way.
     pub async fn revoke_group(&self, id: &str, group: &str, actor: &str) -> CatalogResult<()> {
+        let local = self.local_id_of(id).await?;
         let mut tx = self.pool.begin().await?;
         let res = sqlx::query("DELETE FROM group_grants WHERE segment_id = $1 AND group_id = $2")
             .bind(id)
@@ -1575,8 +2005,8 @@ impl Catalog {
             actor,
             None,
             "grant.group.revoke",
-            id,
-            &serde_json::json!({"group": group}),
+            &local,
+            &serde_json::json!({"address": id, "group": group}),
         )
         .await?;
         tx.commit().await?;

@@ -62,7 +62,16 @@ pub struct ControlArgs {
     /// Policy modules compiled at once (further uploads meanwhile get 429).
     #[arg(long, env = "HYPIC_POLICY_MAX_CONCURRENT_COMPILES", default_value_t = policy::DEFAULT_MAX_CONCURRENT_COMPILES)]
     pub policy_max_concurrent_compiles: usize,
+    /// Largest content of one segment version, bytes (beyond: 413).
+    #[arg(long, env = "HYPIC_MAX_SEGMENT_BYTES", default_value_t = catalog::DEFAULT_MAX_SEGMENT_BYTES)]
+    pub max_segment_bytes: usize,
+    /// How long an `Idempotency-Key` of `POST /v1/segments` is remembered, seconds.
+    #[arg(long, env = "HYPIC_IDEMPOTENCY_TTL_S", default_value_t = DEFAULT_IDEMPOTENCY_TTL_S)]
+    pub idempotency_ttl_s: u64,
 }
+
+/// Default of `--idempotency-ttl-s`: 24 hours.
+pub const DEFAULT_IDEMPOTENCY_TTL_S: u64 = 24 * 3600;
 
 /// Builds the control-plane state: checks the auth flag against `bind`,
 /// creates the signing secret on first start (printing an operator and a
@@ -86,7 +95,11 @@ pub async fn build_control_state(
     readiness::probe_postgres(&url).await?;
     let catalog = Catalog::connect(&url)
         .await
-        .map_err(|e| readiness::startup_error(&url, e))?;
+        .map_err(|e| readiness::startup_error(&url, e))?
+        .with_limits(catalog::CatalogLimits {
+            max_content_bytes: args.max_segment_bytes,
+            idempotency_ttl_ms: (args.idempotency_ttl_s.min(i64::MAX as u64 / 1000) * 1000) as i64,
+        });
     let mode = if args.disable_auth {
         eprintln!("hypic: WARNING authentication is disabled (loopback only)");
         AuthMode::Disabled

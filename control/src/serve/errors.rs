@@ -125,7 +125,10 @@ impl std::fmt::Display for ServeError {
 
 impl From<crate::api::ApiError> for ServeError {
     fn from(e: crate::api::ApiError) -> Self {
-        ServeError::new(e.status, e.kind, e.code, e.message)
+        ServeError {
+            param: e.param,
+            ..ServeError::new(e.status, e.kind, e.code, e.message)
+        }
     }
 }
 

@@ -129,7 +129,8 @@ pub struct ServeConfig {
     /// every segment misses (beyond: 400 naming `max_prefill_tokens_per_request`).
     pub max_prefill_tokens_per_request: usize,
     /// Largest text of one segment, bytes: an inline segment, a piece of a cut
-    /// prompt, a catalog segment's content when tokenised (beyond: 400).
+    /// prompt (beyond: 400), a catalog segment version's content (beyond: 413 at
+    /// creation; the control plane's `max_segment_bytes`).
     pub max_segment_bytes: usize,
     /// Largest content of one chat message, all its parts, bytes (beyond: 400).
     pub max_message_bytes: usize,
@@ -168,6 +169,8 @@ pub struct ServeConfig {
     /// `recompute` (that first use recomputes the entry, costing what a miss
     /// costs; see [`first_use`]).
     pub shared_first_use: String,
+    /// How long an `Idempotency-Key` of `POST /v1/segments` is remembered, seconds.
+    pub idempotency_ttl_s: u64,
 }
 
 impl Default for ServeConfig {
@@ -202,7 +205,7 @@ impl Default for ServeConfig {
             invalidation_sweep_ms: 10_000,
             max_segments_per_request: 256,
             max_prefill_tokens_per_request: 32_768,
-            max_segment_bytes: 4 << 20,
+            max_segment_bytes: crate::catalog::DEFAULT_MAX_SEGMENT_BYTES,
             max_message_bytes: 4 << 20,
             tokenize_concurrency: 4,
             header_read_timeout_ms: net::DEFAULT_HEADER_READ_TIMEOUT_MS,
@@ -214,6 +217,7 @@ impl Default for ServeConfig {
             policy_max_concurrent_compiles: crate::policy::DEFAULT_MAX_CONCURRENT_COMPILES,
             pool_fair_share: true,
             shared_first_use: "share".into(),
+            idempotency_ttl_s: crate::DEFAULT_IDEMPOTENCY_TTL_S,
         }
     }
 }
@@ -301,6 +305,10 @@ pub struct ServeArgs {
     /// Invalidation sweep period, ms (0: off).
     #[arg(long, env = "HYPIC_INVALIDATION_SWEEP_MS")]
     pub invalidation_sweep_ms: Option<u64>,
+    /// How long an Idempotency-Key of POST /v1/segments is remembered, seconds
+    /// [default: 86400].
+    #[arg(long, env = "HYPIC_IDEMPOTENCY_TTL_S")]
+    pub idempotency_ttl_s: Option<u64>,
     /// Token audience.
     #[arg(long)]
     pub audience: Option<String>,
@@ -325,7 +333,8 @@ pub struct ServeArgs {
     /// Most prompt tokens one request may prefill [default: 32768].
     #[arg(long, env = "HYPIC_MAX_PREFILL_TOKENS_PER_REQUEST")]
     pub max_prefill_tokens_per_request: Option<usize>,
-    /// Largest text of one segment, bytes [default: 4194304].
+    /// Largest text of one segment (inline, or a catalog segment version's content),
+    /// bytes [default: 1048576].
     #[arg(long, env = "HYPIC_MAX_SEGMENT_BYTES")]
     pub max_segment_bytes: Option<usize>,
     /// Largest content of one chat message, bytes [default: 4194304].
@@ -390,7 +399,8 @@ impl ServeConfig {
             max_prefill_tokens_per_request,
             max_segment_bytes,
             max_message_bytes,
-            tokenize_concurrency
+            tokenize_concurrency,
+            idempotency_ttl_s
         );
         if a.model.is_some() {
             c.model = a.model.clone();
@@ -486,6 +496,8 @@ impl ServeConfig {
             max_token_lifetime_s: self.max_token_lifetime_s,
             policy_max_module_bytes: self.policy_max_module_bytes,
             policy_max_concurrent_compiles: self.policy_max_concurrent_compiles,
+            max_segment_bytes: self.max_segment_bytes,
+            idempotency_ttl_s: self.idempotency_ttl_s,
         }
     }
 

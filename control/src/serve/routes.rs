@@ -255,8 +255,10 @@ pub struct Resolved {
     pub tokens: Arc<Vec<u32>>,
     /// Isolation key.
     pub isolation: String,
-    /// Catalog id.
+    /// Catalog segment as the request named it (an own id or an address).
     pub id: Option<String>,
+    /// Catalog segment address.
+    pub address: Option<String>,
     /// Pinned catalog version.
     pub version: Option<i64>,
     /// Shared namespace.
@@ -591,6 +593,7 @@ pub async fn resolve(
                     tokens: Arc::new(ids),
                     isolation: private.clone(),
                     id: None,
+                    address: None,
                     version: None,
                     shared: false,
                     text: Some(text),
@@ -613,7 +616,8 @@ pub async fn resolve(
                         });
                     }
                 }
-                let (tokens, text) = catalog_tokens(s, &id, it.version, &it.content_hash).await?;
+                let (tokens, text) =
+                    catalog_tokens(s, &it.address, it.version, &it.content_hash).await?;
                 if tokens.is_empty() {
                     continue;
                 }
@@ -621,13 +625,14 @@ pub async fn resolve(
                     .lock()
                     .unwrap_or_else(|p| p.into_inner())
                     .isolations
-                    .entry(id.clone())
+                    .entry(it.address.clone())
                     .or_default()
                     .insert(it.isolation_key.clone());
                 out.push(Resolved {
                     tokens,
                     isolation: it.isolation_key.clone(),
                     id: Some(id),
+                    address: Some(it.address.clone()),
                     version: Some(it.version),
                     shared: it.shared,
                     text: if text.is_empty() { None } else { Some(text) },

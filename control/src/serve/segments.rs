@@ -9,8 +9,8 @@
 use super::errors::{parse_json, ServeError};
 use super::routes::{body_error, catalog_tokens, Tenant};
 use super::{AppState, CachedTokens};
-use crate::api::ApiPath;
-use crate::catalog::{now_ms, Residency, Segment};
+use crate::api::{ApiPath, ApiQuery, ListQuery, IDEMPOTENCY_KEY, IDEMPOTENT_REPLAYED};
+use crate::catalog::{now_ms, Residency, Segment, SnapshotEntry};
 use axum::body::{Body, Bytes};
 use axum::extract::rejection::BytesRejection;
 use axum::extract::State;
@@ -25,16 +25,21 @@ use tower::ServiceExt;
 /// Worker name under which this server reports residency to the catalog.
 pub const WORKER: &str = "serve-local";
 
+/// Sends one catalog call to the control plane with the caller's credentials
+/// (and idempotency key); answers its status, JSON body and whether it was an
+/// idempotent replay, or its error response as is.
 async fn forward(
     s: &AppState,
     method: Method,
     uri: &str,
     headers: &HeaderMap,
     body: Option<Value>,
-) -> Result<(StatusCode, Value), Response> {
+) -> Result<(StatusCode, Value, bool), Response> {
     let mut b = Request::builder().method(method).uri(uri);
-    if let Some(a) = headers.get(header::AUTHORIZATION) {
-        b = b.header(header::AUTHORIZATION, a.clone());
+    for h in [header::AUTHORIZATION.as_str(), IDEMPOTENCY_KEY] {
+        if let Some(a) = headers.get(h) {
+            b = b.header(h, a.clone());
+        }
     }
     let req = match body {
         Some(v) => b
@@ -52,6 +57,7 @@ async fn forward(
         .extensions()
         .get::<super::reqlog::ErrorCause>()
         .cloned();
+    let replayed = resp.headers().contains_key(IDEMPOTENT_REPLAYED);
     let bytes = axum::body::to_bytes(resp.into_body(), 64 << 20)
         .await
         .map_err(|e| ServeError::internal(e.to_string()).into_response())?;
@@ -67,7 +73,7 @@ async fn forward(
         return Err(r);
     }
     let v = serde_json::from_slice(&bytes).unwrap_or(Value::Null);
-    Ok((status, v))
+    Ok((status, v, replayed))
 }
 
 fn body_starts(s: &AppState) -> Vec<usize> {
@@ -83,13 +89,14 @@ fn body_starts(s: &AppState) -> Vec<usize> {
     v
 }
 
-/// Refuses a path segment id that no segment can have before it is spliced into
+/// Refuses a path segment reference that no segment can have (an id of the
+/// caller's or an address) before it is spliced into
 /// the URI forwarded to the control plane: an id such as `doc?x` or `doc/grants`
 /// (percent-encoded by the client) would otherwise address another resource,
 /// e.g. `DELETE /v1/segments/doc%3Fx` deleted `doc`, and one with a space or
 /// non-ASCII character failed to build the URI (a 500).
 fn bad_id(id: &str) -> Option<Response> {
-    crate::catalog::validate_id("segment id", id)
+    crate::catalog::validate_ref("segment id", id)
         .err()
         .map(|e| {
             ServeError {
@@ -130,7 +137,25 @@ async fn prepare_body(
         }
     };
     let content = match obj.get("content") {
-        Some(Value::String(c)) => c.clone(),
+        Some(Value::String(c)) => {
+            // Refused before tokenising: the catalog would refuse it anyway.
+            let max = s.0.control.catalog().limits().max_content_bytes;
+            if c.len() > max {
+                return Err(ServeError {
+                    param: Some("content".into()),
+                    ..ServeError::new(
+                        StatusCode::PAYLOAD_TOO_LARGE,
+                        "invalid_request_error",
+                        "too_large",
+                        format!(
+                            "'content' is {} bytes, over the limit of {max} bytes per segment",
+                            c.len()
+                        ),
+                    )
+                });
+            }
+            c.clone()
+        }
         Some(_) => {
             return Err(ServeError::invalid_param(
                 "content",
@@ -205,7 +230,7 @@ async fn prefill(s: &AppState, tenant: &str, seg: &Segment, tokens: Arc<Vec<u32>
     let snap = match crate::api::resolve_snapshot(
         &s.0.control,
         tenant,
-        std::slice::from_ref(&seg.id),
+        std::slice::from_ref(&seg.address),
         None,
     )
     .await
@@ -249,7 +274,7 @@ async fn prefill(s: &AppState, tenant: &str, seg: &Segment, tokens: Arc<Vec<u32>
         .lock()
         .unwrap_or_else(|p| p.into_inner())
         .isolations
-        .entry(seg.id.clone())
+        .entry(seg.address.clone())
         .or_default()
         .insert(item.isolation_key.clone());
     let mut entries = vec![];
@@ -269,7 +294,7 @@ async fn prefill(s: &AppState, tenant: &str, seg: &Segment, tokens: Arc<Vec<u32>
             .report_residency(&Residency {
                 worker: WORKER.into(),
                 cache_key: item.cache_key.clone(),
-                segment_id: seg.id.clone(),
+                segment_id: seg.address.clone(),
                 version: item.version,
                 tenant: if item.shared {
                     None
@@ -287,25 +312,35 @@ async fn prefill(s: &AppState, tenant: &str, seg: &Segment, tokens: Arc<Vec<u32>
     })
 }
 
-/// Residency of a segment version in the caller's namespace.
-async fn residency(s: &AppState, tenant: &str, id: &str, tokens: &[u32]) -> Value {
+/// Residency of a segment version (by address) in the caller's namespace.
+async fn residency(s: &AppState, tenant: &str, address: &str, tokens: &[u32]) -> Value {
     let Ok(snap) =
-        crate::api::resolve_snapshot(&s.0.control, tenant, &[id.to_string()], None).await
+        s.0.control
+            .catalog()
+            .snapshot(tenant, &[address.to_string()])
+            .await
     else {
         return Value::Null;
     };
-    let Some(item) = snap.segments.into_iter().next() else {
-        return Value::Null;
-    };
+    match snap.first() {
+        Some(e) => residency_of(s, tenant, e, tokens),
+        None => Value::Null,
+    }
+}
+
+/// Residency of the pinned segment version `e` (its tokens: `tokens`) in
+/// `tenant`'s namespace, from the pool alone.
+fn residency_of(s: &AppState, tenant: &str, e: &SnapshotEntry, tokens: &[u32]) -> Value {
+    let (iso, shared) = crate::api::isolation_of(&s.0.control, tenant, e, None);
     let entries: Vec<Value> = body_starts(s)
         .into_iter()
         .map(|b| {
-            let bytes = s.0.engine.resident_bytes(tokens, &item.isolation_key, b);
+            let bytes = s.0.engine.resident_bytes(tokens, &iso, b);
             json!({"body_start": b, "resident": bytes.is_some(), "bytes": bytes.unwrap_or(0)})
         })
         .collect();
     let resident = entries.iter().any(|e| e["resident"] == json!(true));
-    json!({"resident": resident, "shared": item.shared, "entries": entries})
+    json!({"resident": resident, "shared": shared, "entries": entries})
 }
 
 fn ext(s: &AppState, version: i64, tokens: usize, extra: Value) -> Value {
@@ -316,8 +351,9 @@ fn ext(s: &AppState, version: i64, tokens: usize, extra: Value) -> Value {
     v
 }
 
-/// Evicts every known version of `id` (only those older than `keep_from` when
-/// given) from the public pool, in every namespace it was used in.
+/// Evicts every known version of the segment at address `id` (only those older
+/// than `keep_from` when given) from the public pool, in every namespace it was
+/// used in.
 fn evict(s: &AppState, id: &str, keep_from: Option<i64>) -> usize {
     let starts = body_starts(s);
     let mut k = s.0.known.lock().unwrap_or_else(|p| p.into_inner());
@@ -357,17 +393,18 @@ pub async fn create(
         Ok(x) => x,
         Err(e) => return e.into_response(),
     };
-    let (status, out) = match forward(&s, Method::POST, "/v1/segments", &headers, Some(v)).await {
-        Ok(x) => x,
-        Err(r) => return r,
-    };
+    let (status, out, replayed) =
+        match forward(&s, Method::POST, "/v1/segments", &headers, Some(v)).await {
+            Ok(x) => x,
+            Err(r) => return r,
+        };
     let Ok(seg) = serde_json::from_value::<Segment>(out.clone()) else {
         return (status, Json(out)).into_response();
     };
     let tokens = Arc::new(tokens);
     remember(
         &s,
-        &seg.id,
+        &seg.address,
         seg.current_version,
         &seg.content_hash,
         tokens.clone(),
@@ -377,7 +414,7 @@ pub async fn create(
     } else {
         json!({})
     };
-    let res = residency(&s, &p.tenant, &seg.id, &tokens).await;
+    let res = residency(&s, &p.tenant, &seg.address, &tokens).await;
     let mut out = out;
     let mut e = ext(
         &s,
@@ -387,7 +424,14 @@ pub async fn create(
     );
     e["residency"] = res;
     out["hypic"] = e;
-    (status, Json(out)).into_response()
+    let mut r = (status, Json(out)).into_response();
+    if replayed {
+        r.headers_mut().insert(
+            IDEMPOTENT_REPLAYED,
+            header::HeaderValue::from_static("true"),
+        );
+    }
+    r
 }
 
 /// `GET /v1/segments/{id}`: the catalog's view plus token count and residency.
@@ -400,7 +444,7 @@ pub async fn get_one(
     if let Some(r) = bad_id(&id) {
         return r;
     }
-    let (status, out) = match forward(
+    let (status, out, _) = match forward(
         &s,
         Method::GET,
         &format!("/v1/segments/{id}"),
@@ -416,9 +460,9 @@ pub async fn get_one(
         return (status, Json(out)).into_response();
     };
     let mut out = out;
-    match catalog_tokens(&s, &seg.id, seg.current_version, &seg.content_hash).await {
+    match catalog_tokens(&s, &seg.address, seg.current_version, &seg.content_hash).await {
         Ok((tokens, _)) => {
-            let res = residency(&s, &p.tenant, &seg.id, &tokens).await;
+            let res = residency(&s, &p.tenant, &seg.address, &tokens).await;
             out["hypic"] = ext(
                 &s,
                 seg.current_version,
@@ -431,37 +475,73 @@ pub async fn get_one(
     (status, Json(out)).into_response()
 }
 
-/// `GET /v1/segments`: every catalog segment the caller may read (an operator: all),
-/// with its token count for the served model and its residency.
-pub async fn list(State(s): State<AppState>, Tenant(p): Tenant) -> Response {
-    let cat = s.0.control.catalog();
-    let ids = match cat.segment_ids().await {
-        Ok(ids) => ids,
+/// `GET /v1/segments?limit=&after=`: one page of the catalog segments the caller
+/// may read (an operator: all), in one catalog query, with the token count for the
+/// served model (from the catalog) and the residency in the caller's namespace.
+/// Residency is `null` for a version this server holds no tokens of (it built no
+/// entry from it since its token cache was last filled); `GET /v1/segments/{id}`
+/// answers it exactly. `next` is the `after` of the following page (`null` on the
+/// last one).
+pub async fn list(
+    State(s): State<AppState>,
+    Tenant(p): Tenant,
+    ApiQuery(q): ApiQuery<ListQuery>,
+) -> Response {
+    let (limit, after) = match (q.page_size(), q.cursor()) {
+        (Ok(l), Ok(a)) => (l, a),
+        (Err(e), _) | (_, Err(e)) => return ServeError::from(e).into_response(),
+    };
+    let page = match s
+        .0
+        .control
+        .catalog()
+        .list_segments(&p.tenant, p.is_operator(), after, limit)
+        .await
+    {
+        Ok(page) => page,
         Err(e) => {
             return ServeError::internal(format!("segment catalog: {e}")).into_response();
         }
     };
-    let mut data = vec![];
-    for id in ids {
-        let readable = p.is_operator() || cat.can_read(&p.tenant, &id).await.unwrap_or(false);
-        if !readable {
-            continue;
-        }
-        let Ok(seg) = cat.get_segment(&id).await else {
-            continue;
+    let mut data = Vec::with_capacity(page.items.len());
+    for seg in page.items {
+        let cached = {
+            let k = s.0.known.lock().unwrap_or_else(|p| p.into_inner());
+            k.tokens
+                .get(&(seg.address.clone(), seg.current_version))
+                .filter(|c| c.content_hash == seg.content_hash)
+                .map(|c| c.tokens.clone())
         };
-        let (count, res) =
-            match catalog_tokens(&s, &seg.id, seg.current_version, &seg.content_hash).await {
-                Ok((t, _)) => (json!(t.len()), residency(&s, &p.tenant, &seg.id, &t).await),
-                Err(_) => (Value::Null, Value::Null),
-            };
-        data.push(json!({
-            "id": seg.id, "object": "segment", "name": seg.name, "owner_tenant": seg.owner_tenant,
+        let count = match (seg.tokens.get(&s.0.model_id), &cached) {
+            (Some(n), _) => json!(n),
+            (None, Some(t)) => json!(t.len()),
+            (None, None) => Value::Null,
+        };
+        let res = match &cached {
+            Some(t) => {
+                let e = SnapshotEntry {
+                    segment_id: seg.address.clone(),
+                    version: seg.current_version,
+                    content_hash: seg.content_hash.clone(),
+                    owner_tenant: seg.owner_tenant.clone().unwrap_or_default(),
+                    public: seg.public,
+                };
+                residency_of(&s, &p.tenant, &e, t)
+            }
+            None => Value::Null,
+        };
+        let seg = seg.view_for(&p.tenant, p.is_operator());
+        let mut item = json!({
+            "id": seg.id, "address": seg.address, "object": "segment", "name": seg.name,
             "public": seg.public, "version": seg.current_version, "content_hash": seg.content_hash,
             "tokens": count, "residency": res,
-        }));
+        });
+        if let Some(o) = seg.owner_tenant {
+            item["owner_tenant"] = json!(o);
+        }
+        data.push(item);
     }
-    Json(json!({"object": "list", "data": data})).into_response()
+    Json(json!({"object": "list", "data": data, "next": page.next})).into_response()
 }
 
 /// `PUT /v1/segments/{id}`: new version in the catalog; entries of superseded
@@ -480,7 +560,7 @@ pub async fn update(
         Ok(x) => x,
         Err(e) => return e.into_response(),
     };
-    let (status, out) = match forward(
+    let (status, out, _) = match forward(
         &s,
         Method::PUT,
         &format!("/v1/segments/{id}"),
@@ -499,11 +579,11 @@ pub async fn update(
     else {
         return (status, Json(out)).into_response();
     };
-    let evicted = evict(&s, &seg.id, Some(seg.current_version));
+    let evicted = evict(&s, &seg.address, Some(seg.current_version));
     let tokens = Arc::new(tokens);
     remember(
         &s,
-        &seg.id,
+        &seg.address,
         seg.current_version,
         &seg.content_hash,
         tokens.clone(),
@@ -533,7 +613,7 @@ pub async fn delete(
     if let Some(r) = bad_id(&id) {
         return r;
     }
-    let (status, out) = match forward(
+    let (status, out, _) = match forward(
         &s,
         Method::DELETE,
         &format!("/v1/segments/{id}"),
@@ -545,7 +625,10 @@ pub async fn delete(
         Ok(x) => x,
         Err(r) => return r,
     };
-    let evicted = evict(&s, &id, None);
+    let evicted = out["address"]
+        .as_str()
+        .map(|a| evict(&s, a, None))
+        .unwrap_or(0);
     let mut out = out;
     out["hypic"] = json!({"evicted_entries": evicted});
     (status, Json(out)).into_response()

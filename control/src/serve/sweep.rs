@@ -152,7 +152,7 @@ impl Ledger {
                 tokens: r.tokens.clone(),
                 isolation: r.isolation.clone(),
                 segment: r
-                    .id
+                    .address
                     .clone()
                     .zip(r.version)
                     .map(|(id, version)| CatalogRef { id, version }),

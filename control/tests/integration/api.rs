@@ -286,6 +286,10 @@ async fn isolation_keys_private_shared_and_revocation() {
         )
         .await;
         assert_eq!(st, StatusCode::OK, "{v}");
+        // Other tenants address A's segments by address (A's ids are A's own).
+        let sys = v["address"].as_str().unwrap().to_string();
+        let (_, v) = call(&s, Method::GET, "/v1/segments/a-private", Some(&a), None).await;
+        let a_private = v["address"].as_str().unwrap().to_string();
 
         // A fetches its private segment; a worker reports holding it.
         let (st, va) = snapshot(&s, &a, &["a-private", "sys"], None).await;
@@ -298,7 +302,7 @@ async fn isolation_keys_private_shared_and_revocation() {
         assert_eq!(va["segments"][0]["shared"], false);
         assert_eq!(va["segments"][1]["shared"], true);
         let (st, _) = call(&s, Method::POST, "/v1/admin/residency", Some(&ops), Some(json!({
-            "worker":"w1","cache_key":ka,"segment_id":"a-private","version":1,"tenant":"tenant-a","bytes":4096}))).await;
+            "worker":"w1","cache_key":ka,"segment_id":a_private,"version":1,"tenant":"tenant-a","bytes":4096}))).await;
         assert_eq!(st, StatusCode::OK);
         let shared_key = va["segments"][1]["cache_key"].as_str().unwrap().to_string();
         call(
@@ -307,7 +311,7 @@ async fn isolation_keys_private_shared_and_revocation() {
             "/v1/admin/residency",
             Some(&ops),
             Some(json!({
-            "worker":"w1","cache_key":shared_key,"segment_id":"sys","version":1,"bytes":100})),
+            "worker":"w1","cache_key":shared_key,"segment_id":sys,"version":1,"bytes":100})),
         )
         .await;
         let (_, va2) = snapshot(&s, &a, &["a-private"], None).await;
@@ -319,9 +323,11 @@ async fn isolation_keys_private_shared_and_revocation() {
 
         // B without a grant: miss (404), whatever salt it sends.
         for salt in [None, Some(""), Some("x"), Some(ia.as_str())] {
-            let (st, v) = snapshot(&s, &b, &["a-private"], salt).await;
-            assert_eq!(st, StatusCode::NOT_FOUND, "{backend}: {v}");
-            assert_openai_error(&v, "not_found_error", "not_found");
+            for r in ["a-private", a_private.as_str()] {
+                let (st, v) = snapshot(&s, &b, &[r], salt).await;
+                assert_eq!(st, StatusCode::NOT_FOUND, "{backend}: {v}");
+                assert_openai_error(&v, "not_found_error", "not_found");
+            }
         }
         let (st, _) = call(&s, Method::GET, "/v1/segments/a-private", Some(&b), None).await;
         assert_eq!(st, StatusCode::NOT_FOUND);
@@ -346,11 +352,11 @@ async fn isolation_keys_private_shared_and_revocation() {
         assert_eq!(st, StatusCode::NOT_FOUND);
 
         // The shared segment: same key for A and B; a hit for B too.
-        let (_, vb) = snapshot(&s, &b, &["sys"], None).await;
+        let (_, vb) = snapshot(&s, &b, &[&sys], None).await;
         assert_eq!(vb["segments"][0]["cache_key"].as_str().unwrap(), shared_key);
         assert_eq!(vb["segments"][0]["resident_on"], json!(["w1"]));
         // A salt narrows sharing: B's salted key differs and misses.
-        let (_, vbs) = snapshot(&s, &b, &["sys"], Some("mine")).await;
+        let (_, vbs) = snapshot(&s, &b, &[&sys], Some("mine")).await;
         assert_ne!(
             vbs["segments"][0]["cache_key"].as_str().unwrap(),
             shared_key
@@ -368,7 +374,7 @@ async fn isolation_keys_private_shared_and_revocation() {
         .await;
         assert_eq!(st, StatusCode::OK);
         for salt in [None, Some("x"), Some(ia.as_str())] {
-            let (st, vb) = snapshot(&s, &b, &["a-private"], salt).await;
+            let (st, vb) = snapshot(&s, &b, &[&a_private], salt).await;
             assert_eq!(st, StatusCode::OK);
             let kb = vb["segments"][0]["cache_key"].as_str().unwrap();
             assert_ne!(kb, ka, "B must never get A's private key");
@@ -389,7 +395,7 @@ async fn isolation_keys_private_shared_and_revocation() {
         )
         .await;
         assert_eq!(st, StatusCode::OK);
-        let (st, _) = snapshot(&s, &b, &["a-private"], None).await;
+        let (st, _) = snapshot(&s, &b, &[&a_private], None).await;
         assert_eq!(st, StatusCode::NOT_FOUND);
         // A is unaffected.
         let (_, va3) = snapshot(&s, &a, &["a-private"], None).await;
@@ -405,7 +411,7 @@ async fn strict_isolation_policy_unshares_public_segments() {
         tok("b", Role::Tenant),
         tok("ops", Role::Operator),
     );
-    call(
+    let (_, v) = call(
         &s,
         Method::POST,
         "/v1/segments",
@@ -413,10 +419,11 @@ async fn strict_isolation_policy_unshares_public_segments() {
         Some(json!({"id":"sys","content":"p","public":true})),
     )
     .await;
+    let sys = v["address"].as_str().unwrap().to_string();
     let key = |v: &Value| v["segments"][0]["cache_key"].as_str().unwrap().to_string();
     let (ka, kb) = (
         key(&snapshot(&s, &a, &["sys"], None).await.1),
-        key(&snapshot(&s, &b, &["sys"], None).await.1),
+        key(&snapshot(&s, &b, &[&sys], None).await.1),
     );
     assert_eq!(ka, kb);
     let id = upload(&s, &ops, "strict", "isolation", "strict", json!({})).await;
@@ -431,7 +438,7 @@ async fn strict_isolation_policy_unshares_public_segments() {
     assert_eq!(st, StatusCode::OK);
     let (ka2, kb2) = (
         key(&snapshot(&s, &a, &["sys"], None).await.1),
-        key(&snapshot(&s, &b, &["sys"], None).await.1),
+        key(&snapshot(&s, &b, &[&sys], None).await.1),
     );
     assert_ne!(ka2, kb2);
     // Roll back to native (shared iff public).
@@ -445,7 +452,7 @@ async fn strict_isolation_policy_unshares_public_segments() {
     .await;
     assert_eq!(st, StatusCode::OK);
     assert_eq!(v["active"], Value::Null);
-    assert_eq!(key(&snapshot(&s, &b, &["sys"], None).await.1), ka);
+    assert_eq!(key(&snapshot(&s, &b, &[&sys], None).await.1), ka);
 }
 
 #[tokio::test]
@@ -467,13 +474,15 @@ async fn segment_versions_over_http_and_invalidation() {
         .as_str()
         .unwrap()
         .to_string();
+    // Residency is reported by address.
+    let doc = snap["segments"][0]["address"].clone();
     call(
         &s,
         Method::POST,
         "/v1/admin/residency",
         Some(&ops),
         Some(json!({
-        "worker":"w1","cache_key":k1,"segment_id":"doc","version":1,"tenant":"a","bytes":10})),
+        "worker":"w1","cache_key":k1,"segment_id":doc,"version":1,"tenant":"a","bytes":10})),
     )
     .await;
     let (st, v) = call(
@@ -826,6 +835,8 @@ async fn group_grants_over_http_isolated_and_revocable() {
         )
         .await;
         assert_eq!(st, StatusCode::OK, "{backend}: {v}");
+        // Other tenants address it by address.
+        let pb = v["address"].as_str().unwrap().to_string();
 
         // Groups are operator business.
         let (st, v) = call(
@@ -903,13 +914,13 @@ async fn group_grants_over_http_isolated_and_revocable() {
         let (st, _) = call(
             &s,
             Method::POST,
-            "/v1/segments/playbook/group-grants",
+            &format!("/v1/segments/{pb}/group-grants"),
             Some(&b),
             Some(json!({"group":"team"})),
         )
         .await;
         assert_eq!(st, StatusCode::NOT_FOUND, "B cannot see the segment yet");
-        let (st, _) = snapshot(&s, &b, &["playbook"], None).await;
+        let (st, _) = snapshot(&s, &b, &[&pb], None).await;
         assert_eq!(st, StatusCode::NOT_FOUND);
         let (st, v) = call(
             &s,
@@ -944,9 +955,9 @@ async fn group_grants_over_http_isolated_and_revocable() {
         assert_eq!(st, StatusCode::OK);
         let a_key = va["segments"][0]["cache_key"].as_str().unwrap().to_string();
         let (st, _) = call(&s, Method::POST, "/v1/admin/residency", Some(&ops), Some(json!({
-            "worker":"w1","cache_key":a_key,"segment_id":"playbook","version":1,"tenant":"tenant-a","bytes":64}))).await;
+            "worker":"w1","cache_key":a_key,"segment_id":pb,"version":1,"tenant":"tenant-a","bytes":64}))).await;
         assert_eq!(st, StatusCode::OK);
-        let (st, vb) = snapshot(&s, &b, &["playbook"], None).await;
+        let (st, vb) = snapshot(&s, &b, &[&pb], None).await;
         assert_eq!(st, StatusCode::OK, "{backend}: {vb}");
         assert_eq!(vb["segments"][0]["shared"], false);
         assert_ne!(
@@ -958,17 +969,24 @@ async fn group_grants_over_http_isolated_and_revocable() {
             va["segments"][0]["isolation_key"]
         );
         assert_eq!(vb["segments"][0]["resident_on"], json!([]), "a miss for B");
-        let (st, _) = call(&s, Method::GET, "/v1/segments/playbook", Some(&b), None).await;
+        let (st, _) = call(
+            &s,
+            Method::GET,
+            &format!("/v1/segments/{pb}"),
+            Some(&b),
+            None,
+        )
+        .await;
         assert_eq!(st, StatusCode::OK);
         // A non-member still cannot.
-        let (st, _) = snapshot(&s, &x, &["playbook"], None).await;
+        let (st, _) = snapshot(&s, &x, &[&pb], None).await;
         assert_eq!(st, StatusCode::NOT_FOUND);
 
         // Revoking the group grant: B's next snapshot misses (404), whatever salt.
         let (st, _) = call(
             &s,
             Method::DELETE,
-            "/v1/segments/playbook/group-grants/team",
+            &format!("/v1/segments/{pb}/group-grants/team"),
             Some(&b),
             None,
         )
@@ -984,7 +1002,7 @@ async fn group_grants_over_http_isolated_and_revocable() {
         .await;
         assert_eq!(st, StatusCode::OK, "{v}");
         for salt in [None, Some("x")] {
-            let (st, _) = snapshot(&s, &b, &["playbook"], salt).await;
+            let (st, _) = snapshot(&s, &b, &[&pb], salt).await;
             assert_eq!(st, StatusCode::NOT_FOUND, "{backend}");
         }
         let (st, _) = call(
@@ -1006,10 +1024,7 @@ async fn group_grants_over_http_isolated_and_revocable() {
             Some(json!({"group":"team"})),
         )
         .await;
-        assert_eq!(
-            snapshot(&s, &b, &["playbook"], None).await.0,
-            StatusCode::OK
-        );
+        assert_eq!(snapshot(&s, &b, &[&pb], None).await.0, StatusCode::OK);
         let (st, v) = call(
             &s,
             Method::DELETE,
@@ -1021,7 +1036,7 @@ async fn group_grants_over_http_isolated_and_revocable() {
         assert_eq!(st, StatusCode::OK, "{v}");
         assert_eq!(v["members"], json!([]));
         assert_eq!(
-            snapshot(&s, &b, &["playbook"], None).await.0,
+            snapshot(&s, &b, &[&pb], None).await.0,
             StatusCode::NOT_FOUND
         );
         let (st, _) = call(

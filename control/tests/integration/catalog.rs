@@ -52,10 +52,10 @@ fn seg(id: &str, content: &str, public: bool) -> NewSegment {
 }
 
 async fn migrations(c: Catalog) {
-    assert_eq!(c.applied_migrations().await.unwrap(), vec![1, 2]);
+    assert_eq!(c.applied_migrations().await.unwrap(), vec![1, 2, 3]);
     // Applying again is a no-op.
     c.migrate().await.unwrap();
-    assert_eq!(c.applied_migrations().await.unwrap(), vec![1, 2]);
+    assert_eq!(c.applied_migrations().await.unwrap(), vec![1, 2, 3]);
     c.upsert_principal("acme", "alice", Role::Tenant)
         .await
         .unwrap();
@@ -82,7 +82,8 @@ async fn versions(c: Catalog) {
     assert_eq!(s.current_version, 1);
     assert_eq!(s.content_hash, content_hash("You are helpful."));
     assert_eq!(s.tokens.get("qwen3"), Some(&4));
-    assert_eq!(s.owner_tenant, "acme");
+    assert_eq!(s.owner_tenant.as_deref(), Some("acme"));
+    let addr = s.address.clone();
     // Duplicate id is a conflict, bad ids are rejected.
     assert!(matches!(
         c.create_segment("acme", "alice", &seg("sys-prompt", "x", false))
@@ -92,18 +93,18 @@ async fn versions(c: Catalog) {
     assert!(matches!(
         c.create_segment("acme", "alice", &seg("bad id!", "x", false))
             .await,
-        Err(CatalogError::Invalid(_))
+        Err(CatalogError::InvalidField("id", _))
     ));
 
     let tokens = BTreeMap::from([("qwen3".to_string(), 7i64), ("llama".to_string(), 8)]);
     let s2 = c
-        .update_segment("sys-prompt", "bob", "You are very helpful.", &tokens)
+        .update_segment(&addr, "bob", "You are very helpful.", &tokens)
         .await
         .unwrap();
     assert_eq!(s2.current_version, 2);
     assert_eq!(s2.content_hash, content_hash("You are very helpful."));
     assert_eq!(s2.tokens, tokens);
-    let vs = c.versions("sys-prompt").await.unwrap();
+    let vs = c.versions(&addr).await.unwrap();
     assert_eq!(vs.len(), 2);
     assert_eq!(vs[0].version, 1);
     assert!(
@@ -114,13 +115,13 @@ async fn versions(c: Catalog) {
     assert_eq!(vs[1].superseded_at, None);
     assert_eq!(vs[1].created_by, "bob");
     assert_eq!(
-        c.version_content("sys-prompt", 1).await.unwrap().as_deref(),
+        c.version_content(&addr, 1).await.unwrap().as_deref(),
         Some("You are helpful.")
     );
     // Negative token counts and unknown segments are rejected.
     let bad = BTreeMap::from([("m".to_string(), -1i64)]);
     assert!(matches!(
-        c.update_segment("sys-prompt", "bob", "x", &bad).await,
+        c.update_segment(&addr, "bob", "x", &bad).await,
         Err(CatalogError::Invalid(_))
     ));
     assert!(matches!(
@@ -133,55 +134,57 @@ async fn versions(c: Catalog) {
     assert_eq!(snap[0].version, 2);
     assert_eq!(snap[0].content_hash, content_hash("You are very helpful."));
 
-    c.delete_segment("sys-prompt", "alice").await.unwrap();
+    c.delete_segment(&addr, "alice").await.unwrap();
     assert!(matches!(
-        c.get_segment("sys-prompt").await,
+        c.get_segment(&addr).await,
         Err(CatalogError::NotFound(_))
     ));
     assert!(c.snapshot("acme", &["sys-prompt".into()]).await.is_err());
-    assert!(c.versions("sys-prompt").await.unwrap()[1]
-        .superseded_at
-        .is_some());
+    assert!(c.versions(&addr).await.unwrap()[1].superseded_at.is_some());
 }
 
 async fn grants_and_snapshots(c: Catalog) {
-    c.create_segment("a", "alice", &seg("doc-a", "private doc of a", false))
+    let doc_a = c
+        .create_segment("a", "alice", &seg("doc-a", "private doc of a", false))
         .await
-        .unwrap();
-    c.create_segment("a", "alice", &seg("pub", "public doc", true))
+        .unwrap()
+        .address;
+    let pub_ = c
+        .create_segment("a", "alice", &seg("pub", "public doc", true))
         .await
-        .unwrap();
-    assert!(c.can_read("a", "doc-a").await.unwrap());
-    assert!(!c.can_read("b", "doc-a").await.unwrap());
-    assert!(c.can_read("b", "pub").await.unwrap());
+        .unwrap()
+        .address;
+    assert!(c.can_read("a", &doc_a).await.unwrap());
+    assert!(!c.can_read("b", &doc_a).await.unwrap());
+    assert!(c.can_read("b", &pub_).await.unwrap());
     assert!(matches!(
         c.snapshot("b", &["doc-a".into()]).await,
         Err(CatalogError::NotFound(_))
     ));
 
-    c.grant("doc-a", "b", "alice").await.unwrap();
-    c.grant("doc-a", "b", "alice").await.unwrap(); // idempotent
-    assert_eq!(c.grants("doc-a").await.unwrap(), vec!["b".to_string()]);
+    c.grant(&doc_a, "b", "alice").await.unwrap();
+    c.grant(&doc_a, "b", "alice").await.unwrap(); // idempotent
+    assert_eq!(c.grants(&doc_a).await.unwrap(), vec!["b".to_string()]);
     let snap = c
-        .snapshot("b", &["pub".into(), "doc-a".into()])
+        .snapshot("b", &[pub_.clone(), doc_a.clone()])
         .await
         .unwrap();
     assert_eq!(
         snap.iter()
             .map(|e| e.segment_id.as_str())
             .collect::<Vec<_>>(),
-        vec!["pub", "doc-a"]
+        vec![pub_.as_str(), doc_a.as_str()]
     );
     assert!(snap[0].public && !snap[1].public);
 
-    c.revoke("doc-a", "b", "alice").await.unwrap();
-    assert!(!c.can_read("b", "doc-a").await.unwrap());
+    c.revoke(&doc_a, "b", "alice").await.unwrap();
+    assert!(!c.can_read("b", &doc_a).await.unwrap());
     assert!(matches!(
-        c.snapshot("b", &["doc-a".into()]).await,
+        c.snapshot("b", std::slice::from_ref(&doc_a)).await,
         Err(CatalogError::NotFound(_))
     ));
     assert!(matches!(
-        c.revoke("doc-a", "b", "alice").await,
+        c.revoke(&doc_a, "b", "alice").await,
         Err(CatalogError::NotFound(_))
     ));
     assert!(matches!(
@@ -191,14 +194,16 @@ async fn grants_and_snapshots(c: Catalog) {
 }
 
 async fn audit_log(c: Catalog) {
-    c.create_segment("a", "alice", &seg("s1", "v1", false))
+    let s1 = c
+        .create_segment("a", "alice", &seg("s1", "v1", false))
+        .await
+        .unwrap()
+        .address;
+    c.update_segment(&s1, "alice", "v2", &BTreeMap::new())
         .await
         .unwrap();
-    c.update_segment("s1", "alice", "v2", &BTreeMap::new())
-        .await
-        .unwrap();
-    c.grant("s1", "b", "alice").await.unwrap();
-    c.revoke("s1", "b", "alice").await.unwrap();
+    c.grant(&s1, "b", "alice").await.unwrap();
+    c.revoke(&s1, "b", "alice").await.unwrap();
     c.audit(
         "ops",
         None,
@@ -227,6 +232,7 @@ async fn audit_log(c: Catalog) {
     let d: serde_json::Value = serde_json::from_str(&upd[0].detail).unwrap();
     assert_eq!(d["version"], 2);
     assert_eq!(d["content_hash"], content_hash("v2"));
+    assert_eq!(d["address"], s1.as_str());
     assert!(log.windows(2).all(|w| w[0].id > w[1].id), "newest first");
 }
 
@@ -290,13 +296,15 @@ async fn policies_activate_rollback(c: Catalog) {
 }
 
 async fn residency(c: Catalog) {
-    c.create_segment("a", "alice", &seg("s", "one", false))
+    let s = c
+        .create_segment("a", "alice", &seg("s", "one", false))
         .await
-        .unwrap();
+        .unwrap()
+        .address;
     let r = |w: &str, v: i64| Residency {
         worker: w.into(),
         cache_key: format!("key-{w}-{v}"),
-        segment_id: "s".into(),
+        segment_id: s.clone(),
         version: v,
         tenant: Some("a".into()),
         bytes: 100,
@@ -313,12 +321,12 @@ async fn residency(c: Catalog) {
     let rows = c.residency_of("key-w1-1").await.unwrap();
     assert_eq!(rows.len(), 1);
     assert_eq!(rows[0].bytes, 200);
-    c.update_segment("s", "alice", "two", &BTreeMap::new())
+    c.update_segment(&s, "alice", "two", &BTreeMap::new())
         .await
         .unwrap();
     c.report_residency(&r("w1", 2)).await.unwrap();
-    assert_eq!(c.drop_superseded_residency("s").await.unwrap(), 2);
-    let left = c.residency_of_segment("s").await.unwrap();
+    assert_eq!(c.drop_superseded_residency(&s).await.unwrap(), 2);
+    let left = c.residency_of_segment(&s).await.unwrap();
     assert_eq!(left.len(), 1);
     assert_eq!(left[0].version, 2);
 }
@@ -330,20 +338,29 @@ async fn residency(c: Catalog) {
 async fn concurrent_updates_never_mix_versions(c: Catalog) {
     let ids: Vec<String> = (0..4).map(|i| format!("src-{i}")).collect();
     let content = |id: &str, g: i64| format!("{id} generation {g}");
+    // Address -> id, to know each snapshot entry's content.
+    let mut local = std::collections::HashMap::new();
+    let mut addrs = vec![];
     for id in &ids {
-        c.create_segment("t", "w", &seg(id, &content(id, 1), false))
+        let a = c
+            .create_segment("t", "w", &seg(id, &content(id, 1), false))
             .await
-            .unwrap();
+            .unwrap()
+            .address;
+        local.insert(a.clone(), id.clone());
+        addrs.push(a);
     }
     let c = Arc::new(c);
     let writer = {
         let c = c.clone();
         let ids = ids.clone();
+        let addrs = addrs.clone();
         tokio::spawn(async move {
             for g in 2..=25i64 {
                 let batch: Vec<(String, String, BTreeMap<String, i64>)> = ids
                     .iter()
-                    .map(|id| (id.clone(), content(id, g), BTreeMap::new()))
+                    .zip(&addrs)
+                    .map(|(id, a)| (a.clone(), content(id, g), BTreeMap::new()))
                     .collect();
                 let vs = c.update_segments("w", &batch).await.unwrap();
                 assert!(
@@ -354,15 +371,20 @@ async fn concurrent_updates_never_mix_versions(c: Catalog) {
         })
     };
     // A second writer on a separate segment concurrently: single-segment updates.
-    c.create_segment("t", "w", &seg("solo", &content("solo", 1), false))
+    let solo = c
+        .create_segment("t", "w", &seg("solo", &content("solo", 1), false))
         .await
-        .unwrap();
+        .unwrap()
+        .address;
+    local.insert(solo.clone(), "solo".to_string());
+    let local = Arc::new(local);
     let writer2 = {
         let c = c.clone();
+        let solo = solo.clone();
         tokio::spawn(async move {
             for g in 2..=25i64 {
                 let s = c
-                    .update_segment("solo", "w", &content("solo", g), &BTreeMap::new())
+                    .update_segment(&solo, "w", &content("solo", g), &BTreeMap::new())
                     .await
                     .unwrap();
                 assert_eq!(s.current_version, g);
@@ -372,6 +394,7 @@ async fn concurrent_updates_never_mix_versions(c: Catalog) {
     let mut readers = vec![];
     for _ in 0..3 {
         let c = c.clone();
+        let local = local.clone();
         let mut want: Vec<String> = ids.clone();
         want.push("solo".into());
         readers.push(tokio::spawn(async move {
@@ -383,7 +406,7 @@ async fn concurrent_updates_never_mix_versions(c: Catalog) {
                 for e in &snap {
                     assert_eq!(
                         e.content_hash,
-                        content_hash(&content(&e.segment_id, e.version)),
+                        content_hash(&content(&local[&e.segment_id], e.version)),
                         "hash of {} does not match its version {}",
                         e.segment_id,
                         e.version
@@ -406,9 +429,9 @@ async fn concurrent_updates_never_mix_versions(c: Catalog) {
     }
     let snap = c.snapshot("t", &ids).await.unwrap();
     assert!(snap.iter().all(|e| e.version == 25));
-    assert_eq!(c.versions("src-0").await.unwrap().len(), 25);
+    assert_eq!(c.versions(&addrs[0]).await.unwrap().len(), 25);
     assert_eq!(
-        c.versions("solo")
+        c.versions(&solo)
             .await
             .unwrap()
             .iter()
@@ -423,12 +446,16 @@ fn ids(v: &[hypic_control::catalog::SnapshotEntry]) -> Vec<String> {
 }
 
 async fn group_grants_follow_membership_and_revocation(c: Catalog) {
-    c.create_segment("acme", "alice", &seg("handbook", "team handbook", false))
+    let handbook = c
+        .create_segment("acme", "alice", &seg("handbook", "team handbook", false))
         .await
-        .unwrap();
-    c.create_segment("acme", "alice", &seg("other", "other doc", false))
+        .unwrap()
+        .address;
+    let other = c
+        .create_segment("acme", "alice", &seg("other", "other doc", false))
         .await
-        .unwrap();
+        .unwrap()
+        .address;
     let g = c
         .create_group("partners", Some("Partner tenants"), "ops")
         .await
@@ -450,58 +477,59 @@ async fn group_grants_follow_membership_and_revocation(c: Catalog) {
     );
 
     // Membership alone grants nothing.
-    assert!(!c.can_read("globex", "handbook").await.unwrap());
-    c.grant_group("handbook", "partners", "alice")
-        .await
-        .unwrap();
+    assert!(!c.can_read("globex", &handbook).await.unwrap());
+    c.grant_group(&handbook, "partners", "alice").await.unwrap();
     assert_eq!(
-        c.group_grants("handbook").await.unwrap(),
+        c.group_grants(&handbook).await.unwrap(),
         vec!["partners".to_string()]
     );
     // Every member reads it, a non-member does not, nor a segment not granted.
     for t in ["globex", "initech"] {
-        assert!(c.can_read(t, "handbook").await.unwrap(), "{t}");
-        let snap = c.snapshot(t, &["handbook".into()]).await.unwrap();
-        assert_eq!(ids(&snap), vec!["handbook"]);
+        assert!(c.can_read(t, &handbook).await.unwrap(), "{t}");
+        let snap = c
+            .snapshot(t, std::slice::from_ref(&handbook))
+            .await
+            .unwrap();
+        assert_eq!(ids(&snap), vec![handbook.clone()]);
         assert_eq!(snap[0].owner_tenant, "acme");
         assert!(!snap[0].public);
     }
-    assert!(!c.can_read("hooli", "handbook").await.unwrap());
-    assert!(!c.can_read("globex", "other").await.unwrap());
+    assert!(!c.can_read("hooli", &handbook).await.unwrap());
+    assert!(!c.can_read("globex", &other).await.unwrap());
     assert!(matches!(
-        c.snapshot("hooli", &["handbook".into()]).await,
+        c.snapshot("hooli", std::slice::from_ref(&handbook)).await,
         Err(CatalogError::NotFound(_))
     ));
 
     // Removing a membership: that member's next snapshot fails; the other keeps access.
     c.remove_member("partners", "initech", "ops").await.unwrap();
     assert!(matches!(
-        c.snapshot("initech", &["handbook".into()]).await,
+        c.snapshot("initech", std::slice::from_ref(&handbook)).await,
         Err(CatalogError::NotFound(_))
     ));
-    assert!(c.can_read("globex", "handbook").await.unwrap());
+    assert!(c.can_read("globex", &handbook).await.unwrap());
     assert!(matches!(
         c.remove_member("partners", "initech", "ops").await,
         Err(CatalogError::NotFound(_))
     ));
 
     // A direct tenant grant and a group grant are independent.
-    c.grant("handbook", "globex", "alice").await.unwrap();
-    c.revoke_group("handbook", "partners", "alice")
+    c.grant(&handbook, "globex", "alice").await.unwrap();
+    c.revoke_group(&handbook, "partners", "alice")
         .await
         .unwrap();
-    assert!(c.can_read("globex", "handbook").await.unwrap());
-    c.revoke("handbook", "globex", "alice").await.unwrap();
-    assert!(!c.can_read("globex", "handbook").await.unwrap());
+    assert!(c.can_read("globex", &handbook).await.unwrap());
+    c.revoke(&handbook, "globex", "alice").await.unwrap();
+    assert!(!c.can_read("globex", &handbook).await.unwrap());
     assert!(matches!(
-        c.snapshot("globex", &["handbook".into()]).await,
+        c.snapshot("globex", std::slice::from_ref(&handbook)).await,
         Err(CatalogError::NotFound(_))
     ));
     assert!(matches!(
-        c.revoke_group("handbook", "partners", "alice").await,
+        c.revoke_group(&handbook, "partners", "alice").await,
         Err(CatalogError::NotFound(_))
     ));
-    assert!(c.group_grants("handbook").await.unwrap().is_empty());
+    assert!(c.group_grants(&handbook).await.unwrap().is_empty());
 
     // Every step is audited.
     let actions: Vec<String> = c
@@ -545,11 +573,13 @@ async fn groups_bad_input_and_deletion(c: Catalog) {
         c.add_member("team", "bad tenant!", "ops").await,
         Err(CatalogError::Invalid(_))
     ));
-    c.create_segment("acme", "alice", &seg("doc", "a doc", false))
+    let doc = c
+        .create_segment("acme", "alice", &seg("doc", "a doc", false))
         .await
-        .unwrap();
+        .unwrap()
+        .address;
     assert!(matches!(
-        c.grant_group("doc", "nope", "alice").await,
+        c.grant_group(&doc, "nope", "alice").await,
         Err(CatalogError::NotFound(_))
     ));
     assert!(matches!(
@@ -559,11 +589,11 @@ async fn groups_bad_input_and_deletion(c: Catalog) {
 
     // Deleting a group removes its memberships and grants.
     c.add_member("team", "globex", "ops").await.unwrap();
-    c.grant_group("doc", "team", "alice").await.unwrap();
-    assert!(c.can_read("globex", "doc").await.unwrap());
+    c.grant_group(&doc, "team", "alice").await.unwrap();
+    assert!(c.can_read("globex", &doc).await.unwrap());
     c.delete_group("team", "ops").await.unwrap();
-    assert!(!c.can_read("globex", "doc").await.unwrap());
-    assert!(c.group_grants("doc").await.unwrap().is_empty());
+    assert!(!c.can_read("globex", &doc).await.unwrap());
+    assert!(c.group_grants(&doc).await.unwrap().is_empty());
     assert!(c.groups_of("globex").await.unwrap().is_empty());
     assert!(matches!(
         c.group("team").await,
@@ -576,6 +606,6 @@ async fn groups_bad_input_and_deletion(c: Catalog) {
     // A new group of the same name starts empty: nothing is inherited.
     c.create_group("team", None, "ops").await.unwrap();
     assert!(c.group("team").await.unwrap().members.is_empty());
-    assert!(!c.can_read("globex", "doc").await.unwrap());
+    assert!(!c.can_read("globex", &doc).await.unwrap());
     assert_eq!(c.groups().await.unwrap().len(), 1);
 }

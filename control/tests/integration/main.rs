@@ -10,6 +10,8 @@ mod serve_common;
 mod api;
 mod auth_unit;
 mod catalog;
+mod catalog_bench;
+mod catalog_scope;
 mod jwks_reload;
 mod policy;
 mod policy_area;

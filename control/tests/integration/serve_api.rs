@@ -463,8 +463,9 @@ async fn segment_registry_prefill_residency_versions_and_isolation() {
         )
         .await;
     assert_eq!(st, 200, "{p}");
+    // Another tenant names it by its address (its own ids are its own).
     let shared_req =
-        json!({"segments": [{"text": SYS}, {"id": "handbook"}, {"text": Q}], "max_tokens": 2});
+        json!({"segments": [{"text": SYS}, {"id": p["address"]}, {"text": Q}], "max_tokens": 2});
     let (st, b) = s.post_as(&s.token_b, "/v1/completions", &shared_req).await;
     assert_eq!(st, 200, "{b}");
     assert_eq!(b["hypic"]["segments"][1]["outcome"], "hit", "{b}");
