@@ -338,6 +338,7 @@ async fn control_server_serves_ready_through_the_same_connection_limits() {
         audience: "hypic".into(),
         disable_auth: false,
         max_token_lifetime_s: 3600,
+        ..hypic_control::serve::ServeConfig::default().control_args()
     };
     let bind: std::net::SocketAddr = "127.0.0.1:0".parse().unwrap();
     let state = hypic_control::build_control_state(&args, bind)
@@ -386,6 +387,7 @@ async fn closed_postgres_port_is_reported_promptly_without_the_password() {
         audience: "hypic".into(),
         disable_auth: false,
         max_token_lifetime_s: 3600,
+        ..hypic_control::serve::ServeConfig::default().control_args()
     };
     let t = Instant::now();
     let e = hypic_control::build_control_state(&args, "127.0.0.1:0".parse().unwrap())
