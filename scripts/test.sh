@@ -1,5 +1,6 @@
 #!/usr/bin/env bash
-# Runs every test of the workspace (unit, golden, control plane, end-to-end).
+# Runs every test of the workspace (unit, golden, control plane, end-to-end), after
+# rustfmt and clippy (with and without the CUDA feature) when no filter is given.
 # Needs: Rust (rustup). The catalog tests need PostgreSQL on 127.0.0.1:5432 with a
 # `test` database that user `postgres` reaches without a password. When that is
 # not there and HYPIC_TEST_PG_URL is not set, this script provides it (see
@@ -76,4 +77,12 @@ if [ -z "${HYPIC_TEST_PG_URL:-}" ]; then
 fi
 # The Postgres the catalog tests use (control/tests/integration/common: pg_url).
 export HYPIC_TEST_PG_URL="${HYPIC_TEST_PG_URL:-postgres://postgres@127.0.0.1:5432/test}"
+# Lints and the CUDA backend, on a full run (no test filter given): formatting,
+# clippy with warnings as errors, and clippy again with `--features cuda`, which
+# type-checks every target with the GPU code in (no CUDA toolkit is needed to build).
+if [ $# -eq 0 ]; then
+  cargo fmt --all -- --check
+  cargo clippy --workspace --all-targets --locked -- -D warnings
+  cargo clippy --workspace --all-targets --locked --features hypic-control/cuda -- -D warnings
+fi
 cargo test --workspace --locked "$@"

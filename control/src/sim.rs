@@ -96,6 +96,10 @@ pub struct SimStats {
     pub peak_bytes: u64,
 }
 
+/// A simulated cache entry's key: (isolation namespace of a private entry, or `None`
+/// for a shared one; segment id; version).
+type EntryKey = (Option<String>, String, i64);
+
 #[derive(Clone, Debug)]
 struct Entry {
     info: EntryInfo,
@@ -107,10 +111,10 @@ struct Entry {
 /// Replays `trace` through a cache of `capacity_bytes` governed by `policies`.
 pub fn simulate(trace: &[TraceRecord], capacity_bytes: u64, policies: &mut PolicySet) -> SimStats {
     let mut s = SimStats::default();
-    let mut entries: HashMap<(Option<String>, String, i64), Entry> = HashMap::new();
+    let mut entries: HashMap<EntryKey, Entry> = HashMap::new();
     let mut used: u64 = 0;
     let mut tenant_used: HashMap<String, u64> = HashMap::new();
-    let mut seen: HashMap<(Option<String>, String, i64), u32> = HashMap::new();
+    let mut seen: HashMap<EntryKey, u32> = HashMap::new();
     let mut latest: HashMap<String, i64> = HashMap::new();
     let fault = |f: Option<crate::policy::PolicyError>, s: &mut SimStats| {
         if f.is_some() {
@@ -208,8 +212,7 @@ pub fn simulate(trace: &[TraceRecord], capacity_bytes: u64, policies: &mut Polic
                 continue;
             }
             while used + bytes > capacity_bytes && !entries.is_empty() {
-                let mut cands: Vec<(&(Option<String>, String, i64), &Entry)> =
-                    entries.iter().collect();
+                let mut cands: Vec<(&EntryKey, &Entry)> = entries.iter().collect();
                 cands.sort_by(|a, b| {
                     (a.1.info.last_use_ms, a.1.info.inserted_ms, a.0).cmp(&(
                         b.1.info.last_use_ms,

@@ -447,6 +447,7 @@ fn find_event_end(buf: &[u8]) -> Option<usize> {
 }
 
 /// One (mode, rate) run.
+#[allow(clippy::too_many_arguments)]
 pub async fn run_once(
     backend: &Backend,
     recs: &[TraceRecord],

@@ -477,7 +477,9 @@ async fn probe_public(
         )
         .await;
     assert_eq!(st, 200, "{v}");
-    let req = json!({"segments": [{"id": "pub"}, {"text": Q}], "max_tokens": 1});
+    // Other tenants reach a public segment by its address.
+    let address = v["address"].as_str().expect("address").to_string();
+    let req = json!({"segments": [{"id": address}, {"text": Q}], "max_tokens": 1});
     let probe = |tenant: String| {
         let token = mint_token(&secret, "hypic", &tenant, "u", Role::Tenant, 600).unwrap();
         let (s, req) = (&s, &req);
@@ -538,8 +540,9 @@ async fn after_its_first_use_a_tenant_hits_the_shared_entry() {
         )
         .await;
     assert_eq!(st, 200, "{v}");
+    let address = v["address"].as_str().expect("address").to_string();
     let req = |i: usize| {
-        json!({"segments": [{"text": format!("Note {i}.")}, {"id": "pub"}, {"text": Q}],
+        json!({"segments": [{"text": format!("Note {i}.")}, {"id": address}, {"text": Q}],
                "max_tokens": 1})
     };
     let mut outcomes = vec![];

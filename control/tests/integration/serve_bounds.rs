@@ -183,7 +183,7 @@ fn request_bounds_have_the_documented_defaults() {
     let c = ServeConfig::default();
     assert_eq!(c.max_segments_per_request, 256);
     assert_eq!(c.max_prefill_tokens_per_request, 32_768);
-    assert_eq!(c.max_segment_bytes, 4 << 20);
+    assert_eq!(c.max_segment_bytes, 1 << 20);
     assert_eq!(c.max_message_bytes, 4 << 20);
     assert_eq!(c.tokenize_concurrency, 4);
     for bad in [
@@ -338,6 +338,7 @@ async fn prefill_token_and_byte_caps_name_the_limit() {
             &json!({"id": "big", "content": " a".repeat(1001)}),
         )
         .await;
-    assert_error(st, &v, 400, "string_above_max_length");
+    // Catalog content over the shared key is refused by the control plane (413).
+    assert_error(st, &v, 413, "too_large");
     assert_eq!(v["error"]["param"], "content", "{v}");
 }
