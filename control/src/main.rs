@@ -33,7 +33,7 @@ enum Command {
     /// Evaluate held-out multi-document QA through every reuse mode (quality and TTFT).
     Eval(eval_cmd::EvalArgs),
     /// Serve the OpenAI-compatible, segment-aware HTTP API (completions, chat, segments, metrics).
-    Serve(hypic_control::serve::ServeArgs),
+    Serve(Box<hypic_control::serve::ServeArgs>),
     /// Run the RAG workload benchmark (in-process or against a server) for each reuse mode.
     Bench(hypic_control::bench::BenchArgs),
 }
@@ -50,7 +50,7 @@ fn main() {
         Command::Control(a) => tokio::runtime::Runtime::new()
             .map_err(anyhow::Error::from)
             .and_then(|rt| rt.block_on(hypic_control::run_control_command(a))),
-        Command::Serve(a) => hypic_control::serve::run_serve_command(a),
+        Command::Serve(a) => hypic_control::serve::run_serve_command(*a),
         Command::Bench(a) => hypic_control::bench::run_bench_command(a),
     };
     if let Err(e) = res {
