@@ -233,12 +233,12 @@ pub async fn check_catalog_writes(cat: &Catalog) -> Result<(), (DbCause, String)
     }
 }
 
-/// The readiness answer from the catalog check and the other checks
-/// (`(name, ok, message)`; the first failure's code becomes the error).
-pub async fn ready_response(
-    control: &ControlState,
-    mut checks: Vec<(&'static str, Result<(), (&'static str, String)>)>,
-) -> Response {
+/// One readiness check: its name and `Ok`, or the error code and message.
+pub type Check = (&'static str, Result<(), (&'static str, String)>);
+
+/// The readiness answer from the catalog check and the other checks (the first
+/// failure's code becomes the error).
+pub async fn ready_response(control: &ControlState, mut checks: Vec<Check>) -> Response {
     let cat = check_catalog_writes(control.catalog())
         .await
         .map_err(|(c, m)| (c.code(), m));

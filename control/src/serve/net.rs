@@ -338,6 +338,8 @@ static REFUSED: std::sync::LazyLock<Vec<u8>> = std::sync::LazyLock::new(|| {
 
 /// Raises the soft open-file limit to the hard one and returns the connection cap
 /// that fits under it.
+// `rlim_t` is `u64` on some targets only.
+#[allow(clippy::unnecessary_cast)]
 fn fit_max_connections(max: usize) -> usize {
     #[cfg(unix)]
     {

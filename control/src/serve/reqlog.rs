@@ -40,6 +40,7 @@ pub fn init_logging(format: LogFormat) {
         .unwrap_or_else(|| EnvFilter::new("info"));
     let b = tracing_subscriber::fmt()
         .with_env_filter(filter)
+        .with_ansi(std::io::IsTerminal::is_terminal(&std::io::stderr()))
         .with_writer(std::io::stderr);
     let _ = match format {
         LogFormat::Text => b.try_init(),
