@@ -83,7 +83,10 @@ pub async fn build_control_state(
     bind: SocketAddr,
 ) -> anyhow::Result<ControlState> {
     auth::check_auth_disable(bind, args.disable_auth)?;
-    let fs = auth::first_start(&args.data_dir, &args.audience, 30 * 86400)?;
+    // The tokens printed at first start live 30 days, or less when this server
+    // accepts no token that long.
+    let first_ttl_s = (30 * 86400).min(args.max_token_lifetime_s);
+    let fs = auth::first_start(&args.data_dir, &args.audience, first_ttl_s)?;
     auth::print_first_start(&fs, &args.data_dir);
     let url = match &args.database_url {
         Some(u) => u.clone(),

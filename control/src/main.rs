@@ -22,8 +22,6 @@ struct Cli {
     log_format: hypic_control::serve::reqlog::LogFormat,
 }
 
-// Parsed once at start: the size of the largest variant (the serve flags) costs nothing.
-#[allow(clippy::large_enum_variant)]
 #[derive(Subcommand)]
 enum Command {
     /// Generate a continuation of a prompt, streamed to stdout, then print TTFT and decode speed.

@@ -106,11 +106,19 @@ async fn health_during<T>(
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn concurrent_large_uploads_do_not_stall_health() {
     let s = start(|c| c.policy_max_module_bytes = 16 << 20).await;
-    let modules: Vec<Vec<u8>> = (0..3).map(|i| big_module(400, 60, i)).collect();
-    // How long one module takes to compile here (directly, not through the server).
-    let t = Instant::now();
-    wasmtime::Module::new(&policy_engine(), big_module(400, 60, 99)).unwrap();
-    let one = t.elapsed();
+    // Modules big enough to take at least 400 ms to compile on this machine (measured
+    // directly, not through the server): the function count doubles until they do.
+    let mut funcs = 400;
+    let one = loop {
+        let t = Instant::now();
+        wasmtime::Module::new(&policy_engine(), big_module(funcs, 60, 99)).unwrap();
+        let one = t.elapsed();
+        if one > Duration::from_millis(400) || funcs >= 6400 {
+            break one;
+        }
+        funcs *= 2;
+    };
+    let modules: Vec<Vec<u8>> = (0..3).map(|i| big_module(funcs, 60, i)).collect();
     eprintln!(
         "one {} KB module compiles in {one:?}",
         modules[0].len() / 1024
