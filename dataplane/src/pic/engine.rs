@@ -1,6 +1,6 @@
 //! The PIC request path over an ordered list of segments.
 //!
-//! Modes (DESIGN.md §5 baselines):
+//! Modes (docs/pic-design.md §5.2):
 //! * `FullRecompute` — every segment is prefilled, in order, from the running state.
 //! * `PrefixCache` — exact-prefix reuse: running states (fp32, whole model) are
 //!   snapshotted at segment boundaries in the private pool and restored on the
