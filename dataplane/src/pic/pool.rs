@@ -414,7 +414,12 @@ impl<V> Pool<V> {
                 let own: Vec<usize> = (0..metas.len())
                     .filter(|&i| owner_group(&metas[i].owner) == mine)
                     .collect();
-                if held(&mine) + bytes > share {
+                // A group's first entry counts as within its share even when it is
+                // larger (else, in a pool whose entries exceed a share, only the
+                // first tenant could ever cache); it still displaces only groups
+                // over their share.
+                let first = held(&mine) == 0;
+                if !first && held(&mine) + bytes > share {
                     own
                 } else {
                     let over: Vec<usize> = (0..metas.len())
@@ -1293,14 +1298,46 @@ mod tests {
             Insert::Stored { evicted: 1 }
         );
         assert!(!p.contains(&k(3)));
-        // An entry bigger than c's share with no own entry left to recycle.
+        // A group's first entry, bigger than its share, displaces a group over its
+        // share (each of two tenants whose entries exceed half the pool gets one).
         let mut q: Pool<u32> = Pool::new(100, Box::new(Lru));
         q.insert(k(1), Arc::new(1), 50, 10, "a");
         q.insert(k(2), Arc::new(2), 50, 10, "b");
-        assert_eq!(q.insert(k(3), Arc::new(3), 40, 10, "c"), Insert::NoRoom);
-        assert_eq!(q.stats().fair_share_refused, 1);
-        assert!(q.contains(&k(1)) && q.contains(&k(2)));
-        check(&q, "refused");
+        assert_eq!(
+            q.insert(k(3), Arc::new(3), 40, 10, "c"),
+            Insert::Stored { evicted: 1 }
+        );
+        check(&q, "first entry");
+        // Every group within its share: a newcomer's first entry is refused.
+        let mut r: Pool<u32> = Pool::new(100, Box::new(Lru));
+        r.insert(k(1), Arc::new(1), 33, 10, "a");
+        r.insert(k(2), Arc::new(2), 33, 10, "b");
+        assert_eq!(r.insert(k(3), Arc::new(3), 40, 10, "c"), Insert::NoRoom);
+        assert_eq!(r.stats().fair_share_refused, 1);
+        assert!(r.contains(&k(1)) && r.contains(&k(2)));
+        check(&r, "refused");
+    }
+
+    #[test]
+    fn two_tenants_with_entries_over_half_the_pool_each_get_one() {
+        // Entries larger than a share (the hostile review's 2 MiB pools): the second
+        // tenant is not locked out forever by the first one's single entry.
+        let mut p: Pool<u32> = Pool::new(100, Box::new(Lru));
+        assert_eq!(
+            p.insert(k(1), Arc::new(1), 65, 10, "a/doc"),
+            Insert::Stored { evicted: 0 }
+        );
+        assert_eq!(
+            p.insert(k(2), Arc::new(2), 65, 10, "b/doc"),
+            Insert::Stored { evicted: 1 }
+        );
+        assert!(p.contains(&k(2)));
+        // b now holds over its share: a's next first entry displaces it in turn.
+        assert_eq!(
+            p.insert(k(1), Arc::new(1), 65, 10, "a/doc"),
+            Insert::Stored { evicted: 1 }
+        );
+        check(&p, "alternating");
     }
 
     #[test]
