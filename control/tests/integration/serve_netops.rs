@@ -513,3 +513,64 @@ async fn measure_idle_flood() {
     );
     srv.server.stop().await;
 }
+
+/// Bodies of millions of empty arrays (issue 15 review): parsed off the async
+/// workers in bounded turns, refused before parsing past `MAX_JSON_VALUES`;
+/// `/health` keeps answering promptly meanwhile.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn huge_json_arrays_do_not_stall_health() {
+    let srv = start(|_| {}).await;
+    let body = |n: usize| {
+        let mut b = String::with_capacity(40 + 3 * n);
+        b.push_str(r#"{"max_tokens":1,"segments":["#);
+        for i in 0..n {
+            b.push_str(if i == 0 { "[]" } else { ",[]" });
+        }
+        b.push_str("]}");
+        b
+    };
+    // Two over the value cap (8 MB), two under it (still far over the segment cap).
+    let bodies = [2_700_000, 400_000, 2_700_000, 400_000].map(body);
+    let mut posts = Vec::new();
+    for (i, b) in bodies.into_iter().enumerate() {
+        let (url, token, c) = (srv.url.clone(), srv.token.clone(), srv.client.clone());
+        let path = "/v1/completions";
+        posts.push(tokio::spawn(async move {
+            let t = Instant::now();
+            let r = c
+                .post(format!("{url}{path}"))
+                .bearer_auth(token)
+                .header("content-type", "application/json")
+                .body(b)
+                .send()
+                .await
+                .unwrap();
+            let st = r.status().as_u16();
+            let v: Value = r.json().await.unwrap_or(Value::Null);
+            (st, v, t.elapsed())
+        }));
+    }
+    let mut worst = Duration::ZERO;
+    let t = Instant::now();
+    while t.elapsed() < Duration::from_millis(1500) && posts.iter().any(|p| !p.is_finished()) {
+        let (st, lat) = health(&srv).await;
+        assert_eq!(st, 200);
+        worst = worst.max(lat);
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+    eprintln!("/health worst latency during the parses: {worst:?}");
+    assert!(worst < Duration::from_millis(500), "/health took {worst:?}");
+    for (i, p) in posts.into_iter().enumerate() {
+        let (st, v, took) = p.await.unwrap();
+        assert_eq!(st, 400, "{v}");
+        let code = v["error"]["code"].as_str().unwrap_or_default().to_string();
+        let want = if i % 2 == 0 {
+            "too_many_json_values"
+        } else {
+            "too_many_segments"
+        };
+        assert_eq!(code, want, "{v}");
+        eprintln!("body {i}: {code} in {took:?}");
+    }
+    srv.server.stop().await;
+}
