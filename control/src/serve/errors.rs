@@ -215,13 +215,57 @@ fn data_message(path: &str, msg: &str) -> String {
     format!("invalid value for '{path}': {msg}")
 }
 
+/// JSON containers and separators (`[`, `{` and `,`: about one per array element
+/// or object member, two per nested container) a request body may hold at most: a body of millions of empty arrays or strings is refused before
+/// it is parsed into memory (a prompt of token ids is far below this).
+pub const MAX_JSON_VALUES: usize = 1 << 20;
+
+/// Counts the containers opened and separators outside strings in `bytes`, stopping once over `cap`. Cheap: one pass, no allocation.
+fn json_values_over(bytes: &[u8], cap: usize) -> bool {
+    let (mut n, mut in_str, mut esc) = (0usize, false, false);
+    for &b in bytes {
+        if in_str {
+            if esc {
+                esc = false;
+            } else if b == b'\\' {
+                esc = true;
+            } else if b == b'"' {
+                in_str = false;
+            }
+            continue;
+        }
+        match b {
+            b'"' => in_str = true,
+            b'[' | b'{' | b',' => {
+                n += 1;
+                if n > cap {
+                    return true;
+                }
+            }
+            _ => {}
+        }
+    }
+    false
+}
+
 /// Parses a JSON request body: invalid UTF-8, malformed JSON and wrong types are
-/// 400s naming the problem (and the field path for type errors).
+/// 400s naming the problem (and the field path for type errors). CPU-bound on a
+/// large body: handlers call it through `routes::parse_body` (blocking pool,
+/// bounded turns).
 pub fn parse_json<T: serde::de::DeserializeOwned>(bytes: &[u8]) -> Result<T, ServeError> {
     if bytes.is_empty() {
         return Err(ServeError::bad_request(
             "invalid_json",
             "the request body is empty; send a JSON object",
+        ));
+    }
+    if json_values_over(bytes, MAX_JSON_VALUES) {
+        return Err(ServeError::bad_request(
+            "too_many_json_values",
+            format!(
+                "the request body holds more than {MAX_JSON_VALUES} JSON arrays, objects \
+                 and separators (array elements and object members); send fewer"
+            ),
         ));
     }
     if let Err(e) = std::str::from_utf8(bytes) {

@@ -151,6 +151,8 @@ pub struct ServeConfig {
     /// Open connections at most; at the cap the oldest idle connection is closed
     /// to make room, and when all are busy a new one gets 503 and is closed.
     pub max_connections: usize,
+    /// Open connections from one peer IP address at most (`net::NetLimits`).
+    pub max_connections_per_ip: usize,
     /// Longest token lifetime accepted (`exp - iat`), seconds.
     pub max_token_lifetime_s: u64,
     /// Largest policy module accepted at upload, bytes (beyond: 413).
@@ -212,6 +214,7 @@ impl Default for ServeConfig {
             idle_timeout_ms: net::DEFAULT_IDLE_TIMEOUT_MS,
             body_read_timeout_ms: net::DEFAULT_BODY_READ_TIMEOUT_MS,
             max_connections: net::DEFAULT_MAX_CONNECTIONS,
+            max_connections_per_ip: net::DEFAULT_MAX_CONNECTIONS_PER_IP,
             max_token_lifetime_s: crate::auth::DEFAULT_MAX_TOKEN_LIFETIME_S,
             policy_max_module_bytes: crate::policy::DEFAULT_MAX_MODULE_BYTES,
             policy_max_concurrent_compiles: crate::policy::DEFAULT_MAX_CONCURRENT_COMPILES,
@@ -420,6 +423,7 @@ impl ServeConfig {
         c.idle_timeout_ms = n.idle_timeout_ms.unwrap_or(c.idle_timeout_ms);
         c.body_read_timeout_ms = n.body_read_timeout_ms.unwrap_or(c.body_read_timeout_ms);
         c.max_connections = n.max_connections.unwrap_or(c.max_connections);
+        c.max_connections_per_ip = n.max_connections_per_ip.unwrap_or(c.max_connections_per_ip);
         if let Some(t) = &a.max_token_lifetime {
             c.max_token_lifetime_s = crate::auth::parse_ttl(t).context("--max-token-lifetime")?;
         }
@@ -508,6 +512,7 @@ impl ServeConfig {
             self.idle_timeout_ms,
             self.body_read_timeout_ms,
             self.max_connections,
+            self.max_connections_per_ip,
         )
     }
 

@@ -14,10 +14,10 @@
 //! * graceful shutdown (stop accepting, let requests in progress finish, close idle
 //!   connections) and [`ConnectInfo<SocketAddr>`] in every request's extensions,
 //! * one log line per request ([`super::reqlog`]).
-use std::collections::BTreeMap;
+use std::collections::{BTreeMap, HashMap};
 use std::convert::Infallible;
 use std::future::Future;
-use std::net::SocketAddr;
+use std::net::{IpAddr, SocketAddr};
 use std::pin::Pin;
 use std::sync::atomic::{AtomicU64, AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex};
@@ -43,6 +43,8 @@ pub const DEFAULT_IDLE_TIMEOUT_MS: u64 = 5_000;
 pub const DEFAULT_BODY_READ_TIMEOUT_MS: u64 = 30_000;
 /// Default of [`NetLimits::max_connections`].
 pub const DEFAULT_MAX_CONNECTIONS: usize = 8192;
+/// Default of [`NetLimits::max_connections_per_ip`].
+pub const DEFAULT_MAX_CONNECTIONS_PER_IP: usize = 256;
 /// File descriptors kept free of connections (catalog, spill files, logs).
 const FD_RESERVE: u64 = 256;
 
@@ -61,6 +63,11 @@ pub struct NetLimits {
     /// Open connections at most (also capped by the open-file limit, less a
     /// reserve of 256 descriptors).
     pub max_connections: usize,
+    /// Open connections from one peer IP address at most: at the cap, that
+    /// address's oldest idle connection gives way, else the new one is refused
+    /// (`503 too_many_connections`). Loopback probes share the address of
+    /// loopback clients.
+    pub max_connections_per_ip: usize,
 }
 
 impl Default for NetLimits {
@@ -70,6 +77,7 @@ impl Default for NetLimits {
             idle_timeout: Some(Duration::from_millis(DEFAULT_IDLE_TIMEOUT_MS)),
             body_read_timeout: Duration::from_millis(DEFAULT_BODY_READ_TIMEOUT_MS),
             max_connections: DEFAULT_MAX_CONNECTIONS,
+            max_connections_per_ip: DEFAULT_MAX_CONNECTIONS_PER_IP,
         }
     }
 }
@@ -82,6 +90,7 @@ impl NetLimits {
         idle_timeout_ms: u64,
         body_read_timeout_ms: u64,
         max_connections: usize,
+        max_connections_per_ip: usize,
     ) -> anyhow::Result<NetLimits> {
         anyhow::ensure!(
             header_read_timeout_ms > 0,
@@ -92,11 +101,16 @@ impl NetLimits {
             "body_read_timeout_ms must be at least 1"
         );
         anyhow::ensure!(max_connections > 0, "max_connections must be at least 1");
+        anyhow::ensure!(
+            max_connections_per_ip > 0,
+            "max_connections_per_ip must be at least 1"
+        );
         Ok(NetLimits {
             header_read_timeout: Duration::from_millis(header_read_timeout_ms),
             idle_timeout: (idle_timeout_ms > 0).then(|| Duration::from_millis(idle_timeout_ms)),
             body_read_timeout: Duration::from_millis(body_read_timeout_ms),
             max_connections,
+            max_connections_per_ip,
         })
     }
 }
@@ -118,6 +132,9 @@ pub struct NetArgs {
     /// Open connections at most [default: 8192].
     #[arg(long, env = "HYPIC_MAX_CONNECTIONS")]
     pub max_connections: Option<usize>,
+    /// Open connections from one peer IP address at most [default: 256].
+    #[arg(long, env = "HYPIC_MAX_CONNECTIONS_PER_IP")]
+    pub max_connections_per_ip: Option<usize>,
 }
 
 impl NetArgs {
@@ -130,6 +147,8 @@ impl NetArgs {
             self.body_read_timeout_ms
                 .unwrap_or(DEFAULT_BODY_READ_TIMEOUT_MS),
             self.max_connections.unwrap_or(DEFAULT_MAX_CONNECTIONS),
+            self.max_connections_per_ip
+                .unwrap_or(DEFAULT_MAX_CONNECTIONS_PER_IP),
         )
     }
 }
@@ -264,17 +283,21 @@ impl hyper::body::Body for TrackedBody {
 struct Slot {
     activity: Arc<Activity>,
     close: Arc<Notify>,
+    ip: IpAddr,
 }
 
 /// The open connections, oldest first.
 #[derive(Default)]
 struct Registry {
     inner: Mutex<(u64, BTreeMap<u64, Slot>)>,
+    /// Open connections per peer IP (counted until the connection's task ends).
+    per_ip: Mutex<HashMap<IpAddr, usize>>,
 }
 
 /// A connection's place in the [`Registry`]; leaving it frees the place.
 struct Admitted {
     id: u64,
+    ip: IpAddr,
     reg: Arc<Registry>,
     activity: Arc<Activity>,
     close: Arc<Notify>,
@@ -284,19 +307,41 @@ impl Drop for Admitted {
     fn drop(&mut self) {
         let mut g = self.reg.inner.lock().unwrap_or_else(|e| e.into_inner());
         g.1.remove(&self.id);
+        drop(g);
+        let mut p = self.reg.per_ip.lock().unwrap_or_else(|e| e.into_inner());
+        if let Some(n) = p.get_mut(&self.ip) {
+            *n -= 1;
+            if *n == 0 {
+                p.remove(&self.ip);
+            }
+        }
     }
 }
 
 impl Registry {
     /// A place for a new connection: at `max`, the oldest idle connection is told to
     /// close and gives up its place; `None` when every connection is busy.
-    fn admit(self: &Arc<Self>, max: usize) -> Option<Admitted> {
+    fn admit(self: &Arc<Self>, max: usize, per_ip: usize, ip: IpAddr) -> Result<Admitted, Refusal> {
         let mut g = self.inner.lock().unwrap_or_else(|e| e.into_inner());
+        let mut p = self.per_ip.lock().unwrap_or_else(|e| e.into_inner());
+        if p.get(&ip).copied().unwrap_or(0) >= per_ip {
+            // This address's oldest idle connection gives way (its count drops when
+            // its task ends); none idle: refused.
+            let victim =
+                g.1.iter()
+                    .find(|(_, s)| s.ip == ip && s.activity.busy.load(Ordering::Acquire) == 0)
+                    .map(|(id, _)| *id)
+                    .ok_or(Refusal::PerIp)?;
+            if let Some(s) = g.1.remove(&victim) {
+                s.close.notify_one();
+            }
+        }
         if g.1.len() >= max {
             let victim =
                 g.1.iter()
                     .find(|(_, s)| s.activity.busy.load(Ordering::Acquire) == 0)
-                    .map(|(id, _)| *id)?;
+                    .map(|(id, _)| *id)
+                    .ok_or(Refusal::Global)?;
             if let Some(s) = g.1.remove(&victim) {
                 s.close.notify_one();
             }
@@ -314,16 +359,31 @@ impl Registry {
             Slot {
                 activity: activity.clone(),
                 close: close.clone(),
+                ip,
             },
         );
-        Some(Admitted {
+        *p.entry(ip).or_insert(0) += 1;
+        Ok(Admitted {
             id,
+            ip,
             reg: self.clone(),
             activity,
             close,
         })
     }
 }
+
+/// Why a connection was refused.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum Refusal {
+    /// `max_connections` busy connections.
+    Global,
+    /// `max_connections_per_ip` busy connections from the same address.
+    PerIp,
+}
+
+/// Connections refused at a connection cap since start: (global, per-IP).
+pub static REFUSED_CONNECTIONS: [AtomicU64; 2] = [AtomicU64::new(0), AtomicU64::new(0)];
 
 /// The answer to a connection over the cap (OpenAI-style error body).
 static REFUSED: std::sync::LazyLock<Vec<u8>> = std::sync::LazyLock::new(|| {
@@ -401,8 +461,8 @@ pub async fn serve(
                 }
             },
         };
-        match reg.admit(max) {
-            Some(adm) => {
+        match reg.admit(max, limits.max_connections_per_ip, remote.ip()) {
+            Ok(adm) => {
                 tasks.spawn(serve_connection(
                     stream,
                     remote,
@@ -412,8 +472,22 @@ pub async fn serve(
                     stop_rx.clone(),
                 ));
             }
-            None => {
-                tracing::debug!(%remote, "connection refused: {max} connections busy");
+            Err(why) => {
+                let (i, cap, what) = match why {
+                    Refusal::Global => (0, max, "max_connections"),
+                    Refusal::PerIp => (1, limits.max_connections_per_ip, "max_connections_per_ip"),
+                };
+                let n = REFUSED_CONNECTIONS[i].fetch_add(1, Ordering::Relaxed) + 1;
+                // Warn on the 1st, 2nd, 4th, 8th, ... refusal: a flood cannot flood the log.
+                if n.is_power_of_two() {
+                    tracing::warn!(
+                        %remote,
+                        refused_total = n,
+                        "connection refused (503 too_many_connections): {cap} connections busy ({what})"
+                    );
+                } else {
+                    tracing::debug!(%remote, refused_total = n, "connection refused ({what})");
+                }
                 let _ = stream.try_write(&REFUSED);
             }
         }

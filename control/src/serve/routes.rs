@@ -364,6 +364,17 @@ pub(crate) fn check_segment_count(s: &AppState, field: &str, n: usize) -> Result
     Ok(())
 }
 
+/// Parses a request body ([`parse_json`]) on the blocking pool in a
+/// tokenisation turn: a large body's parse never holds an async worker (so
+/// `/health` does not wait on it), and at most `tokenize_concurrency` bodies are
+/// parsed into memory at once.
+pub(crate) async fn parse_body<T: serde::de::DeserializeOwned + Send + 'static>(
+    s: &AppState,
+    body: Bytes,
+) -> Result<T, ServeError> {
+    in_tokenize_turn(s, move || parse_json::<T>(&body)).await?
+}
+
 /// Runs `f` on the blocking pool in a tokenisation turn (`tokenize_concurrency`
 /// turns; the turn is held until `f` returns, even when the request is dropped).
 pub(crate) async fn in_tokenize_turn<T: Send + 'static>(
@@ -1217,7 +1228,7 @@ async fn completions_inner(
 ) -> Result<Response, ServeError> {
     let t0 = Instant::now();
     let body = body.map_err(|e| body_error(e, s.0.cfg.max_body_bytes))?;
-    let req: CompletionRequest = parse_json(&body)?;
+    let req: CompletionRequest = parse_body(s, body).await?;
     let model = check_model(s, &req.model)?;
     let mode = prompt::request_mode(req.hypic.as_ref(), s.0.default_mode)?;
     let salt = req.hypic.as_ref().and_then(|h| h.salt.clone());
@@ -1382,7 +1393,7 @@ async fn chat_inner(
 ) -> Result<Response, ServeError> {
     let t0 = Instant::now();
     let body = body.map_err(|e| body_error(e, s.0.cfg.max_body_bytes))?;
-    let req: ChatRequest = parse_json(&body)?;
+    let req: ChatRequest = parse_body(s, body).await?;
     let model = check_model(s, &req.model)?;
     let mode = prompt::request_mode(req.hypic.as_ref(), s.0.default_mode)?;
     let salt = req.hypic.as_ref().and_then(|h| h.salt.clone());

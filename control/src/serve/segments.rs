@@ -6,7 +6,7 @@
 //! Catalog semantics (auth, ownership, versions, grants, audit) are the control
 //! plane's: each call is forwarded to its router with the caller's credentials,
 //! and the answer is extended with a `hypic` object.
-use super::errors::{parse_json, ServeError};
+use super::errors::ServeError;
 use super::routes::{body_error, catalog_tokens, Tenant};
 use super::{AppState, CachedTokens};
 use crate::api::{ApiPath, ApiQuery, ListQuery, IDEMPOTENCY_KEY, IDEMPOTENT_REPLAYED};
@@ -122,7 +122,7 @@ async fn prepare_body(
     body: Result<Bytes, BytesRejection>,
 ) -> Result<(Value, Vec<u32>, bool), ServeError> {
     let body = body.map_err(|e| body_error(e, s.0.cfg.max_body_bytes))?;
-    let mut v: Value = parse_json(&body)?;
+    let mut v: Value = super::routes::parse_body(s, body).await?;
     let obj = v
         .as_object_mut()
         .ok_or_else(|| ServeError::bad_request("invalid_type", "the body must be a JSON object"))?;

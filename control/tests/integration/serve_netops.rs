@@ -513,3 +513,123 @@ async fn measure_idle_flood() {
     );
     srv.server.stop().await;
 }
+
+/// Bodies of millions of empty arrays (issue 15 review): parsed off the async
+/// workers in bounded turns, refused before parsing past `MAX_JSON_VALUES`;
+/// `/health` keeps answering promptly meanwhile.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn huge_json_arrays_do_not_stall_health() {
+    let srv = start(|_| {}).await;
+    let body = |n: usize| {
+        let mut b = String::with_capacity(40 + 3 * n);
+        b.push_str(r#"{"max_tokens":1,"segments":["#);
+        for i in 0..n {
+            b.push_str(if i == 0 { "[]" } else { ",[]" });
+        }
+        b.push_str("]}");
+        b
+    };
+    // Two over the value cap (8 MB), two under it (still far over the segment cap).
+    let bodies = [2_700_000, 400_000, 2_700_000, 400_000].map(body);
+    let mut posts = Vec::new();
+    for b in bodies {
+        let (url, token, c) = (srv.url.clone(), srv.token.clone(), srv.client.clone());
+        let path = "/v1/completions";
+        posts.push(tokio::spawn(async move {
+            let t = Instant::now();
+            let r = c
+                .post(format!("{url}{path}"))
+                .bearer_auth(token)
+                .header("content-type", "application/json")
+                .body(b)
+                .send()
+                .await
+                .unwrap();
+            let st = r.status().as_u16();
+            let v: Value = r.json().await.unwrap_or(Value::Null);
+            (st, v, t.elapsed())
+        }));
+    }
+    let mut worst = Duration::ZERO;
+    let t = Instant::now();
+    while t.elapsed() < Duration::from_millis(1500) && posts.iter().any(|p| !p.is_finished()) {
+        let (st, lat) = health(&srv).await;
+        assert_eq!(st, 200);
+        worst = worst.max(lat);
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+    eprintln!("/health worst latency during the parses: {worst:?}");
+    assert!(worst < Duration::from_millis(500), "/health took {worst:?}");
+    for (i, p) in posts.into_iter().enumerate() {
+        let (st, v, took) = p.await.unwrap();
+        assert_eq!(st, 400, "{v}");
+        let code = v["error"]["code"].as_str().unwrap_or_default().to_string();
+        let want = if i % 2 == 0 {
+            "too_many_json_values"
+        } else {
+            "too_many_segments"
+        };
+        assert_eq!(code, want, "{v}");
+        eprintln!("body {i}: {code} in {took:?}");
+    }
+    srv.server.stop().await;
+}
+
+/// One peer address cannot take every connection (issue 15 review): slow bodies
+/// from loopback are refused at `max_connections_per_ip`, well below the global
+/// cap, at once with 503; the refusals are counted.
+#[tokio::test]
+async fn one_peer_address_is_capped_below_the_global_connection_cap() {
+    use hypic_control::serve::net::REFUSED_CONNECTIONS;
+    let srv = start(|c| {
+        c.max_connections = 64;
+        c.max_connections_per_ip = 4;
+        c.header_read_timeout_ms = 30_000;
+        c.body_read_timeout_ms = 30_000;
+    })
+    .await;
+    let before = REFUSED_CONNECTIONS[1].load(std::sync::atomic::Ordering::Relaxed);
+    let head = format!(
+        "POST /v1/completions HTTP/1.1\r\nHost: x\r\nAuthorization: Bearer {}\r\n\
+         Content-Type: application/json\r\nContent-Length: 100000\r\n\r\n{{",
+        srv.token
+    );
+    let mut conns = Vec::new();
+    let mut refused = Vec::new();
+    for i in 0..10 {
+        let t = Instant::now();
+        let mut s = TcpStream::connect(srv.server.addr).await.unwrap();
+        let _ = s.write_all(head.as_bytes()).await;
+        tokio::time::sleep(Duration::from_millis(50)).await;
+        let mut buf = vec![0u8; 4096];
+        match tokio::time::timeout(Duration::from_millis(300), s.read(&mut buf)).await {
+            Ok(Ok(n)) if n > 0 => {
+                let text = String::from_utf8_lossy(&buf[..n]).to_string();
+                assert!(text.starts_with("HTTP/1.1 503"), "{i}: {text:?}");
+                assert!(text.contains("too_many_connections"), "{text:?}");
+                refused.push((i, t.elapsed()));
+            }
+            _ => conns.push(s), // still waiting for the rest of its body
+        }
+    }
+    let idx: Vec<usize> = refused.iter().map(|r| r.0).collect();
+    assert_eq!(idx, (4..10).collect::<Vec<_>>(), "refused: {refused:?}");
+    for (_, took) in &refused {
+        assert!(*took < Duration::from_secs(1), "{took:?}");
+    }
+    eprintln!("per-IP refusals: {refused:?}");
+    let after = REFUSED_CONNECTIONS[1].load(std::sync::atomic::Ordering::Relaxed);
+    assert!(after >= before + 6, "{before} -> {after}");
+    // Room again once the slow clients are gone.
+    drop(conns);
+    let mut ok = false;
+    for _ in 0..20 {
+        if health(&srv).await.0 == 200 {
+            ok = true;
+            break;
+        }
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
+    assert!(ok);
+    srv.server.stop().await;
+}
