@@ -528,6 +528,9 @@ pub fn control_router(state: ControlState) -> Router {
         .route("/v1/admin/policies/{id}/dry-run", post(dry_run))
         .route("/v1/admin/audit", get(audit_log))
         .route("/v1/admin/residency", post(report_residency))
+        .route_layer(axum::middleware::from_fn(
+            crate::serve::reqlog::record_route,
+        ))
         .fallback(|| async { ApiError::not_found("no such route") })
         .layer(DefaultBodyLimit::max(16 << 20))
         .with_state(state)

@@ -173,7 +173,8 @@ pub struct Segment {
     /// Owning tenant; shown only to the owner and to operators.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub owner_tenant: Option<String>,
-    /// Human-readable name.
+    /// Human-readable name (defaults to the owner's id; other tenants then see
+    /// the address here, see [`Segment::view_for`]).
     pub name: String,
     /// Explicitly public: every tenant may read it and it may use the shared
     /// cache namespace.
@@ -194,10 +195,14 @@ pub struct Segment {
 
 impl Segment {
     /// The segment as `tenant` may see it: unchanged for its owner and for
-    /// operators; for another tenant `id` is the address and `owner_tenant`
-    /// is hidden.
+    /// operators; for another tenant `id` is the address, `owner_tenant` is
+    /// hidden, and a `name` equal to the owner's id (the default name) reads
+    /// as the address too.
     pub fn view_for(mut self, tenant: &str, operator: bool) -> Segment {
         if !operator && self.owner_tenant.as_deref() != Some(tenant) {
+            if self.name == self.id {
+                self.name = self.address.clone();
+            }
             self.id = self.address.clone();
             self.owner_tenant = None;
         }
@@ -356,7 +361,8 @@ pub struct Residency {
 pub struct Group {
     /// Group id (same rules as tenant ids).
     pub id: String,
-    /// Human-readable name.
+    /// Human-readable name (defaults to the owner's id; other tenants then see
+    /// the address here, see [`Segment::view_for`]).
     pub name: String,
     /// Member tenants, sorted.
     pub members: Vec<String>,

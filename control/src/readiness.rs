@@ -255,7 +255,7 @@ pub async fn ready_response(control: &ControlState, mut checks: Vec<Check>) -> R
         None => Json(serde_json::json!({"status": "ready", "checks": obj})).into_response(),
         Some((code, message)) => {
             tracing::warn!(code, "not ready: {message}");
-            (
+            let mut r = (
                 StatusCode::SERVICE_UNAVAILABLE,
                 Json(serde_json::json!({
                     "status": "unready",
@@ -263,7 +263,13 @@ pub async fn ready_response(control: &ControlState, mut checks: Vec<Check>) -> R
                     "error": {"message": message, "type": "server_error", "param": null, "code": code},
                 })),
             )
-                .into_response()
+                .into_response();
+            // The request log line names the cause.
+            r.extensions_mut()
+                .insert(crate::serve::reqlog::ErrorCause(format!(
+                    "{code}: {message}"
+                )));
+            r
         }
     }
 }

@@ -2,13 +2,16 @@
 //! client goes away): request id, tenant pseudonym, method, route, status, time,
 //! and for generation requests the prompt, cached and completion tokens, TTFT
 //! and segment hits and misses. Never a token, a prompt or any other request text
-//! (the route is the URL path without its query). 5xx answers are logged at error
+//! (the route is the matched route template, e.g. `/v1/segments/{id}`, never the
+//! path itself, so ids in the path stay out; [`UNMATCHED_ROUTE`] for a path no route
+//! matches). 5xx answers are logged at error
 //! level with their cause, everything else at info level, under the target
 //! `hypic::request`.
 //!
 //! The tenant pseudonym is a short keyed hash of the tenant
 //! ([`crate::auth::IsolationKeyer::pseudonym`]), set by the auth extractor through
-//! the [`LogSlot`] in the request's extensions; handlers attach [`RequestStats`]
+//! the [`LogSlot`] in the request's extensions, which [`record_route`] also fills
+//! with the matched route; handlers attach [`RequestStats`]
 //! and [`ErrorCause`] to their responses.
 use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex};
@@ -48,19 +51,61 @@ pub fn init_logging(format: LogFormat) {
     };
 }
 
-/// Written by the auth extractor: the caller's tenant pseudonym (a request
-/// extension; absent when the request does not come through [`super::net`]).
+/// The `route` logged for a request whose path matched no route.
+pub const UNMATCHED_ROUTE: &str = "unmatched";
+
+/// Written while the request is handled: the caller's tenant pseudonym (by the
+/// auth extractor) and the matched route template (by [`record_route`]). A
+/// request extension; absent when the request does not come through
+/// [`super::net`].
 #[derive(Clone, Debug, Default)]
-pub struct LogSlot(Arc<Mutex<Option<String>>>);
+pub struct LogSlot(Arc<Mutex<SlotData>>);
+
+#[derive(Debug, Default)]
+struct SlotData {
+    tenant: Option<String>,
+    route: Option<String>,
+}
 
 impl LogSlot {
     /// Records the caller's tenant pseudonym.
     pub fn set_tenant(&self, pseudonym: String) {
-        *self.0.lock().unwrap_or_else(|e| e.into_inner()) = Some(pseudonym);
+        self.0.lock().unwrap_or_else(|e| e.into_inner()).tenant = Some(pseudonym);
+    }
+    /// Records the matched route template (e.g. `/v1/segments/{id}`).
+    pub fn set_route(&self, template: &str) {
+        self.0.lock().unwrap_or_else(|e| e.into_inner()).route =
+            Some(template.chars().take(160).collect());
     }
     fn tenant(&self) -> Option<String> {
-        self.0.lock().unwrap_or_else(|e| e.into_inner()).clone()
+        self.0
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+            .tenant
+            .clone()
     }
+    fn route(&self) -> Option<String> {
+        self.0
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+            .route
+            .clone()
+    }
+}
+
+/// Middleware (as a `route_layer`): records the matched route template in the
+/// request's [`LogSlot`], so the log line names the route, not the path.
+pub async fn record_route(
+    req: axum::extract::Request,
+    next: axum::middleware::Next,
+) -> axum::response::Response {
+    if let (Some(m), Some(slot)) = (
+        req.extensions().get::<axum::extract::MatchedPath>(),
+        req.extensions().get::<LogSlot>(),
+    ) {
+        slot.set_route(m.as_str());
+    }
+    next.run(req).await
 }
 
 /// Figures of a generation request (a response extension).
@@ -99,7 +144,6 @@ struct Answer {
 pub struct Pending {
     id: String,
     method: String,
-    route: String,
     t0: Instant,
     slot: LogSlot,
     answer: Option<Answer>,
@@ -114,14 +158,9 @@ impl Pending {
         let slot = LogSlot::default();
         req.extensions_mut().insert(slot.clone());
         req.extensions_mut().insert(RequestId(id.clone()));
-        let mut route: String = req.uri().path().chars().take(160).collect();
-        if route.is_empty() {
-            route.push('/');
-        }
         Pending {
             id,
             method: req.method().as_str().chars().take(16).collect(),
-            route,
             t0: Instant::now(),
             slot,
             answer: None,
@@ -146,9 +185,11 @@ impl Drop for Pending {
     fn drop(&mut self) {
         let ms = self.t0.elapsed().as_secs_f64() * 1e3;
         let tenant = self.slot.tenant().unwrap_or_else(|| "-".into());
+        let route = self.slot.route();
+        let route = route.as_deref().unwrap_or(UNMATCHED_ROUTE);
         let Some(a) = &self.answer else {
             tracing::info!(target: "hypic::request", request_id = %self.id, tenant = %tenant,
-                method = %self.method, route = %self.route, duration_ms = ms,
+                method = %self.method, route = %route, duration_ms = ms,
                 "client closed the connection before the answer");
             return;
         };
@@ -166,12 +207,12 @@ impl Drop for Pending {
         if a.status >= 500 {
             let cause = a.cause.as_deref().unwrap_or("unknown");
             tracing::error!(target: "hypic::request", request_id = %self.id, tenant = %tenant,
-                method = %self.method, route = %self.route, status = a.status, duration_ms = ms,
+                method = %self.method, route = %route, status = a.status, duration_ms = ms,
                 prompt_tokens = pt, cached_tokens = ct, completion_tokens = gen, ttft_ms = ttft,
                 hits, misses, cause = %cause, "request failed");
         } else {
             tracing::info!(target: "hypic::request", request_id = %self.id, tenant = %tenant,
-                method = %self.method, route = %self.route, status = a.status, duration_ms = ms,
+                method = %self.method, route = %route, status = a.status, duration_ms = ms,
                 prompt_tokens = pt, cached_tokens = ct, completion_tokens = gen, ttft_ms = ttft,
                 hits, misses, "request");
         }

@@ -77,6 +77,7 @@ pub fn router(state: AppState) -> Router {
                 .delete(super::segments::delete)
                 .fallback(not_allowed),
         )
+        .route_layer(axum::middleware::from_fn(super::reqlog::record_route))
         .fallback_service(control)
         .layer(DefaultBodyLimit::max(limit))
         .layer(axum::middleware::from_fn_with_state(

@@ -468,6 +468,10 @@ async fn http_other_tenants_ids_are_no_oracle(c: Catalog) {
     assert_eq!(st, StatusCode::OK, "{v}");
     assert_eq!(v["id"], json!(pub_addr));
     assert!(v.get("owner_tenant").is_none(), "{v}");
+    // Nor the owner's id through the default name.
+    assert_eq!(v["name"], json!(pub_addr), "{v}");
+    let (_, _, ov) = get(&a, format!("/v1/segments/{pub_addr}")).await;
+    assert_eq!(ov["name"], "handbook", "the owner sees its name: {ov}");
     assert!(!v.to_string().contains("\"a\""), "{v}");
     let (st, _, v) = get(&b, "/v1/segments/handbook".into()).await;
     assert_eq!(st, StatusCode::NOT_FOUND, "only by address: {v}");

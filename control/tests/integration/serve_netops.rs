@@ -294,6 +294,55 @@ async fn a_request_logs_one_line_without_prompt_or_token_text() {
 }
 
 #[tokio::test]
+async fn the_request_log_names_the_route_template_not_the_path() {
+    let cap = log_capture();
+    let srv = start(|_| {}).await;
+    let mut rids = vec![];
+    for path in [
+        "/v1/segments/secret-id-123",
+        "/v1/segments/secret-id-123/versions",
+        "/no/such/secret-id-123",
+    ] {
+        let r = srv
+            .client
+            .get(format!("{}{path}", srv.url))
+            .bearer_auth(&srv.token)
+            .send()
+            .await
+            .unwrap();
+        rids.push(r.headers()["x-request-id"].to_str().unwrap().to_string());
+        let _ = r.bytes().await.unwrap();
+    }
+    srv.server.stop().await;
+    let all = cap.text();
+    let line = |rid: &str| {
+        all.lines()
+            .find(|l| l.contains(&format!("request_id={rid}")))
+            .unwrap_or_else(|| panic!("no log line for request {rid} in:\n{all}"))
+            .to_string()
+    };
+    assert!(
+        line(&rids[0]).contains("route=/v1/segments/{id} "),
+        "{}",
+        line(&rids[0])
+    );
+    assert!(
+        line(&rids[1]).contains("route=/v1/segments/{id}/versions "),
+        "{}",
+        line(&rids[1])
+    );
+    assert!(
+        line(&rids[2]).contains("route=unmatched "),
+        "{}",
+        line(&rids[2])
+    );
+    assert!(
+        !all.contains("secret-id-123"),
+        "a segment id in the log:\n{all}"
+    );
+}
+
+#[tokio::test]
 async fn ready_names_a_read_only_catalog_and_writes_fail_with_the_cause() {
     let cap = log_capture();
     let srv = start(|_| {}).await;
@@ -303,7 +352,15 @@ async fn ready_names_a_read_only_catalog_and_writes_fail_with_the_cause() {
     make_catalog_read_only(&srv).await;
     // Liveness stays ok, readiness does not.
     assert_eq!(srv.get_as(None, "/health").await.0, 200);
-    let (st, body) = srv.get_as(None, "/ready").await;
+    let r = srv
+        .client
+        .get(format!("{}/ready", srv.url))
+        .send()
+        .await
+        .unwrap();
+    let ready_rid = r.headers()["x-request-id"].to_str().unwrap().to_string();
+    let st = r.status().as_u16();
+    let body: Value = r.json().await.unwrap();
     assert_eq!(st, 503, "{body}");
     assert_eq!(body["error"]["code"], "catalog_read_only", "{body}");
     assert_eq!(body["checks"]["catalog_writable"], false, "{body}");
@@ -337,6 +394,15 @@ async fn ready_names_a_read_only_catalog_and_writes_fail_with_the_cause() {
     assert!(
         line.contains("ERROR") && line.contains("route=/v1/segments") && line.contains("read-only"),
         "not an error-level line with the cause: {line}"
+    );
+    // The /ready 503 line names the readiness cause too.
+    let line = text
+        .lines()
+        .find(|l| l.contains(&format!("request_id={ready_rid}")))
+        .unwrap_or_else(|| panic!("no line for {ready_rid}:\n{text}"));
+    assert!(
+        line.contains("catalog_read_only") && !line.contains("cause=unknown"),
+        "the /ready line lacks the cause: {line}"
     );
 }
 
