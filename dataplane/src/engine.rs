@@ -89,6 +89,10 @@ pub trait EnginePools: Send + Sync {
     /// Removes the public-pool entries of `tokens` under `isolation` for each body
     /// start; returns how many were present.
     fn evict_segment(&self, tokens: &[u32], isolation: &str, body_starts: &[usize]) -> usize;
+    /// As [`EnginePools::evict_segment`], but leaves no departure record, so a
+    /// later miss on these entries reports `never_seen` (whether or not they were
+    /// present); returns how many were present.
+    fn forget_segment(&self, tokens: &[u32], isolation: &str, body_starts: &[usize]) -> usize;
     /// Drops every entry and snapshot owned by `isolation`; returns how many.
     fn invalidate_owner(&self, isolation: &str) -> usize;
     /// `(entries, bytes, stats)` of the public pool.
@@ -152,6 +156,9 @@ impl EnginePools for PicEngine {
     }
     fn evict_segment(&self, tokens: &[u32], isolation: &str, body_starts: &[usize]) -> usize {
         PicEngine::evict_segment(self, tokens, isolation, body_starts)
+    }
+    fn forget_segment(&self, tokens: &[u32], isolation: &str, body_starts: &[usize]) -> usize {
+        PicEngine::forget_segment(self, tokens, isolation, body_starts)
     }
     fn invalidate_owner(&self, isolation: &str) -> usize {
         PicEngine::invalidate_owner(self, isolation)

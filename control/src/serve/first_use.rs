@@ -9,7 +9,9 @@
 //!   and the request recomputes and stores it again, so that use costs what a
 //!   miss costs whatever other tenants did; the tenant is recorded as having
 //!   paid, and its later uses hit the entry it rebuilt (or whatever is resident
-//!   then). Each tenant pays one recomputation per shared entry; other tenants
+//!   then). The drop takes every role's entry and leaves no departure record,
+//!   so the segment's `miss_reason` is `never_seen` whether the entry was cached
+//!   or cold. Each tenant pays one recomputation per shared entry; other tenants
 //!   using the entry at the same moment may miss once.
 //!
 //! The record of who paid is bounded ([`FIRST_USE_MAX_TRACKED`]); a forgotten
@@ -93,7 +95,13 @@ impl FirstUse {
                 paid.insert(key, ());
             }
             self.forced.fetch_add(1, Ordering::Relaxed);
-            dropped += engine.evict_segment(&r.tokens, &r.isolation, &[body_start]);
+            // Every role a miss builds goes, or the role left behind would show in
+            // the next miss's reason (`role_mismatch`) that another tenant used it.
+            let mut roles = mode.entry_body_starts(r.tokens.len());
+            if !roles.contains(&body_start) {
+                roles.push(body_start);
+            }
+            dropped += engine.forget_segment(&r.tokens, &r.isolation, &roles);
         }
         dropped
     }

@@ -984,4 +984,16 @@ impl PicEngine {
         let mut p = lock(&self.public);
         keys.iter().filter(|k| p.remove(k)).count()
     }
+
+    /// As [`Self::evict_segment`], but the removals leave no departure record: a
+    /// later miss on these entries reports `never_seen` whether or not they were
+    /// present.
+    pub fn forget_segment(&self, tokens: &[u32], isolation: &str, body_starts: &[usize]) -> usize {
+        let keys: Vec<Key> = body_starts
+            .iter()
+            .map(|&b| self.entry_key(tokens, isolation, b))
+            .collect();
+        let mut p = lock(&self.public);
+        keys.iter().filter(|k| p.remove_unrecorded(k)).count()
+    }
 }

@@ -661,6 +661,16 @@ impl<V> Pool<V> {
         primary || spilled
     }
 
+    /// Removes `key` from both tiers and forgets how it left (now or earlier), so that
+    /// a later miss on it reads as never seen; returns whether it was present. Used
+    /// where the removal must not be observable through a miss reason.
+    pub fn remove_unrecorded(&mut self, key: &Key) -> bool {
+        let primary = self.take_primary(key).is_some();
+        let spilled = self.remove_spilled(key);
+        self.gone.forget(key);
+        primary || spilled
+    }
+
     /// How `key` last left the pool, when it is absent from both tiers and was
     /// present (or offered) recently: the newest [`DEPARTURES_REMEMBERED`] departures
     /// are kept. `None` for a key never seen, forgotten, or present. Not a lookup.
