@@ -287,18 +287,25 @@ async fn ttl_sweep_drops_idle_entries_without_any_request() {
         metric(&m, "hypic_pool_entries", "pool=\"public\""),
         Some(0.0)
     );
-    // Audited, and visible in the segment's residency.
-    let (st, log) = s
-        .get_as(Some(&s.op_token), "/v1/admin/audit?action=cache.invalidate")
-        .await;
-    assert_eq!(st, 200);
-    assert!(
-        log.as_array()
+    // Audited (the audit writer is asynchronous: wait for its row), and visible in
+    // the segment's residency.
+    let t0 = Instant::now();
+    loop {
+        let (st, log) = s
+            .get_as(Some(&s.op_token), "/v1/admin/audit?action=cache.invalidate")
+            .await;
+        assert_eq!(st, 200);
+        let found = log
+            .as_array()
             .unwrap()
             .iter()
-            .any(|r| r["detail"].as_str().unwrap().contains(&doc_ttl)),
-        "{log}"
-    );
+            .any(|r| r["detail"].as_str().unwrap().contains(&doc_ttl));
+        if found {
+            break;
+        }
+        assert!(t0.elapsed() < Duration::from_secs(10), "{log}");
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
     let (_, g) = s.get("/v1/segments/doc-ttl").await;
     assert_eq!(g["hypic"]["residency"]["resident"], false, "{g}");
     // The next request misses and rebuilds.
