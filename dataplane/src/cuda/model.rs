@@ -94,11 +94,10 @@ pub const ATTN_FAST_MIN_KV: usize = 512;
 /// over a long cache.
 pub const ATTN_FLASH_MIN_TQ: usize = 64;
 /// Keys (cached plus new) from which the wgmma attention takes 128 × 80 tiles
-/// ([`attn::FlashWgKernel::WarpSpecializedTmaLeanBc80`]) rather than 128 × 64: measured
-/// on the H200 (causal, 16/2 heads × 256), 80-key tiles are 3 % faster at 16k keys in
-/// two runs (3.246 / 3.263 against 3.350 / 3.342 ms, runs T / U) and within run-to-run
-/// noise at 4k (0.270 / 0.261 against 0.262 / 0.266 ms); the threshold sits between the
-/// two measured lengths.
+/// ([`attn::FlashWgKernel::WarpSpecializedTmaLeanBc80`]) rather than 128 × 64: on the
+/// H200 (causal, 16/2 heads × 256) 80-key tiles are faster at 16k keys and no better
+/// at 4k (figures in benches/results/gpu-2026-11-30.md); the threshold sits between the two measured
+/// lengths.
 pub const ATTN_WG_BC80_MIN_KV: usize = 8192;
 /// Key dims of the tuned recurrent GDR kernel ([`gdr::recurrent`]).
 const GDR_REC_DK: [usize; 3] = [64, 128, 256];

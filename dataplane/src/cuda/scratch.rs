@@ -2,9 +2,8 @@
 //!
 //! Every forward allocates its activations per call: a decode step of the
 //! Qwen3.5-35B-A3B shape takes hundreds of small buffers, and each stream-ordered
-//! allocation plus its free costs two driver calls, measured at 1.4 µs (run N) and
-//! 4.7 µs (run U) of host time per pair on the lent H200 machines (gpu_bench, "host cost
-//! per device operation"). Decode and HYPIC's per-segment work are bound by that host
+//! allocation plus its free costs two driver calls of host time (gpu_bench, "host cost
+//! per device operation"; figures in benches/results/gpu-2026-11-30.md). Decode and HYPIC's per-segment work are bound by that host
 //! time. A [`Scratch`] buffer goes back to this cache when dropped, keyed by its byte
 //! size, and the next request of that size takes it without a driver call; decode asks
 //! for the same sizes every step.
