@@ -6,29 +6,6 @@ use std::sync::Arc;
 
 use hypic_control::catalog::{content_hash, Catalog, CatalogError, NewSegment, Residency, Role};
 
-macro_rules! both_backends {
-    ($($name:ident),* $(,)?) => {
-        mod sqlite {
-            $(
-                #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-                async fn $name() {
-                    let (c, _dir) = crate::common::sqlite_catalog().await;
-                    super::$name(c).await;
-                }
-            )*
-        }
-        mod postgres {
-            $(
-                #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-                async fn $name() {
-                    let (c, _schema) = crate::common::pg_catalog().await;
-                    super::$name(c).await;
-                }
-            )*
-        }
-    };
-}
-
 both_backends!(
     migrations,
     versions,

@@ -20,29 +20,6 @@ use tower::ServiceExt;
 
 use crate::common;
 
-macro_rules! both_backends {
-    ($($name:ident),* $(,)?) => {
-        mod sqlite {
-            $(
-                #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-                async fn $name() {
-                    let (c, _dir) = crate::common::sqlite_catalog().await;
-                    super::$name(c).await;
-                }
-            )*
-        }
-        mod postgres {
-            $(
-                #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-                async fn $name() {
-                    let (c, _schema) = crate::common::pg_catalog().await;
-                    super::$name(c).await;
-                }
-            )*
-        }
-    };
-}
-
 both_backends!(
     ids_are_scoped_to_their_owner,
     deleted_ids_can_be_created_again,

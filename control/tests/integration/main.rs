@@ -4,6 +4,7 @@
 //!
 //! `cargo test -p hypic-control --test integration <area>::` runs one area.
 
+#[macro_use]
 mod common;
 mod serve_common;
 

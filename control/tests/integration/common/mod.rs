@@ -179,3 +179,28 @@ pub fn state(catalog: Catalog) -> ControlState {
         rt,
     )
 }
+
+/// Runs each named `async fn(Catalog)` of the calling module as two tests: in a
+/// `sqlite` module on a temp-file catalog and in a `postgres` module on a fresh schema.
+macro_rules! both_backends {
+    ($($name:ident),* $(,)?) => {
+        mod sqlite {
+            $(
+                #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+                async fn $name() {
+                    let (c, _dir) = crate::common::sqlite_catalog().await;
+                    super::$name(c).await;
+                }
+            )*
+        }
+        mod postgres {
+            $(
+                #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+                async fn $name() {
+                    let (c, _schema) = crate::common::pg_catalog().await;
+                    super::$name(c).await;
+                }
+            )*
+        }
+    };
+}
