@@ -321,12 +321,16 @@ mod bench {
                 })
                 .collect();
             let mode = Mode::hypic_default();
-            engine.run(&segs, mode, "build").map_err(e)?;
+            engine
+                .run(&segs, mode, "build")
+                .map_err(|x| x.to_string())?;
             let (mut ts, mut hits) = (vec![], 0);
             for r in 0..=a.reps {
                 g.sync().map_err(e)?;
                 let t = Instant::now();
-                let out = engine.run(&segs, mode, &format!("run{r}")).map_err(e)?;
+                let out = engine
+                    .run(&segs, mode, &format!("run{r}"))
+                    .map_err(|x| x.to_string())?;
                 g.sync().map_err(e)?;
                 if r > 0 {
                     ts.push(t.elapsed().as_secs_f64());

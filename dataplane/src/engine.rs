@@ -1,6 +1,8 @@
 //! The engine interface of the serving path: what the [`crate::scheduler`] and
-//! `hypic serve` need from a PIC engine, so that the CPU [`PicEngine`] and the GPU
-//! `cuda::pic::GpuPicEngine` (feature `cuda`) are interchangeable.
+//! `hypic serve` need from a PIC engine, so that the CPU [`crate::pic::PicEngine`]
+//! and the GPU `cuda::pic::GpuPicEngine` (feature `cuda`) are interchangeable. Both
+//! are the one generic engine [`Pic`] over a [`PicBackend`], which implements these
+//! traits once.
 //!
 //! * [`EnginePools`] (object safe): the model config, which backend serves, and the
 //!   pool operations of segment registration, residency, eviction, invalidation,
@@ -17,9 +19,10 @@
 //! a seeded request draws the same way on either backend.
 use crate::config::{LayerKind, ModelConfig};
 use crate::error::Result;
+use crate::pic::engine::Snapshot;
 use crate::pic::pool::{CachePolicy, PoolStats};
-use crate::pic::{Mode, PicEngine, PicStats, Prefetch, SegmentRef};
-use crate::state::ModelState;
+use crate::pic::spill::Spill;
+use crate::pic::{Mode, Pic, PicBackend, PicStats, Prefetch, SegmentRef};
 use serde::Serialize;
 
 /// Which backend an engine runs on (for logs, `/health` and `/metrics`).
@@ -77,7 +80,7 @@ pub trait EnginePools: Send + Sync {
         full * 2 * c.num_kv_heads * c.head_dim * self.kv_elem_bytes() + full * 8
     }
     /// Builds the public-pool entries of `tokens` under `isolation` for each body
-    /// start unless resident (see [`PicEngine::prefetch_many`]).
+    /// start unless resident (see [`Pic::prefetch_many`]).
     fn prefetch_many(
         &self,
         tokens: &[u32],
@@ -116,7 +119,7 @@ pub trait Engine: EnginePools {
     /// Running state of one sequence.
     type State: 'static;
     /// Serves one prompt: prefix/PIC reuse per `mode`, then the query segment
-    /// (see [`PicEngine::run`]).
+    /// (see [`Pic::run`]).
     ///
     /// Errors: [`crate::Error::Input`] for an invalid request, [`crate::Error::Device`]
     /// for a device failure.
@@ -136,12 +139,21 @@ pub trait Engine: EnginePools {
     fn state_bytes(state: &Self::State) -> usize;
 }
 
-impl EnginePools for PicEngine {
+/// Every PIC engine serves: the pool operations, through the generic engine.
+/// Device work (prefetch, run, decode) holds the backend's
+/// [`PicBackend::exclusive`] guard.
+impl<B: PicBackend> EnginePools for Pic<B>
+where
+    Snapshot<B::State>: Spill,
+{
     fn config(&self) -> &ModelConfig {
-        &self.model().config
+        self.pic_backend().config()
     }
     fn backend(&self) -> BackendInfo {
-        BackendInfo::cpu()
+        Pic::pic_backend(self).info()
+    }
+    fn kv_elem_bytes(&self) -> usize {
+        Pic::pic_backend(self).kv_elem_bytes()
     }
     fn prefetch_many(
         &self,
@@ -149,52 +161,61 @@ impl EnginePools for PicEngine {
         isolation: &str,
         body_starts: &[usize],
     ) -> Result<Vec<(Prefetch, usize)>> {
-        PicEngine::prefetch_many(self, tokens, isolation, body_starts)
+        let _serial = Pic::pic_backend(self).exclusive();
+        Pic::prefetch_many(self, tokens, isolation, body_starts)
     }
     fn resident_bytes(&self, tokens: &[u32], isolation: &str, body_start: usize) -> Option<usize> {
-        PicEngine::resident_bytes(self, tokens, isolation, body_start)
+        Pic::resident_bytes(self, tokens, isolation, body_start)
     }
     fn evict_segment(&self, tokens: &[u32], isolation: &str, body_starts: &[usize]) -> usize {
-        PicEngine::evict_segment(self, tokens, isolation, body_starts)
+        Pic::evict_segment(self, tokens, isolation, body_starts)
     }
     fn forget_segment(&self, tokens: &[u32], isolation: &str, body_starts: &[usize]) -> usize {
-        PicEngine::forget_segment(self, tokens, isolation, body_starts)
+        Pic::forget_segment(self, tokens, isolation, body_starts)
     }
     fn invalidate_owner(&self, isolation: &str) -> usize {
-        PicEngine::invalidate_owner(self, isolation)
+        Pic::invalidate_owner(self, isolation)
     }
     fn public_usage(&self) -> (usize, usize, PoolStats) {
-        PicEngine::public_usage(self)
+        Pic::public_usage(self)
     }
     fn private_usage(&self) -> (usize, usize, PoolStats) {
-        PicEngine::private_usage(self)
+        Pic::private_usage(self)
     }
     fn spill_usage(&self) -> [(usize, usize, usize); 2] {
-        PicEngine::spill_usage(self)
+        Pic::spill_usage(self)
     }
     fn clear(&self) {
-        PicEngine::clear(self)
+        Pic::clear(self)
     }
     fn set_public_policy(&self, p: Box<dyn CachePolicy>) {
-        PicEngine::set_public_policy(self, p)
+        Pic::set_public_policy(self, p)
     }
     fn enable_spill(&self, public_bytes: usize, private_bytes: usize) {
-        PicEngine::enable_spill(self, public_bytes, private_bytes)
+        Pic::enable_spill(self, public_bytes, private_bytes)
     }
     fn content_hash(&self, tokens: &[u32]) -> String {
-        PicEngine::content_hash(self, tokens)
+        Pic::content_hash(self, tokens)
     }
 }
 
-impl Engine for PicEngine {
-    type State = ModelState;
+/// The scheduler's interface: prefill through [`Pic::run`], decode through the
+/// backend; invalid requests are [`crate::Error::Input`] (checked before any device
+/// work).
+impl<B: PicBackend> Engine for Pic<B>
+where
+    Snapshot<B::State>: Spill,
+{
+    type State = B::State;
     fn run(
         &self,
         segments: &[SegmentRef],
         mode: Mode,
         tenant: &str,
-    ) -> Result<EngineOutput<ModelState>> {
-        let out = PicEngine::run(self, segments, mode, tenant)?;
+    ) -> Result<EngineOutput<B::State>> {
+        self.validate(segments)?;
+        let _serial = Pic::pic_backend(self).exclusive();
+        let out = Pic::run(self, segments, mode, tenant)?;
         Ok(EngineOutput {
             logits: out.logits,
             state: out.state,
@@ -204,11 +225,12 @@ impl Engine for PicEngine {
     fn decode_batch(
         &self,
         tokens: &[u32],
-        states: &mut [&mut ModelState],
+        states: &mut [&mut B::State],
     ) -> Result<Vec<Vec<f32>>> {
-        self.model().decode_batch(tokens, states)
+        let _serial = Pic::pic_backend(self).exclusive();
+        Pic::pic_backend(self).decode_batch(tokens, states)
     }
-    fn state_bytes(state: &ModelState) -> usize {
-        state.bytes()
+    fn state_bytes(state: &B::State) -> usize {
+        B::state_bytes(state)
     }
 }

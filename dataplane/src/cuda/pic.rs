@@ -1,14 +1,13 @@
-//! Position-independent caching on the GPU: [`GpuPicEngine`], the device counterpart
-//! of the CPU [`crate::pic::PicEngine`], with its public pool of segment entries and
-//! its private pool of running-state snapshots held in device memory.
+//! Position-independent caching on the GPU: [`GpuBackend`], the device backend of
+//! the generic PIC engine [`Pic`] ([`GpuPicEngine`]), with its public pool of segment
+//! entries and its private pool of running-state snapshots held in device memory.
 //!
-//! Same request semantics as `PicEngine::run` (modes `FullRecompute`, `PrefixCache`,
-//! `NaiveAddition`, `Hypic { seam_width, rope_fix }`; the module doc of
-//! [`crate::pic::engine`] describes them), the same cache keys (the CPU engine's key
-//! functions), the same per-segment [`Outcome`]s and token counts. The three GPU
-//! paths:
+//! The request logic is the CPU engine's, written once in [`crate::pic::engine`]
+//! (modes `FullRecompute`, `PrefixCache`, `NaiveAddition`, `Hypic { seam_width,
+//! rope_fix }`; its module doc describes them): the same cache keys, per-segment
+//! outcomes and token counts. The three GPU paths:
 //!
-//! * capture ([`GpuPicEngine::build_entry`]): the segment prefilled alone from the
+//! * capture ([`Pic::build_entry`]): the segment prefilled alone from the
 //!   zero state at positions `0..m`; per GDN layer the body pair over tokens
 //!   `body_start..m` (`T_body [Hv,dk,dk]` and `S_body|0 = S_m − T_body·S_body_start`
 //!   `[Hv,dk,dv]`, fp32; `T_body` from the chunked kernel in the same pass for
@@ -27,7 +26,7 @@
 //!   mixer, then its body composed into the layer state, then one FFN pass over all the
 //!   seam windows — the same result as one segment after the other.
 //!
-//! Spill ([`GpuPicEngine::enable_spill`]): entries evicted from device memory are
+//! Spill ([`Pic::enable_spill`]): entries evicted from device memory are
 //! downloaded and encoded in the CPU blob formats (`pic::spill`, fp32 exact; bf16 KV
 //! widened to fp32, which round-trips exactly), kept with the pool's XXH3 checksum,
 //! and uploaded again on a hit after the checksum verifies (SGLang #39830). Decoding
@@ -44,17 +43,13 @@ use super::model::{GpuLayerState, GpuModel, GpuState};
 use super::transition::DensePair;
 use super::{check_len, grid_for, ops, CudaError, CudaSlice, Elem, Gpu, Result, Scratch};
 use crate::config::{LayerKind, ModelConfig};
-use crate::engine::{BackendInfo, Engine, EngineOutput, EnginePools};
+use crate::engine::BackendInfo;
 use crate::linear::gdr::GdrDims;
 use crate::linear::transition::TransitionKind;
 use crate::model::Logits;
-use crate::pic::engine::{
-    computed_reason, content_key, fill_duplicates, miss_roles, prefix_keys, public_key,
-    public_miss_reason, tally, validate_segments, EntryLayer, MissReason, Mode, Outcome, PicStats,
-    Prefetch, SegmentEntry, SegmentRef, SegmentStat, Snapshot,
-};
-use crate::pic::pool::{CachePolicy, Insert, Key, Lru, Pool, PoolStats};
+use crate::pic::engine::{EntryLayer, Pic, PicOutput, SegmentEntry, Snapshot};
 use crate::pic::spill::Spill;
+use crate::pic::{CacheEntry, PicBackend};
 
 /// Left-multiplies `trans` by the gated-delta-rule transition of a span, any `dk`:
 /// `trans[h] ← T_t ··· T_1 · trans[h]`, `T_t = exp(g_t)(I − β_t k_t k_tᵀ)` (set
@@ -342,15 +337,6 @@ impl<T: Elem> GpuSegmentEntry<T> {
         })
     }
 }
-
-/// A private-pool snapshot on the device: the running state after a segment prefix.
-pub struct GpuSnapshot<T: Elem> {
-    /// Whole-model device state.
-    pub state: GpuState<T>,
-    /// Last-token logits `[vocab]` of the prefix, when it was a whole prompt (host).
-    pub logits: Option<Vec<f32>>,
-}
-
 /// Device and config bound for decoding spilled blobs on this thread.
 struct SpillCtx {
     gpu: Arc<Gpu>,
@@ -396,7 +382,7 @@ impl<T: Elem> Spill for GpuSegmentEntry<T> {
     }
 }
 
-impl<T: Elem> Spill for GpuSnapshot<T> {
+impl<T: Elem> Spill for Snapshot<GpuState<T>> {
     fn encode(&self) -> Vec<u8> {
         match self.state.to_host() {
             Ok(state) => Snapshot {
@@ -410,7 +396,7 @@ impl<T: Elem> Spill for GpuSnapshot<T> {
     fn decode(bytes: &[u8]) -> std::result::Result<Self, String> {
         let s = Snapshot::decode(bytes)?;
         spill_ctx(|c| {
-            Ok(GpuSnapshot {
+            Ok(Snapshot {
                 state: GpuState::from_host(&c.gpu, &c.config, &s.state)
                     .map_err(|x| x.to_string())?,
                 logits: s.logits,
@@ -419,34 +405,43 @@ impl<T: Elem> Spill for GpuSnapshot<T> {
     }
 }
 
-/// Result of [`GpuPicEngine::run`].
-pub struct GpuPicOutput<T: Elem> {
-    /// Logits of the prompt's last token, `[vocab]` (host, fp32).
-    pub logits: Vec<f32>,
-    /// Running device state after the prompt, ready for [`GpuModel::decode`].
-    pub state: GpuState<T>,
-    /// Statistics (the same as the CPU engine's for the same requests).
-    pub stats: PicStats,
+impl<T: Elem> CacheEntry for GpuSegmentEntry<T> {
+    fn body_start(&self) -> usize {
+        self.body_start
+    }
+    fn bytes(&self) -> usize {
+        GpuSegmentEntry::bytes(self)
+    }
 }
+
+/// A private-pool snapshot on the device: the running state after a segment prefix.
+pub type GpuSnapshot<T> = Snapshot<GpuState<T>>;
+
+/// Result of [`Pic::run`] on the device.
+pub type GpuPicOutput<T> = PicOutput<GpuState<T>>;
+
+/// The PIC engine on the GPU: the generic engine ([`Pic`]) over [`GpuBackend`], its
+/// public and private pools in device memory (see the module doc).
+pub type GpuPicEngine<T> = Pic<GpuBackend<T>>;
 
 fn lock<X>(m: &Mutex<X>) -> MutexGuard<'_, X> {
     m.lock().unwrap_or_else(|p| p.into_inner())
 }
 
-/// The PIC engine on the GPU: a device model plus its public and private pools, both
-/// in device memory (see the module doc).
-pub struct GpuPicEngine<T: Elem> {
+fn device_err(e: CudaError) -> crate::Error {
+    crate::Error::Device(e.to_string())
+}
+
+/// The device model as a PIC backend.
+pub struct GpuBackend<T: Elem> {
     model: Arc<GpuModel<T>>,
-    model_id: String,
-    public: Mutex<Pool<GpuSegmentEntry<T>>>,
-    private: Mutex<Pool<GpuSnapshot<T>>>,
-    /// Serialises the device work issued through the [`Engine`] interface (the
-    /// scheduler's prefill and decode, the server's segment prefetch), which come
-    /// from different threads.
+    /// Serialises the device work issued through the [`crate::engine::Engine`]
+    /// interface (the scheduler's prefill and decode, the server's segment
+    /// prefetch), which come from different threads.
     serial: Mutex<()>,
 }
 
-impl<T: Elem> GpuPicEngine<T>
+impl<T: Elem> Pic<GpuBackend<T>>
 where
     CudaBlas: Gemm<T>,
 {
@@ -458,333 +453,30 @@ where
         public_bytes: usize,
         private_bytes: usize,
     ) -> Self {
-        GpuPicEngine {
+        let backend = GpuBackend {
             model,
-            model_id: model_id.to_string(),
-            public: Mutex::new(Pool::new(public_bytes, Box::new(Lru))),
-            private: Mutex::new(Pool::new(private_bytes, Box::new(Lru))),
             serial: Mutex::new(()),
-        }
+        };
+        Pic::with_backend(backend, model_id, public_bytes, private_bytes)
     }
 
     /// The device model.
     pub fn model(&self) -> &Arc<GpuModel<T>> {
-        &self.model
+        &self.backend.model
     }
+}
 
-    /// Replaces the public pool's policy.
-    pub fn set_public_policy(&self, p: Box<dyn CachePolicy>) {
-        lock(&self.public).set_policy(p);
-    }
-    /// Replaces the private pool's policy.
-    pub fn set_private_policy(&self, p: Box<dyn CachePolicy>) {
-        lock(&self.private).set_policy(p);
-    }
-
-    /// Gives both pools host spill tiers of the given byte capacities (0: none):
-    /// entries evicted from device memory are downloaded into checksummed host blobs
-    /// and uploaded again on a later hit after the checksum verifies.
-    pub fn enable_spill(&self, public_bytes: usize, private_bytes: usize) {
-        lock(&self.public).enable_spill(public_bytes);
-        lock(&self.private).enable_spill(private_bytes);
-    }
-
-    /// `(entries, bytes, capacity)` of the public and private spill tiers.
-    pub fn spill_usage(&self) -> [(usize, usize, usize); 2] {
-        [
-            lock(&self.public).spill_usage(),
-            lock(&self.private).spill_usage(),
-        ]
-    }
-
-    /// Fault injection for tests: damages every spilled blob of both pools (one bit
-    /// at byte `at`); returns how many were damaged.
-    #[doc(hidden)]
-    pub fn damage_spilled(&self, at: usize) -> usize {
-        let mut n = 0;
-        {
-            let mut p = lock(&self.public);
-            for k in p.spilled_keys() {
-                n += p.damage_spilled(&k, at) as usize;
-            }
-        }
-        let mut p = lock(&self.private);
-        for k in p.spilled_keys() {
-            n += p.damage_spilled(&k, at) as usize;
-        }
-        n
-    }
-
-    /// `(entries, device bytes, stats)` of the public pool.
-    pub fn public_usage(&self) -> (usize, usize, PoolStats) {
-        let p = lock(&self.public);
-        (p.len(), p.used_bytes(), p.stats())
-    }
-    /// `(entries, device bytes, stats)` of the private pool.
-    pub fn private_usage(&self) -> (usize, usize, PoolStats) {
-        let p = lock(&self.private);
-        (p.len(), p.used_bytes(), p.stats())
-    }
-
-    /// Drops every cached entry and snapshot owned by `isolation` (both tiers);
-    /// returns how many were removed.
-    pub fn invalidate_owner(&self, isolation: &str) -> usize {
-        lock(&self.public).remove_owner(isolation) + lock(&self.private).remove_owner(isolation)
-    }
-
-    /// Clears both pools.
-    pub fn clear(&self) {
-        lock(&self.public).clear();
-        lock(&self.private).clear();
-    }
-
-    /// SHA-256 (hex) of the model id and a segment's tokens (as the CPU engine).
-    pub fn content_hash(&self, tokens: &[u32]) -> String {
-        hex::encode(content_key(&self.model_id, tokens))
-    }
-
-    fn get_public(&self, key: &Key) -> Option<Arc<GpuSegmentEntry<T>>> {
-        let gpu = self.model.gpu();
-        with_spill_ctx(gpu, self.model.config(), || lock(&self.public).get(key))
-    }
-
-    /// Serves one request on the device: prefix/PIC reuse per `mode`, then the query
-    /// segment. Same semantics, keys and statistics as `PicEngine::run`: `tenant`
-    /// scopes the private pool, each segment's `isolation` its public-pool entry.
-    ///
-    /// Errors ([`CudaError::Shape`] with the CPU engine's message): no segments, an
-    /// empty segment, a token outside the vocabulary, a prompt over the context
-    /// limit; driver errors.
-    pub fn run(
-        &self,
-        segments: &[SegmentRef],
-        mode: Mode,
-        tenant: &str,
-    ) -> Result<GpuPicOutput<T>> {
-        let model = &self.model;
-        let c = model.config();
-        validate_segments(c, segments).map_err(|e| CudaError::Shape(e.to_string()))?;
-        let n = segments.len();
-        let contents: Vec<Key> = segments
-            .iter()
-            .map(|s| content_key(&self.model_id, &s.tokens))
-            .collect();
-        let mut stats = PicStats::default();
-        let stat = |i: usize, outcome: Outcome, computed: usize, reused: usize| SegmentStat {
-            index: i,
-            tokens: segments[i].tokens.len(),
-            outcome,
-            computed,
-            reused,
-            content_hash: hex::encode(contents[i]),
-            miss_reason: None,
-        };
-        let use_private = mode != Mode::FullRecompute && mode != Mode::NaiveAddition;
-        let pkeys = if use_private {
-            prefix_keys(&self.model_id, &mode, tenant, &contents, segments)
-        } else {
-            vec![]
-        };
-
-        // 1. Longest private-pool prefix.
-        let mut state = model.new_state()?;
-        let mut start = 0usize;
-        if use_private {
-            let gpu = model.gpu();
-            let mut pool = lock(&self.private);
-            for i in (1..=n).rev() {
-                if !pool.contains(&pkeys[i - 1]) {
-                    continue;
-                }
-                let Some(snap) = with_spill_ctx(gpu, c, || pool.get(&pkeys[i - 1])) else {
-                    continue;
-                };
-                if i == n {
-                    let Some(logits) = snap.logits.clone() else {
-                        continue;
-                    };
-                    drop(pool);
-                    for (j, s) in segments.iter().enumerate() {
-                        stats
-                            .segments
-                            .push(stat(j, Outcome::PrefixHit, 0, s.tokens.len()));
-                    }
-                    stats.hits = n;
-                    stats.tokens_reused = segments.iter().map(|s| s.tokens.len()).sum();
-                    return Ok(GpuPicOutput {
-                        logits,
-                        state: snap.state.try_clone()?,
-                        stats,
-                    });
-                }
-                state = snap.state.try_clone()?;
-                start = i;
-                for (j, s) in segments[..i].iter().enumerate() {
-                    stats
-                        .segments
-                        .push(stat(j, Outcome::PrefixHit, 0, s.tokens.len()));
-                }
-                break;
-            }
-        }
-
-        // 2. Remaining segments. A run of consecutive composed segments (cache hits and
-        // misses) goes through the model together (`compose_run`: their seam windows
-        // layer-major, one FFN pass per layer); a computed segment (the last one, every
-        // segment of full recompute / prefix cache, a segment inside its seam window)
-        // is prefilled on its own.
-        let rope_fix = match mode {
-            Mode::Hypic { rope_fix, .. } => rope_fix,
-            _ => true,
-        };
-        let naive = mode == Mode::NaiveAddition;
-        let body_start_of = |i: usize| mode.body_start(i);
-        let compute_here = |i: usize| {
-            i + 1 == n
-                || matches!(mode, Mode::FullRecompute | Mode::PrefixCache)
-                || (matches!(mode, Mode::Hypic { .. })
-                    && body_start_of(i) >= segments[i].tokens.len())
-        };
-        let mut logits = vec![];
-        let mut i = start;
-        while i < n {
-            if compute_here(i) {
-                let seg = &segments[i];
-                let last = i + 1 == n;
-                logits = model.prefill(
-                    &seg.tokens,
-                    &mut state,
-                    if last { Logits::Last } else { Logits::None },
-                )?;
-                let reason = computed_reason(&mode, last, || {
-                    use_private
-                        .then(|| lock(&self.private).departure(&pkeys[i]))
-                        .flatten()
-                });
-                stats.segments.push(SegmentStat {
-                    miss_reason: reason,
-                    ..stat(i, Outcome::Computed, seg.tokens.len(), 0)
-                });
-                if use_private {
-                    let snap = GpuSnapshot {
-                        state: state.try_clone()?,
-                        logits: if last { Some(logits.clone()) } else { None },
-                    };
-                    let bytes = snap.state.bytes() + 4 * logits.len();
-                    lock(&self.private).insert(pkeys[i], Arc::new(snap), bytes, 0, tenant);
-                }
-                i += 1;
-                continue;
-            }
-            let mut j = i;
-            let mut entries = vec![];
-            while j < n && !compute_here(j) {
-                let seg = &segments[j];
-                let body_start = body_start_of(j);
-                let key = public_key(&contents[j], &seg.isolation, body_start);
-                entries.push(match self.get_public(&key) {
-                    Some(e) => (e, Outcome::Hit, None),
-                    None => {
-                        let (e, reason) = self.build_roles(
-                            &seg.tokens,
-                            &seg.isolation,
-                            &contents[j],
-                            mode,
-                            body_start,
-                        )?;
-                        (e, Outcome::Miss, Some(reason))
-                    }
-                });
-                j += 1;
-            }
-            let es: Vec<&GpuSegmentEntry<T>> = entries.iter().map(|(e, _, _)| &**e).collect();
-            let keep = if use_private {
-                self.snapshots_to_keep(&state, j - i)
-            } else {
-                0
-            };
-            let snaps =
-                self.compose_run(&segments[i..j], &es, &mut state, naive, rope_fix, keep)?;
-            for (k, (e, outcome, reason)) in entries.iter().enumerate() {
-                let m = segments[i + k].tokens.len();
-                let window = e.body_start.min(m);
-                let (computed, reused) = match outcome {
-                    Outcome::Hit => (window, m - window),
-                    _ => (m + window, 0),
-                };
-                stats.segments.push(SegmentStat {
-                    miss_reason: *reason,
-                    ..stat(i + k, *outcome, computed, reused)
-                });
-            }
-            for (k, snap_state) in snaps {
-                let snap = GpuSnapshot {
-                    state: snap_state,
-                    logits: None,
-                };
-                let bytes = snap.state.bytes();
-                lock(&self.private).insert(pkeys[i + k], Arc::new(snap), bytes, 0, tenant);
-            }
-            i = j;
-        }
-        tally(&mut stats);
-        Ok(GpuPicOutput {
-            logits,
-            state,
-            stats,
-        })
-    }
-
-    /// A public-pool miss on a segment (`tokens` under `isolation`, content key
-    /// `content`) whose position needs the entry of `body_start`: decides the miss
-    /// reason, builds that entry and the segment's entries for its other roles
-    /// ([`Mode::entry_body_starts`]) that are not resident, and offers them to the
-    /// pool, the needed one last (most recent). The same pool operations as the CPU
-    /// engine's miss path; each body start is one device prefill here (the CPU builds
-    /// them in one).
-    fn build_roles(
-        &self,
-        tokens: &[u32],
-        isolation: &str,
-        content: &Key,
-        mode: Mode,
-        body_start: usize,
-    ) -> Result<(Arc<GpuSegmentEntry<T>>, MissReason)> {
-        let m = tokens.len();
-        let roles = miss_roles(&mode, body_start, m);
-        let keys: Vec<Key> = roles
-            .iter()
-            .map(|&b| public_key(content, isolation, b))
-            .collect();
-        let key = public_key(content, isolation, body_start);
-        let (reason, others) = {
-            let pool = lock(&self.public);
-            let others: Vec<(usize, Key)> = roles
-                .iter()
-                .zip(&keys)
-                .filter(|(b, k)| **b != body_start && !pool.contains(k))
-                .map(|(b, k)| (*b, *k))
-                .collect();
-            (public_miss_reason(&pool, &key, &keys), others)
-        };
-        for (b, k) in others {
-            let e = self.build_entry(tokens, b)?;
-            let bytes = e.bytes();
-            lock(&self.public).insert(k, Arc::new(e), bytes, m, isolation);
-        }
-        let e = Arc::new(self.build_entry(tokens, body_start)?);
-        let bytes = e.bytes();
-        lock(&self.public).insert(key, e.clone(), bytes, m, isolation);
-        Ok((e, reason))
-    }
-
+impl<T: Elem> GpuBackend<T>
+where
+    CudaBlas: Gemm<T>,
+{
     /// Prefills `tokens` alone on the device (fresh state, positions from 0) and
     /// keeps, per layer, the body `[body_start, m)` (clamped to `m`): GDN layers' pair
     /// and conv tail, attention layers' K/V. The device counterpart of
     /// `PicEngine::build_entry`.
     ///
     /// Errors: empty span, a token outside the vocabulary; driver errors.
-    pub fn build_entry(&self, tokens: &[u32], body_start: usize) -> Result<GpuSegmentEntry<T>> {
+    fn build_one(&self, tokens: &[u32], body_start: usize) -> Result<GpuSegmentEntry<T>> {
         let model = &self.model;
         let c = model.config();
         let gpu = model.gpu();
@@ -849,10 +541,9 @@ where
     /// Also returns `(k, state after segment k)` for the last `keep` segments of the run
     /// (the private pool's entries): per layer, a copy taken right after the segment's
     /// body is composed (KV shared copy-on-write).
-    fn compose_run(
+    fn compose_segments(
         &self,
-        segments: &[SegmentRef],
-        entries: &[&GpuSegmentEntry<T>],
+        run: &[(&[u32], &GpuSegmentEntry<T>)],
         state: &mut GpuState<T>,
         naive: bool,
         rope_fix: bool,
@@ -861,27 +552,27 @@ where
         let model = &self.model;
         let gpu = model.gpu();
         let nl = state.layers.len();
+        let entries: Vec<&GpuSegmentEntry<T>> = run.iter().map(|&(_, e)| e).collect();
         let mut starts = Vec::with_capacity(entries.len());
         let mut b = state.next_position;
-        for (seg, e) in segments.iter().zip(entries) {
-            if e.len != seg.tokens.len() || e.body_start > e.len || e.layers.len() != nl {
+        for &(tokens, e) in run {
+            if e.len != tokens.len() || e.body_start > e.len || e.layers.len() != nl {
                 return Err(CudaError::Shape(format!(
                     "cache entry ({} tokens, body from {}, {} layers) does not match the \
                      segment ({} tokens) or the state ({nl} layers)",
                     e.len,
                     e.body_start,
                     e.layers.len(),
-                    seg.tokens.len(),
+                    tokens.len(),
                 )));
             }
             starts.push(b);
             b += e.len as i64;
         }
-        let spans: Vec<(&[u32], i64)> = segments
+        let spans: Vec<(&[u32], i64)> = run
             .iter()
-            .zip(entries)
             .zip(&starts)
-            .map(|((seg, e), &b)| (&seg.tokens[..e.body_start], b))
+            .map(|(&(tokens, e), &b)| (&tokens[..e.body_start], b))
             .collect();
         let first_kept = entries.len() - keep.min(entries.len());
         let mut snap_layers: Vec<Vec<GpuLayerState<T>>> = (first_kept..entries.len())
@@ -915,27 +606,6 @@ where
                 )
             })
             .collect())
-    }
-
-    /// How many of a run of `n` composed segments get a private-pool snapshot: as many
-    /// as the pool (device capacity plus its host spill tier) can hold at the size of
-    /// `state`'s recurrent part, counted from the run's end. The per-segment path
-    /// inserted one snapshot per segment and the LRU pool kept the newest that fit, so
-    /// earlier ones would only be made to be evicted (and all of them would be alive on
-    /// the device at once until the run ends).
-    fn snapshots_to_keep(&self, state: &GpuState<T>, n: usize) -> usize {
-        let per = state
-            .layers
-            .iter()
-            .map(|l| match l {
-                GpuLayerState::Linear { conv, recurrent } => 4 * (conv.len() + recurrent.len()),
-                GpuLayerState::Full(_) => 0,
-            })
-            .sum::<usize>()
-            .max(1);
-        let pool = lock(&self.private);
-        let room = pool.capacity_bytes() + pool.spill_usage().2;
-        (room / per).min(n)
     }
 
     /// Composes one layer of a cached segment into the running layer state `ls`: GDN
@@ -1008,115 +678,17 @@ where
     }
 }
 
-/// Ahead-of-time segment registration on the device (`hypic serve`'s
-/// `/v1/segments`), as the CPU engine's: build a segment's public-pool entry before
-/// any request uses it, read its residency, drop it. Same keys as the CPU engine.
-impl<T: Elem> GpuPicEngine<T>
+impl<T: Elem> PicBackend for GpuBackend<T>
 where
     CudaBlas: Gemm<T>,
 {
-    fn entry_key(&self, tokens: &[u32], isolation: &str, body_start: usize) -> Key {
-        public_key(&content_key(&self.model_id, tokens), isolation, body_start)
-    }
+    type State = GpuState<T>;
+    type Entry = GpuSegmentEntry<T>;
 
-    /// Builds the public-pool entry of `tokens` under `isolation` for each of
-    /// `body_starts` unless resident (one device prefill per missing body start);
-    /// results in the order of `body_starts`, as `PicEngine::prefetch_many`.
-    ///
-    /// Errors: empty segment, a token outside the vocabulary, over the context limit
-    /// ([`CudaError::Shape`] with the CPU engine's message); driver errors.
-    pub fn prefetch_many(
-        &self,
-        tokens: &[u32],
-        isolation: &str,
-        body_starts: &[usize],
-    ) -> Result<Vec<(Prefetch, usize)>> {
-        validate_segments(
-            self.model.config(),
-            &[SegmentRef {
-                tokens: tokens.to_vec(),
-                isolation: isolation.to_string(),
-            }],
-        )
-        .map_err(|e| CudaError::Shape(e.to_string()))?;
-        let mut out = vec![(Prefetch::NotNeeded, 0); body_starts.len()];
-        let mut missing: Vec<(usize, usize, Key)> = vec![];
-        for (j, &b) in body_starts.iter().enumerate() {
-            if b > 0 && b >= tokens.len() {
-                continue;
-            }
-            let key = self.entry_key(tokens, isolation, b);
-            match lock(&self.public).meta(&key).map(|m| m.bytes) {
-                Some(bytes) => out[j] = (Prefetch::Present, bytes),
-                None if missing.iter().any(|&(_, mb, _)| mb == b) => {}
-                None => missing.push((j, b, key)),
-            }
-        }
-        for (j, b, key) in missing {
-            let e = self.build_entry(tokens, b)?;
-            let bytes = e.bytes();
-            let r = lock(&self.public).insert(key, Arc::new(e), bytes, tokens.len(), isolation);
-            out[j] = match r {
-                Insert::Stored { .. } => (Prefetch::Stored, bytes),
-                Insert::Present => (Prefetch::Present, bytes),
-                Insert::NotAdmitted | Insert::NoRoom => (Prefetch::Refused, 0),
-            };
-        }
-        Ok(fill_duplicates(body_starts, out))
-    }
-
-    /// Device bytes of the resident public-pool entry of `tokens` under `isolation`
-    /// for `body_start`, if any. Not counted as a lookup.
-    pub fn resident_bytes(
-        &self,
-        tokens: &[u32],
-        isolation: &str,
-        body_start: usize,
-    ) -> Option<usize> {
-        let key = self.entry_key(tokens, isolation, body_start);
-        lock(&self.public).meta(&key).map(|m| m.bytes)
-    }
-
-    /// Removes the public-pool entries of `tokens` under `isolation` for each of
-    /// `body_starts`; returns how many were present.
-    pub fn evict_segment(&self, tokens: &[u32], isolation: &str, body_starts: &[usize]) -> usize {
-        let keys: Vec<Key> = body_starts
-            .iter()
-            .map(|&b| self.entry_key(tokens, isolation, b))
-            .collect();
-        let mut p = lock(&self.public);
-        keys.iter().filter(|k| p.remove(k)).count()
-    }
-
-    /// As [`Self::evict_segment`], but the removals leave no departure record: a
-    /// later miss on these entries reports `never_seen` whether or not they were
-    /// present.
-    pub fn forget_segment(&self, tokens: &[u32], isolation: &str, body_starts: &[usize]) -> usize {
-        let keys: Vec<Key> = body_starts
-            .iter()
-            .map(|&b| self.entry_key(tokens, isolation, b))
-            .collect();
-        let mut p = lock(&self.public);
-        keys.iter().filter(|k| p.remove_unrecorded(k)).count()
-    }
-
-    fn serial(&self) -> MutexGuard<'_, ()> {
-        lock(&self.serial)
-    }
-}
-
-fn device_err(e: CudaError) -> crate::Error {
-    crate::Error::Device(e.to_string())
-}
-
-impl<T: Elem> EnginePools for GpuPicEngine<T>
-where
-    CudaBlas: Gemm<T>,
-{
     fn config(&self) -> &ModelConfig {
         self.model.config()
     }
-    fn backend(&self) -> BackendInfo {
+    fn info(&self) -> BackendInfo {
         let g = self.model.gpu();
         BackendInfo {
             device: "cuda".into(),
@@ -1127,90 +699,78 @@ where
     fn kv_elem_bytes(&self) -> usize {
         std::mem::size_of::<T>()
     }
-    fn prefetch_many(
+    fn new_state(&self) -> crate::Result<GpuState<T>> {
+        self.model.new_state().map_err(device_err)
+    }
+    fn clone_state(&self, state: &GpuState<T>) -> crate::Result<GpuState<T>> {
+        state.try_clone().map_err(device_err)
+    }
+    fn state_bytes(state: &GpuState<T>) -> usize {
+        state.bytes()
+    }
+    fn recurrent_bytes(state: &GpuState<T>) -> usize {
+        state
+            .layers
+            .iter()
+            .map(|l| match l {
+                GpuLayerState::Linear { conv, recurrent } => 4 * (conv.len() + recurrent.len()),
+                GpuLayerState::Full(_) => 0,
+            })
+            .sum()
+    }
+    fn prefill(
         &self,
         tokens: &[u32],
-        isolation: &str,
-        body_starts: &[usize],
-    ) -> crate::Result<Vec<(Prefetch, usize)>> {
-        validate_segments(
-            self.model.config(),
-            &[SegmentRef {
-                tokens: tokens.to_vec(),
-                isolation: isolation.to_string(),
-            }],
-        )?;
-        let _serial = self.serial();
-        GpuPicEngine::prefetch_many(self, tokens, isolation, body_starts).map_err(device_err)
+        state: &mut GpuState<T>,
+        last: bool,
+    ) -> crate::Result<Vec<f32>> {
+        let logits = if last { Logits::Last } else { Logits::None };
+        self.model
+            .prefill(tokens, state, logits)
+            .map_err(device_err)
     }
-    fn resident_bytes(&self, tokens: &[u32], isolation: &str, body_start: usize) -> Option<usize> {
-        GpuPicEngine::resident_bytes(self, tokens, isolation, body_start)
-    }
-    fn evict_segment(&self, tokens: &[u32], isolation: &str, body_starts: &[usize]) -> usize {
-        GpuPicEngine::evict_segment(self, tokens, isolation, body_starts)
-    }
-    fn forget_segment(&self, tokens: &[u32], isolation: &str, body_starts: &[usize]) -> usize {
-        GpuPicEngine::forget_segment(self, tokens, isolation, body_starts)
-    }
-    fn invalidate_owner(&self, isolation: &str) -> usize {
-        GpuPicEngine::invalidate_owner(self, isolation)
-    }
-    fn public_usage(&self) -> (usize, usize, PoolStats) {
-        GpuPicEngine::public_usage(self)
-    }
-    fn private_usage(&self) -> (usize, usize, PoolStats) {
-        GpuPicEngine::private_usage(self)
-    }
-    fn spill_usage(&self) -> [(usize, usize, usize); 2] {
-        GpuPicEngine::spill_usage(self)
-    }
-    fn clear(&self) {
-        GpuPicEngine::clear(self)
-    }
-    fn set_public_policy(&self, p: Box<dyn CachePolicy>) {
-        GpuPicEngine::set_public_policy(self, p)
-    }
-    fn enable_spill(&self, public_bytes: usize, private_bytes: usize) {
-        GpuPicEngine::enable_spill(self, public_bytes, private_bytes)
-    }
-    fn content_hash(&self, tokens: &[u32]) -> String {
-        GpuPicEngine::content_hash(self, tokens)
-    }
-}
-
-/// The scheduler's interface: prefill through [`GpuPicEngine::run`], decode through
-/// [`GpuModel::decode_batch`]; logits come back to the host. Invalid requests are
-/// [`crate::Error::Input`] (checked before any device work), device failures
-/// [`crate::Error::Device`].
-impl<T: Elem> Engine for GpuPicEngine<T>
-where
-    CudaBlas: Gemm<T>,
-{
-    type State = GpuState<T>;
-    fn run(
+    /// One device prefill per wanted body start (unwanted ones are not built).
+    fn build_entries(
         &self,
-        segments: &[SegmentRef],
-        mode: Mode,
-        tenant: &str,
-    ) -> crate::Result<EngineOutput<GpuState<T>>> {
-        validate_segments(self.model.config(), segments)?;
-        let _serial = self.serial();
-        let out = GpuPicEngine::run(self, segments, mode, tenant).map_err(device_err)?;
-        Ok(EngineOutput {
-            logits: out.logits,
-            state: out.state,
-            stats: out.stats,
-        })
+        tokens: &[u32],
+        body_starts: &[usize],
+        wanted: &[bool],
+    ) -> crate::Result<Vec<Option<GpuSegmentEntry<T>>>> {
+        body_starts
+            .iter()
+            .zip(wanted)
+            .map(|(&b, &w)| {
+                w.then(|| self.build_one(tokens, b))
+                    .transpose()
+                    .map_err(device_err)
+            })
+            .collect()
+    }
+    /// Layer-major ([`GpuModel::forward_spans`]), see `compose_segments`.
+    fn compose_run(
+        &self,
+        run: &[(&[u32], &GpuSegmentEntry<T>)],
+        state: &mut GpuState<T>,
+        naive: bool,
+        rope_fix: bool,
+        keep: usize,
+    ) -> crate::Result<Vec<(usize, GpuState<T>)>> {
+        self.compose_segments(run, state, naive, rope_fix, keep)
+            .map_err(device_err)
     }
     fn decode_batch(
         &self,
         tokens: &[u32],
         states: &mut [&mut GpuState<T>],
     ) -> crate::Result<Vec<Vec<f32>>> {
-        let _serial = self.serial();
         self.model.decode_batch(tokens, states).map_err(device_err)
     }
-    fn state_bytes(state: &GpuState<T>) -> usize {
-        state.bytes()
+    /// Binds the device and config for decoding spilled blobs (a thread-local)
+    /// around the lookup.
+    fn decoding<R>(&self, f: impl FnOnce() -> R) -> R {
+        with_spill_ctx(self.model.gpu(), self.model.config(), f)
+    }
+    fn exclusive(&self) -> Option<MutexGuard<'_, ()>> {
+        Some(lock(&self.serial))
     }
 }

@@ -17,12 +17,13 @@
 //!
 //! In every mode but `FullRecompute`, the private pool is checked first: a request
 //! whose whole segment sequence was seen (in the same mode) is a full hit.
+use super::backend::{CacheEntry, PicBackend};
+use super::cpu::CpuBackend;
 use super::pool::{CachePolicy, Departure, Insert, Key, Lru, Pool, PoolStats};
-use crate::config::LayerKind;
+use super::spill::Spill;
 use crate::error::{Error, Result};
 use crate::linear::transition::Pair;
-use crate::model::{Logits, Model};
-use crate::state::{LayerState, ModelState};
+use crate::state::ModelState;
 use serde::{Deserialize, Serialize};
 use sha2::{Digest, Sha256};
 use std::sync::{Arc, Mutex, MutexGuard};
@@ -226,13 +227,13 @@ pub struct PicStats {
     pub segments: Vec<SegmentStat>,
 }
 
-/// Result of [`PicEngine::run`].
+/// Result of [`Pic::run`] over a backend whose running state is `S`.
 #[derive(Clone, Debug)]
-pub struct PicOutput {
-    /// Logits of the prompt's last token, `[vocab]`.
+pub struct PicOutput<S = ModelState> {
+    /// Logits of the prompt's last token, `[vocab]` (host, fp32).
     pub logits: Vec<f32>,
     /// Running state after the prompt, ready for decode.
-    pub state: ModelState,
+    pub state: S,
     /// Statistics.
     pub stats: PicStats,
 }
@@ -281,12 +282,22 @@ impl SegmentEntry {
     }
 }
 
-/// A private-pool snapshot: the running state after a segment prefix.
+impl CacheEntry for SegmentEntry {
+    fn body_start(&self) -> usize {
+        self.body_start
+    }
+    fn bytes(&self) -> usize {
+        SegmentEntry::bytes(self)
+    }
+}
+
+/// A private-pool snapshot: the running state after a segment prefix (a host
+/// [`ModelState`] on the CPU, a device state on the GPU).
 #[derive(Clone, Debug)]
-pub struct Snapshot {
-    /// Whole-model state (fp32, as the cold path keeps it).
-    pub state: ModelState,
-    /// Last-token logits of the prefix, when it was a whole prompt.
+pub struct Snapshot<S = ModelState> {
+    /// Whole-model state (as the cold path keeps it).
+    pub state: S,
+    /// Last-token logits of the prefix, when it was a whole prompt (host, fp32).
     pub logits: Option<Vec<f32>>,
 }
 
@@ -295,13 +306,19 @@ pub const DEFAULT_PUBLIC_BYTES: usize = 1 << 30;
 /// See [`DEFAULT_PUBLIC_BYTES`].
 pub const DEFAULT_PRIVATE_BYTES: usize = 1 << 30;
 
-/// The PIC engine: a model plus its public and private pools.
-pub struct PicEngine {
-    model: Arc<Model>,
+/// The PIC engine over a backend `B`: the backend's model plus its public pool of
+/// segment entries and its private pool of running-state snapshots. The request
+/// logic lives here once; [`PicEngine`] is the CPU reference, `cuda::pic::GpuPicEngine`
+/// (feature `cuda`) the device engine.
+pub struct Pic<B: PicBackend> {
+    pub(crate) backend: B,
     model_id: String,
-    public: Mutex<Pool<SegmentEntry>>,
-    private: Mutex<Pool<Snapshot>>,
+    public: Mutex<Pool<B::Entry>>,
+    private: Mutex<Pool<Snapshot<B::State>>>,
 }
+
+/// The CPU PIC engine (the executable reference of the GPU's).
+pub type PicEngine = Pic<CpuBackend>;
 
 fn for_each_spilled<V>(p: &mut Pool<V>, mut f: impl FnMut(&mut Pool<V>, &Key)) {
     for k in p.spilled_keys() {
@@ -313,26 +330,26 @@ fn lock<T>(m: &Mutex<T>) -> MutexGuard<'_, T> {
     m.lock().unwrap_or_else(|p| p.into_inner())
 }
 
-impl PicEngine {
-    /// Engine over `model` (identified by `model_id` in cache keys) with LRU pools of
-    /// the given byte capacities.
-    pub fn new(
-        model: Arc<Model>,
+impl<B: PicBackend> Pic<B> {
+    /// Engine over `backend` (its model identified by `model_id` in cache keys) with
+    /// LRU pools of the given byte capacities.
+    pub fn with_backend(
+        backend: B,
         model_id: &str,
         public_bytes: usize,
         private_bytes: usize,
     ) -> Self {
-        PicEngine {
-            model,
+        Pic {
+            backend,
             model_id: model_id.to_string(),
             public: Mutex::new(Pool::new(public_bytes, Box::new(Lru))),
             private: Mutex::new(Pool::new(private_bytes, Box::new(Lru))),
         }
     }
 
-    /// The model.
-    pub fn model(&self) -> &Arc<Model> {
-        &self.model
+    /// The backend.
+    pub fn pic_backend(&self) -> &B {
+        &self.backend
     }
 
     /// Replaces the public pool's policy.
@@ -348,7 +365,10 @@ impl PicEngine {
     /// capacities (0: none): entries evicted for space are kept as checksummed
     /// blobs and restored on a later hit after the checksum verifies
     /// ([`super::spill`]).
-    pub fn enable_spill(&self, public_bytes: usize, private_bytes: usize) {
+    pub fn enable_spill(&self, public_bytes: usize, private_bytes: usize)
+    where
+        Snapshot<B::State>: Spill,
+    {
         lock(&self.public).enable_spill(public_bytes);
         lock(&self.private).enable_spill(private_bytes);
     }
@@ -407,33 +427,33 @@ impl PicEngine {
         content_key(&self.model_id, tokens)
     }
 
-    fn public_key(content: &Key, isolation: &str, body_start: usize) -> Key {
-        public_key(content, isolation, body_start)
+    pub(crate) fn validate(&self, segments: &[SegmentRef]) -> Result<()> {
+        validate_segments(self.backend.config(), segments)
     }
 
-    fn prefix_keys(
-        &self,
-        mode: &Mode,
-        tenant: &str,
-        contents: &[Key],
-        segs: &[SegmentRef],
-    ) -> Vec<Key> {
-        prefix_keys(&self.model_id, mode, tenant, contents, segs)
-    }
-
-    fn validate(&self, segments: &[SegmentRef]) -> Result<()> {
-        validate_segments(&self.model.config, segments)
+    fn get_public(&self, key: &Key) -> Option<Arc<B::Entry>> {
+        self.backend.decoding(|| lock(&self.public).get(key))
     }
 
     /// Serves one request: prefix/PIC reuse per `mode`, then the query segment.
     ///
     /// `tenant` scopes the private pool (running states are never shared across
-    /// tenants); each segment's `isolation` scopes its public-pool entry.
+    /// tenants); each segment's `isolation` scopes its public-pool entry. A run of
+    /// consecutive composed segments (public hits and misses) goes to the backend
+    /// together ([`PicBackend::compose_run`]); a computed segment (the query, every
+    /// segment of full recompute and prefix cache, a middle segment inside its seam
+    /// window) is prefilled on its own.
     ///
     /// Errors: no segments, an empty segment, a token outside the vocabulary, a prompt
-    /// over the context limit.
-    pub fn run(&self, segments: &[SegmentRef], mode: Mode, tenant: &str) -> Result<PicOutput> {
+    /// over the context limit ([`Error::Input`]); backend failures.
+    pub fn run(
+        &self,
+        segments: &[SegmentRef],
+        mode: Mode,
+        tenant: &str,
+    ) -> Result<PicOutput<B::State>> {
         self.validate(segments)?;
+        let be = &self.backend;
         let n = segments.len();
         let contents: Vec<Key> = segments
             .iter()
@@ -450,23 +470,23 @@ impl PicEngine {
             miss_reason: None,
         };
         let use_private = mode != Mode::FullRecompute && mode != Mode::NaiveAddition;
-        let prefix_keys = if use_private {
-            self.prefix_keys(&mode, tenant, &contents, segments)
+        let pkeys = if use_private {
+            prefix_keys(&self.model_id, &mode, tenant, &contents, segments)
         } else {
             vec![]
         };
 
         // 1. Longest private-pool prefix.
-        let mut state = self.model.new_state();
+        let mut state = be.new_state()?;
         let mut start = 0usize;
         if use_private {
             let mut pool = lock(&self.private);
             for i in (1..=n).rev() {
-                if !pool.contains(&prefix_keys[i - 1]) {
+                if !pool.contains(&pkeys[i - 1]) {
                     continue;
                 }
                 // A spilled snapshot whose checksum fails is dropped: a miss.
-                let Some(snap) = pool.get(&prefix_keys[i - 1]) else {
+                let Some(snap) = be.decoding(|| pool.get(&pkeys[i - 1])) else {
                     continue;
                 };
                 if i == n {
@@ -474,115 +494,122 @@ impl PicEngine {
                         continue;
                     };
                     drop(pool);
-                    for (j, seg) in segments.iter().enumerate().take(n) {
+                    for (j, s) in segments.iter().enumerate() {
                         stats
                             .segments
-                            .push(stat(j, Outcome::PrefixHit, 0, seg.tokens.len()));
+                            .push(stat(j, Outcome::PrefixHit, 0, s.tokens.len()));
                     }
                     stats.hits = n;
                     stats.tokens_reused = segments.iter().map(|s| s.tokens.len()).sum();
                     return Ok(PicOutput {
                         logits,
-                        state: snap.state.clone(),
+                        state: be.clone_state(&snap.state)?,
                         stats,
                     });
                 }
-                state = snap.state.clone();
+                state = be.clone_state(&snap.state)?;
                 start = i;
-                for (j, seg) in segments.iter().enumerate().take(i) {
+                for (j, s) in segments[..i].iter().enumerate() {
                     stats
                         .segments
-                        .push(stat(j, Outcome::PrefixHit, 0, seg.tokens.len()));
+                        .push(stat(j, Outcome::PrefixHit, 0, s.tokens.len()));
                 }
                 break;
             }
         }
 
         // 2. Remaining segments.
-        let mut logits = vec![];
-        for i in start..n {
-            let seg = &segments[i];
-            let m = seg.tokens.len();
-            let last = i + 1 == n;
-            let body_start = mode.body_start(i);
-            let compute_here = last
+        let rope_fix = match mode {
+            Mode::Hypic { rope_fix, .. } => rope_fix,
+            _ => true,
+        };
+        let naive = mode == Mode::NaiveAddition;
+        let compute_here = |i: usize| {
+            i + 1 == n
                 || matches!(mode, Mode::FullRecompute | Mode::PrefixCache)
-                || (matches!(mode, Mode::Hypic { .. }) && body_start >= m);
-            if compute_here {
-                let out = self.model.prefill(
-                    &seg.tokens,
-                    &mut state,
-                    if last { Logits::Last } else { Logits::None },
-                )?;
-                logits = out.logits;
+                || (matches!(mode, Mode::Hypic { .. })
+                    && mode.body_start(i) >= segments[i].tokens.len())
+        };
+        let mut logits = vec![];
+        let mut i = start;
+        while i < n {
+            if compute_here(i) {
+                let seg = &segments[i];
+                let last = i + 1 == n;
+                logits = be.prefill(&seg.tokens, &mut state, last)?;
                 let reason = computed_reason(&mode, last, || {
                     use_private
-                        .then(|| lock(&self.private).departure(&prefix_keys[i]))
+                        .then(|| lock(&self.private).departure(&pkeys[i]))
                         .flatten()
                 });
                 stats.segments.push(SegmentStat {
                     miss_reason: reason,
-                    ..stat(i, Outcome::Computed, m, 0)
+                    ..stat(i, Outcome::Computed, seg.tokens.len(), 0)
                 });
-            } else {
-                let key = Self::public_key(&contents[i], &seg.isolation, body_start);
-                let found = lock(&self.public).get(&key);
-                let (entry, outcome, reason) = match found {
+                if use_private {
+                    let snap = Snapshot {
+                        state: be.clone_state(&state)?,
+                        logits: if last { Some(logits.clone()) } else { None },
+                    };
+                    let bytes = B::state_bytes(&snap.state) + 4 * logits.len();
+                    lock(&self.private).insert(pkeys[i], Arc::new(snap), bytes, 0, tenant);
+                }
+                i += 1;
+                continue;
+            }
+            let mut j = i;
+            let mut entries = vec![];
+            while j < n && !compute_here(j) {
+                let seg = &segments[j];
+                let body_start = mode.body_start(j);
+                let key = public_key(&contents[j], &seg.isolation, body_start);
+                entries.push(match self.get_public(&key) {
                     Some(e) => (e, Outcome::Hit, None),
                     None => {
-                        let roles = miss_roles(&mode, body_start, m);
-                        let keys: Vec<Key> = roles
-                            .iter()
-                            .map(|&b| Self::public_key(&contents[i], &seg.isolation, b))
-                            .collect();
-                        let reason = public_miss_reason(&lock(&self.public), &key, &keys);
-                        // Every role in one prefill, in the canonical order, so that an
-                        // entry is the same whichever role missed first.
-                        let built = self.build_entries(&seg.tokens, &roles)?;
-                        let mut needed = None;
-                        let mut pool = lock(&self.public);
-                        for ((b, k), e) in roles.iter().zip(keys).zip(built) {
-                            let e = Arc::new(e);
-                            if *b == body_start {
-                                needed = Some(e);
-                            } else if !pool.contains(&k) {
-                                let bytes = e.bytes();
-                                let _: Insert = pool.insert(k, e, bytes, m, &seg.isolation);
-                            }
-                        }
-                        let e = needed.ok_or_else(|| {
-                            Error::Input("no cache entry was built for the segment".into())
-                        })?;
-                        // The role used now last: the most recent under LRU.
-                        let _: Insert = pool.insert(key, e.clone(), e.bytes(), m, &seg.isolation);
+                        let (e, reason) = self.build_roles(
+                            &seg.tokens,
+                            &seg.isolation,
+                            &contents[j],
+                            mode,
+                            body_start,
+                        )?;
                         (e, Outcome::Miss, Some(reason))
                     }
-                };
-                let rope_fix = match mode {
-                    Mode::Hypic { rope_fix, .. } => rope_fix,
-                    _ => true,
-                };
-                let naive = mode == Mode::NaiveAddition;
-                self.compose(&seg.tokens, &entry, &mut state, naive, rope_fix)?;
-                let window = body_start.min(m);
+                });
+                j += 1;
+            }
+            let run: Vec<(&[u32], &B::Entry)> = segments[i..j]
+                .iter()
+                .zip(&entries)
+                .map(|(s, (e, _, _))| (&s.tokens[..], &**e))
+                .collect();
+            let keep = if use_private {
+                self.snapshots_to_keep(&state, j - i)
+            } else {
+                0
+            };
+            let snaps = be.compose_run(&run, &mut state, naive, rope_fix, keep)?;
+            for (k, (e, outcome, reason)) in entries.iter().enumerate() {
+                let m = segments[i + k].tokens.len();
+                let window = e.body_start().min(m);
                 let (computed, reused) = match outcome {
                     Outcome::Hit => (window, m - window),
                     _ => (m + window, 0),
                 };
                 stats.segments.push(SegmentStat {
-                    miss_reason: reason,
-                    ..stat(i, outcome, computed, reused)
+                    miss_reason: *reason,
+                    ..stat(i + k, *outcome, computed, reused)
                 });
             }
-            if use_private {
+            for (k, snap_state) in snaps {
                 let snap = Snapshot {
-                    state: state.clone(),
-                    logits: if last { Some(logits.clone()) } else { None },
+                    state: snap_state,
+                    logits: None,
                 };
-                let bytes = snap.state.bytes() + 4 * logits.len();
-                let owner = tenant.to_string();
-                lock(&self.private).insert(prefix_keys[i], Arc::new(snap), bytes, 0, &owner);
+                let bytes = B::state_bytes(&snap.state);
+                lock(&self.private).insert(pkeys[i + k], Arc::new(snap), bytes, 0, tenant);
             }
+            i = j;
         }
         tally(&mut stats);
         Ok(PicOutput {
@@ -592,127 +619,87 @@ impl PicEngine {
         })
     }
 
+    /// How many of a run of `n` composed segments get a private-pool snapshot: as many
+    /// as the pool (capacity plus its spill tier) can hold at the size of `state`'s
+    /// recurrent part, counted from the run's end. Inserting one snapshot per segment
+    /// into an LRU pool keeps only the newest that fit, so earlier ones would only be
+    /// made to be evicted.
+    fn snapshots_to_keep(&self, state: &B::State, n: usize) -> usize {
+        let per = B::recurrent_bytes(state).max(1);
+        let pool = lock(&self.private);
+        let room = pool.capacity_bytes() + pool.spill_usage().2;
+        (room / per).min(n)
+    }
+
+    /// A public-pool miss on a segment (`tokens` under `isolation`, content key
+    /// `content`) whose position needs the entry of `body_start`: decides the miss
+    /// reason, builds that entry and the segment's entries for its other roles
+    /// ([`Mode::entry_body_starts`]) that are not resident (one
+    /// [`PicBackend::build_entries`] call over every role, in the canonical order),
+    /// and offers them to the pool, the needed one last (the most recent under LRU).
+    fn build_roles(
+        &self,
+        tokens: &[u32],
+        isolation: &str,
+        content: &Key,
+        mode: Mode,
+        body_start: usize,
+    ) -> Result<(Arc<B::Entry>, MissReason)> {
+        let m = tokens.len();
+        let roles = miss_roles(&mode, body_start, m);
+        let keys: Vec<Key> = roles
+            .iter()
+            .map(|&b| public_key(content, isolation, b))
+            .collect();
+        let key = public_key(content, isolation, body_start);
+        let (reason, wanted) = {
+            let pool = lock(&self.public);
+            let wanted: Vec<bool> = roles
+                .iter()
+                .zip(&keys)
+                .map(|(b, k)| *b == body_start || !pool.contains(k))
+                .collect();
+            (public_miss_reason(&pool, &key, &keys), wanted)
+        };
+        let built = self.backend.build_entries(tokens, &roles, &wanted)?;
+        let mut needed = None;
+        for (((b, k), e), w) in roles.iter().zip(keys).zip(built).zip(wanted) {
+            match e {
+                Some(e) if *b == body_start => needed = Some(Arc::new(e)),
+                Some(e) if w => {
+                    let bytes = e.bytes();
+                    let _: Insert = lock(&self.public).insert(k, Arc::new(e), bytes, m, isolation);
+                }
+                _ => {}
+            }
+        }
+        let e = needed
+            .ok_or_else(|| Error::Input("no cache entry was built for the segment".into()))?;
+        let bytes = e.bytes();
+        let _: Insert = lock(&self.public).insert(key, e.clone(), bytes, m, isolation);
+        Ok((e, reason))
+    }
+
     /// Prefills `tokens` alone (fresh state, positions from 0) and keeps, per layer,
-    /// the body `[body_start, m)`: linear layers' pair and conv tail, attention
-    /// layers' KV.
-    pub fn build_entry(&self, tokens: &[u32], body_start: usize) -> Result<SegmentEntry> {
+    /// the body `[body_start, m)` (clamped to `m`): linear layers' pair and conv
+    /// tail, attention layers' KV.
+    ///
+    /// Errors: backend failures (the GPU rejects an empty span).
+    pub fn build_entry(&self, tokens: &[u32], body_start: usize) -> Result<B::Entry> {
         self.build_entries(tokens, &[body_start])?
             .pop()
             .ok_or_else(|| Error::Input("no cache entry was built".into()))
     }
 
-    /// [`PicEngine::build_entry`] for several body starts (seam widths) with one
-    /// prefill: the projections, MLPs and attention run once; each extra body start
-    /// adds one gated-delta-rule pass per linear layer. Returns the entries in the
-    /// order of `body_starts` (each clamped to the segment length).
-    pub fn build_entries(
-        &self,
-        tokens: &[u32],
-        body_starts: &[usize],
-    ) -> Result<Vec<SegmentEntry>> {
-        let model = &self.model;
-        let mut state = model.new_state();
-        let positions: Vec<i64> = (0..tokens.len() as i64).collect();
-        let mut x = model.embed(tokens);
-        let c = &model.config;
-        let row = c.num_kv_heads * c.head_dim;
-        let froms: Vec<usize> = body_starts.iter().map(|&b| b.min(tokens.len())).collect();
-        let mut layers: Vec<Vec<EntryLayer>> = froms
-            .iter()
-            .map(|_| Vec::with_capacity(c.num_layers))
-            .collect();
-        for (i, ls) in state.layers.iter_mut().enumerate() {
-            let out = model.layer_forward_capture_many(i, &mut x, &positions, ls, &froms)?;
-            match (ls, out.pairs.len() == froms.len(), out.kv) {
-                (LayerState::Linear(s), true, _) => {
-                    for (dst, pair) in layers.iter_mut().zip(out.pairs) {
-                        dst.push(EntryLayer::Linear {
-                            pair,
-                            conv_tail: s.conv.clone(),
-                        });
-                    }
-                }
-                (LayerState::Full(_), _, Some((k, v))) => {
-                    for (dst, &from) in layers.iter_mut().zip(&froms) {
-                        dst.push(EntryLayer::Full {
-                            k: k[from * row..].to_vec(),
-                            v: v[from * row..].to_vec(),
-                        });
-                    }
-                }
-                _ => {
-                    return Err(Error::Input(format!(
-                        "layer {i}: capture returned no cache data"
-                    )))
-                }
-            }
-        }
-        Ok(froms
+    /// [`Pic::build_entry`] for several body starts (seam widths); the CPU builds
+    /// them in one prefill. Returns the entries in the order of `body_starts`.
+    pub fn build_entries(&self, tokens: &[u32], body_starts: &[usize]) -> Result<Vec<B::Entry>> {
+        let wanted = vec![true; body_starts.len()];
+        self.backend
+            .build_entries(tokens, body_starts, &wanted)?
             .into_iter()
-            .zip(layers)
-            .map(|(from, layers)| SegmentEntry {
-                body_start: from,
-                len: tokens.len(),
-                layers,
-            })
-            .collect())
-    }
-
-    /// Places a cached segment after the running `state` at position
-    /// `b = state.next_position`: recomputes the seam window `tokens[..body_start]`
-    /// through the whole stack, then composes the body (or adds it, `naive`).
-    fn compose(
-        &self,
-        tokens: &[u32],
-        e: &SegmentEntry,
-        state: &mut ModelState,
-        naive: bool,
-        rope_fix: bool,
-    ) -> Result<()> {
-        let model = &self.model;
-        let c = &model.config;
-        let b = state.next_position;
-        if e.body_start > 0 {
-            model.prefill(&tokens[..e.body_start], state, Logits::None)?;
-        }
-        let (nkv, hd) = (c.num_kv_heads, c.head_dim);
-        let body = e.len - e.body_start;
-        for (i, (ls, el)) in state.layers.iter_mut().zip(&e.layers).enumerate() {
-            match (ls, el, c.layer_kinds[i]) {
-                (
-                    LayerState::Linear(s),
-                    EntryLayer::Linear { pair, conv_tail },
-                    LayerKind::Linear,
-                ) => {
-                    let r = if naive {
-                        pair.apply_naive(&mut s.recurrent)
-                    } else {
-                        pair.apply(&mut s.recurrent)
-                    };
-                    r.map_err(|e| Error::Input(format!("layer {i}: {e}")))?;
-                    s.conv.clone_from(conv_tail);
-                }
-                (LayerState::Full(kv), EntryLayer::Full { k, v }, LayerKind::Full) => {
-                    let mut k = k.clone();
-                    if rope_fix && b != 0 {
-                        for tok in k.chunks_exact_mut(nkv * hd) {
-                            model.rope().apply(tok, hd, b);
-                        }
-                    }
-                    kv.k.extend_from_slice(&k);
-                    kv.v.extend_from_slice(v);
-                    let p0 = b + e.body_start as i64;
-                    kv.positions.extend((0..body as i64).map(|j| p0 + j));
-                }
-                _ => {
-                    return Err(Error::Input(format!(
-                        "layer {i}: cache entry does not match the model"
-                    )))
-                }
-            }
-        }
-        state.next_position = b + e.len as i64;
-        Ok(())
+            .map(|e| e.ok_or_else(|| Error::Input("no cache entry was built".into())))
+            .collect()
     }
 }
 
@@ -890,13 +877,12 @@ pub enum Prefetch {
     /// Nothing to cache: the segment is no longer than the seam window.
     NotNeeded,
 }
-
 /// Ahead-of-time segment registration (`hypic serve`'s `/v1/segments`): build a
 /// segment's public-pool entry before any request uses it, read its residency,
 /// drop it.
-impl PicEngine {
+impl<B: PicBackend> Pic<B> {
     fn entry_key(&self, tokens: &[u32], isolation: &str, body_start: usize) -> Key {
-        Self::public_key(&self.content_key(tokens), isolation, body_start)
+        public_key(&self.content_key(tokens), isolation, body_start)
     }
 
     /// Builds the public-pool entry of `tokens` under `isolation` for `body_start`
@@ -916,9 +902,9 @@ impl PicEngine {
             .ok_or_else(|| Error::Input("no prefetch result".into()))
     }
 
-    /// [`PicEngine::prefetch`] for several body starts, building every missing entry
-    /// in one prefill ([`PicEngine::build_entries`]). Results in the order of
-    /// `body_starts`.
+    /// [`Pic::prefetch`] for several body starts, building every missing entry
+    /// with one [`PicBackend::build_entries`] call (one prefill on the CPU).
+    /// Results in the order of `body_starts`.
     pub fn prefetch_many(
         &self,
         tokens: &[u32],

@@ -383,7 +383,7 @@ mod tests {
             },
             logits: Some(vec![0.25, -1.0]),
         };
-        let d = Snapshot::decode(&s.encode()).expect("decode");
+        let d = <Snapshot>::decode(&s.encode()).expect("decode");
         assert_eq!(d.state, s.state);
         assert_eq!(d.logits, s.logits);
     }
@@ -407,7 +407,7 @@ mod tests {
         let mut huge = b.clone();
         huge[54..62].copy_from_slice(&u64::MAX.to_le_bytes());
         assert!(SegmentEntry::decode(&huge).is_err());
-        assert!(Snapshot::decode(&b).unwrap_err().contains("magic"));
+        assert!(<Snapshot>::decode(&b).unwrap_err().contains("magic"));
     }
 
     #[test]

@@ -1,0 +1,219 @@
+//! The CPU reference backend of the PIC engine ([`CpuBackend`], served as
+//! [`super::PicEngine`]): host fp32 model, entries and states.
+use std::sync::Arc;
+
+use super::backend::PicBackend;
+use super::engine::{EntryLayer, Pic, SegmentEntry};
+use crate::config::{LayerKind, ModelConfig};
+use crate::engine::BackendInfo;
+use crate::error::{Error, Result};
+use crate::model::{Logits, Model};
+use crate::state::{LayerState, ModelState};
+
+/// The CPU model as a PIC backend.
+pub struct CpuBackend {
+    model: Arc<Model>,
+}
+
+impl Pic<CpuBackend> {
+    /// Engine over `model` (identified by `model_id` in cache keys) with LRU pools of
+    /// the given byte capacities.
+    pub fn new(
+        model: Arc<Model>,
+        model_id: &str,
+        public_bytes: usize,
+        private_bytes: usize,
+    ) -> Self {
+        Pic::with_backend(CpuBackend { model }, model_id, public_bytes, private_bytes)
+    }
+
+    /// The model.
+    pub fn model(&self) -> &Arc<Model> {
+        &self.backend.model
+    }
+}
+
+impl CpuBackend {
+    /// Places a cached segment after the running `state` at position
+    /// `b = state.next_position`: recomputes the seam window `tokens[..body_start]`
+    /// through the whole stack, then composes the body (or adds it, `naive`).
+    fn compose(
+        &self,
+        tokens: &[u32],
+        e: &SegmentEntry,
+        state: &mut ModelState,
+        naive: bool,
+        rope_fix: bool,
+    ) -> Result<()> {
+        let model = &self.model;
+        let c = &model.config;
+        let b = state.next_position;
+        if e.body_start > 0 {
+            model.prefill(&tokens[..e.body_start], state, Logits::None)?;
+        }
+        let (nkv, hd) = (c.num_kv_heads, c.head_dim);
+        let body = e.len - e.body_start;
+        for (i, (ls, el)) in state.layers.iter_mut().zip(&e.layers).enumerate() {
+            match (ls, el, c.layer_kinds[i]) {
+                (
+                    LayerState::Linear(s),
+                    EntryLayer::Linear { pair, conv_tail },
+                    LayerKind::Linear,
+                ) => {
+                    let r = if naive {
+                        pair.apply_naive(&mut s.recurrent)
+                    } else {
+                        pair.apply(&mut s.recurrent)
+                    };
+                    r.map_err(|e| Error::Input(format!("layer {i}: {e}")))?;
+                    s.conv.clone_from(conv_tail);
+                }
+                (LayerState::Full(kv), EntryLayer::Full { k, v }, LayerKind::Full) => {
+                    let mut k = k.clone();
+                    if rope_fix && b != 0 {
+                        for tok in k.chunks_exact_mut(nkv * hd) {
+                            model.rope().apply(tok, hd, b);
+                        }
+                    }
+                    kv.k.extend_from_slice(&k);
+                    kv.v.extend_from_slice(v);
+                    let p0 = b + e.body_start as i64;
+                    kv.positions.extend((0..body as i64).map(|j| p0 + j));
+                }
+                _ => {
+                    return Err(Error::Input(format!(
+                        "layer {i}: cache entry does not match the model"
+                    )))
+                }
+            }
+        }
+        state.next_position = b + e.len as i64;
+        Ok(())
+    }
+}
+
+impl PicBackend for CpuBackend {
+    type State = ModelState;
+    type Entry = SegmentEntry;
+
+    fn config(&self) -> &ModelConfig {
+        &self.model.config
+    }
+    fn info(&self) -> BackendInfo {
+        BackendInfo::cpu()
+    }
+    fn new_state(&self) -> Result<ModelState> {
+        Ok(self.model.new_state())
+    }
+    fn clone_state(&self, state: &ModelState) -> Result<ModelState> {
+        Ok(state.clone())
+    }
+    fn state_bytes(state: &ModelState) -> usize {
+        state.bytes()
+    }
+    fn recurrent_bytes(state: &ModelState) -> usize {
+        state
+            .layers
+            .iter()
+            .map(|l| match l {
+                LayerState::Linear(s) => 4 * (s.conv.len() + s.recurrent.len()),
+                LayerState::Full(_) => 0,
+            })
+            .sum()
+    }
+
+    fn prefill(&self, tokens: &[u32], state: &mut ModelState, last: bool) -> Result<Vec<f32>> {
+        let logits = if last { Logits::Last } else { Logits::None };
+        Ok(self.model.prefill(tokens, state, logits)?.logits)
+    }
+
+    /// One prefill for every body start (the projections, MLPs and attention run
+    /// once; each extra body start adds one gated-delta-rule pass per linear layer).
+    /// The first body start's pass drives the residual stream, so every entry is
+    /// built (whatever `wanted` says) and callers pass the body starts in a fixed
+    /// order.
+    fn build_entries(
+        &self,
+        tokens: &[u32],
+        body_starts: &[usize],
+        _wanted: &[bool],
+    ) -> Result<Vec<Option<SegmentEntry>>> {
+        let model = &self.model;
+        let mut state = model.new_state();
+        let positions: Vec<i64> = (0..tokens.len() as i64).collect();
+        let mut x = model.embed(tokens);
+        let c = &model.config;
+        let row = c.num_kv_heads * c.head_dim;
+        let froms: Vec<usize> = body_starts.iter().map(|&b| b.min(tokens.len())).collect();
+        let mut layers: Vec<Vec<EntryLayer>> = froms
+            .iter()
+            .map(|_| Vec::with_capacity(c.num_layers))
+            .collect();
+        for (i, ls) in state.layers.iter_mut().enumerate() {
+            let out = model.layer_forward_capture_many(i, &mut x, &positions, ls, &froms)?;
+            match (ls, out.pairs.len() == froms.len(), out.kv) {
+                (LayerState::Linear(s), true, _) => {
+                    for (dst, pair) in layers.iter_mut().zip(out.pairs) {
+                        dst.push(EntryLayer::Linear {
+                            pair,
+                            conv_tail: s.conv.clone(),
+                        });
+                    }
+                }
+                (LayerState::Full(_), _, Some((k, v))) => {
+                    for (dst, &from) in layers.iter_mut().zip(&froms) {
+                        dst.push(EntryLayer::Full {
+                            k: k[from * row..].to_vec(),
+                            v: v[from * row..].to_vec(),
+                        });
+                    }
+                }
+                _ => {
+                    return Err(Error::Input(format!(
+                        "layer {i}: capture returned no cache data"
+                    )))
+                }
+            }
+        }
+        Ok(froms
+            .into_iter()
+            .zip(layers)
+            .map(|(from, layers)| {
+                Some(SegmentEntry {
+                    body_start: from,
+                    len: tokens.len(),
+                    layers,
+                })
+            })
+            .collect())
+    }
+
+    /// One segment after the other: seam window through the whole model, then the
+    /// body composed into every layer.
+    fn compose_run(
+        &self,
+        run: &[(&[u32], &SegmentEntry)],
+        state: &mut ModelState,
+        naive: bool,
+        rope_fix: bool,
+        keep: usize,
+    ) -> Result<Vec<(usize, ModelState)>> {
+        let first_kept = run.len() - keep.min(run.len());
+        let mut snaps = Vec::with_capacity(run.len() - first_kept);
+        for (k, (tokens, e)) in run.iter().enumerate() {
+            self.compose(tokens, e, state, naive, rope_fix)?;
+            if k >= first_kept {
+                snaps.push((k, state.clone()));
+            }
+        }
+        Ok(snaps)
+    }
+
+    fn decode_batch(
+        &self,
+        tokens: &[u32],
+        states: &mut [&mut ModelState],
+    ) -> Result<Vec<Vec<f32>>> {
+        self.model.decode_batch(tokens, states)
+    }
+}
