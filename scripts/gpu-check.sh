@@ -315,9 +315,6 @@ def lines(p):
         return []
 names = {"flash": "attn::prefill_flash (FA-2, mma.sync)",
          "flash-wg": "attn::prefill_flash_wg, Basic (wgmma)",
-         "flash-wg3": "attn::prefill_flash_wg, WarpSpecialized (cp.async producer)",
-         "flash-wg3tma": "attn::prefill_flash_wg, WarpSpecializedTma",
-         "flash-wg3tmab80": "attn::prefill_flash_wg, WarpSpecializedTmaBc80",
          "flash-wg3tmal": "attn::prefill_flash_wg, WarpSpecializedTmaLean",
          "flash-wg3tmalb80": "attn::prefill_flash_wg, WarpSpecializedTmaLeanBc80",
          "cuBLAS": "attn::prefill_fast (cuBLAS)"}
@@ -327,9 +324,9 @@ sec = False
 for l in lines(sys.argv[1]):
     if l.startswith("## "):
         sec = l.startswith("## Attention prefill")
-    # Kernel column "flash (FA-2 ...)", "flash-wg (wgmma ...)", "flash-wg3 (...)",
-    # "variant: flash-wg3tma* (...)", "cuBLAS ..."; other "variant: ..." rows are skipped.
-    m = re.match(r"\|\s*(\d+)\s*\|\s*(?:variant: (?=flash-wg3tma))?(flash-wg3tmalb80|flash-wg3tmal|flash-wg3tmab80|flash-wg3tma|flash-wg3|flash-wg|flash|cuBLAS)\b(?!-)[^|]*\|\s*([\d.]+)\s*\|", l) if sec else None
+    # Kernel column "flash (FA-2 ...)", "flash-wg (wgmma ...)", "flash-wg3tmal (...)",
+    # "flash-wg3tmalb80 (...)", "cuBLAS ..."; "variant: ..." rows are skipped.
+    m = re.match(r"\|\s*(\d+)\s*\|\s*(flash-wg3tmalb80|flash-wg3tmal|flash-wg|flash|cuBLAS)\b(?!-)[^|]*\|\s*([\d.]+)\s*\|", l) if sec else None
     if m:
         times[m.group(2)][int(m.group(1))] = float(m.group(3))
 on = False

@@ -365,8 +365,9 @@ mod bench {
              for B blocks) vs the tensor-core flash kernel `attn::prefill_flash` \
              (FlashAttention-2, mma.sync; skips the key tiles above the diagonal) and its \
              Hopper version `attn::prefill_flash_wg` (wgmma, FlashAttention-3 scheme; \
-             flash-wg3: its warp-specialised kernel, `FlashWgKernel::WarpSpecialized`; \
-             flash-wg3tma: the same with TMA loads, `FlashWgKernel::WarpSpecializedTma`). \
+             flash-wg: `FlashWgKernel::Basic`, the fallback without tensor maps; \
+             flash-wg3tmal / flash-wg3tmalb80: the warp-specialised TMA kernels GpuModel runs, \
+             `FlashWgKernel::WarpSpecializedTmaLean` / `WarpSpecializedTmaLeanBc80`). \
              TFLOP/s count the causal FLOPs; gpu-check's report sets the flash rows against \
              torch SDPA from the same run.\n"
         );
@@ -375,7 +376,6 @@ mod bench {
         let alens: &[usize] = if quick { &[4096] } else { &[4096, 16384] };
         let mut flash_checks = Vec::new();
         let mut wg_checks = Vec::new();
-        let mut wg3_checks = Vec::new();
         let mut tma_checks = Vec::new();
         for &t in alens {
             let (nh, nkv, hd) = (16usize, 2usize, 256usize);
@@ -432,93 +432,15 @@ mod bench {
                     flops / ms / 1e9
                 );
                 wg_checks.push((t, rel_diff(&g.download(&o)?, &want)));
-                let opts = attn::FlashWgOpts {
-                    split: None,
-                    kernel: attn::FlashWgKernel::WarpSpecialized,
-                };
-                let ms = time_ms(&g, 3, reps.max(10), || {
-                    attn::prefill_flash_wg_with(
-                        &g, &q, &p, &k, &v, &p, &mut o, t, t, nh, nkv, hd, opts,
-                    )
-                })?;
-                println!(
-                    "| {t} | flash-wg3 (wgmma, warp-specialised, 128 × 64 tiles, {} K/V stages) \
-                     | {ms:.3} | {:.1} | 0 |",
-                    attn::flash_wg3_stages(hd),
-                    flops / ms / 1e9
-                );
-                wg3_checks.push((t, rel_diff(&g.download(&o)?, &want)));
-                let opts = attn::FlashWgOpts {
-                    split: None,
-                    kernel: attn::FlashWgKernel::WarpSpecializedNoPingPong,
-                };
-                let ms = time_ms(&g, 3, reps.max(10), || {
-                    attn::prefill_flash_wg_with(
-                        &g, &q, &p, &k, &v, &p, &mut o, t, t, nh, nkv, hd, opts,
-                    )
-                })?;
-                println!(
-                    "| {t} | variant: flash-wg3 without ping-pong (wgmma, warp-specialised) \
-                     | {ms:.3} | {:.1} | 0 |",
-                    flops / ms / 1e9
-                );
-                let opts = attn::FlashWgOpts {
-                    split: None,
-                    kernel: attn::FlashWgKernel::WarpSpecializedBc80,
-                };
-                let ms = time_ms(&g, 3, reps.max(10), || {
-                    attn::prefill_flash_wg_with(
-                        &g, &q, &p, &k, &v, &p, &mut o, t, t, nh, nkv, hd, opts,
-                    )
-                })?;
-                println!(
-                    "| {t} | variant: flash-wg3 with 128 × 80 tiles (wgmma, warp-specialised) \
-                     | {ms:.3} | {:.1} | 0 |",
-                    flops / ms / 1e9
-                );
-                let opts = attn::FlashWgOpts {
-                    split: None,
-                    kernel: attn::FlashWgKernel::WarpSpecializedTma,
-                };
-                let ms = time_ms(&g, 3, reps.max(10), || {
-                    attn::prefill_flash_wg_with(
-                        &g, &q, &p, &k, &v, &p, &mut o, t, t, nh, nkv, hd, opts,
-                    )
-                })?;
-                println!(
-                    "| {t} | variant: flash-wg3tma (wgmma, warp-specialised, TMA K/V loads, \
-                     128 × 64 tiles, {} K/V stages) | {ms:.3} | {:.1} | 0 |",
-                    attn::flash_wg3_stages(hd),
-                    flops / ms / 1e9
-                );
-                tma_checks.push((t, rel_diff(&g.download(&o)?, &want)));
-                let opts = attn::FlashWgOpts {
-                    split: None,
-                    kernel: attn::FlashWgKernel::WarpSpecializedTmaNoPingPong,
-                };
-                let ms = time_ms(&g, 3, reps.max(10), || {
-                    attn::prefill_flash_wg_with(
-                        &g, &q, &p, &k, &v, &p, &mut o, t, t, nh, nkv, hd, opts,
-                    )
-                })?;
-                println!(
-                    "| {t} | variant: flash-wg3tmanp (the same without ping-pong) | {ms:.3} | {:.1} \
-                     | 0 |",
-                    flops / ms / 1e9
-                );
-                tma_checks.push((t, rel_diff(&g.download(&o)?, &want)));
+                let stages = attn::flash_wg3_stages(hd);
                 for (kernel, label) in [
                     (
-                        attn::FlashWgKernel::WarpSpecializedTmaBc80,
-                        "flash-wg3tmab80 (TMA, 128 × 80 tiles)",
-                    ),
-                    (
                         attn::FlashWgKernel::WarpSpecializedTmaLean,
-                        "flash-wg3tmal (TMA, lean consumer loop, 128 × 64 tiles)",
+                        format!("flash-wg3tmal (warp-specialised, TMA, 128 × 64 tiles, {stages} K/V stages)"),
                     ),
                     (
                         attn::FlashWgKernel::WarpSpecializedTmaLeanBc80,
-                        "flash-wg3tmalb80 (TMA, lean consumer loop, 128 × 80 tiles)",
+                        format!("flash-wg3tmalb80 (warp-specialised, TMA, 128 × 80 tiles, {stages} K/V stages)"),
                     ),
                 ] {
                     let opts = attn::FlashWgOpts {
@@ -530,11 +452,8 @@ mod bench {
                             &g, &q, &p, &k, &v, &p, &mut o, t, t, nh, nkv, hd, opts,
                         )
                     })?;
-                    println!(
-                        "| {t} | variant: {label} | {ms:.3} | {:.1} | 0 |",
-                        flops / ms / 1e9
-                    );
-                    tma_checks.push((t, rel_diff(&g.download(&o)?, &want)));
+                    println!("| {t} | {label} | {ms:.3} | {:.1} | 0 |", flops / ms / 1e9);
+                    tma_checks.push((t, kernel, rel_diff(&g.download(&o)?, &want)));
                 }
             }
         }
@@ -552,16 +471,10 @@ mod bench {
                  difference {d:.2e}"
             );
         }
-        for (t, d) in wg3_checks {
+        for (t, kernel, d) in tma_checks {
             println!(
-                "- T = {t}, flash-wg3 (wgmma, warp-specialised): output vs the cuBLAS path, \
-                 norm-wise relative difference {d:.2e}"
-            );
-        }
-        for (t, d) in tma_checks {
-            println!(
-                "- T = {t}, flash-wg3tma (wgmma, warp-specialised, TMA): output vs the cuBLAS \
-                 path, norm-wise relative difference {d:.2e}"
+                "- T = {t}, flash-wg {kernel:?} (wgmma, warp-specialised, TMA): output vs the \
+                 cuBLAS path, norm-wise relative difference {d:.2e}"
             );
         }
         if g.arch() != "sm_90a" {

@@ -69,10 +69,10 @@
 // 199 808 for HD 256, 101 504 for HD 128.
 //
 // Instances attn_flash_wg_bf16_{256,128}; grid (ceil(tq / 128)·nh, nsplit), block 256.
-// The warp-specialised variant attn_flash_wg3_bf16_{256,128} (block 384: a producer
-// warpgroup with mbarriers, two ping-pong consumer warpgroups) follows the first kernel
-// and reuses its primitives, descriptors, loaders and fragment code; attn_flash_wg3tma_*
-// is that kernel with K / V loaded by TMA.
+// The warp-specialised kernels attn_flash_wg3tmal_bf16_{256,128} (64-key tiles) and
+// attn_flash_wg3tmalb80_bf16_{256,128} (80-key tiles) (block 384: a producer warpgroup that
+// loads K / V by TMA onto mbarriers, two ping-pong consumer warpgroups) follow the first
+// kernel and reuse its primitives, descriptors and fragment code.
 // The module compiles to nothing for targets without wgmma (sm_90a only; compile::ALL
 // builds every module for the device, attn.rs refuses other devices before looking up a
 // kernel). The host emulator defines FW_HOST_EMULATOR.
@@ -215,7 +215,7 @@ __device__ __forceinline__ void fw_wgmma_rs_n128(float* d, const unsigned* a, un
         : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(db), "r"(1));
 }
 
-// ---- warp-specialised variant (attn_flash_wg3_*) ----
+// ---- warp-specialised kernels (attn_flash_wg3tmal*_*) ----
 // 8 bytes global → shared (cp.async.ca), ok = false writes 8 zero bytes (src not read).
 __device__ __forceinline__ void fw_cp_async8z(unsigned dst, const void* src, bool ok) {
     asm volatile("cp.async.ca.shared.global [%0], [%1], 8, %2;\n" ::"r"(dst), "l"(src), "r"(ok ? 8 : 0)
@@ -279,7 +279,7 @@ __device__ __forceinline__ void fw_setmaxnreg_dec() {
     asm volatile("setmaxnreg.dec.sync.aligned.u32 %0;\n" ::"n"(N));
 }
 
-// ---- TMA (attn_flash_wg3tma_*) ----
+// ---- TMA (attn_flash_wg3tmal*_*) ----
 // A CUtensorMap (CUDA driver API: 128 opaque bytes, 64-byte aligned), encoded on the host
 // by cuTensorMapEncodeTiled (attn.rs: encode_kv_map) and passed by value as a
 // __grid_constant__ kernel parameter; its generic address is the TMA operand.
@@ -697,31 +697,41 @@ __device__ __forceinline__ void attn_flash_wg_impl(const bf16* __restrict__ q, c
 ATTN_FLASH_WG(256)
 ATTN_FLASH_WG(128)
 // ============================================================================================
-// Warp-specialised variant attn_flash_wg3_bf16_{256,128} (attn::prefill_flash_wg_with with
-// FlashWgKernel::WarpSpecialized): the FlashAttention-3 schedule (Shah et al. 2024, §3.1
-// "producer-consumer asynchrony through warp-specialization and pingpong scheduling", §3.2
-// intra-warpgroup overlap) on the same layouts, descriptors and fragments as the kernel above.
-// Same contract, arguments and grid; block = 3 warpgroups (384 threads):
-// * warpgroup 0, the producer: setmaxnreg.dec to FW3_REG_LOAD registers; loads Q once, then
-//   the visible K and V tiles (BC keys) in the order the consumers use them, K(0), K(1),
-//   V(0), K(2), V(1), ..., into a ring of FW3_STAGES(HD) stages (3 at HD 128; 2 at HD 256,
-//   where Q and two K/V stages already take 192 KiB (BC 64) or 224 KiB (BC 80) of the
-//   227 KiB) with cp.async (the swizzled loader
-//   above); each load ends with cp.async.mbarrier.arrive.noinc on the stage's "full"
-//   mbarrier (expected count 128: one asynchronous arrival per producer thread, when its
-//   copies have landed). Before refilling a stage it waits on the stage's "empty" mbarrier
-//   (expected count 256: every consumer thread arrives once its wgmma reading the stage
-//   retired). Phase parities: tile t of a ring of S stages is the (t / S)-th use of stage
-//   t % S: consumers wait "full" with parity (t / S) & 1, the producer waits "empty" with
-//   parity ((t / S) & 1) ^ 1 (fresh barrier: parity 1 passes at once).
+// Warp-specialised kernels attn_flash_wg3tmal_bf16_{256,128} (64-key tiles) and
+// attn_flash_wg3tmalb80_bf16_{256,128} (80-key tiles) (attn::prefill_flash_wg_with with
+// FlashWgKernel::WarpSpecializedTmaLean / WarpSpecializedTmaLeanBc80): the FlashAttention-3
+// schedule (Shah et al. 2024, §3.1 "producer-consumer asynchrony through warp-specialization
+// and pingpong scheduling", §3.2 intra-warpgroup overlap) on the same layouts, descriptors
+// and fragments as the kernel above. Same contract, arguments and grid plus two kernel
+// parameters, the tensor maps of K and V (attn.rs: encode_kv_map); block = 3 warpgroups
+// (384 threads):
+// * warpgroup 0, the producer: setmaxnreg.dec to FW3_REG_LOAD registers; loads Q once by
+//   cp.async (the whole warpgroup, the swizzled loader above, completing on the Q mbarrier
+//   by cp.async.mbarrier.arrive.noinc: expected count 128), then producer warp 0 alone runs
+//   the tile loop: the visible K and V tiles (BC keys) in the order the consumers use them,
+//   K(0), K(1), V(0), K(2), V(1), ..., into a ring of FW3_STAGES(HD) stages (3 at HD 128;
+//   2 at HD 256, where Q and two K/V stages already take 192 KiB (BC 64) or 224 KiB (BC 80)
+//   of the 227 KiB). Per K tile its 32 lanes copy the key positions (cp.async +
+//   cp.async.mbarrier.arrive.noinc: 32 arrivals) and lane 0 publishes the tile's facts (its
+//   index, and its largest key position by a cp.async its asynchronous arrival covers), runs
+//   mbarrier.arrive.expect_tx(TBYTES) and issues NCB boxes of 64 elements × BC keys
+//   (cp.async.bulk.tensor.2d ... .mbarrier::complete_tx::bytes) at (kh·HD + 64·cb, j·BC) of
+//   the [n_kv][nkv·HD] view into region cb of the stage (K full count 33); V tiles the same
+//   without positions (V full count 1). Before refilling a stage it waits on the stage's
+//   "empty" mbarrier (expected count 256: every consumer thread arrives once its wgmma
+//   reading the stage retired). Phase parities: tile t of a ring of S stages is the
+//   (t / S)-th use of stage t % S: consumers wait "full" with parity (t / S) & 1, the
+//   producer waits "empty" with parity ((t / S) & 1) ^ 1 (fresh barrier: parity 1 passes
+//   at once).
 // * warpgroups 1 and 2, the consumers (query rows 0..63 and 64..127): setmaxnreg.inc to
-//   FW3_REG_MMA registers; the loop of the kernel above without __syncthreads and without
-//   loads: wait full K(i+1) / V(i), fence.proxy.async (cp.async writes through the generic
-//   proxy, wgmma reads through the async proxy; the fence is issued by the reading thread
-//   after the acquire of the mbarrier wait), issue S(i+1) = Q K(i+1)ᵀ and O += P(i) V(i),
-//   softmax of S(i+1) while P V runs, rescale, pack P(i+1); "empty" arrivals after the
+//   FW3_REG_MMA registers; they count their visible key tiles once (a warp vote per 32 tile
+//   summaries) and read no global memory in the loop (the tile facts come from the
+//   producer through shared memory); the loop of the kernel above without __syncthreads and
+//   without loads: wait full K(i+1) / V(i), issue S(i+1) = Q K(i+1)ᵀ and O += P(i) V(i),
+//   softmax of S(i+1) while P V runs (the scale folded into the exponent's FMA,
+//   2^(s·c − m·c), as FA3 does), rescale, pack P(i+1); "empty" arrivals after the
 //   wait_group that retires the reading wgmma (K: after the softmax, which also reads the
-//   key positions of the stage).
+//   key positions and facts of the stage).
 // * ping-pong (FA3 §3.1): named barrier 1 + w gates the wgmma issue of consumer w (256
 //   threads: its own 128 bar.sync + the other's 128 bar.arrive); after issuing, consumer w
 //   arrives on the other's barrier, so the GEMMs of one warpgroup queue behind the other's
@@ -735,52 +745,43 @@ ATTN_FLASH_WG(128)
 // the launch bound's minimum of 1 CTA per SM pins the entry count (without it ptxas drops
 // setmaxnreg, C7508).
 // Hardware facts used here (PTX ISA 8.x/9.0: "mbarrier" (init, arrive, try_wait.parity,
-// phase completion, expected / pending counts), "cp.async.mbarrier.arrive" (.noinc: the
-// asynchronous arrival is not pre-counted, so the expected count includes it; triggered
+// phase completion, expected / pending counts; expect-tx / tx-count: a phase completes when
+// the pending arrivals and the tx-count are both zero), "cp.async.mbarrier.arrive" (.noinc:
+// the asynchronous arrival is not pre-counted, so the expected count includes it; triggered
 // when all prior cp.async of the thread completed), "bar.sync / bar.arrive" (named
 // barriers 0..15, thread count a multiple of the warp size), "setmaxnreg" (24..256 in
 // steps of 8, same value in all warps of a warpgroup, per-CTA pool, .inc blocks until
 // available), "Memory Consistency Model: proxies" (cp.async writes are generic-proxy
 // writes; wgmma operand reads are async-proxy reads; a fence.proxy.async orders them once
-// the writes are visible to the fencing thread, here through the mbarrier acquire);
-// FA3 paper §3.1 (warp specialisation with setmaxnreg, ping-pong with named barriers),
-// §3.2 (intra-warpgroup overlap); CUTLASS's PipelineAsync / cpasync_barrier_arrive_noinc
-// for the cp.async-with-mbarrier producer pattern and its producer start phase 1).
-// Key tiles of BC = 64 (attn_flash_wg3_*, attn_flash_wg3np_*) or 80 keys (attn_flash_wg3b80_*).
+// the writes are visible to the fencing thread, here through the mbarrier acquire),
+// "Tensors" (tiled mode, bounding box, swizzle modes; "Out of Bounds Access": box elements
+// outside the tensor are filled with zeros in the default fill mode, the driver's
+// CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE (the other mode, NAN_REQUEST_ZERO_FMA, fills NaN)),
+// "cp.async.bulk.tensor" (writes through the async proxy; complete_tx of the box's bytes on
+// the mbarrier, OOB elements included); CUDA driver API cuTensorMapEncodeTiled (64-byte
+// aligned map, global address 16-byte aligned, strides multiples of 16 < 2^40, box sizes
+// ≤ 256, inner box ≤ 128 bytes with CU_TENSOR_MAP_SWIZZLE_128B); FA3 paper §3.1 (warp
+// specialisation with setmaxnreg, ping-pong with named barriers), §3.2 (intra-warpgroup
+// overlap); CUTLASS's PipelineAsync / cpasync_barrier_arrive_noinc for the
+// cp.async-with-mbarrier pattern and its producer start phase 1, SM90_TMA_LOAD_2D /
+// ClusterTransactionBarrier::arrive_and_expect_tx for the same instruction forms,
+// __grid_constant__ tensor-map parameters). The copy engine's 128-byte swizzle is a function
+// of the shared address bits (16-byte chunk bits [4,7) ^= [7,10)), the one the wgmma
+// descriptors read; stages start on 1024-byte boundaries. The consumers need no
+// fence.proxy.async for the TMA data (async proxy on both sides): the mbarrier wait orders
+// it; the Q tile (cp.async) is fenced once in the prologue.
 // Shared memory (base rounded up to 1024): sQ [NCB][128][128 B] | sK [S][NCB][BC][128 B] |
-// sV [S][NCB][BC][128 B] | sKP [S][BC] i64 | sRed [32] i64 | mbarriers [16]
-// = 1024 + NCB·(128 + 2·S·BC)·128 + (S·BC + 48)·8 bytes (attn.rs: flash_wg3_smem_bytes):
-// HD 256 (S 2): 199 040 (BC 64), 232 064 (BC 80, of the 232 448 an H100 / H200 CTA may
-// have); HD 128 (S 3): 134 016 (BC 64), 158 976 (BC 80). The query positions are read
-// from global memory (no room for them at BC 80).
-// TMA variant attn_flash_wg3tma_bf16_{256,128} (FlashWgKernel::WarpSpecializedTma; two more
-// kernel parameters, the tensor maps of K and V): Q still by cp.async from the whole producer
-// warpgroup; then producer warp 0 alone runs the tile loop: per K tile its 32 lanes copy the
-// key positions (cp.async + cp.async.mbarrier.arrive.noinc: 32 arrivals) and lane 0 runs
-// mbarrier.arrive.expect_tx(TBYTES) and issues NCB boxes of 64 elements × 64 keys
-// (cp.async.bulk.tensor.2d ... .mbarrier::complete_tx::bytes) at (kh·HD + 64·cb, j·64) of
-// the [n_kv][nkv·HD] view into region cb of the stage (K full count 33); V tiles the same
-// without positions (V full count 1). Facts used (PTX ISA 8.x/9.0 "Tensors" (tiled mode,
-// bounding box, swizzle modes; "Out of Bounds Access": box elements outside the tensor are
-// filled with zeros in the default fill mode, the driver's CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE
-// (the other mode, NAN_REQUEST_ZERO_FMA, fills NaN)), "cp.async.bulk.tensor" (writes
-// through the async proxy; complete_tx of the box's bytes on the mbarrier, OOB elements
-// included), "mbarrier" (expect-tx / tx-count: a phase completes when the pending
-// arrivals and the tx-count are both zero); CUDA driver API cuTensorMapEncodeTiled
-// (64-byte aligned map, global address 16-byte aligned, strides multiples of 16 < 2^40,
-// box sizes ≤ 256, inner box ≤ 128 bytes with CU_TENSOR_MAP_SWIZZLE_128B); CUTLASS
-// SM90_TMA_LOAD_2D / ClusterTransactionBarrier::arrive_and_expect_tx for the same
-// instruction forms, __grid_constant__ tensor-map parameters). The copy engine's 128-byte
-// swizzle is a function of the shared address bits (16-byte chunk bits [4,7) ^= [7,10)),
-// the one the wgmma descriptors read; stages start on 1024-byte boundaries. The consumers
-// need no fence.proxy.async for the TMA data (async proxy on both sides): the mbarrier
-// wait orders it; the Q tile (cp.async) is fenced once in the prologue.
+// sV [S][NCB][BC][128 B] | sKP [S][BC] i64 | sRed [32] i64 (with the tile facts) |
+// mbarriers [16] = 1024 + NCB·(128 + 2·S·BC)·128 + (S·BC + 48)·8 bytes (attn.rs:
+// flash_wg3_smem_bytes): HD 256 (S 2): 199 040 (BC 64), 232 064 (BC 80, of the 232 448 an
+// H100 / H200 CTA may have); HD 128 (S 3): 134 016 (BC 64), 158 976 (BC 80). The query
+// positions are read from global memory (no room for them at BC 80).
 #define FW3_THREADS 384
 #define FW3_REG_LOAD 24
 #define FW3_REG_MMA 240
 #define FW3_STAGES(HD) ((HD) == 256 ? 2 : 3)
 
-template <int HD, int BC, bool PINGPONG, bool TMA, bool LEAN>
+template <int HD, int BC>
 __device__ __forceinline__ void attn_flash_wg3_impl(const bf16* __restrict__ q, const bf16* __restrict__ k,
                                                     const bf16* __restrict__ v, const i64* __restrict__ q_pos,
                                                     const i64* __restrict__ kv_pos, const i64* __restrict__ tiles,
@@ -799,7 +800,6 @@ __device__ __forceinline__ void attn_flash_wg3_impl(const bf16* __restrict__ q, 
     static_assert(BC == 64 || BC == 80, "key tile");  // regions of BC·128 bytes: whole 1024-byte atoms
     static_assert((BR * HD / 8) % PT == 0 && (BC * HD / 8) % PT == 0, "loader shape");
     static_assert(PT * (FW3_REG_LOAD + 2 * FW3_REG_MMA) <= 65536, "register pool");
-    static_assert(!LEAN || TMA, "the lean consumer loop takes its tile facts from the TMA producer");
     static_assert(2 * W + 2 * S <= 32, "tile facts share sRed");
     extern __shared__ __align__(1024) unsigned char fw_smem[];
     unsigned char* base = fw_smem + ((1024u - (fw_smem_u32(fw_smem) & 1023u)) & 1023u);
@@ -809,8 +809,8 @@ __device__ __forceinline__ void attn_flash_wg3_impl(const bf16* __restrict__ q, 
     i64* sKP = reinterpret_cast<i64*>(sV + S * TBYTES);
     i64* sRed = sKP + S * BC;
     unsigned long long* sBar = reinterpret_cast<unsigned long long*>(sRed + 32);
-    // LEAN: per K stage st, the tile facts in sRed[2W + 2st ..]: the tile's largest key
-    // position (tmax[j], copied by cp.async) and its index j.
+    // Per K stage st, the tile facts in sRed[2W + 2st ..]: the tile's largest key position
+    // (tmax[j], copied by cp.async) and its index j.
     i64* sFact = sRed + 2 * W;
 
     const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5, wg = tid >> 7;
@@ -837,10 +837,10 @@ __device__ __forceinline__ void attn_flash_wg3_impl(const bf16* __restrict__ q, 
     if (tid == 0) {
         fw_mbar_init(bar_q(), PT);
         for (int st = 0; st < S; ++st) {
-            // TMA: K full = 32 cp.async arrivals (key positions, producer warp 0) + the
+            // K full = 32 cp.async arrivals (key positions, producer warp 0) + the
             // expect_tx arrival; V full = the expect_tx arrival.
-            fw_mbar_init(bar_kf(st), TMA ? 33 : PT);
-            fw_mbar_init(bar_vf(st), TMA ? 1 : PT);
+            fw_mbar_init(bar_kf(st), 33);
+            fw_mbar_init(bar_vf(st), 1);
             fw_mbar_init(bar_ke(st), THREADS - PT);
             fw_mbar_init(bar_ve(st), THREADS - PT);
         }
@@ -884,100 +884,54 @@ __device__ __forceinline__ void attn_flash_wg3_impl(const bf16* __restrict__ q, 
             fw_cp_async16(sQa + fw_swz(BR, r, col), src, ok);
         }
         fw_cp_mbar_arrive(bar_q());
-        if constexpr (TMA) {
-            // One warp runs the loop (the tile search is warp-wide); lane 0 issues the boxes.
-            if (warp != 0) {
-                fw_cp_commit();
-                fw_cp_wait_all();
-                return;
-            }
-            // Tile j into stage st: NCB boxes of 64 columns × BC keys (8 KiB at BC 64), the
-            // box of column block cb at (kh·HD + 64·cb, j·BC) of the [n_kv][nkv·HD] view,
-            // landing as the [BC][128 B] swizzled region cb of the stage.
-            auto tma_tile = [&](const FwTmap* map, unsigned dst, unsigned bar, int j) {
-                fw_mbar_expect_tx(bar, TBYTES);
-#pragma unroll
-                for (int cb = 0; cb < NCB; ++cb) fw_tma_load_2d(dst + cb * BC * 128, map, kh * HD + cb * 64, j * BC, bar);
-            };
-            auto load_kp = [&](int st, int j) {
-                if (LEAN && lane == 0) {
-                    // j: published by lane 0's expect_tx arrival below (release; the
-                    // consumers' wait on the stage acquires); tmax[j]: a cp.async that lane
-                    // 0's asynchronous arrival covers, like the key positions.
-                    sFact[2 * st + 1] = j;
-                    fw_cp_async8z(fw_smem_u32(sFact + 2 * st), tmax + j, true);
-                }
-                for (int r = lane; r < BC; r += 32) {
-                    const bool ok = j * BC + r < n_kv;
-                    fw_cp_async8z(fw_smem_u32(sKP + st * BC + r), kv_pos + (ok ? j * BC + r : 0), ok);
-                }
-                fw_cp_mbar_arrive(bar_kf(st));
-                if (lane == 0) tma_tile(tmk, sKa + st * TBYTES, bar_kf(st), j);
-            };
-            int j = fw_next_tile(tmin, smin, jb, je, qmax, lane);
-            int t = 0, sk = 0, sv = 0;
-            if (j < je) {  // (no tile, e.g. n_kv = 0: the maps may be dummies, never touched)
-                if (lane == 0) {
-                    fw_tma_prefetch(tmk);
-                    fw_tma_prefetch(tmv);
-                }
-                fw_mbar_wait(bar_ke(0), 1);
-                load_kp(0, j);
-            }
-            while (j < je) {
-                const int jn = fw_next_tile(tmin, smin, j + 1, je, qmax, lane);
-                if (jn < je) {
-                    sk = sk + 1 == S ? 0 : sk + 1;
-                    fw_mbar_wait(bar_ke(sk), (((t + 1) / S) & 1) ^ 1);
-                    load_kp(sk, jn);
-                }
-                fw_mbar_wait(bar_ve(sv), ((t / S) & 1) ^ 1);
-                if (lane == 0) tma_tile(tmv, sVa + sv * TBYTES, bar_vf(sv), j);
-                sv = sv + 1 == S ? 0 : sv + 1;
-                j = jn;
-                ++t;
-            }
+        // One warp runs the loop (the tile search is warp-wide); lane 0 issues the boxes.
+        if (warp != 0) {
             fw_cp_commit();
             fw_cp_wait_all();
             return;
         }
-        auto load_tile = [&](const bf16* g, unsigned dst, int j) {
-            const int j0 = j * BC;
-#pragma unroll 4
-            for (int i = 0; i < BC * HD / 8 / PT; ++i) {
-                const int c = pt + i * PT;
-                const int r = (c >> 3) % BC, col = (c & 7) * 8 + (c / (8 * BC)) * 64;
-                const bool ok = j0 + r < n_kv;
-                const size_t off = ok ? ((size_t)(j0 + r) * nkv + kh) * HD + col : 0;
-                fw_cp_async16(dst + fw_swz(BC, r, col), g + off, ok);
+        // Tile j into stage st: NCB boxes of 64 columns × BC keys (8 KiB at BC 64), the
+        // box of column block cb at (kh·HD + 64·cb, j·BC) of the [n_kv][nkv·HD] view,
+        // landing as the [BC][128 B] swizzled region cb of the stage.
+        auto tma_tile = [&](const FwTmap* map, unsigned dst, unsigned bar, int j) {
+            fw_mbar_expect_tx(bar, TBYTES);
+#pragma unroll
+            for (int cb = 0; cb < NCB; ++cb) fw_tma_load_2d(dst + cb * BC * 128, map, kh * HD + cb * 64, j * BC, bar);
+        };
+        auto load_kp = [&](int st, int j) {
+            if (lane == 0) {
+                // j: published by lane 0's expect_tx arrival below (release; the
+                // consumers' wait on the stage acquires); tmax[j]: a cp.async that lane
+                // 0's asynchronous arrival covers, like the key positions.
+                sFact[2 * st + 1] = j;
+                fw_cp_async8z(fw_smem_u32(sFact + 2 * st), tmax + j, true);
             }
+            for (int r = lane; r < BC; r += 32) {
+                const bool ok = j * BC + r < n_kv;
+                fw_cp_async8z(fw_smem_u32(sKP + st * BC + r), kv_pos + (ok ? j * BC + r : 0), ok);
+            }
+            fw_cp_mbar_arrive(bar_kf(st));
+            if (lane == 0) tma_tile(tmk, sKa + st * TBYTES, bar_kf(st), j);
         };
         int j = fw_next_tile(tmin, smin, jb, je, qmax, lane);
-        int t = 0, sk = 0, sv = 0;  // tile counter; stages of K(t + 1) (after the first) and V(t)
-        if (j < je) {
-            fw_mbar_wait(bar_ke(0), 1);  // first use of the stage: passes at once
-            load_tile(k, sKa, j);
-            if (pt < BC) {
-                const bool ok = j * BC + pt < n_kv;
-                fw_cp_async8z(fw_smem_u32(sKP + pt), kv_pos + (ok ? j * BC + pt : 0), ok);
+        int t = 0, sk = 0, sv = 0;
+        if (j < je) {  // (no tile, e.g. n_kv = 0: the maps may be dummies, never touched)
+            if (lane == 0) {
+                fw_tma_prefetch(tmk);
+                fw_tma_prefetch(tmv);
             }
-            fw_cp_mbar_arrive(bar_kf(0));
+            fw_mbar_wait(bar_ke(0), 1);
+            load_kp(0, j);
         }
         while (j < je) {
             const int jn = fw_next_tile(tmin, smin, j + 1, je, qmax, lane);
             if (jn < je) {
                 sk = sk + 1 == S ? 0 : sk + 1;
                 fw_mbar_wait(bar_ke(sk), (((t + 1) / S) & 1) ^ 1);
-                load_tile(k, sKa + sk * TBYTES, jn);
-                if (pt < BC) {
-                    const bool ok = jn * BC + pt < n_kv;
-                    fw_cp_async8z(fw_smem_u32(sKP + sk * BC + pt), kv_pos + (ok ? jn * BC + pt : 0), ok);
-                }
-                fw_cp_mbar_arrive(bar_kf(sk));
+                load_kp(sk, jn);
             }
             fw_mbar_wait(bar_ve(sv), ((t / S) & 1) ^ 1);
-            load_tile(v, sVa + sv * TBYTES, j);
-            fw_cp_mbar_arrive(bar_vf(sv));
+            if (lane == 0) tma_tile(tmv, sVa + sv * TBYTES, bar_vf(sv), j);
             sv = sv + 1 == S ? 0 : sv + 1;
             j = jn;
             ++t;
@@ -1030,16 +984,12 @@ __device__ __forceinline__ void attn_flash_wg3_impl(const bf16* __restrict__ q, 
     // Scores of one tile → probabilities (in s), running max / sum; c0, c1: the factors
     // that rescale the accumulator rows. `nvalid`: keys of the tile inside n_kv (may exceed
     // BC); `full`: every key of the tile is visible to every query row of the CTA (no
-    // masking). LEAN keeps s and m in the raw score domain and folds the scale into the
+    // masking). s and m stay in the raw score domain; the scale is folded into the
     // exponent's FMA: 2^(s·scale − m·scale), as FA3 does.
     auto softmax = [&](int nvalid, bool full, int st, float& c0, float& c1) {
         const i64* kp = sKP + st * BC;
 #pragma unroll
         for (int n = 0; n < ST; ++n) {
-            if (!LEAN) {
-#pragma unroll
-                for (int e = 0; e < 4; ++e) s[n][e] *= scale_log2;
-            }
             if (!full) {
                 const int c = n * 8 + 2 * (lane & 3);
                 const i64 p0 = kp[c], p1 = kp[c + 1];
@@ -1063,32 +1013,18 @@ __device__ __forceinline__ void attn_flash_wg3_impl(const bf16* __restrict__ q, 
         const float n0 = fmaxf(m0, r0), n1 = fmaxf(m1, r1);
         const float b0 = n0 == NEG_INF ? 0.f : n0, b1 = n1 == NEG_INF ? 0.f : n1;
         float ls0 = 0.f, ls1 = 0.f;
-        if constexpr (LEAN) {
-            // −inf (masked score, or an empty running max) stays −inf → 2^−inf = 0.
-            const float nb0 = -b0 * scale_log2, nb1 = -b1 * scale_log2;
-            c0 = fw_exp2(fmaf(m0, scale_log2, nb0));
-            c1 = fw_exp2(fmaf(m1, scale_log2, nb1));
+        // −inf (masked score, or an empty running max) stays −inf → 2^−inf = 0.
+        const float nb0 = -b0 * scale_log2, nb1 = -b1 * scale_log2;
+        c0 = fw_exp2(fmaf(m0, scale_log2, nb0));
+        c1 = fw_exp2(fmaf(m1, scale_log2, nb1));
 #pragma unroll
-            for (int n = 0; n < ST; ++n) {
-                s[n][0] = fw_exp2(fmaf(s[n][0], scale_log2, nb0));
-                s[n][1] = fw_exp2(fmaf(s[n][1], scale_log2, nb0));
-                s[n][2] = fw_exp2(fmaf(s[n][2], scale_log2, nb1));
-                s[n][3] = fw_exp2(fmaf(s[n][3], scale_log2, nb1));
-                ls0 += s[n][0] + s[n][1];
-                ls1 += s[n][2] + s[n][3];
-            }
-        } else {
-            c0 = fw_exp2(m0 - b0);
-            c1 = fw_exp2(m1 - b1);
-#pragma unroll
-            for (int n = 0; n < ST; ++n) {
-                s[n][0] = fw_exp2(s[n][0] - b0);
-                s[n][1] = fw_exp2(s[n][1] - b0);
-                s[n][2] = fw_exp2(s[n][2] - b1);
-                s[n][3] = fw_exp2(s[n][3] - b1);
-                ls0 += s[n][0] + s[n][1];
-                ls1 += s[n][2] + s[n][3];
-            }
+        for (int n = 0; n < ST; ++n) {
+            s[n][0] = fw_exp2(fmaf(s[n][0], scale_log2, nb0));
+            s[n][1] = fw_exp2(fmaf(s[n][1], scale_log2, nb0));
+            s[n][2] = fw_exp2(fmaf(s[n][2], scale_log2, nb1));
+            s[n][3] = fw_exp2(fmaf(s[n][3], scale_log2, nb1));
+            ls0 += s[n][0] + s[n][1];
+            ls1 += s[n][2] + s[n][3];
         }
         m0 = n0;
         m1 = n1;
@@ -1105,28 +1041,16 @@ __device__ __forceinline__ void attn_flash_wg3_impl(const bf16* __restrict__ q, 
         }
     };
 
-    // The CTA's visible tiles: LEAN counts them once (the loop reads no global memory; the
-    // producer publishes each K stage's tile facts in sFact), otherwise the loop walks the
-    // tile summaries (j: tile t, jn: tile t + 1, je: none). Both counts come from warp
-    // votes, so the loop is provably warpgroup-uniform (ptxas C7520 otherwise).
-    int j = 0, jn = 0, nvis = 0;
-    if constexpr (LEAN) {
-        nvis = fw_count_tiles(tmin, smin, jb, je, qmax, lane);
-    } else {
-        j = fw_next_tile(tmin, smin, jb, je, qmax, lane);
-        jn = j < je ? fw_next_tile(tmin, smin, j + 1, je, qmax, lane) : je;
-    }
-    bool have = LEAN ? nvis > 0 : j < je;         // tile t exists
-    bool have_next = LEAN ? nvis > 1 : jn < je;   // tile t + 1 exists
-    // Valid keys and "no masking" of tile jj, held in K stage st.
-    auto facts = [&](int jj, int st, int& nvalid, bool& full) {
-        if constexpr (LEAN) {
-            nvalid = n_kv - (int)sFact[2 * st + 1] * BC;
-            full = nvalid >= BC && sFact[2 * st] <= qmin;
-        } else {
-            nvalid = n_kv - jj * BC;
-            full = nvalid >= BC && tmax[jj] <= qmin;
-        }
+    // The CTA's visible tiles, counted once (the loop reads no global memory; the producer
+    // publishes each K stage's tile facts in sFact). The count comes from warp votes, so the
+    // loop is provably warpgroup-uniform (ptxas C7520 otherwise).
+    const int nvis = fw_count_tiles(tmin, smin, jb, je, qmax, lane);
+    bool have = nvis > 0;       // tile t exists
+    bool have_next = nvis > 1;  // tile t + 1 exists
+    // Valid keys and "no masking" of the tile held in K stage st.
+    auto facts = [&](int st, int& nvalid, bool& full) {
+        nvalid = n_kv - (int)sFact[2 * st + 1] * BC;
+        full = nvalid >= BC && sFact[2 * st] <= qmin;
     };
 
     // Prologue: Q, K(0) → S(0), P(0).
@@ -1141,32 +1065,29 @@ __device__ __forceinline__ void attn_flash_wg3_impl(const bf16* __restrict__ q, 
     if (have) {
         int nv;
         bool fl;
-        facts(j, 0, nv, fl);
+        facts(0, nv, fl);
         float c0, c1;
         softmax(nv, fl, 0, c0, c1);
         fw_mbar_arrive(bar_ke(0));
         pack_p();
-        if (PINGPONG && wgc == 1) fw_bar_arrive(1, 2 * PT);  // consumer 0 issues first
+        if (wgc == 1) fw_bar_arrive(1, 2 * PT);  // consumer 0 issues first
     }
     int t = 0, sk = S > 1 ? 1 : 0, sv = 0;  // stages of K(t + 1) and V(t)
     while (have) {
-        int jnn = je;
-        if constexpr (!LEAN) jnn = have_next ? fw_next_tile(tmin, smin, jn + 1, je, qmax, lane) : je;
         if (have_next) fw_mbar_wait(bar_kf(sk), ((t + 1) / S) & 1);
         fw_mbar_wait(bar_vf(sv), (t / S) & 1);
-        // cp.async (generic proxy) → wgmma (async proxy); TMA writes through the async proxy.
-        if (!TMA) fw_fence_proxy_async();
-        if (PINGPONG) fw_bar_sync(1 + wgc, 2 * PT);  // my turn at the tensor cores
+        // TMA writes through the async proxy, as wgmma reads: no proxy fence.
+        fw_bar_sync(1 + wgc, 2 * PT);  // my turn at the tensor cores
         fw_wgmma_fence();
         issue_s(sk);  // for the last tile: scores of a stale stage, unused
         issue_pv(sv);
-        if (PINGPONG && (wgc == 0 || have_next)) fw_bar_arrive(2 - wgc, 2 * PT);  // the other's turn
+        if (wgc == 0 || have_next) fw_bar_arrive(2 - wgc, 2 * PT);  // the other's turn
         fw_wgmma_wait<1, ST * 4>(&s[0][0]);  // S(t+1) done, P V(t) may still run
         float c0 = 1.f, c1 = 1.f;
         if (have_next) {
             int nv;
             bool fl;
-            facts(jn, sk, nv, fl);
+            facts(sk, nv, fl);
             softmax(nv, fl, sk, c0, c1);
             fw_mbar_arrive(bar_ke(sk));  // K(t+1), its positions and facts no longer read
         }
@@ -1183,65 +1104,29 @@ __device__ __forceinline__ void attn_flash_wg3_impl(const bf16* __restrict__ q, 
         sk = sk + 1 == S ? 0 : sk + 1;
         sv = sv + 1 == S ? 0 : sv + 1;
         ++t;
-        if constexpr (LEAN) {
-            have = t < nvis;
-            have_next = t + 1 < nvis;
-        } else {
-            j = jn;
-            jn = jnn;
-            have = j < je;
-            have_next = jn < je;
-        }
+        have = t < nvis;
+        have_next = t + 1 < nvis;
     }
-    fw_epilogue<HD>(acc, LEAN ? m0 * scale_log2 : m0, LEAN ? m1 * scale_log2 : m1, l0, l1, q0 + row0, lane, h,
-                    tq, nh, nsplit, o, wo, wml);
+    // m is in the raw score domain; the split merge takes it in log2 units.
+    fw_epilogue<HD>(acc, m0 * scale_log2, m1 * scale_log2, l0, l1, q0 + row0, lane, h, tq, nh, nsplit, o, wo,
+                    wml);
 }
 
-// attn_flash_wg3_bf16_{HD}: 64-key tiles with ping-pong; attn_flash_wg3np_bf16_{HD}:
-// without (the two consumers issue their wgmma independently; for timing the ping-pong's
-// effect); attn_flash_wg3b80_bf16_{HD}: 80-key tiles (FA3's choice at head dim 256: the
-// S = Q Kᵀ wgmma m64n80 reads 4.5 KiB of shared memory per 40 tensor-core cycles instead
-// of 4 KiB per 32, and the per-tile costs spread over 25% more keys; tile summaries with
-// bc = 80).
-#define ATTN_FLASH_WG3(NAME, HD, BC, PP)                                                              \
-    extern "C" __global__ void __launch_bounds__(FW3_THREADS, 1) NAME##_bf16_##HD(                    \
-        const bf16* q, const bf16* k, const bf16* v, const i64* q_pos, const i64* kv_pos,             \
-        const i64* tiles, bf16* o, float* wo, float* wml, int tq, int n_kv, int nh, int nkv,          \
-        float scale_log2) {                                                                           \
-        attn_flash_wg3_impl<HD, BC, PP, false, false>(q, k, v, q_pos, kv_pos, tiles, o, wo, wml, tq, n_kv, nh,   \
-                                               nkv, scale_log2, nullptr, nullptr);                    \
-    }
-ATTN_FLASH_WG3(attn_flash_wg3, 256, 64, true)
-ATTN_FLASH_WG3(attn_flash_wg3, 128, 64, true)
-ATTN_FLASH_WG3(attn_flash_wg3np, 256, 64, false)
-ATTN_FLASH_WG3(attn_flash_wg3np, 128, 64, false)
-ATTN_FLASH_WG3(attn_flash_wg3b80, 256, 80, true)
-ATTN_FLASH_WG3(attn_flash_wg3b80, 128, 80, true)
-
-// attn_flash_wg3tma_bf16_{HD}: attn_flash_wg3_bf16_{HD} (64-key tiles, ping-pong) with the K
-// and V tiles loaded by TMA (two more arguments: the tensor maps of K and V, attn.rs:
-// encode_kv_map).
-#define ATTN_FLASH_WG3TMA(NAME, HD, BC, PP, LEAN)                                                      \
+// attn_flash_wg3tmal_bf16_{HD} (64-key tiles) and attn_flash_wg3tmalb80_bf16_{HD} (80-key
+// tiles: FA3's choice at head dim 256: the S = Q Kᵀ wgmma m64n80 reads 4.5 KiB of shared
+// memory per 40 tensor-core cycles instead of 4 KiB per 32, and the per-tile costs spread
+// over 25% more keys; tile summaries with bc = 80). The last two arguments are the tensor
+// maps of K and V (attn.rs: encode_kv_map).
+#define ATTN_FLASH_WG3TMAL(NAME, HD, BC)                                                               \
     extern "C" __global__ void __launch_bounds__(FW3_THREADS, 1) NAME##_bf16_##HD(                     \
         const bf16* q, const bf16* k, const bf16* v, const i64* q_pos, const i64* kv_pos,             \
         const i64* tiles, bf16* o, float* wo, float* wml, int tq, int n_kv, int nh, int nkv,          \
         float scale_log2, const __grid_constant__ FwTmap tmk, const __grid_constant__ FwTmap tmv) {   \
-        attn_flash_wg3_impl<HD, BC, PP, true, LEAN>(q, k, v, q_pos, kv_pos, tiles, o, wo, wml, tq, n_kv,  \
-                                                    nh, nkv, scale_log2, &tmk, &tmv);                 \
+        attn_flash_wg3_impl<HD, BC>(q, k, v, q_pos, kv_pos, tiles, o, wo, wml, tq, n_kv, nh, nkv,      \
+                                    scale_log2, &tmk, &tmv);                                          \
     }
-ATTN_FLASH_WG3TMA(attn_flash_wg3tma, 256, 64, true, false)
-ATTN_FLASH_WG3TMA(attn_flash_wg3tma, 128, 64, true, false)
-// attn_flash_wg3tmanp_bf16_{HD}: the same without the ping-pong named barriers.
-ATTN_FLASH_WG3TMA(attn_flash_wg3tmanp, 256, 64, false, false)
-ATTN_FLASH_WG3TMA(attn_flash_wg3tmanp, 128, 64, false, false)
-// attn_flash_wg3tmab80_bf16_{HD}: TMA with 80-key tiles (tile summaries with bc = 80).
-ATTN_FLASH_WG3TMA(attn_flash_wg3tmab80, 256, 80, true, false)
-ATTN_FLASH_WG3TMA(attn_flash_wg3tmab80, 128, 80, true, false)
-// attn_flash_wg3tmal_bf16_{HD} / attn_flash_wg3tmalb80_bf16_{HD}: TMA with the lean consumer
-// loop (no global reads: the tile count once, tile facts from the producer through shared
-// memory; scale folded into the exponent's FMA), 64- / 80-key tiles.
-ATTN_FLASH_WG3TMA(attn_flash_wg3tmal, 256, 64, true, true)
-ATTN_FLASH_WG3TMA(attn_flash_wg3tmal, 128, 64, true, true)
-ATTN_FLASH_WG3TMA(attn_flash_wg3tmalb80, 256, 80, true, true)
-ATTN_FLASH_WG3TMA(attn_flash_wg3tmalb80, 128, 80, true, true)
+ATTN_FLASH_WG3TMAL(attn_flash_wg3tmal, 256, 64)
+ATTN_FLASH_WG3TMAL(attn_flash_wg3tmal, 128, 64)
+ATTN_FLASH_WG3TMAL(attn_flash_wg3tmalb80, 256, 80)
+ATTN_FLASH_WG3TMAL(attn_flash_wg3tmalb80, 128, 80)
 #endif  // sm_90a

@@ -2,13 +2,9 @@
 // see run.sh: `run.sh wg`) in the host emulator of emu.h + emu_wg.h against a
 // double-precision reference of the attention contract (model::attention). The key tile
 // summaries and the split merge are flash.cu's kernels, as in attn::prefill_flash_wg.
-// Usage: flash_wg_emu [quick] [basic|wg3|wg3np|wg3b80|wg3tma|wg3tmanp|wg3tmab80|wg3tmal|wg3tmalb80|both|all]
-// (default both: basic, wg3, wg3tma, wg3tmal):
-// attn_flash_wg_bf16_* (256 threads) and / or the warp-specialised attn_flash_wg3_bf16_*
-// (384 threads; wg3np: attn_flash_wg3np_bf16_*, without ping-pong; wg3b80:
-// attn_flash_wg3b80_bf16_*, 80-key tiles; wg3tma: attn_flash_wg3tma_bf16_*, K/V by TMA; wg3tmab80:
-// the same with 80-key tiles; wg3tmal / wg3tmalb80: TMA with the lean consumer loop, 64- / 80-key
-// tiles; all: the nine).
+// Usage: flash_wg_emu [quick] [basic|wg3tmal|wg3tmalb80|all] (default all):
+// attn_flash_wg_bf16_* (256 threads) and / or the warp-specialised attn_flash_wg3tmal_bf16_*
+// (384 threads, K/V by TMA, 64-key tiles) and attn_flash_wg3tmalb80_bf16_* (80-key tiles).
 #include "emu_wg.h"
 
 typedef long long i64;
@@ -19,11 +15,8 @@ typedef long long i64;
 #include <string>
 
 static int g_fail = 0;
-static int g_variant = 0;  // 0: attn_flash_wg_*, 1: attn_flash_wg3_*, 2: attn_flash_wg3np_*, 3: attn_flash_wg3b80_*,
-                           // 4: attn_flash_wg3tma_*, 5: attn_flash_wg3tmanp_*, 6: attn_flash_wg3tmab80_*,
-                           // 7: attn_flash_wg3tmal_*, 8: attn_flash_wg3tmalb80_*
-static const char* const g_vname[] = {"wg ",    "wg3",       "wg3np",   "wg3b80",    "wg3tma",
-                                      "wg3tmanp", "wg3tmab80", "wg3tmal", "wg3tmalb80"};
+static int g_variant = 0;  // 0: attn_flash_wg_*, 1: attn_flash_wg3tmal_*, 2: attn_flash_wg3tmalb80_*
+static const char* const g_vname[] = {"wg ", "wg3tmal", "wg3tmalb80"};
 static double g_worst_rel = 0, g_worst_mrel = 0;
 
 typedef void (*FlashKernel)(const bf16*, const bf16*, const bf16*, const i64*, const i64*, const i64*, bf16*,
@@ -33,7 +26,7 @@ typedef void (*FlashTmaKernel)(const bf16*, const bf16*, const bf16*, const i64*
 
 static void run_case(const std::string& name, const std::vector<i64>& q_pos, const std::vector<i64>& kv_pos,
                      int nh, int nkv, int hd, int nsplit, unsigned seed) {
-    const int br = 128, bc = g_variant == 3 || g_variant == 6 || g_variant == 8 ? 80 : 64;
+    const int br = 128, bc = g_variant == 2 ? 80 : 64;
     const int tq = (int)q_pos.size(), n = (int)kv_pos.size();
     std::mt19937 rng(seed);
     std::uniform_real_distribution<float> U(-1.f, 1.f);
@@ -111,7 +104,7 @@ static void run_case(const std::string& name, const std::vector<i64>& q_pos, con
     // attn.rs: encode_kv_map. K and V viewed as [n_kv rows][nkv·hd bf16], boxes of 64 × 64
     // with the 128-byte swizzle; no key: zeroed maps (the kernel issues no copy).
     FwTmap mk{}, mv{};
-    if (g_variant >= 4 && n > 0) {
+    if (g_variant >= 1 && n > 0) {
         const unsigned long long dim[2] = {(unsigned long long)nkv * hd, (unsigned long long)n};
         const unsigned box[2] = {64, (unsigned)bc};
         if (!emu_tmap_encode_tiled(&mk, 2, k.data(), dim, (unsigned long long)nkv * hd * 2, box, 3) ||
@@ -121,21 +114,13 @@ static void run_case(const std::string& name, const std::vector<i64>& q_pos, con
             return;
         }
     }
-    const FlashTmaKernel ft =
-        g_variant == 5   ? (hd == 256 ? attn_flash_wg3tmanp_bf16_256 : attn_flash_wg3tmanp_bf16_128)
-        : g_variant == 6 ? (hd == 256 ? attn_flash_wg3tmab80_bf16_256 : attn_flash_wg3tmab80_bf16_128)
-        : g_variant == 7 ? (hd == 256 ? attn_flash_wg3tmal_bf16_256 : attn_flash_wg3tmal_bf16_128)
-        : g_variant == 8 ? (hd == 256 ? attn_flash_wg3tmalb80_bf16_256 : attn_flash_wg3tmalb80_bf16_128)
-                         : (hd == 256 ? attn_flash_wg3tma_bf16_256 : attn_flash_wg3tma_bf16_128);
-    const FlashKernel f = g_variant == 0   ? (hd == 256 ? attn_flash_wg_bf16_256 : attn_flash_wg_bf16_128)
-                          : g_variant == 1 ? (hd == 256 ? attn_flash_wg3_bf16_256 : attn_flash_wg3_bf16_128)
-                          : g_variant == 2 ? (hd == 256 ? attn_flash_wg3np_bf16_256 : attn_flash_wg3np_bf16_128)
-                          : g_variant == 3 ? (hd == 256 ? attn_flash_wg3b80_bf16_256 : attn_flash_wg3b80_bf16_128)
-                                           : nullptr;
+    const FlashTmaKernel ft = g_variant == 2 ? (hd == 256 ? attn_flash_wg3tmalb80_bf16_256 : attn_flash_wg3tmalb80_bf16_128)
+                                             : (hd == 256 ? attn_flash_wg3tmal_bf16_256 : attn_flash_wg3tmal_bf16_128);
+    const FlashKernel f = hd == 256 ? attn_flash_wg_bf16_256 : attn_flash_wg_bf16_128;
     const unsigned threads = g_variant == 0 ? 256 : 384;
     const long ops0 = emu_wg_count;
     emu_launch({(unsigned)(nqt * nh), (unsigned)nsplit, 1}, threads, smem + emu_smem_shift, [&] {
-        if (g_variant >= 4)
+        if (g_variant >= 1)
             ft(q.data(), k.data(), v.data(), q_pos.data(), kvp.data(), tiles.data(), o.data(), wo.data(), wml.data(), tq,
                n, nh, nkv, sl2, mk, mv);
         else
@@ -245,64 +230,29 @@ int main(int argc, char** argv) {
     const bool eager = getenv("EMU_EAGER_CP") && atoi(getenv("EMU_EAGER_CP"));
     if (getenv("EMU_SMEM_SHIFT")) emu_smem_shift = (unsigned)atoi(getenv("EMU_SMEM_SHIFT"));
     bool quick = false;
-    std::string which = "both";
+    std::string which = "all";
     for (int i = 1; i < argc; ++i) {
         const std::string a = argv[i];
         if (a == "quick") quick = true;
         else which = a;
     }
-    static const char* const known[] = {"basic", "wg3", "wg3np", "wg3b80", "wg3tma", "wg3tmanp",
-                                        "wg3tmab80", "wg3tmal", "wg3tmalb80", "both", "all"};
-    bool ok = false;
-    for (const char* k : known) ok = ok || which == k;
-    if (!ok) {
-        std::fprintf(stderr, "unknown variant '%s' (basic|wg3|wg3np|wg3b80|wg3tma|wg3tmanp|wg3tmab80|wg3tmal|"
-                             "wg3tmalb80|both|all)\n", which.c_str());
+    if (which != "basic" && which != "wg3tmal" && which != "wg3tmalb80" && which != "all") {
+        std::fprintf(stderr, "unknown variant '%s' (basic|wg3tmal|wg3tmalb80|all)\n", which.c_str());
         return 2;
     }
-    if (which == "basic" || which == "both" || which == "all") {
+    if (which == "basic" || which == "all") {
         g_variant = 0;
         emu.eager_cp = eager;
         all_cases(quick);
     }
     // The producer's copies land at its cp.async.mbarrier.arrive (EMU_EAGER_CP does not apply).
-    if (which == "wg3" || which == "both" || which == "all") {
+    if (which == "wg3tmal" || which == "all") {
         g_variant = 1;
         emu.eager_cp = false;
         all_cases(quick);
     }
-    if (which == "wg3np" || which == "all") {
-        g_variant = 2;
-        emu.eager_cp = false;
-        all_cases(quick);
-    }
-    if (which == "wg3b80" || which == "all") {
-        g_variant = 3;
-        emu.eager_cp = false;
-        all_cases(quick);
-    }
-    if (which == "wg3tma" || which == "both" || which == "all") {
-        g_variant = 4;
-        emu.eager_cp = false;
-        all_cases(quick);
-    }
-    if (which == "wg3tmanp" || which == "all") {
-        g_variant = 5;
-        emu.eager_cp = false;
-        all_cases(quick);
-    }
-    if (which == "wg3tmab80" || which == "all") {
-        g_variant = 6;
-        emu.eager_cp = false;
-        all_cases(quick);
-    }
-    if (which == "wg3tmal" || which == "both" || which == "all") {
-        g_variant = 7;
-        emu.eager_cp = false;
-        all_cases(quick);
-    }
     if (which == "wg3tmalb80" || which == "all") {
-        g_variant = 8;
+        g_variant = 2;
         emu.eager_cp = false;
         all_cases(quick);
     }

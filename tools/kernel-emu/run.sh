@@ -5,23 +5,24 @@
 # reference. Needs g++ (C++17). Usage:
 #   tools/kernel-emu/run.sh [quick]          # flash.cu; cp.async copies land at wait_group
 #   EMU_EAGER_CP=1 tools/kernel-emu/run.sh   # ... or as soon as they are issued
-#   tools/kernel-emu/run.sh wg [quick] [basic|wg3|wg3np|wg3b80|wg3tma|wg3tmanp|wg3tmab80|wg3tmal|wg3tmalb80|all]
+#   tools/kernel-emu/run.sh wg [quick] [basic|wg3tmal|wg3tmalb80|all]
 #                                            # flash_wg.cu: attn_flash_wg_* and the warp-specialised
-#                                            # attn_flash_wg3*_* (default: basic, wg3, wg3tma and
-#                                            # wg3tmal; all: the nine);
+#                                            # attn_flash_wg3tmal_* / attn_flash_wg3tmalb80_*
+#                                            # (default all);
 #                                            # EMU_SMEM_SHIFT=16 offsets the dynamic shared
 #                                            # memory base (alignment code)
 #   tools/kernel-emu/run.sh wg-mutants       # deliberately broken variants of flash_wg.cu must
-#                                            # fail (swizzle, fragments, descriptors, fences;
-#                                            # wg3-*: mbarrier parities / waits / releases,
-#                                            # proxy fence, ping-pong barriers, setmaxnreg;
-#                                            # tma-*: expect_tx bytes, box coordinates /
-#                                            # destinations, missing waits, barrier counts;
-#                                            # lean-* (wg3tmal) / leanb80-* (wg3tmalb80): tile
-#                                            # facts (index, stage slot, stage read), tile count,
-#                                            # split m scale, exp2 FMA fold; tmab80-* (wg3tmab80):
-#                                            # 80-key boxes, incl. the host tensor map; a pair
-#                                            # [old, new, "host"] edits flash_wg_emu.cpp)
+#                                            # fail (swizzle, fragments, descriptors, fences on
+#                                            # the basic kernel; on wg3tmal: wg3-*: mbarrier
+#                                            # parities / waits / releases, proxy fence,
+#                                            # ping-pong barriers, setmaxnreg; tma-*: expect_tx
+#                                            # bytes, box coordinates / destinations, missing
+#                                            # waits, barrier counts; lean-*: tile facts (index,
+#                                            # stage slot, stage read), tile count, split m
+#                                            # scale, exp2 FMA fold; on wg3tmalb80: leanb80-*,
+#                                            # tmab80-*: 80-key tiles and boxes, incl. the host
+#                                            # tensor map; a pair [old, new, "host"] edits
+#                                            # flash_wg_emu.cpp)
 #   EMU_MUTANTS="tma-box-row tma-stage" tools/kernel-emu/run.sh wg-mutants  # a subset
 set -euo pipefail
 here="$(cd "$(dirname "$0")" && pwd)"
@@ -125,25 +126,21 @@ W3 = {
   "wg3-no-wait-k": [["        if (have_next) fw_mbar_wait(bar_kf(sk), ((t + 1) / S) & 1);\n", ""]],
   # consumer does not wait for Q
   "wg3-no-wait-q": [["    fw_mbar_wait(bar_q(), 0);\n", ""]],
-  # no fence.proxy.async between the mbarrier wait and the wgmma of the loop
-  "wg3-no-proxy-fence": [["        if (!TMA) fw_fence_proxy_async();\n", ""]],
+  # no fence.proxy.async between the Q mbarrier wait (Q by cp.async) and the first wgmma
+  "wg3-no-proxy-fence": [["    fw_fence_proxy_async();\n    // wgmma unconditionally", "    // wgmma unconditionally"]],
   # V stage released before the wait_group that retires P V (producer refills it in flight)
   "wg3-early-release-v": [["        fw_wgmma_wait<0, NT * 4>(&acc[0][0]);\n        fw_mbar_arrive(bar_ve(sv));",
                            "        fw_mbar_arrive(bar_ve(sv));\n        fw_wgmma_wait<0, NT * 4>(&acc[0][0]);"]],
   # K stage released right after the issue, before S(t+1) retired
   "wg3-early-release-k": [["            fw_mbar_arrive(bar_ke(sk));  // K(t+1)", "            // K(t+1)"],
                           ["        issue_pv(sv);\n", "        issue_pv(sv);\n        if (have_next) fw_mbar_arrive(bar_ke(sk));\n"]],
-  # producer overwrites a V stage without waiting for its release
-  "wg3-no-empty-wait": [["            fw_mbar_wait(bar_ve(sv), ((t / S) & 1) ^ 1);\n", ""]],
   # producer waits for the release of a K stage with the wrong parity
   "wg3-producer-parity": [["fw_mbar_wait(bar_ke(sk), (((t + 1) / S) & 1) ^ 1);", "fw_mbar_wait(bar_ke(sk), ((t + 1) / S) & 1);"]],
-  # producer fills V into the wrong stage of the ring
-  "wg3-stage": [["load_tile(v, sVa + sv * TBYTES, j);", "load_tile(v, sVa + (sv + 1 == S ? 0 : sv + 1) * TBYTES, j);"]],
   # ping-pong: consumer 1 also arrives after its last issue (an arrival nobody syncs on)
-  "wg3-pingpong-arrive": [["if (PINGPONG && (wgc == 0 || have_next)) fw_bar_arrive(2 - wgc, 2 * PT);",
-                           "if (PINGPONG) fw_bar_arrive(2 - wgc, 2 * PT);"]],
+  "wg3-pingpong-arrive": [["if (wgc == 0 || have_next) fw_bar_arrive(2 - wgc, 2 * PT);",
+                           "fw_bar_arrive(2 - wgc, 2 * PT);"]],
   # ping-pong: consumer 1 does not open consumer 0's first turn
-  "wg3-pingpong-open": [["        if (PINGPONG && wgc == 1) fw_bar_arrive(1, 2 * PT);  // consumer 0 issues first\n", ""]],
+  "wg3-pingpong-open": [["        if (wgc == 1) fw_bar_arrive(1, 2 * PT);  // consumer 0 issues first\n", ""]],
   # fragment / descriptor / ordering mutants of the basic kernel, on the wg3 copy of the code
   "wg3-frag-a": M["frag-a"],
   "wg3-k-step": M["k-step"],
@@ -169,17 +166,15 @@ T = {
   "tma-box-dst": [["fw_tma_load_2d(dst + cb * BC * 128,", "fw_tma_load_2d(dst + (NCB - 1 - cb) * BC * 128,"]],
   # V into the wrong stage of the ring
   "tma-stage": [["tma_tile(tmv, sVa + sv * TBYTES, bar_vf(sv), j);", "tma_tile(tmv, sVa + (sv + 1 == S ? 0 : sv + 1) * TBYTES, bar_vf(sv), j);"]],
-  # consumer does not wait for K(t+1) / V(t)
-  "tma-no-wait-k": [["        if (have_next) fw_mbar_wait(bar_kf(sk), ((t + 1) / S) & 1);\n", ""]],
-  "tma-no-wait-v": [["        fw_mbar_wait(bar_vf(sv), (t / S) & 1);\n        // cp.async", "        // cp.async"]],
+  # consumer does not wait for V(t) (K(t+1): wg3-no-wait-k)
+  "tma-no-wait-v": [["        fw_mbar_wait(bar_vf(sv), (t / S) & 1);\n        // TMA writes", "        // TMA writes"]],
   # producer refills a V stage without waiting for its release
-  "tma-no-empty-wait": [["                fw_mbar_wait(bar_ve(sv), ((t / S) & 1) ^ 1);\n                if (lane == 0) tma_tile", "                if (lane == 0) tma_tile"]],
+  "tma-no-empty-wait": [["            fw_mbar_wait(bar_ve(sv), ((t / S) & 1) ^ 1);\n            if (lane == 0) tma_tile", "            if (lane == 0) tma_tile"]],
   # K full barrier without the expect_tx arrival in its count
-  "tma-kf-count": [["fw_mbar_init(bar_kf(st), TMA ? 33 : PT);", "fw_mbar_init(bar_kf(st), TMA ? 32 : PT);"]],
+  "tma-kf-count": [["fw_mbar_init(bar_kf(st), 33);", "fw_mbar_init(bar_kf(st), 32);"]],
 }
 L = {
-  # lean-* on attn_flash_wg3tmal_*, leanb80-* on attn_flash_wg3tmalb80_*, tmab80-* on
-  # attn_flash_wg3tmab80_*.
+  # lean-* on attn_flash_wg3tmal_*, leanb80-* and tmab80-* on attn_flash_wg3tmalb80_*.
   # producer publishes the wrong tile index in the stage's facts (masking of the next tile)
   "lean-fact-index": [["sFact[2 * st + 1] = j;", "sFact[2 * st + 1] = j + 1;"]],
   # producer publishes the tile index in the facts of the next stage of the ring
@@ -194,13 +189,13 @@ L = {
   # before the consumers read the facts. Dropping fw_count_tiles' smin early exit is harmless:
   # smin is a suffix minimum, so no tile past the exit is visible.)
   # consumer reads the facts of V(t)'s stage instead of K(t+1)'s
-  "lean-fact-stage": [["facts(jn, sk, nv, fl);", "facts(jn, sv, nv, fl);"]],
+  "lean-fact-stage": [["facts(sk, nv, fl);", "facts(sv, nv, fl);"]],
   # consumer tile count one past the range (counts tile je)
   "lean-count-more": [["jj < je && tmin[jj] <= qmax));", "jj <= je && tmin[jj] <= qmax));"]],
   # consumer tile count one short (the last visible tile never consumed)
   "lean-count-less": [["        j += 32;\n    }\n    return n;\n", "        j += 32;\n    }\n    return n > 0 ? n - 1 : 0;\n"]],
   # split output: running max written in the raw score domain (combine expects log2 units)
-  "lean-split-m": [["LEAN ? m0 * scale_log2 : m0, LEAN ? m1 * scale_log2 : m1", "m0, m1"]],
+  "lean-split-m": [["fw_epilogue<HD>(acc, m0 * scale_log2, m1 * scale_log2,", "fw_epilogue<HD>(acc, m0, m1,"]],
   # exponent FMA with the wrong sign of the running max
   "lean-fold-sign": [["const float nb0 = -b0 * scale_log2, nb1 = -b1 * scale_log2;",
                       "const float nb0 = b0 * scale_log2, nb1 = b1 * scale_log2;"]],
@@ -236,11 +231,8 @@ PY
             echo "MUTANT DOES NOT BUILD: $m (see $out/mut_$m.log)"; fails=$((fails + 1)); continue
         fi
         case "$m" in
-        wg3-*) variant=wg3 ;;
-        tma-*) variant=wg3tma ;;
-        lean-*) variant=wg3tmal ;;
-        leanb80-*) variant=wg3tmalb80 ;;
-        tmab80-*) variant=wg3tmab80 ;;
+        wg3-* | tma-* | lean-*) variant=wg3tmal ;;
+        leanb80-* | tmab80-*) variant=wg3tmalb80 ;;
         *) variant=basic ;;
         esac
         if EMU_SMEM_SHIFT=16 timeout 600 "$out/flash_wg_mut" quick $variant > "$out/mut_$m.log" 2>&1; then

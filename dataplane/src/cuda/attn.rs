@@ -808,8 +808,8 @@ pub fn flash_wg3_stages(hd: usize) -> usize {
     }
 }
 
-/// Dynamic shared memory of the warp-specialised wgmma kernels (`attn_flash_wg3*`) for
-/// key tiles of `bc` keys (64, or 80 for [`FlashWgKernel::WarpSpecializedBc80`]), bytes:
+/// Dynamic shared memory of the warp-specialised wgmma kernels (`attn_flash_wg3tmal*`) for
+/// key tiles of `bc` keys (64, or 80 for [`FlashWgKernel::WarpSpecializedTmaLeanBc80`]), bytes:
 /// 1024 of alignment slack, the Q tile (128 rows), `S` = [`flash_wg3_stages`] stages of K
 /// and V tiles in bf16, then key positions, reduction space and 16 mbarriers:
 /// `1024 + (hd/64)·(128 + 2·S·bc)·128 + (S·bc + 48)·8` (hd 256: 199 040 for bc 64,
@@ -820,58 +820,42 @@ pub fn flash_wg3_smem_bytes(hd: usize, bc: usize) -> usize {
 }
 
 /// Which kernel of `kernels/flash_wg.cu` [`prefill_flash_wg_with`] runs (same contract,
-/// arguments, tiles and split plan).
+/// arguments, tiles and split plan). `GpuModel` runs the two warp-specialised kernels and
+/// falls back to [`FlashWgKernel::Basic`] where the driver cannot build tensor maps; the
+/// other variants that were measured beside them (cp.async producer, no ping-pong, TMA
+/// without the lean loop) were retired.
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
 pub enum FlashWgKernel {
     /// `attn_flash_wg_bf16_{hd}`: two warpgroups (256 threads) that both load (cp.async,
     /// two K/V stages, a block barrier per key tile) and compute.
     #[default]
     Basic,
-    /// `attn_flash_wg3_bf16_{hd}`: FlashAttention-3 warp specialisation (384 threads): a
-    /// producer warpgroup (`setmaxnreg` 24) loads Q and a ring of K/V stages
-    /// ([`flash_wg3_stages`]) with cp.async completing on mbarriers; two consumer
-    /// warpgroups (`setmaxnreg` 240) run the wgmma loop without block barriers, ping-pong
-    /// scheduled by named barriers (one's softmax under the other's GEMMs).
-    WarpSpecialized,
-    /// `attn_flash_wg3np_bf16_{hd}`: [`FlashWgKernel::WarpSpecialized`] without the
-    /// ping-pong (the consumers issue their GEMMs independently); for timing its effect.
-    WarpSpecializedNoPingPong,
-    /// `attn_flash_wg3b80_bf16_{hd}`: [`FlashWgKernel::WarpSpecialized`] with key tiles of
-    /// 80 (FlashAttention-3's tile at head dim 256: less shared-memory traffic per FLOP in
-    /// `S = Q Kᵀ`, per-tile costs over more keys; tile summaries and split plan for 128 ×
-    /// 80).
-    WarpSpecializedBc80,
-    /// `attn_flash_wg3tma_bf16_{hd}`: [`FlashWgKernel::WarpSpecialized`] (64-key tiles,
-    /// ping-pong) with the K and V tiles loaded by TMA: one producer thread issues
-    /// `cp.async.bulk.tensor.2d` boxes of 64 keys × 64 elements (128-byte swizzle) over
+    /// `attn_flash_wg3tmal_bf16_{hd}`: FlashAttention-3 warp specialisation (384 threads),
+    /// 64-key tiles: a producer warpgroup (`setmaxnreg` 24) loads Q by cp.async and a ring
+    /// of K/V stages ([`flash_wg3_stages`]) by TMA (one producer thread issues
+    /// `cp.async.bulk.tensor.2d` boxes of 64 keys × 64 elements, 128-byte swizzle, over
     /// tensor maps built on the host with `cuTensorMapEncodeTiled` ([`encode_kv_map`]),
-    /// completing on the stage's mbarrier through `mbarrier.arrive.expect_tx`.
-    WarpSpecializedTma,
-    /// `attn_flash_wg3tmanp_bf16_{hd}`: [`FlashWgKernel::WarpSpecializedTma`] without the
-    /// ping-pong named barriers (for timing their effect with TMA loads).
-    WarpSpecializedTmaNoPingPong,
-    /// `attn_flash_wg3tmab80_bf16_{hd}`: [`FlashWgKernel::WarpSpecializedTma`] with key
-    /// tiles of 80 (boxes of 80 rows; tile summaries and split plan for 128 × 80).
-    WarpSpecializedTmaBc80,
-    /// `attn_flash_wg3tmal_bf16_{hd}`: [`FlashWgKernel::WarpSpecializedTma`] with a lean
-    /// consumer loop: the consumers count their visible key tiles once (a warp vote per 32
-    /// tile summaries) and read no global memory in the loop; the producer publishes each
-    /// K stage's tile index and largest key position in shared memory (the index by its
-    /// releasing `expect_tx` arrival, the position by a cp.async its asynchronous arrival
-    /// covers); the softmax folds the scale into the exponent's FMA (`2^(s·c − m·c)`, FA3).
+    /// completing on the stage's mbarrier through `mbarrier.arrive.expect_tx`); two consumer
+    /// warpgroups (`setmaxnreg` 240) run the wgmma loop without block barriers, ping-pong
+    /// scheduled by named barriers (one's softmax under the other's GEMMs). The consumers
+    /// count their visible key tiles once (a warp vote per 32 tile summaries) and read no
+    /// global memory in the loop: the producer publishes each K stage's tile index and
+    /// largest key position in shared memory (the index by its releasing `expect_tx`
+    /// arrival, the position by a cp.async its asynchronous arrival covers); the softmax
+    /// folds the scale into the exponent's FMA (`2^(s·c − m·c)`, FA3).
     WarpSpecializedTmaLean,
     /// `attn_flash_wg3tmalb80_bf16_{hd}`: [`FlashWgKernel::WarpSpecializedTmaLean`] with key
-    /// tiles of 80.
+    /// tiles of 80 (FlashAttention-3's tile at head dim 256: less shared-memory traffic per
+    /// FLOP in `S = Q Kᵀ`, per-tile costs over more keys; boxes of 80 rows, tile summaries
+    /// and split plan for 128 × 80).
     WarpSpecializedTmaLeanBc80,
 }
 
 impl FlashWgKernel {
-    /// Keys per tile of the kernel (64, or 80 for the `*Bc80` kernels).
+    /// Keys per tile of the kernel (64, or 80 for [`FlashWgKernel::WarpSpecializedTmaLeanBc80`]).
     pub fn key_tile(self) -> usize {
         match self {
-            FlashWgKernel::WarpSpecializedBc80
-            | FlashWgKernel::WarpSpecializedTmaBc80
-            | FlashWgKernel::WarpSpecializedTmaLeanBc80 => 80,
+            FlashWgKernel::WarpSpecializedTmaLeanBc80 => 80,
             _ => FLASH_WG_BC,
         }
     }
@@ -880,12 +864,6 @@ impl FlashWgKernel {
     pub fn name_prefix(self) -> &'static str {
         match self {
             FlashWgKernel::Basic => "attn_flash_wg",
-            FlashWgKernel::WarpSpecialized => "attn_flash_wg3",
-            FlashWgKernel::WarpSpecializedNoPingPong => "attn_flash_wg3np",
-            FlashWgKernel::WarpSpecializedBc80 => "attn_flash_wg3b80",
-            FlashWgKernel::WarpSpecializedTma => "attn_flash_wg3tma",
-            FlashWgKernel::WarpSpecializedTmaNoPingPong => "attn_flash_wg3tmanp",
-            FlashWgKernel::WarpSpecializedTmaBc80 => "attn_flash_wg3tmab80",
             FlashWgKernel::WarpSpecializedTmaLean => "attn_flash_wg3tmal",
             FlashWgKernel::WarpSpecializedTmaLeanBc80 => "attn_flash_wg3tmalb80",
         }
@@ -893,14 +871,7 @@ impl FlashWgKernel {
 
     /// Whether the kernel takes the tensor maps of K and V ([`encode_kv_map`]).
     pub fn uses_tma(self) -> bool {
-        matches!(
-            self,
-            FlashWgKernel::WarpSpecializedTma
-                | FlashWgKernel::WarpSpecializedTmaNoPingPong
-                | FlashWgKernel::WarpSpecializedTmaBc80
-                | FlashWgKernel::WarpSpecializedTmaLean
-                | FlashWgKernel::WarpSpecializedTmaLeanBc80
-        )
+        self != FlashWgKernel::Basic
     }
 }
 
@@ -914,7 +885,7 @@ pub struct TensorMapArg(pub [u64; 16]);
 unsafe impl cudarc::driver::DeviceRepr for TensorMapArg {}
 
 /// Tensor map of a bf16 K or V buffer `[n_kv, nkv, hd]` at device address `ptr` for
-/// the TMA kernels (`attn_flash_wg3tma*_*`): the 2-D view `[n_kv rows][nkv·hd elements]`
+/// the TMA kernels (`attn_flash_wg3tmal*_*`): the 2-D view `[n_kv rows][nkv·hd elements]`
 /// (row stride `nkv·hd·2` bytes), boxes of 64 elements (128 bytes) × `bc` rows (the key
 /// tile, 64 or 80: [`FlashWgKernel::key_tile`]) with
 /// `CU_TENSOR_MAP_SWIZZLE_128B` (the 128-byte swizzle the wgmma descriptors expect),
@@ -1006,8 +977,8 @@ pub struct FlashWgOpts {
 /// Low-precision": `wgmma` with shared-memory descriptors, softmax overlapped with the
 /// asynchronous GEMMs inside each warpgroup) without warp specialisation (the default
 /// [`FlashWgKernel::Basic`]; [`prefill_flash_wg_with`] with
-/// [`FlashWgKernel::WarpSpecialized`] runs the warp-specialised kernel: producer
-/// warpgroup, mbarrier ring, `setmaxnreg`, ping-pong consumers):
+/// [`FlashWgKernel::WarpSpecializedTmaLean`] runs the warp-specialised kernel: producer
+/// warpgroup loading by TMA, mbarrier ring, `setmaxnreg`, ping-pong consumers):
 ///
 /// * `q`: `[tq, nh, hd]`, `q_pos`: `[tq]` i64; `k`, `v`: `[n_kv, nkv, hd]`, `kv_pos`:
 ///   `[n_kv]` i64 (any order, any values); `o`: `[tq, nh, hd]`; `nh` a multiple of `nkv`;
@@ -1045,8 +1016,8 @@ pub fn prefill_flash_wg<T: Elem>(
 
 /// [`prefill_flash_wg`] with options: the number of key splits (`None`: [`flash_plan`];
 /// `Some(n)` clamped to `1..=FLASH_MAX_SPLIT`; tests cross split boundaries with it) and
-/// the kernel ([`FlashWgKernel`]; tests `flash_wg3_*` and gpu_bench's `flash-wg3` row run
-/// [`FlashWgKernel::WarpSpecialized`]).
+/// the kernel ([`FlashWgKernel`]; `GpuModel` runs the warp-specialised ones, tests
+/// `flash_wg3tmal*` check them).
 #[allow(clippy::too_many_arguments)]
 pub fn prefill_flash_wg_with<T: Elem>(
     gpu: &Gpu,
@@ -1141,7 +1112,7 @@ pub fn prefill_flash_wg_with<T: Elem>(
     let scale_log2 = (hd as f32).powf(-0.5) * std::f32::consts::LOG2_E;
     let name = format!("{prefix}_bf16_{hd}");
     let f = gpu.function(&FLASH_WG, &name, smem as u32)?;
-    // Tensor maps of K and V (attn_flash_wg3tma_* only).
+    // Tensor maps of K and V (attn_flash_wg3tmal*_* only).
     let tma = opts.kernel.uses_tma();
     let (mk, mv) = if tma {
         let (kp, _kg) = k.device_ptr(stream);
@@ -1177,11 +1148,11 @@ pub fn prefill_flash_wg_with<T: Elem>(
         if tma {
             b.arg(&mk).arg(&mv);
         }
-        // SAFETY: matches `attn_flash_wg_bf16_{hd}` / `attn_flash_wg3_bf16_{hd}` (block
+        // SAFETY: matches `attn_flash_wg_bf16_{hd}` / `attn_flash_wg3tmal*_bf16_{hd}` (block
         // 256 / 384 threads, their launch bounds; the argument list of the flash.cu
         // instances; workspace addresses as u64, 0 when unused: written only when
         // gridDim.y > 1); lengths checked by check_args, tiles and workspace sized above;
-        // `attn_flash_wg3tma_*` takes the two tensor maps (by value, 128 bytes each) of k
+        // `attn_flash_wg3tmal*_*` take the two tensor maps (by value, 128 bytes each) of k
         // and v, which outlive the launch's reads in stream order like k and v themselves.
         unsafe { b.launch(cfg) }?;
     }
