@@ -1037,14 +1037,13 @@ fn load_gdn(c: &ModelConfig, ckpt: &Checkpoint, p: &str) -> Result<GdnWeights> {
         w_in.extend(ckpt.get(&format!("{p}in_proj_b.weight"), &[hv, h])?);
         w_in.extend(ckpt.get(&format!("{p}in_proj_a.weight"), &[hv, h])?);
     }
-    let a_log = ckpt.get(&format!("{p}A_log"), &[hv])?;
     Ok(GdnWeights {
         w_in,
         conv: ckpt.get(
             &format!("{p}conv1d.weight"),
             &[c.conv_dim(), 1, c.conv_kernel],
         )?,
-        neg_a: a_log.iter().map(|a| -a.exp()).collect(),
+        neg_a: ckpt.neg_a(&format!("{p}A_log"), hv)?,
         dt_bias: ckpt.get(&format!("{p}dt_bias"), &[hv])?,
         norm: ckpt.get(&format!("{p}norm.weight"), &[dv])?,
         out: ckpt.get(&format!("{p}out_proj.weight"), &[h, vd])?,
