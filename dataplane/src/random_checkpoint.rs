@@ -671,6 +671,12 @@ mod tests {
                 assert!(w.files.len() > 1, "{name}: {} shard(s)", w.files.len());
                 assert_eq!(w.bytes, total_bytes(&c, large));
                 let loaded = Model::load(&dir, &mut |_, _| {}).unwrap();
+                // An f32 checkpoint is used in place; a bf16 one is converted.
+                assert_eq!(
+                    loaded.embed.is_mapped(),
+                    large == LargeDtype::F32,
+                    "{name} {large:?}"
+                );
                 let mut want = Model::random(c.clone(), 11);
                 if large == LargeDtype::Bf16 {
                     round_large(&mut want);

@@ -7,10 +7,11 @@ use memmap2::Mmap;
 use safetensors::{Dtype, SafeTensors};
 use std::collections::HashMap;
 use std::path::{Path, PathBuf};
+use std::sync::Arc;
 
 struct Shard {
     path: PathBuf,
-    mmap: Mmap,
+    mmap: Arc<Mmap>,
     /// Byte offset of the data section (8 + header length).
     data_start: usize,
 }
@@ -110,7 +111,7 @@ impl Checkpoint {
             }
             shards.push(Shard {
                 path,
-                mmap,
+                mmap: Arc::new(mmap),
                 data_start,
             });
         }
@@ -180,6 +181,32 @@ impl Checkpoint {
                 .collect());
         }
         Ok(self.get(name, &[n])?.iter().map(|a| -a.exp()).collect())
+    }
+
+    /// Tensor `name` as fp32 weight storage, checking its shape equals `expected`:
+    /// the mapping itself, no copy, when the tensor is stored as `F32` at a 4-byte
+    /// aligned offset (an f32 checkpoint); else converted into an owned buffer as
+    /// [`Checkpoint::get`] does (and the tensor's pages released).
+    ///
+    /// Errors: as [`Checkpoint::get`].
+    pub fn get_buf(&self, name: &str, expected: &[usize]) -> Result<F32Buf> {
+        let raw = self.raw(name, expected)?;
+        if cfg!(target_endian = "little")
+            && raw.dtype == Dtype::F32
+            && (raw.bytes.as_ptr() as usize).is_multiple_of(4)
+        {
+            let e = &self.entries[name];
+            let shard = &self.shards[e.shard];
+            let start = shard.data_start + e.range.0;
+            return Ok(F32Buf(Repr::Mapped {
+                map: shard.mmap.clone(),
+                start,
+                len: raw.bytes.len() / 4,
+            }));
+        }
+        let v = self.get(name, expected)?;
+        self.release(name);
+        Ok(F32Buf(Repr::Owned(v)))
     }
 
     /// Loads tensor `name` as fp32 with whatever shape it has.
@@ -299,4 +326,98 @@ pub struct RawTensor<'a> {
     pub dtype: Dtype,
     /// Little-endian elements, row-major; `len = elements · width(dtype)`.
     pub bytes: &'a [u8],
+}
+
+/// fp32 weight storage of the CPU model: an owned buffer, or a range of a checkpoint's
+/// memory mapping used in place ([`Checkpoint::get_buf`]). Reads through `Deref` to
+/// `[f32]`; a mutable access to a mapped buffer first copies it (copy on write).
+#[derive(Clone)]
+pub struct F32Buf(Repr);
+
+#[derive(Clone)]
+enum Repr {
+    Owned(Vec<f32>),
+    /// `len` f32 values at byte `start` of `map` (4-byte aligned, checked at creation).
+    Mapped {
+        map: Arc<Mmap>,
+        start: usize,
+        len: usize,
+    },
+}
+
+impl F32Buf {
+    /// True when the values are read in place from a checkpoint mapping.
+    pub fn is_mapped(&self) -> bool {
+        matches!(self.0, Repr::Mapped { .. })
+    }
+
+    /// Elements `a..b` as a buffer of their own (sharing the mapping when mapped).
+    ///
+    /// Panics when the range is out of bounds.
+    pub fn range(&self, a: usize, b: usize) -> F32Buf {
+        assert!(
+            a <= b && b <= self.len(),
+            "range {a}..{b} of {}",
+            self.len()
+        );
+        match &self.0 {
+            Repr::Owned(v) => F32Buf(Repr::Owned(v[a..b].to_vec())),
+            Repr::Mapped { map, start, .. } => F32Buf(Repr::Mapped {
+                map: map.clone(),
+                start: start + 4 * a,
+                len: b - a,
+            }),
+        }
+    }
+}
+
+impl From<Vec<f32>> for F32Buf {
+    fn from(v: Vec<f32>) -> Self {
+        F32Buf(Repr::Owned(v))
+    }
+}
+
+impl std::ops::Deref for F32Buf {
+    type Target = [f32];
+    fn deref(&self) -> &[f32] {
+        match &self.0 {
+            Repr::Owned(v) => v,
+            Repr::Mapped { map, start, len } => {
+                let bytes = &map[*start..*start + 4 * len];
+                // SAFETY: `start` is 4-byte aligned in a page-aligned mapping (checked in
+                // `get_buf`, kept by `range`), the bytes are in bounds, every bit
+                // pattern is a valid f32, and the host is little-endian like the file.
+                unsafe { std::slice::from_raw_parts(bytes.as_ptr().cast::<f32>(), *len) }
+            }
+        }
+    }
+}
+
+impl std::ops::DerefMut for F32Buf {
+    fn deref_mut(&mut self) -> &mut [f32] {
+        if let Repr::Mapped { .. } = self.0 {
+            self.0 = Repr::Owned(self.to_vec());
+        }
+        match &mut self.0 {
+            Repr::Owned(v) => v,
+            Repr::Mapped { .. } => unreachable!("converted to owned above"),
+        }
+    }
+}
+
+impl PartialEq for F32Buf {
+    fn eq(&self, other: &Self) -> bool {
+        **self == **other
+    }
+}
+
+impl std::fmt::Debug for F32Buf {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        write!(
+            f,
+            "F32Buf({} values, {})",
+            self.len(),
+            if self.is_mapped() { "mapped" } else { "owned" }
+        )
+    }
 }
