@@ -24,6 +24,14 @@
 #                                  # $OUT/report.md (+ logs, and gpu_report.png where
 #                                  # matplotlib is installed: tools/plot_gpu_report.py)
 #
+# Step `load35b` (not in the default list: it writes ~60-70 GB and loads it twice;
+# run it alone, GPU_CHECK_STEPS=load35b, for both halves): scripts/load_check.py writes
+# a random-weight checkpoint of the Qwen3.5-35B-A3B shape with `hypic random-checkpoint`
+# into /dev/shm (as many layers as fit, LOAD35B_LAYERS to choose), serves it with
+# `hypic serve --device cuda --dtype bf16 --model DIR` (the streaming GpuModel::load),
+# reports load time, GB/s and VmHWM, and requires greedy answers equal to
+# `--random-weights` (GpuModel::random, same seed): $OUT/load35b.md.
+#
 # GPU_CHECK_STEPS selects steps for both halves: `build` then builds only the
 # executables those steps need (e.g. GPU_CHECK_STEPS=serve builds just the stripped
 # `hypic` binary, --release --features cuda, plus gpu_bench for the kernel cache).
@@ -75,7 +83,7 @@ build() {
     built+=(.device/bin/gpu_model_bench)
   fi
   # The server (step serve): the `hypic` binary with the CUDA backend.
-  if wantb serve; then
+  if wantb serve || wantb load35b; then
     cargo build --release -p hypic-control --features cuda --bin hypic
     cp "$CARGO_TARGET_DIR/release/hypic" .device/bin/hypic
     built+=(.device/bin/hypic)
@@ -101,8 +109,8 @@ run() {
   local s_
   for s_ in $steps; do
     case "$s_" in
-      kernels|attn|moe|model|pic|bench|fla|modelbench|serve) ;;
-      *) echo "unknown step \`$s_\` in GPU_CHECK_STEPS (known: kernels attn moe model pic bench fla modelbench serve)" >&2
+      kernels|attn|moe|model|pic|bench|fla|modelbench|serve|load35b) ;;
+      *) echo "unknown step \`$s_\` in GPU_CHECK_STEPS (known: kernels attn moe model pic bench fla modelbench serve load35b)" >&2
          return 2 ;;
     esac
   done
@@ -132,7 +140,8 @@ PY
   chmod +x .device/bin/* 2>/dev/null || true
   local exe_ st_ missing_=0
   for st_ in kernels:cuda_kernels attn:cuda_attn moe:cuda_moe model:cuda_model pic:cuda_pic \
-             bench:gpu_bench modelbench:cuda_random modelbench:gpu_model_bench serve:hypic; do
+             bench:gpu_bench modelbench:cuda_random modelbench:gpu_model_bench serve:hypic \
+             load35b:hypic; do
     exe_=${st_#*:}
     if want "${st_%%:*}" && [ ! -x ".device/bin/$exe_" ]; then
       echo "missing .device/bin/$exe_ (step ${st_%%:*}): run \`scripts/gpu-check.sh build\` first" >&2
@@ -426,6 +435,21 @@ PY
     echo "serve: skipped"
   fi
 
+  echo "== checkpoint streaming at the Qwen3.5-35B-A3B shape (scripts/load_check.py)"
+  t0=$SECONDS
+  local load_rc=0
+  : > "$OUT/load35b.md"
+  if want load35b; then
+    timeout 580 python3 scripts/load_check.py --hypic .device/bin/hypic --out "$OUT" \
+      --layers "${LOAD35B_LAYERS:-auto}" > "$OUT/load_check.log" 2>&1
+    load_rc=$?
+    [ -s "$OUT/load35b.md" ] || echo "load check wrote no report (rc=$load_rc); see load_check.log" > "$OUT/load35b.md"
+    cat "$OUT/load35b.md"
+    echo "load35b rc=$load_rc in $((SECONDS - t0)) s"
+  else
+    echo "load35b: skipped"
+  fi
+
   {
     echo "# HYPIC CUDA data plane: gpu-check report ($date_s)"
     echo; echo '```'; cat "$OUT/machine.txt"; echo '```'
@@ -459,6 +483,10 @@ PY
       echo; echo "## Server end to end (rc=$serve_rc)"; echo
       cat "$OUT/serve.md"
     fi
+    if want load35b; then
+      echo; echo "## Checkpoint streaming (rc=$load_rc)"; echo
+      cat "$OUT/load35b.md"
+    fi
   } > "$OUT/report.md"
   # The figure of the run's comparisons (kernels vs FLA / SDPA, TTFT, decode), where the
   # machine's Python has matplotlib; not fatal.
@@ -474,6 +502,7 @@ PY
   [ "$mbench_rc" -ne 0 ] && return "$mbench_rc"
   want fla && [ "$fla_rc" -ne 0 ] && return "$fla_rc"
   [ "$serve_rc" -ne 0 ] && return "$serve_rc"
+  [ "$load_rc" -ne 0 ] && return "$load_rc"
   return 0
 }
 

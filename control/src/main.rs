@@ -1,6 +1,7 @@
 //! The `hypic` command: generation, serving and operator tools.
 mod eval_cmd;
 mod generate;
+mod random_ckpt_cmd;
 
 use clap::{Parser, Subcommand};
 
@@ -36,6 +37,8 @@ enum Command {
     Serve(Box<hypic_control::serve::ServeArgs>),
     /// Run the RAG workload benchmark (in-process or against a server) for each reuse mode.
     Bench(hypic_control::bench::BenchArgs),
+    /// Write a random-weight checkpoint (sharded safetensors, HF names) of any shape.
+    RandomCheckpoint(random_ckpt_cmd::RandomCheckpointArgs),
 }
 
 fn main() {
@@ -52,6 +55,7 @@ fn main() {
             .and_then(|rt| rt.block_on(hypic_control::run_control_command(a))),
         Command::Serve(a) => hypic_control::serve::run_serve_command(*a),
         Command::Bench(a) => hypic_control::bench::run_bench_command(a),
+        Command::RandomCheckpoint(a) => random_ckpt_cmd::run(a),
     };
     if let Err(e) = res {
         eprintln!("error: {e:#}");

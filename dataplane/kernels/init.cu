@@ -47,3 +47,43 @@ extern "C" __global__ void fill_f32(float* out, i64 n, float v) {
     const i64 stride = (i64)gridDim.x * blockDim.x;
     for (i64 i = (i64)blockIdx.x * blockDim.x + threadIdx.x; i < n; i += stride) out[i] = v;
 }
+
+// Checkpoint dtype conversion on the device (GpuModel::load): dst[i] = src[i] in the
+// model's type for i < n, src as stored in safetensors (bf16 / f16 as raw 16-bit
+// words, f32). Widening is exact; narrowing to bf16 rounds to nearest-even
+// (`__float2bfloat16_rn`, as the host `half::bf16::from_f32`).
+__device__ __forceinline__ float bf16_bits_to_f(unsigned short b) {
+    return __uint_as_float(((unsigned int)b) << 16);
+}
+// IEEE binary16 → f32 in integer arithmetic (exact; no cuda_fp16.h needed).
+__device__ __forceinline__ float f16_bits_to_f(unsigned short h) {
+    const unsigned int s = ((unsigned int)h & 0x8000u) << 16;
+    const unsigned int e = ((unsigned int)h >> 10) & 0x1fu, m = (unsigned int)h & 0x3ffu;
+    if (e == 0) {  // zero or subnormal: m · 2^-24
+        const float v = (float)m * 5.9604644775390625e-8f;
+        return s ? -v : v;
+    }
+    if (e == 31) return __uint_as_float(s | 0x7f800000u | (m << 13));  // inf / NaN
+    return __uint_as_float(s | ((e + 112u) << 23) | (m << 13));
+}
+
+extern "C" __global__ void convert_bf16_f32(const unsigned short* src, float* dst, i64 n) {
+    const i64 stride = (i64)gridDim.x * blockDim.x;
+    for (i64 i = (i64)blockIdx.x * blockDim.x + threadIdx.x; i < n; i += stride)
+        dst[i] = bf16_bits_to_f(src[i]);
+}
+extern "C" __global__ void convert_f16_f32(const unsigned short* src, float* dst, i64 n) {
+    const i64 stride = (i64)gridDim.x * blockDim.x;
+    for (i64 i = (i64)blockIdx.x * blockDim.x + threadIdx.x; i < n; i += stride)
+        dst[i] = f16_bits_to_f(src[i]);
+}
+extern "C" __global__ void convert_f16_bf16(const unsigned short* src, bf16* dst, i64 n) {
+    const i64 stride = (i64)gridDim.x * blockDim.x;
+    for (i64 i = (i64)blockIdx.x * blockDim.x + threadIdx.x; i < n; i += stride)
+        dst[i] = __float2bfloat16_rn(f16_bits_to_f(src[i]));
+}
+extern "C" __global__ void convert_f32_bf16(const float* src, bf16* dst, i64 n) {
+    const i64 stride = (i64)gridDim.x * blockDim.x;
+    for (i64 i = (i64)blockIdx.x * blockDim.x + threadIdx.x; i < n; i += stride)
+        dst[i] = __float2bfloat16_rn(src[i]);
+}

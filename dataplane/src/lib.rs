@@ -12,6 +12,7 @@ pub mod model;
 pub mod ops;
 pub mod pic;
 pub mod random;
+pub mod random_checkpoint;
 pub mod state;
 pub mod weights;
 

@@ -10,7 +10,7 @@ use crate::linear::gdr::{self, GdrDims};
 use crate::linear::transition::{Pair, TransitionKind};
 use crate::ops::{self, linear, Rope};
 use crate::state::{KvCache, LayerState, LinearState, ModelState};
-use crate::weights::Checkpoint;
+use crate::weights::{Checkpoint, F32Buf};
 use rayon::prelude::*;
 use std::path::Path;
 
@@ -28,19 +28,19 @@ pub(crate) struct GdnWeights {
     /// Gated RMSNorm weight `[dv]` (not offset).
     pub(crate) norm: Vec<f32>,
     /// `[hidden, value_dim]`.
-    pub(crate) out: Vec<f32>,
+    pub(crate) out: F32Buf,
 }
 
 /// Gated attention weights.
 pub(crate) struct AttnWeights {
     /// `[H·hd·(1+gate), hidden]`; per head `[q(hd) | gate(hd)]` when gated.
-    pub(crate) q: Vec<f32>,
+    pub(crate) q: F32Buf,
     /// `[Hkv·hd, hidden]`.
-    pub(crate) k: Vec<f32>,
+    pub(crate) k: F32Buf,
     /// `[Hkv·hd, hidden]`.
-    pub(crate) v: Vec<f32>,
+    pub(crate) v: F32Buf,
     /// `[hidden, H·hd]`.
-    pub(crate) o: Vec<f32>,
+    pub(crate) o: F32Buf,
     /// Zero-centred, `[hd]`.
     pub(crate) q_norm: Vec<f32>,
     /// Zero-centred, `[hd]`.
@@ -50,18 +50,18 @@ pub(crate) struct AttnWeights {
 /// SwiGLU MLP: `down(silu(gate(x)) · up(x))`.
 pub(crate) struct Mlp {
     /// `[2I, hidden]`, gate rows then up rows.
-    pub(crate) gate_up: Vec<f32>,
+    pub(crate) gate_up: F32Buf,
     /// `[hidden, I]`.
-    pub(crate) down: Vec<f32>,
+    pub(crate) down: F32Buf,
     pub(crate) inter: usize,
 }
 
 pub(crate) struct Moe {
     /// Router `[E, hidden]`.
-    pub(crate) router: Vec<f32>,
+    pub(crate) router: F32Buf,
     pub(crate) experts: Vec<Mlp>,
     /// Shared expert and its scalar gate `[1, hidden]`.
-    pub(crate) shared: Option<(Mlp, Vec<f32>)>,
+    pub(crate) shared: Option<(Mlp, F32Buf)>,
 }
 
 pub(crate) enum Mixer {
@@ -106,10 +106,11 @@ pub struct PrefillOutput {
 pub struct Model {
     /// Configuration.
     pub config: ModelConfig,
-    pub(crate) embed: Vec<f32>,
+    /// `[vocab, hidden]`.
+    pub(crate) embed: F32Buf,
     pub(crate) final_norm: Vec<f32>,
     /// `[vocab, hidden]`; `None` when tied to the embedding.
-    pub(crate) lm_head: Option<Vec<f32>>,
+    pub(crate) lm_head: Option<F32Buf>,
     pub(crate) layers: Vec<Layer>,
     pub(crate) rope: Rope,
 }
@@ -137,12 +138,12 @@ impl Model {
         let h = c.hidden_size;
         let total = c.num_layers + 2;
         progress(0, total);
-        let embed = ckpt.get(&format!("{p}embed_tokens.weight"), &[c.vocab_size, h])?;
+        let embed = ckpt.get_buf(&format!("{p}embed_tokens.weight"), &[c.vocab_size, h])?;
         let final_norm = ckpt.get(&format!("{p}norm.weight"), &[h])?;
         let lm_head = if c.tie_word_embeddings && !ckpt.contains("lm_head.weight") {
             None
         } else {
-            Some(ckpt.get("lm_head.weight", &[c.vocab_size, h])?)
+            Some(ckpt.get_buf("lm_head.weight", &[c.vocab_size, h])?)
         };
         progress(1, total);
         let mut layers = Vec::with_capacity(c.num_layers);
@@ -937,9 +938,9 @@ fn mlp_forward(m: &Mlp, x: &[f32], t: usize, h: usize) -> Vec<f32> {
 fn load_mlp(ckpt: &Checkpoint, p: &str, h: usize, inter: usize) -> Result<Mlp> {
     let mut gate_up = ckpt.get(&format!("{p}gate_proj.weight"), &[inter, h])?;
     gate_up.extend(ckpt.get(&format!("{p}up_proj.weight"), &[inter, h])?);
-    let down = ckpt.get(&format!("{p}down_proj.weight"), &[h, inter])?;
+    let down = ckpt.get_buf(&format!("{p}down_proj.weight"), &[h, inter])?;
     Ok(Mlp {
-        gate_up,
+        gate_up: gate_up.into(),
         down,
         inter,
     })
@@ -947,16 +948,17 @@ fn load_mlp(ckpt: &Checkpoint, p: &str, h: usize, inter: usize) -> Result<Mlp> {
 
 fn load_moe(c: &ModelConfig, ckpt: &Checkpoint, p: &str) -> Result<Moe> {
     let (h, e, i) = (c.hidden_size, c.num_experts, c.moe_intermediate_size);
-    let router = ckpt.get(&format!("{p}gate.weight"), &[e, h])?;
+    let router = ckpt.get_buf(&format!("{p}gate.weight"), &[e, h])?;
     let fused = format!("{p}experts.gate_up_proj");
     let experts = if ckpt.contains(&fused) {
         // Fused 3-D experts: gate_up_proj [E, 2I, H] (gate rows then up), down_proj [E, H, I].
-        let gu = ckpt.get(&fused, &[e, 2 * i, h])?;
-        let dn = ckpt.get(&format!("{p}experts.down_proj"), &[e, h, i])?;
+        // Each expert's block of the fused tensors (in place for an f32 checkpoint).
+        let gu = ckpt.get_buf(&fused, &[e, 2 * i, h])?;
+        let dn = ckpt.get_buf(&format!("{p}experts.down_proj"), &[e, h, i])?;
         (0..e)
             .map(|j| Mlp {
-                gate_up: gu[j * 2 * i * h..(j + 1) * 2 * i * h].to_vec(),
-                down: dn[j * h * i..(j + 1) * h * i].to_vec(),
+                gate_up: gu.range(j * 2 * i * h, (j + 1) * 2 * i * h),
+                down: dn.range(j * h * i, (j + 1) * h * i),
                 inter: i,
             })
             .collect()
@@ -972,7 +974,7 @@ fn load_moe(c: &ModelConfig, ckpt: &Checkpoint, p: &str) -> Result<Moe> {
             h,
             c.shared_expert_intermediate_size,
         )?;
-        let g = ckpt.get(&format!("{p}shared_expert_gate.weight"), &[1, h])?;
+        let g = ckpt.get_buf(&format!("{p}shared_expert_gate.weight"), &[1, h])?;
         Some((m, g))
     } else {
         None
@@ -988,10 +990,10 @@ fn load_attn(c: &ModelConfig, ckpt: &Checkpoint, p: &str) -> Result<AttnWeights>
     let (h, nh, nkv, hd) = (c.hidden_size, c.num_heads, c.num_kv_heads, c.head_dim);
     let qw = nh * hd * if c.attn_output_gate { 2 } else { 1 };
     Ok(AttnWeights {
-        q: ckpt.get(&format!("{p}q_proj.weight"), &[qw, h])?,
-        k: ckpt.get(&format!("{p}k_proj.weight"), &[nkv * hd, h])?,
-        v: ckpt.get(&format!("{p}v_proj.weight"), &[nkv * hd, h])?,
-        o: ckpt.get(&format!("{p}o_proj.weight"), &[h, nh * hd])?,
+        q: ckpt.get_buf(&format!("{p}q_proj.weight"), &[qw, h])?,
+        k: ckpt.get_buf(&format!("{p}k_proj.weight"), &[nkv * hd, h])?,
+        v: ckpt.get_buf(&format!("{p}v_proj.weight"), &[nkv * hd, h])?,
+        o: ckpt.get_buf(&format!("{p}o_proj.weight"), &[h, nh * hd])?,
         q_norm: ckpt.get(&format!("{p}q_norm.weight"), &[hd])?,
         k_norm: ckpt.get(&format!("{p}k_norm.weight"), &[hd])?,
     })
@@ -1037,16 +1039,15 @@ fn load_gdn(c: &ModelConfig, ckpt: &Checkpoint, p: &str) -> Result<GdnWeights> {
         w_in.extend(ckpt.get(&format!("{p}in_proj_b.weight"), &[hv, h])?);
         w_in.extend(ckpt.get(&format!("{p}in_proj_a.weight"), &[hv, h])?);
     }
-    let a_log = ckpt.get(&format!("{p}A_log"), &[hv])?;
     Ok(GdnWeights {
         w_in,
         conv: ckpt.get(
             &format!("{p}conv1d.weight"),
             &[c.conv_dim(), 1, c.conv_kernel],
         )?,
-        neg_a: a_log.iter().map(|a| -a.exp()).collect(),
+        neg_a: ckpt.neg_a(&format!("{p}A_log"), hv)?,
         dt_bias: ckpt.get(&format!("{p}dt_bias"), &[hv])?,
         norm: ckpt.get(&format!("{p}norm.weight"), &[dv])?,
-        out: ckpt.get(&format!("{p}out_proj.weight"), &[h, vd])?,
+        out: ckpt.get_buf(&format!("{p}out_proj.weight"), &[h, vd])?,
     })
 }

@@ -165,8 +165,8 @@ fn lin(seed: u64, layer: Option<usize>, slot: u64, n: usize) -> Vec<f32> {
 
 fn mlp(seed: u64, l: usize, gu: u64, dn: u64, h: usize, inter: usize) -> Mlp {
     Mlp {
-        gate_up: lin(seed, Some(l), gu, 2 * inter * h),
-        down: lin(seed, Some(l), dn, h * inter),
+        gate_up: lin(seed, Some(l), gu, 2 * inter * h).into(),
+        down: lin(seed, Some(l), dn, h * inter).into(),
         inter,
     }
 }
@@ -243,9 +243,9 @@ impl Model {
     pub fn random(config: ModelConfig, seed: u64) -> Model {
         let c = &config;
         let h = c.hidden_size;
-        let embed = lin(seed, None, SLOT_EMBED, c.vocab_size * h);
-        let lm_head =
-            (!c.tie_word_embeddings).then(|| lin(seed, None, SLOT_LM_HEAD, c.vocab_size * h));
+        let embed = lin(seed, None, SLOT_EMBED, c.vocab_size * h).into();
+        let lm_head = (!c.tie_word_embeddings)
+            .then(|| lin(seed, None, SLOT_LM_HEAD, c.vocab_size * h).into());
         let (hv, hd) = (c.linear_v_heads, c.head_dim);
         let layers = (0..c.num_layers)
             .map(|l| {
@@ -268,17 +268,17 @@ impl Model {
                             neg_a: (0..hv as u64).map(|i| neg_a_value(key_a, i)).collect(),
                             dt_bias: vec![1.0; hv],
                             norm: vec![1.0; c.linear_v_dim],
-                            out: lin(seed, Some(l), SLOT_GDN_OUT, h * c.value_dim()),
+                            out: lin(seed, Some(l), SLOT_GDN_OUT, h * c.value_dim()).into(),
                         })
                     }
                     LayerKind::Full => {
                         let qw = c.num_heads * hd * if c.attn_output_gate { 2 } else { 1 };
                         let kv = c.num_kv_heads * hd;
                         Mixer::Full(AttnWeights {
-                            q: lin(seed, Some(l), SLOT_ATTN_Q, qw * h),
-                            k: lin(seed, Some(l), SLOT_ATTN_K, kv * h),
-                            v: lin(seed, Some(l), SLOT_ATTN_V, kv * h),
-                            o: lin(seed, Some(l), SLOT_ATTN_O, h * c.num_heads * hd),
+                            q: lin(seed, Some(l), SLOT_ATTN_Q, qw * h).into(),
+                            k: lin(seed, Some(l), SLOT_ATTN_K, kv * h).into(),
+                            v: lin(seed, Some(l), SLOT_ATTN_V, kv * h).into(),
+                            o: lin(seed, Some(l), SLOT_ATTN_O, h * c.num_heads * hd).into(),
                             q_norm: vec![0.0; hd],
                             k_norm: vec![0.0; hd],
                         })
@@ -290,8 +290,8 @@ impl Model {
                     let dn = lin(seed, Some(l), SLOT_MOE_DOWN, e * h * i);
                     let experts = (0..e)
                         .map(|j| Mlp {
-                            gate_up: gu[j * 2 * i * h..(j + 1) * 2 * i * h].to_vec(),
-                            down: dn[j * h * i..(j + 1) * h * i].to_vec(),
+                            gate_up: gu[j * 2 * i * h..(j + 1) * 2 * i * h].to_vec().into(),
+                            down: dn[j * h * i..(j + 1) * h * i].to_vec().into(),
                             inter: i,
                         })
                         .collect();
@@ -299,11 +299,11 @@ impl Model {
                     let shared = (si > 0).then(|| {
                         (
                             mlp(seed, l, SLOT_SHARED_GATE_UP, SLOT_SHARED_DOWN, h, si),
-                            lin(seed, Some(l), SLOT_SHARED_GATE, h),
+                            lin(seed, Some(l), SLOT_SHARED_GATE, h).into(),
                         )
                     });
                     Ffn::Moe(Moe {
-                        router: lin(seed, Some(l), SLOT_MOE_ROUTER, e * h),
+                        router: lin(seed, Some(l), SLOT_MOE_ROUTER, e * h).into(),
                         experts,
                         shared,
                     })
@@ -425,7 +425,8 @@ mod tests {
         for name in ["qwen3_next", "qwen3_5", "qwen3_5_moe"] {
             let c = golden(name);
             let m = Model::random(c.clone(), 1);
-            let mut n = m.embed.len() + m.final_norm.len() + m.lm_head.as_ref().map_or(0, Vec::len);
+            let mut n =
+                m.embed.len() + m.final_norm.len() + m.lm_head.as_ref().map_or(0, |w| w.len());
             for l in &m.layers {
                 n += l.input_norm.len() + l.post_norm.len();
                 n += match &l.mixer {

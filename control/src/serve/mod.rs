@@ -37,6 +37,7 @@ pub mod textgen;
 pub mod types;
 
 use anyhow::{bail, Context};
+use dataplane::config::ModelConfig;
 use dataplane::engine::{BackendInfo, Engine, EnginePools};
 use dataplane::model::Model;
 use dataplane::pic::{Mode, PicEngine};
@@ -173,6 +174,10 @@ pub struct ServeConfig {
     pub shared_first_use: String,
     /// How long an `Idempotency-Key` of `POST /v1/segments` is remembered, seconds.
     pub idempotency_ttl_s: u64,
+    /// Serve deterministic random weights from this seed (`Model::random` /
+    /// `GpuModel::random` of the model folder's config.json; the folder's weight
+    /// files are not read) instead of the checkpoint.
+    pub random_weights: Option<u64>,
 }
 
 impl Default for ServeConfig {
@@ -221,6 +226,7 @@ impl Default for ServeConfig {
             pool_fair_share: true,
             shared_first_use: "share".into(),
             idempotency_ttl_s: crate::DEFAULT_IDEMPOTENCY_TTL_S,
+            random_weights: None,
         }
     }
 }
@@ -327,6 +333,11 @@ pub struct ServeArgs {
     /// A tenant's first use of a shared cache entry: share or recompute [default: share].
     #[arg(long, env = "HYPIC_SHARED_FIRST_USE")]
     pub shared_first_use: Option<String>,
+    /// Serve deterministic random weights from this seed (of the model folder's
+    /// config.json shape; its weight files are not read), e.g. as the reference of a
+    /// `hypic random-checkpoint` folder written with the same seed.
+    #[arg(long, env = "HYPIC_RANDOM_WEIGHTS")]
+    pub random_weights: Option<u64>,
     /// Turn authentication off (loopback binds only).
     #[arg(long)]
     pub disable_auth: bool,
@@ -410,6 +421,9 @@ impl ServeConfig {
         }
         if a.model_id.is_some() {
             c.model_id = a.model_id.clone();
+        }
+        if a.random_weights.is_some() {
+            c.random_weights = a.random_weights;
         }
         if a.database_url.is_some() {
             c.database_url = a.database_url.clone();
@@ -539,8 +553,8 @@ pub fn default_model_dir() -> Option<PathBuf> {
     .find(|p| p.join("config.json").exists())
 }
 
-/// Loads model and tokenizer (with a progress bar on a terminal).
-pub fn load_model(dir: &Path) -> anyhow::Result<(Model, Tokenizer)> {
+/// A per-layer loading bar for `dir` (drawn on a terminal only).
+fn progress_bar(dir: &Path) -> indicatif::ProgressBar {
     let bar = indicatif::ProgressBar::new(1);
     bar.set_style(
         indicatif::ProgressStyle::with_template(
@@ -550,6 +564,12 @@ pub fn load_model(dir: &Path) -> anyhow::Result<(Model, Tokenizer)> {
         .progress_chars("=> "),
     );
     bar.set_message(dir.display().to_string());
+    bar
+}
+
+/// Loads model and tokenizer (with a progress bar on a terminal).
+pub fn load_model(dir: &Path) -> anyhow::Result<(Model, Tokenizer)> {
+    let bar = progress_bar(dir);
     let model = Model::load(dir, &mut |done, total| {
         bar.set_length(total as u64);
         bar.set_position(done as u64);
@@ -559,6 +579,128 @@ pub fn load_model(dir: &Path) -> anyhow::Result<(Model, Tokenizer)> {
     let tok = Tokenizer::from_dir(dir)
         .with_context(|| format!("loading tokenizer from {}", dir.display()))?;
     Ok((model, tok))
+}
+
+/// Where the served weights come from.
+pub enum ModelSource {
+    /// A model already loaded on the host (the CPU backend serves it; the CUDA
+    /// backend uploads it, converted to `--dtype`).
+    Host(Model),
+    /// A checkpoint folder: the CPU backend loads it with [`Model::load`]; the CUDA
+    /// backend streams it to the device tensor by tensor in its stored dtype
+    /// (`GpuModel::load`), with no host copy of the model.
+    Checkpoint {
+        /// The folder (config.json + safetensors).
+        dir: PathBuf,
+        /// Its parsed config.json.
+        config: ModelConfig,
+    },
+    /// Deterministic random weights of `config` ([`Model::random`] on the CPU,
+    /// `GpuModel::random` generated on the device).
+    Random {
+        /// The shape.
+        config: ModelConfig,
+        /// Generator seed.
+        seed: u64,
+    },
+}
+
+impl From<Model> for ModelSource {
+    fn from(m: Model) -> Self {
+        ModelSource::Host(m)
+    }
+}
+
+impl ModelSource {
+    /// The model's configuration.
+    pub fn config(&self) -> &ModelConfig {
+        match self {
+            ModelSource::Host(m) => &m.config,
+            ModelSource::Checkpoint { config, .. } | ModelSource::Random { config, .. } => config,
+        }
+    }
+
+    /// The model on the host: as is, loaded from the folder, or generated.
+    ///
+    /// Errors: as [`load_model`].
+    pub fn into_host(self) -> anyhow::Result<Model> {
+        Ok(match self {
+            ModelSource::Host(m) => m,
+            ModelSource::Checkpoint { dir, .. } => load_model(&dir)?.0,
+            ModelSource::Random { config, seed } => Model::random(config, seed),
+        })
+    }
+}
+
+/// Opens the model of `dir` for serving: the tokenizer and config, and the weights
+/// as `cfg.random_weights` and the backend want them (`on_gpu`: left in the folder
+/// for the streaming GPU loader; otherwise loaded on the host now).
+///
+/// Errors: unreadable config, tokenizer or weights.
+pub fn open_model(
+    dir: &Path,
+    on_gpu: bool,
+    random_weights: Option<u64>,
+) -> anyhow::Result<(ModelSource, Tokenizer)> {
+    if random_weights.is_none() && !on_gpu {
+        let (m, tok) = load_model(dir)?;
+        return Ok((ModelSource::Host(m), tok));
+    }
+    let config = ModelConfig::from_dir(dir)
+        .with_context(|| format!("reading the model config in {}", dir.display()))?;
+    let tok = Tokenizer::from_dir(dir)
+        .with_context(|| format!("loading tokenizer from {}", dir.display()))?;
+    let src = match random_weights {
+        Some(seed) => ModelSource::Random { config, seed },
+        None => ModelSource::Checkpoint {
+            dir: dir.to_path_buf(),
+            config,
+        },
+    };
+    Ok((src, tok))
+}
+
+/// The weights of `source` on `gpu` in element type `$t`: uploaded (host model),
+/// streamed from the checkpoint (logging tensors, bytes, seconds and GB/s), or
+/// generated. A macro because the `GpuModel` bound names cuBLAS types.
+#[cfg(feature = "cuda")]
+macro_rules! gpu_model {
+    ($t:ty, $gpu:expr, $source:expr) => {{
+        use dataplane::cuda::model::GpuModel;
+        let gpu = $gpu;
+        match $source {
+            ModelSource::Host(m) => GpuModel::<$t>::upload(gpu.clone(), &m)
+                .context("uploading the weights to the GPU")?,
+            ModelSource::Checkpoint { dir, config } => {
+                let ckpt = dataplane::weights::Checkpoint::open(&dir)
+                    .with_context(|| format!("opening the checkpoint in {}", dir.display()))?;
+                let bar = progress_bar(&dir);
+                let (m, st) =
+                    GpuModel::<$t>::load(gpu.clone(), config, &ckpt, &mut |done, total| {
+                        bar.set_length(total as u64);
+                        bar.set_position(done as u64);
+                    })
+                    .with_context(|| format!("loading {} to the GPU", dir.display()))?;
+                bar.finish_and_clear();
+                tracing::info!(
+                    tensors = st.tensors,
+                    bytes = st.bytes,
+                    seconds = st.seconds,
+                    gb_per_s = st.gb_per_s(),
+                    "weights loaded to the GPU: {} tensors, {:.2} GB in {:.2} s ({:.2} GB/s)",
+                    st.tensors,
+                    st.bytes as f64 / 1e9,
+                    st.seconds,
+                    st.gb_per_s()
+                );
+                m
+            }
+            ModelSource::Random { config, seed } => {
+                GpuModel::<$t>::random(gpu.clone(), config, seed)
+                    .context("generating random weights on the GPU")?
+            }
+        }
+    }};
 }
 
 /// Tokens of one catalog segment version.
@@ -647,37 +789,32 @@ fn wire<E: Engine + 'static>(
     (engine, sched)
 }
 
-/// The PIC engine on `device` (uploading the weights for CUDA, in `cfg.dtype`) and
-/// the scheduler over it.
+/// The PIC engine on `device` (the weights of `model` on the GPU in `cfg.dtype` for
+/// CUDA) and the scheduler over it.
 fn start_engine(
     cfg: &ServeConfig,
     device: &Device,
-    model: Model,
+    model: ModelSource,
     model_id: &str,
     control: &ControlState,
 ) -> anyhow::Result<(Arc<dyn EnginePools>, Arc<Scheduler>)> {
     let (public, private) = (cfg.public_pool_mib << 20, cfg.private_pool_mib << 20);
     match device {
         Device::Cpu => {
-            let engine = PicEngine::new(Arc::new(model), model_id, public, private);
+            let engine = PicEngine::new(Arc::new(model.into_host()?), model_id, public, private);
             Ok(wire(Arc::new(engine), cfg, control))
         }
         #[cfg(feature = "cuda")]
         Device::Cuda(gpu) => {
-            use dataplane::cuda::model::GpuModel;
             use dataplane::cuda::pic::GpuPicEngine;
             Ok(match cfg.dtype {
                 DtypeArg::F32 => {
-                    let m = GpuModel::<f32>::upload(gpu.clone(), &model)
-                        .context("uploading the weights to the GPU")?;
-                    drop(model);
+                    let m = gpu_model!(f32, gpu, model);
                     let e = GpuPicEngine::new(Arc::new(m), model_id, public, private);
                     wire(Arc::new(e), cfg, control)
                 }
                 DtypeArg::Bf16 => {
-                    let m = GpuModel::<half::bf16>::upload(gpu.clone(), &model)
-                        .context("uploading the weights to the GPU")?;
-                    drop(model);
+                    let m = gpu_model!(half::bf16, gpu, model);
                     let e = GpuPicEngine::new(Arc::new(m), model_id, public, private);
                     wire(Arc::new(e), cfg, control)
                 }
@@ -691,7 +828,7 @@ impl AppState {
     /// backend `cfg.device` / `cfg.dtype` select ([`select_device`]).
     pub fn new(
         cfg: ServeConfig,
-        model: Model,
+        model: impl Into<ModelSource>,
         tok: Tokenizer,
         model_id: String,
         control: ControlState,
@@ -704,13 +841,14 @@ impl AppState {
     pub fn on_device(
         cfg: ServeConfig,
         device: &Device,
-        model: Model,
+        model: impl Into<ModelSource>,
         tok: Tokenizer,
         model_id: String,
         control: ControlState,
     ) -> anyhow::Result<AppState> {
         let default_mode = cfg.default_mode()?;
-        let ctx = model.config.max_position_embeddings;
+        let model = model.into();
+        let ctx = model.config().max_position_embeddings;
         let (engine, sched) = start_engine(&cfg, device, model, &model_id, &control)?;
         let backend = engine.backend();
         let cfg_tok_conc = cfg.tokenize_concurrency;
@@ -823,7 +961,10 @@ pub async fn spawn(cfg: ServeConfig) -> anyhow::Result<RunningServer> {
     // The device first: `--device cuda` without CUDA fails before the model loads.
     let (device_arg, dtype) = (cfg.device, cfg.dtype);
     let device = tokio::task::spawn_blocking(move || select_device(device_arg, dtype)).await??;
-    let (model, tok) = tokio::task::spawn_blocking(move || load_model(&dir)).await??;
+    let on_gpu = !matches!(device, Device::Cpu);
+    let random = cfg.random_weights;
+    let (model, tok) =
+        tokio::task::spawn_blocking(move || open_model(&dir, on_gpu, random)).await??;
     let control = crate::build_control_state(&cfg.control_args(), cfg.bind).await?;
     let listener = tokio::net::TcpListener::bind(cfg.bind)
         .await

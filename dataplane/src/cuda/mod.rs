@@ -39,6 +39,7 @@ pub mod blas;
 pub mod compile;
 pub mod device;
 pub mod gdr;
+pub mod load;
 pub mod model;
 pub mod moe;
 pub mod ops;

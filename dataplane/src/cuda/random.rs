@@ -135,7 +135,25 @@ fn mlp<T: Elem>(
     })
 }
 
-fn gib(b: usize) -> f64 {
+/// Checks the MoE part of a config against the fused MoE kernels' limits.
+pub(crate) fn check_moe_config(c: &ModelConfig) -> Result<()> {
+    if c.layer_is_moe.iter().any(|&m| m) {
+        let (e, k) = (c.num_experts, c.experts_per_tok);
+        if e == 0 || e > moe::MAX_EXPERTS || k == 0 || k > e.min(moe::MAX_TOP_K) {
+            return Err(CudaError::Shape(format!(
+                "MoE with {e} experts, top-{k} (supported: 1..={} experts, top-k ≤ min(E, {}))",
+                moe::MAX_EXPERTS,
+                moe::MAX_TOP_K
+            )));
+        }
+        if c.moe_intermediate_size == 0 {
+            return Err(CudaError::Shape("moe_intermediate_size must be > 0".into()));
+        }
+    }
+    Ok(())
+}
+
+pub(crate) fn gib(b: usize) -> f64 {
     b as f64 / (1u64 << 30) as f64
 }
 
@@ -155,19 +173,7 @@ where
     pub fn random(gpu: Arc<Gpu>, config: ModelConfig, seed: u64) -> Result<Self> {
         let c = config;
         check_config(&c)?;
-        if c.layer_is_moe.iter().any(|&m| m) {
-            let (e, k) = (c.num_experts, c.experts_per_tok);
-            if e == 0 || e > moe::MAX_EXPERTS || k == 0 || k > e.min(moe::MAX_TOP_K) {
-                return Err(CudaError::Shape(format!(
-                    "MoE with {e} experts, top-{k} (supported: 1..={} experts, top-k ≤ min(E, {}))",
-                    moe::MAX_EXPERTS,
-                    moe::MAX_TOP_K
-                )));
-            }
-            if c.moe_intermediate_size == 0 {
-                return Err(CudaError::Shape("moe_intermediate_size must be > 0".into()));
-            }
-        }
+        check_moe_config(&c)?;
         let need = ParamCounts::of(&c).bytes(std::mem::size_of::<T>());
         let (free, total) = gpu.context().mem_get_info()?;
         if need + RANDOM_RESERVE_BYTES > free {
