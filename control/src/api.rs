@@ -6,7 +6,6 @@
 use std::collections::{BTreeMap, HashSet};
 use std::sync::{Arc, Mutex};
 
-use axum::extract::rejection::JsonRejection;
 use axum::extract::{DefaultBodyLimit, FromRequest, FromRequestParts, Path, Query, Request, State};
 use axum::http::request::Parts;
 use axum::http::{header, StatusCode};
@@ -18,13 +17,13 @@ use serde::de::DeserializeOwned;
 use serde::{Deserialize, Serialize};
 
 use crate::auth::{AuthError, Authenticator, IsolationKeyer, Principal};
-use crate::catalog::{
-    now_ms, Catalog, CatalogError, Group, NewSegment, Residency, Role, Segment, SnapshotEntry,
-};
+pub use crate::error::{ApiError, IDEMPOTENCY_KEY};
+use crate::catalog::{now_ms, Catalog, Group, NewSegment, Residency, Role};
 use crate::policy::{
-    opaque_id, EntryInfo, IsolationInfo, PolicyError, PolicyKind, PolicyRuntime, PolicySet,
-    PolicySlot,
+    EntryInfo, IsolationInfo, PolicyError, PolicyKind, PolicyRuntime, PolicySet, PolicySlot,
 };
+pub use crate::segments::{SnapshotItem, SnapshotResponse, UpdateResult};
+use crate::segments::SegmentService;
 use crate::sim::{parse_trace, simulate, SimStats};
 
 /// How requests are authenticated.
@@ -38,10 +37,9 @@ pub enum AuthMode {
 }
 
 struct Inner {
-    catalog: Catalog,
+    /// The catalog, keyer and policies, behind the segment operations.
+    segments: SegmentService,
     auth: AuthMode,
-    keyer: IsolationKeyer,
-    policies: Arc<PolicyRuntime>,
     known: Mutex<HashSet<(String, String)>>,
     /// Serialises activations and rollbacks: each changes the catalog and then
     /// installs the module in the runtime, and two interleaved ones would
@@ -66,10 +64,8 @@ impl ControlState {
     ) -> ControlState {
         ControlState {
             inner: Arc::new(Inner {
-                catalog,
+                segments: SegmentService::new(catalog, keyer, policies),
                 auth,
-                keyer,
-                policies,
                 known: Mutex::new(HashSet::new()),
                 activation: tokio::sync::Mutex::new(()),
             }),
@@ -78,17 +74,23 @@ impl ControlState {
 
     /// The catalog.
     pub fn catalog(&self) -> &Catalog {
-        &self.inner.catalog
+        self.inner.segments.catalog()
     }
 
     /// The live policies.
     pub fn policies(&self) -> &Arc<PolicyRuntime> {
-        &self.inner.policies
+        self.inner.segments.policies()
     }
 
     /// The isolation keyer.
     pub fn keyer(&self) -> &IsolationKeyer {
-        &self.inner.keyer
+        self.inner.segments.keyer()
+    }
+
+    /// The segment operations, authorized from a verified principal (the
+    /// principal a [`Caller`] extractor yields).
+    pub fn segments(&self) -> &SegmentService {
+        &self.inner.segments
     }
 
     /// The token verifier (`None` when auth is disabled).
@@ -146,7 +148,8 @@ impl ControlState {
                         r.keys
                     );
                     let _ = inner
-                        .catalog
+                        .segments
+                        .catalog()
                         .audit(
                             "system",
                             None,
@@ -164,7 +167,8 @@ impl ControlState {
                             path.display()
                         );
                         let _ = inner
-                            .catalog
+                            .segments
+                            .catalog()
                             .audit(
                                 "system",
                                 None,
@@ -215,143 +219,6 @@ async fn wait_hangup(_: &mut Hangup) {
     std::future::pending::<()>().await
 }
 
-/// An API error rendered as OpenAI-style JSON.
-#[derive(Debug, Clone, PartialEq, Eq)]
-pub struct ApiError {
-    /// HTTP status.
-    pub status: StatusCode,
-    /// Human-readable message.
-    pub message: String,
-    /// Error type, e.g. `authentication_error`.
-    pub kind: &'static str,
-    /// Machine-readable code.
-    pub code: &'static str,
-    /// The request field the error is about, if any (`param` in the JSON).
-    pub param: Option<String>,
-}
-
-impl ApiError {
-    fn new(
-        status: StatusCode,
-        kind: &'static str,
-        code: &'static str,
-        message: impl Into<String>,
-    ) -> ApiError {
-        ApiError {
-            status,
-            message: message.into(),
-            kind,
-            code,
-            param: None,
-        }
-    }
-
-    /// The same error, naming the request field it is about.
-    pub fn with_param(mut self, param: impl Into<String>) -> ApiError {
-        self.param = Some(param.into());
-        self
-    }
-    /// 400.
-    pub fn bad_request(message: impl Into<String>) -> ApiError {
-        Self::new(
-            StatusCode::BAD_REQUEST,
-            "invalid_request_error",
-            "invalid_request",
-            message,
-        )
-    }
-    /// 403.
-    pub fn forbidden(code: &'static str, message: impl Into<String>) -> ApiError {
-        Self::new(StatusCode::FORBIDDEN, "permission_error", code, message)
-    }
-    /// 404.
-    pub fn not_found(message: impl Into<String>) -> ApiError {
-        Self::new(
-            StatusCode::NOT_FOUND,
-            "not_found_error",
-            "not_found",
-            message,
-        )
-    }
-}
-
-impl From<AuthError> for ApiError {
-    fn from(e: AuthError) -> ApiError {
-        ApiError::new(
-            StatusCode::UNAUTHORIZED,
-            "authentication_error",
-            e.code(),
-            e.to_string(),
-        )
-    }
-}
-
-impl From<CatalogError> for ApiError {
-    fn from(e: CatalogError) -> ApiError {
-        let param = e.field();
-        let err = match e {
-            CatalogError::NotFound(_) => ApiError::not_found(e.to_string()),
-            CatalogError::Conflict(_) => ApiError::new(
-                StatusCode::CONFLICT,
-                "conflict_error",
-                "conflict",
-                e.to_string(),
-            ),
-            CatalogError::Invalid(_) | CatalogError::InvalidField(..) => {
-                ApiError::bad_request(e.to_string())
-            }
-            CatalogError::TooLarge(..) => ApiError::new(
-                StatusCode::PAYLOAD_TOO_LARGE,
-                "invalid_request_error",
-                "too_large",
-                e.to_string(),
-            ),
-            CatalogError::IdempotencyMismatch(_) => ApiError::new(
-                StatusCode::UNPROCESSABLE_ENTITY,
-                "invalid_request_error",
-                "idempotency_key_reused",
-                e.to_string(),
-            )
-            .with_param(IDEMPOTENCY_KEY),
-            CatalogError::Db(_) | CatalogError::Migrate(_) => {
-                // The cause (read-only, disk full, unreachable) is the operator's to
-                // fix and the client's to know; the database's own message is logged.
-                let cause = crate::readiness::DbCause::of_catalog(&e)
-                    .unwrap_or(crate::readiness::DbCause::Other);
-                tracing::error!(code = cause.code(), "catalog error: {e}");
-                ApiError::new(
-                    cause.status(),
-                    "server_error",
-                    cause.code(),
-                    cause.describe(),
-                )
-            }
-        };
-        match param {
-            Some(p) => err.with_param(p),
-            None => err,
-        }
-    }
-}
-
-impl IntoResponse for ApiError {
-    fn into_response(self) -> Response {
-        let body = serde_json::json!({"error": {"message": self.message, "type": self.kind, "param": self.param, "code": self.code}});
-        let mut r = (self.status, Json(body)).into_response();
-        if self.status.is_server_error() {
-            r.extensions_mut()
-                .insert(crate::serve::reqlog::ErrorCause(self.message.clone()));
-        }
-        if self.status == StatusCode::UNAUTHORIZED {
-            r.headers_mut().insert(
-                header::WWW_AUTHENTICATE,
-                header::HeaderValue::from_static("Bearer"),
-            );
-        }
-        r
-    }
-}
-
 type ApiResult<T> = Result<Json<T>, ApiError>;
 
 /// JSON body extractor whose rejections are OpenAI-style 400s.
@@ -362,15 +229,7 @@ impl<S: Send + Sync, T: DeserializeOwned + Send> FromRequest<S> for Body<T> {
     async fn from_request(req: Request, state: &S) -> Result<Self, ApiError> {
         match Json::<T>::from_request(req, state).await {
             Ok(Json(v)) => Ok(Body(v)),
-            Err(e) => Err(match e {
-                JsonRejection::BytesRejection(b) => ApiError::new(
-                    b.status(),
-                    "invalid_request_error",
-                    "invalid_body",
-                    b.body_text(),
-                ),
-                other => ApiError::bad_request(other.body_text()),
-            }),
+            Err(e) => Err(e.into()),
         }
     }
 }
@@ -447,7 +306,7 @@ impl FromRequestParts<ControlState> for Caller {
             }
         };
         if let Some(slot) = parts.extensions.get::<crate::serve::reqlog::LogSlot>() {
-            slot.set_tenant(state.inner.keyer.pseudonym(&p.tenant));
+            slot.set_tenant(state.keyer().pseudonym(&p.tenant));
         }
         let key = (p.tenant.clone(), p.sub.clone());
         let fresh = !state
@@ -458,8 +317,7 @@ impl FromRequestParts<ControlState> for Caller {
             .contains(&key);
         if fresh {
             state
-                .inner
-                .catalog
+                .catalog()
                 .upsert_principal(&p.tenant, &p.sub, p.role)
                 .await?;
             state
@@ -544,57 +402,29 @@ async fn whoami(Caller(p): Caller) -> Json<Principal> {
     Json(p)
 }
 
-/// Header carrying a client's idempotency key on `POST /v1/segments`.
-pub const IDEMPOTENCY_KEY: &str = "Idempotency-Key";
 /// Response header set (`true`) when a create was answered from the record of
 /// an earlier request with the same idempotency key.
 pub const IDEMPOTENT_REPLAYED: &str = "Idempotent-Replayed";
 
-/// The live segment the caller addresses as `reference` (an own id or an
-/// address) and may read: owner, public, grant, group grant; operators read
-/// every segment. Anything else is the same 404 as a segment that does not
-/// exist, so ids of other tenants cannot be probed.
-pub async fn readable_segment(
-    state: &ControlState,
-    p: &Principal,
-    reference: &str,
-) -> Result<Segment, ApiError> {
-    let nf = || ApiError::not_found(format!("segment {reference:?} not found"));
-    if crate::catalog::validate_ref("segment id", reference).is_err() {
-        return Err(nf());
-    }
-    let seg = match state.inner.catalog.find_segment(&p.tenant, reference).await {
-        Ok(seg) => seg,
-        Err(CatalogError::NotFound(_)) => return Err(nf()),
-        Err(e) => return Err(e.into()),
-    };
-    if p.is_operator()
-        || state
-            .inner
-            .catalog
-            .can_read(&p.tenant, &seg.address)
-            .await?
-    {
-        Ok(seg)
-    } else {
-        Err(nf())
+/// The client's idempotency key (the [`IDEMPOTENCY_KEY`] header), if any; 400
+/// naming the header when it is not printable ASCII.
+pub fn idempotency_key(headers: &axum::http::HeaderMap) -> Result<Option<&str>, ApiError> {
+    match headers.get(IDEMPOTENCY_KEY) {
+        None => Ok(None),
+        Some(v) => v.to_str().map(Some).map_err(|_| {
+            ApiError::bad_request("the Idempotency-Key header must be printable ASCII")
+                .with_param(IDEMPOTENCY_KEY)
+        }),
     }
 }
 
-/// Owner tenant or operator may modify a segment.
-async fn require_owner(
-    state: &ControlState,
-    p: &Principal,
-    reference: &str,
-) -> Result<Segment, ApiError> {
-    let seg = readable_segment(state, p, reference).await?;
-    if p.is_operator() || seg.owner_tenant.as_deref() == Some(p.tenant.as_str()) {
-        return Ok(seg);
-    }
-    Err(ApiError::forbidden(
-        "not_owner",
-        format!("only the owner tenant or an operator may modify segment {reference:?}"),
-    ))
+/// Marks a create answered from an earlier request's record
+/// ([`IDEMPOTENT_REPLAYED`]).
+pub fn mark_replayed(r: &mut Response) {
+    r.headers_mut().insert(
+        IDEMPOTENT_REPLAYED,
+        header::HeaderValue::from_static("true"),
+    );
 }
 
 async fn create_segment(
@@ -603,24 +433,11 @@ async fn create_segment(
     headers: axum::http::HeaderMap,
     Body(seg): Body<NewSegment>,
 ) -> Result<Response, ApiError> {
-    let key = match headers.get(IDEMPOTENCY_KEY) {
-        None => None,
-        Some(v) => Some(v.to_str().map_err(|_| {
-            ApiError::bad_request("the Idempotency-Key header must be printable ASCII")
-                .with_param(IDEMPOTENCY_KEY)
-        })?),
-    };
-    let c = s
-        .inner
-        .catalog
-        .create_segment_idempotent(&p.tenant, &p.sub, &seg, key)
-        .await?;
-    let mut r = Json(c.segment.view_for(&p.tenant, p.is_operator())).into_response();
+    let key = idempotency_key(&headers)?;
+    let c = s.segments().create(&p, &seg, key).await?;
+    let mut r = Json(c.segment).into_response();
     if c.replayed {
-        r.headers_mut().insert(
-            IDEMPOTENT_REPLAYED,
-            header::HeaderValue::from_static("true"),
-        );
+        mark_replayed(&mut r);
     }
     Ok(r)
 }
@@ -673,7 +490,7 @@ pub struct SegmentList {
     /// Always `list`.
     pub object: String,
     /// The segments of this page, as the caller may see them.
-    pub data: Vec<Segment>,
+    pub data: Vec<crate::catalog::Segment>,
     /// Cursor of the next page (`after`), `null` on the last page.
     pub next: Option<String>,
 }
@@ -684,17 +501,12 @@ async fn list_segments(
     ApiQuery(q): ApiQuery<ListQuery>,
 ) -> ApiResult<SegmentList> {
     let page = s
-        .inner
-        .catalog
-        .list_segments(&p.tenant, p.is_operator(), q.cursor()?, q.page_size()?)
+        .segments()
+        .list(&p, q.cursor()?, q.page_size()?)
         .await?;
     Ok(Json(SegmentList {
         object: "list".into(),
-        data: page
-            .items
-            .into_iter()
-            .map(|x| x.view_for(&p.tenant, p.is_operator()))
-            .collect(),
+        data: page.items.into_iter().map(|x| x.view).collect(),
         next: page.next,
     }))
 }
@@ -703,9 +515,8 @@ async fn get_segment(
     State(s): State<ControlState>,
     Caller(p): Caller,
     ApiPath(id): ApiPath<String>,
-) -> ApiResult<Segment> {
-    let seg = readable_segment(&s, &p, &id).await?;
-    Ok(Json(seg.view_for(&p.tenant, p.is_operator())))
+) -> ApiResult<crate::catalog::Segment> {
+    Ok(Json(s.segments().get(&p, &id).await?))
 }
 
 /// Body of `PUT /v1/segments/{id}`.
@@ -718,62 +529,17 @@ pub struct UpdateSegment {
     pub tokens: BTreeMap<String, i64>,
 }
 
-/// Answer of `PUT /v1/segments/{id}`.
-#[derive(Debug, Serialize, Deserialize)]
-pub struct UpdateResult {
-    /// The segment after the update.
-    pub segment: Segment,
-    /// Cache-residency rows of superseded versions dropped by the
-    /// invalidation policy.
-    pub invalidated_entries: u64,
-}
-
 async fn update_segment(
     State(s): State<ControlState>,
     Caller(p): Caller,
     ApiPath(id): ApiPath<String>,
     Body(u): Body<UpdateSegment>,
 ) -> ApiResult<UpdateResult> {
-    let old = require_owner(&s, &p, &id).await?;
-    let seg = s
-        .inner
-        .catalog
-        .update_segment(&old.address, &p.sub, &u.content, &u.tokens)
-        .await?;
-    let invalidated = invalidate_superseded(&s, &seg).await?;
-    Ok(Json(UpdateResult {
-        segment: seg.view_for(&p.tenant, p.is_operator()),
-        invalidated_entries: invalidated,
-    }))
-}
-
-/// Runs the invalidation hook over the residency rows of superseded versions
-/// of `seg` and drops those it rejects.
-async fn invalidate_superseded(s: &ControlState, seg: &Segment) -> Result<u64, ApiError> {
-    let rows = s.inner.catalog.residency_of_segment(&seg.address).await?;
-    let now = now_ms() as u64;
-    let mut dropped = 0;
-    for r in rows.iter().filter(|r| r.version < seg.current_version) {
-        let info = EntryInfo {
-            id: opaque_id(&r.cache_key),
-            tenant: r.tenant.as_deref().map(opaque_id).unwrap_or(0),
-            bytes: r.bytes.max(0) as u64,
-            recompute_tokens: seg.tokens.values().copied().max().unwrap_or(0).max(0) as u64,
-            last_use_ms: r.last_use.max(0) as u64,
-            inserted_ms: r.last_use.max(0) as u64,
-            hits: 0,
-            shared: r.tenant.is_none(),
-            superseded: true,
-        };
-        if s.inner.policies.invalidate(&info, now) {
-            s.inner
-                .catalog
-                .drop_residency(&r.worker, &r.cache_key)
-                .await?;
-            dropped += 1;
-        }
-    }
-    Ok(dropped)
+    Ok(Json(
+        s.segments()
+            .update(&p, &id, &u.content, &u.tokens)
+            .await?,
+    ))
 }
 
 async fn delete_segment(
@@ -781,11 +547,9 @@ async fn delete_segment(
     Caller(p): Caller,
     ApiPath(id): ApiPath<String>,
 ) -> ApiResult<serde_json::Value> {
-    let seg = require_owner(&s, &p, &id).await?;
-    s.inner.catalog.delete_segment(&seg.address, &p.sub).await?;
-    let dropped = s.inner.catalog.drop_all_residency(&seg.address).await?;
+    let d = s.segments().delete(&p, &id).await?;
     Ok(Json(serde_json::json!({
-        "deleted": id, "address": seg.address, "invalidated_entries": dropped,
+        "deleted": id, "address": d.address, "invalidated_entries": d.invalidated_entries,
     })))
 }
 
@@ -794,8 +558,7 @@ async fn segment_versions(
     Caller(p): Caller,
     ApiPath(id): ApiPath<String>,
 ) -> ApiResult<Vec<crate::catalog::SegmentVersion>> {
-    let seg = readable_segment(&s, &p, &id).await?;
-    Ok(Json(s.inner.catalog.versions(&seg.address).await?))
+    Ok(Json(s.segments().versions(&p, &id).await?))
 }
 
 /// Body of `POST /v1/segments/{id}/grants`.
@@ -810,8 +573,7 @@ async fn list_grants(
     Caller(p): Caller,
     ApiPath(id): ApiPath<String>,
 ) -> ApiResult<Vec<String>> {
-    let seg = require_owner(&s, &p, &id).await?;
-    Ok(Json(s.inner.catalog.grants(&seg.address).await?))
+    Ok(Json(s.segments().grants(&p, &id).await?))
 }
 
 async fn add_grant(
@@ -820,11 +582,7 @@ async fn add_grant(
     ApiPath(id): ApiPath<String>,
     Body(g): Body<GrantBody>,
 ) -> ApiResult<serde_json::Value> {
-    let seg = require_owner(&s, &p, &id).await?;
-    s.inner
-        .catalog
-        .grant(&seg.address, &g.tenant, &p.sub)
-        .await?;
+    s.segments().grant(&p, &id, &g.tenant).await?;
     Ok(Json(
         serde_json::json!({"segment": id, "granted": g.tenant}),
     ))
@@ -835,11 +593,7 @@ async fn revoke_grant(
     Caller(p): Caller,
     ApiPath((id, tenant)): ApiPath<(String, String)>,
 ) -> ApiResult<serde_json::Value> {
-    let seg = require_owner(&s, &p, &id).await?;
-    s.inner
-        .catalog
-        .revoke(&seg.address, &tenant, &p.sub)
-        .await?;
+    s.segments().revoke(&p, &id, &tenant).await?;
     Ok(Json(serde_json::json!({"segment": id, "revoked": tenant})))
 }
 
@@ -855,8 +609,7 @@ async fn list_group_grants(
     Caller(p): Caller,
     ApiPath(id): ApiPath<String>,
 ) -> ApiResult<Vec<String>> {
-    let seg = require_owner(&s, &p, &id).await?;
-    Ok(Json(s.inner.catalog.group_grants(&seg.address).await?))
+    Ok(Json(s.segments().group_grants(&p, &id).await?))
 }
 
 async fn add_group_grant(
@@ -865,11 +618,7 @@ async fn add_group_grant(
     ApiPath(id): ApiPath<String>,
     Body(g): Body<GroupGrantBody>,
 ) -> ApiResult<serde_json::Value> {
-    let seg = require_owner(&s, &p, &id).await?;
-    s.inner
-        .catalog
-        .grant_group(&seg.address, &g.group, &p.sub)
-        .await?;
+    s.segments().grant_group(&p, &id, &g.group).await?;
     Ok(Json(
         serde_json::json!({"segment": id, "granted_group": g.group}),
     ))
@@ -880,11 +629,7 @@ async fn revoke_group_grant(
     Caller(p): Caller,
     ApiPath((id, group)): ApiPath<(String, String)>,
 ) -> ApiResult<serde_json::Value> {
-    let seg = require_owner(&s, &p, &id).await?;
-    s.inner
-        .catalog
-        .revoke_group(&seg.address, &group, &p.sub)
-        .await?;
+    s.segments().revoke_group(&p, &id, &group).await?;
     Ok(Json(
         serde_json::json!({"segment": id, "revoked_group": group}),
     ))
@@ -908,8 +653,7 @@ async fn create_group(
     Body(g): Body<NewGroup>,
 ) -> ApiResult<Group> {
     Ok(Json(
-        s.inner
-            .catalog
+        s.catalog()
             .create_group(&g.id, g.name.as_deref(), &p.sub)
             .await?,
     ))
@@ -919,7 +663,7 @@ async fn list_groups(
     State(s): State<ControlState>,
     Operator(_): Operator,
 ) -> ApiResult<Vec<Group>> {
-    Ok(Json(s.inner.catalog.groups().await?))
+    Ok(Json(s.catalog().groups().await?))
 }
 
 async fn get_group(
@@ -927,7 +671,7 @@ async fn get_group(
     Operator(_): Operator,
     ApiPath(id): ApiPath<String>,
 ) -> ApiResult<Group> {
-    Ok(Json(s.inner.catalog.group(&id).await?))
+    Ok(Json(s.catalog().group(&id).await?))
 }
 
 async fn delete_group(
@@ -935,7 +679,7 @@ async fn delete_group(
     Operator(p): Operator,
     ApiPath(id): ApiPath<String>,
 ) -> ApiResult<serde_json::Value> {
-    s.inner.catalog.delete_group(&id, &p.sub).await?;
+    s.catalog().delete_group(&id, &p.sub).await?;
     Ok(Json(serde_json::json!({"deleted": id})))
 }
 
@@ -944,8 +688,8 @@ async fn add_member(
     Operator(p): Operator,
     ApiPath((id, tenant)): ApiPath<(String, String)>,
 ) -> ApiResult<Group> {
-    s.inner.catalog.add_member(&id, &tenant, &p.sub).await?;
-    Ok(Json(s.inner.catalog.group(&id).await?))
+    s.catalog().add_member(&id, &tenant, &p.sub).await?;
+    Ok(Json(s.catalog().group(&id).await?))
 }
 
 async fn remove_member(
@@ -953,8 +697,8 @@ async fn remove_member(
     Operator(p): Operator,
     ApiPath((id, tenant)): ApiPath<(String, String)>,
 ) -> ApiResult<Group> {
-    s.inner.catalog.remove_member(&id, &tenant, &p.sub).await?;
-    Ok(Json(s.inner.catalog.group(&id).await?))
+    s.catalog().remove_member(&id, &tenant, &p.sub).await?;
+    Ok(Json(s.catalog().group(&id).await?))
 }
 
 /// Body of `POST /v1/snapshot`.
@@ -967,104 +711,15 @@ pub struct SnapshotRequest {
     pub salt: Option<String>,
 }
 
-/// One pinned segment of a snapshot.
-#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
-pub struct SnapshotItem {
-    /// Segment id as the request gave it (an own id or an address).
-    pub segment_id: String,
-    /// The segment's global address.
-    pub address: String,
-    /// Pinned version.
-    pub version: i64,
-    /// Content hash of the pinned version.
-    pub content_hash: String,
-    /// Isolation key (namespace) derived server-side.
-    pub isolation_key: String,
-    /// Cache key of this version in that namespace.
-    pub cache_key: String,
-    /// True when the shared namespace is used.
-    pub shared: bool,
-    /// Workers holding the entry (a hit when non-empty).
-    pub resident_on: Vec<String>,
-}
-
-/// Answer of `POST /v1/snapshot`.
-#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
-pub struct SnapshotResponse {
-    /// Tenant from the token.
-    pub tenant: String,
-    /// One item per requested segment, same order.
-    pub segments: Vec<SnapshotItem>,
-}
-
-/// The isolation key of a pinned segment for `tenant` and whether it is the
-/// shared namespace (public, and the isolation policy allows sharing).
-pub fn isolation_of(
-    s: &ControlState,
-    tenant: &str,
-    e: &SnapshotEntry,
-    salt: Option<&str>,
-) -> (String, bool) {
-    let allowed = s.inner.policies.isolation(&IsolationInfo {
-        segment: opaque_id(&e.segment_id),
-        tenant: opaque_id(tenant),
-        public: e.public,
-        owner: e.owner_tenant == tenant,
-    });
-    let shared = allowed && e.public;
-    (s.inner.keyer.isolation_key(tenant, e, shared, salt), shared)
-}
-
-/// Resolves a snapshot for `tenant`: pins versions and derives keys. `ids`
-/// are the tenant's own segment ids or addresses.
-pub async fn resolve_snapshot(
-    s: &ControlState,
-    tenant: &str,
-    ids: &[String],
-    salt: Option<&str>,
-) -> Result<SnapshotResponse, ApiError> {
-    if let Some(salt) = salt {
-        if salt.len() > 256 {
-            return Err(ApiError::bad_request("salt must be at most 256 bytes"));
-        }
-    }
-    let entries: Vec<SnapshotEntry> = s.inner.catalog.snapshot(tenant, ids).await?;
-    let mut out = Vec::with_capacity(entries.len());
-    for (reference, e) in ids.iter().zip(entries) {
-        let (isolation_key, shared) = isolation_of(s, tenant, &e, salt);
-        let cache_key = s.inner.keyer.cache_key(&isolation_key, &e);
-        let resident_on = s
-            .inner
-            .catalog
-            .residency_of(&cache_key)
-            .await?
-            .into_iter()
-            .map(|r| r.worker)
-            .collect();
-        out.push(SnapshotItem {
-            segment_id: reference.clone(),
-            address: e.segment_id,
-            version: e.version,
-            content_hash: e.content_hash,
-            isolation_key,
-            cache_key,
-            shared,
-            resident_on,
-        });
-    }
-    Ok(SnapshotResponse {
-        tenant: tenant.to_string(),
-        segments: out,
-    })
-}
-
 async fn snapshot(
     State(s): State<ControlState>,
     Caller(p): Caller,
     Body(r): Body<SnapshotRequest>,
 ) -> ApiResult<SnapshotResponse> {
     Ok(Json(
-        resolve_snapshot(&s, &p.tenant, &r.segments, r.salt.as_deref()).await?,
+        s.segments()
+            .snapshot(&p.tenant, &r.segments, r.salt.as_deref())
+            .await?,
     ))
 }
 
@@ -1106,8 +761,7 @@ async fn report_residency(
             crate::catalog::validate_text(what, v)?;
         }
     }
-    s.inner
-        .catalog
+    s.catalog()
         .report_residency(&Residency {
             worker: r.worker,
             cache_key: r.cache_key,
@@ -1143,12 +797,12 @@ async fn upload_policy(
     Body(u): Body<UploadPolicy>,
 ) -> ApiResult<crate::catalog::PolicyRecord> {
     let kind: PolicyKind = u.kind.parse().map_err(ApiError::bad_request)?;
-    let rt = &s.inner.policies;
+    let rt = &s.policies();
     let limit = rt.limits().max_module_bytes;
     // Refuse an oversized module before decoding it (base64: 4 characters per 3 bytes).
     let b64 = u.wasm_base64.trim();
     if b64.len() / 4 * 3 > limit.saturating_add(3) {
-        return Err(policy_error(PolicyError::TooLarge {
+        return Err(ApiError::from(PolicyError::TooLarge {
             bytes: b64.len() / 4 * 3,
             limit,
         }));
@@ -1168,10 +822,9 @@ async fn upload_policy(
         });
     if let Err(e) = validated {
         if matches!(e, PolicyError::Busy { .. }) {
-            return Err(policy_error(e));
+            return Err(ApiError::from(e));
         }
-        s.inner
-            .catalog
+        s.catalog()
             .audit(
                 &p.sub,
                 Some(&p.tenant),
@@ -1180,7 +833,7 @@ async fn upload_policy(
                 &serde_json::json!({"kind": u.kind, "error": e.to_string()}),
             )
             .await?;
-        return Err(policy_error(e));
+        return Err(ApiError::from(e));
     }
     let params = if u.params.is_null() {
         "{}".to_string()
@@ -1188,31 +841,10 @@ async fn upload_policy(
         u.params.to_string()
     };
     Ok(Json(
-        s.inner
-            .catalog
+        s.catalog()
             .insert_policy(&u.name, kind.as_str(), &bytes, &params, &p.sub)
             .await?,
     ))
-}
-
-/// A policy load error as an API error: 413 for a module over the size limit,
-/// 429 when the compile slots are taken, 400 otherwise.
-fn policy_error(e: PolicyError) -> ApiError {
-    match e {
-        PolicyError::TooLarge { .. } => ApiError::new(
-            StatusCode::PAYLOAD_TOO_LARGE,
-            "invalid_request_error",
-            "module_too_large",
-            e.to_string(),
-        ),
-        PolicyError::Busy { .. } => ApiError::new(
-            StatusCode::TOO_MANY_REQUESTS,
-            "rate_limit_error",
-            "compile_busy",
-            e.to_string(),
-        ),
-        other => ApiError::bad_request(other.to_string()),
-    }
 }
 
 fn smoke(slot: &mut PolicySlot) -> Result<(), crate::policy::PolicyError> {
@@ -1280,14 +912,14 @@ async fn list_policies(
     State(s): State<ControlState>,
     Operator(_): Operator,
 ) -> ApiResult<Vec<crate::catalog::PolicyRecord>> {
-    Ok(Json(s.inner.catalog.policies().await?))
+    Ok(Json(s.catalog().policies().await?))
 }
 
 async fn policy_stats(
     State(s): State<ControlState>,
     Operator(_): Operator,
 ) -> ApiResult<serde_json::Value> {
-    let rt = &s.inner.policies;
+    let rt = &s.policies();
     let active: BTreeMap<&str, Option<i64>> = PolicyKind::ALL
         .iter()
         .map(|k| (k.as_str(), rt.active_id(*k)))
@@ -1305,7 +937,7 @@ async fn activate_policy(
     Operator(p): Operator,
     ApiPath(id): ApiPath<i64>,
 ) -> ApiResult<serde_json::Value> {
-    let rec = s.inner.catalog.policy(id).await?;
+    let rec = s.catalog().policy(id).await?;
     let kind: PolicyKind = rec.kind.parse().map_err(ApiError::bad_request)?;
     let params: serde_json::Value =
         serde_json::from_str(&rec.params).unwrap_or(serde_json::Value::Null);
@@ -1313,16 +945,14 @@ async fn activate_policy(
     // Load first (compiled module from the cache, or compiled on the blocking
     // pool): a module that no longer loads is not activated.
     let loaded = s
-        .inner
-        .policies
+        .policies()
         .load(kind, rec.module.into(), &params, false)
         .await
-        .map_err(policy_error)?;
-    s.inner
-        .catalog
+        .map_err(ApiError::from)?;
+    s.catalog()
         .activate_policy(kind.as_str(), Some(id), &p.sub)
         .await?;
-    s.inner.policies.install_wasm(loaded, Some(id));
+    s.policies().install_wasm(loaded, Some(id));
     Ok(Json(
         serde_json::json!({"kind": kind.as_str(), "active": id}),
     ))
@@ -1343,22 +973,20 @@ async fn rollback_policy(
     let kind: PolicyKind = b.kind.parse().map_err(ApiError::bad_request)?;
     let _serial = s.inner.activation.lock().await;
     let now_active = s
-        .inner
-        .catalog
+        .catalog()
         .rollback_policy(kind.as_str(), &p.sub)
         .await?;
     match now_active {
         Some(id) => {
-            let rec = s.inner.catalog.policy(id).await?;
+            let rec = s.catalog().policy(id).await?;
             let params: serde_json::Value =
                 serde_json::from_str(&rec.params).unwrap_or(serde_json::Value::Null);
             let _ = s
-                .inner
-                .policies
+                .policies()
                 .activate(kind, Some(id), rec.module.into(), &params)
                 .await;
         }
-        None => s.inner.policies.set_native(kind),
+        None => s.policies().set_native(kind),
     }
     Ok(Json(
         serde_json::json!({"kind": kind.as_str(), "active": now_active}),
@@ -1397,14 +1025,14 @@ async fn dry_run(
     ApiPath(id): ApiPath<i64>,
     Body(b): Body<DryRunBody>,
 ) -> ApiResult<DryRunResult> {
-    let rec = s.inner.catalog.policy(id).await?;
+    let rec = s.catalog().policy(id).await?;
     let kind: PolicyKind = rec.kind.parse().map_err(ApiError::bad_request)?;
     if b.capacity_bytes == 0 {
         return Err(ApiError::bad_request("capacity_bytes must be positive"));
     }
     let trace = parse_trace(&b.trace).map_err(ApiError::bad_request)?;
-    let rt = s.inner.policies.clone();
-    let catalog = s.inner.catalog.clone();
+    let rt = s.policies().clone();
+    let catalog = s.catalog().clone();
     let mut active = PolicySet::from_catalog(&catalog, &rt).await;
     let mut candidate = PolicySet::from_catalog(&catalog, &rt).await;
     let params: serde_json::Value =
@@ -1412,7 +1040,7 @@ async fn dry_run(
     let w = rt
         .load(kind, rec.module.into(), &params, false)
         .await
-        .map_err(policy_error)?;
+        .map_err(ApiError::from)?;
     candidate.set(PolicySlot::wasm(w, Some(id)));
     let cap = b.capacity_bytes;
     let (cand, act) = tokio::task::spawn_blocking(move || {
@@ -1437,8 +1065,7 @@ async fn dry_run(
         candidate: cand,
         active: act,
     };
-    s.inner
-        .catalog
+    s.catalog()
         .audit(
             &p.sub,
             None,
@@ -1472,8 +1099,7 @@ async fn audit_log(
         return Err(ApiError::bad_request("action contains a NUL character"));
     }
     Ok(Json(
-        s.inner
-            .catalog
+        s.catalog()
             .audit_log(q.action.as_deref(), q.limit.unwrap_or(100))
             .await?,
     ))

@@ -454,7 +454,7 @@ pub(crate) async fn catalog_tokens(
             .catalog()
             .version_content(id, version)
             .await
-            .map_err(|e| ServeError::from(crate::api::ApiError::from(e)))?
+            .map_err(|e| ServeError::from(crate::error::ApiError::from(e)))?
             .ok_or_else(|| {
                 ServeError::not_found(
                     "segment_not_found",
@@ -524,7 +524,11 @@ pub async fn resolve(
         let mut uniq = ids.clone();
         uniq.sort();
         uniq.dedup();
-        let r = crate::api::resolve_snapshot(&s.0.control, tenant, &uniq, salt)
+        let r = s
+            .0
+            .control
+            .segments()
+            .snapshot(tenant, &uniq, salt)
             .await
             .map_err(|e| {
                 let mut se = ServeError::from(e);
