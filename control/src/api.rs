@@ -348,10 +348,134 @@ impl FromRequestParts<ControlState> for Operator {
     }
 }
 
+/// The OpenAPI document of the control plane's routes, generated from the
+/// handlers' annotations (`GET /openapi.json`; [`openapi`]).
+#[derive(utoipa::OpenApi)]
+#[openapi(
+    info(
+        title = "HYPIC control plane",
+        description = "Segment catalog, tenants and groups, cache policies, audit. Every route \
+            but the health checks and this document needs `Authorization: Bearer <jwt>`; \
+            errors are `{\"error\": {\"message\", \"type\", \"param\", \"code\"}}`."
+    ),
+    paths(
+        health, whoami, create_segment, list_segments, get_segment, update_segment,
+        delete_segment, segment_versions, list_grants, add_grant, revoke_grant,
+        list_group_grants, add_group_grant, revoke_group_grant, snapshot, create_group,
+        list_groups, get_group, delete_group, add_member, remove_member, upload_policy,
+        list_policies, policy_stats, rollback_policy, activate_policy, dry_run, audit_log,
+        report_residency,
+    ),
+    components(schemas(crate::error::ErrorBody, crate::error::ErrorDetail, crate::catalog::Role)),
+    modifiers(&BearerAuth),
+    tags(
+        (name = "segments", description = "segment catalog: versions, grants, snapshots"),
+        (name = "tenants", description = "the caller, tenant groups and their members"),
+        (name = "policies", description = "Wasm cache policies: upload, activate, roll back, dry-run"),
+        (name = "audit", description = "the audit log"),
+        (name = "health", description = "liveness and readiness"),
+    )
+)]
+pub struct ControlApi;
+
+/// Declares the bearer-JWT security scheme (`bearer`) the routes name.
+pub struct BearerAuth;
+
+impl utoipa::Modify for BearerAuth {
+    fn modify(&self, doc: &mut utoipa::openapi::OpenApi) {
+        use utoipa::openapi::security::{HttpAuthScheme, HttpBuilder, SecurityScheme};
+        let c = doc.components.get_or_insert_with(Default::default);
+        c.add_security_scheme(
+            "bearer",
+            SecurityScheme::Http(
+                HttpBuilder::new()
+                    .scheme(HttpAuthScheme::Bearer)
+                    .bearer_format("JWT")
+                    .build(),
+            ),
+        );
+    }
+}
+
+/// The control plane's OpenAPI document (3.1): every route of
+/// [`control_router`], with `/ready` of the standalone `hypic control` server.
+pub fn openapi() -> utoipa::openapi::OpenApi {
+    use utoipa::OpenApi as _;
+    let mut doc = ControlApi::openapi();
+    doc.paths.paths.insert(
+        "/ready".into(),
+        ready_path_item("Readiness: the catalog accepts a write (no token)"),
+    );
+    doc.paths.paths.insert("/openapi.json".into(), openapi_path_item());
+    doc
+}
+
+/// The path item of a readiness route (`GET`, 200 or 503 JSON), described by `summary`.
+pub fn ready_path_item(summary: &str) -> utoipa::openapi::PathItem {
+    use utoipa::openapi::path::{HttpMethod, OperationBuilder};
+    use utoipa::openapi::{ContentBuilder, ObjectBuilder, ResponseBuilder, ResponsesBuilder};
+    let json = || {
+        ContentBuilder::new()
+            .schema(Some(ObjectBuilder::new()))
+            .build()
+    };
+    utoipa::openapi::PathItem::new(
+        HttpMethod::Get,
+        OperationBuilder::new()
+            .tag("health")
+            .operation_id(Some("ready"))
+            .summary(Some(summary))
+            .responses(
+                ResponsesBuilder::new()
+                    .response(
+                        "200",
+                        ResponseBuilder::new()
+                            .description("ready")
+                            .content("application/json", json()),
+                    )
+                    .response(
+                        "503",
+                        ResponseBuilder::new()
+                            .description("not ready: the failing checks")
+                            .content("application/json", json()),
+                    ),
+            ),
+    )
+}
+
+/// The path item of `GET /openapi.json` itself.
+pub fn openapi_path_item() -> utoipa::openapi::PathItem {
+    use utoipa::openapi::path::{HttpMethod, OperationBuilder};
+    use utoipa::openapi::{ContentBuilder, ObjectBuilder, ResponseBuilder, ResponsesBuilder};
+    utoipa::openapi::PathItem::new(
+        HttpMethod::Get,
+        OperationBuilder::new()
+            .tag("health")
+            .operation_id(Some("openapi"))
+            .summary(Some("This OpenAPI document (no token)"))
+            .responses(
+                ResponsesBuilder::new().response(
+                    "200",
+                    ResponseBuilder::new().description("OpenAPI 3.1 JSON").content(
+                        "application/json",
+                        ContentBuilder::new()
+                            .schema(Some(ObjectBuilder::new()))
+                            .build(),
+                    ),
+                ),
+            ),
+    )
+}
+
+async fn control_openapi() -> Json<utoipa::openapi::OpenApi> {
+    Json(openapi())
+}
+
 /// The control-plane router (mount it at the root of the server).
 pub fn control_router(state: ControlState) -> Router {
     Router::new()
         .route("/v1/control/health", get(health))
+        .route("/openapi.json", get(control_openapi))
         .route("/v1/whoami", get(whoami))
         .route("/v1/segments", post(create_segment).get(list_segments))
         .route(
@@ -394,10 +518,12 @@ pub fn control_router(state: ControlState) -> Router {
         .with_state(state)
 }
 
+#[utoipa::path(get, path = "/v1/control/health", tag = "health", summary = "Control-plane liveness (no token)", responses((status = 200, description = "`{\"status\":\"ok\"}`", body = Object)))]
 async fn health() -> Json<serde_json::Value> {
     Json(serde_json::json!({"status": "ok"}))
 }
 
+#[utoipa::path(get, path = "/v1/whoami", tag = "tenants", summary = "The caller as the token names it", security(("bearer" = [])), responses((status = 200, body = crate::auth::Principal), (status = 401, description = "no or bad token", body = crate::error::ErrorBody)))]
 async fn whoami(Caller(p): Caller) -> Json<Principal> {
     Json(p)
 }
@@ -427,6 +553,7 @@ pub fn mark_replayed(r: &mut Response) {
     );
 }
 
+#[utoipa::path(post, path = "/v1/segments", tag = "segments", summary = "Create a segment (version 1)", security(("bearer" = [])), params(("Idempotency-Key" = Option<String>, Header, description = "repeat-safe create: the same request under the same key answers the recorded segment")), request_body = crate::catalog::NewSegment, responses((status = 200, description = "the segment as the caller sees it (header `Idempotent-Replayed: true` on a replay)", body = crate::catalog::Segment), (status = 400, description = "invalid input", body = crate::error::ErrorBody), (status = 401, description = "no or bad token", body = crate::error::ErrorBody), (status = 409, description = "the id is taken", body = crate::error::ErrorBody), (status = 413, description = "content over the limit", body = crate::error::ErrorBody), (status = 422, description = "idempotency key reused with another request", body = crate::error::ErrorBody)))]
 async fn create_segment(
     State(s): State<ControlState>,
     Caller(p): Caller,
@@ -443,7 +570,8 @@ async fn create_segment(
 }
 
 /// Query of `GET /v1/segments`.
-#[derive(Debug, Default, Deserialize)]
+#[derive(Debug, Default, Deserialize, utoipa::IntoParams)]
+#[into_params(parameter_in = Query)]
 pub struct ListQuery {
     /// Page size, 1..=1000 (default 100).
     pub limit: Option<i64>,
@@ -485,7 +613,7 @@ impl ListQuery {
 }
 
 /// Answer of the control plane's `GET /v1/segments`.
-#[derive(Debug, Serialize, Deserialize)]
+#[derive(Debug, Serialize, Deserialize, utoipa::ToSchema)]
 pub struct SegmentList {
     /// Always `list`.
     pub object: String,
@@ -495,6 +623,7 @@ pub struct SegmentList {
     pub next: Option<String>,
 }
 
+#[utoipa::path(get, path = "/v1/segments", tag = "segments", summary = "One page of the segments the caller may read", security(("bearer" = [])), params(ListQuery), responses((status = 200, body = SegmentList), (status = 400, description = "invalid input", body = crate::error::ErrorBody), (status = 401, description = "no or bad token", body = crate::error::ErrorBody)))]
 async fn list_segments(
     State(s): State<ControlState>,
     Caller(p): Caller,
@@ -511,6 +640,7 @@ async fn list_segments(
     }))
 }
 
+#[utoipa::path(get, path = "/v1/segments/{id}", tag = "segments", summary = "One segment", security(("bearer" = [])), params(("id" = String, Path, description = "the caller's segment id, or a segment address")), responses((status = 200, body = crate::catalog::Segment), (status = 401, description = "no or bad token", body = crate::error::ErrorBody), (status = 404, description = "no such segment, or not readable by the caller", body = crate::error::ErrorBody)))]
 async fn get_segment(
     State(s): State<ControlState>,
     Caller(p): Caller,
@@ -520,7 +650,7 @@ async fn get_segment(
 }
 
 /// Body of `PUT /v1/segments/{id}`.
-#[derive(Debug, Deserialize)]
+#[derive(Debug, Deserialize, utoipa::ToSchema)]
 pub struct UpdateSegment {
     /// New content.
     pub content: String,
@@ -529,6 +659,7 @@ pub struct UpdateSegment {
     pub tokens: BTreeMap<String, i64>,
 }
 
+#[utoipa::path(put, path = "/v1/segments/{id}", tag = "segments", summary = "Add a version (owner or operator)", security(("bearer" = [])), params(("id" = String, Path, description = "the caller's segment id, or a segment address")), request_body = UpdateSegment, responses((status = 200, body = UpdateResult), (status = 400, description = "invalid input", body = crate::error::ErrorBody), (status = 401, description = "no or bad token", body = crate::error::ErrorBody), (status = 403, description = "not the owner tenant or an operator", body = crate::error::ErrorBody), (status = 404, description = "no such segment, or not readable by the caller", body = crate::error::ErrorBody)))]
 async fn update_segment(
     State(s): State<ControlState>,
     Caller(p): Caller,
@@ -542,6 +673,7 @@ async fn update_segment(
     ))
 }
 
+#[utoipa::path(delete, path = "/v1/segments/{id}", tag = "segments", summary = "Delete a segment (owner or operator)", security(("bearer" = [])), params(("id" = String, Path, description = "the caller's segment id, or a segment address")), responses((status = 200, description = "`deleted` (the id given), `address`, `invalidated_entries`", body = Object), (status = 401, description = "no or bad token", body = crate::error::ErrorBody), (status = 403, description = "not the owner tenant or an operator", body = crate::error::ErrorBody), (status = 404, description = "no such segment, or not readable by the caller", body = crate::error::ErrorBody)))]
 async fn delete_segment(
     State(s): State<ControlState>,
     Caller(p): Caller,
@@ -553,6 +685,7 @@ async fn delete_segment(
     })))
 }
 
+#[utoipa::path(get, path = "/v1/segments/{id}/versions", tag = "segments", summary = "Every version of a segment, oldest first", security(("bearer" = [])), params(("id" = String, Path, description = "the caller's segment id, or a segment address")), responses((status = 200, body = Vec<crate::catalog::SegmentVersion>), (status = 401, description = "no or bad token", body = crate::error::ErrorBody), (status = 404, description = "no such segment, or not readable by the caller", body = crate::error::ErrorBody)))]
 async fn segment_versions(
     State(s): State<ControlState>,
     Caller(p): Caller,
@@ -562,12 +695,13 @@ async fn segment_versions(
 }
 
 /// Body of `POST /v1/segments/{id}/grants`.
-#[derive(Debug, Deserialize)]
+#[derive(Debug, Deserialize, utoipa::ToSchema)]
 pub struct GrantBody {
     /// Tenant to grant read access to.
     pub tenant: String,
 }
 
+#[utoipa::path(get, path = "/v1/segments/{id}/grants", tag = "segments", summary = "Tenants granted read access", security(("bearer" = [])), params(("id" = String, Path, description = "the caller's segment id, or a segment address")), responses((status = 200, body = Vec<String>), (status = 401, description = "no or bad token", body = crate::error::ErrorBody), (status = 403, description = "not the owner tenant or an operator", body = crate::error::ErrorBody), (status = 404, description = "no such segment, or not readable by the caller", body = crate::error::ErrorBody)))]
 async fn list_grants(
     State(s): State<ControlState>,
     Caller(p): Caller,
@@ -576,6 +710,7 @@ async fn list_grants(
     Ok(Json(s.segments().grants(&p, &id).await?))
 }
 
+#[utoipa::path(post, path = "/v1/segments/{id}/grants", tag = "segments", summary = "Grant a tenant read access", security(("bearer" = [])), params(("id" = String, Path, description = "the caller's segment id, or a segment address")), request_body = GrantBody, responses((status = 200, description = "`segment`, `granted`", body = Object), (status = 400, description = "invalid input", body = crate::error::ErrorBody), (status = 401, description = "no or bad token", body = crate::error::ErrorBody), (status = 403, description = "not the owner tenant or an operator", body = crate::error::ErrorBody), (status = 404, description = "no such segment, or not readable by the caller", body = crate::error::ErrorBody)))]
 async fn add_grant(
     State(s): State<ControlState>,
     Caller(p): Caller,
@@ -588,6 +723,7 @@ async fn add_grant(
     ))
 }
 
+#[utoipa::path(delete, path = "/v1/segments/{id}/grants/{tenant}", tag = "segments", summary = "Revoke a tenant's grant", security(("bearer" = [])), params(("id" = String, Path, description = "segment id or address"), ("tenant" = String, Path, description = "the tenant")), responses((status = 200, description = "`segment`, `revoked`", body = Object), (status = 401, description = "no or bad token", body = crate::error::ErrorBody), (status = 403, description = "not the owner tenant or an operator", body = crate::error::ErrorBody), (status = 404, description = "no such segment, or not readable by the caller", body = crate::error::ErrorBody)))]
 async fn revoke_grant(
     State(s): State<ControlState>,
     Caller(p): Caller,
@@ -598,12 +734,13 @@ async fn revoke_grant(
 }
 
 /// Body of `POST /v1/segments/{id}/group-grants`.
-#[derive(Debug, Deserialize)]
+#[derive(Debug, Deserialize, utoipa::ToSchema)]
 pub struct GroupGrantBody {
     /// Group whose members get read access.
     pub group: String,
 }
 
+#[utoipa::path(get, path = "/v1/segments/{id}/group-grants", tag = "segments", summary = "Groups granted read access", security(("bearer" = [])), params(("id" = String, Path, description = "the caller's segment id, or a segment address")), responses((status = 200, body = Vec<String>), (status = 401, description = "no or bad token", body = crate::error::ErrorBody), (status = 403, description = "not the owner tenant or an operator", body = crate::error::ErrorBody), (status = 404, description = "no such segment, or not readable by the caller", body = crate::error::ErrorBody)))]
 async fn list_group_grants(
     State(s): State<ControlState>,
     Caller(p): Caller,
@@ -612,6 +749,7 @@ async fn list_group_grants(
     Ok(Json(s.segments().group_grants(&p, &id).await?))
 }
 
+#[utoipa::path(post, path = "/v1/segments/{id}/group-grants", tag = "segments", summary = "Grant a group's members read access", security(("bearer" = [])), params(("id" = String, Path, description = "the caller's segment id, or a segment address")), request_body = GroupGrantBody, responses((status = 200, description = "`segment`, `granted_group`", body = Object), (status = 400, description = "invalid input", body = crate::error::ErrorBody), (status = 401, description = "no or bad token", body = crate::error::ErrorBody), (status = 403, description = "not the owner tenant or an operator", body = crate::error::ErrorBody), (status = 404, description = "no such segment, or not readable by the caller", body = crate::error::ErrorBody)))]
 async fn add_group_grant(
     State(s): State<ControlState>,
     Caller(p): Caller,
@@ -624,6 +762,7 @@ async fn add_group_grant(
     ))
 }
 
+#[utoipa::path(delete, path = "/v1/segments/{id}/group-grants/{group}", tag = "segments", summary = "Revoke a group's grant", security(("bearer" = [])), params(("id" = String, Path, description = "segment id or address"), ("group" = String, Path, description = "the group id")), responses((status = 200, description = "`segment`, `revoked_group`", body = Object), (status = 401, description = "no or bad token", body = crate::error::ErrorBody), (status = 403, description = "not the owner tenant or an operator", body = crate::error::ErrorBody), (status = 404, description = "no such segment, or not readable by the caller", body = crate::error::ErrorBody)))]
 async fn revoke_group_grant(
     State(s): State<ControlState>,
     Caller(p): Caller,
@@ -638,7 +777,7 @@ async fn revoke_group_grant(
 // ---- groups (operators) ---------------------------------------------------------------
 
 /// Body of `POST /v1/admin/groups`.
-#[derive(Debug, Deserialize)]
+#[derive(Debug, Deserialize, utoipa::ToSchema)]
 pub struct NewGroup {
     /// Group id: 1..=128 characters of `[A-Za-z0-9._:-]`.
     pub id: String,
@@ -647,6 +786,7 @@ pub struct NewGroup {
     pub name: Option<String>,
 }
 
+#[utoipa::path(post, path = "/v1/admin/groups", tag = "tenants", summary = "Create a tenant group (operator)", security(("bearer" = [])), request_body = NewGroup, responses((status = 200, body = Group), (status = 400, description = "invalid input", body = crate::error::ErrorBody), (status = 401, description = "no or bad token", body = crate::error::ErrorBody), (status = 403, description = "operator role needed", body = crate::error::ErrorBody), (status = 409, description = "the id is taken", body = crate::error::ErrorBody)))]
 async fn create_group(
     State(s): State<ControlState>,
     Operator(p): Operator,
@@ -659,6 +799,7 @@ async fn create_group(
     ))
 }
 
+#[utoipa::path(get, path = "/v1/admin/groups", tag = "tenants", summary = "Every tenant group (operator)", security(("bearer" = [])), responses((status = 200, body = Vec<Group>), (status = 401, description = "no or bad token", body = crate::error::ErrorBody), (status = 403, description = "operator role needed", body = crate::error::ErrorBody)))]
 async fn list_groups(
     State(s): State<ControlState>,
     Operator(_): Operator,
@@ -666,6 +807,7 @@ async fn list_groups(
     Ok(Json(s.catalog().groups().await?))
 }
 
+#[utoipa::path(get, path = "/v1/admin/groups/{id}", tag = "tenants", summary = "One group with its members (operator)", security(("bearer" = [])), params(("id" = String, Path, description = "group id")), responses((status = 200, body = Group), (status = 401, description = "no or bad token", body = crate::error::ErrorBody), (status = 403, description = "operator role needed", body = crate::error::ErrorBody), (status = 404, description = "no such group", body = crate::error::ErrorBody)))]
 async fn get_group(
     State(s): State<ControlState>,
     Operator(_): Operator,
@@ -674,6 +816,7 @@ async fn get_group(
     Ok(Json(s.catalog().group(&id).await?))
 }
 
+#[utoipa::path(delete, path = "/v1/admin/groups/{id}", tag = "tenants", summary = "Delete a group (operator)", security(("bearer" = [])), params(("id" = String, Path, description = "group id")), responses((status = 200, description = "`deleted`", body = Object), (status = 401, description = "no or bad token", body = crate::error::ErrorBody), (status = 403, description = "operator role needed", body = crate::error::ErrorBody), (status = 404, description = "no such group", body = crate::error::ErrorBody)))]
 async fn delete_group(
     State(s): State<ControlState>,
     Operator(p): Operator,
@@ -683,6 +826,7 @@ async fn delete_group(
     Ok(Json(serde_json::json!({"deleted": id})))
 }
 
+#[utoipa::path(put, path = "/v1/admin/groups/{id}/members/{tenant}", tag = "tenants", summary = "Add a tenant to a group (operator)", security(("bearer" = [])), params(("id" = String, Path, description = "group id"), ("tenant" = String, Path, description = "the tenant")), responses((status = 200, body = Group), (status = 401, description = "no or bad token", body = crate::error::ErrorBody), (status = 403, description = "operator role needed", body = crate::error::ErrorBody), (status = 404, description = "no such group", body = crate::error::ErrorBody)))]
 async fn add_member(
     State(s): State<ControlState>,
     Operator(p): Operator,
@@ -692,6 +836,7 @@ async fn add_member(
     Ok(Json(s.catalog().group(&id).await?))
 }
 
+#[utoipa::path(delete, path = "/v1/admin/groups/{id}/members/{tenant}", tag = "tenants", summary = "Remove a tenant from a group (operator)", security(("bearer" = [])), params(("id" = String, Path, description = "group id"), ("tenant" = String, Path, description = "the tenant")), responses((status = 200, body = Group), (status = 401, description = "no or bad token", body = crate::error::ErrorBody), (status = 403, description = "operator role needed", body = crate::error::ErrorBody), (status = 404, description = "no such group", body = crate::error::ErrorBody)))]
 async fn remove_member(
     State(s): State<ControlState>,
     Operator(p): Operator,
@@ -702,7 +847,7 @@ async fn remove_member(
 }
 
 /// Body of `POST /v1/snapshot`.
-#[derive(Debug, Deserialize)]
+#[derive(Debug, Deserialize, utoipa::ToSchema)]
 pub struct SnapshotRequest {
     /// Segments the request uses (own ids or addresses), in prompt order.
     pub segments: Vec<String>,
@@ -711,6 +856,7 @@ pub struct SnapshotRequest {
     pub salt: Option<String>,
 }
 
+#[utoipa::path(post, path = "/v1/snapshot", tag = "segments", summary = "Pin versions and derive isolation and cache keys", security(("bearer" = [])), request_body = SnapshotRequest, responses((status = 200, body = SnapshotResponse), (status = 400, description = "invalid input", body = crate::error::ErrorBody), (status = 401, description = "no or bad token", body = crate::error::ErrorBody), (status = 404, description = "a segment is not readable", body = crate::error::ErrorBody)))]
 async fn snapshot(
     State(s): State<ControlState>,
     Caller(p): Caller,
@@ -724,7 +870,7 @@ async fn snapshot(
 }
 
 /// Body of `POST /v1/admin/residency`: a worker reports an entry it holds.
-#[derive(Debug, Deserialize)]
+#[derive(Debug, Deserialize, utoipa::ToSchema)]
 pub struct ResidencyReport {
     /// Worker id.
     pub worker: String,
@@ -741,6 +887,7 @@ pub struct ResidencyReport {
     pub bytes: i64,
 }
 
+#[utoipa::path(post, path = "/v1/admin/residency", tag = "segments", summary = "A worker reports a cache entry it holds (operator)", security(("bearer" = [])), request_body = ResidencyReport, responses((status = 200, description = "`{\"ok\":true}`", body = Object), (status = 400, description = "invalid input", body = crate::error::ErrorBody), (status = 401, description = "no or bad token", body = crate::error::ErrorBody), (status = 403, description = "operator role needed", body = crate::error::ErrorBody)))]
 async fn report_residency(
     State(s): State<ControlState>,
     Operator(_): Operator,
@@ -778,7 +925,7 @@ async fn report_residency(
 // ---- policies -----------------------------------------------------------------------
 
 /// Body of `POST /v1/admin/policies`.
-#[derive(Debug, Deserialize)]
+#[derive(Debug, Deserialize, utoipa::ToSchema)]
 pub struct UploadPolicy {
     /// Policy name (versions accumulate per name).
     pub name: String,
@@ -788,9 +935,11 @@ pub struct UploadPolicy {
     pub wasm_base64: String,
     /// Integer parameters (JSON object).
     #[serde(default)]
+    #[schema(value_type = Object)]
     pub params: serde_json::Value,
 }
 
+#[utoipa::path(post, path = "/v1/admin/policies", tag = "policies", summary = "Upload and validate a Wasm policy module (operator)", security(("bearer" = [])), request_body = UploadPolicy, responses((status = 200, body = crate::catalog::PolicyRecord), (status = 400, description = "the module does not load or fails its smoke call", body = crate::error::ErrorBody), (status = 401, description = "no or bad token", body = crate::error::ErrorBody), (status = 403, description = "operator role needed", body = crate::error::ErrorBody), (status = 413, description = "module over the size limit", body = crate::error::ErrorBody), (status = 429, description = "every compile slot is taken", body = crate::error::ErrorBody)))]
 async fn upload_policy(
     State(s): State<ControlState>,
     Operator(p): Operator,
@@ -908,6 +1057,7 @@ fn smoke(slot: &mut PolicySlot) -> Result<(), crate::policy::PolicyError> {
     }
 }
 
+#[utoipa::path(get, path = "/v1/admin/policies", tag = "policies", summary = "Every uploaded policy version (operator)", security(("bearer" = [])), responses((status = 200, body = Vec<crate::catalog::PolicyRecord>), (status = 401, description = "no or bad token", body = crate::error::ErrorBody), (status = 403, description = "operator role needed", body = crate::error::ErrorBody)))]
 async fn list_policies(
     State(s): State<ControlState>,
     Operator(_): Operator,
@@ -915,6 +1065,7 @@ async fn list_policies(
     Ok(Json(s.catalog().policies().await?))
 }
 
+#[utoipa::path(get, path = "/v1/admin/policies/stats", tag = "policies", summary = "Active policy per kind, call and fault counters (operator)", security(("bearer" = [])), responses((status = 200, description = "`active` (kind → policy id or null), `metrics`, `module_compiles`, `modules_cached`", body = Object), (status = 401, description = "no or bad token", body = crate::error::ErrorBody), (status = 403, description = "operator role needed", body = crate::error::ErrorBody)))]
 async fn policy_stats(
     State(s): State<ControlState>,
     Operator(_): Operator,
@@ -932,6 +1083,7 @@ async fn policy_stats(
     })))
 }
 
+#[utoipa::path(post, path = "/v1/admin/policies/{id}/activate", tag = "policies", summary = "Activate a policy version (operator)", security(("bearer" = [])), params(("id" = i64, Path, description = "policy id")), responses((status = 200, description = "`kind`, `active`", body = Object), (status = 400, description = "invalid input", body = crate::error::ErrorBody), (status = 401, description = "no or bad token", body = crate::error::ErrorBody), (status = 403, description = "operator role needed", body = crate::error::ErrorBody), (status = 404, description = "no such policy", body = crate::error::ErrorBody)))]
 async fn activate_policy(
     State(s): State<ControlState>,
     Operator(p): Operator,
@@ -959,12 +1111,13 @@ async fn activate_policy(
 }
 
 /// Body of `POST /v1/admin/policies/rollback`.
-#[derive(Debug, Deserialize)]
+#[derive(Debug, Deserialize, utoipa::ToSchema)]
 pub struct RollbackBody {
     /// Hook kind to roll back.
     pub kind: String,
 }
 
+#[utoipa::path(post, path = "/v1/admin/policies/rollback", tag = "policies", summary = "Re-activate the previous policy of a kind (operator)", security(("bearer" = [])), request_body = RollbackBody, responses((status = 200, description = "`kind`, `active` (policy id, or null for the native policy)", body = Object), (status = 400, description = "invalid input", body = crate::error::ErrorBody), (status = 401, description = "no or bad token", body = crate::error::ErrorBody), (status = 403, description = "operator role needed", body = crate::error::ErrorBody)))]
 async fn rollback_policy(
     State(s): State<ControlState>,
     Operator(p): Operator,
@@ -994,7 +1147,7 @@ async fn rollback_policy(
 }
 
 /// Body of `POST /v1/admin/policies/{id}/dry-run`.
-#[derive(Debug, Deserialize)]
+#[derive(Debug, Deserialize, utoipa::ToSchema)]
 pub struct DryRunBody {
     /// The recorded trace, JSONL (see [`crate::sim::TraceRecord`]).
     pub trace: String,
@@ -1003,7 +1156,7 @@ pub struct DryRunBody {
 }
 
 /// Answer of a dry run.
-#[derive(Debug, Serialize, Deserialize)]
+#[derive(Debug, Serialize, Deserialize, utoipa::ToSchema)]
 pub struct DryRunResult {
     /// Policy tried.
     pub policy_id: i64,
@@ -1019,6 +1172,7 @@ pub struct DryRunResult {
     pub recompute_tokens_delta: i64,
 }
 
+#[utoipa::path(post, path = "/v1/admin/policies/{id}/dry-run", tag = "policies", summary = "Replay a trace with a candidate policy beside the active ones (operator)", security(("bearer" = [])), params(("id" = i64, Path, description = "policy id")), request_body = DryRunBody, responses((status = 200, body = DryRunResult), (status = 400, description = "invalid input", body = crate::error::ErrorBody), (status = 401, description = "no or bad token", body = crate::error::ErrorBody), (status = 403, description = "operator role needed", body = crate::error::ErrorBody), (status = 404, description = "no such policy", body = crate::error::ErrorBody)))]
 async fn dry_run(
     State(s): State<ControlState>,
     Operator(p): Operator,
@@ -1082,7 +1236,8 @@ async fn dry_run(
 }
 
 /// Query of `GET /v1/admin/audit`.
-#[derive(Debug, Deserialize)]
+#[derive(Debug, Deserialize, utoipa::IntoParams)]
+#[into_params(parameter_in = Query)]
 pub struct AuditQuery {
     /// Only this action.
     pub action: Option<String>,
@@ -1090,6 +1245,7 @@ pub struct AuditQuery {
     pub limit: Option<i64>,
 }
 
+#[utoipa::path(get, path = "/v1/admin/audit", tag = "audit", summary = "The audit log, newest first (operator)", security(("bearer" = [])), params(AuditQuery), responses((status = 200, body = Vec<crate::catalog::AuditEntry>), (status = 400, description = "invalid input", body = crate::error::ErrorBody), (status = 401, description = "no or bad token", body = crate::error::ErrorBody), (status = 403, description = "operator role needed", body = crate::error::ErrorBody)))]
 async fn audit_log(
     State(s): State<ControlState>,
     Operator(_): Operator,

@@ -36,6 +36,32 @@ pub fn error_body(
     }})
 }
 
+/// The shape of an error answer, for the OpenAPI document: what
+/// [`error_body`] writes.
+#[derive(utoipa::ToSchema)]
+#[allow(dead_code)]
+pub struct ErrorBody {
+    /// The error.
+    error: ErrorDetail,
+}
+
+/// The `error` object of an [`ErrorBody`].
+#[derive(utoipa::ToSchema)]
+#[allow(dead_code)]
+pub struct ErrorDetail {
+    /// Human-readable message.
+    message: String,
+    /// Error type: `invalid_request_error`, `authentication_error`,
+    /// `permission_error`, `not_found_error`, `conflict_error`,
+    /// `rate_limit_error`, `timeout_error` or `server_error`.
+    #[schema(rename = "type")]
+    kind: String,
+    /// The request field the error is about, or `null`.
+    param: Option<String>,
+    /// Machine-readable code, e.g. `not_owner`, `segment_not_found`.
+    code: String,
+}
+
 /// An error of the control API, rendered as OpenAI-style JSON with its status.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct ApiError {

@@ -72,7 +72,7 @@ pub struct ListPage {
 }
 
 /// Answer of `PUT /v1/segments/{id}`.
-#[derive(Debug, Serialize, Deserialize)]
+#[derive(Debug, Serialize, Deserialize, utoipa::ToSchema)]
 pub struct UpdateResult {
     /// The segment after the update, as the caller sees it.
     pub segment: Segment,
@@ -91,7 +91,7 @@ pub struct Deleted {
 }
 
 /// One pinned segment of a snapshot.
-#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize, utoipa::ToSchema)]
 pub struct SnapshotItem {
     /// Segment id as the request gave it (an own id or an address).
     pub segment_id: String,
@@ -112,7 +112,7 @@ pub struct SnapshotItem {
 }
 
 /// Answer of `POST /v1/snapshot`.
-#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize, utoipa::ToSchema)]
 pub struct SnapshotResponse {
     /// Tenant from the token.
     pub tenant: String,

@@ -345,6 +345,7 @@ fn evict(s: &AppState, id: &str, keep_from: Option<i64>) -> usize {
 }
 
 /// `POST /v1/segments`: create in the catalog, then prefill.
+#[utoipa::path(post, path = "/v1/segments", tag = "segments", summary = "Create a segment, tokenise and prefill it", operation_id = "create_segment", security(("bearer" = [])), params(("Idempotency-Key" = Option<String>, Header, description = "repeat-safe create")), request_body(content = crate::catalog::NewSegment, description = "the control plane's create body, plus `prefill` (boolean, default true): build the cache entries now"), responses((status = 200, description = "the control plane's answer plus a `hypic` object (model, version, tokens, residency, prefill)", body = Object), (status = 400, description = "invalid input", body = crate::error::ErrorBody), (status = 401, description = "no or bad token", body = crate::error::ErrorBody), (status = 409, description = "the id is taken", body = crate::error::ErrorBody), (status = 413, description = "content over the limit", body = crate::error::ErrorBody)))]
 pub async fn create(
     State(s): State<AppState>,
     Tenant(p): Tenant,
@@ -399,6 +400,7 @@ async fn create_inner(
 }
 
 /// `GET /v1/segments/{id}`: the catalog's view plus token count and residency.
+#[utoipa::path(get, path = "/v1/segments/{id}", tag = "segments", summary = "One segment with its token count and residency", operation_id = "get_segment", security(("bearer" = [])), params(("id" = String, Path, description = "the caller's segment id, or a segment address")), responses((status = 200, description = "the control plane's answer plus a `hypic` object (model, version, tokens, residency, prefill)", body = Object), (status = 401, description = "no or bad token", body = crate::error::ErrorBody), (status = 404, description = "no such segment, or not readable by the caller", body = crate::error::ErrorBody)))]
 pub async fn get_one(
     State(s): State<AppState>,
     Tenant(p): Tenant,
@@ -434,6 +436,7 @@ pub async fn get_one(
 /// entry from it since its token cache was last filled); `GET /v1/segments/{id}`
 /// answers it exactly. `next` is the `after` of the following page (`null` on the
 /// last one).
+#[utoipa::path(get, path = "/v1/segments", tag = "segments", summary = "One page of segments with token counts and residency", operation_id = "list_segments", security(("bearer" = [])), params(ListQuery), responses((status = 200, description = "`object`, `data` (id, address, name, public, version, content_hash, tokens, residency, owner_tenant), `next`", body = Object), (status = 400, description = "invalid input", body = crate::error::ErrorBody), (status = 401, description = "no or bad token", body = crate::error::ErrorBody)))]
 pub async fn list(
     State(s): State<AppState>,
     Tenant(p): Tenant,
@@ -480,6 +483,7 @@ pub async fn list(
 
 /// `PUT /v1/segments/{id}`: new version in the catalog; entries of superseded
 /// versions are evicted; the new version is prefilled.
+#[utoipa::path(put, path = "/v1/segments/{id}", tag = "segments", summary = "Add a version: evict superseded entries, prefill the new one", operation_id = "update_segment", security(("bearer" = [])), params(("id" = String, Path, description = "the caller's segment id, or a segment address")), request_body(content = UpdateSegment, description = "the new content, plus `prefill` (boolean, default true)"), responses((status = 200, description = "the control plane's answer plus a `hypic` object (model, version, tokens, residency, prefill)", body = Object), (status = 400, description = "invalid input", body = crate::error::ErrorBody), (status = 401, description = "no or bad token", body = crate::error::ErrorBody), (status = 403, description = "not the owner tenant or an operator", body = crate::error::ErrorBody), (status = 404, description = "no such segment, or not readable by the caller", body = crate::error::ErrorBody)))]
 pub async fn update(
     State(s): State<AppState>,
     Tenant(p): Tenant,
@@ -535,6 +539,7 @@ async fn update_inner(
 }
 
 /// `DELETE /v1/segments/{id}`: delete in the catalog, evict every cached version.
+#[utoipa::path(delete, path = "/v1/segments/{id}", tag = "segments", summary = "Delete a segment and evict its entries", operation_id = "delete_segment", security(("bearer" = [])), params(("id" = String, Path, description = "the caller's segment id, or a segment address")), responses((status = 200, description = "`deleted`, `address`, `invalidated_entries`, `hypic.evicted_entries`", body = Object), (status = 401, description = "no or bad token", body = crate::error::ErrorBody), (status = 403, description = "not the owner tenant or an operator", body = crate::error::ErrorBody), (status = 404, description = "no such segment, or not readable by the caller", body = crate::error::ErrorBody)))]
 pub async fn delete(
     State(s): State<AppState>,
     Tenant(p): Tenant,
