@@ -6,7 +6,6 @@
 use std::collections::{BTreeMap, HashSet};
 use std::sync::{Arc, Mutex};
 
-use axum::extract::rejection::JsonRejection;
 use axum::extract::{DefaultBodyLimit, FromRequest, FromRequestParts, Path, Query, Request, State};
 use axum::http::request::Parts;
 use axum::http::{header, StatusCode};
@@ -18,13 +17,13 @@ use serde::de::DeserializeOwned;
 use serde::{Deserialize, Serialize};
 
 use crate::auth::{AuthError, Authenticator, IsolationKeyer, Principal};
-use crate::catalog::{
-    now_ms, Catalog, CatalogError, Group, NewSegment, Residency, Role, Segment, SnapshotEntry,
-};
+pub use crate::error::{ApiError, IDEMPOTENCY_KEY};
+use crate::catalog::{now_ms, Catalog, Group, NewSegment, Residency, Role};
 use crate::policy::{
-    opaque_id, EntryInfo, IsolationInfo, PolicyError, PolicyKind, PolicyRuntime, PolicySet,
-    PolicySlot,
+    EntryInfo, IsolationInfo, PolicyError, PolicyKind, PolicyRuntime, PolicySet, PolicySlot,
 };
+pub use crate::segments::{SnapshotItem, SnapshotResponse, UpdateResult};
+use crate::segments::SegmentService;
 use crate::sim::{parse_trace, simulate, SimStats};
 
 /// How requests are authenticated.
@@ -38,10 +37,9 @@ pub enum AuthMode {
 }
 
 struct Inner {
-    catalog: Catalog,
+    /// The catalog, keyer and policies, behind the segment operations.
+    segments: SegmentService,
     auth: AuthMode,
-    keyer: IsolationKeyer,
-    policies: Arc<PolicyRuntime>,
     known: Mutex<HashSet<(String, String)>>,
     /// Serialises activations and rollbacks: each changes the catalog and then
     /// installs the module in the runtime, and two interleaved ones would
@@ -66,10 +64,8 @@ impl ControlState {
     ) -> ControlState {
         ControlState {
             inner: Arc::new(Inner {
-                catalog,
+                segments: SegmentService::new(catalog, keyer, policies),
                 auth,
-                keyer,
-                policies,
                 known: Mutex::new(HashSet::new()),
                 activation: tokio::sync::Mutex::new(()),
             }),
@@ -78,17 +74,23 @@ impl ControlState {
 
     /// The catalog.
     pub fn catalog(&self) -> &Catalog {
-        &self.inner.catalog
+        self.inner.segments.catalog()
     }
 
     /// The live policies.
     pub fn policies(&self) -> &Arc<PolicyRuntime> {
-        &self.inner.policies
+        self.inner.segments.policies()
     }
 
     /// The isolation keyer.
     pub fn keyer(&self) -> &IsolationKeyer {
-        &self.inner.keyer
+        self.inner.segments.keyer()
+    }
+
+    /// The segment operations, authorized from a verified principal (the
+    /// principal a [`Caller`] extractor yields).
+    pub fn segments(&self) -> &SegmentService {
+        &self.inner.segments
     }
 
     /// The token verifier (`None` when auth is disabled).
@@ -146,7 +148,8 @@ impl ControlState {
                         r.keys
                     );
                     let _ = inner
-                        .catalog
+                        .segments
+                        .catalog()
                         .audit(
                             "system",
                             None,
@@ -164,7 +167,8 @@ impl ControlState {
                             path.display()
                         );
                         let _ = inner
-                            .catalog
+                            .segments
+                            .catalog()
                             .audit(
                                 "system",
                                 None,
@@ -215,143 +219,6 @@ async fn wait_hangup(_: &mut Hangup) {
     std::future::pending::<()>().await
 }
 
-/// An API error rendered as OpenAI-style JSON.
-#[derive(Debug, Clone, PartialEq, Eq)]
-pub struct ApiError {
-    /// HTTP status.
-    pub status: StatusCode,
-    /// Human-readable message.
-    pub message: String,
-    /// Error type, e.g. `authentication_error`.
-    pub kind: &'static str,
-    /// Machine-readable code.
-    pub code: &'static str,
-    /// The request field the error is about, if any (`param` in the JSON).
-    pub param: Option<String>,
-}
-
-impl ApiError {
-    fn new(
-        status: StatusCode,
-        kind: &'static str,
-        code: &'static str,
-        message: impl Into<String>,
-    ) -> ApiError {
-        ApiError {
-            status,
-            message: message.into(),
-            kind,
-            code,
-            param: None,
-        }
-    }
-
-    /// The same error, naming the request field it is about.
-    pub fn with_param(mut self, param: impl Into<String>) -> ApiError {
-        self.param = Some(param.into());
-        self
-    }
-    /// 400.
-    pub fn bad_request(message: impl Into<String>) -> ApiError {
-        Self::new(
-            StatusCode::BAD_REQUEST,
-            "invalid_request_error",
-            "invalid_request",
-            message,
-        )
-    }
-    /// 403.
-    pub fn forbidden(code: &'static str, message: impl Into<String>) -> ApiError {
-        Self::new(StatusCode::FORBIDDEN, "permission_error", code, message)
-    }
-    /// 404.
-    pub fn not_found(message: impl Into<String>) -> ApiError {
-        Self::new(
-            StatusCode::NOT_FOUND,
-            "not_found_error",
-            "not_found",
-            message,
-        )
-    }
-}
-
-impl From<AuthError> for ApiError {
-    fn from(e: AuthError) -> ApiError {
-        ApiError::new(
-            StatusCode::UNAUTHORIZED,
-            "authentication_error",
-            e.code(),
-            e.to_string(),
-        )
-    }
-}
-
-impl From<CatalogError> for ApiError {
-    fn from(e: CatalogError) -> ApiError {
-        let param = e.field();
-        let err = match e {
-            CatalogError::NotFound(_) => ApiError::not_found(e.to_string()),
-            CatalogError::Conflict(_) => ApiError::new(
-                StatusCode::CONFLICT,
-                "conflict_error",
-                "conflict",
-                e.to_string(),
-            ),
-            CatalogError::Invalid(_) | CatalogError::InvalidField(..) => {
-                ApiError::bad_request(e.to_string())
-            }
-            CatalogError::TooLarge(..) => ApiError::new(
-                StatusCode::PAYLOAD_TOO_LARGE,
-                "invalid_request_error",
-                "too_large",
-                e.to_string(),
-            ),
-            CatalogError::IdempotencyMismatch(_) => ApiError::new(
-                StatusCode::UNPROCESSABLE_ENTITY,
-                "invalid_request_error",
-                "idempotency_key_reused",
-                e.to_string(),
-            )
-            .with_param(IDEMPOTENCY_KEY),
-            CatalogError::Db(_) | CatalogError::Migrate(_) => {
-                // The cause (read-only, disk full, unreachable) is the operator's to
-                // fix and the client's to know; the database's own message is logged.
-                let cause = crate::readiness::DbCause::of_catalog(&e)
-                    .unwrap_or(crate::readiness::DbCause::Other);
-                tracing::error!(code = cause.code(), "catalog error: {e}");
-                ApiError::new(
-                    cause.status(),
-                    "server_error",
-                    cause.code(),
-                    cause.describe(),
-                )
-            }
-        };
-        match param {
-            Some(p) => err.with_param(p),
-            None => err,
-        }
-    }
-}
-
-impl IntoResponse for ApiError {
-    fn into_response(self) -> Response {
-        let body = serde_json::json!({"error": {"message": self.message, "type": self.kind, "param": self.param, "code": self.code}});
-        let mut r = (self.status, Json(body)).into_response();
-        if self.status.is_server_error() {
-            r.extensions_mut()
-                .insert(crate::serve::reqlog::ErrorCause(self.message.clone()));
-        }
-        if self.status == StatusCode::UNAUTHORIZED {
-            r.headers_mut().insert(
-                header::WWW_AUTHENTICATE,
-                header::HeaderValue::from_static("Bearer"),
-            );
-        }
-        r
-    }
-}
-
 type ApiResult<T> = Result<Json<T>, ApiError>;
 
 /// JSON body extractor whose rejections are OpenAI-style 400s.
@@ -362,15 +229,7 @@ impl<S: Send + Sync, T: DeserializeOwned + Send> FromRequest<S> for Body<T> {
     async fn from_request(req: Request, state: &S) -> Result<Self, ApiError> {
         match Json::<T>::from_request(req, state).await {
             Ok(Json(v)) => Ok(Body(v)),
-            Err(e) => Err(match e {
-                JsonRejection::BytesRejection(b) => ApiError::new(
-                    b.status(),
-                    "invalid_request_error",
-                    "invalid_body",
-                    b.body_text(),
-                ),
-                other => ApiError::bad_request(other.body_text()),
-            }),
+            Err(e) => Err(e.into()),
         }
     }
 }
@@ -447,7 +306,7 @@ impl FromRequestParts<ControlState> for Caller {
             }
         };
         if let Some(slot) = parts.extensions.get::<crate::serve::reqlog::LogSlot>() {
-            slot.set_tenant(state.inner.keyer.pseudonym(&p.tenant));
+            slot.set_tenant(state.keyer().pseudonym(&p.tenant));
         }
         let key = (p.tenant.clone(), p.sub.clone());
         let fresh = !state
@@ -458,8 +317,7 @@ impl FromRequestParts<ControlState> for Caller {
             .contains(&key);
         if fresh {
             state
-                .inner
-                .catalog
+                .catalog()
                 .upsert_principal(&p.tenant, &p.sub, p.role)
                 .await?;
             state
@@ -490,10 +348,134 @@ impl FromRequestParts<ControlState> for Operator {
     }
 }
 
+/// The OpenAPI document of the control plane's routes, generated from the
+/// handlers' annotations (`GET /openapi.json`; [`openapi`]).
+#[derive(utoipa::OpenApi)]
+#[openapi(
+    info(
+        title = "HYPIC control plane",
+        description = "Segment catalog, tenants and groups, cache policies, audit. Every route \
+            but the health checks and this document needs `Authorization: Bearer <jwt>`; \
+            errors are `{\"error\": {\"message\", \"type\", \"param\", \"code\"}}`."
+    ),
+    paths(
+        health, whoami, create_segment, list_segments, get_segment, update_segment,
+        delete_segment, segment_versions, list_grants, add_grant, revoke_grant,
+        list_group_grants, add_group_grant, revoke_group_grant, snapshot, create_group,
+        list_groups, get_group, delete_group, add_member, remove_member, upload_policy,
+        list_policies, policy_stats, rollback_policy, activate_policy, dry_run, audit_log,
+        report_residency,
+    ),
+    components(schemas(crate::error::ErrorBody, crate::error::ErrorDetail, crate::catalog::Role)),
+    modifiers(&BearerAuth),
+    tags(
+        (name = "segments", description = "segment catalog: versions, grants, snapshots"),
+        (name = "tenants", description = "the caller, tenant groups and their members"),
+        (name = "policies", description = "Wasm cache policies: upload, activate, roll back, dry-run"),
+        (name = "audit", description = "the audit log"),
+        (name = "health", description = "liveness and readiness"),
+    )
+)]
+pub struct ControlApi;
+
+/// Declares the bearer-JWT security scheme (`bearer`) the routes name.
+pub struct BearerAuth;
+
+impl utoipa::Modify for BearerAuth {
+    fn modify(&self, doc: &mut utoipa::openapi::OpenApi) {
+        use utoipa::openapi::security::{HttpAuthScheme, HttpBuilder, SecurityScheme};
+        let c = doc.components.get_or_insert_with(Default::default);
+        c.add_security_scheme(
+            "bearer",
+            SecurityScheme::Http(
+                HttpBuilder::new()
+                    .scheme(HttpAuthScheme::Bearer)
+                    .bearer_format("JWT")
+                    .build(),
+            ),
+        );
+    }
+}
+
+/// The control plane's OpenAPI document (3.1): every route of
+/// [`control_router`], with `/ready` of the standalone `hypic control` server.
+pub fn openapi() -> utoipa::openapi::OpenApi {
+    use utoipa::OpenApi as _;
+    let mut doc = ControlApi::openapi();
+    doc.paths.paths.insert(
+        "/ready".into(),
+        ready_path_item("Readiness: the catalog accepts a write (no token)"),
+    );
+    doc.paths.paths.insert("/openapi.json".into(), openapi_path_item());
+    doc
+}
+
+/// The path item of a readiness route (`GET`, 200 or 503 JSON), described by `summary`.
+pub fn ready_path_item(summary: &str) -> utoipa::openapi::PathItem {
+    use utoipa::openapi::path::{HttpMethod, OperationBuilder};
+    use utoipa::openapi::{ContentBuilder, ObjectBuilder, ResponseBuilder, ResponsesBuilder};
+    let json = || {
+        ContentBuilder::new()
+            .schema(Some(ObjectBuilder::new()))
+            .build()
+    };
+    utoipa::openapi::PathItem::new(
+        HttpMethod::Get,
+        OperationBuilder::new()
+            .tag("health")
+            .operation_id(Some("ready"))
+            .summary(Some(summary))
+            .responses(
+                ResponsesBuilder::new()
+                    .response(
+                        "200",
+                        ResponseBuilder::new()
+                            .description("ready")
+                            .content("application/json", json()),
+                    )
+                    .response(
+                        "503",
+                        ResponseBuilder::new()
+                            .description("not ready: the failing checks")
+                            .content("application/json", json()),
+                    ),
+            ),
+    )
+}
+
+/// The path item of `GET /openapi.json` itself.
+pub fn openapi_path_item() -> utoipa::openapi::PathItem {
+    use utoipa::openapi::path::{HttpMethod, OperationBuilder};
+    use utoipa::openapi::{ContentBuilder, ObjectBuilder, ResponseBuilder, ResponsesBuilder};
+    utoipa::openapi::PathItem::new(
+        HttpMethod::Get,
+        OperationBuilder::new()
+            .tag("health")
+            .operation_id(Some("openapi"))
+            .summary(Some("This OpenAPI document (no token)"))
+            .responses(
+                ResponsesBuilder::new().response(
+                    "200",
+                    ResponseBuilder::new().description("OpenAPI 3.1 JSON").content(
+                        "application/json",
+                        ContentBuilder::new()
+                            .schema(Some(ObjectBuilder::new()))
+                            .build(),
+                    ),
+                ),
+            ),
+    )
+}
+
+async fn control_openapi() -> Json<utoipa::openapi::OpenApi> {
+    Json(openapi())
+}
+
 /// The control-plane router (mount it at the root of the server).
 pub fn control_router(state: ControlState) -> Router {
     Router::new()
         .route("/v1/control/health", get(health))
+        .route("/openapi.json", get(control_openapi))
         .route("/v1/whoami", get(whoami))
         .route("/v1/segments", post(create_segment).get(list_segments))
         .route(
@@ -536,97 +518,60 @@ pub fn control_router(state: ControlState) -> Router {
         .with_state(state)
 }
 
+#[utoipa::path(get, path = "/v1/control/health", tag = "health", summary = "Control-plane liveness (no token)", responses((status = 200, description = "`{\"status\":\"ok\"}`", body = Object)))]
 async fn health() -> Json<serde_json::Value> {
     Json(serde_json::json!({"status": "ok"}))
 }
 
+#[utoipa::path(get, path = "/v1/whoami", tag = "tenants", summary = "The caller as the token names it", security(("bearer" = [])), responses((status = 200, body = crate::auth::Principal), (status = 401, description = "no or bad token", body = crate::error::ErrorBody)))]
 async fn whoami(Caller(p): Caller) -> Json<Principal> {
     Json(p)
 }
 
-/// Header carrying a client's idempotency key on `POST /v1/segments`.
-pub const IDEMPOTENCY_KEY: &str = "Idempotency-Key";
 /// Response header set (`true`) when a create was answered from the record of
 /// an earlier request with the same idempotency key.
 pub const IDEMPOTENT_REPLAYED: &str = "Idempotent-Replayed";
 
-/// The live segment the caller addresses as `reference` (an own id or an
-/// address) and may read: owner, public, grant, group grant; operators read
-/// every segment. Anything else is the same 404 as a segment that does not
-/// exist, so ids of other tenants cannot be probed.
-pub async fn readable_segment(
-    state: &ControlState,
-    p: &Principal,
-    reference: &str,
-) -> Result<Segment, ApiError> {
-    let nf = || ApiError::not_found(format!("segment {reference:?} not found"));
-    if crate::catalog::validate_ref("segment id", reference).is_err() {
-        return Err(nf());
-    }
-    let seg = match state.inner.catalog.find_segment(&p.tenant, reference).await {
-        Ok(seg) => seg,
-        Err(CatalogError::NotFound(_)) => return Err(nf()),
-        Err(e) => return Err(e.into()),
-    };
-    if p.is_operator()
-        || state
-            .inner
-            .catalog
-            .can_read(&p.tenant, &seg.address)
-            .await?
-    {
-        Ok(seg)
-    } else {
-        Err(nf())
+/// The client's idempotency key (the [`IDEMPOTENCY_KEY`] header), if any; 400
+/// naming the header when it is not printable ASCII.
+pub fn idempotency_key(headers: &axum::http::HeaderMap) -> Result<Option<&str>, ApiError> {
+    match headers.get(IDEMPOTENCY_KEY) {
+        None => Ok(None),
+        Some(v) => v.to_str().map(Some).map_err(|_| {
+            ApiError::bad_request("the Idempotency-Key header must be printable ASCII")
+                .with_param(IDEMPOTENCY_KEY)
+        }),
     }
 }
 
-/// Owner tenant or operator may modify a segment.
-async fn require_owner(
-    state: &ControlState,
-    p: &Principal,
-    reference: &str,
-) -> Result<Segment, ApiError> {
-    let seg = readable_segment(state, p, reference).await?;
-    if p.is_operator() || seg.owner_tenant.as_deref() == Some(p.tenant.as_str()) {
-        return Ok(seg);
-    }
-    Err(ApiError::forbidden(
-        "not_owner",
-        format!("only the owner tenant or an operator may modify segment {reference:?}"),
-    ))
+/// Marks a create answered from an earlier request's record
+/// ([`IDEMPOTENT_REPLAYED`]).
+pub fn mark_replayed(r: &mut Response) {
+    r.headers_mut().insert(
+        IDEMPOTENT_REPLAYED,
+        header::HeaderValue::from_static("true"),
+    );
 }
 
+#[utoipa::path(post, path = "/v1/segments", tag = "segments", summary = "Create a segment (version 1)", security(("bearer" = [])), params(("Idempotency-Key" = Option<String>, Header, description = "repeat-safe create: the same request under the same key answers the recorded segment")), request_body = crate::catalog::NewSegment, responses((status = 200, description = "the segment as the caller sees it (header `Idempotent-Replayed: true` on a replay)", body = crate::catalog::Segment), (status = 400, description = "invalid input", body = crate::error::ErrorBody), (status = 401, description = "no or bad token", body = crate::error::ErrorBody), (status = 409, description = "the id is taken", body = crate::error::ErrorBody), (status = 413, description = "content over the limit", body = crate::error::ErrorBody), (status = 422, description = "idempotency key reused with another request", body = crate::error::ErrorBody)))]
 async fn create_segment(
     State(s): State<ControlState>,
     Caller(p): Caller,
     headers: axum::http::HeaderMap,
     Body(seg): Body<NewSegment>,
 ) -> Result<Response, ApiError> {
-    let key = match headers.get(IDEMPOTENCY_KEY) {
-        None => None,
-        Some(v) => Some(v.to_str().map_err(|_| {
-            ApiError::bad_request("the Idempotency-Key header must be printable ASCII")
-                .with_param(IDEMPOTENCY_KEY)
-        })?),
-    };
-    let c = s
-        .inner
-        .catalog
-        .create_segment_idempotent(&p.tenant, &p.sub, &seg, key)
-        .await?;
-    let mut r = Json(c.segment.view_for(&p.tenant, p.is_operator())).into_response();
+    let key = idempotency_key(&headers)?;
+    let c = s.segments().create(&p, &seg, key).await?;
+    let mut r = Json(c.segment).into_response();
     if c.replayed {
-        r.headers_mut().insert(
-            IDEMPOTENT_REPLAYED,
-            header::HeaderValue::from_static("true"),
-        );
+        mark_replayed(&mut r);
     }
     Ok(r)
 }
 
 /// Query of `GET /v1/segments`.
-#[derive(Debug, Default, Deserialize)]
+#[derive(Debug, Default, Deserialize, utoipa::IntoParams)]
+#[into_params(parameter_in = Query)]
 pub struct ListQuery {
     /// Page size, 1..=1000 (default 100).
     pub limit: Option<i64>,
@@ -668,48 +613,44 @@ impl ListQuery {
 }
 
 /// Answer of the control plane's `GET /v1/segments`.
-#[derive(Debug, Serialize, Deserialize)]
+#[derive(Debug, Serialize, Deserialize, utoipa::ToSchema)]
 pub struct SegmentList {
     /// Always `list`.
     pub object: String,
     /// The segments of this page, as the caller may see them.
-    pub data: Vec<Segment>,
+    pub data: Vec<crate::catalog::Segment>,
     /// Cursor of the next page (`after`), `null` on the last page.
     pub next: Option<String>,
 }
 
+#[utoipa::path(get, path = "/v1/segments", tag = "segments", summary = "One page of the segments the caller may read", security(("bearer" = [])), params(ListQuery), responses((status = 200, body = SegmentList), (status = 400, description = "invalid input", body = crate::error::ErrorBody), (status = 401, description = "no or bad token", body = crate::error::ErrorBody)))]
 async fn list_segments(
     State(s): State<ControlState>,
     Caller(p): Caller,
     ApiQuery(q): ApiQuery<ListQuery>,
 ) -> ApiResult<SegmentList> {
     let page = s
-        .inner
-        .catalog
-        .list_segments(&p.tenant, p.is_operator(), q.cursor()?, q.page_size()?)
+        .segments()
+        .list(&p, q.cursor()?, q.page_size()?)
         .await?;
     Ok(Json(SegmentList {
         object: "list".into(),
-        data: page
-            .items
-            .into_iter()
-            .map(|x| x.view_for(&p.tenant, p.is_operator()))
-            .collect(),
+        data: page.items.into_iter().map(|x| x.view).collect(),
         next: page.next,
     }))
 }
 
+#[utoipa::path(get, path = "/v1/segments/{id}", tag = "segments", summary = "One segment", security(("bearer" = [])), params(("id" = String, Path, description = "the caller's segment id, or a segment address")), responses((status = 200, body = crate::catalog::Segment), (status = 401, description = "no or bad token", body = crate::error::ErrorBody), (status = 404, description = "no such segment, or not readable by the caller", body = crate::error::ErrorBody)))]
 async fn get_segment(
     State(s): State<ControlState>,
     Caller(p): Caller,
     ApiPath(id): ApiPath<String>,
-) -> ApiResult<Segment> {
-    let seg = readable_segment(&s, &p, &id).await?;
-    Ok(Json(seg.view_for(&p.tenant, p.is_operator())))
+) -> ApiResult<crate::catalog::Segment> {
+    Ok(Json(s.segments().get(&p, &id).await?))
 }
 
 /// Body of `PUT /v1/segments/{id}`.
-#[derive(Debug, Deserialize)]
+#[derive(Debug, Deserialize, utoipa::ToSchema)]
 pub struct UpdateSegment {
     /// New content.
     pub content: String,
@@ -718,173 +659,116 @@ pub struct UpdateSegment {
     pub tokens: BTreeMap<String, i64>,
 }
 
-/// Answer of `PUT /v1/segments/{id}`.
-#[derive(Debug, Serialize, Deserialize)]
-pub struct UpdateResult {
-    /// The segment after the update.
-    pub segment: Segment,
-    /// Cache-residency rows of superseded versions dropped by the
-    /// invalidation policy.
-    pub invalidated_entries: u64,
-}
-
+#[utoipa::path(put, path = "/v1/segments/{id}", tag = "segments", summary = "Add a version (owner or operator)", security(("bearer" = [])), params(("id" = String, Path, description = "the caller's segment id, or a segment address")), request_body = UpdateSegment, responses((status = 200, body = UpdateResult), (status = 400, description = "invalid input", body = crate::error::ErrorBody), (status = 401, description = "no or bad token", body = crate::error::ErrorBody), (status = 403, description = "not the owner tenant or an operator", body = crate::error::ErrorBody), (status = 404, description = "no such segment, or not readable by the caller", body = crate::error::ErrorBody)))]
 async fn update_segment(
     State(s): State<ControlState>,
     Caller(p): Caller,
     ApiPath(id): ApiPath<String>,
     Body(u): Body<UpdateSegment>,
 ) -> ApiResult<UpdateResult> {
-    let old = require_owner(&s, &p, &id).await?;
-    let seg = s
-        .inner
-        .catalog
-        .update_segment(&old.address, &p.sub, &u.content, &u.tokens)
-        .await?;
-    let invalidated = invalidate_superseded(&s, &seg).await?;
-    Ok(Json(UpdateResult {
-        segment: seg.view_for(&p.tenant, p.is_operator()),
-        invalidated_entries: invalidated,
-    }))
+    Ok(Json(
+        s.segments()
+            .update(&p, &id, &u.content, &u.tokens)
+            .await?,
+    ))
 }
 
-/// Runs the invalidation hook over the residency rows of superseded versions
-/// of `seg` and drops those it rejects.
-async fn invalidate_superseded(s: &ControlState, seg: &Segment) -> Result<u64, ApiError> {
-    let rows = s.inner.catalog.residency_of_segment(&seg.address).await?;
-    let now = now_ms() as u64;
-    let mut dropped = 0;
-    for r in rows.iter().filter(|r| r.version < seg.current_version) {
-        let info = EntryInfo {
-            id: opaque_id(&r.cache_key),
-            tenant: r.tenant.as_deref().map(opaque_id).unwrap_or(0),
-            bytes: r.bytes.max(0) as u64,
-            recompute_tokens: seg.tokens.values().copied().max().unwrap_or(0).max(0) as u64,
-            last_use_ms: r.last_use.max(0) as u64,
-            inserted_ms: r.last_use.max(0) as u64,
-            hits: 0,
-            shared: r.tenant.is_none(),
-            superseded: true,
-        };
-        if s.inner.policies.invalidate(&info, now) {
-            s.inner
-                .catalog
-                .drop_residency(&r.worker, &r.cache_key)
-                .await?;
-            dropped += 1;
-        }
-    }
-    Ok(dropped)
-}
-
+#[utoipa::path(delete, path = "/v1/segments/{id}", tag = "segments", summary = "Delete a segment (owner or operator)", security(("bearer" = [])), params(("id" = String, Path, description = "the caller's segment id, or a segment address")), responses((status = 200, description = "`deleted` (the id given), `address`, `invalidated_entries`", body = Object), (status = 401, description = "no or bad token", body = crate::error::ErrorBody), (status = 403, description = "not the owner tenant or an operator", body = crate::error::ErrorBody), (status = 404, description = "no such segment, or not readable by the caller", body = crate::error::ErrorBody)))]
 async fn delete_segment(
     State(s): State<ControlState>,
     Caller(p): Caller,
     ApiPath(id): ApiPath<String>,
 ) -> ApiResult<serde_json::Value> {
-    let seg = require_owner(&s, &p, &id).await?;
-    s.inner.catalog.delete_segment(&seg.address, &p.sub).await?;
-    let dropped = s.inner.catalog.drop_all_residency(&seg.address).await?;
+    let d = s.segments().delete(&p, &id).await?;
     Ok(Json(serde_json::json!({
-        "deleted": id, "address": seg.address, "invalidated_entries": dropped,
+        "deleted": id, "address": d.address, "invalidated_entries": d.invalidated_entries,
     })))
 }
 
+#[utoipa::path(get, path = "/v1/segments/{id}/versions", tag = "segments", summary = "Every version of a segment, oldest first", security(("bearer" = [])), params(("id" = String, Path, description = "the caller's segment id, or a segment address")), responses((status = 200, body = Vec<crate::catalog::SegmentVersion>), (status = 401, description = "no or bad token", body = crate::error::ErrorBody), (status = 404, description = "no such segment, or not readable by the caller", body = crate::error::ErrorBody)))]
 async fn segment_versions(
     State(s): State<ControlState>,
     Caller(p): Caller,
     ApiPath(id): ApiPath<String>,
 ) -> ApiResult<Vec<crate::catalog::SegmentVersion>> {
-    let seg = readable_segment(&s, &p, &id).await?;
-    Ok(Json(s.inner.catalog.versions(&seg.address).await?))
+    Ok(Json(s.segments().versions(&p, &id).await?))
 }
 
 /// Body of `POST /v1/segments/{id}/grants`.
-#[derive(Debug, Deserialize)]
+#[derive(Debug, Deserialize, utoipa::ToSchema)]
 pub struct GrantBody {
     /// Tenant to grant read access to.
     pub tenant: String,
 }
 
+#[utoipa::path(get, path = "/v1/segments/{id}/grants", tag = "segments", summary = "Tenants granted read access", security(("bearer" = [])), params(("id" = String, Path, description = "the caller's segment id, or a segment address")), responses((status = 200, body = Vec<String>), (status = 401, description = "no or bad token", body = crate::error::ErrorBody), (status = 403, description = "not the owner tenant or an operator", body = crate::error::ErrorBody), (status = 404, description = "no such segment, or not readable by the caller", body = crate::error::ErrorBody)))]
 async fn list_grants(
     State(s): State<ControlState>,
     Caller(p): Caller,
     ApiPath(id): ApiPath<String>,
 ) -> ApiResult<Vec<String>> {
-    let seg = require_owner(&s, &p, &id).await?;
-    Ok(Json(s.inner.catalog.grants(&seg.address).await?))
+    Ok(Json(s.segments().grants(&p, &id).await?))
 }
 
+#[utoipa::path(post, path = "/v1/segments/{id}/grants", tag = "segments", summary = "Grant a tenant read access", security(("bearer" = [])), params(("id" = String, Path, description = "the caller's segment id, or a segment address")), request_body = GrantBody, responses((status = 200, description = "`segment`, `granted`", body = Object), (status = 400, description = "invalid input", body = crate::error::ErrorBody), (status = 401, description = "no or bad token", body = crate::error::ErrorBody), (status = 403, description = "not the owner tenant or an operator", body = crate::error::ErrorBody), (status = 404, description = "no such segment, or not readable by the caller", body = crate::error::ErrorBody)))]
 async fn add_grant(
     State(s): State<ControlState>,
     Caller(p): Caller,
     ApiPath(id): ApiPath<String>,
     Body(g): Body<GrantBody>,
 ) -> ApiResult<serde_json::Value> {
-    let seg = require_owner(&s, &p, &id).await?;
-    s.inner
-        .catalog
-        .grant(&seg.address, &g.tenant, &p.sub)
-        .await?;
+    s.segments().grant(&p, &id, &g.tenant).await?;
     Ok(Json(
         serde_json::json!({"segment": id, "granted": g.tenant}),
     ))
 }
 
+#[utoipa::path(delete, path = "/v1/segments/{id}/grants/{tenant}", tag = "segments", summary = "Revoke a tenant's grant", security(("bearer" = [])), params(("id" = String, Path, description = "segment id or address"), ("tenant" = String, Path, description = "the tenant")), responses((status = 200, description = "`segment`, `revoked`", body = Object), (status = 401, description = "no or bad token", body = crate::error::ErrorBody), (status = 403, description = "not the owner tenant or an operator", body = crate::error::ErrorBody), (status = 404, description = "no such segment, or not readable by the caller", body = crate::error::ErrorBody)))]
 async fn revoke_grant(
     State(s): State<ControlState>,
     Caller(p): Caller,
     ApiPath((id, tenant)): ApiPath<(String, String)>,
 ) -> ApiResult<serde_json::Value> {
-    let seg = require_owner(&s, &p, &id).await?;
-    s.inner
-        .catalog
-        .revoke(&seg.address, &tenant, &p.sub)
-        .await?;
+    s.segments().revoke(&p, &id, &tenant).await?;
     Ok(Json(serde_json::json!({"segment": id, "revoked": tenant})))
 }
 
 /// Body of `POST /v1/segments/{id}/group-grants`.
-#[derive(Debug, Deserialize)]
+#[derive(Debug, Deserialize, utoipa::ToSchema)]
 pub struct GroupGrantBody {
     /// Group whose members get read access.
     pub group: String,
 }
 
+#[utoipa::path(get, path = "/v1/segments/{id}/group-grants", tag = "segments", summary = "Groups granted read access", security(("bearer" = [])), params(("id" = String, Path, description = "the caller's segment id, or a segment address")), responses((status = 200, body = Vec<String>), (status = 401, description = "no or bad token", body = crate::error::ErrorBody), (status = 403, description = "not the owner tenant or an operator", body = crate::error::ErrorBody), (status = 404, description = "no such segment, or not readable by the caller", body = crate::error::ErrorBody)))]
 async fn list_group_grants(
     State(s): State<ControlState>,
     Caller(p): Caller,
     ApiPath(id): ApiPath<String>,
 ) -> ApiResult<Vec<String>> {
-    let seg = require_owner(&s, &p, &id).await?;
-    Ok(Json(s.inner.catalog.group_grants(&seg.address).await?))
+    Ok(Json(s.segments().group_grants(&p, &id).await?))
 }
 
+#[utoipa::path(post, path = "/v1/segments/{id}/group-grants", tag = "segments", summary = "Grant a group's members read access", security(("bearer" = [])), params(("id" = String, Path, description = "the caller's segment id, or a segment address")), request_body = GroupGrantBody, responses((status = 200, description = "`segment`, `granted_group`", body = Object), (status = 400, description = "invalid input", body = crate::error::ErrorBody), (status = 401, description = "no or bad token", body = crate::error::ErrorBody), (status = 403, description = "not the owner tenant or an operator", body = crate::error::ErrorBody), (status = 404, description = "no such segment, or not readable by the caller", body = crate::error::ErrorBody)))]
 async fn add_group_grant(
     State(s): State<ControlState>,
     Caller(p): Caller,
     ApiPath(id): ApiPath<String>,
     Body(g): Body<GroupGrantBody>,
 ) -> ApiResult<serde_json::Value> {
-    let seg = require_owner(&s, &p, &id).await?;
-    s.inner
-        .catalog
-        .grant_group(&seg.address, &g.group, &p.sub)
-        .await?;
+    s.segments().grant_group(&p, &id, &g.group).await?;
     Ok(Json(
         serde_json::json!({"segment": id, "granted_group": g.group}),
     ))
 }
 
+#[utoipa::path(delete, path = "/v1/segments/{id}/group-grants/{group}", tag = "segments", summary = "Revoke a group's grant", security(("bearer" = [])), params(("id" = String, Path, description = "segment id or address"), ("group" = String, Path, description = "the group id")), responses((status = 200, description = "`segment`, `revoked_group`", body = Object), (status = 401, description = "no or bad token", body = crate::error::ErrorBody), (status = 403, description = "not the owner tenant or an operator", body = crate::error::ErrorBody), (status = 404, description = "no such segment, or not readable by the caller", body = crate::error::ErrorBody)))]
 async fn revoke_group_grant(
     State(s): State<ControlState>,
     Caller(p): Caller,
     ApiPath((id, group)): ApiPath<(String, String)>,
 ) -> ApiResult<serde_json::Value> {
-    let seg = require_owner(&s, &p, &id).await?;
-    s.inner
-        .catalog
-        .revoke_group(&seg.address, &group, &p.sub)
-        .await?;
+    s.segments().revoke_group(&p, &id, &group).await?;
     Ok(Json(
         serde_json::json!({"segment": id, "revoked_group": group}),
     ))
@@ -893,7 +777,7 @@ async fn revoke_group_grant(
 // ---- groups (operators) ---------------------------------------------------------------
 
 /// Body of `POST /v1/admin/groups`.
-#[derive(Debug, Deserialize)]
+#[derive(Debug, Deserialize, utoipa::ToSchema)]
 pub struct NewGroup {
     /// Group id: 1..=128 characters of `[A-Za-z0-9._:-]`.
     pub id: String,
@@ -902,63 +786,68 @@ pub struct NewGroup {
     pub name: Option<String>,
 }
 
+#[utoipa::path(post, path = "/v1/admin/groups", tag = "tenants", summary = "Create a tenant group (operator)", security(("bearer" = [])), request_body = NewGroup, responses((status = 200, body = Group), (status = 400, description = "invalid input", body = crate::error::ErrorBody), (status = 401, description = "no or bad token", body = crate::error::ErrorBody), (status = 403, description = "operator role needed", body = crate::error::ErrorBody), (status = 409, description = "the id is taken", body = crate::error::ErrorBody)))]
 async fn create_group(
     State(s): State<ControlState>,
     Operator(p): Operator,
     Body(g): Body<NewGroup>,
 ) -> ApiResult<Group> {
     Ok(Json(
-        s.inner
-            .catalog
+        s.catalog()
             .create_group(&g.id, g.name.as_deref(), &p.sub)
             .await?,
     ))
 }
 
+#[utoipa::path(get, path = "/v1/admin/groups", tag = "tenants", summary = "Every tenant group (operator)", security(("bearer" = [])), responses((status = 200, body = Vec<Group>), (status = 401, description = "no or bad token", body = crate::error::ErrorBody), (status = 403, description = "operator role needed", body = crate::error::ErrorBody)))]
 async fn list_groups(
     State(s): State<ControlState>,
     Operator(_): Operator,
 ) -> ApiResult<Vec<Group>> {
-    Ok(Json(s.inner.catalog.groups().await?))
+    Ok(Json(s.catalog().groups().await?))
 }
 
+#[utoipa::path(get, path = "/v1/admin/groups/{id}", tag = "tenants", summary = "One group with its members (operator)", security(("bearer" = [])), params(("id" = String, Path, description = "group id")), responses((status = 200, body = Group), (status = 401, description = "no or bad token", body = crate::error::ErrorBody), (status = 403, description = "operator role needed", body = crate::error::ErrorBody), (status = 404, description = "no such group", body = crate::error::ErrorBody)))]
 async fn get_group(
     State(s): State<ControlState>,
     Operator(_): Operator,
     ApiPath(id): ApiPath<String>,
 ) -> ApiResult<Group> {
-    Ok(Json(s.inner.catalog.group(&id).await?))
+    Ok(Json(s.catalog().group(&id).await?))
 }
 
+#[utoipa::path(delete, path = "/v1/admin/groups/{id}", tag = "tenants", summary = "Delete a group (operator)", security(("bearer" = [])), params(("id" = String, Path, description = "group id")), responses((status = 200, description = "`deleted`", body = Object), (status = 401, description = "no or bad token", body = crate::error::ErrorBody), (status = 403, description = "operator role needed", body = crate::error::ErrorBody), (status = 404, description = "no such group", body = crate::error::ErrorBody)))]
 async fn delete_group(
     State(s): State<ControlState>,
     Operator(p): Operator,
     ApiPath(id): ApiPath<String>,
 ) -> ApiResult<serde_json::Value> {
-    s.inner.catalog.delete_group(&id, &p.sub).await?;
+    s.catalog().delete_group(&id, &p.sub).await?;
     Ok(Json(serde_json::json!({"deleted": id})))
 }
 
+#[utoipa::path(put, path = "/v1/admin/groups/{id}/members/{tenant}", tag = "tenants", summary = "Add a tenant to a group (operator)", security(("bearer" = [])), params(("id" = String, Path, description = "group id"), ("tenant" = String, Path, description = "the tenant")), responses((status = 200, body = Group), (status = 401, description = "no or bad token", body = crate::error::ErrorBody), (status = 403, description = "operator role needed", body = crate::error::ErrorBody), (status = 404, description = "no such group", body = crate::error::ErrorBody)))]
 async fn add_member(
     State(s): State<ControlState>,
     Operator(p): Operator,
     ApiPath((id, tenant)): ApiPath<(String, String)>,
 ) -> ApiResult<Group> {
-    s.inner.catalog.add_member(&id, &tenant, &p.sub).await?;
-    Ok(Json(s.inner.catalog.group(&id).await?))
+    s.catalog().add_member(&id, &tenant, &p.sub).await?;
+    Ok(Json(s.catalog().group(&id).await?))
 }
 
+#[utoipa::path(delete, path = "/v1/admin/groups/{id}/members/{tenant}", tag = "tenants", summary = "Remove a tenant from a group (operator)", security(("bearer" = [])), params(("id" = String, Path, description = "group id"), ("tenant" = String, Path, description = "the tenant")), responses((status = 200, body = Group), (status = 401, description = "no or bad token", body = crate::error::ErrorBody), (status = 403, description = "operator role needed", body = crate::error::ErrorBody), (status = 404, description = "no such group", body = crate::error::ErrorBody)))]
 async fn remove_member(
     State(s): State<ControlState>,
     Operator(p): Operator,
     ApiPath((id, tenant)): ApiPath<(String, String)>,
 ) -> ApiResult<Group> {
-    s.inner.catalog.remove_member(&id, &tenant, &p.sub).await?;
-    Ok(Json(s.inner.catalog.group(&id).await?))
+    s.catalog().remove_member(&id, &tenant, &p.sub).await?;
+    Ok(Json(s.catalog().group(&id).await?))
 }
 
 /// Body of `POST /v1/snapshot`.
-#[derive(Debug, Deserialize)]
+#[derive(Debug, Deserialize, utoipa::ToSchema)]
 pub struct SnapshotRequest {
     /// Segments the request uses (own ids or addresses), in prompt order.
     pub segments: Vec<String>,
@@ -967,109 +856,21 @@ pub struct SnapshotRequest {
     pub salt: Option<String>,
 }
 
-/// One pinned segment of a snapshot.
-#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
-pub struct SnapshotItem {
-    /// Segment id as the request gave it (an own id or an address).
-    pub segment_id: String,
-    /// The segment's global address.
-    pub address: String,
-    /// Pinned version.
-    pub version: i64,
-    /// Content hash of the pinned version.
-    pub content_hash: String,
-    /// Isolation key (namespace) derived server-side.
-    pub isolation_key: String,
-    /// Cache key of this version in that namespace.
-    pub cache_key: String,
-    /// True when the shared namespace is used.
-    pub shared: bool,
-    /// Workers holding the entry (a hit when non-empty).
-    pub resident_on: Vec<String>,
-}
-
-/// Answer of `POST /v1/snapshot`.
-#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
-pub struct SnapshotResponse {
-    /// Tenant from the token.
-    pub tenant: String,
-    /// One item per requested segment, same order.
-    pub segments: Vec<SnapshotItem>,
-}
-
-/// The isolation key of a pinned segment for `tenant` and whether it is the
-/// shared namespace (public, and the isolation policy allows sharing).
-pub fn isolation_of(
-    s: &ControlState,
-    tenant: &str,
-    e: &SnapshotEntry,
-    salt: Option<&str>,
-) -> (String, bool) {
-    let allowed = s.inner.policies.isolation(&IsolationInfo {
-        segment: opaque_id(&e.segment_id),
-        tenant: opaque_id(tenant),
-        public: e.public,
-        owner: e.owner_tenant == tenant,
-    });
-    let shared = allowed && e.public;
-    (s.inner.keyer.isolation_key(tenant, e, shared, salt), shared)
-}
-
-/// Resolves a snapshot for `tenant`: pins versions and derives keys. `ids`
-/// are the tenant's own segment ids or addresses.
-pub async fn resolve_snapshot(
-    s: &ControlState,
-    tenant: &str,
-    ids: &[String],
-    salt: Option<&str>,
-) -> Result<SnapshotResponse, ApiError> {
-    if let Some(salt) = salt {
-        if salt.len() > 256 {
-            return Err(ApiError::bad_request("salt must be at most 256 bytes"));
-        }
-    }
-    let entries: Vec<SnapshotEntry> = s.inner.catalog.snapshot(tenant, ids).await?;
-    let mut out = Vec::with_capacity(entries.len());
-    for (reference, e) in ids.iter().zip(entries) {
-        let (isolation_key, shared) = isolation_of(s, tenant, &e, salt);
-        let cache_key = s.inner.keyer.cache_key(&isolation_key, &e);
-        let resident_on = s
-            .inner
-            .catalog
-            .residency_of(&cache_key)
-            .await?
-            .into_iter()
-            .map(|r| r.worker)
-            .collect();
-        out.push(SnapshotItem {
-            segment_id: reference.clone(),
-            address: e.segment_id,
-            version: e.version,
-            content_hash: e.content_hash,
-            isolation_key,
-            cache_key,
-            shared,
-            resident_on,
-        });
-    }
-    Ok(SnapshotResponse {
-        tenant: tenant.to_string(),
-        segments: out,
-    })
-}
-
+#[utoipa::path(post, path = "/v1/snapshot", tag = "segments", summary = "Pin versions and derive isolation and cache keys", security(("bearer" = [])), request_body = SnapshotRequest, responses((status = 200, body = SnapshotResponse), (status = 400, description = "invalid input", body = crate::error::ErrorBody), (status = 401, description = "no or bad token", body = crate::error::ErrorBody), (status = 404, description = "a segment is not readable", body = crate::error::ErrorBody)))]
 async fn snapshot(
     State(s): State<ControlState>,
     Caller(p): Caller,
     Body(r): Body<SnapshotRequest>,
 ) -> ApiResult<SnapshotResponse> {
     Ok(Json(
-        resolve_snapshot(&s, &p.tenant, &r.segments, r.salt.as_deref()).await?,
+        s.segments()
+            .snapshot(&p.tenant, &r.segments, r.salt.as_deref())
+            .await?,
     ))
 }
 
 /// Body of `POST /v1/admin/residency`: a worker reports an entry it holds.
-#[derive(Debug, Deserialize)]
+#[derive(Debug, Deserialize, utoipa::ToSchema)]
 pub struct ResidencyReport {
     /// Worker id.
     pub worker: String,
@@ -1086,6 +887,7 @@ pub struct ResidencyReport {
     pub bytes: i64,
 }
 
+#[utoipa::path(post, path = "/v1/admin/residency", tag = "segments", summary = "A worker reports a cache entry it holds (operator)", security(("bearer" = [])), request_body = ResidencyReport, responses((status = 200, description = "`{\"ok\":true}`", body = Object), (status = 400, description = "invalid input", body = crate::error::ErrorBody), (status = 401, description = "no or bad token", body = crate::error::ErrorBody), (status = 403, description = "operator role needed", body = crate::error::ErrorBody)))]
 async fn report_residency(
     State(s): State<ControlState>,
     Operator(_): Operator,
@@ -1106,8 +908,7 @@ async fn report_residency(
             crate::catalog::validate_text(what, v)?;
         }
     }
-    s.inner
-        .catalog
+    s.catalog()
         .report_residency(&Residency {
             worker: r.worker,
             cache_key: r.cache_key,
@@ -1124,7 +925,7 @@ async fn report_residency(
 // ---- policies -----------------------------------------------------------------------
 
 /// Body of `POST /v1/admin/policies`.
-#[derive(Debug, Deserialize)]
+#[derive(Debug, Deserialize, utoipa::ToSchema)]
 pub struct UploadPolicy {
     /// Policy name (versions accumulate per name).
     pub name: String,
@@ -1134,21 +935,23 @@ pub struct UploadPolicy {
     pub wasm_base64: String,
     /// Integer parameters (JSON object).
     #[serde(default)]
+    #[schema(value_type = Object)]
     pub params: serde_json::Value,
 }
 
+#[utoipa::path(post, path = "/v1/admin/policies", tag = "policies", summary = "Upload and validate a Wasm policy module (operator)", security(("bearer" = [])), request_body = UploadPolicy, responses((status = 200, body = crate::catalog::PolicyRecord), (status = 400, description = "the module does not load or fails its smoke call", body = crate::error::ErrorBody), (status = 401, description = "no or bad token", body = crate::error::ErrorBody), (status = 403, description = "operator role needed", body = crate::error::ErrorBody), (status = 413, description = "module over the size limit", body = crate::error::ErrorBody), (status = 429, description = "every compile slot is taken", body = crate::error::ErrorBody)))]
 async fn upload_policy(
     State(s): State<ControlState>,
     Operator(p): Operator,
     Body(u): Body<UploadPolicy>,
 ) -> ApiResult<crate::catalog::PolicyRecord> {
     let kind: PolicyKind = u.kind.parse().map_err(ApiError::bad_request)?;
-    let rt = &s.inner.policies;
+    let rt = &s.policies();
     let limit = rt.limits().max_module_bytes;
     // Refuse an oversized module before decoding it (base64: 4 characters per 3 bytes).
     let b64 = u.wasm_base64.trim();
     if b64.len() / 4 * 3 > limit.saturating_add(3) {
-        return Err(policy_error(PolicyError::TooLarge {
+        return Err(ApiError::from(PolicyError::TooLarge {
             bytes: b64.len() / 4 * 3,
             limit,
         }));
@@ -1168,10 +971,9 @@ async fn upload_policy(
         });
     if let Err(e) = validated {
         if matches!(e, PolicyError::Busy { .. }) {
-            return Err(policy_error(e));
+            return Err(ApiError::from(e));
         }
-        s.inner
-            .catalog
+        s.catalog()
             .audit(
                 &p.sub,
                 Some(&p.tenant),
@@ -1180,7 +982,7 @@ async fn upload_policy(
                 &serde_json::json!({"kind": u.kind, "error": e.to_string()}),
             )
             .await?;
-        return Err(policy_error(e));
+        return Err(ApiError::from(e));
     }
     let params = if u.params.is_null() {
         "{}".to_string()
@@ -1188,31 +990,10 @@ async fn upload_policy(
         u.params.to_string()
     };
     Ok(Json(
-        s.inner
-            .catalog
+        s.catalog()
             .insert_policy(&u.name, kind.as_str(), &bytes, &params, &p.sub)
             .await?,
     ))
-}
-
-/// A policy load error as an API error: 413 for a module over the size limit,
-/// 429 when the compile slots are taken, 400 otherwise.
-fn policy_error(e: PolicyError) -> ApiError {
-    match e {
-        PolicyError::TooLarge { .. } => ApiError::new(
-            StatusCode::PAYLOAD_TOO_LARGE,
-            "invalid_request_error",
-            "module_too_large",
-            e.to_string(),
-        ),
-        PolicyError::Busy { .. } => ApiError::new(
-            StatusCode::TOO_MANY_REQUESTS,
-            "rate_limit_error",
-            "compile_busy",
-            e.to_string(),
-        ),
-        other => ApiError::bad_request(other.to_string()),
-    }
 }
 
 fn smoke(slot: &mut PolicySlot) -> Result<(), crate::policy::PolicyError> {
@@ -1276,18 +1057,20 @@ fn smoke(slot: &mut PolicySlot) -> Result<(), crate::policy::PolicyError> {
     }
 }
 
+#[utoipa::path(get, path = "/v1/admin/policies", tag = "policies", summary = "Every uploaded policy version (operator)", security(("bearer" = [])), responses((status = 200, body = Vec<crate::catalog::PolicyRecord>), (status = 401, description = "no or bad token", body = crate::error::ErrorBody), (status = 403, description = "operator role needed", body = crate::error::ErrorBody)))]
 async fn list_policies(
     State(s): State<ControlState>,
     Operator(_): Operator,
 ) -> ApiResult<Vec<crate::catalog::PolicyRecord>> {
-    Ok(Json(s.inner.catalog.policies().await?))
+    Ok(Json(s.catalog().policies().await?))
 }
 
+#[utoipa::path(get, path = "/v1/admin/policies/stats", tag = "policies", summary = "Active policy per kind, call and fault counters (operator)", security(("bearer" = [])), responses((status = 200, description = "`active` (kind → policy id or null), `metrics`, `module_compiles`, `modules_cached`", body = Object), (status = 401, description = "no or bad token", body = crate::error::ErrorBody), (status = 403, description = "operator role needed", body = crate::error::ErrorBody)))]
 async fn policy_stats(
     State(s): State<ControlState>,
     Operator(_): Operator,
 ) -> ApiResult<serde_json::Value> {
-    let rt = &s.inner.policies;
+    let rt = &s.policies();
     let active: BTreeMap<&str, Option<i64>> = PolicyKind::ALL
         .iter()
         .map(|k| (k.as_str(), rt.active_id(*k)))
@@ -1300,12 +1083,13 @@ async fn policy_stats(
     })))
 }
 
+#[utoipa::path(post, path = "/v1/admin/policies/{id}/activate", tag = "policies", summary = "Activate a policy version (operator)", security(("bearer" = [])), params(("id" = i64, Path, description = "policy id")), responses((status = 200, description = "`kind`, `active`", body = Object), (status = 400, description = "invalid input", body = crate::error::ErrorBody), (status = 401, description = "no or bad token", body = crate::error::ErrorBody), (status = 403, description = "operator role needed", body = crate::error::ErrorBody), (status = 404, description = "no such policy", body = crate::error::ErrorBody)))]
 async fn activate_policy(
     State(s): State<ControlState>,
     Operator(p): Operator,
     ApiPath(id): ApiPath<i64>,
 ) -> ApiResult<serde_json::Value> {
-    let rec = s.inner.catalog.policy(id).await?;
+    let rec = s.catalog().policy(id).await?;
     let kind: PolicyKind = rec.kind.parse().map_err(ApiError::bad_request)?;
     let params: serde_json::Value =
         serde_json::from_str(&rec.params).unwrap_or(serde_json::Value::Null);
@@ -1313,28 +1097,27 @@ async fn activate_policy(
     // Load first (compiled module from the cache, or compiled on the blocking
     // pool): a module that no longer loads is not activated.
     let loaded = s
-        .inner
-        .policies
+        .policies()
         .load(kind, rec.module.into(), &params, false)
         .await
-        .map_err(policy_error)?;
-    s.inner
-        .catalog
+        .map_err(ApiError::from)?;
+    s.catalog()
         .activate_policy(kind.as_str(), Some(id), &p.sub)
         .await?;
-    s.inner.policies.install_wasm(loaded, Some(id));
+    s.policies().install_wasm(loaded, Some(id));
     Ok(Json(
         serde_json::json!({"kind": kind.as_str(), "active": id}),
     ))
 }
 
 /// Body of `POST /v1/admin/policies/rollback`.
-#[derive(Debug, Deserialize)]
+#[derive(Debug, Deserialize, utoipa::ToSchema)]
 pub struct RollbackBody {
     /// Hook kind to roll back.
     pub kind: String,
 }
 
+#[utoipa::path(post, path = "/v1/admin/policies/rollback", tag = "policies", summary = "Re-activate the previous policy of a kind (operator)", security(("bearer" = [])), request_body = RollbackBody, responses((status = 200, description = "`kind`, `active` (policy id, or null for the native policy)", body = Object), (status = 400, description = "invalid input", body = crate::error::ErrorBody), (status = 401, description = "no or bad token", body = crate::error::ErrorBody), (status = 403, description = "operator role needed", body = crate::error::ErrorBody)))]
 async fn rollback_policy(
     State(s): State<ControlState>,
     Operator(p): Operator,
@@ -1343,22 +1126,20 @@ async fn rollback_policy(
     let kind: PolicyKind = b.kind.parse().map_err(ApiError::bad_request)?;
     let _serial = s.inner.activation.lock().await;
     let now_active = s
-        .inner
-        .catalog
+        .catalog()
         .rollback_policy(kind.as_str(), &p.sub)
         .await?;
     match now_active {
         Some(id) => {
-            let rec = s.inner.catalog.policy(id).await?;
+            let rec = s.catalog().policy(id).await?;
             let params: serde_json::Value =
                 serde_json::from_str(&rec.params).unwrap_or(serde_json::Value::Null);
             let _ = s
-                .inner
-                .policies
+                .policies()
                 .activate(kind, Some(id), rec.module.into(), &params)
                 .await;
         }
-        None => s.inner.policies.set_native(kind),
+        None => s.policies().set_native(kind),
     }
     Ok(Json(
         serde_json::json!({"kind": kind.as_str(), "active": now_active}),
@@ -1366,7 +1147,7 @@ async fn rollback_policy(
 }
 
 /// Body of `POST /v1/admin/policies/{id}/dry-run`.
-#[derive(Debug, Deserialize)]
+#[derive(Debug, Deserialize, utoipa::ToSchema)]
 pub struct DryRunBody {
     /// The recorded trace, JSONL (see [`crate::sim::TraceRecord`]).
     pub trace: String,
@@ -1375,7 +1156,7 @@ pub struct DryRunBody {
 }
 
 /// Answer of a dry run.
-#[derive(Debug, Serialize, Deserialize)]
+#[derive(Debug, Serialize, Deserialize, utoipa::ToSchema)]
 pub struct DryRunResult {
     /// Policy tried.
     pub policy_id: i64,
@@ -1391,20 +1172,21 @@ pub struct DryRunResult {
     pub recompute_tokens_delta: i64,
 }
 
+#[utoipa::path(post, path = "/v1/admin/policies/{id}/dry-run", tag = "policies", summary = "Replay a trace with a candidate policy beside the active ones (operator)", security(("bearer" = [])), params(("id" = i64, Path, description = "policy id")), request_body = DryRunBody, responses((status = 200, body = DryRunResult), (status = 400, description = "invalid input", body = crate::error::ErrorBody), (status = 401, description = "no or bad token", body = crate::error::ErrorBody), (status = 403, description = "operator role needed", body = crate::error::ErrorBody), (status = 404, description = "no such policy", body = crate::error::ErrorBody)))]
 async fn dry_run(
     State(s): State<ControlState>,
     Operator(p): Operator,
     ApiPath(id): ApiPath<i64>,
     Body(b): Body<DryRunBody>,
 ) -> ApiResult<DryRunResult> {
-    let rec = s.inner.catalog.policy(id).await?;
+    let rec = s.catalog().policy(id).await?;
     let kind: PolicyKind = rec.kind.parse().map_err(ApiError::bad_request)?;
     if b.capacity_bytes == 0 {
         return Err(ApiError::bad_request("capacity_bytes must be positive"));
     }
     let trace = parse_trace(&b.trace).map_err(ApiError::bad_request)?;
-    let rt = s.inner.policies.clone();
-    let catalog = s.inner.catalog.clone();
+    let rt = s.policies().clone();
+    let catalog = s.catalog().clone();
     let mut active = PolicySet::from_catalog(&catalog, &rt).await;
     let mut candidate = PolicySet::from_catalog(&catalog, &rt).await;
     let params: serde_json::Value =
@@ -1412,7 +1194,7 @@ async fn dry_run(
     let w = rt
         .load(kind, rec.module.into(), &params, false)
         .await
-        .map_err(policy_error)?;
+        .map_err(ApiError::from)?;
     candidate.set(PolicySlot::wasm(w, Some(id)));
     let cap = b.capacity_bytes;
     let (cand, act) = tokio::task::spawn_blocking(move || {
@@ -1437,8 +1219,7 @@ async fn dry_run(
         candidate: cand,
         active: act,
     };
-    s.inner
-        .catalog
+    s.catalog()
         .audit(
             &p.sub,
             None,
@@ -1455,7 +1236,8 @@ async fn dry_run(
 }
 
 /// Query of `GET /v1/admin/audit`.
-#[derive(Debug, Deserialize)]
+#[derive(Debug, Deserialize, utoipa::IntoParams)]
+#[into_params(parameter_in = Query)]
 pub struct AuditQuery {
     /// Only this action.
     pub action: Option<String>,
@@ -1463,6 +1245,7 @@ pub struct AuditQuery {
     pub limit: Option<i64>,
 }
 
+#[utoipa::path(get, path = "/v1/admin/audit", tag = "audit", summary = "The audit log, newest first (operator)", security(("bearer" = [])), params(AuditQuery), responses((status = 200, body = Vec<crate::catalog::AuditEntry>), (status = 400, description = "invalid input", body = crate::error::ErrorBody), (status = 401, description = "no or bad token", body = crate::error::ErrorBody), (status = 403, description = "operator role needed", body = crate::error::ErrorBody)))]
 async fn audit_log(
     State(s): State<ControlState>,
     Operator(_): Operator,
@@ -1472,8 +1255,7 @@ async fn audit_log(
         return Err(ApiError::bad_request("action contains a NUL character"));
     }
     Ok(Json(
-        s.inner
-            .catalog
+        s.catalog()
             .audit_log(q.action.as_deref(), q.limit.unwrap_or(100))
             .await?,
     ))

@@ -46,7 +46,7 @@ pub struct Claims {
 }
 
 /// A verified caller.
-#[derive(Clone, Debug, PartialEq, Eq, Serialize)]
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, utoipa::ToSchema)]
 pub struct Principal {
     /// Subject.
     pub sub: String,

@@ -109,7 +109,7 @@ pub enum Backend {
 }
 
 /// Role of a principal.
-#[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize, Deserialize)]
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize, Deserialize, utoipa::ToSchema)]
 #[serde(rename_all = "lowercase")]
 pub enum Role {
     /// A tenant user: sees its own segments, shared ones and those granted to it.
@@ -162,7 +162,7 @@ pub fn content_hash(content: &str) -> String {
 /// assigned at creation and never reused. A tenant addresses its own segments
 /// by id or address, and segments of other tenants it may read (public,
 /// granted) by address only.
-#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize, utoipa::ToSchema)]
 pub struct Segment {
     /// The id the viewer addresses the segment by: the owner's id for the
     /// owner and for operators (see [`Segment::view_for`]), the address for
@@ -240,7 +240,7 @@ pub struct SegmentPage {
 }
 
 /// One version of a segment.
-#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize, utoipa::ToSchema)]
 pub struct SegmentVersion {
     /// Segment address.
     pub segment_id: String,
@@ -259,7 +259,7 @@ pub struct SegmentVersion {
 }
 
 /// Input for creating a segment.
-#[derive(Clone, Debug, Default, Serialize, Deserialize)]
+#[derive(Clone, Debug, Default, Serialize, Deserialize, utoipa::ToSchema)]
 pub struct NewSegment {
     /// Segment id, unique among the owner's live segments; must be 1..=128
     /// characters of `[A-Za-z0-9._:-]`.
@@ -293,7 +293,7 @@ pub struct SnapshotEntry {
 }
 
 /// One audit-log row.
-#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize, utoipa::ToSchema)]
 pub struct AuditEntry {
     /// Row id.
     pub id: i64,
@@ -312,7 +312,7 @@ pub struct AuditEntry {
 }
 
 /// A stored policy module.
-#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize, utoipa::ToSchema)]
 pub struct PolicyRecord {
     /// Row id.
     pub id: i64,
@@ -357,7 +357,7 @@ pub struct Residency {
 }
 
 /// A group of tenants. A grant to the group lets every member read the segment.
-#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize, utoipa::ToSchema)]
 pub struct Group {
     /// Group id (same rules as tenant ids).
     pub id: String,

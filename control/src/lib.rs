@@ -1,6 +1,8 @@
 //! HYPIC control plane: the catalog of tenants, segments and versions,
 //! bearer-JWT auth and isolation keys, Wasm cache policies, the policy
-//! simulator, and the HTTP API that exposes them.
+//! simulator, the segment service both HTTP front ends call
+//! ([`segments::SegmentService`]), and the HTTP API that exposes them (errors:
+//! [`error::ApiError`]).
 //!
 //! The `hypic` binary (`src/main.rs`) wires these in:
 //! [`auth::run_token_command`] for `hypic token`, [`run_control_command`] for
@@ -12,8 +14,10 @@ pub mod auth;
 pub mod backend;
 pub mod bench;
 pub mod catalog;
+pub mod error;
 pub mod policy;
 pub mod readiness;
+pub mod segments;
 pub mod serve;
 pub mod sim;
 

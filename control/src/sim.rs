@@ -62,7 +62,7 @@ pub fn parse_trace(text: &str) -> Result<Vec<TraceRecord>, String> {
 }
 
 /// What a replay measured.
-#[derive(Clone, Debug, Default, PartialEq, Serialize, Deserialize)]
+#[derive(Clone, Debug, Default, PartialEq, Serialize, Deserialize, utoipa::ToSchema)]
 pub struct SimStats {
     /// Requests replayed.
     pub requests: u64,

@@ -100,14 +100,9 @@ impl ServeError {
         )
     }
 
-    /// The JSON body.
+    /// The JSON body (the control API's wire format, [`crate::error::error_body`]).
     pub fn body(&self) -> serde_json::Value {
-        serde_json::json!({"error": {
-            "message": self.message,
-            "type": self.kind,
-            "param": self.param,
-            "code": self.code,
-        }})
+        crate::error::error_body(&self.message, self.kind, self.param.as_deref(), self.code)
     }
 }
 
@@ -123,8 +118,10 @@ impl std::fmt::Display for ServeError {
     }
 }
 
-impl From<crate::api::ApiError> for ServeError {
-    fn from(e: crate::api::ApiError) -> Self {
+/// A control-API error answered by a serving route: the same status, type, code,
+/// field and message.
+impl From<crate::error::ApiError> for ServeError {
+    fn from(e: crate::error::ApiError) -> Self {
         ServeError {
             param: e.param,
             ..ServeError::new(e.status, e.kind, e.code, e.message)

@@ -44,6 +44,56 @@ impl FromRequestParts<AppState> for Tenant {
     }
 }
 
+/// The OpenAPI document of the serving routes, generated from the handlers'
+/// annotations; [`openapi`] merges it with the control plane's.
+#[derive(utoipa::OpenApi)]
+#[openapi(paths(
+    health,
+    ready,
+    metrics,
+    models,
+    model_one,
+    completions,
+    chat,
+    super::segments::create,
+    super::segments::list,
+    super::segments::get_one,
+    super::segments::update,
+    super::segments::delete,
+))]
+pub struct ServeApi;
+
+/// The OpenAPI document of `hypic serve` (`GET /openapi.json`): the serving
+/// routes, and every control-plane route the server mounts; `/v1/segments` and
+/// `/v1/segments/{id}` are the serving routes' (they extend the control plane's).
+pub fn openapi() -> utoipa::openapi::OpenApi {
+    use utoipa::OpenApi as _;
+    let mut doc = crate::api::ControlApi::openapi();
+    doc.info.title = "HYPIC".into();
+    doc.info.description = Some(
+        "OpenAI-compatible, segment-aware inference and its control plane. Every `/v1` \
+         route needs `Authorization: Bearer <jwt>`; errors are \
+         `{\"error\": {\"message\", \"type\", \"param\", \"code\"}}`."
+            .into(),
+    );
+    for p in ["/v1/segments", "/v1/segments/{id}"] {
+        doc.paths.paths.remove(p);
+    }
+    doc.merge(ServeApi::openapi());
+    doc.paths
+        .paths
+        .insert("/openapi.json".into(), crate::api::openapi_path_item());
+    if let Some(tags) = doc.tags.as_mut() {
+        tags.push(utoipa::openapi::tag::Tag::new("inference"));
+        tags.push(utoipa::openapi::tag::Tag::new("metrics"));
+    }
+    doc
+}
+
+async fn serve_openapi() -> Json<utoipa::openapi::OpenApi> {
+    Json(openapi())
+}
+
 /// The whole router: serving routes, then the control plane for every other path.
 pub fn router(state: AppState) -> Router {
     let limit = state.0.cfg.max_body_bytes;
@@ -60,6 +110,7 @@ pub fn router(state: AppState) -> Router {
         .route("/health", get(health).fallback(not_allowed))
         .route("/ready", get(ready).fallback(not_allowed))
         .route("/metrics", get(metrics).fallback(not_allowed))
+        .route("/openapi.json", get(serve_openapi).fallback(not_allowed))
         .route("/v1/models", get(models).fallback(not_allowed))
         .route("/v1/models/{id}", get(model_one).fallback(not_allowed))
         .route("/v1/completions", post(completions).fallback(not_allowed))
@@ -162,6 +213,7 @@ pub fn body_error(e: BytesRejection, limit: usize) -> ServeError {
     }
 }
 
+#[utoipa::path(get, path = "/health", tag = "health", summary = "Liveness, model and queue (no token)", operation_id = "serve_health", responses((status = 200, body = Object)))]
 async fn health(State(s): State<AppState>) -> Json<Value> {
     let m = s.0.sched.metrics();
     Json(json!({
@@ -177,6 +229,7 @@ async fn health(State(s): State<AppState>) -> Json<Value> {
 
 /// Readiness: the catalog accepts a write, the model is loaded and the scheduler
 /// runs (see [`crate::readiness`]); `/health` is liveness only.
+#[utoipa::path(get, path = "/ready", tag = "health", summary = "Readiness: catalog writable, model loaded, scheduler running (no token)", operation_id = "serve_ready", responses((status = 200, body = Object), (status = 503, description = "not ready: the failing checks", body = Object)))]
 async fn ready(State(s): State<AppState>) -> Response {
     let sched = if s.0.sched.is_running() {
         Ok(())
@@ -189,6 +242,7 @@ async fn ready(State(s): State<AppState>) -> Response {
     crate::readiness::ready_response(&s.0.control, vec![("model_loaded", sched)]).await
 }
 
+#[utoipa::path(get, path = "/metrics", tag = "metrics", summary = "Prometheus metrics (text exposition format, no token)", responses((status = 200, description = "Prometheus text format", content_type = "text/plain", body = String)))]
 async fn metrics(State(s): State<AppState>) -> Response {
     let text =
         s.0.metrics
@@ -215,10 +269,12 @@ fn model_card(s: &AppState) -> Value {
            "max_model_len": s.0.ctx})
 }
 
+#[utoipa::path(get, path = "/v1/models", tag = "inference", summary = "The served model (OpenAI list)", security(("bearer" = [])), responses((status = 200, body = Object), (status = 401, description = "no or bad token", body = crate::error::ErrorBody)))]
 async fn models(State(s): State<AppState>, Tenant(_): Tenant) -> Json<Value> {
     Json(json!({"object": "list", "data": [model_card(&s)]}))
 }
 
+#[utoipa::path(get, path = "/v1/models/{id}", tag = "inference", summary = "One model", security(("bearer" = [])), params(("id" = String, Path, description = "model id")), responses((status = 200, body = Object), (status = 401, description = "no or bad token", body = crate::error::ErrorBody), (status = 404, description = "not the served model", body = crate::error::ErrorBody)))]
 async fn model_one(
     State(s): State<AppState>,
     Tenant(_): Tenant,
@@ -454,7 +510,7 @@ pub(crate) async fn catalog_tokens(
             .catalog()
             .version_content(id, version)
             .await
-            .map_err(|e| ServeError::from(crate::api::ApiError::from(e)))?
+            .map_err(|e| ServeError::from(crate::error::ApiError::from(e)))?
             .ok_or_else(|| {
                 ServeError::not_found(
                     "segment_not_found",
@@ -524,7 +580,11 @@ pub async fn resolve(
         let mut uniq = ids.clone();
         uniq.sort();
         uniq.dedup();
-        let r = crate::api::resolve_snapshot(&s.0.control, tenant, &uniq, salt)
+        let r = s
+            .0
+            .control
+            .segments()
+            .snapshot(tenant, &uniq, salt)
             .await
             .map_err(|e| {
                 let mut se = ServeError::from(e);
@@ -1179,6 +1239,7 @@ struct Job {
     echo: bool,
 }
 
+#[utoipa::path(post, path = "/v1/completions", tag = "inference", summary = "OpenAI completions with segment reuse (SSE with `stream: true`)", security(("bearer" = [])), request_body(content = Object, description = "OpenAI completions body; `segments` and the `hypic` extension are HYPIC's"), responses((status = 200, body = Object), (status = 400, description = "invalid input", body = crate::error::ErrorBody), (status = 401, description = "no or bad token", body = crate::error::ErrorBody), (status = 408, description = "body not received in time", body = crate::error::ErrorBody), (status = 429, description = "queue full (`Retry-After`)", body = crate::error::ErrorBody)))]
 async fn completions(
     State(s): State<AppState>,
     Tenant(p): Tenant,
@@ -1188,6 +1249,7 @@ async fn completions(
     finish_response(&s, "completions", r)
 }
 
+#[utoipa::path(post, path = "/v1/chat/completions", tag = "inference", summary = "OpenAI chat completions with segment reuse (SSE with `stream: true`)", security(("bearer" = [])), request_body(content = Object, description = "OpenAI chat body; the `hypic` extension is HYPIC's"), responses((status = 200, body = Object), (status = 400, description = "invalid input", body = crate::error::ErrorBody), (status = 401, description = "no or bad token", body = crate::error::ErrorBody), (status = 408, description = "body not received in time", body = crate::error::ErrorBody), (status = 429, description = "queue full (`Retry-After`)", body = crate::error::ErrorBody)))]
 async fn chat(
     State(s): State<AppState>,
     Tenant(p): Tenant,

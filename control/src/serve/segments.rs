@@ -3,77 +3,42 @@
 //! (`"prefill": true`, the default), cache residency, and eviction of superseded or
 //! deleted versions.
 //!
-//! Catalog semantics (auth, ownership, versions, grants, audit) are the control
-//! plane's: each call is forwarded to its router with the caller's credentials,
-//! and the answer is extended with a `hypic` object.
+//! Catalog semantics (ownership, versions, grants, audit) are the control plane's:
+//! each handler calls the [`crate::segments::SegmentService`] with the principal
+//! its extractor verified (the token is checked once), and extends the answer the
+//! control plane would give with a `hypic` object.
 use super::errors::ServeError;
 use super::routes::{body_error, catalog_tokens, Tenant};
 use super::{AppState, CachedTokens};
-use crate::api::{ApiPath, ApiQuery, ListQuery, IDEMPOTENCY_KEY, IDEMPOTENT_REPLAYED};
-use crate::catalog::{now_ms, Residency, Segment, SnapshotEntry};
-use axum::body::{Body, Bytes};
+use crate::api::{idempotency_key, mark_replayed, ApiPath, ApiQuery, ListQuery, UpdateSegment};
+use crate::catalog::{now_ms, NewSegment, Residency, Segment, SnapshotEntry};
+use crate::error::ApiError;
+use axum::body::Bytes;
 use axum::extract::rejection::BytesRejection;
 use axum::extract::State;
-use axum::http::{header, HeaderMap, Method, Request, StatusCode};
+use axum::http::{HeaderMap, StatusCode};
 use axum::response::{IntoResponse, Response};
 use axum::Json;
 use serde_json::{json, Value};
 use std::sync::Arc;
 use std::time::Instant;
-use tower::ServiceExt;
 
 /// Worker name under which this server reports residency to the catalog.
 pub const WORKER: &str = "serve-local";
 
-/// Sends one catalog call to the control plane with the caller's credentials
-/// (and idempotency key); answers its status, JSON body and whether it was an
-/// idempotent replay, or its error response as is.
-async fn forward(
-    s: &AppState,
-    method: Method,
-    uri: &str,
-    headers: &HeaderMap,
-    body: Option<Value>,
-) -> Result<(StatusCode, Value, bool), Response> {
-    let mut b = Request::builder().method(method).uri(uri);
-    for h in [header::AUTHORIZATION.as_str(), IDEMPOTENCY_KEY] {
-        if let Some(a) = headers.get(h) {
-            b = b.header(h, a.clone());
-        }
+/// Reads the catalog fields of a create or update body as the control plane's
+/// `Body` extractor reads them (the same rejections, messages included).
+fn catalog_body<T: serde::de::DeserializeOwned>(v: &Value) -> Result<T, ServeError> {
+    let bytes = serde_json::to_vec(v).map_err(|e| ServeError::internal(e.to_string()))?;
+    match Json::<T>::from_bytes(&bytes) {
+        Ok(Json(t)) => Ok(t),
+        Err(e) => Err(ApiError::from(e).into()),
     }
-    let req = match body {
-        Some(v) => b
-            .header(header::CONTENT_TYPE, "application/json")
-            .body(Body::from(v.to_string())),
-        None => b.body(Body::empty()),
-    }
-    .map_err(|e| ServeError::internal(e.to_string()).into_response())?;
-    let resp = match s.0.control_router.clone().oneshot(req).await {
-        Ok(r) => r,
-        Err(e) => match e {},
-    };
-    let status = resp.status();
-    let cause = resp
-        .extensions()
-        .get::<super::reqlog::ErrorCause>()
-        .cloned();
-    let replayed = resp.headers().contains_key(IDEMPOTENT_REPLAYED);
-    let bytes = axum::body::to_bytes(resp.into_body(), 64 << 20)
-        .await
-        .map_err(|e| ServeError::internal(e.to_string()).into_response())?;
-    if !status.is_success() {
-        let mut r = (status, bytes).into_response();
-        r.headers_mut().insert(
-            header::CONTENT_TYPE,
-            header::HeaderValue::from_static("application/json"),
-        );
-        if let Some(c) = cause {
-            r.extensions_mut().insert(c);
-        }
-        return Err(r);
-    }
-    let v = serde_json::from_slice(&bytes).unwrap_or(Value::Null);
-    Ok((status, v, replayed))
+}
+
+/// A segment (as the caller sees it) as the JSON object the answers extend.
+fn segment_json(seg: &Segment) -> Value {
+    serde_json::to_value(seg).unwrap_or(Value::Null)
 }
 
 fn body_starts(s: &AppState) -> Vec<usize> {
@@ -90,11 +55,9 @@ fn body_starts(s: &AppState) -> Vec<usize> {
 }
 
 /// Refuses a path segment reference that no segment can have (an id of the
-/// caller's or an address) before it is spliced into
-/// the URI forwarded to the control plane: an id such as `doc?x` or `doc/grants`
-/// (percent-encoded by the client) would otherwise address another resource,
-/// e.g. `DELETE /v1/segments/doc%3Fx` deleted `doc`, and one with a space or
-/// non-ASCII character failed to build the URI (a 500).
+/// caller's or an address) with the serving API's 404 `segment_not_found`
+/// naming `id`, before the catalog is asked (an id such as `doc?x`, `doc/grants`,
+/// one with a space or a non-ASCII character).
 fn bad_id(id: &str) -> Option<Response> {
     crate::catalog::validate_ref("segment id", id)
         .err()
@@ -227,13 +190,12 @@ fn remember(s: &AppState, id: &str, version: i64, hash: &str, tokens: Arc<Vec<u3
 /// Prefills the current version of `seg` into the caller's namespace and reports
 /// residency to the catalog.
 async fn prefill(s: &AppState, tenant: &str, seg: &Segment, tokens: Arc<Vec<u32>>) -> Value {
-    let snap = match crate::api::resolve_snapshot(
-        &s.0.control,
-        tenant,
-        std::slice::from_ref(&seg.address),
-        None,
-    )
-    .await
+    let snap = match s
+        .0
+        .control
+        .segments()
+        .snapshot(tenant, std::slice::from_ref(&seg.address), None)
+        .await
     {
         Ok(r) => r,
         Err(e) => return json!({"error": e.message}),
@@ -331,7 +293,7 @@ async fn residency(s: &AppState, tenant: &str, address: &str, tokens: &[u32]) ->
 /// Residency of the pinned segment version `e` (its tokens: `tokens`) in
 /// `tenant`'s namespace, from the pool alone.
 fn residency_of(s: &AppState, tenant: &str, e: &SnapshotEntry, tokens: &[u32]) -> Value {
-    let (iso, shared) = crate::api::isolation_of(&s.0.control, tenant, e, None);
+    let (iso, shared) = s.0.control.segments().isolation_of(tenant, e, None);
     let entries: Vec<Value> = body_starts(s)
         .into_iter()
         .map(|b| {
@@ -383,83 +345,75 @@ fn evict(s: &AppState, id: &str, keep_from: Option<i64>) -> usize {
 }
 
 /// `POST /v1/segments`: create in the catalog, then prefill.
+#[utoipa::path(post, path = "/v1/segments", tag = "segments", summary = "Create a segment, tokenise and prefill it", operation_id = "create_segment", security(("bearer" = [])), params(("Idempotency-Key" = Option<String>, Header, description = "repeat-safe create")), request_body(content = crate::catalog::NewSegment, description = "the control plane's create body, plus `prefill` (boolean, default true): build the cache entries now"), responses((status = 200, description = "the control plane's answer plus a `hypic` object (model, version, tokens, residency, prefill)", body = Object), (status = 400, description = "invalid input", body = crate::error::ErrorBody), (status = 401, description = "no or bad token", body = crate::error::ErrorBody), (status = 409, description = "the id is taken", body = crate::error::ErrorBody), (status = 413, description = "content over the limit", body = crate::error::ErrorBody)))]
 pub async fn create(
     State(s): State<AppState>,
     Tenant(p): Tenant,
     headers: HeaderMap,
     body: Result<Bytes, BytesRejection>,
 ) -> Response {
-    let (v, tokens, pre) = match prepare_body(&s, body).await {
-        Ok(x) => x,
-        Err(e) => return e.into_response(),
-    };
-    let (status, out, replayed) =
-        match forward(&s, Method::POST, "/v1/segments", &headers, Some(v)).await {
-            Ok(x) => x,
-            Err(r) => return r,
-        };
-    let Ok(seg) = serde_json::from_value::<Segment>(out.clone()) else {
-        return (status, Json(out)).into_response();
-    };
+    match create_inner(&s, &p, &headers, body).await {
+        Ok(r) => r,
+        Err(e) => e.into_response(),
+    }
+}
+
+async fn create_inner(
+    s: &AppState,
+    p: &crate::auth::Principal,
+    headers: &HeaderMap,
+    body: Result<Bytes, BytesRejection>,
+) -> Result<Response, ServeError> {
+    let (v, tokens, pre) = prepare_body(s, body).await?;
+    let new: NewSegment = catalog_body(&v)?;
+    let key = idempotency_key(headers)?;
+    let created = s.0.control.segments().create(p, &new, key).await?;
+    let seg = created.segment;
     let tokens = Arc::new(tokens);
     remember(
-        &s,
+        s,
         &seg.address,
         seg.current_version,
         &seg.content_hash,
         tokens.clone(),
     );
     let extra = if pre {
-        prefill(&s, &p.tenant, &seg, tokens.clone()).await
+        prefill(s, &p.tenant, &seg, tokens.clone()).await
     } else {
         json!({})
     };
-    let res = residency(&s, &p.tenant, &seg.address, &tokens).await;
-    let mut out = out;
+    let res = residency(s, &p.tenant, &seg.address, &tokens).await;
+    let mut out = segment_json(&seg);
     let mut e = ext(
-        &s,
+        s,
         seg.current_version,
         tokens.len(),
         json!({"prefill": extra}),
     );
     e["residency"] = res;
     out["hypic"] = e;
-    let mut r = (status, Json(out)).into_response();
-    if replayed {
-        r.headers_mut().insert(
-            IDEMPOTENT_REPLAYED,
-            header::HeaderValue::from_static("true"),
-        );
+    let mut r = (StatusCode::OK, Json(out)).into_response();
+    if created.replayed {
+        mark_replayed(&mut r);
     }
-    r
+    Ok(r)
 }
 
 /// `GET /v1/segments/{id}`: the catalog's view plus token count and residency.
+#[utoipa::path(get, path = "/v1/segments/{id}", tag = "segments", summary = "One segment with its token count and residency", operation_id = "get_segment", security(("bearer" = [])), params(("id" = String, Path, description = "the caller's segment id, or a segment address")), responses((status = 200, description = "the control plane's answer plus a `hypic` object (model, version, tokens, residency, prefill)", body = Object), (status = 401, description = "no or bad token", body = crate::error::ErrorBody), (status = 404, description = "no such segment, or not readable by the caller", body = crate::error::ErrorBody)))]
 pub async fn get_one(
     State(s): State<AppState>,
     Tenant(p): Tenant,
-    headers: HeaderMap,
     ApiPath(id): ApiPath<String>,
 ) -> Response {
     if let Some(r) = bad_id(&id) {
         return r;
     }
-    let (status, out, _) = match forward(
-        &s,
-        Method::GET,
-        &format!("/v1/segments/{id}"),
-        &headers,
-        None,
-    )
-    .await
-    {
-        Ok(x) => x,
-        Err(r) => return r,
+    let seg = match s.0.control.segments().get(&p, &id).await {
+        Ok(seg) => seg,
+        Err(e) => return ServeError::from(e).into_response(),
     };
-    let Ok(seg) = serde_json::from_value::<Segment>(out.clone()) else {
-        return (status, Json(out)).into_response();
-    };
-    let mut out = out;
+    let mut out = segment_json(&seg);
     match catalog_tokens(&s, &seg.address, seg.current_version, &seg.content_hash).await {
         Ok((tokens, _)) => {
             let res = residency(&s, &p.tenant, &seg.address, &tokens).await;
@@ -472,7 +426,7 @@ pub async fn get_one(
         }
         Err(e) => out["hypic"] = json!({"error": e.message}),
     }
-    (status, Json(out)).into_response()
+    Json(out).into_response()
 }
 
 /// `GET /v1/segments?limit=&after=`: one page of the catalog segments the caller
@@ -482,6 +436,7 @@ pub async fn get_one(
 /// entry from it since its token cache was last filled); `GET /v1/segments/{id}`
 /// answers it exactly. `next` is the `after` of the following page (`null` on the
 /// last one).
+#[utoipa::path(get, path = "/v1/segments", tag = "segments", summary = "One page of segments with token counts and residency", operation_id = "list_segments", security(("bearer" = [])), params(ListQuery), responses((status = 200, description = "`object`, `data` (id, address, name, public, version, content_hash, tokens, residency, owner_tenant), `next`", body = Object), (status = 400, description = "invalid input", body = crate::error::ErrorBody), (status = 401, description = "no or bad token", body = crate::error::ErrorBody)))]
 pub async fn list(
     State(s): State<AppState>,
     Tenant(p): Tenant,
@@ -491,20 +446,12 @@ pub async fn list(
         (Ok(l), Ok(a)) => (l, a),
         (Err(e), _) | (_, Err(e)) => return ServeError::from(e).into_response(),
     };
-    let page = match s
-        .0
-        .control
-        .catalog()
-        .list_segments(&p.tenant, p.is_operator(), after, limit)
-        .await
-    {
+    let page = match s.0.control.segments().list(&p, after, limit).await {
         Ok(page) => page,
-        Err(e) => {
-            return ServeError::internal(format!("segment catalog: {e}")).into_response();
-        }
+        Err(e) => return ServeError::from(e).into_response(),
     };
     let mut data = Vec::with_capacity(page.items.len());
-    for seg in page.items {
+    for crate::segments::Listed { view: seg, pin } in page.items {
         let cached = {
             let k = s.0.known.lock().unwrap_or_else(|p| p.into_inner());
             k.tokens
@@ -518,19 +465,9 @@ pub async fn list(
             (None, None) => Value::Null,
         };
         let res = match &cached {
-            Some(t) => {
-                let e = SnapshotEntry {
-                    segment_id: seg.address.clone(),
-                    version: seg.current_version,
-                    content_hash: seg.content_hash.clone(),
-                    owner_tenant: seg.owner_tenant.clone().unwrap_or_default(),
-                    public: seg.public,
-                };
-                residency_of(&s, &p.tenant, &e, t)
-            }
+            Some(t) => residency_of(&s, &p.tenant, &pin, t),
             None => Value::Null,
         };
-        let seg = seg.view_for(&p.tenant, p.is_operator());
         let mut item = json!({
             "id": seg.id, "address": seg.address, "object": "segment", "name": seg.name,
             "public": seg.public, "version": seg.current_version, "content_hash": seg.content_hash,
@@ -546,90 +483,79 @@ pub async fn list(
 
 /// `PUT /v1/segments/{id}`: new version in the catalog; entries of superseded
 /// versions are evicted; the new version is prefilled.
+#[utoipa::path(put, path = "/v1/segments/{id}", tag = "segments", summary = "Add a version: evict superseded entries, prefill the new one", operation_id = "update_segment", security(("bearer" = [])), params(("id" = String, Path, description = "the caller's segment id, or a segment address")), request_body(content = UpdateSegment, description = "the new content, plus `prefill` (boolean, default true)"), responses((status = 200, description = "the control plane's answer plus a `hypic` object (model, version, tokens, residency, prefill)", body = Object), (status = 400, description = "invalid input", body = crate::error::ErrorBody), (status = 401, description = "no or bad token", body = crate::error::ErrorBody), (status = 403, description = "not the owner tenant or an operator", body = crate::error::ErrorBody), (status = 404, description = "no such segment, or not readable by the caller", body = crate::error::ErrorBody)))]
 pub async fn update(
     State(s): State<AppState>,
     Tenant(p): Tenant,
-    headers: HeaderMap,
     ApiPath(id): ApiPath<String>,
     body: Result<Bytes, BytesRejection>,
 ) -> Response {
     if let Some(r) = bad_id(&id) {
         return r;
     }
-    let (v, tokens, pre) = match prepare_body(&s, body).await {
-        Ok(x) => x,
-        Err(e) => return e.into_response(),
-    };
-    let (status, out, _) = match forward(
-        &s,
-        Method::PUT,
-        &format!("/v1/segments/{id}"),
-        &headers,
-        Some(v),
-    )
-    .await
-    {
-        Ok(x) => x,
-        Err(r) => return r,
-    };
-    let Some(seg) = out
-        .get("segment")
-        .cloned()
-        .and_then(|x| serde_json::from_value::<Segment>(x).ok())
-    else {
-        return (status, Json(out)).into_response();
-    };
-    let evicted = evict(&s, &seg.address, Some(seg.current_version));
+    match update_inner(&s, &p, &id, body).await {
+        Ok(r) => r,
+        Err(e) => e.into_response(),
+    }
+}
+
+async fn update_inner(
+    s: &AppState,
+    p: &crate::auth::Principal,
+    id: &str,
+    body: Result<Bytes, BytesRejection>,
+) -> Result<Response, ServeError> {
+    let (v, tokens, pre) = prepare_body(s, body).await?;
+    let u: UpdateSegment = catalog_body(&v)?;
+    let updated = s
+        .0
+        .control
+        .segments()
+        .update(p, id, &u.content, &u.tokens)
+        .await?;
+    let seg = updated.segment.clone();
+    let evicted = evict(s, &seg.address, Some(seg.current_version));
     let tokens = Arc::new(tokens);
     remember(
-        &s,
+        s,
         &seg.address,
         seg.current_version,
         &seg.content_hash,
         tokens.clone(),
     );
     let extra = if pre {
-        prefill(&s, &p.tenant, &seg, tokens.clone()).await
+        prefill(s, &p.tenant, &seg, tokens.clone()).await
     } else {
         json!({})
     };
-    let mut out = out;
+    let mut out = serde_json::to_value(&updated).unwrap_or(Value::Null);
     out["hypic"] = ext(
-        &s,
+        s,
         seg.current_version,
         tokens.len(),
         json!({"evicted_entries": evicted, "prefill": extra}),
     );
-    (status, Json(out)).into_response()
+    Ok(Json(out).into_response())
 }
 
 /// `DELETE /v1/segments/{id}`: delete in the catalog, evict every cached version.
+#[utoipa::path(delete, path = "/v1/segments/{id}", tag = "segments", summary = "Delete a segment and evict its entries", operation_id = "delete_segment", security(("bearer" = [])), params(("id" = String, Path, description = "the caller's segment id, or a segment address")), responses((status = 200, description = "`deleted`, `address`, `invalidated_entries`, `hypic.evicted_entries`", body = Object), (status = 401, description = "no or bad token", body = crate::error::ErrorBody), (status = 403, description = "not the owner tenant or an operator", body = crate::error::ErrorBody), (status = 404, description = "no such segment, or not readable by the caller", body = crate::error::ErrorBody)))]
 pub async fn delete(
     State(s): State<AppState>,
-    Tenant(_): Tenant,
-    headers: HeaderMap,
+    Tenant(p): Tenant,
     ApiPath(id): ApiPath<String>,
 ) -> Response {
     if let Some(r) = bad_id(&id) {
         return r;
     }
-    let (status, out, _) = match forward(
-        &s,
-        Method::DELETE,
-        &format!("/v1/segments/{id}"),
-        &headers,
-        None,
-    )
-    .await
-    {
-        Ok(x) => x,
-        Err(r) => return r,
+    let d = match s.0.control.segments().delete(&p, &id).await {
+        Ok(d) => d,
+        Err(e) => return ServeError::from(e).into_response(),
     };
-    let evicted = out["address"]
-        .as_str()
-        .map(|a| evict(&s, a, None))
-        .unwrap_or(0);
-    let mut out = out;
-    out["hypic"] = json!({"evicted_entries": evicted});
-    (status, Json(out)).into_response()
+    let evicted = evict(&s, &d.address, None);
+    Json(json!({
+        "deleted": id, "address": d.address, "invalidated_entries": d.invalidated_entries,
+        "hypic": {"evicted_entries": evicted},
+    }))
+    .into_response()
 }
