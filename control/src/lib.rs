@@ -16,6 +16,7 @@ pub mod policy;
 pub mod readiness;
 pub mod serve;
 pub mod sim;
+pub mod ui;
 
 use std::net::SocketAddr;
 use std::path::PathBuf;

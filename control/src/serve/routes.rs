@@ -60,6 +60,10 @@ pub fn router(state: AppState) -> Router {
         .route("/health", get(health).fallback(not_allowed))
         .route("/ready", get(ready).fallback(not_allowed))
         .route("/metrics", get(metrics).fallback(not_allowed))
+        .route(
+            "/v1/metrics/history",
+            get(metrics_history).fallback(not_allowed),
+        )
         .route("/v1/models", get(models).fallback(not_allowed))
         .route("/v1/models/{id}", get(model_one).fallback(not_allowed))
         .route("/v1/completions", post(completions).fallback(not_allowed))
@@ -201,6 +205,21 @@ async fn metrics(State(s): State<AppState>) -> Response {
         text,
     )
         .into_response()
+}
+
+/// `GET /v1/metrics/history` (operator): the last hour of metric samples.
+async fn metrics_history(
+    State(s): State<AppState>,
+    Tenant(p): Tenant,
+) -> Result<Json<super::history::HistoryView>, ServeError> {
+    if !p.is_operator() {
+        return Err(crate::api::ApiError::forbidden(
+            "operator_required",
+            "this endpoint needs the operator role",
+        )
+        .into());
+    }
+    Ok(Json(s.0.history.view(&s)))
 }
 
 fn now_s() -> u64 {
