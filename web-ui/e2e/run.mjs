@@ -202,6 +202,17 @@ async function main() {
   await page.click("button:has-text('Roll back eviction')");
   await page.getByTestId("active-eviction").filter({ hasText: "native default" }).waitFor();
 
+  step = "groups: create one, add a member";
+  await page.click("nav >> text=Groups");
+  await page.fill("input[name=group-id]", "research");
+  await page.click("button:has-text('Create group')");
+  const grow = page.getByTestId("groups").locator("tbody tr", { hasText: "research" });
+  await grow.waitFor();
+  await grow.locator("input[name=member-research]").fill("demo");
+  await grow.locator("button:has-text('Add')").click();
+  await grow.locator(".chip", { hasText: "demo" }).waitFor();
+  await page.screenshot({ path: join(shots, "groups.png"), fullPage: true });
+
   step = "a tenant sees 403 on the operator screens";
   const tctx = await browser.newContext({ viewport: { width: 1280, height: 800 } });
   const tpage = await tctx.newPage();
@@ -214,8 +225,12 @@ async function main() {
   await terr.waitFor();
   assert.match(await terr.textContent(), /403.*operator_required.*this endpoint needs the operator role/s);
   await tpage.screenshot({ path: join(shots, "tenant-403.png"), fullPage: true });
+  // A tenant's navigation offers Segments only, where the operator's private
+  // segment is not listed.
+  assert.deepEqual(await tpage.locator("header nav a").allTextContents(), ["Segments"]);
   await tpage.click("nav >> text=Segments");
-  await tpage.getByTestId("segments").waitFor();
+  await tpage.getByText("No segment.").waitFor();
+  assert.equal(await tpage.getByTestId("segments").locator("tbody tr").count(), 0);
 
   step = "no token in a URL or the server log, no console error";
   for (const t of [op, tenant]) {

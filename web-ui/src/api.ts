@@ -76,6 +76,15 @@ export interface SegmentVersion {
   superseded_at: number | null;
 }
 
+/** `GET /v1/admin/groups` rows: tenants grouped for segment grants. */
+export interface Group {
+  id: string;
+  name: string;
+  members: string[];
+  created_by: string;
+  created_at: number;
+}
+
 /** Hook kinds of a policy. */
 export const POLICY_KINDS = ["admission", "eviction", "invalidation", "isolation"] as const;
 export type PolicyKind = (typeof POLICY_KINDS)[number];

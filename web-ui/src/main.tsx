@@ -5,6 +5,7 @@ import "uplot/dist/uPlot.min.css";
 import "./style.css";
 import { api, getToken, setToken, type Principal } from "./api";
 import { Audit } from "./audit";
+import { Groups } from "./groups";
 import { Overview } from "./overview";
 import { Policies } from "./policies";
 import { SegmentDetail, Segments } from "./segments";
@@ -51,9 +52,9 @@ function SignIn({ done }: { done: (p: Principal) => void }) {
 }
 
 function useHash(): [string, (h: string) => void] {
-  const [hash, setHash] = useState(location.hash || "#/overview");
+  const [hash, setHash] = useState(location.hash);
   useEffect(() => {
-    const on = () => setHash(location.hash || "#/overview");
+    const on = () => setHash(location.hash);
     addEventListener("hashchange", on);
     return () => removeEventListener("hashchange", on);
   }, []);
@@ -69,6 +70,8 @@ function Screen({ hash, go }: { hash: string; go: (h: string) => void }) {
       return <Policies />;
     case "audit":
       return <Audit />;
+    case "groups":
+      return <Groups />;
     default:
       return <Overview />;
   }
@@ -94,13 +97,20 @@ function App() {
         <ErrorBox error={error} />
       </>
     );
-  const nav = [
-    ["#/overview", "Overview"],
-    ["#/segments", "Segments"],
-    ["#/policies", "Policies"],
-    ["#/audit", "Audit"],
-  ];
-  const section = "#/" + (hash.replace(/^#\/?/, "").split("/")[0] || "overview");
+  // A tenant's token is refused the operator screens by the API (403); the
+  // navigation offers them to operators only, and a tenant starts at Segments.
+  const op = me.role === "operator";
+  const nav = op
+    ? [
+        ["#/overview", "Overview"],
+        ["#/segments", "Segments"],
+        ["#/policies", "Policies"],
+        ["#/groups", "Groups"],
+        ["#/audit", "Audit"],
+      ]
+    : [["#/segments", "Segments"]];
+  const shown = hash && hash !== "#/" ? hash : op ? "#/overview" : "#/segments";
+  const section = "#/" + shown.replace(/^#\/?/, "").split("/")[0];
   return (
     <>
       <header>
@@ -126,7 +136,7 @@ function App() {
         </button>
       </header>
       <main>
-        <Screen hash={hash} go={go} />
+        <Screen hash={shown} go={go} />
       </main>
     </>
   );
