@@ -513,6 +513,7 @@ pub fn control_router(state: ControlState) -> Router {
         .route_layer(axum::middleware::from_fn(
             crate::serve::reqlog::record_route,
         ))
+        .merge(crate::ui::router())
         .fallback(|| async { ApiError::not_found("no such route") })
         .layer(DefaultBodyLimit::max(16 << 20))
         .with_state(state)
@@ -1241,6 +1242,12 @@ async fn dry_run(
 pub struct AuditQuery {
     /// Only this action.
     pub action: Option<String>,
+    /// Only rows by this actor (token subject, or `system`).
+    pub actor: Option<String>,
+    /// Only rows at or after this time (ms since the Unix epoch).
+    pub since_ms: Option<i64>,
+    /// Only rows before this time (ms since the Unix epoch).
+    pub until_ms: Option<i64>,
     /// At most this many rows (default 100).
     pub limit: Option<i64>,
 }
@@ -1251,12 +1258,22 @@ async fn audit_log(
     Operator(_): Operator,
     ApiQuery(q): ApiQuery<AuditQuery>,
 ) -> ApiResult<Vec<crate::catalog::AuditEntry>> {
-    if q.action.as_deref().is_some_and(|a| a.contains('\0')) {
-        return Err(ApiError::bad_request("action contains a NUL character"));
+    for (name, v) in [("action", &q.action), ("actor", &q.actor)] {
+        if v.as_deref().is_some_and(|a| a.contains('\0')) {
+            return Err(
+                ApiError::bad_request(format!("{name} contains a NUL character")).with_param(name),
+            );
+        }
     }
+    let f = crate::catalog::AuditFilter {
+        action: q.action.filter(|a| !a.is_empty()),
+        actor: q.actor.filter(|a| !a.is_empty()),
+        since_ms: q.since_ms,
+        until_ms: q.until_ms,
+    };
     Ok(Json(
         s.catalog()
-            .audit_log(q.action.as_deref(), q.limit.unwrap_or(100))
+            .audit_log_filtered(&f, q.limit.unwrap_or(100))
             .await?,
     ))
 }

@@ -311,6 +311,19 @@ pub struct AuditEntry {
     pub detail: String,
 }
 
+/// Which audit rows [`Catalog::audit_log_filtered`] returns (every set field must match).
+#[derive(Clone, Debug, Default, PartialEq, Eq)]
+pub struct AuditFilter {
+    /// Only this action, e.g. `policy.activate`.
+    pub action: Option<String>,
+    /// Only rows by this actor (token subject, or `system`).
+    pub actor: Option<String>,
+    /// Only rows at or after this time (ms since the Unix epoch).
+    pub since_ms: Option<i64>,
+    /// Only rows before this time (ms since the Unix epoch).
+    pub until_ms: Option<i64>,
+}
+
 /// A stored policy module.
 #[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize, utoipa::ToSchema)]
 pub struct PolicyRecord {
@@ -1322,27 +1335,62 @@ impl Catalog {
         action: Option<&str>,
         limit: i64,
     ) -> CatalogResult<Vec<AuditEntry>> {
-        let limit = limit.clamp(1, 10_000);
-        let rows = match action {
-            Some(a) => {
-                sqlx::query(
-                    "SELECT id, at, actor, tenant, action, target, detail FROM audit_log WHERE action = $1 \
-                     ORDER BY id DESC LIMIT $2",
-                )
-                .bind(a)
-                .bind(limit)
-                .fetch_all(&self.pool)
-                .await?
-            }
-            None => {
-                sqlx::query(
-                    "SELECT id, at, actor, tenant, action, target, detail FROM audit_log ORDER BY id DESC LIMIT $1",
-                )
-                .bind(limit)
-                .fetch_all(&self.pool)
-                .await?
-            }
+        let f = AuditFilter {
+            action: action.map(str::to_string),
+            ..AuditFilter::default()
         };
+        self.audit_log_filtered(&f, limit).await
+    }
+
+    /// Audit rows matching every set field of `f`, newest first, at most
+    /// `limit` (clamped to 1..=10000).
+    pub async fn audit_log_filtered(
+        &self,
+        f: &AuditFilter,
+        limit: i64,
+    ) -> CatalogResult<Vec<AuditEntry>> {
+        let limit = limit.clamp(1, 10_000);
+        let mut conds: Vec<String> = Vec::new();
+        let mut n = 0;
+        let mut next = || {
+            n += 1;
+            format!("${n}")
+        };
+        if f.action.is_some() {
+            conds.push(format!("action = {}", next()));
+        }
+        if f.actor.is_some() {
+            conds.push(format!("actor = {}", next()));
+        }
+        if f.since_ms.is_some() {
+            conds.push(format!("at >= {}", next()));
+        }
+        if f.until_ms.is_some() {
+            conds.push(format!("at < {}", next()));
+        }
+        let lim = next();
+        let sql = format!(
+            "SELECT id, at, actor, tenant, action, target, detail FROM audit_log {} ORDER BY id DESC LIMIT {lim}",
+            if conds.is_empty() {
+                String::new()
+            } else {
+                format!("WHERE {}", conds.join(" AND "))
+            }
+        );
+        let mut q = sqlx::query(&sql);
+        if let Some(a) = &f.action {
+            q = q.bind(a.clone());
+        }
+        if let Some(a) = &f.actor {
+            q = q.bind(a.clone());
+        }
+        if let Some(t) = f.since_ms {
+            q = q.bind(t);
+        }
+        if let Some(t) = f.until_ms {
+            q = q.bind(t);
+        }
+        let rows = q.bind(limit).fetch_all(&self.pool).await?;
         Ok(rows
             .iter()
             .map(|r| AuditEntry {

@@ -20,6 +20,7 @@ pub mod readiness;
 pub mod segments;
 pub mod serve;
 pub mod sim;
+pub mod ui;
 
 use std::net::SocketAddr;
 use std::path::PathBuf;

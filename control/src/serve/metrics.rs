@@ -398,6 +398,23 @@ impl ServeMetrics {
         engine: &dyn EnginePools,
         policies: &PolicyRuntime,
     ) -> String {
+        let fams = self.gather(sched, engine, policies);
+        let mut buf = vec![];
+        let enc = TextEncoder::new();
+        if let Err(e) = enc.encode(&fams, &mut buf) {
+            return format!("# encoding error: {e}\n");
+        }
+        String::from_utf8(buf).unwrap_or_default()
+    }
+
+    /// Refreshes the live gauges and counters and returns every metric family
+    /// (what [`ServeMetrics::render`] encodes).
+    pub fn gather(
+        &self,
+        sched: &SchedulerMetrics,
+        engine: &dyn EnginePools,
+        policies: &PolicyRuntime,
+    ) -> Vec<prometheus::proto::MetricFamily> {
         self.queue_depth
             .set(sched.queue_depth.load(Ordering::Relaxed) as i64);
         self.running
@@ -470,12 +487,7 @@ impl ServeMetrics {
             }
             self.observe_policies(policies, &mut last);
         }
-        let mut buf = vec![];
-        let enc = TextEncoder::new();
-        if let Err(e) = enc.encode(&self.registry.gather(), &mut buf) {
-            return format!("# encoding error: {e}\n");
-        }
-        String::from_utf8(buf).unwrap_or_default()
+        self.registry.gather()
     }
 }
 

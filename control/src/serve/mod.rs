@@ -26,6 +26,7 @@
 pub mod bounded;
 pub mod errors;
 pub mod first_use;
+pub mod history;
 pub mod metrics;
 pub mod net;
 pub mod prompt;
@@ -755,6 +756,8 @@ pub(crate) struct Inner {
     pub known: Mutex<Known>,
     pub first_use: first_use::FirstUse,
     pub ledger: sweep::Ledger,
+    /// Metric samples of the last hour (`GET /v1/metrics/history`).
+    pub history: history::History,
     pub prefill_gate: tokio::sync::Semaphore,
     pub ctx: usize,
     /// Turns to tokenise (`tokenize_concurrency` permits).
@@ -870,6 +873,7 @@ impl AppState {
             known: Mutex::new(Known::default()),
             first_use,
             ledger: sweep::Ledger::default(),
+            history: history::History::default(),
             prefill_gate: tokio::sync::Semaphore::new(1),
             ctx,
             tokenize_gate: Arc::new(tokio::sync::Semaphore::new(cfg_tok_conc)),
@@ -975,6 +979,10 @@ pub async fn spawn(cfg: ServeConfig) -> anyhow::Result<RunningServer> {
     if sweep_every > 0 {
         sweep::spawn_sweeper(Arc::downgrade(&state.0), Duration::from_millis(sweep_every));
     }
+    history::spawn_sampler(
+        Arc::downgrade(&state.0),
+        Duration::from_millis(history::SAMPLE_EVERY_MS),
+    );
     let app = routes::router(state.clone());
     let limits = state.config().net_limits()?;
     let (tx, rx) = tokio::sync::oneshot::channel::<()>();

@@ -111,6 +111,10 @@ pub fn router(state: AppState) -> Router {
         .route("/ready", get(ready).fallback(not_allowed))
         .route("/metrics", get(metrics).fallback(not_allowed))
         .route("/openapi.json", get(serve_openapi).fallback(not_allowed))
+        .route(
+            "/v1/metrics/history",
+            get(metrics_history).fallback(not_allowed),
+        )
         .route("/v1/models", get(models).fallback(not_allowed))
         .route("/v1/models/{id}", get(model_one).fallback(not_allowed))
         .route("/v1/completions", post(completions).fallback(not_allowed))
@@ -255,6 +259,21 @@ async fn metrics(State(s): State<AppState>) -> Response {
         text,
     )
         .into_response()
+}
+
+/// `GET /v1/metrics/history` (operator): the last hour of metric samples.
+async fn metrics_history(
+    State(s): State<AppState>,
+    Tenant(p): Tenant,
+) -> Result<Json<super::history::HistoryView>, ServeError> {
+    if !p.is_operator() {
+        return Err(crate::api::ApiError::forbidden(
+            "operator_required",
+            "this endpoint needs the operator role",
+        )
+        .into());
+    }
+    Ok(Json(s.0.history.view(&s)))
 }
 
 fn now_s() -> u64 {

@@ -25,3 +25,4 @@ mod serve_device;
 mod serve_load;
 mod serve_netops;
 mod serve_reuse;
+mod serve_ui;

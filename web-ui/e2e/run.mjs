@@ -1,0 +1,259 @@
+// End-to-end test of the operator console: a real `hypic serve` on loopback
+// (bundled model, SQLite catalog in a temporary data directory) driven through
+// Debian's chromium with playwright-core. Screenshots go to docs/ui/.
+//
+//   HYPIC_BIN=target/debug/hypic node web-ui/e2e/run.mjs
+//
+// Environment: HYPIC_BIN (the binary, default target/debug/hypic), CHROMIUM
+// (default: `chromium` on PATH), SHOTS (screenshot folder, default docs/ui).
+import assert from "node:assert/strict";
+import { execFileSync, spawn } from "node:child_process";
+import { mkdtempSync, mkdirSync, readFileSync, rmSync } from "node:fs";
+import { createServer } from "node:net";
+import { tmpdir } from "node:os";
+import { dirname, join, resolve } from "node:path";
+import { fileURLToPath } from "node:url";
+import { chromium } from "playwright-core";
+
+const root = resolve(dirname(fileURLToPath(import.meta.url)), "../..");
+const bin = resolve(root, process.env.HYPIC_BIN ?? "target/debug/hypic");
+const shots = resolve(root, process.env.SHOTS ?? "docs/ui");
+const browserPath = process.env.CHROMIUM ?? execFileSync("which", ["chromium"]).toString().trim();
+mkdirSync(shots, { recursive: true });
+
+const freePort = () =>
+  new Promise((ok, fail) => {
+    const s = createServer();
+    s.listen(0, "127.0.0.1", () => {
+      const { port } = s.address();
+      s.close(() => ok(port));
+    });
+    s.on("error", fail);
+  });
+
+const sleep = (ms) => new Promise((r) => setTimeout(r, ms));
+let step = "start";
+const log = (m) => console.log(`e2e: ${m}`);
+
+const dataDir = mkdtempSync(join(tmpdir(), "hypic-ui-e2e-"));
+const port = await freePort();
+const base = `http://127.0.0.1:${port}`;
+let serverLog = "";
+const server = spawn(bin, ["serve", "--data-dir", dataDir, "--bind", `127.0.0.1:${port}`], {
+  cwd: root,
+  stdio: ["ignore", "pipe", "pipe"],
+});
+server.stdout.on("data", (d) => (serverLog += d));
+server.stderr.on("data", (d) => (serverLog += d));
+let browser;
+
+async function main() {
+  step = "wait for /ready";
+  for (let i = 0; ; i++) {
+    try {
+      if ((await fetch(`${base}/ready`)).ok) break;
+    } catch {
+      // not listening yet
+    }
+    if (server.exitCode !== null || i > 600) throw new Error(`server did not get ready:\n${serverLog}`);
+    await sleep(250);
+  }
+  const token = (tenant, role) =>
+    execFileSync(bin, ["token", "--data-dir", dataDir, "--tenant", tenant, "--role", role, "--sub", `${tenant}-ui`])
+      .toString()
+      .trim();
+  const op = token("ops", "operator");
+  const tenant = token("demo", "tenant");
+  const call = (tok, method, path, body) =>
+    fetch(`${base}${path}`, {
+      method,
+      headers: { authorization: `Bearer ${tok}`, "content-type": "application/json" },
+      body: body ? JSON.stringify(body) : undefined,
+    });
+
+  step = "API: a tenant token gets 403 on operator routes";
+  for (const [m, p, b] of [
+    ["GET", "/v1/metrics/history"],
+    ["GET", "/v1/admin/policies"],
+    ["GET", "/v1/admin/audit"],
+    ["GET", "/v1/admin/policies/stats"],
+    ["POST", "/v1/admin/policies/rollback", { kind: "eviction" }],
+  ]) {
+    const r = await call(tenant, m, p, b);
+    assert.equal(r.status, 403, `${m} ${p}`);
+    assert.equal((await r.json()).error.code, "operator_required");
+  }
+  assert.equal((await call(op, "GET", "/v1/metrics/history")).status, 200);
+
+  step = "the page and its headers";
+  browser = await chromium.launch({
+    executablePath: browserPath,
+    args: [
+      "--headless",
+      "--no-sandbox",
+      "--disable-gpu",
+      "--disable-background-networking",
+      "--disable-component-update",
+      "--no-first-run",
+    ],
+  });
+  const ctx = await browser.newContext({ viewport: { width: 1280, height: 900 } });
+  const page = await ctx.newPage();
+  const problems = [];
+  page.on("console", (m) => m.type() === "error" && problems.push(m.text()));
+  page.on("pageerror", (e) => problems.push(String(e)));
+  const requests = [];
+  page.on("request", (r) => requests.push(r.url()));
+  const resp = await page.goto(`${base}/ui/`);
+  const csp = resp.headers()["content-security-policy"];
+  assert.ok(csp?.includes("script-src 'self'") && csp.includes("default-src 'none'"), csp);
+
+  step = "sign in (operator)";
+  await page.fill("textarea[name=token]", op);
+  await page.click("button:has-text('Sign in')");
+  await page.getByTestId("whoami").filter({ hasText: "operator" }).waitFor();
+  assert.equal(await page.evaluate(() => sessionStorage.getItem("hypic.token")), op);
+
+  step = "overview moves after completions";
+  for (let i = 0; i < 3; i++) {
+    const r = await call(tenant, "POST", "/v1/completions", {
+      prompt: "Zentrix was founded by Mara Quell.<<PIC_SEP>>Question: who founded Zentrix?",
+      max_tokens: 4,
+      temperature: 0,
+    });
+    assert.equal(r.status, 200, await r.text());
+  }
+  await page.getByTestId("stat-finished").locator(".value").filter({ hasText: /^[3-9]|\d\d/ }).waitFor({ timeout: 15000 });
+  await page.getByTestId("ttft").waitFor();
+  const finished = Number(await page.getByTestId("stat-finished").locator(".value").textContent());
+  assert.ok(finished >= 3, `finished ${finished}`);
+  await page.screenshot({ path: join(shots, "overview.png"), fullPage: true });
+
+  step = "register a segment and see its residency";
+  await page.click("nav >> text=Segments");
+  await page.fill("form[aria-label='register a segment'] input[name=id]", "zentrix");
+  await page.fill("form[aria-label='register a segment'] input[name=name]", "Zentrix fact sheet");
+  await page.fill("form[aria-label='register a segment'] textarea[name=content]", "Zentrix was founded by Mara Quell in 1987.");
+  await page.click("form[aria-label='register a segment'] button[type=submit]");
+  await page.waitForURL(/#\/segments\/zentrix$/);
+  await page.getByTestId("residency").filter({ hasText: "resident" }).waitFor();
+  assert.match(await page.getByTestId("residency").textContent(), /^resident/);
+  await page.fill("textarea[name=new-content]", "Zentrix was founded by Mara Quell in 1987, in Lyon.");
+  await page.click("button:has-text('Save as version 2')");
+  await page.getByTestId("versions").locator("tbody tr").nth(1).waitFor();
+  await page.screenshot({ path: join(shots, "segment.png"), fullPage: true });
+  await page.click("text=← Segments");
+  await page.fill("input[name=search]", "zentr");
+  await page.getByTestId("segments").locator("tbody tr", { hasText: "Zentrix fact sheet" }).waitFor();
+
+  step = "an API error is shown verbatim";
+  await page.fill("form[aria-label='register a segment'] input[name=id]", "zentrix");
+  await page.fill("form[aria-label='register a segment'] textarea[name=content]", "again");
+  await page.click("form[aria-label='register a segment'] button[type=submit]");
+  const err = page.getByTestId("api-error");
+  await err.waitFor();
+  const direct = await (await call(op, "POST", "/v1/segments", { id: "zentrix", content: "again" })).json();
+  assert.ok((await err.textContent()).includes(direct.error.message), await err.textContent());
+  await page.screenshot({ path: join(shots, "segments.png"), fullPage: true });
+
+  step = "upload, dry-run, activate, audit, roll back a policy";
+  await page.click("nav >> text=Policies");
+  await page.getByTestId("active-eviction").waitFor();
+  assert.equal(await page.getByTestId("active-eviction").textContent(), "native default");
+  // A file that is not Wasm is refused before upload, naming the field.
+  await page.setInputFiles("input[name=wasm]", {
+    name: "bad.wasm",
+    mimeType: "application/wasm",
+    buffer: Buffer.from("(module)"),
+  });
+  await page.getByTestId("field-error").filter({ hasText: "not a WebAssembly binary module" }).waitFor();
+  await page.setInputFiles("input[name=wasm]", join(root, "policies/dist/lru.wasm"));
+  await page.fill("input[name=policy-name]", "lru-ui");
+  await page.selectOption("select[name=kind]", "eviction");
+  await page.click("form[aria-label='upload a policy'] button[type=submit]");
+  const row = page.getByTestId("kind-eviction").locator("tbody tr", { hasText: "lru-ui" });
+  await row.waitFor();
+  const id = Number(await row.locator("td").first().textContent());
+  await row.locator("button:has-text('Dry-run')").click();
+  await page.click("button:has-text('Run dry-run')");
+  const dry = page.getByTestId("dry-run-result");
+  await dry.waitFor();
+  assert.ok((await dry.textContent()).includes("hit ratio"));
+  await page.screenshot({ path: join(shots, "policies-dry-run.png"), fullPage: true });
+  page.once("dialog", (d) => d.accept());
+  await row.locator(`button:has-text('Activate #${id}')`).click();
+  await page.getByTestId("active-eviction").filter({ hasText: `#${id} lru-ui` }).waitFor();
+  await page.screenshot({ path: join(shots, "policies.png"), fullPage: true });
+
+  await page.click("nav >> text=Audit");
+  await page.fill("input[name=action]", "policy.activate");
+  await page.click("button:has-text('Filter')");
+  const audit = page.getByTestId("audit").locator("tbody tr", { hasText: "policy.activate" });
+  await audit.first().waitFor();
+  assert.ok((await audit.first().textContent()).includes("ops-ui"), "audit names the operator");
+  await page.fill("input[name=action]", "");
+  await page.fill("input[name=actor]", "ops-ui");
+  await page.click("button:has-text('Filter')");
+  await page.getByTestId("audit").locator("tbody tr", { hasText: "policy.dry_run" }).first().waitFor();
+  await page.screenshot({ path: join(shots, "audit.png"), fullPage: true });
+
+  await page.click("nav >> text=Policies");
+  page.once("dialog", (d) => d.accept());
+  await page.click("button:has-text('Roll back eviction')");
+  await page.getByTestId("active-eviction").filter({ hasText: "native default" }).waitFor();
+
+  step = "groups: create one, add a member";
+  await page.click("nav >> text=Groups");
+  await page.fill("input[name=group-id]", "research");
+  await page.click("button:has-text('Create group')");
+  const grow = page.getByTestId("groups").locator("tbody tr", { hasText: "research" });
+  await grow.waitFor();
+  await grow.locator("input[name=member-research]").fill("demo");
+  await grow.locator("button:has-text('Add')").click();
+  await grow.locator(".chip", { hasText: "demo" }).waitFor();
+  await page.screenshot({ path: join(shots, "groups.png"), fullPage: true });
+
+  step = "a tenant sees 403 on the operator screens";
+  const tctx = await browser.newContext({ viewport: { width: 1280, height: 800 } });
+  const tpage = await tctx.newPage();
+  tpage.on("request", (r) => requests.push(r.url()));
+  await tpage.goto(`${base}/ui/#/policies`);
+  await tpage.fill("textarea[name=token]", tenant);
+  await tpage.click("button:has-text('Sign in')");
+  await tpage.getByTestId("whoami").filter({ hasText: "tenant" }).waitFor();
+  const terr = tpage.getByTestId("api-error").first();
+  await terr.waitFor();
+  assert.match(await terr.textContent(), /403.*operator_required.*this endpoint needs the operator role/s);
+  await tpage.screenshot({ path: join(shots, "tenant-403.png"), fullPage: true });
+  // A tenant's navigation offers Segments only, where the operator's private
+  // segment is not listed.
+  assert.deepEqual(await tpage.locator("header nav a").allTextContents(), ["Segments"]);
+  await tpage.click("nav >> text=Segments");
+  await tpage.getByText("No segment.").waitFor();
+  assert.equal(await tpage.getByTestId("segments").locator("tbody tr").count(), 0);
+
+  step = "no token in a URL or the server log, no console error";
+  for (const t of [op, tenant]) {
+    assert.ok(!requests.some((u) => u.includes(t)), "a request URL carries the token");
+    assert.ok(!serverLog.includes(t), "the server log carries the token");
+  }
+  assert.ok(requests.every((u) => u.startsWith(base)), `off-origin request: ${requests.filter((u) => !u.startsWith(base))}`);
+  // 4xx answers the test provoked show as console errors ("Failed to load
+  // resource"); anything else (a CSP violation, an exception) fails.
+  const unexpected = problems.filter((p) => !/Failed to load resource: the server responded with a status of 4\d\d/.test(p));
+  assert.deepEqual(unexpected, []);
+  log(`ok (${readFileSync(join(shots, "overview.png")).length} byte overview screenshot)`);
+}
+
+try {
+  await main();
+} catch (e) {
+  console.error(`e2e: FAILED at step "${step}": ${e.stack ?? e}`);
+  console.error(`--- server log ---\n${serverLog.slice(-4000)}`);
+  process.exitCode = 1;
+} finally {
+  await browser?.close();
+  server.kill("SIGINT");
+  await new Promise((r) => (server.exitCode !== null ? r() : server.on("exit", r)));
+  rmSync(dataDir, { recursive: true, force: true });
+}

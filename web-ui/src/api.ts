@@ -1,0 +1,277 @@
+// Request and response types of the HYPIC REST API used by the console, and the
+// one function that calls it. Written by hand to mirror the Rust handlers
+// (control/src/api.rs, control/src/serve/routes.rs, control/src/serve/history.rs);
+// kept in this one file so it can be replaced by types generated from the
+// server's OpenAPI document.
+
+/** OpenAI-style error body: `{"error": {...}}`. */
+export interface ApiErrorBody {
+  message: string;
+  type: string;
+  param: string | null;
+  code: string | null;
+}
+
+/** `GET /v1/whoami`. */
+export interface Principal {
+  sub: string;
+  tenant: string;
+  role: "operator" | "tenant";
+}
+
+/** A catalog segment as the caller may see it. */
+export interface Segment {
+  id: string;
+  address: string;
+  owner_tenant?: string;
+  name: string;
+  public: boolean;
+  current_version: number;
+  content_hash: string;
+  byte_len: number;
+  tokens: Record<string, number>;
+  created_at: number;
+  updated_at: number;
+  /** Serving router only: token count and cache residency for the served model. */
+  hypic?: SegmentServing;
+}
+
+/** The `hypic` extension of a segment on the serving router. */
+export interface SegmentServing {
+  model?: string;
+  version?: number;
+  tokens?: number;
+  residency?: {
+    resident: boolean;
+    shared: boolean;
+    entries: { body_start: number; resident: boolean; bytes: number }[];
+  };
+  error?: string;
+}
+
+/** `GET /v1/segments`. */
+export interface SegmentList {
+  object: "list";
+  data: Segment[];
+  next: string | null;
+}
+
+/** Body of `POST /v1/segments`. */
+export interface NewSegment {
+  id: string;
+  name?: string;
+  content: string;
+  public?: boolean;
+  prefill?: boolean;
+}
+
+/** One row of `GET /v1/segments/{id}/versions`. */
+export interface SegmentVersion {
+  segment_id: string;
+  version: number;
+  content_hash: string;
+  byte_len: number;
+  created_by: string;
+  created_at: number;
+  superseded_at: number | null;
+}
+
+/** `GET /v1/admin/groups` rows: tenants grouped for segment grants. */
+export interface Group {
+  id: string;
+  name: string;
+  members: string[];
+  created_by: string;
+  created_at: number;
+}
+
+/** Hook kinds of a policy. */
+export const POLICY_KINDS = ["admission", "eviction", "invalidation", "isolation"] as const;
+export type PolicyKind = (typeof POLICY_KINDS)[number];
+
+/** One row of `GET /v1/admin/policies`. */
+export interface PolicyRecord {
+  id: number;
+  name: string;
+  kind: PolicyKind;
+  module_sha256: string;
+  /** JSON object, as text. */
+  params: string;
+  version: number;
+  created_by: string;
+  created_at: number;
+  active: boolean;
+}
+
+/** Body of `POST /v1/admin/policies`. */
+export interface UploadPolicy {
+  name: string;
+  kind: PolicyKind;
+  wasm_base64: string;
+  params: Record<string, number>;
+}
+
+/** Replay statistics of a dry run (`crate::sim::SimStats`). */
+export interface SimStats {
+  requests: number;
+  lookups: number;
+  hits: number;
+  hit_ratio: number;
+  bytes_hit: number;
+  bytes_inserted: number;
+  bytes_evicted: number;
+  recompute_tokens: number;
+  saved_tokens: number;
+  evictions: number;
+  rejected: number;
+  invalidations: number;
+  shared_hits: number;
+  policy_faults: number;
+  peak_bytes: number;
+}
+
+/** `POST /v1/admin/policies/{id}/dry-run`. */
+export interface DryRunResult {
+  policy_id: number;
+  kind: PolicyKind;
+  candidate: SimStats;
+  active: SimStats;
+  hit_ratio_delta: number;
+  recompute_tokens_delta: number;
+}
+
+/** `GET /v1/admin/policies/stats` (only `active` is typed; the rest is shown as is). */
+export interface PolicyStats {
+  active: Record<PolicyKind, number | null>;
+  metrics: unknown;
+  module_compiles: number;
+  modules_cached: number;
+}
+
+/** One row of `GET /v1/admin/audit`. */
+export interface AuditEntry {
+  id: number;
+  at: number;
+  actor: string;
+  tenant: string | null;
+  action: string;
+  target: string;
+  /** JSON, as text. */
+  detail: string;
+}
+
+/** Query of `GET /v1/admin/audit`. */
+export interface AuditQuery {
+  action?: string;
+  actor?: string;
+  since_ms?: number;
+  until_ms?: number;
+  limit?: number;
+}
+
+/** One cache pool in a metrics sample. */
+export interface PoolSample {
+  bytes: number;
+  entries: number;
+  spill_bytes: number;
+}
+
+/** TTFT quantiles (ms) of one mode over an interval. */
+export interface Quantiles {
+  count: number;
+  p50: number | null;
+  p95: number | null;
+  p99: number | null;
+}
+
+/** One metrics sample; counters are cumulative since the server started. */
+export interface MetricSample {
+  ts_ms: number;
+  requests: number;
+  finished: number;
+  rejected_429: number;
+  timeouts_408: number;
+  prompt_tokens_cached: number;
+  prompt_tokens_computed: number;
+  completion_tokens: number;
+  segment_hits: number;
+  segment_misses: number;
+  queue_depth: number;
+  running: number;
+  pools: Record<string, PoolSample>;
+  policy_calls: number;
+  policy_faults: number;
+  policy_fallbacks: number;
+  ttft_ms: Record<string, Quantiles>;
+}
+
+/** `GET /v1/metrics/history` (operator; `hypic serve` only). */
+export interface MetricsHistory {
+  interval_ms: number;
+  capacity: number;
+  /** Oldest first; the last one was taken at the request. */
+  samples: MetricSample[];
+  ttft_window_ms: Record<string, Quantiles>;
+}
+
+/** An error answer of the API, kept verbatim for display. */
+export class ApiError extends Error {
+  constructor(
+    public status: number,
+    public body: ApiErrorBody,
+  ) {
+    super(body.message);
+  }
+}
+
+const TOKEN_KEY = "hypic.token";
+
+/** The bearer token of this browser tab (session storage only). */
+export function getToken(): string | null {
+  return sessionStorage.getItem(TOKEN_KEY);
+}
+
+/** Stores (or, with `null`, forgets) the bearer token for this tab. */
+export function setToken(t: string | null): void {
+  if (t === null) sessionStorage.removeItem(TOKEN_KEY);
+  else sessionStorage.setItem(TOKEN_KEY, t);
+}
+
+/**
+ * Calls the API with the tab's token. Resolves to the parsed JSON body; an
+ * answer that is not 2xx rejects with an {@link ApiError} carrying the server's
+ * error object unchanged (a non-JSON error body becomes its `message`).
+ */
+export async function api<T>(method: string, path: string, body?: unknown): Promise<T> {
+  const headers: Record<string, string> = {};
+  const token = getToken();
+  if (token) headers["authorization"] = `Bearer ${token}`;
+  if (body !== undefined) headers["content-type"] = "application/json";
+  const r = await fetch(path, {
+    method,
+    headers,
+    body: body === undefined ? undefined : JSON.stringify(body),
+    credentials: "omit",
+    cache: "no-store",
+  });
+  const text = await r.text();
+  if (!r.ok) {
+    let err: ApiErrorBody = { message: text || r.statusText, type: "", param: null, code: null };
+    try {
+      const j = JSON.parse(text);
+      if (j && typeof j.error === "object") err = j.error;
+    } catch {
+      // not JSON: the text itself is the message
+    }
+    throw new ApiError(r.status, err);
+  }
+  return (text ? JSON.parse(text) : null) as T;
+}
+
+/** `?a=1&b=x` from the set fields of `q` (empty string when none). */
+export function query(q: Record<string, string | number | undefined>): string {
+  const p = new URLSearchParams();
+  for (const [k, v] of Object.entries(q)) if (v !== undefined && v !== "") p.set(k, String(v));
+  const s = p.toString();
+  return s ? `?${s}` : "";
+}

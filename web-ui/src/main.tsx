@@ -1,0 +1,145 @@
+// The HYPIC operator console: sign-in, navigation (hash routes), screens.
+import { render } from "preact";
+import { useEffect, useState } from "preact/hooks";
+import "uplot/dist/uPlot.min.css";
+import "./style.css";
+import { api, getToken, setToken, type Principal } from "./api";
+import { Audit } from "./audit";
+import { Groups } from "./groups";
+import { Overview } from "./overview";
+import { Policies } from "./policies";
+import { SegmentDetail, Segments } from "./segments";
+import { ErrorBox } from "./ui";
+
+function SignIn({ done }: { done: (p: Principal) => void }) {
+  const [token, setTok] = useState("");
+  const [error, setError] = useState<unknown>(null);
+  const submit = async (e: Event) => {
+    e.preventDefault();
+    setToken(token.trim());
+    try {
+      done(await api<Principal>("GET", "/v1/whoami"));
+    } catch (err) {
+      setToken(null);
+      setError(err);
+    }
+  };
+  return (
+    <main class="signin">
+      <form class="card" onSubmit={submit} aria-label="sign in">
+        <h1>HYPIC console</h1>
+        <p>
+          Paste an operator or tenant token (the server prints both at its first start; <code>hypic token</code> mints
+          more). It is kept in this tab's session storage only.
+        </p>
+        <label class="wide">
+          token
+          <textarea
+            name="token"
+            rows={4}
+            autocomplete="off"
+            spellcheck={false}
+            value={token}
+            onInput={(e) => setTok(e.currentTarget.value)}
+            required
+          />
+        </label>
+        <button type="submit">Sign in</button>
+        <ErrorBox error={error} />
+      </form>
+    </main>
+  );
+}
+
+function useHash(): [string, (h: string) => void] {
+  const [hash, setHash] = useState(location.hash);
+  useEffect(() => {
+    const on = () => setHash(location.hash);
+    addEventListener("hashchange", on);
+    return () => removeEventListener("hashchange", on);
+  }, []);
+  return [hash, (h: string) => (location.hash = h)];
+}
+
+function Screen({ hash, go }: { hash: string; go: (h: string) => void }) {
+  const parts = hash.replace(/^#\/?/, "").split("/");
+  switch (parts[0]) {
+    case "segments":
+      return parts[1] ? <SegmentDetail id={decodeURIComponent(parts[1])} go={go} /> : <Segments go={go} />;
+    case "policies":
+      return <Policies />;
+    case "audit":
+      return <Audit />;
+    case "groups":
+      return <Groups />;
+    default:
+      return <Overview />;
+  }
+}
+
+function App() {
+  const [me, setMe] = useState<Principal | null>(null);
+  const [error, setError] = useState<unknown>(null);
+  const [checking, setChecking] = useState(!!getToken());
+  const [hash, go] = useHash();
+  useEffect(() => {
+    if (!getToken()) return;
+    api<Principal>("GET", "/v1/whoami").then(
+      (p) => (setMe(p), setChecking(false)),
+      (e) => (setToken(null), setError(e), setChecking(false)),
+    );
+  }, []);
+  if (checking) return <p>Checking the token…</p>;
+  if (!me)
+    return (
+      <>
+        <SignIn done={setMe} />
+        <ErrorBox error={error} />
+      </>
+    );
+  // A tenant's token is refused the operator screens by the API (403); the
+  // navigation offers them to operators only, and a tenant starts at Segments.
+  const op = me.role === "operator";
+  const nav = op
+    ? [
+        ["#/overview", "Overview"],
+        ["#/segments", "Segments"],
+        ["#/policies", "Policies"],
+        ["#/groups", "Groups"],
+        ["#/audit", "Audit"],
+      ]
+    : [["#/segments", "Segments"]];
+  const shown = hash && hash !== "#/" ? hash : op ? "#/overview" : "#/segments";
+  const section = "#/" + shown.replace(/^#\/?/, "").split("/")[0];
+  return (
+    <>
+      <header>
+        <span class="brand">HYPIC</span>
+        <nav aria-label="screens">
+          {nav.map(([h, label]) => (
+            <a key={h} href={h} aria-current={section === h ? "page" : undefined}>
+              {label}
+            </a>
+          ))}
+        </nav>
+        <span class="who" data-testid="whoami">
+          {me.sub} · {me.tenant} · {me.role}
+        </span>
+        <button
+          type="button"
+          onClick={() => {
+            setToken(null);
+            setMe(null);
+          }}
+        >
+          Sign out
+        </button>
+      </header>
+      <main>
+        <Screen hash={shown} go={go} />
+      </main>
+    </>
+  );
+}
+
+render(<App />, document.getElementById("app")!);

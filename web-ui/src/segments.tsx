@@ -1,0 +1,316 @@
+// Segments: the catalog browser (list, search, register) and one segment's
+// detail (residency, versions, grants, new version, delete).
+import { useState } from "preact/hooks";
+import { api, type NewSegment, type Segment, type SegmentList, type SegmentVersion, query } from "./api";
+import { bytes } from "./metrics";
+import { ErrorBox, useLoad, when } from "./ui";
+import { checkId } from "./validate";
+
+async function loadAll(): Promise<Segment[]> {
+  const out: Segment[] = [];
+  let after: string | undefined;
+  // At most 10 pages of 1000: the browser filters what it loaded.
+  for (let i = 0; i < 10; i++) {
+    const page = await api<SegmentList>("GET", `/v1/segments${query({ limit: 1000, after })}`);
+    out.push(...page.data);
+    if (!page.next) break;
+    after = page.next;
+  }
+  return out;
+}
+
+function resident(s: Segment): string {
+  const r = s.hypic?.residency;
+  if (!r) return "—";
+  return r.resident ? (r.shared ? "resident (shared)" : "resident") : "not resident";
+}
+
+function NewSegmentForm({ done }: { done: (id: string) => void }) {
+  const [f, setF] = useState<NewSegment>({ id: "", name: "", content: "", public: false, prefill: true });
+  const [error, setError] = useState<unknown>(null);
+  const [busy, setBusy] = useState(false);
+  const submit = async (e: Event) => {
+    e.preventDefault();
+    const bad = checkId("id", f.id);
+    if (bad) return setError(bad);
+    setBusy(true);
+    try {
+      const body: NewSegment = { ...f, name: f.name || undefined };
+      const s = await api<Segment>("POST", "/v1/segments", body);
+      setError(null);
+      done(s.id);
+    } catch (err) {
+      setError(err);
+    } finally {
+      setBusy(false);
+    }
+  };
+  return (
+    <form class="card" onSubmit={submit} aria-label="register a segment">
+      <h2>Register a segment</h2>
+      <label>
+        id <input name="id" value={f.id} onInput={(e) => setF({ ...f, id: e.currentTarget.value })} required />
+      </label>
+      <label>
+        name <input name="name" value={f.name} onInput={(e) => setF({ ...f, name: e.currentTarget.value })} />
+      </label>
+      <label class="wide">
+        content
+        <textarea
+          name="content"
+          rows={4}
+          value={f.content}
+          onInput={(e) => setF({ ...f, content: e.currentTarget.value })}
+          required
+        />
+      </label>
+      <label>
+        <input type="checkbox" name="public" checked={f.public} onChange={(e) => setF({ ...f, public: e.currentTarget.checked })} />{" "}
+        public (every tenant may read it)
+      </label>
+      <label>
+        <input type="checkbox" name="prefill" checked={f.prefill} onChange={(e) => setF({ ...f, prefill: e.currentTarget.checked })} />{" "}
+        prefill now
+      </label>
+      <button type="submit" disabled={busy}>
+        {busy ? "Registering…" : "Register"}
+      </button>
+      <ErrorBox error={error} />
+    </form>
+  );
+}
+
+export function Segments({ go }: { go: (hash: string) => void }) {
+  const { data, error, reload } = useLoad(loadAll, []);
+  const [q, setQ] = useState("");
+  const needle = q.trim().toLowerCase();
+  const rows = (data ?? []).filter(
+    (s) =>
+      !needle ||
+      s.id.toLowerCase().includes(needle) ||
+      s.name.toLowerCase().includes(needle) ||
+      (s.owner_tenant ?? "").toLowerCase().includes(needle),
+  );
+  return (
+    <section>
+      <h1>Segments</h1>
+      <div class="toolbar">
+        <label>
+          search <input type="search" name="search" value={q} onInput={(e) => setQ(e.currentTarget.value)} placeholder="id, name or owner" />
+        </label>
+        <button type="button" onClick={reload}>
+          Refresh
+        </button>
+      </div>
+      <ErrorBox error={error} />
+      <table data-testid="segments">
+        <thead>
+          <tr>
+            <th>id</th>
+            <th>name</th>
+            <th>owner</th>
+            <th>public</th>
+            <th>version</th>
+            <th>bytes</th>
+            <th>tokens</th>
+            <th>residency</th>
+            <th>updated</th>
+          </tr>
+        </thead>
+        <tbody>
+          {rows.map((s) => (
+            <tr key={s.address}>
+              <td>
+                <a href={`#/segments/${encodeURIComponent(s.id)}`}>{s.id}</a>
+              </td>
+              <td>{s.name}</td>
+              <td>{s.owner_tenant ?? "—"}</td>
+              <td>{s.public ? "yes" : "no"}</td>
+              <td>{s.current_version}</td>
+              <td>{bytes(s.byte_len)}</td>
+              <td>{s.hypic?.tokens ?? Object.values(s.tokens)[0] ?? "—"}</td>
+              <td>{resident(s)}</td>
+              <td>{when(s.updated_at)}</td>
+            </tr>
+          ))}
+        </tbody>
+      </table>
+      {data && rows.length === 0 ? <p>No segment{needle ? " matches" : ""}.</p> : null}
+      <NewSegmentForm done={(id) => go(`#/segments/${encodeURIComponent(id)}`)} />
+    </section>
+  );
+}
+
+function Grants({ id }: { id: string }) {
+  const path = `/v1/segments/${encodeURIComponent(id)}`;
+  const g = useLoad(
+    () => Promise.all([api<string[]>("GET", `${path}/grants`), api<string[]>("GET", `${path}/group-grants`)]),
+    [id],
+  );
+  const [tenant, setTenant] = useState("");
+  const [error, setError] = useState<unknown>(null);
+  const act = async (method: string, p: string, body?: unknown) => {
+    try {
+      await api(method, p, body);
+      setError(null);
+      g.reload();
+    } catch (e) {
+      setError(e);
+    }
+  };
+  return (
+    <div class="card">
+      <h2>Grants</h2>
+      <ErrorBox error={g.error} />
+      {g.data ? (
+        <ul>
+          {g.data[0].map((t) => (
+            <li key={`t-${t}`}>
+              tenant {t}{" "}
+              <button type="button" onClick={() => act("DELETE", `${path}/grants/${encodeURIComponent(t)}`)}>
+                Revoke
+              </button>
+            </li>
+          ))}
+          {g.data[1].map((t) => (
+            <li key={`g-${t}`}>
+              group {t}{" "}
+              <button type="button" onClick={() => act("DELETE", `${path}/group-grants/${encodeURIComponent(t)}`)}>
+                Revoke
+              </button>
+            </li>
+          ))}
+          {g.data[0].length + g.data[1].length === 0 ? <li>No grant.</li> : null}
+        </ul>
+      ) : null}
+      <form
+        onSubmit={(e) => {
+          e.preventDefault();
+          act("POST", `${path}/grants`, { tenant });
+        }}
+      >
+        <label>
+          grant to tenant <input name="grant-tenant" value={tenant} onInput={(e) => setTenant(e.currentTarget.value)} />
+        </label>{" "}
+        <button type="submit">Grant</button>
+      </form>
+      <ErrorBox error={error} />
+    </div>
+  );
+}
+
+export function SegmentDetail({ id, go }: { id: string; go: (hash: string) => void }) {
+  const path = `/v1/segments/${encodeURIComponent(id)}`;
+  const seg = useLoad(() => api<Segment>("GET", path), [id]);
+  const versions = useLoad(() => api<SegmentVersion[]>("GET", `${path}/versions`), [id]);
+  const [content, setContent] = useState("");
+  const [error, setError] = useState<unknown>(null);
+  const s = seg.data;
+  const update = async (e: Event) => {
+    e.preventDefault();
+    try {
+      await api("PUT", path, { content });
+      setError(null);
+      setContent("");
+      seg.reload();
+      versions.reload();
+    } catch (err) {
+      setError(err);
+    }
+  };
+  const del = async () => {
+    if (!window.confirm(`Delete segment ${id}? Its cache entries are evicted.`)) return;
+    try {
+      await api("DELETE", path);
+      go("#/segments");
+    } catch (err) {
+      setError(err);
+    }
+  };
+  return (
+    <section>
+      <p>
+        <a href="#/segments">← Segments</a>
+      </p>
+      <h1>Segment {id}</h1>
+      <ErrorBox error={seg.error} />
+      {s ? (
+        <dl class="facts" data-testid="segment-detail">
+          <dt>name</dt>
+          <dd>{s.name}</dd>
+          <dt>address</dt>
+          <dd>
+            <code>{s.address}</code>
+          </dd>
+          <dt>owner</dt>
+          <dd>{s.owner_tenant ?? "—"}</dd>
+          <dt>public</dt>
+          <dd>{s.public ? "yes" : "no"}</dd>
+          <dt>version</dt>
+          <dd>{s.current_version}</dd>
+          <dt>bytes</dt>
+          <dd>{bytes(s.byte_len)}</dd>
+          <dt>tokens ({s.hypic?.model ?? "model"})</dt>
+          <dd>{s.hypic?.tokens ?? "—"}</dd>
+          <dt>residency</dt>
+          <dd data-testid="residency">
+            {resident(s)}
+            {s.hypic?.residency?.entries.length ? (
+              <ul>
+                {s.hypic.residency.entries.map((e) => (
+                  <li key={e.body_start}>
+                    body start {e.body_start}: {e.resident ? `resident, ${bytes(e.bytes)}` : "not resident"}
+                  </li>
+                ))}
+              </ul>
+            ) : null}
+            {s.hypic?.error ? <div class="error">{s.hypic.error}</div> : null}
+          </dd>
+          <dt>updated</dt>
+          <dd>{when(s.updated_at)}</dd>
+        </dl>
+      ) : null}
+      <h2>Versions</h2>
+      <ErrorBox error={versions.error} />
+      <table data-testid="versions">
+        <thead>
+          <tr>
+            <th>version</th>
+            <th>content hash</th>
+            <th>bytes</th>
+            <th>by</th>
+            <th>created</th>
+            <th>superseded</th>
+          </tr>
+        </thead>
+        <tbody>
+          {(versions.data ?? []).map((v) => (
+            <tr key={v.version}>
+              <td>{v.version}</td>
+              <td>
+                <code>{v.content_hash.slice(0, 16)}</code>
+              </td>
+              <td>{v.byte_len}</td>
+              <td>{v.created_by}</td>
+              <td>{when(v.created_at)}</td>
+              <td>{when(v.superseded_at)}</td>
+            </tr>
+          ))}
+        </tbody>
+      </table>
+      <form class="card" onSubmit={update} aria-label="new version">
+        <h2>New version</h2>
+        <label class="wide">
+          content
+          <textarea name="new-content" rows={3} value={content} onInput={(e) => setContent(e.currentTarget.value)} required />
+        </label>
+        <button type="submit">Save as version {s ? s.current_version + 1 : ""}</button>
+        <button type="button" class="danger" onClick={del}>
+          Delete segment
+        </button>
+        <ErrorBox error={error} />
+      </form>
+      <Grants id={id} />
+    </section>
+  );
+}
