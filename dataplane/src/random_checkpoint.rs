@@ -509,7 +509,7 @@ pub fn write(
             weight_map.insert(s.name.clone(), fname.clone().into());
         }
         let mut head = serde_json::to_vec(&serde_json::Value::Object(header)).expect("json");
-        while head.len() % 8 != 0 {
+        while !head.len().is_multiple_of(8) {
             head.push(b' ');
         }
         let file = std::fs::File::create(&path).map_err(io_err(&path))?;
