@@ -139,10 +139,10 @@ impl Loader<'_> {
         dst: &mut CudaViewMut<'_, T>,
     ) -> Result<()> {
         let s = self.gpu.stream();
-        let same = matches!(
-            (dtype, T::SUFFIX),
-            (Dtype::F32, "f32") | (Dtype::BF16, "bf16")
-        );
+        let t = std::any::TypeId::of::<T>();
+        let is_f32 = t == std::any::TypeId::of::<f32>();
+        let same = (dtype == Dtype::F32 && is_f32)
+            || (dtype == Dtype::BF16 && t == std::any::TypeId::of::<half::bf16>());
         if same {
             s.memcpy_htod(&*as_elems::<T>(bytes, n), dst)?;
             return Ok(());
@@ -162,8 +162,8 @@ impl Loader<'_> {
                     .chunks_exact(8)
                     .map(|c| f64::from_le_bytes(c.try_into().expect("8-byte chunk")) as f32)
                     .collect();
-                if T::SUFFIX == "f32" {
-                    // SAFETY: T is f32 here (SUFFIX "f32" is only implemented by f32).
+                if is_f32 {
+                    // SAFETY: T is f32 here (checked by TypeId).
                     let v: &[T] = unsafe { std::slice::from_raw_parts(v.as_ptr().cast(), n) };
                     s.memcpy_htod(v, dst)?;
                     return Ok(());
