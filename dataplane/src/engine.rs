@@ -222,11 +222,7 @@ where
             stats: out.stats,
         })
     }
-    fn decode_batch(
-        &self,
-        tokens: &[u32],
-        states: &mut [&mut B::State],
-    ) -> Result<Vec<Vec<f32>>> {
+    fn decode_batch(&self, tokens: &[u32], states: &mut [&mut B::State]) -> Result<Vec<Vec<f32>>> {
         let _serial = Pic::pic_backend(self).exclusive();
         Pic::pic_backend(self).decode_batch(tokens, states)
     }

@@ -72,6 +72,14 @@ pub enum CudaError {
     Shape(String),
 }
 
+/// A device failure seen through the engine interface: [`crate::Error::Device`]
+/// with the message.
+impl From<CudaError> for crate::Error {
+    fn from(e: CudaError) -> Self {
+        crate::Error::Device(e.to_string())
+    }
+}
+
 impl From<cudarc::driver::DriverError> for CudaError {
     fn from(e: cudarc::driver::DriverError) -> Self {
         CudaError::Driver(format!("{e:?}"))

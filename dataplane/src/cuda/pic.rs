@@ -429,7 +429,7 @@ fn lock<X>(m: &Mutex<X>) -> MutexGuard<'_, X> {
 }
 
 fn device_err(e: CudaError) -> crate::Error {
-    crate::Error::Device(e.to_string())
+    e.into()
 }
 
 /// The device model as a PIC backend.
@@ -527,85 +527,6 @@ where
             len: m,
             layers,
         })
-    }
-
-    /// Places cached segments one after the other after the running `state` (segment
-    /// k at `b_k = state.next_position + Σ_{j<k} len_j`): per layer, segment k's seam
-    /// window `tokens[..body_start]` runs through the layer's mixer at its new positions
-    /// from the running layer state, then the body is composed into that state (or
-    /// added, `naive`) and its (re-rotated) KV appended; the FFN runs once per layer over
-    /// all seam windows ([`GpuModel::forward_spans`]). The same result per segment as
-    /// recomputing each seam through the whole model and then composing its body, one
-    /// segment after the other.
-    ///
-    /// Also returns `(k, state after segment k)` for the last `keep` segments of the run
-    /// (the private pool's entries): per layer, a copy taken right after the segment's
-    /// body is composed (KV shared copy-on-write).
-    fn compose_segments(
-        &self,
-        run: &[(&[u32], &GpuSegmentEntry<T>)],
-        state: &mut GpuState<T>,
-        naive: bool,
-        rope_fix: bool,
-        keep: usize,
-    ) -> Result<Vec<(usize, GpuState<T>)>> {
-        let model = &self.model;
-        let gpu = model.gpu();
-        let nl = state.layers.len();
-        let entries: Vec<&GpuSegmentEntry<T>> = run.iter().map(|&(_, e)| e).collect();
-        let mut starts = Vec::with_capacity(entries.len());
-        let mut b = state.next_position;
-        for &(tokens, e) in run {
-            if e.len != tokens.len() || e.body_start > e.len || e.layers.len() != nl {
-                return Err(CudaError::Shape(format!(
-                    "cache entry ({} tokens, body from {}, {} layers) does not match the \
-                     segment ({} tokens) or the state ({nl} layers)",
-                    e.len,
-                    e.body_start,
-                    e.layers.len(),
-                    tokens.len(),
-                )));
-            }
-            starts.push(b);
-            b += e.len as i64;
-        }
-        let spans: Vec<(&[u32], i64)> = run
-            .iter()
-            .zip(&starts)
-            .map(|(&(tokens, e), &b)| (&tokens[..e.body_start], b))
-            .collect();
-        let first_kept = entries.len() - keep.min(entries.len());
-        let mut snap_layers: Vec<Vec<GpuLayerState<T>>> = (first_kept..entries.len())
-            .map(|_| Vec::with_capacity(nl))
-            .collect();
-        model.forward_spans(&spans, state, |l, k, ls| {
-            let e = entries[k];
-            self.compose_layer(
-                l,
-                ls,
-                &e.layers[l],
-                starts[k] + e.body_start as i64,
-                starts[k],
-                naive,
-                rope_fix,
-            )?;
-            if k >= first_kept {
-                snap_layers[k - first_kept].push(ls.try_clone_on(gpu)?);
-            }
-            Ok(())
-        })?;
-        state.next_position = b;
-        Ok(snap_layers
-            .into_iter()
-            .enumerate()
-            .map(|(s, layers)| {
-                let k = first_kept + s;
-                (
-                    k,
-                    state.with_layers(layers, starts[k] + entries[k].len as i64),
-                )
-            })
-            .collect())
     }
 
     /// Composes one layer of a cached segment into the running layer state `ls`: GDN
@@ -746,7 +667,18 @@ where
             })
             .collect()
     }
-    /// Layer-major ([`GpuModel::forward_spans`]), see `compose_segments`.
+    /// Places cached segments one after the other after the running `state` (segment
+    /// k at `b_k = state.next_position + Σ_{j<k} len_j`): per layer, segment k's seam
+    /// window `tokens[..body_start]` runs through the layer's mixer at its new positions
+    /// from the running layer state, then the body is composed into that state (or
+    /// added, `naive`) and its (re-rotated) KV appended; the FFN runs once per layer over
+    /// all seam windows ([`GpuModel::forward_spans`]). The same result per segment as
+    /// recomputing each seam through the whole model and then composing its body, one
+    /// segment after the other.
+    ///
+    /// Also returns `(k, state after segment k)` for the last `keep` segments of the run
+    /// (the private pool's entries): per layer, a copy taken right after the segment's
+    /// body is composed (KV shared copy-on-write).
     fn compose_run(
         &self,
         run: &[(&[u32], &GpuSegmentEntry<T>)],
@@ -755,8 +687,64 @@ where
         rope_fix: bool,
         keep: usize,
     ) -> crate::Result<Vec<(usize, GpuState<T>)>> {
-        self.compose_segments(run, state, naive, rope_fix, keep)
-            .map_err(device_err)
+        let model = &self.model;
+        let gpu = model.gpu();
+        let nl = state.layers.len();
+        let entries: Vec<&GpuSegmentEntry<T>> = run.iter().map(|&(_, e)| e).collect();
+        let mut starts = Vec::with_capacity(entries.len());
+        let mut b = state.next_position;
+        for &(tokens, e) in run {
+            if e.len != tokens.len() || e.body_start > e.len || e.layers.len() != nl {
+                return Err(CudaError::Shape(format!(
+                    "cache entry ({} tokens, body from {}, {} layers) does not match the \
+                     segment ({} tokens) or the state ({nl} layers)",
+                    e.len,
+                    e.body_start,
+                    e.layers.len(),
+                    tokens.len(),
+                ))
+                .into());
+            }
+            starts.push(b);
+            b += e.len as i64;
+        }
+        let spans: Vec<(&[u32], i64)> = run
+            .iter()
+            .zip(&starts)
+            .map(|(&(tokens, e), &b)| (&tokens[..e.body_start], b))
+            .collect();
+        let first_kept = entries.len() - keep.min(entries.len());
+        let mut snap_layers: Vec<Vec<GpuLayerState<T>>> = (first_kept..entries.len())
+            .map(|_| Vec::with_capacity(nl))
+            .collect();
+        model.forward_spans(&spans, state, |l, k, ls| {
+            let e = entries[k];
+            self.compose_layer(
+                l,
+                ls,
+                &e.layers[l],
+                starts[k] + e.body_start as i64,
+                starts[k],
+                naive,
+                rope_fix,
+            )?;
+            if k >= first_kept {
+                snap_layers[k - first_kept].push(ls.try_clone_on(gpu)?);
+            }
+            Ok(())
+        })?;
+        state.next_position = b;
+        Ok(snap_layers
+            .into_iter()
+            .enumerate()
+            .map(|(s, layers)| {
+                let k = first_kept + s;
+                (
+                    k,
+                    state.with_layers(layers, starts[k] + entries[k].len as i64),
+                )
+            })
+            .collect())
     }
     fn decode_batch(
         &self,

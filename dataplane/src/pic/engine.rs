@@ -963,23 +963,28 @@ impl<B: PicBackend> Pic<B> {
     /// Removes the public-pool entries of `tokens` under `isolation` for each of
     /// `body_starts`; returns how many were present.
     pub fn evict_segment(&self, tokens: &[u32], isolation: &str, body_starts: &[usize]) -> usize {
-        let keys: Vec<Key> = body_starts
-            .iter()
-            .map(|&b| self.entry_key(tokens, isolation, b))
-            .collect();
-        let mut p = lock(&self.public);
-        keys.iter().filter(|k| p.remove(k)).count()
+        self.remove_entries(tokens, isolation, body_starts, Pool::remove)
     }
 
     /// As [`Self::evict_segment`], but the removals leave no departure record: a
     /// later miss on these entries reports `never_seen` whether or not they were
     /// present.
     pub fn forget_segment(&self, tokens: &[u32], isolation: &str, body_starts: &[usize]) -> usize {
+        self.remove_entries(tokens, isolation, body_starts, Pool::remove_unrecorded)
+    }
+
+    fn remove_entries(
+        &self,
+        tokens: &[u32],
+        isolation: &str,
+        body_starts: &[usize],
+        remove: fn(&mut Pool<B::Entry>, &Key) -> bool,
+    ) -> usize {
         let keys: Vec<Key> = body_starts
             .iter()
             .map(|&b| self.entry_key(tokens, isolation, b))
             .collect();
         let mut p = lock(&self.public);
-        keys.iter().filter(|k| p.remove_unrecorded(k)).count()
+        keys.iter().filter(|k| remove(&mut p, k)).count()
     }
 }
