@@ -1,7 +1,9 @@
 //! The control-plane HTTP API (axum): segment catalog routes for tenants,
 //! policy lifecycle routes for operators. Every route except
-//! `GET /v1/control/health` needs a bearer JWT; errors are OpenAI-style JSON
-//! `{"error":{"message":..,"type":..,"code":..}}`.
+//! `GET /v1/control/health` and `GET /openapi.json` (the OpenAPI document,
+//! [`openapi`]) needs a bearer JWT; errors are [`ApiError`]s, OpenAI-style JSON
+//! `{"error":{"message":..,"type":..,"param":..,"code":..}}`. The segment routes
+//! call the [`SegmentService`] with the verified caller.
 
 use std::collections::{BTreeMap, HashSet};
 use std::sync::{Arc, Mutex};
@@ -17,13 +19,13 @@ use serde::de::DeserializeOwned;
 use serde::{Deserialize, Serialize};
 
 use crate::auth::{AuthError, Authenticator, IsolationKeyer, Principal};
-pub use crate::error::{ApiError, IDEMPOTENCY_KEY};
 use crate::catalog::{now_ms, Catalog, Group, NewSegment, Residency, Role};
+pub use crate::error::{ApiError, IDEMPOTENCY_KEY};
 use crate::policy::{
     EntryInfo, IsolationInfo, PolicyError, PolicyKind, PolicyRuntime, PolicySet, PolicySlot,
 };
-pub use crate::segments::{SnapshotItem, SnapshotResponse, UpdateResult};
 use crate::segments::SegmentService;
+pub use crate::segments::{SnapshotItem, SnapshotResponse, UpdateResult};
 use crate::sim::{parse_trace, simulate, SimStats};
 
 /// How requests are authenticated.
@@ -406,7 +408,9 @@ pub fn openapi() -> utoipa::openapi::OpenApi {
         "/ready".into(),
         ready_path_item("Readiness: the catalog accepts a write (no token)"),
     );
-    doc.paths.paths.insert("/openapi.json".into(), openapi_path_item());
+    doc.paths
+        .paths
+        .insert("/openapi.json".into(), openapi_path_item());
     doc
 }
 
@@ -456,12 +460,14 @@ pub fn openapi_path_item() -> utoipa::openapi::PathItem {
             .responses(
                 ResponsesBuilder::new().response(
                     "200",
-                    ResponseBuilder::new().description("OpenAPI 3.1 JSON").content(
-                        "application/json",
-                        ContentBuilder::new()
-                            .schema(Some(ObjectBuilder::new()))
-                            .build(),
-                    ),
+                    ResponseBuilder::new()
+                        .description("OpenAPI 3.1 JSON")
+                        .content(
+                            "application/json",
+                            ContentBuilder::new()
+                                .schema(Some(ObjectBuilder::new()))
+                                .build(),
+                        ),
                 ),
             ),
     )
@@ -630,10 +636,7 @@ async fn list_segments(
     Caller(p): Caller,
     ApiQuery(q): ApiQuery<ListQuery>,
 ) -> ApiResult<SegmentList> {
-    let page = s
-        .segments()
-        .list(&p, q.cursor()?, q.page_size()?)
-        .await?;
+    let page = s.segments().list(&p, q.cursor()?, q.page_size()?).await?;
     Ok(Json(SegmentList {
         object: "list".into(),
         data: page.items.into_iter().map(|x| x.view).collect(),
@@ -668,9 +671,7 @@ async fn update_segment(
     Body(u): Body<UpdateSegment>,
 ) -> ApiResult<UpdateResult> {
     Ok(Json(
-        s.segments()
-            .update(&p, &id, &u.content, &u.tokens)
-            .await?,
+        s.segments().update(&p, &id, &u.content, &u.tokens).await?,
     ))
 }
 
@@ -1126,10 +1127,7 @@ async fn rollback_policy(
 ) -> ApiResult<serde_json::Value> {
     let kind: PolicyKind = b.kind.parse().map_err(ApiError::bad_request)?;
     let _serial = s.inner.activation.lock().await;
-    let now_active = s
-        .catalog()
-        .rollback_policy(kind.as_str(), &p.sub)
-        .await?;
+    let now_active = s.catalog().rollback_policy(kind.as_str(), &p.sub).await?;
     match now_active {
         Some(id) => {
             let rec = s.catalog().policy(id).await?;

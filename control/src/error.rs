@@ -22,12 +22,7 @@ pub const IDEMPOTENCY_KEY: &str = "Idempotency-Key";
 /// The JSON body of an error answer: `{"error": {"message", "type", "param",
 /// "code"}}` (`param` is `null` when the error names no request field). Shared by
 /// the control API and the serving API, so both speak one wire format.
-pub fn error_body(
-    message: &str,
-    kind: &str,
-    param: Option<&str>,
-    code: &str,
-) -> serde_json::Value {
+pub fn error_body(message: &str, kind: &str, param: Option<&str>, code: &str) -> serde_json::Value {
     serde_json::json!({"error": {
         "message": message,
         "type": kind,

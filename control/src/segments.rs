@@ -320,7 +320,12 @@ impl SegmentService {
     }
 
     /// Grants `tenant` read access to the segment `p` owns as `reference`.
-    pub async fn grant(&self, p: &Principal, reference: &str, tenant: &str) -> Result<(), ApiError> {
+    pub async fn grant(
+        &self,
+        p: &Principal,
+        reference: &str,
+        tenant: &str,
+    ) -> Result<(), ApiError> {
         let seg = self.owned(p, reference).await?;
         Ok(self.catalog.grant(&seg.address, tenant, &p.sub).await?)
     }
@@ -355,7 +360,10 @@ impl SegmentService {
         group: &str,
     ) -> Result<(), ApiError> {
         let seg = self.owned(p, reference).await?;
-        Ok(self.catalog.grant_group(&seg.address, group, &p.sub).await?)
+        Ok(self
+            .catalog
+            .grant_group(&seg.address, group, &p.sub)
+            .await?)
     }
 
     /// Revokes the grant of `group` on the segment `p` owns as `reference`.
@@ -366,7 +374,10 @@ impl SegmentService {
         group: &str,
     ) -> Result<(), ApiError> {
         let seg = self.owned(p, reference).await?;
-        Ok(self.catalog.revoke_group(&seg.address, group, &p.sub).await?)
+        Ok(self
+            .catalog
+            .revoke_group(&seg.address, group, &p.sub)
+            .await?)
     }
 
     /// The isolation key of the pinned segment `e` for `tenant` (narrowed by the

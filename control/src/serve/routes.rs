@@ -599,21 +599,20 @@ pub async fn resolve(
         let mut uniq = ids.clone();
         uniq.sort();
         uniq.dedup();
-        let r = s
-            .0
-            .control
-            .segments()
-            .snapshot(tenant, &uniq, salt)
-            .await
-            .map_err(|e| {
-                let mut se = ServeError::from(e);
-                if se.status == StatusCode::NOT_FOUND {
-                    se.code = "segment_not_found";
-                    se.kind = "invalid_request_error";
-                    se.param = Some("segments".into());
-                }
-                se
-            })?;
+        let r =
+            s.0.control
+                .segments()
+                .snapshot(tenant, &uniq, salt)
+                .await
+                .map_err(|e| {
+                    let mut se = ServeError::from(e);
+                    if se.status == StatusCode::NOT_FOUND {
+                        se.code = "segment_not_found";
+                        se.kind = "invalid_request_error";
+                        se.param = Some("segments".into());
+                    }
+                    se
+                })?;
         for it in r.segments {
             snap.insert(it.segment_id.clone(), it);
         }

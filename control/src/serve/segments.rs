@@ -507,12 +507,11 @@ async fn update_inner(
 ) -> Result<Response, ServeError> {
     let (v, tokens, pre) = prepare_body(s, body).await?;
     let u: UpdateSegment = catalog_body(&v)?;
-    let updated = s
-        .0
-        .control
-        .segments()
-        .update(p, id, &u.content, &u.tokens)
-        .await?;
+    let updated =
+        s.0.control
+            .segments()
+            .update(p, id, &u.content, &u.tokens)
+            .await?;
     let seg = updated.segment.clone();
     let evicted = evict(s, &seg.address, Some(seg.current_version));
     let tokens = Arc::new(tokens);

@@ -14,6 +14,7 @@ mod catalog;
 mod catalog_bench;
 mod catalog_scope;
 mod jwks_reload;
+mod openapi;
 mod policy;
 mod policy_area;
 mod review7;
