@@ -62,9 +62,19 @@ async fn console_page_history_and_audit_filters() {
     let trace = t["trace"].as_str().unwrap();
     let recs = hypic_control::sim::parse_trace(trace).expect("a valid trace");
     assert_eq!(recs.len(), 2);
-    assert!(recs[0].tenant.starts_with("t-") && !trace.contains("acme"), "{trace}");
-    assert!(recs.iter().all(|r| r.segments.len() == r.bytes.len() && r.bytes[0] > 0), "{trace}");
-    assert_eq!(recs[0].segments[0], recs[1].segments[0], "the same document");
+    assert!(
+        recs[0].tenant.starts_with("t-") && !trace.contains("acme"),
+        "{trace}"
+    );
+    assert!(
+        recs.iter()
+            .all(|r| r.segments.len() == r.bytes.len() && r.bytes[0] > 0),
+        "{trace}"
+    );
+    assert_eq!(
+        recs[0].segments[0], recs[1].segments[0],
+        "the same document"
+    );
 
     // Audit filters: by actor and by time.
     let (st, v) = s
