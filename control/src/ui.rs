@@ -53,7 +53,7 @@ pub fn router<S: Clone + Send + Sync + 'static>() -> Router<S> {
 fn file(path: &str) -> Response {
     let found = FILES.iter().find(|(p, _, _)| *p == path).or_else(|| {
         let last = path.rsplit('/').next().unwrap_or(path);
-        (!last.contains('.')).then(|| &FILES[0])
+        (!last.contains('.')).then_some(&FILES[0])
     });
     let mut r = match found {
         Some((_, mime, bytes)) => ([(header::CONTENT_TYPE, *mime)], *bytes).into_response(),

@@ -179,6 +179,15 @@ async function main() {
   const dry = page.getByTestId("dry-run-result");
   await dry.waitFor();
   assert.ok((await dry.textContent()).includes("hit ratio"));
+  // The server's recorded traffic: the completions above, tenants pseudonymised.
+  await page.click("button:has-text('Use recorded traffic')");
+  await page.getByTestId("trace-note").filter({ hasText: "recorded prompts" }).waitFor();
+  const recorded = await page.inputValue("textarea[name=trace]");
+  assert.ok(recorded.split("\n").filter(Boolean).length >= 3, recorded);
+  assert.ok(!recorded.includes('"demo"') && recorded.includes('"tenant":"t-'), recorded);
+  await page.fill("input[name=capacity]", "100000000");
+  await page.click("button:has-text('Run dry-run')");
+  await dry.locator("tr", { hasText: "hit ratio" }).waitFor();
   await page.screenshot({ path: join(shots, "policies-dry-run.png"), fullPage: true });
   page.once("dialog", (d) => d.accept());
   await row.locator(`button:has-text('Activate #${id}')`).click();

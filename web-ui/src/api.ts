@@ -140,6 +140,14 @@ export interface DryRunResult {
   recompute_tokens_delta: number;
 }
 
+/** `GET /v1/admin/traffic` (operator; `hypic serve` only): recent prompts as a trace. */
+export interface RecordedTraffic {
+  requests: number;
+  capacity: number;
+  /** JSONL in the dry-run trace format, oldest first. */
+  trace: string;
+}
+
 /** `GET /v1/admin/policies/stats` (only `active` is typed; the rest is shown as is). */
 export interface PolicyStats {
   active: Record<PolicyKind, number | null>;

@@ -8,6 +8,7 @@ import {
   type PolicyKind,
   type PolicyRecord,
   type PolicyStats,
+  type RecordedTraffic,
 } from "./api";
 import { compare } from "./metrics";
 import { ErrorBox, useLoad, when } from "./ui";
@@ -120,6 +121,18 @@ function DryRun({ policy }: { policy: PolicyRecord }) {
       setError(err);
     }
   };
+  const [note, setNote] = useState("");
+  const recorded = async () => {
+    try {
+      const t = await api<RecordedTraffic>("GET", "/v1/admin/traffic");
+      if (t.requests === 0) return setError({ field: "trace", message: "no traffic recorded yet" });
+      setTrace(t.trace);
+      setNote(`${t.requests} recorded prompts (of at most ${t.capacity})`);
+      setError(null);
+    } catch (err) {
+      setError(err);
+    }
+  };
   const loadFile = async (e: Event) => {
     const f = (e.currentTarget as HTMLInputElement).files?.[0];
     if (f) setTrace(await f.text());
@@ -131,8 +144,17 @@ function DryRun({ policy }: { policy: PolicyRecord }) {
       </h3>
       <label class="wide">
         trace (JSONL) <input type="file" name="trace-file" accept=".jsonl,.json,.txt" onChange={loadFile} />
-        <textarea name="trace" rows={4} value={trace} onInput={(e) => setTrace(e.currentTarget.value)} />
+        <textarea
+          name="trace"
+          rows={4}
+          value={trace}
+          onInput={(e) => (setTrace(e.currentTarget.value), setNote(""))}
+        />
       </label>
+      <button type="button" onClick={recorded}>
+        Use recorded traffic
+      </button>
+      {note ? <span data-testid="trace-note">{note}</span> : null}{" "}
       <label>
         capacity bytes <input name="capacity" value={cap} onInput={(e) => setCap(e.currentTarget.value)} />
       </label>

@@ -35,6 +35,7 @@ pub mod routes;
 pub mod segments;
 pub mod sweep;
 pub mod textgen;
+pub mod traffic;
 pub mod types;
 
 use anyhow::{bail, Context};
@@ -758,6 +759,8 @@ pub(crate) struct Inner {
     pub ledger: sweep::Ledger,
     /// Metric samples of the last hour (`GET /v1/metrics/history`).
     pub history: history::History,
+    /// Recent prompts' cacheable segments, for policy dry runs (`GET /v1/admin/traffic`).
+    pub traffic: traffic::Traffic,
     pub prefill_gate: tokio::sync::Semaphore,
     pub ctx: usize,
     /// Turns to tokenise (`tokenize_concurrency` permits).
@@ -874,6 +877,7 @@ impl AppState {
             first_use,
             ledger: sweep::Ledger::default(),
             history: history::History::default(),
+            traffic: traffic::Traffic::default(),
             prefill_gate: tokio::sync::Semaphore::new(1),
             ctx,
             tokenize_gate: Arc::new(tokio::sync::Semaphore::new(cfg_tok_conc)),

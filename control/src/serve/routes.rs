@@ -115,6 +115,10 @@ pub fn router(state: AppState) -> Router {
             "/v1/metrics/history",
             get(metrics_history).fallback(not_allowed),
         )
+        .route(
+            "/v1/admin/traffic",
+            get(recorded_traffic).fallback(not_allowed),
+        )
         .route("/v1/models", get(models).fallback(not_allowed))
         .route("/v1/models/{id}", get(model_one).fallback(not_allowed))
         .route("/v1/completions", post(completions).fallback(not_allowed))
@@ -274,6 +278,21 @@ async fn metrics_history(
         .into());
     }
     Ok(Json(s.0.history.view(&s)))
+}
+
+/// `GET /v1/admin/traffic` (operator): the recorded recent prompts as a dry-run trace.
+async fn recorded_traffic(
+    State(s): State<AppState>,
+    Tenant(p): Tenant,
+) -> Result<Json<super::traffic::TrafficView>, ServeError> {
+    if !p.is_operator() {
+        return Err(crate::api::ApiError::forbidden(
+            "operator_required",
+            "this endpoint needs the operator role",
+        )
+        .into());
+    }
+    Ok(Json(s.0.traffic.view()))
 }
 
 fn now_s() -> u64 {
@@ -1629,6 +1648,18 @@ async fn run_job(
     let mut d = Driver::new(s.clone(), handles, &job.set, endpoint, t0);
     d.started().await?;
     let starts: Vec<Option<StartInfo>> = d.choices.iter().map(|c| c.start.clone()).collect();
+    // The recorded traffic of policy dry runs: one line per prompt (its first choice).
+    let who = s.0.control.keyer().pseudonym(&p.tenant);
+    let bpt = s.0.engine.kv_bytes_per_token();
+    let now_ms = SystemTime::now()
+        .duration_since(UNIX_EPOCH)
+        .map(|d| d.as_millis() as u64)
+        .unwrap_or(0);
+    for (pi, prompt) in job.prompts.iter().enumerate() {
+        if let Some(st) = starts.get(pi * job.set.n).and_then(|x| x.as_ref()) {
+            s.0.traffic.record(&who, prompt, &st.stats, bpt, now_ms);
+        }
+    }
     // Wall-clock times of the cache entries built or used, for the invalidation sweep
     // (only pruned by the sweep, so not kept when it is off).
     let sweeping = s.0.cfg.invalidation_sweep_ms > 0;

@@ -6,6 +6,9 @@ use crate::serve_common;
 use serde_json::json;
 use serve_common::{assert_error, start};
 
+const DOC: &str =
+    "Document A. The river flows north through the old city and the market square.<<PIC_SEP>>Where?";
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn console_page_history_and_audit_filters() {
     let s = start(|_| {}).await;
@@ -21,6 +24,7 @@ async fn console_page_history_and_audit_filters() {
         "/v1/metrics/history",
         "/v1/admin/audit",
         "/v1/admin/policies",
+        "/v1/admin/traffic",
     ] {
         let (st, v) = s.get(path).await;
         assert_error(st, &v, 403, "operator_required");
@@ -36,7 +40,7 @@ async fn console_page_history_and_audit_filters() {
         let (st, v) = s
             .post(
                 "/v1/completions",
-                &json!({"prompt": "a b c<<PIC_SEP>>d", "max_tokens": 2, "temperature": 0}),
+                &json!({"prompt": DOC, "max_tokens": 2, "temperature": 0}),
             )
             .await;
         assert_eq!(st, 200, "{v}");
@@ -49,6 +53,28 @@ async fn console_page_history_and_audit_filters() {
     let w = &after["ttft_window_ms"]["hypic"];
     assert!(w["count"].as_u64().unwrap() >= 2, "{after}");
     assert!(w["p50"].as_f64().unwrap() > 0.0, "{after}");
+
+    // The recorded traffic: both prompts, the document only (the query is computed
+    // in place), under the tenant's pseudonym, a valid dry-run trace.
+    let (st, t) = s.get_as(Some(&s.op_token), "/v1/admin/traffic").await;
+    assert_eq!(st, 200, "{t}");
+    assert_eq!(t["requests"], 2, "{t}");
+    let trace = t["trace"].as_str().unwrap();
+    let recs = hypic_control::sim::parse_trace(trace).expect("a valid trace");
+    assert_eq!(recs.len(), 2);
+    assert!(
+        recs[0].tenant.starts_with("t-") && !trace.contains("acme"),
+        "{trace}"
+    );
+    assert!(
+        recs.iter()
+            .all(|r| r.segments.len() == r.bytes.len() && r.bytes[0] > 0),
+        "{trace}"
+    );
+    assert_eq!(
+        recs[0].segments[0], recs[1].segments[0],
+        "the same document"
+    );
 
     // Audit filters: by actor and by time.
     let (st, v) = s

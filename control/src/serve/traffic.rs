@@ -1,0 +1,106 @@
+//! The recorded recent traffic a policy dry run can replay
+//! (`GET /v1/admin/traffic`, operator only): a bounded ring of the last
+//! [`CAPACITY`] prompts' cacheable segments, in the JSONL trace format of
+//! [`crate::sim::TraceRecord`].
+//!
+//! Tenants are pseudonymised ([`crate::auth::IsolationKeyer::pseudonym`]); a
+//! catalog segment appears under the id the request named it by, an inline one
+//! as `h:` and the first 16 hex digits of its content hash. Segments the engine
+//! computes in place (the query, segments no longer than the seam window) are
+//! left out: no policy decides about them. Bytes are an estimate: the segment's
+//! tokens times the KV bytes one token costs in the full-attention layers.
+use super::routes::Resolved;
+use crate::sim::TraceRecord;
+use dataplane::pic::{Outcome, PicStats};
+use serde::Serialize;
+use std::collections::VecDeque;
+use std::sync::Mutex;
+
+/// Prompts kept.
+pub const CAPACITY: usize = 10_000;
+
+/// The ring of recorded prompts, oldest first.
+#[derive(Default)]
+pub struct Traffic {
+    ring: Mutex<VecDeque<TraceRecord>>,
+}
+
+/// Answer of `GET /v1/admin/traffic`.
+#[derive(Debug, Serialize)]
+pub struct TrafficView {
+    /// Prompts in `trace`.
+    pub requests: usize,
+    /// Prompts kept at most.
+    pub capacity: usize,
+    /// JSONL, one prompt per line, oldest first (the body of a dry run's `trace`).
+    pub trace: String,
+}
+
+impl Traffic {
+    /// Records one started prompt of `tenant_pseudonym`: its segments `segs` as
+    /// resolved and their outcomes in `stats`; `bytes_per_token` sizes them.
+    /// A prompt without a cacheable segment is not recorded.
+    pub fn record(
+        &self,
+        tenant_pseudonym: &str,
+        segs: &[Resolved],
+        stats: &PicStats,
+        bytes_per_token: usize,
+        ts_ms: u64,
+    ) {
+        let mut rec = TraceRecord {
+            tenant: tenant_pseudonym.to_string(),
+            segments: vec![],
+            tokens: vec![],
+            bytes: vec![],
+            ts_ms: Some(ts_ms),
+            versions: Some(vec![]),
+            public: vec![],
+        };
+        for st in stats
+            .segments
+            .iter()
+            .filter(|x| x.outcome != Outcome::Computed)
+        {
+            let r = segs.get(st.index);
+            let id = match r.and_then(|r| r.id.clone()) {
+                Some(id) => id,
+                None => format!("h:{}", st.content_hash.get(..16).unwrap_or("")),
+            };
+            if r.is_some_and(|r| r.shared) {
+                rec.public.push(id.clone());
+            }
+            rec.segments.push(id);
+            rec.tokens.push(st.tokens as u64);
+            rec.bytes.push((st.tokens * bytes_per_token) as u64);
+            if let Some(v) = rec.versions.as_mut() {
+                v.push(r.and_then(|r| r.version).unwrap_or(1));
+            }
+        }
+        if rec.segments.is_empty() {
+            return;
+        }
+        let mut ring = self.ring.lock().unwrap_or_else(|p| p.into_inner());
+        ring.push_back(rec);
+        while ring.len() > CAPACITY {
+            ring.pop_front();
+        }
+    }
+
+    /// The recorded prompts as a trace.
+    pub fn view(&self) -> TrafficView {
+        let ring = self.ring.lock().unwrap_or_else(|p| p.into_inner());
+        let mut trace = String::new();
+        for r in ring.iter() {
+            if let Ok(line) = serde_json::to_string(r) {
+                trace.push_str(&line);
+                trace.push('\n');
+            }
+        }
+        TrafficView {
+            requests: ring.len(),
+            capacity: CAPACITY,
+            trace,
+        }
+    }
+}
