@@ -143,16 +143,14 @@ mod bench {
         let mut ws = gdr::Workspace::new();
         println!("\n## Gated delta rule chunked prefill (bf16 in, fp32 state; H={hk}, HV={hv}, dk=dv={dk})\n");
         println!(
-            "Kernels: {} (state kernel {} value columns per block{}, prep kernel {}, \
-             output kernel {}); other kernels in the per-stage table below.\n",
+            "Kernels: {}; the fp32 SIMT kernels in the per-stage table below.\n",
             match ws.path::<bf16>() {
-                gdr::ChunkedPath::TensorCores => "bf16 tensor cores (kernels/gdr_tc.cu)",
+                gdr::ChunkedPath::TensorCores => {
+                    "bf16 tensor cores (kernels/gdr_tc.cu: gdr_prep_tc2_bf16, \
+                     gdr_state_tc_bf16_32, gdr_output_tc2_bf16)"
+                }
                 gdr::ChunkedPath::Simt => "fp32 SIMT (kernels/gdr.cu)",
             },
-            ws.state_bv(),
-            if ws.state_split() { " split" } else { "" },
-            ws.prep_kernel(),
-            ws.output_kernel()
         );
         println!("| T | prefill ms | prefill + T_C ms | T_C overhead | Mtok/s |");
         println!("|---|---|---|---|---|");
@@ -210,47 +208,11 @@ mod bench {
                 100.0 * (with_t / plain - 1.0),
                 t as f64 / plain / 1e3
             );
-            // The other state-kernel widths (and the split BV 32 kernel), prep and output
-            // kernels, the old prep and output kernels together, and the fp32 SIMT kernels
-            // on the same inputs: (label, forced path, state BV, split, prep, output).
-            let (bv0, sp0, p0, o0) = (
-                ws.state_bv(),
-                ws.state_split(),
-                ws.prep_kernel(),
-                ws.output_kernel(),
-            );
-            type Variant = (String, Option<gdr::ChunkedPath>, usize, bool, usize, usize);
-            let mut variants: Vec<Variant> = Vec::new();
-            for b in gdr::STATE_BV.into_iter().filter(|&b| b != bv0) {
-                let label = format!("bf16 tensor cores, state BV {b}");
-                variants.push((label, None, b, false, p0, o0));
-            }
-            if !sp0 {
-                let b = gdr::STATE_SPLIT_BV;
-                let label = format!("bf16 tensor cores, state BV {b} split");
-                variants.push((label, None, b, true, p0, o0));
-            }
-            for p in gdr::PREP_KERNELS.into_iter().filter(|&p| p != p0) {
-                let label = format!("bf16 tensor cores, prep kernel {p}");
-                variants.push((label, None, bv0, sp0, p, o0));
-            }
-            for o in gdr::OUTPUT_KERNELS.into_iter().filter(|&o| o != o0) {
-                let label = format!("bf16 tensor cores, output kernel {o}");
-                variants.push((label, None, bv0, sp0, p0, o));
-            }
-            if (p0, o0) != (1, 1) {
-                let label = "bf16 tensor cores, prep 1 + output 1".to_string();
-                variants.push((label, None, bv0, sp0, 1, 1));
-            }
-            let simt = Some(gdr::ChunkedPath::Simt);
-            variants.push(("fp32 SIMT".to_string(), simt, bv0, sp0, p0, o0));
-            for (label, force, bv, split, prep, output) in variants {
+            // The fp32 SIMT kernels on the same inputs.
+            {
+                let label = "fp32 SIMT".to_string();
                 let mut w2 = gdr::Workspace::new();
-                w2.force_path(force);
-                w2.set_state_bv(bv)?;
-                w2.set_state_split(split);
-                w2.set_prep_kernel(prep)?;
-                w2.set_output_kernel(output)?;
+                w2.force_path(Some(gdr::ChunkedPath::Simt));
                 let ms = time_ms(&g, 2, reps.min(10), || {
                     gdr::chunked(
                         &g, &d, &q, &k, &v, &gg, &beta, &mut s, &mut o, None, &mut w2,
