@@ -6,11 +6,12 @@
 //! * gated delta rule chunked prefill, bf16 q/k/v, fp32 state, B = 1, H = 16, HV = 32,
 //!   dk = dv = 128 at T = 1k, 4k, 16k, 32k — plain, and with the segment transition
 //!   `T_C` (build overhead), per stage, on the default kernels for bf16 (tensor cores),
-//!   and per stage on the other state-kernel block width and the fp32 SIMT kernels;
+//!   and per stage on the fp32 SIMT kernels;
 //! * one-token recurrent decode step (same heads);
 //! * dense pair apply `S ← T S + B` and compose, 32 heads × 128² (per segment cost);
 //! * attention prefill (16 q / 2 kv heads × 256, bf16, causal) at 4k and 16k: tiled
-//!   kernel, cuBLAS path, flash kernel (with the flash-vs-cuBLAS output difference);
+//!   kernel, cuBLAS path, flash kernel and, on sm_90, the wgmma kernels `GpuModel` runs
+//!   (with each one's output difference to the cuBLAS path);
 //! * attention for short spans (1 … 1024 queries) over 16k cached keys, all three;
 //! * MoE block, Qwen3.5-35B-A3B shape (hidden 2048, 256 experts, top-8, expert and
 //!   shared intermediate 512, bf16) at t = 1, 8, 1024, 4096, with a cuBLAS dense GEMM
