@@ -6,11 +6,12 @@
 //! * gated delta rule chunked prefill, bf16 q/k/v, fp32 state, B = 1, H = 16, HV = 32,
 //!   dk = dv = 128 at T = 1k, 4k, 16k, 32k — plain, and with the segment transition
 //!   `T_C` (build overhead), per stage, on the default kernels for bf16 (tensor cores),
-//!   and per stage on the other state-kernel block width and the fp32 SIMT kernels;
+//!   and per stage on the fp32 SIMT kernels;
 //! * one-token recurrent decode step (same heads);
 //! * dense pair apply `S ← T S + B` and compose, 32 heads × 128² (per segment cost);
 //! * attention prefill (16 q / 2 kv heads × 256, bf16, causal) at 4k and 16k: tiled
-//!   kernel, cuBLAS path, flash kernel (with the flash-vs-cuBLAS output difference);
+//!   kernel, cuBLAS path, flash kernel and, on sm_90, the wgmma kernels `GpuModel` runs
+//!   (with each one's output difference to the cuBLAS path);
 //! * attention for short spans (1 … 1024 queries) over 16k cached keys, all three;
 //! * MoE block, Qwen3.5-35B-A3B shape (hidden 2048, 256 experts, top-8, expert and
 //!   shared intermediate 512, bf16) at t = 1, 8, 1024, 4096, with a cuBLAS dense GEMM
@@ -143,16 +144,14 @@ mod bench {
         let mut ws = gdr::Workspace::new();
         println!("\n## Gated delta rule chunked prefill (bf16 in, fp32 state; H={hk}, HV={hv}, dk=dv={dk})\n");
         println!(
-            "Kernels: {} (state kernel {} value columns per block{}, prep kernel {}, \
-             output kernel {}); other kernels in the per-stage table below.\n",
+            "Kernels: {}; the fp32 SIMT kernels in the per-stage table below.\n",
             match ws.path::<bf16>() {
-                gdr::ChunkedPath::TensorCores => "bf16 tensor cores (kernels/gdr_tc.cu)",
+                gdr::ChunkedPath::TensorCores => {
+                    "bf16 tensor cores (kernels/gdr_tc.cu: gdr_prep_tc2_bf16, \
+                     gdr_state_tc_bf16_32, gdr_output_tc2_bf16)"
+                }
                 gdr::ChunkedPath::Simt => "fp32 SIMT (kernels/gdr.cu)",
             },
-            ws.state_bv(),
-            if ws.state_split() { " split" } else { "" },
-            ws.prep_kernel(),
-            ws.output_kernel()
         );
         println!("| T | prefill ms | prefill + T_C ms | T_C overhead | Mtok/s |");
         println!("|---|---|---|---|---|");
@@ -210,47 +209,11 @@ mod bench {
                 100.0 * (with_t / plain - 1.0),
                 t as f64 / plain / 1e3
             );
-            // The other state-kernel widths (and the split BV 32 kernel), prep and output
-            // kernels, the old prep and output kernels together, and the fp32 SIMT kernels
-            // on the same inputs: (label, forced path, state BV, split, prep, output).
-            let (bv0, sp0, p0, o0) = (
-                ws.state_bv(),
-                ws.state_split(),
-                ws.prep_kernel(),
-                ws.output_kernel(),
-            );
-            type Variant = (String, Option<gdr::ChunkedPath>, usize, bool, usize, usize);
-            let mut variants: Vec<Variant> = Vec::new();
-            for b in gdr::STATE_BV.into_iter().filter(|&b| b != bv0) {
-                let label = format!("bf16 tensor cores, state BV {b}");
-                variants.push((label, None, b, false, p0, o0));
-            }
-            if !sp0 {
-                let b = gdr::STATE_SPLIT_BV;
-                let label = format!("bf16 tensor cores, state BV {b} split");
-                variants.push((label, None, b, true, p0, o0));
-            }
-            for p in gdr::PREP_KERNELS.into_iter().filter(|&p| p != p0) {
-                let label = format!("bf16 tensor cores, prep kernel {p}");
-                variants.push((label, None, bv0, sp0, p, o0));
-            }
-            for o in gdr::OUTPUT_KERNELS.into_iter().filter(|&o| o != o0) {
-                let label = format!("bf16 tensor cores, output kernel {o}");
-                variants.push((label, None, bv0, sp0, p0, o));
-            }
-            if (p0, o0) != (1, 1) {
-                let label = "bf16 tensor cores, prep 1 + output 1".to_string();
-                variants.push((label, None, bv0, sp0, 1, 1));
-            }
-            let simt = Some(gdr::ChunkedPath::Simt);
-            variants.push(("fp32 SIMT".to_string(), simt, bv0, sp0, p0, o0));
-            for (label, force, bv, split, prep, output) in variants {
+            // The fp32 SIMT kernels on the same inputs.
+            {
+                let label = "fp32 SIMT".to_string();
                 let mut w2 = gdr::Workspace::new();
-                w2.force_path(force);
-                w2.set_state_bv(bv)?;
-                w2.set_state_split(split);
-                w2.set_prep_kernel(prep)?;
-                w2.set_output_kernel(output)?;
+                w2.force_path(Some(gdr::ChunkedPath::Simt));
                 let ms = time_ms(&g, 2, reps.min(10), || {
                     gdr::chunked(
                         &g, &d, &q, &k, &v, &gg, &beta, &mut s, &mut o, None, &mut w2,

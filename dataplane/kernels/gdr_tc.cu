@@ -41,12 +41,11 @@
 //   gcum [Hv][NT·64] fp32 G (rows past the sequence end repeat the last G)
 // Rows of a partial last chunk are zero in W, U, K̃ (their β and k are zero).
 //
-// Stages A and C have two versions each with the same contract (the host picks one:
-// Workspace::set_prep_kernel / set_output_kernel): A gdr_prep_tc_bf16 (M solved in fp32
-// SIMT, 72 KiB shared memory) and A' gdr_prep_tc2_bf16 (M in place, off-diagonal blocks on
-// tensor cores with hi/lo-split operands, 53 KiB, ≤ 64 registers); C gdr_output_tc_bf16
-// (128 registers) and C' gdr_output_tc2_bf16 (≤ 64 registers, P shared through shared
-// memory; bit-identical output).
+// Three kernels: A' gdr_prep_tc2_bf16 (M in place, off-diagonal blocks on tensor cores
+// with hi/lo-split operands, 53 KiB, ≤ 64 registers), B gdr_state_tc_bf16_32 and C'
+// gdr_output_tc2_bf16 (≤ 64 registers, P shared through shared memory). Earlier versions
+// measured beside them (A: M solved in fp32 SIMT; B with 64 value columns per block or
+// split over the state rows; C with 128 registers) were retired.
 //
 // Layouts of the inputs and outputs (as gdr.cu): q, k [T, Hk, 128] bf16, v [T, Hv, 128]
 // bf16, g, beta [T, Hv] fp32, state [Hv, 128, 128] fp32 K-major, trans [Hv, 128, 128]
@@ -57,7 +56,6 @@
 #define TC_LD 136    // bf16 row stride of 64×128 staging tiles: 272 B (ldmatrix rows 16-B
                      // aligned; 32-bit fragment loads and ldmatrix phases conflict-free)
 #define TC_ALD 72    // bf16 row stride of the 64×64 staging tiles (144 B, same properties)
-#define TC_LLD (TC_CH + 1)  // fp32 row stride of L and M
 #define TC_FLUSH 9.094947e-13f  // transition entries below 2^-40 → 0 (linear::gdr FLUSH_UNIT)
 
 // ---------------------------------------------------------------------------------------
@@ -197,211 +195,11 @@ __device__ __forceinline__ void tc_load_rows_async(bf16* dst, const bf16* src, i
 }
 
 // ---------------------------------------------------------------------------------------
-// A  gdr_prep_tc_bf16: grid (NT, Hv), block 256 (8 warps). Per (chunk, head): G, β;
-// L from K Kᵀ (mma); M = (I + L)⁻¹ in fp32 (16×16 diagonal blocks by substitution, then
-// the off-diagonal blocks by block distance); W = (M diag(βe^G)) K and
-// Uᵀ = Vᵀ (M diag(β))ᵀ (mma, M rounded to bf16); K̃ᵀ. Writes gcum, Wf, Ktf, Uf.
-#define TC_PREP_SMEM (2 * TC_CH * TC_LD * 2 + 2 * TC_CH * TC_ALD * 2 + TC_CH * TC_LLD * 4 + 3 * 256 * 4 + 3 * TC_CH * 4)
-extern "C" __global__ void __launch_bounds__(256)
-    gdr_prep_tc_bf16(const bf16* __restrict__ k, const bf16* __restrict__ v, const float* __restrict__ g,
-                     const float* __restrict__ beta, float* __restrict__ gcum, uint4* __restrict__ Wf,
-                     uint4* __restrict__ Ktf, uint4* __restrict__ Uf, int t_len, int hk, int hv) {
-    bf16* Ks = reinterpret_cast<bf16*>(tc_sm);                // [64][TC_LD]
-    bf16* Vs = Ks + TC_CH * TC_LD;                             // [64][TC_LD]
-    // L (fp32 [64][TC_LLD]) until M is solved, then A1 = M diag(βe^G), A2 = M diag(β)
-    // (bf16 [64][TC_ALD] each) in the same bytes.
-    float* Ls = reinterpret_cast<float*>(Vs + TC_CH * TC_LD);
-    bf16* A1 = reinterpret_cast<bf16*>(Ls);
-    bf16* A2 = A1 + TC_CH * TC_ALD;
-    float* Ms = Ls + TC_CH * TC_ALD;                           // [64][TC_LLD] M
-    float* Xs = Ms + TC_CH * TC_LLD;                           // [3][16][16] scratch
-    float* G = Xs + 3 * 256;                                   // [64]
-    float* Bt = G + TC_CH;                                     // [64] β
-    float* Eb = Bt + TC_CH;                                    // [64] β e^G
-    const int n = blockIdx.x, h = blockIdx.y, kh = h / (hv / hk), tid = threadIdx.x;
-    const int lane = tid & 31, w = tid >> 5, gq = lane >> 2, tq = lane & 3;
-    const int nt = (t_len + TC_CH - 1) / TC_CH;
-    const int t0 = n * TC_CH, len = min(TC_CH, t_len - t0);
-    const size_t tile = (size_t)h * nt + n;
-    if (w == 0) {
-        // Inclusive scan of g over the chunk (2 tokens per lane; zero past the end).
-        const int i0 = 2 * lane, i1 = i0 + 1;
-        const float a = i0 < len ? g[(size_t)(t0 + i0) * hv + h] : 0.f;
-        const float b = i1 < len ? g[(size_t)(t0 + i1) * hv + h] : 0.f;
-        float s = a + b;
-#pragma unroll
-        for (int o = 1; o < 32; o <<= 1) {
-            const float y = __shfl_up_sync(0xffffffffu, s, o);
-            if (lane >= o) s += y;
-        }
-        const float b0 = i0 < len ? beta[(size_t)(t0 + i0) * hv + h] : 0.f;
-        const float b1 = i1 < len ? beta[(size_t)(t0 + i1) * hv + h] : 0.f;
-        G[i0] = s - b;
-        G[i1] = s;
-        Bt[i0] = b0;
-        Bt[i1] = b1;
-        Eb[i0] = b0 * expf(s - b);
-        Eb[i1] = b1 * expf(s);
-    }
-    tc_load_rows(Ks, k, t0, len, hk, kh, tid);
-    tc_load_rows(Vs, v, t0, len, hv, h, tid);
-    __syncthreads();
-    if (tid < TC_CH) gcum[tile * TC_CH + tid] = G[tid];
-    // L = β_i e^{G_i−G_m} (K Kᵀ)_im for m < i. Warp: rows 16·mt.., n-tiles 4·nh..4·nh+3.
-    {
-        const int mt = w >> 1, nh = w & 1;
-        float acc[4][4];
-#pragma unroll
-        for (int j = 0; j < 4; ++j) acc[j][0] = acc[j][1] = acc[j][2] = acc[j][3] = 0.f;
-#pragma unroll
-        for (int kc = 0; kc < TC_D / 16; ++kc) {
-            unsigned a[4];
-            tc_frag(a, Ks, TC_LD, 16 * mt, 16 * kc, lane);
-#pragma unroll
-            for (int j = 0; j < 4; ++j) {
-                const int nt8 = 4 * nh + j;
-                if (nt8 <= 2 * mt + 1) {  // warp-uniform: the tile holds some m ≤ i
-                    const bf16* p = Ks + (8 * nt8 + gq) * TC_LD + 16 * kc + 2 * tq;
-                    tc_mma(acc[j], a, tc_ld32(p), tc_ld32(p + 8));
-                }
-            }
-        }
-#pragma unroll
-        for (int j = 0; j < 4; ++j)
-#pragma unroll
-            for (int e = 0; e < 4; ++e) {
-                const int i = 16 * mt + gq + 8 * (e >> 1), m = 8 * (4 * nh + j) + 2 * tq + (e & 1);
-                Ls[i * TC_LLD + m] = m < i ? Bt[i] * expf(G[i] - G[m]) * acc[j][e] : 0.f;
-            }
-    }
-    __syncthreads();
-    // M = (I + L)⁻¹ (unit lower triangular). Diagonal 16×16 blocks: thread < 64 solves
-    // column c of block b by forward substitution (zeros above the diagonal included).
-    if (tid < TC_CH) {
-        const int o = 16 * (tid >> 4), c = tid & 15;
-        float x[16];
-#pragma unroll
-        for (int r = 0; r < 16; ++r) {
-            float s = r == c ? 1.f : 0.f;
-#pragma unroll
-            for (int r2 = 0; r2 < r; ++r2) s -= Ls[(o + r) * TC_LLD + o + r2] * x[r2];
-            x[r] = s;
-        }
-#pragma unroll
-        for (int r = 0; r < 16; ++r) Ms[(o + r) * TC_LLD + o + c] = x[r];
-    }
-    __syncthreads();
-    // Off-diagonal blocks by distance d: M_ij = −M_ii Σ_{k=j}^{i−1} L_ik M_kj (i = j + d).
-#pragma unroll 1
-    for (int d = 1; d < 4; ++d) {
-        const int nb = (4 - d) * 256;
-        for (int e = tid; e < nb; e += 256) {
-            const int bj = e >> 8, r = (e >> 4) & 15, c = e & 15, bi = bj + d;
-            float s = 0.f;
-            for (int kb = bj; kb < bi; ++kb) {
-#pragma unroll
-                for (int s2 = 0; s2 < 16; ++s2)
-                    s += Ls[(16 * bi + r) * TC_LLD + 16 * kb + s2] * Ms[(16 * kb + s2) * TC_LLD + 16 * bj + c];
-            }
-            Xs[e] = s;
-        }
-        __syncthreads();
-        for (int e = tid; e < nb; e += 256) {
-            const int bj = e >> 8, r = (e >> 4) & 15, c = e & 15, bi = bj + d;
-            float s = 0.f;
-#pragma unroll
-            for (int s2 = 0; s2 < 16; ++s2)
-                s += Ms[(16 * bi + r) * TC_LLD + 16 * bi + s2] * Xs[(bj << 8) + s2 * 16 + c];
-            Ms[(16 * bi + r) * TC_LLD + 16 * bj + c] = -s;
-        }
-        __syncthreads();
-    }
-    // A1 = M diag(βe^G), A2 = M diag(β) in bf16 (over L, which is no longer read);
-    // entries above the diagonal (never written in Ms) are zero.
-    for (int e = tid; e < TC_CH * TC_CH / 2; e += 256) {
-        const int i = e >> 5, m = 2 * (e & 31);
-        const float m0 = m <= i ? Ms[i * TC_LLD + m] : 0.f;
-        const float m1 = m + 1 <= i ? Ms[i * TC_LLD + m + 1] : 0.f;
-        *reinterpret_cast<unsigned*>(A1 + i * TC_ALD + m) = tc_pack(m0 * Eb[m], m1 * Eb[m + 1]);
-        *reinterpret_cast<unsigned*>(A2 + i * TC_ALD + m) = tc_pack(m0 * Bt[m], m1 * Bt[m + 1]);
-    }
-    __syncthreads();
-    // W = A1 K: warp rows 16·mt.., columns 64·ch.. (c-blocks 4·ch..4·ch+3). A1 is lower
-    // triangular, so k-blocks past the diagonal block are skipped.
-    {
-        const int mt = w & 3, ch = w >> 2;
-        float acc[8][4];
-#pragma unroll
-        for (int j = 0; j < 8; ++j) acc[j][0] = acc[j][1] = acc[j][2] = acc[j][3] = 0.f;
-#pragma unroll
-        for (int kk = 0; kk < 4; ++kk) {
-            if (kk <= mt) {
-                unsigned a[4];
-                tc_frag(a, A1, TC_ALD, 16 * mt, 16 * kk, lane);
-#pragma unroll
-                for (int qb = 0; qb < 4; ++qb) {
-                    unsigned b[4];
-                    tc_ldsm_t(b, Ks, TC_LD, 16 * kk, 16 * (4 * ch + qb), lane);  // F(Kᵀ block)
-                    tc_mma(acc[2 * qb], a, b[0], b[1]);
-                    tc_mma(acc[2 * qb + 1], a, b[2], b[3]);
-                }
-            }
-        }
-        uint4* dst = Wf + (tile * 32 + mt * 8 + 4 * ch) * 32 + lane;
-#pragma unroll
-        for (int qb = 0; qb < 4; ++qb) dst[qb * 32] = tc_acc_tile(acc[2 * qb], acc[2 * qb + 1]);
-    }
-    // Uᵀ = Vᵀ A2ᵀ: warp = j-block w (rows of Uᵀ), all 64 i. A2[i][m] = 0 for m > i, so
-    // k-block kk only reaches n-tiles nt8 ≥ 2·kk.
-    {
-        float acc[8][4];
-#pragma unroll
-        for (int j = 0; j < 8; ++j) acc[j][0] = acc[j][1] = acc[j][2] = acc[j][3] = 0.f;
-#pragma unroll
-        for (int kk = 0; kk < 4; ++kk) {
-            unsigned f[4];
-            tc_ldsm_t(f, Vs, TC_LD, 16 * kk, 16 * w, lane);  // F(Vᵀ block (w, kk))
-            const unsigned a[4] = {f[0], f[2], f[1], f[3]};
-#pragma unroll
-            for (int nt8 = 0; nt8 < 8; ++nt8) {
-                if (nt8 >= 2 * kk) {
-                    const bf16* p = A2 + (8 * nt8 + gq) * TC_ALD + 16 * kk + 2 * tq;
-                    tc_mma(acc[nt8], a, tc_ld32(p), tc_ld32(p + 8));
-                }
-            }
-        }
-        uint4* dst = Uf + (tile * 32 + w * 4) * 32 + lane;
-#pragma unroll
-        for (int ib = 0; ib < 4; ++ib) {
-            unsigned a[4];
-            tc_acc_afrag(a, acc[2 * ib], acc[2 * ib + 1]);
-            dst[ib * 32] = make_uint4(a[0], a[1], a[2], a[3]);
-        }
-    }
-    // K̃ᵀ: warp = c-block w; K̃_i = e^{G_last − G_i} k_i.
-    {
-        const float gl = G[TC_CH - 1];
-        uint4* dst = Ktf + (tile * 32 + w * 4) * 32 + lane;
-#pragma unroll
-        for (int ib = 0; ib < 4; ++ib) {
-            unsigned f[4];
-            tc_ldsm_t(f, Ks, TC_LD, 16 * ib, 16 * w, lane);  // F(Kᵀ block (w, ib))
-            const int i0 = 16 * ib + 2 * tq;                  // .x/.z: i0, i0+1; .y/.w: i0+8, i0+9
-            const float s0 = expf(gl - G[i0]), s1 = expf(gl - G[i0 + 1]);
-            const float s2 = expf(gl - G[i0 + 8]), s3 = expf(gl - G[i0 + 9]);
-            const float2 x0 = tc_unpack(f[0]), x1 = tc_unpack(f[1]), x2 = tc_unpack(f[2]), x3 = tc_unpack(f[3]);
-            dst[ib * 32] = make_uint4(tc_pack(x0.x * s0, x0.y * s1), tc_pack(x1.x * s2, x1.y * s3),
-                                      tc_pack(x2.x * s0, x2.y * s1), tc_pack(x3.x * s2, x3.y * s3));
-        }
-    }
-}
-
-// ---------------------------------------------------------------------------------------
 // A' gdr_prep_tc2_bf16: grid (Hv, NT) (value heads fastest: the heads sharing a key head
-// read its K chunk back to back, from L2), block 256; arguments and outputs as
-// gdr_prep_tc_bf16, in
-// 53 KiB of shared memory and ≤ 64 registers per thread, so that four blocks share an SM
-// (three for gdr_prep_tc_bf16: 72 KiB, 66 registers). One fp32 64×64 buffer (row stride
+// read its K chunk back to back, from L2), block 256 (8 warps). Per (chunk, head): G, β;
+// L from K Kᵀ (mma); M = (I + L)⁻¹; W = (M diag(βe^G)) K and Uᵀ = Vᵀ (M diag(β))ᵀ (mma);
+// K̃ᵀ. Writes gcum, Wf, Ktf, Uf. In 53 KiB of shared memory and ≤ 64 registers per
+// thread, so that four blocks share an SM. One fp32 64×64 buffer (row stride
 // TC_MLD) holds L in its lower blocks; M = (I + L)⁻¹ is solved into the same buffer:
 // M_ab (16×16 block, a ≥ b) is stored row-major at block position (b, a) — the diagonal
 // blocks over L_aa, the off-diagonal ones in the unused upper triangle — so no L block is
@@ -411,8 +209,7 @@ extern "C" __global__ void __launch_bounds__(256)
 // (three mma per product: hi·hi + hi·lo + lo·hi, ~16 significant bits, fp32
 // accumulation): round d = 1, 2, 3, warp j computes M_ij (i = j + d) as
 //   Xᵀ = Σ_{k=j}^{i−1} M_kjᵀ L_ikᵀ  (accumulators),  M_ij = −M_ii X  (X as B fragments),
-// one barrier per round (the SIMT version: 4 KiB of scratch, two barriers per round and
-// ~4k shared-memory loads per warp-set). Warps 2–7 write K̃ᵀ while warps 0–1 solve the
+// one barrier per round. Warps 2–7 write K̃ᵀ while warps 0–1 solve the
 // 16×16 diagonal blocks.
 #define TC_MLD 72  // fp32 row stride of L / M (float2 fragment loads and stores conflict-free)
 #define TC_PREP2_SMEM (2 * TC_CH * TC_LD * 2 + TC_CH * TC_MLD * 4 + 3 * TC_CH * 4)
@@ -677,8 +474,8 @@ extern "C" __global__ void __launch_bounds__(256, 4)
 }
 
 // ---------------------------------------------------------------------------------------
-// B  gdr_state_tc_bf16_{32,64}: grid (Hv, (128 [+ 128 with trans]) / BV), block NW = BV/16
-// warps. Sequential over the chunks of one head. Warp w owns 16 columns j of the state
+// B  gdr_state_tc_bf16_32 (BV = 32 value columns per block): grid (Hv, (128 [+ 128 with
+// trans]) / BV), block NW = BV/16 warps. Sequential over the chunks of one head. Warp w owns 16 columns j of the state
 // (block jb = blockIdx.y·NW + w over [state columns | transition columns]) as Sᵀ rows:
 // fp32 accumulators sacc (16 n-tiles over the 128 rows c of S), so the chunk step is
 //   sa  = bf16(Sᵀ) as A fragments (packed from the accumulators, no shared memory)
@@ -693,9 +490,7 @@ extern "C" __global__ void __launch_bounds__(256, 4)
 #define TC_STAGES 3
 // uint4 per ring stage: W 1024 | K̃ᵀ 1024 | Uᵀ slice NW·128 | G_c 1. Shared memory of the
 // kernel: TC_STAGES · TC_STAGE_U4(NW) · 16 bytes (108 KiB for BV = 32, so that two blocks
-// share an SM when the transition doubles the grid to 256 blocks at Hv = 32; 120 KiB for
-// BV = 64). A one-warp BV = 16 version was slower at every T (gpu-check 2026-11-30 run J:
-// 1.74 against 1.20 µs per chunk at 4k).
+// share an SM when the transition doubles the grid to 256 blocks at Hv = 32).
 #define TC_STAGE_U4(NW) (2048 + (NW) * 128 + 1)
 template <int NW, bool TRANS>
 __device__ __forceinline__ void gdr_state_tc_run(const uint4* __restrict__ Wf, const uint4* __restrict__ Ktf,
@@ -827,266 +622,19 @@ __device__ __forceinline__ void gdr_state_tc_impl(const uint4* Wf, const uint4* 
         gdr_state_tc_impl<BV / 16>(Wf, Ktf, Uf, gcum, state, trans, Hsf, t_len);                      \
     }
 GDR_STATE_TC(32)
-GDR_STATE_TC(64)
-
-// ---------------------------------------------------------------------------------------
-// B' gdr_state_tc_bf16_32s: the state kernel with BV = 32 split over the state rows c:
-// grid (Hv, (128 [+ 128 with trans]) / 32) as gdr_state_tc_bf16_32, block 128 (4 warps).
-// Warp w owns j-block jb0 + (w >> 1) and the c-half ch = w & 1 of its Sᵀ rows (8 fp32
-// n-tiles), so a chunk step is 32 + 32 mma per warp instead of 64 + 64, on two barriers
-// more: the partial (W S)ᵀ over each c-half (16 × 64 fp32 per warp) is exchanged between
-// the two warps of a j-block through the chunk's W area of the ring once every warp is
-// done reading it (barrier), then read back (barrier) and added (a + b: the same Ũ in both
-// warps). Same ring (TC_STAGE_U4(2), 108 KiB) and outputs as gdr_state_tc_bf16_32; the
-// sum over c is split in two halves, so fp32 rounding differs in the last bits.
-template <bool TRANS>
-__device__ __forceinline__ void gdr_state_tc_run_s(const uint4* __restrict__ Wf, const uint4* __restrict__ Ktf,
-                                                   uint4* Uf, const float* __restrict__ gcum, float* mat,
-                                                   uint4* Hsf, int jb0, int col0, int nt, size_t hb) {
-    constexpr int NJ = 2, NT = 128, SU = TC_STAGE_U4(NJ);
-    const int tid = threadIdx.x, w = tid >> 5, lane = tid & 31;
-    const int gq = lane >> 2, tq = lane & 3, jw = w >> 1, ch = w & 1, jb = jb0 + jw;
-    // sacc[ct][e] = Sᵀ[j0 + 8(e>>1)][64ch + 8ct + 2tq + (e&1)] = mat[c][j], j0 = col0 + 16jw + gq.
-    const int j0 = col0 + 16 * jw + gq;
-    float sacc[8][4];
-#pragma unroll
-    for (int ct = 0; ct < 8; ++ct)
-#pragma unroll
-        for (int e = 0; e < 4; ++e)
-            sacc[ct][e] = mat[(size_t)(64 * ch + 8 * ct + 2 * tq + (e & 1)) * TC_D + j0 + 8 * (e >> 1)];
-    auto issue = [&](int n) {
-        if (n < nt) {
-            uint4* dst = tc_sm + (n % TC_STAGES) * SU;
-            const uint4* ws = Wf + (hb + n) * 1024;
-            const uint4* ks = Ktf + (hb + n) * 1024;
-#pragma unroll
-            for (int it = 0; it < 1024 / NT; ++it) {
-                const int i = tid + it * NT;
-                tc_cp16(dst + i, ws + i);
-                tc_cp16(dst + 1024 + i, ks + i);
-            }
-            if (!TRANS) {
-                const uint4* us = Uf + ((hb + n) * 32 + jb0 * 4) * 32;
-#pragma unroll
-                for (int it = 0; it < NJ * 128 / NT; ++it) tc_cp16(dst + 2048 + tid + it * NT, us + tid + it * NT);
-            }
-            if (tid == 0) tc_cp4(dst + 2048 + NJ * 128, gcum + (hb + n) * TC_CH + TC_CH - 1);
-        }
-        tc_cp_commit();
-    };
-#pragma unroll
-    for (int s = 0; s < TC_STAGES - 1; ++s) issue(s);
-    for (int n = 0; n < nt; ++n) {
-        tc_cp_wait<TC_STAGES - 2>();
-        __syncthreads();  // chunk n landed for all threads; stage (n−1) % STAGES is free
-        issue(n + TC_STAGES - 1);
-        uint4* Ws = tc_sm + (n % TC_STAGES) * SU;
-        const uint4* Kts = Ws + 1024;
-        const float eg = expf(*reinterpret_cast<const float*>(Ws + 2048 + NJ * 128));
-        unsigned sa[4][4];  // c-blocks 4ch + kc
-#pragma unroll
-        for (int kc = 0; kc < 4; ++kc) tc_acc_afrag(sa[kc], sacc[2 * kc], sacc[2 * kc + 1]);
-        if (!TRANS) {
-            uint4* hs = Hsf + ((hb + n) * 64 + jb * 8 + 4 * ch) * 32 + lane;
-#pragma unroll
-            for (int kc = 0; kc < 4; ++kc) hs[kc * 32] = make_uint4(sa[kc][0], sa[kc][1], sa[kc][2], sa[kc][3]);
-        }
-        // Partial (W S)ᵀ = Sᵀ Wᵀ over this c-half.
-        float acc[8][4];
-#pragma unroll
-        for (int j = 0; j < 8; ++j) acc[j][0] = acc[j][1] = acc[j][2] = acc[j][3] = 0.f;
-#pragma unroll
-        for (int kc = 0; kc < 4; ++kc)
-#pragma unroll
-            for (int ib = 0; ib < 4; ++ib) {
-                const uint4 f = Ws[(ib * 8 + 4 * ch + kc) * 32 + lane];
-                tc_mma(acc[2 * ib], sa[kc], f.x, f.y);
-                tc_mma(acc[2 * ib + 1], sa[kc], f.z, f.w);
-            }
-        __syncthreads();  // W of this stage read by all warps: its area takes the partials
-        float4* xw = reinterpret_cast<float4*>(Ws) + w * 256 + lane;
-#pragma unroll
-        for (int t = 0; t < 8; ++t) xw[t * 32] = make_float4(acc[t][0], acc[t][1], acc[t][2], acc[t][3]);
-        __syncthreads();
-        const float4* xp = reinterpret_cast<const float4*>(Ws) + (w ^ 1) * 256 + lane;
-#pragma unroll
-        for (int t = 0; t < 8; ++t) {
-            const float4 p = xp[t * 32];
-            acc[t][0] += p.x;
-            acc[t][1] += p.y;
-            acc[t][2] += p.z;
-            acc[t][3] += p.w;
-        }
-        // Ũᵀ = Uᵀ − (W S)ᵀ as bf16 A fragments; warp ch writes i-blocks 2ch, 2ch + 1.
-        unsigned ua[4][4];
-#pragma unroll
-        for (int ib = 0; ib < 4; ++ib) {
-            const uint4 uc = TRANS ? make_uint4(0u, 0u, 0u, 0u) : Ws[2048 + (jw * 4 + ib) * 32 + lane];
-            const float2 u0 = tc_unpack(uc.x), u1 = tc_unpack(uc.y);
-            const float2 u2 = tc_unpack(uc.z), u3 = tc_unpack(uc.w);
-            const float* a0 = acc[2 * ib];
-            const float* a1 = acc[2 * ib + 1];
-            ua[ib][0] = tc_pack(u0.x - a0[0], u0.y - a0[1]);
-            ua[ib][1] = tc_pack(u1.x - a0[2], u1.y - a0[3]);
-            ua[ib][2] = tc_pack(u2.x - a1[0], u2.y - a1[1]);
-            ua[ib][3] = tc_pack(u3.x - a1[2], u3.y - a1[3]);
-            if (!TRANS && (ib >> 1) == ch)
-                Uf[((hb + n) * 32 + jb * 4 + ib) * 32 + lane] = make_uint4(ua[ib][0], ua[ib][1], ua[ib][2], ua[ib][3]);
-        }
-        // Sᵀ ← e^{G_c} Sᵀ + Ũᵀ K̃ over this c-half.
-#pragma unroll
-        for (int ct = 0; ct < 8; ++ct)
-#pragma unroll
-            for (int e = 0; e < 4; ++e) sacc[ct][e] *= eg;
-#pragma unroll
-        for (int ib = 0; ib < 4; ++ib)
-#pragma unroll
-            for (int cb = 0; cb < 4; ++cb) {
-                const uint4 f = Kts[((4 * ch + cb) * 4 + ib) * 32 + lane];
-                tc_mma(sacc[2 * cb], ua[ib], f.x, f.y);
-                tc_mma(sacc[2 * cb + 1], ua[ib], f.z, f.w);
-            }
-        if (TRANS) {
-#pragma unroll
-            for (int ct = 0; ct < 8; ++ct)
-#pragma unroll
-                for (int e = 0; e < 4; ++e)
-                    if (fabsf(sacc[ct][e]) < TC_FLUSH) sacc[ct][e] = 0.f;
-        }
-    }
-    tc_cp_wait<0>();
-#pragma unroll
-    for (int ct = 0; ct < 8; ++ct)
-#pragma unroll
-        for (int e = 0; e < 4; ++e)
-            mat[(size_t)(64 * ch + 8 * ct + 2 * tq + (e & 1)) * TC_D + j0 + 8 * (e >> 1)] = sacc[ct][e];
-}
-
-extern "C" __global__ void __launch_bounds__(128, 1)
-    gdr_state_tc_bf16_32s(const uint4* Wf, const uint4* Ktf, uint4* Uf, const float* gcum, float* state,
-                          float* trans, uint4* Hsf, int t_len) {
-    const int h = blockIdx.x, jb0 = blockIdx.y * 2;
-    const int nt = (t_len + TC_CH - 1) / TC_CH;
-    const size_t hb = (size_t)h * nt;
-    if (jb0 >= TC_D / 16)  // CTA-uniform: transition columns
-        gdr_state_tc_run_s<true>(Wf, Ktf, Uf, gcum, trans + (size_t)h * TC_D * TC_D, Hsf, jb0, 16 * jb0 - TC_D, nt,
-                                 hb);
-    else
-        gdr_state_tc_run_s<false>(Wf, Ktf, Uf, gcum, state + (size_t)h * TC_D * TC_D, Hsf, jb0, 16 * jb0, nt, hb);
-}
-
-// ---------------------------------------------------------------------------------------
-// C  gdr_output_tc_bf16: grid (NT, Hv), block 256 (8 warps). Warp: rows 16·mt.. of the
-// chunk (mt = w & 3), value columns 64·jh.. (jh = w >> 2). P = (Q Kᵀ ⊙ e^{G_i−G_m})_{m≤i}
-// for its rows (mma; packed to bf16 A fragments from the accumulators), then
-// O = e^{G_i} (Q S) + P Ũ with S (snapshot) and Ũ read as B fragments straight from
-// their (A-order) F-tiles in global memory.
-#define TC_OUT_SMEM (2 * TC_CH * TC_LD * 2 + TC_CH * 4)
-extern "C" __global__ void __launch_bounds__(256)
-    gdr_output_tc_bf16(const bf16* __restrict__ q, const bf16* __restrict__ k, const float* __restrict__ gcum,
-                       const uint4* __restrict__ Uf, const uint4* __restrict__ Hsf, bf16* __restrict__ out,
-                       int t_len, int hk, int hv) {
-    bf16* Qs = reinterpret_cast<bf16*>(tc_sm);  // [64][TC_LD]
-    bf16* Ks = Qs + TC_CH * TC_LD;               // [64][TC_LD]
-    float* G = reinterpret_cast<float*>(Ks + TC_CH * TC_LD);
-    const int n = blockIdx.x, h = blockIdx.y, kh = h / (hv / hk), tid = threadIdx.x;
-    const int lane = tid & 31, w = tid >> 5, gq = lane >> 2, tq = lane & 3;
-    const int nt = (t_len + TC_CH - 1) / TC_CH;
-    const int t0 = n * TC_CH, len = min(TC_CH, t_len - t0);
-    const size_t tile = (size_t)h * nt + n;
-    tc_load_rows(Qs, q, t0, len, hk, kh, tid);
-    tc_load_rows(Ks, k, t0, len, hk, kh, tid);
-    if (tid < TC_CH) G[tid] = gcum[tile * TC_CH + tid];
-    __syncthreads();
-    const int mt = w & 3, jh = w >> 2;
-    unsigned qa[8][4];
-#pragma unroll
-    for (int kc = 0; kc < 8; ++kc) tc_frag(qa[kc], Qs, TC_LD, 16 * mt, 16 * kc, lane);
-    // P for rows 16·mt.., key tiles nt8 ≤ 2·mt + 1 (the rest is masked out).
-    float p[8][4];
-#pragma unroll
-    for (int j = 0; j < 8; ++j) p[j][0] = p[j][1] = p[j][2] = p[j][3] = 0.f;
-#pragma unroll
-    for (int kc = 0; kc < 8; ++kc)
-#pragma unroll
-        for (int nt8 = 0; nt8 < 8; ++nt8)
-            if (nt8 <= 2 * mt + 1) {
-                const bf16* pk = Ks + (8 * nt8 + gq) * TC_LD + 16 * kc + 2 * tq;
-                tc_mma(p[nt8], qa[kc], tc_ld32(pk), tc_ld32(pk + 8));
-            }
-    const int i0 = 16 * mt + gq;
-    const float gi0 = G[i0], gi1 = G[i0 + 8];
-#pragma unroll
-    for (int nt8 = 0; nt8 < 8; ++nt8)
-#pragma unroll
-        for (int e = 0; e < 4; ++e) {
-            const int i = i0 + 8 * (e >> 1), m = 8 * nt8 + 2 * tq + (e & 1);
-            p[nt8][e] = m <= i ? p[nt8][e] * expf((e >> 1 ? gi1 : gi0) - G[m]) : 0.f;
-        }
-    // O = e^{G_i} Q S: B fragments from the snapshot F-tiles, j-blocks 4·jh..4·jh+3.
-    float o[8][4];
-#pragma unroll
-    for (int j = 0; j < 8; ++j) o[j][0] = o[j][1] = o[j][2] = o[j][3] = 0.f;
-    const uint4* hs = Hsf + (tile * 64 + 4 * jh * 8) * 32 + lane;
-#pragma unroll
-    for (int kc = 0; kc < 8; ++kc) {
-        uint4 f[4];
-#pragma unroll
-        for (int qb = 0; qb < 4; ++qb) f[qb] = hs[(qb * 8 + kc) * 32];
-#pragma unroll
-        for (int qb = 0; qb < 4; ++qb) {
-            tc_mma(o[2 * qb], qa[kc], f[qb].x, f[qb].z);
-            tc_mma(o[2 * qb + 1], qa[kc], f[qb].y, f[qb].w);
-        }
-    }
-    const float e0 = expf(gi0), e1 = expf(gi1);
-#pragma unroll
-    for (int j = 0; j < 8; ++j) {
-        o[j][0] *= e0;
-        o[j][1] *= e0;
-        o[j][2] *= e1;
-        o[j][3] *= e1;
-    }
-    // O += P Ũ over key blocks kk ≤ mt.
-    const uint4* uf = Uf + (tile * 32 + 4 * jh * 4) * 32 + lane;
-#pragma unroll
-    for (int kk = 0; kk < 4; ++kk) {
-        if (kk <= mt) {
-            unsigned a[4];
-            tc_acc_afrag(a, p[2 * kk], p[2 * kk + 1]);
-            uint4 f[4];
-#pragma unroll
-            for (int qb = 0; qb < 4; ++qb) f[qb] = uf[(qb * 4 + kk) * 32];
-#pragma unroll
-            for (int qb = 0; qb < 4; ++qb) {
-                tc_mma(o[2 * qb], a, f[qb].x, f[qb].z);
-                tc_mma(o[2 * qb + 1], a, f[qb].y, f[qb].w);
-            }
-        }
-    }
-#pragma unroll
-    for (int hh = 0; hh < 2; ++hh) {
-        const int i = i0 + 8 * hh;
-        if (i < len) {
-            bf16* dst = out + ((size_t)(t0 + i) * hv + h) * TC_D + 64 * jh + 2 * tq;
-#pragma unroll
-            for (int j = 0; j < 8; ++j)
-                *reinterpret_cast<__nv_bfloat162*>(dst + 8 * j) = __floats2bfloat162_rn(o[j][2 * hh], o[j][2 * hh + 1]);
-        }
-    }
-}
 
 // ---------------------------------------------------------------------------------------
 // C' gdr_output_tc2_bf16: grid (Hv, NT) (value heads fastest: Q and K chunks of a key head
-// are read back to back), block 256; arguments and output as gdr_output_tc_bf16,
-// ≤ 64 registers per thread (gdr_output_tc_bf16: 128, two blocks per SM) so that four
-// blocks share an SM, and each warp reads distinct Hs / Ũ fragments (there every fragment
-// was read by the four row warps of its column half: 4× the L1 requests). The block's Hs
-// and Ũ tiles (48 KiB) are prefetched into L2 at entry. Then
+// are read back to back), block 256 (8 warps), TC_OUT_SMEM bytes of shared memory; per
+// (chunk, head) the output rows O = diag(e^G) Q S + P Ũ of the chunk, with S (snapshot)
+// and Ũ read as B fragments from their (A-order) F-tiles in global memory. ≤ 64 registers
+// per thread so that four blocks share an SM; each warp reads distinct Hs / Ũ fragments.
+// The block's Hs and Ũ tiles (48 KiB) are prefetched into L2 at entry. Then
 //   P = (Q Kᵀ ⊙ e^{G_i−G_m})_{m≤i}, warp rows 16·(w >> 1).., n-tiles 4·(w & 1)..,
 //       written as bf16 [64][TC_ALD] over K;
 //   O = e^{G_i} (Q S) + P Ũ, warp = value columns 16·w.. for all 64 rows (A fragments of
 //       Q and P by ldmatrix from shared memory, B fragments one uint4 per k-block).
+#define TC_OUT_SMEM (2 * TC_CH * TC_LD * 2 + TC_CH * 4)
 extern "C" __global__ void __launch_bounds__(256, 4)
     gdr_output_tc2_bf16(const bf16* __restrict__ q, const bf16* __restrict__ k, const float* __restrict__ gcum,
                         const uint4* __restrict__ Uf, const uint4* __restrict__ Hsf, bf16* __restrict__ out,

@@ -596,8 +596,8 @@ mod gpu {
         gdr_chunked_case::<bf16>(5e-3, 1e-4);
     }
 
-    /// One case of the bf16 tensor-core chunked prefill: runs it (state kernel with
-    /// `bv` columns per block) and the fp32 SIMT kernels on the same bf16 inputs from the
+    /// One case of the bf16 tensor-core chunked prefill: runs it and the fp32 SIMT
+    /// kernels on the same bf16 inputs from the
     /// same nonzero state, optionally with the transition, and checks both against the
     /// CPU `chunked` / `chunked_with_transition` (fp32, on the bf16-rounded inputs).
     /// Tolerances are norm-wise relative L2 (max relative: 10×): `tol` for output and
@@ -610,7 +610,6 @@ mod gpu {
         d: &GdrDims,
         gates: (&str, f32, f32),
         with_t: bool,
-        bv: usize,
         seed: u64,
         tol: f64,
         tol_t: f64,
@@ -618,7 +617,6 @@ mod gpu {
         let mut c = gdn_case(d, seed, 1.0, true);
         let mut r = rng(seed ^ 0x9e37);
         c.g = uniform(&mut r, d.t * d.hv, gates.1, gates.2);
-        ws_tc.set_state_bv(bv).unwrap();
         let run = |ws: &mut gdr::Workspace| {
             let mut dev = gdn_dev::<bf16>(g, d, &c);
             let mut tr = with_t.then(|| poisoned::<f32>(g, d.hv * d.dk * d.dk));
@@ -652,7 +650,7 @@ mod gpu {
             )
         };
         let tag = format!(
-            "gdr chunked tc bf16 T={} Hk={} Hv={} g {} [{}, {}]{} BV={bv}{} prep {} output {}",
+            "gdr chunked tc bf16 T={} Hk={} Hv={} g {} [{}, {}]{}",
             d.t,
             d.hk,
             d.hv,
@@ -660,9 +658,6 @@ mod gpu {
             gates.1,
             gates.2,
             if with_t { " +T_C" } else { "" },
-            if ws_tc.state_split() { " split" } else { "" },
-            ws_tc.prep_kernel(),
-            ws_tc.output_kernel()
         );
         check(&format!("{tag} out vs cpu"), &o_tc, &o, tol, 10.0 * tol);
         check(&format!("{tag} state vs cpu"), &s_tc, &s, tol, 10.0 * tol);
@@ -702,11 +697,8 @@ mod gpu {
     /// the fp32 SIMT kernels: T ∈ {1, 63, 64, 65, 200, 1000, 4096} (partial and whole
     /// chunks), Hk/Hv = 16/32 and 2/4, gates strongly negative (g ∈ [−20, −4]: the
     /// state keeps ~the last token, T_C flushes to 0) and near 0 (g ∈ [−1e-3, 0]), with
-    /// and without T_C, both state-kernel block widths (BV 32 also split), both prep and
-    /// output kernels
-    /// (every third case the old `gdr_prep_tc_bf16`, every fifth the old
-    /// `gdr_output_tc_bf16`). dk = dv = 128 only (the chunked
-    /// prefill is built for that shape; others return `CudaError::Shape`).
+    /// and without T_C. dk = dv = 128 only (the chunked prefill is built for that shape;
+    /// others return `CudaError::Shape`).
     ///
     /// Tolerances: the path rounds W, U, K̃, Ũ, P, the state snapshots and the state as
     /// an mma operand to bf16 (unit roundoff 2⁻⁹); the host emulation of these kernels
@@ -717,10 +709,8 @@ mod gpu {
     fn gdr_chunked_tc_bf16_matches_cpu_and_simt() {
         let (g, _l) = gpu();
         let mut ws_tc = gdr::Workspace::new();
-        ws_tc.force_path(None); // whatever HYPIC_GDR_KERNELS says
         assert_eq!(ws_tc.path::<bf16>(), gdr::ChunkedPath::TensorCores);
         assert_eq!(ws_tc.path::<f32>(), gdr::ChunkedPath::Simt);
-        assert!(ws_tc.set_state_bv(48).is_err());
         let mut ws_simt = gdr::Workspace::new();
         ws_simt.force_path(Some(gdr::ChunkedPath::Simt));
         let mut case = 0u64;
@@ -736,25 +726,6 @@ mod gpu {
                             dk: 128,
                             dv: 128,
                         };
-                        let bv = gdr::STATE_BV[(case as usize) % gdr::STATE_BV.len()];
-                        // Every third case on the old prep kernel, every fifth on the old
-                        // output kernel, the rest on the defaults.
-                        ws_tc
-                            .set_prep_kernel(if case.is_multiple_of(3) {
-                                gdr::PREP_KERNELS[0]
-                            } else {
-                                gdr::DEFAULT_PREP_KERNEL
-                            })
-                            .unwrap();
-                        ws_tc
-                            .set_output_kernel(if case.is_multiple_of(5) {
-                                gdr::OUTPUT_KERNELS[0]
-                            } else {
-                                gdr::DEFAULT_OUTPUT_KERNEL
-                            })
-                            .unwrap();
-                        // Half of the BV 32 cases on the split state kernel.
-                        ws_tc.set_state_split(case % 4 == 2);
                         let tol_t = if t > 1000 { 6e-2 } else { 3e-2 };
                         gdr_tc_case(
                             &g,
@@ -763,7 +734,6 @@ mod gpu {
                             &d,
                             gates,
                             with_t,
-                            bv,
                             500 + case,
                             1e-2,
                             tol_t,

@@ -114,30 +114,12 @@ pub enum ChunkedPath {
     TensorCores,
 }
 
-/// Value columns per block of the tensor-core state kernel that are built (16 per warp):
-/// 32 (2 warps; Hv·dv/32 blocks, 128 at Hv = 32) or 64 (4 warps; half the blocks, half
-/// the L2 → shared-memory traffic for W and K̃, twice the shared-memory reads per SM).
-pub const STATE_BV: [usize; 2] = [32, 64];
-/// Default of [`Workspace::set_state_bv`].
-pub const DEFAULT_STATE_BV: usize = 32;
-/// State block width of the split state kernel (`gdr_state_tc_bf16_32s`,
-/// [`Workspace::set_state_split`]).
-pub const STATE_SPLIT_BV: usize = 32;
-/// Versions of the tensor-core prep kernel (stage A) that are built: 1
-/// `gdr_prep_tc_bf16` (72 KiB shared memory, 3 blocks per SM; M solved in fp32 SIMT),
-/// 2 `gdr_prep_tc2_bf16` (53 KiB, ≤ 64 registers, 4 blocks per SM; M solved in place,
-/// off-diagonal blocks on tensor cores with hi/lo-split bf16 operands). Same outputs up
-/// to bf16 rounding of `M diag(·)`.
-pub const PREP_KERNELS: [usize; 2] = [1, 2];
-/// Default of [`Workspace::set_prep_kernel`].
-pub const DEFAULT_PREP_KERNEL: usize = 2;
-/// Versions of the tensor-core output kernel (stage C) that are built: 1
-/// `gdr_output_tc_bf16` (128 registers, 2 blocks per SM; warp = 16 rows × 64 columns),
-/// 2 `gdr_output_tc2_bf16` (≤ 64 registers, 4 blocks per SM; P once per block in shared
-/// memory, warp = 64 rows × 16 columns). Same arithmetic, bit-identical outputs.
-pub const OUTPUT_KERNELS: [usize; 2] = [1, 2];
-/// Default of [`Workspace::set_output_kernel`].
-pub const DEFAULT_OUTPUT_KERNEL: usize = 2;
+/// Value columns per block of the tensor-core state kernel `gdr_state_tc_bf16_32`
+/// (16 per warp: 2 warps; Hv·dv/32 blocks, 128 at Hv = 32).
+const STATE_BV: usize = 32;
+/// Most chunks of the tensor-core prefill: `gdr_prep_tc2_bf16` and `gdr_output_tc2_bf16`
+/// put the chunks on grid y (T ≤ 65 535 · [`CHUNK`] = 4 194 240 tokens per call).
+pub const TC_MAX_CHUNKS: usize = 65_535;
 
 /// Scratch of the chunked prefill, reusable across calls (grows as needed), and the
 /// choice of kernels.
@@ -151,12 +133,7 @@ pub const DEFAULT_OUTPUT_KERNEL: usize = 2;
 /// (head, chunk), bf16 fragment tiles of W (16 KiB), K̃ᵀ (16 KiB), Uᵀ then Ũᵀ (16 KiB)
 /// and the chunk-initial state (32 KiB) — `Hv·NT·(80 KiB + 256 B)` (1.25 GiB at
 /// T = 32k, Hv = 32). The buffers are typed `f32` but hold these bytes.
-///
-/// A new workspace takes its defaults from the environment, for A/B runs of a built
-/// binary: `HYPIC_GDR_KERNELS=simt` forces the SIMT kernels (anything else: automatic),
-/// `HYPIC_GDR_STATE_BV=32|64` sets [`Workspace::set_state_bv`], `HYPIC_GDR_PREP=1|2`
-/// [`Workspace::set_prep_kernel`], `HYPIC_GDR_OUTPUT=1|2` [`Workspace::set_output_kernel`],
-/// `HYPIC_GDR_STATE_SPLIT=1` [`Workspace::set_state_split`].
+#[derive(Default)]
 pub struct Workspace {
     gcum: Option<CudaSlice<f32>>,
     w: Option<CudaSlice<f32>>,
@@ -164,47 +141,6 @@ pub struct Workspace {
     hs: Option<CudaSlice<f32>>,
     kt: Option<CudaSlice<f32>>,
     force: Option<ChunkedPath>,
-    state_bv: usize,
-    prep: usize,
-    output: usize,
-    state_split: bool,
-}
-
-impl Default for Workspace {
-    fn default() -> Self {
-        let force = match std::env::var("HYPIC_GDR_KERNELS").as_deref() {
-            Ok("simt") => Some(ChunkedPath::Simt),
-            _ => None,
-        };
-        let state_bv = std::env::var("HYPIC_GDR_STATE_BV")
-            .ok()
-            .and_then(|v| v.parse::<usize>().ok())
-            .filter(|b| STATE_BV.contains(b))
-            .unwrap_or(DEFAULT_STATE_BV);
-        let prep = std::env::var("HYPIC_GDR_PREP")
-            .ok()
-            .and_then(|v| v.parse::<usize>().ok())
-            .filter(|p| PREP_KERNELS.contains(p))
-            .unwrap_or(DEFAULT_PREP_KERNEL);
-        let output = std::env::var("HYPIC_GDR_OUTPUT")
-            .ok()
-            .and_then(|v| v.parse::<usize>().ok())
-            .filter(|p| OUTPUT_KERNELS.contains(p))
-            .unwrap_or(DEFAULT_OUTPUT_KERNEL);
-        let state_split = std::env::var("HYPIC_GDR_STATE_SPLIT").as_deref() == Ok("1");
-        Workspace {
-            gcum: None,
-            w: None,
-            u: None,
-            hs: None,
-            kt: None,
-            force,
-            state_bv,
-            prep,
-            output,
-            state_split,
-        }
-    }
 }
 
 impl Workspace {
@@ -222,7 +158,8 @@ impl Workspace {
     }
 
     /// Forces the kernels of [`chunked`] (`None`: automatic — tensor cores for bf16,
-    /// SIMT for f32). f32 inputs always run on the SIMT kernels.
+    /// SIMT for f32; tests compare the two paths on bf16 inputs with it). f32 inputs
+    /// always run on the SIMT kernels.
     pub fn force_path(&mut self, path: Option<ChunkedPath>) {
         self.force = path;
     }
@@ -234,68 +171,6 @@ impl Workspace {
         } else {
             ChunkedPath::Simt
         }
-    }
-
-    /// Value columns per block of the tensor-core state kernel, one of [`STATE_BV`].
-    pub fn set_state_bv(&mut self, bv: usize) -> Result<()> {
-        if !STATE_BV.contains(&bv) {
-            return Err(CudaError::Shape(format!(
-                "state kernel block of {bv} value columns: built for {STATE_BV:?}"
-            )));
-        }
-        self.state_bv = bv;
-        Ok(())
-    }
-
-    /// Value columns per block of the tensor-core state kernel.
-    pub fn state_bv(&self) -> usize {
-        self.state_bv
-    }
-
-    /// Version of the tensor-core prep kernel, one of [`PREP_KERNELS`].
-    pub fn set_prep_kernel(&mut self, version: usize) -> Result<()> {
-        if !PREP_KERNELS.contains(&version) {
-            return Err(CudaError::Shape(format!(
-                "GDR prep kernel version {version}: built are {PREP_KERNELS:?}"
-            )));
-        }
-        self.prep = version;
-        Ok(())
-    }
-
-    /// Version of the tensor-core prep kernel.
-    pub fn prep_kernel(&self) -> usize {
-        self.prep
-    }
-
-    /// Version of the tensor-core output kernel, one of [`OUTPUT_KERNELS`].
-    pub fn set_output_kernel(&mut self, version: usize) -> Result<()> {
-        if !OUTPUT_KERNELS.contains(&version) {
-            return Err(CudaError::Shape(format!(
-                "GDR output kernel version {version}: built are {OUTPUT_KERNELS:?}"
-            )));
-        }
-        self.output = version;
-        Ok(())
-    }
-
-    /// Version of the tensor-core output kernel.
-    pub fn output_kernel(&self) -> usize {
-        self.output
-    }
-
-    /// With state block width [`STATE_SPLIT_BV`]: run `gdr_state_tc_bf16_32s` (4 warps
-    /// per block, each 16 state columns × half the state rows: half the mma per warp and
-    /// chunk, two more barriers) instead of `gdr_state_tc_bf16_32` (2 warps). No effect
-    /// with other widths. Default off (`HYPIC_GDR_STATE_SPLIT=1` turns it on).
-    pub fn set_state_split(&mut self, split: bool) {
-        self.state_split = split;
-    }
-
-    /// Whether the state kernel runs split ([`Workspace::set_state_split`]) — true only
-    /// when set and the width is [`STATE_SPLIT_BV`].
-    pub fn state_split(&self) -> bool {
-        self.state_split && self.state_bv == STATE_SPLIT_BV
     }
 
     fn ensure(gpu: &Gpu, slot: &mut Option<CudaSlice<f32>>, n: usize) -> Result<()> {
@@ -346,7 +221,8 @@ pub fn set_identity(gpu: &Gpu, trans: &mut CudaSlice<f32>, hv: usize, dk: usize)
 /// (bf16 operands, fp32 accumulation and fp32 state, `T_C` included), whose results
 /// differ from the fp32 kernels by bf16 rounding of intermediates (relative L2 error
 /// 2–5e-3 on output and state up to T = 4096 in the host emulation, against ~1e-3 of
-/// bf16 output rounding alone; `T_C` ~1e-2 at T = 4096).
+/// bf16 output rounding alone; `T_C` ~1e-2 at T = 4096). The tensor-core path takes at
+/// most [`TC_MAX_CHUNKS`] chunks per call ([`CudaError::Shape`] beyond).
 #[allow(clippy::too_many_arguments)]
 pub fn chunked<T: Elem>(
     gpu: &Gpu,
@@ -527,18 +403,13 @@ fn chunked_impl<T: Elem>(
 
 // Dynamic shared memory of the tensor-core kernels (TC_*_SMEM in gdr_tc.cu).
 const TC_LD: usize = PREFILL_DIM + 8;
-const TC_ALD: usize = CHUNK + 8;
-const SMEM_PREP_TC: u32 = (2 * CHUNK * TC_LD * 2
-    + 2 * CHUNK * TC_ALD * 2
-    + CHUNK * (CHUNK + 1) * 4
-    + 3 * 256 * 4
-    + 3 * CHUNK * 4) as u32;
 /// fp32 row stride of L / M in `gdr_prep_tc2_bf16` (TC_MLD).
 const TC_MLD: usize = CHUNK + 8;
 const SMEM_PREP2_TC: u32 = (2 * CHUNK * TC_LD * 2 + CHUNK * TC_MLD * 4 + 3 * CHUNK * 4) as u32;
 /// Ring stages of the tensor-core state kernel (TC_STAGES).
 const TC_STAGES: usize = 3;
-/// Shared memory of `gdr_state_tc_bf16_{bv}`: TC_STAGES · TC_STAGE_U4(bv/16) · 16 bytes.
+/// Shared memory of the state kernel for `bv` value columns per block: TC_STAGES ·
+/// TC_STAGE_U4(bv/16) · 16 bytes.
 fn smem_state_tc(bv: usize) -> u32 {
     (TC_STAGES * (2048 + bv / 16 * 128 + 1) * 16) as u32
 }
@@ -547,10 +418,9 @@ const SMEM_OUT_TC: u32 = (2 * CHUNK * TC_LD * 2 + CHUNK * 4) as u32;
 const TILE_F32: usize = CHUNK * PREFILL_DIM / 2;
 
 /// The tensor-core path of [`chunked`] (bf16 `T` only; shapes checked by the caller).
-/// Three launches: `gdr_prep_tc{,2}_bf16` (grid NT×Hv, version 2 Hv×NT; 256 threads;
-/// [`Workspace::set_prep_kernel`]), `gdr_state_tc_bf16_{BV}[s]` (grid Hv×(dv [+ dk])/BV,
-/// 2·BV threads, split 4·BV), `gdr_output_tc{,2}_bf16` (as prep; 256 threads;
-/// [`Workspace::set_output_kernel`]).
+/// Three launches: `gdr_prep_tc2_bf16` (grid Hv×NT, 256 threads), `gdr_state_tc_bf16_32`
+/// (grid Hv×(dv [+ dk])/32, 64 threads), `gdr_output_tc2_bf16` (as prep). More than
+/// [`TC_MAX_CHUNKS`] chunks → [`CudaError::Shape`].
 #[allow(clippy::too_many_arguments)]
 fn chunked_tc<T: Elem>(
     gpu: &Gpu,
@@ -568,20 +438,19 @@ fn chunked_tc<T: Elem>(
 ) -> Result<()> {
     debug_assert_eq!(T::SUFFIX, "bf16");
     let nt = d.t.div_ceil(CHUNK);
+    if nt > TC_MAX_CHUNKS {
+        return Err(CudaError::Shape(format!(
+            "GDR tensor-core prefill: T = {} is {nt} chunks of {CHUNK}, at most {TC_MAX_CHUNKS} \
+             per call (split the span)",
+            d.t
+        )));
+    }
     let tiles = nt * d.hv;
     Workspace::ensure(gpu, &mut ws.gcum, tiles * CHUNK)?;
     Workspace::ensure(gpu, &mut ws.w, tiles * TILE_F32)?;
     Workspace::ensure(gpu, &mut ws.kt, tiles * TILE_F32)?;
     Workspace::ensure(gpu, &mut ws.u, tiles * TILE_F32)?;
     Workspace::ensure(gpu, &mut ws.hs, tiles * 2 * TILE_F32)?;
-    let (bv, split) = (ws.state_bv, ws.state_split());
-    // Version 2 of prep / output puts the chunks on grid y (at most 65535: T ≤ 4.19M);
-    // longer sequences run version 1.
-    let (prep, output) = if nt > 65_535 {
-        (1, 1)
-    } else {
-        (ws.prep, ws.output)
-    };
     let (gcum, w, kt, u, hs) = (
         ws.gcum.as_mut().expect("allocated"),
         ws.w.as_mut().expect("allocated"),
@@ -597,25 +466,12 @@ fn chunked_tc<T: Elem>(
         Ok(())
     };
     mark(0)?;
-    // A: per chunk G, W, K̃ᵀ, Uᵀ (both versions: same arguments and outputs).
-    // Grids: version 1 (NT, Hv), version 2 (Hv, NT) (value heads fastest).
-    let (name, smem, grid) = match prep {
-        1 => (
-            "gdr_prep_tc_bf16",
-            SMEM_PREP_TC,
-            (nt as u32, d.hv as u32, 1),
-        ),
-        _ => (
-            "gdr_prep_tc2_bf16",
-            SMEM_PREP2_TC,
-            (d.hv as u32, nt as u32, 1),
-        ),
-    };
-    let f = gpu.function(&GDR_TC, name, smem)?;
+    // A: per chunk G, W, K̃ᵀ, Uᵀ; grid (Hv, NT) (value heads fastest).
+    let f = gpu.function(&GDR_TC, "gdr_prep_tc2_bf16", SMEM_PREP2_TC)?;
     let cfg = LaunchConfig {
-        grid_dim: grid,
+        grid_dim: (d.hv as u32, nt as u32, 1),
         block_dim: (256, 1, 1),
-        shared_mem_bytes: smem,
+        shared_mem_bytes: SMEM_PREP2_TC,
     };
     let mut b = gpu.stream().launch_builder(&f);
     b.arg(k)
@@ -629,22 +485,17 @@ fn chunked_tc<T: Elem>(
         .arg(&t)
         .arg(&hk)
         .arg(&hv);
-    // SAFETY: matches `gdr_prep_tc_bf16` / `gdr_prep_tc2_bf16`; T is bf16 (path
-    // selection), buffers sized above.
+    // SAFETY: matches `gdr_prep_tc2_bf16`; T is bf16 (path selection), buffers sized
+    // above, nt ≤ 65 535 (grid y).
     unsafe { b.launch(cfg) }?;
     mark(1)?;
     // B: sequential over chunks.
     let ncols = d.dv + if trans.is_some() { d.dk } else { 0 };
-    let smem = smem_state_tc(bv);
-    let (name, threads) = if split {
-        (format!("gdr_state_tc_bf16_{bv}s"), 4 * bv)
-    } else {
-        (format!("gdr_state_tc_bf16_{bv}"), 2 * bv)
-    };
-    let f = gpu.function(&GDR_TC, &name, smem)?;
+    let smem = smem_state_tc(STATE_BV);
+    let f = gpu.function(&GDR_TC, "gdr_state_tc_bf16_32", smem)?;
     let cfg = LaunchConfig {
-        grid_dim: (d.hv as u32, (ncols / bv) as u32, 1),
-        block_dim: (threads as u32, 1, 1),
+        grid_dim: (d.hv as u32, (ncols / STATE_BV) as u32, 1),
+        block_dim: (2 * STATE_BV as u32, 1, 1),
         shared_mem_bytes: smem,
     };
     let null: u64 = 0;
@@ -655,19 +506,13 @@ fn chunked_tc<T: Elem>(
         None => b.arg(&null),
     };
     b.arg(&mut *hs).arg(&t);
-    // SAFETY: matches `gdr_state_tc_bf16_*` (`_32s`: same arguments and ring); buffers
-    // sized above.
+    // SAFETY: matches `gdr_state_tc_bf16_32`; buffers sized above.
     unsafe { b.launch(cfg) }?;
     mark(2)?;
-    // C: outputs (both versions: same arguments, shared memory and output).
-    // Grids: version 1 (NT, Hv), version 2 (Hv, NT) (value heads fastest).
-    let (name, grid) = match output {
-        1 => ("gdr_output_tc_bf16", (nt as u32, d.hv as u32, 1)),
-        _ => ("gdr_output_tc2_bf16", (d.hv as u32, nt as u32, 1)),
-    };
-    let f = gpu.function(&GDR_TC, name, SMEM_OUT_TC)?;
+    // C: outputs; grid (Hv, NT) (value heads fastest).
+    let f = gpu.function(&GDR_TC, "gdr_output_tc2_bf16", SMEM_OUT_TC)?;
     let cfg = LaunchConfig {
-        grid_dim: grid,
+        grid_dim: (d.hv as u32, nt as u32, 1),
         block_dim: (256, 1, 1),
         shared_mem_bytes: SMEM_OUT_TC,
     };
@@ -681,7 +526,7 @@ fn chunked_tc<T: Elem>(
         .arg(&t)
         .arg(&hk)
         .arg(&hv);
-    // SAFETY: matches `gdr_output_tc_bf16` / `gdr_output_tc2_bf16`; buffers sized above.
+    // SAFETY: matches `gdr_output_tc2_bf16`; buffers sized above, nt ≤ 65 535 (grid y).
     unsafe { b.launch(cfg) }?;
     mark(3)?;
     Ok(())
@@ -715,7 +560,6 @@ mod tests {
     fn path_selected_by_element_type() {
         let mut ws = Workspace::new();
         ws.force_path(None);
-        ws.set_state_bv(DEFAULT_STATE_BV).unwrap();
         assert_eq!(ws.path::<half::bf16>(), ChunkedPath::TensorCores);
         assert_eq!(ws.path::<f32>(), ChunkedPath::Simt);
         ws.force_path(Some(ChunkedPath::Simt));
@@ -723,39 +567,17 @@ mod tests {
         // f32 inputs have no tensor-core kernels.
         ws.force_path(Some(ChunkedPath::TensorCores));
         assert_eq!(ws.path::<f32>(), ChunkedPath::Simt);
-        assert_eq!(ws.state_bv(), DEFAULT_STATE_BV);
-        ws.set_state_bv(64).unwrap();
-        assert_eq!(ws.state_bv(), 64);
-        assert!(ws.set_state_bv(48).is_err());
-        assert_eq!(ws.state_bv(), 64);
-        ws.set_prep_kernel(1).unwrap();
-        assert_eq!(ws.prep_kernel(), 1);
-        assert!(ws.set_prep_kernel(3).is_err());
-        assert_eq!(ws.prep_kernel(), 1);
-        assert!(PREP_KERNELS.contains(&DEFAULT_PREP_KERNEL));
-        ws.set_output_kernel(1).unwrap();
-        assert_eq!(ws.output_kernel(), 1);
-        assert!(ws.set_output_kernel(0).is_err());
-        assert_eq!(ws.output_kernel(), 1);
-        assert!(OUTPUT_KERNELS.contains(&DEFAULT_OUTPUT_KERNEL));
-        ws.set_state_split(true);
-        assert!(!ws.state_split()); // BV 64
-        ws.set_state_bv(STATE_SPLIT_BV).unwrap();
-        assert!(ws.state_split());
     }
 
     #[test]
     fn tensor_core_shared_memory_sizes() {
-        // TC_PREP_SMEM, TC_OUT_SMEM and the state kernel's ring of kernels/gdr_tc.cu,
+        // TC_PREP2_SMEM, TC_OUT_SMEM and the state kernel's ring of kernels/gdr_tc.cu,
         // all within the 227 KiB a block may use on H100/H200.
-        assert_eq!(SMEM_PREP_TC, 73_728);
         // gdr_prep_tc2_bf16: four blocks per SM (its ≤ 64 registers allow them too).
         assert_eq!(SMEM_PREP2_TC, 54_016);
         assert!(4 * (SMEM_PREP2_TC as usize + 1024) <= 228 * 1024);
-        assert_eq!(SMEM_OUT_TC, 35_072); // both output kernels
-        assert_eq!(smem_state_tc(32), 3 * 2305 * 16);
-        assert_eq!(smem_state_tc(64), 3 * 2561 * 16);
-        assert!(STATE_BV.iter().all(|&b| smem_state_tc(b) <= 227 * 1024));
+        assert_eq!(SMEM_OUT_TC, 35_072);
+        assert_eq!(smem_state_tc(STATE_BV), 3 * 2305 * 16);
         // BV = 32: two blocks per SM (228 KiB per SM, 1 KiB reserved per block), so the
         // 256 blocks of Hv = 32 with T_C run in one wave on 132 SMs.
         assert!(2 * (smem_state_tc(32) as usize + 1024) <= 228 * 1024);
