@@ -97,3 +97,10 @@ if [ $# -eq 0 ]; then
 fi
 step "cargo test"
 cargo test --workspace --locked "$@"
+# The operator console, on a full run: vitest, the committed bundle against a fresh
+# build, and the Playwright suite in Debian's chromium against a real `hypic serve`
+# (web-ui/test-e2e.sh installs chromium and the npm packages when absent).
+if [ $# -eq 0 ]; then
+  step "web-ui: vitest, bundle check, Playwright end-to-end"
+  HYPIC_BIN=target/debug/hypic web-ui/test-e2e.sh
+fi

@@ -11,7 +11,10 @@ cd "$(dirname "$0")/.."
 
 if ! command -v chromium >/dev/null; then
   echo "test-e2e: installing chromium" >&2
-  if [ "$(id -u)" = 0 ]; then apt-get install -y chromium >/dev/null; else sudo apt-get install -y chromium >/dev/null; fi
+  sudo_=""; [ "$(id -u)" = 0 ] || sudo_="sudo -n"
+  export DEBIAN_FRONTEND=noninteractive
+  $sudo_ apt-get update -qq >/dev/null
+  $sudo_ apt-get install -y -qq chromium >/dev/null
 fi
 command -v node >/dev/null || { echo "test-e2e: node (>= 20.19) is needed" >&2; exit 1; }
 

@@ -261,7 +261,16 @@ async fn ttl_sweep_drops_idle_entries_without_any_request() {
         (stats0.hits, stats0.misses),
         "no lookup touched the pool"
     );
-    assert!(s.server.state.ledger().is_empty());
+    // The sweep empties the pool, then records the drops (catalog, ledger, counters):
+    // wait for the records rather than read them once.
+    let t0 = Instant::now();
+    while !s.server.state.ledger().is_empty() {
+        assert!(
+            t0.elapsed() < Duration::from_secs(30),
+            "the sweep's ledger still tracks entries"
+        );
+        tokio::time::sleep(Duration::from_millis(25)).await;
+    }
     // The tenant's private prefix snapshots are older than the TTL too: gone.
     let t0 = Instant::now();
     while engine.private_usage().0 > 0 {
@@ -272,17 +281,24 @@ async fn ttl_sweep_drops_idle_entries_without_any_request() {
         tokio::time::sleep(Duration::from_millis(25)).await;
     }
     assert_eq!(s.server.state.ledger().private_tenants(), 0);
-    let m = s.metrics().await;
-    assert!(
-        metric(
+    let t0 = Instant::now();
+    let m = loop {
+        let m = s.metrics().await;
+        let dropped = metric(
             &m,
             "hypic_invalidation_sweep_entries_total",
-            "event=\"dropped\""
+            "event=\"dropped\"",
         )
-        .unwrap()
-            >= 3.0,
-        "{m}"
-    );
+        .unwrap_or(0.0);
+        if dropped >= 3.0 {
+            break m;
+        }
+        assert!(
+            t0.elapsed() < Duration::from_secs(30),
+            "fewer than 3 drops counted:\n{m}"
+        );
+        tokio::time::sleep(Duration::from_millis(25)).await;
+    };
     assert_eq!(
         metric(&m, "hypic_pool_entries", "pool=\"public\""),
         Some(0.0)
