@@ -147,21 +147,28 @@ impl Checkpoint {
         self.shards.iter().map(|s| s.path.as_path()).collect()
     }
 
-    /// Loads tensor `name` as fp32 (row-major), checking its shape equals `expected`.
-    ///
-    /// Errors: missing tensor, wrong shape, unsupported dtype.
-    pub fn get(&self, name: &str, expected: &[usize]) -> Result<Vec<f32>> {
+    /// The index entry of tensor `name`, checking its shape equals `expected` when
+    /// given. Errors: missing tensor, wrong shape.
+    fn entry(&self, name: &str, expected: Option<&[usize]>) -> Result<&Entry> {
         let e = self.entries.get(name).ok_or_else(|| Error::MissingTensor {
             name: name.to_string(),
             dir: self.dir.clone(),
         })?;
-        if e.shape != expected {
+        if let Some(expected) = expected.filter(|x| e.shape != *x) {
             return Err(Error::Shape {
                 name: name.to_string(),
                 got: e.shape.clone(),
                 expected: expected.to_vec(),
             });
         }
+        Ok(e)
+    }
+
+    /// Loads tensor `name` as fp32 (row-major), checking its shape equals `expected`.
+    ///
+    /// Errors: missing tensor, wrong shape, unsupported dtype.
+    pub fn get(&self, name: &str, expected: &[usize]) -> Result<Vec<f32>> {
+        let e = self.entry(name, Some(expected))?;
         self.read(name, e)
     }
 
@@ -211,10 +218,7 @@ impl Checkpoint {
 
     /// Loads tensor `name` as fp32 with whatever shape it has.
     pub fn get_any(&self, name: &str) -> Result<(Vec<usize>, Vec<f32>)> {
-        let e = self.entries.get(name).ok_or_else(|| Error::MissingTensor {
-            name: name.to_string(),
-            dir: self.dir.clone(),
-        })?;
+        let e = self.entry(name, None)?;
         Ok((e.shape.clone(), self.read(name, e)?))
     }
 
@@ -224,17 +228,7 @@ impl Checkpoint {
     ///
     /// Errors: missing tensor, wrong shape, unsupported dtype, inconsistent length.
     pub fn raw(&self, name: &str, expected: &[usize]) -> Result<RawTensor<'_>> {
-        let e = self.entries.get(name).ok_or_else(|| Error::MissingTensor {
-            name: name.to_string(),
-            dir: self.dir.clone(),
-        })?;
-        if e.shape != expected {
-            return Err(Error::Shape {
-                name: name.to_string(),
-                got: e.shape.clone(),
-                expected: expected.to_vec(),
-            });
-        }
+        let e = self.entry(name, Some(expected))?;
         Ok(RawTensor {
             dtype: e.dtype,
             bytes: self.bytes(name, e)?,
