@@ -362,7 +362,7 @@ impl FromRequestParts<ControlState> for Operator {
     ),
     paths(
         health, whoami, create_segment, list_segments, get_segment, update_segment,
-        delete_segment, segment_versions, list_grants, add_grant, revoke_grant,
+        delete_segment, segment_versions, segment_version_content, list_grants, add_grant, revoke_grant,
         list_group_grants, add_group_grant, revoke_group_grant, snapshot, create_group,
         list_groups, get_group, delete_group, add_member, remove_member, upload_policy,
         list_policies, policy_stats, rollback_policy, activate_policy, dry_run, audit_log,
@@ -489,6 +489,10 @@ pub fn control_router(state: ControlState) -> Router {
             get(get_segment).put(update_segment).delete(delete_segment),
         )
         .route("/v1/segments/{id}/versions", get(segment_versions))
+        .route(
+            "/v1/segments/{id}/versions/{version}",
+            get(segment_version_content),
+        )
         .route("/v1/segments/{id}/grants", get(list_grants).post(add_grant))
         .route(
             "/v1/segments/{id}/grants/{tenant}",
@@ -694,6 +698,15 @@ async fn segment_versions(
     ApiPath(id): ApiPath<String>,
 ) -> ApiResult<Vec<crate::catalog::SegmentVersion>> {
     Ok(Json(s.segments().versions(&p, &id).await?))
+}
+
+#[utoipa::path(get, path = "/v1/segments/{id}/versions/{version}", tag = "segments", summary = "One version's content", security(("bearer" = [])), params(("id" = String, Path, description = "the caller's segment id, or a segment address"), ("version" = i64, Path, description = "version number, from 1")), responses((status = 200, body = crate::segments::VersionContent), (status = 400, description = "version is not an integer", body = crate::error::ErrorBody), (status = 401, description = "no or bad token", body = crate::error::ErrorBody), (status = 404, description = "no such segment or version, or not readable by the caller", body = crate::error::ErrorBody)))]
+async fn segment_version_content(
+    State(s): State<ControlState>,
+    Caller(p): Caller,
+    ApiPath((id, version)): ApiPath<(String, i64)>,
+) -> ApiResult<crate::segments::VersionContent> {
+    Ok(Json(s.segments().version_content(&p, &id, version).await?))
 }
 
 /// Body of `POST /v1/segments/{id}/grants`.

@@ -313,6 +313,28 @@ impl SegmentService {
         Ok(self.catalog.versions(&seg.address).await?)
     }
 
+    /// The content of version `version` of the segment `p` reads as `reference`
+    /// (any version, superseded ones included, so an operator can compare them).
+    /// Errors: 404 when the segment is not readable by `p` or has no such version.
+    pub async fn version_content(
+        &self,
+        p: &Principal,
+        reference: &str,
+        version: i64,
+    ) -> Result<VersionContent, ApiError> {
+        let seg = self.readable(p, reference).await?;
+        let content = self
+            .catalog
+            .version_content(&seg.address, version)
+            .await?
+            .unwrap_or_default();
+        Ok(VersionContent {
+            segment_id: seg.address,
+            version,
+            content,
+        })
+    }
+
     /// Tenants granted read access to the segment `p` owns as `reference`.
     pub async fn grants(&self, p: &Principal, reference: &str) -> Result<Vec<String>, ApiError> {
         let seg = self.owned(p, reference).await?;
@@ -442,4 +464,15 @@ impl SegmentService {
             segments: out,
         })
     }
+}
+
+/// Body of `GET /v1/segments/{id}/versions/{version}`: one version's text.
+#[derive(Debug, Clone, serde::Serialize, utoipa::ToSchema)]
+pub struct VersionContent {
+    /// Segment address.
+    pub segment_id: String,
+    /// Version number.
+    pub version: i64,
+    /// The version's content, as registered.
+    pub content: String,
 }

@@ -141,6 +141,12 @@ async function main() {
   await page.fill("textarea[name=new-content]", "Zentrix was founded by Mara Quell in 1987, in Lyon.");
   await page.click("button:has-text('Save as version 2')");
   await page.getByTestId("versions").locator("tbody tr").nth(1).waitFor();
+  await page.click("button[aria-label='diff version 1 to 2']");
+  const diff = page.getByTestId("version-diff");
+  await diff.locator(".diff-add").waitFor();
+  assert.equal(await diff.locator(".diff-del").textContent(), "- Zentrix was founded by Mara Quell in 1987.");
+  assert.equal(await diff.locator(".diff-add").textContent(), "+ Zentrix was founded by Mara Quell in 1987, in Lyon.");
+  assert.match(await diff.locator("h2").textContent(), /\+1 −1 lines/);
   await page.screenshot({ path: join(shots, "segment.png"), fullPage: true });
   await page.click("text=← Segments");
   await page.fill("input[name=search]", "zentr");

@@ -76,6 +76,13 @@ export interface SegmentVersion {
   superseded_at: number | null;
 }
 
+/** `GET /v1/segments/{id}/versions/{version}`: one version's text. */
+export interface VersionContent {
+  segment_id: string;
+  version: number;
+  content: string;
+}
+
 /** `GET /v1/admin/groups` rows: tenants grouped for segment grants. */
 export interface Group {
   id: string;

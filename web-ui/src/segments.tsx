@@ -1,7 +1,8 @@
 // Segments: the catalog browser (list, search, register) and one segment's
-// detail (residency, versions, grants, new version, delete).
+// detail (residency, versions and their line diff, grants, new version, delete).
 import { useState } from "preact/hooks";
-import { api, type NewSegment, type Segment, type SegmentList, type SegmentVersion, query } from "./api";
+import { api, type NewSegment, type Segment, type SegmentList, type SegmentVersion, type VersionContent, query } from "./api";
+import { diffStat, lineDiff } from "./diff";
 import { bytes } from "./metrics";
 import { ErrorBox, useLoad, when } from "./ui";
 import { checkId } from "./validate";
@@ -199,12 +200,45 @@ function Grants({ id }: { id: string }) {
   );
 }
 
+/** The line diff of a segment's version `newer` against the version before it. */
+function VersionDiff({ path, newer, close }: { path: string; newer: number; close: () => void }) {
+  const d = useLoad(async () => {
+    const [a, b] = await Promise.all([
+      api<VersionContent>("GET", `${path}/versions/${newer - 1}`),
+      api<VersionContent>("GET", `${path}/versions/${newer}`),
+    ]);
+    return lineDiff(a.content, b.content);
+  }, [path, newer]);
+  const stat = d.data ? diffStat(d.data) : null;
+  return (
+    <div class="card" data-testid="version-diff">
+      <h2>
+        Version {newer - 1} → {newer}
+        {stat ? ` (+${stat.added} −${stat.removed} lines)` : ""}
+      </h2>
+      <ErrorBox error={d.error} />
+      <pre class="diff">
+        {(d.data ?? []).map((l, i) => (
+          <div key={i} class={`diff-${l.kind}`}>
+            {l.kind === "add" ? "+ " : l.kind === "del" ? "- " : "  "}
+            {l.text}
+          </div>
+        ))}
+      </pre>
+      <button type="button" onClick={close}>
+        Close diff
+      </button>
+    </div>
+  );
+}
+
 export function SegmentDetail({ id, go }: { id: string; go: (hash: string) => void }) {
   const path = `/v1/segments/${encodeURIComponent(id)}`;
   const seg = useLoad(() => api<Segment>("GET", path), [id]);
   const versions = useLoad(() => api<SegmentVersion[]>("GET", `${path}/versions`), [id]);
   const [content, setContent] = useState("");
   const [error, setError] = useState<unknown>(null);
+  const [diffOf, setDiffOf] = useState<number | null>(null);
   const s = seg.data;
   const update = async (e: Event) => {
     e.preventDefault();
@@ -281,6 +315,7 @@ export function SegmentDetail({ id, go }: { id: string; go: (hash: string) => vo
             <th>by</th>
             <th>created</th>
             <th>superseded</th>
+            <th>changes</th>
           </tr>
         </thead>
         <tbody>
@@ -294,10 +329,18 @@ export function SegmentDetail({ id, go }: { id: string; go: (hash: string) => vo
               <td>{v.created_by}</td>
               <td>{when(v.created_at)}</td>
               <td>{when(v.superseded_at)}</td>
+              <td>
+                {v.version > 1 ? (
+                  <button type="button" aria-label={`diff version ${v.version - 1} to ${v.version}`} onClick={() => setDiffOf(v.version)}>
+                    diff from v{v.version - 1}
+                  </button>
+                ) : null}
+              </td>
             </tr>
           ))}
         </tbody>
       </table>
+      {diffOf ? <VersionDiff path={path} newer={diffOf} close={() => setDiffOf(null)} /> : null}
       <form class="card" onSubmit={update} aria-label="new version">
         <h2>New version</h2>
         <label class="wide">

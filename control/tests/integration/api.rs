@@ -510,6 +510,66 @@ async fn segment_versions_over_http_and_invalidation() {
     let (_, vs) = call(&s, Method::GET, "/v1/segments/doc/versions", Some(&a), None).await;
     assert_eq!(vs.as_array().unwrap().len(), 2);
     assert!(vs[0]["superseded_at"].is_i64());
+    // Each version's content, superseded ones included; readable only by who may read the segment.
+    for (n, want) in [(1, "v1"), (2, "v2")] {
+        let (st, v) = call(
+            &s,
+            Method::GET,
+            &format!("/v1/segments/doc/versions/{n}"),
+            Some(&a),
+            None,
+        )
+        .await;
+        assert_eq!(st, StatusCode::OK, "{v}");
+        assert_eq!(v["content"], want);
+        assert_eq!(v["version"], n);
+        assert_eq!(v["segment_id"], doc);
+    }
+    let (st, _) = call(
+        &s,
+        Method::GET,
+        "/v1/segments/doc/versions/3",
+        Some(&a),
+        None,
+    )
+    .await;
+    assert_eq!(st, StatusCode::NOT_FOUND, "no version 3");
+    let (st, v) = call(
+        &s,
+        Method::GET,
+        "/v1/segments/doc/versions/one",
+        Some(&a),
+        None,
+    )
+    .await;
+    assert_eq!(st, StatusCode::BAD_REQUEST, "{v}");
+    let addr = doc.as_str().unwrap();
+    let (st, _) = call(
+        &s,
+        Method::GET,
+        &format!("/v1/segments/{addr}/versions/1"),
+        Some(&tok("b", Role::Tenant)),
+        None,
+    )
+    .await;
+    assert_eq!(
+        st,
+        StatusCode::NOT_FOUND,
+        "another tenant cannot read a private segment's versions"
+    );
+    let (st, v) = call(
+        &s,
+        Method::GET,
+        &format!("/v1/segments/{addr}/versions/1"),
+        Some(&ops),
+        None,
+    )
+    .await;
+    assert_eq!(
+        (st, v["content"].as_str()),
+        (StatusCode::OK, Some("v1")),
+        "the operator reads any version"
+    );
     // Bad input: clear 400s, never a panic.
     let (st, v) = call(
         &s,
