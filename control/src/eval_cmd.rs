@@ -40,6 +40,9 @@ pub struct EvalArgs {
     /// Output folder for report.md, report.json and quality_vs_ttft.svg.
     #[arg(long, default_value = "eval-results")]
     pub out: PathBuf,
+    /// No progress bar (it is drawn on stderr only when it is a terminal).
+    #[arg(long, short)]
+    pub quiet: bool,
 }
 
 /// Parses the `--modes` list.
@@ -124,7 +127,10 @@ pub fn run(a: EvalArgs) -> Result<()> {
         4 << 30,
         4 << 30,
     );
-    let bar = ProgressBar::new(items.len() as u64);
+    let bar = ProgressBar::with_draw_target(
+        Some(items.len() as u64),
+        hypic_control::progress_target(a.quiet),
+    );
     bar.set_style(
         ProgressStyle::with_template("{msg} [{bar:30}] {pos}/{len} items ({eta})")
             .expect("static")

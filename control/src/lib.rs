@@ -32,6 +32,17 @@ pub use api::{control_router, AuthMode, ControlState};
 pub use auth::{run_token_command, TokenArgs};
 pub use catalog::Catalog;
 
+/// Where the progress bars of `hypic bench` and `hypic eval` draw: nowhere with
+/// `--quiet`, else stderr, which indicatif leaves blank when it is not a terminal
+/// (a pipe, a CI log, a test harness capturing output).
+pub fn progress_target(quiet: bool) -> indicatif::ProgressDrawTarget {
+    if quiet {
+        indicatif::ProgressDrawTarget::hidden()
+    } else {
+        indicatif::ProgressDrawTarget::stderr()
+    }
+}
+
 /// Default period of the JWKS file check, milliseconds.
 pub const DEFAULT_JWKS_RELOAD_MS: u64 = 10_000;
 

@@ -98,6 +98,9 @@ pub struct BenchArgs {
     /// Skip the SVG plots.
     #[arg(long)]
     pub no_plots: bool,
+    /// No progress bars (they are drawn on stderr only when it is a terminal).
+    #[arg(long, short)]
+    pub quiet: bool,
 }
 
 /// A reuse mode under test, with its label.
@@ -566,7 +569,7 @@ pub async fn run_bench(a: &BenchArgs) -> anyhow::Result<report::Summary> {
         }
     };
     let rate_list: Vec<f64> = rates.clone().unwrap_or_else(|| vec![0.0]);
-    let mp = MultiProgress::new();
+    let mp = MultiProgress::with_draw_target(crate::progress_target(a.quiet));
     let style = ProgressStyle::with_template("{prefix:>28} [{bar:30}] {pos}/{len} ({elapsed})")
         .expect("static template")
         .progress_chars("=> ");
@@ -621,4 +624,31 @@ pub fn run_bench_command(a: BenchArgs) -> anyhow::Result<()> {
     println!("{}", report::markdown(&summary));
     eprintln!("results written to {}", a.out.display());
     Ok(())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use clap::Parser;
+
+    #[derive(Parser)]
+    struct Cli {
+        #[command(flatten)]
+        a: BenchArgs,
+    }
+
+    #[test]
+    fn quiet_hides_the_progress_bars() {
+        let loud = Cli::parse_from(["bench"]).a;
+        let quiet = Cli::parse_from(["bench", "--quiet"]).a;
+        let short = Cli::parse_from(["bench", "-q"]).a;
+        assert!(!loud.quiet);
+        assert!(quiet.quiet && short.quiet);
+        assert!(crate::progress_target(quiet.quiet).is_hidden());
+        // A bar added to the quiet target draws nowhere, whatever stderr is.
+        let mp = MultiProgress::with_draw_target(crate::progress_target(true));
+        let bar = mp.add(ProgressBar::new(3));
+        bar.inc(1);
+        assert!(bar.is_hidden());
+    }
 }

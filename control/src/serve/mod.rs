@@ -1024,3 +1024,102 @@ pub fn run_serve_command(args: ServeArgs) -> anyhow::Result<()> {
         Ok(())
     })
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// The repository's sample configuration.
+    fn sample_path() -> PathBuf {
+        Path::new(env!("CARGO_MANIFEST_DIR")).join("../hypic.toml")
+    }
+
+    /// Keys the sample sets (`key = …`) and keys it shows commented out (`# key = …`).
+    fn sample_keys(text: &str) -> (Vec<String>, Vec<String>) {
+        let key = |l: &str| {
+            let (k, _) = l.split_once(" = ")?;
+            k.chars()
+                .all(|c| c.is_ascii_lowercase() || c.is_ascii_digit() || c == '_')
+                .then(|| k.to_string())
+        };
+        let (mut set, mut commented) = (vec![], vec![]);
+        for l in text.lines() {
+            if let Some(c) = l.strip_prefix("# ") {
+                commented.extend(key(c));
+            } else {
+                set.extend(key(l));
+            }
+        }
+        (set, commented)
+    }
+
+    #[test]
+    fn sample_hypic_toml_loads_to_the_defaults() {
+        let args = ServeArgs {
+            config: Some(sample_path()),
+            ..Default::default()
+        };
+        let cfg = ServeConfig::resolve(&args).expect("the sample hypic.toml loads");
+        assert_eq!(
+            cfg,
+            ServeConfig::default(),
+            "hypic.toml's values drifted from the defaults"
+        );
+    }
+
+    #[test]
+    fn sample_hypic_toml_names_every_key() {
+        let text = std::fs::read_to_string(sample_path()).unwrap();
+        let (set, commented) = sample_keys(&text);
+        let fields = match serde_json::to_value(ServeConfig::default()).unwrap() {
+            serde_json::Value::Object(m) => m,
+            v => panic!("ServeConfig serialises to {v}"),
+        };
+        for (name, default) in &fields {
+            let (is_set, is_commented) = (set.contains(name), commented.contains(name));
+            assert!(
+                is_set != is_commented,
+                "hypic.toml must name `{name}` exactly once, set or (no default) commented out"
+            );
+            // A key without a default value cannot be written in TOML: commented out.
+            assert_eq!(
+                is_commented,
+                default.is_null(),
+                "`{name}`: set it to its default in hypic.toml, or comment it out if it has none"
+            );
+        }
+        for k in set.iter().chain(&commented) {
+            assert!(
+                fields.contains_key(k),
+                "hypic.toml names `{k}`, which ServeConfig lacks"
+            );
+        }
+    }
+
+    #[test]
+    fn sample_hypic_toml_commented_keys_are_valid_values() {
+        // Uncommenting every example line must still give a file the loader accepts.
+        let text = std::fs::read_to_string(sample_path()).unwrap();
+        let (_, commented) = sample_keys(&text);
+        let uncommented: String = text
+            .lines()
+            .map(|l| match l.strip_prefix("# ") {
+                Some(c) if commented.iter().any(|k| c.starts_with(&format!("{k} = "))) => c,
+                _ => l,
+            })
+            .collect::<Vec<_>>()
+            .join("\n");
+        let cfg: ServeConfig = toml::from_str(&uncommented).expect("uncommented sample parses");
+        cfg.validate().unwrap();
+        assert_eq!(cfg.model.as_deref(), Some(Path::new("models/hypic-tiny")));
+        assert_eq!(cfg.model_id.as_deref(), Some("hypic-tiny"));
+        assert_eq!(cfg.random_weights, Some(0));
+        assert!(cfg.database_url.is_some() && cfg.jwks_file.is_some());
+    }
+
+    #[test]
+    fn a_misspelt_key_is_an_error_naming_it() {
+        let err = toml::from_str::<ServeConfig>("max_runing = 4").unwrap_err();
+        assert!(err.to_string().contains("max_runing"), "{err}");
+    }
+}
