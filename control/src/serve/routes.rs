@@ -303,7 +303,7 @@ fn now_s() -> u64 {
 }
 
 fn model_card(s: &AppState) -> Value {
-    json!({"id": s.0.model_id, "object": "model", "created": 0, "owned_by": "hypic",
+    json!({"id": s.0.model_id, "object": "model", "created": s.0.model_created, "owned_by": "hypic",
            "max_model_len": s.0.ctx})
 }
 
