@@ -846,8 +846,16 @@ fn check_processors(
     sp: &mut SamplingParams,
 ) -> Result<(), ServeError> {
     for (name, v, slot) in [
-        ("presence_penalty", f.presence_penalty, &mut sp.presence_penalty),
-        ("frequency_penalty", f.frequency_penalty, &mut sp.frequency_penalty),
+        (
+            "presence_penalty",
+            f.presence_penalty,
+            &mut sp.presence_penalty,
+        ),
+        (
+            "frequency_penalty",
+            f.frequency_penalty,
+            &mut sp.frequency_penalty,
+        ),
     ] {
         let v = v.unwrap_or(0.0);
         if !(-2.0..=2.0).contains(&v) {

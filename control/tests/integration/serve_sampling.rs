@@ -75,9 +75,17 @@ async fn unsupported_fields_are_400s_naming_the_field() {
     for (path, body, field) in [
         (CHAT, chat(json!({"tools": tools})), "tools"),
         (CHAT, chat(json!({"tool_choice": "auto"})), "tool_choice"),
-        (CHAT, chat(json!({"parallel_tool_calls": false})), "parallel_tool_calls"),
+        (
+            CHAT,
+            chat(json!({"parallel_tool_calls": false})),
+            "parallel_tool_calls",
+        ),
         (CHAT, chat(json!({"functions": []})), "functions"),
-        (CHAT, chat(json!({"response_format": {"type": "json_object"}})), "response_format"),
+        (
+            CHAT,
+            chat(json!({"response_format": {"type": "json_object"}})),
+            "response_format",
+        ),
         (
             CHAT,
             chat(json!({"response_format": {"type": "json_schema", "json_schema": {}}})),
@@ -86,17 +94,27 @@ async fn unsupported_fields_are_400s_naming_the_field() {
         (CHAT, chat(json!({"frobnicate": 1})), "frobnicate"),
         (COMPL, compl(json!({"suffix": "x"})), "suffix"),
         (COMPL, compl(json!({"best_of": 2})), "best_of"),
-        (COMPL, compl(json!({"response_format": {"type": "text"}})), "response_format"),
+        (
+            COMPL,
+            compl(json!({"response_format": {"type": "text"}})),
+            "response_format",
+        ),
         (COMPL, compl(json!({"tools": tools})), "tools"),
     ] {
         let (st, v) = s.post(path, &body).await;
         assert_error(st, &v, 400, "unsupported_parameter");
         assert_eq!(v["error"]["param"], field, "{path} {body}: {v}");
-        assert!(v["error"]["message"].as_str().unwrap().contains(field), "{v}");
+        assert!(
+            v["error"]["message"].as_str().unwrap().contains(field),
+            "{v}"
+        );
     }
     // The default format and `user` are accepted.
     let (st, v) = s
-        .post(CHAT, &chat(json!({"response_format": {"type": "text"}, "user": "u"})))
+        .post(
+            CHAT,
+            &chat(json!({"response_format": {"type": "text"}, "user": "u"})),
+        )
         .await;
     assert_eq!(st, 200, "{v}");
 }
@@ -121,7 +139,11 @@ async fn logit_bias_and_min_tokens_change_greedy_output() {
     b["logit_bias"] = json!({ forced.to_string(): 100 });
     let (biased, v) = text_of(&s, &b).await;
     assert_eq!(v["usage"]["completion_tokens"], 6, "{v}");
-    assert_eq!(biased, tok.decode(&[forced; 6]).unwrap(), "plain: {plain:?}");
+    assert_eq!(
+        biased,
+        tok.decode(&[forced; 6]).unwrap(),
+        "plain: {plain:?}"
+    );
     // A large frequency penalty forbids the repeat the bias would cause: tokens
     // differ from the all-`forced` answer after the first.
     b["frequency_penalty"] = json!(2);
@@ -130,12 +152,18 @@ async fn logit_bias_and_min_tokens_change_greedy_output() {
     assert_ne!(penalised, biased);
     // min_tokens: with every token but an EOS id suppressed, generation still runs
     // min_tokens tokens before the EOS can end it.
-    let eos = *tok.eos_ids.first().expect("the golden model has an EOS token");
+    let eos = *tok
+        .eos_ids
+        .first()
+        .expect("the golden model has an EOS token");
     let b = json!({"prompt": "The cat sat on", "max_tokens": 6, "temperature": 0,
         "logit_bias": { eos.to_string(): 100 }});
     let (st, v) = s.post(COMPL, &b).await;
     assert_eq!(st, 200, "{v}");
-    assert_eq!(v["usage"]["completion_tokens"], 0, "EOS first without min_tokens: {v}");
+    assert_eq!(
+        v["usage"]["completion_tokens"], 0,
+        "EOS first without min_tokens: {v}"
+    );
     let mut b2 = b.clone();
     b2["min_tokens"] = json!(3);
     let (st, v) = s.post(COMPL, &b2).await;
@@ -211,15 +239,28 @@ async fn models_have_created_and_unfixable_errors_say_do_not_retry() {
     };
     // 400 (bad field), 404 (unknown model), 409 (catalog version conflict).
     let (st, h, _) = s
-        .raw(Method::POST, COMPL, Some(&s.token), br#"{"prompt": "x", "temperature": 9}"#.to_vec())
+        .raw(
+            Method::POST,
+            COMPL,
+            Some(&s.token),
+            br#"{"prompt": "x", "temperature": 9}"#.to_vec(),
+        )
         .await;
     assert_eq!((st, header(&h).as_deref()), (400, Some("false")));
     let (st, h, _) = s
-        .raw(Method::POST, COMPL, Some(&s.token), br#"{"prompt": "x", "model": "gpt-9"}"#.to_vec())
+        .raw(
+            Method::POST,
+            COMPL,
+            Some(&s.token),
+            br#"{"prompt": "x", "model": "gpt-9"}"#.to_vec(),
+        )
         .await;
     assert_eq!((st, header(&h).as_deref()), (404, Some("false")));
     let (st, v) = s
-        .post("/v1/segments", &json!({"id": "doc", "content": "some text"}))
+        .post(
+            "/v1/segments",
+            &json!({"id": "doc", "content": "some text"}),
+        )
         .await;
     assert!(st == 200 || st == 201, "{v}");
     let (st, h, v) = s
