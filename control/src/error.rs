@@ -272,7 +272,32 @@ impl IntoResponse for ApiError {
                 header::HeaderValue::from_static("Bearer"),
             );
         }
+        mark_no_retry(self.status, &mut r);
         r
+    }
+}
+
+/// The response header that tells OpenAI SDKs not to retry.
+pub const SHOULD_RETRY: &str = "x-should-retry";
+
+/// Whether a retry of the same request cannot succeed: 400, 404, 409 and 422 depend
+/// on the request (or on state that a retry does not change), unlike 408, 429 and 5xx.
+pub fn retry_cannot_fix(status: StatusCode) -> bool {
+    matches!(
+        status,
+        StatusCode::BAD_REQUEST
+            | StatusCode::NOT_FOUND
+            | StatusCode::CONFLICT
+            | StatusCode::UNPROCESSABLE_ENTITY
+    )
+}
+
+/// Sets `x-should-retry: false` on `r` when [`retry_cannot_fix`] its `status` (the
+/// OpenAI SDKs otherwise retry a 409).
+pub fn mark_no_retry(status: StatusCode, r: &mut Response) {
+    if retry_cannot_fix(status) {
+        r.headers_mut()
+            .insert(SHOULD_RETRY, header::HeaderValue::from_static("false"));
     }
 }
 
@@ -305,5 +330,25 @@ mod tests {
         let r = e.into_response();
         assert_eq!(r.status(), StatusCode::UNAUTHORIZED);
         assert_eq!(r.headers()[header::WWW_AUTHENTICATE], "Bearer");
+        assert!(r.headers().get(SHOULD_RETRY).is_none());
+    }
+
+    #[test]
+    fn errors_a_retry_cannot_fix_say_so() {
+        for (st, no_retry) in [
+            (StatusCode::BAD_REQUEST, true),
+            (StatusCode::NOT_FOUND, true),
+            (StatusCode::CONFLICT, true),
+            (StatusCode::UNPROCESSABLE_ENTITY, true),
+            (StatusCode::TOO_MANY_REQUESTS, false),
+            (StatusCode::SERVICE_UNAVAILABLE, false),
+        ] {
+            let r = ApiError::new(st, "invalid_request_error", "x", "m").into_response();
+            assert_eq!(
+                r.headers().get(SHOULD_RETRY).map(|v| v.to_str().unwrap()),
+                no_retry.then_some("false"),
+                "{st}"
+            );
+        }
     }
 }

@@ -210,6 +210,7 @@ pub fn run(a: GenerateArgs) -> Result<()> {
         top_k: a.top_k,
         top_p: a.top_p,
         seed: a.seed,
+        ..Default::default()
     });
     let (mut runner, backend) = Runner::select(&model, a.device, a.dtype)?;
     eprintln!("backend: {backend}");

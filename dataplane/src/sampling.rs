@@ -1,5 +1,21 @@
-//! Next-token sampling: greedy, temperature, top-k, top-p (nucleus), seeded.
+//! Next-token sampling: greedy, temperature, top-k, top-p (nucleus), seeded, after
+//! the logit processors of [`SamplingParams`] (penalties, `logit_bias`, `min_tokens`).
+//!
+//! The processors run on the host logits in [`Sampler::sample`], in this order, on a
+//! copy of the row (the raw row is what log-probabilities are computed from):
+//!
+//! 1. `repetition_penalty` `r` (Hugging Face semantics) over every token that occurs in
+//!    the prompt or the generated tokens: `l > 0 → l / r`, else `l · r`.
+//! 2. `presence_penalty` `p` and `frequency_penalty` `f` (OpenAI semantics) over the
+//!    generated tokens: `l[t] −= p · 1[c_t > 0] + f · c_t`, `c_t` the count of `t`.
+//! 3. `logit_bias`: `l[t] += b_t`.
+//! 4. `min_tokens`: while fewer than `min_tokens` tokens were sampled, every stop
+//!    token id given to [`Sampler::with_context`] is set to `−∞`.
+//!
+//! Both backends return logits to the host and sample with this type, so the
+//! processors apply to the CPU and the CUDA engine alike.
 use rand::{rngs::StdRng, Rng, SeedableRng};
+use std::collections::{HashMap, HashSet};
 
 /// Sampling parameters (OpenAI semantics: temperature 0 means greedy).
 #[derive(Clone, Debug, PartialEq)]
@@ -12,6 +28,30 @@ pub struct SamplingParams {
     pub top_p: f32,
     /// RNG seed (None: from entropy).
     pub seed: Option<u64>,
+    /// OpenAI `presence_penalty` (0 = off): subtracted once from every token generated
+    /// at least once.
+    pub presence_penalty: f32,
+    /// OpenAI `frequency_penalty` (0 = off): subtracted once per earlier occurrence in
+    /// the generated tokens.
+    pub frequency_penalty: f32,
+    /// Hugging Face `repetition_penalty` (1 = off, > 0) over prompt and generated
+    /// tokens: positive logits are divided by it, negative ones multiplied.
+    pub repetition_penalty: f32,
+    /// Added to the logit of each listed token id.
+    pub logit_bias: Vec<(u32, f32)>,
+    /// Stop tokens are masked until this many tokens were sampled.
+    pub min_tokens: usize,
+}
+
+impl SamplingParams {
+    /// Whether any logit processor is active (otherwise the row is sampled as is).
+    pub fn has_processors(&self) -> bool {
+        self.presence_penalty != 0.0
+            || self.frequency_penalty != 0.0
+            || self.repetition_penalty != 1.0
+            || !self.logit_bias.is_empty()
+            || self.min_tokens > 0
+    }
 }
 
 impl Default for SamplingParams {
@@ -21,14 +61,28 @@ impl Default for SamplingParams {
             top_k: 0,
             top_p: 1.0,
             seed: None,
+            presence_penalty: 0.0,
+            frequency_penalty: 0.0,
+            repetition_penalty: 1.0,
+            logit_bias: Vec::new(),
+            min_tokens: 0,
         }
     }
 }
 
-/// A seeded sampler for one sequence.
+/// A seeded sampler for one sequence, with the per-sequence state of its logit
+/// processors (counts of generated tokens, the prompt's token set).
 pub struct Sampler {
     params: SamplingParams,
     rng: StdRng,
+    /// Occurrences of each generated token.
+    counts: HashMap<u32, u32>,
+    /// Distinct prompt tokens (only kept when `repetition_penalty != 1`).
+    prompt: HashSet<u32>,
+    /// Token ids masked while fewer than `min_tokens` were sampled.
+    stop: Vec<u32>,
+    /// Tokens sampled so far.
+    sampled: usize,
 }
 
 /// Index of the largest logit (lowest index on ties, like `torch.argmax`). NaN is
@@ -46,17 +100,88 @@ pub fn argmax(logits: &[f32]) -> u32 {
 }
 
 impl Sampler {
-    /// New sampler.
+    /// New sampler without a prompt (the repetition penalty sees only generated
+    /// tokens) and without stop tokens (`min_tokens` masks nothing).
     pub fn new(params: SamplingParams) -> Self {
+        Self::with_context(params, &[], &[])
+    }
+
+    /// New sampler for a sequence whose prompt is `prompt` and whose generation ends
+    /// at any of `stop` (masked until `min_tokens` tokens were sampled).
+    pub fn with_context(params: SamplingParams, prompt: &[u32], stop: &[u32]) -> Self {
         let rng = match params.seed {
             Some(s) => StdRng::seed_from_u64(s),
             None => StdRng::from_os_rng(),
         };
-        Sampler { params, rng }
+        let prompt = if params.repetition_penalty != 1.0 {
+            prompt.iter().copied().collect()
+        } else {
+            HashSet::new()
+        };
+        Sampler {
+            params,
+            rng,
+            counts: HashMap::new(),
+            prompt,
+            stop: stop.to_vec(),
+            sampled: 0,
+        }
     }
 
-    /// Picks the next token from `logits` (`[vocab]`).
+    /// Applies the logit processors (see the module docs) to `logits` in place, given
+    /// the tokens sampled so far. Token ids outside the row are ignored.
+    pub fn process(&self, logits: &mut [f32]) {
+        let p = &self.params;
+        let v = logits.len();
+        if p.repetition_penalty != 1.0 {
+            let r = p.repetition_penalty;
+            let seen = self
+                .prompt
+                .iter()
+                .chain(self.counts.keys().filter(|t| !self.prompt.contains(*t)));
+            for &t in seen {
+                if let Some(l) = logits.get_mut(t as usize) {
+                    *l = if *l > 0.0 { *l / r } else { *l * r };
+                }
+            }
+        }
+        if p.presence_penalty != 0.0 || p.frequency_penalty != 0.0 {
+            for (&t, &c) in &self.counts {
+                if let Some(l) = logits.get_mut(t as usize) {
+                    *l -= p.presence_penalty + p.frequency_penalty * c as f32;
+                }
+            }
+        }
+        for &(t, b) in &p.logit_bias {
+            if (t as usize) < v {
+                logits[t as usize] += b;
+            }
+        }
+        if self.sampled < p.min_tokens {
+            for &t in &self.stop {
+                if let Some(l) = logits.get_mut(t as usize) {
+                    *l = f32::NEG_INFINITY;
+                }
+            }
+        }
+    }
+
+    /// Picks the next token from `logits` (`[vocab]`), after the logit processors,
+    /// and records it in the sequence's state.
     pub fn sample(&mut self, logits: &[f32]) -> u32 {
+        let t = if self.params.has_processors() {
+            let mut row = logits.to_vec();
+            self.process(&mut row);
+            self.pick(&row)
+        } else {
+            self.pick(logits)
+        };
+        *self.counts.entry(t).or_insert(0) += 1;
+        self.sampled += 1;
+        t
+    }
+
+    fn pick(&mut self, logits: &[f32]) -> u32 {
         let p = &self.params;
         if p.temperature <= 0.0 || p.top_k == 1 {
             return argmax(logits);
@@ -122,6 +247,7 @@ mod tests {
             top_k: 1,
             top_p: 1.0,
             seed: Some(1),
+            ..Default::default()
         });
         for _ in 0..20 {
             assert_eq!(s.sample(&[0.0, 0.5, 0.4]), 1);
@@ -135,6 +261,7 @@ mod tests {
             top_k: 2,
             top_p: 1.0,
             seed: Some(3),
+            ..Default::default()
         });
         for _ in 0..200 {
             let t = s.sample(&[1.0, 0.9, 0.8, 0.0]);
@@ -151,6 +278,7 @@ mod tests {
             top_k: 0,
             top_p: 0.7,
             seed: Some(9),
+            ..Default::default()
         });
         let mut seen = [0usize; 4];
         for _ in 0..2000 {
@@ -168,6 +296,7 @@ mod tests {
             top_k: 0,
             top_p: 0.95,
             seed: Some(42),
+            ..Default::default()
         };
         let a: Vec<u32> = {
             let mut s = Sampler::new(p.clone());
@@ -190,9 +319,99 @@ mod tests {
             top_k: 0,
             top_p: 1.0,
             seed: Some(5),
+            ..Default::default()
         });
         let n = 20000;
         let ones = (0..n).filter(|_| s.sample(&logits) == 1).count() as f64 / n as f64;
         assert!((ones - 0.25).abs() < 0.015, "frequency {ones}");
+    }
+
+    /// A sampler whose generated history is `history` (recorded through `sample` on
+    /// rows that force each token).
+    fn with_history(p: SamplingParams, prompt: &[u32], stop: &[u32], history: &[u32]) -> Sampler {
+        let mut s = Sampler::with_context(p, prompt, stop);
+        for &t in history {
+            s.counts.entry(t).and_modify(|c| *c += 1).or_insert(1);
+            s.sampled += 1;
+        }
+        s
+    }
+
+    #[test]
+    fn presence_and_frequency_penalties_follow_openai() {
+        let p = SamplingParams {
+            presence_penalty: 0.5,
+            frequency_penalty: 0.25,
+            ..Default::default()
+        };
+        // Token 1 generated twice, token 3 once; the prompt (token 0) does not count.
+        let s = with_history(p, &[0], &[], &[1, 3, 1]);
+        let mut l = vec![1.0f32, 2.0, -1.0, 0.0];
+        s.process(&mut l);
+        assert_eq!(l, vec![1.0, 2.0 - 0.5 - 0.5, -1.0, 0.0 - 0.5 - 0.25]);
+    }
+
+    #[test]
+    fn repetition_penalty_follows_hf_over_prompt_and_output() {
+        let p = SamplingParams {
+            repetition_penalty: 2.0,
+            ..Default::default()
+        };
+        // Prompt has 0 and 2, output has 2 (penalised once) and 3.
+        let s = with_history(p, &[0, 2, 0], &[], &[2, 3]);
+        let mut l = vec![3.0f32, 5.0, -1.5, -4.0, 1.0];
+        s.process(&mut l);
+        assert_eq!(l, vec![1.5, 5.0, -3.0, -8.0, 1.0]);
+    }
+
+    #[test]
+    fn logit_bias_adds_and_ignores_out_of_row_ids() {
+        let p = SamplingParams {
+            logit_bias: vec![(0, -100.0), (2, 3.5), (99, 1.0)],
+            ..Default::default()
+        };
+        let mut s = Sampler::new(p);
+        let mut l = vec![10.0f32, 1.0, 0.0];
+        s.process(&mut l);
+        assert_eq!(l, vec![-90.0, 1.0, 3.5]);
+        // Greedy picks the biased token, not the raw argmax.
+        assert_eq!(s.sample(&[10.0, 1.0, 0.0]), 2);
+    }
+
+    #[test]
+    fn min_tokens_masks_stop_tokens_until_reached() {
+        let p = SamplingParams {
+            min_tokens: 2,
+            ..Default::default()
+        };
+        let mut s = Sampler::with_context(p, &[], &[0]);
+        let row = [5.0f32, 1.0, 2.0];
+        let mut l = row.to_vec();
+        s.process(&mut l);
+        assert_eq!(l, vec![f32::NEG_INFINITY, 1.0, 2.0]);
+        assert_eq!(s.sample(&row), 2);
+        assert_eq!(s.sample(&row), 2);
+        // Two tokens sampled: the stop token is allowed again.
+        assert_eq!(s.sample(&row), 0);
+    }
+
+    #[test]
+    fn frequency_penalty_changes_greedy_choice_over_steps() {
+        // Row [2, 1.8]: with frequency 0.5 greedy alternates once token 0 was taken.
+        let p = SamplingParams {
+            frequency_penalty: 0.5,
+            ..Default::default()
+        };
+        let mut s = Sampler::new(p);
+        let row = [2.0f32, 1.8];
+        let got: Vec<u32> = (0..4).map(|_| s.sample(&row)).collect();
+        // step 0: [2, 1.8] → 0; step 1: [1.5, 1.8] → 1; step 2: [1.5, 1.3] → 0;
+        // step 3: [1.0, 1.3] → 1.
+        assert_eq!(got, vec![0, 1, 0, 1]);
+    }
+
+    #[test]
+    fn no_processors_by_default() {
+        assert!(!SamplingParams::default().has_processors());
     }
 }

@@ -11,7 +11,9 @@
 //! * Each iteration prefills at most one new request, then runs one batched decode
 //!   step over every running sequence ([`Engine::decode_batch`]: on the CPU
 //!   `Model::decode_batch`, on the GPU `GpuModel::decode_batch`). Tokens are sampled
-//!   on the host from the returned logits with [`Sampler`] on both backends.
+//!   on the host from the returned logits with [`Sampler`] on both backends; each
+//!   running sequence owns its sampler, so penalties, `logit_bias` and `min_tokens`
+//!   are per request within a batch.
 //! * Cancellation: dropping the [`RequestHandle`] (client disconnect) or calling
 //!   [`RequestHandle::cancel`] frees the sequence's state at the next step.
 use crate::engine::{Engine, EnginePools};
@@ -465,7 +467,22 @@ fn worker_loop<E: Engine>(shared: Arc<Shared>, engine: Arc<E>, cfg: SchedulerCon
                     metrics.finished.fetch_add(1, Ordering::Relaxed);
                 }
                 Ok(out) => {
-                    let mut sampler = Sampler::new(qr.req.sampling.clone());
+                    // Per-sequence processor state: the prompt (for the repetition
+                    // penalty) and the stop tokens (masked until `min_tokens`).
+                    let prompt: Vec<u32> = if qr.req.sampling.repetition_penalty != 1.0 {
+                        qr.req
+                            .segments
+                            .iter()
+                            .flat_map(|s| s.tokens.iter().copied())
+                            .collect()
+                    } else {
+                        Vec::new()
+                    };
+                    let mut sampler = Sampler::with_context(
+                        qr.req.sampling.clone(),
+                        &prompt,
+                        &qr.req.stop_token_ids,
+                    );
                     let next = sampler.sample(&out.logits);
                     let prompt_tokens = qr.req.segments.iter().map(|s| s.tokens.len()).sum();
                     let _ = qr.tx.send(GenEvent::Started {

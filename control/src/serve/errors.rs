@@ -145,6 +145,7 @@ impl IntoResponse for ServeError {
             r.headers_mut()
                 .insert(header::WWW_AUTHENTICATE, HeaderValue::from_static("Bearer"));
         }
+        crate::error::mark_no_retry(self.status, &mut r);
         r
     }
 }

@@ -746,6 +746,8 @@ impl Default for Known {
 pub(crate) struct Inner {
     pub cfg: ServeConfig,
     pub model_id: String,
+    /// Unix seconds when this server loaded the model (`created` of `/v1/models`).
+    pub model_created: u64,
     pub default_mode: Mode,
     pub tok: Arc<Tokenizer>,
     pub engine: Arc<dyn EnginePools>,
@@ -865,6 +867,10 @@ impl AppState {
         Ok(AppState(Arc::new(Inner {
             cfg,
             model_id,
+            model_created: std::time::SystemTime::now()
+                .duration_since(std::time::UNIX_EPOCH)
+                .map(|d| d.as_secs())
+                .unwrap_or(0),
             default_mode,
             tok: Arc::new(tok),
             engine,

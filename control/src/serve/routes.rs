@@ -303,7 +303,7 @@ fn now_s() -> u64 {
 }
 
 fn model_card(s: &AppState) -> Value {
-    json!({"id": s.0.model_id, "object": "model", "created": 0, "owned_by": "hypic",
+    json!({"id": s.0.model_id, "object": "model", "created": s.0.model_created, "owned_by": "hypic",
            "max_model_len": s.0.ctx})
 }
 
@@ -334,6 +334,9 @@ async fn model_one(
 pub enum SegSource {
     /// Inline text (tenant-private namespace).
     Text(String),
+    /// Token ids (a completions prompt given as ids; tenant-private namespace, like
+    /// inline text, so it shares cache entries with the text that encodes to them).
+    Tokens(Vec<u32>),
     /// A catalog segment.
     Catalog {
         /// Id.
@@ -708,6 +711,21 @@ pub async fn resolve(
                     text: Some(text),
                 });
             }
+            SegSource::Tokens(ids) => {
+                if ids.is_empty() {
+                    continue;
+                }
+                let text = s.0.tok.decode(&ids).ok();
+                out.push(Resolved {
+                    tokens: Arc::new(ids),
+                    isolation: private.clone(),
+                    id: None,
+                    address: None,
+                    version: None,
+                    shared: false,
+                    text,
+                });
+            }
             SegSource::Catalog { id, version } => {
                 let it = snap.get(&id).ok_or_else(|| {
                     ServeError::not_found("segment_not_found", format!("segment {id:?} not found"))
@@ -808,6 +826,116 @@ fn check_sampling(
         ));
     }
     Ok((t, p, n as usize))
+}
+
+/// The logit-processor fields of a completions or chat request.
+struct ProcessorFields<'a> {
+    presence_penalty: Option<f32>,
+    frequency_penalty: Option<f32>,
+    repetition_penalty: Option<f32>,
+    logit_bias: Option<&'a LogitBias>,
+    min_tokens: Option<i64>,
+}
+
+/// Checks the logit-processor fields (each 400 names its field) and writes them
+/// into `sp`; `max_tokens` bounds `min_tokens`.
+fn check_processors(
+    s: &AppState,
+    f: ProcessorFields<'_>,
+    max_tokens: usize,
+    sp: &mut SamplingParams,
+) -> Result<(), ServeError> {
+    for (name, v, slot) in [
+        (
+            "presence_penalty",
+            f.presence_penalty,
+            &mut sp.presence_penalty,
+        ),
+        (
+            "frequency_penalty",
+            f.frequency_penalty,
+            &mut sp.frequency_penalty,
+        ),
+    ] {
+        let v = v.unwrap_or(0.0);
+        if !(-2.0..=2.0).contains(&v) {
+            return Err(ServeError::invalid_param(
+                name,
+                format!("{name} must be between -2 and 2, got {v}"),
+            ));
+        }
+        *slot = v;
+    }
+    let r = f.repetition_penalty.unwrap_or(1.0);
+    if !(r > 0.0 && r <= 10.0) {
+        return Err(ServeError::invalid_param(
+            "repetition_penalty",
+            format!("repetition_penalty must be in (0, 10], got {r}"),
+        ));
+    }
+    sp.repetition_penalty = r;
+    let vocab = s.0.engine.config().vocab_size;
+    sp.logit_bias.clear();
+    for (k, &b) in f.logit_bias.into_iter().flatten() {
+        let id = k.parse::<u32>().ok().filter(|&t| (t as usize) < vocab);
+        let Some(id) = id else {
+            return Err(ServeError::invalid_param(
+                "logit_bias",
+                format!(
+                    "logit_bias key {k:?} is not a token id (a decimal integer below the vocabulary size {vocab})"
+                ),
+            ));
+        };
+        if !(-100.0..=100.0).contains(&b) {
+            return Err(ServeError::invalid_param(
+                "logit_bias",
+                format!("logit_bias[{k:?}] must be between -100 and 100, got {b}"),
+            ));
+        }
+        sp.logit_bias.push((id, b as f32));
+    }
+    let m = f.min_tokens.unwrap_or(0);
+    if m < 0 || m as u64 > max_tokens as u64 {
+        return Err(ServeError::invalid_param(
+            "min_tokens",
+            format!("min_tokens must be between 0 and max_tokens ({max_tokens}), got {m}"),
+        ));
+    }
+    sp.min_tokens = m as usize;
+    Ok(())
+}
+
+/// The sampling parameters of a request: the checked `(temperature, top_p)`, the
+/// request's `top_k` and `seed`, and its logit processors ([`check_processors`]).
+fn request_sampling(
+    s: &AppState,
+    (temperature, top_p, top_k, seed): (f32, f32, Option<usize>, Option<u64>),
+    f: ProcessorFields<'_>,
+    max_tokens: usize,
+) -> Result<SamplingParams, ServeError> {
+    let mut sp = SamplingParams {
+        temperature,
+        top_k: top_k.unwrap_or(0),
+        top_p,
+        seed,
+        ..Default::default()
+    };
+    check_processors(s, f, max_tokens, &mut sp)?;
+    Ok(sp)
+}
+
+/// A 400 for the first field of `body` the route does not read (`known`).
+fn check_fields(body: &[u8], known: &[&str]) -> Result<(), ServeError> {
+    match unsupported_field(body, known) {
+        None => Ok(()),
+        Some(f) => Err(ServeError {
+            param: Some(f.clone()),
+            ..ServeError::bad_request(
+                "unsupported_parameter",
+                format!("the parameter '{f}' is not supported by this server"),
+            )
+        }),
+    }
 }
 
 fn check_max_tokens(
@@ -1328,7 +1456,12 @@ async fn completions_inner(
 ) -> Result<Response, ServeError> {
     let t0 = Instant::now();
     let body = body.map_err(|e| body_error(e, s.0.cfg.max_body_bytes))?;
-    let req: CompletionRequest = parse_body(s, body).await?;
+    let req: CompletionRequest = in_tokenize_turn(s, move || {
+        let req = parse_json::<CompletionRequest>(&body)?;
+        check_fields(&body, COMPLETION_FIELDS)?;
+        Ok::<_, ServeError>(req)
+    })
+    .await??;
     let model = check_model(s, &req.model)?;
     let mode = prompt::request_mode(req.hypic.as_ref(), s.0.default_mode)?;
     let salt = req.hypic.as_ref().and_then(|h| h.salt.clone());
@@ -1345,10 +1478,47 @@ async fn completions_inner(
                 "'prompt' (or 'segments') is required",
             ))
         }
+        (Some(PromptSpec::Tokens { prompts, nested }), None) => {
+            if prompts.is_empty() || prompts.len() > 16 {
+                return Err(ServeError::invalid_param(
+                    "prompt",
+                    "'prompt' must be a list of token ids or a list of 1 to 16 lists of token ids",
+                ));
+            }
+            let vocab = s.0.engine.config().vocab_size;
+            let limit = prompt_limit(s);
+            let mut out = Vec::with_capacity(prompts.len());
+            for (i, ids) in prompts.iter().enumerate() {
+                if ids.len() > limit {
+                    return Err(over_limit(s, "prompt", ids.len(), true));
+                }
+                let mut v = Vec::with_capacity(ids.len());
+                for (j, &t) in ids.iter().enumerate() {
+                    if t < 0 || t as u64 >= vocab as u64 {
+                        let at = if *nested {
+                            format!("prompt[{i}][{j}]")
+                        } else {
+                            format!("prompt[{j}]")
+                        };
+                        return Err(ServeError::invalid_param(
+                            &at,
+                            format!(
+                                "'{at}' is {t}, not a token id of this model (0 to {})",
+                                vocab - 1
+                            ),
+                        ));
+                    }
+                    v.push(t as u32);
+                }
+                out.push(vec![SegSource::Tokens(v)]);
+            }
+            out
+        }
         (Some(pr), None) => {
             let list = match pr {
                 PromptSpec::One(t) => vec![t.clone()],
                 PromptSpec::Many(v) => v.clone(),
+                PromptSpec::Tokens { .. } => unreachable!("matched above"),
             };
             if list.is_empty() || list.len() > 16 {
                 return Err(ServeError::invalid_param(
@@ -1422,7 +1592,11 @@ async fn completions_inner(
         }
     };
     let stops = check_stops(req.stop.clone())?;
-    let several = matches!(req.prompt, Some(PromptSpec::Many(ref v)) if v.len() > 1);
+    let several = match &req.prompt {
+        Some(PromptSpec::Many(v)) => v.len() > 1,
+        Some(PromptSpec::Tokens { prompts, .. }) => prompts.len() > 1,
+        _ => false,
+    };
     let mut prompts = Vec::with_capacity(sources.len());
     let cap = s.0.cfg.max_prefill_tokens_per_request;
     let mut request_tokens = 0usize;
@@ -1460,15 +1634,22 @@ async fn completions_inner(
         .max()
         .unwrap_or(0);
     let max_tokens = check_max_tokens(s, req.max_tokens, "max_tokens", longest)?;
+    let sampling = request_sampling(
+        s,
+        (temperature, top_p, req.top_k, req.seed),
+        ProcessorFields {
+            presence_penalty: req.presence_penalty,
+            frequency_penalty: req.frequency_penalty,
+            repetition_penalty: req.repetition_penalty,
+            logit_bias: req.logit_bias.as_ref(),
+            min_tokens: req.min_tokens,
+        },
+        max_tokens,
+    )?;
     let set = GenSettings {
         mode,
         max_tokens,
-        sampling: SamplingParams {
-            temperature,
-            top_k: req.top_k.unwrap_or(0),
-            top_p,
-            seed: req.seed,
-        },
+        sampling,
         n,
         stops,
         logprobs,
@@ -1493,8 +1674,27 @@ async fn chat_inner(
 ) -> Result<Response, ServeError> {
     let t0 = Instant::now();
     let body = body.map_err(|e| body_error(e, s.0.cfg.max_body_bytes))?;
-    let req: ChatRequest = parse_body(s, body).await?;
+    let req: ChatRequest = in_tokenize_turn(s, move || {
+        let req = parse_json::<ChatRequest>(&body)?;
+        check_fields(&body, CHAT_FIELDS)?;
+        Ok::<_, ServeError>(req)
+    })
+    .await??;
     let model = check_model(s, &req.model)?;
+    if let Some(f) = &req.response_format {
+        if f.kind != "text" {
+            return Err(ServeError {
+                param: Some("response_format".into()),
+                ..ServeError::bad_request(
+                    "unsupported_parameter",
+                    format!(
+                        "response_format of type {:?} is not supported by this server (only \"text\")",
+                        f.kind
+                    ),
+                )
+            });
+        }
+    }
     let mode = prompt::request_mode(req.hypic.as_ref(), s.0.default_mode)?;
     let salt = req.hypic.as_ref().and_then(|h| h.salt.clone());
     // Before rendering or tokenising: each message within its cap, and the whole
@@ -1548,15 +1748,22 @@ async fn chat_inner(
         (None, m) => (m, "max_tokens"),
     };
     let max_tokens = check_max_tokens(s, given, param, prompt_tokens)?;
+    let sampling = request_sampling(
+        s,
+        (temperature, top_p, req.top_k, req.seed),
+        ProcessorFields {
+            presence_penalty: req.presence_penalty,
+            frequency_penalty: req.frequency_penalty,
+            repetition_penalty: req.repetition_penalty,
+            logit_bias: req.logit_bias.as_ref(),
+            min_tokens: req.min_tokens,
+        },
+        max_tokens,
+    )?;
     let set = GenSettings {
         mode,
         max_tokens,
-        sampling: SamplingParams {
-            temperature,
-            top_k: req.top_k.unwrap_or(0),
-            top_p,
-            seed: req.seed,
-        },
+        sampling,
         n,
         stops,
         logprobs,

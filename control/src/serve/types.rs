@@ -1,7 +1,9 @@
 //! OpenAI-compatible request and response bodies, plus the `hypic` extensions.
 //!
-//! Requests accept unknown fields (OpenAI clients send many optional parameters);
-//! known fields with a wrong type are rejected with a 400 naming the field.
+//! Known fields with a wrong type are rejected with a 400 naming the field. Fields
+//! the server does not read are rejected too (a 400 naming the field, see
+//! [`unsupported_field`]), so that no parameter is silently ignored; only `user`,
+//! which has no effect on the answer, is accepted and ignored.
 use super::errors::field_rule;
 use serde::de::{self, Deserializer, IgnoredAny, MapAccess, SeqAccess, Visitor};
 use serde::{Deserialize, Serialize};
@@ -85,24 +87,158 @@ pub struct SegmentItem {
     pub version: Option<i64>,
 }
 
-/// `prompt`: a string or a list of strings.
+/// `prompt`: a string, a list of strings, a list of token ids or a list of lists of
+/// token ids.
 #[derive(Clone, Debug)]
 pub enum PromptSpec {
     /// One prompt.
     One(String),
     /// Several prompts (one choice set each).
     Many(Vec<String>),
+    /// Prompts given as token ids (`[ids]` is one prompt, `[[ids], …]` several). The
+    /// ids are checked against the vocabulary by the route, which names the index.
+    Tokens {
+        /// One list of ids per prompt.
+        prompts: Vec<Vec<i64>>,
+        /// Whether the request nested the lists (`[[ids], …]`), for error paths.
+        nested: bool,
+    },
 }
 
 impl<'de> Deserialize<'de> for PromptSpec {
     fn deserialize<D: Deserializer<'de>>(d: D) -> Result<Self, D::Error> {
-        Ok(
-            match string_or_strings(d, "must be a string or an array of strings")? {
-                StringOrStrings::One(s) => PromptSpec::One(s),
-                StringOrStrings::Many(v) => PromptSpec::Many(v),
+        use serde_json::Value;
+        const RULE: &str = "must be a string, an array of strings, an array of token ids or an array of arrays of token ids";
+        let bad = |what: String| -> D::Error { field_rule(format!("{RULE} ({what})")) };
+        let id = |v: &Value| v.as_i64();
+        match Value::deserialize(d)? {
+            Value::String(s) => Ok(PromptSpec::One(s)),
+            Value::Array(items) => match items.first() {
+                None => Ok(PromptSpec::Many(Vec::new())),
+                Some(Value::String(_)) => {
+                    let mut out = Vec::with_capacity(items.len());
+                    for (i, v) in items.into_iter().enumerate() {
+                        match v {
+                            Value::String(s) => out.push(s),
+                            other => {
+                                return Err(bad(format!("element {i} is {}", json_kind(&other))))
+                            }
+                        }
+                    }
+                    Ok(PromptSpec::Many(out))
+                }
+                Some(Value::Number(_)) => {
+                    let mut ids = Vec::with_capacity(items.len());
+                    for (i, v) in items.iter().enumerate() {
+                        ids.push(id(v).ok_or_else(|| {
+                            bad(format!("element {i} is {}, not a token id", json_kind(v)))
+                        })?);
+                    }
+                    Ok(PromptSpec::Tokens {
+                        prompts: vec![ids],
+                        nested: false,
+                    })
+                }
+                Some(Value::Array(_)) => {
+                    let mut prompts = Vec::with_capacity(items.len());
+                    for (i, v) in items.iter().enumerate() {
+                        let Value::Array(row) = v else {
+                            return Err(bad(format!("element {i} is {}", json_kind(v))));
+                        };
+                        let mut ids = Vec::with_capacity(row.len());
+                        for (j, x) in row.iter().enumerate() {
+                            ids.push(id(x).ok_or_else(|| {
+                                bad(format!(
+                                    "element [{i}][{j}] is {}, not a token id",
+                                    json_kind(x)
+                                ))
+                            })?);
+                        }
+                        prompts.push(ids);
+                    }
+                    Ok(PromptSpec::Tokens {
+                        prompts,
+                        nested: true,
+                    })
+                }
+                Some(other) => Err(bad(format!("element 0 is {}", json_kind(other)))),
             },
-        )
+            other => Err(bad(format!("got {}", json_kind(&other)))),
+        }
     }
+}
+
+/// `logit_bias`: token id (a decimal string, as JSON object keys are) → bias.
+pub type LogitBias = std::collections::BTreeMap<String, f64>;
+
+/// `response_format`: read to accept `{"type": "text"}` (the default) and to reject
+/// the structured formats, which are not supported yet.
+#[derive(Clone, Debug, Deserialize)]
+pub struct ResponseFormat {
+    /// `text`, `json_object` or `json_schema`.
+    #[serde(rename = "type")]
+    pub kind: String,
+}
+
+/// Fields of a completions request that the server reads.
+pub const COMPLETION_FIELDS: &[&str] = &[
+    "model",
+    "prompt",
+    "segments",
+    "max_tokens",
+    "temperature",
+    "top_p",
+    "top_k",
+    "seed",
+    "n",
+    "stream",
+    "stream_options",
+    "stop",
+    "logprobs",
+    "echo",
+    "ignore_eos",
+    "hypic",
+    "presence_penalty",
+    "frequency_penalty",
+    "repetition_penalty",
+    "logit_bias",
+    "min_tokens",
+    "user",
+];
+
+/// Fields of a chat request that the server reads.
+pub const CHAT_FIELDS: &[&str] = &[
+    "model",
+    "messages",
+    "max_tokens",
+    "max_completion_tokens",
+    "temperature",
+    "top_p",
+    "top_k",
+    "seed",
+    "n",
+    "stream",
+    "stream_options",
+    "stop",
+    "logprobs",
+    "top_logprobs",
+    "ignore_eos",
+    "hypic",
+    "presence_penalty",
+    "frequency_penalty",
+    "repetition_penalty",
+    "logit_bias",
+    "min_tokens",
+    "response_format",
+    "user",
+];
+
+/// The first (in byte order) top-level field of the JSON object `body` that is not
+/// in `known`, if any. A body that is not an object yields `None` (its parse error is
+/// reported elsewhere).
+pub fn unsupported_field(body: &[u8], known: &[&str]) -> Option<String> {
+    let keys: std::collections::BTreeMap<String, IgnoredAny> = serde_json::from_slice(body).ok()?;
+    keys.into_keys().find(|k| !known.contains(&k.as_str()))
 }
 
 /// `POST /v1/completions`.
@@ -154,6 +290,21 @@ pub struct CompletionRequest {
     /// Keep generating past end-of-sequence tokens (vLLM extension).
     #[serde(default)]
     pub ignore_eos: Option<bool>,
+    /// OpenAI presence penalty, -2..=2 (over the generated tokens).
+    #[serde(default)]
+    pub presence_penalty: Option<f32>,
+    /// OpenAI frequency penalty, -2..=2 (over the generated tokens).
+    #[serde(default)]
+    pub frequency_penalty: Option<f32>,
+    /// Hugging Face repetition penalty, (0, 10] (extension; over prompt and output).
+    #[serde(default)]
+    pub repetition_penalty: Option<f32>,
+    /// Token id → bias in -100..=100, added to the logit.
+    #[serde(default)]
+    pub logit_bias: Option<LogitBias>,
+    /// End-of-sequence tokens are masked until this many tokens (extension).
+    #[serde(default)]
+    pub min_tokens: Option<i64>,
     /// HYPIC extension.
     #[serde(default)]
     pub hypic: Option<HypicRequestExt>,
@@ -306,12 +457,30 @@ pub struct ChatRequest {
     /// Return log-probabilities of the output tokens.
     #[serde(default)]
     pub logprobs: Option<bool>,
+    /// Only `{"type": "text"}` is supported.
+    #[serde(default)]
+    pub response_format: Option<ResponseFormat>,
     /// Alternatives per token (0..=20), needs `logprobs: true`.
     #[serde(default)]
     pub top_logprobs: Option<i64>,
     /// Keep generating past end-of-sequence tokens (vLLM extension).
     #[serde(default)]
     pub ignore_eos: Option<bool>,
+    /// OpenAI presence penalty, -2..=2 (over the generated tokens).
+    #[serde(default)]
+    pub presence_penalty: Option<f32>,
+    /// OpenAI frequency penalty, -2..=2 (over the generated tokens).
+    #[serde(default)]
+    pub frequency_penalty: Option<f32>,
+    /// Hugging Face repetition penalty, (0, 10] (extension; over prompt and output).
+    #[serde(default)]
+    pub repetition_penalty: Option<f32>,
+    /// Token id → bias in -100..=100, added to the logit.
+    #[serde(default)]
+    pub logit_bias: Option<LogitBias>,
+    /// End-of-sequence tokens are masked until this many tokens (extension).
+    #[serde(default)]
+    pub min_tokens: Option<i64>,
     /// HYPIC extension.
     #[serde(default)]
     pub hypic: Option<HypicRequestExt>,

@@ -26,4 +26,5 @@ mod serve_device;
 mod serve_load;
 mod serve_netops;
 mod serve_reuse;
+mod serve_sampling;
 mod serve_ui;

@@ -100,7 +100,8 @@ async fn fields_of_the_wrong_type() {
             "{path} {body}: {v}"
         );
     }
-    // Unknown fields are ignored (OpenAI clients send many), out-of-range values are not.
+    // `user` is accepted (it has no effect) and penalties are supported; out-of-range
+    // values are not.
     let (st, v) = s
         .post(
             "/v1/completions",

@@ -53,7 +53,10 @@ pub struct RowSampling {
 
 impl RowSampling {
     /// From the OpenAI-style parameters of the CPU sampler; `fallback_seed` is used when
-    /// `p.seed` is `None`.
+    /// `p.seed` is `None`. The logit processors of [`SamplingParams`] (penalties,
+    /// `logit_bias`, `min_tokens`) are not applied by this sampler: the serving
+    /// scheduler samples on the host with [`crate::sampling::Sampler`], which applies
+    /// them, on both backends.
     pub fn new(p: &SamplingParams, fallback_seed: u64, step: u64) -> Self {
         RowSampling {
             temperature: p.temperature,
