@@ -403,15 +403,18 @@ async fn stop_of_the_wrong_type() {
             .await;
         assert_eq!(st, 200, "{stop}: {v}");
     }
-    // `prompt` is read the same way.
-    let (st, v) = s.post("/v1/completions", &json!({"prompt": [1, 2]})).await;
+    // `prompt` is read the same way (a list of numbers is a token-id prompt, so a
+    // mixed list is the error).
+    let (st, v) = s
+        .post("/v1/completions", &json!({"prompt": [1, true]}))
+        .await;
     assert_error(st, &v, 400, "invalid_type");
     assert_names(
         &v,
         Some("prompt"),
         &[
-            "'prompt' must be a string or an array of strings",
-            "element 0",
+            "'prompt' must be a string, an array of strings",
+            "element 1",
         ],
     );
     still_healthy(&s).await;
