@@ -402,6 +402,21 @@ pub fn is_address(r: &str) -> bool {
             .all(|b| b.is_ascii_digit() || (b'a'..=b'f').contains(&b))
 }
 
+/// A soft-deleted segment ([`Catalog::deleted_segment`]).
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct DeletedSegment {
+    /// Its address.
+    pub address: String,
+    /// Its id in its owner's namespace.
+    pub id: String,
+    /// Owner tenant.
+    pub owner_tenant: String,
+    /// Whether it was public.
+    pub public: bool,
+    /// Deletion time (ms since the Unix epoch).
+    pub deleted_at: i64,
+}
+
 /// A fresh segment address.
 fn new_address() -> String {
     format!("~{}", hex::encode(rand::random::<[u8; 16]>()))
@@ -1060,6 +1075,32 @@ impl Catalog {
         .await?
         .ok_or_else(|| CatalogError::NotFound(format!("segment {reference:?}")))?;
         self.get_segment(&row.get::<String, _>(0)).await
+    }
+
+    /// The newest soft-deleted segment that `reference` names for `tenant` (an
+    /// address, or one of `tenant`'s own segment ids), without access checks;
+    /// `None` when no deleted segment matches.
+    pub async fn deleted_segment(
+        &self,
+        tenant: &str,
+        reference: &str,
+    ) -> CatalogResult<Option<DeletedSegment>> {
+        let row = sqlx::query(
+            "SELECT id, local_id, owner_tenant, public, deleted_at FROM segments \
+             WHERE deleted_at IS NOT NULL AND (id = $1 OR (owner_tenant = $2 AND local_id = $1)) \
+             ORDER BY deleted_at DESC LIMIT 1",
+        )
+        .bind(reference)
+        .bind(tenant)
+        .fetch_optional(&self.pool)
+        .await?;
+        Ok(row.map(|row| DeletedSegment {
+            address: row.get(0),
+            id: row.get(1),
+            owner_tenant: row.get(2),
+            public: row.get::<i64, _>(3) != 0,
+            deleted_at: row.get(4),
+        }))
     }
 
     /// The current state of a live segment by address, without access checks.

@@ -22,7 +22,7 @@ use crate::error::Result;
 use crate::pic::engine::Snapshot;
 use crate::pic::pool::{CachePolicy, PoolStats};
 use crate::pic::spill::Spill;
-use crate::pic::{Mode, Pic, PicBackend, PicStats, Prefetch, SegmentRef};
+use crate::pic::{EntryReport, Mode, Pic, PicBackend, PicStats, Prefetch, SegmentRef};
 use serde::Serialize;
 
 /// Which backend an engine runs on (for logs, `/health` and `/metrics`).
@@ -112,6 +112,18 @@ pub trait EnginePools: Send + Sync {
     fn enable_spill(&self, public_bytes: usize, private_bytes: usize);
     /// SHA-256 (hex) of the model id and a segment's tokens.
     fn content_hash(&self, tokens: &[u32]) -> String;
+    /// Residency and remembered history of one public-pool entry (see
+    /// [`Pic::entry_report`]); not a lookup.
+    fn entry_report(&self, tokens: &[u32], isolation: &str, body_start: usize) -> EntryReport;
+    /// What the public pool's primary tier is, for reports: `gpu` on the CUDA
+    /// backend, `host` on the CPU.
+    fn primary_tier_name(&self) -> &'static str {
+        if self.backend().device == "cuda" {
+            "gpu"
+        } else {
+            "host"
+        }
+    }
 }
 
 /// A PIC engine the scheduler can drive (see the module docs).
@@ -196,6 +208,9 @@ where
     }
     fn content_hash(&self, tokens: &[u32]) -> String {
         Pic::content_hash(self, tokens)
+    }
+    fn entry_report(&self, tokens: &[u32], isolation: &str, body_start: usize) -> EntryReport {
+        Pic::entry_report(self, tokens, isolation, body_start)
     }
 }
 

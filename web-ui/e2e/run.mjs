@@ -162,6 +162,90 @@ async function main() {
   assert.ok((await err.textContent()).includes(direct.error.message), await err.textContent());
   await page.screenshot({ path: join(shots, "segments.png"), fullPage: true });
 
+  step = "a reordered request hits; the why view explains a forced miss";
+  {
+    // Two operator-owned segments, not prefilled: the first request builds them.
+    const docA = "Zentrix makes tidal turbines for harbours in the north sea region.";
+    const docB = "Mara Quell ran Zentrix engineering from its Lyon office for ten years.";
+    for (const [id, content] of [
+      ["why-a", docA],
+      ["why-b", docB],
+    ]) {
+      const r = await call(op, "POST", "/v1/segments", { id, content, prefill: false });
+      assert.equal(r.status, 200, await r.text());
+    }
+    const ask = async (ids, question = "Question: who ran Zentrix engineering?") => {
+      const r = await call(op, "POST", "/v1/completions", {
+        segments: [...ids.map((id) => (id.startsWith("text:") ? { text: id.slice(5) } : { id })), { text: question }],
+        max_tokens: 2,
+        temperature: 0,
+      });
+      const v = await r.json();
+      assert.equal(r.status, 200, JSON.stringify(v));
+      return v;
+    };
+    const first = await ask(["why-a", "why-b"]);
+    assert.deepEqual(first.hypic.segments.map((x) => x.outcome), ["miss", "miss", "computed"], JSON.stringify(first.hypic));
+    const swapped = await ask(["why-b", "why-a"]);
+    assert.deepEqual(swapped.hypic.segments.map((x) => x.outcome), ["hit", "hit", "computed"], JSON.stringify(swapped.hypic));
+    const cached = swapped.usage.prompt_tokens_details.cached_tokens;
+    assert.ok(cached > 0, `cached tokens ${cached}`);
+    log(`reordered request: ${cached} of ${swapped.usage.prompt_tokens} prompt tokens cached`);
+
+    // The segment screen: resident, with hits, in the operator's namespace.
+    await page.goto(`${base}/ui/#/segments/why-a`);
+    await page.getByTestId("residency").filter({ hasText: "resident" }).waitFor();
+    const why = page.getByTestId("why");
+    await why.locator("button[type=submit]").click();
+    await why.getByTestId("why-verdict").filter({ hasText: "Resident for ops" }).waitFor();
+    const hits = await why.getByTestId("why-entries").locator("tbody tr").evaluateAll((rows) =>
+      rows.map((r) => Number(r.children[3].textContent)),
+    );
+    assert.ok(hits.some((h) => h >= 1), `hits ${hits}`);
+    assert.match(await why.getByTestId("why-recent").textContent(), /request v1: hit/);
+
+    // Another tenant: no permission, said in words.
+    await why.locator("input[name=why-tenant]").fill("demo");
+    await why.locator("button[type=submit]").click();
+    await why.getByTestId("why-reasons").locator("li[data-code=no_permission]").waitFor();
+
+    // Force a miss: evict through the UI, then the same request misses and says why.
+    await why.locator("input[name=why-tenant]").fill("");
+    page.once("dialog", (d) => d.accept());
+    await page.click("button:has-text('Evict cache entries')");
+    await page.getByTestId("evicted-note").filter({ hasText: /[1-9]\d* cache entries evicted/ }).waitFor();
+    await page.getByTestId("residency").filter({ hasText: "not resident" }).waitFor();
+    // A new preface: no snapshot of the running state covers this prefix, so why-a
+    // (after another segment) is looked up in the public pool.
+    const missed = await ask(["text:Preface: notes for the quarterly review.", "why-a"], "Question: what does Zentrix make?");
+    assert.equal(missed.hypic.segments[1].outcome, "miss", JSON.stringify(missed.hypic));
+    assert.equal(missed.hypic.segments[1].miss_reason, "invalidated", JSON.stringify(missed.hypic));
+    // The miss rebuilt the entries; evict again so the view shows the entries gone.
+    page.once("dialog", (d) => d.accept());
+    await page.click("button:has-text('Evict cache entries')");
+    await page.getByTestId("residency").filter({ hasText: "not resident" }).waitFor();
+    await why.locator("button[type=submit]").click();
+    const reasons = why.getByTestId("why-reasons");
+    await reasons.locator("li[data-code=evicted_on_request]").first().waitFor();
+    assert.match(await reasons.locator("li").first().textContent(), /Evicted on request.*by ops-ui/s);
+    assert.ok((await reasons.locator("li[data-code=invalidated]").count()) >= 1);
+    assert.match(await why.getByTestId("why-recent").textContent(), /request v1: miss \(invalidated\)/);
+    assert.match(await why.getByTestId("why-verdict").textContent(), /^Evicted on request/);
+    // An API error in the view is shown verbatim, naming the field.
+    await why.locator("input[name=why-version]").fill("7");
+    await why.locator("button[type=submit]").click();
+    const werr = why.getByTestId("api-error");
+    await werr.waitFor();
+    const direct = await (await call(op, "GET", "/v1/segments/why-a/why?version=7")).json();
+    assert.ok((await werr.textContent()).includes(direct.error.message), await werr.textContent());
+    assert.match(await werr.textContent(), /field: version/);
+    await why.locator("input[name=why-version]").fill("");
+    await why.locator("button[type=submit]").click();
+    await why.getByTestId("why-reasons").waitFor();
+    await why.scrollIntoViewIfNeeded();
+    await page.screenshot({ path: join(shots, "why.png"), fullPage: true });
+  }
+
   step = "upload, dry-run, activate, audit, roll back a policy";
   await page.click("nav >> text=Policies");
   await page.getByTestId("active-eviction").waitFor();

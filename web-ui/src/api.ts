@@ -83,6 +83,78 @@ export interface VersionContent {
   content: string;
 }
 
+/** The policy that decided a cache event (`PolicyRef` of `GET /v1/segments/{id}/why`). */
+export interface PolicyRef {
+  name: string;
+  policy_id: number | null;
+  policy_name: string | null;
+  policy_version: number | null;
+}
+
+/** One reason a segment's lookup misses (`WhyReason`). */
+export interface WhyReason {
+  code: string;
+  message: string;
+  at_ms: number | null;
+  body_start: number | null;
+  decided_by: PolicyRef | null;
+}
+
+/** One event of a cache entry's history (`WhyEvent`). */
+export interface WhyEvent {
+  event: string;
+  tier: string;
+  at_ms: number;
+  decided_by: PolicyRef | null;
+}
+
+/** One public-pool entry of a segment in a tenant's namespace (`WhyEntry`). */
+export interface WhyEntry {
+  body_start: number;
+  role: string;
+  cacheable: boolean;
+  tier: string | null;
+  bytes: number | null;
+  hits: number | null;
+  inserted_ms: number | null;
+  last_use_ms: number | null;
+  events: WhyEvent[];
+}
+
+/** A recent request or segment event (`Observation`). */
+export interface WhyObservation {
+  at_ms: number;
+  event: string;
+  version: number | null;
+  outcome?: string;
+  miss_reason?: string;
+  index?: number;
+  detail?: string;
+}
+
+/** `GET /v1/segments/{id}/why?tenant=&version=` (`WhyAnswer`). */
+export interface WhyAnswer {
+  object: "segment.why";
+  segment: string;
+  address: string | null;
+  tenant: string;
+  model: string;
+  version: number | null;
+  tokens: number | null;
+  shared: boolean | null;
+  resident: boolean;
+  entries: WhyEntry[];
+  reasons: WhyReason[];
+  recent: WhyObservation[];
+}
+
+/** `POST /v1/segments/{id}/evict`. */
+export interface Evicted {
+  address: string;
+  version: number;
+  evicted_entries: number;
+}
+
 /** `GET /v1/admin/groups` rows: tenants grouped for segment grants. */
 export interface Group {
   id: string;

@@ -1,11 +1,22 @@
 // Segments: the catalog browser (list, search, register) and one segment's
 // detail (residency, versions and their line diff, grants, new version, delete).
 import { useState } from "preact/hooks";
-import { api, type NewSegment, type Segment, type SegmentList, type SegmentVersion, type VersionContent, query } from "./api";
+import {
+  api,
+  type Evicted,
+  type NewSegment,
+  type Segment,
+  type SegmentList,
+  type SegmentVersion,
+  type VersionContent,
+  type WhyAnswer,
+  query,
+} from "./api";
 import { diffStat, lineDiff } from "./diff";
 import { bytes } from "./metrics";
 import { ErrorBox, useLoad, when } from "./ui";
 import { checkId } from "./validate";
+import { entryText, policyText, reasonTitle, verdict } from "./why";
 
 async function loadAll(): Promise<Segment[]> {
   const out: Segment[] = [];
@@ -232,6 +243,120 @@ function VersionDiff({ path, newer, close }: { path: string; newer: number; clos
   );
 }
 
+/**
+ * "Why did it miss?": the segment's entries in a tenant's namespace (tier, bytes,
+ * hits, history) and the reasons a lookup misses, from GET /v1/segments/{id}/why.
+ */
+function Why({ path, evicted }: { path: string; evicted: number }) {
+  const [tenant, setTenant] = useState("");
+  const [version, setVersion] = useState("");
+  const [data, setData] = useState<WhyAnswer | null>(null);
+  const [error, setError] = useState<unknown>(null);
+  const [busy, setBusy] = useState(false);
+  const ask = async (e?: Event) => {
+    e?.preventDefault();
+    setBusy(true);
+    try {
+      setData(await api<WhyAnswer>("GET", `${path}/why${query({ tenant: tenant.trim(), version: version.trim() })}`));
+      setError(null);
+    } catch (err) {
+      setData(null);
+      setError(err);
+    } finally {
+      setBusy(false);
+    }
+  };
+  return (
+    <form class="card" onSubmit={ask} aria-label="why did it miss" data-testid="why">
+      <h2>Why did it miss?</h2>
+      <label>
+        tenant <input name="why-tenant" value={tenant} onInput={(e) => setTenant(e.currentTarget.value)} placeholder="yours by default" />
+      </label>
+      <label>
+        version used <input name="why-version" value={version} inputMode="numeric" onInput={(e) => setVersion(e.currentTarget.value)} placeholder="current" size={8} />
+      </label>
+      <button type="submit" disabled={busy}>
+        {busy ? "Asking…" : "Why did it miss?"}
+      </button>
+      {evicted >= 0 ? <span data-testid="evicted-note"> {evicted} cache entries evicted.</span> : null}
+      <ErrorBox error={error} />
+      {data ? (
+        <div data-testid="why-answer">
+          <p data-testid="why-verdict">
+            <strong>{verdict(data)}</strong>
+          </p>
+          <h3>Reasons (newest first)</h3>
+          {data.reasons.length ? (
+            <ol data-testid="why-reasons">
+              {data.reasons.map((r, i) => (
+                <li key={i} data-code={r.code}>
+                  <strong>{reasonTitle(r)}</strong> <code>{r.code}</code>
+                  {r.at_ms ? ` · ${when(r.at_ms)}` : ""}
+                  {r.body_start != null ? ` · ${entryText(r.body_start)}` : ""}
+                  {r.decided_by ? ` · by ${policyText(r.decided_by)}` : ""}
+                  <div>{r.message}</div>
+                </li>
+              ))}
+            </ol>
+          ) : (
+            <p>None: every cacheable entry is resident.</p>
+          )}
+          <h3>
+            Entries of version {data.version ?? "—"} for tenant {data.tenant}
+            {data.shared ? " (shared namespace)" : ""}
+          </h3>
+          <table data-testid="why-entries">
+            <thead>
+              <tr>
+                <th>role</th>
+                <th>tier</th>
+                <th>bytes</th>
+                <th>hits</th>
+                <th>last use</th>
+                <th>history</th>
+              </tr>
+            </thead>
+            <tbody>
+              {data.entries.map((e) => (
+                <tr key={e.body_start}>
+                  <td>{entryText(e.body_start)}</td>
+                  <td>{e.cacheable ? (e.tier ?? "not resident") : "never cached (too short)"}</td>
+                  <td>{e.bytes != null ? bytes(e.bytes) : "—"}</td>
+                  <td>{e.hits ?? "—"}</td>
+                  <td>{when(e.last_use_ms)}</td>
+                  <td>
+                    {e.events.map((ev, i) => (
+                      <div key={i}>
+                        {when(ev.at_ms)} {ev.event} ({ev.tier}){ev.decided_by ? ` by ${policyText(ev.decided_by)}` : ""}
+                      </div>
+                    ))}
+                  </td>
+                </tr>
+              ))}
+            </tbody>
+          </table>
+          {data.recent.length ? (
+            <>
+              <h3>Recent requests and events</h3>
+              <ul data-testid="why-recent">
+                {data.recent.map((o, i) => (
+                  <li key={i}>
+                    {when(o.at_ms)} {o.event}
+                    {o.version != null ? ` v${o.version}` : ""}
+                    {o.outcome ? `: ${o.outcome}` : ""}
+                    {o.miss_reason ? ` (${o.miss_reason})` : ""}
+                    {o.detail ? ` — ${o.detail}` : ""}
+                  </li>
+                ))}
+              </ul>
+            </>
+          ) : null}
+        </div>
+      ) : null}
+    </form>
+  );
+}
+
 export function SegmentDetail({ id, go }: { id: string; go: (hash: string) => void }) {
   const path = `/v1/segments/${encodeURIComponent(id)}`;
   const seg = useLoad(() => api<Segment>("GET", path), [id]);
@@ -239,7 +364,19 @@ export function SegmentDetail({ id, go }: { id: string; go: (hash: string) => vo
   const [content, setContent] = useState("");
   const [error, setError] = useState<unknown>(null);
   const [diffOf, setDiffOf] = useState<number | null>(null);
+  const [evicted, setEvicted] = useState(-1);
   const s = seg.data;
+  const evict = async () => {
+    if (!window.confirm(`Evict the cache entries of segment ${id}? The next request using it misses.`)) return;
+    try {
+      const r = await api<Evicted>("POST", `${path}/evict`);
+      setError(null);
+      setEvicted(r.evicted_entries);
+      seg.reload();
+    } catch (err) {
+      setError(err);
+    }
+  };
   const update = async (e: Event) => {
     e.preventDefault();
     try {
@@ -348,11 +485,15 @@ export function SegmentDetail({ id, go }: { id: string; go: (hash: string) => vo
           <textarea name="new-content" rows={3} value={content} onInput={(e) => setContent(e.currentTarget.value)} required />
         </label>
         <button type="submit">Save as version {s ? s.current_version + 1 : ""}</button>
+        <button type="button" onClick={evict}>
+          Evict cache entries
+        </button>
         <button type="button" class="danger" onClick={del}>
           Delete segment
         </button>
         <ErrorBox error={error} />
       </form>
+      <Why path={path} evicted={evicted} />
       <Grants id={id} />
     </section>
   );

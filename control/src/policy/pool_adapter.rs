@@ -3,7 +3,7 @@
 //! so the active eviction and admission policies decide what the PIC engine's public
 //! pool keeps (`PicEngine::set_public_policy`).
 use super::{AdmitInfo, EntryInfo, PolicyRuntime};
-use dataplane::pic::pool::{owner_group, CachePolicy, EntryMeta};
+use dataplane::pic::pool::{owner_group, CachePolicy, Decider, Decision, EntryMeta};
 use sha2::{Digest, Sha256};
 use std::collections::HashMap;
 use std::sync::Arc;
@@ -109,6 +109,26 @@ impl CachePolicy for RuntimePoolPolicy {
 
     fn fair_share(&self) -> bool {
         self.fair
+    }
+
+    /// The runtime's active policy of the hook: `{kind} policy #{id}` with its
+    /// catalog id when a Wasm policy runs, else `native default` (also when the
+    /// active Wasm policy was disabled after faults).
+    fn decider(&self, kind: Decision) -> Decider {
+        let k = match kind {
+            Decision::Admission => super::PolicyKind::Admission,
+            Decision::Eviction => super::PolicyKind::Eviction,
+        };
+        match self.rt.active_id(k) {
+            Some(id) if self.rt.is_wasm(k) => Decider {
+                name: format!("{} policy #{id}", k.as_str()),
+                policy_id: Some(id),
+            },
+            _ => Decider {
+                name: "native default".into(),
+                policy_id: None,
+            },
+        }
     }
 }
 

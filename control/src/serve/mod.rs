@@ -37,6 +37,7 @@ pub mod sweep;
 pub mod textgen;
 pub mod traffic;
 pub mod types;
+pub mod why;
 
 use anyhow::{bail, Context};
 use dataplane::config::ModelConfig;
@@ -763,6 +764,8 @@ pub(crate) struct Inner {
     pub history: history::History,
     /// Recent prompts' cacheable segments, for policy dry runs (`GET /v1/admin/traffic`).
     pub traffic: traffic::Traffic,
+    /// Recent observations of segments for `GET /v1/segments/{id}/why`.
+    pub why: why::WhyLog,
     pub prefill_gate: tokio::sync::Semaphore,
     pub ctx: usize,
     /// Turns to tokenise (`tokenize_concurrency` permits).
@@ -884,6 +887,7 @@ impl AppState {
             ledger: sweep::Ledger::default(),
             history: history::History::default(),
             traffic: traffic::Traffic::default(),
+            why: why::WhyLog::default(),
             prefill_gate: tokio::sync::Semaphore::new(1),
             ctx,
             tokenize_gate: Arc::new(tokio::sync::Semaphore::new(cfg_tok_conc)),

@@ -60,6 +60,8 @@ impl FromRequestParts<AppState> for Tenant {
     super::segments::get_one,
     super::segments::update,
     super::segments::delete,
+    super::why::why,
+    super::why::evict,
 ))]
 pub struct ServeApi;
 
@@ -135,6 +137,14 @@ pub fn router(state: AppState) -> Router {
                 .put(super::segments::update)
                 .delete(super::segments::delete)
                 .fallback(not_allowed),
+        )
+        .route(
+            "/v1/segments/{id}/why",
+            get(super::why::why).fallback(not_allowed),
+        )
+        .route(
+            "/v1/segments/{id}/evict",
+            post(super::why::evict).fallback(not_allowed),
         )
         .route_layer(axum::middleware::from_fn(super::reqlog::record_route))
         .fallback_service(control)
@@ -732,6 +742,8 @@ pub async fn resolve(
                 })?;
                 if let Some(v) = version {
                     if v != it.version {
+                        s.0.why
+                            .record_version_mismatch(tenant, &it.address, v, it.version);
                         return Err(ServeError {
                             param: Some(format!("segments[{i}].version")),
                             ..ServeError::new(
@@ -1865,6 +1877,7 @@ async fn run_job(
     for (pi, prompt) in job.prompts.iter().enumerate() {
         if let Some(st) = starts.get(pi * job.set.n).and_then(|x| x.as_ref()) {
             s.0.traffic.record(&who, prompt, &st.stats, bpt, now_ms);
+            s.0.why.record_request(&p.tenant, prompt, &st.stats);
         }
     }
     // Wall-clock times of the cache entries built or used, for the invalidation sweep

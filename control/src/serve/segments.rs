@@ -41,7 +41,9 @@ fn segment_json(seg: &Segment) -> Value {
     serde_json::to_value(seg).unwrap_or(Value::Null)
 }
 
-fn body_starts(s: &AppState) -> Vec<usize> {
+/// Body starts of the public-pool entries this server builds per segment: 0, the
+/// default mode's seam width and the configured seam width.
+pub(crate) fn body_starts(s: &AppState) -> Vec<usize> {
     let mut v = vec![0];
     if let dataplane::pic::Mode::Hypic { seam_width, .. } = s.0.default_mode {
         if seam_width > 0 {
@@ -344,6 +346,29 @@ fn evict(s: &AppState, id: &str, keep_from: Option<i64>) -> usize {
     n
 }
 
+/// Evicts the public-pool entries of every version of the segment at `address`
+/// this server holds tokens of, in every namespace it was used in, keeping what
+/// the server knows of it (tokens, namespaces) so that its residency stays
+/// answerable; returns how many entries were present.
+pub(crate) fn evict_entries(s: &AppState, address: &str) -> usize {
+    let starts = body_starts(s);
+    let k = s.0.known.lock().unwrap_or_else(|p| p.into_inner());
+    let isos: Vec<String> = k
+        .isolations
+        .get(address)
+        .map(|x| x.iter().cloned().collect())
+        .unwrap_or_default();
+    let mut n = 0;
+    for ((i, _), c) in k.tokens.iter() {
+        if i == address {
+            for iso in &isos {
+                n += s.0.engine.evict_segment(&c.tokens, iso, &starts);
+            }
+        }
+    }
+    n
+}
+
 /// `POST /v1/segments`: create in the catalog, then prefill.
 #[utoipa::path(post, path = "/v1/segments", tag = "segments", summary = "Create a segment, tokenise and prefill it", operation_id = "create_segment", security(("bearer" = [])), params(("Idempotency-Key" = Option<String>, Header, description = "repeat-safe create")), request_body(content = crate::catalog::NewSegment, description = "the control plane's create body, plus `prefill` (boolean, default true): build the cache entries now"), responses((status = 200, description = "the control plane's answer plus a `hypic` object (model, version, tokens, residency, prefill)", body = Object), (status = 400, description = "invalid input", body = crate::error::ErrorBody), (status = 401, description = "no or bad token", body = crate::error::ErrorBody), (status = 409, description = "the id is taken", body = crate::error::ErrorBody), (status = 413, description = "content over the limit", body = crate::error::ErrorBody)))]
 pub async fn create(
@@ -514,6 +539,12 @@ async fn update_inner(
             .await?;
     let seg = updated.segment.clone();
     let evicted = evict(s, &seg.address, Some(seg.current_version));
+    s.0.why.record_superseded(
+        &seg.address,
+        seg.current_version - 1,
+        seg.current_version,
+        evicted,
+    );
     let tokens = Arc::new(tokens);
     remember(
         s,

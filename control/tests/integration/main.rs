@@ -28,3 +28,4 @@ mod serve_netops;
 mod serve_reuse;
 mod serve_sampling;
 mod serve_ui;
+mod serve_why;

@@ -53,6 +53,8 @@ const SERVE_OPS: &[(&str, &str)] = &[
     ("/v1/models", "get"),
     ("/v1/completions", "post"),
     ("/v1/chat/completions", "post"),
+    ("/v1/segments/{id}/why", "get"),
+    ("/v1/segments/{id}/evict", "post"),
 ];
 
 fn operation<'a>(doc: &'a Value, path: &str, method: &str) -> Option<&'a Value> {
@@ -205,4 +207,28 @@ async fn hypic_serve_documents_and_serves_its_routes() {
             "{m} {uri} is documented but not routed: {st} {body}"
         );
     }
+}
+
+/// The console's request and response types are generated from `web-ui/openapi.json`
+/// (`npm run gen:api`, checked by `web-ui/src/api.gen.test.ts`); this test fails when
+/// that copy is stale against the document `hypic serve` publishes. Run with
+/// `HYPIC_WRITE_OPENAPI=1` to rewrite it, then `npm run gen:api` in `web-ui/`.
+#[test]
+fn the_consoles_copy_of_the_document_is_current() {
+    let path = std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("../web-ui/openapi.json");
+    let fresh = serde_json::to_value(hypic_control::serve::routes::openapi()).unwrap();
+    let text = format!("{}\n", serde_json::to_string_pretty(&fresh).unwrap());
+    if std::env::var_os("HYPIC_WRITE_OPENAPI").is_some() {
+        std::fs::write(&path, &text).unwrap();
+    }
+    let committed: Value = serde_json::from_str(
+        &std::fs::read_to_string(&path).unwrap_or_else(|e| panic!("{}: {e}", path.display())),
+    )
+    .unwrap();
+    assert!(
+        committed == fresh,
+        "web-ui/openapi.json is stale against the server's /openapi.json: run \
+         HYPIC_WRITE_OPENAPI=1 cargo test -p hypic-control --test integration \
+         openapi::the_consoles_copy, then `npm run gen:api` in web-ui/ and commit both"
+    );
 }

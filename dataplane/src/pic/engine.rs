@@ -19,7 +19,9 @@
 //! whose whole segment sequence was seen (in the same mode) is a full hit.
 use super::backend::{CacheEntry, PicBackend};
 use super::cpu::CpuBackend;
-use super::pool::{CachePolicy, Departure, Insert, Key, Lru, Pool, PoolStats};
+use super::pool::{
+    CachePolicy, Departure, EntryMeta, Insert, Key, Lru, Pool, PoolEvent, PoolStats, Tier,
+};
 use super::spill::Spill;
 use crate::error::{Error, Result};
 use crate::linear::transition::Pair;
@@ -864,6 +866,24 @@ pub(crate) fn fill_duplicates(
     out
 }
 
+/// Residency and remembered history of one public-pool entry (one segment's tokens,
+/// one isolation key, one body start), for explaining a miss ([`Pic::entry_report`]).
+#[derive(Clone, Debug)]
+pub struct EntryReport {
+    /// Body start of the entry (0: the segment used first; the seam width: after
+    /// another segment in HYPIC mode).
+    pub body_start: usize,
+    /// False when no entry of this role is ever built: the segment is no longer
+    /// than `body_start` (a middle segment inside the seam window is computed whole).
+    pub cacheable: bool,
+    /// The tier that holds it now, if any.
+    pub tier: Option<Tier>,
+    /// Its metadata (bytes, hits, times) when present.
+    pub meta: Option<EntryMeta>,
+    /// Its remembered events, oldest first (empty: never seen or forgotten).
+    pub events: Vec<PoolEvent>,
+}
+
 /// What [`PicEngine::prefetch`] did.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize)]
 #[serde(rename_all = "snake_case")]
@@ -943,6 +963,20 @@ impl<B: PicBackend> Pic<B> {
             };
         }
         Ok(fill_duplicates(body_starts, out))
+    }
+
+    /// Residency and remembered history of the public-pool entry of `tokens` under
+    /// `isolation` for `body_start` (see [`EntryReport`]). Not counted as a lookup.
+    pub fn entry_report(&self, tokens: &[u32], isolation: &str, body_start: usize) -> EntryReport {
+        let key = self.entry_key(tokens, isolation, body_start);
+        let p = lock(&self.public);
+        EntryReport {
+            body_start,
+            cacheable: body_start == 0 || body_start < tokens.len(),
+            tier: p.tier_of(&key),
+            meta: p.meta(&key).cloned(),
+            events: p.history(&key),
+        }
     }
 
     fn resident_key(&self, key: &Key) -> Option<usize> {

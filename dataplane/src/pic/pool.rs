@@ -84,7 +84,40 @@ pub trait CachePolicy: Send {
     fn fair_share(&self) -> bool {
         true
     }
+    /// Which policy makes this pool's decisions of `kind` now, as recorded in the
+    /// history of the entries it refuses or evicts ([`Pool::history`]). Default: the
+    /// policy's [`CachePolicy::name`] and no catalog id; a policy that delegates to
+    /// a host of replaceable policies names the one active there.
+    fn decider(&self, _kind: Decision) -> Decider {
+        Decider {
+            name: self.name().to_string(),
+            policy_id: None,
+        }
+    }
 }
+
+/// The two kinds of decision a pool's policy makes.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Decision {
+    /// Whether a new entry may enter.
+    Admission,
+    /// Which entry leaves to make room.
+    Eviction,
+}
+
+/// The policy that made one decision, as the pool's policy reported it
+/// ([`CachePolicy::decider`]).
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct Decider {
+    /// Name (e.g. `lru`, or what a policy host calls its active policy).
+    pub name: String,
+    /// Catalog id of the policy, when a policy host runs one from its catalog.
+    pub policy_id: Option<i64>,
+}
+
+/// What the spill tier's own rule is called in an entry's history: when the tier is
+/// full, the least recently spilled blob is dropped.
+pub const SPILL_TIER_RULE: &str = "spill tier: least recently spilled first";
 
 /// Least-recently-used eviction, admit everything.
 #[derive(Clone, Copy, Debug, Default)]
@@ -182,26 +215,113 @@ pub enum Departure {
     Refused,
 }
 
-/// How many departed keys a pool remembers (oldest forgotten first): a bound on the
-/// memory the miss reasons take, about 64 bytes a key.
+/// How many keys a pool keeps a history of ([`Pool::history`]; the keys of the
+/// newest events, oldest forgotten first): with [`HISTORY_PER_KEY`] events a key,
+/// a bound of about 8 MiB on the memory the miss reasons take.
 pub const DEPARTURES_REMEMBERED: usize = 16_384;
 
-/// Bounded memory of departed keys: the newest [`DEPARTURES_REMEMBERED`].
+/// Events kept per key (a ring: the oldest is dropped first).
+pub const HISTORY_PER_KEY: usize = 8;
+
+/// A tier of a pool: the primary tier (device memory on the GPU engine, host memory
+/// on the CPU engine) or the host spill tier ([`Pool::enable_spill`]).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Tier {
+    /// The pool's own memory.
+    Primary,
+    /// The checksummed host spill tier.
+    Spill,
+}
+
+/// What happened to an entry, as one event of its history ([`Pool::history`]).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum EventKind {
+    /// Stored in the primary tier.
+    Inserted,
+    /// Evicted from the primary tier for space into the spill tier (still present).
+    Spilled,
+    /// Moved back from the spill tier into the primary tier on a lookup.
+    Restored,
+    /// Evicted for space and dropped, from [`PoolEvent::tier`] (the primary tier
+    /// without a spill tier or for a blob larger than it, else the spill tier).
+    Evicted,
+    /// Removed on request (segment update or deletion, an explicit eviction, grant
+    /// revocation, invalidation).
+    Removed,
+    /// Its spilled copy failed the checksum or the layout check on restore and was
+    /// dropped.
+    Damaged,
+    /// Offered, but the admission policy refused it.
+    NotAdmitted,
+    /// Offered, but no room could be made: larger than the pool, the eviction policy
+    /// named no victim, or fair sharing allowed none.
+    NoRoom,
+}
+
+impl EventKind {
+    /// The snake_case name (JSON value).
+    pub fn as_str(&self) -> &'static str {
+        match self {
+            EventKind::Inserted => "inserted",
+            EventKind::Spilled => "spilled",
+            EventKind::Restored => "restored",
+            EventKind::Evicted => "evicted",
+            EventKind::Removed => "removed",
+            EventKind::Damaged => "damaged",
+            EventKind::NotAdmitted => "not_admitted",
+            EventKind::NoRoom => "no_room",
+        }
+    }
+
+    /// How an entry left the pool, for events after which it is absent.
+    fn departure(&self) -> Option<Departure> {
+        match self {
+            EventKind::Evicted => Some(Departure::Evicted),
+            EventKind::Removed => Some(Departure::Removed),
+            EventKind::Damaged => Some(Departure::Damaged),
+            EventKind::NotAdmitted | EventKind::NoRoom => Some(Departure::Refused),
+            EventKind::Inserted | EventKind::Spilled | EventKind::Restored => None,
+        }
+    }
+}
+
+/// One event of an entry's history.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct PoolEvent {
+    /// What happened.
+    pub kind: EventKind,
+    /// The tier it happened in (for [`EventKind::Spilled`]: the tier it went to).
+    pub tier: Tier,
+    /// Wall-clock time, milliseconds since the Unix epoch.
+    pub at_ms: u64,
+    /// The policy that decided, for evictions and refusals (the spill tier's own
+    /// rule is [`SPILL_TIER_RULE`]); `None` for events no policy decided.
+    pub decided_by: Option<Arc<Decider>>,
+}
+
+/// Bounded per-key event rings: at most [`DEPARTURES_REMEMBERED`] keys (the keys
+/// of the newest events), [`HISTORY_PER_KEY`] events each.
 #[derive(Default)]
-struct Departures {
-    map: HashMap<Key, (Departure, u64)>,
+struct History {
+    map: HashMap<Key, (VecDeque<PoolEvent>, u64)>,
     order: VecDeque<(Key, u64)>,
     seq: u64,
 }
 
-impl Departures {
-    fn record(&mut self, key: Key, d: Departure) {
+impl History {
+    fn record(&mut self, key: Key, e: PoolEvent) {
         self.seq += 1;
-        self.map.insert(key, (d, self.seq));
-        self.order.push_back((key, self.seq));
+        let seq = self.seq;
+        let (ring, last) = self.map.entry(key).or_default();
+        ring.push_back(e);
+        while ring.len() > HISTORY_PER_KEY {
+            ring.pop_front();
+        }
+        *last = seq;
+        self.order.push_back((key, seq));
         while self.order.len() > DEPARTURES_REMEMBERED {
-            if let Some((k, seq)) = self.order.pop_front() {
-                if self.map.get(&k).is_some_and(|&(_, s)| s == seq) {
+            if let Some((k, s)) = self.order.pop_front() {
+                if self.map.get(&k).is_some_and(|&(_, last)| last == s) {
                     self.map.remove(&k);
                 }
             }
@@ -210,8 +330,14 @@ impl Departures {
     fn forget(&mut self, key: &Key) {
         self.map.remove(key);
     }
-    fn get(&self, key: &Key) -> Option<Departure> {
-        self.map.get(key).map(|&(d, _)| d)
+    fn events(&self, key: &Key) -> Vec<PoolEvent> {
+        self.map
+            .get(key)
+            .map(|(r, _)| r.iter().cloned().collect())
+            .unwrap_or_default()
+    }
+    fn newest(&self, key: &Key) -> Option<&PoolEvent> {
+        self.map.get(key).and_then(|(r, _)| r.back())
     }
 }
 
@@ -249,7 +375,10 @@ pub struct Pool<V> {
     policy: Box<dyn CachePolicy>,
     stats: PoolStats,
     spill: Option<SpillTier<V>>,
-    gone: Departures,
+    gone: History,
+    /// The last decider reported per decision kind (admission, eviction), shared by
+    /// the events it decided.
+    deciders: [Option<Arc<Decider>>; 2],
 }
 
 impl<V: super::spill::Spill> Pool<V> {
@@ -282,7 +411,8 @@ impl<V> Pool<V> {
             policy,
             stats: PoolStats::default(),
             spill: None,
-            gone: Departures::default(),
+            gone: History::default(),
+            deciders: [None, None],
         }
     }
 
@@ -299,6 +429,34 @@ impl<V> Pool<V> {
     /// Name of the active policy.
     pub fn policy_name(&self) -> &str {
         self.policy.name()
+    }
+
+    /// The policy deciding `kind` now ([`CachePolicy::decider`]), shared with the
+    /// events it decided before when it is the same.
+    fn decider(&mut self, kind: Decision) -> Arc<Decider> {
+        let d = self.policy.decider(kind);
+        let slot = &mut self.deciders[kind as usize];
+        match slot {
+            Some(a) if **a == d => a.clone(),
+            _ => {
+                let a = Arc::new(d);
+                *slot = Some(a.clone());
+                a
+            }
+        }
+    }
+
+    /// Appends an event to the history of `key`.
+    fn log(&mut self, key: Key, kind: EventKind, tier: Tier, decided_by: Option<Arc<Decider>>) {
+        self.gone.record(
+            key,
+            PoolEvent {
+                kind,
+                tier,
+                at_ms: unix_ms(),
+                decided_by,
+            },
+        );
     }
 
     /// Looks `key` up, counting a hit or a miss and refreshing recency on a hit.
@@ -349,7 +507,7 @@ impl<V> Pool<V> {
                     tier.used -= b.bytes.len();
                 }
                 self.stats.spill_corrupt += 1;
-                self.gone.record(*key, Departure::Damaged);
+                self.log(*key, EventKind::Damaged, Tier::Spill, None);
                 return None;
             }
         };
@@ -370,10 +528,11 @@ impl<V> Pool<V> {
                 if let Some(b) = tier.blobs.remove(key) {
                     tier.used -= b.bytes.len();
                 }
+                let by = self.decider(Decision::Eviction);
                 for victim in &victims {
-                    self.evict(victim);
+                    self.evict(victim, &by);
                 }
-                self.store_primary(meta, v.clone());
+                self.store_primary(meta, v.clone(), EventKind::Restored);
             }
             None => {
                 if let Some(b) = tier.blobs.get_mut(key) {
@@ -461,9 +620,10 @@ impl<V> Pool<V> {
         Some(victims)
     }
 
-    /// Puts an entry into the primary tier (room already made) and accounts it.
-    fn store_primary(&mut self, meta: EntryMeta, v: Arc<V>) {
-        self.gone.forget(&meta.key);
+    /// Puts an entry into the primary tier (room already made), accounts it and logs
+    /// `how` it came (inserted or restored).
+    fn store_primary(&mut self, meta: EntryMeta, v: Arc<V>, how: EventKind) {
+        self.log(meta.key, how, Tier::Primary, None);
         self.used += meta.bytes;
         if meta.bytes > 0 {
             *self.by_owner.entry(meta.owner.clone()).or_default() += meta.bytes;
@@ -475,23 +635,25 @@ impl<V> Pool<V> {
         self.entries.insert(meta.key, (v, meta));
     }
 
-    /// Evicts `key` from the primary tier for space: into the spill tier when there
-    /// is one (dropping the least recently spilled blobs to fit), else dropped.
-    fn evict(&mut self, key: &Key) {
+    /// Evicts `key` from the primary tier for space, as `by` decided: into the spill
+    /// tier when there is one (dropping the least recently spilled blobs to fit),
+    /// else dropped.
+    fn evict(&mut self, key: &Key, by: &Arc<Decider>) {
         let Some((v, meta)) = self.take_primary(key) else {
             return;
         };
         self.stats.evictions += 1;
         let Some(tier) = self.spill.as_mut() else {
-            self.gone.record(*key, Departure::Evicted);
+            self.log(*key, EventKind::Evicted, Tier::Primary, Some(by.clone()));
             return;
         };
         let bytes = (tier.encode)(&v);
         if bytes.len() > tier.capacity {
             self.stats.spill_rejected += 1;
-            self.gone.record(*key, Departure::Evicted);
+            self.log(*key, EventKind::Evicted, Tier::Primary, Some(by.clone()));
             return;
         }
+        let mut dropped = vec![];
         while tier.used + bytes.len() > tier.capacity {
             let Some(oldest) = tier
                 .blobs
@@ -504,7 +666,7 @@ impl<V> Pool<V> {
             if let Some(b) = tier.blobs.remove(&oldest) {
                 tier.used -= b.bytes.len();
                 self.stats.spill_evictions += 1;
-                self.gone.record(oldest, Departure::Evicted);
+                dropped.push(oldest);
             }
         }
         tier.used += bytes.len();
@@ -518,6 +680,16 @@ impl<V> Pool<V> {
             },
         );
         self.stats.spilled += 1;
+        self.log(*key, EventKind::Spilled, Tier::Spill, Some(by.clone()));
+        if !dropped.is_empty() {
+            let rule = Arc::new(Decider {
+                name: SPILL_TIER_RULE.into(),
+                policy_id: None,
+            });
+            for k in dropped {
+                self.log(k, EventKind::Evicted, Tier::Spill, Some(rule.clone()));
+            }
+        }
     }
 
     /// Removes `key` from the primary tier and fixes the byte accounting.
@@ -624,31 +796,26 @@ impl<V> Pool<V> {
             .admit(&meta, self.group_bytes(owner_group(owner)))
         {
             self.stats.rejected += 1;
-            self.refused(key);
+            let by = self.decider(Decision::Admission);
+            self.log(key, EventKind::NotAdmitted, Tier::Primary, Some(by));
             return Insert::NotAdmitted;
         }
         let Some(victims) = self.plan_room(&meta) else {
             self.stats.rejected += 1;
-            self.refused(key);
+            let by = self.decider(Decision::Eviction);
+            self.log(key, EventKind::NoRoom, Tier::Primary, Some(by));
             return Insert::NoRoom;
         };
         let evicted = victims.len();
+        let by = self.decider(Decision::Eviction);
         for victim in &victims {
-            self.evict(victim);
+            self.evict(victim, &by);
         }
         // A fresh value replaces a spilled copy (kept when the insert is refused).
         self.remove_spilled(&key);
-        self.store_primary(meta, value);
+        self.store_primary(meta, value, EventKind::Inserted);
         self.stats.inserts += 1;
         Insert::Stored { evicted }
-    }
-
-    /// Records a refused insert of `key`, unless a spilled copy stays (then a later
-    /// lookup still finds it).
-    fn refused(&mut self, key: Key) {
-        if !self.is_spilled(&key) {
-            self.gone.record(key, Departure::Refused);
-        }
     }
 
     /// Removes `key` from both tiers; returns whether it was present.
@@ -656,7 +823,8 @@ impl<V> Pool<V> {
         let primary = self.take_primary(key).is_some();
         let spilled = self.remove_spilled(key);
         if primary || spilled {
-            self.gone.record(*key, Departure::Removed);
+            let tier = if primary { Tier::Primary } else { Tier::Spill };
+            self.log(*key, EventKind::Removed, tier, None);
         }
         primary || spilled
     }
@@ -672,13 +840,34 @@ impl<V> Pool<V> {
     }
 
     /// How `key` last left the pool, when it is absent from both tiers and was
-    /// present (or offered) recently: the newest [`DEPARTURES_REMEMBERED`] departures
-    /// are kept. `None` for a key never seen, forgotten, or present. Not a lookup.
+    /// present (or offered) recently: the newest event of its history
+    /// ([`Pool::history`]) when that is a departure (eviction, removal, damage,
+    /// refusal). `None` for a key never seen, forgotten, cleared, or present. Not a
+    /// lookup.
     pub fn departure(&self, key: &Key) -> Option<Departure> {
         if self.contains(key) {
             return None;
         }
-        self.gone.get(key)
+        self.gone.newest(key).and_then(|e| e.kind.departure())
+    }
+
+    /// The remembered events of `key`, oldest first: at most [`HISTORY_PER_KEY`],
+    /// for the keys of the newest events (at most [`DEPARTURES_REMEMBERED`] keys).
+    /// Empty for a key never seen or forgotten ([`Pool::remove_unrecorded`]). Not a
+    /// lookup.
+    pub fn history(&self, key: &Key) -> Vec<PoolEvent> {
+        self.gone.events(key)
+    }
+
+    /// Which tier holds `key`, if any. Not a lookup.
+    pub fn tier_of(&self, key: &Key) -> Option<Tier> {
+        if self.entries.contains_key(key) {
+            Some(Tier::Primary)
+        } else if self.is_spilled(key) {
+            Some(Tier::Spill)
+        } else {
+            None
+        }
     }
 
     fn remove_spilled(&mut self, key: &Key) -> bool {
@@ -801,6 +990,140 @@ mod tests {
         assert_eq!(p.departure(&k(1)), None, "forgotten");
         assert!(p.gone.map.len() <= DEPARTURES_REMEMBERED);
         assert!(p.gone.order.len() <= DEPARTURES_REMEMBERED);
+    }
+
+    /// LRU eviction and a token-count admission rule that name a catalog policy as
+    /// the decider of each kind, as a policy host does.
+    struct Hosted;
+    impl CachePolicy for Hosted {
+        fn name(&self) -> &str {
+            "hosted"
+        }
+        fn admit(&mut self, c: &EntryMeta, _owner_used_bytes: usize) -> bool {
+            c.tokens > 5
+        }
+        fn victim(&mut self, entries: &[EntryMeta]) -> Option<usize> {
+            Lru.victim(entries)
+        }
+        fn decider(&self, kind: Decision) -> Decider {
+            match kind {
+                Decision::Admission => Decider {
+                    name: "min-tokens".into(),
+                    policy_id: Some(3),
+                },
+                Decision::Eviction => Decider {
+                    name: "lru-wasm".into(),
+                    policy_id: Some(7),
+                },
+            }
+        }
+    }
+
+    fn kinds(p: &Pool<Val>, key: &Key) -> Vec<(EventKind, Tier, Option<String>)> {
+        p.history(key)
+            .into_iter()
+            .map(|e| (e.kind, e.tier, e.decided_by.map(|d| d.name.clone())))
+            .collect()
+    }
+
+    #[test]
+    fn history_names_the_event_the_tier_and_the_deciding_policy() {
+        use EventKind::*;
+        let mut p: Pool<Val> = Pool::new(50, Box::new(Hosted));
+        p.enable_spill(12); // one 12-byte blob
+        let t0 = unix_ms();
+        assert!(p.history(&k(1)).is_empty(), "never seen");
+        p.insert(k(1), Arc::new(Val(1, 1.0)), 40, 10, "a");
+        p.insert(k(2), Arc::new(Val(2, 2.0)), 40, 10, "a"); // 1 spilled
+        p.insert(k(3), Arc::new(Val(3, 3.0)), 40, 10, "a"); // 2 spilled, 1 dropped
+        let lru = Some("lru-wasm".to_string());
+        let rule = Some(SPILL_TIER_RULE.to_string());
+        assert_eq!(
+            kinds(&p, &k(1)),
+            [
+                (Inserted, Tier::Primary, None),
+                (Spilled, Tier::Spill, lru.clone()),
+                (Evicted, Tier::Spill, rule)
+            ]
+        );
+        assert_eq!(p.departure(&k(1)), Some(Departure::Evicted));
+        let ev = p.history(&k(1));
+        assert_eq!(ev[1].decided_by.as_ref().and_then(|d| d.policy_id), Some(7));
+        assert!(ev.windows(2).all(|w| w[0].at_ms <= w[1].at_ms));
+        assert!(ev[0].at_ms >= t0 && ev[2].at_ms <= unix_ms());
+        // The spilled copy of 2 fails its checksum on restore.
+        assert!(p.damage_spilled(&k(2), 3));
+        assert!(p.get(&k(2)).is_none());
+        assert_eq!(kinds(&p, &k(2)).last(), Some(&(Damaged, Tier::Spill, None)));
+        assert_eq!(p.departure(&k(2)), Some(Departure::Damaged));
+        // Refused by admission: named by the admission policy.
+        assert_eq!(
+            p.insert(k(4), Arc::new(Val(4, 4.0)), 4, 2, "a"),
+            Insert::NotAdmitted
+        );
+        assert_eq!(
+            kinds(&p, &k(4)),
+            [(NotAdmitted, Tier::Primary, Some("min-tokens".into()))]
+        );
+        assert_eq!(
+            p.history(&k(4))[0]
+                .decided_by
+                .as_ref()
+                .and_then(|d| d.policy_id),
+            Some(3)
+        );
+        // Larger than the pool: no room, as the eviction policy's pool.
+        assert_eq!(
+            p.insert(k(5), Arc::new(Val(5, 5.0)), 60, 10, "a"),
+            Insert::NoRoom
+        );
+        assert_eq!(kinds(&p, &k(5)), [(NoRoom, Tier::Primary, lru)]);
+        // Removed on request from the primary tier; a restore is logged as such.
+        assert!(p.remove(&k(3)));
+        assert_eq!(
+            kinds(&p, &k(3)).last(),
+            Some(&(Removed, Tier::Primary, None))
+        );
+        assert_eq!(p.departure(&k(3)), Some(Departure::Removed));
+        // Back in the pool: no departure, the history keeps the earlier events.
+        p.insert(k(1), Arc::new(Val(1, 1.0)), 40, 10, "a");
+        assert_eq!(p.departure(&k(1)), None);
+        assert_eq!(p.tier_of(&k(1)), Some(Tier::Primary));
+        assert_eq!(kinds(&p, &k(1)).len(), 4);
+        // Removed without a record: the history is forgotten.
+        assert!(p.remove_unrecorded(&k(1)));
+        assert!(p.history(&k(1)).is_empty());
+        assert_eq!(p.departure(&k(1)), None);
+        // The ring per key is bounded.
+        for _ in 0..3 * HISTORY_PER_KEY {
+            p.insert(k(9), Arc::new(Val(9, 9.0)), 4, 10, "a");
+            p.remove(&k(9));
+        }
+        let h = p.history(&k(9));
+        assert_eq!(h.len(), HISTORY_PER_KEY);
+        assert_eq!(h.last().map(|e| e.kind), Some(Removed));
+    }
+
+    #[test]
+    fn a_restore_is_logged_and_the_spill_tier_named() {
+        let mut p: Pool<Val> = Pool::new(50, Box::new(Lru));
+        p.enable_spill(100);
+        p.insert(k(1), Arc::new(Val(1, 1.0)), 40, 10, "a");
+        p.insert(k(2), Arc::new(Val(2, 2.0)), 40, 10, "a");
+        assert_eq!(p.tier_of(&k(1)), Some(Tier::Spill));
+        assert!(p.get(&k(1)).is_some());
+        assert_eq!(p.tier_of(&k(1)), Some(Tier::Primary));
+        let h = kinds(&p, &k(1));
+        assert_eq!(
+            h.iter().map(|e| e.0).collect::<Vec<_>>(),
+            [EventKind::Inserted, EventKind::Spilled, EventKind::Restored]
+        );
+        // The built-in LRU names itself.
+        assert_eq!(h[1].2.as_deref(), Some("lru"));
+        assert_eq!(
+            kinds(&p, &k(2)).last().map(|e| (e.0, e.1)),
+            Some((EventKind::Spilled, Tier::Spill))
+        );
     }
 
     #[test]

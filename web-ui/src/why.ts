@@ -1,0 +1,47 @@
+// Readable text for the "Why did it miss?" view (GET /v1/segments/{id}/why).
+import type { PolicyRef, WhyAnswer, WhyReason } from "./api";
+
+/** Short titles of the reason codes the API documents. */
+export const REASON_TITLES: Record<string, string> = {
+  never_seen: "Never seen",
+  evicted: "Evicted for space",
+  invalidated: "Removed (invalidated)",
+  checksum_failure: "Dropped: checksum failure",
+  not_admitted: "Not admitted",
+  no_room: "No room",
+  too_short_for_seam: "Too short for the seam window",
+  no_permission: "No permission",
+  superseded_version: "Superseded version",
+  deleted: "Segment deleted",
+  evicted_on_request: "Evicted on request",
+};
+
+/** The policy as one phrase: `eviction policy #3 (lru-ui v1)`, or its name. */
+export function policyText(p: PolicyRef | null | undefined): string {
+  if (!p) return "";
+  if (p.policy_name && p.policy_version != null) return `${p.name} (${p.policy_name} v${p.policy_version})`;
+  return p.name;
+}
+
+/** The title of a reason (its code when the console does not know it). */
+export function reasonTitle(r: WhyReason): string {
+  return REASON_TITLES[r.code] ?? r.code;
+}
+
+/** The entry a reason concerns, as words. */
+export function entryText(bodyStart: number | null | undefined): string {
+  if (bodyStart == null) return "";
+  return bodyStart === 0 ? "used first (whole segment)" : `used after another segment (body from token ${bodyStart})`;
+}
+
+/** One line summing up an answer: resident, or the newest reason. */
+export function verdict(a: WhyAnswer): string {
+  const cacheable = a.entries.filter((e) => e.cacheable);
+  const resident = cacheable.filter((e) => e.tier);
+  if (cacheable.length > 0 && resident.length === cacheable.length)
+    return `Resident for ${a.tenant}: ${resident.map((e) => `${e.tier} (${entryText(e.body_start)})`).join(", ")}`;
+  const first = a.reasons[0];
+  if (!first) return `Not resident for ${a.tenant}`;
+  const partly = resident.length > 0 ? "Partly resident; " : "";
+  return `${partly}${reasonTitle(first)}: ${first.message}`;
+}
