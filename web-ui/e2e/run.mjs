@@ -71,6 +71,15 @@ async function main() {
       body: body ? JSON.stringify(body) : undefined,
     });
 
+  step = "the console's API types are current against the server's /openapi.json";
+  {
+    // web-ui/openapi.json is the document src/api.gen.ts is generated from
+    // (`npm run gen:api`; src/api.gen.test.ts checks that step).
+    const live = await (await fetch(`${base}/openapi.json`)).json();
+    const copy = JSON.parse(readFileSync(join(root, "web-ui/openapi.json"), "utf8"));
+    assert.deepEqual(copy, live, "web-ui/openapi.json is stale: write it from the server's /openapi.json and run `npm run gen:api`");
+  }
+
   step = "API: a tenant token gets 403 on operator routes";
   for (const [m, p, b] of [
     ["GET", "/v1/metrics/history"],

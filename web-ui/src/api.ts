@@ -1,8 +1,12 @@
 // Request and response types of the HYPIC REST API used by the console, and the
-// one function that calls it. Written by hand to mirror the Rust handlers
-// (control/src/api.rs, control/src/serve/routes.rs, control/src/serve/history.rs);
-// kept in this one file so it can be replaced by types generated from the
-// server's OpenAPI document.
+// one function that calls it. Types the OpenAPI document describes as schemas are
+// taken from src/api.gen.ts, generated from it (`npm run gen:api`; a vitest and a
+// Rust test fail when either is stale); the others are written by hand to mirror
+// the Rust handlers (control/src/api.rs, control/src/serve/routes.rs,
+// control/src/serve/history.rs), whose answers the document gives as plain objects.
+import type { components } from "./api.gen";
+
+type Schemas = components["schemas"];
 
 /** OpenAI-style error body: `{"error": {...}}`. */
 export interface ApiErrorBody {
@@ -13,11 +17,7 @@ export interface ApiErrorBody {
 }
 
 /** `GET /v1/whoami`. */
-export interface Principal {
-  sub: string;
-  tenant: string;
-  role: "operator" | "tenant";
-}
+export type Principal = Schemas["Principal"];
 
 /** A catalog segment as the caller may see it. */
 export interface Segment {
@@ -66,89 +66,25 @@ export interface NewSegment {
 }
 
 /** One row of `GET /v1/segments/{id}/versions`. */
-export interface SegmentVersion {
-  segment_id: string;
-  version: number;
-  content_hash: string;
-  byte_len: number;
-  created_by: string;
-  created_at: number;
-  superseded_at: number | null;
-}
+export type SegmentVersion = Schemas["SegmentVersion"];
 
 /** `GET /v1/segments/{id}/versions/{version}`: one version's text. */
-export interface VersionContent {
-  segment_id: string;
-  version: number;
-  content: string;
-}
+export type VersionContent = Schemas["VersionContent"];
 
-/** The policy that decided a cache event (`PolicyRef` of `GET /v1/segments/{id}/why`). */
-export interface PolicyRef {
-  name: string;
-  policy_id: number | null;
-  policy_name: string | null;
-  policy_version: number | null;
-}
+/** The policy that decided a cache event (`GET /v1/segments/{id}/why`). */
+export type PolicyRef = Schemas["PolicyRef"];
+/** One reason a segment's lookup misses. */
+export type WhyReason = Schemas["WhyReason"];
+/** One event of a cache entry's history. */
+export type WhyEvent = Schemas["WhyEvent"];
+/** One public-pool entry of a segment in a tenant's namespace. */
+export type WhyEntry = Schemas["WhyEntry"];
+/** A recent request or segment event. */
+export type WhyObservation = Schemas["Observation"];
+/** `GET /v1/segments/{id}/why?tenant=&version=`. */
+export type WhyAnswer = Schemas["WhyAnswer"];
 
-/** One reason a segment's lookup misses (`WhyReason`). */
-export interface WhyReason {
-  code: string;
-  message: string;
-  at_ms: number | null;
-  body_start: number | null;
-  decided_by: PolicyRef | null;
-}
-
-/** One event of a cache entry's history (`WhyEvent`). */
-export interface WhyEvent {
-  event: string;
-  tier: string;
-  at_ms: number;
-  decided_by: PolicyRef | null;
-}
-
-/** One public-pool entry of a segment in a tenant's namespace (`WhyEntry`). */
-export interface WhyEntry {
-  body_start: number;
-  role: string;
-  cacheable: boolean;
-  tier: string | null;
-  bytes: number | null;
-  hits: number | null;
-  inserted_ms: number | null;
-  last_use_ms: number | null;
-  events: WhyEvent[];
-}
-
-/** A recent request or segment event (`Observation`). */
-export interface WhyObservation {
-  at_ms: number;
-  event: string;
-  version: number | null;
-  outcome?: string;
-  miss_reason?: string;
-  index?: number;
-  detail?: string;
-}
-
-/** `GET /v1/segments/{id}/why?tenant=&version=` (`WhyAnswer`). */
-export interface WhyAnswer {
-  object: "segment.why";
-  segment: string;
-  address: string | null;
-  tenant: string;
-  model: string;
-  version: number | null;
-  tokens: number | null;
-  shared: boolean | null;
-  resident: boolean;
-  entries: WhyEntry[];
-  reasons: WhyReason[];
-  recent: WhyObservation[];
-}
-
-/** `POST /v1/segments/{id}/evict`. */
+/** `POST /v1/segments/{id}/evict` (the document gives it as a plain object). */
 export interface Evicted {
   address: string;
   version: number;
