@@ -230,6 +230,44 @@ mod tests {
     }
 
     #[test]
+    fn refusals_and_evictions_name_the_active_catalog_policy() {
+        let rt = runtime();
+        let (_, _, bytes) = builtin::ALL
+            .iter()
+            .find(|(n, _, _)| *n == "quota")
+            .expect("built-in");
+        rt.activate_module(
+            PolicyKind::Admission,
+            Some(41),
+            bytes,
+            &serde_json::json!({"quota_permille": 500}),
+        )
+        .expect("loads");
+        let mut p: Pool<u8> = Pool::new(1000, Box::new(RuntimePoolPolicy::new(rt, 1000)));
+        p.insert([1; 32], Arc::new(1), 400, 10, "a");
+        assert_eq!(
+            p.insert([2; 32], Arc::new(1), 400, 10, "a"),
+            Insert::NotAdmitted
+        );
+        let by = p.history(&[2; 32])[0].decided_by.clone().expect("decider");
+        assert_eq!(
+            (by.name.as_str(), by.policy_id),
+            ("admission policy #41", Some(41))
+        );
+        // Eviction runs the native default: named so, with no catalog id.
+        p.insert([3; 32], Arc::new(1), 400, 10, "b");
+        p.insert([4; 32], Arc::new(1), 400, 10, "c");
+        let evicted: Vec<_> = [[1u8; 32], [3; 32]]
+            .iter()
+            .flat_map(|k| p.history(k))
+            .filter(|e| e.kind == dataplane::pic::pool::EventKind::Evicted)
+            .collect();
+        assert_eq!(evicted.len(), 1, "one entry made room for c");
+        let by = evicted[0].decided_by.clone().expect("decider");
+        assert_eq!((by.name.as_str(), by.policy_id), ("native default", None));
+    }
+
+    #[test]
     fn wasm_second_sighting_admission_controls_the_pool() {
         let rt = runtime();
         let (_, _, bytes) = builtin::ALL

@@ -215,9 +215,10 @@ pub enum Departure {
     Refused,
 }
 
-/// How many keys a pool keeps a history of ([`Pool::history`]; the keys of the
-/// newest events, oldest forgotten first): with [`HISTORY_PER_KEY`] events a key,
-/// a bound of about 8 MiB on the memory the miss reasons take.
+/// How many keys a pool keeps a history of ([`Pool::history`]): a key is forgotten
+/// once this many newer events happened in the pool after its last one, so at most
+/// this many keys are held; with [`HISTORY_PER_KEY`] events a key, a bound of about
+/// 8 MiB on the memory the miss reasons take.
 pub const DEPARTURES_REMEMBERED: usize = 16_384;
 
 /// Events kept per key (a ring: the oldest is dropped first).
@@ -528,9 +529,11 @@ impl<V> Pool<V> {
                 if let Some(b) = tier.blobs.remove(key) {
                     tier.used -= b.bytes.len();
                 }
-                let by = self.decider(Decision::Eviction);
-                for victim in &victims {
-                    self.evict(victim, &by);
+                if !victims.is_empty() {
+                    let by = self.decider(Decision::Eviction);
+                    for victim in &victims {
+                        self.evict(victim, &by);
+                    }
                 }
                 self.store_primary(meta, v.clone(), EventKind::Restored);
             }
@@ -807,9 +810,11 @@ impl<V> Pool<V> {
             return Insert::NoRoom;
         };
         let evicted = victims.len();
-        let by = self.decider(Decision::Eviction);
-        for victim in &victims {
-            self.evict(victim, &by);
+        if evicted > 0 {
+            let by = self.decider(Decision::Eviction);
+            for victim in &victims {
+                self.evict(victim, &by);
+            }
         }
         // A fresh value replaces a spilled copy (kept when the insert is refused).
         self.remove_spilled(&key);
