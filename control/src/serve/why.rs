@@ -531,7 +531,7 @@ fn sort_reasons(r: &mut [WhyReason]) {
 
 fn merged_recent(mine: Vec<Observation>, seg: Vec<Observation>) -> Vec<Observation> {
     let mut v: Vec<Observation> = mine.into_iter().chain(seg).collect();
-    v.sort_by(|a, b| b.at_ms.cmp(&a.at_ms));
+    v.sort_by_key(|o| std::cmp::Reverse(o.at_ms));
     v
 }
 
