@@ -271,8 +271,8 @@ fn param_err(name: &str, message: String) -> PolicyError {
 }
 
 /// Checks `params` (a JSON object or null) against `schema` and returns the
-/// effective parameters: every declared one, the given value or its default,
-/// in schema order.
+/// effective parameters: every declared one, the given value or its default
+/// (sorted by name).
 ///
 /// Errors: [`PolicyError::Param`] naming the parameter (unknown name, wrong
 /// type, out of range, not a choice), or naming `params` when it is not an
@@ -360,7 +360,7 @@ pub fn resolve(
 }
 
 /// Encodes effective parameters (from [`resolve`]) as the ABI's
-/// `name=value\n` lines: integers in decimal, booleans `0`/`1`, floats in
+/// `name=value\n` lines, sorted by name: integers in decimal, booleans `0`/`1`, floats in
 /// Rust's shortest round-trip decimal form, strings as they are.
 ///
 /// Errors: [`PolicyError::Invalid`] when the lines exceed 4096 bytes.
@@ -438,7 +438,7 @@ mod tests {
             json!({"ttl_ms": 20, "ratio": 1.0, "strict": false, "label": "x", "mode": "lfu"})
         );
         let lines = String::from_utf8(encode_resolved(&r).unwrap()).unwrap();
-        assert_eq!(lines, "ttl_ms=20\nratio=1\nstrict=0\nlabel=x\nmode=lfu\n");
+        assert_eq!(lines, "label=x\nmode=lfu\nratio=1\nstrict=0\nttl_ms=20\n");
         let bad = [
             (json!({"ttl_ms": 101}), "ttl_ms", "above the maximum 100"),
             (json!({"ttl_ms": 1.5}), "ttl_ms", "must be an integer"),

@@ -266,7 +266,10 @@ async fn shadow_policy_counts_live_decisions_without_applying_them() {
 /// A minimal ABI-v2 admission module that admits everything and declares
 /// `schema` in its `hypic.params` section.
 fn v2_module(schema: &str) -> Vec<u8> {
-    let escaped = schema.replace('\\', "\\\\").replace('"', "\\\"");
+    let escaped = schema
+        .replace('\\', "\\\\")
+        .replace('"', "\\\"")
+        .replace('\n', "\\n");
     wat::parse_str(format!(
         r#"(module
           (@custom "hypic.params" "{escaped}")

@@ -430,3 +430,38 @@ macro_rules! isolation_policy {
         }
     };
 }
+
+#[cfg(test)]
+mod tests {
+    extern crate std;
+    use super::*;
+
+    /// Writes `lines` into the exchange buffer and configures, as the host does.
+    #[allow(static_mut_refs)]
+    fn configure_with(lines: &str) {
+        // SAFETY: the tests run one at a time (see `params_read_back_by_type`).
+        unsafe {
+            BUF[..lines.len()].copy_from_slice(lines.as_bytes());
+        }
+        assert_eq!(configure(lines.len() as i32), 0);
+    }
+
+    #[test]
+    fn params_read_back_by_type() {
+        configure_with("limit=7\nratio=0.25\nstrict=1\nmode=lfu\nneg=-3\n");
+        assert_eq!(param("limit"), Some(7));
+        assert_eq!(param("neg"), Some(-3));
+        assert_eq!(param_f64("ratio"), Some(0.25));
+        assert_eq!(param_f64("limit"), Some(7.0));
+        assert_eq!(param_bool("strict"), Some(true));
+        assert_eq!(param_str("mode"), Some("lfu"));
+        assert_eq!(param("mode"), None, "not an integer");
+        assert_eq!(param("ratio"), None, "not an integer");
+        assert_eq!(param_bool("limit"), None);
+        assert_eq!(param("missing"), None);
+        assert_eq!(configure(-1), -1);
+        assert_eq!(configure((PARAMS_CAP + 1) as i32), -1);
+        configure_with("");
+        assert_eq!(param("limit"), None);
+    }
+}
