@@ -11,7 +11,6 @@ use hypic_control::policy::builtin;
 use serde_json::{json, Value};
 use serve_common::{assert_error, start, Srv};
 
-const SYS: &str = "You are a careful assistant that answers from the given documents only.";
 const Q: &str = "Question: where does the river flow?";
 
 fn outcomes(v: &Value) -> Vec<String> {
