@@ -1195,7 +1195,13 @@ async fn activate_policy(
     if !same_params(&params, &stored) {
         rec = s
             .catalog()
-            .insert_policy(&rec.name, kind.as_str(), &rec.module, &params.to_string(), &p.sub)
+            .insert_policy(
+                &rec.name,
+                kind.as_str(),
+                &rec.module,
+                &params.to_string(),
+                &p.sub,
+            )
             .await?;
     }
     s.catalog()

@@ -7,7 +7,7 @@ use axum::extract::State;
 use axum::Json;
 use serde::{Deserialize, Serialize};
 
-use crate::api::{ApiError, ApiPath, ApiResult, ControlState, OptBody, Operator};
+use crate::api::{ApiError, ApiPath, ApiResult, ControlState, Operator, OptBody};
 use crate::catalog::PolicyRecord;
 use crate::policy::params::{read_schema, resolve, ParamSchema};
 use crate::policy::{PolicyKind, ShadowView};

@@ -131,7 +131,12 @@ mod tests {
         drop(t);
         let u = b.of("acme");
         assert_eq!(
-            (u.requests, u.prompt_tokens, u.cached_tokens, u.completion_tokens),
+            (
+                u.requests,
+                u.prompt_tokens,
+                u.cached_tokens,
+                u.completion_tokens
+            ),
             (1, 10, 4, 7)
         );
         assert_eq!((u.segment_hits, u.segment_misses), (1, 2));

@@ -143,7 +143,9 @@ pub fn parse_schema(json: &[u8]) -> Result<ParamSchema, PolicyError> {
 
 fn check_text(what: &str, v: &str) -> Result<(), String> {
     if v.chars().any(|c| c.is_control()) {
-        return Err(format!("{what} must not contain control characters or line breaks"));
+        return Err(format!(
+            "{what} must not contain control characters or line breaks"
+        ));
     }
     Ok(())
 }
@@ -164,7 +166,10 @@ pub fn check_schema(s: &ParamSchema) -> Result<(), PolicyError> {
         let fail = |m: String| PolicyError::Schema(format!("{at}: {m}"));
         if p.name.is_empty()
             || p.name.len() > MAX_NAME_LEN
-            || !p.name.chars().all(|c| c.is_ascii_alphanumeric() || c == '_')
+            || !p
+                .name
+                .chars()
+                .all(|c| c.is_ascii_alphanumeric() || c == '_')
         {
             return Err(fail(format!(
                 "name must be 1 to {MAX_NAME_LEN} characters of [A-Za-z0-9_]"
@@ -225,7 +230,9 @@ pub fn check_schema(s: &ParamSchema) -> Result<(), PolicyError> {
                     }
                 }
                 if !choices.contains(default) {
-                    return Err(fail(format!("default {default:?} is not one of the choices")));
+                    return Err(fail(format!(
+                        "default {default:?} is not one of the choices"
+                    )));
                 }
             }
         }
@@ -349,7 +356,10 @@ pub fn resolve(
             (ParamType::Enum { choices, .. }, Some(v)) => {
                 let s = v.as_str().filter(|s| choices.iter().any(|c| c == s));
                 let s = s.ok_or_else(|| {
-                    param_err(n, format!("{n} must be one of {}, got {v}", choices.join(", ")))
+                    param_err(
+                        n,
+                        format!("{n} must be one of {}, got {v}", choices.join(", ")),
+                    )
                 })?;
                 Value::from(s)
             }
@@ -410,15 +420,42 @@ mod tests {
     #[test]
     fn schema_errors_name_the_problem() {
         let cases = [
-            (json!({"params": [{"name": "a b", "type": "int", "default": 1}]}), "params[0] (\"a b\"): name must be"),
-            (json!({"params": [{"name": "a", "type": "int", "default": 1}, {"name": "a", "type": "bool", "default": true}]}), "params[1] (\"a\"): declared twice"),
-            (json!({"params": [{"name": "a", "type": "int", "min": 5, "default": 1}]}), "default 1 is below the minimum 5"),
-            (json!({"params": [{"name": "a", "type": "int", "min": 5, "max": 1, "default": 3}]}), "min 5 is above max 1"),
-            (json!({"params": [{"name": "a", "type": "enum", "choices": ["x"], "default": "y"}]}), "default \"y\" is not one of the choices"),
-            (json!({"params": [{"name": "a", "type": "enum", "choices": ["x", "x"], "default": "x"}]}), "choice \"x\" is listed twice"),
-            (json!({"params": [{"name": "a", "type": "complex", "default": 1}]}), "the schema is not valid"),
-            (json!({"params": [{"name": "a", "type": "int"}]}), "missing field `default`"),
-            (json!({"params": [{"name": "a", "type": "string", "max_len": 4, "default": "toolong"}]}), "default is 7 bytes, over 4"),
+            (
+                json!({"params": [{"name": "a b", "type": "int", "default": 1}]}),
+                "params[0] (\"a b\"): name must be",
+            ),
+            (
+                json!({"params": [{"name": "a", "type": "int", "default": 1}, {"name": "a", "type": "bool", "default": true}]}),
+                "params[1] (\"a\"): declared twice",
+            ),
+            (
+                json!({"params": [{"name": "a", "type": "int", "min": 5, "default": 1}]}),
+                "default 1 is below the minimum 5",
+            ),
+            (
+                json!({"params": [{"name": "a", "type": "int", "min": 5, "max": 1, "default": 3}]}),
+                "min 5 is above max 1",
+            ),
+            (
+                json!({"params": [{"name": "a", "type": "enum", "choices": ["x"], "default": "y"}]}),
+                "default \"y\" is not one of the choices",
+            ),
+            (
+                json!({"params": [{"name": "a", "type": "enum", "choices": ["x", "x"], "default": "x"}]}),
+                "choice \"x\" is listed twice",
+            ),
+            (
+                json!({"params": [{"name": "a", "type": "complex", "default": 1}]}),
+                "the schema is not valid",
+            ),
+            (
+                json!({"params": [{"name": "a", "type": "int"}]}),
+                "missing field `default`",
+            ),
+            (
+                json!({"params": [{"name": "a", "type": "string", "max_len": 4, "default": "toolong"}]}),
+                "default is 7 bytes, over 4",
+            ),
             (json!({"parameters": []}), "unknown field `parameters`"),
         ];
         for (v, want) in cases {

@@ -109,7 +109,14 @@ pub(crate) struct Shadow {
 impl Shadow {
     /// Counts one call: the active policy's `active` answer (and whether it
     /// faulted) and the candidate's.
-    pub fn tally(&mut self, call: &Call<'_>, active: usize, active_faulted: bool, cand: usize, cand_faulted: bool) {
+    pub fn tally(
+        &mut self,
+        call: &Call<'_>,
+        active: usize,
+        active_faulted: bool,
+        cand: usize,
+        cand_faulted: bool,
+    ) {
         self.active.count(call, active, active_faulted);
         self.candidate.count(call, cand, cand_faulted);
         let same = match call {
@@ -214,10 +221,23 @@ mod tests {
         assert!(rt.admit(&a(1), 0));
         assert!(rt.admit(&a(2), 0));
         let v = rt.shadow(PolicyKind::Admission).unwrap();
-        assert_eq!((v.active.calls, v.active.admitted, v.active.rejected), (3, 3, 0));
-        assert_eq!((v.candidate.calls, v.candidate.admitted, v.candidate.rejected), (3, 1, 2));
+        assert_eq!(
+            (v.active.calls, v.active.admitted, v.active.rejected),
+            (3, 3, 0)
+        );
+        assert_eq!(
+            (
+                v.candidate.calls,
+                v.candidate.admitted,
+                v.candidate.rejected
+            ),
+            (3, 1, 2)
+        );
         assert_eq!((v.agreed, v.disagreed), (1, 2));
-        assert_eq!((v.active.admitted_bytes, v.candidate.admitted_bytes), (300, 100));
+        assert_eq!(
+            (v.active.admitted_bytes, v.candidate.admitted_bytes),
+            (300, 100)
+        );
         assert_eq!(v.policy_id, 7);
         // Other kinds have no shadow; the one here stops with its counts.
         assert!(rt.shadow(PolicyKind::Eviction).is_none());

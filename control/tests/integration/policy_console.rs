@@ -101,7 +101,10 @@ async fn shadow_policy_counts_live_decisions_without_applying_them() {
         (reqwest::Method::POST, shadow_path.as_str()),
         (reqwest::Method::GET, "/v1/admin/policies/shadow"),
         (reqwest::Method::GET, "/v1/admin/policies/shadow/admission"),
-        (reqwest::Method::DELETE, "/v1/admin/policies/shadow/admission"),
+        (
+            reqwest::Method::DELETE,
+            "/v1/admin/policies/shadow/admission",
+        ),
     ] {
         let (st, v) = send(&s, m.clone(), &s.token, p, None).await;
         assert_error(st, &v, 403, "operator_required");
@@ -202,10 +205,15 @@ async fn shadow_policy_counts_live_decisions_without_applying_them() {
     )
     .await;
     assert_eq!(st, 200, "{fin}");
-    assert!(fin["candidate"]["calls"].as_u64().unwrap() >= v2["candidate"]["calls"].as_u64().unwrap());
+    assert!(
+        fin["candidate"]["calls"].as_u64().unwrap() >= v2["candidate"]["calls"].as_u64().unwrap()
+    );
     let row = audit_row(&s, "policy.shadow_stop").await;
     assert_eq!(row["actor"], "u@ops");
-    assert!(row["detail"].as_str().unwrap().contains("\"candidate\""), "{row}");
+    assert!(
+        row["detail"].as_str().unwrap().contains("\"candidate\""),
+        "{row}"
+    );
     let (st, v) = s
         .get_as(Some(&s.op_token), "/v1/admin/policies/shadow/admission")
         .await;
@@ -246,10 +254,16 @@ async fn shadow_policy_counts_live_decisions_without_applying_them() {
         .clone();
     assert_eq!(acme["serving"]["requests"], 4, "{acme}");
     assert!(acme["serving"]["prompt_tokens"].as_u64().unwrap() > 0);
-    assert!(acme["serving"]["cached_tokens"].as_u64().unwrap() > 0, "one hit: {acme}");
+    assert!(
+        acme["serving"]["cached_tokens"].as_u64().unwrap() > 0,
+        "one hit: {acme}"
+    );
     assert!(acme["serving"]["segment_hits"].as_u64().unwrap() >= 1);
     assert_eq!(acme["serving"]["completion_tokens"], generated, "{acme}");
-    assert_eq!(acme["principals"], json!([{"sub": "u@acme", "role": "tenant"}]));
+    assert_eq!(
+        acme["principals"],
+        json!([{"sub": "u@acme", "role": "tenant"}])
+    );
     let (st, own) = s.get("/v1/tenants/acme/usage").await;
     assert_eq!(st, 200, "{own}");
     assert_eq!(own["serving"], acme["serving"]);
@@ -257,7 +271,9 @@ async fn shadow_policy_counts_live_decisions_without_applying_them() {
     assert_error(st, &v, 403, "other_tenant");
     let (st, v) = s.get_as(Some(&s.token), "/v1/admin/tenants").await;
     assert_error(st, &v, 403, "operator_required");
-    let (st, v) = s.get_as(Some(&s.op_token), "/v1/tenants/nobody/usage").await;
+    let (st, v) = s
+        .get_as(Some(&s.op_token), "/v1/tenants/nobody/usage")
+        .await;
     assert_eq!(st, 404, "{v}");
     s.server.stop().await;
 }
@@ -293,7 +309,10 @@ async fn parameter_schema_is_checked_at_upload_activation_and_dry_run() {
     let (st, v) = upload(&s, "bad", "admission", &bad, json!({})).await;
     assert_error(st, &v, 400, "invalid_param_schema");
     let msg = v["error"]["message"].as_str().unwrap();
-    assert!(msg.contains("params[0] (\"ratio\"): min 1 is above max 0"), "{v}");
+    assert!(
+        msg.contains("params[0] (\"ratio\"): min 1 is above max 0"),
+        "{v}"
+    );
     // ABI v2 without the section: refused.
     let none = wat::parse_str(
         r#"(module
@@ -308,7 +327,13 @@ async fn parameter_schema_is_checked_at_upload_activation_and_dry_run() {
     .unwrap();
     let (st, v) = upload(&s, "none", "admission", &none, json!({})).await;
     assert_eq!(st, 400, "{v}");
-    assert!(v["error"]["message"].as_str().unwrap().contains("hypic.params"), "{v}");
+    assert!(
+        v["error"]["message"]
+            .as_str()
+            .unwrap()
+            .contains("hypic.params"),
+        "{v}"
+    );
 
     // Every type; a bad value at upload names the parameter.
     let schema = r#"{"params": [
@@ -324,7 +349,14 @@ async fn parameter_schema_is_checked_at_upload_activation_and_dry_run() {
     let (st, v) = upload(&s, "typed", "admission", &m, json!({"colour": 1})).await;
     assert_error(st, &v, 400, "invalid_param");
     assert_eq!(v["error"]["param"], "params.colour");
-    let (st, rec) = upload(&s, "typed", "admission", &m, json!({"ratio": 0.25, "label": "hot"})).await;
+    let (st, rec) = upload(
+        &s,
+        "typed",
+        "admission",
+        &m,
+        json!({"ratio": 0.25, "label": "hot"}),
+    )
+    .await;
     assert_eq!(st, 200, "{rec}");
     let id = rec["id"].as_i64().unwrap();
 
@@ -348,7 +380,9 @@ async fn parameter_schema_is_checked_at_upload_activation_and_dry_run() {
         .any(|e| e["name"] == "hypic_admit" && e["kind"] == "func"));
     assert_eq!(d["module"]["custom_sections"][0]["name"], "hypic.params");
     assert_eq!(d["version"], 1);
-    let (st, v) = s.get_as(Some(&s.token), &format!("/v1/admin/policies/{id}")).await;
+    let (st, v) = s
+        .get_as(Some(&s.token), &format!("/v1/admin/policies/{id}"))
+        .await;
     assert_error(st, &v, 403, "operator_required");
 
     // Dry run with parameters the schema refuses: 400 naming the parameter.
@@ -378,7 +412,9 @@ async fn parameter_schema_is_checked_at_upload_activation_and_dry_run() {
         .await;
     assert_error(st, &v, 400, "invalid_param");
     assert_eq!(v["error"]["param"], "params.strict");
-    let (_, st_now) = s.get_as(Some(&s.op_token), "/v1/admin/policies/stats").await;
+    let (_, st_now) = s
+        .get_as(Some(&s.op_token), "/v1/admin/policies/stats")
+        .await;
     assert_eq!(st_now["active"]["admission"], Value::Null);
     // Activation with the stored parameters: this version.
     let (st, v) = s.post_as(&s.op_token, &act, &json!({})).await;
@@ -386,7 +422,11 @@ async fn parameter_schema_is_checked_at_upload_activation_and_dry_run() {
     assert_eq!(v["active"], id);
     // Activation with new parameters: stored as the next version, which is active.
     let (st, v) = s
-        .post_as(&s.op_token, &act, &json!({"params": {"limit": 7, "strict": true}}))
+        .post_as(
+            &s.op_token,
+            &act,
+            &json!({"params": {"limit": 7, "strict": true}}),
+        )
         .await;
     assert_eq!(st, 200, "{v}");
     let id2 = v["active"].as_i64().unwrap();
@@ -404,10 +444,20 @@ async fn parameter_schema_is_checked_at_upload_activation_and_dry_run() {
     assert_eq!(row["actor"], "u@ops", "{row}");
 
     // The built-ins declare their parameters: quota's two integers.
-    let (st, q) = upload(&s, "quota", "admission", builtin::module("quota").unwrap(), json!({})).await;
+    let (st, q) = upload(
+        &s,
+        "quota",
+        "admission",
+        builtin::module("quota").unwrap(),
+        json!({}),
+    )
+    .await;
     assert_eq!(st, 200, "{q}");
     let (_, qd) = s
-        .get_as(Some(&s.op_token), &format!("/v1/admin/policies/{}", q["id"]))
+        .get_as(
+            Some(&s.op_token),
+            &format!("/v1/admin/policies/{}", q["id"]),
+        )
         .await;
     assert_eq!(
         qd["effective_params"],
@@ -426,7 +476,10 @@ async fn parameter_schema_is_checked_at_upload_activation_and_dry_run() {
         "/v1/admin/tenants",
         "/v1/tenants/{tenant}/usage",
     ] {
-        assert!(doc["paths"][p].is_object(), "{p} missing from /openapi.json");
+        assert!(
+            doc["paths"][p].is_object(),
+            "{p} missing from /openapi.json"
+        );
     }
     assert!(doc["paths"]["/v1/admin/policies/shadow/{kind}"]["delete"].is_object());
     assert!(doc["components"]["schemas"]["ShadowView"].is_object());

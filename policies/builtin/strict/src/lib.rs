@@ -7,6 +7,4 @@ fn strict(_s: &Isolation) -> bool {
 }
 
 isolation_policy!(strict);
-hypic_policy_sdk::policy_params!(
-    r#"{"params": []}"#
-);
+hypic_policy_sdk::policy_params!(r#"{"params": []}"#);
