@@ -8,19 +8,7 @@ import { describe as describeParam } from "./params";
 
 /** The lines of a policy version that the version diff compares. */
 export function policyLines(d: PolicyDetail): string[] {
-  const out = [
-    `name: ${d.name}`,
-    `kind: ${d.kind}`,
-    `module sha256: ${d.module_sha256}`,
-    `module bytes: ${d.module.bytes}`,
-    `functions: ${d.module.functions}, code bytes: ${d.module.code_bytes}`,
-    `memory: ${d.module.memory_min_pages ?? "none"} initial pages`,
-    `imports: ${d.module.imports}`,
-  ];
-  out.push("exports:");
-  for (const e of d.module.exports) out.push(`  ${e.kind} ${e.name}`);
-  out.push("custom sections:");
-  for (const c of d.module.custom_sections) out.push(`  ${c.name} (${c.bytes} bytes)`);
+  const out = [`name: ${d.name}`, `kind: ${d.kind}`];
   const given = safeParse(d.params);
   out.push("parameter values:");
   const values = d.effective_params ?? given;
@@ -32,6 +20,17 @@ export function policyLines(d: PolicyDetail): string[] {
   for (const p of d.param_schema?.params ?? []) {
     out.push(`  ${p.name}: ${describeParam(p)}${p.description ? ` — ${p.description}` : ""}`);
   }
+  out.push(
+    `module sha256: ${d.module_sha256}`,
+    `module bytes: ${d.module.bytes}`,
+    `functions: ${d.module.functions}, code bytes: ${d.module.code_bytes}`,
+    `memory: ${d.module.memory_min_pages ?? "none"} initial pages`,
+    `imports: ${d.module.imports}`,
+  );
+  out.push("exports:");
+  for (const e of d.module.exports) out.push(`  ${e.kind} ${e.name}`);
+  out.push("custom sections:");
+  for (const c of d.module.custom_sections) out.push(`  ${c.name} (${c.bytes} bytes)`);
   return out;
 }
 

@@ -202,7 +202,7 @@ export function PolicyDiff({ a, b, close }: { a: PolicyRecord; b: PolicyRecord; 
         bytecode, so a change in it shows as a changed SHA-256 and code size, not as lines.
       </p>
       <ErrorBox error={d.error} />
-      <pre class="diff">
+      <pre class="diff full">
         {(d.data ?? []).map((l, i) => (
           <div key={i} class={`diff-${l.kind}`}>
             {l.kind === "add" ? "+ " : l.kind === "del" ? "- " : "  "}
