@@ -1192,7 +1192,16 @@ async fn activate_policy(
         .load(kind, rec.module.clone().into(), &params, false)
         .await
         .map_err(ApiError::from)?;
-    if !same_params(&params, &stored) {
+    // With a schema, parameters are the same when their effective values are
+    // (an omitted parameter and its default are one setting).
+    let schema = crate::policy::params::read_schema(&rec.module).ok().flatten();
+    let effective = |v: &serde_json::Value| match &schema {
+        Some(sc) => crate::policy::params::resolve(sc, v)
+            .map(serde_json::Value::Object)
+            .unwrap_or_else(|_| v.clone()),
+        None => v.clone(),
+    };
+    if !same_params(&effective(&params), &effective(&stored)) {
         rec = s
             .catalog()
             .insert_policy(

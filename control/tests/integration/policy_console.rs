@@ -416,10 +416,20 @@ async fn parameter_schema_is_checked_at_upload_activation_and_dry_run() {
         .get_as(Some(&s.op_token), "/v1/admin/policies/stats")
         .await;
     assert_eq!(st_now["active"]["admission"], Value::Null);
-    // Activation with the stored parameters: this version.
+    // Activation with the stored parameters, or the same effective values
+    // spelled out (defaults included): this version.
     let (st, v) = s.post_as(&s.op_token, &act, &json!({})).await;
     assert_eq!(st, 200, "{v}");
     assert_eq!(v["active"], id);
+    let (st, v) = s
+        .post_as(
+            &s.op_token,
+            &act,
+            &json!({"params": {"ratio": 0.25, "label": "hot", "limit": 3}}),
+        )
+        .await;
+    assert_eq!(st, 200, "{v}");
+    assert_eq!(v["active"], id, "no new version for the same effective values");
     // Activation with new parameters: stored as the next version, which is active.
     let (st, v) = s
         .post_as(
