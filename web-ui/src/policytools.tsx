@@ -138,7 +138,10 @@ export function ParamPanel(props: {
                   "POST",
                   `/v1/admin/policies/${policy.id}/activate`,
                   { params: p },
-                  (v) => `activated #${(v as { active: number }).active}`,
+                  (v) => {
+                    const id = (v as { active: number }).active;
+                    return `activated #${id}${id !== policy.id ? " (the new parameters are stored as this new version)" : ""}`;
+                  },
                 );
             }}
           >
