@@ -1194,7 +1194,9 @@ async fn activate_policy(
         .map_err(ApiError::from)?;
     // With a schema, parameters are the same when their effective values are
     // (an omitted parameter and its default are one setting).
-    let schema = crate::policy::params::read_schema(&rec.module).ok().flatten();
+    let schema = crate::policy::params::read_schema(&rec.module)
+        .ok()
+        .flatten();
     let effective = |v: &serde_json::Value| match &schema {
         Some(sc) => crate::policy::params::resolve(sc, v)
             .map(serde_json::Value::Object)

@@ -429,7 +429,10 @@ async fn parameter_schema_is_checked_at_upload_activation_and_dry_run() {
         )
         .await;
     assert_eq!(st, 200, "{v}");
-    assert_eq!(v["active"], id, "no new version for the same effective values");
+    assert_eq!(
+        v["active"], id,
+        "no new version for the same effective values"
+    );
     // Activation with new parameters: stored as the next version, which is active.
     let (st, v) = s
         .post_as(
