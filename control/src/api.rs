@@ -43,6 +43,8 @@ struct Inner {
     segments: SegmentService,
     auth: AuthMode,
     known: Mutex<HashSet<(String, String)>>,
+    /// Requests and tokens per tenant since the server started.
+    usage: crate::usage::UsageBook,
     /// Serialises activations and rollbacks: each changes the catalog and then
     /// installs the module in the runtime, and two interleaved ones would
     /// leave the server running a policy the catalog does not record as active.
@@ -69,6 +71,7 @@ impl ControlState {
                 segments: SegmentService::new(catalog, keyer, policies),
                 auth,
                 known: Mutex::new(HashSet::new()),
+                usage: crate::usage::UsageBook::default(),
                 activation: tokio::sync::Mutex::new(()),
             }),
         }
@@ -82,6 +85,17 @@ impl ControlState {
     /// The live policies.
     pub fn policies(&self) -> &Arc<PolicyRuntime> {
         self.inner.segments.policies()
+    }
+
+    /// Requests and tokens per tenant, recorded by the serving routes.
+    pub fn usage(&self) -> &crate::usage::UsageBook {
+        &self.inner.usage
+    }
+
+    /// Held while a policy activation or rollback changes the catalog and the
+    /// runtime (shadow starts take it too, so they see a settled active policy).
+    pub async fn activation_lock(&self) -> tokio::sync::MutexGuard<'_, ()> {
+        self.inner.activation.lock().await
     }
 
     /// The isolation keyer.
@@ -221,7 +235,27 @@ async fn wait_hangup(_: &mut Hangup) {
     std::future::pending::<()>().await
 }
 
-type ApiResult<T> = Result<Json<T>, ApiError>;
+pub(crate) type ApiResult<T> = Result<Json<T>, ApiError>;
+
+/// Optional JSON body: an empty body (or none) is `T::default()`; anything
+/// else must parse as `T` (400 naming the problem otherwise). The content type
+/// is not checked, so `POST` without a body keeps working.
+pub struct OptBody<T>(pub T);
+
+impl<S: Send + Sync, T: DeserializeOwned + Default + Send> FromRequest<S> for OptBody<T> {
+    type Rejection = ApiError;
+    async fn from_request(req: Request, state: &S) -> Result<Self, ApiError> {
+        let bytes = axum::body::Bytes::from_request(req, state)
+            .await
+            .map_err(|e| ApiError::bad_request(format!("invalid body: {}", e.body_text())))?;
+        if bytes.iter().all(|b| b.is_ascii_whitespace()) {
+            return Ok(OptBody(T::default()));
+        }
+        serde_json::from_slice(&bytes)
+            .map(OptBody)
+            .map_err(|e| ApiError::bad_request(format!("invalid JSON body: {e}")))
+    }
+}
 
 /// JSON body extractor whose rejections are OpenAI-style 400s.
 pub struct Body<T>(pub T);
@@ -367,13 +401,17 @@ impl FromRequestParts<ControlState> for Operator {
         list_groups, get_group, delete_group, add_member, remove_member, upload_policy,
         list_policies, policy_stats, rollback_policy, activate_policy, dry_run, audit_log,
         report_residency,
+        crate::policy_api::policy_detail, crate::policy_api::start_shadow,
+        crate::policy_api::list_shadows, crate::policy_api::get_shadow,
+        crate::policy_api::stop_shadow,
+        crate::tenants_api::list_tenants, crate::tenants_api::tenant_usage,
     ),
     components(schemas(crate::error::ErrorBody, crate::error::ErrorDetail, crate::catalog::Role)),
     modifiers(&BearerAuth),
     tags(
         (name = "segments", description = "segment catalog: versions, grants, snapshots"),
         (name = "tenants", description = "the caller, tenant groups and their members"),
-        (name = "policies", description = "Wasm cache policies: upload, activate, roll back, dry-run"),
+        (name = "policies", description = "Wasm cache policies: upload, parameters, activate, roll back, dry-run, shadow"),
         (name = "audit", description = "the audit log"),
         (name = "health", description = "liveness and readiness"),
     )
@@ -518,6 +556,27 @@ pub fn control_router(state: ControlState) -> Router {
         .route("/v1/admin/policies/rollback", post(rollback_policy))
         .route("/v1/admin/policies/{id}/activate", post(activate_policy))
         .route("/v1/admin/policies/{id}/dry-run", post(dry_run))
+        .route(
+            "/v1/admin/policies/{id}",
+            get(crate::policy_api::policy_detail),
+        )
+        .route(
+            "/v1/admin/policies/{id}/shadow",
+            post(crate::policy_api::start_shadow),
+        )
+        .route(
+            "/v1/admin/policies/shadow",
+            get(crate::policy_api::list_shadows),
+        )
+        .route(
+            "/v1/admin/policies/shadow/{kind}",
+            get(crate::policy_api::get_shadow).delete(crate::policy_api::stop_shadow),
+        )
+        .route("/v1/admin/tenants", get(crate::tenants_api::list_tenants))
+        .route(
+            "/v1/tenants/{tenant}/usage",
+            get(crate::tenants_api::tenant_usage),
+        )
         .route("/v1/admin/audit", get(audit_log))
         .route("/v1/admin/residency", post(report_residency))
         .route_layer(axum::middleware::from_fn(
@@ -948,13 +1007,15 @@ pub struct UploadPolicy {
     pub kind: String,
     /// The module, base64 (standard alphabet).
     pub wasm_base64: String,
-    /// Integer parameters (JSON object).
+    /// Parameters (JSON object): checked against the module's declared
+    /// schema (its `hypic.params` section) when it has one, else integers
+    /// and booleans only.
     #[serde(default)]
     #[schema(value_type = Object)]
     pub params: serde_json::Value,
 }
 
-#[utoipa::path(post, path = "/v1/admin/policies", tag = "policies", summary = "Upload and validate a Wasm policy module (operator)", security(("bearer" = [])), request_body = UploadPolicy, responses((status = 200, body = crate::catalog::PolicyRecord), (status = 400, description = "the module does not load or fails its smoke call", body = crate::error::ErrorBody), (status = 401, description = "no or bad token", body = crate::error::ErrorBody), (status = 403, description = "operator role needed", body = crate::error::ErrorBody), (status = 413, description = "module over the size limit", body = crate::error::ErrorBody), (status = 429, description = "every compile slot is taken", body = crate::error::ErrorBody)))]
+#[utoipa::path(post, path = "/v1/admin/policies", tag = "policies", summary = "Upload and validate a Wasm policy module (operator)", security(("bearer" = [])), request_body = UploadPolicy, responses((status = 200, body = crate::catalog::PolicyRecord), (status = 400, description = "the module does not load or fails its smoke call (`invalid_param_schema`: its parameter schema is malformed; `invalid_param`, `param` = `params.<name>`: a parameter does not match it)", body = crate::error::ErrorBody), (status = 401, description = "no or bad token", body = crate::error::ErrorBody), (status = 403, description = "operator role needed", body = crate::error::ErrorBody), (status = 413, description = "module over the size limit", body = crate::error::ErrorBody), (status = 429, description = "every compile slot is taken", body = crate::error::ErrorBody)))]
 async fn upload_policy(
     State(s): State<ControlState>,
     Operator(p): Operator,
@@ -1098,31 +1159,78 @@ async fn policy_stats(
     })))
 }
 
-#[utoipa::path(post, path = "/v1/admin/policies/{id}/activate", tag = "policies", summary = "Activate a policy version (operator)", security(("bearer" = [])), params(("id" = i64, Path, description = "policy id")), responses((status = 200, description = "`kind`, `active`", body = Object), (status = 400, description = "invalid input", body = crate::error::ErrorBody), (status = 401, description = "no or bad token", body = crate::error::ErrorBody), (status = 403, description = "operator role needed", body = crate::error::ErrorBody), (status = 404, description = "no such policy", body = crate::error::ErrorBody)))]
+/// Body of `POST /v1/admin/policies/{id}/activate` (optional).
+#[derive(Debug, Default, Deserialize, utoipa::ToSchema)]
+#[serde(deny_unknown_fields)]
+pub struct ActivateBody {
+    /// New parameters: when given and different from the policy's, they are
+    /// checked against its schema and stored as a new version of the policy
+    /// (same module), which is the one activated.
+    #[serde(default)]
+    #[schema(value_type = Option<Object>)]
+    pub params: Option<serde_json::Value>,
+}
+
+#[utoipa::path(post, path = "/v1/admin/policies/{id}/activate", tag = "policies", summary = "Activate a policy version, optionally with new parameters (operator)", security(("bearer" = [])), params(("id" = i64, Path, description = "policy id")), request_body(content = Option<ActivateBody>, description = "optional: `params` to activate the policy with (stored as a new version)"), responses((status = 200, description = "`kind`, `active` (the activated policy id: a new version when the parameters changed), `params`", body = Object), (status = 400, description = "invalid input (`invalid_param`, `param` = `params.<name>`: a parameter the policy's schema refuses)", body = crate::error::ErrorBody), (status = 401, description = "no or bad token", body = crate::error::ErrorBody), (status = 403, description = "operator role needed", body = crate::error::ErrorBody), (status = 404, description = "no such policy", body = crate::error::ErrorBody)))]
 async fn activate_policy(
     State(s): State<ControlState>,
     Operator(p): Operator,
     ApiPath(id): ApiPath<i64>,
+    OptBody(b): OptBody<ActivateBody>,
 ) -> ApiResult<serde_json::Value> {
-    let rec = s.catalog().policy(id).await?;
+    let mut rec = s.catalog().policy(id).await?;
     let kind: PolicyKind = rec.kind.parse().map_err(ApiError::bad_request)?;
-    let params: serde_json::Value =
+    let stored: serde_json::Value =
         serde_json::from_str(&rec.params).unwrap_or(serde_json::Value::Null);
+    let params = b.params.unwrap_or_else(|| stored.clone());
     let _serial = s.inner.activation.lock().await;
     // Load first (compiled module from the cache, or compiled on the blocking
-    // pool): a module that no longer loads is not activated.
+    // pool): a module that no longer loads, or parameters its schema refuses,
+    // are not activated.
     let loaded = s
         .policies()
-        .load(kind, rec.module.into(), &params, false)
+        .load(kind, rec.module.clone().into(), &params, false)
         .await
         .map_err(ApiError::from)?;
+    // With a schema, parameters are the same when their effective values are
+    // (an omitted parameter and its default are one setting).
+    let schema = crate::policy::params::read_schema(&rec.module)
+        .ok()
+        .flatten();
+    let effective = |v: &serde_json::Value| match &schema {
+        Some(sc) => crate::policy::params::resolve(sc, v)
+            .map(serde_json::Value::Object)
+            .unwrap_or_else(|_| v.clone()),
+        None => v.clone(),
+    };
+    if !same_params(&effective(&params), &effective(&stored)) {
+        rec = s
+            .catalog()
+            .insert_policy(
+                &rec.name,
+                kind.as_str(),
+                &rec.module,
+                &params.to_string(),
+                &p.sub,
+            )
+            .await?;
+    }
     s.catalog()
-        .activate_policy(kind.as_str(), Some(id), &p.sub)
+        .activate_policy(kind.as_str(), Some(rec.id), &p.sub)
         .await?;
-    s.policies().install_wasm(loaded, Some(id));
+    s.policies().install_wasm(loaded, Some(rec.id));
     Ok(Json(
-        serde_json::json!({"kind": kind.as_str(), "active": id}),
+        serde_json::json!({"kind": kind.as_str(), "active": rec.id, "params": params}),
     ))
+}
+
+/// Whether two parameter objects are the same (`null` is `{}`).
+fn same_params(a: &serde_json::Value, b: &serde_json::Value) -> bool {
+    let norm = |v: &serde_json::Value| match v {
+        serde_json::Value::Null => serde_json::json!({}),
+        o => o.clone(),
+    };
+    norm(a) == norm(b)
 }
 
 /// Body of `POST /v1/admin/policies/rollback`.
@@ -1165,6 +1273,11 @@ pub struct DryRunBody {
     pub trace: String,
     /// Simulated cache capacity in bytes.
     pub capacity_bytes: u64,
+    /// Parameters to try the candidate with instead of its stored ones
+    /// (checked against its schema; nothing is stored).
+    #[serde(default)]
+    #[schema(value_type = Option<Object>)]
+    pub params: Option<serde_json::Value>,
 }
 
 /// Answer of a dry run.
@@ -1184,7 +1297,7 @@ pub struct DryRunResult {
     pub recompute_tokens_delta: i64,
 }
 
-#[utoipa::path(post, path = "/v1/admin/policies/{id}/dry-run", tag = "policies", summary = "Replay a trace with a candidate policy beside the active ones (operator)", security(("bearer" = [])), params(("id" = i64, Path, description = "policy id")), request_body = DryRunBody, responses((status = 200, body = DryRunResult), (status = 400, description = "invalid input", body = crate::error::ErrorBody), (status = 401, description = "no or bad token", body = crate::error::ErrorBody), (status = 403, description = "operator role needed", body = crate::error::ErrorBody), (status = 404, description = "no such policy", body = crate::error::ErrorBody)))]
+#[utoipa::path(post, path = "/v1/admin/policies/{id}/dry-run", tag = "policies", summary = "Replay a trace with a candidate policy beside the active ones (operator)", security(("bearer" = [])), params(("id" = i64, Path, description = "policy id")), request_body = DryRunBody, responses((status = 200, body = DryRunResult), (status = 400, description = "invalid input (`invalid_param`, `param` = `params.<name>`: a parameter the policy's schema refuses)", body = crate::error::ErrorBody), (status = 401, description = "no or bad token", body = crate::error::ErrorBody), (status = 403, description = "operator role needed", body = crate::error::ErrorBody), (status = 404, description = "no such policy", body = crate::error::ErrorBody)))]
 async fn dry_run(
     State(s): State<ControlState>,
     Operator(p): Operator,
@@ -1201,8 +1314,10 @@ async fn dry_run(
     let catalog = s.catalog().clone();
     let mut active = PolicySet::from_catalog(&catalog, &rt).await;
     let mut candidate = PolicySet::from_catalog(&catalog, &rt).await;
-    let params: serde_json::Value =
-        serde_json::from_str(&rec.params).unwrap_or(serde_json::Value::Null);
+    let params: serde_json::Value = match b.params {
+        Some(p) => p,
+        None => serde_json::from_str(&rec.params).unwrap_or(serde_json::Value::Null),
+    };
     let w = rt
         .load(kind, rec.module.into(), &params, false)
         .await

@@ -231,6 +231,27 @@ impl From<PolicyError> for ApiError {
                 "compile_busy",
                 e.to_string(),
             ),
+            PolicyError::Schema(_) => ApiError::new(
+                StatusCode::BAD_REQUEST,
+                "invalid_request_error",
+                "invalid_param_schema",
+                e.to_string(),
+            )
+            .with_param("wasm_base64"),
+            PolicyError::Param { ref name, .. } => {
+                let param = if name.is_empty() {
+                    "params".to_string()
+                } else {
+                    format!("params.{name}")
+                };
+                ApiError::new(
+                    StatusCode::BAD_REQUEST,
+                    "invalid_request_error",
+                    "invalid_param",
+                    e.to_string(),
+                )
+                .with_param(&param)
+            }
             other => ApiError::bad_request(other.to_string()),
         }
     }

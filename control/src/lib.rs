@@ -16,11 +16,14 @@ pub mod bench;
 pub mod catalog;
 pub mod error;
 pub mod policy;
+pub mod policy_api;
 pub mod readiness;
 pub mod segments;
 pub mod serve;
 pub mod sim;
+pub mod tenants_api;
 pub mod ui;
+pub mod usage;
 
 use std::net::SocketAddr;
 use std::path::PathBuf;

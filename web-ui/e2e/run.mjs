@@ -310,6 +310,98 @@ async function main() {
   await page.click("button:has-text('Roll back eviction')");
   await page.getByTestId("active-eviction").filter({ hasText: "native default" }).waitFor();
 
+  step = "policy parameters through the form (declared schema), validated";
+  await page.setInputFiles("input[name=wasm]", join(root, "policies/dist/ttl.wasm"));
+  const ttlInput = page.locator("form[aria-label='upload a policy'] input[name=param-ttl_ms]");
+  await ttlInput.waitFor();
+  assert.equal(await ttlInput.inputValue(), "3600000", "the form starts at the declared default");
+  await page.fill("input[name=policy-name]", "ttl-ui");
+  await page.selectOption("select[name=kind]", "invalidation");
+  await ttlInput.fill("-5");
+  await page.click("form[aria-label='upload a policy'] button[type=submit]");
+  await page
+    .locator("form[aria-label='upload a policy']")
+    .getByTestId("field-error")
+    .filter({ hasText: "params.ttl_ms" })
+    .filter({ hasText: "ttl_ms is below the minimum 0" })
+    .waitFor();
+  await ttlInput.fill("600000");
+  await page.click("form[aria-label='upload a policy'] button[type=submit]");
+  const ttlRow = page.getByTestId("kind-invalidation").locator("tbody tr", { hasText: "ttl-ui" });
+  await ttlRow.waitFor();
+  assert.ok((await ttlRow.textContent()).includes('{"ttl_ms":600000}'), await ttlRow.textContent());
+  await ttlRow.locator("button:has-text('Parameters')").click();
+  const panel = page.locator("form[aria-label^='parameters of policy']");
+  const panelTtl = panel.locator("input[name=param-ttl_ms]");
+  await panelTtl.waitFor();
+  assert.equal(await panelTtl.inputValue(), "600000");
+  // The server's answer to a value its schema refuses is shown with the field it names.
+  await panelTtl.fill("1.5");
+  await panel.locator("button:has-text('Activate with these parameters')").click();
+  await panel.getByTestId("field-error").filter({ hasText: "ttl_ms must be an integer" }).waitFor();
+  const rejected = await call(op, "POST", `/v1/admin/policies/${Number(await ttlRow.locator("td").first().textContent())}/activate`, {
+    params: { ttl_ms: 1.5 },
+  });
+  assert.equal(rejected.status, 400);
+  assert.equal((await rejected.json()).error.param, "params.ttl_ms");
+  await panelTtl.fill("120000");
+  page.once("dialog", (d) => d.accept());
+  await panel.locator("button:has-text('Activate with these parameters')").click();
+  await panel.getByTestId("param-note").filter({ hasText: "activated #" }).waitFor();
+  await page.getByTestId("active-invalidation").filter({ hasText: "ttl-ui v2" }).waitFor();
+  await page.screenshot({ path: join(shots, "policies-params.png"), fullPage: true });
+  await panel.locator("button:has-text('Close')").click();
+
+  step = "a diff between two policy versions";
+  // The compare selects start at the two newest versions of the kind: v1 and v2 of ttl-ui.
+  await page.getByTestId("kind-invalidation").locator("button:has-text('Diff')").click();
+  const pdiff = page.getByTestId("policy-diff");
+  await pdiff.locator(".diff-add").first().waitFor();
+  assert.deepEqual(await pdiff.locator(".diff-del").allTextContents(), ["-   ttl_ms = 600000"]);
+  assert.deepEqual(await pdiff.locator(".diff-add").allTextContents(), ["+   ttl_ms = 120000"]);
+  assert.match(await pdiff.locator("h3").textContent(), /ttl-ui v1 → .*ttl-ui v2 \(\+1 −1\)/);
+  await page.screenshot({ path: join(shots, "policies-diff.png"), fullPage: true });
+  await pdiff.locator("button:has-text('Close diff')").click();
+
+  step = "a shadow policy beside the active one, its counts on live traffic";
+  await page.setInputFiles("input[name=wasm]", join(root, "policies/dist/second_sighting.wasm"));
+  await page.locator("form[aria-label='upload a policy'] input[name=param-min_sightings]").waitFor();
+  await page.fill("input[name=policy-name]", "sighting-ui");
+  await page.selectOption("select[name=kind]", "admission");
+  await page.click("form[aria-label='upload a policy'] button[type=submit]");
+  const sRow = page.getByTestId("kind-admission").locator("tbody tr", { hasText: "sighting-ui" });
+  await sRow.waitFor();
+  const sid = Number(await sRow.locator("td").first().textContent());
+  page.once("dialog", (d) => d.accept());
+  await sRow.locator(`button:has-text('Shadow #${sid}')`).click();
+  const shadowCard = page.getByTestId("shadow-admission");
+  await shadowCard.waitFor();
+  for (let i = 0; i < 3; i++) {
+    const r = await call(tenant, "POST", "/v1/completions", {
+      prompt: `Shadow note ${i}: the ferry leaves at ${i + 6} o'clock.<<PIC_SEP>>Question: when does the ferry leave?`,
+      max_tokens: 2,
+      temperature: 0,
+    });
+    assert.equal(r.status, 200, await r.text());
+  }
+  // The panel refreshes itself: the candidate's rejections (first sightings)
+  // beside the active native default's admissions.
+  const counts = page.getByTestId("shadow-counts-admission");
+  const rejectedRow = counts.locator("tr", { hasText: /^rejected/ });
+  await rejectedRow.locator("td").nth(1).filter({ hasText: /^[1-9]\d*$/ }).waitFor({ timeout: 15000 });
+  assert.equal(await rejectedRow.locator("td").nth(2).textContent(), "0", "the active policy rejected nothing");
+  const callsRow = counts.locator("tr", { hasText: /^calls/ });
+  assert.equal(await callsRow.locator("td").nth(1).textContent(), await callsRow.locator("td").nth(2).textContent());
+  const api = await (await call(op, "GET", "/v1/admin/policies/shadow/admission")).json();
+  assert.equal(api.policy_id, sid);
+  assert.ok(api.candidate.rejected >= 1 && api.active.rejected === 0, JSON.stringify(api));
+  assert.equal((await call(tenant, "GET", "/v1/admin/policies/shadow")).status, 403);
+  await page.screenshot({ path: join(shots, "policies-shadow.png"), fullPage: true });
+  page.once("dialog", (d) => d.accept());
+  await shadowCard.locator("button:has-text('Stop shadow')").click();
+  await shadowCard.waitFor({ state: "detached" });
+  assert.equal((await call(op, "GET", "/v1/admin/policies/shadow/admission")).status, 404);
+
   step = "groups: create one, add a member";
   await page.click("nav >> text=Groups");
   await page.fill("input[name=group-id]", "research");
@@ -320,6 +412,17 @@ async function main() {
   await grow.locator("button:has-text('Add')").click();
   await grow.locator(".chip", { hasText: "demo" }).waitFor();
   await page.screenshot({ path: join(shots, "groups.png"), fullPage: true });
+
+  step = "tenants: principals, groups and usage per tenant";
+  await page.click("nav >> text=Tenants");
+  const demo = page.getByTestId("tenant-demo");
+  await demo.waitFor();
+  const demoRequests = Number(await demo.getByTestId("requests").textContent());
+  assert.ok(demoRequests >= 6, `demo made at least 6 completions, the screen says ${demoRequests}`);
+  assert.ok((await demo.textContent()).includes("research"), "the group joined above");
+  const usage = await (await call(op, "GET", "/v1/admin/tenants")).json();
+  assert.equal(usage.find((t) => t.tenant === "demo").serving.requests, demoRequests);
+  await page.screenshot({ path: join(shots, "tenants.png"), fullPage: true });
 
   step = "a tenant sees 403 on the operator screens";
   const tctx = await browser.newContext({ viewport: { width: 1280, height: 800 } });
@@ -335,10 +438,15 @@ async function main() {
   await tpage.screenshot({ path: join(shots, "tenant-403.png"), fullPage: true });
   // A tenant's navigation offers Segments only, where the operator's private
   // segment is not listed.
-  assert.deepEqual(await tpage.locator("header nav a").allTextContents(), ["Segments"]);
+  assert.deepEqual(await tpage.locator("header nav a").allTextContents(), ["Segments", "Usage"]);
   await tpage.click("nav >> text=Segments");
   await tpage.getByText("No segment.").waitFor();
   assert.equal(await tpage.getByTestId("segments").locator("tbody tr").count(), 0);
+  // Its usage screen: its own row only; another tenant's usage is refused.
+  await tpage.click("nav >> text=Usage");
+  await tpage.getByTestId("tenant-demo").waitFor();
+  assert.equal(await tpage.getByTestId("tenants").locator("tbody tr").count(), 1);
+  assert.equal((await call(tenant, "GET", "/v1/tenants/ops/usage")).status, 403);
 
   step = "no token in a URL or the server log, no console error";
   for (const t of [op, tenant]) {

@@ -123,7 +123,7 @@ export interface UploadPolicy {
   name: string;
   kind: PolicyKind;
   wasm_base64: string;
-  params: Record<string, number>;
+  params: Record<string, unknown>;
 }
 
 /** Replay statistics of a dry run (`crate::sim::SimStats`). */
@@ -297,4 +297,74 @@ export function query(q: Record<string, string | number | undefined>): string {
   for (const [k, v] of Object.entries(q)) if (v !== undefined && v !== "") p.set(k, String(v));
   const s = p.toString();
   return s ? `?${s}` : "";
+}
+
+// ---- policy detail, shadow mode, tenants (control/src/policy_api.rs, tenants_api.rs)
+
+/** `GET /v1/admin/policies/{id}`: a version with its declared parameters and module contents. */
+export interface PolicyDetail extends PolicyRecord {
+  /** Null: the module declares no schema (ABI v1 integer parameters). */
+  param_schema: import("./params").ParamSchema | null;
+  /** Stored parameters completed with the defaults. */
+  effective_params: Record<string, import("./params").ParamValue> | null;
+  module: {
+    bytes: number;
+    exports: { name: string; kind: string }[];
+    imports: number;
+    functions: number;
+    code_bytes: number;
+    memory_min_pages: number | null;
+    custom_sections: { name: string; bytes: number }[];
+  };
+}
+
+/** Answers of one policy over the calls a shadow saw (only its kind's fields move). */
+export interface DecisionCounts {
+  calls: number;
+  faults: number;
+  admitted: number;
+  rejected: number;
+  admitted_bytes: number;
+  evictions: number;
+  victim_bytes: number;
+  victim_recompute_tokens: number;
+  dropped: number;
+  kept: number;
+  shared: number;
+  private: number;
+}
+
+/** `GET /v1/admin/policies/shadow[/{kind}]`: a shadow and the active policy's answers to the same calls. */
+export interface ShadowView {
+  kind: PolicyKind;
+  policy_id: number;
+  params: Record<string, unknown>;
+  started_at: number;
+  started_by: string;
+  active_policy_id: number | null;
+  candidate: DecisionCounts;
+  active: DecisionCounts;
+  agreed: number;
+  disagreed: number;
+  tripped: boolean;
+}
+
+/** Serving counters of a tenant since the server started. */
+export interface ServingUsage {
+  requests: number;
+  prompt_tokens: number;
+  cached_tokens: number;
+  completion_tokens: number;
+  segment_hits: number;
+  segment_misses: number;
+  last_request_at: number | null;
+}
+
+/** `GET /v1/admin/tenants` rows and `GET /v1/tenants/{tenant}/usage`. */
+export interface TenantView {
+  tenant: string;
+  principals: { sub: string; role: "tenant" | "operator" }[];
+  groups: string[];
+  catalog: { segments: number; segment_bytes: number; granted_segments: number; group_granted_segments: number };
+  serving: ServingUsage;
 }

@@ -9,6 +9,7 @@ import { Groups } from "./groups";
 import { Overview } from "./overview";
 import { Policies } from "./policies";
 import { SegmentDetail, Segments } from "./segments";
+import { Tenants } from "./tenants";
 import { ErrorBox } from "./ui";
 
 function SignIn({ done }: { done: (p: Principal) => void }) {
@@ -61,7 +62,7 @@ function useHash(): [string, (h: string) => void] {
   return [hash, (h: string) => (location.hash = h)];
 }
 
-function Screen({ hash, go }: { hash: string; go: (h: string) => void }) {
+function Screen({ hash, go, me }: { hash: string; go: (h: string) => void; me: Principal }) {
   const parts = hash.replace(/^#\/?/, "").split("/");
   switch (parts[0]) {
     case "segments":
@@ -72,6 +73,8 @@ function Screen({ hash, go }: { hash: string; go: (h: string) => void }) {
       return <Audit />;
     case "groups":
       return <Groups />;
+    case "tenants":
+      return <Tenants me={me} />;
     default:
       return <Overview />;
   }
@@ -106,9 +109,13 @@ function App() {
         ["#/segments", "Segments"],
         ["#/policies", "Policies"],
         ["#/groups", "Groups"],
+        ["#/tenants", "Tenants"],
         ["#/audit", "Audit"],
       ]
-    : [["#/segments", "Segments"]];
+    : [
+        ["#/segments", "Segments"],
+        ["#/tenants", "Usage"],
+      ];
   const shown = hash && hash !== "#/" ? hash : op ? "#/overview" : "#/segments";
   const section = "#/" + shown.replace(/^#\/?/, "").split("/")[0];
   return (
@@ -136,7 +143,7 @@ function App() {
         </button>
       </header>
       <main>
-        <Screen hash={shown} go={go} />
+        <Screen hash={shown} go={go} me={me} />
       </main>
     </>
   );

@@ -1,5 +1,7 @@
-// Policies: active one per kind and history, upload (file picker, validated),
-// dry-run against a trace shown beside the active policies, activate, roll back.
+// Policies: active one per kind and history, upload (file picker, validated;
+// parameters as a form from the module's declared schema), parameters of a
+// version, version diff, dry-run against a trace shown beside the active
+// policies, shadow mode beside the active policy, activate, roll back.
 import { useState } from "preact/hooks";
 import {
   api,
@@ -9,8 +11,11 @@ import {
   type PolicyRecord,
   type PolicyStats,
   type RecordedTraffic,
+  type ShadowView,
 } from "./api";
 import { compare } from "./metrics";
+import { formText, parseForm, readSchema, type ParamSchema } from "./params";
+import { ParamForm, ParamPanel, PolicyDiff, ShadowPanel } from "./policytools";
 import { ErrorBox, useLoad, when } from "./ui";
 import { checkCapacity, checkTrace, checkWasm, isError, parseParams } from "./validate";
 
@@ -28,6 +33,8 @@ function Upload({ done }: { done: () => void }) {
   const [kind, setKind] = useState<PolicyKind>("eviction");
   const [params, setParams] = useState("{}");
   const [file, setFile] = useState<Uint8Array | null>(null);
+  const [schema, setSchema] = useState<ParamSchema | null>(null);
+  const [form, setForm] = useState<Record<string, string>>({});
   const [error, setError] = useState<unknown>(null);
   const [busy, setBusy] = useState(false);
   const pick = async (e: Event) => {
@@ -35,7 +42,17 @@ function Upload({ done }: { done: () => void }) {
     if (!f) return setFile(null);
     const b = new Uint8Array(await f.arrayBuffer());
     setFile(b);
-    setError(checkWasm(b, MAX_MODULE_BYTES));
+    const bad = checkWasm(b, MAX_MODULE_BYTES);
+    // The module's declared parameters (its hypic.params section) become the form.
+    const sc = bad ? null : readSchema(b);
+    if (isError(sc)) {
+      setSchema(null);
+      setError(sc);
+    } else {
+      setSchema(sc);
+      setForm(sc ? formText(sc) : {});
+      setError(bad);
+    }
     if (!name) setName(f.name.replace(/\.wasm$/, ""));
   };
   const submit = async (e: Event) => {
@@ -43,7 +60,7 @@ function Upload({ done }: { done: () => void }) {
     if (!file) return setError({ field: "wasm", message: "choose a .wasm file" });
     const bad = checkWasm(file, MAX_MODULE_BYTES);
     if (bad) return setError(bad);
-    const p = parseParams(params);
+    const p = schema ? parseForm(schema, form) : parseParams(params);
     if (isError(p)) return setError(p);
     setBusy(true);
     try {
@@ -80,10 +97,14 @@ function Upload({ done }: { done: () => void }) {
           ))}
         </select>
       </label>
-      <label class="wide">
-        parameters (JSON object of integers)
-        <textarea name="params" rows={2} value={params} onInput={(e) => setParams(e.currentTarget.value)} />
-      </label>
+      {schema ? (
+        <ParamForm schema={schema} text={form} setText={setForm} error={error} />
+      ) : (
+        <label class="wide">
+          parameters (JSON object of integers: the module declares no parameter schema)
+          <textarea name="params" rows={2} value={params} onInput={(e) => setParams(e.currentTarget.value)} />
+        </label>
+      )}
       <button type="submit" disabled={busy}>
         {busy ? "Uploading…" : "Upload"}
       </button>
@@ -98,7 +119,7 @@ const SAMPLE_TRACE = [
   '{"tenant":"globex","segments":["b","a"],"tokens":[300,500],"bytes":[2400,4000]}',
 ].join("\n");
 
-function DryRun({ policy }: { policy: PolicyRecord }) {
+function DryRun({ policy, params }: { policy: PolicyRecord; params?: Record<string, unknown> }) {
   const [trace, setTrace] = useState(SAMPLE_TRACE);
   const [cap, setCap] = useState("8000");
   const [result, setResult] = useState<DryRunResult | null>(null);
@@ -114,6 +135,7 @@ function DryRun({ policy }: { policy: PolicyRecord }) {
         await api<DryRunResult>("POST", `/v1/admin/policies/${policy.id}/dry-run`, {
           trace,
           capacity_bytes: c.bytes,
+          ...(params ? { params } : {}),
         }),
       );
       setError(null);
@@ -141,6 +163,12 @@ function DryRun({ policy }: { policy: PolicyRecord }) {
     <form class="card" onSubmit={run} aria-label={`dry-run policy ${policy.id}`}>
       <h3>
         Dry-run #{policy.id} {policy.name} v{policy.version}
+        {params ? (
+          <>
+            {" "}
+            with <code data-testid="dry-run-params">{JSON.stringify(params)}</code>
+          </>
+        ) : null}
       </h3>
       <label class="wide">
         trace (JSONL) <input type="file" name="trace-file" accept=".jsonl,.json,.txt" onChange={loadFile} />
@@ -189,11 +217,16 @@ function DryRun({ policy }: { policy: PolicyRecord }) {
 export function Policies() {
   const list = useLoad(() => api<PolicyRecord[]>("GET", "/v1/admin/policies"), []);
   const stats = useLoad(() => api<PolicyStats>("GET", "/v1/admin/policies/stats"), []);
+  const shadows = useLoad(() => api<ShadowView[]>("GET", "/v1/admin/policies/shadow"), []);
   const [error, setError] = useState<unknown>(null);
-  const [trying, setTrying] = useState<PolicyRecord | null>(null);
+  const [trying, setTrying] = useState<{ policy: PolicyRecord; params?: Record<string, unknown> } | null>(null);
+  const [editing, setEditing] = useState<PolicyRecord | null>(null);
+  const [diffing, setDiffing] = useState<[PolicyRecord, PolicyRecord] | null>(null);
+  const [pair, setPair] = useState<Record<string, [string, string]>>({});
   const reload = () => {
     list.reload();
     stats.reload();
+    shadows.reload();
   };
   const act = async (what: string, method: string, path: string, body?: unknown) => {
     if (!window.confirm(what)) return;
@@ -209,11 +242,15 @@ export function Policies() {
   return (
     <section>
       <h1>Policies</h1>
-      <ErrorBox error={list.error ?? stats.error} />
+      <ErrorBox error={list.error ?? stats.error ?? shadows.error} />
       <ErrorBox error={error} />
       {POLICY_KINDS.map((k) => {
         const of = all.filter((p) => p.kind === k).sort((a, b) => b.id - a.id);
         const active = of.find((p) => p.active);
+        const shadow = (shadows.data ?? []).find((v) => v.kind === k);
+        // The versions the diff compares: chosen, else the two newest.
+        const [from, to] = pair[k] ?? [String(of[1]?.id ?? ""), String(of[0]?.id ?? "")];
+        const byId = (id: string) => of.find((p) => String(p.id) === id);
         return (
           <div class="card" key={k} data-testid={`kind-${k}`}>
             <h2>
@@ -228,6 +265,46 @@ export function Policies() {
             >
               Roll back {k}
             </button>
+            {of.length >= 2 ? (
+              <form class="inline" aria-label={`compare ${k} versions`} onSubmit={(e) => e.preventDefault()}>
+                compare{" "}
+                <select name={`diff-from-${k}`} value={from} onChange={(e) => setPair({ ...pair, [k]: [e.currentTarget.value, to] })}>
+                  {of.map((p) => (
+                    <option key={p.id} value={String(p.id)}>
+                      #{p.id} {p.name} v{p.version}
+                    </option>
+                  ))}
+                </select>{" "}
+                with{" "}
+                <select name={`diff-to-${k}`} value={to} onChange={(e) => setPair({ ...pair, [k]: [from, e.currentTarget.value] })}>
+                  {of.map((p) => (
+                    <option key={p.id} value={String(p.id)}>
+                      #{p.id} {p.name} v{p.version}
+                    </option>
+                  ))}
+                </select>{" "}
+                <button
+                  type="button"
+                  onClick={() => {
+                    const a = byId(from);
+                    const b = byId(to);
+                    if (a && b) setDiffing([a, b]);
+                  }}
+                >
+                  Diff
+                </button>
+              </form>
+            ) : null}
+            {shadow ? (
+              <ShadowPanel
+                view={shadow}
+                stopped={reload}
+                replay={(id, params) => {
+                  const p = all.find((x) => x.id === id);
+                  if (p) setTrying({ policy: p, params });
+                }}
+              />
+            ) : null}
             {of.length ? (
               <table>
                 <thead>
@@ -257,8 +334,23 @@ export function Policies() {
                       <td>{p.created_by}</td>
                       <td>{when(p.created_at)}</td>
                       <td>
-                        <button type="button" onClick={() => setTrying(p)}>
+                        <button type="button" onClick={() => setTrying({ policy: p })}>
                           Dry-run
+                        </button>{" "}
+                        <button type="button" onClick={() => setEditing(p)}>
+                          Parameters
+                        </button>{" "}
+                        <button
+                          type="button"
+                          onClick={() =>
+                            act(
+                              `Run ${p.kind} policy #${p.id} ${p.name} v${p.version} in shadow beside the active one?`,
+                              "POST",
+                              `/v1/admin/policies/${p.id}/shadow`,
+                            )
+                          }
+                        >
+                          Shadow #{p.id}
                         </button>{" "}
                         {p.active ? (
                           <strong>active</strong>
@@ -283,7 +375,19 @@ export function Policies() {
           </div>
         );
       })}
-      {trying ? <DryRun key={trying.id} policy={trying} /> : null}
+      {diffing ? <PolicyDiff key={`${diffing[0].id}-${diffing[1].id}`} a={diffing[0]} b={diffing[1]} close={() => setDiffing(null)} /> : null}
+      {editing ? (
+        <ParamPanel
+          key={editing.id}
+          policy={editing}
+          close={() => setEditing(null)}
+          done={reload}
+          dryRun={(params) => setTrying({ policy: editing, params })}
+        />
+      ) : null}
+      {trying ? (
+        <DryRun key={`${trying.policy.id}:${JSON.stringify(trying.params ?? null)}`} policy={trying.policy} params={trying.params} />
+      ) : null}
       <Upload done={reload} />
     </section>
   );

@@ -8,13 +8,15 @@
 //! in [`PolicyMetrics`] and audited as `policy.fault`.
 
 pub mod compile;
+pub mod params;
 pub mod pool_adapter;
+pub mod shadow;
 pub mod wasm;
 
 use std::collections::{BTreeMap, HashMap};
 use std::path::Path;
 use std::str::FromStr;
-use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::Instant;
 
@@ -22,6 +24,7 @@ use serde::{Deserialize, Serialize};
 use tokio::sync::{mpsc, oneshot};
 
 pub use compile::ModuleCache;
+pub use shadow::{DecisionCounts, ShadowView};
 pub use wasm::{policy_engine, PolicyError, WasmPolicy};
 
 use crate::catalog::{now_ms, Catalog};
@@ -718,6 +721,10 @@ pub struct PolicyRuntime {
     limits: PolicyLimits,
     modules: ModuleCache,
     slots: [Mutex<LiveSlot>; 4],
+    /// At most one shadow per kind; `shadow_on` lets a call skip the lock
+    /// when there is none.
+    shadows: [Mutex<Option<shadow::Shadow>>; 4],
+    shadow_on: [AtomicBool; 4],
     metrics: PolicyMetrics,
     audit: Option<AuditSink>,
     last_audit: Mutex<HashMap<String, u64>>,
@@ -745,6 +752,8 @@ impl PolicyRuntime {
                     counters: metrics.counters(k, None),
                 })
             }),
+            shadows: PolicyKind::ALL.map(|_| Mutex::new(None)),
+            shadow_on: PolicyKind::ALL.map(|_| AtomicBool::new(false)),
             metrics,
             audit,
             last_audit: Mutex::new(HashMap::new()),
@@ -781,8 +790,16 @@ impl PolicyRuntime {
         params: &serde_json::Value,
         wait: bool,
     ) -> Result<WasmPolicy, PolicyError> {
+        let schema = params::read_schema(&bytes)?;
         let module = self.modules.get(bytes, wait).await?;
-        WasmPolicy::from_module(&self.engine, kind, module, params, self.limits)
+        WasmPolicy::from_module(
+            &self.engine,
+            kind,
+            module,
+            schema.as_ref(),
+            params,
+            self.limits,
+        )
     }
 
     /// Installs an already loaded Wasm policy in its hook.
@@ -865,10 +882,11 @@ impl PolicyRuntime {
         bytes: &[u8],
         params: &serde_json::Value,
     ) -> Result<(), PolicyError> {
-        let r = self
-            .modules
-            .get_blocking(bytes)
-            .and_then(|m| WasmPolicy::from_module(&self.engine, kind, m, params, self.limits));
+        let r = params::read_schema(bytes).and_then(|schema| {
+            self.modules.get_blocking(bytes).and_then(|m| {
+                WasmPolicy::from_module(&self.engine, kind, m, schema.as_ref(), params, self.limits)
+            })
+        });
         self.install_loaded(kind, policy_id, r)
     }
 
@@ -917,7 +935,7 @@ impl PolicyRuntime {
         &self,
         kind: PolicyKind,
         f: impl FnOnce(&mut PolicySlot) -> (T, Option<PolicyError>),
-    ) -> T {
+    ) -> (T, bool) {
         let (v, fault, id) = {
             let mut live = self.slot(kind);
             let t0 = Instant::now();
@@ -926,30 +944,145 @@ impl PolicyRuntime {
             self.metrics.call(kind, &live.counters, nanos);
             (v, fault, live.slot.policy_id())
         };
+        let faulted = fault.is_some();
         if let Some(e) = fault {
             self.on_fault(kind, id, &e, true);
         }
-        v
+        (v, faulted)
+    }
+
+    /// Asks the shadow of `kind`, if any, the same question the active
+    /// policy answered with `active` (`active_faulted`: it faulted), and
+    /// counts both answers. The shadow's answer is never applied.
+    fn shadow_call(
+        &self,
+        kind: PolicyKind,
+        call: shadow::Call<'_>,
+        active: usize,
+        active_faulted: bool,
+        ask: impl FnOnce(&mut PolicySlot) -> (usize, Option<PolicyError>),
+    ) {
+        if !self.shadow_on[kind.index()].load(Ordering::Relaxed) {
+            return;
+        }
+        let mut g = self.shadows[kind.index()]
+            .lock()
+            .unwrap_or_else(|p| p.into_inner());
+        if let Some(sh) = g.as_mut() {
+            let (cand, fault) = ask(&mut sh.slot);
+            sh.tally(&call, active, active_faulted, cand, fault.is_some());
+        }
     }
 
     /// Victim index among `c` (non-empty).
     pub fn evict(&self, c: &[EntryInfo], now: u64) -> usize {
-        self.run(PolicyKind::Eviction, |s| s.evict(c, now))
+        let (v, faulted) = self.run(PolicyKind::Eviction, |s| s.evict(c, now));
+        self.shadow_call(
+            PolicyKind::Eviction,
+            shadow::Call::Evict(c),
+            v,
+            faulted,
+            |s| s.evict(c, now),
+        );
+        v
     }
 
     /// Admission decision.
     pub fn admit(&self, a: &AdmitInfo, now: u64) -> bool {
-        self.run(PolicyKind::Admission, |s| s.admit(a, now))
+        let (v, faulted) = self.run(PolicyKind::Admission, |s| s.admit(a, now));
+        self.shadow_call(
+            PolicyKind::Admission,
+            shadow::Call::Admit(a),
+            v as usize,
+            faulted,
+            |s| {
+                let (b, f) = s.admit(a, now);
+                (b as usize, f)
+            },
+        );
+        v
     }
 
     /// Invalidation decision (true = drop).
     pub fn invalidate(&self, e: &EntryInfo, now: u64) -> bool {
-        self.run(PolicyKind::Invalidation, |s| s.invalidate(e, now))
+        let (v, faulted) = self.run(PolicyKind::Invalidation, |s| s.invalidate(e, now));
+        self.shadow_call(
+            PolicyKind::Invalidation,
+            shadow::Call::Invalidate,
+            v as usize,
+            faulted,
+            |s| {
+                let (b, f) = s.invalidate(e, now);
+                (b as usize, f)
+            },
+        );
+        v
     }
 
     /// Whether the shared namespace is allowed (never for non-public segments).
     pub fn isolation(&self, s: &IsolationInfo) -> bool {
-        self.run(PolicyKind::Isolation, |slot| slot.isolation(s))
+        let (v, faulted) = self.run(PolicyKind::Isolation, |slot| slot.isolation(s));
+        self.shadow_call(
+            PolicyKind::Isolation,
+            shadow::Call::Isolation,
+            v as usize,
+            faulted,
+            |slot| {
+                let (b, f) = slot.isolation(s);
+                (b as usize, f)
+            },
+        );
+        v
+    }
+
+    /// Starts (or replaces) the shadow of the policy's kind: from now on every
+    /// call of that hook is also answered by `policy`, whose answers are only
+    /// counted. `params`: its effective parameters, for the view.
+    pub fn start_shadow(
+        &self,
+        policy: WasmPolicy,
+        policy_id: i64,
+        params: serde_json::Value,
+        started_by: &str,
+    ) -> ShadowView {
+        let kind = policy.kind();
+        let sh = shadow::Shadow {
+            slot: PolicySlot::wasm(policy, Some(policy_id)),
+            policy_id,
+            params,
+            started_at: now_ms(),
+            started_by: started_by.to_string(),
+            candidate: DecisionCounts::default(),
+            active: DecisionCounts::default(),
+            agreed: 0,
+            disagreed: 0,
+        };
+        let view = sh.view(kind, self.active_id(kind));
+        *self.shadows[kind.index()]
+            .lock()
+            .unwrap_or_else(|p| p.into_inner()) = Some(sh);
+        self.shadow_on[kind.index()].store(true, Ordering::Relaxed);
+        view
+    }
+
+    /// Stops the shadow of `kind`; its final counts, `None` when there was none.
+    pub fn stop_shadow(&self, kind: PolicyKind) -> Option<ShadowView> {
+        let active = self.active_id(kind);
+        let mut g = self.shadows[kind.index()]
+            .lock()
+            .unwrap_or_else(|p| p.into_inner());
+        self.shadow_on[kind.index()].store(false, Ordering::Relaxed);
+        g.take().map(|sh| sh.view(kind, active))
+    }
+
+    /// The shadow of `kind` and its counts so far, if one runs.
+    pub fn shadow(&self, kind: PolicyKind) -> Option<ShadowView> {
+        let active = self.active_id(kind);
+        self.shadows[kind.index()]
+            .lock()
+            .unwrap_or_else(|p| p.into_inner())
+            .as_ref()
+            .map(|sh| sh.view(kind, active))
     }
 
     /// Installs the catalog's active policies.

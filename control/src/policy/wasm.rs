@@ -1,11 +1,17 @@
-//! The wasmtime sandbox around one policy module (ABI v1, `policies/ABI.md`).
+//! The wasmtime sandbox around one policy module (ABI v1 and v2,
+//! `policies/ABI.md`).
 
 use wasmtime::{
     Config, Engine, Instance, Memory, Module, Store, StoreLimits, StoreLimitsBuilder, Trap,
     TypedFunc, ValType,
 };
 
+use super::params::{encode_resolved, read_schema, resolve, ParamSchema, PARAMS_SECTION};
 use super::{PolicyKind, PolicyLimits};
+
+/// The `hypic_abi_version` answers the host accepts: 1 (integer parameters,
+/// schema optional) and 2 (parameter schema required, typed values).
+pub const ABI_VERSIONS: [i32; 2] = [1, 2];
 
 /// Why a policy module could not be loaded or a call failed.
 #[derive(Clone, Debug, PartialEq, Eq, thiserror::Error)]
@@ -36,6 +42,18 @@ pub enum PolicyError {
         /// The limit, bytes.
         limit: usize,
     },
+    /// The module's parameter schema (`hypic.params` section) is malformed.
+    #[error("invalid parameter schema: {0}")]
+    Schema(String),
+    /// A parameter value does not match the module's schema (`name` is the
+    /// parameter, empty when `params` itself is not an object).
+    #[error("invalid parameter: {message}")]
+    Param {
+        /// The parameter.
+        name: String,
+        /// What is wrong with it.
+        message: String,
+    },
     /// As many modules as allowed are compiling already; try again later.
     #[error("{limit} policy module(s) are compiling already (policy_max_concurrent_compiles); retry later")]
     Busy {
@@ -48,7 +66,10 @@ impl PolicyError {
     /// Short label used in metrics and audit rows.
     pub fn label(&self) -> &'static str {
         match self {
-            PolicyError::Invalid(_) | PolicyError::TooLarge { .. } => "load",
+            PolicyError::Invalid(_)
+            | PolicyError::TooLarge { .. }
+            | PolicyError::Schema(_)
+            | PolicyError::Param { .. } => "load",
             PolicyError::Busy { .. } => "busy",
             PolicyError::Timeout => "timeout",
             PolicyError::Memory => "memory",
@@ -84,6 +105,7 @@ pub struct WasmPolicy {
     module: Module,
     kind: PolicyKind,
     params: Vec<u8>,
+    has_schema: bool,
     limits: PolicyLimits,
     inst: Option<Live>,
 }
@@ -157,25 +179,38 @@ impl WasmPolicy {
         limits: PolicyLimits,
     ) -> Result<WasmPolicy, PolicyError> {
         let module = compile(engine, bytes, limits.max_module_bytes)?;
-        WasmPolicy::from_module(engine, kind, module, params, limits)
+        let schema = read_schema(bytes)?;
+        WasmPolicy::from_module(engine, kind, module, schema.as_ref(), params, limits)
     }
 
     /// Instantiates and validates an already compiled module of `kind` (see
     /// [`compile`]). Cheap next to compiling: no code generation happens here.
+    /// `schema` is the module's declared parameter schema ([`read_schema`] of
+    /// its bytes): with one, `params` is checked against it and completed with
+    /// the defaults ([`resolve`]); without, `params` must be integers and
+    /// booleans (ABI v1).
+    ///
+    /// Errors: [`PolicyError::Param`] for a parameter the schema refuses,
+    /// [`PolicyError::Invalid`] for a module that does not load.
     pub fn from_module(
         engine: &Engine,
         kind: PolicyKind,
         module: Module,
+        schema: Option<&ParamSchema>,
         params: &serde_json::Value,
         limits: PolicyLimits,
     ) -> Result<WasmPolicy, PolicyError> {
-        let params = encode_params(params)?;
+        let params = match schema {
+            Some(s) => encode_resolved(&resolve(s, params)?)?,
+            None => encode_params(params)?,
+        };
         check_exports(&module, kind)?;
         let mut p = WasmPolicy {
             engine: engine.clone(),
             module,
             kind,
             params,
+            has_schema: schema.is_some(),
             limits,
             inst: None,
         };
@@ -226,9 +261,14 @@ impl WasmPolicy {
         let version = get0(&mut store, "hypic_abi_version")?
             .call(&mut store, ())
             .map_err(classify)?;
-        if version != 1 {
+        if !ABI_VERSIONS.contains(&version) {
             return Err(PolicyError::Invalid(format!(
-                "hypic_abi_version returned {version}, expected 1"
+                "hypic_abi_version returned {version}, expected 1 or 2"
+            )));
+        }
+        if version == 2 && !self.has_schema {
+            return Err(PolicyError::Invalid(format!(
+                "ABI version 2 requires a `{PARAMS_SECTION}` custom section declaring the parameters"
             )));
         }
         let k = get0(&mut store, "hypic_policy_kind")?

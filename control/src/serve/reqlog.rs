@@ -123,6 +123,9 @@ pub struct RequestStats {
     pub hits: usize,
     /// Segment misses.
     pub misses: usize,
+    /// The tenant's usage counters: completion tokens are added when the last
+    /// clone is dropped, once the answer is complete.
+    pub usage: Option<Arc<crate::usage::UsageTicket>>,
 }
 
 /// Why a request failed with a 5xx (a response extension; logged, not sent).

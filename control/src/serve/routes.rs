@@ -1893,7 +1893,15 @@ async fn run_job(
             );
         }
     }
-    let log_stats = request_stats(&job, &starts, &d.tokens_out);
+    let mut log_stats = request_stats(&job, &starts, &d.tokens_out);
+    log_stats.usage = Some(Arc::new(s.0.control.usage().start(
+        &p.tenant,
+        log_stats.prompt_tokens,
+        log_stats.cached_tokens,
+        log_stats.hits,
+        log_stats.misses,
+        d.tokens_out.clone(),
+    )));
     let ext = starts[0]
         .as_ref()
         .map(|st| hypic_ext(&job.set.mode, st, &job.prompts[0]));
@@ -1997,6 +2005,7 @@ fn request_stats(
             .map(|s| s.ttft.as_secs_f64() * 1e3),
         hits: started.clone().map(|s| s.stats.hits).sum(),
         misses: started.map(|s| s.stats.misses).sum(),
+        usage: None,
     }
 }
 

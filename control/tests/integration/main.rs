@@ -17,6 +17,7 @@ mod jwks_reload;
 mod openapi;
 mod policy;
 mod policy_area;
+mod policy_console;
 mod review7;
 mod serve_api;
 mod serve_bad_input;

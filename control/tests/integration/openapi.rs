@@ -34,6 +34,13 @@ const CONTROL_OPS: &[(&str, &str)] = &[
     ("/v1/admin/policies/rollback", "post"),
     ("/v1/admin/policies/{id}/activate", "post"),
     ("/v1/admin/policies/{id}/dry-run", "post"),
+    ("/v1/admin/policies/{id}", "get"),
+    ("/v1/admin/policies/{id}/shadow", "post"),
+    ("/v1/admin/policies/shadow", "get"),
+    ("/v1/admin/policies/shadow/{kind}", "get"),
+    ("/v1/admin/policies/shadow/{kind}", "delete"),
+    ("/v1/admin/tenants", "get"),
+    ("/v1/tenants/{tenant}/usage", "get"),
     // audit
     ("/v1/admin/audit", "get"),
     // tenants and groups

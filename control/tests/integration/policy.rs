@@ -220,14 +220,33 @@ fn builtin_isolation_strict_vs_shared_and_host_never_widens() {
 
 #[test]
 fn params_must_be_integers() {
+    // A module without a parameter schema (ABI v1): integers and booleans only.
+    let v1 = wat::parse_str(module(
+        "eviction",
+        r#"(func (export "hypic_evict") (param i32 i64) (result i32) i32.const 0)"#,
+    ))
+    .unwrap();
     let e = WasmPolicy::load(
         &policy_engine(),
         PolicyKind::Eviction,
-        builtin::module("lru").unwrap(),
+        &v1,
         &json!({"x": "str"}),
         PolicyLimits::default(),
     );
     assert!(matches!(e, Err(PolicyError::Invalid(m)) if m.contains("integer")));
+    // A built-in declares its parameters: lru has none, so any is refused by name.
+    let e = WasmPolicy::load(
+        &policy_engine(),
+        PolicyKind::Eviction,
+        builtin::module("lru").unwrap(),
+        &json!({"x": 1}),
+        PolicyLimits::default(),
+    );
+    assert!(
+        matches!(&e, Err(PolicyError::Param { name, message }) if name == "x" && message.contains("declares no parameters")),
+        "{:?}",
+        e.err()
+    );
     let e = WasmPolicy::load(
         &policy_engine(),
         PolicyKind::Admission,

@@ -1,15 +1,23 @@
-//! Guest SDK for HYPIC cache policies (ABI v1, documented in `policies/ABI.md`).
+//! Guest SDK for HYPIC cache policies (ABI v2, documented in `policies/ABI.md`).
 //!
 //! A policy crate is a `#![no_std]` `cdylib` that calls exactly one of the
 //! `eviction_policy!`, `admission_policy!`, `invalidation_policy!` or
 //! `isolation_policy!` macros with a plain Rust function. The macro emits the
 //! ABI exports (`hypic_abi_version`, `hypic_policy_kind`, `hypic_buf`,
 //! `hypic_buf_cap`, `hypic_configure` and the hook), decodes the records the
-//! host wrote into the exchange buffer, and encodes the answer.
+//! host wrote into the exchange buffer, and encodes the answer. Every policy
+//! also calls [`policy_params!`] once with its parameter schema (JSON, an
+//! empty list for a policy without parameters): ABI v2 requires it, and the
+//! console renders the parameters as a form from it.
 #![no_std]
 
-/// ABI version implemented by this SDK.
-pub const ABI_VERSION: i32 = 1;
+/// ABI version implemented by this SDK: 2, ABI v1 plus the `hypic.params`
+/// custom section declaring the parameters (see [`policy_params!`]) and typed
+/// parameter values (floats and strings besides integers and booleans).
+pub const ABI_VERSION: i32 = 2;
+
+/// Name of the Wasm custom section holding the parameter schema (JSON).
+pub const PARAMS_SECTION: &str = "hypic.params";
 /// Size of the exchange buffer in bytes.
 pub const BUF_CAP: usize = 64 * 1024;
 /// Size of one eviction candidate record.
@@ -227,12 +235,13 @@ impl Isolation {
     }
 }
 
-/// Integer parameter `name` from the `name=value` lines the host passed to
-/// `hypic_configure` (the policy's params JSON, flattened).
+/// The raw text of parameter `name` from the `name=value` lines the host
+/// passed to `hypic_configure` (the policy's params, flattened and completed
+/// with the schema's defaults), `None` when absent or not UTF-8.
 #[allow(static_mut_refs)]
-pub fn param(name: &str) -> Option<i64> {
+pub fn param_str(name: &str) -> Option<&'static str> {
     // SAFETY: single-threaded guest; PARAMS is only written by hypic_configure.
-    let p = unsafe { &PARAMS[..PARAMS_LEN] };
+    let p: &'static [u8] = unsafe { &PARAMS[..PARAMS_LEN] };
     for line in p.split(|&c| c == b'\n') {
         let mut it = line.splitn(2, |&c| c == b'=');
         let k = it.next().unwrap_or(&[]);
@@ -241,10 +250,31 @@ pub fn param(name: &str) -> Option<i64> {
             None => continue,
         };
         if k == name.as_bytes() {
-            return parse_i64(v);
+            return core::str::from_utf8(v).ok();
         }
     }
     None
+}
+
+/// Integer parameter `name` (declared `int`, or `bool` as `0`/`1`); `None`
+/// when absent or not an integer.
+pub fn param(name: &str) -> Option<i64> {
+    param_str(name).and_then(|v| parse_i64(v.as_bytes()))
+}
+
+/// Floating-point parameter `name` (declared `float`; an integer value reads
+/// too); `None` when absent or not a number.
+pub fn param_f64(name: &str) -> Option<f64> {
+    param_str(name).and_then(|v| v.parse::<f64>().ok())
+}
+
+/// Boolean parameter `name` (declared `bool`, passed as `0` or `1`).
+pub fn param_bool(name: &str) -> Option<bool> {
+    match param_str(name) {
+        Some("1") => Some(true),
+        Some("0") => Some(false),
+        _ => None,
+    }
 }
 
 fn parse_i64(v: &[u8]) -> Option<i64> {
@@ -278,6 +308,39 @@ pub fn configure(len: i32) -> i32 {
         PARAMS_LEN = len;
     }
     0
+}
+
+/// Declares the policy's parameters: emits the `hypic.params` custom section
+/// with `$json`, a string constant holding the schema, e.g.
+///
+/// ```ignore
+/// hypic_policy_sdk::policy_params!(r#"{"params": [
+///   {"name": "ttl_ms", "type": "int", "min": 0, "default": 3600000,
+///    "description": "entries older than this are dropped, ms"}
+/// ]}"#);
+/// ```
+///
+/// Types: `int` (`min`/`max` integers), `float` (`min`/`max` numbers),
+/// `bool`, `string` (`max_len`, default 256), `enum` (`choices`, a list of
+/// strings). `default` is required; `description` is optional. The host
+/// checks the schema at upload and every parameter value against it.
+#[macro_export]
+macro_rules! policy_params {
+    ($json:expr) => {
+        const __HYPIC_PARAMS_JSON: &str = $json;
+        #[link_section = "hypic.params"]
+        #[used]
+        static __HYPIC_PARAMS: [u8; __HYPIC_PARAMS_JSON.len()] = {
+            let b = __HYPIC_PARAMS_JSON.as_bytes();
+            let mut a = [0u8; __HYPIC_PARAMS_JSON.len()];
+            let mut i = 0;
+            while i < b.len() {
+                a[i] = b[i];
+                i += 1;
+            }
+            a
+        };
+    };
 }
 
 /// Emits the exports shared by every policy kind.
@@ -366,4 +429,39 @@ macro_rules! isolation_policy {
             $f(&$crate::Isolation::read()) as i32
         }
     };
+}
+
+#[cfg(test)]
+mod tests {
+    extern crate std;
+    use super::*;
+
+    /// Writes `lines` into the exchange buffer and configures, as the host does.
+    #[allow(static_mut_refs)]
+    fn configure_with(lines: &str) {
+        // SAFETY: the tests run one at a time (see `params_read_back_by_type`).
+        unsafe {
+            BUF[..lines.len()].copy_from_slice(lines.as_bytes());
+        }
+        assert_eq!(configure(lines.len() as i32), 0);
+    }
+
+    #[test]
+    fn params_read_back_by_type() {
+        configure_with("limit=7\nratio=0.25\nstrict=1\nmode=lfu\nneg=-3\n");
+        assert_eq!(param("limit"), Some(7));
+        assert_eq!(param("neg"), Some(-3));
+        assert_eq!(param_f64("ratio"), Some(0.25));
+        assert_eq!(param_f64("limit"), Some(7.0));
+        assert_eq!(param_bool("strict"), Some(true));
+        assert_eq!(param_str("mode"), Some("lfu"));
+        assert_eq!(param("mode"), None, "not an integer");
+        assert_eq!(param("ratio"), None, "not an integer");
+        assert_eq!(param_bool("limit"), None);
+        assert_eq!(param("missing"), None);
+        assert_eq!(configure(-1), -1);
+        assert_eq!(configure((PARAMS_CAP + 1) as i32), -1);
+        configure_with("");
+        assert_eq!(param("limit"), None);
+    }
 }

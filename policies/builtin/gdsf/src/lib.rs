@@ -30,3 +30,6 @@ fn gdsf(c: &Candidates, _now_ms: u64) -> usize {
 }
 
 eviction_policy!(gdsf);
+hypic_policy_sdk::policy_params!(
+    r#"{"params": [{"name": "cost_per_token", "type": "int", "min": 1, "max": 1000000, "default": 1, "description": "recompute cost of one token; scales every candidate's value alike"}]}"#
+);

@@ -18,3 +18,4 @@ fn lru(c: &Candidates, _now_ms: u64) -> usize {
 }
 
 eviction_policy!(lru);
+hypic_policy_sdk::policy_params!(r#"{"params": []}"#);

@@ -8,3 +8,4 @@ fn on_update(c: &Check, _now_ms: u64) -> bool {
 }
 
 invalidation_policy!(on_update);
+hypic_policy_sdk::policy_params!(r#"{"params": []}"#);

@@ -20,3 +20,6 @@ fn quota(a: &Admit, _now_ms: u64) -> bool {
 }
 
 admission_policy!(quota);
+hypic_policy_sdk::policy_params!(
+    r#"{"params": [{"name": "quota_permille", "type": "int", "min": 0, "max": 1000, "default": 500, "description": "share of the cache capacity one tenant may hold, thousandths"}, {"name": "quota_bytes", "type": "int", "min": 0, "default": 0, "description": "bytes one tenant may hold; 0 uses quota_permille instead"}]}"#
+);

@@ -9,3 +9,6 @@ fn second(a: &Admit, _now_ms: u64) -> bool {
 }
 
 admission_policy!(second);
+hypic_policy_sdk::policy_params!(
+    r#"{"params": [{"name": "min_sightings", "type": "int", "min": 1, "max": 1000, "default": 2, "description": "requests for an entry before it is cached (1 admits everything)"}]}"#
+);

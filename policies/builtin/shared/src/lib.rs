@@ -8,3 +8,4 @@ fn shared(s: &Isolation) -> bool {
 }
 
 isolation_policy!(shared);
+hypic_policy_sdk::policy_params!(r#"{"params": []}"#);

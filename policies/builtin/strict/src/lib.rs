@@ -7,3 +7,4 @@ fn strict(_s: &Isolation) -> bool {
 }
 
 isolation_policy!(strict);
+hypic_policy_sdk::policy_params!(r#"{"params": []}"#);

@@ -9,3 +9,6 @@ fn ttl(c: &Check, now_ms: u64) -> bool {
 }
 
 invalidation_policy!(ttl);
+hypic_policy_sdk::policy_params!(
+    r#"{"params": [{"name": "ttl_ms", "type": "int", "min": 0, "default": 3600000, "description": "entries older than this since insertion are dropped, ms"}]}"#
+);
