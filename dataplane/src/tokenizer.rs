@@ -304,6 +304,17 @@ impl Tokenizer {
         self.inner.get_vocab_size(true)
     }
 
+    /// The tokenizer serialised as `tokenizer.json` is written (vocabulary, merges,
+    /// added tokens, pre-tokeniser and decoder), for libraries that read that format
+    /// (e.g. a constrained-decoding library building its token trie).
+    ///
+    /// Errors: serialisation failed.
+    pub fn to_json(&self) -> Result<String> {
+        self.inner
+            .to_string(false)
+            .map_err(|e| Error::Tokenizer(e.to_string()))
+    }
+
     /// Id of a token string, if it exists.
     pub fn token_to_id(&self, token: &str) -> Option<u32> {
         self.inner.token_to_id(token)
