@@ -18,7 +18,7 @@ use axum::response::{IntoResponse, Response};
 use axum::routing::{get, post};
 use axum::{Json, Router};
 use dataplane::pic::{Mode, PicStats, SegmentRef};
-use dataplane::sampling::SamplingParams;
+use dataplane::sampling::{Constraint, SamplingParams};
 use dataplane::scheduler::{
     ErrorKind, FinishReason, GenEvent, GenRequest, RequestHandle, SubmitError,
 };
@@ -924,6 +924,22 @@ fn request_sampling(
     Ok(sp)
 }
 
+/// The decoding constraint of a request's `response_format` (None for text), compiled
+/// on the blocking pool. Errors: 400 naming the field of a bad format.
+async fn compile_format(
+    s: &AppState,
+    format: Option<ResponseFormat>,
+) -> Result<Option<Constraint>, ServeError> {
+    let Some(format) = format else {
+        return Ok(None);
+    };
+    if format.kind == "text" {
+        return Ok(None);
+    }
+    let g = s.0.grammars.clone();
+    in_tokenize_turn(s, move || g.compile(&format)).await?
+}
+
 /// A 400 for the first field of `body` the route does not read (`known`).
 fn check_fields(body: &[u8], known: &[&str]) -> Result<(), ServeError> {
     match unsupported_field(body, known) {
@@ -1463,6 +1479,7 @@ async fn completions_inner(
     })
     .await??;
     let model = check_model(s, &req.model)?;
+    let constraint = compile_format(s, req.response_format.clone()).await?;
     let mode = prompt::request_mode(req.hypic.as_ref(), s.0.default_mode)?;
     let salt = req.hypic.as_ref().and_then(|h| h.salt.clone());
     let sources: Vec<Vec<SegSource>> = match (&req.prompt, &req.segments) {
@@ -1634,7 +1651,7 @@ async fn completions_inner(
         .max()
         .unwrap_or(0);
     let max_tokens = check_max_tokens(s, req.max_tokens, "max_tokens", longest)?;
-    let sampling = request_sampling(
+    let mut sampling = request_sampling(
         s,
         (temperature, top_p, req.top_k, req.seed),
         ProcessorFields {
@@ -1646,6 +1663,7 @@ async fn completions_inner(
         },
         max_tokens,
     )?;
+    sampling.constraint = constraint;
     let set = GenSettings {
         mode,
         max_tokens,
@@ -1681,20 +1699,7 @@ async fn chat_inner(
     })
     .await??;
     let model = check_model(s, &req.model)?;
-    if let Some(f) = &req.response_format {
-        if f.kind != "text" {
-            return Err(ServeError {
-                param: Some("response_format".into()),
-                ..ServeError::bad_request(
-                    "unsupported_parameter",
-                    format!(
-                        "response_format of type {:?} is not supported by this server (only \"text\")",
-                        f.kind
-                    ),
-                )
-            });
-        }
-    }
+    let constraint = compile_format(s, req.response_format.clone()).await?;
     let mode = prompt::request_mode(req.hypic.as_ref(), s.0.default_mode)?;
     let salt = req.hypic.as_ref().and_then(|h| h.salt.clone());
     // Before rendering or tokenising: each message within its cap, and the whole
@@ -1748,7 +1753,7 @@ async fn chat_inner(
         (None, m) => (m, "max_tokens"),
     };
     let max_tokens = check_max_tokens(s, given, param, prompt_tokens)?;
-    let sampling = request_sampling(
+    let mut sampling = request_sampling(
         s,
         (temperature, top_p, req.top_k, req.seed),
         ProcessorFields {
@@ -1760,6 +1765,7 @@ async fn chat_inner(
         },
         max_tokens,
     )?;
+    sampling.constraint = constraint;
     let set = GenSettings {
         mode,
         max_tokens,

@@ -171,13 +171,34 @@ impl<'de> Deserialize<'de> for PromptSpec {
 /// `logit_bias`: token id (a decimal string, as JSON object keys are) → bias.
 pub type LogitBias = std::collections::BTreeMap<String, f64>;
 
-/// `response_format`: read to accept `{"type": "text"}` (the default) and to reject
-/// the structured formats, which are not supported yet.
+/// `response_format` (OpenAI): `{"type": "text"}` (the default), `{"type":
+/// "json_object"}` (any JSON object) or `{"type": "json_schema", "json_schema": {...}}`;
+/// the JSON formats are enforced while decoding (see `serve::structured`).
 #[derive(Clone, Debug, Deserialize)]
 pub struct ResponseFormat {
     /// `text`, `json_object` or `json_schema`.
     #[serde(rename = "type")]
     pub kind: String,
+    /// The schema of a `json_schema` format.
+    #[serde(default)]
+    pub json_schema: Option<JsonSchemaFormat>,
+}
+
+/// `response_format.json_schema`.
+#[derive(Clone, Debug, Deserialize)]
+pub struct JsonSchemaFormat {
+    /// Name of the format (`a-z`, `A-Z`, `0-9`, `_`, `-`; at most 64 characters).
+    pub name: String,
+    /// What the format is for (not used in decoding).
+    #[serde(default)]
+    pub description: Option<String>,
+    /// A JSON Schema; absent: any JSON value.
+    #[serde(default)]
+    pub schema: Option<serde_json::Value>,
+    /// `true`: a schema keyword the grammar compiler does not support is a 400;
+    /// `false` or absent: such keywords are ignored (the rest is still enforced).
+    #[serde(default)]
+    pub strict: Option<bool>,
 }
 
 /// Fields of a completions request that the server reads.
@@ -203,6 +224,7 @@ pub const COMPLETION_FIELDS: &[&str] = &[
     "repetition_penalty",
     "logit_bias",
     "min_tokens",
+    "response_format",
     "user",
 ];
 
@@ -305,6 +327,9 @@ pub struct CompletionRequest {
     /// End-of-sequence tokens are masked until this many tokens (extension).
     #[serde(default)]
     pub min_tokens: Option<i64>,
+    /// Output format: text, or JSON enforced while decoding (as for chat).
+    #[serde(default)]
+    pub response_format: Option<ResponseFormat>,
     /// HYPIC extension.
     #[serde(default)]
     pub hypic: Option<HypicRequestExt>,
@@ -457,7 +482,7 @@ pub struct ChatRequest {
     /// Return log-probabilities of the output tokens.
     #[serde(default)]
     pub logprobs: Option<bool>,
-    /// Only `{"type": "text"}` is supported.
+    /// Output format: text, or JSON enforced while decoding.
     #[serde(default)]
     pub response_format: Option<ResponseFormat>,
     /// Alternatives per token (0..=20), needs `logprobs: true`.

@@ -27,4 +27,5 @@ mod serve_load;
 mod serve_netops;
 mod serve_reuse;
 mod serve_sampling;
+mod serve_structured;
 mod serve_ui;
