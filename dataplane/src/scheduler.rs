@@ -610,12 +610,14 @@ fn panic_message(p: &(dyn std::any::Any + Send)) -> String {
 /// Emits `r.next` (sampled from `logits`) unless it is a stop token; returns whether
 /// the sequence continues.
 fn emit<S>(r: &mut Running<S>, logits: &[f32], metrics: &SchedulerMetrics) -> bool {
+    // Counters move before the last event is sent, so a client that has its answer
+    // reads them updated.
     if r.stop.contains(&r.next) {
+        metrics.finished.fetch_add(1, Ordering::Relaxed);
         let _ = r.tx.send(GenEvent::Done {
             reason: FinishReason::Stop,
             generated: r.generated,
         });
-        metrics.finished.fetch_add(1, Ordering::Relaxed);
         return false;
     }
     r.generated += 1;
@@ -629,11 +631,11 @@ fn emit<S>(r: &mut Running<S>, logits: &[f32], metrics: &SchedulerMetrics) -> bo
         return false;
     }
     if r.generated >= r.max_tokens {
+        metrics.finished.fetch_add(1, Ordering::Relaxed);
         let _ = r.tx.send(GenEvent::Done {
             reason: FinishReason::Length,
             generated: r.generated,
         });
-        metrics.finished.fetch_add(1, Ordering::Relaxed);
         return false;
     }
     true

@@ -333,6 +333,32 @@ impl Tokenizer {
         messages: &[ChatMessage],
         add_generation_prompt: bool,
     ) -> Result<String> {
+        let msgs: Vec<serde_json::Value> = messages
+            .iter()
+            .map(|m| serde_json::json!({"role": m.role, "content": m.content}))
+            .collect();
+        self.apply_chat_template_with(&msgs, None, add_generation_prompt)
+    }
+
+    /// True when the chat template reads a `tools` variable (renders tool
+    /// specifications itself, as the Qwen templates do).
+    pub fn template_renders_tools(&self) -> bool {
+        self.chat_template
+            .as_deref()
+            .is_some_and(|t| t.contains("tools"))
+    }
+
+    /// Renders messages given as JSON objects (`role`, `content` and whatever else the
+    /// template reads, e.g. `tool_calls` with `function.arguments` as an object, or
+    /// `tool_call_id`) with `tools` (the OpenAI tool objects) in the context when given.
+    ///
+    /// Errors: no template, an empty message list, a template error.
+    pub fn apply_chat_template_with(
+        &self,
+        messages: &[serde_json::Value],
+        tools: Option<&serde_json::Value>,
+        add_generation_prompt: bool,
+    ) -> Result<String> {
         let tpl = self.chat_template.as_deref().ok_or_else(|| {
             Error::Tokenizer("the model has no chat_template in tokenizer_config.json".into())
         })?;
@@ -358,6 +384,7 @@ impl Tokenizer {
             .map_err(|e| Error::Tokenizer(e.to_string()))?;
         t.render(minijinja::context! {
             messages => messages,
+            tools => tools,
             add_generation_prompt => add_generation_prompt,
             bos_token => self.bos_token.clone().unwrap_or_default(),
             eos_token => self.eos_token.clone().unwrap_or_default(),

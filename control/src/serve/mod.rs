@@ -36,6 +36,7 @@ pub mod segments;
 pub mod structured;
 pub mod sweep;
 pub mod textgen;
+pub mod tools;
 pub mod traffic;
 pub mod types;
 

@@ -1418,6 +1418,8 @@ struct Job {
     stream: bool,
     include_usage: bool,
     echo: bool,
+    /// Chat tools whose calls are parsed from the output (`tool_choice` not `none`).
+    tools: Option<Arc<super::tools::ToolSet>>,
 }
 
 #[utoipa::path(post, path = "/v1/completions", tag = "inference", summary = "OpenAI completions with segment reuse (SSE with `stream: true`)", security(("bearer" = [])), request_body(content = Object, description = "OpenAI completions body; `segments` and the `hypic` extension are HYPIC's"), responses((status = 200, body = Object), (status = 400, description = "invalid input", body = crate::error::ErrorBody), (status = 401, description = "no or bad token", body = crate::error::ErrorBody), (status = 408, description = "body not received in time", body = crate::error::ErrorBody), (status = 429, description = "queue full (`Retry-After`)", body = crate::error::ErrorBody)))]
@@ -1681,6 +1683,7 @@ async fn completions_inner(
         stream: req.stream.unwrap_or(false),
         include_usage: req.stream_options.map(|o| o.include_usage).unwrap_or(false),
         echo: req.echo.unwrap_or(false),
+        tools: None,
     };
     run_job(s, p, job, t0).await
 }
@@ -1700,6 +1703,30 @@ async fn chat_inner(
     .await??;
     let model = check_model(s, &req.model)?;
     let constraint = compile_format(s, req.response_format.clone()).await?;
+    let tools = super::tools::ToolSet::parse(
+        req.tools.as_ref(),
+        req.tool_choice.as_ref(),
+        req.parallel_tool_calls,
+    )?
+    .map(Arc::new);
+    let constraint = match tools.as_ref().and_then(|t| t.grammar()) {
+        None => constraint,
+        Some(_) if constraint.is_some() => {
+            return Err(ServeError::invalid_param(
+                "tool_choice",
+                "a required or named tool_choice and a JSON response_format cannot both constrain the output",
+            ))
+        }
+        Some(g) => {
+            let gr = s.0.grammars.clone();
+            Some(
+                in_tokenize_turn(s, move || {
+                    gr.compile_grammar(g, "tool_choice".into(), "tool_choice")
+                })
+                .await??,
+            )
+        }
+    };
     let mode = prompt::request_mode(req.hypic.as_ref(), s.0.default_mode)?;
     let salt = req.hypic.as_ref().and_then(|h| h.salt.clone());
     // Before rendering or tokenising: each message within its cap, and the whole
@@ -1719,7 +1746,11 @@ async fn chat_inner(
     check_fits(s, "messages", bytes)?;
     let tok = s.0.tok.clone();
     let msgs = req.messages.clone();
-    let texts = in_tokenize_turn(s, move || prompt::chat_segments(&tok, &msgs)).await??;
+    let tools_r = tools.clone();
+    let texts = in_tokenize_turn(s, move || {
+        prompt::chat_segments(&tok, &msgs, tools_r.as_deref())
+    })
+    .await??;
     let (temperature, top_p, n) = check_sampling(req.temperature, req.top_p, req.n, s.0.cfg.max_n)?;
     let logprobs = match (req.logprobs.unwrap_or(false), req.top_logprobs) {
         (_, Some(k)) if !(0..=20).contains(&k) => {
@@ -1783,6 +1814,7 @@ async fn chat_inner(
         stream: req.stream.unwrap_or(false),
         include_usage: req.stream_options.map(|o| o.include_usage).unwrap_or(false),
         echo: false,
+        tools: tools.filter(|t| t.parses()),
     };
     run_job(s, p, job, t0).await
 }
@@ -1948,8 +1980,26 @@ async fn run_job(
                 }
                 Api::Chat => {
                     let lp = job.set.logprobs.map(|_| json!(chat_lp_json(&lps[i])));
-                    json!({"index": i, "message": {"role": "assistant", "content": texts[i]},
-                           "logprobs": lp, "finish_reason": finish[i]})
+                    let (content, calls) = match &job.tools {
+                        Some(_) => super::tools::split_calls(&texts[i]),
+                        None => (Some(texts[i].clone()), vec![]),
+                    };
+                    let mut message = json!({"role": "assistant", "content": content});
+                    let mut reason = finish[i];
+                    if !calls.is_empty() {
+                        message["tool_calls"] = json!(calls
+                            .iter()
+                            .enumerate()
+                            .map(|(k, c)| {
+                                let mut v = c.to_json(k, &rand_id("call"));
+                                v.as_object_mut().map(|o| o.remove("index"));
+                                v
+                            })
+                            .collect::<Vec<_>>());
+                        reason = "tool_calls";
+                    }
+                    json!({"index": i, "message": message,
+                           "logprobs": lp, "finish_reason": reason})
                 }
             }
         })
@@ -1993,6 +2043,34 @@ fn request_stats(
     }
 }
 
+/// Sends the released `pieces` of choice `i` of a chat stream with tools: text as
+/// content deltas (the first carries `lp`), each call as a `tool_calls` delta
+/// (`calls`: the choice's calls so far). Returns false when the client is gone.
+async fn send_pieces(
+    tx: &tokio::sync::mpsc::Sender<Event>,
+    base: &(impl Fn(Value) -> Value + Sync),
+    i: usize,
+    pieces: Vec<super::tools::Piece>,
+    mut lp: Option<Value>,
+    calls: &mut usize,
+) -> bool {
+    for p in pieces {
+        let delta = match p {
+            super::tools::Piece::Text(t) => json!({"content": t}),
+            super::tools::Piece::Call(c) => {
+                *calls += 1;
+                json!({"tool_calls": [c.to_json(*calls - 1, &rand_id("call"))]})
+            }
+        };
+        let v = base(json!([{"index": i, "delta": delta, "logprobs": lp.take(),
+                              "finish_reason": null}]));
+        if tx.send(Event::default().data(v.to_string())).await.is_err() {
+            return false;
+        }
+    }
+    true
+}
+
 fn stream_response(
     mut d: Driver,
     job: Job,
@@ -2008,6 +2086,7 @@ fn stream_response(
         prompts,
         set,
         include_usage,
+        tools,
         ..
     } = job;
     let chat = api == Api::Chat;
@@ -2040,8 +2119,29 @@ fn stream_response(
             return;
         }
         let mut offsets = vec![0usize; nch];
+        // Chat with tools: calls are cut out of the text as they complete.
+        let mut parsers: Vec<Option<super::tools::CallParser>> = (0..nch)
+            .map(|_| tools.as_ref().map(|_| super::tools::CallParser::default()))
+            .collect();
+        let mut calls = vec![0usize; nch];
         while let Some(o) = d.next().await {
             let v = match o {
+                Out::Delta(i, t, l) if parsers[i].is_some() => {
+                    let pieces = parsers[i].as_mut().map(|p| p.push(&t)).unwrap_or_default();
+                    let lp = set.logprobs.map(|_| json!(chat_lp_json(&l)));
+                    if !send_pieces(&tx, &base, i, pieces, lp, &mut calls[i]).await {
+                        return;
+                    }
+                    continue;
+                }
+                Out::Finish(i, r) if parsers[i].is_some() => {
+                    let pieces = parsers[i].as_mut().map(|p| p.finish()).unwrap_or_default();
+                    if !send_pieces(&tx, &base, i, pieces, None, &mut calls[i]).await {
+                        return;
+                    }
+                    let r = if calls[i] > 0 { "tool_calls" } else { r };
+                    base(json!([{"index": i, "delta": {}, "logprobs": null, "finish_reason": r}]))
+                }
                 Out::Delta(i, t, l) => {
                     let lp = set.logprobs.map(|_| {
                         if chat {

@@ -96,18 +96,29 @@ impl Grammars {
                 "the schema must be a JSON object (or a boolean schema)",
             ));
         }
+        let g = TopLevelGrammar::from_json_schema(with_options(schema, strict));
+        self.compile_grammar(g, describe, param).map(Some)
+    }
+
+    /// The constraint of an llguidance grammar (e.g. the forced tool call of
+    /// `tools::ToolSet::grammar`). Blocking.
+    ///
+    /// Errors: 400 naming `param` when the grammar does not compile; 500 when the
+    /// tokenizer cannot be indexed.
+    pub fn compile_grammar(
+        &self,
+        grammar: TopLevelGrammar,
+        describe: String,
+        param: &str,
+    ) -> Result<Constraint, ServeError> {
         let factory = self.factory().map_err(ServeError::internal)?;
-        let parser = factory
-            .create_parser(TopLevelGrammar::from_json_schema(with_options(
-                schema, strict,
-            )))
-            .map_err(|e| {
-                ServeError::invalid_param(param, format!("the schema cannot be enforced: {e}"))
-            })?;
-        Ok(Some(Constraint(Arc::new(Compiled {
+        let parser = factory.create_parser(grammar).map_err(|e| {
+            ServeError::invalid_param(param, format!("the schema cannot be enforced: {e}"))
+        })?;
+        Ok(Constraint(Arc::new(Compiled {
             parser: Mutex::new(parser),
             describe,
-        }))))
+        })))
     }
 }
 
@@ -266,7 +277,9 @@ mod tests {
         for _ in 0..400 {
             let mut row: Vec<f32> = (0..4096)
                 .map(|_| {
-                    x = x.wrapping_mul(6364136223846793005).wrapping_add(1442695040888963407);
+                    x = x
+                        .wrapping_mul(6364136223846793005)
+                        .wrapping_add(1442695040888963407);
                     (x >> 40) as f32 / (1u64 << 24) as f32
                 })
                 .collect();
@@ -363,7 +376,10 @@ mod tests {
             Some("response_format.json_schema.name")
         );
         // Not a schema, and a schema no value satisfies.
-        for bad in [json!(7), json!({"type": "integer", "minimum": 5, "maximum": 1})] {
+        for bad in [
+            json!(7),
+            json!({"type": "integer", "minimum": 5, "maximum": 1}),
+        ] {
             let e = g.compile(&schema_format(bad.clone())).unwrap_err();
             assert_eq!(
                 e.param.as_deref(),

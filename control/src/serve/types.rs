@@ -252,6 +252,9 @@ pub const CHAT_FIELDS: &[&str] = &[
     "logit_bias",
     "min_tokens",
     "response_format",
+    "tools",
+    "tool_choice",
+    "parallel_tool_calls",
     "user",
 ];
 
@@ -436,9 +439,13 @@ pub struct ChatMessageIn {
     /// not supported).
     #[serde(default)]
     pub content: Option<MessageContent>,
-    /// Assistant tool calls: read only to answer that they are not supported.
+    /// Assistant tool calls (`[{"id", "type": "function", "function": {"name",
+    /// "arguments"}}]`), validated when the conversation is rendered.
     #[serde(default)]
-    pub tool_calls: Option<IgnoredAny>,
+    pub tool_calls: Option<serde_json::Value>,
+    /// A `tool` message's call id.
+    #[serde(default)]
+    pub tool_call_id: Option<String>,
 }
 
 /// `POST /v1/chat/completions`.
@@ -485,6 +492,15 @@ pub struct ChatRequest {
     /// Output format: text, or JSON enforced while decoding.
     #[serde(default)]
     pub response_format: Option<ResponseFormat>,
+    /// Function tools the model may call (see `serve::tools`).
+    #[serde(default)]
+    pub tools: Option<serde_json::Value>,
+    /// `none`, `auto`, `required` or `{"type": "function", "function": {"name"}}`.
+    #[serde(default)]
+    pub tool_choice: Option<serde_json::Value>,
+    /// Allow several calls in one answer (default true).
+    #[serde(default)]
+    pub parallel_tool_calls: Option<bool>,
     /// Alternatives per token (0..=20), needs `logprobs: true`.
     #[serde(default)]
     pub top_logprobs: Option<i64>,

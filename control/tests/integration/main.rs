@@ -28,4 +28,5 @@ mod serve_netops;
 mod serve_reuse;
 mod serve_sampling;
 mod serve_structured;
+mod serve_tools;
 mod serve_ui;

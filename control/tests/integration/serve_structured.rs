@@ -29,13 +29,18 @@ fn schema() -> Value {
 /// Checks `text` against [`schema`] by hand (no validator crate in the tests).
 fn check(text: &str) {
     let v: Value = serde_json::from_str(text).unwrap_or_else(|e| panic!("{e}: {text:?}"));
-    let o = v.as_object().unwrap_or_else(|| panic!("not an object: {text}"));
+    let o = v
+        .as_object()
+        .unwrap_or_else(|| panic!("not an object: {text}"));
     assert_eq!(o.len(), 4, "{text}");
     assert!(o["city"].as_str().unwrap().chars().count() <= 6, "{text}");
     assert!((1..=14).contains(&o["days"].as_i64().unwrap()), "{text}");
     assert!(["C", "F"].contains(&o["unit"].as_str().unwrap()), "{text}");
     let tags = o["tags"].as_array().unwrap();
-    assert!(tags.len() <= 2 && tags.iter().all(Value::is_boolean), "{text}");
+    assert!(
+        tags.len() <= 2 && tags.iter().all(Value::is_boolean),
+        "{text}"
+    );
 }
 
 fn format() -> Value {
@@ -128,7 +133,10 @@ async fn bad_response_formats_are_400s_naming_the_field() {
     };
     for (rf, param) in [
         (json!({"type": "yaml"}), "response_format.type"),
-        (json!({"type": "json_schema"}), "response_format.json_schema"),
+        (
+            json!({"type": "json_schema"}),
+            "response_format.json_schema",
+        ),
         (
             json!({"type": "json_schema", "json_schema": {"name": "a b", "schema": {}}}),
             "response_format.json_schema.name",
@@ -155,7 +163,10 @@ async fn bad_response_formats_are_400s_naming_the_field() {
     }
     // A json_schema object without its name is a type error naming the field.
     let (st, v) = s
-        .post(CHAT, &chat(json!({"type": "json_schema", "json_schema": {}})))
+        .post(
+            CHAT,
+            &chat(json!({"type": "json_schema", "json_schema": {}})),
+        )
         .await;
     assert_error(st, &v, 400, "invalid_type");
     assert!(v.to_string().contains("name"), "{v}");
