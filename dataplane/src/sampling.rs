@@ -12,10 +12,58 @@
 //! 4. `min_tokens`: while fewer than `min_tokens` tokens were sampled, every stop
 //!    token id given to [`Sampler::with_context`] is set to `−∞`.
 //!
+//! 5. The sequence's [`Constraint`] (constrained decoding, e.g. a JSON schema): every
+//!    token it does not allow next is set to `−∞`. When the processors and the
+//!    constraint together leave no finite logit (e.g. `min_tokens` masks the stop token
+//!    that a finished grammar requires), the constraint alone decides.
+//!
 //! Both backends return logits to the host and sample with this type, so the
 //! processors apply to the CPU and the CUDA engine alike.
 use rand::{rngs::StdRng, Rng, SeedableRng};
 use std::collections::{HashMap, HashSet};
+use std::sync::Arc;
+
+/// One sequence's live constraint on its next token (a compiled grammar's parser
+/// state, for instance), created by [`ConstraintSpec::start`] when the sequence starts.
+pub trait TokenConstraint: Send {
+    /// Sets the logit of every token not allowed next to `−∞`, in place. `logits` is
+    /// one row, `[vocab]`, indexed by token id.
+    ///
+    /// Errors: the constraint is in an error state (its message, for the client).
+    fn mask(&mut self, logits: &mut [f32]) -> Result<(), String>;
+    /// Advances past the sampled `token`.
+    ///
+    /// Errors: `token` is not allowed in the current state.
+    fn commit(&mut self, token: u32) -> Result<(), String>;
+}
+
+/// A compiled, shareable constraint (e.g. a JSON schema compiled to a grammar) from
+/// which each sequence of a request starts its own [`TokenConstraint`].
+pub trait ConstraintSpec: Send + Sync {
+    /// Short description for logs and errors, e.g. `json_schema "weather"`.
+    fn describe(&self) -> String;
+    /// A fresh per-sequence state.
+    ///
+    /// Errors: the constraint cannot start (its message).
+    fn start(&self) -> Result<Box<dyn TokenConstraint>, String>;
+}
+
+/// A [`ConstraintSpec`] carried by [`SamplingParams`]; equal when it is the same
+/// compiled spec.
+#[derive(Clone)]
+pub struct Constraint(pub Arc<dyn ConstraintSpec>);
+
+impl std::fmt::Debug for Constraint {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        write!(f, "Constraint({})", self.0.describe())
+    }
+}
+
+impl PartialEq for Constraint {
+    fn eq(&self, other: &Self) -> bool {
+        Arc::ptr_eq(&self.0, &other.0)
+    }
+}
 
 /// Sampling parameters (OpenAI semantics: temperature 0 means greedy).
 #[derive(Clone, Debug, PartialEq)]
@@ -41,6 +89,8 @@ pub struct SamplingParams {
     pub logit_bias: Vec<(u32, f32)>,
     /// Stop tokens are masked until this many tokens were sampled.
     pub min_tokens: usize,
+    /// Constrained decoding: only tokens this constraint allows are sampled.
+    pub constraint: Option<Constraint>,
 }
 
 impl SamplingParams {
@@ -51,6 +101,7 @@ impl SamplingParams {
             || self.repetition_penalty != 1.0
             || !self.logit_bias.is_empty()
             || self.min_tokens > 0
+            || self.constraint.is_some()
     }
 }
 
@@ -66,6 +117,7 @@ impl Default for SamplingParams {
             repetition_penalty: 1.0,
             logit_bias: Vec::new(),
             min_tokens: 0,
+            constraint: None,
         }
     }
 }
@@ -83,6 +135,8 @@ pub struct Sampler {
     stop: Vec<u32>,
     /// Tokens sampled so far.
     sampled: usize,
+    /// The sequence's constraint state, or why it could not start.
+    constraint: Option<Result<Box<dyn TokenConstraint>, String>>,
 }
 
 /// Index of the largest logit (lowest index on ties, like `torch.argmax`). NaN is
@@ -118,6 +172,7 @@ impl Sampler {
         } else {
             HashSet::new()
         };
+        let constraint = params.constraint.as_ref().map(|c| c.0.start());
         Sampler {
             params,
             rng,
@@ -125,6 +180,7 @@ impl Sampler {
             prompt,
             stop: stop.to_vec(),
             sampled: 0,
+            constraint,
         }
     }
 
@@ -166,19 +222,50 @@ impl Sampler {
         }
     }
 
-    /// Picks the next token from `logits` (`[vocab]`), after the logit processors,
-    /// and records it in the sequence's state.
-    pub fn sample(&mut self, logits: &[f32]) -> u32 {
+    /// Picks the next token from `logits` (`[vocab]`), after the logit processors
+    /// and the constraint, and records it in the sequence's state.
+    ///
+    /// Errors: the constraint could not start, is in an error state, or rejected the
+    /// token (its message); the sequence should end with an error.
+    pub fn try_sample(&mut self, logits: &[f32]) -> Result<u32, String> {
         let t = if self.params.has_processors() {
             let mut row = logits.to_vec();
             self.process(&mut row);
+            if let Some(c) = &mut self.constraint {
+                let c = c.as_mut().map_err(|e| e.clone())?;
+                c.mask(&mut row)?;
+                if !row.iter().any(|v| v.is_finite()) {
+                    row.copy_from_slice(logits);
+                    c.mask(&mut row)?;
+                }
+            }
             self.pick(&row)
         } else {
             self.pick(logits)
         };
+        if let Some(Ok(c)) = &mut self.constraint {
+            c.commit(t)?;
+        }
         *self.counts.entry(t).or_insert(0) += 1;
         self.sampled += 1;
-        t
+        Ok(t)
+    }
+
+    /// [`Sampler::try_sample`] for a sampler without a constraint (its only error).
+    /// With a failing constraint the token is picked from the logits after the
+    /// processors alone; callers that set a constraint use `try_sample`.
+    pub fn sample(&mut self, logits: &[f32]) -> u32 {
+        match self.try_sample(logits) {
+            Ok(t) => t,
+            Err(_) => {
+                let mut row = logits.to_vec();
+                self.process(&mut row);
+                let t = self.pick(&row);
+                *self.counts.entry(t).or_insert(0) += 1;
+                self.sampled += 1;
+                t
+            }
+        }
     }
 
     fn pick(&mut self, logits: &[f32]) -> u32 {
@@ -413,5 +500,112 @@ mod tests {
     #[test]
     fn no_processors_by_default() {
         assert!(!SamplingParams::default().has_processors());
+    }
+
+    /// A constraint that allows exactly the token ids of `script`, one per step, then
+    /// only `end`; with `fail_start` it cannot start.
+    struct Script {
+        script: Vec<u32>,
+        end: u32,
+        fail_start: bool,
+    }
+    struct ScriptState {
+        left: Vec<u32>,
+        end: u32,
+    }
+    impl ConstraintSpec for Script {
+        fn describe(&self) -> String {
+            "script".into()
+        }
+        fn start(&self) -> Result<Box<dyn TokenConstraint>, String> {
+            if self.fail_start {
+                return Err("cannot start".into());
+            }
+            let mut left = self.script.clone();
+            left.reverse();
+            Ok(Box::new(ScriptState {
+                left,
+                end: self.end,
+            }))
+        }
+    }
+    impl TokenConstraint for ScriptState {
+        fn mask(&mut self, logits: &mut [f32]) -> Result<(), String> {
+            let allow = *self.left.last().unwrap_or(&self.end);
+            for (i, l) in logits.iter_mut().enumerate() {
+                if i as u32 != allow {
+                    *l = f32::NEG_INFINITY;
+                }
+            }
+            Ok(())
+        }
+        fn commit(&mut self, token: u32) -> Result<(), String> {
+            let want = self.left.pop().unwrap_or(self.end);
+            if token != want {
+                return Err(format!("token {token} is not allowed"));
+            }
+            Ok(())
+        }
+    }
+
+    fn scripted(script: Vec<u32>, end: u32, fail_start: bool) -> Option<Constraint> {
+        Some(Constraint(Arc::new(Script {
+            script,
+            end,
+            fail_start,
+        })))
+    }
+
+    #[test]
+    fn constraint_decides_against_the_logits_greedy_and_sampled() {
+        // The row prefers token 0 strongly; the constraint forces 3, 1, 2, then 4.
+        let row = [9.0f32, 1.0, 0.5, 0.0, -1.0];
+        for temperature in [0.0, 1.0] {
+            let p = SamplingParams {
+                temperature,
+                seed: Some(7),
+                constraint: scripted(vec![3, 1, 2], 4, false),
+                ..Default::default()
+            };
+            assert!(p.has_processors());
+            let mut s = Sampler::new(p);
+            let got: Vec<u32> = (0..5).map(|_| s.try_sample(&row).unwrap()).collect();
+            assert_eq!(got, vec![3, 1, 2, 4, 4]);
+        }
+    }
+
+    #[test]
+    fn constraint_wins_over_min_tokens_when_both_leave_nothing() {
+        // min_tokens masks stop token 4, which is all the finished constraint allows.
+        let p = SamplingParams {
+            min_tokens: 3,
+            constraint: scripted(vec![1], 4, false),
+            ..Default::default()
+        };
+        let mut s = Sampler::with_context(p, &[], &[4]);
+        let row = [0.0f32, 0.0, 0.0, 0.0, 5.0];
+        assert_eq!(s.try_sample(&row).unwrap(), 1);
+        assert_eq!(s.try_sample(&row).unwrap(), 4);
+    }
+
+    #[test]
+    fn constraint_errors_reach_the_caller() {
+        let p = SamplingParams {
+            constraint: scripted(vec![1], 2, true),
+            ..Default::default()
+        };
+        let mut s = Sampler::new(p);
+        assert_eq!(s.try_sample(&[0.0, 1.0, 0.0]).unwrap_err(), "cannot start");
+        // `sample` falls back to the processed row.
+        assert_eq!(s.sample(&[0.0, 1.0, 0.0]), 1);
+    }
+
+    #[test]
+    fn constraints_compare_by_identity() {
+        let a = scripted(vec![1], 2, false).unwrap();
+        let b = scripted(vec![1], 2, false).unwrap();
+        assert_eq!(a, a.clone());
+        assert_ne!(a, b);
+        assert_eq!(format!("{a:?}"), "Constraint(script)");
     }
 }

@@ -12,8 +12,9 @@
 //!   step over every running sequence ([`Engine::decode_batch`]: on the CPU
 //!   `Model::decode_batch`, on the GPU `GpuModel::decode_batch`). Tokens are sampled
 //!   on the host from the returned logits with [`Sampler`] on both backends; each
-//!   running sequence owns its sampler, so penalties, `logit_bias` and `min_tokens`
-//!   are per request within a batch.
+//!   running sequence owns its sampler, so penalties, `logit_bias`, `min_tokens` and
+//!   a constraint (structured output) are per request within a batch; a constraint
+//!   that fails ends its sequence with [`GenEvent::Error`].
 //! * Cancellation: dropping the [`RequestHandle`] (client disconnect) or calling
 //!   [`RequestHandle::cancel`] frees the sequence's state at the next step.
 use crate::engine::{Engine, EnginePools};
@@ -466,7 +467,7 @@ fn worker_loop<E: Engine>(shared: Arc<Shared>, engine: Arc<E>, cfg: SchedulerCon
                     let _ = qr.tx.send(GenEvent::Error { kind, message });
                     metrics.finished.fetch_add(1, Ordering::Relaxed);
                 }
-                Ok(out) => {
+                Ok(out) => 'started: {
                     // Per-sequence processor state: the prompt (for the repetition
                     // penalty) and the stop tokens (masked until `min_tokens`).
                     let prompt: Vec<u32> = if qr.req.sampling.repetition_penalty != 1.0 {
@@ -483,7 +484,14 @@ fn worker_loop<E: Engine>(shared: Arc<Shared>, engine: Arc<E>, cfg: SchedulerCon
                         &prompt,
                         &qr.req.stop_token_ids,
                     );
-                    let next = sampler.sample(&out.logits);
+                    let next = match sampler.try_sample(&out.logits) {
+                        Ok(t) => t,
+                        Err(e) => {
+                            let _ = qr.tx.send(constraint_error(&e));
+                            metrics.finished.fetch_add(1, Ordering::Relaxed);
+                            break 'started;
+                        }
+                    };
                     let prompt_tokens = qr.req.segments.iter().map(|s| s.tokens.len()).sum();
                     let _ = qr.tx.send(GenEvent::Started {
                         stats: out.stats,
@@ -546,7 +554,15 @@ fn worker_loop<E: Engine>(shared: Arc<Shared>, engine: Arc<E>, cfg: SchedulerCon
             match step {
                 Ok(all_logits) => {
                     for (mut r, logits) in live.into_iter().zip(all_logits) {
-                        r.next = r.sampler.sample(&logits);
+                        r.next = match r.sampler.try_sample(&logits) {
+                            Ok(t) => t,
+                            Err(e) => {
+                                let _ = r.tx.send(constraint_error(&e));
+                                metrics.finished.fetch_add(1, Ordering::Relaxed);
+                                reserved -= r.reservation;
+                                continue;
+                            }
+                        };
                         if emit(&mut r, &logits, &metrics) {
                             keep.push(r);
                         } else {
@@ -576,6 +592,14 @@ fn worker_loop<E: Engine>(shared: Arc<Shared>, engine: Arc<E>, cfg: SchedulerCon
     }
 }
 
+/// The error event of a sequence whose constraint failed (see [`Sampler::try_sample`]).
+fn constraint_error(message: &str) -> GenEvent {
+    GenEvent::Error {
+        kind: ErrorKind::Internal,
+        message: format!("constrained decoding failed: {message}"),
+    }
+}
+
 fn panic_message(p: &(dyn std::any::Any + Send)) -> String {
     p.downcast_ref::<&str>()
         .map(|s| s.to_string())
@@ -586,12 +610,14 @@ fn panic_message(p: &(dyn std::any::Any + Send)) -> String {
 /// Emits `r.next` (sampled from `logits`) unless it is a stop token; returns whether
 /// the sequence continues.
 fn emit<S>(r: &mut Running<S>, logits: &[f32], metrics: &SchedulerMetrics) -> bool {
+    // Counters move before the last event is sent, so a client that has its answer
+    // reads them updated.
     if r.stop.contains(&r.next) {
+        metrics.finished.fetch_add(1, Ordering::Relaxed);
         let _ = r.tx.send(GenEvent::Done {
             reason: FinishReason::Stop,
             generated: r.generated,
         });
-        metrics.finished.fetch_add(1, Ordering::Relaxed);
         return false;
     }
     r.generated += 1;
@@ -605,11 +631,11 @@ fn emit<S>(r: &mut Running<S>, logits: &[f32], metrics: &SchedulerMetrics) -> bo
         return false;
     }
     if r.generated >= r.max_tokens {
+        metrics.finished.fetch_add(1, Ordering::Relaxed);
         let _ = r.tx.send(GenEvent::Done {
             reason: FinishReason::Length,
             generated: r.generated,
         });
-        metrics.finished.fetch_add(1, Ordering::Relaxed);
         return false;
     }
     true

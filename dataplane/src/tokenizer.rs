@@ -304,6 +304,17 @@ impl Tokenizer {
         self.inner.get_vocab_size(true)
     }
 
+    /// The tokenizer serialised as `tokenizer.json` is written (vocabulary, merges,
+    /// added tokens, pre-tokeniser and decoder), for libraries that read that format
+    /// (e.g. a constrained-decoding library building its token trie).
+    ///
+    /// Errors: serialisation failed.
+    pub fn to_json(&self) -> Result<String> {
+        self.inner
+            .to_string(false)
+            .map_err(|e| Error::Tokenizer(e.to_string()))
+    }
+
     /// Id of a token string, if it exists.
     pub fn token_to_id(&self, token: &str) -> Option<u32> {
         self.inner.token_to_id(token)
@@ -320,6 +331,32 @@ impl Tokenizer {
     pub fn apply_chat_template(
         &self,
         messages: &[ChatMessage],
+        add_generation_prompt: bool,
+    ) -> Result<String> {
+        let msgs: Vec<serde_json::Value> = messages
+            .iter()
+            .map(|m| serde_json::json!({"role": m.role, "content": m.content}))
+            .collect();
+        self.apply_chat_template_with(&msgs, None, add_generation_prompt)
+    }
+
+    /// True when the chat template reads a `tools` variable (renders tool
+    /// specifications itself, as the Qwen templates do).
+    pub fn template_renders_tools(&self) -> bool {
+        self.chat_template
+            .as_deref()
+            .is_some_and(|t| t.contains("tools"))
+    }
+
+    /// Renders messages given as JSON objects (`role`, `content` and whatever else the
+    /// template reads, e.g. `tool_calls` with `function.arguments` as an object, or
+    /// `tool_call_id`) with `tools` (the OpenAI tool objects) in the context when given.
+    ///
+    /// Errors: no template, an empty message list, a template error.
+    pub fn apply_chat_template_with(
+        &self,
+        messages: &[serde_json::Value],
+        tools: Option<&serde_json::Value>,
         add_generation_prompt: bool,
     ) -> Result<String> {
         let tpl = self.chat_template.as_deref().ok_or_else(|| {
@@ -347,6 +384,7 @@ impl Tokenizer {
             .map_err(|e| Error::Tokenizer(e.to_string()))?;
         t.render(minijinja::context! {
             messages => messages,
+            tools => tools,
             add_generation_prompt => add_generation_prompt,
             bos_token => self.bos_token.clone().unwrap_or_default(),
             eos_token => self.eos_token.clone().unwrap_or_default(),

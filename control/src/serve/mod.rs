@@ -33,8 +33,10 @@ pub mod prompt;
 pub mod reqlog;
 pub mod routes;
 pub mod segments;
+pub mod structured;
 pub mod sweep;
 pub mod textgen;
+pub mod tools;
 pub mod traffic;
 pub mod types;
 pub mod why;
@@ -770,6 +772,8 @@ pub(crate) struct Inner {
     pub ctx: usize,
     /// Turns to tokenise (`tokenize_concurrency` permits).
     pub tokenize_gate: Arc<tokio::sync::Semaphore>,
+    /// Grammar compiler of `response_format` (structured output).
+    pub grammars: Arc<structured::Grammars>,
 }
 
 /// Shared state of the serving routes.
@@ -867,6 +871,11 @@ impl AppState {
         let metrics = metrics::ServeMetrics::new();
         metrics.set_backend(&backend);
         let first_use = first_use::FirstUse::new(&cfg.shared_first_use);
+        let tok = Arc::new(tok);
+        let grammars = Arc::new(structured::Grammars::new(
+            tok.clone(),
+            engine.config().vocab_size,
+        ));
         Ok(AppState(Arc::new(Inner {
             cfg,
             model_id,
@@ -875,7 +884,7 @@ impl AppState {
                 .map(|d| d.as_secs())
                 .unwrap_or(0),
             default_mode,
-            tok: Arc::new(tok),
+            tok,
             engine,
             backend,
             sched,
@@ -891,6 +900,7 @@ impl AppState {
             prefill_gate: tokio::sync::Semaphore::new(1),
             ctx,
             tokenize_gate: Arc::new(tokio::sync::Semaphore::new(cfg_tok_conc)),
+            grammars,
         })))
     }
 

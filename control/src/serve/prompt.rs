@@ -8,11 +8,16 @@
 //!   further so that each part is a segment of exactly its text (a private-use
 //!   marker surrounds the parts while rendering); its role header and end marker
 //!   become small segments of their own.
+//! * Tools (`serve::tools`): the tool list becomes a segment of its own, after the
+//!   system prompt's text (a cut is placed there), so the same tools are a hit in
+//!   any conversation.
 //! * Completions: a `segments` array, or a prompt cut at the separator string.
 use super::errors::ServeError;
+use super::tools::{self, ToolSet};
 use super::types::{ChatMessageIn, HypicRequestExt, MessageContent};
 use dataplane::pic::Mode;
-use dataplane::tokenizer::{ChatMessage, Tokenizer};
+use dataplane::tokenizer::Tokenizer;
+use serde_json::{json, Value};
 
 /// Joins content parts while rendering; never accepted in user text.
 pub const PART_MARK: &str = "\u{10FFFD}";
@@ -21,8 +26,13 @@ pub const MAX_MESSAGES: usize = 1024;
 
 const ROLES: [&str; 5] = ["system", "developer", "user", "assistant", "tool"];
 
-/// Renders a conversation and cuts it into segment texts (non-empty, in order).
-pub fn chat_segments(tok: &Tokenizer, msgs: &[ChatMessageIn]) -> Result<Vec<String>, ServeError> {
+/// Renders a conversation (with its tools, when given) and cuts it into segment texts
+/// (non-empty, in order).
+pub fn chat_segments(
+    tok: &Tokenizer,
+    msgs: &[ChatMessageIn],
+    tools: Option<&ToolSet>,
+) -> Result<Vec<String>, ServeError> {
     if msgs.is_empty() {
         return Err(ServeError::invalid_param(
             "messages",
@@ -41,7 +51,8 @@ pub fn chat_segments(tok: &Tokenizer, msgs: &[ChatMessageIn]) -> Result<Vec<Stri
             "the served model has no chat template; use /v1/completions",
         ));
     }
-    let mut conv = Vec::with_capacity(msgs.len());
+    let native = tools.is_some() && tok.template_renders_tools();
+    let mut conv: Vec<Value> = Vec::with_capacity(msgs.len() + 1);
     let mut any_text = false;
     for (i, m) in msgs.iter().enumerate() {
         if !ROLES.contains(&m.role.as_str()) {
@@ -57,16 +68,7 @@ pub fn chat_segments(tok: &Tokenizer, msgs: &[ChatMessageIn]) -> Result<Vec<Stri
         let param = format!("messages[{i}].content");
         let parts: Vec<String> = match &m.content {
             // OpenAI allows null content only for assistant messages with tool calls.
-            None if m.role == "assistant" && m.tool_calls.is_some() => {
-                let param = format!("messages[{i}].tool_calls");
-                return Err(ServeError::invalid_param(
-                    &param,
-                    format!(
-                        "'{param}': tool calls are not supported; \
-                         give the assistant message's text in 'content'"
-                    ),
-                ));
-            }
+            None if m.role == "assistant" && m.tool_calls.is_some() => vec![String::new()],
             None => {
                 return Err(ServeError::invalid_param(
                     &param,
@@ -135,11 +137,70 @@ pub fn chat_segments(tok: &Tokenizer, msgs: &[ChatMessageIn]) -> Result<Vec<Stri
             _ => parts.join(PART_MARK),
         };
         any_text |= parts.iter().any(|p| !p.is_empty());
-        conv.push(ChatMessage {
-            role: m.role.clone(),
-            content,
-        });
+        let mut msg = json!({"role": m.role, "content": content});
+        if let Some(calls) = &m.tool_calls {
+            if m.role != "assistant" {
+                return Err(ServeError::invalid_param(
+                    &format!("messages[{i}].tool_calls"),
+                    "only assistant messages carry tool_calls",
+                ));
+            }
+            let calls = check_calls(i, calls)?;
+            any_text |= !calls.is_empty();
+            if native {
+                msg["tool_calls"] = json!(calls
+                    .iter()
+                    .map(|(id, name, args)| json!({"id": id, "type": "function",
+                        "function": {"name": name, "arguments": args}}))
+                    .collect::<Vec<_>>());
+            } else {
+                let mut text = msg["content"].as_str().unwrap_or("").to_string();
+                for (_, name, args) in &calls {
+                    if !text.is_empty() {
+                        text.push('\n');
+                    }
+                    text.push_str(&tools::call_text(name, args));
+                }
+                msg["content"] = json!(text);
+            }
+        }
+        if m.role == "tool" {
+            if native {
+                msg["tool_call_id"] = json!(m.tool_call_id);
+            } else {
+                let c = msg["content"].as_str().unwrap_or("");
+                msg = json!({"role": "user",
+                    "content": format!("<tool_response>\n{c}\n</tool_response>")});
+            }
+        }
+        conv.push(msg);
     }
+    if let Some(t) = tools {
+        // A cut right after the system prompt's text: what follows in that turn
+        // (the tool list) is a segment of its own.
+        let has_system = conv[0]["role"] == "system";
+        if native {
+            if has_system {
+                let c = format!("{}{PART_MARK}", conv[0]["content"].as_str().unwrap_or(""));
+                conv[0]["content"] = json!(c);
+            }
+        } else if has_system {
+            let c = format!(
+                "{}{PART_MARK}\n\n{}",
+                conv[0]["content"].as_str().unwrap_or(""),
+                tools::tools_text(&t.tools)
+            );
+            conv[0]["content"] = json!(c);
+        } else {
+            conv.insert(
+                0,
+                json!({"role": "system", "content": tools::tools_text(&t.tools)}),
+            );
+        }
+    }
+    let tools_ctx = tools
+        .filter(|_| native)
+        .map(|t| Value::Array(t.tools.clone()));
     // An empty message is fine in a conversation, an empty conversation is not.
     if !any_text {
         return Err(ServeError::invalid_param(
@@ -148,7 +209,7 @@ pub fn chat_segments(tok: &Tokenizer, msgs: &[ChatMessageIn]) -> Result<Vec<Stri
         ));
     }
     let render = |k: usize, gen: bool| {
-        tok.apply_chat_template(&conv[..k], gen)
+        tok.apply_chat_template_with(&conv[..k], tools_ctx.as_ref(), gen)
             .map_err(|e| ServeError::bad_request("chat_template_error", e.to_string()))
     };
     let full = render(conv.len(), true)?;
@@ -184,6 +245,44 @@ pub fn chat_segments(tok: &Tokenizer, msgs: &[ChatMessageIn]) -> Result<Vec<Stri
         ));
     }
     Ok(segs)
+}
+
+/// The `(id, name, arguments)` of an assistant message's `tool_calls`; arguments as
+/// given (an object, or its JSON text).
+///
+/// Errors: 400 naming `messages[i].tool_calls[j]…` for a call that is not a function
+/// call with a name.
+fn check_calls(i: usize, calls: &Value) -> Result<Vec<(Value, String, Value)>, ServeError> {
+    let param = format!("messages[{i}].tool_calls");
+    let list = calls
+        .as_array()
+        .ok_or_else(|| ServeError::invalid_param(&param, format!("'{param}' must be an array")))?;
+    let mut out = Vec::with_capacity(list.len());
+    for (j, c) in list.iter().enumerate() {
+        let f = c.get("function").filter(|f| f.is_object()).ok_or_else(|| {
+            ServeError::invalid_param(
+                &format!("{param}[{j}].function"),
+                "a tool call needs a 'function' object with 'name' and 'arguments'",
+            )
+        })?;
+        let name = f.get("name").and_then(Value::as_str).ok_or_else(|| {
+            ServeError::invalid_param(
+                &format!("{param}[{j}].function.name"),
+                "a tool call needs a string 'name'",
+            )
+        })?;
+        let args = match f.get("arguments") {
+            None => json!({}),
+            Some(Value::String(s)) => serde_json::from_str(s).unwrap_or_else(|_| json!(s)),
+            Some(v) => v.clone(),
+        };
+        out.push((
+            c.get("id").cloned().unwrap_or(Value::Null),
+            name.to_string(),
+            args,
+        ));
+    }
+    Ok(out)
 }
 
 /// Cuts a completions prompt at `sep` (empty pieces dropped).

@@ -18,7 +18,7 @@ use axum::response::{IntoResponse, Response};
 use axum::routing::{get, post};
 use axum::{Json, Router};
 use dataplane::pic::{Mode, PicStats, SegmentRef};
-use dataplane::sampling::SamplingParams;
+use dataplane::sampling::{Constraint, SamplingParams};
 use dataplane::scheduler::{
     ErrorKind, FinishReason, GenEvent, GenRequest, RequestHandle, SubmitError,
 };
@@ -936,6 +936,22 @@ fn request_sampling(
     Ok(sp)
 }
 
+/// The decoding constraint of a request's `response_format` (None for text), compiled
+/// on the blocking pool. Errors: 400 naming the field of a bad format.
+async fn compile_format(
+    s: &AppState,
+    format: Option<ResponseFormat>,
+) -> Result<Option<Constraint>, ServeError> {
+    let Some(format) = format else {
+        return Ok(None);
+    };
+    if format.kind == "text" {
+        return Ok(None);
+    }
+    let g = s.0.grammars.clone();
+    in_tokenize_turn(s, move || g.compile(&format)).await?
+}
+
 /// A 400 for the first field of `body` the route does not read (`known`).
 fn check_fields(body: &[u8], known: &[&str]) -> Result<(), ServeError> {
     match unsupported_field(body, known) {
@@ -1414,6 +1430,8 @@ struct Job {
     stream: bool,
     include_usage: bool,
     echo: bool,
+    /// Chat tools whose calls are parsed from the output (`tool_choice` not `none`).
+    tools: Option<Arc<super::tools::ToolSet>>,
 }
 
 #[utoipa::path(post, path = "/v1/completions", tag = "inference", summary = "OpenAI completions with segment reuse (SSE with `stream: true`)", security(("bearer" = [])), request_body(content = Object, description = "OpenAI completions body; `segments` and the `hypic` extension are HYPIC's"), responses((status = 200, body = Object), (status = 400, description = "invalid input", body = crate::error::ErrorBody), (status = 401, description = "no or bad token", body = crate::error::ErrorBody), (status = 408, description = "body not received in time", body = crate::error::ErrorBody), (status = 429, description = "queue full (`Retry-After`)", body = crate::error::ErrorBody)))]
@@ -1475,6 +1493,7 @@ async fn completions_inner(
     })
     .await??;
     let model = check_model(s, &req.model)?;
+    let constraint = compile_format(s, req.response_format.clone()).await?;
     let mode = prompt::request_mode(req.hypic.as_ref(), s.0.default_mode)?;
     let salt = req.hypic.as_ref().and_then(|h| h.salt.clone());
     let sources: Vec<Vec<SegSource>> = match (&req.prompt, &req.segments) {
@@ -1646,7 +1665,7 @@ async fn completions_inner(
         .max()
         .unwrap_or(0);
     let max_tokens = check_max_tokens(s, req.max_tokens, "max_tokens", longest)?;
-    let sampling = request_sampling(
+    let mut sampling = request_sampling(
         s,
         (temperature, top_p, req.top_k, req.seed),
         ProcessorFields {
@@ -1658,6 +1677,7 @@ async fn completions_inner(
         },
         max_tokens,
     )?;
+    sampling.constraint = constraint;
     let set = GenSettings {
         mode,
         max_tokens,
@@ -1675,6 +1695,7 @@ async fn completions_inner(
         stream: req.stream.unwrap_or(false),
         include_usage: req.stream_options.map(|o| o.include_usage).unwrap_or(false),
         echo: req.echo.unwrap_or(false),
+        tools: None,
     };
     run_job(s, p, job, t0).await
 }
@@ -1693,20 +1714,31 @@ async fn chat_inner(
     })
     .await??;
     let model = check_model(s, &req.model)?;
-    if let Some(f) = &req.response_format {
-        if f.kind != "text" {
-            return Err(ServeError {
-                param: Some("response_format".into()),
-                ..ServeError::bad_request(
-                    "unsupported_parameter",
-                    format!(
-                        "response_format of type {:?} is not supported by this server (only \"text\")",
-                        f.kind
-                    ),
-                )
-            });
+    let constraint = compile_format(s, req.response_format.clone()).await?;
+    let tools = super::tools::ToolSet::parse(
+        req.tools.as_ref(),
+        req.tool_choice.as_ref(),
+        req.parallel_tool_calls,
+    )?
+    .map(Arc::new);
+    let constraint = match tools.as_ref().and_then(|t| t.grammar()) {
+        None => constraint,
+        Some(_) if constraint.is_some() => {
+            return Err(ServeError::invalid_param(
+                "tool_choice",
+                "a required or named tool_choice and a JSON response_format cannot both constrain the output",
+            ))
         }
-    }
+        Some(g) => {
+            let gr = s.0.grammars.clone();
+            Some(
+                in_tokenize_turn(s, move || {
+                    gr.compile_grammar(g, "tool_choice".into(), "tool_choice")
+                })
+                .await??,
+            )
+        }
+    };
     let mode = prompt::request_mode(req.hypic.as_ref(), s.0.default_mode)?;
     let salt = req.hypic.as_ref().and_then(|h| h.salt.clone());
     // Before rendering or tokenising: each message within its cap, and the whole
@@ -1726,7 +1758,11 @@ async fn chat_inner(
     check_fits(s, "messages", bytes)?;
     let tok = s.0.tok.clone();
     let msgs = req.messages.clone();
-    let texts = in_tokenize_turn(s, move || prompt::chat_segments(&tok, &msgs)).await??;
+    let tools_r = tools.clone();
+    let texts = in_tokenize_turn(s, move || {
+        prompt::chat_segments(&tok, &msgs, tools_r.as_deref())
+    })
+    .await??;
     let (temperature, top_p, n) = check_sampling(req.temperature, req.top_p, req.n, s.0.cfg.max_n)?;
     let logprobs = match (req.logprobs.unwrap_or(false), req.top_logprobs) {
         (_, Some(k)) if !(0..=20).contains(&k) => {
@@ -1760,7 +1796,7 @@ async fn chat_inner(
         (None, m) => (m, "max_tokens"),
     };
     let max_tokens = check_max_tokens(s, given, param, prompt_tokens)?;
-    let sampling = request_sampling(
+    let mut sampling = request_sampling(
         s,
         (temperature, top_p, req.top_k, req.seed),
         ProcessorFields {
@@ -1772,6 +1808,7 @@ async fn chat_inner(
         },
         max_tokens,
     )?;
+    sampling.constraint = constraint;
     let set = GenSettings {
         mode,
         max_tokens,
@@ -1789,6 +1826,7 @@ async fn chat_inner(
         stream: req.stream.unwrap_or(false),
         include_usage: req.stream_options.map(|o| o.include_usage).unwrap_or(false),
         echo: false,
+        tools: tools.filter(|t| t.parses()),
     };
     run_job(s, p, job, t0).await
 }
@@ -1963,8 +2001,26 @@ async fn run_job(
                 }
                 Api::Chat => {
                     let lp = job.set.logprobs.map(|_| json!(chat_lp_json(&lps[i])));
-                    json!({"index": i, "message": {"role": "assistant", "content": texts[i]},
-                           "logprobs": lp, "finish_reason": finish[i]})
+                    let (content, calls) = match &job.tools {
+                        Some(_) => super::tools::split_calls(&texts[i]),
+                        None => (Some(texts[i].clone()), vec![]),
+                    };
+                    let mut message = json!({"role": "assistant", "content": content});
+                    let mut reason = finish[i];
+                    if !calls.is_empty() {
+                        message["tool_calls"] = json!(calls
+                            .iter()
+                            .enumerate()
+                            .map(|(k, c)| {
+                                let mut v = c.to_json(k, &rand_id("call"));
+                                v.as_object_mut().map(|o| o.remove("index"));
+                                v
+                            })
+                            .collect::<Vec<_>>());
+                        reason = "tool_calls";
+                    }
+                    json!({"index": i, "message": message,
+                           "logprobs": lp, "finish_reason": reason})
                 }
             }
         })
@@ -2009,6 +2065,34 @@ fn request_stats(
     }
 }
 
+/// Sends the released `pieces` of choice `i` of a chat stream with tools: text as
+/// content deltas (the first carries `lp`), each call as a `tool_calls` delta
+/// (`calls`: the choice's calls so far). Returns false when the client is gone.
+async fn send_pieces(
+    tx: &tokio::sync::mpsc::Sender<Event>,
+    base: &(impl Fn(Value) -> Value + Sync),
+    i: usize,
+    pieces: Vec<super::tools::Piece>,
+    mut lp: Option<Value>,
+    calls: &mut usize,
+) -> bool {
+    for p in pieces {
+        let delta = match p {
+            super::tools::Piece::Text(t) => json!({"content": t}),
+            super::tools::Piece::Call(c) => {
+                *calls += 1;
+                json!({"tool_calls": [c.to_json(*calls - 1, &rand_id("call"))]})
+            }
+        };
+        let v = base(json!([{"index": i, "delta": delta, "logprobs": lp.take(),
+                              "finish_reason": null}]));
+        if tx.send(Event::default().data(v.to_string())).await.is_err() {
+            return false;
+        }
+    }
+    true
+}
+
 fn stream_response(
     mut d: Driver,
     job: Job,
@@ -2024,6 +2108,7 @@ fn stream_response(
         prompts,
         set,
         include_usage,
+        tools,
         ..
     } = job;
     let chat = api == Api::Chat;
@@ -2056,8 +2141,29 @@ fn stream_response(
             return;
         }
         let mut offsets = vec![0usize; nch];
+        // Chat with tools: calls are cut out of the text as they complete.
+        let mut parsers: Vec<Option<super::tools::CallParser>> = (0..nch)
+            .map(|_| tools.as_ref().map(|_| super::tools::CallParser::default()))
+            .collect();
+        let mut calls = vec![0usize; nch];
         while let Some(o) = d.next().await {
             let v = match o {
+                Out::Delta(i, t, l) if parsers[i].is_some() => {
+                    let pieces = parsers[i].as_mut().map(|p| p.push(&t)).unwrap_or_default();
+                    let lp = set.logprobs.map(|_| json!(chat_lp_json(&l)));
+                    if !send_pieces(&tx, &base, i, pieces, lp, &mut calls[i]).await {
+                        return;
+                    }
+                    continue;
+                }
+                Out::Finish(i, r) if parsers[i].is_some() => {
+                    let pieces = parsers[i].as_mut().map(|p| p.finish()).unwrap_or_default();
+                    if !send_pieces(&tx, &base, i, pieces, None, &mut calls[i]).await {
+                        return;
+                    }
+                    let r = if calls[i] > 0 { "tool_calls" } else { r };
+                    base(json!([{"index": i, "delta": {}, "logprobs": null, "finish_reason": r}]))
+                }
                 Out::Delta(i, t, l) => {
                     let lp = set.logprobs.map(|_| {
                         if chat {

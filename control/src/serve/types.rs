@@ -171,13 +171,34 @@ impl<'de> Deserialize<'de> for PromptSpec {
 /// `logit_bias`: token id (a decimal string, as JSON object keys are) → bias.
 pub type LogitBias = std::collections::BTreeMap<String, f64>;
 
-/// `response_format`: read to accept `{"type": "text"}` (the default) and to reject
-/// the structured formats, which are not supported yet.
+/// `response_format` (OpenAI): `{"type": "text"}` (the default), `{"type":
+/// "json_object"}` (any JSON object) or `{"type": "json_schema", "json_schema": {...}}`;
+/// the JSON formats are enforced while decoding (see `serve::structured`).
 #[derive(Clone, Debug, Deserialize)]
 pub struct ResponseFormat {
     /// `text`, `json_object` or `json_schema`.
     #[serde(rename = "type")]
     pub kind: String,
+    /// The schema of a `json_schema` format.
+    #[serde(default)]
+    pub json_schema: Option<JsonSchemaFormat>,
+}
+
+/// `response_format.json_schema`.
+#[derive(Clone, Debug, Deserialize)]
+pub struct JsonSchemaFormat {
+    /// Name of the format (`a-z`, `A-Z`, `0-9`, `_`, `-`; at most 64 characters).
+    pub name: String,
+    /// What the format is for (not used in decoding).
+    #[serde(default)]
+    pub description: Option<String>,
+    /// A JSON Schema; absent: any JSON value.
+    #[serde(default)]
+    pub schema: Option<serde_json::Value>,
+    /// `true`: a schema keyword the grammar compiler does not support is a 400;
+    /// `false` or absent: such keywords are ignored (the rest is still enforced).
+    #[serde(default)]
+    pub strict: Option<bool>,
 }
 
 /// Fields of a completions request that the server reads.
@@ -203,6 +224,7 @@ pub const COMPLETION_FIELDS: &[&str] = &[
     "repetition_penalty",
     "logit_bias",
     "min_tokens",
+    "response_format",
     "user",
 ];
 
@@ -230,6 +252,9 @@ pub const CHAT_FIELDS: &[&str] = &[
     "logit_bias",
     "min_tokens",
     "response_format",
+    "tools",
+    "tool_choice",
+    "parallel_tool_calls",
     "user",
 ];
 
@@ -305,6 +330,9 @@ pub struct CompletionRequest {
     /// End-of-sequence tokens are masked until this many tokens (extension).
     #[serde(default)]
     pub min_tokens: Option<i64>,
+    /// Output format: text, or JSON enforced while decoding (as for chat).
+    #[serde(default)]
+    pub response_format: Option<ResponseFormat>,
     /// HYPIC extension.
     #[serde(default)]
     pub hypic: Option<HypicRequestExt>,
@@ -411,9 +439,13 @@ pub struct ChatMessageIn {
     /// not supported).
     #[serde(default)]
     pub content: Option<MessageContent>,
-    /// Assistant tool calls: read only to answer that they are not supported.
+    /// Assistant tool calls (`[{"id", "type": "function", "function": {"name",
+    /// "arguments"}}]`), validated when the conversation is rendered.
     #[serde(default)]
-    pub tool_calls: Option<IgnoredAny>,
+    pub tool_calls: Option<serde_json::Value>,
+    /// A `tool` message's call id.
+    #[serde(default)]
+    pub tool_call_id: Option<String>,
 }
 
 /// `POST /v1/chat/completions`.
@@ -457,9 +489,18 @@ pub struct ChatRequest {
     /// Return log-probabilities of the output tokens.
     #[serde(default)]
     pub logprobs: Option<bool>,
-    /// Only `{"type": "text"}` is supported.
+    /// Output format: text, or JSON enforced while decoding.
     #[serde(default)]
     pub response_format: Option<ResponseFormat>,
+    /// Function tools the model may call (see `serve::tools`).
+    #[serde(default)]
+    pub tools: Option<serde_json::Value>,
+    /// `none`, `auto`, `required` or `{"type": "function", "function": {"name"}}`.
+    #[serde(default)]
+    pub tool_choice: Option<serde_json::Value>,
+    /// Allow several calls in one answer (default true).
+    #[serde(default)]
+    pub parallel_tool_calls: Option<bool>,
     /// Alternatives per token (0..=20), needs `logprobs: true`.
     #[serde(default)]
     pub top_logprobs: Option<i64>,

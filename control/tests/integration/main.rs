@@ -28,5 +28,7 @@ mod serve_load;
 mod serve_netops;
 mod serve_reuse;
 mod serve_sampling;
+mod serve_structured;
+mod serve_tools;
 mod serve_ui;
 mod serve_why;
