@@ -103,4 +103,8 @@ cargo test --workspace --locked "$@"
 if [ $# -eq 0 ]; then
   step "web-ui: vitest, bundle check, Playwright end-to-end"
   HYPIC_BIN=target/debug/hypic web-ui/test-e2e.sh
+  # The official OpenAI Python SDK against a real server (tests/sdk/run.sh makes its
+  # virtualenv): structured output, tool calls, sampling controls, token-id prompts.
+  step "OpenAI Python SDK"
+  HYPIC_BIN=target/debug/hypic tests/sdk/run.sh
 fi
