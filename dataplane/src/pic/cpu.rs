@@ -4,7 +4,7 @@ use std::sync::Arc;
 
 use super::backend::PicBackend;
 use super::engine::{EntryLayer, Pic, SegmentEntry};
-use crate::config::{LayerKind, ModelConfig};
+use crate::config::{MixerKind, ModelConfig};
 use crate::engine::BackendInfo;
 use crate::error::{Error, Result};
 use crate::model::{Logits, Model};
@@ -54,12 +54,19 @@ impl CpuBackend {
         let (nkv, hd) = (c.num_kv_heads, c.head_dim);
         let body = e.len - e.body_start;
         for (i, (ls, el)) in state.layers.iter_mut().zip(&e.layers).enumerate() {
-            match (ls, el, c.layer_kinds[i]) {
-                (
-                    LayerState::Linear(s),
-                    EntryLayer::Linear { pair, conv_tail },
-                    LayerKind::Linear,
-                ) => {
+            match (ls, el, c.mixers[i]) {
+                (LayerState::Linear(s), EntryLayer::Linear { pair, conv_tail }, m)
+                    if m.is_linear() =>
+                {
+                    // The pair must be of the form the layer's mixer builds.
+                    if m.transition_kind() != Some(pair.kind()) {
+                        return Err(Error::Input(format!(
+                            "layer {i}: cached {:?} transition, the {} mixer builds {:?}",
+                            pair.kind(),
+                            m.name(),
+                            m.transition_kind()
+                        )));
+                    }
                     let r = if naive {
                         pair.apply_naive(&mut s.recurrent)
                     } else {
@@ -68,7 +75,7 @@ impl CpuBackend {
                     r.map_err(|e| Error::Input(format!("layer {i}: {e}")))?;
                     s.conv.clone_from(conv_tail);
                 }
-                (LayerState::Full(kv), EntryLayer::Full { k, v }, LayerKind::Full) => {
+                (LayerState::Full(kv), EntryLayer::Full { k, v }, MixerKind::Attention) => {
                     let mut k = k.clone();
                     if rope_fix && b != 0 {
                         for tok in k.chunks_exact_mut(nkv * hd) {
