@@ -1750,7 +1750,7 @@ where
 
     /// [`GpuModel::gdr_span`] split at `from` (clamped to `d.t`): the seam `0..from`
     /// from `rec`, then the body `from..` with its transition; returns the body pair
-    /// `(T_body, S_end − T_body·S_from)` as the CPU `gdr_with_body_pair` does.
+    /// `(T_body, S_end − T_body·S_from)` as the CPU `mixers::gated_deltanet::layer::with_body_pair` does.
     #[allow(clippy::too_many_arguments)]
     fn gdr_capture(
         &self,

@@ -224,3 +224,62 @@ impl PicBackend for CpuBackend {
         self.model.decode_batch(tokens, states)
     }
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::linear::transition::{Pair, TransitionKind};
+
+    fn backend() -> CpuBackend {
+        let dir =
+            std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("tests/fixtures/golden/qwen3_5");
+        CpuBackend {
+            model: Arc::new(Model::load(&dir, &mut |_, _| {}).unwrap()),
+        }
+    }
+
+    /// A cached pair whose storage form is not the one the layer's mixer builds is
+    /// refused by name; the entry as built composes.
+    #[test]
+    fn compose_checks_the_pair_kind_against_the_mixer() {
+        let b = backend();
+        let tokens: Vec<u32> = (0..12u32).map(|i| (i * 7 + 3) % 300).collect();
+        let entry = b.build_entries(&tokens, &[2], &[true]).unwrap()[0]
+            .clone()
+            .unwrap();
+        let mut state = b.new_state().unwrap();
+        b.compose(&tokens, &entry, &mut state, false, true).unwrap();
+        assert_eq!(state.next_position, tokens.len() as i64);
+        let c = &b.model.config;
+        let (i, m) = c
+            .mixers
+            .iter()
+            .enumerate()
+            .find(|(_, m)| m.is_linear())
+            .unwrap();
+        assert_eq!(m.transition_kind(), Some(TransitionKind::Dense));
+        let mut bad = entry.clone();
+        bad.layers[i] = EntryLayer::Linear {
+            pair: Pair::identity(
+                TransitionKind::Scalar,
+                c.linear_v_heads,
+                c.linear_k_dim,
+                c.linear_v_dim,
+            ),
+            conv_tail: match &entry.layers[i] {
+                EntryLayer::Linear { conv_tail, .. } => conv_tail.clone(),
+                EntryLayer::Full { .. } => unreachable!("a linear layer"),
+            },
+        };
+        let mut state = b.new_state().unwrap();
+        let e = b
+            .compose(&tokens, &bad, &mut state, false, true)
+            .unwrap_err();
+        let msg = e.to_string();
+        assert!(
+            msg.contains(&format!("layer {i}")) && msg.contains("Scalar"),
+            "{msg}"
+        );
+        assert!(msg.contains("gated_deltanet"), "{msg}");
+    }
+}
