@@ -340,9 +340,11 @@ impl Model {
                                 c,
                                 &self.rope,
                                 w,
-                                qg[j * qw..(j + 1) * qw].to_vec(),
-                                k[j * kw..(j + 1) * kw].to_vec(),
-                                v[j * kw..(j + 1) * kw].to_vec(),
+                                (
+                                    qg[j * qw..(j + 1) * qw].to_vec(),
+                                    k[j * kw..(j + 1) * kw].to_vec(),
+                                    v[j * kw..(j + 1) * kw].to_vec(),
+                                ),
                                 &pos,
                                 kv,
                             );

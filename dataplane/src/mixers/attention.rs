@@ -55,8 +55,7 @@ pub(crate) fn forward(
     kv: &mut KvCache,
 ) -> (Vec<f32>, Vec<f32>, Vec<f32>) {
     let t = positions.len();
-    let (qg, k, v) = project(c, w, r, t);
-    let (o, k, v) = mix(c, rope, w, qg, k, v, positions, kv);
+    let (o, k, v) = mix(c, rope, w, project(c, w, r, t), positions, kv);
     (
         linear(&o, t, c.num_heads * c.head_dim, &w.o, c.hidden_size),
         k,
@@ -80,15 +79,14 @@ pub(crate) fn project(
     )
 }
 
-/// From projections: q/k norm, RoPE, KV append, causal attention, output gate.
-/// Returns (gated attention output `[T, H·hd]` before `o_proj`, span K, span V).
+/// From the projections `(q|gate, k, v)` of [`project`]: q/k norm, RoPE, KV
+/// append, causal attention, output gate. Returns (gated attention output
+/// `[T, H·hd]` before `o_proj`, span K, span V).
 pub(crate) fn mix(
     c: &ModelConfig,
     rope: &Rope,
     w: &AttnWeights,
-    qg: Vec<f32>,
-    mut k: Vec<f32>,
-    v: Vec<f32>,
+    (qg, mut k, v): (Vec<f32>, Vec<f32>, Vec<f32>),
     positions: &[i64],
     kv: &mut KvCache,
 ) -> (Vec<f32>, Vec<f32>, Vec<f32>) {
