@@ -59,7 +59,7 @@ mod bench {
     use std::time::Instant;
 
     use cudarc::cublas::{CudaBlas, Gemm};
-    use dataplane::config::{LayerKind, ModelConfig};
+    use dataplane::config::{MixerKind, ModelConfig};
     use dataplane::cuda::model::{GpuModel, GpuState};
     use dataplane::cuda::pic::GpuPicEngine;
     use dataplane::cuda::random::random_buffer;
@@ -133,8 +133,8 @@ mod bench {
             a.config.display(),
             c.model_type,
             c.num_layers,
-            c.layer_kinds.iter().filter(|k| **k == LayerKind::Linear).count(),
-            c.layer_kinds.iter().filter(|k| **k == LayerKind::Full).count(),
+            c.mixers.iter().filter(|k| **k == MixerKind::GatedDeltaNet).count(),
+            c.mixers.iter().filter(|k| **k == MixerKind::Attention).count(),
             c.hidden_size,
             c.vocab_size,
             c.num_experts,
@@ -170,9 +170,9 @@ mod bench {
         let vh = (c.vocab_size * c.hidden_size) as f64;
         let per_tok = 2.0 * (pc.active_matmul as f64 - vh);
         let n_full = c
-            .layer_kinds
+            .mixers
             .iter()
-            .filter(|k| **k == LayerKind::Full)
+            .filter(|k| **k == MixerKind::Attention)
             .count() as f64;
         let n_lin = c.num_layers as f64 - n_full;
         // Σ_{p=p0}^{p0+t−1} (p+1)
@@ -485,16 +485,16 @@ mod bench {
     {
         let e = |x: dataplane::cuda::CudaError| x.to_string();
         let n_full = c
-            .layer_kinds
+            .mixers
             .iter()
-            .filter(|k| **k == LayerKind::Full)
+            .filter(|k| **k == MixerKind::Attention)
             .count();
         let n_lin = c.num_layers - n_full;
         let mut per_kind = vec![];
-        for kind in [LayerKind::Linear, LayerKind::Full] {
+        for kind in [MixerKind::GatedDeltaNet, MixerKind::Attention] {
             let mut cc = c.clone();
             cc.num_layers = 4;
-            cc.layer_kinds = vec![kind; 4];
+            cc.mixers = vec![kind; 4];
             cc.layer_is_moe = c.layer_is_moe[..4.min(c.num_layers)].to_vec();
             cc.layer_is_moe
                 .resize(4, c.layer_is_moe.first().copied().unwrap_or(false));

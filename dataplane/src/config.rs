@@ -1,30 +1,93 @@
-//! Model configuration from an unmodified Hugging Face `config.json`.
+//! The generic decoder description the engine runs ([`ModelConfig`]), built by a
+//! model family ([`crate::models`]) from an unmodified Hugging Face `config.json`.
 //!
-//! Supports `qwen3_next` (flat) and `qwen3_5` / `qwen3_5_moe` (VL wrapper with the text
-//! model under `text_config`; also the bare `*_text` types). Keys and defaults follow
-//! HF transformers `configuration_qwen3_next.py` / `configuration_qwen3_5*.py`
-//! (see docs/pic-design.md §8.1).
+//! Each family (`models/qwen3_next.rs`, `models/qwen3_5.rs`) parses its own
+//! config.json struct and converts it into a [`ModelConfig`]: sizes, the per-layer
+//! token mixers ([`MixerKind`]), the FFN layout and the checkpoint tensor names
+//! ([`TensorNames`], [`InProjLayout`]). Nothing outside `models/` branches on the
+//! family (docs/pic-design.md §8.1 for the Qwen facts).
 use crate::error::{io_err, Error, Result};
+pub use crate::mixers::gated_deltanet::InProjLayout;
+pub use crate::mixers::MixerKind;
 use serde_json::Value;
 use std::path::Path;
 
-/// Kind of token mixer of one decoder layer.
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
-pub enum LayerKind {
-    /// Gated DeltaNet (linear attention with a recurrent state).
-    Linear,
-    /// Gated full (softmax) attention with a KV cache.
-    Full,
+/// Checkpoint tensor names of a family: `{prefix}{embed}`, `{prefix}{norm}`,
+/// `{lm_head}` (no prefix), and per layer `i` `{prefix}{layers}{i}.` followed by the
+/// norm names, the mixer prefix of its [`MixerKind`] and the FFN prefix.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct TensorNames {
+    /// Prefix of the decoder tensors (`model.`, or `model.language_model.` for a
+    /// Qwen3.5 vision-language wrapper).
+    pub prefix: String,
+    /// Token embedding under the prefix (`embed_tokens.weight`).
+    pub embed: &'static str,
+    /// Final norm under the prefix (`norm.weight`).
+    pub final_norm: &'static str,
+    /// Untied LM head, without the prefix (`lm_head.weight`).
+    pub lm_head: &'static str,
+    /// Layer list under the prefix (`layers.`).
+    pub layers: &'static str,
+    /// Pre-mixer norm under the layer (`input_layernorm.weight`).
+    pub input_norm: &'static str,
+    /// Pre-FFN norm under the layer (`post_attention_layernorm.weight`).
+    pub post_norm: &'static str,
+    /// Gated DeltaNet mixer prefix under the layer (`linear_attn.`).
+    pub gated_deltanet: &'static str,
+    /// Attention mixer prefix under the layer (`self_attn.`).
+    pub attention: &'static str,
+    /// FFN (dense MLP or MoE) prefix under the layer (`mlp.`).
+    pub ffn: &'static str,
 }
 
-/// Checkpoint family, which fixes tensor names and the GDN projection layout.
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
-pub enum Family {
-    /// Qwen3-Next: flat `model.` prefix, fused `in_proj_qkvz`/`in_proj_ba`.
-    Qwen3Next,
-    /// Qwen3.5 (dense or MoE): `model.language_model.` prefix (wrapper) or `model.`
-    /// (bare text checkpoint), split `in_proj_qkv`/`in_proj_z`/`in_proj_b`/`in_proj_a`.
-    Qwen35,
+impl TensorNames {
+    /// The Hugging Face Qwen decoder names (Qwen3-Next, Qwen3.5) under `prefix`.
+    pub fn qwen(prefix: &str) -> Self {
+        TensorNames {
+            prefix: prefix.to_string(),
+            embed: "embed_tokens.weight",
+            final_norm: "norm.weight",
+            lm_head: "lm_head.weight",
+            layers: "layers.",
+            input_norm: "input_layernorm.weight",
+            post_norm: "post_attention_layernorm.weight",
+            gated_deltanet: "linear_attn.",
+            attention: "self_attn.",
+            ffn: "mlp.",
+        }
+    }
+    /// Full name of the token embedding.
+    pub fn embed_tokens(&self) -> String {
+        format!("{}{}", self.prefix, self.embed)
+    }
+    /// Full name of the final norm.
+    pub fn norm(&self) -> String {
+        format!("{}{}", self.prefix, self.final_norm)
+    }
+    /// Prefix of layer `i` (`model.layers.3.`).
+    pub fn layer(&self, i: usize) -> String {
+        format!("{}{}{i}.", self.prefix, self.layers)
+    }
+    /// Full name of layer `i`'s pre-mixer norm.
+    pub fn input_layernorm(&self, i: usize) -> String {
+        format!("{}{}", self.layer(i), self.input_norm)
+    }
+    /// Full name of layer `i`'s pre-FFN norm.
+    pub fn post_layernorm(&self, i: usize) -> String {
+        format!("{}{}", self.layer(i), self.post_norm)
+    }
+    /// Prefix of layer `i`'s mixer of kind `kind`.
+    pub fn mixer(&self, i: usize, kind: MixerKind) -> String {
+        let m = match kind {
+            MixerKind::GatedDeltaNet => self.gated_deltanet,
+            MixerKind::Attention => self.attention,
+        };
+        format!("{}{m}", self.layer(i))
+    }
+    /// Prefix of layer `i`'s FFN.
+    pub fn mlp(&self, i: usize) -> String {
+        format!("{}{}", self.layer(i), self.ffn)
+    }
 }
 
 /// Text-model hyper-parameters. Sizes are element counts.
@@ -32,18 +95,20 @@ pub enum Family {
 pub struct ModelConfig {
     /// `model_type` of the top-level config.
     pub model_type: String,
-    /// Checkpoint family.
-    pub family: Family,
-    /// Prefix of decoder weights (`model.` or `model.language_model.`).
-    pub weight_prefix: String,
+    /// Name of the model family that built this description (`models::FAMILIES`).
+    pub family: &'static str,
+    /// Checkpoint tensor names.
+    pub names: TensorNames,
+    /// How the checkpoint stores the Gated DeltaNet input projection.
+    pub gdn_in_proj: InProjLayout,
     /// Residual width (`hidden_size`).
     pub hidden_size: usize,
     /// Decoder layers (`num_hidden_layers`).
     pub num_layers: usize,
     /// Vocabulary size (embedding and LM-head rows).
     pub vocab_size: usize,
-    /// Per-layer mixer kind (`layer_types`).
-    pub layer_kinds: Vec<LayerKind>,
+    /// Per-layer token mixer (from `layer_types`).
+    pub mixers: Vec<MixerKind>,
     /// Full-attention query heads.
     pub num_heads: usize,
     /// Full-attention KV heads (GQA).
@@ -56,7 +121,7 @@ pub struct ModelConfig {
     pub rope_theta: f64,
     /// Whether `q_proj` also produces the per-head sigmoid output gate.
     pub attn_output_gate: bool,
-    /// GDN key (query) heads Hk.
+    /// Gated DeltaNet key (query) heads Hk.
     pub linear_k_heads: usize,
     /// GDN value heads Hv.
     pub linear_v_heads: usize,
@@ -116,169 +181,37 @@ impl ModelConfig {
         Self::from_json(&v)
     }
 
-    /// Parses a config.json value (see [`ModelConfig::from_dir`]).
+    /// Parses a config.json value through the family registered for its
+    /// `model_type` ([`crate::models::decoder_config`]; see [`ModelConfig::from_dir`]).
     pub fn from_json(root: &Value) -> Result<Self> {
-        let model_type = root
-            .get("model_type")
-            .and_then(Value::as_str)
-            .ok_or_else(|| cfg_err("model_type", "missing or not a string"))?
-            .to_string();
-        let (family, text, prefix) = match model_type.as_str() {
-            "qwen3_next" => (Family::Qwen3Next, root, "model."),
-            "qwen3_5" | "qwen3_5_moe" => {
-                let t = root.get("text_config").ok_or_else(|| {
-                    cfg_err("text_config", "missing for a Qwen3.5 wrapper config")
-                })?;
-                (Family::Qwen35, t, "model.language_model.")
-            }
-            "qwen3_5_text" | "qwen3_5_moe_text" => (Family::Qwen35, root, "model."),
-            other => return Err(Error::UnsupportedModel(other.to_string())),
-        };
-        let moe_type = model_type.contains("moe");
-        let get = |k: &str| text.get(k).or_else(|| root.get(k));
-        let usize_req = |k: &str| -> Result<usize> {
-            get(k)
-                .ok_or_else(|| cfg_err(k, "missing"))?
-                .as_u64()
-                .map(|x| x as usize)
-                .ok_or_else(|| cfg_err(k, "not a non-negative integer"))
-        };
-        let usize_opt = |k: &str, d: usize| -> Result<usize> {
-            match get(k) {
-                None | Some(Value::Null) => Ok(d),
-                Some(v) => v
-                    .as_u64()
-                    .map(|x| x as usize)
-                    .ok_or_else(|| cfg_err(k, "not a non-negative integer")),
-            }
-        };
-        let bool_opt = |k: &str, d: bool| -> Result<bool> {
-            match get(k) {
-                None | Some(Value::Null) => Ok(d),
-                Some(v) => v.as_bool().ok_or_else(|| cfg_err(k, "not a boolean")),
-            }
-        };
-        let rope = get("rope_parameters").or_else(|| get("rope_scaling"));
-        let f64_from = |k: &str| -> Option<f64> {
-            rope.and_then(|r| r.get(k))
-                .and_then(Value::as_f64)
-                .or_else(|| get(k).and_then(Value::as_f64))
-        };
+        crate::models::decoder_config(root)
+    }
 
-        let hidden_size = usize_req("hidden_size")?;
-        let num_layers = usize_req("num_hidden_layers")?;
-        let vocab_size = usize_req("vocab_size")?;
-        let num_heads = usize_req("num_attention_heads")?;
-        let num_kv_heads = usize_opt("num_key_value_heads", num_heads)?;
-        let head_dim = usize_opt("head_dim", hidden_size / num_heads.max(1))?;
-        let layer_kinds = match get("layer_types") {
-            Some(Value::Array(a)) => a
-                .iter()
-                .enumerate()
-                .map(|(i, t)| match t.as_str() {
-                    Some("linear_attention") => Ok(LayerKind::Linear),
-                    Some("full_attention") => Ok(LayerKind::Full),
-                    _ => Err(cfg_err(
-                        "layer_types",
-                        &format!(
-                            "entry {i} is {t}, expected \"linear_attention\" or \"full_attention\""
-                        ),
-                    )),
-                })
-                .collect::<Result<Vec<_>>>()?,
-            Some(_) => return Err(cfg_err("layer_types", "not a list")),
-            None => {
-                let interval = usize_opt("full_attention_interval", 4)?.max(1);
-                (0..num_layers)
-                    .map(|i| {
-                        if (i + 1) % interval == 0 {
-                            LayerKind::Full
-                        } else {
-                            LayerKind::Linear
-                        }
-                    })
-                    .collect()
-            }
-        };
-        if layer_kinds.len() != num_layers {
+    /// Number of layers whose mixer is linear attention (a recurrent state).
+    pub fn num_linear_layers(&self) -> usize {
+        self.mixers.iter().filter(|m| m.is_linear()).count()
+    }
+
+    /// Number of full-attention layers (a KV cache).
+    pub fn num_attention_layers(&self) -> usize {
+        self.mixers.len() - self.num_linear_layers()
+    }
+
+    /// Checks the sizes a family produced (nonzero where needed, head counts that
+    /// divide, even rotary dims, top-k within the experts).
+    ///
+    /// Errors: [`Error::Config`] naming the config.json field at fault.
+    pub fn validate(&self) -> Result<()> {
+        if self.mixers.len() != self.num_layers {
             return Err(cfg_err(
                 "layer_types",
                 &format!(
-                    "has {} entries but num_hidden_layers is {num_layers}",
-                    layer_kinds.len()
+                    "has {} entries but num_hidden_layers is {}",
+                    self.mixers.len(),
+                    self.num_layers
                 ),
             ));
         }
-        let partial = f64_from("partial_rotary_factor").unwrap_or(0.25);
-        let rotary_dim = ((head_dim as f64) * partial) as usize;
-        let rope_theta = f64_from("rope_theta").unwrap_or(10_000.0);
-        let num_experts = usize_opt("num_experts", 0)?;
-        let decoder_sparse_step = usize_opt("decoder_sparse_step", 1)?.max(1);
-        let mlp_only: Vec<usize> = match get("mlp_only_layers") {
-            Some(Value::Array(a)) => a
-                .iter()
-                .filter_map(Value::as_u64)
-                .map(|x| x as usize)
-                .collect(),
-            _ => vec![],
-        };
-        let layer_is_moe = (0..num_layers)
-            .map(|i| {
-                num_experts > 0 && !mlp_only.contains(&i) && (i + 1) % decoder_sparse_step == 0
-            })
-            .collect::<Vec<_>>();
-        let any_dense = layer_is_moe.iter().any(|m| !m);
-        let cfg = ModelConfig {
-            family,
-            weight_prefix: prefix.to_string(),
-            hidden_size,
-            num_layers,
-            vocab_size,
-            layer_kinds,
-            num_heads,
-            num_kv_heads,
-            head_dim,
-            rotary_dim,
-            rope_theta,
-            attn_output_gate: bool_opt("attn_output_gate", true)?,
-            linear_k_heads: usize_req("linear_num_key_heads")?,
-            linear_v_heads: usize_req("linear_num_value_heads")?,
-            linear_k_dim: usize_req("linear_key_head_dim")?,
-            linear_v_dim: usize_req("linear_value_head_dim")?,
-            conv_kernel: usize_opt("linear_conv_kernel_dim", 4)?,
-            num_experts,
-            experts_per_tok: if num_experts > 0 {
-                usize_req("num_experts_per_tok")?
-            } else {
-                0
-            },
-            moe_intermediate_size: if num_experts > 0 {
-                usize_req("moe_intermediate_size")?
-            } else {
-                0
-            },
-            shared_expert_intermediate_size: usize_opt("shared_expert_intermediate_size", 0)?,
-            norm_topk_prob: if moe_type && family == Family::Qwen35 {
-                true
-            } else {
-                bool_opt("norm_topk_prob", true)?
-            },
-            intermediate_size: if any_dense {
-                usize_req("intermediate_size")?
-            } else {
-                usize_opt("intermediate_size", 0)?
-            },
-            layer_is_moe,
-            rms_norm_eps: get("rms_norm_eps").and_then(Value::as_f64).unwrap_or(1e-6) as f32,
-            tie_word_embeddings: bool_opt("tie_word_embeddings", false)?,
-            max_position_embeddings: usize_opt("max_position_embeddings", 262_144)?,
-            model_type,
-        };
-        cfg.validate()?;
-        Ok(cfg)
-    }
-
-    fn validate(&self) -> Result<()> {
         let nz = |k: &str, v: usize| {
             if v == 0 {
                 Err(cfg_err(k, "must be > 0"))
@@ -322,7 +255,8 @@ impl ModelConfig {
     }
 }
 
-fn cfg_err(field: &str, msg: &str) -> Error {
+/// A [`Error::Config`] for `field`.
+pub(crate) fn cfg_err(field: &str, msg: &str) -> Error {
     Error::Config {
         field: field.to_string(),
         msg: msg.to_string(),

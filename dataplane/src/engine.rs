@@ -17,7 +17,7 @@
 //! Logits come back to the host (fp32) in both engines: the scheduler samples with
 //! the CPU [`crate::sampling::Sampler`] and computes log-probabilities from them, so
 //! a seeded request draws the same way on either backend.
-use crate::config::{LayerKind, ModelConfig};
+use crate::config::ModelConfig;
 use crate::error::Result;
 use crate::pic::engine::Snapshot;
 use crate::pic::pool::{CachePolicy, PoolStats};
@@ -72,11 +72,7 @@ pub trait EnginePools: Send + Sync {
     /// its position).
     fn kv_bytes_per_token(&self) -> usize {
         let c = self.config();
-        let full = c
-            .layer_kinds
-            .iter()
-            .filter(|k| **k == LayerKind::Full)
-            .count();
+        let full = c.num_attention_layers();
         full * 2 * c.num_kv_heads * c.head_dim * self.kv_elem_bytes() + full * 8
     }
     /// Builds the public-pool entries of `tokens` under `isolation` for each body

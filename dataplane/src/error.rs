@@ -28,8 +28,9 @@ pub enum Error {
         /// What is wrong.
         msg: String,
     },
-    /// The model type is not one this data plane runs.
-    #[error("unsupported model_type `{0}` (supported: qwen3_next, qwen3_5, qwen3_5_text, qwen3_5_moe, qwen3_5_moe_text)")]
+    /// The model type is not one this data plane runs (no family in
+    /// `models::FAMILIES` reads it); the message lists the supported types.
+    #[error("unsupported model_type `{0}` (supported: {supported})", supported = crate::models::supported_model_types().join(", "))]
     UnsupportedModel(String),
     /// A safetensors file is corrupt.
     #[error("corrupt safetensors file {path}: {msg}")]

@@ -1,5 +1,6 @@
-//! HYPIC data plane: model loading, the CPU reference backend, hybrid-attention
-//! layers (Gated DeltaNet, gated full attention, MoE), the per-layer state API and
+//! HYPIC data plane: model families ([`models`]), token mixers ([`mixers`]), model
+//! loading, the CPU reference backend, hybrid-attention layers (Gated DeltaNet,
+//! gated full attention, MoE), the PIC engine, the per-layer state API and
 //! sampling.
 pub mod config;
 #[cfg(feature = "cuda")]
@@ -8,7 +9,9 @@ pub mod engine;
 pub mod error;
 pub mod eval;
 pub mod linear;
+pub mod mixers;
 pub mod model;
+pub mod models;
 pub mod ops;
 pub mod pic;
 pub mod random;

@@ -41,7 +41,7 @@
 //! tensor `[conv_dim + value_dim + 2·Hv, hidden]` (rows `q | k | v | z | b | a`), the
 //! routed experts of a layer are one `[E, 2I, hidden]` gate/up and one `[E, hidden, I]`
 //! down tensor (expert `e` is the `e`-th block).
-use crate::config::{LayerKind, ModelConfig};
+use crate::config::{MixerKind, ModelConfig};
 use crate::model::{AttnWeights, Ffn, GdnWeights, Layer, Mixer, Mlp, Model, Moe};
 use crate::ops::Rope;
 use rayon::prelude::*;
@@ -196,13 +196,13 @@ impl ParamCounts {
         p.small_f32 += h;
         for l in 0..c.num_layers {
             p.small_f32 += 2 * h;
-            let m = match c.layer_kinds[l] {
-                LayerKind::Linear => {
+            let m = match c.mixers[l] {
+                MixerKind::GatedDeltaNet => {
                     let hv = c.linear_v_heads;
                     p.small_f32 += c.conv_dim() * c.conv_kernel + 2 * hv + c.linear_v_dim;
                     (c.conv_dim() + c.value_dim() + 2 * hv) * h + h * c.value_dim()
                 }
-                LayerKind::Full => {
+                MixerKind::Attention => {
                     let hd = c.head_dim;
                     p.small_f32 += 2 * hd;
                     let qw = c.num_heads * hd * if c.attn_output_gate { 2 } else { 1 };
@@ -249,10 +249,10 @@ impl Model {
         let (hv, hd) = (c.linear_v_heads, c.head_dim);
         let layers = (0..c.num_layers)
             .map(|l| {
-                let mixer = match c.layer_kinds[l] {
-                    LayerKind::Linear => {
+                let mixer = match c.mixers[l] {
+                    MixerKind::GatedDeltaNet => {
                         let key_a = tensor_key(seed, tensor_id(Some(l), SLOT_GDN_A));
-                        Mixer::Linear(GdnWeights {
+                        Mixer::GatedDeltaNet(GdnWeights {
                             w_in: lin(
                                 seed,
                                 Some(l),
@@ -271,10 +271,10 @@ impl Model {
                             out: lin(seed, Some(l), SLOT_GDN_OUT, h * c.value_dim()).into(),
                         })
                     }
-                    LayerKind::Full => {
+                    MixerKind::Attention => {
                         let qw = c.num_heads * hd * if c.attn_output_gate { 2 } else { 1 };
                         let kv = c.num_kv_heads * hd;
-                        Mixer::Full(AttnWeights {
+                        Mixer::Attention(AttnWeights {
                             q: lin(seed, Some(l), SLOT_ATTN_Q, qw * h).into(),
                             k: lin(seed, Some(l), SLOT_ATTN_K, kv * h).into(),
                             v: lin(seed, Some(l), SLOT_ATTN_V, kv * h).into(),
@@ -370,22 +370,22 @@ mod tests {
         let dir = Path::new(env!("CARGO_MANIFEST_DIR")).join("../benches/configs/qwen3_5_35b_a3b");
         let c = ModelConfig::from_dir(&dir).unwrap();
         let lin = c
-            .layer_kinds
+            .mixers
             .iter()
-            .filter(|k| **k == LayerKind::Linear)
+            .filter(|k| **k == MixerKind::GatedDeltaNet)
             .count();
         let full = c
-            .layer_kinds
+            .mixers
             .iter()
-            .filter(|k| **k == LayerKind::Full)
+            .filter(|k| **k == MixerKind::Attention)
             .count();
         assert_eq!((c.num_layers, lin, full), (40, 30, 10));
         assert!(c
-            .layer_kinds
+            .mixers
             .iter()
             .skip(3)
             .step_by(4)
-            .all(|k| *k == LayerKind::Full));
+            .all(|k| *k == MixerKind::Attention));
         assert_eq!((c.hidden_size, c.vocab_size), (2048, 248_320));
         assert_eq!(
             (c.num_heads, c.num_kv_heads, c.head_dim, c.rotary_dim),
@@ -430,7 +430,7 @@ mod tests {
             for l in &m.layers {
                 n += l.input_norm.len() + l.post_norm.len();
                 n += match &l.mixer {
-                    Mixer::Linear(g) => {
+                    Mixer::GatedDeltaNet(g) => {
                         g.w_in.len()
                             + g.conv.len()
                             + g.neg_a.len()
@@ -438,7 +438,7 @@ mod tests {
                             + g.norm.len()
                             + g.out.len()
                     }
-                    Mixer::Full(a) => {
+                    Mixer::Attention(a) => {
                         a.q.len()
                             + a.k.len()
                             + a.v.len()
@@ -492,8 +492,8 @@ mod tests {
             assert!(a.embed.iter().all(|x| x.abs() < b));
             for (l, layer) in a.layers.iter().enumerate() {
                 assert!(layer.input_norm.iter().all(|&x| x == 0.0));
-                match (&layer.mixer, c.layer_kinds[l]) {
-                    (Mixer::Linear(g), LayerKind::Linear) => {
+                match (&layer.mixer, c.mixers[l]) {
+                    (Mixer::GatedDeltaNet(g), MixerKind::GatedDeltaNet) => {
                         assert!(g.neg_a.iter().all(|&x| (-16.0..=-1.0).contains(&x)));
                         assert_eq!(
                             g.w_in.len(),
@@ -502,7 +502,7 @@ mod tests {
                         let cb = conv_bound(c.conv_kernel) as f32;
                         assert!(g.conv.iter().all(|x| x.abs() < cb));
                     }
-                    (Mixer::Full(w), LayerKind::Full) => {
+                    (Mixer::Attention(w), MixerKind::Attention) => {
                         assert_eq!(w.k.len(), c.num_kv_heads * c.head_dim * c.hidden_size);
                     }
                     _ => panic!("{name}: layer {l} kind mismatch"),

@@ -6,9 +6,11 @@
 //!
 //! Values: every weight comes from the counter-based generator of [`crate::random`]
 //! at its internal index, mapped to the HF tensor that the loaders
-//! ([`Model::from_checkpoint`], `GpuModel::load`) read it from: the GDN in-projection
-//! as the Qwen3.5 split `in_proj_qkv | in_proj_z | in_proj_b | in_proj_a` (Qwen3-Next:
-//! the per-key-head grouped `in_proj_qkvz` / `in_proj_ba`), MLP `gate_proj` /
+//! ([`Model::from_checkpoint`], `GpuModel::load`) read it from, under the family's
+//! tensor names (`ModelConfig::names`): the GDN in-projection in the family's
+//! [`InProjLayout`](crate::config::InProjLayout) (Qwen3.5: the split `in_proj_qkv | in_proj_z | in_proj_b |
+//! in_proj_a`; Qwen3-Next: the per-key-head grouped `in_proj_qkvz` / `in_proj_ba`),
+//! MLP `gate_proj` /
 //! `up_proj` as the two halves of the fused gate/up, routed experts as the fused 3-D
 //! `experts.gate_up_proj [E, 2I, hidden]` / `experts.down_proj [E, hidden, I]`.
 //!
@@ -24,7 +26,7 @@
 //! [`Model::random`]: crate::model::Model::random
 //! [`Model::from_checkpoint`]: crate::model::Model::from_checkpoint
 //! [`Checkpoint::neg_a`]: crate::weights::Checkpoint::neg_a
-use crate::config::{Family, LayerKind, ModelConfig};
+use crate::config::{MixerKind, ModelConfig};
 use crate::error::{io_err, Error, Result};
 use crate::random::{self as rnd, tensor_id, tensor_key};
 use rayon::prelude::*;
@@ -82,50 +84,19 @@ enum Gen {
 }
 
 /// Row permutation of a [`Gen::Sym`] tensor.
-#[derive(Clone, Copy, Debug)]
+#[derive(Clone, Debug)]
 enum RowMap {
     Identity,
-    /// Qwen3-Next `in_proj_qkvz`: groups of `[q(dk) | k(dk) | v(rep·dv) | z(rep·dv)]`.
-    Qkvz {
-        hk: usize,
-        dk: usize,
-        rep_dv: usize,
-    },
-    /// Qwen3-Next `in_proj_ba`: groups of `[b(rep) | a(rep)]`; rows of `b` start at
-    /// internal row `base`.
-    Ba {
-        hv: usize,
-        rep: usize,
-        base: usize,
-    },
+    /// HF row `r` is internal row `table[r]` (a GDN in-projection tensor: the
+    /// family's [`InProjLayout::row_map`]).
+    Table(std::sync::Arc<[usize]>),
 }
 
 impl RowMap {
-    fn map(self, r: usize) -> usize {
+    fn map(&self, r: usize) -> usize {
         match self {
             RowMap::Identity => r,
-            RowMap::Qkvz { hk, dk, rep_dv } => {
-                let group = 2 * dk + 2 * rep_dv;
-                let (g, w) = (r / group, r % group);
-                let (kd, vd) = (hk * dk, hk * rep_dv);
-                if w < dk {
-                    g * dk + w
-                } else if w < 2 * dk {
-                    kd + g * dk + (w - dk)
-                } else if w < 2 * dk + rep_dv {
-                    2 * kd + g * rep_dv + (w - 2 * dk)
-                } else {
-                    2 * kd + vd + g * rep_dv + (w - 2 * dk - rep_dv)
-                }
-            }
-            RowMap::Ba { hv, rep, base } => {
-                let (g, w) = (r / (2 * rep), r % (2 * rep));
-                if w < rep {
-                    base + g * rep + w
-                } else {
-                    base + hv + g * rep + (w - rep)
-                }
-            }
+            RowMap::Table(t) => t[r],
         }
     }
 }
@@ -155,7 +126,7 @@ fn specs(c: &ModelConfig, large: LargeDtype) -> Vec<Spec> {
         LargeDtype::F32 => Dt::F32,
     };
     let lb = rnd::linear_bound();
-    let p = &c.weight_prefix;
+    let n = &c.names;
     let h = c.hidden_size;
     let mut v = Vec::new();
     let mut sym = |name: String, shape: Vec<usize>, id: u64, offset: usize, rows: RowMap| {
@@ -173,7 +144,7 @@ fn specs(c: &ModelConfig, large: LargeDtype) -> Vec<Spec> {
     };
     let g = |s| tensor_id(None, s);
     sym(
-        format!("{p}embed_tokens.weight"),
+        n.embed_tokens(),
         vec![c.vocab_size, h],
         g(rnd::SLOT_EMBED),
         0,
@@ -181,7 +152,7 @@ fn specs(c: &ModelConfig, large: LargeDtype) -> Vec<Spec> {
     );
     if !c.tie_word_embeddings {
         sym(
-            "lm_head.weight".into(),
+            n.lm_head.into(),
             vec![c.vocab_size, h],
             g(rnd::SLOT_LM_HEAD),
             0,
@@ -189,20 +160,13 @@ fn specs(c: &ModelConfig, large: LargeDtype) -> Vec<Spec> {
         );
     }
     let mut small: Vec<Spec> = vec![Spec {
-        name: format!("{p}norm.weight"),
+        name: n.norm(),
         shape: vec![h],
         dt: Dt::F32,
         gen: Gen::Const(0.0),
     }];
-    let (hk, hv, dk, dv) = (
-        c.linear_k_heads,
-        c.linear_v_heads,
-        c.linear_k_dim,
-        c.linear_v_dim,
-    );
-    let (kd, vd) = (c.key_dim(), c.value_dim());
+    let (hv, dv, vd) = (c.linear_v_heads, c.linear_v_dim, c.value_dim());
     for l in 0..c.num_layers {
-        let lp = format!("{p}layers.{l}.");
         let id = |s| tensor_id(Some(l), s);
         let konst = |name: String, n: usize, x: f32| Spec {
             name,
@@ -210,51 +174,19 @@ fn specs(c: &ModelConfig, large: LargeDtype) -> Vec<Spec> {
             dt: Dt::F32,
             gen: Gen::Const(x),
         };
-        match c.layer_kinds[l] {
-            LayerKind::Linear => {
-                let q = format!("{lp}linear_attn.");
+        match c.mixers[l] {
+            MixerKind::GatedDeltaNet => {
+                let q = n.mixer(l, MixerKind::GatedDeltaNet);
                 let w_in = id(rnd::SLOT_GDN_IN);
-                if c.family == Family::Qwen3Next {
-                    let rep = hv / hk.max(1);
+                let layout = c.gdn_in_proj;
+                for (ti, t) in layout.tensors(c).iter().enumerate() {
                     sym(
-                        format!("{q}in_proj_qkvz.weight"),
-                        vec![2 * kd + 2 * vd, h],
+                        format!("{q}{}", t.name),
+                        vec![t.rows, h],
                         w_in,
                         0,
-                        RowMap::Qkvz {
-                            hk,
-                            dk,
-                            rep_dv: rep * dv,
-                        },
+                        RowMap::Table(layout.row_map(c, ti).into()),
                     );
-                    sym(
-                        format!("{q}in_proj_ba.weight"),
-                        vec![2 * hv, h],
-                        w_in,
-                        0,
-                        RowMap::Ba {
-                            hv,
-                            rep,
-                            base: 2 * kd + 2 * vd,
-                        },
-                    );
-                } else {
-                    let mut at = 0;
-                    for (name, r) in [
-                        ("in_proj_qkv", 2 * kd + vd),
-                        ("in_proj_z", vd),
-                        ("in_proj_b", hv),
-                        ("in_proj_a", hv),
-                    ] {
-                        sym(
-                            format!("{q}{name}.weight"),
-                            vec![r, h],
-                            w_in,
-                            at * h,
-                            RowMap::Identity,
-                        );
-                        at += r;
-                    }
                 }
                 sym(
                     format!("{q}out_proj.weight"),
@@ -285,8 +217,8 @@ fn specs(c: &ModelConfig, large: LargeDtype) -> Vec<Spec> {
                 small.push(konst(format!("{q}dt_bias"), hv, 1.0));
                 small.push(konst(format!("{q}norm.weight"), dv, 1.0));
             }
-            LayerKind::Full => {
-                let q = format!("{lp}self_attn.");
+            MixerKind::Attention => {
+                let q = n.mixer(l, MixerKind::Attention);
                 let hd = c.head_dim;
                 let qw = c.num_heads * hd * if c.attn_output_gate { 2 } else { 1 };
                 let kv = c.num_kv_heads * hd;
@@ -314,7 +246,7 @@ fn specs(c: &ModelConfig, large: LargeDtype) -> Vec<Spec> {
                 small.push(konst(format!("{q}k_norm.weight"), hd, 0.0));
             }
         }
-        let m = format!("{lp}mlp.");
+        let m = n.mlp(l);
         let mlp = |sym: &mut dyn FnMut(String, Vec<usize>, u64, usize, RowMap),
                    q: String,
                    inter: usize,
@@ -384,12 +316,8 @@ fn specs(c: &ModelConfig, large: LargeDtype) -> Vec<Spec> {
                 rnd::SLOT_MLP_DOWN,
             );
         }
-        small.push(konst(format!("{lp}input_layernorm.weight"), h, 0.0));
-        small.push(konst(
-            format!("{lp}post_attention_layernorm.weight"),
-            h,
-            0.0,
-        ));
+        small.push(konst(n.input_layernorm(l), h, 0.0));
+        small.push(konst(n.post_layernorm(l), h, 0.0));
     }
     v.extend(small);
     v
@@ -585,6 +513,7 @@ pub fn slice_layers(config_json: &serde_json::Value, layers: usize) -> Result<se
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::config::InProjLayout;
     use crate::model::{Ffn, Logits, Mixer, Model};
 
     fn golden_json(name: &str) -> serde_json::Value {
@@ -620,11 +549,11 @@ mod tests {
         }
         for l in &mut m.layers {
             match &mut l.mixer {
-                Mixer::Linear(g) => {
+                Mixer::GatedDeltaNet(g) => {
                     bf(&mut g.w_in);
                     bf(&mut g.out);
                 }
-                Mixer::Full(a) => {
+                Mixer::Attention(a) => {
                     for w in [&mut a.q, &mut a.k, &mut a.v, &mut a.o] {
                         bf(w);
                     }
@@ -685,12 +614,12 @@ mod tests {
                 assert_eq!(loaded.embed, want.embed, "{name} {large:?}");
                 for (a, b) in loaded.layers.iter().zip(&want.layers) {
                     match (&a.mixer, &b.mixer) {
-                        (Mixer::Linear(x), Mixer::Linear(y)) => {
+                        (Mixer::GatedDeltaNet(x), Mixer::GatedDeltaNet(y)) => {
                             assert_eq!(x.w_in, y.w_in, "{name} {large:?} w_in");
                             assert_eq!(x.neg_a, y.neg_a, "{name} {large:?} neg_a");
                             assert_eq!(x.conv, y.conv, "{name} {large:?} conv");
                         }
-                        (Mixer::Full(x), Mixer::Full(y)) => {
+                        (Mixer::Attention(x), Mixer::Attention(y)) => {
                             assert_eq!(x.q, y.q, "{name} {large:?} q");
                         }
                         _ => panic!("{name}: layer kinds differ"),
@@ -716,27 +645,36 @@ mod tests {
         let s = slice_layers(&json, 2).unwrap();
         let c = ModelConfig::from_json(&s).unwrap();
         assert_eq!(c.num_layers, 2);
-        assert_eq!(c.layer_kinds.len(), 2);
+        assert_eq!(c.mixers.len(), 2);
         assert!(slice_layers(&json, 0).is_err());
         assert!(slice_layers(&json, 99).is_err());
     }
 
+    /// Each GDN in-projection tensor written for a family maps its rows onto
+    /// distinct internal rows, all of them together covering the merged matrix once.
     #[test]
-    fn qwen3_next_row_maps_are_permutations() {
-        let (hk, dk, rep, dv) = (2usize, 3usize, 2usize, 4usize);
-        let m = RowMap::Qkvz {
-            hk,
-            dk,
-            rep_dv: rep * dv,
-        };
-        let n = hk * (2 * dk + 2 * rep * dv);
-        let mut seen: Vec<usize> = (0..n).map(|r| m.map(r)).collect();
-        seen.sort();
-        assert_eq!(seen, (0..n).collect::<Vec<_>>());
-        let hv = hk * rep;
-        let b = RowMap::Ba { hv, rep, base: 7 };
-        let mut seen: Vec<usize> = (0..2 * hv).map(|r| b.map(r)).collect();
-        seen.sort();
-        assert_eq!(seen, (7..7 + 2 * hv).collect::<Vec<_>>());
+    fn in_proj_tensors_cover_the_merged_rows() {
+        for name in ["qwen3_5", "qwen3_next"] {
+            let c = ModelConfig::from_json(&golden_json(name)).unwrap();
+            let mut rows = vec![];
+            for s in specs(&c, LargeDtype::F32).iter().filter(|s| {
+                s.name
+                    .starts_with(&c.names.mixer(0, MixerKind::GatedDeltaNet))
+            }) {
+                if let Gen::Sym {
+                    rows: map @ RowMap::Table(_),
+                    ..
+                } = &s.gen
+                {
+                    rows.extend((0..s.shape[0]).map(|r| map.map(r)));
+                }
+            }
+            rows.sort_unstable();
+            assert_eq!(
+                rows,
+                (0..InProjLayout::merged_rows(&c)).collect::<Vec<_>>(),
+                "{name}"
+            );
+        }
     }
 }

@@ -42,7 +42,7 @@ mod gpu {
     use std::sync::{Arc, Mutex, MutexGuard, OnceLock};
 
     use cudarc::cublas::{CudaBlas, Gemm};
-    use dataplane::config::LayerKind;
+    use dataplane::config::MixerKind;
     use dataplane::cuda::model::{FfnPath, ForwardTrace, GpuModel};
     use dataplane::cuda::{Elem, Gpu};
     use dataplane::model::{Logits, Model};
@@ -308,9 +308,9 @@ mod gpu {
                 return s;
             }
             let (cum, cumn) = rel(&tr.layers[i].after_layer, &x);
-            let kind = match c.layer_kinds[i] {
-                LayerKind::Linear => "linear",
-                LayerKind::Full => "attention",
+            let kind = match c.mixers[i] {
+                MixerKind::GatedDeltaNet => "linear",
+                MixerKind::Attention => "attention",
             };
             let ffn = if c.layer_is_moe[i] { "moe" } else { "dense" };
             let _ = writeln!(

@@ -286,9 +286,9 @@ fn entry_bytes_are_reported_and_pool_evicts() {
     let entry = probe.build_entry(&s.tokens, 8).unwrap();
     // Per linear layer: T [Hv,dk,dk] + S [Hv,dk,dv] + conv tail; per attention layer: 32 body tokens of K and V.
     let lin = c
-        .layer_kinds
+        .mixers
         .iter()
-        .filter(|k| **k == dataplane::config::LayerKind::Linear)
+        .filter(|k| **k == dataplane::config::MixerKind::GatedDeltaNet)
         .count();
     let full = c.num_layers - lin;
     let (hv, dk, dv) = (c.linear_v_heads, c.linear_k_dim, c.linear_v_dim);

@@ -1,6 +1,6 @@
 //! Gated delta rule on the GPU: one-token (or any-length) recurrent decode and the
 //! chunked WY prefill from an initial state, optionally producing the segment's dense
-//! transition `T_C`. CPU references: `linear::gdr::{recurrent, chunked,
+//! transition `T_C`. CPU references: `mixers::gated_deltanet::{recurrent, chunked,
 //! chunked_with_transition}`; kernels in `dataplane/kernels/gdr.cu`.
 //!
 //! Layouts (as the CPU backend and FLA): `q, k: [T, Hk, dk]` (q L2-normalised and scaled
@@ -17,7 +17,7 @@ use cudarc::driver::{LaunchConfig, PushKernelArg};
 
 use super::compile::{GDR, GDR_TC};
 use super::{check_len, grid_for, CudaError, CudaSlice, Elem, Gpu, Result};
-use crate::linear::gdr::GdrDims;
+use crate::mixers::gated_deltanet::GdrDims;
 
 /// Chunk length of the GPU prefill (fixed, as FLA's default).
 pub const CHUNK: usize = 64;
@@ -57,7 +57,7 @@ fn check_inputs<T: Elem>(
 }
 
 /// Token-by-token recurrence (the decode kernel; any `T`, one token per step).
-/// `dk` ∈ {64, 128, 256}, any `dv`. Same contract as `linear::gdr::recurrent`.
+/// `dk` ∈ {64, 128, 256}, any `dv`. Same contract as `mixers::gated_deltanet::recurrent`.
 #[allow(clippy::too_many_arguments)]
 pub fn recurrent<T: Elem>(
     gpu: &Gpu,
@@ -210,7 +210,7 @@ pub fn set_identity(gpu: &Gpu, trans: &mut CudaSlice<f32>, hv: usize, dk: usize)
 /// `trans`: when given (`[Hv, dk, dk]`), it is left-multiplied by this segment's
 /// transition: `trans ← T_C · trans`. Set it to the identity first
 /// ([`set_identity`], or use [`chunked_with_transition`]) to obtain `T_C` itself,
-/// as `linear::gdr::chunked_with_transition` does. `T_C` is computed as extra column
+/// as `mixers::gated_deltanet::chunked_with_transition` does. `T_C` is computed as extra column
 /// blocks of the sequential state kernel (a state with zero writes), so it adds
 /// `dk/dv` of that kernel's work and nothing to the other two.
 ///

@@ -34,7 +34,7 @@ use super::compile::INIT;
 use super::model::{check_config, AttnW, FfnPath, FfnW, GdnW, GpuModel, LayerW, MixerW, MlpW};
 use super::random::check_moe_config;
 use super::{gdr, grid_for, moe, ops, CudaError, CudaSlice, Elem, Gpu, Result};
-use crate::config::{Family, LayerKind, ModelConfig};
+use crate::config::{InProjLayout, MixerKind, ModelConfig};
 use crate::weights::Checkpoint;
 
 /// What a [`GpuModel::load`] read and how long it took.
@@ -250,63 +250,37 @@ impl Loader<'_> {
 
     fn gdn<T: Elem>(&mut self, c: &ModelConfig, p: &str) -> Result<GdnW<T>> {
         let h = c.hidden_size;
-        let (hk, hv, dk, dv) = (
-            c.linear_k_heads,
-            c.linear_v_heads,
-            c.linear_k_dim,
-            c.linear_v_dim,
-        );
-        let (kd, vd) = (c.key_dim(), c.value_dim());
-        let rows = 2 * kd + 2 * vd + 2 * hv;
+        let (hv, dv, vd) = (c.linear_v_heads, c.linear_v_dim, c.value_dim());
+        let rows = InProjLayout::merged_rows(c);
         let mut w_in = alloc::<T>(self.gpu, rows * h)?;
-        let fused = format!("{p}in_proj_qkvz.weight");
-        if c.family == Family::Qwen3Next || self.ckpt.contains(&fused) {
-            // Per key-head group g: [q(dk) | k(dk) | v(rep·dv) | z(rep·dv)] rows, and
-            // in_proj_ba per group [b(rep) | a(rep)]; regrouped on the device into
-            // q_all | k_all | v_all | z_all | b | a (as the CPU `load_gdn`).
-            let rep = hv / hk;
-            let qkvz = self.tensor::<T>(&fused, &[2 * kd + 2 * vd, h])?;
-            let ba = self.tensor::<T>(&format!("{p}in_proj_ba.weight"), &[2 * hv, h])?;
-            let s = self.gpu.stream();
-            let group = 2 * dk + 2 * rep * dv;
-            let mut at = 0usize;
-            for (off, n) in [
-                (0, dk),
-                (dk, dk),
-                (2 * dk, rep * dv),
-                (2 * dk + rep * dv, rep * dv),
-            ] {
-                for g in 0..hk {
-                    let a = (g * group + off) * h;
-                    s.memcpy_dtod(
-                        &qkvz.slice(a..a + n * h),
-                        &mut w_in.slice_mut(at..at + n * h),
-                    )?;
-                    at += n * h;
-                }
+        let layout = c.gdn_in_proj.resolve(|n| self.ckpt.contains(n), p);
+        let tensors = layout.tensors(c);
+        if layout.is_concatenation(c) {
+            // Each tensor is the next block of rows: placed directly.
+            let mut at = 0;
+            for t in &tensors {
+                self.put(&format!("{p}{}", t.name), &[t.rows, h], &mut w_in, at * h)?;
+                at += t.rows;
             }
-            for off in [0, rep] {
-                for g in 0..hk {
-                    let a = (g * 2 * rep + off) * h;
-                    s.memcpy_dtod(
-                        &ba.slice(a..a + rep * h),
-                        &mut w_in.slice_mut(at..at + rep * h),
-                    )?;
-                    at += rep * h;
-                }
+        } else {
+            // Row blocks of several tensors (Qwen3-Next's per-key-head groups):
+            // uploaded whole, then regrouped on the device in merged-row order (as
+            // the CPU loader, `mixers::gated_deltanet::layer::load`).
+            let src = tensors
+                .iter()
+                .map(|t| self.tensor::<T>(&format!("{p}{}", t.name), &[t.rows, h]))
+                .collect::<Result<Vec<_>>>()?;
+            let s = self.gpu.stream();
+            let mut at = 0usize;
+            for blk in layout.blocks(c) {
+                let (a, n) = (blk.src_row * h, blk.rows * h);
+                s.memcpy_dtod(
+                    &src[blk.tensor].slice(a..a + n),
+                    &mut w_in.slice_mut(at..at + n),
+                )?;
+                at += n;
             }
             debug_assert_eq!(at, rows * h);
-        } else {
-            let mut at = 0;
-            for (name, r) in [
-                ("in_proj_qkv", 2 * kd + vd),
-                ("in_proj_z", vd),
-                ("in_proj_b", hv),
-                ("in_proj_a", hv),
-            ] {
-                self.put(&format!("{p}{name}.weight"), &[r, h], &mut w_in, at * h)?;
-                at += r;
-            }
         }
         let neg_a = self.ckpt.neg_a(&format!("{p}A_log"), hv).map_err(werr)?;
         self.stats.tensors += 1;
@@ -432,33 +406,34 @@ where
             ckpt,
             stats: LoadStats::default(),
         };
-        let p = c.weight_prefix.clone();
+        let n = c.names.clone();
         let h = c.hidden_size;
         let total = c.num_layers + 2;
         progress(0, total);
-        let embed = ld.tensor::<T>(&format!("{p}embed_tokens.weight"), &[c.vocab_size, h])?;
-        let final_norm = ld.small(&format!("{p}norm.weight"), &[h])?;
-        let lm_head = if c.tie_word_embeddings && !ckpt.contains("lm_head.weight") {
+        let embed = ld.tensor::<T>(&n.embed_tokens(), &[c.vocab_size, h])?;
+        let final_norm = ld.small(&n.norm(), &[h])?;
+        let lm_head = if c.tie_word_embeddings && !ckpt.contains(n.lm_head) {
             None
         } else {
-            Some(ld.tensor::<T>("lm_head.weight", &[c.vocab_size, h])?)
+            Some(ld.tensor::<T>(n.lm_head, &[c.vocab_size, h])?)
         };
         progress(1, total);
         let mut layers = Vec::with_capacity(c.num_layers);
         for l in 0..c.num_layers {
-            let lp = format!("{p}layers.{l}.");
-            let mixer = match c.layer_kinds[l] {
-                LayerKind::Linear => MixerW::Linear(ld.gdn(&c, &format!("{lp}linear_attn."))?),
-                LayerKind::Full => MixerW::Full(ld.attn(&c, &format!("{lp}self_attn."))?),
+            let kind = c.mixers[l];
+            let mp = n.mixer(l, kind);
+            let mixer = match kind {
+                MixerKind::GatedDeltaNet => MixerW::GatedDeltaNet(ld.gdn(&c, &mp)?),
+                MixerKind::Attention => MixerW::Attention(ld.attn(&c, &mp)?),
             };
             let ffn = if c.layer_is_moe[l] {
-                FfnW::MoeFused(ld.moe(&c, &format!("{lp}mlp."))?)
+                FfnW::MoeFused(ld.moe(&c, &n.mlp(l))?)
             } else {
-                FfnW::Dense(ld.mlp(&format!("{lp}mlp."), h, c.intermediate_size)?)
+                FfnW::Dense(ld.mlp(&n.mlp(l), h, c.intermediate_size)?)
             };
             layers.push(LayerW {
-                input_norm: ld.small(&format!("{lp}input_layernorm.weight"), &[h])?,
-                post_norm: ld.small(&format!("{lp}post_attention_layernorm.weight"), &[h])?,
+                input_norm: ld.small(&n.input_layernorm(l), &[h])?,
+                post_norm: ld.small(&n.post_layernorm(l), &[h])?,
                 mixer,
                 ffn,
             });

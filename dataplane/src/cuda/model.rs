@@ -59,9 +59,10 @@ use super::{
     attn, blas, check_len, gdr, grid_for, moe, ops, CudaError, CudaSlice, Elem, Gpu, Result,
     Scratch,
 };
-use crate::config::{LayerKind, ModelConfig};
-use crate::linear::gdr::GdrDims;
-use crate::model::{Ffn, Logits, Mixer, Model, CHUNKED_MIN_TOKENS};
+use crate::config::{MixerKind, ModelConfig};
+use crate::mixers::gated_deltanet::layer::CHUNKED_MIN_TOKENS;
+use crate::mixers::gated_deltanet::GdrDims;
+use crate::model::{Ffn, Logits, Mixer, Model};
 use crate::state::{KvCache, LayerState, LinearState, ModelState};
 
 /// Head dims of the tuned attention kernel ([`attn::prefill`]).
@@ -167,9 +168,10 @@ pub(crate) struct MoeW<T> {
     pub(crate) shared: Option<(MlpW<T>, CudaSlice<T>)>,
 }
 
+/// Device weights of one layer's token mixer (one variant per [`MixerKind`]).
 pub(crate) enum MixerW<T> {
-    Linear(GdnW<T>),
-    Full(AttnW<T>),
+    GatedDeltaNet(GdnW<T>),
+    Attention(AttnW<T>),
 }
 
 pub(crate) enum FfnW<T> {
@@ -535,9 +537,9 @@ fn check_host_state(c: &ModelConfig, s: &ModelState) -> Result<()> {
     let conv_len = c.conv_dim() * c.conv_kernel.saturating_sub(1);
     let rec_len = c.linear_v_heads * c.linear_k_dim * c.linear_v_dim;
     let row = c.num_kv_heads * c.head_dim;
-    for (i, (l, k)) in s.layers.iter().zip(&c.layer_kinds).enumerate() {
+    for (i, (l, k)) in s.layers.iter().zip(&c.mixers).enumerate() {
         match (l, k) {
-            (LayerState::Linear(ls), LayerKind::Linear) => {
+            (LayerState::Linear(ls), MixerKind::GatedDeltaNet) => {
                 if ls.conv.len() != conv_len || ls.recurrent.len() != rec_len {
                     return Err(shape_err(format!(
                         "layer {i} (linear): conv {} (want {conv_len}), recurrent {} (want {rec_len})",
@@ -546,7 +548,7 @@ fn check_host_state(c: &ModelConfig, s: &ModelState) -> Result<()> {
                     )));
                 }
             }
-            (LayerState::Full(kv), LayerKind::Full) => {
+            (LayerState::Full(kv), MixerKind::Attention) => {
                 let n = kv.positions.len();
                 if kv.k.len() != n * row || kv.v.len() != n * row {
                     return Err(shape_err(format!(
@@ -615,13 +617,13 @@ impl<T: Elem> GpuState<T> {
         let rec_len = c.linear_v_heads * c.linear_k_dim * c.linear_v_dim;
         let row = c.num_kv_heads * c.head_dim;
         let mut layers = Vec::with_capacity(c.num_layers);
-        for k in &c.layer_kinds {
+        for k in &c.mixers {
             layers.push(match k {
-                LayerKind::Linear => GpuLayerState::Linear {
+                MixerKind::GatedDeltaNet => GpuLayerState::Linear {
                     conv: gpu.zeros(conv_len)?,
                     recurrent: gpu.zeros(rec_len)?,
                 },
-                LayerKind::Full => GpuLayerState::Full(GpuKv::with_capacity(gpu, row, 0)?),
+                MixerKind::Attention => GpuLayerState::Full(GpuKv::with_capacity(gpu, row, 0)?),
             });
         }
         Ok(GpuState {
@@ -803,8 +805,8 @@ where
                 &l.post_norm,
                 h,
             )?;
-            let mixer = match (&l.mixer, c.layer_kinds[i]) {
-                (Mixer::Linear(w), LayerKind::Linear) => {
+            let mixer = match (&l.mixer, c.mixers[i]) {
+                (Mixer::GatedDeltaNet(w), MixerKind::GatedDeltaNet) => {
                     let p = format!("layers.{i}.linear_attn");
                     want(&format!("{p}.in_proj"), &w.w_in, n_in * h)?;
                     want(
@@ -816,7 +818,7 @@ where
                     want(&format!("{p}.dt_bias"), &w.dt_bias, hv)?;
                     want(&format!("{p}.norm"), &w.norm, dv)?;
                     want(&format!("{p}.out_proj"), &w.out, h * c.value_dim())?;
-                    MixerW::Linear(GdnW {
+                    MixerW::GatedDeltaNet(GdnW {
                         w_in: up::<T>(g, &w.w_in)?,
                         conv: up_f32(g, &w.conv)?,
                         neg_a: up_f32(g, &w.neg_a)?,
@@ -825,7 +827,7 @@ where
                         out: up::<T>(g, &w.out)?,
                     })
                 }
-                (Mixer::Full(w), LayerKind::Full) => {
+                (Mixer::Attention(w), MixerKind::Attention) => {
                     let p = format!("layers.{i}.self_attn");
                     want(&format!("{p}.q_proj"), &w.q, qw * h)?;
                     want(&format!("{p}.k_proj"), &w.k, nkv * hd * h)?;
@@ -837,7 +839,7 @@ where
                     fused.extend_from_slice(&w.q);
                     fused.extend_from_slice(&w.k);
                     fused.extend_from_slice(&w.v);
-                    MixerW::Full(AttnW {
+                    MixerW::Attention(AttnW {
                         qkv: up::<T>(g, &fused)?,
                         o: up::<T>(g, &w.o)?,
                         q_norm: up_f32(g, &w.q_norm)?,
@@ -1113,13 +1115,13 @@ where
         let conv_len = c.conv_dim() * c.conv_kernel.saturating_sub(1);
         let rec_len = c.linear_v_heads * c.linear_k_dim * c.linear_v_dim;
         let row = c.num_kv_heads * c.head_dim;
-        for (i, (l, k)) in state.layers.iter().zip(&c.layer_kinds).enumerate() {
+        for (i, (l, k)) in state.layers.iter().zip(&c.mixers).enumerate() {
             match (l, k) {
-                (GpuLayerState::Linear { conv, recurrent }, LayerKind::Linear) => {
+                (GpuLayerState::Linear { conv, recurrent }, MixerKind::GatedDeltaNet) => {
                     check_len(&format!("layer {i} conv tail"), conv, conv_len)?;
                     check_len(&format!("layer {i} recurrent state"), recurrent, rec_len)?;
                 }
-                (GpuLayerState::Full(kv), LayerKind::Full) => {
+                (GpuLayerState::Full(kv), MixerKind::Attention) => {
                     if kv.row != row {
                         return Err(shape_err(format!(
                             "layer {i}: KV row width {} but the model needs {row}",
@@ -1175,10 +1177,10 @@ where
             let mut pair = None;
             let body_from = capture.as_ref().map(|c| c.0);
             let mixed = match (&lw.mixer, ls) {
-                (MixerW::Linear(w), GpuLayerState::Linear { conv, recurrent }) => self
+                (MixerW::GatedDeltaNet(w), GpuLayerState::Linear { conv, recurrent }) => self
                     .gdn(w, &r, t, conv, recurrent, body_from.map(|f| (f, &mut pair)))
                     .map_err(|e| context(e, &format!("layer {i} GDN mixer")))?,
-                (MixerW::Full(w), GpuLayerState::Full(kv)) => self
+                (MixerW::Attention(w), GpuLayerState::Full(kv)) => self
                     .attention(w, &r, t, &pos_d, kv)
                     .map_err(|e| context(e, &format!("layer {i} attention mixer")))?,
                 _ => {
@@ -1315,10 +1317,13 @@ where
                     let t = span.len();
                     if t > 0 {
                         mixed = match (&lw.mixer, &mut *ls) {
-                            (MixerW::Linear(w), GpuLayerState::Linear { conv, recurrent }) => self
+                            (
+                                MixerW::GatedDeltaNet(w),
+                                GpuLayerState::Linear { conv, recurrent },
+                            ) => self
                                 .gdn(w, &r, t, conv, recurrent, None)
                                 .map_err(|e| context(e, &format!("layer {l} GDN mixer")))?,
-                            (MixerW::Full(w), GpuLayerState::Full(kv)) => self
+                            (MixerW::Attention(w), GpuLayerState::Full(kv)) => self
                                 .attention(w, &r, t, &pos_d, kv)
                                 .map_err(|e| context(e, &format!("layer {l} attention mixer")))?,
                             _ => {
@@ -1334,13 +1339,13 @@ where
                 // Input projection over all rows; per span the stateful middle on its
                 // rows (copied out), its output copied into `mid`; one output projection.
                 let (w_in, n_in, w_out, n_mid) = match &lw.mixer {
-                    MixerW::Linear(w) => (
+                    MixerW::GatedDeltaNet(w) => (
                         &w.w_in,
                         c.conv_dim() + c.value_dim() + 2 * c.linear_v_heads,
                         &w.out,
                         c.value_dim(),
                     ),
-                    MixerW::Full(w) => (
+                    MixerW::Attention(w) => (
                         &w.qkv,
                         self.attn_qkv_width(),
                         &w.o,
@@ -1356,11 +1361,14 @@ where
                         let a = offsets[i];
                         let pj = g.scratch_copy(&proj.slice(a * n_in..(a + t) * n_in))?;
                         let m = match (&lw.mixer, &mut *ls, &span_pos[i]) {
-                            (MixerW::Linear(w), GpuLayerState::Linear { conv, recurrent }, _) => {
-                                self.gdn_core(w, &pj, t, conv, recurrent, None)
-                                    .map_err(|e| context(e, &format!("layer {l} GDN mixer")))?
-                            }
-                            (MixerW::Full(w), GpuLayerState::Full(kv), Some(pi)) => self
+                            (
+                                MixerW::GatedDeltaNet(w),
+                                GpuLayerState::Linear { conv, recurrent },
+                                _,
+                            ) => self
+                                .gdn_core(w, &pj, t, conv, recurrent, None)
+                                .map_err(|e| context(e, &format!("layer {l} GDN mixer")))?,
+                            (MixerW::Attention(w), GpuLayerState::Full(kv), Some(pi)) => self
                                 .attn_core(w, &pj, t, pi, kv)
                                 .map_err(|e| context(e, &format!("layer {l} attention mixer")))?,
                             _ => {
@@ -1460,7 +1468,7 @@ where
         }
         for (i, lw) in self.layers.iter().enumerate() {
             let mixed = match &lw.mixer {
-                MixerW::Linear(w) => {
+                MixerW::GatedDeltaNet(w) => {
                     let n_in = c.conv_dim() + c.value_dim() + 2 * c.linear_v_heads;
                     let vd = c.value_dim();
                     let mut proj: Scratch<T> = g.scratch(bsz * n_in)?;
@@ -1481,7 +1489,7 @@ where
                     blas::linear(g, &normed, bsz, vd, &w.out, h, &mut out, zero)?;
                     out
                 }
-                MixerW::Full(w) => {
+                MixerW::Attention(w) => {
                     let fw = self.attn_qkv_width();
                     let ow = c.num_heads * c.head_dim;
                     let mut qkv: Scratch<T> = g.scratch(bsz * fw)?;
@@ -1742,7 +1750,7 @@ where
 
     /// [`GpuModel::gdr_span`] split at `from` (clamped to `d.t`): the seam `0..from`
     /// from `rec`, then the body `from..` with its transition; returns the body pair
-    /// `(T_body, S_end − T_body·S_from)` as the CPU `gdr_with_body_pair` does.
+    /// `(T_body, S_end − T_body·S_from)` as the CPU `mixers::gated_deltanet::layer::with_body_pair` does.
     #[allow(clippy::too_many_arguments)]
     fn gdr_capture(
         &self,
@@ -2147,10 +2155,10 @@ fn up_mlp<T: Elem>(g: &Gpu, m: &crate::model::Mlp, h: usize, name: &str) -> Resu
 /// Configuration limits of the GPU forward.
 pub(crate) fn check_config(c: &ModelConfig) -> Result<()> {
     let bad = |m: String| Err(shape_err(m));
-    if c.layer_kinds.len() != c.num_layers || c.layer_is_moe.len() != c.num_layers {
+    if c.mixers.len() != c.num_layers || c.layer_is_moe.len() != c.num_layers {
         return bad(format!(
             "config lists {} layer kinds / {} MoE flags for {} layers",
-            c.layer_kinds.len(),
+            c.mixers.len(),
             c.layer_is_moe.len(),
             c.num_layers
         ));
@@ -2158,8 +2166,8 @@ pub(crate) fn check_config(c: &ModelConfig) -> Result<()> {
     if c.hidden_size == 0 || c.vocab_size == 0 {
         return bad("hidden_size and vocab_size must be > 0".into());
     }
-    let has_full = c.layer_kinds.contains(&LayerKind::Full);
-    let has_linear = c.layer_kinds.contains(&LayerKind::Linear);
+    let has_full = c.mixers.contains(&MixerKind::Attention);
+    let has_linear = c.mixers.contains(&MixerKind::GatedDeltaNet);
     if has_full {
         if c.num_kv_heads == 0 || !c.num_heads.is_multiple_of(c.num_kv_heads) {
             return bad(format!(

@@ -1,7 +1,8 @@
 //! Elementwise and row kernels: RMSNorm variants, partial RoPE (and re-rotation of
 //! cached keys by `R(b − a)`), causal depthwise conv1d prefill and one-token update.
-//! CPU references: `ops::rms_norm`, `ops::rms_norm_zero_centred`, the gated norm of
-//! `model::gdn_output`, `ops::Rope::apply`, the conv of `model::gdn_inputs`.
+//! CPU references: `ops::rms_norm`, `ops::rms_norm_zero_centred`, the Gated DeltaNet layer
+//! `mixers::gated_deltanet::layer` (its `gated_norm` and the conv of `inputs`),
+//! `ops::Rope::apply`.
 use cudarc::driver::{LaunchConfig, PushKernelArg};
 
 use super::compile::{CONV, NORM, ROPE};

@@ -42,10 +42,9 @@ use super::compile::PIC;
 use super::model::{GpuLayerState, GpuModel, GpuState};
 use super::transition::DensePair;
 use super::{check_len, grid_for, ops, CudaError, CudaSlice, Elem, Gpu, Result, Scratch};
-use crate::config::{LayerKind, ModelConfig};
+use crate::config::{MixerKind, ModelConfig};
 use crate::engine::BackendInfo;
-use crate::linear::gdr::GdrDims;
-use crate::linear::transition::TransitionKind;
+use crate::mixers::gated_deltanet::GdrDims;
 use crate::model::Logits;
 use crate::pic::engine::{EntryLayer, Pic, PicOutput, SegmentEntry, Snapshot};
 use crate::pic::spill::Spill;
@@ -56,8 +55,8 @@ use crate::pic::{CacheEntry, PicBackend};
 /// `trans` to the identity first, [`super::gdr::set_identity`], to obtain `T_C`).
 /// `k: [T, Hk, dk]` (L2-normalised, as the GDR kernels take it), `g, beta: [T, Hv]`
 /// fp32, `trans: [Hv, dk, dk]` fp32 row-major. CPU reference: the `T_C` of
-/// `linear::gdr::chunked_with_transition` (the same recurrence as
-/// `linear::gdr::recurrent` with zero writes). One thread per column of `T`.
+/// `mixers::gated_deltanet::chunked_with_transition` (the same recurrence as
+/// `mixers::gated_deltanet::recurrent` with zero writes). One thread per column of `T`.
 pub fn gdr_transition<T: Elem>(
     gpu: &Gpu,
     d: &GdrDims,
@@ -283,10 +282,12 @@ impl<T: Elem> GpuSegmentEntry<T> {
         let row = c.num_kv_heads * c.head_dim;
         let rows = e.len - e.body_start;
         let mut layers = Vec::with_capacity(e.layers.len());
-        for (i, (l, kind)) in e.layers.iter().zip(&c.layer_kinds).enumerate() {
+        for (i, (l, kind)) in e.layers.iter().zip(&c.mixers).enumerate() {
             layers.push(match (l, kind) {
-                (EntryLayer::Linear { pair, conv_tail }, LayerKind::Linear) => {
-                    if pair.kind() != TransitionKind::Dense || pair.dims() != (hv, dk, dv) {
+                (EntryLayer::Linear { pair, conv_tail }, m) if m.is_linear() => {
+                    // The pair must be of the form the layer's mixer builds (dense for
+                    // Gated DeltaNet; `DensePair` holds dense pairs only).
+                    if m.transition_kind() != Some(pair.kind()) || pair.dims() != (hv, dk, dv) {
                         return bad(format!(
                             "layer {i}: pair {:?} {:?}",
                             pair.kind(),
@@ -309,7 +310,7 @@ impl<T: Elem> GpuSegmentEntry<T> {
                         conv_len,
                     }
                 }
-                (EntryLayer::Full { k, v }, LayerKind::Full) => {
+                (EntryLayer::Full { k, v }, MixerKind::Attention) => {
                     if k.len() != rows * row || v.len() != rows * row {
                         return bad(format!(
                             "layer {i}: K {} / V {} values, want {}",
@@ -549,7 +550,7 @@ where
         let gpu = model.gpu();
         let (nkv, hd) = (c.num_kv_heads, c.head_dim);
         let s = gpu.stream();
-        match (ls, el, c.layer_kinds[i]) {
+        match (ls, el, c.mixers[i]) {
             (
                 GpuLayerState::Linear { conv, recurrent },
                 GpuEntryLayer::Linear {
@@ -557,8 +558,8 @@ where
                     conv_tail,
                     conv_len,
                 },
-                LayerKind::Linear,
-            ) => {
+                m,
+            ) if m.is_linear() => {
                 let n = pair.hv * pair.dk * pair.dv;
                 if naive {
                     axpby(gpu, recurrent, &pair.b, 1.0, 1.0, n)?;
@@ -575,7 +576,11 @@ where
                     *conv = s.clone_dtod(conv_tail)?;
                 }
             }
-            (GpuLayerState::Full(kv), GpuEntryLayer::Full { k, v, rows, row }, LayerKind::Full) => {
+            (
+                GpuLayerState::Full(kv),
+                GpuEntryLayer::Full { k, v, rows, row },
+                MixerKind::Attention,
+            ) => {
                 let (rows, row) = (*rows, *row);
                 if rows == 0 {
                     return Ok(());

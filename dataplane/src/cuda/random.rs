@@ -14,7 +14,7 @@ use cudarc::driver::{LaunchConfig, PushKernelArg};
 use super::compile::INIT;
 use super::model::{check_config, AttnW, FfnPath, FfnW, GdnW, GpuModel, LayerW, MixerW, MlpW};
 use super::{gdr, grid_for, moe, ops, CudaError, CudaSlice, Elem, Gpu, Result};
-use crate::config::{LayerKind, ModelConfig};
+use crate::config::{MixerKind, ModelConfig};
 use crate::random::{self as rnd, ParamCounts};
 
 /// Device memory kept free beyond the weights for activations, workspaces and the
@@ -204,8 +204,8 @@ where
         let (nh, nkv, hd, hv) = (c.num_heads, c.num_kv_heads, c.head_dim, c.linear_v_heads);
         let mut layers = Vec::with_capacity(c.num_layers);
         for l in 0..c.num_layers {
-            let mixer = match c.layer_kinds[l] {
-                LayerKind::Linear => {
+            let mixer = match c.mixers[l] {
+                MixerKind::GatedDeltaNet => {
                     let n_in = c.conv_dim() + c.value_dim() + 2 * hv;
                     let nconv = c.conv_dim() * c.conv_kernel;
                     let mut conv = alloc::<f32>(g, nconv)?;
@@ -226,7 +226,7 @@ where
                     b.arg(&mut neg_a).arg(&n).arg(&key);
                     // SAFETY: matches `init_neg_a_f32`; neg_a holds max(hv, 1) ≥ n elements.
                     unsafe { b.launch(launch_cfg(hv.max(1))) }?;
-                    MixerW::Linear(GdnW {
+                    MixerW::GatedDeltaNet(GdnW {
                         w_in: lin(g, n_in * h, seed, Some(l), rnd::SLOT_GDN_IN)?,
                         conv,
                         neg_a,
@@ -235,7 +235,7 @@ where
                         out: lin(g, h * c.value_dim(), seed, Some(l), rnd::SLOT_GDN_OUT)?,
                     })
                 }
-                LayerKind::Full => {
+                MixerKind::Attention => {
                     // Fused rows q | k | v, each its own tensor id (as the CPU model).
                     let qw = nh * hd * if c.attn_output_gate { 2 } else { 1 };
                     let kvw = nkv * hd;
@@ -253,7 +253,7 @@ where
                         id(rnd::SLOT_ATTN_V),
                         lb,
                     )?;
-                    MixerW::Full(AttnW {
+                    MixerW::Attention(AttnW {
                         qkv,
                         o: lin(g, h * nh * hd, seed, Some(l), rnd::SLOT_ATTN_O)?,
                         q_norm: constant(g, hd, 0.0)?,
@@ -358,10 +358,10 @@ where
         for l in &self.layers {
             n += b(&l.input_norm) + b(&l.post_norm);
             n += match &l.mixer {
-                MixerW::Linear(w) => {
+                MixerW::GatedDeltaNet(w) => {
                     b(&w.w_in) + b(&w.conv) + b(&w.neg_a) + b(&w.dt_bias) + b(&w.norm) + b(&w.out)
                 }
-                MixerW::Full(w) => b(&w.qkv) + b(&w.o) + b(&w.q_norm) + b(&w.k_norm),
+                MixerW::Attention(w) => b(&w.qkv) + b(&w.o) + b(&w.q_norm) + b(&w.k_norm),
             };
             let mb = |m: &MlpW<T>| b(&m.gate_up) + b(&m.down);
             n += match &l.ffn {

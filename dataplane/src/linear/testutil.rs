@@ -2,7 +2,7 @@
 //! relative errors.
 use rand::{Rng, SeedableRng};
 
-use super::gdr::GdrDims;
+use crate::mixers::gated_deltanet::GdrDims;
 
 /// Seeded generator.
 pub fn rng(seed: u64) -> rand::rngs::StdRng {

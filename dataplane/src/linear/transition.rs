@@ -41,7 +41,9 @@
 //! instead of panicking.
 use rayon::prelude::*;
 
-use super::gdr::{self, flush, flush_all, matmul, GdrDims, FLUSH_STATE, FLUSH_UNIT};
+use crate::mixers::gated_deltanet::{
+    self as gdr, flush, flush_all, matmul, GdrDims, FLUSH_STATE, FLUSH_UNIT,
+};
 
 /// Errors of the transition API (shape or family mismatches). Never panics instead.
 #[derive(Clone, Debug, PartialEq, Eq, thiserror::Error)]

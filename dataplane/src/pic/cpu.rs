@@ -4,7 +4,7 @@ use std::sync::Arc;
 
 use super::backend::PicBackend;
 use super::engine::{EntryLayer, Pic, SegmentEntry};
-use crate::config::{LayerKind, ModelConfig};
+use crate::config::{MixerKind, ModelConfig};
 use crate::engine::BackendInfo;
 use crate::error::{Error, Result};
 use crate::model::{Logits, Model};
@@ -54,12 +54,19 @@ impl CpuBackend {
         let (nkv, hd) = (c.num_kv_heads, c.head_dim);
         let body = e.len - e.body_start;
         for (i, (ls, el)) in state.layers.iter_mut().zip(&e.layers).enumerate() {
-            match (ls, el, c.layer_kinds[i]) {
-                (
-                    LayerState::Linear(s),
-                    EntryLayer::Linear { pair, conv_tail },
-                    LayerKind::Linear,
-                ) => {
+            match (ls, el, c.mixers[i]) {
+                (LayerState::Linear(s), EntryLayer::Linear { pair, conv_tail }, m)
+                    if m.is_linear() =>
+                {
+                    // The pair must be of the form the layer's mixer builds.
+                    if m.transition_kind() != Some(pair.kind()) {
+                        return Err(Error::Input(format!(
+                            "layer {i}: cached {:?} transition, the {} mixer builds {:?}",
+                            pair.kind(),
+                            m.name(),
+                            m.transition_kind()
+                        )));
+                    }
                     let r = if naive {
                         pair.apply_naive(&mut s.recurrent)
                     } else {
@@ -68,7 +75,7 @@ impl CpuBackend {
                     r.map_err(|e| Error::Input(format!("layer {i}: {e}")))?;
                     s.conv.clone_from(conv_tail);
                 }
-                (LayerState::Full(kv), EntryLayer::Full { k, v }, LayerKind::Full) => {
+                (LayerState::Full(kv), EntryLayer::Full { k, v }, MixerKind::Attention) => {
                     let mut k = k.clone();
                     if rope_fix && b != 0 {
                         for tok in k.chunks_exact_mut(nkv * hd) {
@@ -215,5 +222,64 @@ impl PicBackend for CpuBackend {
         states: &mut [&mut ModelState],
     ) -> Result<Vec<Vec<f32>>> {
         self.model.decode_batch(tokens, states)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::linear::transition::{Pair, TransitionKind};
+
+    fn backend() -> CpuBackend {
+        let dir =
+            std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("tests/fixtures/golden/qwen3_5");
+        CpuBackend {
+            model: Arc::new(Model::load(&dir, &mut |_, _| {}).unwrap()),
+        }
+    }
+
+    /// A cached pair whose storage form is not the one the layer's mixer builds is
+    /// refused by name; the entry as built composes.
+    #[test]
+    fn compose_checks_the_pair_kind_against_the_mixer() {
+        let b = backend();
+        let tokens: Vec<u32> = (0..12u32).map(|i| (i * 7 + 3) % 300).collect();
+        let entry = b.build_entries(&tokens, &[2], &[true]).unwrap()[0]
+            .clone()
+            .unwrap();
+        let mut state = b.new_state().unwrap();
+        b.compose(&tokens, &entry, &mut state, false, true).unwrap();
+        assert_eq!(state.next_position, tokens.len() as i64);
+        let c = &b.model.config;
+        let (i, m) = c
+            .mixers
+            .iter()
+            .enumerate()
+            .find(|(_, m)| m.is_linear())
+            .unwrap();
+        assert_eq!(m.transition_kind(), Some(TransitionKind::Dense));
+        let mut bad = entry.clone();
+        bad.layers[i] = EntryLayer::Linear {
+            pair: Pair::identity(
+                TransitionKind::Scalar,
+                c.linear_v_heads,
+                c.linear_k_dim,
+                c.linear_v_dim,
+            ),
+            conv_tail: match &entry.layers[i] {
+                EntryLayer::Linear { conv_tail, .. } => conv_tail.clone(),
+                EntryLayer::Full { .. } => unreachable!("a linear layer"),
+            },
+        };
+        let mut state = b.new_state().unwrap();
+        let e = b
+            .compose(&tokens, &bad, &mut state, false, true)
+            .unwrap_err();
+        let msg = e.to_string();
+        assert!(
+            msg.contains(&format!("layer {i}")) && msg.contains("Scalar"),
+            "{msg}"
+        );
+        assert!(msg.contains("gated_deltanet"), "{msg}");
     }
 }

@@ -243,9 +243,12 @@ pub struct PicOutput<S = ModelState> {
 /// Cached data of one layer for a segment body.
 #[derive(Clone, Debug)]
 pub enum EntryLayer {
-    /// Linear layer: the body pair and the segment's conv tail `[conv_dim, K−1]`.
+    /// Linear-attention layer: the body pair and the segment's conv tail
+    /// `[conv_dim, K−1]` (empty for a mixer without a conv).
     Linear {
-        /// `(T_body [Hv,dk,dk], S_body|0 [Hv,dk,dv])`, fp32.
+        /// `(T_body, S_body|0 [Hv,dk,dv])`, fp32, in the storage form of the layer
+        /// mixer's transition family (`MixerKind::transition_kind`; Gated DeltaNet:
+        /// dense, `T_body [Hv,dk,dk]`), which the backends check before composing.
         pair: Pair,
         /// Last `K−1` conv inputs of the segment.
         conv_tail: Vec<f32>,

@@ -1,120 +1,13 @@
-//! Gated delta rule (Gated DeltaNet core recurrence).
-//!
-//! Per value head `h` with key head `h / (Hv/Hk)` (GVA), state `S ∈ R^{dk×dv}`:
-//!
-//! ```text
-//! S ← exp(g_t) · S
-//! u  = β_t · (v_t − Sᵀ k_t)
-//! S ← S + k_t ⊗ u
-//! o_t = Sᵀ q_t
-//! ```
-//!
-//! i.e. `S_t = exp(g_t)(I − β_t k_t k_tᵀ) S_{t−1} + β_t k_t v_tᵀ` (docs/pic-design.md
-//! §2.1, dense family). Source: HF transformers `torch_recurrent_gated_delta_rule`
-//! (modeling_qwen3_next.py) and FLA `fla/ops/gated_delta_rule/naive.py`.
-//! Callers pass q and k already L2-normalised and q already scaled by `dk^-0.5`.
-
-/// Dimensions of one gated-delta-rule call.
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
-pub struct GdrDims {
-    /// Number of tokens T.
-    pub t: usize,
-    /// Key (query) heads Hk.
-    pub hk: usize,
-    /// Value heads Hv (a multiple of Hk).
-    pub hv: usize,
-    /// Key head dim dk.
-    pub dk: usize,
-    /// Value head dim dv.
-    pub dv: usize,
-}
-
-impl GdrDims {
-    /// Elements of one recurrent state `[Hv, dk, dv]`.
-    pub fn state_len(&self) -> usize {
-        self.hv * self.dk * self.dv
-    }
-    fn check(&self, q: &[f32], k: &[f32], v: &[f32], g: &[f32], beta: &[f32], state: &[f32]) {
-        assert!(
-            self.hk > 0 && self.hv.is_multiple_of(self.hk),
-            "Hv must be a multiple of Hk"
-        );
-        assert_eq!(q.len(), self.t * self.hk * self.dk, "q must be [T, Hk, dk]");
-        assert_eq!(k.len(), self.t * self.hk * self.dk, "k must be [T, Hk, dk]");
-        assert_eq!(v.len(), self.t * self.hv * self.dv, "v must be [T, Hv, dv]");
-        assert_eq!(g.len(), self.t * self.hv, "g must be [T, Hv]");
-        assert_eq!(beta.len(), self.t * self.hv, "beta must be [T, Hv]");
-        assert_eq!(state.len(), self.state_len(), "state must be [Hv, dk, dv]");
-    }
-}
-
-/// Reference token-by-token recurrence.
-///
-/// * `q`, `k`: `[T, Hk, dk]` (normalised, q scaled); `v`: `[T, Hv, dv]`;
-/// * `g`: `[T, Hv]` log decay (≤ 0); `beta`: `[T, Hv]` in (0, 1);
-/// * `state`: `[Hv, dk, dv]` fp32, updated in place (initial → final state).
-///
-/// Returns the output `o`: `[T, Hv, dv]`. Panics if a slice length does not match
-/// `d` (an internal invariant, checked by callers that take user input).
-pub fn recurrent(
-    d: &GdrDims,
-    q: &[f32],
-    k: &[f32],
-    v: &[f32],
-    g: &[f32],
-    beta: &[f32],
-    state: &mut [f32],
-) -> Vec<f32> {
-    d.check(q, k, v, g, beta, state);
-    let GdrDims { t, hk, hv, dk, dv } = *d;
-    let rep = hv / hk;
-    let mut out = vec![0f32; t * hv * dv];
-    let mut kv_mem = vec![0f32; dv];
-    for h in 0..hv {
-        let kh = h / rep;
-        let s = &mut state[h * dk * dv..(h + 1) * dk * dv];
-        for ti in 0..t {
-            let qt = &q[(ti * hk + kh) * dk..(ti * hk + kh + 1) * dk];
-            let kt = &k[(ti * hk + kh) * dk..(ti * hk + kh + 1) * dk];
-            let vt = &v[(ti * hv + h) * dv..(ti * hv + h + 1) * dv];
-            let decay = g[ti * hv + h].exp();
-            let b = beta[ti * hv + h];
-            s.iter_mut().for_each(|x| *x *= decay);
-            kv_mem.iter_mut().for_each(|x| *x = 0.0);
-            for i in 0..dk {
-                let ki = kt[i];
-                let row = &s[i * dv..(i + 1) * dv];
-                for j in 0..dv {
-                    kv_mem[j] += row[j] * ki;
-                }
-            }
-            for j in 0..dv {
-                kv_mem[j] = b * (vt[j] - kv_mem[j]);
-            }
-            for i in 0..dk {
-                let ki = kt[i];
-                let row = &mut s[i * dv..(i + 1) * dv];
-                for j in 0..dv {
-                    row[j] += ki * kv_mem[j];
-                }
-            }
-            let o = &mut out[(ti * hv + h) * dv..(ti * hv + h + 1) * dv];
-            for i in 0..dk {
-                let qi = qt[i];
-                let row = &s[i * dv..(i + 1) * dv];
-                for j in 0..dv {
-                    o[j] += row[j] * qi;
-                }
-            }
-        }
-    }
-    out
-}
-
+//! Chunked (WY-form) gated delta rule: the fast CPU prefill path of Gated DeltaNet,
+//! and the segment transition `T_C` built in the same pass. Same contract as the
+//! reference recurrence [`super::naive::recurrent`] (tested against it below).
+//! Source: HF transformers `torch_chunk_gated_delta_rule` (modeling_qwen3_next.py)
+//! and FLA `fla/ops/gated_delta_rule/chunk.py`.
+use super::GdrDims;
 /// Default chunk length of [`chunked`] (FLA's and HF's default, 64).
 pub const DEFAULT_CHUNK: usize = 64;
 
-/// Chunked (WY-form) gated delta rule: same contract as [`recurrent`].
+/// Chunked (WY-form) gated delta rule: same contract as [`recurrent`](super::naive::recurrent).
 ///
 /// * `q`, `k`: `[T, Hk, dk]` (normalised, q scaled); `v`: `[T, Hv, dv]`;
 /// * `g`: `[T, Hv]` log decay (≤ 0); `beta`: `[T, Hv]` in (0, 1);
@@ -144,7 +37,7 @@ pub const DEFAULT_CHUNK: usize = 64;
 /// Unit-scale quantities (decay factors, `M`, and `T` in
 /// [`chunked_with_transition`]) are flushed to zero below 2⁻⁴⁰ and the state below
 /// 1e-30 (underflowing arithmetic is ~100× slower on x86); this differs from
-/// [`recurrent`] only by terms far below fp32 resolution.
+/// [`recurrent`](super::naive::recurrent) only by terms far below fp32 resolution.
 ///
 /// Panics if a slice length does not match `d` or `chunk == 0` (internal
 /// invariants, checked by callers that take user input).
@@ -579,6 +472,7 @@ pub(crate) fn matmul(
 
 #[cfg(test)]
 mod tests {
+    use super::super::naive::recurrent;
     use super::*;
     use crate::linear::testutil::{rel, rel64, GdnCase};
 
@@ -774,7 +668,7 @@ mod tests {
     }
 
     /// Timing (not a test): `cargo test --release -p hypic-dataplane --lib
-    /// linear::gdr::tests::bench -- --ignored --nocapture` (set
+    /// mixers::gated_deltanet::chunk::tests::bench -- --ignored --nocapture` (set
     /// `RAYON_NUM_THREADS=1` for single-core numbers). Prints, per kernel, the best
     /// of several runs of wall time and of on-CPU time summed over threads (ms; the
     /// CPU time is robust to other processes sharing the cores): `recurrent`,
