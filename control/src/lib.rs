@@ -17,6 +17,7 @@ pub mod catalog;
 pub mod error;
 pub mod policy;
 pub mod readiness;
+pub mod runtime;
 pub mod segments;
 pub mod serve;
 pub mod sim;
