@@ -926,6 +926,7 @@ mod gpu {
                         match e {
                             GenEvent::Started { stats: s, .. } => stats = Some(s),
                             GenEvent::Token { id, top, .. } => toks.push((id, top)),
+                            GenEvent::Scored { .. } => {}
                             GenEvent::Done { reason, .. } => {
                                 end = format!("{reason:?}");
                                 break;
