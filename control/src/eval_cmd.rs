@@ -1,11 +1,14 @@
 //! `hypic eval`: held-out multi-document QA through every PIC mode; writes a table
-//! (Markdown + JSON) and a plot of quality against TTFT.
+//! (Markdown + JSON) and a plot of quality against TTFT. Every request goes through
+//! the engine and scheduler `hypic serve` uses, on the backend `--device` /
+//! `--dtype` pick.
 use anyhow::{bail, Context, Result};
 use dataplane::eval::{evaluate_modes, load_items, merge_reports, ModeReport};
-use dataplane::pic::{Mode, PicEngine};
+use dataplane::pic::Mode;
+use hypic_control::backend::{DeviceArg, DtypeArg};
+use hypic_control::runtime::{self, PoolSizes};
 use indicatif::{ProgressBar, ProgressStyle};
 use std::path::{Path, PathBuf};
-use std::sync::Arc;
 
 /// Arguments of `hypic eval`.
 #[derive(clap::Args, Debug)]
@@ -43,6 +46,15 @@ pub struct EvalArgs {
     /// No progress bar (it is drawn on stderr only when it is a terminal).
     #[arg(long, short)]
     pub quiet: bool,
+    /// Backend: `cpu` (the reference), `cuda` (GPU 0; an error when unusable) or
+    /// `auto` (CUDA when usable, else the CPU with a log line saying why), as for
+    /// `hypic serve`.
+    #[arg(long, value_enum, default_value_t = DeviceArg::Auto, env = "HYPIC_DEVICE")]
+    pub device: DeviceArg,
+    /// Weight and activation type on the GPU backend: `f32` or `bf16` (the CPU
+    /// backend always runs f32).
+    #[arg(long, value_enum, default_value_t = DtypeArg::F32, env = "HYPIC_DTYPE")]
+    pub dtype: DtypeArg,
 }
 
 /// Parses the `--modes` list.
@@ -90,11 +102,7 @@ pub fn run(a: EvalArgs) -> Result<()> {
     if !a.merge.is_empty() {
         return merge(&a.merge, &a.out);
     }
-    let dir = a
-        .model
-        .clone()
-        .or_else(crate::generate::default_model_dir)
-        .context("no --model and no bundled model")?;
+    let dir = runtime::model_dir(a.model.clone())?;
     let heldout = a
         .heldout
         .clone()
@@ -120,13 +128,17 @@ pub fn run(a: EvalArgs) -> Result<()> {
         bail!("no held-out items selected from {}", heldout.display());
     }
     let modes = parse_modes(&a.modes)?;
-    let (model, tok) = crate::generate::load(&dir)?;
-    let engine = PicEngine::new(
-        Arc::new(model),
-        &dir.display().to_string(),
-        4 << 30,
-        4 << 30,
-    );
+    if a.max_new_tokens == 0 {
+        bail!("--max-new-tokens must be at least 1");
+    }
+    let (rt, tok) = runtime::open(
+        &dir,
+        a.device,
+        a.dtype,
+        PoolSizes::offline(4),
+        runtime::offline_scheduler(),
+    )?;
+    eprintln!("backend: {}", rt.backend.describe);
     let bar = ProgressBar::with_draw_target(
         Some(items.len() as u64),
         hypic_control::progress_target(a.quiet),
@@ -137,9 +149,14 @@ pub fn run(a: EvalArgs) -> Result<()> {
             .progress_chars("=> "),
     );
     bar.set_message(format!("{} modes", modes.len()));
-    let reports = evaluate_modes(&engine, &tok, &items, &modes, a.max_new_tokens, &mut |i| {
-        bar.set_position(i as u64)
-    })?;
+    let reports = evaluate_modes(
+        &rt.sched,
+        &tok,
+        &items,
+        &modes,
+        a.max_new_tokens,
+        &mut |i| bar.set_position(i as u64),
+    )?;
     bar.finish_and_clear();
     for r in &reports {
         eprintln!(

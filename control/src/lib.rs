@@ -18,6 +18,7 @@ pub mod error;
 pub mod policy;
 pub mod policy_api;
 pub mod readiness;
+pub mod runtime;
 pub mod segments;
 pub mod serve;
 pub mod sim;

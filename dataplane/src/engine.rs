@@ -143,6 +143,12 @@ pub trait Engine: EnginePools {
         tokens: &[u32],
         states: &mut [&mut Self::State],
     ) -> Result<Vec<Vec<f32>>>;
+    /// An independent copy of a running state: a fork of the sequence (the
+    /// scheduler scores a teacher-forced continuation on it, see
+    /// [`crate::scheduler::GenRequest::score`]).
+    ///
+    /// Errors: [`crate::Error::Device`] when the copy cannot be allocated.
+    fn clone_state(&self, state: &Self::State) -> Result<Self::State>;
     /// Memory held by a running state, bytes.
     fn state_bytes(state: &Self::State) -> usize;
 }
@@ -236,6 +242,10 @@ where
     fn decode_batch(&self, tokens: &[u32], states: &mut [&mut B::State]) -> Result<Vec<Vec<f32>>> {
         let _serial = Pic::pic_backend(self).exclusive();
         Pic::pic_backend(self).decode_batch(tokens, states)
+    }
+    fn clone_state(&self, state: &B::State) -> Result<B::State> {
+        let _serial = Pic::pic_backend(self).exclusive();
+        Pic::pic_backend(self).clone_state(state)
     }
     fn state_bytes(state: &B::State) -> usize {
         B::state_bytes(state)

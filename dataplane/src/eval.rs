@@ -9,18 +9,21 @@
 //! filled first (the public pool with every document's entry for the seam widths
 //! under test, the private pool with the system-prompt prefix for `prefix_cache`,
 //! which is all a request with the documents in another order could share), then the
-//! measured request in the item's order is timed (TTFT = PIC assembly + prefill +
-//! first sample) and greedily decoded until `<|im_end|>`. Pools are cleared between
-//! items.
+//! measured request in the item's order is timed (TTFT = queueing + PIC assembly +
+//! prefill + first sample, as the scheduler reports it) and greedily decoded until
+//! `<|im_end|>`. Pools are cleared between items. Every request goes through the
+//! [`Scheduler`] that `hypic serve` uses, so the evaluation runs on whichever engine
+//! it drives (the CPU reference or the GPU).
 //! Scores use HotpotQA's answer normalisation (lower-case, strip punctuation and the
 //! articles a/an/the, collapse whitespace): exact match and token-level F1.
 use crate::error::{Error, Result};
-use crate::pic::{Mode, PicEngine, SegmentRef};
-use crate::sampling::argmax;
+use crate::pic::{Mode, PicStats, SegmentRef};
+use crate::sampling::SamplingParams;
+use crate::scheduler::{ErrorKind, GenEvent, GenRequest, Scheduler};
 use crate::tokenizer::Tokenizer;
 use serde::{Deserialize, Serialize};
 use std::collections::HashMap;
-use std::time::Instant;
+use std::time::Duration;
 
 /// One held-out QA item.
 #[derive(Clone, Debug, Deserialize, Serialize)]
@@ -290,15 +293,17 @@ pub fn item_segments(tok: &Tokenizer, item: &QaItem, isolation: &str) -> Result<
 
 /// Runs `items` through `mode` (protocol in the module doc); `progress` is called
 /// after each item. Answers are decoded greedily for at most `max_new` tokens.
+///
+/// Errors: as [`evaluate_modes`].
 pub fn evaluate(
-    engine: &PicEngine,
+    sched: &Scheduler,
     tok: &Tokenizer,
     items: &[QaItem],
     mode: Mode,
     max_new: usize,
     progress: &mut dyn FnMut(usize),
 ) -> Result<ModeReport> {
-    let mut r = evaluate_modes(engine, tok, items, &[mode], max_new, progress)?;
+    let mut r = evaluate_modes(sched, tok, items, &[mode], max_new, progress)?;
     r.pop()
         .ok_or_else(|| Error::Input("no report for the mode".into()))
 }
@@ -317,20 +322,99 @@ struct Sums {
     kl: f64,
 }
 
+/// What one request through the scheduler returned.
+struct Served {
+    stats: PicStats,
+    ttft: Duration,
+    /// `(prompt logits, per-token NLL)` of a scored request.
+    scored: Option<(Vec<f32>, Vec<f64>)>,
+    generated: Vec<u32>,
+}
+
+/// Submits one greedy request to `sched` and waits for its events (blocking the
+/// calling thread).
+fn serve_one(
+    sched: &Scheduler,
+    segments: &[SegmentRef],
+    mode: Mode,
+    max_tokens: usize,
+    stop_token_ids: &[u32],
+    score: Option<Vec<u32>>,
+) -> Result<Served> {
+    let mut h = sched
+        .submit(GenRequest {
+            segments: segments.to_vec(),
+            mode,
+            tenant: EVAL_TENANT.into(),
+            sampling: SamplingParams::default(),
+            max_tokens,
+            stop_token_ids: stop_token_ids.to_vec(),
+            top_logprobs: 0,
+            score,
+        })
+        .map_err(|e| Error::Input(format!("submitting an eval request: {e}")))?;
+    let mut out = Served {
+        stats: PicStats::default(),
+        ttft: Duration::ZERO,
+        scored: None,
+        generated: vec![],
+    };
+    loop {
+        match h.events.blocking_recv() {
+            Some(GenEvent::Started { stats, ttft, .. }) => {
+                out.stats = stats;
+                out.ttft = ttft;
+            }
+            Some(GenEvent::Scored {
+                prompt_logits,
+                token_nll,
+            }) => out.scored = Some((prompt_logits, token_nll)),
+            Some(GenEvent::Token { id, .. }) => out.generated.push(id),
+            Some(GenEvent::Done { .. }) => return Ok(out),
+            Some(GenEvent::Error { kind, message }) => {
+                return Err(match kind {
+                    ErrorKind::Internal => Error::Device(message),
+                    _ => Error::Input(message),
+                })
+            }
+            None => return Err(Error::Device("the scheduler dropped the request".into())),
+        }
+    }
+}
+
+/// Tenant of the evaluation requests (and isolation key of their segments).
+const EVAL_TENANT: &str = "eval";
+
 /// Runs `items` through every mode of `modes` (protocol in the module doc), item by
-/// item: the public-pool entries an item's modes need (every seam width, and body
-/// start 0 for naive addition) are built before its measured requests, one prefill
-/// per segment ([`PicEngine::prefetch_many`]); `prefix_cache` is warmed with the
-/// system segment, the only prefix a reordered request can share. `progress` is
-/// called after each item. Reports in the order of `modes`.
+/// item, every request through `sched` (the scheduler `hypic serve` uses, over the
+/// CPU or the GPU engine): the public-pool entries an item's modes need (every seam
+/// width, and body start 0 for naive addition) are built before its measured
+/// requests, one prefill per segment ([`crate::engine::EnginePools::prefetch_many`]);
+/// `prefix_cache` is warmed with a request of the system segment alone, the only
+/// prefix a reordered request can share. Each measured request is greedy, stops at
+/// the tokenizer's end-of-turn tokens or `max_new` tokens, and scores the gold reply
+/// teacher-forced on a fork of its prompt state ([`GenRequest::score`]); TTFT is the
+/// scheduler's (submission to the first token). `progress` is called after each
+/// item. Reports in the order of `modes`.
+///
+/// Blocks the calling thread on the request events: call it outside an async
+/// runtime. Errors: `max_new` 0, a request the scheduler refuses (e.g. over the
+/// context limit or the KV budget) as [`Error::Input`], a device failure as
+/// [`Error::Device`].
 pub fn evaluate_modes(
-    engine: &PicEngine,
+    sched: &Scheduler,
     tok: &Tokenizer,
     items: &[QaItem],
     modes: &[Mode],
     max_new: usize,
     progress: &mut dyn FnMut(usize),
 ) -> Result<Vec<ModeReport>> {
+    if max_new == 0 {
+        return Err(Error::Input(
+            "the reply budget (max new tokens) must be at least 1".into(),
+        ));
+    }
+    let engine = sched.engine();
     let mut reports: Vec<ModeReport> = modes
         .iter()
         .map(|m| ModeReport {
@@ -355,13 +439,17 @@ pub fn evaluate_modes(
     }
     for (i, item) in items.iter().enumerate() {
         engine.clear();
-        let segs = item_segments(tok, item, "eval")?;
+        let segs = item_segments(tok, item, EVAL_TENANT)?;
         let n = segs.len();
         if !later_starts.is_empty() {
-            engine.prefetch_many(&segs[0].tokens, "eval", &[0])?;
+            engine.prefetch_many(&segs[0].tokens, EVAL_TENANT, &[0])?;
             for s in &segs[1..n - 1] {
-                engine.prefetch_many(&s.tokens, "eval", &later_starts)?;
+                engine.prefetch_many(&s.tokens, EVAL_TENANT, &later_starts)?;
             }
+        }
+        let mut target = tok.encode(&reply_text(item))?;
+        if let Some(&eos) = tok.eos_ids.first() {
+            target.push(eos);
         }
         // Full recompute first, so every mode can be compared with its logits.
         let mut order: Vec<usize> = (0..modes.len()).collect();
@@ -370,38 +458,31 @@ pub fn evaluate_modes(
         for j in order {
             let mode = modes[j];
             if mode == Mode::PrefixCache && n > 1 {
-                engine.run(&segs[..1], mode, "eval")?;
+                serve_one(sched, &segs[..1], mode, 1, &[], None)?;
             }
-            let t0 = Instant::now();
-            let out = engine.run(&segs, mode, "eval")?;
-            let mut next = argmax(&out.logits);
+            let out = serve_one(
+                sched,
+                &segs,
+                mode,
+                max_new,
+                &tok.eos_ids,
+                Some(target.clone()),
+            )?;
+            let (logits, token_nll) = out
+                .scored
+                .ok_or_else(|| Error::Device("the scheduler sent no scores".into()))?;
             let s = &mut sums[j];
-            s.ttft += t0.elapsed().as_secs_f64() * 1e3;
+            s.ttft += out.ttft.as_secs_f64() * 1e3;
             s.computed += out.stats.tokens_computed as f64;
             s.reused += out.stats.tokens_reused as f64;
-            s.nll += answer_nll(
-                engine,
-                tok,
-                &reply_text(item),
-                &out.logits,
-                out.state.clone(),
-            )?;
+            s.nll += token_nll.iter().sum::<f64>() / token_nll.len().max(1) as f64;
             if mode == Mode::FullRecompute && full_logits.is_none() {
-                full_logits = Some(out.logits.clone());
+                full_logits = Some(logits.clone());
             }
             if let Some(f) = &full_logits {
-                s.kl += kl_divergence(f, &out.logits);
+                s.kl += kl_divergence(f, &logits);
             }
-            let mut state = out.state;
-            let mut gen = vec![];
-            while gen.len() < max_new && !tok.eos_ids.contains(&next) {
-                gen.push(next);
-                if gen.len() == max_new {
-                    break;
-                }
-                next = argmax(&engine.model().decode(next, &mut state)?);
-            }
-            let pred = tok.decode(&gen)?.trim().to_string();
+            let pred = tok.decode(&out.generated)?.trim().to_string();
             let ans = final_answer(&pred);
             let (em, f1) = (
                 exact_match(ans, &item.answer) as u8 as f64,
@@ -454,22 +535,136 @@ pub fn kl_divergence(p: &[f32], q: &[f32]) -> f64 {
         .max(0.0)
 }
 
-/// Teacher-forced NLL (nats per token) of `answer` + `<|im_end|>` given the prompt's
-/// last-position `logits` and the state after the prompt.
-fn answer_nll(
-    engine: &PicEngine,
-    tok: &Tokenizer,
-    answer: &str,
-    logits: &[f32],
-    mut state: crate::state::ModelState,
-) -> Result<f64> {
-    let mut target = tok.encode(answer)?;
-    if let Some(&eos) = tok.eos_ids.first() {
-        target.push(eos);
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::pic::PicEngine;
+    use crate::sampling::argmax;
+    use crate::scheduler::SchedulerConfig;
+    use std::sync::Arc;
+
+    /// The evaluation before it went through the scheduler: every request straight
+    /// into the CPU engine ([`PicEngine::run`]), greedy decoding and the
+    /// teacher-forced answer NLL with one `Model::decode` per token. Same protocol
+    /// (pools, warm-up, mode order); no TTFT.
+    fn direct_reference(
+        engine: &PicEngine,
+        tok: &Tokenizer,
+        items: &[QaItem],
+        modes: &[Mode],
+        max_new: usize,
+    ) -> Vec<ModeReport> {
+        let mut reports: Vec<ModeReport> = modes
+            .iter()
+            .map(|m| ModeReport {
+                label: mode_label(m),
+                mode: Some(*m),
+                ..Default::default()
+            })
+            .collect();
+        let mut sums: Vec<Sums> = modes.iter().map(|_| Sums::default()).collect();
+        let mut later_starts: Vec<usize> = vec![];
+        for m in modes {
+            let b = match m {
+                Mode::NaiveAddition => 0,
+                Mode::Hypic { seam_width, .. } => *seam_width,
+                _ => continue,
+            };
+            if !later_starts.contains(&b) {
+                later_starts.push(b);
+            }
+        }
+        let model = engine.model();
+        for item in items {
+            engine.clear();
+            let segs = item_segments(tok, item, "eval").unwrap();
+            let n = segs.len();
+            if !later_starts.is_empty() {
+                engine.prefetch_many(&segs[0].tokens, "eval", &[0]).unwrap();
+                for s in &segs[1..n - 1] {
+                    engine
+                        .prefetch_many(&s.tokens, "eval", &later_starts)
+                        .unwrap();
+                }
+            }
+            let mut order: Vec<usize> = (0..modes.len()).collect();
+            order.sort_by_key(|&j| modes[j] != Mode::FullRecompute);
+            let mut full_logits: Option<Vec<f32>> = None;
+            for j in order {
+                let mode = modes[j];
+                if mode == Mode::PrefixCache && n > 1 {
+                    engine.run(&segs[..1], mode, "eval").unwrap();
+                }
+                let out = engine.run(&segs, mode, "eval").unwrap();
+                let s = &mut sums[j];
+                s.computed += out.stats.tokens_computed as f64;
+                s.reused += out.stats.tokens_reused as f64;
+                // Teacher-forced NLL of the reply + <|im_end|>.
+                let mut target = tok.encode(&reply_text(item)).unwrap();
+                target.push(tok.eos_ids[0]);
+                let (mut st, mut logits, mut total) =
+                    (out.state.clone(), out.logits.clone(), 0.0f64);
+                for (k, &t) in target.iter().enumerate() {
+                    total += token_nll_f64(&logits, t);
+                    if k + 1 < target.len() {
+                        logits = model.decode(t, &mut st).unwrap();
+                    }
+                }
+                s.nll += total / target.len() as f64;
+                if mode == Mode::FullRecompute && full_logits.is_none() {
+                    full_logits = Some(out.logits.clone());
+                }
+                if let Some(f) = &full_logits {
+                    s.kl += kl_divergence(f, &out.logits);
+                }
+                let mut state = out.state;
+                let mut next = argmax(&out.logits);
+                let mut gen = vec![];
+                while gen.len() < max_new && !tok.eos_ids.contains(&next) {
+                    gen.push(next);
+                    if gen.len() == max_new {
+                        break;
+                    }
+                    next = argmax(&model.decode(next, &mut state).unwrap());
+                }
+                let pred = tok.decode(&gen).unwrap().trim().to_string();
+                let ans = final_answer(&pred);
+                let (em, f1) = (
+                    exact_match(ans, &item.answer) as u8 as f64,
+                    f1_score(ans, &item.answer),
+                );
+                let r = &mut reports[j];
+                if item.hop >= 2 {
+                    r.n_two += 1;
+                    s.em2 += em;
+                    s.f12 += f1;
+                } else {
+                    r.n_single += 1;
+                    s.em1 += em;
+                    s.f11 += f1;
+                }
+                r.predictions.push(pred);
+            }
+        }
+        engine.clear();
+        let d = |x: f64, n: usize| if n == 0 { 0.0 } else { x / n as f64 };
+        for (r, s) in reports.iter_mut().zip(&sums) {
+            r.em_single = d(s.em1, r.n_single);
+            r.f1_single = d(s.f11, r.n_single);
+            r.em_two = d(s.em2, r.n_two);
+            r.f1_two = d(s.f12, r.n_two);
+            r.mean_tokens_computed = d(s.computed, items.len());
+            r.mean_tokens_reused = d(s.reused, items.len());
+            r.mean_answer_nll = d(s.nll, items.len());
+            r.mean_first_token_kl = modes
+                .contains(&Mode::FullRecompute)
+                .then(|| d(s.kl, items.len()));
+        }
+        reports
     }
-    let mut logits = logits.to_vec();
-    let mut total = 0.0f64;
-    for (j, &t) in target.iter().enumerate() {
+
+    /// `-log softmax(logits)[t]` in f64, written out as the evaluation did it.
+    fn token_nll_f64(logits: &[f32], t: u32) -> f64 {
         let max = logits.iter().copied().fold(f32::NEG_INFINITY, f32::max) as f64;
         let lse = max
             + logits
@@ -477,21 +672,87 @@ fn answer_nll(
                 .map(|&l| (l as f64 - max).exp())
                 .sum::<f64>()
                 .ln();
-        let lt = *logits
-            .get(t as usize)
-            .ok_or_else(|| Error::Input(format!("answer token {t} outside the vocabulary")))?
-            as f64;
-        total += lse - lt;
-        if j + 1 < target.len() {
-            logits = engine.model().decode(t, &mut state)?;
-        }
+        lse - logits[t as usize] as f64
     }
-    Ok(total / target.len().max(1) as f64)
-}
 
-#[cfg(test)]
-mod tests {
-    use super::*;
+    /// `hypic eval` through the scheduler scores the bundled model exactly as the
+    /// direct engine loop did, on single- and two-hop items in every kind of mode:
+    /// the same predictions, exact match, F1, tokens computed and reused, answer NLL,
+    /// first-token KL, and pool hit/miss counters, bit for bit (one request at a
+    /// time: the scheduler's batched decode step runs with a batch of one, which
+    /// computes what single-token decode does).
+    #[test]
+    fn evaluation_through_the_scheduler_equals_the_direct_engine() {
+        let dir = std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("../models/hypic-tiny");
+        let model = Arc::new(crate::model::Model::load(&dir, &mut |_, _| {}).unwrap());
+        let tok = Tokenizer::from_dir(&dir).unwrap();
+        let all = load_items(&dir.join("eval/heldout.jsonl")).unwrap();
+        let mut items: Vec<QaItem> = all.iter().filter(|i| i.hop == 1).take(2).cloned().collect();
+        items.extend(all.iter().filter(|i| i.hop == 2).take(2).cloned());
+        let modes = [
+            Mode::FullRecompute,
+            Mode::PrefixCache,
+            Mode::NaiveAddition,
+            Mode::Hypic {
+                seam_width: 8,
+                rope_fix: true,
+            },
+            Mode::Hypic {
+                seam_width: 0,
+                rope_fix: true,
+            },
+            Mode::Hypic {
+                seam_width: 8,
+                rope_fix: false,
+            },
+        ];
+        let direct = PicEngine::new(model.clone(), "hypic-tiny", 1 << 30, 1 << 30);
+        let want = direct_reference(&direct, &tok, &items, &modes, 24);
+        let engine = Arc::new(PicEngine::new(model, "hypic-tiny", 1 << 30, 1 << 30));
+        let sched = Scheduler::start(engine.clone(), SchedulerConfig::default());
+        let mut seen = vec![];
+        let got = evaluate_modes(&sched, &tok, &items, &modes, 24, &mut |i| seen.push(i)).unwrap();
+        assert_eq!(seen, (1..=items.len()).collect::<Vec<_>>());
+        assert_eq!(got.len(), want.len());
+        for (g, w) in got.iter().zip(&want) {
+            assert_eq!(g.label, w.label);
+            assert_eq!(g.predictions, w.predictions, "{}", g.label);
+            assert_eq!((g.n_single, g.n_two), (w.n_single, w.n_two));
+            assert_eq!(
+                (g.em_single, g.f1_single, g.em_two, g.f1_two),
+                (w.em_single, w.f1_single, w.em_two, w.f1_two),
+                "{}",
+                g.label
+            );
+            assert_eq!(
+                (g.mean_tokens_computed, g.mean_tokens_reused),
+                (w.mean_tokens_computed, w.mean_tokens_reused),
+                "{}",
+                g.label
+            );
+            assert_eq!(g.mean_answer_nll, w.mean_answer_nll, "{}: NLL", g.label);
+            assert_eq!(
+                g.mean_first_token_kl, w.mean_first_token_kl,
+                "{}: first-token KL",
+                g.label
+            );
+            assert!(g.mean_first_token_kl.is_some());
+            assert!(g.mean_ttft_ms > 0.0, "{}", g.label);
+        }
+        // The modes reuse: HYPIC computes fewer prompt tokens than full recompute.
+        assert!(got[3].mean_tokens_computed < got[0].mean_tokens_computed);
+        assert!(got
+            .iter()
+            .any(|r| r.predictions.iter().any(|p| !p.is_empty())));
+        // Same pool traffic: hits, misses, inserts, evictions of both pools.
+        assert_eq!(engine.public_usage().2, direct.public_usage().2);
+        assert_eq!(engine.private_usage().2, direct.private_usage().2);
+        assert!(engine.public_usage().2.hits > 0 && engine.private_usage().2.hits > 0);
+        let e = evaluate_modes(&sched, &tok, &items[..1], &modes[..1], 0, &mut |_| {})
+            .unwrap_err()
+            .to_string();
+        assert!(e.contains("at least 1"), "{e}");
+    }
 
     #[test]
     fn kl_divergence_values() {

@@ -44,6 +44,14 @@ pub struct GenRequest {
     pub stop_token_ids: Vec<u32>,
     /// Number of top alternatives whose log-probabilities each token event carries.
     pub top_logprobs: usize,
+    /// Offline evaluation (`hypic eval`; `None` when serving): a continuation to
+    /// score teacher-forced from the prompt's state. The worker forks the state
+    /// after the prefill ([`Engine::clone_state`]), feeds these tokens through the
+    /// batched decode step, and sends [`GenEvent::Scored`] (with the prompt's
+    /// last-token logits) before the first generated token; generation then goes
+    /// on from the unforked state, so the generated tokens are those of a request
+    /// without `score`. The fork's KV counts against the KV budget.
+    pub score: Option<Vec<u32>>,
 }
 
 /// Why a sequence finished.
@@ -72,8 +80,9 @@ pub enum ErrorKind {
     Internal,
 }
 
-/// Events of one request, in order: `Started`, then `Token`s, then `Done` — or a
-/// single `Error`.
+/// Events of one request, in order: `Started`, (`Scored` when the request asked
+/// for it), then `Token`s, then `Done` — or a single `Error` (which may also follow
+/// `Started` or `Token`s when the device fails).
 #[derive(Clone, Debug)]
 pub enum GenEvent {
     /// Prefill finished.
@@ -86,6 +95,15 @@ pub enum GenEvent {
         ttft: Duration,
         /// Time spent queued.
         queued: Duration,
+    },
+    /// The scored continuation of [`GenRequest::score`] (only for such a request,
+    /// after `Started` and before the first `Token`).
+    Scored {
+        /// Logits of the prompt's last token, `[vocab]` (host, fp32).
+        prompt_logits: Vec<f32>,
+        /// Negative log-likelihood (nats, computed in f64 from the logits) of each
+        /// continuation token given the prompt and the tokens before it.
+        token_nll: Vec<f64>,
     },
     /// One generated token.
     Token {
@@ -217,6 +235,51 @@ struct Running<S> {
     tx: mpsc::UnboundedSender<GenEvent>,
     cancel: Arc<AtomicBool>,
     reservation: usize,
+    /// The forked state scoring [`GenRequest::score`]; while present, decode steps
+    /// feed the fork, and the generation waits.
+    scoring: Option<Scoring<S>>,
+}
+
+/// A teacher-forced continuation in progress on a forked state.
+struct Scoring<S> {
+    state: S,
+    targets: Vec<u32>,
+    /// Index of the target fed at the next decode step.
+    fed: usize,
+    token_nll: Vec<f64>,
+    prompt_logits: Vec<f32>,
+}
+
+impl<S> Running<S> {
+    /// The token and the state of this sequence's next decode step.
+    fn step_input(&mut self) -> (u32, &mut S) {
+        match &mut self.scoring {
+            Some(sc) => (sc.targets[sc.fed], &mut sc.state),
+            None => (self.next, &mut self.state),
+        }
+    }
+
+    fn state_bytes<E: Engine<State = S>>(&self) -> usize {
+        E::state_bytes(&self.state)
+            + self
+                .scoring
+                .as_ref()
+                .map_or(0, |sc| E::state_bytes(&sc.state))
+    }
+}
+
+/// `-log softmax(logits)[t]` in f64 (`+inf` for a token outside the row).
+fn token_nll(logits: &[f32], t: u32) -> f64 {
+    let max = logits.iter().copied().fold(f32::NEG_INFINITY, f32::max) as f64;
+    let lse = max
+        + logits
+            .iter()
+            .map(|&l| (l as f64 - max).exp())
+            .sum::<f64>()
+            .ln();
+    logits
+        .get(t as usize)
+        .map_or(f64::INFINITY, |&lt| lse - lt as f64)
 }
 
 struct Shared {
@@ -313,13 +376,27 @@ impl Scheduler {
             .segments
             .iter()
             .flat_map(|s| &s.tokens)
+            .chain(req.score.iter().flatten())
             .find(|&&t| t as usize >= c.vocab_size)
         {
             return Err(SubmitError::Invalid(format!(
                 "token id {t} is outside the vocabulary"
             )));
         }
-        let reservation = (prompt + req.max_tokens) * self.kv_bytes_per_token();
+        let scored = req.score.as_ref().map_or(0, |s| s.len());
+        if prompt + scored > c.max_position_embeddings {
+            return Err(SubmitError::Invalid(format!(
+                "prompt ({prompt} tokens) plus the scored continuation ({scored}) exceeds the context limit of {} tokens",
+                c.max_position_embeddings
+            )));
+        }
+        // The fork of a scored request holds a second copy of the prompt's KV.
+        let fork = if req.score.is_some() {
+            prompt + scored
+        } else {
+            0
+        };
+        let reservation = (prompt + req.max_tokens + fork) * self.kv_bytes_per_token();
         if reservation > self.cfg.kv_budget_bytes {
             return Err(SubmitError::Invalid(format!(
                 "the request needs {reservation} bytes of KV, over the budget of {}",
@@ -442,7 +519,7 @@ fn worker_loop<E: Engine>(shared: Arc<Shared>, engine: Arc<E>, cfg: SchedulerCon
             }
             out
         };
-        if let Some(qr) = admitted {
+        if let Some(mut qr) = admitted {
             let queued = qr.submitted.elapsed();
             // A panic in the engine fails this request only, never the worker
             // (which would leave every other request waiting forever).
@@ -510,9 +587,16 @@ fn worker_loop<E: Engine>(shared: Arc<Shared>, engine: Arc<E>, cfg: SchedulerCon
                         tx: qr.tx,
                         cancel: qr.cancel,
                         reservation: qr.reservation,
+                        scoring: None,
                     };
                     reserved += r.reservation;
-                    if emit(&mut r, &out.logits, &metrics) {
+                    let go_on = match qr.req.score.take() {
+                        None => emit(&mut r, &out.logits, &metrics),
+                        Some(targets) => {
+                            start_scoring(&*engine, &mut r, targets, out.logits, &metrics)
+                        }
+                    };
+                    if go_on {
                         running.push(r);
                     } else {
                         reserved -= r.reservation;
@@ -537,10 +621,14 @@ fn worker_loop<E: Engine>(shared: Arc<Shared>, engine: Arc<E>, cfg: SchedulerCon
         }
         let mut keep = Vec::with_capacity(live.len());
         if !live.is_empty() {
-            let tokens: Vec<u32> = live.iter().map(|r| r.next).collect();
+            let mut tokens = Vec::with_capacity(live.len());
             let step = {
-                let mut states: Vec<&mut E::State> =
-                    live.iter_mut().map(|r| &mut r.state).collect();
+                let mut states: Vec<&mut E::State> = Vec::with_capacity(live.len());
+                for r in live.iter_mut() {
+                    let (t, s) = r.step_input();
+                    tokens.push(t);
+                    states.push(s);
+                }
                 std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| {
                     engine.decode_batch(&tokens, &mut states)
                 }))
@@ -554,6 +642,21 @@ fn worker_loop<E: Engine>(shared: Arc<Shared>, engine: Arc<E>, cfg: SchedulerCon
             match step {
                 Ok(all_logits) => {
                     for (mut r, logits) in live.into_iter().zip(all_logits) {
+                        if let Some(sc) = r.scoring.as_mut() {
+                            sc.fed += 1;
+                            sc.token_nll.push(token_nll(&logits, sc.targets[sc.fed]));
+                            if sc.fed + 1 < sc.targets.len() {
+                                keep.push(r);
+                                continue;
+                            }
+                            let sc = r.scoring.take().expect("scoring in progress");
+                            if scored(&mut r, sc.prompt_logits, sc.token_nll, &metrics) {
+                                keep.push(r);
+                            } else {
+                                reserved -= r.reservation;
+                            }
+                            continue;
+                        }
                         r.next = match r.sampler.try_sample(&logits) {
                             Ok(t) => t,
                             Err(e) => {
@@ -586,7 +689,7 @@ fn worker_loop<E: Engine>(shared: Arc<Shared>, engine: Arc<E>, cfg: SchedulerCon
         metrics.running.store(running.len(), Ordering::Relaxed);
         metrics.kv_reserved_bytes.store(reserved, Ordering::Relaxed);
         metrics.state_bytes.store(
-            running.iter().map(|r| E::state_bytes(&r.state)).sum(),
+            running.iter().map(|r| r.state_bytes::<E>()).sum(),
             Ordering::Relaxed,
         );
     }
@@ -605,6 +708,72 @@ fn panic_message(p: &(dyn std::any::Any + Send)) -> String {
         .map(|s| s.to_string())
         .or_else(|| p.downcast_ref::<String>().cloned())
         .unwrap_or_else(|| "panic".into())
+}
+
+/// Starts scoring `targets` for the freshly prefilled `r` (`logits`: the prompt's
+/// last-token logits, which score the first target): forks its state unless the
+/// prompt's logits score everything, in which case `Scored` and the first token go
+/// out at once. Returns whether the sequence continues.
+fn start_scoring<E: Engine>(
+    engine: &E,
+    r: &mut Running<E::State>,
+    targets: Vec<u32>,
+    logits: Vec<f32>,
+    metrics: &SchedulerMetrics,
+) -> bool {
+    let nll: Vec<f64> = targets
+        .first()
+        .map(|&t| token_nll(&logits, t))
+        .into_iter()
+        .collect();
+    if targets.len() <= 1 {
+        return scored(r, logits, nll, metrics);
+    }
+    let fork = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| {
+        engine.clone_state(&r.state)
+    }))
+    .unwrap_or_else(|p| {
+        Err(crate::Error::Device(format!(
+            "forking the state failed: {}",
+            panic_message(&*p)
+        )))
+    });
+    match fork {
+        Ok(state) => {
+            r.scoring = Some(Scoring {
+                state,
+                targets,
+                fed: 0,
+                token_nll: nll,
+                prompt_logits: logits,
+            });
+            true
+        }
+        Err(e) => {
+            let _ = r.tx.send(GenEvent::Error {
+                kind: ErrorKind::Internal,
+                message: e.to_string(),
+            });
+            metrics.finished.fetch_add(1, Ordering::Relaxed);
+            false
+        }
+    }
+}
+
+/// Sends `Scored`, then the sequence's first token (sampled from `prompt_logits` at
+/// admission); returns whether the sequence continues.
+fn scored<S>(
+    r: &mut Running<S>,
+    prompt_logits: Vec<f32>,
+    token_nll: Vec<f64>,
+    metrics: &SchedulerMetrics,
+) -> bool {
+    let logits = prompt_logits.clone();
+    let _ = r.tx.send(GenEvent::Scored {
+        prompt_logits,
+        token_nll,
+    });
+    emit(r, &logits, metrics)
 }
 
 /// Emits `r.next` (sampled from `logits`) unless it is a stop token; returns whether

@@ -911,6 +911,7 @@ mod gpu {
             max_tokens: 12,
             stop_token_ids: vec![],
             top_logprobs: 2,
+            score: None,
         };
         type Run = (Option<PicStats>, Vec<(u32, Vec<(u32, f32)>)>, String);
         let serve = |sched: &Scheduler| -> Vec<Run> {
@@ -925,6 +926,7 @@ mod gpu {
                         match e {
                             GenEvent::Started { stats: s, .. } => stats = Some(s),
                             GenEvent::Token { id, top, .. } => toks.push((id, top)),
+                            GenEvent::Scored { .. } => {}
                             GenEvent::Done { reason, .. } => {
                                 end = format!("{reason:?}");
                                 break;

@@ -39,6 +39,7 @@ fn req(seed: u32, max_tokens: usize) -> GenRequest {
         max_tokens,
         stop_token_ids: vec![],
         top_logprobs: 2,
+        score: None,
     }
 }
 
@@ -282,6 +283,19 @@ fn a_constraint_drives_each_sequence_of_a_batch_and_its_failure_is_an_error_even
     let mut b = s.submit(with(vec![17, 18], 11, 2)).unwrap();
     let mut free = s.submit(req(3, 4)).unwrap();
     let ids = |ev: &[GenEvent]| -> Vec<u32> {
+
+/// `GenRequest::score`: a continuation scored teacher-forced on a fork of the
+/// prompt state, inside the batched decode step (here beside another running
+/// request): `Scored` comes after `Started` and before the first token, carries the
+/// prompt's logits and each target's NLL as single-token decoding computes them,
+/// and the generated tokens are those of the same request without `score`.
+#[test]
+fn a_scored_request_reports_the_teacher_forced_nll_and_generates_as_without() {
+    let e = engine();
+    let s = Scheduler::start(e.clone(), SchedulerConfig::default());
+    let targets = vec![5u32, 77, 140, 9];
+    let plain = collect(&mut s.submit(req(3, 5)).unwrap());
+    let toks = |ev: &[GenEvent]| -> Vec<u32> {
         ev.iter()
             .filter_map(|e| match e {
                 GenEvent::Token { id, .. } => Some(*id),
@@ -319,4 +333,64 @@ fn a_constraint_drives_each_sequence_of_a_batch_and_its_failure_is_an_error_even
     }
     assert_eq!(m.running.load(Ordering::Relaxed), 0);
     assert_eq!(m.kv_reserved_bytes.load(Ordering::Relaxed), 0);
+
+    let mut busy = s.submit(req(8, 40)).unwrap();
+    let mut r = req(3, 5);
+    r.score = Some(targets.clone());
+    let ev = collect(&mut s.submit(r).unwrap());
+    assert!(matches!(ev[0], GenEvent::Started { .. }), "{:?}", ev[0]);
+    let GenEvent::Scored {
+        prompt_logits,
+        token_nll,
+    } = &ev[1]
+    else {
+        panic!("second event {:?}", ev[1]);
+    };
+    assert!(matches!(ev[2], GenEvent::Token { .. }));
+    assert_eq!(toks(&ev), toks(&plain));
+    assert!(matches!(
+        ev.last(),
+        Some(GenEvent::Done { generated: 5, .. })
+    ));
+    // By hand: the engine's prompt logits, then one decode per target.
+    let rq = req(3, 5);
+    let out = e.run(&rq.segments, rq.mode, "other").unwrap();
+    let nll = |l: &[f32], t: u32| {
+        let m = l.iter().copied().fold(f32::NEG_INFINITY, f32::max) as f64;
+        let lse = m + l.iter().map(|&x| (x as f64 - m).exp()).sum::<f64>().ln();
+        lse - l[t as usize] as f64
+    };
+    let rel = |a: &[f32], b: &[f32]| {
+        let d: f32 = a.iter().zip(b).map(|(x, y)| (x - y) * (x - y)).sum();
+        let n: f32 = b.iter().map(|y| y * y).sum();
+        (d / n).sqrt()
+    };
+    assert!(rel(prompt_logits, &out.logits) < 1e-5);
+    let (mut st, mut l) = (out.state, out.logits);
+    assert_eq!(token_nll.len(), targets.len());
+    for (k, &t) in targets.iter().enumerate() {
+        let want = nll(&l, t);
+        assert!(
+            (token_nll[k] - want).abs() < 1e-4 * (1.0 + want.abs()),
+            "target {k}: {} vs {want}",
+            token_nll[k]
+        );
+        l = e.model().decode(t, &mut st).unwrap();
+    }
+    busy.cancel();
+    let _ = collect(&mut busy);
+    // A scored token outside the vocabulary is refused at submission.
+    let mut bad = req(3, 2);
+    bad.score = Some(vec![1, u32::MAX]);
+    assert!(matches!(s.submit(bad), Err(SubmitError::Invalid(m)) if m.contains("vocabulary")));
+    // One target: scored by the prompt's logits alone, no fork.
+    let mut one = req(3, 2);
+    one.score = Some(vec![targets[0]]);
+    let ev = collect(&mut s.submit(one).unwrap());
+    assert!(
+        matches!(&ev[1], GenEvent::Scored { token_nll, .. } if token_nll.len() == 1),
+        "{:?}",
+        ev[1]
+    );
+    assert_eq!(toks(&ev), toks(&plain)[..2].to_vec());
 }

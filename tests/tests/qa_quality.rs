@@ -17,6 +17,7 @@
 use dataplane::eval::{evaluate_modes, item_segments, load_items};
 use dataplane::model::Model;
 use dataplane::pic::{Mode, PicEngine};
+use dataplane::scheduler::{Scheduler, SchedulerConfig};
 use dataplane::state::{LayerState, ModelState};
 use dataplane::tokenizer::Tokenizer;
 use std::path::PathBuf;
@@ -72,7 +73,14 @@ fn hypic_matches_full_recompute_on_heldout_single_hop() {
     assert_eq!(items.len(), n);
     let model = Model::load(&dir, &mut |_, _| {}).unwrap();
     let tok = Tokenizer::from_dir(&dir).unwrap();
-    let engine = PicEngine::new(Arc::new(model), "hypic-tiny", 1 << 30, 1 << 30);
+    let engine = Arc::new(PicEngine::new(
+        Arc::new(model),
+        "hypic-tiny",
+        1 << 30,
+        1 << 30,
+    ));
+    // `hypic eval`'s path: every request through the scheduler over the engine.
+    let sched = Scheduler::start(engine.clone(), SchedulerConfig::default());
     let seams_off = Mode::Hypic {
         seam_width: 0,
         rope_fix: true,
@@ -83,7 +91,7 @@ fn hypic_matches_full_recompute_on_heldout_single_hop() {
         seams_off,
         Mode::NaiveAddition,
     ];
-    let r = evaluate_modes(&engine, &tok, &items, &modes, 12, &mut |_| {}).unwrap();
+    let r = evaluate_modes(&sched, &tok, &items, &modes, 12, &mut |_| {}).unwrap();
     let (full, hypic, w0) = (&r[0], &r[1], &r[2]); // r[3]: naive addition, printed below
     for x in &r {
         eprintln!(

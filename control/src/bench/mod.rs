@@ -8,7 +8,8 @@ pub mod report;
 pub mod workload;
 
 use anyhow::{bail, Context};
-use dataplane::pic::{Mode, PicEngine, SegmentRef};
+use dataplane::engine::EnginePools;
+use dataplane::pic::{Mode, SegmentRef};
 use dataplane::sampling::SamplingParams;
 use dataplane::scheduler::{GenEvent, GenRequest, Scheduler, SchedulerConfig, SubmitError};
 use dataplane::tokenizer::Tokenizer;
@@ -19,6 +20,8 @@ use std::path::PathBuf;
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 use workload::{TraceRecord, WorkloadSpec};
+
+use crate::backend::{DeviceArg, DtypeArg};
 
 /// Arguments of `hypic bench`.
 #[derive(clap::Args, Debug, Clone)]
@@ -95,6 +98,14 @@ pub struct BenchArgs {
     /// Running sequences of the in-process scheduler.
     #[arg(long, default_value_t = 16)]
     pub max_running: usize,
+    /// Backend of the in-process run: `cpu`, `cuda` (GPU 0; an error when unusable)
+    /// or `auto` (CUDA when usable, else the CPU with a log line saying why), as for
+    /// `hypic serve`.
+    #[arg(long, value_enum, default_value_t = DeviceArg::Auto, env = "HYPIC_DEVICE")]
+    pub device: DeviceArg,
+    /// Weight and activation type of the in-process run on the GPU: `f32` or `bf16`.
+    #[arg(long, value_enum, default_value_t = DtypeArg::F32, env = "HYPIC_DTYPE")]
+    pub dtype: DtypeArg,
     /// Skip the SVG plots.
     #[arg(long)]
     pub no_plots: bool,
@@ -191,39 +202,48 @@ pub enum Backend {
     Http(Arc<HttpClient>),
 }
 
-/// The in-process backend.
+/// The in-process backend: the engine and scheduler `hypic serve` builds
+/// ([`crate::runtime`]).
 pub struct InProcess {
     /// Engine (cleared between runs).
-    pub engine: Arc<PicEngine>,
+    pub engine: Arc<dyn EnginePools>,
     /// Scheduler.
-    pub sched: Scheduler,
+    pub sched: Arc<Scheduler>,
     /// Tokenizer.
     pub tok: Arc<Tokenizer>,
     cache: Mutex<HashMap<String, Arc<Vec<u32>>>>,
 }
 
 impl InProcess {
-    /// Loads `model` (or the bundled default) and starts a scheduler.
-    pub fn load(model: Option<PathBuf>, cfg: SchedulerConfig) -> anyhow::Result<(Self, String)> {
-        let dir = match model.or_else(crate::serve::default_model_dir) {
-            Some(d) => d,
-            None => bail!("no --model given and no bundled model at models/hypic-tiny"),
-        };
-        let (model, tok) = crate::serve::load_model(&dir)?;
-        let id = dir
-            .file_name()
-            .map(|n| n.to_string_lossy().to_string())
-            .unwrap_or_else(|| "model".into());
-        let engine = Arc::new(PicEngine::new(Arc::new(model), &id, 1 << 30, 1 << 30));
-        let sched = Scheduler::start(engine.clone(), cfg);
+    /// Loads `model` (or the bundled default) on the backend `device` / `dtype`
+    /// pick and starts a scheduler over its engine; returns it with the model id
+    /// and the backend's description.
+    ///
+    /// Errors: as [`crate::runtime::open`] (`--device cuda` without a usable
+    /// device is refused before the weights are read).
+    pub fn load(
+        model: Option<PathBuf>,
+        device: DeviceArg,
+        dtype: DtypeArg,
+        cfg: SchedulerConfig,
+    ) -> anyhow::Result<(Self, String, String)> {
+        let dir = crate::runtime::model_dir(model)?;
+        let (rt, tok) = crate::runtime::open(
+            &dir,
+            device,
+            dtype,
+            crate::runtime::PoolSizes::offline(1),
+            cfg,
+        )?;
         Ok((
             InProcess {
-                engine,
-                sched,
+                engine: rt.engine,
+                sched: rt.sched,
                 tok: Arc::new(tok),
                 cache: Mutex::new(HashMap::new()),
             },
-            id,
+            crate::runtime::model_id(&dir),
+            rt.backend.describe,
         ))
     }
 
@@ -276,6 +296,7 @@ impl InProcess {
             max_tokens,
             stop_token_ids: vec![],
             top_logprobs: 0,
+            score: None,
         };
         let mut h = match self.sched.submit(req) {
             Ok(h) => h,
@@ -304,6 +325,7 @@ impl InProcess {
                     s.segments = stats.segments.len();
                 }
                 GenEvent::Token { .. } => s.generated += 1,
+                GenEvent::Scored { .. } => {}
                 GenEvent::Done { .. } => {
                     s.ok = true;
                     s.status = 200;
@@ -563,8 +585,11 @@ pub async fn run_bench(a: &BenchArgs) -> anyhow::Result<report::Summary> {
                 max_running: a.max_running,
                 ..SchedulerConfig::default()
             };
-            let m = a.model.clone();
-            let (ip, id) = tokio::task::spawn_blocking(move || InProcess::load(m, cfg)).await??;
+            let (m, device, dtype) = (a.model.clone(), a.device, a.dtype);
+            let (ip, id, backend) =
+                tokio::task::spawn_blocking(move || InProcess::load(m, device, dtype, cfg))
+                    .await??;
+            eprintln!("backend: {backend}");
             (Backend::InProcess(Arc::new(ip)), format!("in-process {id}"))
         }
     };

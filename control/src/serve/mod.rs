@@ -19,10 +19,11 @@
 //! (`--config`), then defaults ([`ServeConfig`]).
 //!
 //! Backend: `--device cpu|cuda|auto` and `--dtype f32|bf16` ([`crate::backend`], as
-//! `hypic generate`) pick the CPU [`PicEngine`] or, in a binary built with the `cuda`
-//! feature, the GPU `GpuPicEngine` (pools in device memory, host spill). Both sit
-//! behind [`dataplane::engine::Engine`]; the scheduler, the segment routes, the sweep
-//! and the metrics see only that interface.
+//! `hypic generate`, `eval` and `bench`) pick the CPU `PicEngine` or, in a binary
+//! built with the `cuda` feature, the GPU `GpuPicEngine` (pools in device memory,
+//! host spill), built by [`crate::runtime::start`] as for every other command. Both
+//! sit behind [`dataplane::engine::Engine`]; the scheduler, the segment routes, the
+//! sweep and the metrics see only that interface.
 pub mod bounded;
 pub mod errors;
 pub mod first_use;
@@ -42,19 +43,19 @@ pub mod types;
 pub mod why;
 
 use anyhow::{bail, Context};
-use dataplane::config::ModelConfig;
-use dataplane::engine::{BackendInfo, Engine, EnginePools};
-use dataplane::model::Model;
-use dataplane::pic::{Mode, PicEngine};
+use dataplane::engine::{BackendInfo, EnginePools};
+use dataplane::pic::Mode;
 use dataplane::scheduler::{Scheduler, SchedulerConfig};
 use dataplane::tokenizer::Tokenizer;
 use serde::{Deserialize, Serialize};
 use std::net::SocketAddr;
-use std::path::{Path, PathBuf};
+use std::path::PathBuf;
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
 use crate::backend::{select_device, Device, DeviceArg, DtypeArg};
+use crate::runtime;
+pub use crate::runtime::{default_model_dir, load_model, open_model, ModelSource};
 use crate::{ControlArgs, ControlState};
 
 /// Server settings (the TOML file's keys; every key optional).
@@ -546,168 +547,6 @@ impl ServeConfig {
     }
 }
 
-/// The bundled default model folder (`models/hypic-tiny`, relative to the working
-/// directory or to the repository the binary was built from).
-pub fn default_model_dir() -> Option<PathBuf> {
-    let rel = Path::new("models/hypic-tiny");
-    [
-        PathBuf::from(rel),
-        Path::new(env!("CARGO_MANIFEST_DIR")).join("..").join(rel),
-    ]
-    .into_iter()
-    .find(|p| p.join("config.json").exists())
-}
-
-/// A per-layer loading bar for `dir` (drawn on a terminal only).
-fn progress_bar(dir: &Path) -> indicatif::ProgressBar {
-    let bar = indicatif::ProgressBar::new(1);
-    bar.set_style(
-        indicatif::ProgressStyle::with_template(
-            "loading {msg} [{bar:30}] {pos}/{len} layers ({elapsed})",
-        )
-        .expect("static template")
-        .progress_chars("=> "),
-    );
-    bar.set_message(dir.display().to_string());
-    bar
-}
-
-/// Loads model and tokenizer (with a progress bar on a terminal).
-pub fn load_model(dir: &Path) -> anyhow::Result<(Model, Tokenizer)> {
-    let bar = progress_bar(dir);
-    let model = Model::load(dir, &mut |done, total| {
-        bar.set_length(total as u64);
-        bar.set_position(done as u64);
-    })
-    .with_context(|| format!("loading model from {}", dir.display()))?;
-    bar.finish_and_clear();
-    let tok = Tokenizer::from_dir(dir)
-        .with_context(|| format!("loading tokenizer from {}", dir.display()))?;
-    Ok((model, tok))
-}
-
-/// Where the served weights come from.
-pub enum ModelSource {
-    /// A model already loaded on the host (the CPU backend serves it; the CUDA
-    /// backend uploads it, converted to `--dtype`).
-    Host(Model),
-    /// A checkpoint folder: the CPU backend loads it with [`Model::load`]; the CUDA
-    /// backend streams it to the device tensor by tensor in its stored dtype
-    /// (`GpuModel::load`), with no host copy of the model.
-    Checkpoint {
-        /// The folder (config.json + safetensors).
-        dir: PathBuf,
-        /// Its parsed config.json.
-        config: ModelConfig,
-    },
-    /// Deterministic random weights of `config` ([`Model::random`] on the CPU,
-    /// `GpuModel::random` generated on the device).
-    Random {
-        /// The shape.
-        config: ModelConfig,
-        /// Generator seed.
-        seed: u64,
-    },
-}
-
-impl From<Model> for ModelSource {
-    fn from(m: Model) -> Self {
-        ModelSource::Host(m)
-    }
-}
-
-impl ModelSource {
-    /// The model's configuration.
-    pub fn config(&self) -> &ModelConfig {
-        match self {
-            ModelSource::Host(m) => &m.config,
-            ModelSource::Checkpoint { config, .. } | ModelSource::Random { config, .. } => config,
-        }
-    }
-
-    /// The model on the host: as is, loaded from the folder, or generated.
-    ///
-    /// Errors: as [`load_model`].
-    pub fn into_host(self) -> anyhow::Result<Model> {
-        Ok(match self {
-            ModelSource::Host(m) => m,
-            ModelSource::Checkpoint { dir, .. } => load_model(&dir)?.0,
-            ModelSource::Random { config, seed } => Model::random(config, seed),
-        })
-    }
-}
-
-/// Opens the model of `dir` for serving: the tokenizer and config, and the weights
-/// as `cfg.random_weights` and the backend want them (`on_gpu`: left in the folder
-/// for the streaming GPU loader; otherwise loaded on the host now).
-///
-/// Errors: unreadable config, tokenizer or weights.
-pub fn open_model(
-    dir: &Path,
-    on_gpu: bool,
-    random_weights: Option<u64>,
-) -> anyhow::Result<(ModelSource, Tokenizer)> {
-    if random_weights.is_none() && !on_gpu {
-        let (m, tok) = load_model(dir)?;
-        return Ok((ModelSource::Host(m), tok));
-    }
-    let config = ModelConfig::from_dir(dir)
-        .with_context(|| format!("reading the model config in {}", dir.display()))?;
-    let tok = Tokenizer::from_dir(dir)
-        .with_context(|| format!("loading tokenizer from {}", dir.display()))?;
-    let src = match random_weights {
-        Some(seed) => ModelSource::Random { config, seed },
-        None => ModelSource::Checkpoint {
-            dir: dir.to_path_buf(),
-            config,
-        },
-    };
-    Ok((src, tok))
-}
-
-/// The weights of `source` on `gpu` in element type `$t`: uploaded (host model),
-/// streamed from the checkpoint (logging tensors, bytes, seconds and GB/s), or
-/// generated. A macro because the `GpuModel` bound names cuBLAS types.
-#[cfg(feature = "cuda")]
-macro_rules! gpu_model {
-    ($t:ty, $gpu:expr, $source:expr) => {{
-        use dataplane::cuda::model::GpuModel;
-        let gpu = $gpu;
-        match $source {
-            ModelSource::Host(m) => GpuModel::<$t>::upload(gpu.clone(), &m)
-                .context("uploading the weights to the GPU")?,
-            ModelSource::Checkpoint { dir, config } => {
-                let ckpt = dataplane::weights::Checkpoint::open(&dir)
-                    .with_context(|| format!("opening the checkpoint in {}", dir.display()))?;
-                let bar = progress_bar(&dir);
-                let (m, st) =
-                    GpuModel::<$t>::load(gpu.clone(), config, &ckpt, &mut |done, total| {
-                        bar.set_length(total as u64);
-                        bar.set_position(done as u64);
-                    })
-                    .with_context(|| format!("loading {} to the GPU", dir.display()))?;
-                bar.finish_and_clear();
-                tracing::info!(
-                    tensors = st.tensors,
-                    bytes = st.bytes,
-                    seconds = st.seconds,
-                    gb_per_s = st.gb_per_s(),
-                    "weights loaded to the GPU: {} tensors, {:.2} GB in {:.2} s ({:.2} GB/s)",
-                    st.tensors,
-                    st.bytes as f64 / 1e9,
-                    st.seconds,
-                    st.gb_per_s()
-                );
-                m
-            }
-            ModelSource::Random { config, seed } => {
-                GpuModel::<$t>::random(gpu.clone(), config, seed)
-                    .context("generating random weights on the GPU")?
-            }
-        }
-    }};
-}
-
 /// Tokens of one catalog segment version.
 #[derive(Clone, Debug)]
 pub(crate) struct CachedTokens {
@@ -780,15 +619,11 @@ pub(crate) struct Inner {
 #[derive(Clone)]
 pub struct AppState(pub(crate) Arc<Inner>);
 
-/// Applies the pool settings to `engine` and starts the scheduler over it.
-fn wire<E: Engine + 'static>(
-    engine: Arc<E>,
-    cfg: &ServeConfig,
-    control: &ControlState,
-) -> (Arc<dyn EnginePools>, Arc<Scheduler>) {
-    engine.enable_spill(cfg.spill_mib << 20, cfg.spill_mib << 20);
-    // `control`: the control plane's active eviction/admission policies (Wasm or
-    // native) decide what the public pool keeps; `lru`: the engine's own LRU.
+/// Sets the public pool's policy per `cfg.pool_policy`: `control`, the control
+/// plane's active eviction/admission policies (Wasm or native) decide what the
+/// public pool keeps; `lru`, the engine's own LRU (global unless
+/// `pool_fair_share`).
+fn set_pool_policy(engine: &dyn EnginePools, cfg: &ServeConfig, control: &ControlState) {
     if cfg.pool_policy == "control" {
         engine.set_public_policy(Box::new(
             crate::policy::pool_adapter::RuntimePoolPolicy::new(
@@ -799,42 +634,6 @@ fn wire<E: Engine + 'static>(
         ));
     } else if !cfg.pool_fair_share {
         engine.set_public_policy(Box::new(dataplane::pic::pool::GlobalLru));
-    }
-    let sched = Arc::new(Scheduler::start(engine.clone(), cfg.scheduler()));
-    (engine, sched)
-}
-
-/// The PIC engine on `device` (the weights of `model` on the GPU in `cfg.dtype` for
-/// CUDA) and the scheduler over it.
-fn start_engine(
-    cfg: &ServeConfig,
-    device: &Device,
-    model: ModelSource,
-    model_id: &str,
-    control: &ControlState,
-) -> anyhow::Result<(Arc<dyn EnginePools>, Arc<Scheduler>)> {
-    let (public, private) = (cfg.public_pool_mib << 20, cfg.private_pool_mib << 20);
-    match device {
-        Device::Cpu => {
-            let engine = PicEngine::new(Arc::new(model.into_host()?), model_id, public, private);
-            Ok(wire(Arc::new(engine), cfg, control))
-        }
-        #[cfg(feature = "cuda")]
-        Device::Cuda(gpu) => {
-            use dataplane::cuda::pic::GpuPicEngine;
-            Ok(match cfg.dtype {
-                DtypeArg::F32 => {
-                    let m = gpu_model!(f32, gpu, model);
-                    let e = GpuPicEngine::new(Arc::new(m), model_id, public, private);
-                    wire(Arc::new(e), cfg, control)
-                }
-                DtypeArg::Bf16 => {
-                    let m = gpu_model!(half::bf16, gpu, model);
-                    let e = GpuPicEngine::new(Arc::new(m), model_id, public, private);
-                    wire(Arc::new(e), cfg, control)
-                }
-            })
-        }
     }
 }
 
@@ -864,8 +663,21 @@ impl AppState {
         let default_mode = cfg.default_mode()?;
         let model = model.into();
         let ctx = model.config().max_position_embeddings;
-        let (engine, sched) = start_engine(&cfg, device, model, &model_id, &control)?;
-        let backend = engine.backend();
+        let pools = runtime::PoolSizes {
+            public_bytes: cfg.public_pool_mib << 20,
+            private_bytes: cfg.private_pool_mib << 20,
+            spill_bytes: cfg.spill_mib << 20,
+        };
+        let rt = runtime::start(
+            device,
+            cfg.dtype,
+            model,
+            &model_id,
+            pools,
+            cfg.scheduler(),
+            &|e| set_pool_policy(e, &cfg, &control),
+        )?;
+        let (engine, sched, backend) = (rt.engine, rt.sched, rt.backend);
         let cfg_tok_conc = cfg.tokenize_concurrency;
         let control_router = crate::control_router(control.clone());
         let metrics = metrics::ServeMetrics::new();
@@ -1048,6 +860,7 @@ pub fn run_serve_command(args: ServeArgs) -> anyhow::Result<()> {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use std::path::Path;
 
     /// The repository's sample configuration.
     fn sample_path() -> PathBuf {

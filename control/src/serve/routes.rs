@@ -1254,7 +1254,7 @@ impl Driver {
                 self.pending
                     .push_back(Out::Error(i, event_error(kind, message)));
             }
-            Some(GenEvent::Started { .. }) => {}
+            Some(GenEvent::Started { .. } | GenEvent::Scored { .. }) => {}
             None => {
                 let c = &mut self.choices[i];
                 c.handle = None;
@@ -1396,6 +1396,7 @@ fn submit_all(
                     s.0.tok.eos_ids.clone()
                 },
                 top_logprobs: set.logprobs.unwrap_or(0),
+                score: None,
             };
             handles.push(s.0.sched.submit(req).map_err(submit_error)?);
         }

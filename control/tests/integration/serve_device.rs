@@ -213,3 +213,150 @@ async fn auto_picks_cuda_when_usable_else_the_cpu() {
     assert_eq!(h["device"], want, "{h}");
     s.server.stop().await;
 }
+
+/// The bundled model (it has the held-out QA set `hypic eval` reads).
+fn tiny_model() -> std::path::PathBuf {
+    std::path::PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("../models/hypic-tiny")
+}
+
+/// `hypic generate`, `hypic eval` and the in-process `hypic bench` build their engine
+/// as `serve` does: `--device cuda` in a build without CUDA is the same clear error,
+/// before the weights are read and before any output is written.
+#[cfg(not(feature = "cuda"))]
+#[test]
+fn offline_commands_refuse_device_cuda_without_cuda() {
+    let dir = tempfile::tempdir().unwrap();
+    let out = dir.path().join("out");
+    let model = tiny_model().display().to_string();
+    let outs = out.display().to_string();
+    let runs: [&[&str]; 3] = [
+        &["generate", "--prompt", "hello", "--model", &model],
+        &["eval", "--limit", "1", "--model", &model, "--out", &outs],
+        &[
+            "bench",
+            "--requests",
+            "1",
+            "--model",
+            &model,
+            "--out",
+            &outs,
+        ],
+    ];
+    for args in runs {
+        let r = hypic()
+            .args(args)
+            .args(["--device", "cuda"])
+            .output()
+            .unwrap();
+        assert_eq!(r.status.code(), Some(1), "{args:?}: {r:?}");
+        let err = String::from_utf8_lossy(&r.stderr);
+        assert!(
+            err.contains("--device cuda")
+                && err.contains("without CUDA support")
+                && err.contains("--features cuda")
+                && err.contains("--device cpu"),
+            "{args:?}: {err}"
+        );
+        assert!(r.stdout.is_empty(), "{args:?}");
+        assert!(!out.exists(), "{args:?} wrote {}", out.display());
+    }
+}
+
+/// `--device auto` (the default) falls back to the CPU with one line saying why, and
+/// the command then runs on the CPU engine and scheduler.
+#[cfg(not(feature = "cuda"))]
+#[test]
+fn offline_commands_fall_back_to_the_cpu_on_auto() {
+    let dir = tempfile::tempdir().unwrap();
+    let r = hypic()
+        .args([
+            "generate",
+            "--prompt",
+            "The capital of",
+            "--max-tokens",
+            "3",
+        ])
+        .args(["--device", "auto", "--dtype", "bf16", "--model"])
+        .arg(tiny_model())
+        .output()
+        .unwrap();
+    assert!(r.status.success(), "{r:?}");
+    let err = String::from_utf8_lossy(&r.stderr);
+    assert!(
+        err.contains("built without CUDA support; using the CPU backend"),
+        "{err}"
+    );
+    assert!(err.contains("applies to the GPU backend only"), "{err}");
+    assert!(err.contains("backend: cpu"), "{err}");
+    assert!(err.contains("prompt ") && err.contains("TTFT"), "{err}");
+    let out = dir.path().join("eval");
+    let r = hypic()
+        .args(["eval", "--limit", "1", "--modes", "full,hypic8", "--quiet"])
+        .args(["--max-new-tokens", "4", "--model"])
+        .arg(tiny_model())
+        .arg("--out")
+        .arg(&out)
+        .output()
+        .unwrap();
+    assert!(r.status.success(), "{r:?}");
+    let err = String::from_utf8_lossy(&r.stderr);
+    assert!(
+        err.contains("using the CPU backend") && err.contains("backend: cpu"),
+        "{err}"
+    );
+    let rep: serde_json::Value =
+        serde_json::from_str(&std::fs::read_to_string(out.join("report.json")).unwrap()).unwrap();
+    assert_eq!(rep.as_array().unwrap().len(), 2, "{rep}");
+    assert_eq!(rep[0]["label"], "full_recompute");
+    assert_eq!(rep[1]["label"], "hypic_w8");
+    assert!(
+        rep[1]["mean_tokens_reused"].as_f64().unwrap() > 0.0,
+        "the hot cache is hit through the scheduler: {rep}"
+    );
+}
+
+/// `--max-tokens 0` and an eval reply budget of 0 are refused with a message naming
+/// the flag.
+#[test]
+fn offline_commands_name_a_zero_token_budget() {
+    let dir = tempfile::tempdir().unwrap();
+    let out = dir.path().join("o").display().to_string();
+    for (args, flag) in [
+        (
+            vec![
+                "generate",
+                "--prompt",
+                "hi",
+                "--max-tokens",
+                "0",
+                "--device",
+                "cpu",
+            ],
+            "--max-tokens",
+        ),
+        (
+            vec![
+                "eval",
+                "--limit",
+                "1",
+                "--max-new-tokens",
+                "0",
+                "--device",
+                "cpu",
+                "--out",
+                &out,
+            ],
+            "--max-new-tokens",
+        ),
+    ] {
+        let r = hypic()
+            .args(&args)
+            .arg("--model")
+            .arg(tiny_model())
+            .output()
+            .unwrap();
+        let err = String::from_utf8_lossy(&r.stderr);
+        assert_eq!(r.status.code(), Some(1), "{args:?}: {err}");
+        assert!(err.contains(flag) && err.contains("at least 1"), "{err}");
+    }
+}
