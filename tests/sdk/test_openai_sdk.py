@@ -212,6 +212,37 @@ def token_id_prompt_equals_text():
     )
 
 
+def responses_api():
+    r = client.responses.create(model=MODEL, instructions="Be brief.", input="Hello", max_output_tokens=4)
+    check("responses: text", isinstance(r.output_text, str) and r.usage.output_tokens == 4, repr(r.output_text))
+    r = client.responses.create(
+        model=MODEL,
+        input="Time?",
+        tools=[{"type": "function", **TIME_TOOL["function"]}],
+        tool_choice={"type": "function", "name": "get_time"},
+        parallel_tool_calls=False,
+        max_output_tokens=96,
+        temperature=1.0,
+    )
+    calls = [o for o in r.output if o.type == "function_call"]
+    check("responses: forced function_call", len(calls) == 1 and calls[0].name == "get_time", str(r.output))
+    jsonschema.validate(json.loads(calls[0].arguments), TIME_TOOL["function"]["parameters"])
+    r = client.responses.create(
+        model=MODEL,
+        input="Weather?",
+        text={"format": {"type": "json_schema", "name": "forecast", "schema": FORECAST, "strict": True}},
+        max_output_tokens=96,
+        temperature=1.0,
+    )
+    jsonschema.validate(json.loads(r.output_text), FORECAST)
+    check("responses: json_schema via text.format", True, r.output_text)
+    try:
+        client.responses.create(model=MODEL, input="x", previous_response_id="resp_1")
+        check("responses: previous_response_id is a 400", False)
+    except openai.BadRequestError as e:
+        check("responses: previous_response_id is a 400", "previous_response_id" in str(e))
+
+
 if __name__ == "__main__":
     print(f"sdk: openai {openai.__version__}, model {MODEL}")
     json_schema_on_every_seed()
@@ -221,4 +252,5 @@ if __name__ == "__main__":
     tool_round_trip_and_tools_segment_hit()
     penalties_token_prompts_and_unsupported_fields()
     token_id_prompt_equals_text()
+    responses_api()
     print("sdk: all checks passed")

@@ -32,6 +32,7 @@ pub mod metrics;
 pub mod net;
 pub mod prompt;
 pub mod reqlog;
+pub mod responses;
 pub mod routes;
 pub mod segments;
 pub mod structured;

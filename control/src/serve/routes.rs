@@ -55,6 +55,7 @@ impl FromRequestParts<AppState> for Tenant {
     model_one,
     completions,
     chat,
+    super::responses::responses,
     super::segments::create,
     super::segments::list,
     super::segments::get_one,
@@ -125,6 +126,10 @@ pub fn router(state: AppState) -> Router {
         .route("/v1/models/{id}", get(model_one).fallback(not_allowed))
         .route("/v1/completions", post(completions).fallback(not_allowed))
         .route("/v1/chat/completions", post(chat).fallback(not_allowed))
+        .route(
+            "/v1/responses",
+            post(super::responses::responses).fallback(not_allowed),
+        )
         .route(
             "/v1/segments",
             post(super::segments::create)
@@ -1411,7 +1416,7 @@ fn record_status(s: &AppState, endpoint: &str, status: StatusCode) {
         .inc();
 }
 
-fn rand_id(prefix: &str) -> String {
+pub(crate) fn rand_id(prefix: &str) -> String {
     let x: u128 = rand::random();
     format!("{prefix}-{:024x}", x & ((1u128 << 96) - 1))
 }
@@ -1455,7 +1460,11 @@ async fn chat(
     finish_response(&s, "chat_completions", r)
 }
 
-fn finish_response(s: &AppState, endpoint: &str, r: Result<Response, ServeError>) -> Response {
+pub(crate) fn finish_response(
+    s: &AppState,
+    endpoint: &str,
+    r: Result<Response, ServeError>,
+) -> Response {
     let resp = match r {
         Ok(r) => r,
         Err(e) => e.into_response(),
@@ -1701,7 +1710,7 @@ async fn completions_inner(
     run_job(s, p, job, t0).await
 }
 
-async fn chat_inner(
+pub(crate) async fn chat_inner(
     s: &AppState,
     p: &Principal,
     body: Result<Bytes, BytesRejection>,

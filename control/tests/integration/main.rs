@@ -26,6 +26,7 @@ mod serve_control;
 mod serve_device;
 mod serve_load;
 mod serve_netops;
+mod serve_responses;
 mod serve_reuse;
 mod serve_sampling;
 mod serve_structured;
