@@ -4,6 +4,11 @@
  */
 
 
+/** OneOf type helpers */
+type Without<T, U> = { [P in Exclude<keyof T, keyof U>]?: never };
+type XOR<T, U> = (T | U) extends object ? (Without<T, U> & U) | (Without<U, T> & T) : T | U;
+type OneOf<T extends any[]> = T extends [infer Only] ? Only : T extends [infer A, infer B, ...infer Rest] ? OneOf<[XOR<A, B>, ...Rest]> : never;
+
 export interface paths {
   "/health": {
     /** Liveness, model and queue (no token) */
@@ -53,21 +58,49 @@ export interface paths {
     /** Re-activate the previous policy of a kind (operator) */
     post: operations["rollback_policy"];
   };
+  "/v1/admin/policies/shadow": {
+    /** Every running shadow policy with its counts beside the active policy's (operator) */
+    get: operations["list_shadows"];
+  };
+  "/v1/admin/policies/shadow/{kind}": {
+    /** The shadow policy of a kind with its counts beside the active policy's (operator) */
+    get: operations["get_shadow"];
+    /**
+     * Stop the shadow policy of a kind; its final counts (operator)
+     * @description Audited as `policy.shadow_stop` with the final counts.
+     */
+    delete: operations["stop_shadow"];
+  };
   "/v1/admin/policies/stats": {
     /** Active policy per kind, call and fault counters (operator) */
     get: operations["policy_stats"];
   };
+  "/v1/admin/policies/{id}": {
+    /** One policy version: declared parameters, effective values, module contents (operator) */
+    get: operations["policy_detail"];
+  };
   "/v1/admin/policies/{id}/activate": {
-    /** Activate a policy version (operator) */
+    /** Activate a policy version, optionally with new parameters (operator) */
     post: operations["activate_policy"];
   };
   "/v1/admin/policies/{id}/dry-run": {
     /** Replay a trace with a candidate policy beside the active ones (operator) */
     post: operations["dry_run"];
   };
+  "/v1/admin/policies/{id}/shadow": {
+    /**
+     * Run a policy in shadow beside the active one of its kind (operator)
+     * @description From now on every live call of the policy's hook is also answered by this policy; its answers are counted, never applied. Replaces the kind's previous shadow. The hit ratio it would have had is not observable from live calls (its cache would differ from the real one): dry-run it on the recorded traffic for that. Audited as `policy.shadow_start`.
+     */
+    post: operations["start_shadow"];
+  };
   "/v1/admin/residency": {
     /** A worker reports a cache entry it holds (operator) */
     post: operations["report_residency"];
+  };
+  "/v1/admin/tenants": {
+    /** Every tenant: principals, groups, segments, grants, serving usage (operator) */
+    get: operations["list_tenants"];
   };
   "/v1/chat/completions": {
     /** OpenAI chat completions with segment reuse (SSE with `stream: true`) */
@@ -88,6 +121,10 @@ export interface paths {
   "/v1/models/{id}": {
     /** One model */
     get: operations["model_one"];
+  };
+  "/v1/responses": {
+    /** OpenAI Responses API (non-stateful subset) with segment reuse: each input item is a segment */
+    post: operations["responses"];
   };
   "/v1/segments": {
     /** One page of segments with token counts and residency */
@@ -143,6 +180,10 @@ export interface paths {
     /** Pin versions and derive isolation and cache keys */
     post: operations["snapshot"];
   };
+  "/v1/tenants/{tenant}/usage": {
+    /** One tenant's principals, groups, segments, grants and serving usage (the tenant itself or an operator) */
+    get: operations["tenant_usage"];
+  };
   "/v1/whoami": {
     /** The caller as the token names it */
     get: operations["whoami"];
@@ -153,6 +194,15 @@ export type webhooks = Record<string, never>;
 
 export interface components {
   schemas: {
+    /** @description Body of `POST /v1/admin/policies/{id}/activate` (optional). */
+    ActivateBody: {
+      /**
+       * @description New parameters: when given and different from the policy's, they are
+       * checked against its schema and stored as a new version of the policy
+       * (same module), which is the one activated.
+       */
+      params?: Record<string, never> | null;
+    };
     /** @description One audit-log row. */
     AuditEntry: {
       /** @description Action, e.g. `segment.update`, `policy.fault`. */
@@ -176,6 +226,105 @@ export interface components {
       /** @description Tenant involved, if any. */
       tenant?: string | null;
     };
+    /** @description Catalog figures of one tenant. */
+    CatalogUsage: {
+      /**
+       * Format: int64
+       * @description Live segments of other tenants granted to it directly.
+       */
+      granted_segments: number;
+      /**
+       * Format: int64
+       * @description Live segments granted to a group it belongs to.
+       */
+      group_granted_segments: number;
+      /**
+       * Format: int64
+       * @description Content bytes of their current versions.
+       */
+      segment_bytes: number;
+      /**
+       * Format: int64
+       * @description Live segments the tenant owns.
+       */
+      segments: number;
+    };
+    /** @description One custom section of a module. */
+    CustomSection: {
+      /** @description Its size, bytes. */
+      bytes: number;
+      /** @description Section name. */
+      name: string;
+    };
+    /**
+     * @description Counts of one policy's answers over the calls a shadow saw. Only the fields
+     * of the shadow's kind move: admission (`admitted`, `rejected`,
+     * `admitted_bytes`), eviction (`evictions`, `victim_bytes`,
+     * `victim_recompute_tokens`), invalidation (`dropped`, `kept`), isolation
+     * (`shared`, `private`).
+     */
+    DecisionCounts: {
+      /**
+       * Format: int64
+       * @description Admission: entries admitted.
+       */
+      admitted: number;
+      /**
+       * Format: int64
+       * @description Admission: bytes of the admitted entries.
+       */
+      admitted_bytes: number;
+      /**
+       * Format: int64
+       * @description Hook calls answered.
+       */
+      calls: number;
+      /**
+       * Format: int64
+       * @description Invalidation: entries dropped.
+       */
+      dropped: number;
+      /**
+       * Format: int64
+       * @description Eviction: victims chosen.
+       */
+      evictions: number;
+      /**
+       * Format: int64
+       * @description Calls that faulted (the native default answered them instead).
+       */
+      faults: number;
+      /**
+       * Format: int64
+       * @description Invalidation: entries kept.
+       */
+      kept: number;
+      /**
+       * Format: int64
+       * @description Isolation: answers keeping the segment per tenant.
+       */
+      private: number;
+      /**
+       * Format: int64
+       * @description Admission: entries rejected.
+       */
+      rejected: number;
+      /**
+       * Format: int64
+       * @description Isolation: answers allowing the shared namespace.
+       */
+      shared: number;
+      /**
+       * Format: int64
+       * @description Eviction: bytes of the victims (room freed).
+       */
+      victim_bytes: number;
+      /**
+       * Format: int64
+       * @description Eviction: recompute tokens of the victims (what a later miss on them costs).
+       */
+      victim_recompute_tokens: number;
+    };
     /** @description Body of `POST /v1/admin/policies/{id}/dry-run`. */
     DryRunBody: {
       /**
@@ -183,6 +332,11 @@ export interface components {
        * @description Simulated cache capacity in bytes.
        */
       capacity_bytes: number;
+      /**
+       * @description Parameters to try the candidate with instead of its stored ones
+       * (checked against its schema; nothing is stored).
+       */
+      params?: Record<string, never> | null;
       /** @description The recorded trace, JSONL (see [`crate::sim::TraceRecord`]). */
       trace: string;
     };
@@ -262,6 +416,39 @@ export interface components {
       /** @description Group whose members get read access. */
       group: string;
     };
+    /** @description One export of a module. */
+    ModuleExport: {
+      /** @description `func`, `memory`, `table`, `global` or `tag`. */
+      kind: string;
+      /** @description Export name. */
+      name: string;
+    };
+    /** @description What a policy module contains, read from its bytes (no code is run). */
+    ModuleInfo: {
+      /** @description Module size, bytes. */
+      bytes: number;
+      /**
+       * Format: int32
+       * @description Size of the code section, bytes.
+       */
+      code_bytes: number;
+      /** @description Custom sections (`hypic.params` among them when parameters are declared). */
+      custom_sections: components["schemas"]["CustomSection"][];
+      /** @description Exports in module order. */
+      exports: components["schemas"]["ModuleExport"][];
+      /**
+       * Format: int32
+       * @description Functions defined by the module.
+       */
+      functions: number;
+      /** @description Imports (a loadable policy has none). */
+      imports: number;
+      /**
+       * Format: int64
+       * @description Initial size of the first memory, 64 KiB pages.
+       */
+      memory_min_pages?: number | null;
+    };
     /** @description Body of `POST /v1/admin/groups`. */
     NewGroup: {
       /** @description Group id: 1..=128 characters of `[A-Za-z0-9._:-]`. */
@@ -318,6 +505,90 @@ export interface components {
        */
       version?: number | null;
     };
+    /** @description The parameters a policy module declares (`{"params": [...]}`). */
+    ParamSchema: {
+      /** @description The parameters, in the order a form shows them. */
+      params: components["schemas"]["ParamSpec"][];
+    };
+    /** @description One declared parameter. */
+    ParamSpec: components["schemas"]["ParamType"] & ({
+      /** @description What it changes, for operators. */
+      description?: string | null;
+      /** @description Name: 1 to [`MAX_NAME_LEN`] characters of `[A-Za-z0-9_]`. */
+      name: string;
+    });
+    /** @description The type of one parameter and its constraints. */
+    ParamType: OneOf<[{
+      /**
+       * Format: int64
+       * @description Value used when the parameter is omitted.
+       */
+      default: number;
+      /**
+       * Format: int64
+       * @description Largest allowed value.
+       */
+      max?: number | null;
+      /**
+       * Format: int64
+       * @description Smallest allowed value.
+       */
+      min?: number | null;
+      /** @enum {string} */
+      type: "int";
+    }, {
+      /**
+       * Format: double
+       * @description Value used when the parameter is omitted.
+       */
+      default: number;
+      /**
+       * Format: double
+       * @description Largest allowed value.
+       */
+      max?: number | null;
+      /**
+       * Format: double
+       * @description Smallest allowed value.
+       */
+      min?: number | null;
+      /** @enum {string} */
+      type: "float";
+    }, {
+      /** @description Value used when the parameter is omitted. */
+      default: boolean;
+      /** @enum {string} */
+      type: "bool";
+    }, {
+      /** @description Value used when the parameter is omitted. */
+      default: string;
+      /** @description Longest value in bytes (default and at most [`MAX_STRING_LEN`]). */
+      max_len?: number | null;
+      /** @enum {string} */
+      type: "string";
+    }, {
+      /** @description The allowed values (distinct, printable, no line breaks). */
+      choices: string[];
+      /** @description Value used when the parameter is omitted (one of `choices`). */
+      default: string;
+      /** @enum {string} */
+      type: "enum";
+    }]>;
+    /**
+     * @description `GET /v1/admin/policies/{id}`: a stored policy version with its declared
+     * parameters and its module's contents.
+     */
+    PolicyDetail: components["schemas"]["PolicyRecord"] & ({
+      /**
+       * @description The stored parameters completed with the schema's defaults, what the
+       * module is configured with (`null` without a schema, or when the stored
+       * parameters no longer match it).
+       */
+      effective_params?: Record<string, never> | null;
+      /** @description The module's contents. */
+      module: components["schemas"]["ModuleInfo"];
+      param_schema?: null | components["schemas"]["ParamSchema"];
+    });
     /** @description A stored policy module. */
     PolicyRecord: {
       /** @description Whether it is the active policy of its kind. */
@@ -507,6 +778,99 @@ export interface components {
        */
       version: number;
     };
+    /** @description One tenant's serving counters. */
+    ServingUsage: {
+      /**
+       * Format: int64
+       * @description Prompt tokens served from the cache (not recomputed).
+       */
+      cached_tokens: number;
+      /**
+       * Format: int64
+       * @description Tokens generated (a stream's count once it ends).
+       */
+      completion_tokens: number;
+      /**
+       * Format: int64
+       * @description Start of the tenant's latest request, ms since the Unix epoch
+       * (`null` before the first).
+       */
+      last_request_at?: number | null;
+      /**
+       * Format: int64
+       * @description Prompt tokens over those requests.
+       */
+      prompt_tokens: number;
+      /**
+       * Format: int64
+       * @description Generation requests (completions and chat completions) started.
+       */
+      requests: number;
+      /**
+       * Format: int64
+       * @description Segment lookups that hit the cache.
+       */
+      segment_hits: number;
+      /**
+       * Format: int64
+       * @description Segment lookups that missed.
+       */
+      segment_misses: number;
+    };
+    /** @description Body of `POST /v1/admin/policies/{id}/shadow` (optional). */
+    ShadowBody: {
+      /**
+       * @description Parameters to run the candidate with instead of its stored ones
+       * (checked against its schema; nothing is stored).
+       */
+      params?: Record<string, never> | null;
+    };
+    /**
+     * @description A shadow policy and its counts next to the active policy's over the same
+     * live calls (`GET /v1/admin/policies/shadow`).
+     */
+    ShadowView: {
+      /** @description The active policy's answers to the same calls (applied). */
+      active: components["schemas"]["DecisionCounts"];
+      /**
+       * Format: int64
+       * @description The active policy of the kind now (`null`: the native default).
+       */
+      active_policy_id?: number | null;
+      /**
+       * Format: int64
+       * @description Calls both answered alike (eviction: the same victim).
+       */
+      agreed: number;
+      /** @description The candidate's answers (counted, not applied). */
+      candidate: components["schemas"]["DecisionCounts"];
+      /**
+       * Format: int64
+       * @description Calls they answered differently.
+       */
+      disagreed: number;
+      /** @description Hook kind. */
+      kind: string;
+      /** @description The candidate's effective parameters (defaults filled in). */
+      params: Record<string, never>;
+      /**
+       * Format: int64
+       * @description The candidate policy (catalog id).
+       */
+      policy_id: number;
+      /**
+       * Format: int64
+       * @description When the shadow started, ms since the Unix epoch.
+       */
+      started_at: number;
+      /** @description The operator who started it. */
+      started_by: string;
+      /**
+       * @description The candidate faulted too often and was disabled (its calls are then
+       * answered by the native default and still counted).
+       */
+      tripped: boolean;
+    };
     /** @description What a replay measured. */
     SimStats: {
       /**
@@ -621,6 +985,26 @@ export interface components {
       /** @description Tenant from the token. */
       tenant: string;
     };
+    /** @description A token subject recorded for a tenant (seen on an authenticated request). */
+    TenantPrincipal: {
+      /** @description `tenant` or `operator`. */
+      role: string;
+      /** @description Token subject. */
+      sub: string;
+    };
+    /** @description One tenant: who signs in as it, its groups, its catalog and serving usage. */
+    TenantView: {
+      /** @description Segments and grants. */
+      catalog: components["schemas"]["CatalogUsage"];
+      /** @description Groups it is a member of, sorted. */
+      groups: string[];
+      /** @description Token subjects seen for it, by subject. */
+      principals: components["schemas"]["TenantPrincipal"][];
+      /** @description Requests and tokens since the server started. */
+      serving: components["schemas"]["ServingUsage"];
+      /** @description Tenant id. */
+      tenant: string;
+    };
     /** @description Answer of `PUT /v1/segments/{id}`. */
     UpdateResult: {
       /**
@@ -647,7 +1031,11 @@ export interface components {
       kind: string;
       /** @description Policy name (versions accumulate per name). */
       name: string;
-      /** @description Integer parameters (JSON object). */
+      /**
+       * @description Parameters (JSON object): checked against the module's declared
+       * schema (its `hypic.params` section) when it has one, else integers
+       * and booleans only.
+       */
       params?: Record<string, never>;
       /** @description The module, base64 (standard alphabet). */
       wasm_base64: string;
@@ -1110,7 +1498,7 @@ export interface operations {
           "application/json": components["schemas"]["PolicyRecord"];
         };
       };
-      /** @description the module does not load or fails its smoke call */
+      /** @description the module does not load or fails its smoke call (`invalid_param_schema`: its parameter schema is malformed; `invalid_param`, `param` = `params.<name>`: a parameter does not match it) */
       400: {
         content: {
           "application/json": components["schemas"]["ErrorBody"];
@@ -1176,6 +1564,111 @@ export interface operations {
       };
     };
   };
+  /** Every running shadow policy with its counts beside the active policy's (operator) */
+  list_shadows: {
+    responses: {
+      200: {
+        content: {
+          "application/json": components["schemas"]["ShadowView"][];
+        };
+      };
+      /** @description no or bad token */
+      401: {
+        content: {
+          "application/json": components["schemas"]["ErrorBody"];
+        };
+      };
+      /** @description operator role needed */
+      403: {
+        content: {
+          "application/json": components["schemas"]["ErrorBody"];
+        };
+      };
+    };
+  };
+  /** The shadow policy of a kind with its counts beside the active policy's (operator) */
+  get_shadow: {
+    parameters: {
+      path: {
+        /** @description eviction, admission, invalidation or isolation */
+        kind: string;
+      };
+    };
+    responses: {
+      200: {
+        content: {
+          "application/json": components["schemas"]["ShadowView"];
+        };
+      };
+      /** @description unknown kind */
+      400: {
+        content: {
+          "application/json": components["schemas"]["ErrorBody"];
+        };
+      };
+      /** @description no or bad token */
+      401: {
+        content: {
+          "application/json": components["schemas"]["ErrorBody"];
+        };
+      };
+      /** @description operator role needed */
+      403: {
+        content: {
+          "application/json": components["schemas"]["ErrorBody"];
+        };
+      };
+      /** @description no shadow runs for the kind */
+      404: {
+        content: {
+          "application/json": components["schemas"]["ErrorBody"];
+        };
+      };
+    };
+  };
+  /**
+   * Stop the shadow policy of a kind; its final counts (operator)
+   * @description Audited as `policy.shadow_stop` with the final counts.
+   */
+  stop_shadow: {
+    parameters: {
+      path: {
+        /** @description eviction, admission, invalidation or isolation */
+        kind: string;
+      };
+    };
+    responses: {
+      200: {
+        content: {
+          "application/json": components["schemas"]["ShadowView"];
+        };
+      };
+      /** @description unknown kind */
+      400: {
+        content: {
+          "application/json": components["schemas"]["ErrorBody"];
+        };
+      };
+      /** @description no or bad token */
+      401: {
+        content: {
+          "application/json": components["schemas"]["ErrorBody"];
+        };
+      };
+      /** @description operator role needed */
+      403: {
+        content: {
+          "application/json": components["schemas"]["ErrorBody"];
+        };
+      };
+      /** @description no shadow runs for the kind */
+      404: {
+        content: {
+          "application/json": components["schemas"]["ErrorBody"];
+        };
+      };
+    };
+  };
   /** Active policy per kind, call and fault counters (operator) */
   policy_stats: {
     responses: {
@@ -1199,8 +1692,8 @@ export interface operations {
       };
     };
   };
-  /** Activate a policy version (operator) */
-  activate_policy: {
+  /** One policy version: declared parameters, effective values, module contents (operator) */
+  policy_detail: {
     parameters: {
       path: {
         /** @description policy id */
@@ -1208,13 +1701,59 @@ export interface operations {
       };
     };
     responses: {
-      /** @description `kind`, `active` */
+      200: {
+        content: {
+          "application/json": components["schemas"]["PolicyDetail"];
+        };
+      };
+      /** @description invalid input */
+      400: {
+        content: {
+          "application/json": components["schemas"]["ErrorBody"];
+        };
+      };
+      /** @description no or bad token */
+      401: {
+        content: {
+          "application/json": components["schemas"]["ErrorBody"];
+        };
+      };
+      /** @description operator role needed */
+      403: {
+        content: {
+          "application/json": components["schemas"]["ErrorBody"];
+        };
+      };
+      /** @description no such policy */
+      404: {
+        content: {
+          "application/json": components["schemas"]["ErrorBody"];
+        };
+      };
+    };
+  };
+  /** Activate a policy version, optionally with new parameters (operator) */
+  activate_policy: {
+    parameters: {
+      path: {
+        /** @description policy id */
+        id: number;
+      };
+    };
+    /** @description optional: `params` to activate the policy with (stored as a new version) */
+    requestBody?: {
+      content: {
+        "application/json": null | components["schemas"]["ActivateBody"];
+      };
+    };
+    responses: {
+      /** @description `kind`, `active` (the activated policy id: a new version when the parameters changed), `params` */
       200: {
         content: {
           "application/json": Record<string, never>;
         };
       };
-      /** @description invalid input */
+      /** @description invalid input (`invalid_param`, `param` = `params.<name>`: a parameter the policy's schema refuses) */
       400: {
         content: {
           "application/json": components["schemas"]["ErrorBody"];
@@ -1259,7 +1798,56 @@ export interface operations {
           "application/json": components["schemas"]["DryRunResult"];
         };
       };
-      /** @description invalid input */
+      /** @description invalid input (`invalid_param`, `param` = `params.<name>`: a parameter the policy's schema refuses) */
+      400: {
+        content: {
+          "application/json": components["schemas"]["ErrorBody"];
+        };
+      };
+      /** @description no or bad token */
+      401: {
+        content: {
+          "application/json": components["schemas"]["ErrorBody"];
+        };
+      };
+      /** @description operator role needed */
+      403: {
+        content: {
+          "application/json": components["schemas"]["ErrorBody"];
+        };
+      };
+      /** @description no such policy */
+      404: {
+        content: {
+          "application/json": components["schemas"]["ErrorBody"];
+        };
+      };
+    };
+  };
+  /**
+   * Run a policy in shadow beside the active one of its kind (operator)
+   * @description From now on every live call of the policy's hook is also answered by this policy; its answers are counted, never applied. Replaces the kind's previous shadow. The hit ratio it would have had is not observable from live calls (its cache would differ from the real one): dry-run it on the recorded traffic for that. Audited as `policy.shadow_start`.
+   */
+  start_shadow: {
+    parameters: {
+      path: {
+        /** @description policy id */
+        id: number;
+      };
+    };
+    /** @description optional: `params` to run it with */
+    requestBody?: {
+      content: {
+        "application/json": null | components["schemas"]["ShadowBody"];
+      };
+    };
+    responses: {
+      200: {
+        content: {
+          "application/json": components["schemas"]["ShadowView"];
+        };
+      };
+      /** @description the module does not load, or `invalid_param` (`param` = `params.<name>`) */
       400: {
         content: {
           "application/json": components["schemas"]["ErrorBody"];
@@ -1303,6 +1891,28 @@ export interface operations {
       400: {
         content: {
           "application/json": components["schemas"]["ErrorBody"];
+        };
+      };
+      /** @description no or bad token */
+      401: {
+        content: {
+          "application/json": components["schemas"]["ErrorBody"];
+        };
+      };
+      /** @description operator role needed */
+      403: {
+        content: {
+          "application/json": components["schemas"]["ErrorBody"];
+        };
+      };
+    };
+  };
+  /** Every tenant: principals, groups, segments, grants, serving usage (operator) */
+  list_tenants: {
+    responses: {
+      200: {
+        content: {
+          "application/json": components["schemas"]["TenantView"][];
         };
       };
       /** @description no or bad token */
@@ -1448,6 +2058,40 @@ export interface operations {
       };
       /** @description not the served model */
       404: {
+        content: {
+          "application/json": components["schemas"]["ErrorBody"];
+        };
+      };
+    };
+  };
+  /** OpenAI Responses API (non-stateful subset) with segment reuse: each input item is a segment */
+  responses: {
+    /** @description Responses body: input (text or items), instructions, tools, tool_choice, text.format, max_output_tokens; the `hypic` extension is HYPIC's */
+    requestBody: {
+      content: {
+        "application/json": Record<string, never>;
+      };
+    };
+    responses: {
+      200: {
+        content: {
+          "application/json": Record<string, never>;
+        };
+      };
+      /** @description invalid input or an unsupported (stateful) field */
+      400: {
+        content: {
+          "application/json": components["schemas"]["ErrorBody"];
+        };
+      };
+      /** @description no or bad token */
+      401: {
+        content: {
+          "application/json": components["schemas"]["ErrorBody"];
+        };
+      };
+      /** @description queue full (`Retry-After`) */
+      429: {
         content: {
           "application/json": components["schemas"]["ErrorBody"];
         };
@@ -2055,6 +2699,46 @@ export interface operations {
         };
       };
       /** @description a segment is not readable */
+      404: {
+        content: {
+          "application/json": components["schemas"]["ErrorBody"];
+        };
+      };
+    };
+  };
+  /** One tenant's principals, groups, segments, grants and serving usage (the tenant itself or an operator) */
+  tenant_usage: {
+    parameters: {
+      path: {
+        /** @description tenant id */
+        tenant: string;
+      };
+    };
+    responses: {
+      200: {
+        content: {
+          "application/json": components["schemas"]["TenantView"];
+        };
+      };
+      /** @description invalid input */
+      400: {
+        content: {
+          "application/json": components["schemas"]["ErrorBody"];
+        };
+      };
+      /** @description no or bad token */
+      401: {
+        content: {
+          "application/json": components["schemas"]["ErrorBody"];
+        };
+      };
+      /** @description another tenant's usage (tenant tokens see their own only) */
+      403: {
+        content: {
+          "application/json": components["schemas"]["ErrorBody"];
+        };
+      };
+      /** @description no such tenant */
       404: {
         content: {
           "application/json": components["schemas"]["ErrorBody"];
