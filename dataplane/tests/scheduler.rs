@@ -230,60 +230,6 @@ fn invalid_requests_are_refused_at_submit() {
     assert!(matches!(s.submit(r), Err(SubmitError::Invalid(_))));
 }
 
-/// Allows `script[i]` at step i, then only `end`; rejects anything else at commit.
-struct Script {
-    script: Vec<u32>,
-    end: u32,
-}
-struct ScriptState(Vec<u32>, u32);
-impl ConstraintSpec for Script {
-    fn describe(&self) -> String {
-        "script".into()
-    }
-    fn start(&self) -> Result<Box<dyn TokenConstraint>, String> {
-        Ok(Box::new(ScriptState(
-            self.script.iter().rev().copied().collect(),
-            self.end,
-        )))
-    }
-}
-impl TokenConstraint for ScriptState {
-    fn mask(&mut self, logits: &mut [f32]) -> Result<(), String> {
-        let allow = *self.0.last().unwrap_or(&self.1);
-        if allow == u32::MAX {
-            return Err("the grammar is in an error state".into());
-        }
-        for (i, l) in logits.iter_mut().enumerate() {
-            if i as u32 != allow {
-                *l = f32::NEG_INFINITY;
-            }
-        }
-        Ok(())
-    }
-    fn commit(&mut self, token: u32) -> Result<(), String> {
-        let want = self.0.pop().unwrap_or(self.1);
-        (token == want)
-            .then_some(())
-            .ok_or_else(|| format!("token {token} not allowed"))
-    }
-}
-
-#[test]
-fn a_constraint_drives_each_sequence_of_a_batch_and_its_failure_is_an_error_event() {
-    let e = engine();
-    let s = Scheduler::start(e.clone(), SchedulerConfig::default());
-    let with = |script: Vec<u32>, end: u32, seed: u32| {
-        let mut r = req(seed, 8);
-        r.stop_token_ids = vec![end];
-        r.sampling.constraint = Some(Constraint(Arc::new(Script { script, end })));
-        r
-    };
-    // Two constrained sequences and one free one decode in the same batch.
-    let mut a = s.submit(with(vec![5, 6, 5], 9, 1)).unwrap();
-    let mut b = s.submit(with(vec![17, 18], 11, 2)).unwrap();
-    let mut free = s.submit(req(3, 4)).unwrap();
-    let ids = |ev: &[GenEvent]| -> Vec<u32> {
-
 /// `GenRequest::score`: a continuation scored teacher-forced on a fork of the
 /// prompt state, inside the batched decode step (here beside another running
 /// request): `Scored` comes after `Started` and before the first token, carries the
@@ -303,37 +249,6 @@ fn a_scored_request_reports_the_teacher_forced_nll_and_generates_as_without() {
             })
             .collect()
     };
-    let (ea, eb, ef) = (collect(&mut a), collect(&mut b), collect(&mut free));
-    assert_eq!(ids(&ea), vec![5, 6, 5]);
-    assert!(matches!(
-        ea.last(),
-        Some(GenEvent::Done {
-            reason: FinishReason::Stop,
-            generated: 3
-        })
-    ));
-    assert_eq!(ids(&eb), vec![17, 18]);
-    assert_eq!(ids(&ef).len(), 4);
-    // A constraint in an error state after one token ends its sequence with an error.
-    let mut bad = s.submit(with(vec![5, u32::MAX], 9, 4)).unwrap();
-    let ev = collect(&mut bad);
-    assert_eq!(ids(&ev), vec![5]);
-    match ev.last() {
-        Some(GenEvent::Error { kind, message }) => {
-            assert_eq!(*kind, ErrorKind::Internal);
-            assert!(message.contains("error state"), "{message}");
-        }
-        other => panic!("expected an error, got {other:?}"),
-    }
-    // Nothing leaks: all slots and reservations are back.
-    let m = s.metrics();
-    let t0 = Instant::now();
-    while m.running.load(Ordering::Relaxed) != 0 && t0.elapsed() < Duration::from_secs(5) {
-        std::thread::sleep(Duration::from_millis(10));
-    }
-    assert_eq!(m.running.load(Ordering::Relaxed), 0);
-    assert_eq!(m.kv_reserved_bytes.load(Ordering::Relaxed), 0);
-
     let mut busy = s.submit(req(8, 40)).unwrap();
     let mut r = req(3, 5);
     r.score = Some(targets.clone());
@@ -393,4 +308,96 @@ fn a_scored_request_reports_the_teacher_forced_nll_and_generates_as_without() {
         ev[1]
     );
     assert_eq!(toks(&ev), toks(&plain)[..2].to_vec());
+}
+
+/// Allows `script[i]` at step i, then only `end`; rejects anything else at commit.
+struct Script {
+    script: Vec<u32>,
+    end: u32,
+}
+struct ScriptState(Vec<u32>, u32);
+impl ConstraintSpec for Script {
+    fn describe(&self) -> String {
+        "script".into()
+    }
+    fn start(&self) -> Result<Box<dyn TokenConstraint>, String> {
+        Ok(Box::new(ScriptState(
+            self.script.iter().rev().copied().collect(),
+            self.end,
+        )))
+    }
+}
+impl TokenConstraint for ScriptState {
+    fn mask(&mut self, logits: &mut [f32]) -> Result<(), String> {
+        let allow = *self.0.last().unwrap_or(&self.1);
+        if allow == u32::MAX {
+            return Err("the grammar is in an error state".into());
+        }
+        for (i, l) in logits.iter_mut().enumerate() {
+            if i as u32 != allow {
+                *l = f32::NEG_INFINITY;
+            }
+        }
+        Ok(())
+    }
+    fn commit(&mut self, token: u32) -> Result<(), String> {
+        let want = self.0.pop().unwrap_or(self.1);
+        (token == want)
+            .then_some(())
+            .ok_or_else(|| format!("token {token} not allowed"))
+    }
+}
+
+#[test]
+fn a_constraint_drives_each_sequence_of_a_batch_and_its_failure_is_an_error_event() {
+    let e = engine();
+    let s = Scheduler::start(e.clone(), SchedulerConfig::default());
+    let with = |script: Vec<u32>, end: u32, seed: u32| {
+        let mut r = req(seed, 8);
+        r.stop_token_ids = vec![end];
+        r.sampling.constraint = Some(Constraint(Arc::new(Script { script, end })));
+        r
+    };
+    // Two constrained sequences and one free one decode in the same batch.
+    let mut a = s.submit(with(vec![5, 6, 5], 9, 1)).unwrap();
+    let mut b = s.submit(with(vec![17, 18], 11, 2)).unwrap();
+    let mut free = s.submit(req(3, 4)).unwrap();
+    let ids = |ev: &[GenEvent]| -> Vec<u32> {
+        ev.iter()
+            .filter_map(|e| match e {
+                GenEvent::Token { id, .. } => Some(*id),
+                _ => None,
+            })
+            .collect()
+    };
+    let (ea, eb, ef) = (collect(&mut a), collect(&mut b), collect(&mut free));
+    assert_eq!(ids(&ea), vec![5, 6, 5]);
+    assert!(matches!(
+        ea.last(),
+        Some(GenEvent::Done {
+            reason: FinishReason::Stop,
+            generated: 3
+        })
+    ));
+    assert_eq!(ids(&eb), vec![17, 18]);
+    assert_eq!(ids(&ef).len(), 4);
+    // A constraint in an error state after one token ends its sequence with an error.
+    let mut bad = s.submit(with(vec![5, u32::MAX], 9, 4)).unwrap();
+    let ev = collect(&mut bad);
+    assert_eq!(ids(&ev), vec![5]);
+    match ev.last() {
+        Some(GenEvent::Error { kind, message }) => {
+            assert_eq!(*kind, ErrorKind::Internal);
+            assert!(message.contains("error state"), "{message}");
+        }
+        other => panic!("expected an error, got {other:?}"),
+    }
+    // Nothing leaks: all slots and reservations are back.
+    let m = s.metrics();
+    let t0 = Instant::now();
+    while m.running.load(Ordering::Relaxed) != 0 && t0.elapsed() < Duration::from_secs(5) {
+        std::thread::sleep(Duration::from_millis(10));
+    }
+    assert_eq!(m.running.load(Ordering::Relaxed), 0);
+    assert_eq!(m.kv_reserved_bytes.load(Ordering::Relaxed), 0);
 }
