@@ -379,7 +379,11 @@ pub fn encode_resolved(
 ) -> Result<Vec<u8>, PolicyError> {
     use serde_json::Value;
     let mut out = String::new();
-    for (k, v) in params {
+    // Sorted by name whatever the map's own order (serde_json keeps insertion order
+    // when a dependency enables `preserve_order`).
+    let mut sorted: Vec<(&String, &Value)> = params.iter().collect();
+    sorted.sort_by(|a, b| a.0.cmp(b.0));
+    for (k, v) in sorted {
         let text = match v {
             Value::Bool(b) => (*b as i64).to_string(),
             Value::Number(n) => match n.as_i64() {
