@@ -6,8 +6,8 @@
 //!   adds, so role headers and end markers travel with their message and the
 //!   generation prompt with the last one. A message given as content parts is cut
 //!   further so that each part is a segment of exactly its text (a private-use
-//!   marker surrounds the parts while rendering); its role header and end marker
-//!   become small segments of their own.
+//!   marker surrounds the parts while rendering); its role header and end marker join
+//!   the neighbouring whole messages ([`attach_glue`]).
 //! * Tools (`serve::tools`): the tool list becomes a segment of its own, after the
 //!   system prompt's text (a cut is placed there), so the same tools are a hit in
 //!   any conversation.
@@ -53,6 +53,9 @@ pub fn chat_segments(
     }
     let native = tools.is_some() && tok.template_renders_tools();
     let mut conv: Vec<Value> = Vec::with_capacity(msgs.len() + 1);
+    // Per entry of `conv`: whether its content was given as parts (so that its role
+    // header and end marker are template glue around exact part texts).
+    let mut parts_msg: Vec<bool> = Vec::with_capacity(msgs.len() + 1);
     let mut any_text = false;
     for (i, m) in msgs.iter().enumerate() {
         if !ROLES.contains(&m.role.as_str()) {
@@ -128,8 +131,8 @@ pub fn chat_segments(
             ));
         }
         // Content parts are cut on both sides, so each part's segment is exactly its
-        // text (reusable in any order); the role header and the end marker become
-        // small segments of their own.
+        // text (reusable in any order); the role header and the end marker join the
+        // neighbouring whole messages (`attach_glue`).
         let content = match &m.content {
             Some(MessageContent::Parts(_)) => {
                 format!("{PART_MARK}{}{PART_MARK}", parts.join(PART_MARK))
@@ -174,6 +177,7 @@ pub fn chat_segments(
             }
         }
         conv.push(msg);
+        parts_msg.push(matches!(m.content, Some(MessageContent::Parts(_))));
     }
     if let Some(t) = tools {
         // A cut right after the system prompt's text: what follows in that turn
@@ -192,6 +196,7 @@ pub fn chat_segments(
             );
             conv[0]["content"] = json!(c);
         } else {
+            parts_msg.insert(0, false);
             conv.insert(
                 0,
                 json!({"role": "system", "content": tools::tools_text(&t.tools)}),
@@ -225,19 +230,31 @@ pub fn chat_segments(
         blocks.push(p[prev.len()..].to_string());
         prev = p;
     }
-    if ok && full.starts_with(prev.as_str()) {
+    let stable = ok && full.starts_with(prev.as_str());
+    if stable {
         blocks.push(full[prev.len()..].to_string());
     } else {
         // The template is not prefix-stable (e.g. it rewrites earlier turns): one
         // segment per part of the whole rendering.
         blocks = vec![full];
     }
-    let segs: Vec<String> = blocks
-        .iter()
-        .flat_map(|b| b.split(PART_MARK))
-        .filter(|s| !s.is_empty())
-        .map(String::from)
-        .collect();
+    let mut pieces: Vec<(String, Piece)> = vec![];
+    for (k, b) in blocks.iter().enumerate() {
+        let glued = stable && parts_msg.get(k).copied().unwrap_or(false);
+        let split: Vec<&str> = b.split(PART_MARK).collect();
+        let n = split.len();
+        for (j, t) in split.into_iter().enumerate() {
+            let kind = if glued && (j == 0 || j + 1 == n) {
+                Piece::Glue
+            } else if glued {
+                Piece::Part
+            } else {
+                Piece::Whole
+            };
+            pieces.push((t.to_string(), kind));
+        }
+    }
+    let segs = attach_glue(pieces);
     if segs.is_empty() {
         return Err(ServeError::invalid_param(
             "messages",
@@ -245,6 +262,52 @@ pub fn chat_segments(
         ));
     }
     Ok(segs)
+}
+
+/// What a piece of the rendered conversation is, for [`attach_glue`].
+#[derive(Clone, Copy, Debug, PartialEq)]
+enum Piece {
+    /// A whole message's rendering (header, text, end marker).
+    Whole,
+    /// Exactly the text of one content part.
+    Part,
+    /// A role header or end marker around content parts.
+    Glue,
+}
+
+/// Segment texts from the pieces: template glue around content parts joins a
+/// neighbouring whole message (the one before, else the one after), so it does not
+/// become a tiny segment of its own; part texts stay exactly their text (reusable in
+/// any order). Glue between two parts messages merges into one piece, which stays a
+/// segment only when no whole message is beside it. Empty pieces are dropped.
+fn attach_glue(pieces: Vec<(String, Piece)>) -> Vec<String> {
+    // Adjacent glue pieces first become one.
+    let mut merged: Vec<(String, Piece)> = vec![];
+    for (t, k) in pieces.into_iter().filter(|(t, _)| !t.is_empty()) {
+        match merged.last_mut() {
+            Some((prev, Piece::Glue)) if k == Piece::Glue => prev.push_str(&t),
+            _ => merged.push((t, k)),
+        }
+    }
+    let mut out: Vec<(String, Piece)> = Vec::with_capacity(merged.len());
+    let mut carry = String::new(); // glue waiting for the next whole message
+    let mut it = merged.into_iter().peekable();
+    while let Some((t, k)) = it.next() {
+        match k {
+            Piece::Glue => {
+                if let Some((prev, Piece::Whole)) = out.last_mut() {
+                    prev.push_str(&t);
+                } else if matches!(it.peek(), Some((_, Piece::Whole))) {
+                    carry = t;
+                } else {
+                    out.push((t, Piece::Glue));
+                }
+            }
+            Piece::Whole => out.push((std::mem::take(&mut carry) + &t, Piece::Whole)),
+            Piece::Part => out.push((t, Piece::Part)),
+        }
+    }
+    out.into_iter().map(|(t, _)| t).collect()
 }
 
 /// The `(id, name, arguments)` of an assistant message's `tool_calls`; arguments as
@@ -359,5 +422,41 @@ pub fn request_mode(ext: Option<&HypicRequestExt>, default: Mode) -> Result<Mode
         Some(name) => {
             parse_mode(name, w, r).map_err(|e| ServeError::invalid_param("hypic.mode", e))
         }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::{attach_glue, Piece};
+
+    fn p(t: &str, k: Piece) -> (String, Piece) {
+        (t.to_string(), k)
+    }
+
+    #[test]
+    fn glue_joins_whole_neighbours_and_parts_stay_exact() {
+        use Piece::*;
+        // system | header | A | B | end | question: the header joins the system turn,
+        // the end marker the question; the parts stay exactly their text.
+        let got = attach_glue(vec![
+            p("<s>S</s>", Whole),
+            p("<u>", Glue),
+            p("A", Part),
+            p("B", Part),
+            p("</u>", Glue),
+            p("<u>Q</u><a>", Whole),
+        ]);
+        assert_eq!(got, ["<s>S</s><u>", "A", "B", "</u><u>Q</u><a>"]);
+        // Only parts messages: glue between them merges; first and last glue stay.
+        let got = attach_glue(vec![
+            p("<u>", Glue),
+            p("A", Part),
+            p("</u>", Glue),
+            p("<u>", Glue),
+            p("B", Part),
+            p("", Part),
+            p("</u><a>", Glue),
+        ]);
+        assert_eq!(got, ["<u>", "A", "</u><u>", "B", "</u><a>"]);
     }
 }

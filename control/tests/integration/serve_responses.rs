@@ -34,8 +34,8 @@ async fn text_tools_and_json_through_the_responses_shape() {
         .post(
             RESP,
             &json!({"instructions": "Be brief.",
-            "input": [{"role": "user", "content": [{"type": "input_text", "text": "Hello there"}]},
-                      {"role": "user", "content": "And again"}],
+            "input": [{"role": "user", "content": "Hello there"},
+                      {"role": "user", "content": [{"type": "input_text", "text": "And again"}]}],
             "max_output_tokens": 2, "temperature": 0}),
         )
         .await;
