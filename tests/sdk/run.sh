@@ -11,13 +11,17 @@ bin="${HYPIC_BIN:-target/debug/hypic}"
 venv="${HYPIC_SDK_VENV:-target/sdk-venv}"
 log() { echo "sdk: $*" >&2; }
 
+apt_install() {
+  log "installing $* (apt-get)"
+  local sudo_=""; [ "$(id -u)" = 0 ] || sudo_="sudo -n"
+  export DEBIAN_FRONTEND=noninteractive
+  $sudo_ apt-get update -qq >/dev/null
+  $sudo_ apt-get install -y -qq "$@" >/dev/null
+}
+command -v python3 >/dev/null || apt_install python3 python3-venv
 if [ ! -x "$venv/bin/python" ]; then
   if ! python3 -m venv "$venv" >/dev/null 2>&1; then
-    log "installing python3-venv"
-    sudo_=""; [ "$(id -u)" = 0 ] || sudo_="sudo -n"
-    export DEBIAN_FRONTEND=noninteractive
-    $sudo_ apt-get update -qq >/dev/null
-    $sudo_ apt-get install -y -qq python3-venv >/dev/null
+    apt_install python3-venv
     rm -rf "$venv"
     python3 -m venv "$venv"
   fi
