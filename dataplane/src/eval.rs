@@ -415,28 +415,9 @@ pub fn evaluate_modes(
         ));
     }
     let engine = sched.engine();
-    let mut reports: Vec<ModeReport> = modes
-        .iter()
-        .map(|m| ModeReport {
-            label: mode_label(m),
-            mode: Some(*m),
-            ..Default::default()
-        })
-        .collect();
+    let mut reports = empty_reports(modes);
     let mut sums: Vec<Sums> = modes.iter().map(|_| Sums::default()).collect();
-    // Body starts of the public-pool entries: the first segment always uses 0; a later
-    // one the seam width (HYPIC) or 0 (naive addition).
-    let mut later_starts: Vec<usize> = vec![];
-    for m in modes {
-        let b = match m {
-            Mode::NaiveAddition => 0,
-            Mode::Hypic { seam_width, .. } => *seam_width,
-            _ => continue,
-        };
-        if !later_starts.contains(&b) {
-            later_starts.push(b);
-        }
-    }
+    let later_starts = later_body_starts(modes);
     for (i, item) in items.iter().enumerate() {
         engine.clear();
         let segs = item_segments(tok, item, EVAL_TENANT)?;
@@ -535,6 +516,36 @@ pub fn kl_divergence(p: &[f32], q: &[f32]) -> f64 {
         .max(0.0)
 }
 
+/// One empty report per mode, labelled.
+fn empty_reports(modes: &[Mode]) -> Vec<ModeReport> {
+    modes
+        .iter()
+        .map(|m| ModeReport {
+            label: mode_label(m),
+            mode: Some(*m),
+            ..Default::default()
+        })
+        .collect()
+}
+
+/// Body starts of the public-pool entries a segment after the first uses under
+/// `modes` (the first segment always uses 0): the seam width for HYPIC, 0 for naive
+/// addition; each start once, in order of first use.
+fn later_body_starts(modes: &[Mode]) -> Vec<usize> {
+    let mut starts: Vec<usize> = vec![];
+    for m in modes {
+        let b = match m {
+            Mode::NaiveAddition => 0,
+            Mode::Hypic { seam_width, .. } => *seam_width,
+            _ => continue,
+        };
+        if !starts.contains(&b) {
+            starts.push(b);
+        }
+    }
+    starts
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -554,26 +565,9 @@ mod tests {
         modes: &[Mode],
         max_new: usize,
     ) -> Vec<ModeReport> {
-        let mut reports: Vec<ModeReport> = modes
-            .iter()
-            .map(|m| ModeReport {
-                label: mode_label(m),
-                mode: Some(*m),
-                ..Default::default()
-            })
-            .collect();
+        let mut reports = empty_reports(modes);
         let mut sums: Vec<Sums> = modes.iter().map(|_| Sums::default()).collect();
-        let mut later_starts: Vec<usize> = vec![];
-        for m in modes {
-            let b = match m {
-                Mode::NaiveAddition => 0,
-                Mode::Hypic { seam_width, .. } => *seam_width,
-                _ => continue,
-            };
-            if !later_starts.contains(&b) {
-                later_starts.push(b);
-            }
-        }
+        let later_starts = later_body_starts(modes);
         let model = engine.model();
         for item in items {
             engine.clear();
