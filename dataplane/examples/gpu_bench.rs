@@ -17,6 +17,13 @@
 //!   shared intermediate 512, bf16) at t = 1, 8, 1024, 4096, with a cuBLAS dense GEMM
 //!   of the same total routed rows for comparison.
 //!
+//! `gpu_bench --moe-grouped` runs only the MoE prefill comparison (gpu-check step
+//! `moebench`): the grouped expert GEMMs (`ExpertGemm::TensorCores`, one launch per
+//! projection over all experts) against the per-expert cuBLAS loop
+//! (`ExpertGemm::PerExpert`) and the `torch._grouped_mm` anchor of issue 18, at
+//! t = 1k, 4k, 16k tokens (256 experts, top-8, hidden 2048, expert width 512, no
+//! shared expert), with a cuBLAS dense GEMM of the same FLOPs as the GEMM floor.
+//!
 //! Times are medians of CUDA-event-timed repetitions after warm-up; inputs are
 //! random (never zeros).
 #[cfg(not(feature = "cuda"))]
@@ -132,6 +139,10 @@ mod bench {
         );
         for (m, o, s) in g.compile_log() {
             println!("- module {m}: {o:?} {s:.3} s");
+        }
+        if args.iter().any(|a| a == "--moe-grouped") {
+            let mut r = rand::rngs::StdRng::seed_from_u64(18);
+            return moe_grouped_bench(&g, &mut r);
         }
         host_costs(&g)?;
         let mut r = rand::rngs::StdRng::seed_from_u64(1);
@@ -655,6 +666,82 @@ mod bench {
             "\n(MoE workspace {:.1} MiB; weights {:.2} GiB)",
             ws.bytes() as f64 / (1 << 20) as f64,
             2.0 * (e * 3 * i * h + 3 * is * h + (e + 1) * h) as f64 / (1u64 << 30) as f64
+        );
+        Ok(())
+    }
+
+    /// The MoE prefill's expert GEMMs: grouped (one launch per projection) against the
+    /// per-expert cuBLAS loop, the issue's `torch._grouped_mm` anchor, and a dense
+    /// cuBLAS GEMM of the same FLOPs (the GEMM floor of this run). 256 experts, top-8,
+    /// hidden 2048, expert width 512, no shared expert; distinct random weights per
+    /// expert would not change the timing, so every expert shares one set. FLOPs count
+    /// the expert GEMMs only (`2 · t · k · 3 · I · H`, as the anchor); our times
+    /// include the router GEMM, routing, plan and combine as well.
+    fn moe_grouped_bench(g: &Gpu, r: &mut rand::rngs::StdRng) -> Result<()> {
+        let (h, e, k, i) = (2048usize, 256usize, 8usize, 512usize);
+        println!(
+            "\n## MoE prefill: grouped expert GEMMs vs per-expert cuBLAS (bf16; hidden {h}, {e} experts, top-{k}, expert width {i}, no shared expert)\n"
+        );
+        let rnd = |r: &mut rand::rngs::StdRng, n: usize, s: f32| -> Vec<f32> {
+            (0..n).map(|_| r.random_range(-s..s)).collect()
+        };
+        let sh = 1.0 / (h as f32).sqrt();
+        let router = rnd(r, e * h, 3.0 * sh);
+        let gu = rnd(r, 2 * i * h, sh);
+        let dn = rnd(r, h * i, 1.0 / (i as f32).sqrt());
+        let gus: Vec<&[f32]> = vec![&gu[..]; e];
+        let dns: Vec<&[f32]> = vec![&dn[..]; e];
+        let w = moe::MoeWeights::<bf16>::upload(g, &router, &gus, &dns, None, h, i, 0, k, true)?;
+        let mut ws = moe::MoeWorkspace::new();
+        // torch._grouped_mm on the same shape (issue 18, H200, 2026-12-01), ms.
+        let anchor = |t: usize| match t {
+            4096 => Some(0.84),
+            16384 => Some(1.98),
+            _ => None,
+        };
+        println!(
+            "| t | grouped ms | TFLOP/s | per-expert cuBLAS ms | per-expert / grouped | anchor ms | grouped / anchor | dense cuBLAS same FLOPs ms | TFLOP/s | grouped / dense |"
+        );
+        println!("|---|---|---|---|---|---|---|---|---|---|");
+        for &t in &[1024usize, 4096, 16384] {
+            let x = rand_up::<bf16>(g, r, t * h, -1.0, 1.0)?;
+            let mut out = g.zeros::<bf16>(t * h)?;
+            let reps = if t >= 16384 { 10 } else { 20 };
+            ws.force_expert_gemm(Some(moe::ExpertGemm::TensorCores));
+            let grouped = time_ms(g, 3, reps, || {
+                moe::moe_forward(g, &w, &x, t, &mut ws, &mut out)
+            })?;
+            ws.force_expert_gemm(Some(moe::ExpertGemm::PerExpert));
+            let per = time_ms(g, 2, reps.min(10), || {
+                moe::moe_forward(g, &w, &x, t, &mut ws, &mut out)
+            })?;
+            ws.force_expert_gemm(None);
+            let n = t * k;
+            let flops = 2.0 * n as f64 * (3 * i * h) as f64;
+            let xr = rand_up::<bf16>(g, r, n * h, -1.0, 1.0)?;
+            let wgu = rand_up::<bf16>(g, r, 2 * i * h, -sh, sh)?;
+            let wdn = rand_up::<bf16>(g, r, h * i, -0.04, 0.04)?;
+            let mut y1 = g.zeros::<bf16>(n * 2 * i)?;
+            let mut y2 = g.zeros::<bf16>(n * h)?;
+            let dense = time_ms(g, 3, reps, || {
+                blas::linear(g, &xr, n, h, &wgu, 2 * i, &mut y1, bf16::from_f32(0.0))?;
+                blas::linear(g, &y1, n, i, &wdn, h, &mut y2, bf16::from_f32(0.0))
+            })?;
+            let (a, ratio) = match anchor(t) {
+                Some(a) => (format!("{a:.2}"), format!("{:.2}", grouped / a)),
+                None => ("-".into(), "-".into()),
+            };
+            println!(
+                "| {t} | {grouped:.3} | {:.0} | {per:.3} | {:.2} | {a} | {ratio} | {dense:.3} | {:.0} | {:.2} |",
+                flops / grouped / 1e9,
+                per / grouped,
+                flops / dense / 1e9,
+                grouped / dense
+            );
+        }
+        println!(
+            "\n(grouped = ExpertGemm::TensorCores, per-expert = ExpertGemm::PerExpert; MoE workspace {:.1} MiB)",
+            ws.bytes() as f64 / (1 << 20) as f64
         );
         Ok(())
     }

@@ -290,3 +290,17 @@ extern "C" __global__ void __launch_bounds__(1024)
     block_argmax_d(bv, bi);
     if (threadIdx.x == 0) out[row] = (unsigned)(bi == IDX_NONE ? 0 : bi);
 }
+
+// Logits kept in the model's element type widened to fp32 for the samplers above
+// (bf16 -> f32 is exact: the bits shifted into the upper half).
+extern "C" __global__ void widen_f32_f32(const float* __restrict__ src, float* __restrict__ dst,
+                                        i64 n) {
+    const i64 stride = (i64)gridDim.x * blockDim.x;
+    for (i64 i = (i64)blockIdx.x * blockDim.x + threadIdx.x; i < n; i += stride) dst[i] = src[i];
+}
+extern "C" __global__ void widen_bf16_f32(const unsigned short* __restrict__ src,
+                                         float* __restrict__ dst, i64 n) {
+    const i64 stride = (i64)gridDim.x * blockDim.x;
+    for (i64 i = (i64)blockIdx.x * blockDim.x + threadIdx.x; i < n; i += stride)
+        dst[i] = __uint_as_float((unsigned)src[i] << 16);
+}

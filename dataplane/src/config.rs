@@ -7,8 +7,12 @@
 //! ([`TensorNames`], [`InProjLayout`]). Nothing outside `models/` branches on the
 //! family (docs/pic-design.md §8.1 for the Qwen facts).
 use crate::error::{io_err, Error, Result};
+pub use crate::mixers::attention::AttnProjLayout;
 pub use crate::mixers::gated_deltanet::InProjLayout;
+pub use crate::mixers::lightning::{LightningConfig, SlopeRule};
+pub use crate::mixers::mla::MlaConfig;
 pub use crate::mixers::MixerKind;
+pub use crate::router::{RouterConfig, ScoreFunction};
 use serde_json::Value;
 use std::path::Path;
 
@@ -36,8 +40,32 @@ pub struct TensorNames {
     pub gated_deltanet: &'static str,
     /// Attention mixer prefix under the layer (`self_attn.`).
     pub attention: &'static str,
+    /// Lightning attention mixer prefix under the layer (`attention.` in
+    /// Ring-linear; unused by families without Lightning layers).
+    pub lightning: &'static str,
+    /// Kimi Delta Attention mixer prefix under the layer (`self_attn.` in
+    /// Kimi-Linear; unused by families without KDA layers).
+    pub kda: &'static str,
+    /// Latent-attention (MLA) mixer prefix under the layer (`self_attn.` in
+    /// Kimi-Linear).
+    pub mla: &'static str,
     /// FFN (dense MLP or MoE) prefix under the layer (`mlp.`).
     pub ffn: &'static str,
+    /// A second prefix under the layer for a *dense* FFN, used when
+    /// `{ffn}gate_proj.weight` is absent (Kimi-Linear: HF `save_pretrained` writes the
+    /// dense layer under `block_sparse_moe.`, other exports under `mlp.`).
+    pub dense_ffn_alt: Option<&'static str>,
+    /// Names of a routed expert's gate, up and down projections under
+    /// `{ffn}experts.{e}.` (`gate_proj.weight`, `up_proj.weight`, `down_proj.weight`;
+    /// Kimi-Linear: `w1.weight`, `w3.weight`, `w2.weight`).
+    pub expert_proj: [&'static str; 3],
+    /// Shared-expert MLP prefix under the FFN prefix (`shared_expert.` for Qwen,
+    /// `shared_experts.` for the DeepSeek-style families).
+    pub shared_expert: &'static str,
+    /// Sigmoid gate `[1, hidden]` of the shared expert under the FFN prefix
+    /// (`shared_expert_gate.weight` for Qwen); `None`: the shared expert's output is
+    /// added ungated (Ring-linear, Kimi-Linear).
+    pub shared_expert_gate: Option<&'static str>,
 }
 
 impl TensorNames {
@@ -53,7 +81,14 @@ impl TensorNames {
             post_norm: "post_attention_layernorm.weight",
             gated_deltanet: "linear_attn.",
             attention: "self_attn.",
+            lightning: "attention.",
+            kda: "self_attn.",
+            mla: "self_attn.",
             ffn: "mlp.",
+            dense_ffn_alt: None,
+            expert_proj: ["gate_proj.weight", "up_proj.weight", "down_proj.weight"],
+            shared_expert: "shared_expert.",
+            shared_expert_gate: Some("shared_expert_gate.weight"),
         }
     }
     /// Full name of the token embedding.
@@ -81,6 +116,9 @@ impl TensorNames {
         let m = match kind {
             MixerKind::GatedDeltaNet => self.gated_deltanet,
             MixerKind::Attention => self.attention,
+            MixerKind::Lightning => self.lightning,
+            MixerKind::Kda => self.kda,
+            MixerKind::Mla => self.mla,
         };
         format!("{}{m}", self.layer(i))
     }
@@ -141,19 +179,53 @@ pub struct ModelConfig {
     pub shared_expert_intermediate_size: usize,
     /// Renormalise the top-k router probabilities.
     pub norm_topk_prob: bool,
+    /// The MoE routing rule (score function, selection bias, grouped top-k,
+    /// scaling); [`RouterConfig::default`] is the Qwen softmax router.
+    pub router: RouterConfig,
     /// Dense-MLP width (layers that are not MoE).
     pub intermediate_size: usize,
     /// Per-layer: true when the layer's MLP is a MoE block.
     pub layer_is_moe: Vec<bool>,
     /// RMSNorm epsilon.
     pub rms_norm_eps: f32,
+    /// How the checkpoint stores the decoder's RMSNorm weights (input,
+    /// post-attention, final, q/k norms). The model keeps them zero-centred.
+    pub norm: NormStyle,
+    /// How the checkpoint stores the full-attention projections.
+    pub attn_proj: AttnProjLayout,
+    /// Lightning attention settings (used by [`MixerKind::Lightning`] layers).
+    pub lightning: LightningConfig,
+    /// Latent-attention sizes (used by [`MixerKind::Mla`] layers; zeros otherwise).
+    /// An MLA model sets `num_kv_heads = 1` and `head_dim = MlaConfig::row()`: the
+    /// width of its cached latent rows.
+    pub mla: MlaConfig,
     /// LM head tied to the embedding.
     pub tie_word_embeddings: bool,
     /// Context limit in tokens.
     pub max_position_embeddings: usize,
 }
 
+/// Storage form of a family's RMSNorm weights.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub enum NormStyle {
+    /// `x̂ · (1 + w)` (Qwen3-Next, Qwen3.5: `Qwen3NextRMSNorm`).
+    #[default]
+    ZeroCentred,
+    /// `x̂ · w` (the standard RMSNorm: Ring-linear, Kimi-Linear).
+    Plain,
+}
+
 impl ModelConfig {
+    /// A checkpoint RMSNorm weight in the model's zero-centred form: unchanged for
+    /// [`NormStyle::ZeroCentred`], `w − 1` for [`NormStyle::Plain`] (exact for
+    /// `w ∈ [0.5, 2]`; one rounding otherwise).
+    pub fn norm_weight(&self, mut w: Vec<f32>) -> Vec<f32> {
+        if self.norm == NormStyle::Plain {
+            w.iter_mut().for_each(|x| *x -= 1.0);
+        }
+        w
+    }
+
     /// GDN key width `Hk·dk`.
     pub fn key_dim(&self) -> usize {
         self.linear_k_heads * self.linear_k_dim
@@ -250,6 +322,11 @@ impl ModelConfig {
             && (self.experts_per_tok == 0 || self.experts_per_tok > self.num_experts)
         {
             return Err(cfg_err("num_experts_per_tok", "must be in 1..=num_experts"));
+        }
+        if self.num_experts > 0 {
+            self.router
+                .check(self.num_experts, self.experts_per_tok)
+                .map_err(|(k, m)| cfg_err(k, &m))?;
         }
         Ok(())
     }

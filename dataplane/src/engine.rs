@@ -14,15 +14,20 @@
 //!   the CPU, a device `GpuState` on the GPU). The scheduler's worker is generic
 //!   over it.
 //!
-//! Logits come back to the host (fp32) in both engines: the scheduler samples with
-//! the CPU [`crate::sampling::Sampler`] and computes log-probabilities from them, so
-//! a seeded request draws the same way on either backend.
+//! [`Engine::decode_batch`] returns logits to the host (fp32): the scheduler samples
+//! with the CPU [`crate::sampling::Sampler`] and computes log-probabilities from them.
+//! [`Engine::decode_sample`] lets a backend draw the tokens of rows without logit
+//! processors itself (the GPU does, on the device, with the same draw as the
+//! [`crate::sampling::Sampler`]), so only token ids cross to the host; by default it
+//! is the host path.
 use crate::config::ModelConfig;
 use crate::error::Result;
+use crate::pic::engine::PicJob;
 use crate::pic::engine::Snapshot;
 use crate::pic::pool::{CachePolicy, PoolStats};
 use crate::pic::spill::Spill;
 use crate::pic::{EntryReport, Mode, Pic, PicBackend, PicStats, Prefetch, SegmentRef};
+use crate::sampling::DrawParams;
 use serde::Serialize;
 
 /// Which backend an engine runs on (for logs, `/health` and `/metrics`).
@@ -56,6 +61,29 @@ pub struct EngineOutput<S> {
     pub state: S,
     /// PIC statistics.
     pub stats: PicStats,
+}
+
+/// One row's result of [`Engine::decode_sample`].
+#[derive(Clone, Debug, PartialEq)]
+pub enum Decoded {
+    /// The row's logits, `[vocab]` (host, fp32): the caller samples (host path).
+    Logits(Vec<f32>),
+    /// The token the backend drew with the row's [`DrawParams`].
+    Token(u32),
+}
+
+/// Checks the argument lengths of a [`Engine::decode_sample`] call.
+///
+/// Errors: [`crate::Error::Input`] when `draws` and `tokens` differ in length.
+pub fn check_draws(tokens: &[u32], draws: &[Option<DrawParams>]) -> Result<()> {
+    if draws.len() != tokens.len() {
+        return Err(crate::Error::Input(format!(
+            "{} draw parameter rows for {} decode tokens",
+            draws.len(),
+            tokens.len()
+        )));
+    }
+    Ok(())
 }
 
 /// Pool-side operations of a PIC engine (object safe; see the module docs).
@@ -137,12 +165,51 @@ pub trait Engine: EnginePools {
         mode: Mode,
         tenant: &str,
     ) -> Result<EngineOutput<Self::State>>;
+    /// A prompt being processed in steps ([`Engine::begin`]).
+    type Prefill: 'static;
+    /// Starts processing a prompt in steps of bounded model work (the scheduler's
+    /// token-budget loop): checks the request, runs nothing yet.
+    ///
+    /// Errors: [`crate::Error::Input`] for an invalid request.
+    fn begin(&self, segments: &[SegmentRef], mode: Mode, tenant: &str) -> Result<Self::Prefill>;
+    /// Advances `prefill` by at most `budget` tokens of model work (with
+    /// `progress`, at least one piece even over it; see [`Pic::advance`]); returns
+    /// the tokens run. Once the prompt is done,
+    /// [`Engine::finish`] gives its output.
+    ///
+    /// Errors: as [`Engine::run`]; the prefill is unusable after one.
+    fn advance(&self, prefill: &mut Self::Prefill, budget: usize, progress: bool) -> Result<usize>;
+    /// The output of a done prefill (`None`: not done yet, or already taken).
+    fn finish(&self, prefill: &mut Self::Prefill) -> Option<EngineOutput<Self::State>>;
     /// Appends `tokens[b]` to `states[b]` for every `b`; returns `[B][vocab]` logits.
     fn decode_batch(
         &self,
         tokens: &[u32],
         states: &mut [&mut Self::State],
     ) -> Result<Vec<Vec<f32>>>;
+    /// One decode step as [`Engine::decode_batch`], with the next token of row `b`
+    /// drawn by the engine when `draws[b]` is `Some` (the draw of
+    /// [`crate::sampling::draw`], e.g. on the device, so no logits cross to the
+    /// host); a `None` row (logit processors, a constraint, log-probabilities
+    /// requested, scoring) gets its logits. An engine may return logits for a `Some`
+    /// row too (the default does for every row: the host path); the caller then
+    /// samples them itself.
+    ///
+    /// Errors: as [`Engine::decode_batch`]; [`crate::Error::Input`] when
+    /// `draws.len() != tokens.len()`.
+    fn decode_sample(
+        &self,
+        tokens: &[u32],
+        states: &mut [&mut Self::State],
+        draws: &[Option<DrawParams>],
+    ) -> Result<Vec<Decoded>> {
+        check_draws(tokens, draws)?;
+        Ok(self
+            .decode_batch(tokens, states)?
+            .into_iter()
+            .map(Decoded::Logits)
+            .collect())
+    }
     /// An independent copy of a running state: a fork of the sequence (the
     /// scheduler scores a teacher-forced continuation on it, see
     /// [`crate::scheduler::GenRequest::score`]).
@@ -239,9 +306,34 @@ where
             stats: out.stats,
         })
     }
+    type Prefill = PicJob<B>;
+    fn begin(&self, segments: &[SegmentRef], mode: Mode, tenant: &str) -> Result<PicJob<B>> {
+        Pic::begin(self, segments.to_vec(), mode, tenant)
+    }
+    fn advance(&self, prefill: &mut PicJob<B>, budget: usize, progress: bool) -> Result<usize> {
+        let _serial = Pic::pic_backend(self).exclusive();
+        Pic::advance(self, prefill, budget, progress)
+    }
+    fn finish(&self, prefill: &mut PicJob<B>) -> Option<EngineOutput<B::State>> {
+        prefill.take_output().map(|out| EngineOutput {
+            logits: out.logits,
+            state: out.state,
+            stats: out.stats,
+        })
+    }
     fn decode_batch(&self, tokens: &[u32], states: &mut [&mut B::State]) -> Result<Vec<Vec<f32>>> {
         let _serial = Pic::pic_backend(self).exclusive();
         Pic::pic_backend(self).decode_batch(tokens, states)
+    }
+    fn decode_sample(
+        &self,
+        tokens: &[u32],
+        states: &mut [&mut B::State],
+        draws: &[Option<DrawParams>],
+    ) -> Result<Vec<Decoded>> {
+        check_draws(tokens, draws)?;
+        let _serial = Pic::pic_backend(self).exclusive();
+        Pic::pic_backend(self).decode_sample(tokens, states, draws)
     }
     fn clone_state(&self, state: &B::State) -> Result<B::State> {
         let _serial = Pic::pic_backend(self).exclusive();

@@ -350,6 +350,7 @@ fn serve_one(
             max_tokens,
             stop_token_ids: stop_token_ids.to_vec(),
             top_logprobs: 0,
+            logprobs: false,
             score,
         })
         .map_err(|e| Error::Input(format!("submitting an eval request: {e}")))?;
@@ -703,7 +704,14 @@ mod tests {
         let direct = PicEngine::new(model.clone(), "hypic-tiny", 1 << 30, 1 << 30);
         let want = direct_reference(&direct, &tok, &items, &modes, 24);
         let engine = Arc::new(PicEngine::new(model, "hypic-tiny", 1 << 30, 1 << 30));
-        let sched = Scheduler::start(engine.clone(), SchedulerConfig::default());
+        // Each prompt in one step, as the offline commands run it: entries built in
+        // pieces agree with the direct path only to fp32 rounding.
+        let cfg = SchedulerConfig {
+            step_tokens: usize::MAX,
+            prefill_chunk_tokens: usize::MAX,
+            ..SchedulerConfig::default()
+        };
+        let sched = Scheduler::start(engine.clone(), cfg);
         let mut seen = vec![];
         let got = evaluate_modes(&sched, &tok, &items, &modes, 24, &mut |i| seen.push(i)).unwrap();
         assert_eq!(seen, (1..=items.len()).collect::<Vec<_>>());

@@ -16,6 +16,7 @@ pub mod ops;
 pub mod pic;
 pub mod random;
 pub mod random_checkpoint;
+pub mod router;
 pub mod state;
 pub mod weights;
 

@@ -4,7 +4,8 @@
 //! The model family ([`crate::models`]) fixes the shape, the per-layer token mixer
 //! ([`MixerKind`]) and the tensor names; each layer dispatches on its mixer
 //! (Gated DeltaNet in [`crate::mixers::gated_deltanet`], gated attention in
-//! [`crate::mixers::attention`]),
+//! [`crate::mixers::attention`], Lightning in [`crate::mixers::lightning`], Kimi Delta
+//! Attention in [`crate::mixers::kda`], latent attention in [`crate::mixers::mla`]),
 //! followed by a dense SwiGLU MLP or a MoE block. Math follows HF transformers
 //! `modeling_qwen3_next.py` / `modeling_qwen3_5*.py` (docs/pic-design.md §8,
 //! Qwen3-Next and Qwen3.5). Activations are fp32 `[T, hidden]` row-major.
@@ -17,6 +18,12 @@ pub(crate) use crate::mixers::attention::AttnWeights;
 pub(crate) use crate::mixers::gated_deltanet::layer::GdnWeights;
 pub use crate::mixers::gated_deltanet::layer::GDR_CHUNK;
 use crate::mixers::gated_deltanet::layer::{self as gdn};
+pub(crate) use crate::mixers::kda::layer::KdaWeights;
+use crate::mixers::kda::layer::{self as kda};
+pub(crate) use crate::mixers::lightning::layer::LightningWeights;
+use crate::mixers::lightning::layer::{self as lt};
+use crate::mixers::mla;
+pub(crate) use crate::mixers::mla::MlaWeights;
 use crate::ops::{self, linear, Rope};
 use crate::state::{KvCache, LayerState, LinearState, ModelState};
 use crate::weights::{Checkpoint, F32Buf};
@@ -35,15 +42,22 @@ pub(crate) struct Mlp {
 pub(crate) struct Moe {
     /// Router `[E, hidden]`.
     pub(crate) router: F32Buf,
+    /// Selection bias `[E]` of a biased router (`RouterConfig::selection_bias`).
+    pub(crate) bias: Option<Vec<f32>>,
     pub(crate) experts: Vec<Mlp>,
     /// Shared expert and its scalar gate `[1, hidden]`.
     pub(crate) shared: Option<(Mlp, F32Buf)>,
+    /// Shared expert added without a gate (`TensorNames::shared_expert_gate` = `None`).
+    pub(crate) shared_plain: Option<Mlp>,
 }
 
 /// The weights of one layer's token mixer (one variant per [`MixerKind`]).
 pub(crate) enum Mixer {
     GatedDeltaNet(GdnWeights),
     Attention(AttnWeights),
+    Lightning(LightningWeights),
+    Kda(KdaWeights),
+    Mla(MlaWeights),
 }
 
 pub(crate) enum Ffn {
@@ -116,7 +130,7 @@ impl Model {
         let total = c.num_layers + 2;
         progress(0, total);
         let embed = ckpt.get_buf(&n.embed_tokens(), &[c.vocab_size, h])?;
-        let final_norm = ckpt.get(&n.norm(), &[h])?;
+        let final_norm = c.norm_weight(ckpt.get(&n.norm(), &[h])?);
         let lm_head = if c.tie_word_embeddings && !ckpt.contains(n.lm_head) {
             None
         } else {
@@ -130,15 +144,24 @@ impl Model {
             let mixer = match kind {
                 MixerKind::GatedDeltaNet => Mixer::GatedDeltaNet(gdn::load(c, ckpt, &mp)?),
                 MixerKind::Attention => Mixer::Attention(attn::load(c, ckpt, &mp)?),
+                MixerKind::Lightning => Mixer::Lightning(lt::load(c, ckpt, &mp, i)?),
+                MixerKind::Kda => Mixer::Kda(kda::load(c, ckpt, &mp)?),
+                MixerKind::Mla => Mixer::Mla(mla::load(c, ckpt, &mp)?),
             };
             let ffn = if c.layer_is_moe[i] {
                 Ffn::Moe(load_moe(c, ckpt, &n.mlp(i))?)
             } else {
-                Ffn::Dense(load_mlp(ckpt, &n.mlp(i), h, c.intermediate_size)?)
+                let mut p = n.mlp(i);
+                if let Some(alt) = n.dense_ffn_alt {
+                    if !ckpt.contains(&format!("{p}gate_proj.weight")) {
+                        p = format!("{}{alt}", n.layer(i));
+                    }
+                }
+                Ffn::Dense(load_mlp(ckpt, &p, h, c.intermediate_size, DENSE_PROJ)?)
             };
             layers.push(Layer {
-                input_norm: ckpt.get(&n.input_layernorm(i), &[h])?,
-                post_norm: ckpt.get(&n.post_layernorm(i), &[h])?,
+                input_norm: c.norm_weight(ckpt.get(&n.input_layernorm(i), &[h])?),
+                post_norm: c.norm_weight(ckpt.get(&n.post_layernorm(i), &[h])?),
                 mixer,
                 ffn,
             });
@@ -164,11 +187,15 @@ impl Model {
             .mixers
             .iter()
             .map(|k| match k {
-                MixerKind::GatedDeltaNet => LayerState::Linear(LinearState {
+                MixerKind::GatedDeltaNet | MixerKind::Kda => LayerState::Linear(LinearState {
                     conv: vec![0.0; c.conv_dim() * (c.conv_kernel - 1)],
                     recurrent: vec![0.0; c.linear_v_heads * c.linear_k_dim * c.linear_v_dim],
                 }),
-                MixerKind::Attention => LayerState::Full(KvCache::default()),
+                MixerKind::Attention | MixerKind::Mla => LayerState::Full(KvCache::default()),
+                MixerKind::Lightning => LayerState::Linear(LinearState {
+                    conv: vec![],
+                    recurrent: vec![0.0; c.linear_v_heads * c.linear_k_dim * c.linear_v_dim],
+                }),
             })
             .collect();
         ModelState {
@@ -189,11 +216,15 @@ impl Model {
         }
         for (i, (l, k)) in state.layers.iter().zip(&c.mixers).enumerate() {
             let ok = match (l, k) {
-                (LayerState::Linear(s), MixerKind::GatedDeltaNet) => {
+                (LayerState::Linear(s), MixerKind::GatedDeltaNet | MixerKind::Kda) => {
                     s.conv.len() == c.conv_dim() * (c.conv_kernel - 1)
                         && s.recurrent.len() == c.linear_v_heads * c.linear_k_dim * c.linear_v_dim
                 }
-                (LayerState::Full(kv), MixerKind::Attention) => {
+                (LayerState::Linear(s), MixerKind::Lightning) => {
+                    s.conv.is_empty()
+                        && s.recurrent.len() == c.linear_v_heads * c.linear_k_dim * c.linear_v_dim
+                }
+                (LayerState::Full(kv), MixerKind::Attention | MixerKind::Mla) => {
                     let w = kv.positions.len() * c.num_kv_heads * c.head_dim;
                     kv.k.len() == w && kv.v.len() == w
                 }
@@ -352,6 +383,78 @@ impl Model {
                         });
                     linear(&pre, b, ow, &w.o, h)
                 }
+                Mixer::Lightning(w) => {
+                    let (qkv, gate) = lt::project(c, w, &r, b);
+                    let wd = lt::width(c);
+                    let mut pre = vec![0f32; b * wd];
+                    pre.par_chunks_mut(wd)
+                        .zip(states.par_iter_mut())
+                        .enumerate()
+                        .for_each(|(j, (row, st))| {
+                            let pos = [st.next_position];
+                            let LayerState::Linear(s) = &mut st.layers[i] else {
+                                unreachable!("checked")
+                            };
+                            let (o, _) = lt::mix(
+                                c,
+                                &self.rope,
+                                w,
+                                (
+                                    qkv[j * 3 * wd..(j + 1) * 3 * wd].to_vec(),
+                                    gate[j * wd..(j + 1) * wd].to_vec(),
+                                ),
+                                &pos,
+                                s,
+                                &[],
+                            );
+                            row.copy_from_slice(&o);
+                        });
+                    linear(&pre, b, wd, &w.dense, h)
+                }
+                Mixer::Kda(w) => {
+                    let n_in = kda::in_width(c);
+                    let proj = kda::project(c, w, &r, b);
+                    let wd = kda::width(c);
+                    let mut pre = vec![0f32; b * wd];
+                    pre.par_chunks_mut(wd)
+                        .zip(states.par_iter_mut())
+                        .enumerate()
+                        .for_each(|(j, (row, st))| {
+                            let LayerState::Linear(s) = &mut st.layers[i] else {
+                                unreachable!("checked")
+                            };
+                            let p = &proj[j * n_in..(j + 1) * n_in];
+                            row.copy_from_slice(&kda::mix(c, w, p, 1, s, &[]).0);
+                        });
+                    linear(&pre, b, wd, &w.o_proj, h)
+                }
+                Mixer::Mla(w) => {
+                    let (q, kva) = mla::project(c, w, &r, b);
+                    let (qw, kw) = (q.len() / b, kva.len() / b);
+                    let ow = c.num_heads * c.mla.v_head_dim;
+                    let mut pre = vec![0f32; b * ow];
+                    pre.par_chunks_mut(ow)
+                        .zip(states.par_iter_mut())
+                        .enumerate()
+                        .for_each(|(j, (row, st))| {
+                            let pos = [st.next_position];
+                            let LayerState::Full(kv) = &mut st.layers[i] else {
+                                unreachable!("checked")
+                            };
+                            let (o, _, _) = mla::mix(
+                                c,
+                                w,
+                                (
+                                    q[j * qw..(j + 1) * qw].to_vec(),
+                                    kva[j * kw..(j + 1) * kw].to_vec(),
+                                ),
+                                &pos,
+                                kv,
+                            );
+                            row.copy_from_slice(&o);
+                        });
+                    linear(&pre, b, ow, &w.o, h)
+                }
             };
             x.iter_mut().zip(&mixed).for_each(|(a, m)| *a += m);
             let mut r = x.clone();
@@ -451,6 +554,21 @@ impl Model {
                 out.kv = Some((k, v));
                 o
             }
+            (Mixer::Lightning(w), LayerState::Linear(s)) => {
+                let (o, pairs) = lt::forward(c, &self.rope, w, &r, positions, s, froms);
+                out.pairs = pairs;
+                o
+            }
+            (Mixer::Kda(w), LayerState::Linear(s)) => {
+                let (o, pairs) = kda::forward(c, w, &r, t, s, froms);
+                out.pairs = pairs;
+                o
+            }
+            (Mixer::Mla(w), LayerState::Full(kv)) => {
+                let (o, k, v) = mla::forward(c, w, &r, positions, kv);
+                out.kv = Some((k, v));
+                o
+            }
             _ => {
                 return Err(Error::Input(format!(
                     "state of layer {i} has the wrong kind"
@@ -473,17 +591,14 @@ impl Model {
         let h = c.hidden_size;
         let e = c.num_experts;
         let logits = linear(r, t, h, &m.router, e);
-        // Route: softmax, top-k, optional renormalisation.
+        // Route each token (`router::RouterConfig::route`).
         let mut per_expert: Vec<Vec<(usize, f32)>> = vec![vec![]; e];
         for ti in 0..t {
-            let mut p = logits[ti * e..(ti + 1) * e].to_vec();
-            ops::softmax(&mut p);
-            let mut idx: Vec<usize> = (0..e).collect();
-            idx.sort_by(|&a, &b| p[b].total_cmp(&p[a]).then(a.cmp(&b)));
-            let top = &idx[..c.experts_per_tok];
-            let sum: f32 = top.iter().map(|&j| p[j]).sum();
-            for &j in top {
-                let wgt = if c.norm_topk_prob { p[j] / sum } else { p[j] };
+            let row = &logits[ti * e..(ti + 1) * e];
+            for (j, wgt) in
+                c.router
+                    .route(row, m.bias.as_deref(), c.experts_per_tok, c.norm_topk_prob)
+            {
                 per_expert[j].push((ti, wgt));
             }
         }
@@ -525,6 +640,10 @@ impl Model {
                     .for_each(|(a, b)| *a += s * b);
             }
         }
+        if let Some(shared) = &m.shared_plain {
+            let y = mlp_forward(shared, r, t, h);
+            out.iter_mut().zip(&y).for_each(|(a, b)| *a += b);
+        }
         out
     }
 }
@@ -560,10 +679,19 @@ fn mlp_forward(m: &Mlp, x: &[f32], t: usize, h: usize) -> Vec<f32> {
     linear(&act, t, i, &m.down, h)
 }
 
-fn load_mlp(ckpt: &Checkpoint, p: &str, h: usize, inter: usize) -> Result<Mlp> {
-    let mut gate_up = ckpt.get(&format!("{p}gate_proj.weight"), &[inter, h])?;
-    gate_up.extend(ckpt.get(&format!("{p}up_proj.weight"), &[inter, h])?);
-    let down = ckpt.get_buf(&format!("{p}down_proj.weight"), &[h, inter])?;
+/// Names of a dense MLP's gate, up and down projections under its prefix.
+const DENSE_PROJ: [&str; 3] = ["gate_proj.weight", "up_proj.weight", "down_proj.weight"];
+
+fn load_mlp(
+    ckpt: &Checkpoint,
+    p: &str,
+    h: usize,
+    inter: usize,
+    [gate, up, down]: [&str; 3],
+) -> Result<Mlp> {
+    let mut gate_up = ckpt.get(&format!("{p}{gate}"), &[inter, h])?;
+    gate_up.extend(ckpt.get(&format!("{p}{up}"), &[inter, h])?);
+    let down = ckpt.get_buf(&format!("{p}{down}"), &[h, inter])?;
     Ok(Mlp {
         gate_up: gate_up.into(),
         down,
@@ -589,24 +717,32 @@ fn load_moe(c: &ModelConfig, ckpt: &Checkpoint, p: &str) -> Result<Moe> {
             .collect()
     } else {
         (0..e)
-            .map(|j| load_mlp(ckpt, &format!("{p}experts.{j}."), h, i))
+            .map(|j| load_mlp(ckpt, &format!("{p}experts.{j}."), h, i, c.names.expert_proj))
             .collect::<Result<Vec<_>>>()?
     };
-    let shared = if c.shared_expert_intermediate_size > 0 {
+    let (mut shared, mut shared_plain) = (None, None);
+    if c.shared_expert_intermediate_size > 0 {
         let m = load_mlp(
             ckpt,
-            &format!("{p}shared_expert."),
+            &format!("{p}{}", c.names.shared_expert),
             h,
             c.shared_expert_intermediate_size,
+            DENSE_PROJ,
         )?;
-        let g = ckpt.get_buf(&format!("{p}shared_expert_gate.weight"), &[1, h])?;
-        Some((m, g))
-    } else {
-        None
+        match c.names.shared_expert_gate {
+            Some(gate) => shared = Some((m, ckpt.get_buf(&format!("{p}{gate}"), &[1, h])?)),
+            None => shared_plain = Some(m),
+        }
+    }
+    let bias = match c.router.selection_bias {
+        Some(b) => Some(ckpt.get(&format!("{p}{b}"), &[e])?),
+        None => None,
     };
     Ok(Moe {
         router,
+        bias,
         experts,
         shared,
+        shared_plain,
     })
 }

@@ -41,8 +41,12 @@
 //! tensor `[conv_dim + value_dim + 2·Hv, hidden]` (rows `q | k | v | z | b | a`), the
 //! routed experts of a layer are one `[E, 2I, hidden]` gate/up and one `[E, hidden, I]`
 //! down tensor (expert `e` is the `e`-th block).
+use crate::config::AttnProjLayout;
 use crate::config::{MixerKind, ModelConfig};
-use crate::model::{AttnWeights, Ffn, GdnWeights, Layer, Mixer, Mlp, Model, Moe};
+use crate::model::{
+    AttnWeights, Ffn, GdnWeights, KdaWeights, Layer, LightningWeights, Mixer, MlaWeights, Mlp,
+    Model, Moe,
+};
 use crate::ops::Rope;
 use rayon::prelude::*;
 
@@ -88,6 +92,36 @@ pub const SLOT_SHARED_GATE_UP: u64 = 43;
 pub const SLOT_SHARED_DOWN: u64 = 44;
 /// Shared expert scalar gate `[1, hidden]`.
 pub const SLOT_SHARED_GATE: u64 = 45;
+/// Fused attention `query_key_value` `[(H + 2·Hkv)·hd, hidden]`
+/// ([`AttnProjLayout::FusedQkv`]; rows q | k | v).
+pub const SLOT_ATTN_QKV: u64 = 24;
+/// Lightning `query_key_value` `[3·H·d, hidden]`.
+pub const SLOT_LIGHTNING_QKV: u64 = 50;
+/// Lightning output gate `g_proj` `[H·d, hidden]`.
+pub const SLOT_LIGHTNING_G: u64 = 51;
+/// Lightning output projection `dense` `[hidden, H·d]`.
+pub const SLOT_LIGHTNING_DENSE: u64 = 52;
+/// KDA merged input projection `[3·H·d + 2·d + H, hidden]` (rows `q | k | v | f_a |
+/// g_a | b`).
+pub const SLOT_KDA_IN: u64 = 60;
+/// KDA forget-gate up projection `f_b_proj` `[H·d, d]`.
+pub const SLOT_KDA_FB: u64 = 61;
+/// KDA output-gate up projection `g_b_proj` `[H·d, d]`.
+pub const SLOT_KDA_GB: u64 = 62;
+/// KDA conv weights `[3·H·d, K]` (channels `q | k | v`).
+pub const SLOT_KDA_CONV: u64 = 63;
+/// KDA `A` (stored as `−A`) `[H]`.
+pub const SLOT_KDA_A: u64 = 64;
+/// KDA `o_proj` `[hidden, H·d]`.
+pub const SLOT_KDA_O: u64 = 65;
+/// MLA `q_proj` `[H·qk_head_dim, hidden]`.
+pub const SLOT_MLA_Q: u64 = 70;
+/// MLA `kv_a_proj_with_mqa` `[kv_lora_rank + qk_rope_head_dim, hidden]`.
+pub const SLOT_MLA_KV_A: u64 = 71;
+/// MLA `kv_b_proj` `[H·(qk_nope_head_dim + v_head_dim), kv_lora_rank]`.
+pub const SLOT_MLA_KV_B: u64 = 72;
+/// MLA `o_proj` `[hidden, H·v_head_dim]`.
+pub const SLOT_MLA_O: u64 = 73;
 
 /// SplitMix64 finaliser.
 #[inline]
@@ -208,6 +242,25 @@ impl ParamCounts {
                     let qw = c.num_heads * hd * if c.attn_output_gate { 2 } else { 1 };
                     (qw + 2 * c.num_kv_heads * hd) * h + h * c.num_heads * hd
                 }
+                MixerKind::Lightning => {
+                    let wd = c.linear_v_heads * c.linear_v_dim;
+                    p.small_f32 += 2 * c.linear_k_dim + wd;
+                    3 * wd * h + wd * h + h * wd
+                }
+                MixerKind::Kda => {
+                    let (d, wd) = (c.linear_k_dim, c.linear_v_heads * c.linear_v_dim);
+                    p.small_f32 += 3 * wd * c.conv_kernel + c.linear_v_heads + wd + d;
+                    (3 * wd + 2 * d + c.linear_v_heads) * h + 2 * wd * d + h * wd
+                }
+                MixerKind::Mla => {
+                    let m = &c.mla;
+                    let nh = c.num_heads;
+                    p.small_f32 += m.kv_lora_rank;
+                    nh * m.qk_head_dim() * h
+                        + m.row() * h
+                        + nh * (m.qk_nope_head_dim + m.v_head_dim) * m.kv_lora_rank
+                        + h * nh * m.v_head_dim
+                }
             };
             p.total += m;
             p.active_matmul += m;
@@ -217,7 +270,17 @@ impl ParamCounts {
                     c.moe_intermediate_size,
                     c.shared_expert_intermediate_size,
                 );
-                let shared = if si > 0 { 3 * si * h + h } else { 0 };
+                let gate = if c.names.shared_expert_gate.is_some() {
+                    h
+                } else {
+                    0
+                };
+                let shared = if si > 0 { 3 * si * h + gate } else { 0 };
+                p.small_f32 += if c.router.selection_bias.is_some() {
+                    e
+                } else {
+                    0
+                };
                 p.total += e * h + e * 3 * i * h + shared;
                 p.active_matmul += e * h + c.experts_per_tok * 3 * i * h + shared;
             } else {
@@ -274,13 +337,81 @@ impl Model {
                     MixerKind::Attention => {
                         let qw = c.num_heads * hd * if c.attn_output_gate { 2 } else { 1 };
                         let kv = c.num_kv_heads * hd;
+                        let (q, k, v) = match c.attn_proj {
+                            AttnProjLayout::Split => (
+                                lin(seed, Some(l), SLOT_ATTN_Q, qw * h),
+                                lin(seed, Some(l), SLOT_ATTN_K, kv * h),
+                                lin(seed, Some(l), SLOT_ATTN_V, kv * h),
+                            ),
+                            AttnProjLayout::FusedQkv => {
+                                let f = lin(seed, Some(l), SLOT_ATTN_QKV, (qw + 2 * kv) * h);
+                                (
+                                    f[..qw * h].to_vec(),
+                                    f[qw * h..(qw + kv) * h].to_vec(),
+                                    f[(qw + kv) * h..].to_vec(),
+                                )
+                            }
+                        };
                         Mixer::Attention(AttnWeights {
-                            q: lin(seed, Some(l), SLOT_ATTN_Q, qw * h).into(),
-                            k: lin(seed, Some(l), SLOT_ATTN_K, kv * h).into(),
-                            v: lin(seed, Some(l), SLOT_ATTN_V, kv * h).into(),
+                            q: q.into(),
+                            k: k.into(),
+                            v: v.into(),
                             o: lin(seed, Some(l), SLOT_ATTN_O, h * c.num_heads * hd).into(),
                             q_norm: vec![0.0; hd],
                             k_norm: vec![0.0; hd],
+                        })
+                    }
+                    MixerKind::Lightning => {
+                        let wd = c.linear_v_heads * c.linear_v_dim;
+                        Mixer::Lightning(LightningWeights {
+                            qkv: lin(seed, Some(l), SLOT_LIGHTNING_QKV, 3 * wd * h).into(),
+                            q_norm: vec![0.0; c.linear_k_dim],
+                            k_norm: vec![0.0; c.linear_k_dim],
+                            g_proj: lin(seed, Some(l), SLOT_LIGHTNING_G, wd * h).into(),
+                            g_norm: vec![1.0; wd],
+                            dense: lin(seed, Some(l), SLOT_LIGHTNING_DENSE, h * wd).into(),
+                            log_decay: crate::mixers::lightning::layer::layer_log_decay(c, l),
+                        })
+                    }
+                    MixerKind::Kda => {
+                        let (d, nh) = (c.linear_k_dim, c.linear_v_heads);
+                        let wd = nh * c.linear_v_dim;
+                        let n_in = 3 * wd + 2 * d + nh;
+                        let key_a = tensor_key(seed, tensor_id(Some(l), SLOT_KDA_A));
+                        Mixer::Kda(KdaWeights {
+                            w_in: lin(seed, Some(l), SLOT_KDA_IN, n_in * h).into(),
+                            f_b: lin(seed, Some(l), SLOT_KDA_FB, wd * d).into(),
+                            g_b: lin(seed, Some(l), SLOT_KDA_GB, wd * d).into(),
+                            conv: sym_tensor(
+                                seed,
+                                tensor_id(Some(l), SLOT_KDA_CONV),
+                                3 * wd * c.conv_kernel,
+                                conv_bound(c.conv_kernel),
+                            ),
+                            neg_a: (0..nh as u64).map(|i| neg_a_value(key_a, i)).collect(),
+                            dt_bias: vec![1.0; wd],
+                            o_norm: vec![1.0; d],
+                            o_proj: lin(seed, Some(l), SLOT_KDA_O, h * wd).into(),
+                        })
+                    }
+                    MixerKind::Mla => {
+                        let m = &c.mla;
+                        let (nh, r) = (c.num_heads, m.kv_lora_rank);
+                        let (nope, vd) = (m.qk_nope_head_dim, m.v_head_dim);
+                        let kv_b = lin(seed, Some(l), SLOT_MLA_KV_B, nh * (nope + vd) * r);
+                        let mut w_uk = Vec::with_capacity(nh * nope * r);
+                        let mut w_uv = Vec::with_capacity(nh * vd * r);
+                        for head in kv_b.chunks_exact((nope + vd) * r) {
+                            w_uk.extend_from_slice(&head[..nope * r]);
+                            w_uv.extend_from_slice(&head[nope * r..]);
+                        }
+                        Mixer::Mla(MlaWeights {
+                            q: lin(seed, Some(l), SLOT_MLA_Q, nh * m.qk_head_dim() * h).into(),
+                            kv_a: lin(seed, Some(l), SLOT_MLA_KV_A, m.row() * h).into(),
+                            kv_norm: vec![1.0; r],
+                            w_uk,
+                            w_uv,
+                            o: lin(seed, Some(l), SLOT_MLA_O, h * nh * vd).into(),
                         })
                     }
                 };
@@ -296,16 +427,22 @@ impl Model {
                         })
                         .collect();
                     let si = c.shared_expert_intermediate_size;
-                    let shared = (si > 0).then(|| {
-                        (
-                            mlp(seed, l, SLOT_SHARED_GATE_UP, SLOT_SHARED_DOWN, h, si),
-                            lin(seed, Some(l), SLOT_SHARED_GATE, h).into(),
-                        )
-                    });
+                    let shared_mlp = (si > 0)
+                        .then(|| mlp(seed, l, SLOT_SHARED_GATE_UP, SLOT_SHARED_DOWN, h, si));
+                    let (shared, shared_plain) = match c.names.shared_expert_gate {
+                        Some(_) => (
+                            shared_mlp.map(|m| (m, lin(seed, Some(l), SLOT_SHARED_GATE, h).into())),
+                            None,
+                        ),
+                        None => (None, shared_mlp),
+                    };
                     Ffn::Moe(Moe {
                         router: lin(seed, Some(l), SLOT_MOE_ROUTER, e * h).into(),
+                        // HF initialises the selection bias to zeros.
+                        bias: c.router.selection_bias.map(|_| vec![0.0; e]),
                         experts,
                         shared,
+                        shared_plain,
                     })
                 } else {
                     Ffn::Dense(mlp(
@@ -421,8 +558,31 @@ mod tests {
     }
 
     #[test]
+    fn kimi_linear_48b_a3b_config_counts() {
+        let dir =
+            Path::new(env!("CARGO_MANIFEST_DIR")).join("../benches/configs/kimi_linear_48b_a3b");
+        let c = ModelConfig::from_dir(&dir).unwrap();
+        let kda = c.mixers.iter().filter(|k| **k == MixerKind::Kda).count();
+        let mla = c.mixers.iter().filter(|k| **k == MixerKind::Mla).count();
+        assert_eq!((c.num_layers, kda, mla), (27, 20, 7));
+        let p = ParamCounts::of(&c);
+        // ~48B total (49.1B counted), ~3B active (Kimi-Linear-48B-A3B).
+        assert!((48_000_000_000..50_500_000_000).contains(&p.total), "{p:?}");
+        assert!(
+            (2_500_000_000..3_500_000_000).contains(&p.active_matmul),
+            "{p:?}"
+        );
+    }
+
+    #[test]
     fn param_counts_match_random_model() {
-        for name in ["qwen3_next", "qwen3_5", "qwen3_5_moe"] {
+        for name in [
+            "qwen3_next",
+            "qwen3_5",
+            "qwen3_5_moe",
+            "bailing_moe_linear",
+            "kimi_linear",
+        ] {
             let c = golden(name);
             let m = Model::random(c.clone(), 1);
             let mut n =
@@ -446,6 +606,32 @@ mod tests {
                             + a.q_norm.len()
                             + a.k_norm.len()
                     }
+                    Mixer::Lightning(w) => {
+                        w.qkv.len()
+                            + w.q_norm.len()
+                            + w.k_norm.len()
+                            + w.g_proj.len()
+                            + w.g_norm.len()
+                            + w.dense.len()
+                    }
+                    Mixer::Kda(w) => {
+                        w.w_in.len()
+                            + w.f_b.len()
+                            + w.g_b.len()
+                            + w.conv.len()
+                            + w.neg_a.len()
+                            + w.dt_bias.len()
+                            + w.o_norm.len()
+                            + w.o_proj.len()
+                    }
+                    Mixer::Mla(w) => {
+                        w.q.len()
+                            + w.kv_a.len()
+                            + w.kv_norm.len()
+                            + w.w_uk.len()
+                            + w.w_uv.len()
+                            + w.o.len()
+                    }
                 };
                 n += match &l.ffn {
                     Ffn::Dense(d) => d.gate_up.len() + d.down.len(),
@@ -458,6 +644,10 @@ mod tests {
                             + mo.shared
                                 .as_ref()
                                 .map_or(0, |(s, g)| s.gate_up.len() + s.down.len() + g.len())
+                            + mo.shared_plain
+                                .as_ref()
+                                .map_or(0, |s| s.gate_up.len() + s.down.len())
+                            + mo.bias.as_ref().map_or(0, Vec::len)
                     }
                 };
             }
@@ -467,7 +657,13 @@ mod tests {
 
     #[test]
     fn random_model_is_deterministic_and_shaped() {
-        for name in ["qwen3_next", "qwen3_5", "qwen3_5_moe"] {
+        for name in [
+            "qwen3_next",
+            "qwen3_5",
+            "qwen3_5_moe",
+            "bailing_moe_linear",
+            "kimi_linear",
+        ] {
             let c = golden(name);
             let a = Model::random(c.clone(), 7);
             let b = Model::random(c.clone(), 7);
@@ -504,6 +700,17 @@ mod tests {
                     }
                     (Mixer::Attention(w), MixerKind::Attention) => {
                         assert_eq!(w.k.len(), c.num_kv_heads * c.head_dim * c.hidden_size);
+                    }
+                    (Mixer::Lightning(w), MixerKind::Lightning) => {
+                        assert!(w.log_decay.iter().all(|&g| g < 0.0));
+                    }
+                    (Mixer::Kda(w), MixerKind::Kda) => {
+                        assert!(w.neg_a.iter().all(|&x| (-16.0..=-1.0).contains(&x)));
+                        let cb = conv_bound(c.conv_kernel) as f32;
+                        assert!(w.conv.iter().all(|x| x.abs() < cb));
+                    }
+                    (Mixer::Mla(w), MixerKind::Mla) => {
+                        assert_eq!(w.kv_norm.len(), c.mla.kv_lora_rank);
                     }
                     _ => panic!("{name}: layer {l} kind mismatch"),
                 }

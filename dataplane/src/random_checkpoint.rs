@@ -159,11 +159,16 @@ fn specs(c: &ModelConfig, large: LargeDtype) -> Vec<Spec> {
             RowMap::Identity,
         );
     }
+    // RMSNorm weights: the model's zero-centred 0 is a checkpoint 1 for plain norms.
+    let norm_one = match c.norm {
+        crate::config::NormStyle::ZeroCentred => 0.0,
+        crate::config::NormStyle::Plain => 1.0,
+    };
     let mut small: Vec<Spec> = vec![Spec {
         name: n.norm(),
         shape: vec![h],
         dt: Dt::F32,
-        gen: Gen::Const(0.0),
+        gen: Gen::Const(norm_one),
     }];
     let (hv, dv, vd) = (c.linear_v_heads, c.linear_v_dim, c.value_dim());
     for l in 0..c.num_layers {
@@ -222,28 +227,152 @@ fn specs(c: &ModelConfig, large: LargeDtype) -> Vec<Spec> {
                 let hd = c.head_dim;
                 let qw = c.num_heads * hd * if c.attn_output_gate { 2 } else { 1 };
                 let kv = c.num_kv_heads * hd;
-                for (name, r, s) in [
-                    ("q_proj", qw, rnd::SLOT_ATTN_Q),
-                    ("k_proj", kv, rnd::SLOT_ATTN_K),
-                    ("v_proj", kv, rnd::SLOT_ATTN_V),
-                ] {
+                let fused = c.attn_proj == crate::config::AttnProjLayout::FusedQkv;
+                if fused {
                     sym(
-                        format!("{q}{name}.weight"),
-                        vec![r, h],
-                        id(s),
+                        format!("{q}query_key_value.weight"),
+                        vec![qw + 2 * kv, h],
+                        id(rnd::SLOT_ATTN_QKV),
                         0,
                         RowMap::Identity,
                     );
+                } else {
+                    for (name, r, s) in [
+                        ("q_proj", qw, rnd::SLOT_ATTN_Q),
+                        ("k_proj", kv, rnd::SLOT_ATTN_K),
+                        ("v_proj", kv, rnd::SLOT_ATTN_V),
+                    ] {
+                        sym(
+                            format!("{q}{name}.weight"),
+                            vec![r, h],
+                            id(s),
+                            0,
+                            RowMap::Identity,
+                        );
+                    }
                 }
+                let (o, qn, kn) = if fused {
+                    ("dense", "query_layernorm", "key_layernorm")
+                } else {
+                    ("o_proj", "q_norm", "k_norm")
+                };
                 sym(
-                    format!("{q}o_proj.weight"),
+                    format!("{q}{o}.weight"),
                     vec![h, c.num_heads * hd],
                     id(rnd::SLOT_ATTN_O),
                     0,
                     RowMap::Identity,
                 );
-                small.push(konst(format!("{q}q_norm.weight"), hd, 0.0));
-                small.push(konst(format!("{q}k_norm.weight"), hd, 0.0));
+                small.push(konst(format!("{q}{qn}.weight"), hd, norm_one));
+                small.push(konst(format!("{q}{kn}.weight"), hd, norm_one));
+            }
+            MixerKind::Lightning => {
+                let q = n.mixer(l, MixerKind::Lightning);
+                let (d, wd) = (c.linear_k_dim, c.linear_v_heads * c.linear_v_dim);
+                for (name, shape, s) in [
+                    ("query_key_value", vec![3 * wd, h], rnd::SLOT_LIGHTNING_QKV),
+                    ("g_proj", vec![wd, h], rnd::SLOT_LIGHTNING_G),
+                    ("dense", vec![h, wd], rnd::SLOT_LIGHTNING_DENSE),
+                ] {
+                    sym(
+                        format!("{q}{name}.weight"),
+                        shape,
+                        id(s),
+                        0,
+                        RowMap::Identity,
+                    );
+                }
+                small.push(konst(format!("{q}query_layernorm.weight"), d, norm_one));
+                small.push(konst(format!("{q}key_layernorm.weight"), d, norm_one));
+                small.push(konst(format!("{q}g_norm.weight"), wd, 1.0));
+            }
+            MixerKind::Kda => {
+                let q = n.mixer(l, MixerKind::Kda);
+                let (d, nh) = (c.linear_k_dim, c.linear_v_heads);
+                let wd = nh * c.linear_v_dim;
+                // The merged in-projection's row blocks, in order (model::KdaWeights).
+                let mut off = 0;
+                for (name, rows) in [
+                    ("q_proj", wd),
+                    ("k_proj", wd),
+                    ("v_proj", wd),
+                    ("f_a_proj", d),
+                    ("g_a_proj", d),
+                    ("b_proj", nh),
+                ] {
+                    sym(
+                        format!("{q}{name}.weight"),
+                        vec![rows, h],
+                        id(rnd::SLOT_KDA_IN),
+                        off,
+                        RowMap::Identity,
+                    );
+                    off += rows * h;
+                }
+                for (name, shape, s) in [
+                    ("f_b_proj", vec![wd, d], rnd::SLOT_KDA_FB),
+                    ("g_b_proj", vec![wd, d], rnd::SLOT_KDA_GB),
+                    ("o_proj", vec![h, wd], rnd::SLOT_KDA_O),
+                ] {
+                    sym(
+                        format!("{q}{name}.weight"),
+                        shape,
+                        id(s),
+                        0,
+                        RowMap::Identity,
+                    );
+                }
+                for (j, name) in ["q_conv1d", "k_conv1d", "v_conv1d"].iter().enumerate() {
+                    small.push(Spec {
+                        name: format!("{q}{name}.weight"),
+                        shape: vec![wd, 1, c.conv_kernel],
+                        dt: Dt::F32,
+                        gen: Gen::Sym {
+                            id: id(rnd::SLOT_KDA_CONV),
+                            bound: rnd::conv_bound(c.conv_kernel),
+                            offset: j * wd * c.conv_kernel,
+                            rows: RowMap::Identity,
+                        },
+                    });
+                }
+                small.push(Spec {
+                    name: format!("{q}A_log"),
+                    shape: vec![1, 1, nh, 1],
+                    dt: Dt::F64,
+                    gen: Gen::ALog {
+                        id: id(rnd::SLOT_KDA_A),
+                    },
+                });
+                small.push(konst(format!("{q}dt_bias"), wd, 1.0));
+                small.push(konst(format!("{q}o_norm.weight"), d, 1.0));
+            }
+            MixerKind::Mla => {
+                let q = n.mixer(l, MixerKind::Mla);
+                let m = &c.mla;
+                let nh = c.num_heads;
+                for (name, shape, s) in [
+                    ("q_proj", vec![nh * m.qk_head_dim(), h], rnd::SLOT_MLA_Q),
+                    ("kv_a_proj_with_mqa", vec![m.row(), h], rnd::SLOT_MLA_KV_A),
+                    (
+                        "kv_b_proj",
+                        vec![nh * (m.qk_nope_head_dim + m.v_head_dim), m.kv_lora_rank],
+                        rnd::SLOT_MLA_KV_B,
+                    ),
+                    ("o_proj", vec![h, nh * m.v_head_dim], rnd::SLOT_MLA_O),
+                ] {
+                    sym(
+                        format!("{q}{name}.weight"),
+                        shape,
+                        id(s),
+                        0,
+                        RowMap::Identity,
+                    );
+                }
+                small.push(konst(
+                    format!("{q}kv_a_layernorm.weight"),
+                    m.kv_lora_rank,
+                    1.0,
+                ));
             }
         }
         let m = n.mlp(l);
@@ -291,17 +420,22 @@ fn specs(c: &ModelConfig, large: LargeDtype) -> Vec<Spec> {
             ] {
                 sym(format!("{m}{name}"), shape, id(s), 0, RowMap::Identity);
             }
+            if let Some(b) = c.router.selection_bias {
+                small.push(konst(format!("{m}{b}"), e, 0.0));
+            }
             if si > 0 {
-                sym(
-                    format!("{m}shared_expert_gate.weight"),
-                    vec![1, h],
-                    id(rnd::SLOT_SHARED_GATE),
-                    0,
-                    RowMap::Identity,
-                );
+                if let Some(gate) = n.shared_expert_gate {
+                    sym(
+                        format!("{m}{gate}"),
+                        vec![1, h],
+                        id(rnd::SLOT_SHARED_GATE),
+                        0,
+                        RowMap::Identity,
+                    );
+                }
                 mlp(
                     &mut sym,
-                    format!("{m}shared_expert."),
+                    format!("{m}{}", n.shared_expert),
                     si,
                     rnd::SLOT_SHARED_GATE_UP,
                     rnd::SLOT_SHARED_DOWN,
@@ -316,8 +450,8 @@ fn specs(c: &ModelConfig, large: LargeDtype) -> Vec<Spec> {
                 rnd::SLOT_MLP_DOWN,
             );
         }
-        small.push(konst(n.input_layernorm(l), h, 0.0));
-        small.push(konst(n.post_layernorm(l), h, 0.0));
+        small.push(konst(n.input_layernorm(l), h, norm_one));
+        small.push(konst(n.post_layernorm(l), h, norm_one));
     }
     v.extend(small);
     v
@@ -504,8 +638,21 @@ pub fn slice_layers(config_json: &serde_json::Value, layers: usize) -> Result<se
         });
     }
     obj.insert("num_hidden_layers".into(), layers.into());
-    if let Some(serde_json::Value::Array(a)) = obj.get_mut("layer_types") {
-        a.truncate(layers);
+    for key in ["layer_types", "mlp_layer_types"] {
+        if let Some(serde_json::Value::Array(a)) = obj.get_mut(key) {
+            a.truncate(layers);
+        }
+    }
+    // Kimi-Linear's 1-indexed layer lists keep the layers that remain.
+    if let Some(lac) = obj
+        .get_mut("linear_attn_config")
+        .and_then(|x| x.as_object_mut())
+    {
+        for key in ["kda_layers", "full_attn_layers"] {
+            if let Some(serde_json::Value::Array(a)) = lac.get_mut(key) {
+                a.retain(|x| x.as_u64().is_some_and(|l| l as usize <= layers));
+            }
+        }
     }
     Ok(v)
 }
@@ -553,10 +700,27 @@ mod tests {
                     bf(&mut g.w_in);
                     bf(&mut g.out);
                 }
+                Mixer::Lightning(w) => {
+                    bf(&mut w.qkv);
+                    bf(&mut w.g_proj);
+                    bf(&mut w.dense);
+                }
                 Mixer::Attention(a) => {
                     for w in [&mut a.q, &mut a.k, &mut a.v, &mut a.o] {
                         bf(w);
                     }
+                }
+                Mixer::Kda(w) => {
+                    for x in [&mut w.w_in, &mut w.f_b, &mut w.g_b, &mut w.o_proj] {
+                        bf(x);
+                    }
+                }
+                Mixer::Mla(w) => {
+                    for x in [&mut w.q, &mut w.kv_a, &mut w.o] {
+                        bf(x);
+                    }
+                    bf(&mut w.w_uk);
+                    bf(&mut w.w_uv);
                 }
             }
             match &mut l.ffn {
@@ -575,6 +739,10 @@ mod tests {
                         bf(&mut s.down);
                         bf(g);
                     }
+                    if let Some(s) = mo.shared_plain.as_mut() {
+                        bf(&mut s.gate_up);
+                        bf(&mut s.down);
+                    }
                 }
             }
         }
@@ -590,7 +758,13 @@ mod tests {
 
     #[test]
     fn written_checkpoint_loads_as_the_random_model() {
-        for name in ["qwen3_5", "qwen3_5_moe", "qwen3_next"] {
+        for name in [
+            "qwen3_5",
+            "qwen3_5_moe",
+            "qwen3_next",
+            "bailing_moe_linear",
+            "kimi_linear",
+        ] {
             let json = golden_json(name);
             let c = ModelConfig::from_json(&json).unwrap();
             for large in [LargeDtype::F32, LargeDtype::Bf16] {
@@ -622,6 +796,22 @@ mod tests {
                         (Mixer::Attention(x), Mixer::Attention(y)) => {
                             assert_eq!(x.q, y.q, "{name} {large:?} q");
                         }
+                        (Mixer::Lightning(x), Mixer::Lightning(y)) => {
+                            assert_eq!(x.qkv, y.qkv, "{name} {large:?} qkv");
+                            assert_eq!(x.q_norm, y.q_norm, "{name} {large:?} q_norm");
+                            assert_eq!(x.log_decay, y.log_decay, "{name} {large:?} decay");
+                        }
+                        (Mixer::Kda(x), Mixer::Kda(y)) => {
+                            assert_eq!(x.w_in, y.w_in, "{name} {large:?} w_in");
+                            assert_eq!(x.neg_a, y.neg_a, "{name} {large:?} neg_a");
+                            assert_eq!(x.conv, y.conv, "{name} {large:?} conv");
+                            assert_eq!(x.f_b, y.f_b, "{name} {large:?} f_b");
+                        }
+                        (Mixer::Mla(x), Mixer::Mla(y)) => {
+                            assert_eq!(x.w_uk, y.w_uk, "{name} {large:?} w_uk");
+                            assert_eq!(x.w_uv, y.w_uv, "{name} {large:?} w_uv");
+                            assert_eq!(x.kv_a, y.kv_a, "{name} {large:?} kv_a");
+                        }
                         _ => panic!("{name}: layer kinds differ"),
                     }
                 }
@@ -637,6 +827,16 @@ mod tests {
                 std::fs::remove_dir_all(&dir).unwrap();
             }
         }
+    }
+
+    #[test]
+    fn slice_layers_keeps_kimi_layer_lists_consistent() {
+        let mut json = golden_json("kimi_linear");
+        json.as_object_mut().unwrap().remove("layer_types");
+        let s = slice_layers(&json, 2).unwrap();
+        let c = ModelConfig::from_json(&s).unwrap();
+        assert_eq!(c.mixers, vec![MixerKind::Kda, MixerKind::Kda]);
+        assert_eq!(c.layer_is_moe, vec![false, true]);
     }
 
     #[test]

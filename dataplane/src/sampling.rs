@@ -17,9 +17,15 @@
 //!    constraint together leave no finite logit (e.g. `min_tokens` masks the stop token
 //!    that a finished grammar requires), the constraint alone decides.
 //!
-//! Both backends return logits to the host and sample with this type, so the
-//! processors apply to the CPU and the CUDA engine alike.
-use rand::{rngs::StdRng, Rng, SeedableRng};
+//! The draw itself ([`draw`]) is a deterministic function of (row, parameters, seed,
+//! step): the Gumbel-max trick over the kept candidates with noise hashed from
+//! `(seed, step, token id)`. The CUDA sampler (`cuda::sample`) computes the same draw
+//! on the device, so a seeded request gives the same tokens on both backends (up to
+//! fp32 rounding at a top-p boundary or between two scores within an ulp). Rows
+//! without processors can therefore be sampled on the device
+//! ([`Sampler::device_draw`], [`Sampler::accept`]); rows with processors, a constraint
+//! or log-probabilities requested are sampled on the host with this type.
+use rand::Rng;
 use std::collections::{HashMap, HashSet};
 use std::sync::Arc;
 
@@ -122,11 +128,140 @@ impl Default for SamplingParams {
     }
 }
 
+/// The parameters of one seeded draw ([`draw`]; on the GPU `cuda::sample::sample`).
+#[derive(Clone, Copy, Debug, PartialEq)]
+pub struct DrawParams {
+    /// Softmax temperature; `≤ 0` (or NaN) is greedy.
+    pub temperature: f32,
+    /// Keep the `top_k` most likely tokens (0 = all; 1 = greedy).
+    pub top_k: usize,
+    /// Nucleus mass (`≥ 1` or NaN = off).
+    pub top_p: f32,
+    /// Seed of the sequence.
+    pub seed: u64,
+    /// Draw index within the sequence (0 for the token sampled from the prompt's
+    /// logits, then 1, 2, …); a new noise per step.
+    pub step: u64,
+}
+
+impl DrawParams {
+    /// From the OpenAI-style parameters; `fallback_seed` is used when `p.seed` is
+    /// `None`. The logit processors of [`SamplingParams`] (penalties, `logit_bias`,
+    /// `min_tokens`, the constraint) are not part of a draw: [`Sampler`] applies them
+    /// to the row first.
+    pub fn new(p: &SamplingParams, fallback_seed: u64, step: u64) -> Self {
+        DrawParams {
+            temperature: p.temperature,
+            top_k: p.top_k,
+            top_p: p.top_p,
+            seed: p.seed.unwrap_or(fallback_seed),
+            step,
+        }
+    }
+
+    /// Whether the draw is greedy ([`argmax`]): temperature `≤ 0` or NaN, or `top_k == 1`.
+    pub fn is_greedy(&self) -> bool {
+        self.temperature.is_nan() || self.temperature <= 0.0 || self.top_k == 1
+    }
+}
+
+/// SplitMix64 finaliser (the hash of [`gumbel`]).
+pub fn mix64(mut z: u64) -> u64 {
+    z = z.wrapping_add(0x9e37_79b9_7f4a_7c15);
+    z = (z ^ (z >> 30)).wrapping_mul(0xbf58_476d_1ce4_e5b9);
+    z = (z ^ (z >> 27)).wrapping_mul(0x94d0_49bb_1331_11eb);
+    z ^ (z >> 31)
+}
+
+/// The Gumbel noise of token `i` for `(seed, step)`: `g = −ln(−ln u)`,
+/// `u = ((h >> 11) + ½) · 2⁻⁵³ ∈ (0, 1)`, `h = mix64(mix64(mix64(seed) ^ step) ^ i)`, in f64.
+pub fn gumbel(seed: u64, step: u64, i: u32) -> f64 {
+    let h = mix64(mix64(mix64(seed) ^ step) ^ i as u64);
+    let u = ((h >> 11) as f64 + 0.5) * (1.0 / (1u64 << 53) as f64);
+    -(-u.ln()).ln()
+}
+
+/// Fixed-point scale of the top-p masses (`2⁴⁰`).
+const MASS_ONE: f64 = (1u64 << 40) as f64;
+
+/// One seeded draw from `logits` (`[vocab]`, after any processors).
+///
+/// * Greedy ([`DrawParams::is_greedy`]): [`argmax`].
+/// * Otherwise the candidates are the finite logits `l_i`, ordered by (`l` descending
+///   by `f32::total_cmp`, index ascending); the first `top_k` (0 = all); then, when
+///   `top_p < 1`, the shortest prefix whose mass reaches `top_p`, measured in fixed
+///   point: `q_i = rint(exp((l_i − m) / T) / Z · 2⁴⁰)` (`m` the largest `l`, `Z` the fp32
+///   sum over the top-k set), the shortest prefix with `Σ q ≥ ceil(top_p · Σ q)`
+///   (`top_p ≤ 0` keeps one token). The token is `argmax_i (l_i + T · g_i)` over the kept
+///   set (the order of `l_i / T + g_i`: a sample from the softmax of `l / T` restricted
+///   to the kept set), `g_i = gumbel(seed, step, i)`, ties to the lower index.
+/// * No finite logit: [`argmax`].
+pub fn draw(logits: &[f32], p: &DrawParams) -> u32 {
+    if p.is_greedy() {
+        return argmax(logits);
+    }
+    let t = p.temperature;
+    let mut cand: Vec<(u32, f32)> = logits
+        .iter()
+        .enumerate()
+        .filter(|(_, v)| v.is_finite())
+        .map(|(i, &v)| (i as u32, v))
+        .collect();
+    let m = cand.iter().map(|c| c.1).fold(f32::NEG_INFINITY, f32::max);
+    if cand.is_empty() || !m.is_finite() {
+        return argmax(logits);
+    }
+    cand.sort_by(|a, b| b.1.total_cmp(&a.1).then(a.0.cmp(&b.0)));
+    if p.top_k > 0 && p.top_k < cand.len() {
+        cand.truncate(p.top_k);
+    }
+    if p.top_p < 1.0 {
+        let z: f32 = cand.iter().map(|c| ((c.1 - m) / t).exp()).sum();
+        let q: Vec<u64> = cand
+            .iter()
+            .map(|c| ((((c.1 - m) / t).exp() / z) as f64 * MASS_ONE).round_ties_even() as u64)
+            .collect();
+        let qtot: u64 = q.iter().sum();
+        if qtot > 0 {
+            let target = if p.top_p > 0.0 {
+                ((p.top_p as f64) * qtot as f64).ceil() as u64
+            } else {
+                1
+            }
+            .clamp(1, qtot);
+            let mut acc = 0u64;
+            let mut keep = cand.len();
+            for (i, &qi) in q.iter().enumerate() {
+                acc += qi;
+                if acc >= target {
+                    keep = i + 1;
+                    break;
+                }
+            }
+            cand.truncate(keep);
+        }
+    }
+    let mut best = (f64::NEG_INFINITY, u32::MAX);
+    for &(i, l) in &cand {
+        let sc = l as f64 + t as f64 * gumbel(p.seed, p.step, i);
+        if sc > best.0 || (sc == best.0 && i < best.1) {
+            best = (sc, i);
+        }
+    }
+    if best.1 == u32::MAX {
+        0
+    } else {
+        best.1
+    }
+}
+
 /// A seeded sampler for one sequence, with the per-sequence state of its logit
-/// processors (counts of generated tokens, the prompt's token set).
+/// processors (counts of generated tokens, the prompt's token set). Its draws are
+/// [`draw`] with the request's seed (or one from the OS when none was given) and
+/// `step` = the number of tokens sampled so far.
 pub struct Sampler {
     params: SamplingParams,
-    rng: StdRng,
+    seed: u64,
     /// Occurrences of each generated token.
     counts: HashMap<u32, u32>,
     /// Distinct prompt tokens (only kept when `repetition_penalty != 1`).
@@ -163,10 +298,7 @@ impl Sampler {
     /// New sampler for a sequence whose prompt is `prompt` and whose generation ends
     /// at any of `stop` (masked until `min_tokens` tokens were sampled).
     pub fn with_context(params: SamplingParams, prompt: &[u32], stop: &[u32]) -> Self {
-        let rng = match params.seed {
-            Some(s) => StdRng::seed_from_u64(s),
-            None => StdRng::from_os_rng(),
-        };
+        let seed = params.seed.unwrap_or_else(|| rand::rng().random());
         let prompt = if params.repetition_penalty != 1.0 {
             prompt.iter().copied().collect()
         } else {
@@ -175,7 +307,7 @@ impl Sampler {
         let constraint = params.constraint.as_ref().map(|c| c.0.start());
         Sampler {
             params,
-            rng,
+            seed,
             counts: HashMap::new(),
             prompt,
             stop: stop.to_vec(),
@@ -243,12 +375,37 @@ impl Sampler {
         } else {
             self.pick(logits)
         };
-        if let Some(Ok(c)) = &mut self.constraint {
-            c.commit(t)?;
-        }
-        *self.counts.entry(t).or_insert(0) += 1;
-        self.sampled += 1;
+        self.accept(t)?;
         Ok(t)
+    }
+
+    /// The draw of the next token when it needs nothing but the raw logits (no logit
+    /// processor, no constraint: [`SamplingParams::has_processors`] is false), so that
+    /// it can be made elsewhere (on the device) with the same result as
+    /// [`Sampler::try_sample`]; `None` otherwise. Record the token with
+    /// [`Sampler::accept`].
+    pub fn device_draw(&self) -> Option<DrawParams> {
+        if self.params.has_processors() {
+            return None;
+        }
+        Some(DrawParams::new(
+            &self.params,
+            self.seed,
+            self.sampled as u64,
+        ))
+    }
+
+    /// Records `token` as the next sampled token (drawn elsewhere with
+    /// [`Sampler::device_draw`]): advances the constraint, the counts and the step.
+    ///
+    /// Errors: the constraint could not start, or rejected the token (its message).
+    pub fn accept(&mut self, token: u32) -> Result<(), String> {
+        if let Some(c) = &mut self.constraint {
+            c.as_mut().map_err(|e| e.clone())?.commit(token)?;
+        }
+        *self.counts.entry(token).or_insert(0) += 1;
+        self.sampled += 1;
+        Ok(())
     }
 
     /// [`Sampler::try_sample`] for a sampler without a constraint (its only error).
@@ -268,52 +425,11 @@ impl Sampler {
         }
     }
 
-    fn pick(&mut self, logits: &[f32]) -> u32 {
-        let p = &self.params;
-        if p.temperature <= 0.0 || p.top_k == 1 {
-            return argmax(logits);
-        }
-        let mut cand: Vec<(u32, f32)> = logits
-            .iter()
-            .enumerate()
-            .filter(|(_, v)| v.is_finite())
-            .map(|(i, &v)| (i as u32, v / p.temperature))
-            .collect();
-        if cand.is_empty() {
-            return argmax(logits);
-        }
-        cand.sort_by(|a, b| b.1.total_cmp(&a.1).then(a.0.cmp(&b.0)));
-        if p.top_k > 0 && cand.len() > p.top_k {
-            cand.truncate(p.top_k);
-        }
-        let m = cand[0].1;
-        let mut probs: Vec<f32> = cand.iter().map(|c| (c.1 - m).exp()).collect();
-        let s: f32 = probs.iter().sum();
-        probs.iter_mut().for_each(|x| *x /= s);
-        if p.top_p < 1.0 {
-            let mut acc = 0.0;
-            let mut keep = probs.len();
-            for (i, q) in probs.iter().enumerate() {
-                acc += q;
-                if acc >= p.top_p {
-                    keep = i + 1;
-                    break;
-                }
-            }
-            probs.truncate(keep);
-            cand.truncate(keep);
-            let s: f32 = probs.iter().sum();
-            probs.iter_mut().for_each(|x| *x /= s);
-        }
-        let u: f32 = self.rng.random();
-        let mut acc = 0.0;
-        for (c, q) in cand.iter().zip(&probs) {
-            acc += q;
-            if u < acc {
-                return c.0;
-            }
-        }
-        cand[cand.len() - 1].0
+    fn pick(&self, logits: &[f32]) -> u32 {
+        draw(
+            logits,
+            &DrawParams::new(&self.params, self.seed, self.sampled as u64),
+        )
     }
 }
 
@@ -495,6 +611,72 @@ mod tests {
         // step 0: [2, 1.8] → 0; step 1: [1.5, 1.8] → 1; step 2: [1.5, 1.3] → 0;
         // step 3: [1.0, 1.3] → 1.
         assert_eq!(got, vec![0, 1, 0, 1]);
+    }
+
+    #[test]
+    fn device_draw_then_accept_equals_try_sample() {
+        let logits: Vec<f32> = (0..64).map(|i| (i as f32 * 0.71).cos() * 3.0).collect();
+        for (temperature, top_k, top_p) in [(0.0, 0, 1.0), (0.8, 0, 1.0), (1.3, 5, 0.9)] {
+            let p = SamplingParams {
+                temperature,
+                top_k,
+                top_p,
+                seed: Some(11),
+                ..Default::default()
+            };
+            let mut host = Sampler::new(p.clone());
+            let mut dev = Sampler::new(p);
+            for step in 0..40u64 {
+                let d = dev.device_draw().expect("no processors: a device draw");
+                assert_eq!(d.step, step);
+                assert_eq!(d.seed, 11);
+                let t = draw(&logits, &d);
+                dev.accept(t).unwrap();
+                assert_eq!(host.try_sample(&logits).unwrap(), t, "step {step}");
+            }
+        }
+    }
+
+    #[test]
+    fn draws_depend_on_seed_and_step_only() {
+        let logits: Vec<f32> = (0..100).map(|i| (i as f32 * 0.37).sin()).collect();
+        let d = |seed, step| {
+            draw(
+                &logits,
+                &DrawParams {
+                    temperature: 1.0,
+                    top_k: 0,
+                    top_p: 1.0,
+                    seed,
+                    step,
+                },
+            )
+        };
+        let a: Vec<u32> = (0..50).map(|s| d(3, s)).collect();
+        let b: Vec<u32> = (0..50).map(|s| d(3, s)).collect();
+        let c: Vec<u32> = (0..50).map(|s| d(4, s)).collect();
+        assert_eq!(a, b);
+        assert_ne!(a, c, "another seed gives other draws");
+        assert!(a.iter().collect::<HashSet<_>>().len() > 10);
+    }
+
+    #[test]
+    fn processors_and_constraints_have_no_device_draw() {
+        let s = Sampler::new(SamplingParams {
+            logit_bias: vec![(1, 2.0)],
+            ..Default::default()
+        });
+        assert!(s.device_draw().is_none());
+        let s = Sampler::new(SamplingParams {
+            constraint: scripted(vec![1], 2, false),
+            ..Default::default()
+        });
+        assert!(s.device_draw().is_none());
+        let s = Sampler::new(SamplingParams {
+            temperature: 0.7,
+            ..Default::default()
+        });
+        assert!(s.device_draw().is_some());
     }
 
     #[test]

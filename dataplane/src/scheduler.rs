@@ -8,16 +8,30 @@
 //!   reservation (`(prompt + max_tokens) × KV bytes per token`) fits the KV budget;
 //!   a request that waits longer than the queue timeout gets
 //!   [`GenEvent::Error`] with [`ErrorKind::QueueTimeout`].
-//! * Each iteration prefills at most one new request, then runs one batched decode
-//!   step over every running sequence ([`Engine::decode_batch`]: on the CPU
-//!   `Model::decode_batch`, on the GPU `GpuModel::decode_batch`). Tokens are sampled
-//!   on the host from the returned logits with [`Sampler`] on both backends; each
+//! * Token-budget steps (the shape of vLLM v1's loop): every step runs one batched
+//!   decode step over every running sequence ([`Engine::decode_sample`]: on the CPU
+//!   `Model::decode_batch`, on the GPU `GpuModel::decode_sample`) and, before it,
+//!   pieces of the admitted prefills ([`Engine::advance`]) up to
+//!   [`SchedulerConfig::step_tokens`] tokens in all (the decode tokens count too),
+//!   so a long cold prompt no longer stalls the running streams: they get a token
+//!   every step while it is prefilled. Prefills are served in admission order
+//!   (FIFO), each taking at most [`SchedulerConfig::prefill_chunk_tokens`] in a
+//!   first pass, then the budget left goes again in order; the oldest prefill
+//!   always gets one piece, even when the decode tokens fill the budget. A short
+//!   request admitted behind a long one thus gets its first token in the step it is
+//!   admitted when the budget holds the long one's chunk and the short prompt. A
+//!   request whose prefill ends in a step is sampled at once ([`GenEvent::Started`]
+//!   and its first token) and decodes from that same step on. A row without logit
+//!   processors, log-probabilities or scoring passes its [`Sampler::device_draw`] and
+//!   the engine may return its token (the GPU draws it on the device, the same draw
+//!   as the host's); every other row gets its logits and is sampled on the host with
+//!   [`Sampler`]. Each
 //!   running sequence owns its sampler, so penalties, `logit_bias`, `min_tokens` and
 //!   a constraint (structured output) are per request within a batch; a constraint
 //!   that fails ends its sequence with [`GenEvent::Error`].
 //! * Cancellation: dropping the [`RequestHandle`] (client disconnect) or calling
 //!   [`RequestHandle::cancel`] frees the sequence's state at the next step.
-use crate::engine::{Engine, EnginePools};
+use crate::engine::{Decoded, Engine, EnginePools};
 use crate::pic::{Mode, PicStats, SegmentRef};
 use crate::sampling::{Sampler, SamplingParams};
 use serde::Serialize;
@@ -44,6 +58,11 @@ pub struct GenRequest {
     pub stop_token_ids: Vec<u32>,
     /// Number of top alternatives whose log-probabilities each token event carries.
     pub top_logprobs: usize,
+    /// Whether token events carry the token's log-probability (and the
+    /// `top_logprobs` alternatives). When false, and the sampling has no logit
+    /// processor, the engine may draw the token itself (on the device,
+    /// [`Engine::decode_sample`]) and the event's `logprob` is NaN.
+    pub logprobs: bool,
     /// Offline evaluation (`hypic eval`; `None` when serving): a continuation to
     /// score teacher-forced from the prompt's state. The worker forks the state
     /// after the prefill ([`Engine::clone_state`]), feeds these tokens through the
@@ -95,6 +114,12 @@ pub enum GenEvent {
         ttft: Duration,
         /// Time spent queued.
         queued: Duration,
+        /// The scheduler step that finished the prefill (steps count from 1 at
+        /// the worker's start; see [`SchedulerMetrics::steps`]).
+        step: u64,
+        /// The step that admitted the request (its prefill ran in the steps
+        /// `admitted_step..=step`).
+        admitted_step: u64,
     },
     /// The scored continuation of [`GenRequest::score`] (only for such a request,
     /// after `Started` and before the first `Token`).
@@ -109,10 +134,14 @@ pub enum GenEvent {
     Token {
         /// Token id.
         id: u32,
-        /// Its log-probability under the (unfiltered, temperature-1) distribution.
+        /// Its log-probability under the (unfiltered, temperature-1) distribution;
+        /// NaN when the request asked for no log-probabilities
+        /// ([`GenRequest::logprobs`]) and the engine drew the token itself.
         logprob: f32,
         /// The `top_logprobs` most likely tokens and their log-probabilities.
         top: Vec<(u32, f32)>,
+        /// The scheduler step that produced it.
+        step: u64,
     },
     /// Generation ended.
     Done {
@@ -130,6 +159,11 @@ pub enum GenEvent {
     },
 }
 
+/// Default [`SchedulerConfig::step_tokens`].
+pub const DEFAULT_STEP_TOKENS: usize = 512;
+/// Default [`SchedulerConfig::prefill_chunk_tokens`].
+pub const DEFAULT_PREFILL_CHUNK_TOKENS: usize = 256;
+
 /// Scheduler settings.
 #[derive(Clone, Debug)]
 pub struct SchedulerConfig {
@@ -141,6 +175,15 @@ pub struct SchedulerConfig {
     pub kv_budget_bytes: usize,
     /// Longest a request may wait in the queue.
     pub queue_timeout: Duration,
+    /// Token budget of one scheduler step: decode tokens of the running sequences
+    /// plus pieces of pending prefills (≥ 1). The oldest prefill gets one piece per
+    /// step even when the decode tokens fill it (a piece is a multiple of
+    /// [`crate::pic::engine::PREFILL_ALIGN`] tokens unless it ends a segment).
+    pub step_tokens: usize,
+    /// Most prompt tokens one prefill takes in a step's first pass over the pending
+    /// prefills (≥ 1), so that the prefills behind a long one get theirs in the
+    /// same step; the budget left after that pass goes again in admission order.
+    pub prefill_chunk_tokens: usize,
 }
 
 impl Default for SchedulerConfig {
@@ -150,6 +193,8 @@ impl Default for SchedulerConfig {
             max_running: 16,
             kv_budget_bytes: 2 << 30,
             queue_timeout: Duration::from_secs(30),
+            step_tokens: DEFAULT_STEP_TOKENS,
+            prefill_chunk_tokens: DEFAULT_PREFILL_CHUNK_TOKENS,
         }
     }
 }
@@ -214,6 +259,13 @@ pub struct SchedulerMetrics {
     pub queue_timeouts: AtomicU64,
     /// Tokens generated.
     pub generated_tokens: AtomicU64,
+    /// Admitted requests whose prompt is being processed.
+    pub prefilling: AtomicUsize,
+    /// Scheduler steps run (each: prefill pieces, then one decode step).
+    pub steps: AtomicU64,
+    /// Prompt tokens run through the model by prefill pieces (entry builds, seam
+    /// windows and computed segments).
+    pub prefill_tokens: AtomicU64,
 }
 
 struct Queued {
@@ -232,12 +284,26 @@ struct Running<S> {
     max_tokens: usize,
     stop: Vec<u32>,
     top_logprobs: usize,
+    /// Log-probabilities requested: the host path samples every token.
+    logprobs: bool,
     tx: mpsc::UnboundedSender<GenEvent>,
     cancel: Arc<AtomicBool>,
     reservation: usize,
     /// The forked state scoring [`GenRequest::score`]; while present, decode steps
     /// feed the fork, and the generation waits.
     scoring: Option<Scoring<S>>,
+    /// The current scheduler step (stamped on the events sent).
+    step: u64,
+}
+
+/// An admitted request whose prompt is being processed in pieces.
+struct Prefilling<P> {
+    prefill: P,
+    qr: Queued,
+    /// Time it spent queued.
+    queued: Duration,
+    /// The step that admitted it.
+    admitted_step: u64,
 }
 
 /// A teacher-forced continuation in progress on a forked state.
@@ -451,7 +517,7 @@ fn log_softmax(logits: &[f32]) -> Vec<f32> {
     logits.iter().map(|x| x - lse).collect()
 }
 
-fn token_event(logits: &[f32], id: u32, top: usize) -> GenEvent {
+fn token_event(logits: &[f32], id: u32, top: usize, step: u64) -> GenEvent {
     let lp = log_softmax(logits);
     let mut topv = vec![];
     if top > 0 {
@@ -467,18 +533,24 @@ fn token_event(logits: &[f32], id: u32, top: usize) -> GenEvent {
         id,
         logprob: lp.get(id as usize).copied().unwrap_or(f32::NEG_INFINITY),
         top: topv,
+        step,
     }
 }
 
 fn worker_loop<E: Engine>(shared: Arc<Shared>, engine: Arc<E>, cfg: SchedulerConfig) {
     let metrics = shared.metrics.clone();
     let mut running: Vec<Running<E::State>> = vec![];
+    let mut prefilling: VecDeque<Prefilling<E::Prefill>> = VecDeque::new();
     let mut reserved = 0usize;
+    let mut step = 0u64;
+    let step_tokens = cfg.step_tokens.max(1);
+    let chunk_tokens = cfg.prefill_chunk_tokens.max(1);
     loop {
         if shared.shutdown.load(Ordering::Relaxed) {
             return;
         }
-        // 1. Admission: expire timed-out and cancelled requests, admit at most one.
+        // 1. Admission: expire timed-out and cancelled requests, admit in order
+        //    while a slot is free and the KV reservation fits.
         let admitted = {
             let mut q = shared.queue.lock().unwrap_or_else(|p| p.into_inner());
             let now = Instant::now();
@@ -500,16 +572,18 @@ fn worker_loop<E: Engine>(shared: Arc<Shared>, engine: Arc<E>, cfg: SchedulerCon
                 }
                 true
             });
-            let fits = |r: &Queued| {
-                running.len() < cfg.max_running && reserved + r.reservation <= cfg.kv_budget_bytes
-            };
-            let out = if q.front().is_some_and(fits) {
-                q.pop_front()
-            } else {
-                None
-            };
+            let mut out = vec![];
+            let mut held = reserved;
+            while let Some(r) = q.front() {
+                let slots = running.len() + prefilling.len() + out.len();
+                if slots >= cfg.max_running || held + r.reservation > cfg.kv_budget_bytes {
+                    break;
+                }
+                held += r.reservation;
+                out.extend(q.pop_front());
+            }
             metrics.queue_depth.store(q.len(), Ordering::Relaxed);
-            if out.is_none() && running.is_empty() {
+            if out.is_empty() && running.is_empty() && prefilling.is_empty() {
                 // Idle: sleep until a submission (or re-check timeouts periodically).
                 let _unused = shared
                     .wake
@@ -519,92 +593,107 @@ fn worker_loop<E: Engine>(shared: Arc<Shared>, engine: Arc<E>, cfg: SchedulerCon
             }
             out
         };
-        if let Some(mut qr) = admitted {
+        step += 1;
+        for qr in admitted {
             let queued = qr.submitted.elapsed();
-            // A panic in the engine fails this request only, never the worker
-            // (which would leave every other request waiting forever).
-            let res = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| {
-                engine.run(&qr.req.segments, qr.req.mode, &qr.req.tenant)
+            let begun = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| {
+                engine.begin(&qr.req.segments, qr.req.mode, &qr.req.tenant)
             }));
-            let res = match res {
-                Ok(r) => r.map_err(|e| {
-                    let kind = match e {
-                        crate::Error::Device(_) => ErrorKind::Internal,
-                        _ => ErrorKind::InvalidRequest,
-                    };
-                    (kind, e.to_string())
-                }),
-                Err(p) => Err((
-                    ErrorKind::Internal,
-                    format!("prefill failed: {}", panic_message(&*p)),
-                )),
-            };
-            match res {
-                Err((kind, message)) => {
-                    let _ = qr.tx.send(GenEvent::Error { kind, message });
+            match begun.map_err(|p| {
+                crate::Error::Device(format!("prefill failed: {}", panic_message(&*p)))
+            }) {
+                Ok(Ok(prefill)) => {
+                    reserved += qr.reservation;
+                    prefilling.push_back(Prefilling {
+                        prefill,
+                        qr,
+                        queued,
+                        admitted_step: step,
+                    });
+                }
+                Ok(Err(e)) | Err(e) => {
+                    let _ = qr.tx.send(prefill_error(e));
                     metrics.finished.fetch_add(1, Ordering::Relaxed);
                 }
-                Ok(out) => 'started: {
-                    // Per-sequence processor state: the prompt (for the repetition
-                    // penalty) and the stop tokens (masked until `min_tokens`).
-                    let prompt: Vec<u32> = if qr.req.sampling.repetition_penalty != 1.0 {
-                        qr.req
-                            .segments
-                            .iter()
-                            .flat_map(|s| s.tokens.iter().copied())
-                            .collect()
-                    } else {
-                        Vec::new()
-                    };
-                    let mut sampler = Sampler::with_context(
-                        qr.req.sampling.clone(),
-                        &prompt,
-                        &qr.req.stop_token_ids,
-                    );
-                    let next = match sampler.try_sample(&out.logits) {
-                        Ok(t) => t,
-                        Err(e) => {
-                            let _ = qr.tx.send(constraint_error(&e));
-                            metrics.finished.fetch_add(1, Ordering::Relaxed);
-                            break 'started;
+            }
+        }
+        // 2. Cancelled prefills leave before any more work is spent on them.
+        prefilling.retain(|p| {
+            if p.qr.cancel.load(Ordering::Relaxed) || p.qr.tx.is_closed() {
+                let _ = p.qr.tx.send(GenEvent::Done {
+                    reason: FinishReason::Cancelled,
+                    generated: 0,
+                });
+                metrics.cancelled.fetch_add(1, Ordering::Relaxed);
+                metrics.finished.fetch_add(1, Ordering::Relaxed);
+                reserved -= p.qr.reservation;
+                return false;
+            }
+            true
+        });
+        // 3. Prefill pieces within the step's budget (the decode tokens of the
+        //    running sequences count first), in admission order: a first pass with
+        //    at most `chunk_tokens` each, a second with what is left; the oldest
+        //    always gets a piece.
+        let mut left = step_tokens.saturating_sub(running.len());
+        let mut spent = 0usize;
+        'passes: for pass in 0..2 {
+            let mut k = 0;
+            while k < prefilling.len() {
+                if left == 0 && !(k == 0 && spent == 0) {
+                    break 'passes;
+                }
+                let head = k == 0 && spent == 0;
+                let give = if pass == 0 {
+                    left.min(chunk_tokens)
+                } else {
+                    left
+                };
+                let p = &mut prefilling[k];
+                let res = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| {
+                    engine.advance(&mut p.prefill, give.max(1), head)
+                }))
+                .unwrap_or_else(|p| {
+                    Err(crate::Error::Device(format!(
+                        "prefill failed: {}",
+                        panic_message(&*p)
+                    )))
+                });
+                let out = match res {
+                    Ok(used) => {
+                        spent += used;
+                        left = left.saturating_sub(used);
+                        metrics
+                            .prefill_tokens
+                            .fetch_add(used as u64, Ordering::Relaxed);
+                        engine.finish(&mut p.prefill).map(Ok)
+                    }
+                    Err(e) => Some(Err(e)),
+                };
+                let Some(out) = out else {
+                    k += 1;
+                    continue;
+                };
+                let pf = prefilling.remove(k).expect("index in range");
+                reserved -= pf.qr.reservation;
+                match out {
+                    Err(e) => {
+                        let _ = pf.qr.tx.send(prefill_error(e));
+                        metrics.finished.fetch_add(1, Ordering::Relaxed);
+                    }
+                    Ok(out) => {
+                        if let Some(r) = start_sequence(&*engine, pf, out, step, &metrics) {
+                            reserved += r.reservation;
+                            running.push(r);
                         }
-                    };
-                    let prompt_tokens = qr.req.segments.iter().map(|s| s.tokens.len()).sum();
-                    let _ = qr.tx.send(GenEvent::Started {
-                        stats: out.stats,
-                        prompt_tokens,
-                        ttft: qr.submitted.elapsed(),
-                        queued,
-                    });
-                    let mut r = Running {
-                        state: out.state,
-                        sampler,
-                        next,
-                        generated: 0,
-                        max_tokens: qr.req.max_tokens,
-                        stop: qr.req.stop_token_ids.clone(),
-                        top_logprobs: qr.req.top_logprobs,
-                        tx: qr.tx,
-                        cancel: qr.cancel,
-                        reservation: qr.reservation,
-                        scoring: None,
-                    };
-                    reserved += r.reservation;
-                    let go_on = match qr.req.score.take() {
-                        None => emit(&mut r, &out.logits, &metrics),
-                        Some(targets) => {
-                            start_scoring(&*engine, &mut r, targets, out.logits, &metrics)
-                        }
-                    };
-                    if go_on {
-                        running.push(r);
-                    } else {
-                        reserved -= r.reservation;
                     }
                 }
             }
         }
-        // 2. One batched decode step for every running sequence.
+        metrics
+            .prefilling
+            .store(prefilling.len(), Ordering::Relaxed);
+        // 4. One batched decode step for every running sequence.
         let mut live = Vec::with_capacity(running.len());
         for r in running.drain(..) {
             if r.cancel.load(Ordering::Relaxed) || r.tx.is_closed() {
@@ -622,15 +711,26 @@ fn worker_loop<E: Engine>(shared: Arc<Shared>, engine: Arc<E>, cfg: SchedulerCon
         let mut keep = Vec::with_capacity(live.len());
         if !live.is_empty() {
             let mut tokens = Vec::with_capacity(live.len());
-            let step = {
+            let step_result = {
                 let mut states: Vec<&mut E::State> = Vec::with_capacity(live.len());
+                // Rows the engine may draw itself: no scoring, no logprobs, no
+                // processors (the host path samples the others from their logits).
+                let draws: Vec<_> = live
+                    .iter()
+                    .map(|r| {
+                        (r.scoring.is_none() && !r.logprobs)
+                            .then(|| r.sampler.device_draw())
+                            .flatten()
+                    })
+                    .collect();
                 for r in live.iter_mut() {
+                    r.step = step;
                     let (t, s) = r.step_input();
                     tokens.push(t);
                     states.push(s);
                 }
                 std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| {
-                    engine.decode_batch(&tokens, &mut states)
+                    engine.decode_sample(&tokens, &mut states, &draws)
                 }))
                 .unwrap_or_else(|p| {
                     Err(crate::Error::Input(format!(
@@ -639,9 +739,36 @@ fn worker_loop<E: Engine>(shared: Arc<Shared>, engine: Arc<E>, cfg: SchedulerCon
                     )))
                 })
             };
-            match step {
-                Ok(all_logits) => {
-                    for (mut r, logits) in live.into_iter().zip(all_logits) {
+            match step_result {
+                Ok(all_rows) => {
+                    for (mut r, row) in live.into_iter().zip(all_rows) {
+                        let logits = match row {
+                            Decoded::Logits(l) => l,
+                            Decoded::Token(t) if r.scoring.is_none() => {
+                                r.next = t;
+                                if let Err(e) = r.sampler.accept(t) {
+                                    let _ = r.tx.send(constraint_error(&e));
+                                    metrics.finished.fetch_add(1, Ordering::Relaxed);
+                                    reserved -= r.reservation;
+                                    continue;
+                                }
+                                if emit(&mut r, None, &metrics) {
+                                    keep.push(r);
+                                } else {
+                                    reserved -= r.reservation;
+                                }
+                                continue;
+                            }
+                            Decoded::Token(_) => {
+                                let _ = r.tx.send(GenEvent::Error {
+                                    kind: ErrorKind::Internal,
+                                    message: "decode returned a token for a scoring row".into(),
+                                });
+                                metrics.finished.fetch_add(1, Ordering::Relaxed);
+                                reserved -= r.reservation;
+                                continue;
+                            }
+                        };
                         if let Some(sc) = r.scoring.as_mut() {
                             sc.fed += 1;
                             sc.token_nll.push(token_nll(&logits, sc.targets[sc.fed]));
@@ -666,7 +793,7 @@ fn worker_loop<E: Engine>(shared: Arc<Shared>, engine: Arc<E>, cfg: SchedulerCon
                                 continue;
                             }
                         };
-                        if emit(&mut r, &logits, &metrics) {
+                        if emit(&mut r, Some(&logits), &metrics) {
                             keep.push(r);
                         } else {
                             reserved -= r.reservation;
@@ -686,6 +813,7 @@ fn worker_loop<E: Engine>(shared: Arc<Shared>, engine: Arc<E>, cfg: SchedulerCon
             }
         }
         running = keep;
+        metrics.steps.store(step, Ordering::Relaxed);
         metrics.running.store(running.len(), Ordering::Relaxed);
         metrics.kv_reserved_bytes.store(reserved, Ordering::Relaxed);
         metrics.state_bytes.store(
@@ -693,6 +821,88 @@ fn worker_loop<E: Engine>(shared: Arc<Shared>, engine: Arc<E>, cfg: SchedulerCon
             Ordering::Relaxed,
         );
     }
+}
+
+/// The error event of a failed prefill: a device failure is internal, anything else
+/// (an invalid request) the client's.
+fn prefill_error(e: crate::Error) -> GenEvent {
+    let kind = match e {
+        crate::Error::Device(_) => ErrorKind::Internal,
+        _ => ErrorKind::InvalidRequest,
+    };
+    GenEvent::Error {
+        kind,
+        message: e.to_string(),
+    }
+}
+
+/// A prefill is done: samples the first token from the prompt's logits, sends
+/// `Started` (and, for a scored request, starts scoring or sends `Scored`) and the
+/// first token. Returns the running sequence, or `None` when it already ended
+/// (stop token, `max_tokens` 1, a constraint failure, a failed fork).
+fn start_sequence<E: Engine>(
+    engine: &E,
+    pf: Prefilling<E::Prefill>,
+    out: crate::engine::EngineOutput<E::State>,
+    step: u64,
+    metrics: &SchedulerMetrics,
+) -> Option<Running<E::State>> {
+    let Prefilling {
+        mut qr,
+        queued,
+        admitted_step,
+        ..
+    } = pf;
+    // Per-sequence processor state: the prompt (for the repetition penalty) and the
+    // stop tokens (masked until `min_tokens`).
+    let prompt: Vec<u32> = if qr.req.sampling.repetition_penalty != 1.0 {
+        qr.req
+            .segments
+            .iter()
+            .flat_map(|s| s.tokens.iter().copied())
+            .collect()
+    } else {
+        Vec::new()
+    };
+    let mut sampler =
+        Sampler::with_context(qr.req.sampling.clone(), &prompt, &qr.req.stop_token_ids);
+    let next = match sampler.try_sample(&out.logits) {
+        Ok(t) => t,
+        Err(e) => {
+            let _ = qr.tx.send(constraint_error(&e));
+            metrics.finished.fetch_add(1, Ordering::Relaxed);
+            return None;
+        }
+    };
+    let prompt_tokens = qr.req.segments.iter().map(|s| s.tokens.len()).sum();
+    let _ = qr.tx.send(GenEvent::Started {
+        stats: out.stats,
+        prompt_tokens,
+        ttft: qr.submitted.elapsed(),
+        queued,
+        step,
+        admitted_step,
+    });
+    let mut r = Running {
+        state: out.state,
+        sampler,
+        next,
+        generated: 0,
+        max_tokens: qr.req.max_tokens,
+        stop: qr.req.stop_token_ids.clone(),
+        top_logprobs: qr.req.top_logprobs,
+        logprobs: qr.req.logprobs || qr.req.top_logprobs > 0,
+        tx: qr.tx,
+        cancel: qr.cancel,
+        reservation: qr.reservation,
+        scoring: None,
+        step,
+    };
+    let go_on = match qr.req.score.take() {
+        None => emit(&mut r, Some(&out.logits), metrics),
+        Some(targets) => start_scoring(engine, &mut r, targets, out.logits, metrics),
+    };
+    go_on.then_some(r)
 }
 
 /// The error event of a sequence whose constraint failed (see [`Sampler::try_sample`]).
@@ -773,12 +983,13 @@ fn scored<S>(
         prompt_logits,
         token_nll,
     });
-    emit(r, &logits, metrics)
+    emit(r, Some(&logits), metrics)
 }
 
-/// Emits `r.next` (sampled from `logits`) unless it is a stop token; returns whether
-/// the sequence continues.
-fn emit<S>(r: &mut Running<S>, logits: &[f32], metrics: &SchedulerMetrics) -> bool {
+/// Emits `r.next` (sampled from `logits`, or drawn by the engine when `None`: its
+/// event's `logprob` is NaN) unless it is a stop token; returns whether the sequence
+/// continues.
+fn emit<S>(r: &mut Running<S>, logits: Option<&[f32]>, metrics: &SchedulerMetrics) -> bool {
     // Counters move before the last event is sent, so a client that has its answer
     // reads them updated.
     if r.stop.contains(&r.next) {
@@ -791,10 +1002,16 @@ fn emit<S>(r: &mut Running<S>, logits: &[f32], metrics: &SchedulerMetrics) -> bo
     }
     r.generated += 1;
     metrics.generated_tokens.fetch_add(1, Ordering::Relaxed);
-    if r.tx
-        .send(token_event(logits, r.next, r.top_logprobs))
-        .is_err()
-    {
+    let event = match logits {
+        Some(l) => token_event(l, r.next, r.top_logprobs, r.step),
+        None => GenEvent::Token {
+            id: r.next,
+            logprob: f32::NAN,
+            top: vec![],
+            step: r.step,
+        },
+    };
+    if r.tx.send(event).is_err() {
         metrics.cancelled.fetch_add(1, Ordering::Relaxed);
         metrics.finished.fetch_add(1, Ordering::Relaxed);
         return false;

@@ -1,10 +1,11 @@
 //! Per-layer model state: what a span's prefill starts from and returns.
 //!
-//! Linear (GDN) layers keep a conv tail and a recurrent state; full-attention layers
+//! Linear layers (Gated DeltaNet, KDA, Lightning) keep a conv tail (empty for
+//! Lightning) and a recurrent state; full-attention layers (gated attention, MLA)
 //! keep the KV of earlier tokens with their absolute positions (positions need not be
 //! contiguous: position-independent caching places re-rotated KV anywhere).
 
-/// State of one Gated DeltaNet layer.
+/// State of one linear-attention layer (Gated DeltaNet, KDA, Lightning).
 #[derive(Clone, Debug, PartialEq)]
 pub struct LinearState {
     /// Conv tail: the last `K−1` conv inputs, channel-major `[conv_dim, K−1]`
@@ -17,9 +18,10 @@ pub struct LinearState {
 /// KV cache of one full-attention layer.
 #[derive(Clone, Debug, Default, PartialEq)]
 pub struct KvCache {
-    /// Keys after q/k-norm and RoPE at their position, token-major `[n, Hkv, head_dim]`.
+    /// Keys after q/k-norm and RoPE at their position, token-major `[n, Hkv, head_dim]`
+    /// (MLA: the latent rows `[n, 1, kv_lora_rank + qk_rope_head_dim]`).
     pub k: Vec<f32>,
-    /// Values, `[n, Hkv, head_dim]`.
+    /// Values, `[n, Hkv, head_dim]` (MLA: the same latent rows as `k`).
     pub v: Vec<f32>,
     /// Absolute position of each of the `n` cached tokens.
     pub positions: Vec<i64>,
@@ -39,7 +41,7 @@ impl KvCache {
 /// State of one decoder layer.
 #[derive(Clone, Debug, PartialEq)]
 pub enum LayerState {
-    /// Gated DeltaNet layer.
+    /// Linear-attention layer.
     Linear(LinearState),
     /// Full-attention layer.
     Full(KvCache),

@@ -179,7 +179,15 @@ impl Checkpoint {
     ///
     /// Errors: as [`Checkpoint::get`].
     pub fn neg_a(&self, name: &str, n: usize) -> Result<Vec<f32>> {
-        let raw = self.raw(name, &[n])?;
+        self.neg_a_shaped(name, &[n])
+    }
+
+    /// [`Checkpoint::neg_a`] for a tensor stored with shape `shape` (e.g. Kimi-Linear's
+    /// `A_log [1, 1, H, 1]`): `−exp` of every element, in storage order.
+    ///
+    /// Errors: as [`Checkpoint::get`].
+    pub fn neg_a_shaped(&self, name: &str, shape: &[usize]) -> Result<Vec<f32>> {
+        let raw = self.raw(name, shape)?;
         if raw.dtype == Dtype::F64 {
             return Ok(raw
                 .bytes
@@ -187,7 +195,7 @@ impl Checkpoint {
                 .map(|c| -(f64::from_le_bytes(c.try_into().expect("8-byte chunk")).exp() as f32))
                 .collect());
         }
-        Ok(self.get(name, &[n])?.iter().map(|a| -a.exp()).collect())
+        Ok(self.get(name, shape)?.iter().map(|a| -a.exp()).collect())
     }
 
     /// Tensor `name` as fp32 weight storage, checking its shape equals `expected`:

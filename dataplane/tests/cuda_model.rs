@@ -311,6 +311,9 @@ mod gpu {
             let kind = match c.mixers[i] {
                 MixerKind::GatedDeltaNet => "linear",
                 MixerKind::Attention => "attention",
+                MixerKind::Lightning => "lightning",
+                MixerKind::Kda => "kda",
+                MixerKind::Mla => "mla",
             };
             let ffn = if c.layer_is_moe[i] { "moe" } else { "dense" };
             let _ = writeln!(
@@ -1065,5 +1068,54 @@ mod gpu {
             s.next_position, 0,
             "a refused call must not advance the state"
         );
+    }
+
+    /// A Ring-linear model (Lightning layers, sigmoid router, plain norms) is refused
+    /// by every GPU entry point with an error naming the cause, never a panic.
+    #[test]
+    fn lightning_model_is_refused_with_a_clear_error() {
+        let Some((g, _lock)) = gpu("lightning_model_is_refused_with_a_clear_error") else {
+            return;
+        };
+        let dir = golden_dir("bailing_moe_linear");
+        let m = Model::load(&dir, &mut |_, _| {}).unwrap();
+        let e = GpuModel::<f32>::upload(g.clone(), &m)
+            .err()
+            .expect("upload refused");
+        assert!(e.to_string().contains("Lightning"), "{e}");
+        let ckpt = dataplane::weights::Checkpoint::open(&dir).unwrap();
+        let e = GpuModel::<bf16>::load(g.clone(), m.config.clone(), &ckpt, &mut |_, _| {})
+            .err()
+            .expect("load refused");
+        assert!(e.to_string().contains("--device cpu"), "{e}");
+        let e = GpuModel::<f32>::random(g.clone(), m.config.clone(), 1)
+            .err()
+            .expect("random refused");
+        assert!(e.to_string().contains("Lightning"), "{e}");
+    }
+
+    /// A Kimi-Linear model (KDA and MLA layers) is refused by every GPU entry point
+    /// with an error naming the model_type and the layer kind, never a panic.
+    #[test]
+    fn kimi_linear_model_is_refused_with_a_clear_error() {
+        let Some((g, _lock)) = gpu("kimi_linear_model_is_refused_with_a_clear_error") else {
+            return;
+        };
+        let dir = golden_dir("kimi_linear");
+        let m = Model::load(&dir, &mut |_, _| {}).unwrap();
+        let e = GpuModel::<f32>::upload(g.clone(), &m)
+            .err()
+            .expect("upload refused");
+        let msg = e.to_string();
+        assert!(msg.contains("kimi_linear") && msg.contains("KDA"), "{msg}");
+        let ckpt = dataplane::weights::Checkpoint::open(&dir).unwrap();
+        let e = GpuModel::<bf16>::load(g.clone(), m.config.clone(), &ckpt, &mut |_, _| {})
+            .err()
+            .expect("load refused");
+        assert!(e.to_string().contains("--device cpu"), "{e}");
+        let e = GpuModel::<f32>::random(g.clone(), m.config.clone(), 1)
+            .err()
+            .expect("random refused");
+        assert!(e.to_string().contains("kimi_linear"), "{e}");
     }
 }

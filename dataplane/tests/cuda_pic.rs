@@ -911,6 +911,7 @@ mod gpu {
             max_tokens: 12,
             stop_token_ids: vec![],
             top_logprobs: 2,
+            logprobs: true,
             score: None,
         };
         type Run = (Option<PicStats>, Vec<(u32, Vec<(u32, f32)>)>, String);

@@ -224,6 +224,14 @@ fn reordered_segments_are_a_full_public_hit_and_work() {
     // Only the seams and the query were computed.
     let expected: usize = 8 * (q.len() - 2) + q.last().unwrap().tokens.len();
     assert_eq!(out.stats.tokens_computed, expected);
+    // The seams are counted apart: 8 per moved document, none for the prefix hit
+    // or the query; the cold request recomputed the same seams after its builds.
+    assert_eq!(out.stats.seam_tokens, 8 * (q.len() - 2));
+    let seams: Vec<usize> = out.stats.segments.iter().map(|s| s.seam).collect();
+    assert_eq!(seams[0], 0);
+    assert!(seams[1..q.len() - 1].iter().all(|&w| w == 8), "{seams:?}");
+    assert_eq!(*seams.last().unwrap(), 0);
+    assert_eq!(first.stats.seam_tokens, 8 * (p.len() - 2));
     assert!(
         out.logits.iter().all(|v| v.is_finite()),
         "NaN/inf after a hit (vLLM #55766)"

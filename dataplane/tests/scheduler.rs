@@ -39,6 +39,7 @@ fn req(seed: u32, max_tokens: usize) -> GenRequest {
         max_tokens,
         stop_token_ids: vec![],
         top_logprobs: 2,
+        logprobs: true,
         score: None,
     }
 }
@@ -71,7 +72,9 @@ fn streams_started_tokens_done_and_matches_engine_greedy() {
     let toks: Vec<u32> = ev
         .iter()
         .filter_map(|e| match e {
-            GenEvent::Token { id, logprob, top } => {
+            GenEvent::Token {
+                id, logprob, top, ..
+            } => {
                 assert_eq!(top.len(), 2);
                 assert!(*logprob <= 0.0 && top[0].1 >= *logprob - 1e-6);
                 Some(*id)
@@ -400,4 +403,123 @@ fn a_constraint_drives_each_sequence_of_a_batch_and_its_failure_is_an_error_even
     }
     assert_eq!(m.running.load(Ordering::Relaxed), 0);
     assert_eq!(m.kv_reserved_bytes.load(Ordering::Relaxed), 0);
+}
+
+/// A prompt of one segment of `len` tokens (full recompute: every token computed).
+fn long_req(seed: u32, len: usize, max_tokens: usize) -> GenRequest {
+    GenRequest {
+        segments: vec![SegmentRef {
+            tokens: (0..len as u32).map(|i| (i * 13 + seed) % 300).collect(),
+            isolation: "t".into(),
+        }],
+        mode: Mode::FullRecompute,
+        top_logprobs: 0,
+        ..req(seed, max_tokens)
+    }
+}
+
+/// `(admitted_step, step)` of the `Started` event.
+fn started_step(ev: &[GenEvent]) -> (u64, u64) {
+    ev.iter()
+        .find_map(|e| match e {
+            GenEvent::Started {
+                step,
+                admitted_step,
+                ..
+            } => Some((*admitted_step, *step)),
+            _ => None,
+        })
+        .expect("a Started event")
+}
+
+fn token_steps(ev: &[GenEvent]) -> Vec<u64> {
+    ev.iter()
+        .filter_map(|e| match e {
+            GenEvent::Token { step, .. } => Some(*step),
+            _ => None,
+        })
+        .collect()
+}
+
+/// The token-budget loop, by step numbers: a short request submitted after a long
+/// cold prompt gets its first token while the long one is still being prefilled
+/// (in pieces of at most the step budget), and the long prompt, processed in many
+/// steps, still gives the tokens of the one-call engine.
+#[test]
+fn a_short_request_behind_a_long_prompt_starts_before_the_long_one_finishes() {
+    let e = engine();
+    let cfg = SchedulerConfig {
+        step_tokens: 128,
+        prefill_chunk_tokens: 64,
+        ..Default::default()
+    };
+    let s = Scheduler::start(e.clone(), cfg);
+    let long = long_req(3, 2000, 3);
+    let mut hl = s.submit(long.clone()).unwrap();
+    let mut hs = s.submit(long_req(5, 27, 3)).unwrap();
+    let (el, es) = (collect(&mut hl), collect(&mut hs));
+    let ((al, sl), (a_s, ss)) = (started_step(&el), started_step(&es));
+    // 2000 tokens at most 128 a step: at least 16 steps of prefill.
+    assert!(sl >= al + 15, "long admitted at step {al}, started at {sl}");
+    assert!(ss < sl, "short started at step {ss}, long at {sl}");
+    // Bounded waiting: the short one gets its whole prompt in the step that admits
+    // it (the long one takes 64 tokens of that step's first pass).
+    assert_eq!(ss, a_s, "short admitted at step {a_s}, started at {ss}");
+    let prefill = s.metrics().prefill_tokens.load(Ordering::Relaxed);
+    assert_eq!(prefill, 2027);
+    // Same tokens as the one-call engine, greedy.
+    let out = e.run(&long.segments, Mode::FullRecompute, "other").unwrap();
+    let mut st = out.state;
+    let mut want = vec![dataplane::sampling::argmax(&out.logits)];
+    while want.len() < 3 {
+        let l = e.model().decode(*want.last().unwrap(), &mut st).unwrap();
+        want.push(dataplane::sampling::argmax(&l));
+    }
+    let got: Vec<u32> = el
+        .iter()
+        .filter_map(|e| match e {
+            GenEvent::Token { id, .. } => Some(*id),
+            _ => None,
+        })
+        .collect();
+    assert_eq!(got, want);
+}
+
+/// A running stream gets a token in every step while a long prompt is prefilled
+/// beside it: its tokens' step numbers are consecutive across the long prompt's
+/// prefill, which takes many steps.
+#[test]
+fn decode_streams_emit_every_step_during_a_long_prefill() {
+    let e = engine();
+    let cfg = SchedulerConfig {
+        step_tokens: 128,
+        prefill_chunk_tokens: 64,
+        ..Default::default()
+    };
+    let s = Scheduler::start(e, cfg);
+    let mut stream = s.submit(long_req(1, 20, 4000)).unwrap();
+    assert!(matches!(
+        stream.events.blocking_recv(),
+        Some(GenEvent::Started { .. })
+    ));
+    let mut hl = s.submit(long_req(2, 1500, 1)).unwrap();
+    let el = collect(&mut hl);
+    let (al, sl) = started_step(&el);
+    stream.cancel();
+    let es = collect(&mut stream);
+    let steps = token_steps(&es);
+    // 1500 tokens at most 127 a step beside one decode token: ≥ 12 steps.
+    assert!(sl >= al + 11, "long admitted at step {al}, started at {sl}");
+    // The stream's tokens in the steps of the long prompt's prefill: one per step
+    // (the last such step left out: the stream may be cancelled before its decode).
+    let during: Vec<u64> = steps
+        .iter()
+        .copied()
+        .filter(|&t| (al..sl).contains(&t))
+        .collect();
+    assert_eq!(
+        during,
+        (al..sl).collect::<Vec<_>>(),
+        "a step without a token"
+    );
 }

@@ -425,6 +425,9 @@ where
             let mixer = match kind {
                 MixerKind::GatedDeltaNet => MixerW::GatedDeltaNet(ld.gdn(&c, &mp)?),
                 MixerKind::Attention => MixerW::Attention(ld.attn(&c, &mp)?),
+                m @ (MixerKind::Lightning | MixerKind::Kda | MixerKind::Mla) => {
+                    return Err(super::model::mixer_refused(&c, m))
+                }
             };
             let ffn = if c.layer_is_moe[l] {
                 FfnW::MoeFused(ld.moe(&c, &n.mlp(l))?)

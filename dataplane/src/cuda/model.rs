@@ -624,6 +624,9 @@ impl<T: Elem> GpuState<T> {
                     recurrent: gpu.zeros(rec_len)?,
                 },
                 MixerKind::Attention => GpuLayerState::Full(GpuKv::with_capacity(gpu, row, 0)?),
+                m @ (MixerKind::Lightning | MixerKind::Kda | MixerKind::Mla) => {
+                    return Err(mixer_refused(c, *m))
+                }
             });
         }
         Ok(GpuState {
@@ -1091,6 +1094,31 @@ where
         download_f32(g, &out, rows * vocab)
     }
 
+    /// Logits of every row of the residual `x: [rows, hidden]`, left on the device
+    /// (`[rows, vocab]` in `T`): the same kernels and roundings as
+    /// [`GpuModel::logits_of`] with [`Logits::All`].
+    fn logits_device(&self, x: &CudaSlice<T>, rows: usize) -> Result<Scratch<T>> {
+        let c = &self.config;
+        let (h, vocab) = (c.hidden_size, c.vocab_size);
+        check_len("residual", x, rows * h)?;
+        let g = &*self.gpu;
+        let mut hn: Scratch<T> = g.scratch(rows * h)?;
+        ops::rms_norm(
+            g,
+            NormKind::ZeroCentred,
+            x,
+            None,
+            &self.final_norm,
+            &mut hn,
+            rows,
+            c.rms_norm_eps,
+        )?;
+        let w = self.lm_head.as_ref().unwrap_or(&self.embed);
+        let mut out: Scratch<T> = g.scratch(rows * vocab)?;
+        blas::linear(g, &hn, rows, h, w, vocab, &mut out, T::from_f32(0.0))?;
+        Ok(out)
+    }
+
     fn check_inputs(&self, tokens: &[u32], state: &GpuState<T>) -> Result<()> {
         let c = &self.config;
         if tokens.is_empty() {
@@ -1432,6 +1460,100 @@ where
         tokens: &[u32],
         states: &mut [&mut GpuState<T>],
     ) -> Result<Vec<Vec<f32>>> {
+        if tokens.is_empty() {
+            self.decode_hidden(tokens, states)?;
+            return Ok(vec![]);
+        }
+        let x = self.decode_hidden(tokens, states)?;
+        let logits = self.logits_of(&x, tokens.len(), Logits::All)?;
+        Ok(logits
+            .chunks_exact(self.config.vocab_size)
+            .map(|l| l.to_vec())
+            .collect())
+    }
+
+    /// [`GpuModel::decode_batch`] with the next token of every row with
+    /// `draws[b] = Some(p)` drawn on the device ([`super::sample::sample_into`], the
+    /// draw of [`crate::sampling::draw`] on the logits as the host would receive
+    /// them), so that only its token id is copied to the host; a `None` row gets its
+    /// logits `[vocab]` as from `decode_batch`. Greedy rows use
+    /// [`super::sample::argmax_into`].
+    ///
+    /// Errors: as [`GpuModel::decode_batch`]; [`CudaError::Shape`] when
+    /// `draws.len() != tokens.len()`.
+    pub fn decode_sample(
+        &self,
+        tokens: &[u32],
+        states: &mut [&mut GpuState<T>],
+        draws: &[Option<crate::sampling::DrawParams>],
+    ) -> Result<Vec<crate::engine::Decoded>> {
+        use crate::engine::Decoded;
+        if draws.len() != tokens.len() {
+            return Err(shape_err(format!(
+                "{} draw rows for {} tokens",
+                draws.len(),
+                tokens.len()
+            )));
+        }
+        if tokens.is_empty() {
+            self.decode_hidden(tokens, states)?;
+            return Ok(vec![]);
+        }
+        if draws.iter().all(Option::is_none) {
+            return Ok(self
+                .decode_batch(tokens, states)?
+                .into_iter()
+                .map(Decoded::Logits)
+                .collect());
+        }
+        let (bsz, vocab) = (tokens.len(), self.config.vocab_size);
+        let x = self.decode_hidden(tokens, states)?;
+        let logits = self.logits_device(&x, bsz)?;
+        let g = &*self.gpu;
+        let wide = super::sample::widen_f32(g, &logits, bsz * vocab)?;
+        let mut ids = g.zeros::<u32>(bsz)?;
+        if draws.iter().flatten().all(|p| p.is_greedy()) {
+            super::sample::argmax_into(g, &wide, bsz, vocab, &mut ids)?;
+        } else {
+            // Host-path rows are drawn greedily too (cheap) and their result unused.
+            let params: Vec<crate::sampling::DrawParams> = draws
+                .iter()
+                .map(|d| {
+                    d.unwrap_or(crate::sampling::DrawParams {
+                        temperature: 0.0,
+                        top_k: 0,
+                        top_p: 1.0,
+                        seed: 0,
+                        step: 0,
+                    })
+                })
+                .collect();
+            super::sample::sample_into(g, &wide, bsz, vocab, &params, &mut ids)?;
+        }
+        let mut rows: Vec<Option<Vec<T>>> = Vec::with_capacity(bsz);
+        for (b, d) in draws.iter().enumerate() {
+            rows.push(match d {
+                Some(_) => None,
+                None => Some(
+                    g.stream()
+                        .clone_dtoh(&logits.slice(b * vocab..(b + 1) * vocab))?,
+                ),
+            });
+        }
+        let ids = g.download(&ids)?;
+        Ok(rows
+            .into_iter()
+            .enumerate()
+            .map(|(b, row)| match row {
+                None => Decoded::Token(ids[b]),
+                Some(l) => Decoded::Logits(l.into_iter().map(Elem::to_f32).collect()),
+            })
+            .collect())
+    }
+
+    /// The decode step of [`GpuModel::decode_batch`] up to the final residual
+    /// `x: [B, hidden]` (states advanced); the LM head is left to the caller.
+    fn decode_hidden(&self, tokens: &[u32], states: &mut [&mut GpuState<T>]) -> Result<Scratch<T>> {
         if tokens.len() != states.len() {
             return Err(shape_err(format!(
                 "{} tokens for {} states",
@@ -1440,7 +1562,7 @@ where
             )));
         }
         if tokens.is_empty() {
-            return Ok(vec![]);
+            return self.gpu.scratch(0);
         }
         for (tk, s) in tokens.iter().zip(states.iter()) {
             self.check_inputs(std::slice::from_ref(tk), s)?;
@@ -1519,11 +1641,7 @@ where
         for s in states.iter_mut() {
             s.next_position += 1;
         }
-        let logits = self.logits_of(&x, bsz, Logits::All)?;
-        Ok(logits
-            .chunks_exact(c.vocab_size)
-            .map(|l| l.to_vec())
-            .collect())
+        Ok(x)
     }
 
     /// `x += y`, then `r = ZeroCentred-RMSNorm(x; w)`, over `rows` rows of width
@@ -2152,6 +2270,31 @@ fn up_mlp<T: Elem>(g: &Gpu, m: &crate::model::Mlp, h: usize, name: &str) -> Resu
     })
 }
 
+/// The error for a model with layers the CUDA backend has no kernels for yet:
+/// Lightning attention (Ring-linear), Kimi Delta Attention and latent attention
+/// (Kimi-Linear). The CPU backend runs them.
+pub(crate) fn mixer_refused(c: &ModelConfig, m: MixerKind) -> CudaError {
+    let what = match m {
+        MixerKind::Lightning => "Lightning attention",
+        MixerKind::Kda => "Kimi Delta Attention (KDA)",
+        MixerKind::Mla => "multi-head latent attention (MLA)",
+        MixerKind::GatedDeltaNet | MixerKind::Attention => "these",
+    };
+    shape_err(format!(
+        "model_type {}: {what} layers are not implemented on the CUDA backend yet; \
+         run this model with --device cpu",
+        c.model_type
+    ))
+}
+
+/// The first layer kind of `c` that the CUDA backend cannot run.
+pub(crate) fn unsupported_mixer(c: &ModelConfig) -> Option<MixerKind> {
+    c.mixers
+        .iter()
+        .copied()
+        .find(|m| matches!(m, MixerKind::Lightning | MixerKind::Kda | MixerKind::Mla))
+}
+
 /// Configuration limits of the GPU forward.
 pub(crate) fn check_config(c: &ModelConfig) -> Result<()> {
     let bad = |m: String| Err(shape_err(m));
@@ -2165,6 +2308,36 @@ pub(crate) fn check_config(c: &ModelConfig) -> Result<()> {
     }
     if c.hidden_size == 0 || c.vocab_size == 0 {
         return bad("hidden_size and vocab_size must be > 0".into());
+    }
+    if let Some(m) = unsupported_mixer(c) {
+        return Err(mixer_refused(c, m));
+    }
+    if c.norm != crate::config::NormStyle::ZeroCentred
+        || c.attn_proj != crate::config::AttnProjLayout::Split
+    {
+        return bad(format!(
+            "model_type {}: the CUDA backend reads only the Qwen checkpoint layout \
+             (zero-centred norms, split q/k/v projections); run it with --device cpu",
+            c.model_type
+        ));
+    }
+    if c.num_experts > 0 && c.router != crate::router::RouterConfig::default() {
+        return bad(format!(
+            "model_type {}: the CUDA backend routes MoE tokens by softmax top-k only; \
+             this family's router ({:?} scores, selection bias {:?}, {} expert groups) \
+             runs on the CPU backend (--device cpu)",
+            c.model_type, c.router.score, c.router.selection_bias, c.router.n_group
+        ));
+    }
+    if c.num_experts > 0
+        && c.shared_expert_intermediate_size > 0
+        && c.names.shared_expert_gate.is_none()
+    {
+        return bad(format!(
+            "model_type {}: the CUDA backend supports only a sigmoid-gated shared expert; \
+             run this family on the CPU backend (--device cpu)",
+            c.model_type
+        ));
     }
     let has_full = c.mixers.contains(&MixerKind::Attention);
     let has_linear = c.mixers.contains(&MixerKind::GatedDeltaNet);

@@ -26,6 +26,8 @@
 //! GEMMs, on tensor cores for bf16 when `hidden` and `inter` are multiples of 32
 //! (`mma.sync.m16n8k16` from PTX, 64×64×32 tiles, register prefetch of the next
 //! k-slab), else a shared-memory tiled fp32-FMA kernel (64×64×16 tiles, 4×4 per thread).
+//! Their reference, [`ExpertGemm::PerExpert`] (forced only), runs one cuBLAS GEMM per
+//! expert and projection over the same sorted rows.
 use std::any::Any;
 use std::collections::HashMap;
 
@@ -330,6 +332,67 @@ pub(crate) fn gemm_rm<T: Elem, O: Elem>(
     Ok(())
 }
 
+/// [`gemm_rm`]'s cuBLAS call on views (`x: [t, inp]`, `w: [out, inp]`, `y: [t, out]`,
+/// row-major), always cuBLAS (no GEMV shortcut): the per-expert reference path.
+fn gemm_views<T: Elem, O: Elem>(
+    gpu: &Gpu,
+    x: &cudarc::driver::CudaView<'_, T>,
+    t: usize,
+    inp: usize,
+    w: &cudarc::driver::CudaView<'_, T>,
+    out: usize,
+    y: &mut cudarc::driver::CudaViewMut<'_, O>,
+) -> Result<()> {
+    if x.len() < t * inp || w.len() < out * inp || y.len() < t * out {
+        return Err(shape_err(format!(
+            "per-expert GEMM: x {} < {t}×{inp}, w {} < {out}×{inp} or y {} < {t}×{out}",
+            x.len(),
+            w.len(),
+            y.len()
+        )));
+    }
+    if t == 0 || out == 0 {
+        return Ok(());
+    }
+    if t > i32::MAX as usize || out > i32::MAX as usize || inp > i32::MAX as usize {
+        return Err(shape_err(format!(
+            "per-expert GEMM {t}×{inp}×{out} too large"
+        )));
+    }
+    let alpha = 1f32;
+    let beta = 0f32;
+    let stream = gpu.stream();
+    let (wp, _rw) = w.device_ptr(stream);
+    let (xp, _rx) = x.device_ptr(stream);
+    let (yp, _ry) = y.device_ptr_mut(stream);
+    // SAFETY: lengths checked above; column-major yᵀ = w · xᵀ with w read transposed;
+    // the handle is bound to `stream`, on which all buffers are used.
+    unsafe {
+        cudarc::cublas::result::gemm_ex(
+            *gpu.blas().handle(),
+            cublasOperation_t::CUBLAS_OP_T,
+            cublasOperation_t::CUBLAS_OP_N,
+            out as i32,
+            t as i32,
+            inp as i32,
+            (&alpha) as *const f32 as *const _,
+            wp as *const _,
+            cuda_type::<T>(),
+            inp as i32,
+            xp as *const _,
+            cuda_type::<T>(),
+            inp as i32,
+            (&beta) as *const f32 as *const _,
+            yp as *mut _,
+            cuda_type::<O>(),
+            out as i32,
+            cublasComputeType_t::CUBLAS_COMPUTE_32F,
+            cublasGemmAlgo_t::CUBLAS_GEMM_DEFAULT,
+        )
+    }?;
+    Ok(())
+}
+
 /// SwiGLU: `out[r, j] = silu(gate_up[r, j]) · gate_up[r, I + j]` for `r < t`, `j < I`
 /// (`gate_up: [t, 2I]` gate columns then up columns, `out: [t, I]`; fp32 math).
 pub fn swiglu<T: Elem>(
@@ -427,6 +490,11 @@ pub enum ExpertGemm {
     /// Grouped GEMM on tensor cores (`mma.sync` bf16, fp32 accumulation). Needs bf16 and
     /// `hidden`, `inter` multiples of 32.
     TensorCores,
+    /// The reference of the grouped kernels: one cuBLAS GEMM per expert and projection
+    /// over that expert's rows of the same expert-sorted order (`gate_up` output rounded
+    /// to `T` before SwiGLU, as the dense MLP; one host sync for the counts). Any shape;
+    /// only when forced ([`MoeWorkspace::force_expert_gemm`]), for tests and benches.
+    PerExpert,
 }
 
 /// Routed rows (`t · top_k`) up to which [`ExpertGemm::Gemv`] is chosen automatically.
@@ -446,6 +514,7 @@ pub fn expert_gemm<T: Elem>(w: &MoeWeights<T>, ws: &MoeWorkspace, t: usize) -> E
         Some(ExpertGemm::Gemv) if gemv_ok => return ExpertGemm::Gemv,
         Some(ExpertGemm::TensorCores) if tc_ok => return ExpertGemm::TensorCores,
         Some(ExpertGemm::Simt) => return ExpertGemm::Simt,
+        Some(ExpertGemm::PerExpert) => return ExpertGemm::PerExpert,
         _ => {}
     }
     if gemv_ok && t * w.top_k <= GEMV_MAX_ROWS {
@@ -599,6 +668,70 @@ pub fn moe_forward<T: Elem>(
                 .arg(&h_i);
             // SAFETY: matches `moe_gemv_down_*`; act [n,I], down [E,H,I], y [n,H].
             unsafe { b.launch(cfg(h, GV_WARPS as usize * GV_COLS_DN, inter)) }?;
+        }
+        ExpertGemm::PerExpert => {
+            // 4/5 (reference): per expert, cuBLAS over its rows of the sorted order.
+            let cnt = gpu.download(&counts)?;
+            let off = gpu.download(&offsets)?;
+            let mut xe = ws.take::<T>(gpu, "xe", n * h)?;
+            let mut gu = ws.take::<T>(gpu, "gu", n * 2 * inter)?;
+            {
+                let f = gpu.function(
+                    &super::compile::MODEL,
+                    &format!("gather_rows_{}", T::SUFFIX),
+                    0,
+                )?;
+                let cfg = LaunchConfig {
+                    grid_dim: (grid_for(n * h, 256), 1, 1),
+                    block_dim: (256, 1, 1),
+                    shared_mem_bytes: 0,
+                };
+                let mut b = gpu.stream().launch_builder(&f);
+                b.arg(x).arg(&perm_tok).arg(&mut xe).arg(&n_i).arg(&h_i);
+                // SAFETY: matches `gather_rows_*` in model.cu; perm_tok [n] holds token
+                // indices < t, x [t,H], xe [n,H].
+                unsafe { b.launch(cfg) }?;
+            }
+            for ex in 0..e {
+                let (c, o) = (cnt[ex] as usize, off[ex] as usize);
+                if c == 0 {
+                    continue;
+                }
+                if o + c > n {
+                    return Err(shape_err(format!(
+                        "expert {ex}: rows {o}..{} outside the {n} routed rows",
+                        o + c
+                    )));
+                }
+                gemm_views::<T, T>(
+                    gpu,
+                    &xe.slice(o * h..(o + c) * h),
+                    c,
+                    h,
+                    &w.gate_up
+                        .slice(ex * 2 * inter * h..(ex + 1) * 2 * inter * h),
+                    2 * inter,
+                    &mut gu.slice_mut(o * 2 * inter..(o + c) * 2 * inter),
+                )?;
+            }
+            swiglu(gpu, &gu, n, inter, &mut act)?;
+            for ex in 0..e {
+                let (c, o) = (cnt[ex] as usize, off[ex] as usize);
+                if c == 0 {
+                    continue;
+                }
+                gemm_views::<T, f32>(
+                    gpu,
+                    &act.slice(o * inter..(o + c) * inter),
+                    c,
+                    inter,
+                    &w.down.slice(ex * h * inter..(ex + 1) * h * inter),
+                    h,
+                    &mut y.slice_mut(o * h..(o + c) * h),
+                )?;
+            }
+            ws.put("xe", xe);
+            ws.put("gu", gu);
         }
         path => {
             // 4. Grouped gate_up GEMM + SwiGLU → act [n, I]. Both kernels tile 64 rows ×

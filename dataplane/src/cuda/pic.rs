@@ -440,6 +440,9 @@ pub struct GpuBackend<T: Elem> {
     /// interface (the scheduler's prefill and decode, the server's segment
     /// prefetch), which come from different threads.
     serial: Mutex<()>,
+    /// Whether [`PicBackend::decode_sample`] draws on the device (else every row
+    /// returns its logits, the host path): `HYPIC_DEVICE_SAMPLING=0` turns it off.
+    device_sampling: bool,
 }
 
 impl<T: Elem> Pic<GpuBackend<T>>
@@ -457,6 +460,7 @@ where
         let backend = GpuBackend {
             model,
             serial: Mutex::new(()),
+            device_sampling: std::env::var("HYPIC_DEVICE_SAMPLING").map_or(true, |v| v != "0"),
         };
         Pic::with_backend(backend, model_id, public_bytes, private_bytes)
     }
@@ -464,6 +468,13 @@ where
     /// The device model.
     pub fn model(&self) -> &Arc<GpuModel<T>> {
         &self.backend.model
+    }
+
+    /// Turns device sampling in [`crate::engine::Engine::decode_sample`] on (the
+    /// default, unless `HYPIC_DEVICE_SAMPLING=0`) or off (every row's logits go to
+    /// the host, which samples them).
+    pub fn set_device_sampling(&mut self, on: bool) {
+        self.backend.device_sampling = on;
     }
 }
 
@@ -757,6 +768,24 @@ where
         states: &mut [&mut GpuState<T>],
     ) -> crate::Result<Vec<Vec<f32>>> {
         self.model.decode_batch(tokens, states).map_err(device_err)
+    }
+    fn decode_sample(
+        &self,
+        tokens: &[u32],
+        states: &mut [&mut GpuState<T>],
+        draws: &[Option<crate::sampling::DrawParams>],
+    ) -> crate::Result<Vec<crate::engine::Decoded>> {
+        if !self.device_sampling {
+            let _ = draws;
+            return Ok(self
+                .decode_batch(tokens, states)?
+                .into_iter()
+                .map(crate::engine::Decoded::Logits)
+                .collect());
+        }
+        self.model
+            .decode_sample(tokens, states, draws)
+            .map_err(device_err)
     }
     /// Binds the device and config for decoding spilled blobs (a thread-local)
     /// around the lookup.

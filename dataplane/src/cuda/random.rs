@@ -235,6 +235,9 @@ where
                         out: lin(g, h * c.value_dim(), seed, Some(l), rnd::SLOT_GDN_OUT)?,
                     })
                 }
+                m @ (MixerKind::Lightning | MixerKind::Kda | MixerKind::Mla) => {
+                    return Err(super::model::mixer_refused(&c, m))
+                }
                 MixerKind::Attention => {
                     // Fused rows q | k | v, each its own tensor id (as the CPU model).
                     let qw = nh * hd * if c.attn_output_gate { 2 } else { 1 };

@@ -28,8 +28,9 @@
 //!
 //! Building (`Family::build`) costs no second pass: scalar/diagonal `T_C` is the
 //! exponential of summed log decays; GDN's comes out of the chunked WY kernel
-//! ([`gdr::chunked_with_transition`]); KDA's is updated inside the token loop
-//! (`3·dk²` flops per token; a chunked KDA kernel is future work).
+//! ([`gdr::chunked_with_transition`]); KDA's is updated inside the token loop here
+//! (`3·dk²` flops per token), an independent check of the chunked KDA kernel that
+//! the CPU model uses (`mixers::kda::chunk::chunked_with_transition`).
 //!
 //! Entries of `T` below 2⁻⁴⁰ ≈ 9.1e-13 (its natural scale is 1: ‖T‖₂ ≤ 1) and of
 //! `S` below 1e-30 are flushed to exactly zero (built pairs, compositions, the

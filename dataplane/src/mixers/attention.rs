@@ -27,21 +27,49 @@ pub(crate) struct AttnWeights {
     pub(crate) k_norm: Vec<f32>,
 }
 
+/// How a family stores the full-attention projections.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub enum AttnProjLayout {
+    /// `q_proj` (with the gate rows when `attn_output_gate`), `k_proj`, `v_proj`,
+    /// `o_proj`, `q_norm`, `k_norm` (Qwen3-Next, Qwen3.5).
+    #[default]
+    Split,
+    /// One `query_key_value` `[(H + 2·Hkv)·hd, hidden]` with rows q | k | v, output
+    /// `dense`, norms `query_layernorm` / `key_layernorm`, no output gate
+    /// (Ring-linear `BailingMoeLinearV2Attention`). Split into q, k, v at load.
+    FusedQkv,
+}
+
 /// Loads one layer's weights from tensors under the mixer prefix `p` (e.g.
-/// `model.layers.3.self_attn.`).
+/// `model.layers.3.self_attn.`), in the config's [`AttnProjLayout`]; norm weights
+/// are brought to the zero-centred form (`ModelConfig::norm_weight`).
 ///
 /// Errors: a missing tensor or a shape not matching the config (named).
 pub(crate) fn load(c: &ModelConfig, ckpt: &Checkpoint, p: &str) -> Result<AttnWeights> {
     let (h, nh, nkv, hd) = (c.hidden_size, c.num_heads, c.num_kv_heads, c.head_dim);
     let qw = nh * hd * if c.attn_output_gate { 2 } else { 1 };
-    Ok(AttnWeights {
-        q: ckpt.get_buf(&format!("{p}q_proj.weight"), &[qw, h])?,
-        k: ckpt.get_buf(&format!("{p}k_proj.weight"), &[nkv * hd, h])?,
-        v: ckpt.get_buf(&format!("{p}v_proj.weight"), &[nkv * hd, h])?,
-        o: ckpt.get_buf(&format!("{p}o_proj.weight"), &[h, nh * hd])?,
-        q_norm: ckpt.get(&format!("{p}q_norm.weight"), &[hd])?,
-        k_norm: ckpt.get(&format!("{p}k_norm.weight"), &[hd])?,
-    })
+    match c.attn_proj {
+        AttnProjLayout::Split => Ok(AttnWeights {
+            q: ckpt.get_buf(&format!("{p}q_proj.weight"), &[qw, h])?,
+            k: ckpt.get_buf(&format!("{p}k_proj.weight"), &[nkv * hd, h])?,
+            v: ckpt.get_buf(&format!("{p}v_proj.weight"), &[nkv * hd, h])?,
+            o: ckpt.get_buf(&format!("{p}o_proj.weight"), &[h, nh * hd])?,
+            q_norm: c.norm_weight(ckpt.get(&format!("{p}q_norm.weight"), &[hd])?),
+            k_norm: c.norm_weight(ckpt.get(&format!("{p}k_norm.weight"), &[hd])?),
+        }),
+        AttnProjLayout::FusedQkv => {
+            let kw = nkv * hd;
+            let qkv = ckpt.get_buf(&format!("{p}query_key_value.weight"), &[qw + 2 * kw, h])?;
+            Ok(AttnWeights {
+                q: qkv.range(0, qw * h),
+                k: qkv.range(qw * h, (qw + kw) * h),
+                v: qkv.range((qw + kw) * h, (qw + 2 * kw) * h),
+                o: ckpt.get_buf(&format!("{p}dense.weight"), &[h, nh * hd])?,
+                q_norm: c.norm_weight(ckpt.get(&format!("{p}query_layernorm.weight"), &[hd])?),
+                k_norm: c.norm_weight(ckpt.get(&format!("{p}key_layernorm.weight"), &[hd])?),
+            })
+        }
+    }
 }
 
 /// Gated attention for a span; appends the span's K/V to `kv`.

@@ -16,6 +16,8 @@
 //!
 //! Adding a family is one file here and one line in [`FAMILIES`]
 //! (docs/adding-a-model-family.md).
+pub mod bailing_moe_linear;
+pub mod kimi_linear;
 pub mod qwen3_5;
 pub mod qwen3_next;
 
@@ -40,7 +42,12 @@ pub struct FamilyEntry {
 }
 
 /// The registry: one line per family.
-pub const FAMILIES: &[FamilyEntry] = &[qwen3_next::FAMILY, qwen3_5::FAMILY];
+pub const FAMILIES: &[FamilyEntry] = &[
+    qwen3_next::FAMILY,
+    qwen3_5::FAMILY,
+    bailing_moe_linear::FAMILY,
+    kimi_linear::FAMILY,
+];
 
 /// The family registered for `model_type`, if any.
 pub fn family_for(model_type: &str) -> Option<&'static FamilyEntry> {

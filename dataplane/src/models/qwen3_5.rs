@@ -151,6 +151,7 @@ impl Qwen35TextConfig {
                 0
             },
             norm_topk_prob: true,
+            router: Default::default(),
             intermediate_size: match c.intermediate_size {
                 Some(i) => i,
                 None if num_experts == 0 => return Err(cfg_err("intermediate_size", "missing")),
@@ -158,8 +159,12 @@ impl Qwen35TextConfig {
             },
             layer_is_moe,
             rms_norm_eps: c.rms_norm_eps.unwrap_or(1e-6) as f32,
+            norm: Default::default(),
+            attn_proj: Default::default(),
+            lightning: Default::default(),
             tie_word_embeddings: c.tie_word_embeddings.unwrap_or(false),
             max_position_embeddings: c.max_position_embeddings.unwrap_or(32_768),
+            mla: Default::default(),
         })
     }
 }

@@ -146,6 +146,7 @@ impl Qwen3NextConfig {
             moe_intermediate_size: moe(c.moe_intermediate_size, "moe_intermediate_size")?,
             shared_expert_intermediate_size: c.shared_expert_intermediate_size.unwrap_or(512),
             norm_topk_prob: c.norm_topk_prob.unwrap_or(true),
+            router: Default::default(),
             intermediate_size: match c.intermediate_size {
                 Some(i) => i,
                 None if any_dense => return Err(cfg_err("intermediate_size", "missing")),
@@ -153,8 +154,12 @@ impl Qwen3NextConfig {
             },
             layer_is_moe,
             rms_norm_eps: c.rms_norm_eps.unwrap_or(1e-6) as f32,
+            norm: Default::default(),
+            attn_proj: Default::default(),
+            lightning: Default::default(),
             tie_word_embeddings: c.tie_word_embeddings.unwrap_or(false),
             max_position_embeddings: c.max_position_embeddings.unwrap_or(32_768),
+            mla: Default::default(),
         })
     }
 }

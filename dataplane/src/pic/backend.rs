@@ -6,6 +6,7 @@
 //!
 //! Errors of a backend are [`crate::Error`]: [`crate::Error::Input`] for data that
 //! does not fit the model, [`crate::Error::Device`] for a device failure.
+use std::any::Any;
 use std::sync::MutexGuard;
 
 use crate::config::ModelConfig;
@@ -67,6 +68,59 @@ pub trait PicBackend: Send + Sync + 'static {
         wanted: &[bool],
     ) -> Result<Vec<Option<Self::Entry>>>;
 
+    /// Starts building the public-pool entries of `tokens` for `body_starts` (as
+    /// [`PicBackend::build_entries`], every entry built) in pieces of tokens, so that
+    /// a long cold segment does not take one long step: the engine then calls
+    /// [`PicBackend::build_entries_continue`] over consecutive token ranges covering
+    /// `0..tokens.len()` and [`PicBackend::build_entries_finish`] once. The entries
+    /// equal those of the one-shot build up to fp32 rounding (the linear layers'
+    /// pairs of the pieces are composed, `(T₂T₁, T₂S₁ + S₂)`, instead of one pass).
+    ///
+    /// `Ok(None)` (the default): this backend builds an entry in one call only; the
+    /// engine then uses [`PicBackend::build_entries`] as one step.
+    fn build_entries_start(
+        &self,
+        tokens: &[u32],
+        body_starts: &[usize],
+    ) -> Result<Option<Box<dyn Any + Send>>> {
+        let _ = (tokens, body_starts);
+        Ok(None)
+    }
+
+    /// Runs `tokens[from..to]` of a build begun by [`PicBackend::build_entries_start`]
+    /// (ranges in order, without gaps).
+    ///
+    /// Errors: [`crate::Error::Input`] for a build of another backend or a range out
+    /// of order; model failures.
+    fn build_entries_continue(
+        &self,
+        build: &mut (dyn Any + Send),
+        tokens: &[u32],
+        from: usize,
+        to: usize,
+    ) -> Result<()> {
+        let _ = (build, tokens, from, to);
+        Err(crate::Error::Input(
+            "this backend builds cache entries in one step".into(),
+        ))
+    }
+
+    /// The entries (in the order of the body starts) of a build whose ranges covered
+    /// the whole segment.
+    ///
+    /// Errors: [`crate::Error::Input`] for an unfinished build or one of another
+    /// backend.
+    fn build_entries_finish(
+        &self,
+        build: Box<dyn Any + Send>,
+        tokens: &[u32],
+    ) -> Result<Vec<Option<Self::Entry>>> {
+        let _ = (build, tokens);
+        Err(crate::Error::Input(
+            "this backend builds cache entries in one step".into(),
+        ))
+    }
+
     /// Places cached segments one after the other after the running `state`
     /// (segment `k` at `b_k = state.next_position + Σ_{j<k} len_j`): each segment's
     /// seam window `tokens[..body_start]` runs through the model at its new
@@ -91,6 +145,24 @@ pub trait PicBackend: Send + Sync + 'static {
         tokens: &[u32],
         states: &mut [&mut Self::State],
     ) -> Result<Vec<Vec<f32>>>;
+
+    /// [`PicBackend::decode_batch`] with the next token of each `Some` row of `draws`
+    /// drawn by the backend (see [`crate::engine::Engine::decode_sample`]); the
+    /// default returns logits for every row (the host path). `draws.len()` equals
+    /// `tokens.len()` (checked by the caller).
+    fn decode_sample(
+        &self,
+        tokens: &[u32],
+        states: &mut [&mut Self::State],
+        draws: &[Option<crate::sampling::DrawParams>],
+    ) -> Result<Vec<crate::engine::Decoded>> {
+        let _ = draws;
+        Ok(self
+            .decode_batch(tokens, states)?
+            .into_iter()
+            .map(crate::engine::Decoded::Logits)
+            .collect())
+    }
 
     /// Runs a pool lookup `f` (which may decode a spilled blob) with whatever the
     /// backend needs bound for decoding (the GPU binds its device).

@@ -1,5 +1,6 @@
 //! The CPU reference backend of the PIC engine ([`CpuBackend`], served as
 //! [`super::PicEngine`]): host fp32 model, entries and states.
+use std::any::Any;
 use std::sync::Arc;
 
 use super::backend::PicBackend;
@@ -7,6 +8,8 @@ use super::engine::{EntryLayer, Pic, SegmentEntry};
 use crate::config::{MixerKind, ModelConfig};
 use crate::engine::BackendInfo;
 use crate::error::{Error, Result};
+use crate::linear::transition::Pair;
+use crate::mixers::lightning::rotate_state;
 use crate::model::{Logits, Model};
 use crate::state::{LayerState, ModelState};
 
@@ -67,6 +70,21 @@ impl CpuBackend {
                             m.transition_kind()
                         )));
                     }
+                    // Lightning keys carry RoPE: a body cached with its keys at
+                    // positions from 0 moves to `b` by R(b) on the state's key axis
+                    // (docs/pic-design.md, the state re-rotation).
+                    let rotated;
+                    let pair = if m == MixerKind::Lightning && rope_fix && b != 0 {
+                        let (hv, dk, dv) = pair.dims();
+                        let mut body = pair.b().to_vec();
+                        rotate_state(model.rope(), &mut body, hv, dk, dv, b);
+                        rotated =
+                            Pair::from_parts(pair.kind(), hv, dk, dv, pair.t().to_vec(), body)
+                                .map_err(|e| Error::Input(format!("layer {i}: {e}")))?;
+                        &rotated
+                    } else {
+                        pair
+                    };
                     let r = if naive {
                         pair.apply_naive(&mut s.recurrent)
                     } else {
@@ -75,9 +93,14 @@ impl CpuBackend {
                     r.map_err(|e| Error::Input(format!("layer {i}: {e}")))?;
                     s.conv.clone_from(conv_tail);
                 }
-                (LayerState::Full(kv), EntryLayer::Full { k, v }, MixerKind::Attention) => {
+                (
+                    LayerState::Full(kv),
+                    EntryLayer::Full { k, v },
+                    m @ (MixerKind::Attention | MixerKind::Mla),
+                ) => {
                     let mut k = k.clone();
-                    if rope_fix && b != 0 {
+                    // MLA (NoPE) rows carry no position: nothing to re-rotate.
+                    if rope_fix && b != 0 && m == MixerKind::Attention {
                         for tok in k.chunks_exact_mut(nkv * hd) {
                             model.rope().apply(tok, hd, b);
                         }
@@ -97,6 +120,22 @@ impl CpuBackend {
         state.next_position = b + e.len as i64;
         Ok(())
     }
+}
+
+/// A CPU entry build in progress ([`PicBackend::build_entries_start`]): the segment's
+/// running state from position 0, per layer and body start the pair of the body
+/// tokens run so far, and per attention layer the KV so far.
+struct CpuBuild {
+    state: ModelState,
+    /// Tokens run so far.
+    done: usize,
+    /// Body starts, clamped to the segment length.
+    froms: Vec<usize>,
+    /// `pairs[layer][j]`: pair of the tokens `froms[j]..done` (`None` until the
+    /// body has begun).
+    pairs: Vec<Vec<Option<Pair>>>,
+    /// `kv[layer]`: `(K, V)` of tokens `0..done`, `[done, Hkv, hd]` each.
+    kv: Vec<(Vec<f32>, Vec<f32>)>,
 }
 
 impl PicBackend for CpuBackend {
@@ -195,6 +234,145 @@ impl PicBackend for CpuBackend {
             .collect())
     }
 
+    /// Runs the pieces through the same layer-by-layer capture as the one-shot
+    /// build (from the state the earlier pieces left), composing each linear layer's
+    /// pairs across pieces and concatenating the attention layers' KV.
+    fn build_entries_start(
+        &self,
+        tokens: &[u32],
+        body_starts: &[usize],
+    ) -> Result<Option<Box<dyn Any + Send>>> {
+        let n = self.model.config.num_layers;
+        let froms: Vec<usize> = body_starts.iter().map(|&b| b.min(tokens.len())).collect();
+        Ok(Some(Box::new(CpuBuild {
+            state: self.model.new_state(),
+            done: 0,
+            pairs: vec![vec![None; froms.len()]; n],
+            froms,
+            kv: vec![(vec![], vec![]); n],
+        })))
+    }
+
+    fn build_entries_continue(
+        &self,
+        build: &mut (dyn Any + Send),
+        tokens: &[u32],
+        from: usize,
+        to: usize,
+    ) -> Result<()> {
+        let b = build
+            .downcast_mut::<CpuBuild>()
+            .ok_or_else(|| Error::Input("not a CPU entry build".into()))?;
+        if from != b.done || to <= from || to > tokens.len() {
+            return Err(Error::Input(format!(
+                "entry build: range {from}..{to} after {} of {} tokens",
+                b.done,
+                tokens.len()
+            )));
+        }
+        let model = &self.model;
+        let positions: Vec<i64> = (from as i64..to as i64).collect();
+        let mut x = model.embed(&tokens[from..to]);
+        // Body starts whose body has begun by the end of this piece, and where
+        // inside the piece it begins.
+        let active: Vec<(usize, usize)> = b
+            .froms
+            .iter()
+            .enumerate()
+            .filter(|(_, &f)| f < to)
+            .map(|(j, &f)| (j, f.saturating_sub(from)))
+            .collect();
+        let local: Vec<usize> = active.iter().map(|&(_, f)| f).collect();
+        for (i, ls) in b.state.layers.iter_mut().enumerate() {
+            let out = model.layer_forward_capture_many(i, &mut x, &positions, ls, &local)?;
+            match ls {
+                LayerState::Linear(_) => {
+                    if out.pairs.len() != active.len() {
+                        return Err(Error::Input(format!(
+                            "layer {i}: capture returned no cache data"
+                        )));
+                    }
+                    for (&(j, _), p) in active.iter().zip(out.pairs) {
+                        let slot = &mut b.pairs[i][j];
+                        *slot = Some(match slot.take() {
+                            None => p,
+                            Some(earlier) => p
+                                .compose(&earlier)
+                                .map_err(|e| Error::Input(format!("layer {i}: {e}")))?,
+                        });
+                    }
+                }
+                LayerState::Full(_) => {
+                    let (k, v) = out.kv.ok_or_else(|| {
+                        Error::Input(format!("layer {i}: capture returned no cache data"))
+                    })?;
+                    b.kv[i].0.extend_from_slice(&k);
+                    b.kv[i].1.extend_from_slice(&v);
+                }
+            }
+        }
+        b.done = to;
+        Ok(())
+    }
+
+    fn build_entries_finish(
+        &self,
+        build: Box<dyn Any + Send>,
+        tokens: &[u32],
+    ) -> Result<Vec<Option<SegmentEntry>>> {
+        let b = build
+            .downcast::<CpuBuild>()
+            .map_err(|_| Error::Input("not a CPU entry build".into()))?;
+        if b.done != tokens.len() {
+            return Err(Error::Input(format!(
+                "entry build finished after {} of {} tokens",
+                b.done,
+                tokens.len()
+            )));
+        }
+        let c = &self.model.config;
+        let row = c.num_kv_heads * c.head_dim;
+        let CpuBuild {
+            state,
+            froms,
+            mut pairs,
+            kv,
+            ..
+        } = *b;
+        let mut out = Vec::with_capacity(froms.len());
+        for (j, &from) in froms.iter().enumerate() {
+            let mut layers = Vec::with_capacity(c.num_layers);
+            for (i, ls) in state.layers.iter().enumerate() {
+                layers.push(match ls {
+                    LayerState::Linear(s) => {
+                        // A body start at the segment's end has an empty body: the
+                        // engine never asks for one in pieces.
+                        let pair = pairs[i][j].take().ok_or_else(|| {
+                            Error::Input(format!(
+                                "entry build: empty body from {from} of {} tokens",
+                                tokens.len()
+                            ))
+                        })?;
+                        EntryLayer::Linear {
+                            pair,
+                            conv_tail: s.conv.clone(),
+                        }
+                    }
+                    LayerState::Full(_) => EntryLayer::Full {
+                        k: kv[i].0[from * row..].to_vec(),
+                        v: kv[i].1[from * row..].to_vec(),
+                    },
+                });
+            }
+            out.push(Some(SegmentEntry {
+                body_start: from,
+                len: tokens.len(),
+                layers,
+            }));
+        }
+        Ok(out)
+    }
+
     /// One segment after the other: seam window through the whole model, then the
     /// body composed into every layer.
     fn compose_run(
@@ -228,7 +406,7 @@ impl PicBackend for CpuBackend {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::linear::transition::{Pair, TransitionKind};
+    use crate::linear::transition::TransitionKind;
 
     fn backend() -> CpuBackend {
         let dir =

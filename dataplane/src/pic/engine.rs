@@ -206,6 +206,11 @@ pub struct SegmentStat {
     pub computed: usize,
     /// Tokens whose work was reused.
     pub reused: usize,
+    /// Of `computed`, the seam window's tokens: recomputed at the segment's new
+    /// position before its cached body was placed (a `hit` or `miss` after the
+    /// first segment in HYPIC mode; 0 otherwise).
+    #[serde(default)]
+    pub seam: usize,
     /// SHA-256 of the model id and the segment's tokens (hex).
     pub content_hash: String,
     /// Why it was not reused, see [`MissReason`] (`None` for hits, the query and
@@ -225,6 +230,10 @@ pub struct PicStats {
     pub hits: usize,
     /// Segments that missed the public pool.
     pub misses: usize,
+    /// Seam-window tokens recomputed (the sum of the segments' `seam`; part of
+    /// `tokens_computed`).
+    #[serde(default)]
+    pub seam_tokens: usize,
     /// One entry per segment, in request order.
     pub segments: Vec<SegmentStat>,
 }
@@ -447,7 +456,9 @@ impl<B: PicBackend> Pic<B> {
     /// consecutive composed segments (public hits and misses) goes to the backend
     /// together ([`PicBackend::compose_run`]); a computed segment (the query, every
     /// segment of full recompute and prefix cache, a middle segment inside its seam
-    /// window) is prefilled on its own.
+    /// window) is prefilled on its own. The same steps as [`Pic::begin`] and
+    /// [`Pic::advance`] with an unbounded budget (every segment prefilled, and every
+    /// missed entry built, in one call).
     ///
     /// Errors: no segments, an empty segment, a token outside the vocabulary, a prompt
     /// over the context limit ([`Error::Input`]); backend failures.
@@ -457,171 +468,417 @@ impl<B: PicBackend> Pic<B> {
         mode: Mode,
         tenant: &str,
     ) -> Result<PicOutput<B::State>> {
-        self.validate(segments)?;
-        let be = &self.backend;
-        let n = segments.len();
+        let mut job = self.begin(segments.to_vec(), mode, tenant)?;
+        while !job.is_done() {
+            self.advance(&mut job, usize::MAX, true)?;
+        }
+        job.take_output()
+            .ok_or_else(|| Error::Input("the request produced no output".into()))
+    }
+
+    /// Starts a request's prompt processing as a job that [`Pic::advance`] moves on
+    /// by a token budget at a time (the scheduler's token-budget loop); no model work
+    /// yet.
+    ///
+    /// Errors: as [`Pic::run`] for an invalid request.
+    pub fn begin(&self, segments: Vec<SegmentRef>, mode: Mode, tenant: &str) -> Result<PicJob<B>> {
+        self.validate(&segments)?;
         let contents: Vec<Key> = segments
             .iter()
             .map(|s| self.content_key(&s.tokens))
             .collect();
-        let mut stats = PicStats::default();
-        let stat = |i: usize, outcome: Outcome, computed: usize, reused: usize| SegmentStat {
-            index: i,
-            tokens: segments[i].tokens.len(),
-            outcome,
-            computed,
-            reused,
-            content_hash: hex::encode(contents[i]),
-            miss_reason: None,
-        };
         let use_private = mode != Mode::FullRecompute && mode != Mode::NaiveAddition;
         let pkeys = if use_private {
-            prefix_keys(&self.model_id, &mode, tenant, &contents, segments)
+            prefix_keys(&self.model_id, &mode, tenant, &contents, &segments)
         } else {
             vec![]
         };
+        Ok(PicJob {
+            segments,
+            mode,
+            tenant: tenant.to_string(),
+            contents,
+            pkeys,
+            use_private,
+            stats: PicStats::default(),
+            state: None,
+            i: 0,
+            step: Step::Prefix,
+            logits: vec![],
+            output: None,
+        })
+    }
 
-        // 1. Longest private-pool prefix.
-        let mut state = be.new_state()?;
-        let mut start = 0usize;
-        if use_private {
-            let mut pool = lock(&self.private);
-            for i in (1..=n).rev() {
-                if !pool.contains(&pkeys[i - 1]) {
-                    continue;
-                }
-                // A spilled snapshot whose checksum fails is dropped: a miss.
-                let Some(snap) = be.decoding(|| pool.get(&pkeys[i - 1])) else {
-                    continue;
-                };
-                if i == n {
-                    let Some(logits) = snap.logits.clone() else {
-                        continue;
-                    };
-                    drop(pool);
-                    for (j, s) in segments.iter().enumerate() {
-                        stats
-                            .segments
-                            .push(stat(j, Outcome::PrefixHit, 0, s.tokens.len()));
-                    }
-                    stats.hits = n;
-                    stats.tokens_reused = segments.iter().map(|s| s.tokens.len()).sum();
-                    return Ok(PicOutput {
-                        logits,
-                        state: be.clone_state(&snap.state)?,
+    /// Advances `job` by at most `budget` tokens of model work (`usize::MAX`: to the
+    /// end), in its order of steps: the private-pool prefix match, then per
+    /// segment a prefill (computed segments) or a public-pool lookup, the build of a
+    /// missed entry, and the composition of a run of cached segments (seam windows),
+    /// then the query. Returns the tokens run through the model.
+    ///
+    /// A computed segment longer than what is left of the budget is prefilled in
+    /// pieces whose lengths are multiples of [`PREFILL_ALIGN`]; a missed entry is
+    /// built in such pieces when the backend can
+    /// ([`PicBackend::build_entries_start`]), else in one step. With `progress`, a
+    /// call does at least one piece even over the budget (up to [`PREFILL_ALIGN`]
+    /// tokens, a missed entry the backend builds whole, or one segment's seam
+    /// window), so the caller's oldest prefill always moves; without, it may do
+    /// nothing. A composition step counts its seam windows and stops between
+    /// segments when the budget is spent.
+    ///
+    /// Errors: backend failures (the job is then unusable).
+    pub fn advance(&self, job: &mut PicJob<B>, budget: usize, progress: bool) -> Result<usize> {
+        let mut used = 0usize;
+        loop {
+            let left = budget.saturating_sub(used);
+            // Whether this piece must run even over the budget.
+            let must = progress && used == 0;
+            match std::mem::replace(&mut job.step, Step::Done) {
+                Step::Done => return Ok(used),
+                Step::Query => {
+                    let mut stats = std::mem::take(&mut job.stats);
+                    tally(&mut stats);
+                    job.output = Some(PicOutput {
+                        logits: std::mem::take(&mut job.logits),
+                        state: job.state.take().expect("state after the prefix match"),
                         stats,
                     });
+                    return Ok(used);
                 }
-                state = be.clone_state(&snap.state)?;
-                start = i;
-                for (j, s) in segments[..i].iter().enumerate() {
-                    stats
-                        .segments
-                        .push(stat(j, Outcome::PrefixHit, 0, s.tokens.len()));
+                Step::Prefix => {
+                    if self.match_prefix(job)? {
+                        return Ok(used);
+                    }
+                    job.step = job.next_step();
                 }
-                break;
+                Step::Compute { at } => {
+                    let i = job.i;
+                    let m = job.segments[i].tokens.len();
+                    let Some(n) = piece(m - at, left, must) else {
+                        job.step = Step::Compute { at };
+                        return Ok(used);
+                    };
+                    let last = i + 1 == job.segments.len();
+                    let state = job.state.as_mut().expect("state after the prefix match");
+                    let tokens = &job.segments[i].tokens[at..at + n];
+                    let logits = self.backend.prefill(tokens, state, last && at + n == m)?;
+                    used += n;
+                    if at + n < m {
+                        job.step = Step::Compute { at: at + n };
+                        continue;
+                    }
+                    job.logits = logits;
+                    self.finish_computed(job)?;
+                    job.i += 1;
+                    job.step = job.next_step();
+                }
+                Step::Gather {
+                    end,
+                    mut entries,
+                    build,
+                } => {
+                    if let Some(mut b) = build {
+                        let m = job.segments[end].tokens.len();
+                        let Some(n) = piece(m - b.done, left, must) else {
+                            job.step = Step::Gather {
+                                end,
+                                entries,
+                                build: Some(b),
+                            };
+                            return Ok(used);
+                        };
+                        let tokens = &job.segments[end].tokens;
+                        self.backend.build_entries_continue(
+                            &mut *b.partial,
+                            tokens,
+                            b.done,
+                            b.done + n,
+                        )?;
+                        used += n;
+                        b.done += n;
+                        if b.done < m {
+                            job.step = Step::Gather {
+                                end,
+                                entries,
+                                build: Some(b),
+                            };
+                            continue;
+                        }
+                        let built = self.backend.build_entries_finish(b.partial, tokens)?;
+                        let seg = &job.segments[end];
+                        let e = self.store_roles(&seg.tokens, &seg.isolation, b.plan, built)?;
+                        entries.push((e, Outcome::Miss, Some(b.reason)));
+                        job.step = Step::Gather {
+                            end: end + 1,
+                            entries,
+                            build: None,
+                        };
+                        continue;
+                    }
+                    if end == job.segments.len() || job.compute_here(end) {
+                        let state = job.state.as_ref().expect("state after the prefix match");
+                        let keep = if job.use_private {
+                            self.snapshots_to_keep(state, end - job.i)
+                        } else {
+                            0
+                        };
+                        job.step = Step::Compose {
+                            end,
+                            entries,
+                            composed: 0,
+                            keep,
+                        };
+                        continue;
+                    }
+                    let seg = &job.segments[end];
+                    let body_start = job.mode.body_start(end);
+                    let key = public_key(&job.contents[end], &seg.isolation, body_start);
+                    if let Some(e) = self.get_public(&key) {
+                        entries.push((e, Outcome::Hit, None));
+                        job.step = Step::Gather {
+                            end: end + 1,
+                            entries,
+                            build: None,
+                        };
+                        continue;
+                    }
+                    let m = seg.tokens.len();
+                    if !must && m > left && left < PREFILL_ALIGN {
+                        // Start the build in the next call (its first piece).
+                        job.step = Step::Gather {
+                            end,
+                            entries,
+                            build: None,
+                        };
+                        return Ok(used);
+                    }
+                    let (plan, reason) = self.plan_roles(
+                        &seg.tokens,
+                        &seg.isolation,
+                        &job.contents[end],
+                        job.mode,
+                        body_start,
+                    );
+                    let partial = if m > left {
+                        self.backend.build_entries_start(&seg.tokens, &plan.roles)?
+                    } else {
+                        None
+                    };
+                    match partial {
+                        Some(partial) => {
+                            job.step = Step::Gather {
+                                end,
+                                entries,
+                                build: Some(Build {
+                                    plan,
+                                    reason,
+                                    partial,
+                                    done: 0,
+                                }),
+                            };
+                        }
+                        None if m > left && !must => {
+                            // Built whole, over the budget: only as a call's first piece.
+                            job.step = Step::Gather {
+                                end,
+                                entries,
+                                build: None,
+                            };
+                            return Ok(used);
+                        }
+                        None => {
+                            let built = self.backend.build_entries(
+                                &seg.tokens,
+                                &plan.roles,
+                                &plan.wanted,
+                            )?;
+                            used += m;
+                            let e = self.store_roles(&seg.tokens, &seg.isolation, plan, built)?;
+                            entries.push((e, Outcome::Miss, Some(reason)));
+                            job.step = Step::Gather {
+                                end: end + 1,
+                                entries,
+                                build: None,
+                            };
+                        }
+                    }
+                }
+                Step::Compose {
+                    end,
+                    entries,
+                    composed,
+                    keep,
+                } => {
+                    let (i, len) = (job.i, end - job.i);
+                    if composed == len {
+                        self.finish_run(job, &entries);
+                        job.i = end;
+                        job.step = job.next_step();
+                        continue;
+                    }
+                    // The segments of this call: as many as the budget's seam
+                    // windows allow, at least one when nothing ran yet.
+                    let mut to = composed;
+                    let mut cost = 0usize;
+                    while to < len {
+                        let m = job.segments[i + to].tokens.len();
+                        let w = entries[to].0.body_start().min(m);
+                        if to > composed && cost + w > left {
+                            break;
+                        }
+                        if to == composed && !must && w > left {
+                            break;
+                        }
+                        cost += w;
+                        to += 1;
+                    }
+                    if to == composed {
+                        job.step = Step::Compose {
+                            end,
+                            entries,
+                            composed,
+                            keep,
+                        };
+                        return Ok(used);
+                    }
+                    let run: Vec<(&[u32], &B::Entry)> = job.segments[i + composed..i + to]
+                        .iter()
+                        .zip(&entries[composed..to])
+                        .map(|(s, (e, _, _))| (&s.tokens[..], &**e))
+                        .collect();
+                    // Snapshots for the run's last `keep` segments, those of this part.
+                    let first_kept = len - keep.min(len);
+                    let keep_here = to - first_kept.clamp(composed, to);
+                    let state = job.state.as_mut().expect("state after the prefix match");
+                    let rope_fix = match job.mode {
+                        Mode::Hypic { rope_fix, .. } => rope_fix,
+                        _ => true,
+                    };
+                    let naive = job.mode == Mode::NaiveAddition;
+                    let snaps = self
+                        .backend
+                        .compose_run(&run, state, naive, rope_fix, keep_here)?;
+                    used += cost;
+                    for (k, snap_state) in snaps {
+                        let snap = Snapshot {
+                            state: snap_state,
+                            logits: None,
+                        };
+                        let bytes = B::state_bytes(&snap.state);
+                        lock(&self.private).insert(
+                            job.pkeys[i + composed + k],
+                            Arc::new(snap),
+                            bytes,
+                            0,
+                            &job.tenant,
+                        );
+                    }
+                    job.step = Step::Compose {
+                        end,
+                        entries,
+                        composed: to,
+                        keep,
+                    };
+                }
             }
         }
+    }
 
-        // 2. Remaining segments.
-        let rope_fix = match mode {
-            Mode::Hypic { rope_fix, .. } => rope_fix,
-            _ => true,
-        };
-        let naive = mode == Mode::NaiveAddition;
-        let compute_here = |i: usize| {
-            i + 1 == n
-                || matches!(mode, Mode::FullRecompute | Mode::PrefixCache)
-                || (matches!(mode, Mode::Hypic { .. })
-                    && mode.body_start(i) >= segments[i].tokens.len())
-        };
-        let mut logits = vec![];
-        let mut i = start;
-        while i < n {
-            if compute_here(i) {
-                let seg = &segments[i];
-                let last = i + 1 == n;
-                logits = be.prefill(&seg.tokens, &mut state, last)?;
-                let reason = computed_reason(&mode, last, || {
-                    use_private
-                        .then(|| lock(&self.private).departure(&pkeys[i]))
-                        .flatten()
-                });
-                stats.segments.push(SegmentStat {
-                    miss_reason: reason,
-                    ..stat(i, Outcome::Computed, seg.tokens.len(), 0)
-                });
-                if use_private {
-                    let snap = Snapshot {
-                        state: be.clone_state(&state)?,
-                        logits: if last { Some(logits.clone()) } else { None },
-                    };
-                    let bytes = B::state_bytes(&snap.state) + 4 * logits.len();
-                    lock(&self.private).insert(pkeys[i], Arc::new(snap), bytes, 0, tenant);
-                }
-                i += 1;
+    /// Step 1 of a job: the longest private-pool prefix. Returns `true` when the
+    /// whole request was a hit (the job is then done).
+    fn match_prefix(&self, job: &mut PicJob<B>) -> Result<bool> {
+        let be = &self.backend;
+        let n = job.segments.len();
+        job.state = Some(be.new_state()?);
+        if !job.use_private {
+            return Ok(false);
+        }
+        let mut pool = lock(&self.private);
+        for i in (1..=n).rev() {
+            if !pool.contains(&job.pkeys[i - 1]) {
                 continue;
             }
-            let mut j = i;
-            let mut entries = vec![];
-            while j < n && !compute_here(j) {
-                let seg = &segments[j];
-                let body_start = mode.body_start(j);
-                let key = public_key(&contents[j], &seg.isolation, body_start);
-                entries.push(match self.get_public(&key) {
-                    Some(e) => (e, Outcome::Hit, None),
-                    None => {
-                        let (e, reason) = self.build_roles(
-                            &seg.tokens,
-                            &seg.isolation,
-                            &contents[j],
-                            mode,
-                            body_start,
-                        )?;
-                        (e, Outcome::Miss, Some(reason))
-                    }
-                });
-                j += 1;
-            }
-            let run: Vec<(&[u32], &B::Entry)> = segments[i..j]
-                .iter()
-                .zip(&entries)
-                .map(|(s, (e, _, _))| (&s.tokens[..], &**e))
-                .collect();
-            let keep = if use_private {
-                self.snapshots_to_keep(&state, j - i)
-            } else {
-                0
+            // A spilled snapshot whose checksum fails is dropped: a miss.
+            let Some(snap) = be.decoding(|| pool.get(&job.pkeys[i - 1])) else {
+                continue;
             };
-            let snaps = be.compose_run(&run, &mut state, naive, rope_fix, keep)?;
-            for (k, (e, outcome, reason)) in entries.iter().enumerate() {
-                let m = segments[i + k].tokens.len();
-                let window = e.body_start().min(m);
-                let (computed, reused) = match outcome {
-                    Outcome::Hit => (window, m - window),
-                    _ => (m + window, 0),
+            if i == n {
+                let Some(logits) = snap.logits.clone() else {
+                    continue;
                 };
-                stats.segments.push(SegmentStat {
-                    miss_reason: *reason,
-                    ..stat(i + k, *outcome, computed, reused)
+                drop(pool);
+                let mut stats = PicStats::default();
+                for j in 0..n {
+                    let m = job.segments[j].tokens.len();
+                    stats.segments.push(job.stat(j, Outcome::PrefixHit, 0, m));
+                }
+                stats.hits = n;
+                stats.tokens_reused = job.segments.iter().map(|s| s.tokens.len()).sum();
+                job.output = Some(PicOutput {
+                    logits,
+                    state: be.clone_state(&snap.state)?,
+                    stats,
                 });
+                job.state = None;
+                job.step = Step::Done;
+                return Ok(true);
             }
-            for (k, snap_state) in snaps {
-                let snap = Snapshot {
-                    state: snap_state,
-                    logits: None,
-                };
-                let bytes = B::state_bytes(&snap.state);
-                lock(&self.private).insert(pkeys[i + k], Arc::new(snap), bytes, 0, tenant);
+            job.state = Some(be.clone_state(&snap.state)?);
+            job.i = i;
+            for j in 0..i {
+                let m = job.segments[j].tokens.len();
+                let st = job.stat(j, Outcome::PrefixHit, 0, m);
+                job.stats.segments.push(st);
             }
-            i = j;
+            break;
         }
-        tally(&mut stats);
-        Ok(PicOutput {
-            logits,
-            state,
-            stats,
-        })
+        Ok(false)
+    }
+
+    /// A computed segment `job.i` is done: its statistics and, in the modes that use
+    /// it, the private-pool snapshot after it.
+    fn finish_computed(&self, job: &mut PicJob<B>) -> Result<()> {
+        let i = job.i;
+        let last = i + 1 == job.segments.len();
+        let use_private = job.use_private;
+        let reason = computed_reason(&job.mode, last, || {
+            use_private
+                .then(|| lock(&self.private).departure(&job.pkeys[i]))
+                .flatten()
+        });
+        let m = job.segments[i].tokens.len();
+        let st = SegmentStat {
+            miss_reason: reason,
+            ..job.stat(i, Outcome::Computed, m, 0)
+        };
+        job.stats.segments.push(st);
+        if use_private {
+            let state = job.state.as_ref().expect("state after the prefix match");
+            let snap = Snapshot {
+                state: self.backend.clone_state(state)?,
+                logits: if last { Some(job.logits.clone()) } else { None },
+            };
+            let bytes = B::state_bytes(&snap.state) + 4 * job.logits.len();
+            lock(&self.private).insert(job.pkeys[i], Arc::new(snap), bytes, 0, &job.tenant);
+        }
+        Ok(())
+    }
+
+    /// The statistics of a composed run `job.i ..` (its `entries`, in order).
+    fn finish_run(&self, job: &mut PicJob<B>, entries: &[Composed<B::Entry>]) {
+        for (k, (e, outcome, reason)) in entries.iter().enumerate() {
+            let m = job.segments[job.i + k].tokens.len();
+            let window = e.body_start().min(m);
+            let (computed, reused) = match outcome {
+                Outcome::Hit => (window, m - window),
+                _ => (m + window, 0),
+            };
+            let st = SegmentStat {
+                miss_reason: *reason,
+                seam: window,
+                ..job.stat(job.i + k, *outcome, computed, reused)
+            };
+            job.stats.segments.push(st);
+        }
     }
 
     /// How many of a run of `n` composed segments get a private-pool snapshot: as many
@@ -638,39 +895,57 @@ impl<B: PicBackend> Pic<B> {
 
     /// A public-pool miss on a segment (`tokens` under `isolation`, content key
     /// `content`) whose position needs the entry of `body_start`: decides the miss
-    /// reason, builds that entry and the segment's entries for its other roles
-    /// ([`Mode::entry_body_starts`]) that are not resident (one
-    /// [`PicBackend::build_entries`] call over every role, in the canonical order),
-    /// and offers them to the pool, the needed one last (the most recent under LRU).
-    fn build_roles(
+    /// reason and which entries to build, that one and the segment's entries for its
+    /// other roles ([`Mode::entry_body_starts`]) that are not resident (one
+    /// [`PicBackend::build_entries`] call, or one build in pieces, over every role,
+    /// in the canonical order); [`Pic::store_roles`] offers them to the pool.
+    fn plan_roles(
         &self,
         tokens: &[u32],
         isolation: &str,
         content: &Key,
         mode: Mode,
         body_start: usize,
-    ) -> Result<(Arc<B::Entry>, MissReason)> {
-        let m = tokens.len();
-        let roles = miss_roles(&mode, body_start, m);
+    ) -> (RolePlan, MissReason) {
+        let roles = miss_roles(&mode, body_start, tokens.len());
         let keys: Vec<Key> = roles
             .iter()
             .map(|&b| public_key(content, isolation, b))
             .collect();
         let key = public_key(content, isolation, body_start);
-        let (reason, wanted) = {
-            let pool = lock(&self.public);
-            let wanted: Vec<bool> = roles
-                .iter()
-                .zip(&keys)
-                .map(|(b, k)| *b == body_start || !pool.contains(k))
-                .collect();
-            (public_miss_reason(&pool, &key, &keys), wanted)
-        };
-        let built = self.backend.build_entries(tokens, &roles, &wanted)?;
+        let pool = lock(&self.public);
+        let wanted: Vec<bool> = roles
+            .iter()
+            .zip(&keys)
+            .map(|(b, k)| *b == body_start || !pool.contains(k))
+            .collect();
+        let reason = public_miss_reason(&pool, &key, &keys);
+        (
+            RolePlan {
+                roles,
+                keys,
+                key,
+                wanted,
+                body_start,
+            },
+            reason,
+        )
+    }
+
+    /// Offers the entries `built` by a [`RolePlan`] to the public pool, the needed
+    /// one last (the most recent under LRU); returns the needed one.
+    fn store_roles(
+        &self,
+        tokens: &[u32],
+        isolation: &str,
+        plan: RolePlan,
+        built: Vec<Option<B::Entry>>,
+    ) -> Result<Arc<B::Entry>> {
+        let m = tokens.len();
         let mut needed = None;
-        for (((b, k), e), w) in roles.iter().zip(keys).zip(built).zip(wanted) {
+        for (((b, k), e), w) in plan.roles.iter().zip(plan.keys).zip(built).zip(plan.wanted) {
             match e {
-                Some(e) if *b == body_start => needed = Some(Arc::new(e)),
+                Some(e) if *b == plan.body_start => needed = Some(Arc::new(e)),
                 Some(e) if w => {
                     let bytes = e.bytes();
                     let _: Insert = lock(&self.public).insert(k, Arc::new(e), bytes, m, isolation);
@@ -681,8 +956,8 @@ impl<B: PicBackend> Pic<B> {
         let e = needed
             .ok_or_else(|| Error::Input("no cache entry was built for the segment".into()))?;
         let bytes = e.bytes();
-        let _: Insert = lock(&self.public).insert(key, e.clone(), bytes, m, isolation);
-        Ok((e, reason))
+        let _: Insert = lock(&self.public).insert(plan.key, e.clone(), bytes, m, isolation);
+        Ok(e)
     }
 
     /// Prefills `tokens` alone (fresh state, positions from 0) and keeps, per layer,
@@ -705,6 +980,153 @@ impl<B: PicBackend> Pic<B> {
             .into_iter()
             .map(|e| e.ok_or_else(|| Error::Input("no cache entry was built".into())))
             .collect()
+    }
+}
+
+/// Tokens a piece of a prefill in pieces is a multiple of (the GDN kernel's chunk
+/// length, so that a piece boundary is also a chunk boundary), unless it ends the
+/// segment.
+pub const PREFILL_ALIGN: usize = crate::mixers::gated_deltanet::DEFAULT_CHUNK;
+
+/// Length of the next piece of a span with `rest` tokens to go and `left` tokens of
+/// budget: all of it when it fits, else the largest multiple of [`PREFILL_ALIGN`]
+/// that fits, else (`first`: nothing ran yet in this call) one aligned piece.
+fn piece(rest: usize, left: usize, first: bool) -> Option<usize> {
+    if rest <= left {
+        return Some(rest);
+    }
+    let aligned = left / PREFILL_ALIGN * PREFILL_ALIGN;
+    if aligned > 0 {
+        Some(aligned)
+    } else if first {
+        Some(rest.min(PREFILL_ALIGN))
+    } else {
+        None
+    }
+}
+
+/// Which entries a public-pool miss builds ([`Pic::plan_roles`]).
+struct RolePlan {
+    /// Body starts built, ascending.
+    roles: Vec<usize>,
+    /// Their public-pool keys.
+    keys: Vec<Key>,
+    /// Key of the needed entry.
+    key: Key,
+    /// Whether each is offered to the pool.
+    wanted: Vec<bool>,
+    /// Body start of the needed entry.
+    body_start: usize,
+}
+
+/// A missed entry being built in pieces.
+struct Build {
+    plan: RolePlan,
+    reason: MissReason,
+    partial: Box<dyn std::any::Any + Send>,
+    /// Tokens of the segment run so far.
+    done: usize,
+}
+
+/// An entry of a composed run: the entry, how it was found, why not reused.
+type Composed<E> = (Arc<E>, Outcome, Option<MissReason>);
+
+/// Where a [`PicJob`] stands.
+enum Step<E> {
+    /// The private-pool prefix match has not run.
+    Prefix,
+    /// Computed segment `i` is being prefilled; `at` tokens of it are done.
+    Compute { at: usize },
+    /// Entries of the run of composed segments `i..end` are found (or built), the
+    /// next one (`end`) perhaps being built in pieces.
+    Gather {
+        end: usize,
+        entries: Vec<Composed<E>>,
+        build: Option<Build>,
+    },
+    /// The run `i..end` is being composed; `composed` of its segments are done and
+    /// the run's last `keep` get private-pool snapshots.
+    Compose {
+        end: usize,
+        entries: Vec<Composed<E>>,
+        composed: usize,
+        keep: usize,
+    },
+    /// Every segment is done.
+    Query,
+    /// The output is ready (or taken).
+    Done,
+}
+
+/// A request's prompt processing in progress ([`Pic::begin`], [`Pic::advance`]).
+pub struct PicJob<B: PicBackend> {
+    segments: Vec<SegmentRef>,
+    mode: Mode,
+    tenant: String,
+    contents: Vec<Key>,
+    pkeys: Vec<Key>,
+    use_private: bool,
+    stats: PicStats,
+    /// The running state (after the prefix match, until the output is made).
+    state: Option<B::State>,
+    /// First segment not yet done.
+    i: usize,
+    step: Step<B::Entry>,
+    /// Logits of the last computed segment's last token.
+    logits: Vec<f32>,
+    output: Option<PicOutput<B::State>>,
+}
+
+impl<B: PicBackend> PicJob<B> {
+    /// Whether the prompt is processed (the output is ready or was taken).
+    pub fn is_done(&self) -> bool {
+        matches!(self.step, Step::Done)
+    }
+
+    /// The output, once done (`None` before, or when taken).
+    pub fn take_output(&mut self) -> Option<PicOutput<B::State>> {
+        self.output.take()
+    }
+
+    /// Prompt tokens of the request.
+    pub fn prompt_tokens(&self) -> usize {
+        self.segments.iter().map(|s| s.tokens.len()).sum()
+    }
+
+    fn compute_here(&self, i: usize) -> bool {
+        let mode = self.mode;
+        i + 1 == self.segments.len()
+            || matches!(mode, Mode::FullRecompute | Mode::PrefixCache)
+            || (matches!(mode, Mode::Hypic { .. })
+                && mode.body_start(i) >= self.segments[i].tokens.len())
+    }
+
+    /// The step of segment `self.i`.
+    fn next_step(&self) -> Step<B::Entry> {
+        if self.i == self.segments.len() {
+            Step::Query
+        } else if self.compute_here(self.i) {
+            Step::Compute { at: 0 }
+        } else {
+            Step::Gather {
+                end: self.i,
+                entries: vec![],
+                build: None,
+            }
+        }
+    }
+
+    fn stat(&self, i: usize, outcome: Outcome, computed: usize, reused: usize) -> SegmentStat {
+        SegmentStat {
+            index: i,
+            tokens: self.segments[i].tokens.len(),
+            outcome,
+            computed,
+            reused,
+            seam: 0,
+            content_hash: hex::encode(self.contents[i]),
+            miss_reason: None,
+        }
     }
 }
 
@@ -848,6 +1270,7 @@ pub(crate) fn tally(stats: &mut PicStats) {
     for s in &stats.segments {
         stats.tokens_computed += s.computed;
         stats.tokens_reused += s.reused;
+        stats.seam_tokens += s.seam;
         match s.outcome {
             Outcome::Hit | Outcome::PrefixHit => stats.hits += 1,
             Outcome::Miss => stats.misses += 1,

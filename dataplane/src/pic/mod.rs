@@ -15,6 +15,6 @@ pub mod spill;
 pub use backend::{CacheEntry, PicBackend};
 pub use cpu::CpuBackend;
 pub use engine::{
-    EntryReport, MissReason, Mode, Outcome, Pic, PicEngine, PicOutput, PicStats, Prefetch,
+    EntryReport, MissReason, Mode, Outcome, Pic, PicEngine, PicJob, PicOutput, PicStats, Prefetch,
     SegmentRef, SegmentStat,
 };
