@@ -26,7 +26,7 @@ use crate::policy::{
 };
 use crate::segments::SegmentService;
 pub use crate::segments::{SnapshotItem, SnapshotResponse, UpdateResult};
-use crate::sim::{parse_trace, simulate, SimStats};
+use crate::sim::{parse_trace, pseudonymise, simulate, SimStats};
 
 /// How requests are authenticated.
 pub enum AuthMode {
@@ -115,6 +115,26 @@ impl ControlState {
             AuthMode::Enabled(a) => Some(a),
             AuthMode::Disabled => None,
         }
+    }
+
+    /// Starts the task that writes the usage increments and the shadow counts
+    /// to the catalog every `every` ([`crate::persist::flush`]); it ends once
+    /// the state is dropped. Failures are logged (the usage increments are kept
+    /// for the next write). Needs a tokio runtime.
+    pub fn spawn_persister(&self, every: std::time::Duration) -> tokio::task::JoinHandle<()> {
+        let weak = Arc::downgrade(&self.inner);
+        tokio::spawn(async move {
+            let mut tick = tokio::time::interval_at(tokio::time::Instant::now() + every, every);
+            tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
+            loop {
+                tick.tick().await;
+                let Some(inner) = weak.upgrade() else { break };
+                let state = ControlState { inner };
+                if let Err(e) = crate::persist::flush(&state).await {
+                    tracing::warn!("writing usage and shadow counts to the catalog failed: {e}");
+                }
+            }
+        })
     }
 
     /// Starts a task that re-reads the authenticator's JWKS files every
@@ -1141,22 +1161,37 @@ async fn list_policies(
     Ok(Json(s.catalog().policies().await?))
 }
 
-#[utoipa::path(get, path = "/v1/admin/policies/stats", tag = "policies", summary = "Active policy per kind, call and fault counters (operator)", security(("bearer" = [])), responses((status = 200, description = "`active` (kind → policy id or null), `metrics`, `module_compiles`, `modules_cached`", body = Object), (status = 401, description = "no or bad token", body = crate::error::ErrorBody), (status = 403, description = "operator role needed", body = crate::error::ErrorBody)))]
+#[utoipa::path(get, path = "/v1/admin/policies/stats", tag = "policies", summary = "Active policy per kind, call and fault counters (operator)", security(("bearer" = [])), responses((status = 200, body = PolicyStats), (status = 401, description = "no or bad token", body = crate::error::ErrorBody), (status = 403, description = "operator role needed", body = crate::error::ErrorBody)))]
 async fn policy_stats(
     State(s): State<ControlState>,
     Operator(_): Operator,
-) -> ApiResult<serde_json::Value> {
+) -> ApiResult<PolicyStats> {
     let rt = &s.policies();
-    let active: BTreeMap<&str, Option<i64>> = PolicyKind::ALL
+    let active: BTreeMap<String, Option<i64>> = PolicyKind::ALL
         .iter()
-        .map(|k| (k.as_str(), rt.active_id(*k)))
+        .map(|k| (k.as_str().to_string(), rt.active_id(*k)))
         .collect();
-    Ok(Json(serde_json::json!({
-        "active": active,
-        "metrics": rt.metrics().snapshot(),
-        "module_compiles": rt.modules().compiles(),
-        "modules_cached": rt.modules().len(),
-    })))
+    Ok(Json(PolicyStats {
+        active,
+        metrics: serde_json::to_value(rt.metrics().snapshot()).unwrap_or_default(),
+        module_compiles: rt.modules().compiles(),
+        modules_cached: rt.modules().len() as u64,
+    }))
+}
+
+/// Answer of `GET /v1/admin/policies/stats`.
+#[derive(Debug, Serialize, utoipa::ToSchema)]
+pub struct PolicyStats {
+    /// Active policy id per kind (`eviction`, `admission`, `invalidation`,
+    /// `isolation`); `null`: the native default.
+    pub active: BTreeMap<String, Option<i64>>,
+    /// Call, fault and fallback counters and call times per kind and policy.
+    #[schema(value_type = Object)]
+    pub metrics: serde_json::Value,
+    /// Modules compiled since the server started.
+    pub module_compiles: u64,
+    /// Compiled modules held in the module cache.
+    pub modules_cached: u64,
 }
 
 /// Body of `POST /v1/admin/policies/{id}/activate` (optional).
@@ -1287,7 +1322,9 @@ pub struct DryRunResult {
     pub policy_id: i64,
     /// Its kind.
     pub kind: String,
-    /// Replay with the candidate in its hook (other hooks as active).
+    /// Replay with the candidate in its hook (other hooks as active); its
+    /// `tenants` break it down per tenant, named by pseudonym (`t-…`, as in the
+    /// request log and the recorded traffic).
     pub candidate: SimStats,
     /// Replay with the active policies.
     pub active: SimStats,
@@ -1338,6 +1375,10 @@ async fn dry_run(
             e.to_string(),
         )
     })?;
+    let (mut cand, mut act) = (cand, act);
+    let keyer = s.keyer();
+    pseudonymise(&mut cand, |t| keyer.pseudonym(t));
+    pseudonymise(&mut act, |t| keyer.pseudonym(t));
     let result = DryRunResult {
         policy_id: id,
         kind: kind.as_str().into(),

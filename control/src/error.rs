@@ -1,13 +1,21 @@
-//! The control API's one error type, [`ApiError`]: every failure of a control
-//! route or of the [`crate::segments::SegmentService`] is one, and is rendered
-//! the same way, as OpenAI-style JSON
+//! The API's one error type, [`ApiError`]: every failure of a control route, of
+//! the [`crate::segments::SegmentService`] and of a serving route of `hypic serve`
+//! (`/v1/completions`, `/v1/chat/completions`, `/v1/responses`, `/v1/segments`, …)
+//! is one, and is rendered the same way, as OpenAI-style JSON
 //! `{"error": {"message", "type", "param", "code"}}` with its HTTP status
-//! (`WWW-Authenticate: Bearer` on a 401). The mapping from the errors of the
-//! layers below (token verification, catalog, policy loading, the blocking pool)
-//! to status, type and code lives here and nowhere else.
+//! (`WWW-Authenticate: Bearer` on a 401, `Retry-After` on a 429 that says when to
+//! come back). The mapping from the errors of the layers below (token
+//! verification, catalog, policy loading, the blocking pool) to status, type and
+//! code lives here and nowhere else.
+//!
+//! Two families of constructors keep the two wire conventions the routes have
+//! always had: the control routes' (`bad_request` with code `invalid_request`,
+//! `not_found` with type `not_found_error`) and the OpenAI-compatible serving
+//! routes' (`invalid` with a specific code, `invalid_param`, `openai_not_found`
+//! with type `invalid_request_error`, as OpenAI answers an unknown model).
 
 use axum::extract::rejection::JsonRejection;
-use axum::http::{header, StatusCode};
+use axum::http::{header, HeaderValue, StatusCode};
 use axum::response::{IntoResponse, Response};
 use axum::Json;
 
@@ -57,7 +65,8 @@ pub struct ErrorDetail {
     code: String,
 }
 
-/// An error of the control API, rendered as OpenAI-style JSON with its status.
+/// An error of the API (control and serving routes), rendered as OpenAI-style
+/// JSON with its status.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct ApiError {
     /// HTTP status.
@@ -70,6 +79,8 @@ pub struct ApiError {
     pub code: &'static str,
     /// The request field the error is about, if any (`param` in the JSON).
     pub param: Option<String>,
+    /// Seconds after which a retry may succeed, sent as `Retry-After` (a 429).
+    pub retry_after_s: Option<u64>,
 }
 
 impl ApiError {
@@ -86,6 +97,7 @@ impl ApiError {
             kind,
             code,
             param: None,
+            retry_after_s: None,
         }
     }
 
@@ -127,6 +139,68 @@ impl ApiError {
             "server_error",
             "internal_error",
             message,
+        )
+    }
+
+    /// 400 `invalid_request_error` with a specific `code` (`invalid_json`,
+    /// `invalid_type`, …): the serving routes' malformed-request answer.
+    pub fn invalid(code: &'static str, message: impl Into<String>) -> ApiError {
+        Self::new(
+            StatusCode::BAD_REQUEST,
+            "invalid_request_error",
+            code,
+            message,
+        )
+    }
+
+    /// 400 `invalid_request_error` / `invalid_value` naming the request field
+    /// `param`.
+    pub fn invalid_param(param: &str, message: impl Into<String>) -> ApiError {
+        Self::invalid("invalid_value", message).with_param(param)
+    }
+
+    /// 404 of the OpenAI-compatible routes: type `invalid_request_error` (as
+    /// OpenAI answers an unknown model) with a specific `code`
+    /// (`model_not_found`, `segment_not_found`, …).
+    pub fn openai_not_found(code: &'static str, message: impl Into<String>) -> ApiError {
+        Self::new(
+            StatusCode::NOT_FOUND,
+            "invalid_request_error",
+            code,
+            message,
+        )
+    }
+
+    /// 503 `server_error` / `unavailable`.
+    pub fn unavailable(message: impl Into<String>) -> ApiError {
+        Self::new(
+            StatusCode::SERVICE_UNAVAILABLE,
+            "server_error",
+            "unavailable",
+            message,
+        )
+    }
+
+    /// 429 `rate_limit_error` / `queue_full` with `Retry-After` (at least 1 s).
+    pub fn queue_full(message: impl Into<String>, retry_after_s: u64) -> ApiError {
+        let mut e = Self::new(
+            StatusCode::TOO_MANY_REQUESTS,
+            "rate_limit_error",
+            "queue_full",
+            message,
+        );
+        e.retry_after_s = Some(retry_after_s.max(1));
+        e
+    }
+
+    /// 413 `invalid_request_error` / `body_too_large`: a request body over
+    /// `limit` bytes.
+    pub fn body_too_large(limit: usize) -> ApiError {
+        Self::new(
+            StatusCode::PAYLOAD_TOO_LARGE,
+            "invalid_request_error",
+            "body_too_large",
+            format!("the request body is larger than the limit of {limit} bytes"),
         )
     }
 
@@ -287,11 +361,14 @@ impl IntoResponse for ApiError {
             r.extensions_mut()
                 .insert(crate::serve::reqlog::ErrorCause(self.message.clone()));
         }
+        if let Some(s) = self.retry_after_s {
+            if let Ok(v) = HeaderValue::from_str(&s.to_string()) {
+                r.headers_mut().insert(header::RETRY_AFTER, v);
+            }
+        }
         if self.status == StatusCode::UNAUTHORIZED {
-            r.headers_mut().insert(
-                header::WWW_AUTHENTICATE,
-                header::HeaderValue::from_static("Bearer"),
-            );
+            r.headers_mut()
+                .insert(header::WWW_AUTHENTICATE, HeaderValue::from_static("Bearer"));
         }
         mark_no_retry(self.status, &mut r);
         r
@@ -318,7 +395,7 @@ pub fn retry_cannot_fix(status: StatusCode) -> bool {
 pub fn mark_no_retry(status: StatusCode, r: &mut Response) {
     if retry_cannot_fix(status) {
         r.headers_mut()
-            .insert(SHOULD_RETRY, header::HeaderValue::from_static("false"));
+            .insert(SHOULD_RETRY, HeaderValue::from_static("false"));
     }
 }
 

@@ -15,6 +15,7 @@ pub mod backend;
 pub mod bench;
 pub mod catalog;
 pub mod error;
+pub mod persist;
 pub mod policy;
 pub mod policy_api;
 pub mod readiness;
@@ -146,6 +147,11 @@ pub async fn build_control_state(
     ));
     rt.load_active(&catalog).await;
     let state = ControlState::new(catalog, mode, auth::IsolationKeyer::new(&fs.secret), rt);
+    // Usage totals and running shadows of the previous run, then written as they move.
+    persist::restore(&state)
+        .await
+        .context("reading the stored usage and shadow policies from the catalog")?;
+    state.spawn_persister(persist::PERSIST_EVERY);
     // Key rotation without a restart: re-read the JWKS file periodically and on SIGHUP.
     state.spawn_jwks_reloader(Some(std::time::Duration::from_millis(args.jwks_reload_ms)));
     Ok(state)
@@ -173,13 +179,17 @@ pub async fn run_control_command(args: ControlServeArgs) -> anyhow::Result<()> {
         .await
         .with_context(|| format!("binding {}", args.bind))?;
     eprintln!("hypic: control plane listening on http://{}", args.bind);
+    let ready = state.clone();
     let app = control_router(state.clone()).route(
         "/ready",
-        axum::routing::get(move || readiness::ready_control(state.clone())),
+        axum::routing::get(move || readiness::ready_control(ready.clone())),
     );
     serve::net::serve(listener, app, limits, async {
         let _ = tokio::signal::ctrl_c().await;
     })
     .await?;
+    if let Err(e) = persist::flush(&state).await {
+        eprintln!("hypic: could not write usage and shadow counts to the catalog: {e}");
+    }
     Ok(())
 }

@@ -180,6 +180,8 @@ pub async fn start_shadow(
         .await
         .map_err(ApiError::from)?;
     let view = s.policies().start_shadow(w, id, effective, &p.sub);
+    // Recorded at once, so that a restart resumes it.
+    crate::persist::shadow_started(&s, &view).await?;
     s.catalog()
         .audit(
             &p.sub,
@@ -235,6 +237,7 @@ pub async fn stop_shadow(
         .policies()
         .stop_shadow(kind)
         .ok_or_else(|| ApiError::not_found(format!("no {} shadow policy runs", kind.as_str())))?;
+    crate::persist::shadow_counts(&s, &view, true).await?;
     s.catalog()
         .audit(
             &p.sub,

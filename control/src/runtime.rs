@@ -280,13 +280,16 @@ pub fn start(
 
 /// The scheduler settings of the offline commands: one request at a time, no KV
 /// budget to speak of (the request is refused only if it can never fit the device),
-/// and no queue timeout in practice.
+/// no queue timeout in practice, and each prompt processed in one step (as
+/// [`dataplane::pic::Pic::run`] does, so offline results do not depend on a budget).
 pub fn offline_scheduler() -> SchedulerConfig {
     SchedulerConfig {
         queue_capacity: 4,
         max_running: 1,
         kv_budget_bytes: usize::MAX / 4,
         queue_timeout: Duration::from_secs(24 * 3600),
+        step_tokens: usize::MAX,
+        prefill_chunk_tokens: usize::MAX,
     }
 }
 
@@ -375,6 +378,7 @@ impl Runtime {
                 max_tokens,
                 stop_token_ids: stop.to_vec(),
                 top_logprobs: 0,
+                logprobs: false,
                 score: None,
             })
             .map_err(|e| anyhow::anyhow!("{e}"))?;

@@ -2,7 +2,7 @@
 //! (JSONL) through a [`PolicySet`] and reports hit ratio, bytes and
 //! recompute tokens.
 
-use std::collections::{BTreeSet, HashMap};
+use std::collections::{BTreeMap, BTreeSet, HashMap};
 
 use serde::{Deserialize, Serialize};
 
@@ -94,6 +94,42 @@ pub struct SimStats {
     pub policy_faults: u64,
     /// Peak bytes held.
     pub peak_bytes: u64,
+    /// The same replay broken down by the trace's tenant (as the trace names it;
+    /// the dry-run route pseudonymises the names), in name order.
+    #[serde(default)]
+    pub tenants: Vec<TenantSimStats>,
+}
+
+/// One tenant's share of a replay. Lookups, hits, hit bytes, recompute
+/// tokens, insertions and refused admissions are the tenant's requests';
+/// evictions, evicted bytes and invalidations are of the entries the tenant's
+/// requests inserted (a shared entry counts for the tenant that inserted it).
+#[derive(Clone, Debug, Default, PartialEq, Serialize, Deserialize, utoipa::ToSchema)]
+pub struct TenantSimStats {
+    /// The tenant (a pseudonym `t-…` in a dry-run answer).
+    pub tenant: String,
+    /// Its requests.
+    pub requests: u64,
+    /// Its segment lookups.
+    pub lookups: u64,
+    /// Its lookups that hit.
+    pub hits: u64,
+    /// hits / lookups (0 without lookups).
+    pub hit_ratio: f64,
+    /// Bytes its hits served from cache.
+    pub bytes_hit: u64,
+    /// Bytes its misses inserted.
+    pub bytes_inserted: u64,
+    /// Bytes of its entries evicted.
+    pub bytes_evicted: u64,
+    /// Tokens its misses recomputed.
+    pub recompute_tokens: u64,
+    /// Its entries evicted.
+    pub evictions: u64,
+    /// Its admissions refused (by the admission hook, or larger than the cache).
+    pub rejected: u64,
+    /// Its entries dropped by the invalidation hook.
+    pub invalidations: u64,
 }
 
 /// A simulated cache entry's key: (isolation namespace of a private entry, or `None`
@@ -106,6 +142,8 @@ struct Entry {
     segment: String,
     version: i64,
     tenant_ns: Option<String>,
+    /// The trace tenant whose request inserted it.
+    inserted_by: String,
 }
 
 /// Replays `trace` through a cache of `capacity_bytes` governed by `policies`.
@@ -116,6 +154,13 @@ pub fn simulate(trace: &[TraceRecord], capacity_bytes: u64, policies: &mut Polic
     let mut tenant_used: HashMap<String, u64> = HashMap::new();
     let mut seen: HashMap<EntryKey, u32> = HashMap::new();
     let mut latest: HashMap<String, i64> = HashMap::new();
+    let mut by: BTreeMap<String, TenantSimStats> = BTreeMap::new();
+    fn of<'a>(by: &'a mut BTreeMap<String, TenantSimStats>, t: &str) -> &'a mut TenantSimStats {
+        by.entry(t.to_string()).or_insert_with(|| TenantSimStats {
+            tenant: t.to_string(),
+            ..TenantSimStats::default()
+        })
+    }
     let fault = |f: Option<crate::policy::PolicyError>, s: &mut SimStats| {
         if f.is_some() {
             s.policy_faults += 1;
@@ -124,6 +169,7 @@ pub fn simulate(trace: &[TraceRecord], capacity_bytes: u64, policies: &mut Polic
     for (line, r) in trace.iter().enumerate() {
         let now = r.ts_ms.unwrap_or((line as u64 + 1) * 1000);
         s.requests += 1;
+        of(&mut by, &r.tenant).requests += 1;
         let public: BTreeSet<&str> = r.public.iter().map(|x| x.as_str()).collect();
         for (i, seg) in r.segments.iter().enumerate() {
             let version = r.versions.as_ref().map(|v| v[i]).unwrap_or(1);
@@ -147,10 +193,12 @@ pub fn simulate(trace: &[TraceRecord], capacity_bytes: u64, policies: &mut Polic
                         let e = entries.remove(&k).expect("present");
                         remove_bytes(&mut used, &mut tenant_used, &e);
                         s.invalidations += 1;
+                        of(&mut by, &e.inserted_by).invalidations += 1;
                     }
                 }
             }
             s.lookups += 1;
+            of(&mut by, &r.tenant).lookups += 1;
             let is_public = public.contains(seg.as_str());
             let iso = IsolationInfo {
                 segment: opaque_id(seg),
@@ -176,6 +224,7 @@ pub fn simulate(trace: &[TraceRecord], capacity_bytes: u64, policies: &mut Polic
                     let e = entries.remove(&key).expect("present");
                     remove_bytes(&mut used, &mut tenant_used, &e);
                     s.invalidations += 1;
+                    of(&mut by, &e.inserted_by).invalidations += 1;
                 } else {
                     let e = entries.get_mut(&key).expect("present");
                     e.info.hits = e.info.hits.saturating_add(1);
@@ -186,12 +235,17 @@ pub fn simulate(trace: &[TraceRecord], capacity_bytes: u64, policies: &mut Polic
                     if ns.is_none() {
                         s.shared_hits += 1;
                     }
+                    let t = of(&mut by, &r.tenant);
+                    t.hits += 1;
+                    t.bytes_hit += bytes;
                     continue;
                 }
             }
             s.recompute_tokens += tokens;
+            of(&mut by, &r.tenant).recompute_tokens += tokens;
             if bytes > capacity_bytes {
                 s.rejected += 1;
+                of(&mut by, &r.tenant).rejected += 1;
                 continue;
             }
             let tenant_key = ns.clone().unwrap_or_default();
@@ -209,6 +263,7 @@ pub fn simulate(trace: &[TraceRecord], capacity_bytes: u64, policies: &mut Polic
             fault(f, &mut s);
             if !ok {
                 s.rejected += 1;
+                of(&mut by, &r.tenant).rejected += 1;
                 continue;
             }
             while used + bytes > capacity_bytes && !entries.is_empty() {
@@ -228,6 +283,9 @@ pub fn simulate(trace: &[TraceRecord], capacity_bytes: u64, policies: &mut Polic
                 remove_bytes(&mut used, &mut tenant_used, &e);
                 s.evictions += 1;
                 s.bytes_evicted += e.info.bytes;
+                let t = of(&mut by, &e.inserted_by);
+                t.evictions += 1;
+                t.bytes_evicted += e.info.bytes;
             }
             let info = EntryInfo {
                 id: admit.id,
@@ -243,6 +301,7 @@ pub fn simulate(trace: &[TraceRecord], capacity_bytes: u64, policies: &mut Polic
             used += bytes;
             *tenant_used.entry(tenant_key).or_insert(0) += bytes;
             s.bytes_inserted += bytes;
+            of(&mut by, &r.tenant).bytes_inserted += bytes;
             s.peak_bytes = s.peak_bytes.max(used);
             entries.insert(
                 key,
@@ -251,6 +310,7 @@ pub fn simulate(trace: &[TraceRecord], capacity_bytes: u64, policies: &mut Polic
                     segment: seg.clone(),
                     version,
                     tenant_ns: ns,
+                    inserted_by: r.tenant.clone(),
                 },
             );
         }
@@ -260,7 +320,40 @@ pub fn simulate(trace: &[TraceRecord], capacity_bytes: u64, policies: &mut Polic
     } else {
         s.hits as f64 / s.lookups as f64
     };
+    s.tenants = by
+        .into_values()
+        .map(|mut t| {
+            t.hit_ratio = if t.lookups == 0 {
+                0.0
+            } else {
+                t.hits as f64 / t.lookups as f64
+            };
+            t
+        })
+        .collect();
     s
+}
+
+/// Renames the tenants of `stats.tenants` with `pseudonym` (a name already in
+/// the recorded traffic's pseudonym form, `t-` and 12 lowercase hex digits, is
+/// kept, so the recorded traffic's tenants stay comparable with the request
+/// log), then sorts them by the new name.
+pub fn pseudonymise(stats: &mut SimStats, pseudonym: impl Fn(&str) -> String) {
+    for t in &mut stats.tenants {
+        if !is_pseudonym(&t.tenant) {
+            t.tenant = pseudonym(&t.tenant);
+        }
+    }
+    stats.tenants.sort_by(|a, b| a.tenant.cmp(&b.tenant));
+}
+
+/// Whether `name` has the pseudonym form `t-` + 12 lowercase hex digits.
+pub fn is_pseudonym(name: &str) -> bool {
+    name.strip_prefix("t-").is_some_and(|h| {
+        h.len() == 12
+            && h.bytes()
+                .all(|c| c.is_ascii_digit() || (b'a'..=b'f').contains(&c))
+    })
 }
 
 fn remove_bytes(used: &mut u64, tenant_used: &mut HashMap<String, u64>, e: &Entry) {

@@ -4,8 +4,9 @@
 //!
 //! Catalog figures (principals, groups, segments owned, grants received) come
 //! from the catalog; serving figures (requests, tokens) from the
-//! [`crate::usage::UsageBook`] the serving routes fill since the server
-//! started (zeros on `hypic control`, which serves no completions).
+//! [`crate::usage::UsageBook`] the serving routes fill, which starts from the
+//! totals stored in the catalog ([`crate::persist`]; `hypic control`, which
+//! serves no completions, shows the stored totals).
 
 use std::collections::BTreeMap;
 
@@ -51,7 +52,7 @@ pub struct TenantView {
     pub groups: Vec<String>,
     /// Segments and grants.
     pub catalog: CatalogUsage,
-    /// Requests and tokens since the server started.
+    /// Requests and tokens, kept across restarts in the catalog.
     pub serving: ServingUsage,
 }
 

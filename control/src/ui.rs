@@ -46,6 +46,10 @@ pub fn router<S: Clone + Send + Sync + 'static>() -> Router<S> {
             "/ui/{*path}",
             get(|Path(p): Path<String>| async move { file(&p) }),
         )
+        // The request log names the route template, as for the API's routes.
+        .route_layer(axum::middleware::from_fn(
+            crate::serve::reqlog::record_route,
+        ))
 }
 
 /// The embedded file at `path` (a path without a file extension is a screen of

@@ -50,6 +50,9 @@ pub struct BenchArgs {
     /// p50 TTFT target in ms for "highest rate under the SLO".
     #[arg(long, default_value_t = 1000.0)]
     pub slo_ms: f64,
+    /// p99 TTFT target in ms for "highest rate under the tail SLO".
+    #[arg(long, default_value_t = 2000.0)]
+    pub slo_p99_ms: f64,
     /// Requests per run (generated workloads).
     #[arg(long, default_value_t = 48)]
     pub requests: usize,
@@ -296,6 +299,7 @@ impl InProcess {
             max_tokens,
             stop_token_ids: vec![],
             top_logprobs: 0,
+            logprobs: false,
             score: None,
         };
         let mut h = match self.sched.submit(req) {
@@ -631,7 +635,10 @@ pub async fn run_bench(a: &BenchArgs) -> anyhow::Result<report::Summary> {
         &samples,
         &modes,
         &rate_list,
-        a.slo_ms,
+        report::Slo {
+            p50_ms: a.slo_ms,
+            p99_ms: a.slo_p99_ms,
+        },
         &target,
         &spec,
         a.trace.is_some(),

@@ -29,6 +29,10 @@ pub struct RunStats {
     pub ttft_p99_ms: f64,
     /// Mean.
     pub ttft_mean_ms: f64,
+    /// Median time per output token after the first, ms: over completed
+    /// requests with at least two generated tokens, (end-to-end − TTFT) /
+    /// (generated − 1); NaN when there are none.
+    pub tpot_p50_ms: f64,
     /// Completed requests per second of wall time.
     pub throughput_rps: f64,
     /// Prompt tokens per second (completed requests).
@@ -52,6 +56,9 @@ pub struct ModeSummary {
     pub max_rate_under_slo: Option<f64>,
     /// True when the highest tested rate still met the SLO (the true limit is higher).
     pub slo_met_at_all_rates: bool,
+    /// Highest tested rate whose p99 TTFT ≤ the tail SLO with every request
+    /// completed (None: even the lowest rate missed).
+    pub max_rate_under_p99_slo: Option<f64>,
 }
 
 /// The whole benchmark result.
@@ -65,6 +72,8 @@ pub struct Summary {
     pub host: String,
     /// p50 TTFT target, ms.
     pub slo_ms: f64,
+    /// p99 TTFT target, ms.
+    pub slo_p99_ms: f64,
     /// Workload parameters (generated workloads).
     pub workload: Option<WorkloadSpec>,
     /// Every run.
@@ -95,6 +104,12 @@ fn stats(mode: &str, rate: f64, s: &[&Sample]) -> RunStats {
     let prompt: usize = ok.iter().map(|x| x.prompt_tokens).sum();
     let cached: usize = ok.iter().map(|x| x.cached_tokens).sum();
     let gen: usize = ok.iter().map(|x| x.generated).sum();
+    let mut tpot: Vec<f64> = ok
+        .iter()
+        .filter(|x| x.generated >= 2)
+        .map(|x| (x.e2e_ms - x.ttft_ms) / (x.generated - 1) as f64)
+        .collect();
+    tpot.sort_by(|a, b| a.total_cmp(b));
     RunStats {
         mode: mode.to_string(),
         rate,
@@ -110,6 +125,7 @@ fn stats(mode: &str, rate: f64, s: &[&Sample]) -> RunStats {
         } else {
             ttft.iter().sum::<f64>() / ttft.len() as f64
         },
+        tpot_p50_ms: percentile(&tpot, 50.0),
         throughput_rps: ok.len() as f64 / wall,
         prompt_tps: prompt as f64 / wall,
         output_tps: gen as f64 / wall,
@@ -144,20 +160,33 @@ fn utc_date() -> String {
     format!("{y:04}-{m:02}-{d:02}")
 }
 
-/// Builds the summary.
+/// The latency objectives a run is judged by, in milliseconds of TTFT.
+#[derive(Clone, Copy, Debug)]
+pub struct Slo {
+    /// Bound on the median TTFT.
+    pub p50_ms: f64,
+    /// Bound on the 99th-percentile TTFT.
+    pub p99_ms: f64,
+}
+
+/// Builds the summary: one row per (mode, rate) from `samples`, and per mode the
+/// highest rate whose every request succeeded within `slo`. `spec` is reported as the
+/// workload unless the requests came from a trace (`from_trace`).
 pub fn summarize(
     samples: &[Sample],
     modes: &[ModeSpec],
     rates: &[f64],
-    slo_ms: f64,
+    slo: Slo,
     target: &str,
     spec: &WorkloadSpec,
     from_trace: bool,
 ) -> Summary {
+    let (slo_ms, slo_p99_ms) = (slo.p50_ms, slo.p99_ms);
     let mut runs = vec![];
     let mut per_mode = vec![];
     for m in modes {
         let mut best = None;
+        let mut best_p99 = None;
         let mut all = true;
         for &r in rates {
             let s: Vec<&Sample> = samples
@@ -169,6 +198,9 @@ pub fn summarize(
             if met && r > 0.0 {
                 best = Some(best.map_or(r, |b: f64| b.max(r)));
             }
+            if st.ok == st.requests && st.ttft_p99_ms <= slo_p99_ms && r > 0.0 {
+                best_p99 = Some(best_p99.map_or(r, |b: f64| b.max(r)));
+            }
             all &= met;
             runs.push(st);
         }
@@ -176,6 +208,7 @@ pub fn summarize(
             mode: m.label.clone(),
             max_rate_under_slo: best,
             slo_met_at_all_rates: all,
+            max_rate_under_p99_slo: best_p99,
         });
     }
     Summary {
@@ -189,6 +222,7 @@ pub fn summarize(
             std::env::consts::ARCH
         ),
         slo_ms,
+        slo_p99_ms,
         workload: if from_trace { None } else { Some(spec.clone()) },
         runs,
         modes: per_mode,
@@ -199,14 +233,14 @@ pub fn summarize(
 pub fn markdown(s: &Summary) -> String {
     let mut o = String::new();
     o.push_str(&format!(
-        "hypic bench — {} — {} ({}), SLO p50 TTFT ≤ {} ms\n\n",
-        s.date, s.target, s.host, s.slo_ms
+        "hypic bench — {} — {} ({}), SLO p50 TTFT ≤ {} ms, p99 ≤ {} ms\n\n",
+        s.date, s.target, s.host, s.slo_ms, s.slo_p99_ms
     ));
-    o.push_str("| mode | rate (req/s) | ok/sent | 429 | TTFT p50 (ms) | p95 | p99 | throughput (req/s) | out tok/s | hit ratio | cached tokens |\n");
-    o.push_str("|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|\n");
+    o.push_str("| mode | rate (req/s) | ok/sent | 429 | TTFT p50 (ms) | p95 | p99 | TPOT p50 (ms) | throughput (req/s) | out tok/s | hit ratio | cached tokens |\n");
+    o.push_str("|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|\n");
     for r in &s.runs {
         o.push_str(&format!(
-            "| {} | {} | {}/{} | {} | {:.1} | {:.1} | {:.1} | {:.2} | {:.1} | {:.2} | {:.0} % |\n",
+            "| {} | {} | {}/{} | {} | {:.1} | {:.1} | {:.1} | {:.1} | {:.2} | {:.1} | {:.2} | {:.0} % |\n",
             r.mode,
             if r.rate > 0.0 {
                 format!("{}", r.rate)
@@ -219,6 +253,7 @@ pub fn markdown(s: &Summary) -> String {
             r.ttft_p50_ms,
             r.ttft_p95_ms,
             r.ttft_p99_ms,
+            r.tpot_p50_ms,
             r.throughput_rps,
             r.output_tps,
             r.hit_ratio,
@@ -226,8 +261,8 @@ pub fn markdown(s: &Summary) -> String {
         ));
     }
     o.push_str(&format!(
-        "\n| mode | highest rate with p50 TTFT ≤ {} ms |\n|---|---:|\n",
-        s.slo_ms
+        "\n| mode | highest rate with p50 TTFT ≤ {} ms | with p99 TTFT ≤ {} ms |\n|---|---:|---:|\n",
+        s.slo_ms, s.slo_p99_ms
     ));
     for m in &s.modes {
         let v = match (m.max_rate_under_slo, m.slo_met_at_all_rates) {
@@ -235,7 +270,11 @@ pub fn markdown(s: &Summary) -> String {
             (Some(r), false) => format!("{r} req/s"),
             (None, _) => "below the lowest tested rate".into(),
         };
-        o.push_str(&format!("| {} | {} |\n", m.mode, v));
+        let p99 = match m.max_rate_under_p99_slo {
+            Some(r) => format!("{r} req/s"),
+            None => "below the lowest tested rate".into(),
+        };
+        o.push_str(&format!("| {} | {} | {} |\n", m.mode, v, p99));
     }
     o
 }
@@ -395,4 +434,78 @@ fn plot_cdf(dir: &Path, s: &Summary, samples: &[Sample]) -> PlotResult {
         .draw()?;
     root.present()?;
     Ok(())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn sample(rate: f64, ttft_ms: f64, e2e_ms: f64, generated: usize) -> Sample {
+        Sample {
+            mode: "hypic".into(),
+            rate,
+            index: 0,
+            arrival_s: 0.0,
+            ok: true,
+            status: 200,
+            error: None,
+            ttft_ms,
+            e2e_ms,
+            done_s: 1.0,
+            prompt_tokens: 10,
+            cached_tokens: 0,
+            hits: 0,
+            misses: 0,
+            segments: 2,
+            generated,
+        }
+    }
+
+    #[test]
+    fn tpot_and_the_tail_slo_rate() {
+        let modes = super::super::parse_modes("hypic").unwrap();
+        let spec = WorkloadSpec {
+            requests: 6,
+            docs: 1,
+            docs_per_request: 1,
+            zipf_s: 1.0,
+            doc_words: 1,
+            system_words: 1,
+            query_words: 1,
+            multi_turn: 0.0,
+            seed: 0,
+        };
+        // Rate 1: TPOT 10 ms and 20 ms (one-token answers do not count), p99 900 ms.
+        // Rate 2: p50 under 1 s but p99 2.5 s.
+        let samples = vec![
+            sample(1.0, 100.0, 100.0 + 9.0 * 10.0, 10),
+            sample(1.0, 900.0, 900.0 + 3.0 * 20.0, 4),
+            sample(1.0, 500.0, 500.0, 1),
+            sample(2.0, 200.0, 300.0, 2),
+            sample(2.0, 300.0, 400.0, 2),
+            sample(2.0, 2500.0, 2600.0, 2),
+        ];
+        let s = summarize(
+            &samples,
+            &modes,
+            &[1.0, 2.0],
+            Slo {
+                p50_ms: 1000.0,
+                p99_ms: 2000.0,
+            },
+            "x",
+            &spec,
+            true,
+        );
+        assert_eq!(s.runs[0].tpot_p50_ms, 10.0);
+        assert_eq!(s.runs[1].tpot_p50_ms, 100.0);
+        assert_eq!(s.modes[0].max_rate_under_slo, Some(2.0));
+        assert_eq!(s.modes[0].max_rate_under_p99_slo, Some(1.0));
+        let md = markdown(&s);
+        assert!(md.contains("with p99 TTFT ≤ 2000 ms"), "{md}");
+        assert!(
+            md.contains("| hypic | ≥ 2 req/s (all tested rates met) | 1 req/s |"),
+            "{md}"
+        );
+    }
 }

@@ -1065,6 +1065,31 @@ impl PolicyRuntime {
         view
     }
 
+    /// Resumes a shadow recorded by an earlier run of the server (see
+    /// [`crate::persist::restore`]): `policy` answers beside the active policy
+    /// of its kind again, counting on from `saved`'s counts, with its start
+    /// time, operator and parameters.
+    pub fn resume_shadow(&self, policy: WasmPolicy, saved: &ShadowView) -> ShadowView {
+        let kind = policy.kind();
+        let sh = shadow::Shadow {
+            slot: PolicySlot::wasm(policy, Some(saved.policy_id)),
+            policy_id: saved.policy_id,
+            params: saved.params.clone(),
+            started_at: saved.started_at,
+            started_by: saved.started_by.clone(),
+            candidate: saved.candidate.clone(),
+            active: saved.active.clone(),
+            agreed: saved.agreed,
+            disagreed: saved.disagreed,
+        };
+        let view = sh.view(kind, self.active_id(kind));
+        *self.shadows[kind.index()]
+            .lock()
+            .unwrap_or_else(|p| p.into_inner()) = Some(sh);
+        self.shadow_on[kind.index()].store(true, Ordering::Relaxed);
+        view
+    }
+
     /// Stops the shadow of `kind`; its final counts, `None` when there was none.
     pub fn stop_shadow(&self, kind: PolicyKind) -> Option<ShadowView> {
         let active = self.active_id(kind);

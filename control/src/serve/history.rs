@@ -20,7 +20,7 @@ pub const SAMPLE_EVERY_MS: u64 = 5_000;
 pub const CAPACITY: usize = 720;
 
 /// Bytes and entries of one cache pool at a sample time.
-#[derive(Debug, Clone, Default, Serialize, PartialEq)]
+#[derive(Debug, Clone, Default, Serialize, PartialEq, utoipa::ToSchema)]
 pub struct PoolSample {
     /// Bytes held in memory (public: segment entries; private: snapshots).
     pub bytes: u64,
@@ -28,11 +28,26 @@ pub struct PoolSample {
     pub entries: u64,
     /// Bytes held by the pool's host spill tier.
     pub spill_bytes: u64,
+    /// Bytes and entries by storage tier (`gpu`, `host`, `spill`), from the
+    /// pool's own counters (`hypic_pool_tier_bytes`, `hypic_pool_tier_entries`).
+    /// Only the tiers the backend has are keys: the CPU backend has no `gpu`
+    /// tier, the CUDA backend no `host` tier, and a pool without a spill tier no
+    /// `spill`.
+    pub tiers: BTreeMap<String, TierSample>,
+}
+
+/// Bytes and entries of one storage tier of a pool at a sample time.
+#[derive(Debug, Clone, Default, Serialize, PartialEq, utoipa::ToSchema)]
+pub struct TierSample {
+    /// Bytes held in the tier.
+    pub bytes: u64,
+    /// Entries held in the tier.
+    pub entries: u64,
 }
 
 /// TTFT quantiles of one mode over an interval, milliseconds (estimated from the
 /// histogram buckets by linear interpolation, as Prometheus' `histogram_quantile`).
-#[derive(Debug, Clone, Default, Serialize, PartialEq)]
+#[derive(Debug, Clone, Default, Serialize, PartialEq, utoipa::ToSchema)]
 pub struct Quantiles {
     /// Requests in the interval.
     pub count: u64,
@@ -44,8 +59,9 @@ pub struct Quantiles {
     pub p99: Option<f64>,
 }
 
-/// One sample of the server's metrics.
-#[derive(Debug, Clone, Default, Serialize, PartialEq)]
+/// One sample of the server's metrics (`MetricSample` in the OpenAPI document).
+#[derive(Debug, Clone, Default, Serialize, PartialEq, utoipa::ToSchema)]
+#[schema(as = MetricSample)]
 pub struct Sample {
     /// Wall-clock time of the sample, ms since the Unix epoch.
     pub ts_ms: u64,
@@ -67,6 +83,9 @@ pub struct Sample {
     pub segment_hits: u64,
     /// Segments that missed (`miss`), cumulative.
     pub segment_misses: u64,
+    /// Seam-window tokens recomputed at a cached segment's new position (part of
+    /// `prompt_tokens_computed`), cumulative.
+    pub seam_tokens: u64,
     /// Requests waiting for admission.
     pub queue_depth: u64,
     /// Sequences in the running batch.
@@ -99,8 +118,9 @@ struct Ring {
     buckets: VecDeque<Buckets>,
 }
 
-/// Answer of `GET /v1/metrics/history`.
-#[derive(Debug, Serialize)]
+/// Answer of `GET /v1/metrics/history` (`MetricsHistory` in the OpenAPI document).
+#[derive(Debug, Serialize, utoipa::ToSchema)]
+#[schema(as = MetricsHistory)]
 pub struct HistoryView {
     /// Milliseconds between stored samples.
     pub interval_ms: u64,
@@ -133,6 +153,34 @@ fn label_value<'a>(m: &'a prometheus::proto::Metric, k: &str) -> Option<&'a str>
         .iter()
         .find(|l| l.name() == k)
         .map(|l| l.value())
+}
+
+/// The tiers of `pool` in the tier gauges: (tier, bytes, entries) by tier name.
+fn pool_tiers(fams: &[MetricFamily], pool: &str) -> BTreeMap<String, TierSample> {
+    let mut out: BTreeMap<String, TierSample> = BTreeMap::new();
+    for (name, bytes) in [
+        ("hypic_pool_tier_bytes", true),
+        ("hypic_pool_tier_entries", false),
+    ] {
+        for m in fams
+            .iter()
+            .filter(|f| f.name() == name)
+            .flat_map(|f| f.get_metric())
+            .filter(|m| label_value(m, "pool") == Some(pool))
+        {
+            let Some(tier) = label_value(m, "tier") else {
+                continue;
+            };
+            let t = out.entry(tier.to_string()).or_default();
+            let v = m.get_gauge().get_value() as u64;
+            if bytes {
+                t.bytes = v;
+            } else {
+                t.entries = v;
+            }
+        }
+    }
+    out
 }
 
 fn ttft_buckets(fams: &[MetricFamily]) -> Buckets {
@@ -233,6 +281,7 @@ fn take(s: &AppState) -> (Sample, Buckets) {
                 bytes: one("hypic_pool_bytes"),
                 entries: one("hypic_pool_entries"),
                 spill_bytes: one("hypic_pool_spill_bytes"),
+                tiers: pool_tiers(&fams, pool),
             },
         );
     }
@@ -250,6 +299,7 @@ fn take(s: &AppState) -> (Sample, Buckets) {
         completion_tokens: n("hypic_completion_tokens_total", None),
         segment_hits: seg(&["hit", "prefix_hit"]),
         segment_misses: seg(&["miss"]),
+        seam_tokens: n("hypic_seam_tokens_total", None),
         queue_depth: n("hypic_queue_depth", None),
         running: n("hypic_running_requests", None),
         pools,

@@ -31,6 +31,9 @@ pub struct ServeMetrics {
     pub segments: IntCounterVec,
     /// Segments not reused by mode and reason ([`MissReason`]).
     pub segment_misses: IntCounterVec,
+    /// Seam-window tokens recomputed by mode (the data plane's
+    /// [`PicStats::seam_tokens`]; part of the computed prompt tokens).
+    pub seam_tokens: IntCounterVec,
     /// Generated tokens by mode.
     pub completion_tokens: IntCounterVec,
     /// Requests by endpoint and status code.
@@ -42,6 +45,8 @@ pub struct ServeMetrics {
     pool_bytes: IntGaugeVec,
     pool_entries: IntGaugeVec,
     spill_bytes: IntGaugeVec,
+    tier_bytes: IntGaugeVec,
+    tier_entries: IntGaugeVec,
     pool_events: IntCounterVec,
     sched_events: IntCounterVec,
     backend: IntGaugeVec,
@@ -153,6 +158,13 @@ impl ServeMetrics {
             ),
             &["mode", "reason"]
         ));
+        let seam_tokens = reg!(IntCounterVec::new(
+            Opts::new(
+                "hypic_seam_tokens_total",
+                "Prompt tokens of seam windows recomputed at a cached segment's new position, by reuse mode (counted in hypic_prompt_tokens_total{kind=\"computed\"} too)."
+            ),
+            &["mode"]
+        ));
         let completion_tokens = reg!(IntCounterVec::new(
             Opts::new("hypic_completion_tokens_total", "Generated tokens."),
             &["mode"]
@@ -197,6 +209,20 @@ impl ServeMetrics {
                 "Bytes held by a pool's host spill tier (checksummed blobs of evicted entries)."
             ),
             &["pool"]
+        ));
+        let tier_bytes = reg!(IntGaugeVec::new(
+            Opts::new(
+                "hypic_pool_tier_bytes",
+                "Bytes a cache pool holds in one storage tier: gpu (device memory, CUDA backend), host (host memory, CPU backend) or spill (the host spill tier). A tier the backend does not have has no series."
+            ),
+            &["pool", "tier"]
+        ));
+        let tier_entries = reg!(IntGaugeVec::new(
+            Opts::new(
+                "hypic_pool_tier_entries",
+                "Entries a cache pool holds in one storage tier (gpu, host, spill; see hypic_pool_tier_bytes)."
+            ),
+            &["pool", "tier"]
         ));
         let pool_events = reg!(IntCounterVec::new(
             Opts::new(
@@ -284,6 +310,7 @@ impl ServeMetrics {
             prompt_tokens,
             segments,
             segment_misses,
+            seam_tokens,
             completion_tokens,
             requests,
             queue_depth,
@@ -293,6 +320,8 @@ impl ServeMetrics {
             pool_bytes,
             pool_entries,
             spill_bytes,
+            tier_bytes,
+            tier_entries,
             pool_events,
             sched_events,
             backend,
@@ -425,6 +454,16 @@ impl ServeMetrics {
             .set(sched.state_bytes.load(Ordering::Relaxed) as i64);
         {
             let mut last = self.last.lock().unwrap_or_else(|p| p.into_inner());
+            for (pool, tiers) in pool_tiers(engine) {
+                for t in tiers {
+                    self.tier_bytes
+                        .with_label_values(&[pool, t.tier])
+                        .set(t.bytes as i64);
+                    self.tier_entries
+                        .with_label_values(&[pool, t.tier])
+                        .set(t.entries as i64);
+                }
+            }
             for (pi, (name, (entries, bytes, st))) in [
                 ("public", engine.public_usage()),
                 ("private", engine.private_usage()),
@@ -491,6 +530,45 @@ impl ServeMetrics {
     }
 }
 
+/// What one storage tier of a pool holds, read from the pool's own counters.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct TierUsage {
+    /// `gpu`, `host` or `spill`.
+    pub tier: &'static str,
+    /// Entries held in the tier.
+    pub entries: usize,
+    /// Bytes held in the tier.
+    pub bytes: usize,
+}
+
+/// The tiers each pool (`public`, `private`) has, with their usage: the primary
+/// tier ([`EnginePools::primary_tier_name`]: `gpu` on the CUDA backend, `host` on
+/// the CPU), then `spill` when the pool has a spill tier (capacity above 0). A
+/// tier the backend does not have is left out, never reported as 0.
+pub fn pool_tiers(engine: &dyn EnginePools) -> [(&'static str, Vec<TierUsage>); 2] {
+    let primary = engine.primary_tier_name();
+    let spill = engine.spill_usage();
+    let one = |pi: usize, (entries, bytes): (usize, usize)| {
+        let mut v = vec![TierUsage {
+            tier: primary,
+            entries,
+            bytes,
+        }];
+        let (se, sb, cap) = spill[pi];
+        if cap > 0 {
+            v.push(TierUsage {
+                tier: "spill",
+                entries: se,
+                bytes: sb,
+            });
+        }
+        v
+    };
+    let (pe, pb, _) = engine.public_usage();
+    let (qe, qb, _) = engine.private_usage();
+    [("public", one(0, (pe, pb))), ("private", one(1, (qe, qb)))]
+}
+
 impl Default for ServeMetrics {
     fn default() -> Self {
         Self::new()
@@ -515,6 +593,7 @@ mod tests {
                 },
                 computed: 10 - reused,
                 reused,
+                seam: 0,
                 content_hash: String::new(),
                 miss_reason: reason,
             }],

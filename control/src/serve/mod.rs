@@ -103,6 +103,12 @@ pub struct ServeConfig {
     pub kv_budget_mib: usize,
     /// Longest wait in the queue, seconds (beyond: 408).
     pub queue_timeout_s: f64,
+    /// Token budget of one scheduler step: the running sequences' decode tokens
+    /// plus pieces of pending prefills.
+    pub step_tokens: usize,
+    /// Most prompt tokens one prefill takes in a step's first pass, so that the
+    /// prefills behind a long one get theirs in the same step.
+    pub prefill_chunk_tokens: usize,
     /// Largest request body, bytes (beyond: 413).
     pub max_body_bytes: usize,
     /// `max_tokens` when a request does not set it.
@@ -207,6 +213,8 @@ impl Default for ServeConfig {
             max_running: 16,
             kv_budget_mib: 2048,
             queue_timeout_s: 30.0,
+            step_tokens: dataplane::scheduler::DEFAULT_STEP_TOKENS,
+            prefill_chunk_tokens: dataplane::scheduler::DEFAULT_PREFILL_CHUNK_TOKENS,
             max_body_bytes: 16 << 20,
             default_max_tokens: 256,
             max_n: 16,
@@ -297,6 +305,12 @@ pub struct ServeArgs {
     /// Queue timeout, seconds.
     #[arg(long, env = "HYPIC_QUEUE_TIMEOUT_S")]
     pub queue_timeout_s: Option<f64>,
+    /// Token budget of one scheduler step (decode tokens plus prefill pieces).
+    #[arg(long, env = "HYPIC_STEP_TOKENS")]
+    pub step_tokens: Option<usize>,
+    /// Most prompt tokens one prefill takes in a step's first pass.
+    #[arg(long, env = "HYPIC_PREFILL_CHUNK_TOKENS")]
+    pub prefill_chunk_tokens: Option<usize>,
     /// Largest request body, bytes.
     #[arg(long, env = "HYPIC_MAX_BODY_BYTES")]
     pub max_body_bytes: Option<usize>,
@@ -403,6 +417,8 @@ impl ServeConfig {
             max_running,
             kv_budget_mib,
             queue_timeout_s,
+            step_tokens,
+            prefill_chunk_tokens,
             max_body_bytes,
             default_max_tokens,
             max_n,
@@ -466,6 +482,9 @@ impl ServeConfig {
         }
         if !(self.queue_timeout_s > 0.0 && self.queue_timeout_s.is_finite()) {
             bail!("queue_timeout_s must be positive");
+        }
+        if self.step_tokens == 0 || self.prefill_chunk_tokens == 0 {
+            bail!("step_tokens and prefill_chunk_tokens must be at least 1");
         }
         if self.max_body_bytes < 1024 {
             bail!("max_body_bytes must be at least 1024");
@@ -544,6 +563,8 @@ impl ServeConfig {
             max_running: self.max_running,
             kv_budget_bytes: self.kv_budget_mib << 20,
             queue_timeout: Duration::from_secs_f64(self.queue_timeout_s),
+            step_tokens: self.step_tokens,
+            prefill_chunk_tokens: self.prefill_chunk_tokens,
         }
     }
 }
@@ -766,13 +787,17 @@ impl RunningServer {
     pub fn url(&self) -> String {
         format!("http://{}", self.addr)
     }
-    /// Stops accepting, waits for open requests.
+    /// Stops accepting, waits for open requests, then writes the usage and
+    /// shadow counts to the catalog ([`crate::persist::flush`]).
     pub async fn stop(mut self) {
         if let Some(s) = self.shutdown.take() {
             let _ = s.send(());
         }
         if let Some(j) = self.join.take() {
             let _ = j.await;
+        }
+        if let Err(e) = crate::persist::flush(self.state.control()).await {
+            eprintln!("hypic: could not write usage and shadow counts to the catalog: {e}");
         }
     }
 }

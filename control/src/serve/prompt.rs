@@ -12,9 +12,9 @@
 //!   system prompt's text (a cut is placed there), so the same tools are a hit in
 //!   any conversation.
 //! * Completions: a `segments` array, or a prompt cut at the separator string.
-use super::errors::ServeError;
 use super::tools::{self, ToolSet};
 use super::types::{ChatMessageIn, HypicRequestExt, MessageContent};
+use crate::error::ApiError;
 use dataplane::pic::Mode;
 use dataplane::tokenizer::Tokenizer;
 use serde_json::{json, Value};
@@ -32,21 +32,21 @@ pub fn chat_segments(
     tok: &Tokenizer,
     msgs: &[ChatMessageIn],
     tools: Option<&ToolSet>,
-) -> Result<Vec<String>, ServeError> {
+) -> Result<Vec<String>, ApiError> {
     if msgs.is_empty() {
-        return Err(ServeError::invalid_param(
+        return Err(ApiError::invalid_param(
             "messages",
             "'messages' must contain at least one message",
         ));
     }
     if msgs.len() > MAX_MESSAGES {
-        return Err(ServeError::invalid_param(
+        return Err(ApiError::invalid_param(
             "messages",
             format!("at most {MAX_MESSAGES} messages per request"),
         ));
     }
     if !tok.has_chat_template() {
-        return Err(ServeError::bad_request(
+        return Err(ApiError::invalid(
             "no_chat_template",
             "the served model has no chat template; use /v1/completions",
         ));
@@ -59,7 +59,7 @@ pub fn chat_segments(
     let mut any_text = false;
     for (i, m) in msgs.iter().enumerate() {
         if !ROLES.contains(&m.role.as_str()) {
-            return Err(ServeError::invalid_param(
+            return Err(ApiError::invalid_param(
                 &format!("messages[{i}].role"),
                 format!(
                     "unknown role {:?} (expected one of {})",
@@ -73,7 +73,7 @@ pub fn chat_segments(
             // OpenAI allows null content only for assistant messages with tool calls.
             None if m.role == "assistant" && m.tool_calls.is_some() => vec![String::new()],
             None => {
-                return Err(ServeError::invalid_param(
+                return Err(ApiError::invalid_param(
                     &param,
                     format!(
                         "'{param}' is missing or null; a message with role {:?} needs a string or an array of text parts",
@@ -83,7 +83,7 @@ pub fn chat_segments(
             }
             Some(MessageContent::Text(t)) => vec![t.clone()],
             Some(MessageContent::Parts(ps)) if ps.is_empty() => {
-                return Err(ServeError::invalid_param(
+                return Err(ApiError::invalid_param(
                     &param,
                     format!(
                         "'{param}' is an empty array; \
@@ -95,7 +95,7 @@ pub fn chat_segments(
                 let mut v = Vec::with_capacity(ps.len());
                 for (j, p) in ps.iter().enumerate() {
                     if p.kind != "text" {
-                        return Err(ServeError::invalid_param(
+                        return Err(ApiError::invalid_param(
                             &format!("{param}[{j}].type"),
                             format!(
                                 "only text content parts are supported; '{param}[{j}]' has type {:?}",
@@ -104,7 +104,7 @@ pub fn chat_segments(
                         ));
                     }
                     if let Some(f) = p.other_fields.first() {
-                        return Err(ServeError::invalid_param(
+                        return Err(ApiError::invalid_param(
                             &format!("{param}[{j}].{f}"),
                             format!(
                                 "unknown field {f:?} in the text content part '{param}[{j}]' (a text part has 'type' and 'text')"
@@ -114,7 +114,7 @@ pub fn chat_segments(
                     match &p.text {
                         Some(t) => v.push(t.clone()),
                         None => {
-                            return Err(ServeError::invalid_param(
+                            return Err(ApiError::invalid_param(
                                 &format!("{param}[{j}].text"),
                                 format!("the text content part '{param}[{j}]' needs a string 'text'"),
                             ))
@@ -125,7 +125,7 @@ pub fn chat_segments(
             }
         };
         if parts.iter().any(|p| p.contains(PART_MARK)) {
-            return Err(ServeError::invalid_param(
+            return Err(ApiError::invalid_param(
                 &param,
                 "content contains the reserved character U+10FFFD",
             ));
@@ -143,7 +143,7 @@ pub fn chat_segments(
         let mut msg = json!({"role": m.role, "content": content});
         if let Some(calls) = &m.tool_calls {
             if m.role != "assistant" {
-                return Err(ServeError::invalid_param(
+                return Err(ApiError::invalid_param(
                     &format!("messages[{i}].tool_calls"),
                     "only assistant messages carry tool_calls",
                 ));
@@ -208,14 +208,14 @@ pub fn chat_segments(
         .map(|t| Value::Array(t.tools.clone()));
     // An empty message is fine in a conversation, an empty conversation is not.
     if !any_text {
-        return Err(ServeError::invalid_param(
+        return Err(ApiError::invalid_param(
             "messages",
             "every message in 'messages' has empty content; give some text to complete",
         ));
     }
     let render = |k: usize, gen: bool| {
         tok.apply_chat_template_with(&conv[..k], tools_ctx.as_ref(), gen)
-            .map_err(|e| ServeError::bad_request("chat_template_error", e.to_string()))
+            .map_err(|e| ApiError::invalid("chat_template_error", e.to_string()))
     };
     let full = render(conv.len(), true)?;
     let mut blocks = Vec::with_capacity(conv.len());
@@ -256,7 +256,7 @@ pub fn chat_segments(
     }
     let segs = attach_glue(pieces);
     if segs.is_empty() {
-        return Err(ServeError::invalid_param(
+        return Err(ApiError::invalid_param(
             "messages",
             "the conversation renders to an empty prompt",
         ));
@@ -315,21 +315,21 @@ fn attach_glue(pieces: Vec<(String, Piece)>) -> Vec<String> {
 ///
 /// Errors: 400 naming `messages[i].tool_calls[j]…` for a call that is not a function
 /// call with a name.
-fn check_calls(i: usize, calls: &Value) -> Result<Vec<(Value, String, Value)>, ServeError> {
+fn check_calls(i: usize, calls: &Value) -> Result<Vec<(Value, String, Value)>, ApiError> {
     let param = format!("messages[{i}].tool_calls");
     let list = calls
         .as_array()
-        .ok_or_else(|| ServeError::invalid_param(&param, format!("'{param}' must be an array")))?;
+        .ok_or_else(|| ApiError::invalid_param(&param, format!("'{param}' must be an array")))?;
     let mut out = Vec::with_capacity(list.len());
     for (j, c) in list.iter().enumerate() {
         let f = c.get("function").filter(|f| f.is_object()).ok_or_else(|| {
-            ServeError::invalid_param(
+            ApiError::invalid_param(
                 &format!("{param}[{j}].function"),
                 "a tool call needs a 'function' object with 'name' and 'arguments'",
             )
         })?;
         let name = f.get("name").and_then(Value::as_str).ok_or_else(|| {
-            ServeError::invalid_param(
+            ApiError::invalid_param(
                 &format!("{param}[{j}].function.name"),
                 "a tool call needs a string 'name'",
             )
@@ -394,7 +394,7 @@ pub fn parse_mode(name: &str, seam_width: usize, rope_fix: bool) -> Result<Mode,
 }
 
 /// The mode a request asks for (the server default when it does not say).
-pub fn request_mode(ext: Option<&HypicRequestExt>, default: Mode) -> Result<Mode, ServeError> {
+pub fn request_mode(ext: Option<&HypicRequestExt>, default: Mode) -> Result<Mode, ApiError> {
     let (dw, dr) = match default {
         Mode::Hypic {
             seam_width,
@@ -405,7 +405,7 @@ pub fn request_mode(ext: Option<&HypicRequestExt>, default: Mode) -> Result<Mode
     let Some(ext) = ext else { return Ok(default) };
     let w = ext.seam_width.unwrap_or(dw);
     if w > 4096 {
-        return Err(ServeError::invalid_param(
+        return Err(ApiError::invalid_param(
             "hypic.seam_width",
             "seam_width must be at most 4096",
         ));
@@ -419,9 +419,7 @@ pub fn request_mode(ext: Option<&HypicRequestExt>, default: Mode) -> Result<Mode
             },
             m => m,
         }),
-        Some(name) => {
-            parse_mode(name, w, r).map_err(|e| ServeError::invalid_param("hypic.mode", e))
-        }
+        Some(name) => parse_mode(name, w, r).map_err(|e| ApiError::invalid_param("hypic.mode", e)),
     }
 }
 

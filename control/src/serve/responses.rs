@@ -12,10 +12,11 @@
 //! Not supported (400 `unsupported_parameter`): state (`previous_response_id`,
 //! `conversation`), `stream`, background mode, and tool types other than `function`.
 //! `store` is accepted and nothing is stored (`"store": false` in the answer).
-use super::errors::{parse_json, ServeError};
+use super::errors::parse_json;
 use super::routes::{chat_inner, finish_response, rand_id, Tenant};
 use super::types::unsupported_field;
 use super::AppState;
+use crate::error::ApiError;
 use axum::body::Bytes;
 use axum::extract::rejection::BytesRejection;
 use axum::extract::State;
@@ -57,7 +58,7 @@ async fn responses_inner(
     s: &AppState,
     p: &crate::auth::Principal,
     body: Result<Bytes, BytesRejection>,
-) -> Result<Response, ServeError> {
+) -> Result<Response, ApiError> {
     let body = body.map_err(|e| super::routes::body_error(e, s.0.cfg.max_body_bytes))?;
     let req: Map<String, Value> = parse_json(&body)?;
     if let Some(f) = unsupported_field(&body, RESPONSES_FIELDS) {
@@ -68,9 +69,9 @@ async fn responses_inner(
             "stream" => "streaming is served on /v1/chat/completions; /v1/responses answers whole",
             _ => "it is not supported by this server",
         };
-        return Err(ServeError {
+        return Err(ApiError {
             param: Some(f.clone()),
-            ..ServeError::bad_request(
+            ..ApiError::invalid(
                 "unsupported_parameter",
                 format!("the parameter '{f}' is not supported on /v1/responses: {why}"),
             )
@@ -78,7 +79,7 @@ async fn responses_inner(
     }
     let chat = to_chat(&req)?;
     let bytes =
-        Bytes::from(serde_json::to_vec(&chat).map_err(|e| ServeError::internal(e.to_string()))?);
+        Bytes::from(serde_json::to_vec(&chat).map_err(|e| ApiError::internal(e.to_string()))?);
     let out = match chat_inner(s, p, Ok(bytes)).await {
         Ok(r) => r,
         Err(mut e) => {
@@ -92,9 +93,8 @@ async fn responses_inner(
     }
     let bytes = axum::body::to_bytes(b, usize::MAX)
         .await
-        .map_err(|e| ServeError::internal(e.to_string()))?;
-    let v: Value =
-        serde_json::from_slice(&bytes).map_err(|e| ServeError::internal(e.to_string()))?;
+        .map_err(|e| ApiError::internal(e.to_string()))?;
+    let v: Value = serde_json::from_slice(&bytes).map_err(|e| ApiError::internal(e.to_string()))?;
     let mut r = Json(to_response(&req, &v)).into_response();
     if let Some(stats) = parts.extensions.get::<super::reqlog::RequestStats>() {
         r.extensions_mut().insert(stats.clone());
@@ -123,12 +123,12 @@ fn rename_param(p: &str) -> String {
     p.to_string()
 }
 
-fn bad(param: &str, msg: impl Into<String>) -> ServeError {
-    ServeError::invalid_param(param, msg)
+fn bad(param: &str, msg: impl Into<String>) -> ApiError {
+    ApiError::invalid_param(param, msg)
 }
 
 /// The chat request of a responses request.
-fn to_chat(req: &Map<String, Value>) -> Result<Value, ServeError> {
+fn to_chat(req: &Map<String, Value>) -> Result<Value, ApiError> {
     let mut messages: Vec<Value> = vec![];
     match req.get("instructions") {
         None | Some(Value::Null) => {}
@@ -215,7 +215,7 @@ fn to_chat(req: &Map<String, Value>) -> Result<Value, ServeError> {
 }
 
 /// The text of a content given as a string or as `input_text`/`output_text` parts.
-fn content_parts(param: &str, c: &Value) -> Result<Value, ServeError> {
+fn content_parts(param: &str, c: &Value) -> Result<Value, ApiError> {
     match c {
         Value::String(_) => Ok(c.clone()),
         Value::Array(parts) => {
@@ -245,7 +245,7 @@ fn content_parts(param: &str, c: &Value) -> Result<Value, ServeError> {
     }
 }
 
-fn input_item(i: usize, it: &Value, messages: &mut Vec<Value>) -> Result<(), ServeError> {
+fn input_item(i: usize, it: &Value, messages: &mut Vec<Value>) -> Result<(), ApiError> {
     let p = format!("input[{i}]");
     let kind = it.get("type").and_then(Value::as_str).unwrap_or("message");
     match kind {

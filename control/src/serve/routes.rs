@@ -1,6 +1,6 @@
 //! Inference routes: completions, chat completions (SSE streaming), models,
 //! health, metrics; the auth extractor; panic and body-limit handling.
-use super::errors::{parse_json, ServeError};
+use super::errors::parse_json;
 use super::prompt::{self, mode_name};
 use super::textgen::TextStream;
 use super::types::*;
@@ -8,6 +8,7 @@ use super::AppState;
 use crate::api::Caller;
 use crate::auth::Principal;
 use crate::catalog::SnapshotEntry;
+use crate::error::ApiError;
 use axum::body::Bytes;
 use axum::extract::rejection::BytesRejection;
 use axum::extract::{DefaultBodyLimit, FromRequestParts, State};
@@ -35,11 +36,9 @@ use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
 pub struct Tenant(pub Principal);
 
 impl FromRequestParts<AppState> for Tenant {
-    type Rejection = ServeError;
-    async fn from_request_parts(parts: &mut Parts, s: &AppState) -> Result<Self, ServeError> {
-        let Caller(p) = Caller::from_request_parts(parts, &s.0.control)
-            .await
-            .map_err(ServeError::from)?;
+    type Rejection = ApiError;
+    async fn from_request_parts(parts: &mut Parts, s: &AppState) -> Result<Self, ApiError> {
+        let Caller(p) = Caller::from_request_parts(parts, &s.0.control).await?;
         Ok(Tenant(p))
     }
 }
@@ -51,6 +50,8 @@ impl FromRequestParts<AppState> for Tenant {
     health,
     ready,
     metrics,
+    metrics_history,
+    recorded_traffic,
     models,
     model_one,
     completions,
@@ -63,6 +64,7 @@ impl FromRequestParts<AppState> for Tenant {
     super::segments::delete,
     super::why::why,
     super::why::evict,
+    super::segments::prefill_one,
 ))]
 pub struct ServeApi;
 
@@ -102,7 +104,7 @@ pub fn router(state: AppState) -> Router {
     let limit = state.0.cfg.max_body_bytes;
     let control = state.0.control_router.clone();
     let not_allowed = || async {
-        ServeError::new(
+        ApiError::new(
             StatusCode::METHOD_NOT_ALLOWED,
             "invalid_request_error",
             "method_not_allowed",
@@ -151,6 +153,10 @@ pub fn router(state: AppState) -> Router {
             "/v1/segments/{id}/evict",
             post(super::why::evict).fallback(not_allowed),
         )
+        .route(
+            "/v1/segments/{id}/prefill",
+            post(super::segments::prefill_one).fallback(not_allowed),
+        )
         .route_layer(axum::middleware::from_fn(super::reqlog::record_route))
         .fallback_service(control)
         .layer(DefaultBodyLimit::max(limit))
@@ -193,7 +199,7 @@ async fn early_body_limit(
                 };
                 let _ = tokio::time::timeout(Duration::from_secs(20), drain).await;
             }
-            let mut r = ServeError::too_large(limit).into_response();
+            let mut r = ApiError::body_too_large(limit).into_response();
             r.headers_mut().insert(
                 header::CONNECTION,
                 header::HeaderValue::from_static("close"),
@@ -211,17 +217,17 @@ async fn catch_panic(req: axum::extract::Request, next: axum::middleware::Next) 
         .await
     {
         Ok(r) => r,
-        Err(_) => ServeError::internal("internal error while handling the request").into_response(),
+        Err(_) => ApiError::internal("internal error while handling the request").into_response(),
     }
 }
 
 /// Maps a body rejection (too large → 413, body not received before the
 /// body-read deadline → 408).
-pub fn body_error(e: BytesRejection, limit: usize) -> ServeError {
+pub fn body_error(e: BytesRejection, limit: usize) -> ApiError {
     if e.status() == StatusCode::PAYLOAD_TOO_LARGE {
-        ServeError::too_large(limit)
+        ApiError::body_too_large(limit)
     } else if super::net::BodyReadTimeout::is_in(&e) {
-        let mut r = ServeError::new(
+        let mut r = ApiError::new(
             StatusCode::REQUEST_TIMEOUT,
             "timeout_error",
             "body_read_timeout",
@@ -232,7 +238,7 @@ pub fn body_error(e: BytesRejection, limit: usize) -> ServeError {
             .unwrap_or(r.message);
         r
     } else {
-        ServeError::bad_request("invalid_body", e.body_text())
+        ApiError::invalid("invalid_body", e.body_text())
     }
 }
 
@@ -281,31 +287,31 @@ async fn metrics(State(s): State<AppState>) -> Response {
 }
 
 /// `GET /v1/metrics/history` (operator): the last hour of metric samples.
+#[utoipa::path(get, path = "/v1/metrics/history", tag = "metrics", summary = "The last hour of metric samples, one per interval, and TTFT over the window (operator)", security(("bearer" = [])), responses((status = 200, body = super::history::HistoryView), (status = 401, description = "no or bad token", body = crate::error::ErrorBody), (status = 403, description = "operator role needed", body = crate::error::ErrorBody)))]
 async fn metrics_history(
     State(s): State<AppState>,
     Tenant(p): Tenant,
-) -> Result<Json<super::history::HistoryView>, ServeError> {
+) -> Result<Json<super::history::HistoryView>, ApiError> {
     if !p.is_operator() {
-        return Err(crate::api::ApiError::forbidden(
+        return Err(ApiError::forbidden(
             "operator_required",
             "this endpoint needs the operator role",
-        )
-        .into());
+        ));
     }
     Ok(Json(s.0.history.view(&s)))
 }
 
 /// `GET /v1/admin/traffic` (operator): the recorded recent prompts as a dry-run trace.
+#[utoipa::path(get, path = "/v1/admin/traffic", tag = "policies", summary = "The recorded recent prompts (tenant-pseudonymised segment ids, versions, tokens, bytes) as a dry-run trace (operator)", security(("bearer" = [])), responses((status = 200, body = super::traffic::TrafficView), (status = 401, description = "no or bad token", body = crate::error::ErrorBody), (status = 403, description = "operator role needed", body = crate::error::ErrorBody)))]
 async fn recorded_traffic(
     State(s): State<AppState>,
     Tenant(p): Tenant,
-) -> Result<Json<super::traffic::TrafficView>, ServeError> {
+) -> Result<Json<super::traffic::TrafficView>, ApiError> {
     if !p.is_operator() {
-        return Err(crate::api::ApiError::forbidden(
+        return Err(ApiError::forbidden(
             "operator_required",
             "this endpoint needs the operator role",
-        )
-        .into());
+        ));
     }
     Ok(Json(s.0.traffic.view()))
 }
@@ -332,9 +338,9 @@ async fn model_one(
     State(s): State<AppState>,
     Tenant(_): Tenant,
     axum::extract::Path(id): axum::extract::Path<String>,
-) -> Result<Json<Value>, ServeError> {
+) -> Result<Json<Value>, ApiError> {
     if id != s.0.model_id {
-        return Err(ServeError::not_found(
+        return Err(ApiError::openai_not_found(
             "model_not_found",
             format!("the model {id:?} does not exist"),
         ));
@@ -401,7 +407,7 @@ fn prompt_limit(s: &AppState) -> usize {
 
 /// A prompt (in request field `field`) of `n` tokens (`exact`) or at least `n` is
 /// over [`prompt_limit`]: 400 naming the context or the request cap.
-fn over_limit(s: &AppState, field: &str, n: usize, exact: bool) -> ServeError {
+fn over_limit(s: &AppState, field: &str, n: usize, exact: bool) -> ApiError {
     let (ctx, cap) = (s.0.ctx, s.0.cfg.max_prefill_tokens_per_request);
     let has = if exact {
         format!("{n} tokens")
@@ -409,21 +415,21 @@ fn over_limit(s: &AppState, field: &str, n: usize, exact: bool) -> ServeError {
         format!("at least {n} tokens")
     };
     let e = if ctx <= cap {
-        ServeError::bad_request(
+        ApiError::invalid(
             "context_length_exceeded",
             format!(
                 "this model's maximum context length is {ctx} tokens, but the prompt has {has}"
             ),
         )
     } else {
-        ServeError::bad_request(
+        ApiError::invalid(
             "prefill_tokens_exceeded",
             format!(
                 "a request may prefill at most {cap} prompt tokens (max_prefill_tokens_per_request), but the prompt has {has}"
             ),
         )
     };
-    ServeError {
+    ApiError {
         param: Some(field.into()),
         ..e
     }
@@ -432,7 +438,7 @@ fn over_limit(s: &AppState, field: &str, n: usize, exact: bool) -> ServeError {
 /// Refuses, before any tokenisation, a text of `bytes` bytes (the prompt of
 /// request field `field`) that cannot fit [`prompt_limit`] tokens: more bytes than
 /// the limit times the tokenizer's most bytes per token.
-pub(crate) fn check_fits(s: &AppState, field: &str, bytes: usize) -> Result<(), ServeError> {
+pub(crate) fn check_fits(s: &AppState, field: &str, bytes: usize) -> Result<(), ApiError> {
     if let Some(b) = s.0.tok.max_bytes_per_token() {
         if bytes > prompt_limit(s).saturating_mul(b) {
             return Err(over_limit(s, field, bytes.div_ceil(b), false));
@@ -449,11 +455,11 @@ pub(crate) fn check_bytes(
     cap: usize,
     key: &str,
     what: &str,
-) -> Result<(), ServeError> {
+) -> Result<(), ApiError> {
     if bytes > cap {
-        return Err(ServeError {
+        return Err(ApiError {
             param: Some(param.into()),
-            ..ServeError::bad_request(
+            ..ApiError::invalid(
                 "string_above_max_length",
                 format!("'{param}' is {bytes} bytes; the server allows at most {cap} bytes per {what} ({key})"),
             )
@@ -463,12 +469,12 @@ pub(crate) fn check_bytes(
 }
 
 /// Refuses more than `max_segments_per_request` segments in one request.
-pub(crate) fn check_segment_count(s: &AppState, field: &str, n: usize) -> Result<(), ServeError> {
+pub(crate) fn check_segment_count(s: &AppState, field: &str, n: usize) -> Result<(), ApiError> {
     let cap = s.0.cfg.max_segments_per_request;
     if n > cap {
-        return Err(ServeError {
+        return Err(ApiError {
             param: Some(field.into()),
-            ..ServeError::bad_request(
+            ..ApiError::invalid(
                 "too_many_segments",
                 format!("a request may have at most {cap} segments (max_segments_per_request), but this one has {n}"),
             )
@@ -484,7 +490,7 @@ pub(crate) fn check_segment_count(s: &AppState, field: &str, n: usize) -> Result
 pub(crate) async fn parse_body<T: serde::de::DeserializeOwned + Send + 'static>(
     s: &AppState,
     body: Bytes,
-) -> Result<T, ServeError> {
+) -> Result<T, ApiError> {
     in_tokenize_turn(s, move || parse_json::<T>(&body)).await?
 }
 
@@ -493,20 +499,20 @@ pub(crate) async fn parse_body<T: serde::de::DeserializeOwned + Send + 'static>(
 pub(crate) async fn in_tokenize_turn<T: Send + 'static>(
     s: &AppState,
     f: impl FnOnce() -> T + Send + 'static,
-) -> Result<T, ServeError> {
+) -> Result<T, ApiError> {
     let permit =
         s.0.tokenize_gate
             .clone()
             .acquire_owned()
             .await
-            .map_err(|e| ServeError::internal(e.to_string()))?;
+            .map_err(|e| ApiError::internal(e.to_string()))?;
     tokio::task::spawn_blocking(move || {
         let out = f();
         drop(permit);
         out
     })
     .await
-    .map_err(|e| ServeError::internal(e.to_string()))
+    .map_err(|e| ApiError::internal(e.to_string()))
 }
 
 /// Tokenises a segment's text (`param`: the field it came from) of at most
@@ -516,7 +522,7 @@ pub(crate) async fn tokenize_segment(
     s: &AppState,
     content: String,
     param: &str,
-) -> Result<Vec<u32>, ServeError> {
+) -> Result<Vec<u32>, ApiError> {
     check_bytes(
         param,
         content.len(),
@@ -527,12 +533,12 @@ pub(crate) async fn tokenize_segment(
     let (tok, ctx) = (s.0.tok.clone(), s.0.ctx);
     match in_tokenize_turn(s, move || tok.encode_within(&content, ctx))
         .await?
-        .map_err(|e| ServeError::bad_request("tokenization_error", e.to_string()))?
+        .map_err(|e| ApiError::invalid("tokenization_error", e.to_string()))?
     {
         Bounded::Fits(ids) => Ok(ids),
-        Bounded::Over { at_least, .. } => Err(ServeError {
+        Bounded::Over { at_least, .. } => Err(ApiError {
             param: Some(param.into()),
-            ..ServeError::bad_request(
+            ..ApiError::invalid(
                 "context_length_exceeded",
                 format!(
                     "the segment has at least {at_least} tokens, over the model's context of {ctx}"
@@ -548,7 +554,7 @@ pub(crate) async fn catalog_tokens(
     id: &str,
     version: i64,
     content_hash: &str,
-) -> Result<(Arc<Vec<u32>>, String), ServeError> {
+) -> Result<(Arc<Vec<u32>>, String), ApiError> {
     if let Some(c) =
         s.0.known
             .lock()
@@ -566,15 +572,15 @@ pub(crate) async fn catalog_tokens(
             .catalog()
             .version_content(id, version)
             .await
-            .map_err(|e| ServeError::from(crate::error::ApiError::from(e)))?
+            .map_err(ApiError::from)?
             .ok_or_else(|| {
-                ServeError::not_found(
+                ApiError::openai_not_found(
                     "segment_not_found",
                     format!("segment {id:?} has no content"),
                 )
             })?;
     if crate::catalog::content_hash(&content) != content_hash {
-        return Err(ServeError::new(
+        return Err(ApiError::new(
             StatusCode::CONFLICT,
             "invalid_request_error",
             "version_conflict",
@@ -614,11 +620,11 @@ pub async fn resolve(
     sources: Vec<SegSource>,
     field: &str,
     empty: &str,
-) -> Result<Vec<Resolved>, ServeError> {
+) -> Result<Vec<Resolved>, ApiError> {
     check_segment_count(s, field, sources.len())?;
     if let Some(salt) = salt {
         if salt.len() > 256 {
-            return Err(ServeError::invalid_param(
+            return Err(ApiError::invalid_param(
                 "hypic.salt",
                 "salt must be at most 256 bytes",
             ));
@@ -642,7 +648,7 @@ pub async fn resolve(
                 .snapshot(tenant, &uniq, salt)
                 .await
                 .map_err(|e| {
-                    let mut se = ServeError::from(e);
+                    let mut se = e;
                     if se.status == StatusCode::NOT_FOUND {
                         se.code = "segment_not_found";
                         se.kind = "invalid_request_error";
@@ -699,9 +705,7 @@ pub async fn resolve(
         Ok(Ok(out))
     })
     .await?
-    .map_err(|e: dataplane::error::Error| {
-        ServeError::bad_request("tokenization_error", e.to_string())
-    })?
+    .map_err(|e: dataplane::error::Error| ApiError::invalid("tokenization_error", e.to_string()))?
     .map_err(|n| over_limit(s, field, n, false))?;
     let mut encoded: std::collections::HashMap<usize, (String, Vec<u32>)> = encoded
         .into_iter()
@@ -743,15 +747,18 @@ pub async fn resolve(
             }
             SegSource::Catalog { id, version } => {
                 let it = snap.get(&id).ok_or_else(|| {
-                    ServeError::not_found("segment_not_found", format!("segment {id:?} not found"))
+                    ApiError::openai_not_found(
+                        "segment_not_found",
+                        format!("segment {id:?} not found"),
+                    )
                 })?;
                 if let Some(v) = version {
                     if v != it.version {
                         s.0.why
                             .record_version_mismatch(tenant, &it.address, v, it.version);
-                        return Err(ServeError {
+                        return Err(ApiError {
                             param: Some(format!("segments[{i}].version")),
-                            ..ServeError::new(
+                            ..ApiError::new(
                                 StatusCode::CONFLICT,
                                 "invalid_request_error",
                                 "version_mismatch",
@@ -785,7 +792,7 @@ pub async fn resolve(
         }
     }
     if out.is_empty() {
-        return Err(ServeError::invalid_param(field, empty));
+        return Err(ApiError::invalid_param(field, empty));
     }
     let total: usize = out.iter().map(|r| r.tokens.len()).sum();
     if total > prompt_limit(s) {
@@ -820,24 +827,21 @@ fn check_sampling(
     top_p: Option<f32>,
     n: Option<i64>,
     max_n: usize,
-) -> Result<(f32, f32, usize), ServeError> {
+) -> Result<(f32, f32, usize), ApiError> {
     let t = temperature.unwrap_or(1.0);
     if !(0.0..=2.0).contains(&t) || !t.is_finite() {
-        return Err(ServeError::invalid_param(
+        return Err(ApiError::invalid_param(
             "temperature",
             "temperature must be between 0 and 2",
         ));
     }
     let p = top_p.unwrap_or(1.0);
     if !(p > 0.0 && p <= 1.0) {
-        return Err(ServeError::invalid_param(
-            "top_p",
-            "top_p must be in (0, 1]",
-        ));
+        return Err(ApiError::invalid_param("top_p", "top_p must be in (0, 1]"));
     }
     let n = n.unwrap_or(1);
     if n < 1 || n as usize > max_n {
-        return Err(ServeError::invalid_param(
+        return Err(ApiError::invalid_param(
             "n",
             format!("n must be between 1 and {max_n}"),
         ));
@@ -861,7 +865,7 @@ fn check_processors(
     f: ProcessorFields<'_>,
     max_tokens: usize,
     sp: &mut SamplingParams,
-) -> Result<(), ServeError> {
+) -> Result<(), ApiError> {
     for (name, v, slot) in [
         (
             "presence_penalty",
@@ -876,7 +880,7 @@ fn check_processors(
     ] {
         let v = v.unwrap_or(0.0);
         if !(-2.0..=2.0).contains(&v) {
-            return Err(ServeError::invalid_param(
+            return Err(ApiError::invalid_param(
                 name,
                 format!("{name} must be between -2 and 2, got {v}"),
             ));
@@ -885,7 +889,7 @@ fn check_processors(
     }
     let r = f.repetition_penalty.unwrap_or(1.0);
     if !(r > 0.0 && r <= 10.0) {
-        return Err(ServeError::invalid_param(
+        return Err(ApiError::invalid_param(
             "repetition_penalty",
             format!("repetition_penalty must be in (0, 10], got {r}"),
         ));
@@ -896,7 +900,7 @@ fn check_processors(
     for (k, &b) in f.logit_bias.into_iter().flatten() {
         let id = k.parse::<u32>().ok().filter(|&t| (t as usize) < vocab);
         let Some(id) = id else {
-            return Err(ServeError::invalid_param(
+            return Err(ApiError::invalid_param(
                 "logit_bias",
                 format!(
                     "logit_bias key {k:?} is not a token id (a decimal integer below the vocabulary size {vocab})"
@@ -904,7 +908,7 @@ fn check_processors(
             ));
         };
         if !(-100.0..=100.0).contains(&b) {
-            return Err(ServeError::invalid_param(
+            return Err(ApiError::invalid_param(
                 "logit_bias",
                 format!("logit_bias[{k:?}] must be between -100 and 100, got {b}"),
             ));
@@ -913,7 +917,7 @@ fn check_processors(
     }
     let m = f.min_tokens.unwrap_or(0);
     if m < 0 || m as u64 > max_tokens as u64 {
-        return Err(ServeError::invalid_param(
+        return Err(ApiError::invalid_param(
             "min_tokens",
             format!("min_tokens must be between 0 and max_tokens ({max_tokens}), got {m}"),
         ));
@@ -929,7 +933,7 @@ fn request_sampling(
     (temperature, top_p, top_k, seed): (f32, f32, Option<usize>, Option<u64>),
     f: ProcessorFields<'_>,
     max_tokens: usize,
-) -> Result<SamplingParams, ServeError> {
+) -> Result<SamplingParams, ApiError> {
     let mut sp = SamplingParams {
         temperature,
         top_k: top_k.unwrap_or(0),
@@ -946,7 +950,7 @@ fn request_sampling(
 async fn compile_format(
     s: &AppState,
     format: Option<ResponseFormat>,
-) -> Result<Option<Constraint>, ServeError> {
+) -> Result<Option<Constraint>, ApiError> {
     let Some(format) = format else {
         return Ok(None);
     };
@@ -958,12 +962,12 @@ async fn compile_format(
 }
 
 /// A 400 for the first field of `body` the route does not read (`known`).
-fn check_fields(body: &[u8], known: &[&str]) -> Result<(), ServeError> {
+fn check_fields(body: &[u8], known: &[&str]) -> Result<(), ApiError> {
     match unsupported_field(body, known) {
         None => Ok(()),
-        Some(f) => Err(ServeError {
+        Some(f) => Err(ApiError {
             param: Some(f.clone()),
-            ..ServeError::bad_request(
+            ..ApiError::invalid(
                 "unsupported_parameter",
                 format!("the parameter '{f}' is not supported by this server"),
             )
@@ -976,16 +980,16 @@ fn check_max_tokens(
     given: Option<i64>,
     param: &str,
     prompt_tokens: usize,
-) -> Result<usize, ServeError> {
+) -> Result<usize, ApiError> {
     let room = s.0.ctx.saturating_sub(prompt_tokens);
     match given {
-        Some(m) if m <= 0 => Err(ServeError::invalid_param(
+        Some(m) if m <= 0 => Err(ApiError::invalid_param(
             param,
             format!("{param} must be at least 1, got {m}"),
         )),
-        Some(m) if m as u64 > room as u64 => Err(ServeError {
+        Some(m) if m as u64 > room as u64 => Err(ApiError {
             param: Some(param.into()),
-            ..ServeError::bad_request(
+            ..ApiError::invalid(
                 "context_length_exceeded",
                 format!(
                     "this model's maximum context length is {} tokens; the prompt has {prompt_tokens} tokens and {param} is {m}",
@@ -994,7 +998,7 @@ fn check_max_tokens(
             )
         }),
         Some(m) => Ok(m as usize),
-        None if room == 0 => Err(ServeError::bad_request(
+        None if room == 0 => Err(ApiError::invalid(
             "context_length_exceeded",
             format!("the prompt fills the whole context of {} tokens", s.0.ctx),
         )),
@@ -1002,16 +1006,16 @@ fn check_max_tokens(
     }
 }
 
-fn check_stops(stop: Option<StopSpec>) -> Result<Vec<String>, ServeError> {
+fn check_stops(stop: Option<StopSpec>) -> Result<Vec<String>, ApiError> {
     let v = stop.map(|s| s.into_vec()).unwrap_or_default();
     if v.len() > MAX_STOPS {
-        return Err(ServeError::invalid_param(
+        return Err(ApiError::invalid_param(
             "stop",
             format!("'stop' must be a string or an array of up to {MAX_STOPS} strings"),
         ));
     }
     if v.iter().any(|s| s.len() > 256) {
-        return Err(ServeError::invalid_param(
+        return Err(ApiError::invalid_param(
             "stop",
             "stop sequences must be at most 256 bytes",
         ));
@@ -1019,12 +1023,12 @@ fn check_stops(stop: Option<StopSpec>) -> Result<Vec<String>, ServeError> {
     Ok(v)
 }
 
-fn submit_error(e: SubmitError) -> ServeError {
+fn submit_error(e: SubmitError) -> ApiError {
     match e {
         SubmitError::QueueFull {
             capacity,
             retry_after_s,
-        } => ServeError::queue_full(
+        } => ApiError::queue_full(
             format!("the server is busy ({capacity} requests queued); retry later"),
             retry_after_s,
         ),
@@ -1034,23 +1038,23 @@ fn submit_error(e: SubmitError) -> ServeError {
             } else {
                 "invalid_request"
             };
-            ServeError::bad_request(code, m)
+            ApiError::invalid(code, m)
         }
-        SubmitError::Closed => ServeError::unavailable("the scheduler is not running"),
+        SubmitError::Closed => ApiError::unavailable("the scheduler is not running"),
     }
 }
 
-fn event_error(kind: ErrorKind, message: String) -> ServeError {
+fn event_error(kind: ErrorKind, message: String) -> ApiError {
     match kind {
-        ErrorKind::QueueTimeout => ServeError::new(
+        ErrorKind::QueueTimeout => ApiError::new(
             StatusCode::REQUEST_TIMEOUT,
             "timeout_error",
             "queue_timeout",
             message,
         ),
-        ErrorKind::InvalidRequest => ServeError::bad_request("invalid_request", message),
-        ErrorKind::TooLarge => ServeError::bad_request("request_too_large", message),
-        ErrorKind::Internal => ServeError::internal(message),
+        ErrorKind::InvalidRequest => ApiError::invalid("invalid_request", message),
+        ErrorKind::TooLarge => ApiError::invalid("request_too_large", message),
+        ErrorKind::Internal => ApiError::internal(message),
     }
 }
 
@@ -1094,7 +1098,7 @@ pub enum Out {
     /// Choice `i` finished.
     Finish(usize, &'static str),
     /// Choice `i` failed after it started.
-    Error(usize, ServeError),
+    Error(usize, ApiError),
 }
 
 /// Drives the handles of one HTTP request: detokenises, applies stop strings
@@ -1144,7 +1148,7 @@ impl Driver {
     }
 
     /// Waits for every choice's prefill; the first error becomes the answer.
-    async fn started(&mut self) -> Result<(), ServeError> {
+    async fn started(&mut self) -> Result<(), ApiError> {
         for i in 0..self.choices.len() {
             let ev = match self.choices[i].handle.as_mut() {
                 Some(h) => h.events.recv().await,
@@ -1156,6 +1160,7 @@ impl Driver {
                     prompt_tokens,
                     ttft,
                     queued,
+                    ..
                 }) => {
                     let m = &self.s.0.metrics;
                     m.ttft
@@ -1168,6 +1173,9 @@ impl Driver {
                     m.prompt_tokens
                         .with_label_values(&[self.mode, "computed"])
                         .inc_by((prompt_tokens as u64).saturating_sub(reused));
+                    m.seam_tokens
+                        .with_label_values(&[self.mode])
+                        .inc_by(stats.seam_tokens as u64);
                     for sgm in &stats.segments {
                         m.segments
                             .with_label_values(&[self.mode, outcome_name(sgm.outcome)])
@@ -1184,11 +1192,11 @@ impl Driver {
                 }
                 Some(GenEvent::Error { kind, message }) => return Err(event_error(kind, message)),
                 Some(other) => {
-                    return Err(ServeError::internal(format!(
+                    return Err(ApiError::internal(format!(
                         "unexpected first event {other:?}"
                     )))
                 }
-                None => return Err(ServeError::internal("the scheduler dropped the request")),
+                None => return Err(ApiError::internal("the scheduler dropped the request")),
             }
         }
         Ok(())
@@ -1201,7 +1209,9 @@ impl Driver {
     fn handle_event(&mut self, i: usize, ev: Option<GenEvent>) {
         let tok = self.s.0.tok.clone();
         match ev {
-            Some(GenEvent::Token { id, logprob, top }) => {
+            Some(GenEvent::Token {
+                id, logprob, top, ..
+            }) => {
                 let now = Instant::now();
                 let c = &mut self.choices[i];
                 if let Some(l) = c.last {
@@ -1266,7 +1276,7 @@ impl Driver {
                 c.finish = Some("error");
                 self.pending.push_back(Out::Error(
                     i,
-                    ServeError::internal("the scheduler dropped the request"),
+                    ApiError::internal("the scheduler dropped the request"),
                 ));
             }
         }
@@ -1358,6 +1368,7 @@ pub fn hypic_ext(mode: &Mode, st: &StartInfo, segs: &[Resolved]) -> HypicRespons
                     outcome: outcome_name(x.outcome).into(),
                     computed: x.computed,
                     reused: x.reused,
+                    seam: x.seam,
                     content_hash: x.content_hash.clone(),
                     id: r.and_then(|r| r.id.clone()),
                     version: r.and_then(|r| r.version),
@@ -1376,7 +1387,7 @@ fn submit_all(
     tenant: &str,
     prompts: &[Vec<Resolved>],
     set: &GenSettings,
-) -> Result<Vec<RequestHandle>, ServeError> {
+) -> Result<Vec<RequestHandle>, ApiError> {
     let mut handles = Vec::with_capacity(prompts.len() * set.n);
     for segs in prompts {
         let segments: Vec<SegmentRef> = segs
@@ -1401,6 +1412,7 @@ fn submit_all(
                     s.0.tok.eos_ids.clone()
                 },
                 top_logprobs: set.logprobs.unwrap_or(0),
+                logprobs: set.logprobs.is_some(),
                 score: None,
             };
             handles.push(s.0.sched.submit(req).map_err(submit_error)?);
@@ -1463,7 +1475,7 @@ async fn chat(
 pub(crate) fn finish_response(
     s: &AppState,
     endpoint: &str,
-    r: Result<Response, ServeError>,
+    r: Result<Response, ApiError>,
 ) -> Response {
     let resp = match r {
         Ok(r) => r,
@@ -1473,11 +1485,11 @@ pub(crate) fn finish_response(
     resp
 }
 
-fn check_model(s: &AppState, model: &Option<String>) -> Result<String, ServeError> {
+fn check_model(s: &AppState, model: &Option<String>) -> Result<String, ApiError> {
     match model {
-        Some(m) if m != &s.0.model_id => Err(ServeError {
+        Some(m) if m != &s.0.model_id => Err(ApiError {
             param: Some("model".into()),
-            ..ServeError::not_found(
+            ..ApiError::openai_not_found(
                 "model_not_found",
                 format!(
                     "the model {m:?} does not exist; this server serves {:?}",
@@ -1493,13 +1505,13 @@ async fn completions_inner(
     s: &AppState,
     p: &Principal,
     body: Result<Bytes, BytesRejection>,
-) -> Result<Response, ServeError> {
+) -> Result<Response, ApiError> {
     let t0 = Instant::now();
     let body = body.map_err(|e| body_error(e, s.0.cfg.max_body_bytes))?;
     let req: CompletionRequest = in_tokenize_turn(s, move || {
         let req = parse_json::<CompletionRequest>(&body)?;
         check_fields(&body, COMPLETION_FIELDS)?;
-        Ok::<_, ServeError>(req)
+        Ok::<_, ApiError>(req)
     })
     .await??;
     let model = check_model(s, &req.model)?;
@@ -1508,20 +1520,20 @@ async fn completions_inner(
     let salt = req.hypic.as_ref().and_then(|h| h.salt.clone());
     let sources: Vec<Vec<SegSource>> = match (&req.prompt, &req.segments) {
         (Some(_), Some(_)) => {
-            return Err(ServeError::invalid_param(
+            return Err(ApiError::invalid_param(
                 "segments",
                 "give either 'prompt' or 'segments', not both",
             ))
         }
         (None, None) => {
-            return Err(ServeError::invalid_param(
+            return Err(ApiError::invalid_param(
                 "prompt",
                 "'prompt' (or 'segments') is required",
             ))
         }
         (Some(PromptSpec::Tokens { prompts, nested }), None) => {
             if prompts.is_empty() || prompts.len() > 16 {
-                return Err(ServeError::invalid_param(
+                return Err(ApiError::invalid_param(
                     "prompt",
                     "'prompt' must be a list of token ids or a list of 1 to 16 lists of token ids",
                 ));
@@ -1541,7 +1553,7 @@ async fn completions_inner(
                         } else {
                             format!("prompt[{j}]")
                         };
-                        return Err(ServeError::invalid_param(
+                        return Err(ApiError::invalid_param(
                             &at,
                             format!(
                                 "'{at}' is {t}, not a token id of this model (0 to {})",
@@ -1562,7 +1574,7 @@ async fn completions_inner(
                 PromptSpec::Tokens { .. } => unreachable!("matched above"),
             };
             if list.is_empty() || list.len() > 16 {
-                return Err(ServeError::invalid_param(
+                return Err(ApiError::invalid_param(
                     "prompt",
                     "'prompt' must be a string or a list of 1 to 16 strings",
                 ));
@@ -1591,7 +1603,7 @@ async fn completions_inner(
         }
         (None, Some(items)) => {
             if items.is_empty() {
-                return Err(ServeError::invalid_param(
+                return Err(ApiError::invalid_param(
                     "segments",
                     "'segments' is an empty array; give at least one segment",
                 ));
@@ -1611,7 +1623,7 @@ async fn completions_inner(
                         version: it.version,
                     },
                     _ => {
-                        return Err(ServeError::invalid_param(
+                        return Err(ApiError::invalid_param(
                             &format!("segments[{i}]"),
                             "each segment is {\"text\": …} or {\"id\": …, \"version\": …}",
                         ))
@@ -1626,7 +1638,7 @@ async fn completions_inner(
         None => None,
         Some(k) if (0..=5).contains(&k) => Some(k as usize),
         Some(_) => {
-            return Err(ServeError::invalid_param(
+            return Err(ApiError::invalid_param(
                 "logprobs",
                 "logprobs must be between 0 and 5",
             ))
@@ -1655,9 +1667,9 @@ async fn completions_inner(
         let resolved = resolve(s, &p.tenant, salt.as_deref(), src, field, &empty).await?;
         request_tokens += resolved.iter().map(|r| r.tokens.len()).sum::<usize>();
         if request_tokens > cap {
-            return Err(ServeError {
+            return Err(ApiError {
                 param: Some(field.into()),
-                ..ServeError::bad_request(
+                ..ApiError::invalid(
                     "prefill_tokens_exceeded",
                     format!(
                         "a request may prefill at most {cap} prompt tokens (max_prefill_tokens_per_request), but its prompts have {request_tokens} tokens"
@@ -1714,13 +1726,13 @@ pub(crate) async fn chat_inner(
     s: &AppState,
     p: &Principal,
     body: Result<Bytes, BytesRejection>,
-) -> Result<Response, ServeError> {
+) -> Result<Response, ApiError> {
     let t0 = Instant::now();
     let body = body.map_err(|e| body_error(e, s.0.cfg.max_body_bytes))?;
     let req: ChatRequest = in_tokenize_turn(s, move || {
         let req = parse_json::<ChatRequest>(&body)?;
         check_fields(&body, CHAT_FIELDS)?;
-        Ok::<_, ServeError>(req)
+        Ok::<_, ApiError>(req)
     })
     .await??;
     let model = check_model(s, &req.model)?;
@@ -1734,7 +1746,7 @@ pub(crate) async fn chat_inner(
     let constraint = match tools.as_ref().and_then(|t| t.grammar()) {
         None => constraint,
         Some(_) if constraint.is_some() => {
-            return Err(ServeError::invalid_param(
+            return Err(ApiError::invalid_param(
                 "tool_choice",
                 "a required or named tool_choice and a JSON response_format cannot both constrain the output",
             ))
@@ -1776,13 +1788,13 @@ pub(crate) async fn chat_inner(
     let (temperature, top_p, n) = check_sampling(req.temperature, req.top_p, req.n, s.0.cfg.max_n)?;
     let logprobs = match (req.logprobs.unwrap_or(false), req.top_logprobs) {
         (_, Some(k)) if !(0..=20).contains(&k) => {
-            return Err(ServeError::invalid_param(
+            return Err(ApiError::invalid_param(
                 "top_logprobs",
                 "top_logprobs must be between 0 and 20",
             ))
         }
         (false, Some(k)) if k > 0 => {
-            return Err(ServeError::invalid_param(
+            return Err(ApiError::invalid_param(
                 "top_logprobs",
                 "top_logprobs needs logprobs: true",
             ))
@@ -1901,12 +1913,7 @@ fn chat_lp_json(lps: &[TokLp]) -> ChatLogprobs {
     }
 }
 
-async fn run_job(
-    s: &AppState,
-    p: &Principal,
-    job: Job,
-    t0: Instant,
-) -> Result<Response, ServeError> {
+async fn run_job(s: &AppState, p: &Principal, job: Job, t0: Instant) -> Result<Response, ApiError> {
     let handles = submit_all(s, &p.tenant, &job.prompts, &job.set)?;
     let endpoint = match job.api {
         Api::Completions => "completions",

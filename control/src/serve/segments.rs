@@ -7,7 +7,6 @@
 //! each handler calls the [`crate::segments::SegmentService`] with the principal
 //! its extractor verified (the token is checked once), and extends the answer the
 //! control plane would give with a `hypic` object.
-use super::errors::ServeError;
 use super::routes::{body_error, catalog_tokens, Tenant};
 use super::{AppState, CachedTokens};
 use crate::api::{idempotency_key, mark_replayed, ApiPath, ApiQuery, ListQuery, UpdateSegment};
@@ -19,6 +18,7 @@ use axum::extract::State;
 use axum::http::{HeaderMap, StatusCode};
 use axum::response::{IntoResponse, Response};
 use axum::Json;
+use serde::Serialize;
 use serde_json::{json, Value};
 use std::sync::Arc;
 use std::time::Instant;
@@ -28,11 +28,11 @@ pub const WORKER: &str = "serve-local";
 
 /// Reads the catalog fields of a create or update body as the control plane's
 /// `Body` extractor reads them (the same rejections, messages included).
-fn catalog_body<T: serde::de::DeserializeOwned>(v: &Value) -> Result<T, ServeError> {
-    let bytes = serde_json::to_vec(v).map_err(|e| ServeError::internal(e.to_string()))?;
+fn catalog_body<T: serde::de::DeserializeOwned>(v: &Value) -> Result<T, ApiError> {
+    let bytes = serde_json::to_vec(v).map_err(|e| ApiError::internal(e.to_string()))?;
     match Json::<T>::from_bytes(&bytes) {
         Ok(Json(t)) => Ok(t),
-        Err(e) => Err(ApiError::from(e).into()),
+        Err(e) => Err(ApiError::from(e)),
     }
 }
 
@@ -64,9 +64,9 @@ fn bad_id(id: &str) -> Option<Response> {
     crate::catalog::validate_ref("segment id", id)
         .err()
         .map(|e| {
-            ServeError {
+            ApiError {
                 param: Some("id".into()),
-                ..ServeError::not_found(
+                ..ApiError::openai_not_found(
                     "segment_not_found",
                     format!("segment {id:?} not found ({e})"),
                 )
@@ -76,7 +76,7 @@ fn bad_id(id: &str) -> Option<Response> {
 }
 
 /// Tokenises `content` (bounded: [`super::routes::tokenize_segment`]).
-async fn tokenize(s: &AppState, content: String) -> Result<Vec<u32>, ServeError> {
+async fn tokenize(s: &AppState, content: String) -> Result<Vec<u32>, ApiError> {
     super::routes::tokenize_segment(s, content, "content").await
 }
 
@@ -85,17 +85,17 @@ async fn tokenize(s: &AppState, content: String) -> Result<Vec<u32>, ServeError>
 async fn prepare_body(
     s: &AppState,
     body: Result<Bytes, BytesRejection>,
-) -> Result<(Value, Vec<u32>, bool), ServeError> {
+) -> Result<(Value, Vec<u32>, bool), ApiError> {
     let body = body.map_err(|e| body_error(e, s.0.cfg.max_body_bytes))?;
     let mut v: Value = super::routes::parse_body(s, body).await?;
     let obj = v
         .as_object_mut()
-        .ok_or_else(|| ServeError::bad_request("invalid_type", "the body must be a JSON object"))?;
+        .ok_or_else(|| ApiError::invalid("invalid_type", "the body must be a JSON object"))?;
     let prefill = match obj.remove("prefill") {
         None | Some(Value::Null) => true,
         Some(Value::Bool(b)) => b,
         Some(_) => {
-            return Err(ServeError::invalid_param(
+            return Err(ApiError::invalid_param(
                 "prefill",
                 "'prefill' must be a boolean",
             ))
@@ -106,9 +106,9 @@ async fn prepare_body(
             // Refused before tokenising: the catalog would refuse it anyway.
             let max = s.0.control.catalog().limits().max_content_bytes;
             if c.len() > max {
-                return Err(ServeError {
+                return Err(ApiError {
                     param: Some("content".into()),
-                    ..ServeError::new(
+                    ..ApiError::new(
                         StatusCode::PAYLOAD_TOO_LARGE,
                         "invalid_request_error",
                         "too_large",
@@ -122,35 +122,30 @@ async fn prepare_body(
             c.clone()
         }
         Some(_) => {
-            return Err(ServeError::invalid_param(
+            return Err(ApiError::invalid_param(
                 "content",
                 "'content' must be a string",
             ))
         }
-        None => {
-            return Err(ServeError::invalid_param(
-                "content",
-                "'content' is required",
-            ))
-        }
+        None => return Err(ApiError::invalid_param("content", "'content' is required")),
     };
     if content.is_empty() {
-        return Err(ServeError::invalid_param(
+        return Err(ApiError::invalid_param(
             "content",
             "'content' must not be empty",
         ));
     }
     let tokens = tokenize(s, content).await?;
     if tokens.is_empty() {
-        return Err(ServeError::invalid_param(
+        return Err(ApiError::invalid_param(
             "content",
             "'content' encodes to no tokens",
         ));
     }
     if tokens.len() > s.0.ctx {
-        return Err(ServeError {
+        return Err(ApiError {
             param: Some("content".into()),
-            ..ServeError::bad_request(
+            ..ApiError::invalid(
                 "context_length_exceeded",
                 format!(
                     "the segment has {} tokens, over the model's context of {}",
@@ -166,7 +161,7 @@ async fn prepare_body(
             m.insert(s.0.model_id.clone(), json!(tokens.len()));
         }
         None => {
-            return Err(ServeError::invalid_param(
+            return Err(ApiError::invalid_param(
                 "tokens",
                 "'tokens' must be an object",
             ))
@@ -189,21 +184,64 @@ fn remember(s: &AppState, id: &str, version: i64, hash: &str, tokens: Arc<Vec<u3
         );
 }
 
-/// Prefills the current version of `seg` into the caller's namespace and reports
-/// residency to the catalog.
-async fn prefill(s: &AppState, tenant: &str, seg: &Segment, tokens: Arc<Vec<u32>>) -> Value {
-    let snap = match s
-        .0
-        .control
-        .segments()
-        .snapshot(tenant, std::slice::from_ref(&seg.address), None)
-        .await
-    {
-        Ok(r) => r,
-        Err(e) => return json!({"error": e.message}),
-    };
+/// What an ahead-of-time prefill did (`hypic.prefill` of a create or update,
+/// the answer of `POST /v1/segments/{id}/prefill`).
+#[derive(Clone, Debug, Serialize, utoipa::ToSchema)]
+pub struct PrefillReport {
+    /// Wall-clock time of the prefill, ms (one model pass builds every entry).
+    pub prefill_ms: f64,
+    /// The entries are in the shared namespace (a public segment).
+    pub shared: bool,
+    /// One row per body start this server builds entries for.
+    pub entries: Vec<PrefillEntry>,
+}
+
+/// One public-pool entry an ahead-of-time prefill built (or found).
+#[derive(Clone, Debug, Serialize, utoipa::ToSchema)]
+pub struct PrefillEntry {
+    /// Body start: 0 for the segment used first, the seam width after another.
+    pub body_start: usize,
+    /// `present` (already resident), `stored`, `refused` (the admission policy
+    /// or no room) or `not_needed` (no longer than the seam window); absent
+    /// with `error`.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    #[schema(value_type = Option<String>)]
+    pub status: Option<dataplane::pic::Prefetch>,
+    /// Payload bytes of the entry (absent with `error`).
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub bytes: Option<usize>,
+    /// Why the entry could not be built.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub error: Option<String>,
+}
+
+/// [`prefill`]'s answer as the `hypic.prefill` object of a create or update:
+/// the report, or `{"error": message}`.
+fn prefill_json(r: Result<PrefillReport, String>) -> Value {
+    match r {
+        Ok(r) => serde_json::to_value(r).unwrap_or(Value::Null),
+        Err(e) => json!({ "error": e }),
+    }
+}
+
+/// Prefills the current version of `seg` (its tokens: `tokens`) into the
+/// namespace of `tenant` and reports residency to the catalog. Errors: the
+/// catalog could not pin the version for `tenant` (message), or the prefill
+/// task failed; an entry the engine could not build is an `error` row.
+async fn prefill(
+    s: &AppState,
+    tenant: &str,
+    seg: &Segment,
+    tokens: Arc<Vec<u32>>,
+) -> Result<PrefillReport, String> {
+    let snap =
+        s.0.control
+            .segments()
+            .snapshot(tenant, std::slice::from_ref(&seg.address), None)
+            .await
+            .map_err(|e| e.message)?;
     let Some(item) = snap.segments.into_iter().next() else {
-        return json!({"error": "no snapshot"});
+        return Err("no snapshot".into());
     };
     let _gate = s.0.prefill_gate.acquire().await;
     let t0 = Instant::now();
@@ -229,11 +267,8 @@ async fn prefill(s: &AppState, tenant: &str, seg: &Segment, tokens: Arc<Vec<u32>
             }
         }
     })
-    .await;
-    let res = match res {
-        Ok(r) => r,
-        Err(e) => return json!({"error": e.to_string()}),
-    };
+    .await
+    .map_err(|e| e.to_string())?;
     s.0.known
         .lock()
         .unwrap_or_else(|p| p.into_inner())
@@ -244,13 +279,23 @@ async fn prefill(s: &AppState, tenant: &str, seg: &Segment, tokens: Arc<Vec<u32>
     let mut entries = vec![];
     let mut total = 0usize;
     for (b, r) in res {
-        match r {
+        entries.push(match r {
             Ok((st, bytes)) => {
                 total += bytes;
-                entries.push(json!({"body_start": b, "status": st, "bytes": bytes}));
+                PrefillEntry {
+                    body_start: b,
+                    status: Some(st),
+                    bytes: Some(bytes),
+                    error: None,
+                }
             }
-            Err(e) => entries.push(json!({"body_start": b, "error": e.to_string()})),
-        }
+            Err(e) => PrefillEntry {
+                body_start: b,
+                status: None,
+                bytes: None,
+                error: Some(e.to_string()),
+            },
+        });
     }
     let _ =
         s.0.control
@@ -269,50 +314,371 @@ async fn prefill(s: &AppState, tenant: &str, seg: &Segment, tokens: Arc<Vec<u32>
                 last_use: now_ms(),
             })
             .await;
-    json!({
-        "prefill_ms": t0.elapsed().as_secs_f64() * 1e3,
-        "shared": item.shared,
-        "entries": entries,
+    Ok(PrefillReport {
+        prefill_ms: t0.elapsed().as_secs_f64() * 1e3,
+        shared: item.shared,
+        entries,
     })
 }
 
-/// Residency of a segment version (by address) in the caller's namespace.
-async fn residency(s: &AppState, tenant: &str, address: &str, tokens: &[u32]) -> Value {
-    let Ok(snap) =
-        s.0.control
-            .catalog()
-            .snapshot(tenant, &[address.to_string()])
-            .await
-    else {
-        return Value::Null;
-    };
-    match snap.first() {
-        Some(e) => residency_of(s, tenant, e, tokens),
-        None => Value::Null,
+/// Query of `POST /v1/segments/{id}/prefill`.
+#[derive(Debug, Default, serde::Deserialize, utoipa::IntoParams)]
+#[into_params(parameter_in = Query)]
+pub struct PrefillQuery {
+    /// The tenant whose namespace to warm (default: the caller's). A tenant
+    /// token may only name its own tenant (else 403 `tenant_mismatch`); the
+    /// tenant must be able to read the segment (else 404 naming `tenant`).
+    pub tenant: Option<String>,
+}
+
+/// Answer of `POST /v1/segments/{id}/prefill`.
+#[derive(Clone, Debug, Serialize, utoipa::ToSchema)]
+pub struct Prefilled {
+    /// The segment's address.
+    pub address: String,
+    /// The version prefilled (the current one).
+    pub version: i64,
+    /// The tenant whose namespace was warmed (shared entries serve every tenant).
+    pub tenant: String,
+    /// Its token count for the served model.
+    pub tokens: usize,
+    /// What the prefill did, per entry.
+    pub prefill: PrefillReport,
+    /// Residency in that tenant's namespace after the prefill (absent when the
+    /// catalog could not pin the version).
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub residency: Option<SegmentResidency>,
+}
+
+/// `POST /v1/segments/{id}/prefill`: builds the public-pool entries of an
+/// existing segment's current version now (every body start this server uses),
+/// so its first request is a hit. Entries already resident are left as they
+/// are (`present`).
+#[utoipa::path(post, path = "/v1/segments/{id}/prefill", tag = "segments", summary = "Warm an existing segment's current version into the public pool now", operation_id = "prefill_segment", security(("bearer" = [])), params(("id" = String, Path, description = "a segment id of the caller's, or a segment address the caller may read"), PrefillQuery), responses((status = 200, body = Prefilled), (status = 400, description = "invalid input", body = crate::error::ErrorBody), (status = 401, description = "no or bad token", body = crate::error::ErrorBody), (status = 403, description = "a tenant token named another tenant", body = crate::error::ErrorBody), (status = 404, description = "no such segment, or not readable by the caller or the named tenant", body = crate::error::ErrorBody), (status = 500, description = "the prefill failed", body = crate::error::ErrorBody)))]
+pub async fn prefill_one(
+    State(s): State<AppState>,
+    Tenant(p): Tenant,
+    ApiPath(id): ApiPath<String>,
+    ApiQuery(q): ApiQuery<PrefillQuery>,
+) -> Response {
+    if let Some(r) = bad_id(&id) {
+        return r;
+    }
+    match prefill_inner(&s, &p, &id, q).await {
+        Ok(r) => Json(r).into_response(),
+        Err(e) => e.into_response(),
     }
 }
 
-/// Residency of the pinned segment version `e` (its tokens: `tokens`) in
-/// `tenant`'s namespace, from the pool alone.
-fn residency_of(s: &AppState, tenant: &str, e: &SnapshotEntry, tokens: &[u32]) -> Value {
-    let (iso, shared) = s.0.control.segments().isolation_of(tenant, e, None);
-    let entries: Vec<Value> = body_starts(s)
+async fn prefill_inner(
+    s: &AppState,
+    p: &crate::auth::Principal,
+    id: &str,
+    q: PrefillQuery,
+) -> Result<Prefilled, ApiError> {
+    let target = super::why::subject(
+        p,
+        &super::why::WhyQuery {
+            tenant: q.tenant,
+            version: None,
+        },
+    )?;
+    let seg = s.0.control.segments().readable(p, id).await.map_err(|e| {
+        if e.status == StatusCode::NOT_FOUND {
+            ApiError {
+                param: Some("id".into()),
+                ..ApiError::openai_not_found("segment_not_found", e.message)
+            }
+        } else {
+            e
+        }
+    })?;
+    if target.tenant != p.tenant
+        && s.0
+            .control
+            .segments()
+            .readable(&target, &seg.address)
+            .await
+            .is_err()
+    {
+        return Err(ApiError {
+            param: Some("tenant".into()),
+            ..ApiError::openai_not_found(
+                "segment_not_found",
+                format!(
+                    "tenant {:?} may not read segment {}",
+                    target.tenant, seg.address
+                ),
+            )
+        });
+    }
+    let (tokens, _) =
+        catalog_tokens(s, &seg.address, seg.current_version, &seg.content_hash).await?;
+    let report = prefill(s, &target.tenant, &seg, tokens.clone())
+        .await
+        .map_err(|e| ApiError::internal(format!("prefill of {} failed: {e}", seg.address)))?;
+    let res = residency(s, &target, &seg.address, &tokens).await;
+    let stored = report
+        .entries
+        .iter()
+        .filter(|e| e.status == Some(dataplane::pic::Prefetch::Stored))
+        .count();
+    let _ =
+        s.0.control
+            .catalog()
+            .audit(
+                &p.sub,
+                Some(&p.tenant),
+                "segment.prefill",
+                &seg.address,
+                &json!({"tenant": target.tenant, "version": seg.current_version, "stored_entries": stored}),
+            )
+            .await;
+    Ok(Prefilled {
+        address: seg.address,
+        version: seg.current_version,
+        tenant: target.tenant,
+        tokens: tokens.len(),
+        prefill: report,
+        residency: res,
+    })
+}
+
+/// Residency of a segment version in the caller's namespace (the `residency`
+/// of a segment answer on `hypic serve`).
+#[derive(Clone, Debug, Serialize, utoipa::ToSchema)]
+pub struct SegmentResidency {
+    /// Some public-pool entry of the version is resident (any tier).
+    pub resident: bool,
+    /// The entries are in the shared namespace (a public segment).
+    pub shared: bool,
+    /// One row per body start this server builds entries for.
+    pub entries: Vec<ResidencyEntry>,
+}
+
+/// One public-pool entry of a segment version.
+#[derive(Clone, Debug, Serialize, utoipa::ToSchema)]
+pub struct ResidencyEntry {
+    /// Body start: 0 for the segment used first in a request, the seam width for
+    /// the segment used after another.
+    pub body_start: usize,
+    /// Whether the entry is resident (any tier).
+    pub resident: bool,
+    /// Payload bytes (0 when not resident).
+    pub bytes: usize,
+    /// Hits since the entry was stored; `null` when not resident, or for a
+    /// shared entry asked about with a tenant token (it tells when other
+    /// tenants used it).
+    pub hits: Option<u64>,
+    /// The entry's last use, a hit or its insertion (ms since the Unix epoch);
+    /// `null` as for `hits`.
+    pub last_use_ms: Option<u64>,
+}
+
+impl SegmentResidency {
+    /// Hits over all resident entries, `null` when no entry tells (none
+    /// resident, or usage hidden from the caller).
+    pub fn hits(&self) -> Option<u64> {
+        self.entries
+            .iter()
+            .filter_map(|e| e.hits)
+            .reduce(|a, b| a + b)
+    }
+
+    /// The latest use of any resident entry (ms since the Unix epoch), `null`
+    /// as for [`SegmentResidency::hits`].
+    pub fn last_use_ms(&self) -> Option<u64> {
+        self.entries.iter().filter_map(|e| e.last_use_ms).max()
+    }
+}
+
+/// Residency of a segment version (by address) in the caller's namespace.
+async fn residency(
+    s: &AppState,
+    p: &crate::auth::Principal,
+    address: &str,
+    tokens: &[u32],
+) -> Option<SegmentResidency> {
+    let snap =
+        s.0.control
+            .catalog()
+            .snapshot(&p.tenant, &[address.to_string()])
+            .await
+            .ok()?;
+    snap.first().map(|e| residency_of(s, p, e, tokens))
+}
+
+/// Residency of the pinned segment version `e` (its tokens: `tokens`) in the
+/// caller's namespace, from the pool alone. Hits and last use of a shared entry
+/// are left out for a tenant caller, as the why view leaves them out.
+fn residency_of(
+    s: &AppState,
+    p: &crate::auth::Principal,
+    e: &SnapshotEntry,
+    tokens: &[u32],
+) -> SegmentResidency {
+    let (iso, shared) = s.0.control.segments().isolation_of(&p.tenant, e, None);
+    let show_usage = !shared || p.is_operator();
+    let entries: Vec<ResidencyEntry> = body_starts(s)
         .into_iter()
         .map(|b| {
             let bytes = s.0.engine.resident_bytes(tokens, &iso, b);
-            json!({"body_start": b, "resident": bytes.is_some(), "bytes": bytes.unwrap_or(0)})
+            let meta = match bytes {
+                Some(_) if show_usage => s.0.engine.entry_report(tokens, &iso, b).meta,
+                _ => None,
+            };
+            ResidencyEntry {
+                body_start: b,
+                resident: bytes.is_some(),
+                bytes: bytes.unwrap_or(0),
+                hits: meta.as_ref().map(|m| m.hits),
+                last_use_ms: meta.as_ref().map(|m| m.last_use_ms),
+            }
         })
         .collect();
-    let resident = entries.iter().any(|e| e["resident"] == json!(true));
-    json!({"resident": resident, "shared": shared, "entries": entries})
+    SegmentResidency {
+        resident: entries.iter().any(|e| e.resident),
+        shared,
+        entries,
+    }
 }
 
-fn ext(s: &AppState, version: i64, tokens: usize, extra: Value) -> Value {
-    let mut v = json!({"model": s.0.model_id, "version": version, "tokens": tokens});
-    if let (Some(o), Value::Object(e)) = (v.as_object_mut(), extra) {
-        o.extend(e);
+/// The `hypic` object of a segment answer on `hypic serve`: what the served
+/// model makes of the segment's current version.
+#[derive(Clone, Debug, Serialize, utoipa::ToSchema)]
+pub struct SegmentServing {
+    /// The served model's id.
+    pub model: String,
+    /// The version counted and cached.
+    pub version: i64,
+    /// Its token count for the served model (`null` with `error`).
+    pub tokens: Option<usize>,
+    /// Why the version's tokens could not be counted (get; then no residency).
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub error: Option<String>,
+    /// Residency in the caller's namespace (create and get; absent when the
+    /// catalog could not pin the version).
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub residency: Option<SegmentResidency>,
+    /// The ahead-of-time prefill (create and update with `prefill`): `{}` when
+    /// not asked for, else `prefill_ms`, `shared` and one `entries` row per
+    /// body start (`body_start`, `status`, `bytes` or `error`), or `error`.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    #[schema(value_type = Option<Object>)]
+    pub prefill: Option<Value>,
+    /// Entries of superseded versions evicted (update).
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub evicted_entries: Option<usize>,
+}
+
+/// A segment answer of `hypic serve` (`POST /v1/segments`, `GET
+/// /v1/segments/{id}`): the control plane's segment plus the `hypic` object.
+#[derive(Serialize, utoipa::ToSchema)]
+#[allow(dead_code)]
+pub struct ServedSegment {
+    #[serde(flatten)]
+    segment: Segment,
+    /// What the served model makes of the segment.
+    hypic: SegmentServing,
+}
+
+/// Answer of `PUT /v1/segments/{id}` on `hypic serve`: the control plane's
+/// answer plus the `hypic` object (`version`, `tokens`, `prefill`,
+/// `evicted_entries`).
+#[derive(Serialize, utoipa::ToSchema)]
+#[allow(dead_code)]
+pub struct ServedUpdate {
+    /// The segment after the update, as the caller sees it.
+    segment: Segment,
+    /// Cache-residency rows of superseded versions dropped by the invalidation
+    /// policy.
+    invalidated_entries: u64,
+    /// What the served model makes of the new version.
+    hypic: SegmentServing,
+}
+
+fn ext(s: &AppState, version: i64, tokens: usize) -> SegmentServing {
+    SegmentServing {
+        model: s.0.model_id.clone(),
+        version,
+        tokens: Some(tokens),
+        error: None,
+        residency: None,
+        prefill: None,
+        evicted_entries: None,
     }
-    v
+}
+
+/// Body of `POST /v1/segments` on `hypic serve`: the control plane's create
+/// body plus `prefill`.
+#[derive(serde::Deserialize, utoipa::ToSchema)]
+#[allow(dead_code)]
+pub struct CreateSegmentBody {
+    #[serde(flatten)]
+    segment: NewSegment,
+    /// Build the segment's cache entries now (default true).
+    prefill: Option<bool>,
+}
+
+/// Body of `PUT /v1/segments/{id}` on `hypic serve`: the control plane's update
+/// body plus `prefill`.
+#[derive(serde::Deserialize, utoipa::ToSchema)]
+#[allow(dead_code)]
+pub struct UpdateSegmentBody {
+    #[serde(flatten)]
+    segment: UpdateSegment,
+    /// Build the new version's cache entries now (default true).
+    prefill: Option<bool>,
+}
+
+/// One row of `GET /v1/segments` on `hypic serve`: the catalog's fields of the
+/// current version, its token count and residency for the served model.
+#[derive(Clone, Debug, Serialize, utoipa::ToSchema)]
+pub struct ServedSegmentRow {
+    /// The id the caller addresses the segment by.
+    pub id: String,
+    /// Opaque global address (`~` + 32 hex digits).
+    pub address: String,
+    /// Always `segment`.
+    pub object: &'static str,
+    /// Human-readable name.
+    pub name: String,
+    /// Explicitly public.
+    pub public: bool,
+    /// Current version number (1-based).
+    pub version: i64,
+    /// Content hash of the current version.
+    pub content_hash: String,
+    /// Content length in bytes of the current version.
+    pub byte_len: i64,
+    /// Token count for the served model; `null` when neither the catalog nor
+    /// this server has counted it.
+    pub tokens: Option<i64>,
+    /// Residency in the caller's namespace; `null` for a version this server
+    /// holds no tokens of.
+    pub residency: Option<SegmentResidency>,
+    /// Hits of its resident entries (see [`SegmentResidency::hits`]).
+    pub hits: Option<u64>,
+    /// Last use of any resident entry (ms since the Unix epoch).
+    pub last_use_ms: Option<u64>,
+    /// Creation time (ms since the Unix epoch).
+    pub created_at: i64,
+    /// Time of the last update (ms since the Unix epoch).
+    pub updated_at: i64,
+    /// Owning tenant; shown only to the owner and to operators.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub owner_tenant: Option<String>,
+}
+
+/// `GET /v1/segments` on `hypic serve`.
+#[derive(Clone, Debug, Serialize, utoipa::ToSchema)]
+pub struct ServedSegmentList {
+    /// Always `list`.
+    pub object: &'static str,
+    /// One page of rows.
+    pub data: Vec<ServedSegmentRow>,
+    /// `after` of the next page, `null` on the last one.
+    pub next: Option<String>,
 }
 
 /// Evicts every known version of the segment at address `id` (only those older
@@ -370,7 +736,7 @@ pub(crate) fn evict_entries(s: &AppState, address: &str) -> usize {
 }
 
 /// `POST /v1/segments`: create in the catalog, then prefill.
-#[utoipa::path(post, path = "/v1/segments", tag = "segments", summary = "Create a segment, tokenise and prefill it", operation_id = "create_segment", security(("bearer" = [])), params(("Idempotency-Key" = Option<String>, Header, description = "repeat-safe create")), request_body(content = crate::catalog::NewSegment, description = "the control plane's create body, plus `prefill` (boolean, default true): build the cache entries now"), responses((status = 200, description = "the control plane's answer plus a `hypic` object (model, version, tokens, residency, prefill)", body = Object), (status = 400, description = "invalid input", body = crate::error::ErrorBody), (status = 401, description = "no or bad token", body = crate::error::ErrorBody), (status = 409, description = "the id is taken", body = crate::error::ErrorBody), (status = 413, description = "content over the limit", body = crate::error::ErrorBody)))]
+#[utoipa::path(post, path = "/v1/segments", tag = "segments", summary = "Create a segment, tokenise and prefill it", operation_id = "create_segment", security(("bearer" = [])), params(("Idempotency-Key" = Option<String>, Header, description = "repeat-safe create")), request_body(content = CreateSegmentBody, description = "the catalog's segment fields and `prefill` (default true: build the public-pool entries now)"), responses((status = 200, description = "the control plane's answer plus a `hypic` object (model, version, tokens, residency, prefill)", body = ServedSegment), (status = 400, description = "invalid input", body = crate::error::ErrorBody), (status = 401, description = "no or bad token", body = crate::error::ErrorBody), (status = 409, description = "the id is taken", body = crate::error::ErrorBody), (status = 413, description = "content over the limit", body = crate::error::ErrorBody)))]
 pub async fn create(
     State(s): State<AppState>,
     Tenant(p): Tenant,
@@ -388,7 +754,7 @@ async fn create_inner(
     p: &crate::auth::Principal,
     headers: &HeaderMap,
     body: Result<Bytes, BytesRejection>,
-) -> Result<Response, ServeError> {
+) -> Result<Response, ApiError> {
     let (v, tokens, pre) = prepare_body(s, body).await?;
     let new: NewSegment = catalog_body(&v)?;
     let key = idempotency_key(headers)?;
@@ -403,20 +769,17 @@ async fn create_inner(
         tokens.clone(),
     );
     let extra = if pre {
-        prefill(s, &p.tenant, &seg, tokens.clone()).await
+        prefill_json(prefill(s, &p.tenant, &seg, tokens.clone()).await)
     } else {
         json!({})
     };
-    let res = residency(s, &p.tenant, &seg.address, &tokens).await;
+    let res = residency(s, p, &seg.address, &tokens).await;
     let mut out = segment_json(&seg);
-    let mut e = ext(
-        s,
-        seg.current_version,
-        tokens.len(),
-        json!({"prefill": extra}),
-    );
-    e["residency"] = res;
-    out["hypic"] = e;
+    out["hypic"] = json!(SegmentServing {
+        residency: res,
+        prefill: Some(extra),
+        ..ext(s, seg.current_version, tokens.len())
+    });
     let mut r = (StatusCode::OK, Json(out)).into_response();
     if created.replayed {
         mark_replayed(&mut r);
@@ -425,7 +788,7 @@ async fn create_inner(
 }
 
 /// `GET /v1/segments/{id}`: the catalog's view plus token count and residency.
-#[utoipa::path(get, path = "/v1/segments/{id}", tag = "segments", summary = "One segment with its token count and residency", operation_id = "get_segment", security(("bearer" = [])), params(("id" = String, Path, description = "the caller's segment id, or a segment address")), responses((status = 200, description = "the control plane's answer plus a `hypic` object (model, version, tokens, residency, prefill)", body = Object), (status = 401, description = "no or bad token", body = crate::error::ErrorBody), (status = 404, description = "no such segment, or not readable by the caller", body = crate::error::ErrorBody)))]
+#[utoipa::path(get, path = "/v1/segments/{id}", tag = "segments", summary = "One segment with its token count and residency", operation_id = "get_segment", security(("bearer" = [])), params(("id" = String, Path, description = "the caller's segment id, or a segment address")), responses((status = 200, description = "the control plane's answer plus a `hypic` object (model, version, tokens, residency, prefill)", body = ServedSegment), (status = 401, description = "no or bad token", body = crate::error::ErrorBody), (status = 404, description = "no such segment, or not readable by the caller", body = crate::error::ErrorBody)))]
 pub async fn get_one(
     State(s): State<AppState>,
     Tenant(p): Tenant,
@@ -436,20 +799,24 @@ pub async fn get_one(
     }
     let seg = match s.0.control.segments().get(&p, &id).await {
         Ok(seg) => seg,
-        Err(e) => return ServeError::from(e).into_response(),
+        Err(e) => return e.into_response(),
     };
     let mut out = segment_json(&seg);
     match catalog_tokens(&s, &seg.address, seg.current_version, &seg.content_hash).await {
         Ok((tokens, _)) => {
-            let res = residency(&s, &p.tenant, &seg.address, &tokens).await;
-            out["hypic"] = ext(
-                &s,
-                seg.current_version,
-                tokens.len(),
-                json!({"residency": res}),
-            );
+            let res = residency(&s, &p, &seg.address, &tokens).await;
+            out["hypic"] = json!(SegmentServing {
+                residency: res,
+                ..ext(&s, seg.current_version, tokens.len())
+            });
         }
-        Err(e) => out["hypic"] = json!({"error": e.message}),
+        Err(e) => {
+            out["hypic"] = json!(SegmentServing {
+                tokens: None,
+                error: Some(e.message),
+                ..ext(&s, seg.current_version, 0)
+            })
+        }
     }
     Json(out).into_response()
 }
@@ -461,7 +828,7 @@ pub async fn get_one(
 /// entry from it since its token cache was last filled); `GET /v1/segments/{id}`
 /// answers it exactly. `next` is the `after` of the following page (`null` on the
 /// last one).
-#[utoipa::path(get, path = "/v1/segments", tag = "segments", summary = "One page of segments with token counts and residency", operation_id = "list_segments", security(("bearer" = [])), params(ListQuery), responses((status = 200, description = "`object`, `data` (id, address, name, public, version, content_hash, tokens, residency, owner_tenant), `next`", body = Object), (status = 400, description = "invalid input", body = crate::error::ErrorBody), (status = 401, description = "no or bad token", body = crate::error::ErrorBody)))]
+#[utoipa::path(get, path = "/v1/segments", tag = "segments", summary = "One page of segments with token counts and residency", operation_id = "list_segments", security(("bearer" = [])), params(ListQuery), responses((status = 200, description = "one page of rows; `next` is the `after` of the following page", body = ServedSegmentList), (status = 400, description = "invalid input", body = crate::error::ErrorBody), (status = 401, description = "no or bad token", body = crate::error::ErrorBody)))]
 pub async fn list(
     State(s): State<AppState>,
     Tenant(p): Tenant,
@@ -469,11 +836,11 @@ pub async fn list(
 ) -> Response {
     let (limit, after) = match (q.page_size(), q.cursor()) {
         (Ok(l), Ok(a)) => (l, a),
-        (Err(e), _) | (_, Err(e)) => return ServeError::from(e).into_response(),
+        (Err(e), _) | (_, Err(e)) => return e.into_response(),
     };
     let page = match s.0.control.segments().list(&p, after, limit).await {
         Ok(page) => page,
-        Err(e) => return ServeError::from(e).into_response(),
+        Err(e) => return e.into_response(),
     };
     let mut data = Vec::with_capacity(page.items.len());
     for crate::segments::Listed { view: seg, pin } in page.items {
@@ -485,30 +852,40 @@ pub async fn list(
                 .map(|c| c.tokens.clone())
         };
         let count = match (seg.tokens.get(&s.0.model_id), &cached) {
-            (Some(n), _) => json!(n),
-            (None, Some(t)) => json!(t.len()),
-            (None, None) => Value::Null,
+            (Some(n), _) => Some(*n),
+            (None, Some(t)) => Some(t.len() as i64),
+            (None, None) => None,
         };
-        let res = match &cached {
-            Some(t) => residency_of(&s, &p.tenant, &pin, t),
-            None => Value::Null,
-        };
-        let mut item = json!({
-            "id": seg.id, "address": seg.address, "object": "segment", "name": seg.name,
-            "public": seg.public, "version": seg.current_version, "content_hash": seg.content_hash,
-            "tokens": count, "residency": res,
+        let res = cached.as_ref().map(|t| residency_of(&s, &p, &pin, t));
+        data.push(ServedSegmentRow {
+            hits: res.as_ref().and_then(SegmentResidency::hits),
+            last_use_ms: res.as_ref().and_then(SegmentResidency::last_use_ms),
+            id: seg.id,
+            address: seg.address,
+            object: "segment",
+            name: seg.name,
+            public: seg.public,
+            version: seg.current_version,
+            content_hash: seg.content_hash,
+            byte_len: seg.byte_len,
+            tokens: count,
+            residency: res,
+            created_at: seg.created_at,
+            updated_at: seg.updated_at,
+            owner_tenant: seg.owner_tenant,
         });
-        if let Some(o) = seg.owner_tenant {
-            item["owner_tenant"] = json!(o);
-        }
-        data.push(item);
     }
-    Json(json!({"object": "list", "data": data, "next": page.next})).into_response()
+    Json(ServedSegmentList {
+        object: "list",
+        data,
+        next: page.next,
+    })
+    .into_response()
 }
 
 /// `PUT /v1/segments/{id}`: new version in the catalog; entries of superseded
 /// versions are evicted; the new version is prefilled.
-#[utoipa::path(put, path = "/v1/segments/{id}", tag = "segments", summary = "Add a version: evict superseded entries, prefill the new one", operation_id = "update_segment", security(("bearer" = [])), params(("id" = String, Path, description = "the caller's segment id, or a segment address")), request_body(content = UpdateSegment, description = "the new content, plus `prefill` (boolean, default true)"), responses((status = 200, description = "the control plane's answer plus a `hypic` object (model, version, tokens, residency, prefill)", body = Object), (status = 400, description = "invalid input", body = crate::error::ErrorBody), (status = 401, description = "no or bad token", body = crate::error::ErrorBody), (status = 403, description = "not the owner tenant or an operator", body = crate::error::ErrorBody), (status = 404, description = "no such segment, or not readable by the caller", body = crate::error::ErrorBody)))]
+#[utoipa::path(put, path = "/v1/segments/{id}", tag = "segments", summary = "Add a version: evict superseded entries, prefill the new one", operation_id = "update_segment", security(("bearer" = [])), params(("id" = String, Path, description = "the caller's segment id, or a segment address")), request_body = UpdateSegmentBody, responses((status = 200, description = "the control plane's answer plus a `hypic` object (model, version, tokens, residency, prefill)", body = ServedUpdate), (status = 400, description = "invalid input", body = crate::error::ErrorBody), (status = 401, description = "no or bad token", body = crate::error::ErrorBody), (status = 403, description = "not the owner tenant or an operator", body = crate::error::ErrorBody), (status = 404, description = "no such segment, or not readable by the caller", body = crate::error::ErrorBody)))]
 pub async fn update(
     State(s): State<AppState>,
     Tenant(p): Tenant,
@@ -529,7 +906,7 @@ async fn update_inner(
     p: &crate::auth::Principal,
     id: &str,
     body: Result<Bytes, BytesRejection>,
-) -> Result<Response, ServeError> {
+) -> Result<Response, ApiError> {
     let (v, tokens, pre) = prepare_body(s, body).await?;
     let u: UpdateSegment = catalog_body(&v)?;
     let updated =
@@ -554,17 +931,16 @@ async fn update_inner(
         tokens.clone(),
     );
     let extra = if pre {
-        prefill(s, &p.tenant, &seg, tokens.clone()).await
+        prefill_json(prefill(s, &p.tenant, &seg, tokens.clone()).await)
     } else {
         json!({})
     };
     let mut out = serde_json::to_value(&updated).unwrap_or(Value::Null);
-    out["hypic"] = ext(
-        s,
-        seg.current_version,
-        tokens.len(),
-        json!({"evicted_entries": evicted, "prefill": extra}),
-    );
+    out["hypic"] = json!(SegmentServing {
+        prefill: Some(extra),
+        evicted_entries: Some(evicted),
+        ..ext(s, seg.current_version, tokens.len())
+    });
     Ok(Json(out).into_response())
 }
 
@@ -580,7 +956,7 @@ pub async fn delete(
     }
     let d = match s.0.control.segments().delete(&p, &id).await {
         Ok(d) => d,
-        Err(e) => return ServeError::from(e).into_response(),
+        Err(e) => return e.into_response(),
     };
     let evicted = evict(&s, &d.address, None);
     Json(json!({

@@ -17,8 +17,8 @@
 //!
 //! Time and memory per request are bounded by llguidance's parser limits (grammar size,
 //! lexer fuel per compile and per token, Earley items per token).
-use super::errors::ServeError;
 use super::types::ResponseFormat;
+use crate::error::ApiError;
 use dataplane::sampling::{Constraint, ConstraintSpec, TokenConstraint};
 use dataplane::tokenizer::Tokenizer;
 use llguidance::api::TopLevelGrammar;
@@ -58,13 +58,13 @@ impl Grammars {
     /// Errors (400 naming the field): an unknown `type`; `json_schema` without its
     /// `json_schema` object or with an invalid `name`; a schema the compiler rejects
     /// (its message). 500 when the tokenizer cannot be indexed.
-    pub fn compile(&self, format: &ResponseFormat) -> Result<Option<Constraint>, ServeError> {
+    pub fn compile(&self, format: &ResponseFormat) -> Result<Option<Constraint>, ApiError> {
         let (schema, strict, describe) = match format.kind.as_str() {
             "text" => return Ok(None),
             "json_object" => (json!({"type": "object"}), false, "json_object".to_string()),
             "json_schema" => {
                 let js = format.json_schema.as_ref().ok_or_else(|| {
-                    ServeError::invalid_param(
+                    ApiError::invalid_param(
                         "response_format.json_schema",
                         "response_format of type \"json_schema\" needs a 'json_schema' object",
                     )
@@ -77,7 +77,7 @@ impl Grammars {
                 )
             }
             other => {
-                return Err(ServeError::invalid_param(
+                return Err(ApiError::invalid_param(
                     "response_format.type",
                     format!(
                         "response_format type {other:?} is not one of \"text\", \"json_object\", \"json_schema\""
@@ -91,7 +91,7 @@ impl Grammars {
             "response_format"
         };
         if !schema.is_object() && !schema.is_boolean() {
-            return Err(ServeError::invalid_param(
+            return Err(ApiError::invalid_param(
                 param,
                 "the schema must be a JSON object (or a boolean schema)",
             ));
@@ -110,10 +110,10 @@ impl Grammars {
         grammar: TopLevelGrammar,
         describe: String,
         param: &str,
-    ) -> Result<Constraint, ServeError> {
-        let factory = self.factory().map_err(ServeError::internal)?;
+    ) -> Result<Constraint, ApiError> {
+        let factory = self.factory().map_err(ApiError::internal)?;
         let parser = factory.create_parser(grammar).map_err(|e| {
-            ServeError::invalid_param(param, format!("the schema cannot be enforced: {e}"))
+            ApiError::invalid_param(param, format!("the schema cannot be enforced: {e}"))
         })?;
         Ok(Constraint(Arc::new(Compiled {
             parser: Mutex::new(parser),
@@ -123,7 +123,7 @@ impl Grammars {
 }
 
 /// OpenAI's rule for a format name.
-fn check_name(name: &str) -> Result<(), ServeError> {
+fn check_name(name: &str) -> Result<(), ApiError> {
     let ok = !name.is_empty()
         && name.len() <= 64
         && name
@@ -132,7 +132,7 @@ fn check_name(name: &str) -> Result<(), ServeError> {
     if ok {
         Ok(())
     } else {
-        Err(ServeError::invalid_param(
+        Err(ApiError::invalid_param(
             "response_format.json_schema.name",
             "the name must be 1 to 64 characters of a-z, A-Z, 0-9, '_' and '-'",
         ))

@@ -17,7 +17,7 @@
 //!   enforced with a grammar ([`ToolSet::grammar`]): the output is one call (or, with
 //!   `parallel_tool_calls`, one or more) whose `arguments` match the function's
 //!   `parameters` schema.
-use super::errors::ServeError;
+use crate::error::ApiError;
 use llguidance::api::TopLevelGrammar;
 use serde_json::{json, Value};
 
@@ -72,21 +72,16 @@ impl ToolSet {
         tools: Option<&Value>,
         choice: Option<&Value>,
         parallel: Option<bool>,
-    ) -> Result<Option<ToolSet>, ServeError> {
+    ) -> Result<Option<ToolSet>, ApiError> {
         let list = match tools {
             None | Some(Value::Null) => None,
             Some(Value::Array(a)) => Some(a),
-            Some(_) => {
-                return Err(ServeError::invalid_param(
-                    "tools",
-                    "'tools' must be an array",
-                ))
-            }
+            Some(_) => return Err(ApiError::invalid_param("tools", "'tools' must be an array")),
         };
         let choice = parse_choice(choice)?;
         let Some(list) = list.filter(|l| !l.is_empty()) else {
             return match choice {
-                Choice::Required | Choice::Named(_) => Err(ServeError::invalid_param(
+                Choice::Required | Choice::Named(_) => Err(ApiError::invalid_param(
                     "tool_choice",
                     "tool_choice asks for a tool call but the request has no 'tools'",
                 )),
@@ -94,7 +89,7 @@ impl ToolSet {
             };
         };
         if list.len() > MAX_TOOLS {
-            return Err(ServeError::invalid_param(
+            return Err(ApiError::invalid_param(
                 "tools",
                 format!("at most {MAX_TOOLS} tools per request"),
             ));
@@ -102,26 +97,26 @@ impl ToolSet {
         let mut names = Vec::with_capacity(list.len());
         for (i, t) in list.iter().enumerate() {
             if t.get("type").and_then(Value::as_str) != Some("function") {
-                return Err(ServeError::invalid_param(
+                return Err(ApiError::invalid_param(
                     &format!("tools[{i}].type"),
                     "only tools of type \"function\" are supported",
                 ));
             }
             let f = t.get("function").filter(|f| f.is_object()).ok_or_else(|| {
-                ServeError::invalid_param(
+                ApiError::invalid_param(
                     &format!("tools[{i}].function"),
                     "a function tool needs a 'function' object",
                 )
             })?;
             let name = f.get("name").and_then(Value::as_str).unwrap_or("");
             if !valid_name(name) {
-                return Err(ServeError::invalid_param(
+                return Err(ApiError::invalid_param(
                     &format!("tools[{i}].function.name"),
                     "a function name is 1 to 64 characters of a-z, A-Z, 0-9, '_' and '-'",
                 ));
             }
             if names.iter().any(|n| n == name) {
-                return Err(ServeError::invalid_param(
+                return Err(ApiError::invalid_param(
                     &format!("tools[{i}].function.name"),
                     format!("two tools are named {name:?}"),
                 ));
@@ -129,7 +124,7 @@ impl ToolSet {
             match f.get("parameters") {
                 None | Some(Value::Object(_)) => {}
                 Some(_) => {
-                    return Err(ServeError::invalid_param(
+                    return Err(ApiError::invalid_param(
                         &format!("tools[{i}].function.parameters"),
                         "'parameters' must be a JSON Schema object",
                     ))
@@ -139,7 +134,7 @@ impl ToolSet {
         }
         if let Choice::Named(n) = &choice {
             if !names.contains(n) {
-                return Err(ServeError::invalid_param(
+                return Err(ApiError::invalid_param(
                     "tool_choice.function.name",
                     format!("tool_choice names {n:?}, which is not in 'tools'"),
                 ));
@@ -206,9 +201,9 @@ impl ToolSet {
     }
 }
 
-fn parse_choice(v: Option<&Value>) -> Result<Choice, ServeError> {
+fn parse_choice(v: Option<&Value>) -> Result<Choice, ApiError> {
     let bad = || {
-        ServeError::invalid_param(
+        ApiError::invalid_param(
             "tool_choice",
             "tool_choice is \"none\", \"auto\", \"required\" or {\"type\": \"function\", \"function\": {\"name\": ...}}",
         )

@@ -25,8 +25,9 @@ pub struct Traffic {
     ring: Mutex<VecDeque<TraceRecord>>,
 }
 
-/// Answer of `GET /v1/admin/traffic`.
-#[derive(Debug, Serialize)]
+/// Answer of `GET /v1/admin/traffic` (`RecordedTraffic` in the OpenAPI document).
+#[derive(Debug, Serialize, utoipa::ToSchema)]
+#[schema(as = RecordedTraffic)]
 pub struct TrafficView {
     /// Prompts in `trace`.
     pub requests: usize,

@@ -560,6 +560,10 @@ pub struct SegmentReport {
     pub computed: usize,
     /// Tokens reused.
     pub reused: usize,
+    /// Of `computed`, the seam window recomputed at the segment's new position
+    /// (a `hit` or `miss` after the first segment in `hypic` mode; else 0).
+    #[serde(default)]
+    pub seam: usize,
     /// Content hash (model + tokens).
     pub content_hash: String,
     /// Catalog id when the segment came from the catalog.

@@ -12,7 +12,6 @@
 //! routes. Memory is bounded: [`WHY_MAX_KEYS`] keys of each kind,
 //! [`WHY_PER_KEY`] observations a key.
 use super::bounded::BoundedMap;
-use super::errors::ServeError;
 use super::routes::{catalog_tokens, Resolved, Tenant};
 use super::AppState;
 use crate::api::{ApiPath, ApiQuery};
@@ -537,27 +536,25 @@ fn merged_recent(mine: Vec<Observation>, seg: Vec<Observation>) -> Vec<Observati
 
 /// The subject tenant of a why query: the caller's own, or (operators only) the
 /// one named. 403 `tenant_mismatch` when a tenant names another.
-fn subject(caller: &Principal, q: &WhyQuery) -> Result<Principal, ServeError> {
+pub(crate) fn subject(caller: &Principal, q: &WhyQuery) -> Result<Principal, ApiError> {
     let Some(t) = q.tenant.as_deref().filter(|t| *t != caller.tenant) else {
         return Ok(caller.clone());
     };
     if t.is_empty() || t.len() > 256 || t.chars().any(|c| c.is_control()) {
-        return Err(ServeError::invalid_param(
+        return Err(ApiError::invalid_param(
             "tenant",
             "'tenant' must be 1 to 256 printable characters",
         ));
     }
     if !caller.is_operator() {
-        return Err(ServeError::from(
-            ApiError::forbidden(
-                "tenant_mismatch",
-                format!(
-                    "a tenant token may only ask why for its own tenant ({:?}), not {t:?}",
-                    caller.tenant
-                ),
-            )
-            .with_param("tenant"),
-        ));
+        return Err(ApiError::forbidden(
+            "tenant_mismatch",
+            format!(
+                "a tenant token may only ask why for its own tenant ({:?}), not {t:?}",
+                caller.tenant
+            ),
+        )
+        .with_param("tenant"));
     }
     Ok(Principal {
         sub: caller.sub.clone(),
@@ -602,11 +599,11 @@ async fn why_inner(
     caller: &Principal,
     id: &str,
     q: &WhyQuery,
-) -> Result<WhyAnswer, ServeError> {
+) -> Result<WhyAnswer, ApiError> {
     if crate::catalog::validate_ref("segment id", id).is_err() {
-        return Err(ServeError {
+        return Err(ApiError {
             param: Some("id".into()),
-            ..ServeError::not_found("segment_not_found", format!("segment {id:?} not found"))
+            ..ApiError::openai_not_found("segment_not_found", format!("segment {id:?} not found"))
         });
     }
     let subj = subject(caller, q)?;
@@ -626,7 +623,7 @@ async fn why_inner(
                 None => return deleted(s, caller, &subj, id, out, e).await,
             }
         }
-        Err(e) => return Err(e.into()),
+        Err(e) => return Err(e),
     };
     out.address = Some(seg.address.clone());
     out.version = Some(seg.current_version);
@@ -634,7 +631,7 @@ async fn why_inner(
     let mut reasons = observed_reasons(&seg_events, &mine);
     if let Some(v) = q.version {
         if v < 1 || v > seg.current_version {
-            return Err(ServeError::invalid_param(
+            return Err(ApiError::invalid_param(
                 "version",
                 format!(
                     "segment {id:?} has versions 1 to {}, not {v}",
@@ -673,7 +670,7 @@ async fn why_inner(
         {
             Ok(mut v) => v.pop(),
             Err(crate::catalog::CatalogError::NotFound(_)) => None,
-            Err(e) => return Err(ApiError::from(e).into()),
+            Err(e) => return Err(ApiError::from(e)),
         }
     } else {
         None
@@ -740,13 +737,13 @@ async fn deleted(
     id: &str,
     mut out: WhyAnswer,
     not_found: ApiError,
-) -> Result<WhyAnswer, ServeError> {
+) -> Result<WhyAnswer, ApiError> {
     let d =
         s.0.control
             .catalog()
             .deleted_segment(&subj.tenant, id)
             .await
-            .map_err(|e| ServeError::from(ApiError::from(e)))?;
+            .map_err(ApiError::from)?;
     match d {
         Some(d) if caller.is_operator() || d.owner_tenant == subj.tenant || d.public => {
             out.address = Some(d.address.clone());
@@ -765,7 +762,7 @@ async fn deleted(
             Ok(out)
         }
         _ => {
-            let mut e = ServeError::from(not_found);
+            let mut e = not_found;
             e.code = "segment_not_found";
             e.param = Some("id".into());
             Err(e)
@@ -775,22 +772,22 @@ async fn deleted(
 
 /// `POST /v1/segments/{id}/evict`: drops the segment's cache entries (every
 /// version this server built, in every namespace) and remembers it as a reason.
-#[utoipa::path(post, path = "/v1/segments/{id}/evict", tag = "segments", summary = "Evict a segment's cache entries (owner or operator)", operation_id = "evict_segment", security(("bearer" = [])), params(("id" = String, Path, description = "the caller's segment id, or a segment address")), responses((status = 200, description = "`address`, `version`, `evicted_entries`", body = Object), (status = 401, description = "no or bad token", body = crate::error::ErrorBody), (status = 403, description = "not the owner tenant or an operator", body = crate::error::ErrorBody), (status = 404, description = "no such segment, or not readable by the caller", body = crate::error::ErrorBody)))]
+#[utoipa::path(post, path = "/v1/segments/{id}/evict", tag = "segments", summary = "Evict a segment's cache entries (owner or operator)", operation_id = "evict_segment", security(("bearer" = [])), params(("id" = String, Path, description = "the caller's segment id, or a segment address")), responses((status = 200, body = Evicted), (status = 401, description = "no or bad token", body = crate::error::ErrorBody), (status = 403, description = "not the owner tenant or an operator", body = crate::error::ErrorBody), (status = 404, description = "no such segment, or not readable by the caller", body = crate::error::ErrorBody)))]
 pub async fn evict(
     State(s): State<AppState>,
     Tenant(p): Tenant,
     ApiPath(id): ApiPath<String>,
 ) -> Response {
     if crate::catalog::validate_ref("segment id", &id).is_err() {
-        return ServeError {
+        return ApiError {
             param: Some("id".into()),
-            ..ServeError::not_found("segment_not_found", format!("segment {id:?} not found"))
+            ..ApiError::openai_not_found("segment_not_found", format!("segment {id:?} not found"))
         }
         .into_response();
     }
     let seg = match s.0.control.segments().owned(&p, &id).await {
         Ok(seg) => seg,
-        Err(e) => return ServeError::from(e).into_response(),
+        Err(e) => return e.into_response(),
     };
     let n = super::segments::evict_entries(&s, &seg.address);
     s.0.why
@@ -806,10 +803,23 @@ pub async fn evict(
                 &serde_json::json!({"evicted_entries": n}),
             )
             .await;
-    Json(serde_json::json!({
-        "address": seg.address, "version": seg.current_version, "evicted_entries": n,
-    }))
+    Json(Evicted {
+        address: seg.address,
+        version: seg.current_version,
+        evicted_entries: n,
+    })
     .into_response()
+}
+
+/// Answer of `POST /v1/segments/{id}/evict`.
+#[derive(Clone, Debug, Serialize, utoipa::ToSchema)]
+pub struct Evicted {
+    /// The segment's address.
+    pub address: String,
+    /// Its current version.
+    pub version: i64,
+    /// Public-pool entries removed (every known version, every namespace).
+    pub evicted_entries: usize,
 }
 
 #[cfg(test)]

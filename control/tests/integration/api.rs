@@ -735,6 +735,29 @@ async fn policy_lifecycle_upload_dry_run_activate_rollback_audited() {
         "{v}"
     );
     assert!(v["recompute_tokens_delta"].as_i64().unwrap() < 0);
+    // The per-tenant breakdown names the trace's one tenant by its pseudonym
+    // (never "t"), and adds up to the aggregate.
+    for side in ["candidate", "active"] {
+        let ts = v[side]["tenants"].as_array().unwrap();
+        assert_eq!(ts.len(), 1, "{v}");
+        let name = ts[0]["tenant"].as_str().unwrap();
+        assert!(hypic_control::sim::is_pseudonym(name), "{name}");
+        for k in [
+            "requests",
+            "lookups",
+            "hits",
+            "evictions",
+            "rejected",
+            "bytes_evicted",
+        ] {
+            assert_eq!(ts[0][k], v[side][k], "{side} {k}: {v}");
+        }
+        assert_eq!(ts[0]["hit_ratio"], v[side]["hit_ratio"], "{v}");
+    }
+    assert_eq!(
+        v["candidate"]["tenants"][0]["tenant"], v["active"]["tenants"][0]["tenant"],
+        "the same pseudonym on both sides"
+    );
     let (st, v) = call(
         &s,
         Method::POST,

@@ -553,6 +553,18 @@ fn simulator_counts_hits_bytes_and_tokens() {
     assert_eq!(s.invalidations, 1);
     assert_eq!(s.recompute_tokens, 100 + 1000 + 1000 + 100 + 1000 + 1000);
     assert!((s.hit_ratio - 0.4).abs() < 1e-9);
+    // Per tenant: every hit is a's; b's two lookups missed; the superseded d1 v1
+    // was a's entry.
+    let names: Vec<&str> = s.tenants.iter().map(|t| t.tenant.as_str()).collect();
+    assert_eq!(names, ["a", "b"]);
+    let (a, b) = (&s.tenants[0], &s.tenants[1]);
+    assert_eq!((a.requests, a.lookups, a.hits), (4, 8, 4));
+    assert!((a.hit_ratio - 0.5).abs() < 1e-9);
+    assert_eq!((b.requests, b.lookups, b.hits, b.hit_ratio), (1, 2, 0, 0.0));
+    assert_eq!((a.invalidations, b.invalidations), (1, 0));
+    assert_eq!((a.recompute_tokens, b.recompute_tokens), (3100, 1100));
+    assert_eq!(a.bytes_hit + b.bytes_hit, s.bytes_hit);
+    assert_eq!(a.bytes_inserted + b.bytes_inserted, s.bytes_inserted);
 
     // Tiny cache: second sighting admits nothing seen once.
     let mut set = PolicySet::native();
@@ -563,6 +575,32 @@ fn simulator_counts_hits_bytes_and_tokens() {
         "sys(a) admitted on its 2nd sighting, hit on 3rd and 4th"
     );
     assert_eq!(s2.policy_faults, 0);
+}
+
+#[test]
+fn simulator_charges_an_eviction_to_the_tenant_whose_entry_went() {
+    // 1000 bytes: b's entry pushes out a's; b's too-large one is refused.
+    let trace = parse_trace(
+        r#"{"tenant":"a","segments":["x"],"tokens":[60],"bytes":[600]}
+{"tenant":"b","segments":["y"],"tokens":[60],"bytes":[600]}
+{"tenant":"b","segments":["z"],"tokens":[60],"bytes":[2000]}"#,
+    )
+    .unwrap();
+    let mut s = simulate(&trace, 1000, &mut PolicySet::native());
+    assert_eq!((s.evictions, s.rejected), (1, 1));
+    let (a, b) = (&s.tenants[0], &s.tenants[1]);
+    assert_eq!((a.evictions, a.bytes_evicted, a.rejected), (1, 600, 0));
+    assert_eq!((b.evictions, b.bytes_evicted, b.rejected), (0, 0, 1));
+    assert_eq!((a.bytes_inserted, b.bytes_inserted), (600, 600));
+    // Names become pseudonyms; a pseudonym stays as it is.
+    s.tenants[1].tenant = "t-0123456789ab".into();
+    hypic_control::sim::pseudonymise(&mut s, |t| {
+        format!("t-{t}{t}{t}{t}{t}{t}{t}{t}{t}{t}{t}{t}")
+    });
+    let names: Vec<&str> = s.tenants.iter().map(|t| t.tenant.as_str()).collect();
+    assert_eq!(names, ["t-0123456789ab", "t-aaaaaaaaaaaa"]);
+    assert!(!hypic_control::sim::is_pseudonym("t-0123456789AB"));
+    assert!(!hypic_control::sim::is_pseudonym("acme"));
 }
 
 #[test]

@@ -302,6 +302,8 @@ async fn the_request_log_names_the_route_template_not_the_path() {
         "/v1/segments/secret-id-123",
         "/v1/segments/secret-id-123/versions",
         "/no/such/secret-id-123",
+        "/ui/",
+        "/ui/assets/app.js",
     ] {
         let r = srv
             .client
@@ -335,6 +337,13 @@ async fn the_request_log_names_the_route_template_not_the_path() {
         line(&rids[2]).contains("route=unmatched "),
         "{}",
         line(&rids[2])
+    );
+    // The console's routes are named too (they are the control router's).
+    assert!(line(&rids[3]).contains("route=/ui/ "), "{}", line(&rids[3]));
+    assert!(
+        line(&rids[4]).contains("route=/ui/{*path} "),
+        "{}",
+        line(&rids[4])
     );
     assert!(
         !all.contains("secret-id-123"),
