@@ -136,6 +136,47 @@ async function main() {
   await page.getByTestId("ttft").waitFor();
   const finished = Number(await page.getByTestId("stat-finished").locator(".value").textContent());
   assert.ok(finished >= 3, `finished ${finished}`);
+
+  step = "overview: seam tokens and pools by tier";
+  {
+    // Two documents after a system prompt, then reordered: each document is a
+    // middle segment with a seam window (a miss, then a hit).
+    const sys = "You answer from the documents below.";
+    const docs = [
+      "Zentrix makes tidal turbines for harbours along the north sea coast.",
+      "The Lyon office of Zentrix opened in 1990 with twelve engineers.",
+    ];
+    let seam = 0;
+    for (const order of [docs, [...docs].reverse()]) {
+      const r = await call(tenant, "POST", "/v1/completions", {
+        segments: [{ text: sys }, ...order.map((text) => ({ text })), { text: "Question: where is the office?" }],
+        max_tokens: 2,
+        temperature: 0,
+      });
+      const v = await r.json();
+      assert.equal(r.status, 200, JSON.stringify(v));
+      seam += v.hypic.segments.reduce((a, x) => a + x.seam, 0);
+    }
+    assert.ok(seam > 0, "the documents had seam windows");
+    const hist = await (await call(op, "GET", "/v1/metrics/history")).json();
+    const now = hist.samples[hist.samples.length - 1];
+    assert.ok(now.seam_tokens >= seam, `history seam_tokens ${now.seam_tokens} < ${seam}`);
+    // The stat shows the server's total (it polls every 2 s).
+    const seamStat = page.getByTestId("stat-seam").locator(".value");
+    await seamStat.filter({ hasText: new RegExp(`/ ${now.seam_tokens}$`) }).waitFor({ timeout: 15000 });
+    // Tiers: what the server reports, and "absent" for the tiers it does not
+    // have (the CPU backend has no GPU tier; this server has no spill tier).
+    for (const pool of ["public", "private"]) {
+      const tiers = now.pools[pool].tiers;
+      assert.ok(!("gpu" in tiers) && "host" in tiers, JSON.stringify(tiers));
+      for (const tier of ["gpu", "host", "spill"]) {
+        const cell = page.getByTestId(`tier-${pool}-${tier}`);
+        if (tier in tiers) assert.match(await cell.textContent(), /entr(y|ies)$/, `${pool} ${tier}`);
+        else assert.equal(await cell.textContent(), "absent", `${pool} ${tier}`);
+      }
+    }
+    await page.getByTestId("tier-public-host").filter({ hasText: /[1-9]\d* entr/ }).waitFor({ timeout: 15000 });
+  }
   await page.screenshot({ path: join(shots, "overview.png"), fullPage: true });
 
   step = "register a segment and see its residency";
@@ -157,6 +198,28 @@ async function main() {
   assert.equal(await diff.locator(".diff-add").textContent(), "+ Zentrix was founded by Mara Quell in 1987, in Lyon.");
   assert.match(await diff.locator("h2").textContent(), /\+1 −1 lines/);
   await page.screenshot({ path: join(shots, "segment.png"), fullPage: true });
+  step = "prefill an existing segment from its screen";
+  {
+    const r = await call(op, "POST", "/v1/segments", {
+      id: "warm-me",
+      content: "Warm me: the Zentrix turbine manual, chapter one, installation and safety.",
+      prefill: false,
+    });
+    assert.equal(r.status, 200, await r.text());
+    await page.goto(`${base}/ui/#/segments/warm-me`);
+    await page.getByTestId("residency").filter({ hasText: "not resident" }).waitFor();
+    await page.click("button:has-text('Prefill now')");
+    const note = page.getByTestId("prefill-note");
+    await note.filter({ hasText: "stored" }).waitFor();
+    assert.match(await note.textContent(), /^Prefilled v1 for tenant ops, \d+ ms — body start 0: stored \([\d.]+ (B|KiB|MiB)\); body start 8: stored/);
+    await page.getByTestId("residency").filter({ hasText: /^resident/ }).waitFor();
+    // Again: the entries are there already, and the server says so.
+    await page.click("button:has-text('Prefill now')");
+    await note.filter({ hasText: "body start 0: already resident" }).waitFor();
+    const again = await (await call(op, "POST", "/v1/segments/warm-me/prefill")).json();
+    assert.deepEqual(again.prefill.entries.map((e) => e.status), ["present", "present"]);
+    await page.screenshot({ path: join(shots, "segment-prefill.png"), fullPage: true });
+  }
   await page.click("text=← Segments");
   await page.fill("input[name=search]", "zentr");
   await page.getByTestId("segments").locator("tbody tr", { hasText: "Zentrix fact sheet" }).waitFor();
@@ -287,6 +350,23 @@ async function main() {
   await page.fill("input[name=capacity]", "100000000");
   await page.click("button:has-text('Run dry-run')");
   await dry.locator("tr", { hasText: "hit ratio" }).waitFor();
+  // Per tenant, beside the aggregate: one row per pseudonymised tenant of the
+  // recorded traffic (demo's completions and the operator's), no real names.
+  {
+    const traced = [...new Set(recorded.split("\n").filter(Boolean).map((l) => JSON.parse(l).tenant))].sort();
+    assert.ok(traced.length >= 2 && traced.every((t) => /^t-[0-9a-f]{12}$/.test(t)), JSON.stringify(traced));
+    const per = page.getByTestId("dry-run-tenants");
+    await per.waitFor();
+    const shown = (await per.locator("tbody th").allTextContents()).sort();
+    assert.deepEqual(shown, traced);
+    const text = await per.textContent();
+    assert.ok(!text.includes("demo") && !text.includes("ops"), text);
+    // The rows add up to what the aggregate table shows for requests.
+    const perRequests = (await per.locator("tbody tr").evaluateAll((rows) => rows.map((r) => Number(r.children[1].textContent)))).reduce((a, b) => a + b, 0);
+    assert.equal(perRequests, recorded.split("\n").filter(Boolean).length);
+    // Each cell is candidate / active.
+    assert.match(await per.locator("tbody tr").first().locator("td").nth(1).textContent(), /^[\d.]+ % \/ [\d.]+ %$/);
+  }
   await page.screenshot({ path: join(shots, "policies-dry-run.png"), fullPage: true });
   page.once("dialog", (d) => d.accept());
   await row.locator(`button:has-text('Activate #${id}')`).click();
@@ -447,6 +527,71 @@ async function main() {
   await tpage.getByTestId("tenant-demo").waitFor();
   assert.equal(await tpage.getByTestId("tenants").locator("tbody tr").count(), 1);
   assert.equal((await call(tenant, "GET", "/v1/tenants/ops/usage")).status, 403);
+
+  step = "keyboard only: sign in, open a segment, prefill it, a diff opens and Escape closes it";
+  {
+    for (const [i, content] of ["Keyboard doc, first text.", "Keyboard doc, second text."].entries()) {
+      const r = i === 0
+        ? await call(op, "POST", "/v1/segments", { id: "kb-doc", content, prefill: false })
+        : await call(op, "PUT", "/v1/segments/kb-doc", { content, prefill: false });
+      assert.equal(r.status, 200, await r.text());
+    }
+    const kctx = await browser.newContext({ viewport: { width: 1280, height: 800 } });
+    const kp = await kctx.newPage();
+    kp.on("pageerror", (e) => problems.push(String(e)));
+    await kp.goto(`${base}/ui/`);
+    const focused = () =>
+      kp.evaluate(() => {
+        const e = document.activeElement;
+        return e ? `${e.tagName.toLowerCase()}|${e.getAttribute("name") ?? ""}|${(e.textContent ?? "").trim()}` : "";
+      });
+    // Presses Tab until the focused element matches, at most 80 times.
+    const tabTo = async (want, what) => {
+      for (let i = 0; i < 80; i++) {
+        await kp.keyboard.press("Tab");
+        if (want.test(await focused())) return;
+      }
+      throw new Error(`Tab never reached ${what} (last: ${await focused()})`);
+    };
+    await tabTo(/^textarea\|token\|/, "the token field");
+    await kp.keyboard.insertText(op);
+    await kp.keyboard.press("Enter");
+    await kp.getByTestId("whoami").filter({ hasText: "operator" }).waitFor();
+    // The focused control shows a visible focus ring.
+    await tabTo(/^a\|\|Segments$/, "the Segments link");
+    const ring = await kp.evaluate(() => getComputedStyle(document.activeElement).outlineStyle);
+    assert.notEqual(ring, "none", "no visible focus on the nav link");
+    await kp.keyboard.press("Enter");
+    await kp.waitForURL(/#\/segments$/);
+    // Focus moved to the new screen's heading.
+    await kp.waitForFunction(() => document.activeElement?.tagName === "H1");
+    assert.match(await focused(), /^h1\|\|Segments/);
+    await kp.getByTestId("segments").locator("a", { hasText: "kb-doc" }).waitFor();
+    await tabTo(/^a\|\|kb-doc$/, "the kb-doc link");
+    await kp.keyboard.press("Enter");
+    await kp.waitForURL(/#\/segments\/kb-doc$/);
+    await kp.getByTestId("residency").filter({ hasText: "not resident" }).waitFor();
+    await tabTo(/^button\|\|Prefill now$/, "Prefill now");
+    await kp.keyboard.press("Space");
+    await kp.getByTestId("prefill-note").filter({ hasText: "v2 for tenant ops" }).waitFor();
+    await kp.getByTestId("residency").filter({ hasText: /^resident/ }).waitFor();
+    await tabTo(/^button\|\|diff from v1$/, "the diff button");
+    await kp.keyboard.press("Enter");
+    const kdiff = kp.getByTestId("version-diff");
+    await kdiff.locator(".diff-add").waitFor();
+    await kp.waitForFunction(() => document.activeElement?.tagName === "H2");
+    assert.match(await focused(), /^h2\|\|Version 1 → 2/, "focus moves into the opened diff");
+    await kp.keyboard.press("Escape");
+    await kdiff.waitFor({ state: "detached" });
+    assert.equal(await focused(), "button||diff from v1", "focus returns to the button that opened it");
+    // Readable at 1280 px: nothing wider than the window.
+    const wide = await kp.evaluate(() => document.documentElement.scrollWidth);
+    assert.ok(wide <= 1280, `page is ${wide} px wide at a 1280 px window`);
+    await kp.screenshot({ path: join(shots, "keyboard.png"), fullPage: true });
+    const audit = await (await call(op, "GET", "/v1/admin/audit?action=segment.prefill")).json();
+    assert.ok(audit.some((r) => r.target.length > 0 && r.actor === "ops-ui"), JSON.stringify(audit));
+    await kctx.close();
+  }
 
   step = "no token in a URL or the server log, no console error";
   for (const t of [op, tenant]) {

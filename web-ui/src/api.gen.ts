@@ -102,6 +102,10 @@ export interface paths {
     /** Every tenant: principals, groups, segments, grants, serving usage (operator) */
     get: operations["list_tenants"];
   };
+  "/v1/admin/traffic": {
+    /** The recorded recent prompts (tenant-pseudonymised segment ids, versions, tokens, bytes) as a dry-run trace (operator) */
+    get: operations["recorded_traffic"];
+  };
   "/v1/chat/completions": {
     /** OpenAI chat completions with segment reuse (SSE with `stream: true`) */
     post: operations["chat"];
@@ -113,6 +117,10 @@ export interface paths {
   "/v1/control/health": {
     /** Control-plane liveness (no token) */
     get: operations["health"];
+  };
+  "/v1/metrics/history": {
+    /** The last hour of metric samples, one per interval, and TTFT over the window (operator) */
+    get: operations["metrics_history"];
   };
   "/v1/models": {
     /** The served model (OpenAI list) */
@@ -163,6 +171,10 @@ export interface paths {
   "/v1/segments/{id}/group-grants/{group}": {
     /** Revoke a group's grant */
     delete: operations["revoke_group_grant"];
+  };
+  "/v1/segments/{id}/prefill": {
+    /** Warm an existing segment's current version into the public pool now */
+    post: operations["prefill_segment"];
   };
   "/v1/segments/{id}/versions": {
     /** Every version of a segment, oldest first */
@@ -249,6 +261,14 @@ export interface components {
        */
       segments: number;
     };
+    /**
+     * @description Body of `POST /v1/segments` on `hypic serve`: the control plane's create
+     * body plus `prefill`.
+     */
+    CreateSegmentBody: components["schemas"]["NewSegment"] & ({
+      /** @description Build the segment's cache entries now (default true). */
+      prefill?: boolean | null;
+    });
     /** @description One custom section of a module. */
     CustomSection: {
       /** @description Its size, bytes. */
@@ -344,7 +364,11 @@ export interface components {
     DryRunResult: {
       /** @description Replay with the active policies. */
       active: components["schemas"]["SimStats"];
-      /** @description Replay with the candidate in its hook (other hooks as active). */
+      /**
+       * @description Replay with the candidate in its hook (other hooks as active); its
+       * `tenants` break it down per tenant, named by pseudonym (`t-…`, as in the
+       * request log and the recorded traffic).
+       */
       candidate: components["schemas"]["SimStats"];
       /**
        * Format: double
@@ -387,6 +411,18 @@ export interface components {
        */
       type: string;
     };
+    /** @description Answer of `POST /v1/segments/{id}/evict`. */
+    Evicted: {
+      /** @description The segment's address. */
+      address: string;
+      /** @description Public-pool entries removed (every known version, every namespace). */
+      evicted_entries: number;
+      /**
+       * Format: int64
+       * @description Its current version.
+       */
+      version: number;
+    };
     /** @description Body of `POST /v1/segments/{id}/grants`. */
     GrantBody: {
       /** @description Tenant to grant read access to. */
@@ -415,6 +451,117 @@ export interface components {
     GroupGrantBody: {
       /** @description Group whose members get read access. */
       group: string;
+    };
+    /** @description One sample of the server's metrics (`MetricSample` in the OpenAPI document). */
+    MetricSample: {
+      /**
+       * Format: int64
+       * @description Generated tokens, cumulative.
+       */
+      completion_tokens: number;
+      /**
+       * Format: int64
+       * @description Completion requests finished by the scheduler, cumulative.
+       */
+      finished: number;
+      /**
+       * Format: int64
+       * @description Policy hook calls (every kind and policy), cumulative.
+       */
+      policy_calls: number;
+      /**
+       * Format: int64
+       * @description Policy calls answered by the native default after a fault, cumulative.
+       */
+      policy_fallbacks: number;
+      /**
+       * Format: int64
+       * @description Policy faults, cumulative.
+       */
+      policy_faults: number;
+      /** @description Pools by name (`public`, `private`). */
+      pools: {
+        [key: string]: components["schemas"]["PoolSample"];
+      };
+      /**
+       * Format: int64
+       * @description Prompt tokens whose work was reused, cumulative.
+       */
+      prompt_tokens_cached: number;
+      /**
+       * Format: int64
+       * @description Prompt tokens computed, cumulative.
+       */
+      prompt_tokens_computed: number;
+      /**
+       * Format: int64
+       * @description Requests waiting for admission.
+       */
+      queue_depth: number;
+      /**
+       * Format: int64
+       * @description Requests refused with 429 (admission queue full), cumulative.
+       */
+      rejected_429: number;
+      /**
+       * Format: int64
+       * @description HTTP requests answered (every endpoint and status), cumulative.
+       */
+      requests: number;
+      /**
+       * Format: int64
+       * @description Sequences in the running batch.
+       */
+      running: number;
+      /**
+       * Format: int64
+       * @description Seam-window tokens recomputed at a cached segment's new position (part of
+       * `prompt_tokens_computed`), cumulative.
+       */
+      seam_tokens: number;
+      /**
+       * Format: int64
+       * @description Segments reused from a cache (`hit` and `prefix_hit`), cumulative.
+       */
+      segment_hits: number;
+      /**
+       * Format: int64
+       * @description Segments that missed (`miss`), cumulative.
+       */
+      segment_misses: number;
+      /**
+       * Format: int64
+       * @description Requests timed out with 408 in the queue, cumulative.
+       */
+      timeouts_408: number;
+      /**
+       * Format: int64
+       * @description Wall-clock time of the sample, ms since the Unix epoch.
+       */
+      ts_ms: number;
+      /** @description TTFT by mode over the interval since the previous sample. */
+      ttft_ms: {
+        [key: string]: components["schemas"]["Quantiles"];
+      };
+    };
+    /** @description Answer of `GET /v1/metrics/history` (`MetricsHistory` in the OpenAPI document). */
+    MetricsHistory: {
+      /** @description Samples kept at most. */
+      capacity: number;
+      /**
+       * Format: int64
+       * @description Milliseconds between stored samples.
+       */
+      interval_ms: number;
+      /** @description Stored samples, oldest first, then one sample taken now (always last). */
+      samples: components["schemas"]["MetricSample"][];
+      /**
+       * @description TTFT by mode over the whole window (oldest stored sample to now; since
+       * the start while the ring is empty).
+       */
+      ttft_window_ms: {
+        [key: string]: components["schemas"]["Quantiles"];
+      };
     };
     /** @description One export of a module. */
     ModuleExport: {
@@ -642,6 +789,103 @@ export interface components {
        */
       policy_version?: number | null;
     };
+    /** @description Answer of `GET /v1/admin/policies/stats`. */
+    PolicyStats: {
+      /**
+       * @description Active policy id per kind (`eviction`, `admission`, `invalidation`,
+       * `isolation`); `null`: the native default.
+       */
+      active: {
+        [key: string]: number | null;
+      };
+      /** @description Call, fault and fallback counters and call times per kind and policy. */
+      metrics: Record<string, never>;
+      /**
+       * Format: int64
+       * @description Modules compiled since the server started.
+       */
+      module_compiles: number;
+      /**
+       * Format: int64
+       * @description Compiled modules held in the module cache.
+       */
+      modules_cached: number;
+    };
+    /** @description Bytes and entries of one cache pool at a sample time. */
+    PoolSample: {
+      /**
+       * Format: int64
+       * @description Bytes held in memory (public: segment entries; private: snapshots).
+       */
+      bytes: number;
+      /**
+       * Format: int64
+       * @description Entries held in memory.
+       */
+      entries: number;
+      /**
+       * Format: int64
+       * @description Bytes held by the pool's host spill tier.
+       */
+      spill_bytes: number;
+      /**
+       * @description Bytes and entries by storage tier (`gpu`, `host`, `spill`), from the
+       * pool's own counters (`hypic_pool_tier_bytes`, `hypic_pool_tier_entries`).
+       * Only the tiers the backend has are keys: the CPU backend has no `gpu`
+       * tier, the CUDA backend no `host` tier, and a pool without a spill tier no
+       * `spill`.
+       */
+      tiers: {
+        [key: string]: components["schemas"]["TierSample"];
+      };
+    };
+    /** @description One public-pool entry an ahead-of-time prefill built (or found). */
+    PrefillEntry: {
+      /** @description Body start: 0 for the segment used first, the seam width after another. */
+      body_start: number;
+      /** @description Payload bytes of the entry (absent with `error`). */
+      bytes?: number | null;
+      /** @description Why the entry could not be built. */
+      error?: string | null;
+      /**
+       * @description `present` (already resident), `stored`, `refused` (the admission policy
+       * or no room) or `not_needed` (no longer than the seam window); absent
+       * with `error`.
+       */
+      status?: string | null;
+    };
+    /**
+     * @description What an ahead-of-time prefill did (`hypic.prefill` of a create or update,
+     * the answer of `POST /v1/segments/{id}/prefill`).
+     */
+    PrefillReport: {
+      /** @description One row per body start this server builds entries for. */
+      entries: components["schemas"]["PrefillEntry"][];
+      /**
+       * Format: double
+       * @description Wall-clock time of the prefill, ms (one model pass builds every entry).
+       */
+      prefill_ms: number;
+      /** @description The entries are in the shared namespace (a public segment). */
+      shared: boolean;
+    };
+    /** @description Answer of `POST /v1/segments/{id}/prefill`. */
+    Prefilled: {
+      /** @description The segment's address. */
+      address: string;
+      /** @description What the prefill did, per entry. */
+      prefill: components["schemas"]["PrefillReport"];
+      residency?: null | components["schemas"]["SegmentResidency"];
+      /** @description The tenant whose namespace was warmed (shared entries serve every tenant). */
+      tenant: string;
+      /** @description Its token count for the served model. */
+      tokens: number;
+      /**
+       * Format: int64
+       * @description The version prefilled (the current one).
+       */
+      version: number;
+    };
     /** @description A verified caller. */
     Principal: {
       /** @description Role. */
@@ -650,6 +894,66 @@ export interface components {
       sub: string;
       /** @description Tenant, taken from the verified token only. */
       tenant: string;
+    };
+    /**
+     * @description TTFT quantiles of one mode over an interval, milliseconds (estimated from the
+     * histogram buckets by linear interpolation, as Prometheus' `histogram_quantile`).
+     */
+    Quantiles: {
+      /**
+       * Format: int64
+       * @description Requests in the interval.
+       */
+      count: number;
+      /**
+       * Format: double
+       * @description Median, ms (`null` when `count` is 0).
+       */
+      p50?: number | null;
+      /**
+       * Format: double
+       * @description 95th percentile, ms.
+       */
+      p95?: number | null;
+      /**
+       * Format: double
+       * @description 99th percentile, ms.
+       */
+      p99?: number | null;
+    };
+    /** @description Answer of `GET /v1/admin/traffic` (`RecordedTraffic` in the OpenAPI document). */
+    RecordedTraffic: {
+      /** @description Prompts kept at most. */
+      capacity: number;
+      /** @description Prompts in `trace`. */
+      requests: number;
+      /** @description JSONL, one prompt per line, oldest first (the body of a dry run's `trace`). */
+      trace: string;
+    };
+    /** @description One public-pool entry of a segment version. */
+    ResidencyEntry: {
+      /**
+       * @description Body start: 0 for the segment used first in a request, the seam width for
+       * the segment used after another.
+       */
+      body_start: number;
+      /** @description Payload bytes (0 when not resident). */
+      bytes: number;
+      /**
+       * Format: int64
+       * @description Hits since the entry was stored; `null` when not resident, or for a
+       * shared entry asked about with a tenant token (it tells when other
+       * tenants used it).
+       */
+      hits?: number | null;
+      /**
+       * Format: int64
+       * @description The entry's last use, a hit or its insertion (ms since the Unix epoch);
+       * `null` as for `hits`.
+       */
+      last_use_ms?: number | null;
+      /** @description Whether the entry is resident (any tier). */
+      resident: boolean;
     };
     /** @description Body of `POST /v1/admin/residency`: a worker reports an entry it holds. */
     ResidencyReport: {
@@ -749,6 +1053,44 @@ export interface components {
       /** @description Always `list`. */
       object: string;
     };
+    /**
+     * @description Residency of a segment version in the caller's namespace (the `residency`
+     * of a segment answer on `hypic serve`).
+     */
+    SegmentResidency: {
+      /** @description One row per body start this server builds entries for. */
+      entries: components["schemas"]["ResidencyEntry"][];
+      /** @description Some public-pool entry of the version is resident (any tier). */
+      resident: boolean;
+      /** @description The entries are in the shared namespace (a public segment). */
+      shared: boolean;
+    };
+    /**
+     * @description The `hypic` object of a segment answer on `hypic serve`: what the served
+     * model makes of the segment's current version.
+     */
+    SegmentServing: {
+      /** @description Why the version's tokens could not be counted (get; then no residency). */
+      error?: string | null;
+      /** @description Entries of superseded versions evicted (update). */
+      evicted_entries?: number | null;
+      /** @description The served model's id. */
+      model: string;
+      /**
+       * @description The ahead-of-time prefill (create and update with `prefill`): `{}` when
+       * not asked for, else `prefill_ms`, `shared` and one `entries` row per
+       * body start (`body_start`, `status`, `bytes` or `error`), or `error`.
+       */
+      prefill?: Record<string, never> | null;
+      residency?: null | components["schemas"]["SegmentResidency"];
+      /** @description Its token count for the served model (`null` with `error`). */
+      tokens?: number | null;
+      /**
+       * Format: int64
+       * @description The version counted and cached.
+       */
+      version: number;
+    };
     /** @description One version of a segment. */
     SegmentVersion: {
       /**
@@ -777,6 +1119,97 @@ export interface components {
        * @description Version number.
        */
       version: number;
+    };
+    /**
+     * @description A segment answer of `hypic serve` (`POST /v1/segments`, `GET
+     * /v1/segments/{id}`): the control plane's segment plus the `hypic` object.
+     */
+    ServedSegment: components["schemas"]["Segment"] & {
+      /** @description What the served model makes of the segment. */
+      hypic: components["schemas"]["SegmentServing"];
+    };
+    /** @description `GET /v1/segments` on `hypic serve`. */
+    ServedSegmentList: {
+      /** @description One page of rows. */
+      data: components["schemas"]["ServedSegmentRow"][];
+      /** @description `after` of the next page, `null` on the last one. */
+      next?: string | null;
+      /** @description Always `list`. */
+      object: string;
+    };
+    /**
+     * @description One row of `GET /v1/segments` on `hypic serve`: the catalog's fields of the
+     * current version, its token count and residency for the served model.
+     */
+    ServedSegmentRow: {
+      /** @description Opaque global address (`~` + 32 hex digits). */
+      address: string;
+      /**
+       * Format: int64
+       * @description Content length in bytes of the current version.
+       */
+      byte_len: number;
+      /** @description Content hash of the current version. */
+      content_hash: string;
+      /**
+       * Format: int64
+       * @description Creation time (ms since the Unix epoch).
+       */
+      created_at: number;
+      /**
+       * Format: int64
+       * @description Hits of its resident entries (see [`SegmentResidency::hits`]).
+       */
+      hits?: number | null;
+      /** @description The id the caller addresses the segment by. */
+      id: string;
+      /**
+       * Format: int64
+       * @description Last use of any resident entry (ms since the Unix epoch).
+       */
+      last_use_ms?: number | null;
+      /** @description Human-readable name. */
+      name: string;
+      /** @description Always `segment`. */
+      object: string;
+      /** @description Owning tenant; shown only to the owner and to operators. */
+      owner_tenant?: string | null;
+      /** @description Explicitly public. */
+      public: boolean;
+      residency?: null | components["schemas"]["SegmentResidency"];
+      /**
+       * Format: int64
+       * @description Token count for the served model; `null` when neither the catalog nor
+       * this server has counted it.
+       */
+      tokens?: number | null;
+      /**
+       * Format: int64
+       * @description Time of the last update (ms since the Unix epoch).
+       */
+      updated_at: number;
+      /**
+       * Format: int64
+       * @description Current version number (1-based).
+       */
+      version: number;
+    };
+    /**
+     * @description Answer of `PUT /v1/segments/{id}` on `hypic serve`: the control plane's
+     * answer plus the `hypic` object (`version`, `tokens`, `prefill`,
+     * `evicted_entries`).
+     */
+    ServedUpdate: {
+      /** @description What the served model makes of the new version. */
+      hypic: components["schemas"]["SegmentServing"];
+      /**
+       * Format: int64
+       * @description Cache-residency rows of superseded versions dropped by the invalidation
+       * policy.
+       */
+      invalidated_entries: number;
+      /** @description The segment after the update, as the caller sees it. */
+      segment: components["schemas"]["Segment"];
     };
     /** @description One tenant's serving counters. */
     ServingUsage: {
@@ -948,6 +1381,11 @@ export interface components {
        * @description Lookups served from the shared namespace.
        */
       shared_hits: number;
+      /**
+       * @description The same replay broken down by the trace's tenant (as the trace names it;
+       * the dry-run route pseudonymises the names), in name order.
+       */
+      tenants?: components["schemas"]["TenantSimStats"][];
     };
     /** @description One pinned segment of a snapshot. */
     SnapshotItem: {
@@ -992,6 +1430,71 @@ export interface components {
       /** @description Token subject. */
       sub: string;
     };
+    /**
+     * @description One tenant's share of a replay. Lookups, hits, hit bytes, recompute
+     * tokens, insertions and refused admissions are the tenant's requests';
+     * evictions, evicted bytes and invalidations are of the entries the tenant's
+     * requests inserted (a shared entry counts for the tenant that inserted it).
+     */
+    TenantSimStats: {
+      /**
+       * Format: int64
+       * @description Bytes of its entries evicted.
+       */
+      bytes_evicted: number;
+      /**
+       * Format: int64
+       * @description Bytes its hits served from cache.
+       */
+      bytes_hit: number;
+      /**
+       * Format: int64
+       * @description Bytes its misses inserted.
+       */
+      bytes_inserted: number;
+      /**
+       * Format: int64
+       * @description Its entries evicted.
+       */
+      evictions: number;
+      /**
+       * Format: double
+       * @description hits / lookups (0 without lookups).
+       */
+      hit_ratio: number;
+      /**
+       * Format: int64
+       * @description Its lookups that hit.
+       */
+      hits: number;
+      /**
+       * Format: int64
+       * @description Its entries dropped by the invalidation hook.
+       */
+      invalidations: number;
+      /**
+       * Format: int64
+       * @description Its segment lookups.
+       */
+      lookups: number;
+      /**
+       * Format: int64
+       * @description Tokens its misses recomputed.
+       */
+      recompute_tokens: number;
+      /**
+       * Format: int64
+       * @description Its admissions refused (by the admission hook, or larger than the cache).
+       */
+      rejected: number;
+      /**
+       * Format: int64
+       * @description Its requests.
+       */
+      requests: number;
+      /** @description The tenant (a pseudonym `t-…` in a dry-run answer). */
+      tenant: string;
+    };
     /** @description One tenant: who signs in as it, its groups, its catalog and serving usage. */
     TenantView: {
       /** @description Segments and grants. */
@@ -1000,10 +1503,23 @@ export interface components {
       groups: string[];
       /** @description Token subjects seen for it, by subject. */
       principals: components["schemas"]["TenantPrincipal"][];
-      /** @description Requests and tokens since the server started. */
+      /** @description Requests and tokens, kept across restarts in the catalog. */
       serving: components["schemas"]["ServingUsage"];
       /** @description Tenant id. */
       tenant: string;
+    };
+    /** @description Bytes and entries of one storage tier of a pool at a sample time. */
+    TierSample: {
+      /**
+       * Format: int64
+       * @description Bytes held in the tier.
+       */
+      bytes: number;
+      /**
+       * Format: int64
+       * @description Entries held in the tier.
+       */
+      entries: number;
     };
     /** @description Answer of `PUT /v1/segments/{id}`. */
     UpdateResult: {
@@ -1025,6 +1541,14 @@ export interface components {
         [key: string]: number;
       };
     };
+    /**
+     * @description Body of `PUT /v1/segments/{id}` on `hypic serve`: the control plane's update
+     * body plus `prefill`.
+     */
+    UpdateSegmentBody: components["schemas"]["UpdateSegment"] & ({
+      /** @description Build the new version's cache entries now (default true). */
+      prefill?: boolean | null;
+    });
     /** @description Body of `POST /v1/admin/policies`. */
     UploadPolicy: {
       /** @description Hook kind. */
@@ -1672,10 +2196,9 @@ export interface operations {
   /** Active policy per kind, call and fault counters (operator) */
   policy_stats: {
     responses: {
-      /** @description `active` (kind → policy id or null), `metrics`, `module_compiles`, `modules_cached` */
       200: {
         content: {
-          "application/json": Record<string, never>;
+          "application/json": components["schemas"]["PolicyStats"];
         };
       };
       /** @description no or bad token */
@@ -1929,6 +2452,28 @@ export interface operations {
       };
     };
   };
+  /** The recorded recent prompts (tenant-pseudonymised segment ids, versions, tokens, bytes) as a dry-run trace (operator) */
+  recorded_traffic: {
+    responses: {
+      200: {
+        content: {
+          "application/json": components["schemas"]["RecordedTraffic"];
+        };
+      };
+      /** @description no or bad token */
+      401: {
+        content: {
+          "application/json": components["schemas"]["ErrorBody"];
+        };
+      };
+      /** @description operator role needed */
+      403: {
+        content: {
+          "application/json": components["schemas"]["ErrorBody"];
+        };
+      };
+    };
+  };
   /** OpenAI chat completions with segment reuse (SSE with `stream: true`) */
   chat: {
     /** @description OpenAI chat body; the `hypic` extension is HYPIC's */
@@ -2016,6 +2561,28 @@ export interface operations {
       200: {
         content: {
           "application/json": Record<string, never>;
+        };
+      };
+    };
+  };
+  /** The last hour of metric samples, one per interval, and TTFT over the window (operator) */
+  metrics_history: {
+    responses: {
+      200: {
+        content: {
+          "application/json": components["schemas"]["MetricsHistory"];
+        };
+      };
+      /** @description no or bad token */
+      401: {
+        content: {
+          "application/json": components["schemas"]["ErrorBody"];
+        };
+      };
+      /** @description operator role needed */
+      403: {
+        content: {
+          "application/json": components["schemas"]["ErrorBody"];
         };
       };
     };
@@ -2109,10 +2676,10 @@ export interface operations {
       };
     };
     responses: {
-      /** @description `object`, `data` (id, address, name, public, version, content_hash, tokens, residency, owner_tenant), `next` */
+      /** @description one page of rows; `next` is the `after` of the following page */
       200: {
         content: {
-          "application/json": Record<string, never>;
+          "application/json": components["schemas"]["ServedSegmentList"];
         };
       };
       /** @description invalid input */
@@ -2137,17 +2704,17 @@ export interface operations {
         "Idempotency-Key"?: string | null;
       };
     };
-    /** @description the control plane's create body, plus `prefill` (boolean, default true): build the cache entries now */
+    /** @description the catalog's segment fields and `prefill` (default true: build the public-pool entries now) */
     requestBody: {
       content: {
-        "application/json": components["schemas"]["NewSegment"];
+        "application/json": components["schemas"]["CreateSegmentBody"];
       };
     };
     responses: {
       /** @description the control plane's answer plus a `hypic` object (model, version, tokens, residency, prefill) */
       200: {
         content: {
-          "application/json": Record<string, never>;
+          "application/json": components["schemas"]["ServedSegment"];
         };
       };
       /** @description invalid input */
@@ -2188,7 +2755,7 @@ export interface operations {
       /** @description the control plane's answer plus a `hypic` object (model, version, tokens, residency, prefill) */
       200: {
         content: {
-          "application/json": Record<string, never>;
+          "application/json": components["schemas"]["ServedSegment"];
         };
       };
       /** @description no or bad token */
@@ -2213,17 +2780,16 @@ export interface operations {
         id: string;
       };
     };
-    /** @description the new content, plus `prefill` (boolean, default true) */
     requestBody: {
       content: {
-        "application/json": components["schemas"]["UpdateSegment"];
+        "application/json": components["schemas"]["UpdateSegmentBody"];
       };
     };
     responses: {
       /** @description the control plane's answer plus a `hypic` object (model, version, tokens, residency, prefill) */
       200: {
         content: {
-          "application/json": Record<string, never>;
+          "application/json": components["schemas"]["ServedUpdate"];
         };
       };
       /** @description invalid input */
@@ -2296,10 +2862,9 @@ export interface operations {
       };
     };
     responses: {
-      /** @description `address`, `version`, `evicted_entries` */
       200: {
         content: {
-          "application/json": Record<string, never>;
+          "application/json": components["schemas"]["Evicted"];
         };
       };
       /** @description no or bad token */
@@ -2550,6 +3115,60 @@ export interface operations {
       };
       /** @description no such segment, or not readable by the caller */
       404: {
+        content: {
+          "application/json": components["schemas"]["ErrorBody"];
+        };
+      };
+    };
+  };
+  /** Warm an existing segment's current version into the public pool now */
+  prefill_segment: {
+    parameters: {
+      query?: {
+        /**
+         * @description The tenant whose namespace to warm (default: the caller's). A tenant
+         * token may only name its own tenant (else 403 `tenant_mismatch`); the
+         * tenant must be able to read the segment (else 404 naming `tenant`).
+         */
+        tenant?: string;
+      };
+      path: {
+        /** @description a segment id of the caller's, or a segment address the caller may read */
+        id: string;
+      };
+    };
+    responses: {
+      200: {
+        content: {
+          "application/json": components["schemas"]["Prefilled"];
+        };
+      };
+      /** @description invalid input */
+      400: {
+        content: {
+          "application/json": components["schemas"]["ErrorBody"];
+        };
+      };
+      /** @description no or bad token */
+      401: {
+        content: {
+          "application/json": components["schemas"]["ErrorBody"];
+        };
+      };
+      /** @description a tenant token named another tenant */
+      403: {
+        content: {
+          "application/json": components["schemas"]["ErrorBody"];
+        };
+      };
+      /** @description no such segment, or not readable by the caller or the named tenant */
+      404: {
+        content: {
+          "application/json": components["schemas"]["ErrorBody"];
+        };
+      };
+      /** @description the prefill failed */
+      500: {
         content: {
           "application/json": components["schemas"]["ErrorBody"];
         };

@@ -84,12 +84,14 @@ export type WhyObservation = Schemas["Observation"];
 /** `GET /v1/segments/{id}/why?tenant=&version=`. */
 export type WhyAnswer = Schemas["WhyAnswer"];
 
-/** `POST /v1/segments/{id}/evict` (the document gives it as a plain object). */
-export interface Evicted {
-  address: string;
-  version: number;
-  evicted_entries: number;
-}
+/** `POST /v1/segments/{id}/evict`. */
+export type Evicted = Schemas["Evicted"];
+
+/** One entry of a prefill: `status` and `bytes`, or `error`. */
+export type PrefillEntry = Schemas["PrefillEntry"];
+
+/** `POST /v1/segments/{id}/prefill`: what warming the current version did. */
+export type Prefilled = Schemas["Prefilled"];
 
 /** `GET /v1/admin/groups` rows: tenants grouped for segment grants. */
 export interface Group {
@@ -127,23 +129,10 @@ export interface UploadPolicy {
 }
 
 /** Replay statistics of a dry run (`crate::sim::SimStats`). */
-export interface SimStats {
-  requests: number;
-  lookups: number;
-  hits: number;
-  hit_ratio: number;
-  bytes_hit: number;
-  bytes_inserted: number;
-  bytes_evicted: number;
-  recompute_tokens: number;
-  saved_tokens: number;
-  evictions: number;
-  rejected: number;
-  invalidations: number;
-  shared_hits: number;
-  policy_faults: number;
-  peak_bytes: number;
-}
+export type SimStats = Schemas["SimStats"];
+
+/** One tenant's share of a dry-run replay (`crate::sim::TenantSimStats`). */
+export type TenantSimStats = Schemas["TenantSimStats"];
 
 /** `POST /v1/admin/policies/{id}/dry-run`. */
 export interface DryRunResult {
@@ -192,50 +181,20 @@ export interface AuditQuery {
   limit?: number;
 }
 
-/** One cache pool in a metrics sample. */
-export interface PoolSample {
-  bytes: number;
-  entries: number;
-  spill_bytes: number;
-}
+/** One storage tier of a pool in a metrics sample. */
+export type TierSample = Schemas["TierSample"];
+
+/** One cache pool in a metrics sample; `tiers` has only the tiers the backend has. */
+export type PoolSample = Schemas["PoolSample"];
 
 /** TTFT quantiles (ms) of one mode over an interval. */
-export interface Quantiles {
-  count: number;
-  p50: number | null;
-  p95: number | null;
-  p99: number | null;
-}
+export type Quantiles = Schemas["Quantiles"];
 
 /** One metrics sample; counters are cumulative since the server started. */
-export interface MetricSample {
-  ts_ms: number;
-  requests: number;
-  finished: number;
-  rejected_429: number;
-  timeouts_408: number;
-  prompt_tokens_cached: number;
-  prompt_tokens_computed: number;
-  completion_tokens: number;
-  segment_hits: number;
-  segment_misses: number;
-  queue_depth: number;
-  running: number;
-  pools: Record<string, PoolSample>;
-  policy_calls: number;
-  policy_faults: number;
-  policy_fallbacks: number;
-  ttft_ms: Record<string, Quantiles>;
-}
+export type MetricSample = Schemas["MetricSample"];
 
 /** `GET /v1/metrics/history` (operator; `hypic serve` only). */
-export interface MetricsHistory {
-  interval_ms: number;
-  capacity: number;
-  /** Oldest first; the last one was taken at the request. */
-  samples: MetricSample[];
-  ttft_window_ms: Record<string, Quantiles>;
-}
+export type MetricsHistory = Schemas["MetricsHistory"];
 
 /** An error answer of the API, kept verbatim for display. */
 export class ApiError extends Error {

@@ -1,6 +1,6 @@
 // The HYPIC operator console: sign-in, navigation (hash routes), screens.
 import { render } from "preact";
-import { useEffect, useState } from "preact/hooks";
+import { useEffect, useRef, useState } from "preact/hooks";
 import "uplot/dist/uPlot.min.css";
 import "./style.css";
 import { api, getToken, setToken, type Principal } from "./api";
@@ -42,9 +42,20 @@ function SignIn({ done }: { done: (p: Principal) => void }) {
             spellcheck={false}
             value={token}
             onInput={(e) => setTok(e.currentTarget.value)}
+            onKeyDown={(e) => {
+              // A token is one line: Enter signs in (Shift+Enter is a newline).
+              if (e.key === "Enter" && !e.shiftKey) {
+                e.preventDefault();
+                e.currentTarget.form?.requestSubmit();
+              }
+            }}
+            aria-describedby="token-help"
             required
           />
         </label>
+        <p id="token-help" class="muted">
+          Enter signs in.
+        </p>
         <button type="submit">Sign in</button>
         <ErrorBox error={error} />
       </form>
@@ -85,6 +96,21 @@ function App() {
   const [error, setError] = useState<unknown>(null);
   const [checking, setChecking] = useState(!!getToken());
   const [hash, go] = useHash();
+  const mainRef = useRef<HTMLElement>(null);
+  const first = useRef(true);
+  // After a navigation, focus goes to the new screen (its first heading), so a
+  // keyboard user continues there instead of at the top of the page.
+  useEffect(() => {
+    if (first.current) {
+      first.current = false;
+      return;
+    }
+    const h = mainRef.current?.querySelector("h1") as HTMLElement | null;
+    if (h) {
+      h.tabIndex = -1;
+      h.focus();
+    }
+  }, [hash]);
   useEffect(() => {
     if (!getToken()) return;
     api<Principal>("GET", "/v1/whoami").then(
@@ -120,6 +146,17 @@ function App() {
   const section = "#/" + shown.replace(/^#\/?/, "").split("/")[0];
   return (
     <>
+      <a
+        class="skip"
+        href="#main"
+        onClick={(e) => {
+          // Not a hash route: move focus to the screen instead.
+          e.preventDefault();
+          mainRef.current?.focus();
+        }}
+      >
+        Skip to the screen
+      </a>
       <header>
         <span class="brand">HYPIC</span>
         <nav aria-label="screens">
@@ -142,7 +179,7 @@ function App() {
           Sign out
         </button>
       </header>
-      <main>
+      <main id="main" ref={mainRef} tabIndex={-1}>
         <Screen hash={shown} go={go} me={me} />
       </main>
     </>

@@ -1,5 +1,5 @@
 // Numbers of the overview, derived from the samples of `GET /v1/metrics/history`.
-import type { MetricSample, DryRunResult, SimStats } from "./api";
+import type { MetricSample, DryRunResult, PoolSample, SimStats, TenantSimStats } from "./api";
 
 /** Overview figures over the interval between two samples. */
 export interface Rates {
@@ -11,6 +11,8 @@ export interface Rates {
   cachedShare: number | null;
   /** Segment hits / (hits + misses), 0..1 (null without lookups). */
   hitRatio: number | null;
+  /** Seam-window tokens recomputed per second. */
+  seamPerS: number;
 }
 
 function ratio(a: number, b: number): number | null {
@@ -30,6 +32,7 @@ export function rates(a: MetricSample, b: MetricSample): Rates {
     finishedPerS: d((s) => s.finished) / dt,
     cachedShare: ratio(cached, cached + computed),
     hitRatio: ratio(hits, hits + misses),
+    seamPerS: d((s) => s.seam_tokens ?? 0) / dt,
   };
 }
 
@@ -40,13 +43,29 @@ export function totals(s: MetricSample): Rates {
     finishedPerS: 0,
     cachedShare: ratio(s.prompt_tokens_cached, s.prompt_tokens_cached + s.prompt_tokens_computed),
     hitRatio: ratio(s.segment_hits, s.segment_hits + s.segment_misses),
+    seamPerS: 0,
   };
+}
+
+/** The storage tiers the overview shows, in this order. */
+export const TIERS = ["gpu", "host", "spill"] as const;
+
+/** One cell of the pools-by-tier table: what a tier holds, or `null` when the
+ * backend has no such tier (shown as absent, not as 0). */
+export interface TierCell {
+  tier: (typeof TIERS)[number];
+  usage: { bytes: number; entries: number } | null;
+}
+
+/** The cells of one pool's row, one per tier in [`TIERS`] order. */
+export function tierCells(p: PoolSample): TierCell[] {
+  return TIERS.map((tier) => ({ tier, usage: p.tiers?.[tier] ?? null }));
 }
 
 /** Per-interval series for charts: x in Unix seconds, one y list per name. */
 export function series(samples: MetricSample[]): { x: number[]; y: Record<string, (number | null)[]> } {
   const x: number[] = [];
-  const y: Record<string, (number | null)[]> = { rps: [], hit: [], cached: [], queue: [], running: [] };
+  const y: Record<string, (number | null)[]> = { rps: [], hit: [], cached: [], queue: [], running: [], seam: [] };
   for (let i = 1; i < samples.length; i++) {
     const r = rates(samples[i - 1], samples[i]);
     x.push(samples[i].ts_ms / 1000);
@@ -55,6 +74,7 @@ export function series(samples: MetricSample[]): { x: number[]; y: Record<string
     y.cached.push(r.cachedShare);
     y.queue.push(samples[i].queue_depth);
     y.running.push(samples[i].running);
+    y.seam.push(r.seamPerS);
   }
   return { x, y };
 }
@@ -69,7 +89,7 @@ export interface CompareRow {
   better: "candidate" | "active" | "same";
 }
 
-const COMPARED: { key: keyof SimStats; label: string; lowerIsBetter: boolean }[] = [
+const COMPARED: { key: Exclude<keyof SimStats, "tenants">; label: string; lowerIsBetter: boolean }[] = [
   { key: "hit_ratio", label: "hit ratio", lowerIsBetter: false },
   { key: "hits", label: "hits", lowerIsBetter: false },
   { key: "saved_tokens", label: "tokens saved", lowerIsBetter: false },
@@ -93,6 +113,60 @@ export function compare(r: DryRunResult): CompareRow[] {
       delta === 0 ? "same" : delta > 0 !== lowerIsBetter ? "candidate" : "active";
     return { metric: label, candidate: c, active: a, delta, better };
   });
+}
+
+/** One metric of one tenant, candidate beside active. */
+export interface Side {
+  candidate: number;
+  active: number;
+  delta: number;
+  better: CompareRow["better"];
+}
+
+/** One tenant's row of the dry-run comparison. */
+export interface TenantRow {
+  tenant: string;
+  /** Its requests in the trace (the same on both sides). */
+  requests: number;
+  hitRatio: Side;
+  bytesHit: Side;
+  bytesEvicted: Side;
+  evictions: Side;
+  rejected: Side;
+}
+
+function side(c: number, a: number, lowerIsBetter: boolean): Side {
+  const delta = c - a;
+  const better: Side["better"] = delta === 0 ? "same" : delta > 0 !== lowerIsBetter ? "candidate" : "active";
+  return { candidate: c, active: a, delta, better };
+}
+
+const NO_TENANT: Omit<TenantSimStats, "tenant"> = {
+  requests: 0, lookups: 0, hits: 0, hit_ratio: 0, bytes_hit: 0, bytes_inserted: 0,
+  bytes_evicted: 0, recompute_tokens: 0, evictions: 0, rejected: 0, invalidations: 0,
+};
+
+/** The per-tenant rows of a dry run: every tenant of either side (one missing on
+ * a side counts as zeros there), sorted by how much the candidate changes its
+ * hit ratio (largest loss first, so the tenants a policy hurts lead), then name. */
+export function compareTenants(r: DryRunResult): TenantRow[] {
+  const c = new Map((r.candidate.tenants ?? []).map((t) => [t.tenant, t]));
+  const a = new Map((r.active.tenants ?? []).map((t) => [t.tenant, t]));
+  const names = [...new Set([...c.keys(), ...a.keys()])];
+  const rows = names.map((tenant) => {
+    const x = { ...NO_TENANT, ...c.get(tenant) };
+    const y = { ...NO_TENANT, ...a.get(tenant) };
+    return {
+      tenant,
+      requests: Math.max(x.requests, y.requests),
+      hitRatio: side(x.hit_ratio, y.hit_ratio, false),
+      bytesHit: side(x.bytes_hit, y.bytes_hit, false),
+      bytesEvicted: side(x.bytes_evicted, y.bytes_evicted, true),
+      evictions: side(x.evictions, y.evictions, true),
+      rejected: side(x.rejected, y.rejected, true),
+    };
+  });
+  return rows.sort((p, q) => p.hitRatio.delta - q.hitRatio.delta || p.tenant.localeCompare(q.tenant));
 }
 
 /** `1234567` → `1.2 MiB`. */

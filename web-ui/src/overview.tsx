@@ -1,7 +1,7 @@
 // Overview: live numbers and the last hour from `GET /v1/metrics/history`.
 import { useEffect, useState } from "preact/hooks";
 import { api, ApiError, type MetricsHistory } from "./api";
-import { bytes, pct, rates, series, totals } from "./metrics";
+import { bytes, pct, rates, series, tierCells, TIERS, totals } from "./metrics";
 import { Chart, ErrorBox } from "./ui";
 
 const POLL_MS = 2000;
@@ -65,6 +65,11 @@ export function Overview() {
         <Stat id="finished" label="completions finished" value={String(now.finished)} />
         <Stat id="cached-share" label="cached-token share" value={pct(t.cachedShare)} />
         <Stat id="hit-ratio" label="segment hit ratio" value={pct(t.hitRatio)} />
+        <Stat
+          id="seam"
+          label="seam tokens/s (last interval) / total"
+          value={`${r ? r.seamPerS.toFixed(1) : "—"} / ${now.seam_tokens}`}
+        />
         <Stat id="queue" label="queue depth / running" value={`${now.queue_depth} / ${now.running}`} />
         <Stat id="errors" label="429 / 408" value={`${now.rejected_429} / ${now.timeouts_408}`} />
         <Stat
@@ -73,23 +78,34 @@ export function Overview() {
           value={`${now.policy_calls} / ${now.policy_faults} / ${now.policy_fallbacks}`}
         />
       </div>
-      <h2>Pools</h2>
-      <table>
+      <h2>Pools by tier</h2>
+      <p class="muted">Bytes and entries each pool holds per storage tier; a tier this backend does not have is marked absent.</p>
+      <table data-testid="pools">
         <thead>
           <tr>
-            <th>pool</th>
-            <th>entries</th>
-            <th>bytes in memory</th>
-            <th>bytes in the spill tier</th>
+            <th scope="col">pool</th>
+            {TIERS.map((t) => (
+              <th scope="col" key={t}>
+                {t}
+              </th>
+            ))}
           </tr>
         </thead>
         <tbody>
           {Object.entries(now.pools).map(([name, p]) => (
             <tr key={name} data-testid={`pool-${name}`}>
-              <td>{name}</td>
-              <td>{p.entries}</td>
-              <td>{bytes(p.bytes)}</td>
-              <td>{bytes(p.spill_bytes)}</td>
+              <th scope="row">{name}</th>
+              {tierCells(p).map((c) =>
+                c.usage ? (
+                  <td key={c.tier} data-testid={`tier-${name}-${c.tier}`}>
+                    {bytes(c.usage.bytes)} · {c.usage.entries} {c.usage.entries === 1 ? "entry" : "entries"}
+                  </td>
+                ) : (
+                  <td key={c.tier} class="absent" data-testid={`tier-${name}-${c.tier}`} title={`this backend has no ${c.tier} tier`}>
+                    absent
+                  </td>
+                ),
+              )}
             </tr>
           ))}
         </tbody>
@@ -132,6 +148,11 @@ export function Overview() {
             { label: "segment hit ratio", values: ser.y.hit, color: "#16a34a" },
             { label: "cached-token share", values: ser.y.cached, color: "#9333ea" },
           ]}
+        />
+        <Chart
+          title="seam tokens/s"
+          x={ser.x}
+          lines={[{ label: "seam tokens/s", values: ser.y.seam, color: "#ea580c" }]}
         />
         <Chart
           title="scheduler"

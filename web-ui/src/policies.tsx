@@ -13,7 +13,7 @@ import {
   type RecordedTraffic,
   type ShadowView,
 } from "./api";
-import { compare } from "./metrics";
+import { bytes, compare, compareTenants, pct, type Side } from "./metrics";
 import { formText, parseForm, readSchema, type ParamSchema } from "./params";
 import { ParamForm, ParamPanel, PolicyDiff, ShadowPanel } from "./policytools";
 import { ErrorBox, useLoad, when } from "./ui";
@@ -210,7 +210,68 @@ function DryRun({ policy, params }: { policy: PolicyRecord; params?: Record<stri
           </tbody>
         </table>
       ) : null}
+      {result ? <TenantBreakdown result={result} /> : null}
     </form>
+  );
+}
+
+function num(v: number): string {
+  return Number.isInteger(v) ? String(v) : v.toFixed(3);
+}
+
+/** Candidate / active cell of the per-tenant table, marked on the better side. */
+function Cell({ s, fmt = num }: { s: Side; fmt?: (v: number) => string }) {
+  return (
+    <td
+      class={s.better === "same" ? "" : `better-${s.better}`}
+      title={s.better === "same" ? "the same" : s.better === "candidate" ? "better with the candidate" : "worse with the candidate"}
+    >
+      {fmt(s.candidate)} / {fmt(s.active)}
+    </td>
+  );
+}
+
+function TenantBreakdown({ result }: { result: DryRunResult }) {
+  const rows = compareTenants(result);
+  if (rows.length === 0) return null;
+  return (
+    <>
+      <h4>Per tenant (candidate / active)</h4>
+      <p class="muted">
+        Tenants by pseudonym; the tenants the candidate costs most hit ratio come first. Evictions and evicted bytes are
+        of the tenant's own entries. Green: better with the candidate; red: worse.
+      </p>
+      <table data-testid="dry-run-tenants">
+        <thead>
+          <tr>
+            <th scope="col">tenant</th>
+            <th scope="col">requests</th>
+            <th scope="col">hit ratio</th>
+            <th scope="col">Δ hit ratio</th>
+            <th scope="col">bytes from cache</th>
+            <th scope="col">bytes evicted</th>
+            <th scope="col">evictions</th>
+            <th scope="col">rejections</th>
+          </tr>
+        </thead>
+        <tbody>
+          {rows.map((r) => (
+            <tr key={r.tenant} data-testid={`dry-run-tenant-${r.tenant}`}>
+              <th scope="row">
+                <code>{r.tenant}</code>
+              </th>
+              <td>{r.requests}</td>
+              <Cell s={r.hitRatio} fmt={(v) => pct(v)} />
+              <td>{(r.hitRatio.delta * 100).toFixed(1)} pt</td>
+              <Cell s={r.bytesHit} fmt={bytes} />
+              <Cell s={r.bytesEvicted} fmt={bytes} />
+              <Cell s={r.evictions} />
+              <Cell s={r.rejected} />
+            </tr>
+          ))}
+        </tbody>
+      </table>
+    </>
   );
 }
 

@@ -7,7 +7,7 @@ import { lineDiff, diffStat } from "./diff";
 import { describe, formText, parseForm, type ParamSchema, type ParamValue } from "./params";
 import { policyLines } from "./policydiff";
 import { agreement, shadowRows } from "./shadow";
-import { ErrorBox, useLoad, when } from "./ui";
+import { ErrorBox, useDialog, useLoad, when } from "./ui";
 import { isError, type FieldError } from "./validate";
 
 /** Inputs for every declared parameter; `error` marks the field it names. */
@@ -93,6 +93,7 @@ export function ParamPanel(props: {
     if (d.data?.param_schema) setText(formText(d.data.param_schema, d.data.effective_params));
   }, [d.data]);
   const schema = d.data?.param_schema;
+  const dlg = useDialog(props.close);
   const values = (): Record<string, ParamValue> | null => {
     if (!schema || !text) return null;
     const r = parseForm(schema, text);
@@ -115,8 +116,8 @@ export function ParamPanel(props: {
     }
   };
   return (
-    <form class="card" aria-label={`parameters of policy ${policy.id}`} onSubmit={(e) => e.preventDefault()}>
-      <h3>
+    <form class="card" aria-label={`parameters of policy ${policy.id}`} onSubmit={(e) => e.preventDefault()} {...dlg.panel}>
+      <h3 tabIndex={-1} ref={dlg.titleRef}>
         Parameters of #{policy.id} {policy.name} v{policy.version}
       </h3>
       <ErrorBox error={d.error} />
@@ -176,8 +177,8 @@ export function ParamPanel(props: {
       ) : null}
       <ErrorBox error={error} />
       {note ? <p data-testid="param-note">{note}</p> : null}
-      <button type="button" onClick={props.close}>
-        Close
+      <button type="button" onClick={props.close} aria-keyshortcuts="Escape">
+        Close (Esc)
       </button>
     </form>
   );
@@ -194,9 +195,10 @@ export function PolicyDiff({ a, b, close }: { a: PolicyRecord; b: PolicyRecord; 
     [a.id, b.id],
   );
   const stat = d.data ? diffStat(d.data) : null;
+  const dlg = useDialog(close);
   return (
-    <div class="card" data-testid="policy-diff">
-      <h3>
+    <div class="card" data-testid="policy-diff" role="dialog" {...dlg.panel} aria-labelledby="policy-diff-title">
+      <h3 id="policy-diff-title" tabIndex={-1} ref={dlg.titleRef}>
         #{a.id} {a.name} v{a.version} → #{b.id} {b.name} v{b.version}
         {stat ? ` (+${stat.added} −${stat.removed})` : ""}
       </h3>
@@ -213,8 +215,8 @@ export function PolicyDiff({ a, b, close }: { a: PolicyRecord; b: PolicyRecord; 
           </div>
         ))}
       </pre>
-      <button type="button" onClick={close}>
-        Close diff
+      <button type="button" onClick={close} aria-keyshortcuts="Escape">
+        Close diff (Esc)
       </button>
     </div>
   );

@@ -4,6 +4,7 @@ import { useState } from "preact/hooks";
 import {
   api,
   type Evicted,
+  type Prefilled,
   type NewSegment,
   type Segment,
   type SegmentList,
@@ -14,9 +15,9 @@ import {
 } from "./api";
 import { diffStat, lineDiff } from "./diff";
 import { bytes } from "./metrics";
-import { ErrorBox, useLoad, when } from "./ui";
+import { ErrorBox, useDialog, useLoad, when } from "./ui";
 import { checkId } from "./validate";
-import { entryText, policyText, reasonTitle, verdict } from "./why";
+import { entryText, policyText, prefillText, reasonTitle, verdict } from "./why";
 
 async function loadAll(): Promise<Segment[]> {
   const out: Segment[] = [];
@@ -221,9 +222,10 @@ function VersionDiff({ path, newer, close }: { path: string; newer: number; clos
     return lineDiff(a.content, b.content);
   }, [path, newer]);
   const stat = d.data ? diffStat(d.data) : null;
+  const dlg = useDialog(close);
   return (
-    <div class="card" data-testid="version-diff">
-      <h2>
+    <div class="card" data-testid="version-diff" role="dialog" {...dlg.panel} aria-labelledby="version-diff-title">
+      <h2 id="version-diff-title" tabIndex={-1} ref={dlg.titleRef}>
         Version {newer - 1} → {newer}
         {stat ? ` (+${stat.added} −${stat.removed} lines)` : ""}
       </h2>
@@ -236,8 +238,8 @@ function VersionDiff({ path, newer, close }: { path: string; newer: number; clos
           </div>
         ))}
       </pre>
-      <button type="button" onClick={close}>
-        Close diff
+      <button type="button" onClick={close} aria-keyshortcuts="Escape">
+        Close diff (Esc)
       </button>
     </div>
   );
@@ -365,7 +367,22 @@ export function SegmentDetail({ id, go }: { id: string; go: (hash: string) => vo
   const [error, setError] = useState<unknown>(null);
   const [diffOf, setDiffOf] = useState<number | null>(null);
   const [evicted, setEvicted] = useState(-1);
+  const [prefilled, setPrefilled] = useState<Prefilled | null>(null);
+  const [busy, setBusy] = useState(false);
   const s = seg.data;
+  const prefill = async () => {
+    setBusy(true);
+    try {
+      const r = await api<Prefilled>("POST", `${path}/prefill`);
+      setError(null);
+      setPrefilled(r);
+      seg.reload();
+    } catch (err) {
+      setError(err);
+    } finally {
+      setBusy(false);
+    }
+  };
   const evict = async () => {
     if (!window.confirm(`Evict the cache entries of segment ${id}? The next request using it misses.`)) return;
     try {
@@ -485,12 +502,20 @@ export function SegmentDetail({ id, go }: { id: string; go: (hash: string) => vo
           <textarea name="new-content" rows={3} value={content} onInput={(e) => setContent(e.currentTarget.value)} required />
         </label>
         <button type="submit">Save as version {s ? s.current_version + 1 : ""}</button>
+        <button type="button" onClick={prefill} disabled={busy}>
+          {busy ? "Prefilling…" : "Prefill now"}
+        </button>
         <button type="button" onClick={evict}>
           Evict cache entries
         </button>
         <button type="button" class="danger" onClick={del}>
           Delete segment
         </button>
+        {prefilled ? (
+          <p data-testid="prefill-note" role="status">
+            Prefilled {prefillText(prefilled)}
+          </p>
+        ) : null}
         <ErrorBox error={error} />
       </form>
       <Why path={path} evicted={evicted} />

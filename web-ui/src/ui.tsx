@@ -96,3 +96,29 @@ export function when(ms: number | null | undefined): string {
   if (!ms) return "—";
   return new Date(ms).toLocaleString();
 }
+
+/**
+ * A panel opened over the page's flow (a diff, a parameter form): focus moves to
+ * its heading when it opens, Escape closes it, and focus goes back to the control
+ * that opened it when it closes. Spread `panel` on the panel's element (with
+ * `role="dialog"` where it is not a form) and put `tabIndex={-1}` and `titleRef`
+ * on its heading.
+ */
+export function useDialog(close: () => void) {
+  const titleRef = useRef<HTMLHeadingElement>(null);
+  useEffect(() => {
+    const opener = document.activeElement as HTMLElement | null;
+    titleRef.current?.focus();
+    return () => {
+      if (opener && opener.isConnected) opener.focus();
+    };
+  }, []);
+  const onKeyDown = (e: KeyboardEvent) => {
+    if (e.key === "Escape") {
+      e.preventDefault();
+      e.stopPropagation();
+      close();
+    }
+  };
+  return { titleRef, panel: { onKeyDown } };
+}

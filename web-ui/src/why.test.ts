@@ -1,6 +1,6 @@
 import { describe, expect, it } from "vitest";
-import type { WhyAnswer, WhyEntry } from "./api";
-import { policyText, reasonTitle, verdict } from "./why";
+import type { Prefilled, WhyAnswer, WhyEntry } from "./api";
+import { policyText, prefillText, reasonTitle, verdict } from "./why";
 
 const entry = (body_start: number, tier: string | null, cacheable = true): WhyEntry => ({
   body_start,
@@ -55,5 +55,20 @@ describe("why view text", () => {
 
   it("keeps unknown codes verbatim", () => {
     expect(reasonTitle({ code: "something_new", message: "", at_ms: null, body_start: null, decided_by: null })).toBe("something_new");
+  });
+});
+
+describe("prefillText", () => {
+  const r = (entries: Prefilled["prefill"]["entries"], shared = false): Prefilled => ({
+    address: "~a", version: 2, tenant: "acme", tokens: 20,
+    prefill: { prefill_ms: 12.4, shared, entries },
+  });
+  it("names each entry's outcome and the namespace", () => {
+    expect(prefillText(r([{ body_start: 0, status: "stored", bytes: 2048 }, { body_start: 8, status: "present", bytes: 10 }]))).toBe(
+      "v2 for tenant acme, 12 ms — body start 0: stored (2.0 KiB); body start 8: already resident",
+    );
+    expect(prefillText(r([{ body_start: 0, error: "device lost" }], true))).toBe(
+      "v2 for every tenant (shared), 12 ms — body start 0: failed: device lost",
+    );
   });
 });

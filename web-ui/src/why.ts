@@ -1,5 +1,6 @@
 // Readable text for the "Why did it miss?" view (GET /v1/segments/{id}/why).
-import type { PolicyRef, WhyAnswer, WhyReason } from "./api";
+import type { PolicyRef, Prefilled, WhyAnswer, WhyReason } from "./api";
+import { bytes } from "./metrics";
 
 /** Short titles of the reason codes the API documents. */
 export const REASON_TITLES: Record<string, string> = {
@@ -44,4 +45,22 @@ export function verdict(a: WhyAnswer): string {
   if (!first) return `Not resident for ${a.tenant}`;
   const partly = resident.length > 0 ? "Partly resident; " : "";
   return `${partly}${reasonTitle(first)}: ${first.message}`;
+}
+
+/** What a prefill did, as one line: `body start 0: stored (1.2 KiB); body start 8: already resident`. */
+export function prefillText(r: Prefilled): string {
+  const words: Record<string, string> = {
+    stored: "stored",
+    present: "already resident",
+    refused: "refused by the pool (admission policy or no room)",
+    not_needed: "not needed (no longer than the seam window)",
+  };
+  const rows = r.prefill.entries.map((e) => {
+    if (e.error) return `body start ${e.body_start}: failed: ${e.error}`;
+    const st = words[e.status ?? ""] ?? e.status ?? "?";
+    return e.status === "stored" && e.bytes != null
+      ? `body start ${e.body_start}: ${st} (${bytes(e.bytes)})`
+      : `body start ${e.body_start}: ${st}`;
+  });
+  return `v${r.version} for ${r.prefill.shared ? "every tenant (shared)" : `tenant ${r.tenant}`}, ${r.prefill.prefill_ms.toFixed(0)} ms — ${rows.join("; ")}`;
 }
