@@ -32,6 +32,11 @@
 # reports load time, GB/s and VmHWM, and requires greedy answers equal to
 # `--random-weights` (GpuModel::random, same seed): $OUT/load35b.md.
 #
+# Step `decode` runs dataplane/tests/cuda_decode.rs (device sampling in the decode
+# step against the host path); step `moebench` runs `gpu_bench --moe-grouped` (the
+# grouped MoE expert GEMMs against the per-expert cuBLAS loop and torch._grouped_mm,
+# 1k/4k/16k tokens at the 35B-A3B shape).
+#
 # GPU_CHECK_STEPS selects steps for both halves: `build` then builds only the
 # executables those steps need (e.g. GPU_CHECK_STEPS=serve builds just the stripped
 # `hypic` binary, --release --features cuda, plus gpu_bench for the kernel cache).
@@ -53,13 +58,13 @@ mode="${1:-}"
 build() {
   set -e
   export CARGO_TARGET_DIR="${CARGO_TARGET_DIR:-$PWD/target}"
-  local steps=" ${GPU_CHECK_STEPS:-kernels attn moe model pic bench fla modelbench serve} "
+  local steps=" ${GPU_CHECK_STEPS:-kernels attn moe model pic decode bench moebench fla modelbench serve} "
   wantb() { [[ "$steps" == *" $1 "* ]]; }
   mkdir -p .device/bin
   local built=() pair name exe
   # Test executables of each step.
   for pair in kernels:cuda_kernels moe:cuda_moe model:cuda_model pic:cuda_pic \
-              modelbench:cuda_random attn:cuda_attn; do
+              modelbench:cuda_random attn:cuda_attn decode:cuda_decode; do
     wantb "${pair%%:*}" || continue
     name=${pair#*:}
     exe=$(cargo test --release -p hypic-dataplane --features cuda --test "$name" --no-run \
@@ -103,14 +108,14 @@ build() {
 }
 
 run() {
-  # GPU_CHECK_STEPS: which parts to run (default all): kernels attn moe model pic bench fla modelbench serve
-  local steps=" ${GPU_CHECK_STEPS:-kernels attn moe model pic bench fla modelbench serve} "
+  # GPU_CHECK_STEPS: which parts to run (default all): kernels attn moe model pic decode bench moebench fla modelbench serve
+  local steps=" ${GPU_CHECK_STEPS:-kernels attn moe model pic decode bench moebench fla modelbench serve} "
   want() { [[ "$steps" == *" $1 "* ]]; }
   local s_
   for s_ in $steps; do
     case "$s_" in
-      kernels|attn|moe|model|pic|bench|fla|modelbench|serve|load35b) ;;
-      *) echo "unknown step \`$s_\` in GPU_CHECK_STEPS (known: kernels attn moe model pic bench fla modelbench serve load35b)" >&2
+      kernels|attn|moe|model|pic|decode|bench|moebench|fla|modelbench|serve|load35b) ;;
+      *) echo "unknown step \`$s_\` in GPU_CHECK_STEPS (known: kernels attn moe model pic decode bench moebench fla modelbench serve load35b)" >&2
          return 2 ;;
     esac
   done
@@ -140,7 +145,7 @@ PY
   chmod +x .device/bin/* 2>/dev/null || true
   local exe_ st_ missing_=0
   for st_ in kernels:cuda_kernels attn:cuda_attn moe:cuda_moe model:cuda_model pic:cuda_pic \
-             bench:gpu_bench modelbench:cuda_random modelbench:gpu_model_bench serve:hypic \
+             decode:cuda_decode bench:gpu_bench moebench:gpu_bench modelbench:cuda_random modelbench:gpu_model_bench serve:hypic \
              load35b:hypic; do
     exe_=${st_#*:}
     if want "${st_%%:*}" && [ ! -x ".device/bin/$exe_" ]; then
@@ -149,10 +154,11 @@ PY
     fi
   done
   [ "$missing_" -eq 0 ] || return 3
-  local test_rc=0 attn_rc=0 moe_rc=0 model_rc=0 pic_rc=0
+  local test_rc=0 attn_rc=0 moe_rc=0 model_rc=0 pic_rc=0 decode_rc=0 moebench_rc=0
   : > "$OUT/attn_tests.log"
   : > "$OUT/tests.log"; : > "$OUT/tests_moe.log"; : > "$OUT/model_tests.log"; : > "$OUT/pic_tests.log"; : > "$OUT/bench.md"; : > "$OUT/fla.md"
   : > "$OUT/random_tests.log"; : > "$OUT/model_bench.md"
+  : > "$OUT/decode_tests.log"; : > "$OUT/moe_bench.md"
   if want kernels; then
   .device/bin/cuda_kernels --test-threads=1 --nocapture > "$OUT/tests.log" 2>&1
   test_rc=$?
@@ -222,6 +228,30 @@ PY
   want pic && echo "pic tests rc=$pic_rc in $((SECONDS - t0)) s" || echo "pic tests: skipped"
   grep -E "^test |test result|FAIL|panicked|^cuda_pic gpu::" "$OUT/pic_tests.log" \
     | grep -v "^test .* ok$" | tail -60
+
+  echo "== decode-step tests: device sampling (dataplane/tests/cuda_decode.rs)"
+  t0=$SECONDS
+  if want decode; then
+    HYPIC_CUDA_POISON=${HYPIC_CUDA_POISON:-1} HYPIC_REPO_ROOT="$PWD" timeout 300 .device/bin/cuda_decode \
+      --test-threads=1 --nocapture > "$OUT/decode_tests.log" 2>&1
+    decode_rc=$?
+    grep -q "running [1-9][0-9]* test" "$OUT/decode_tests.log" || { echo "cuda_decode ran no test" >&2; decode_rc=1; }
+    echo "decode tests rc=$decode_rc in $((SECONDS - t0)) s"
+  else
+    echo "decode tests: skipped"
+  fi
+  grep -E "^  |FAIL|test result|panicked" "$OUT/decode_tests.log" | tail -60
+
+  echo "== MoE prefill: grouped expert GEMMs vs per-expert cuBLAS and torch._grouped_mm (gpu_bench --moe-grouped)"
+  t0=$SECONDS
+  if want moebench; then
+    timeout 240 .device/bin/gpu_bench --moe-grouped > "$OUT/moe_bench.md" 2>&1
+    moebench_rc=$?
+    echo "moebench rc=$moebench_rc in $((SECONDS - t0)) s"
+    cat "$OUT/moe_bench.md"
+  else
+    echo "moebench: skipped"
+  fi
 
   echo "== our benchmark"
   t0=$SECONDS
@@ -466,6 +496,14 @@ PY
     grep -E "rel .*tol|^test |panicked|FAIL|greedy|  (cpu|gpu) |^cuda_model gpu::" "$OUT/model_tests.log"
     echo '```'
     echo; echo "Layer and state breakdowns: model_tests.log"
+    if want decode; then
+      echo; echo "## Decode step: device sampling (tests/cuda_decode.rs, rc=$decode_rc)"; echo; echo '```'
+      grep -E "^  |FAIL|panicked|^test |test result" "$OUT/decode_tests.log"
+      echo '```'
+    fi
+    if want moebench; then
+      echo; echo "(moebench rc=$moebench_rc)"; echo; cat "$OUT/moe_bench.md"
+    fi
     echo; echo "## PIC engine GPU vs CPU (rc=$pic_rc)"; echo; echo '```'
     grep -E "^  |^-- |FAIL|panicked|^test |^cuda_pic gpu::" "$OUT/pic_tests.log"
     echo '```'
@@ -498,6 +536,8 @@ PY
   [ "$random_rc" -ne 0 ] && return "$random_rc"
   [ "$model_rc" -ne 0 ] && return "$model_rc"
   [ "$pic_rc" -ne 0 ] && return "$pic_rc"
+  [ "$decode_rc" -ne 0 ] && return "$decode_rc"
+  [ "$moebench_rc" -ne 0 ] && return "$moebench_rc"
   [ "$bench_rc" -ne 0 ] && return "$bench_rc"
   [ "$mbench_rc" -ne 0 ] && return "$mbench_rc"
   want fla && [ "$fla_rc" -ne 0 ] && return "$fla_rc"

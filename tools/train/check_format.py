@@ -7,7 +7,9 @@ For every example it asserts:
   * the prompt equals HF's chat template rendering of [system, user] messages with
     add_generation_prompt=True, and HF AutoTokenizer gives the same ids as tokenizer.json;
   * every document has 100..1000 tokens and doc_tokens[i] is its exact count;
-  * the answer (and, for two-hop questions, the bridge) sits in the answer documents.
+  * the answer (and, for two-hop questions, the bridge) sits in the answer documents;
+    for the ledger task (gen_ledger.py), replaying the documents' writes in order gives
+    the answer, and answer_doc_indices are exactly the documents writing the crate.
 Prints token-length statistics.
 
     /work/pyenv/hf/bin/python tools/train/check_format.py models/hypic-tiny
@@ -22,6 +24,7 @@ import sys
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 import gen_corpus as gc  # noqa: E402
+import gen_ledger  # noqa: E402
 
 
 def main(argv=None) -> int:
@@ -57,8 +60,13 @@ def main(argv=None) -> int:
             assert 100 <= m <= 1000, (ex["id"], m)
         assert 3 <= len(ex["documents"]) <= 8
         idx = ex["answer_doc_indices"]
-        assert len(idx) == ex["hop"] and len(set(idx)) == len(idx)
-        assert any(ex["answer"] in ex["documents"][i] for i in idx), ex["id"]
+        if ex.get("task") == "ledger":
+            # every document that writes the crate, and the answer is its last write
+            assert len(idx) == ex["writes"] and (len(idx) >= 2) == (ex["hop"] == 2), ex["id"]
+            assert gen_ledger.final_contents(ex)[ex["crate"]] == ex["answer"], ex["id"]
+        else:
+            assert len(idx) == ex["hop"] and len(set(idx)) == len(idx)
+            assert any(ex["answer"] in ex["documents"][i] for i in idx), ex["id"]
         plen.append(len(whole))
         alen.append(len(tok.encode(gc.answer_text(ex), add_special_tokens=False).ids))
         seglens.append([len(p) for p in parts])

@@ -43,6 +43,10 @@ import torch  # noqa: E402
 import torch.nn.functional as F  # noqa: E402
 
 import gen_corpus as gc  # noqa: E402
+import gen_ledger  # noqa: E402
+
+# --task: the generator of the training stream, validation and held-out style examples
+TASKS = {"qa": gc, "ledger": gen_ledger}
 
 EXAMPLES_PER_BATCH_SLOT = 1024
 BUCKETS = (768, 1024, 1280, 1536, 1792, 2048, 2560, 3072, 4096, 6144, 8192)
@@ -52,10 +56,15 @@ VAL_SEED = 4242
 # ------------------------------------------------------------------------------------
 # Model
 # ------------------------------------------------------------------------------------
-def model_config(vocab_size: int, im_end: int, pad: int, layers: int = 12, hidden: int = 256):
+def model_config(vocab_size: int, im_end: int, pad: int, layers: int = 12, hidden: int = 256,
+                 attn_layers: list[int] | None = None):
+    """attn_layers: indices of the full-attention layers (default every 4th: 3, 7, 11, ...);
+    all other layers are Gated DeltaNet."""
     from transformers import Qwen3NextConfig
 
-    layer_types = ["full_attention" if (i + 1) % 4 == 0 else "linear_attention" for i in range(layers)]
+    if attn_layers is None:
+        attn_layers = [i for i in range(layers) if (i + 1) % 4 == 0]
+    layer_types = ["full_attention" if i in attn_layers else "linear_attention" for i in range(layers)]
     return Qwen3NextConfig(
         vocab_size=vocab_size,
         hidden_size=hidden,
@@ -110,7 +119,8 @@ class TrainBatches(torch.utils.data.Dataset):
     """Item b = one padded batch of training examples (token budget per batch)."""
 
     def __init__(self, seed, tokenizer_path, batch_tokens, n_extra, p_two_hop, n_batches, pad_id, im_end_id,
-                 bucket_pool=0):
+                 bucket_pool=0, task="qa"):
+        self.task = task
         self.bucket_pool = bucket_pool  # >0: item = a list of length-bucketed batches from this many examples
         self.seed, self.tokenizer_path = seed, tokenizer_path
         self.batch_tokens, self.n_extra, self.p_two_hop = batch_tokens, n_extra, p_two_hop
@@ -155,7 +165,7 @@ class TrainBatches(torch.utils.data.Dataset):
         last partial batch is filled with all-padding rows (no loss).  Batches shuffled."""
         by = {T: [] for T in BUCKETS}
         for i in range(self.bucket_pool):
-            ex = gc.make_example(self.seed, m * EXAMPLES_PER_BATCH_SLOT + i, self._count,
+            ex = TASKS[self.task].make_example(self.seed, m * EXAMPLES_PER_BATCH_SLOT + i, self._count,
                                  n_extra=self.n_extra, p_two_hop=self.p_two_hop)
             ids, ans = self.encode_example(ex)
             T = next((t for t in BUCKETS if len(ids) <= t), None)
@@ -182,7 +192,7 @@ class TrainBatches(torch.utils.data.Dataset):
         rows, n_tok, i = [], 0, 0
         maxlen = 0
         while i < EXAMPLES_PER_BATCH_SLOT:
-            ex = gc.make_example(self.seed, b * EXAMPLES_PER_BATCH_SLOT + i, self._count,
+            ex = TASKS[self.task].make_example(self.seed, b * EXAMPLES_PER_BATCH_SLOT + i, self._count,
                                  n_extra=self.n_extra, p_two_hop=self.p_two_hop)
             i += 1
             ids, ans = self.encode_example(ex)
@@ -206,9 +216,10 @@ def load_jsonl(path):
         return [json.loads(line) for line in f]
 
 
-def make_val(tokenizer_path, n):
+def make_val(tokenizer_path, n, task="qa"):
     count = gc.TokCounter(tokenizer_path)
-    return [gc.make_example(VAL_SEED, i, count, hop=1 + i % 2) for i in range(n)]
+    return [TASKS[task].make_example(VAL_SEED, i, count, hop=1 + i % 2) for i in range(n)]
+
 
 
 # ------------------------------------------------------------------------------------
@@ -322,6 +333,10 @@ def main(argv=None) -> int:
     ap.add_argument("--p-two-hop", type=float, default=0.6)
     ap.add_argument("--layers", type=int, default=12)
     ap.add_argument("--hidden", type=int, default=256)
+    ap.add_argument("--attn-layers", default=None,
+                    help="comma-separated indices of the full-attention layers (default: every 4th, 3,7,11)")
+    ap.add_argument("--task", default="qa", choices=sorted(TASKS),
+                    help="qa: gen_corpus.py (hypic-tiny); ledger: gen_ledger.py (hypic-ledger)")
     ap.add_argument("--workers", type=int, default=12)
     ap.add_argument("--log-every", type=int, default=25)
     ap.add_argument("--eval-every", type=int, default=1000)
@@ -387,7 +402,8 @@ def main(argv=None) -> int:
     if a.init_from:
         model = Qwen3NextForCausalLM.from_pretrained(a.init_from, dtype=torch.float32)
     else:
-        cfg = model_config(vocab, im_end, pad, a.layers, a.hidden)
+        attn = [int(x) for x in a.attn_layers.split(",")] if a.attn_layers else None
+        cfg = model_config(vocab, im_end, pad, a.layers, a.hidden, attn)
         model = Qwen3NextForCausalLM(cfg)
     model.to(device)
     model.train()
@@ -430,12 +446,12 @@ def main(argv=None) -> int:
         log(f"resumed from {a.resume} at step {step}, next batch {start_batch}")
 
     ds = TrainBatches(a.seed, a.tokenizer, a.batch_tokens, a.n_extra, a.p_two_hop, 10**8, pad, im_end,
-                      bucket_pool=a.bucket_pool)
+                      bucket_pool=a.bucket_pool, task=a.task)
     sampler = range(start_batch, start_batch + (a.steps - step) + 10)
     dl = torch.utils.data.DataLoader(ds, batch_size=None, sampler=sampler, num_workers=a.workers,
                                      prefetch_factor=6 if a.workers else None, persistent_workers=False,
                                      pin_memory=device.type == "cuda")
-    val = make_val(a.tokenizer, a.val_n) if a.val_n else []
+    val = make_val(a.tokenizer, a.val_n, a.task) if a.val_n else []
 
     loss_f = open(os.path.join(a.out, "loss.csv"), "a", newline="")
     loss_w = csv.writer(loss_f)
