@@ -26,6 +26,7 @@ pub mod sim;
 pub mod tenants_api;
 pub mod ui;
 pub mod usage;
+pub mod worker;
 
 use std::net::SocketAddr;
 use std::path::PathBuf;

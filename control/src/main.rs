@@ -37,6 +37,8 @@ enum Command {
     Serve(Box<hypic_control::serve::ServeArgs>),
     /// Run the RAG workload benchmark (in-process or against a server) for each reuse mode.
     Bench(hypic_control::bench::BenchArgs),
+    /// Serve as a segment-parallel worker: prefill the cold segments `serve --workers` sends.
+    Worker(hypic_control::worker::WorkerArgs),
     /// Write a random-weight checkpoint (sharded safetensors, HF names) of any shape.
     RandomCheckpoint(random_ckpt_cmd::RandomCheckpointArgs),
 }
@@ -56,6 +58,7 @@ fn main() {
         Command::Serve(a) => hypic_control::serve::run_serve_command(*a),
         Command::Bench(a) => hypic_control::bench::run_bench_command(a),
         Command::RandomCheckpoint(a) => random_ckpt_cmd::run(a),
+        Command::Worker(a) => hypic_control::worker::run_worker_command(a),
     };
     if let Err(e) = res {
         eprintln!("error: {e:#}");

@@ -22,6 +22,8 @@
 //! is the host path.
 use crate::config::ModelConfig;
 use crate::error::Result;
+use crate::parallel::wire::ModelFingerprint;
+use crate::parallel::EntrySource;
 use crate::pic::engine::PicJob;
 use crate::pic::engine::Snapshot;
 use crate::pic::pool::{CachePolicy, PoolStats};
@@ -29,6 +31,7 @@ use crate::pic::spill::Spill;
 use crate::pic::{EntryReport, Mode, Pic, PicBackend, PicStats, Prefetch, SegmentRef};
 use crate::sampling::DrawParams;
 use serde::Serialize;
+use std::sync::Arc;
 
 /// Which backend an engine runs on (for logs, `/health` and `/metrics`).
 #[derive(Clone, Debug, PartialEq, Eq, Serialize)]
@@ -139,6 +142,17 @@ pub trait EnginePools: Send + Sync {
     /// Residency and remembered history of one public-pool entry (see
     /// [`Pic::entry_report`]); not a lookup.
     fn entry_report(&self, tokens: &[u32], isolation: &str, body_start: usize) -> EntryReport;
+    /// The cold segments of a request and the body starts each one's miss builds
+    /// (see [`Pic::cold_segments`]): what a scatter sends to workers.
+    fn cold_segments(
+        &self,
+        segments: &[SegmentRef],
+        mode: Mode,
+        tenant: &str,
+    ) -> Vec<(usize, Vec<usize>)>;
+    /// The model's identity as shipped entries carry it (see
+    /// [`Pic::model_fingerprint`]).
+    fn model_fingerprint(&self) -> ModelFingerprint;
     /// What the public pool's primary tier is, for reports: `gpu` on the CUDA
     /// backend, `host` on the CPU.
     fn primary_tier_name(&self) -> &'static str {
@@ -172,6 +186,20 @@ pub trait Engine: EnginePools {
     ///
     /// Errors: [`crate::Error::Input`] for an invalid request.
     fn begin(&self, segments: &[SegmentRef], mode: Mode, tenant: &str) -> Result<Self::Prefill>;
+    /// [`Engine::begin`] with the entries of scattered cold segments supplied by
+    /// `source` (see [`Pic::begin_with_source`]); the default ignores the source.
+    ///
+    /// Errors: as [`Engine::begin`].
+    fn begin_with(
+        &self,
+        segments: &[SegmentRef],
+        mode: Mode,
+        tenant: &str,
+        source: Option<Arc<dyn EntrySource>>,
+    ) -> Result<Self::Prefill> {
+        let _ = source;
+        self.begin(segments, mode, tenant)
+    }
     /// Advances `prefill` by at most `budget` tokens of model work (with
     /// `progress`, at least one piece even over it; see [`Pic::advance`]); returns
     /// the tokens run. Once the prompt is done,
@@ -281,6 +309,17 @@ where
     fn entry_report(&self, tokens: &[u32], isolation: &str, body_start: usize) -> EntryReport {
         Pic::entry_report(self, tokens, isolation, body_start)
     }
+    fn cold_segments(
+        &self,
+        segments: &[SegmentRef],
+        mode: Mode,
+        tenant: &str,
+    ) -> Vec<(usize, Vec<usize>)> {
+        Pic::cold_segments(self, segments, mode, tenant)
+    }
+    fn model_fingerprint(&self) -> ModelFingerprint {
+        Pic::model_fingerprint(self)
+    }
 }
 
 /// The scheduler's interface: prefill through [`Pic::run`], decode through the
@@ -309,6 +348,15 @@ where
     type Prefill = PicJob<B>;
     fn begin(&self, segments: &[SegmentRef], mode: Mode, tenant: &str) -> Result<PicJob<B>> {
         Pic::begin(self, segments.to_vec(), mode, tenant)
+    }
+    fn begin_with(
+        &self,
+        segments: &[SegmentRef],
+        mode: Mode,
+        tenant: &str,
+        source: Option<Arc<dyn EntrySource>>,
+    ) -> Result<PicJob<B>> {
+        Pic::begin_with_source(self, segments.to_vec(), mode, tenant, source)
     }
     fn advance(&self, prefill: &mut PicJob<B>, budget: usize, progress: bool) -> Result<usize> {
         let _serial = Pic::pic_backend(self).exclusive();

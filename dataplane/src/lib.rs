@@ -13,6 +13,7 @@ pub mod mixers;
 pub mod model;
 pub mod models;
 pub mod ops;
+pub mod parallel;
 pub mod pic;
 pub mod random;
 pub mod random_checkpoint;

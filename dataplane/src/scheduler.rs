@@ -32,6 +32,7 @@
 //! * Cancellation: dropping the [`RequestHandle`] (client disconnect) or calling
 //!   [`RequestHandle::cancel`] frees the sequence's state at the next step.
 use crate::engine::{Decoded, Engine, EnginePools};
+use crate::parallel::EntrySource;
 use crate::pic::{Mode, PicStats, SegmentRef};
 use crate::sampling::{Sampler, SamplingParams};
 use serde::Serialize;
@@ -270,6 +271,8 @@ pub struct SchedulerMetrics {
 
 struct Queued {
     req: GenRequest,
+    /// Entries of scattered cold segments, taken at admission.
+    source: Option<Arc<dyn EntrySource>>,
     tx: mpsc::UnboundedSender<GenEvent>,
     cancel: Arc<AtomicBool>,
     submitted: Instant,
@@ -418,6 +421,20 @@ impl Scheduler {
     /// prompt + `max_tokens` over the context limit, a reservation larger than the
     /// whole KV budget), [`SubmitError::QueueFull`].
     pub fn submit(&self, req: GenRequest) -> Result<RequestHandle, SubmitError> {
+        self.submit_with_source(req, None)
+    }
+
+    /// [`Scheduler::submit`] with the entries of the request's scattered cold
+    /// segments supplied by `source` ([`Engine::begin_with`]); the source is
+    /// dropped with the request (done, failed or cancelled), which cancels what of
+    /// the scatter still runs.
+    ///
+    /// Errors: as [`Scheduler::submit`].
+    pub fn submit_with_source(
+        &self,
+        req: GenRequest,
+        source: Option<Arc<dyn EntrySource>>,
+    ) -> Result<RequestHandle, SubmitError> {
         if self.shared.shutdown.load(Ordering::Relaxed) {
             return Err(SubmitError::Closed);
         }
@@ -485,6 +502,7 @@ impl Scheduler {
             }
             q.push_back(Queued {
                 req,
+                source,
                 tx,
                 cancel: cancel.clone(),
                 submitted: Instant::now(),
@@ -594,10 +612,15 @@ fn worker_loop<E: Engine>(shared: Arc<Shared>, engine: Arc<E>, cfg: SchedulerCon
             out
         };
         step += 1;
-        for qr in admitted {
+        for mut qr in admitted {
             let queued = qr.submitted.elapsed();
             let begun = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| {
-                engine.begin(&qr.req.segments, qr.req.mode, &qr.req.tenant)
+                engine.begin_with(
+                    &qr.req.segments,
+                    qr.req.mode,
+                    &qr.req.tenant,
+                    qr.source.take(),
+                )
             }));
             match begun.map_err(|p| {
                 crate::Error::Device(format!("prefill failed: {}", panic_message(&*p)))

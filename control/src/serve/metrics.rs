@@ -58,6 +58,7 @@ pub struct ServeMetrics {
     policy_nanos: IntCounterVec,
     policy_ns_per_call: GaugeVec,
     policy_active: IntGaugeVec,
+    scatter_seconds: HistogramVec,
     last: Mutex<Last>,
     reuse: Mutex<HashMap<String, ReuseTally>>,
 }
@@ -295,8 +296,17 @@ impl ServeMetrics {
             ),
             &["kind"]
         ));
+        let scatter_seconds = reg!(HistogramVec::new(
+            HistogramOpts::new(
+                "hypic_scatter_seconds",
+                "Per scattered prompt: `scatter` (start to the last cold segment in), `combine` (the combiner's first look at a shipped entry to its last), `transfer` (frame receive time, summed), `wait` (combiner blocked on entries not yet in)."
+            )
+            .buckets(buckets_s()),
+            &["phase"]
+        ));
         ServeMetrics {
             registry: r,
+            scatter_seconds,
             sweep,
             policy_calls,
             policy_faults,
@@ -327,6 +337,22 @@ impl ServeMetrics {
             backend,
             last: Mutex::new(Last::default()),
             reuse: Mutex::new(HashMap::new()),
+        }
+    }
+
+    /// Records the scatter times of one request's prompts (`hypic_scatter_seconds`).
+    pub fn observe_scatter(&self, reports: &[Option<dataplane::parallel::scatter::ScatterReport>]) {
+        for r in reports.iter().flatten() {
+            for (phase, ms) in [
+                ("scatter", r.scatter_ms),
+                ("combine", r.combine_ms),
+                ("transfer", r.transfer_ms),
+                ("wait", r.wait_ms),
+            ] {
+                self.scatter_seconds
+                    .with_label_values(&[phase])
+                    .observe(ms / 1e3);
+            }
         }
     }
 
@@ -573,6 +599,128 @@ impl Default for ServeMetrics {
     fn default() -> Self {
         Self::new()
     }
+}
+
+fn escape_label(v: &str) -> String {
+    v.replace('\\', "\\\\")
+        .replace('"', "\\\"")
+        .replace('\n', "\\n")
+}
+
+/// A per-worker metric: name, type, help, value.
+type PerWorker = (
+    &'static str,
+    &'static str,
+    &'static str,
+    fn(&dataplane::parallel::scatter::WorkerMetrics) -> f64,
+);
+
+/// The live counters of the segment-parallel workers in the text exposition
+/// format: `hypic_worker_*{worker}` (up, throughput, segments, tokens, failures,
+/// segments in flight) and `hypic_scatter_*` (requests, segments, reassigned,
+/// recomputed, corrupt, timeouts, driver threads).
+pub fn scatter_text(m: &dataplane::parallel::scatter::ScatterMetrics) -> String {
+    use std::fmt::Write;
+    let mut out = String::new();
+    let per: [PerWorker; 6] = [
+        (
+            "hypic_worker_up",
+            "gauge",
+            "1 while the worker is in the assignment set.",
+            |w| w.up as u8 as f64,
+        ),
+        (
+            "hypic_worker_tokens_per_second",
+            "gauge",
+            "Entry-build throughput the deadlines assume, tokens per second.",
+            |w| w.tokens_per_s,
+        ),
+        (
+            "hypic_worker_segments_total",
+            "counter",
+            "Cold segments the worker shipped that verified.",
+            |w| w.segments as f64,
+        ),
+        (
+            "hypic_worker_tokens_total",
+            "counter",
+            "Tokens of those segments.",
+            |w| w.tokens as f64,
+        ),
+        (
+            "hypic_worker_failures_total",
+            "counter",
+            "Times the worker failed a task (dead, late, failed segment, bad frame).",
+            |w| w.failures as f64,
+        ),
+        (
+            "hypic_worker_in_flight_segments",
+            "gauge",
+            "Segments assigned to the worker and not answered yet.",
+            |w| w.in_flight as f64,
+        ),
+    ];
+    for (name, kind, help, f) in per {
+        let _ = writeln!(out, "# HELP {name} {help}\n# TYPE {name} {kind}");
+        for w in &m.workers {
+            let _ = writeln!(
+                out,
+                "{name}{{worker=\"{}\"}} {}",
+                escape_label(&w.worker),
+                f(w)
+            );
+        }
+    }
+    for (name, kind, help, v) in [
+        (
+            "hypic_scatter_requests_total",
+            "counter",
+            "Prompts whose cold segments were scattered.",
+            m.requests as f64,
+        ),
+        (
+            "hypic_scatter_segments_total",
+            "counter",
+            "Cold segments scattered.",
+            m.segments as f64,
+        ),
+        (
+            "hypic_scatter_reassigned_total",
+            "counter",
+            "Scattered segments moved to another worker.",
+            m.reassigned as f64,
+        ),
+        (
+            "hypic_scatter_recomputed_total",
+            "counter",
+            "Scattered segments built by the combiner after all.",
+            m.recomputed as f64,
+        ),
+        (
+            "hypic_scatter_corrupt_total",
+            "counter",
+            "Shipped entries refused (checksum, model, shape); never composed.",
+            m.corrupt as f64,
+        ),
+        (
+            "hypic_scatter_timeouts_total",
+            "counter",
+            "Per-segment deadlines missed.",
+            m.timeouts as f64,
+        ),
+        (
+            "hypic_scatter_drivers",
+            "gauge",
+            "Scatter driver threads running.",
+            m.drivers as f64,
+        ),
+    ] {
+        let _ = writeln!(
+            out,
+            "# HELP {name} {help}\n# TYPE {name} {kind}\n{name} {v}"
+        );
+    }
+    out
 }
 
 #[cfg(test)]

@@ -191,6 +191,15 @@ pub struct ServeConfig {
     /// `GpuModel::random` of the model folder's config.json; the folder's weight
     /// files are not read) instead of the checkpoint.
     pub random_weights: Option<u64>,
+    /// Segment-parallel workers (`hypic worker --listen ADDR`), `host:port` each:
+    /// a request's cold segments are prefilled on them and composed here (see
+    /// docs/segment-parallelism.md). Empty: every segment is prefilled here.
+    pub workers: Vec<String>,
+    /// Factor on a scattered segment's expected prefill time (tokens / the
+    /// worker's measured throughput) in its deadline (at least 1).
+    pub scatter_margin: f64,
+    /// Time added to every scattered segment's deadline, ms.
+    pub scatter_floor_ms: u64,
 }
 
 impl Default for ServeConfig {
@@ -242,6 +251,9 @@ impl Default for ServeConfig {
             shared_first_use: "share".into(),
             idempotency_ttl_s: crate::DEFAULT_IDEMPOTENCY_TTL_S,
             random_weights: None,
+            workers: vec![],
+            scatter_margin: 4.0,
+            scatter_floor_ms: 2000,
         }
     }
 }
@@ -359,6 +371,17 @@ pub struct ServeArgs {
     /// `hypic random-checkpoint` folder written with the same seed.
     #[arg(long, env = "HYPIC_RANDOM_WEIGHTS")]
     pub random_weights: Option<u64>,
+    /// Segment-parallel workers, `host:port,host:port` (each a `hypic worker
+    /// --listen`): cold segments are prefilled there, composed here.
+    #[arg(long, env = "HYPIC_WORKERS", value_delimiter = ',')]
+    pub workers: Option<Vec<String>>,
+    /// Factor on a scattered segment's expected prefill time in its deadline
+    /// [default: 4].
+    #[arg(long, env = "HYPIC_SCATTER_MARGIN")]
+    pub scatter_margin: Option<f64>,
+    /// Time added to every scattered segment's deadline, ms [default: 2000].
+    #[arg(long, env = "HYPIC_SCATTER_FLOOR_MS")]
+    pub scatter_floor_ms: Option<u64>,
     /// Turn authentication off (loopback binds only).
     #[arg(long)]
     pub disable_auth: bool,
@@ -437,7 +460,10 @@ impl ServeConfig {
             max_segment_bytes,
             max_message_bytes,
             tokenize_concurrency,
-            idempotency_ttl_s
+            idempotency_ttl_s,
+            workers,
+            scatter_margin,
+            scatter_floor_ms
         );
         if a.model.is_some() {
             c.model = a.model.clone();
@@ -476,6 +502,12 @@ impl ServeConfig {
                 "pool_policy must be `control` or `lru`, not {:?}",
                 self.pool_policy
             );
+        }
+        if !(self.scatter_margin >= 1.0 && self.scatter_margin.is_finite()) {
+            bail!("scatter_margin must be a finite number of at least 1");
+        }
+        if let Some(w) = self.workers.iter().find(|w| !w.contains(':')) {
+            bail!("workers: {w:?} is not host:port");
         }
         if self.queue_capacity == 0 || self.max_running == 0 {
             bail!("queue_capacity and max_running must be at least 1");
@@ -635,6 +667,8 @@ pub(crate) struct Inner {
     pub tokenize_gate: Arc<tokio::sync::Semaphore>,
     /// Grammar compiler of `response_format` (structured output).
     pub grammars: Arc<structured::Grammars>,
+    /// Segment-parallel workers (`workers`), when any.
+    pub scatter: Option<Arc<dataplane::parallel::scatter::Scatter>>,
 }
 
 /// Shared state of the serving routes.
@@ -657,6 +691,42 @@ fn set_pool_policy(engine: &dyn EnginePools, cfg: &ServeConfig, control: &Contro
     } else if !cfg.pool_fair_share {
         engine.set_public_policy(Box::new(dataplane::pic::pool::GlobalLru));
     }
+}
+
+/// The combiner over `cfg.workers` (TCP), health-checked once now and then in the
+/// background; `None` without workers.
+fn start_scatter(
+    cfg: &ServeConfig,
+    engine: &dyn EnginePools,
+) -> Option<Arc<dataplane::parallel::scatter::Scatter>> {
+    use dataplane::parallel::scatter::{Scatter, ScatterConfig};
+    use dataplane::parallel::transport::{Tcp, Transport, DEFAULT_MAX_FRAME};
+    if cfg.workers.is_empty() {
+        return None;
+    }
+    let transports: Vec<Box<dyn Transport>> = cfg
+        .workers
+        .iter()
+        .map(|a| Box::new(Tcp::new(a, DEFAULT_MAX_FRAME)) as Box<dyn Transport>)
+        .collect();
+    let sc = Scatter::new(
+        transports,
+        engine.model_fingerprint(),
+        ScatterConfig {
+            margin: cfg.scatter_margin,
+            floor: std::time::Duration::from_millis(cfg.scatter_floor_ms),
+            ..ScatterConfig::default()
+        },
+    );
+    let up = sc.check_health();
+    tracing::info!(
+        workers = cfg.workers.len(),
+        up,
+        "segment-parallel workers: {up} of {} up",
+        cfg.workers.len()
+    );
+    sc.spawn_health_checks();
+    Some(sc)
 }
 
 impl AppState {
@@ -710,6 +780,7 @@ impl AppState {
             tok.clone(),
             engine.config().vocab_size,
         ));
+        let scatter = start_scatter(&cfg, &*engine);
         Ok(AppState(Arc::new(Inner {
             cfg,
             model_id,
@@ -735,7 +806,13 @@ impl AppState {
             ctx,
             tokenize_gate: Arc::new(tokio::sync::Semaphore::new(cfg_tok_conc)),
             grammars,
+            scatter,
         })))
+    }
+
+    /// The segment-parallel workers, when `workers` names any.
+    pub fn scatter(&self) -> Option<&Arc<dataplane::parallel::scatter::Scatter>> {
+        self.0.scatter.as_ref()
     }
 
     /// The engine's pools (CPU or GPU).

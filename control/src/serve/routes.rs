@@ -18,6 +18,8 @@ use axum::response::sse::{Event, Sse};
 use axum::response::{IntoResponse, Response};
 use axum::routing::{get, post};
 use axum::{Json, Router};
+use dataplane::parallel::scatter::{ColdSegment, ScatterReport, ScatterRun};
+use dataplane::parallel::EntrySource;
 use dataplane::pic::{Mode, PicStats, SegmentRef};
 use dataplane::sampling::{Constraint, SamplingParams};
 use dataplane::scheduler::{
@@ -273,9 +275,12 @@ async fn ready(State(s): State<AppState>) -> Response {
 
 #[utoipa::path(get, path = "/metrics", tag = "metrics", summary = "Prometheus metrics (text exposition format, no token)", responses((status = 200, description = "Prometheus text format", content_type = "text/plain", body = String)))]
 async fn metrics(State(s): State<AppState>) -> Response {
-    let text =
+    let mut text =
         s.0.metrics
             .render(&s.0.sched.metrics(), &*s.0.engine, s.0.control.policies());
+    if let Some(sc) = &s.0.scatter {
+        text.push_str(&super::metrics::scatter_text(&sc.metrics()));
+    }
     (
         [(
             header::CONTENT_TYPE,
@@ -1377,18 +1382,25 @@ pub fn hypic_ext(mode: &Mode, st: &StartInfo, segs: &[Resolved]) -> HypicRespons
                 }
             })
             .collect(),
+        scatter: None,
     }
 }
 
 /// Submits `n` requests per prompt (seed + i); on any refusal the ones already
 /// queued are cancelled.
+/// Submits every prompt `set.n` times. With segment-parallel workers, each
+/// prompt's cold segments are scattered first and their entries supplied to the
+/// prompt's first choice; the returned runs (one per prompt, `None` when nothing
+/// was scattered) give the scatter statistics and cancel the scatter when dropped.
+#[allow(clippy::type_complexity)]
 fn submit_all(
     s: &AppState,
     tenant: &str,
     prompts: &[Vec<Resolved>],
     set: &GenSettings,
-) -> Result<Vec<RequestHandle>, ApiError> {
+) -> Result<(Vec<RequestHandle>, Vec<Option<Arc<ScatterRun>>>), ApiError> {
     let mut handles = Vec::with_capacity(prompts.len() * set.n);
+    let mut runs = Vec::with_capacity(prompts.len());
     for segs in prompts {
         let segments: Vec<SegmentRef> = segs
             .iter()
@@ -1397,6 +1409,20 @@ fn submit_all(
                 isolation: r.isolation.clone(),
             })
             .collect();
+        let run = s.0.scatter.as_ref().and_then(|sc| {
+            let cold =
+                s.0.engine
+                    .cold_segments(&segments, set.mode, tenant)
+                    .into_iter()
+                    .map(|(index, roles)| ColdSegment {
+                        index,
+                        tokens: segments[index].tokens.clone(),
+                        isolation: segments[index].isolation.clone(),
+                        roles,
+                    })
+                    .collect();
+            sc.start(cold)
+        });
         for i in 0..set.n {
             let mut sampling = set.sampling.clone();
             sampling.seed = sampling.seed.map(|x| x.wrapping_add(i as u64));
@@ -1415,10 +1441,19 @@ fn submit_all(
                 logprobs: set.logprobs.is_some(),
                 score: None,
             };
-            handles.push(s.0.sched.submit(req).map_err(submit_error)?);
+            let source = run
+                .clone()
+                .filter(|_| i == 0)
+                .map(|r| r as Arc<dyn EntrySource>);
+            handles.push(
+                s.0.sched
+                    .submit_with_source(req, source)
+                    .map_err(submit_error)?,
+            );
         }
+        runs.push(run);
     }
-    Ok(handles)
+    Ok((handles, runs))
 }
 
 fn record_status(s: &AppState, endpoint: &str, status: StatusCode) {
@@ -1914,7 +1949,7 @@ fn chat_lp_json(lps: &[TokLp]) -> ChatLogprobs {
 }
 
 async fn run_job(s: &AppState, p: &Principal, job: Job, t0: Instant) -> Result<Response, ApiError> {
-    let handles = submit_all(s, &p.tenant, &job.prompts, &job.set)?;
+    let (handles, runs) = submit_all(s, &p.tenant, &job.prompts, &job.set)?;
     let endpoint = match job.api {
         Api::Completions => "completions",
         Api::Chat => "chat_completions",
@@ -1957,14 +1992,22 @@ async fn run_job(s: &AppState, p: &Principal, job: Job, t0: Instant) -> Result<R
         log_stats.misses,
         d.tokens_out.clone(),
     )));
+    // Every prompt has started: its scatter is over (the runs drop here).
+    let scatters: Vec<Option<ScatterReport>> =
+        runs.into_iter().map(|r| r.map(|r| r.report())).collect();
+    s.0.metrics.observe_scatter(&scatters);
+    let with_scatter = |pi: usize, mut e: HypicResponseExt| {
+        e.scatter = scatters.get(pi).cloned().flatten();
+        e
+    };
     let ext = starts[0]
         .as_ref()
-        .map(|st| hypic_ext(&job.set.mode, st, &job.prompts[0]));
+        .map(|st| with_scatter(0, hypic_ext(&job.set.mode, st, &job.prompts[0])));
     let ext_all: Vec<HypicResponseExt> = (0..job.prompts.len())
         .filter_map(|pi| {
             starts[pi * job.set.n]
                 .as_ref()
-                .map(|st| hypic_ext(&job.set.mode, st, &job.prompts[pi]))
+                .map(|st| with_scatter(pi, hypic_ext(&job.set.mode, st, &job.prompts[pi])))
         })
         .collect();
     let id = rand_id(if job.api == Api::Chat {

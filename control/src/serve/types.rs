@@ -607,6 +607,11 @@ pub struct HypicResponseExt {
     pub queued_ms: f64,
     /// One entry per segment.
     pub segments: Vec<SegmentReport>,
+    /// The scatter of the prompt's cold segments over segment-parallel workers
+    /// (absent when none was scattered): per worker segments, tokens and times,
+    /// scatter / combine / transfer ms, segments reassigned or recomputed.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub scatter: Option<dataplane::parallel::scatter::ScatterReport>,
 }
 
 /// `logprobs` of a completions choice.

@@ -40,6 +40,14 @@ pub trait PicBackend: Send + Sync + 'static {
         4
     }
 
+    /// A digest of (a sample of) the model's weights, part of the model fingerprint
+    /// that shipped entries carry ([`crate::parallel::wire::ModelFingerprint`]); 0
+    /// (the default) when the backend gives none, the configuration alone then
+    /// identifying the model.
+    fn weights_digest(&self) -> u128 {
+        0
+    }
+
     /// A fresh (zero) running state at position 0.
     fn new_state(&self) -> Result<Self::State>;
     /// An independent copy of `state` (a pool snapshot, or a state restored from one).

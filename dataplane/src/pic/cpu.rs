@@ -394,6 +394,19 @@ impl PicBackend for CpuBackend {
         Ok(snaps)
     }
 
+    /// XXH3-128 of the first 64 Ki values of the embedding and of the final norm
+    /// (cheap at start-up for any model size, and different for two checkpoints of
+    /// one shape).
+    fn weights_digest(&self) -> u128 {
+        let m = &self.model;
+        let mut h = xxhash_rust::xxh3::Xxh3::new();
+        let n = m.embed.len().min(1 << 16);
+        for x in m.embed[..n].iter().chain(&m.final_norm) {
+            h.update(&x.to_le_bytes());
+        }
+        h.digest128()
+    }
+
     fn decode_batch(
         &self,
         tokens: &[u32],

@@ -25,10 +25,13 @@ use super::pool::{
 use super::spill::Spill;
 use crate::error::{Error, Result};
 use crate::linear::transition::Pair;
+use crate::parallel::wire::{self, ModelFingerprint};
+use crate::parallel::{EntrySource, Supply};
 use crate::state::ModelState;
 use serde::{Deserialize, Serialize};
 use sha2::{Digest, Sha256};
-use std::sync::{Arc, Mutex, MutexGuard};
+use std::sync::{Arc, Mutex, MutexGuard, OnceLock};
+use std::time::Duration;
 
 /// Reuse mode of a request.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize, Deserialize)]
@@ -329,6 +332,7 @@ pub struct Pic<B: PicBackend> {
     model_id: String,
     public: Mutex<Pool<B::Entry>>,
     private: Mutex<Pool<Snapshot<B::State>>>,
+    fingerprint: OnceLock<ModelFingerprint>,
 }
 
 /// The CPU PIC engine (the executable reference of the GPU's).
@@ -358,7 +362,119 @@ impl<B: PicBackend> Pic<B> {
             model_id: model_id.to_string(),
             public: Mutex::new(Pool::new(public_bytes, Box::new(Lru))),
             private: Mutex::new(Pool::new(private_bytes, Box::new(Lru))),
+            fingerprint: OnceLock::new(),
         }
+    }
+
+    /// The identity of this engine's model as shipped entries carry it
+    /// ([`ModelFingerprint`]: configuration and the backend's weight digest).
+    pub fn model_fingerprint(&self) -> ModelFingerprint {
+        *self.fingerprint.get_or_init(|| {
+            ModelFingerprint::new(self.backend.config(), self.backend.weights_digest())
+        })
+    }
+
+    /// The cold segments of a request: those the engine would miss in the public
+    /// pool and build, as [`Pic::run`] would serve the request now (after the
+    /// longest private-pool prefix; neither the query nor a segment computed in
+    /// place). Each comes with the body starts its miss builds
+    /// ([`Mode::entry_body_starts`] plus the needed one, ascending). Only a look:
+    /// no counters or recency change, nothing is built. Empty for the modes without
+    /// a public pool and for an invalid request.
+    pub fn cold_segments(
+        &self,
+        segments: &[SegmentRef],
+        mode: Mode,
+        tenant: &str,
+    ) -> Vec<(usize, Vec<usize>)> {
+        if matches!(mode, Mode::FullRecompute | Mode::PrefixCache)
+            || self.validate(segments).is_err()
+        {
+            return vec![];
+        }
+        let contents: Vec<Key> = segments
+            .iter()
+            .map(|s| self.content_key(&s.tokens))
+            .collect();
+        let n = segments.len();
+        let mut from = 0;
+        if mode != Mode::NaiveAddition {
+            let pkeys = prefix_keys(&self.model_id, &mode, tenant, &contents, segments);
+            let pool = lock(&self.private);
+            if let Some(i) = (1..=n).rev().find(|&i| pool.contains(&pkeys[i - 1])) {
+                from = i;
+            }
+        }
+        let pool = lock(&self.public);
+        (from..n)
+            .filter(|&j| !computed_in_place(&mode, j, segments))
+            .filter_map(|j| {
+                let b = mode.body_start(j);
+                let key = public_key(&contents[j], &segments[j].isolation, b);
+                (!pool.contains(&key)).then(|| (j, miss_roles(&mode, b, segments[j].tokens.len())))
+            })
+            .collect()
+    }
+
+    /// [`Pic::begin`] with the entries of some cold segments supplied by `source`
+    /// (a scatter over workers): at a public-pool miss on a supplied segment the
+    /// engine waits for its entries instead of building them (composing the
+    /// segments before it meanwhile), verifies and stores them as it would its own
+    /// (the segment is still a `miss` with the same reason and counts), and builds
+    /// the entry itself when the source gives it up or its frames do not verify.
+    ///
+    /// Errors: as [`Pic::begin`].
+    pub fn begin_with_source(
+        &self,
+        segments: Vec<SegmentRef>,
+        mode: Mode,
+        tenant: &str,
+        source: Option<Arc<dyn EntrySource>>,
+    ) -> Result<PicJob<B>> {
+        let mut job = self.begin(segments, mode, tenant)?;
+        job.source = source;
+        Ok(job)
+    }
+
+    /// The entries of a supplied segment from its frames (one per role of `plan`),
+    /// or why they cannot be used.
+    fn supplied_entries(
+        &self,
+        source: &dyn EntrySource,
+        plan: &RolePlan,
+        frames: Vec<Vec<u8>>,
+        tokens: &[u32],
+    ) -> std::result::Result<Vec<Option<B::Entry>>, String> {
+        let fp = self.model_fingerprint();
+        if source.model() != fp {
+            return Err(format!(
+                "the scatter verified entries of model {}, this engine runs {}",
+                source.model().hex(),
+                fp.hex()
+            ));
+        }
+        if frames.len() != plan.roles.len() {
+            return Err(format!(
+                "{} entries shipped, the segment needs {}",
+                frames.len(),
+                plan.roles.len()
+            ));
+        }
+        let mut out = Vec::with_capacity(frames.len());
+        for (f, &b) in frames.iter().zip(&plan.roles) {
+            let e: B::Entry = self
+                .backend
+                .decoding(|| wire::decode(f, fp, tokens.len()))
+                .map_err(|e| e.to_string())?;
+            if e.body_start() != b {
+                return Err(format!(
+                    "entry with body start {}, expected {b}",
+                    e.body_start()
+                ));
+            }
+            out.push(Some(e));
+        }
+        Ok(out)
     }
 
     /// The backend.
@@ -506,6 +622,8 @@ impl<B: PicBackend> Pic<B> {
             step: Step::Prefix,
             logits: vec![],
             output: None,
+            source: None,
+            probed: None,
         })
     }
 
@@ -523,7 +641,10 @@ impl<B: PicBackend> Pic<B> {
     /// tokens, a missed entry the backend builds whole, or one segment's seam
     /// window), so the caller's oldest prefill always moves; without, it may do
     /// nothing. A composition step counts its seam windows and stops between
-    /// segments when the budget is spent.
+    /// segments when the budget is spent. A job with an [`EntrySource`]
+    /// ([`Pic::begin_with_source`]) whose next entry is still being shipped composes
+    /// what it has, then (with `progress`) waits up to 5 ms for it and returns,
+    /// possibly having run nothing; the source's deadlines bound how often.
     ///
     /// Errors: backend failures (the job is then unusable).
     pub fn advance(&self, job: &mut PicJob<B>, budget: usize, progress: bool) -> Result<usize> {
@@ -575,6 +696,8 @@ impl<B: PicBackend> Pic<B> {
                     end,
                     mut entries,
                     build,
+                    composed,
+                    keep,
                 } => {
                     if let Some(mut b) = build {
                         let m = job.segments[end].tokens.len();
@@ -583,6 +706,8 @@ impl<B: PicBackend> Pic<B> {
                                 end,
                                 entries,
                                 build: Some(b),
+                                composed,
+                                keep,
                             };
                             return Ok(used);
                         };
@@ -600,6 +725,8 @@ impl<B: PicBackend> Pic<B> {
                                 end,
                                 entries,
                                 build: Some(b),
+                                composed,
+                                keep,
                             };
                             continue;
                         }
@@ -611,20 +738,20 @@ impl<B: PicBackend> Pic<B> {
                             end: end + 1,
                             entries,
                             build: None,
+                            composed,
+                            keep,
                         };
                         continue;
                     }
                     if end == job.segments.len() || job.compute_here(end) {
-                        let state = job.state.as_ref().expect("state after the prefix match");
-                        let keep = if job.use_private {
-                            self.snapshots_to_keep(state, end - job.i)
-                        } else {
-                            0
+                        let keep = match keep {
+                            Some(k) => k,
+                            None => self.run_keep(job, end),
                         };
                         job.step = Step::Compose {
                             end,
                             entries,
-                            composed: 0,
+                            composed,
                             keep,
                         };
                         continue;
@@ -632,15 +759,91 @@ impl<B: PicBackend> Pic<B> {
                     let seg = &job.segments[end];
                     let body_start = job.mode.body_start(end);
                     let key = public_key(&job.contents[end], &seg.isolation, body_start);
-                    if let Some(e) = self.get_public(&key) {
+                    // A segment whose lookup missed before its scattered entries were
+                    // in is looked up (and counted) once only.
+                    let probed = job.probed.take() == Some(end);
+                    let found = if probed && !lock(&self.public).contains(&key) {
+                        None
+                    } else {
+                        self.get_public(&key)
+                    };
+                    if let Some(e) = found {
                         entries.push((e, Outcome::Hit, None));
                         job.step = Step::Gather {
                             end: end + 1,
                             entries,
                             build: None,
+                            composed,
+                            keep,
                         };
                         continue;
                     }
+                    // A scattered segment: its entries come from a worker.
+                    if let Some(src) = job.source.clone() {
+                        let wait = if must { SOURCE_WAIT } else { Duration::ZERO };
+                        match src.take(end, wait) {
+                            Supply::Local => {}
+                            Supply::Pending => {
+                                if entries.len() > composed {
+                                    job.probed = Some(end);
+                                    // Compose what is in while the rest is shipped.
+                                    let run_end = job.run_end(end);
+                                    let keep = match keep {
+                                        Some(k) => k,
+                                        None => self.run_keep(job, run_end),
+                                    };
+                                    job.step = Step::Compose {
+                                        end: run_end,
+                                        entries,
+                                        composed,
+                                        keep,
+                                    };
+                                    continue;
+                                }
+                                job.probed = Some(end);
+                                job.step = Step::Gather {
+                                    end,
+                                    entries,
+                                    build: None,
+                                    composed,
+                                    keep,
+                                };
+                                return Ok(used);
+                            }
+                            Supply::Ready(frames) => {
+                                let seg = &job.segments[end];
+                                let (plan, reason) = self.plan_roles(
+                                    &seg.tokens,
+                                    &seg.isolation,
+                                    &job.contents[end],
+                                    job.mode,
+                                    body_start,
+                                );
+                                match self.supplied_entries(&*src, &plan, frames, &seg.tokens) {
+                                    Ok(built) => {
+                                        let e = self.store_roles(
+                                            &seg.tokens,
+                                            &seg.isolation,
+                                            plan,
+                                            built,
+                                        )?;
+                                        entries.push((e, Outcome::Miss, Some(reason)));
+                                        job.step = Step::Gather {
+                                            end: end + 1,
+                                            entries,
+                                            build: None,
+                                            composed,
+                                            keep,
+                                        };
+                                        continue;
+                                    }
+                                    // Never composed: built here below instead.
+                                    Err(why) => src.rejected(end, &why),
+                                }
+                            }
+                        }
+                    }
+                    let seg = &job.segments[end];
                     let m = seg.tokens.len();
                     if !must && m > left && left < PREFILL_ALIGN {
                         // Start the build in the next call (its first piece).
@@ -648,6 +851,8 @@ impl<B: PicBackend> Pic<B> {
                             end,
                             entries,
                             build: None,
+                            composed,
+                            keep,
                         };
                         return Ok(used);
                     }
@@ -674,6 +879,8 @@ impl<B: PicBackend> Pic<B> {
                                     partial,
                                     done: 0,
                                 }),
+                                composed,
+                                keep,
                             };
                         }
                         None if m > left && !must => {
@@ -682,6 +889,8 @@ impl<B: PicBackend> Pic<B> {
                                 end,
                                 entries,
                                 build: None,
+                                composed,
+                                keep,
                             };
                             return Ok(used);
                         }
@@ -698,6 +907,8 @@ impl<B: PicBackend> Pic<B> {
                                 end: end + 1,
                                 entries,
                                 build: None,
+                                composed,
+                                keep,
                             };
                         }
                     }
@@ -709,17 +920,28 @@ impl<B: PicBackend> Pic<B> {
                     keep,
                 } => {
                     let (i, len) = (job.i, end - job.i);
-                    if composed == len {
-                        self.finish_run(job, &entries);
-                        job.i = end;
-                        job.step = job.next_step();
+                    if composed == entries.len() {
+                        if composed == len {
+                            self.finish_run(job, &entries);
+                            job.i = end;
+                            job.step = job.next_step();
+                        } else {
+                            // A scattered run: gather the rest.
+                            job.step = Step::Gather {
+                                end: i + composed,
+                                entries,
+                                build: None,
+                                composed,
+                                keep: Some(keep),
+                            };
+                        }
                         continue;
                     }
                     // The segments of this call: as many as the budget's seam
                     // windows allow, at least one when nothing ran yet.
                     let mut to = composed;
                     let mut cost = 0usize;
-                    while to < len {
+                    while to < entries.len() {
                         let m = job.segments[i + to].tokens.len();
                         let w = entries[to].0.body_start().min(m);
                         if to > composed && cost + w > left {
@@ -780,6 +1002,15 @@ impl<B: PicBackend> Pic<B> {
                     };
                 }
             }
+        }
+    }
+
+    /// Private-pool snapshots for the run `job.i..end` (see
+    /// [`Pic::snapshots_to_keep`]; 0 when the mode keeps none).
+    fn run_keep(&self, job: &PicJob<B>, end: usize) -> usize {
+        match job.state.as_ref() {
+            Some(state) if job.use_private => self.snapshots_to_keep(state, end - job.i),
+            _ => 0,
         }
     }
 
@@ -983,6 +1214,11 @@ impl<B: PicBackend> Pic<B> {
     }
 }
 
+/// How long one [`Pic::advance`] call that must make progress waits for a pending
+/// scattered entry before it returns (the scheduler then runs its decode step and
+/// calls again).
+const SOURCE_WAIT: Duration = Duration::from_millis(5);
+
 /// Tokens a piece of a prefill in pieces is a multiple of (the GDN kernel's chunk
 /// length, so that a piece boundary is also a chunk boundary), unless it ends the
 /// segment.
@@ -1043,6 +1279,11 @@ enum Step<E> {
         end: usize,
         entries: Vec<Composed<E>>,
         build: Option<Build>,
+        /// Of `entries`, those composed already (a scattered run composes what is
+        /// in while the rest is shipped).
+        composed: usize,
+        /// The run's snapshot count once decided.
+        keep: Option<usize>,
     },
     /// The run `i..end` is being composed; `composed` of its segments are done and
     /// the run's last `keep` get private-pool snapshots.
@@ -1075,6 +1316,11 @@ pub struct PicJob<B: PicBackend> {
     /// Logits of the last computed segment's last token.
     logits: Vec<f32>,
     output: Option<PicOutput<B::State>>,
+    /// Entries of scattered cold segments ([`Pic::begin_with_source`]).
+    source: Option<Arc<dyn EntrySource>>,
+    /// The segment whose public-pool lookup missed while its scattered entries
+    /// were pending (not counted again when the engine comes back to it).
+    probed: Option<usize>,
 }
 
 impl<B: PicBackend> PicJob<B> {
@@ -1094,11 +1340,14 @@ impl<B: PicBackend> PicJob<B> {
     }
 
     fn compute_here(&self, i: usize) -> bool {
-        let mode = self.mode;
-        i + 1 == self.segments.len()
-            || matches!(mode, Mode::FullRecompute | Mode::PrefixCache)
-            || (matches!(mode, Mode::Hypic { .. })
-                && mode.body_start(i) >= self.segments[i].tokens.len())
+        computed_in_place(&self.mode, i, &self.segments)
+    }
+
+    /// End of the run of composed segments that contains segment `i`.
+    fn run_end(&self, i: usize) -> usize {
+        (i..self.segments.len())
+            .find(|&j| self.compute_here(j))
+            .unwrap_or(self.segments.len())
     }
 
     /// The step of segment `self.i`.
@@ -1112,6 +1361,8 @@ impl<B: PicBackend> PicJob<B> {
                 end: self.i,
                 entries: vec![],
                 build: None,
+                composed: 0,
+                keep: None,
             }
         }
     }
@@ -1128,6 +1379,15 @@ impl<B: PicBackend> PicJob<B> {
             miss_reason: None,
         }
     }
+}
+
+/// Whether segment `i` of `segments` is prefilled in place in `mode` (the query,
+/// every segment of full recompute and prefix cache, a middle segment inside its
+/// seam window) rather than composed from a public-pool entry.
+fn computed_in_place(mode: &Mode, i: usize, segments: &[SegmentRef]) -> bool {
+    i + 1 == segments.len()
+        || matches!(mode, Mode::FullRecompute | Mode::PrefixCache)
+        || (matches!(mode, Mode::Hypic { .. }) && mode.body_start(i) >= segments[i].tokens.len())
 }
 
 /// Content key of a segment: SHA-256 of the model id and its tokens (shared by the
@@ -1389,6 +1649,41 @@ impl<B: PicBackend> Pic<B> {
             };
         }
         Ok(fill_duplicates(body_starts, out))
+    }
+
+    /// The entries of `tokens` under `isolation` for each of `body_starts` (a
+    /// worker's answer to a scatter task): taken from the public pool when every one
+    /// is resident (`true`), else built in one [`PicBackend::build_entries`] call
+    /// and offered to the pool (`false`). In the order of `body_starts`.
+    ///
+    /// Errors: as [`Pic::prefetch`].
+    pub fn entries_for(
+        &self,
+        tokens: &[u32],
+        isolation: &str,
+        body_starts: &[usize],
+    ) -> Result<(Vec<Arc<B::Entry>>, bool)> {
+        self.validate(&[SegmentRef {
+            tokens: tokens.to_vec(),
+            isolation: isolation.to_string(),
+        }])?;
+        let keys: Vec<Key> = body_starts
+            .iter()
+            .map(|&b| self.entry_key(tokens, isolation, b))
+            .collect();
+        let found: Vec<Option<Arc<B::Entry>>> = keys.iter().map(|k| self.get_public(k)).collect();
+        if found.iter().all(Option::is_some) {
+            return Ok((found.into_iter().flatten().collect(), true));
+        }
+        let built = self.build_entries(tokens, body_starts)?;
+        let mut out = Vec::with_capacity(built.len());
+        for (k, e) in keys.into_iter().zip(built) {
+            let e = Arc::new(e);
+            let bytes = e.bytes();
+            let _: Insert = lock(&self.public).insert(k, e.clone(), bytes, tokens.len(), isolation);
+            out.push(e);
+        }
+        Ok((out, false))
     }
 
     /// Residency and remembered history of the public-pool entry of `tokens` under

@@ -1,0 +1,592 @@
+//! How the combiner talks to a worker: the [`Transport`] trait, an in-process
+//! transport ([`InProcess`], a worker in the same process, with fault injection for
+//! tests) and a blocking TCP transport ([`Tcp`], a `hypic worker` on another host or
+//! port).
+//!
+//! One request's work on one worker is a [`Task`]: the segments to build, in order.
+//! The worker answers with one [`Reply::Entry`] per segment as soon as it is built
+//! (or [`Reply::Failed`]), then [`Reply::Done`]. Dropping the [`Replies`] of a task
+//! cancels it: the TCP connection closes and the worker stops before its next
+//! segment.
+//!
+//! TCP frames: a `u32` little-endian length `n` (of what follows, at most the
+//! receiver's bound), a kind byte, `n − 1` body bytes. Kinds: 1 ping (empty),
+//! 2 pong (JSON [`WorkerInfo`]), 3 task (JSON [`Task`]), 4 entry (binary, see
+//! [`encode_entry`]), 5 failed (JSON [`Failure`]), 6 done (empty). Every read has a
+//! deadline; a frame over the bound, a malformed one or a closed connection ends
+//! the task with [`TransportError`].
+use std::io::{ErrorKind, Read, Write};
+use std::net::{SocketAddr, TcpStream, ToSocketAddrs};
+use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
+use std::sync::{mpsc, Arc, Mutex};
+use std::time::{Duration, Instant};
+
+use serde::{Deserialize, Serialize};
+
+use super::wire::ModelFingerprint;
+use super::worker::Worker;
+use crate::pic::PicBackend;
+
+/// Default bound of one received frame (an entry of a large model is tens to
+/// hundreds of MiB: its pairs `[Hv, dk, dk]` and `[Hv, dk, dv]` per linear layer).
+pub const DEFAULT_MAX_FRAME: usize = 1 << 30;
+/// Bound of a task frame a worker accepts (token ids and isolation keys only).
+pub const MAX_TASK_FRAME: usize = 64 << 20;
+
+/// One segment a worker is asked to build.
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+pub struct SegmentTask {
+    /// Index of the segment in its request (echoed in the reply).
+    pub index: usize,
+    /// Token ids.
+    pub tokens: Vec<u32>,
+    /// Isolation key (scopes the worker's own pool entry).
+    pub isolation: String,
+    /// Body starts to build (ascending; one wire frame each in the reply).
+    pub roles: Vec<usize>,
+}
+
+/// One request's segments for one worker, in build order.
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+pub struct Task {
+    /// The model the combiner runs (the worker refuses a task for another).
+    pub model: String,
+    /// Segments, built in this order.
+    pub segments: Vec<SegmentTask>,
+}
+
+/// What a worker says about itself (the answer to a ping).
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+pub struct WorkerInfo {
+    /// Model fingerprint (hex of [`ModelFingerprint`]).
+    pub model: String,
+    /// Prefill throughput of an entry build measured at start-up, tokens per second.
+    pub tokens_per_s: f64,
+    /// Tasks running now.
+    pub busy: usize,
+}
+
+/// A worker could not build one segment.
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+pub struct Failure {
+    /// Segment index in the request.
+    pub index: usize,
+    /// Why.
+    pub message: String,
+}
+
+/// One answer of a worker within a task.
+#[derive(Clone, Debug, PartialEq)]
+pub enum Reply {
+    /// The entries of one segment.
+    Entry {
+        /// Segment index in the request.
+        index: usize,
+        /// One wire frame per body start of the task, in its order.
+        frames: Vec<Vec<u8>>,
+        /// Time the worker spent building it, ms (0 when served from its pool).
+        prefill_ms: f64,
+        /// Served from the worker's pool without a prefill.
+        resident: bool,
+        /// Time from the frame's first byte to its last on the receiver, ms (0
+        /// in process).
+        transfer_ms: f64,
+    },
+    /// One segment failed on the worker.
+    Failed(Failure),
+    /// Every segment of the task was answered.
+    Done,
+}
+
+/// Why a transport call failed.
+#[derive(Clone, Debug, PartialEq, Eq, thiserror::Error)]
+pub enum TransportError {
+    /// Nothing arrived by the deadline (the connection may still be usable).
+    #[error("no answer from worker {0} by the deadline")]
+    Timeout(String),
+    /// The worker is gone (connection refused, reset or closed).
+    #[error("worker {worker} unreachable: {message}")]
+    Closed {
+        /// The worker.
+        worker: String,
+        /// The OS or protocol error.
+        message: String,
+    },
+    /// The worker sent something that is not a valid frame.
+    #[error("worker {worker} sent a bad frame: {message}")]
+    Protocol {
+        /// The worker.
+        worker: String,
+        /// What was wrong.
+        message: String,
+    },
+}
+
+/// The answers of one task, in the order they arrive.
+pub trait Replies: Send {
+    /// The next answer, waiting until `deadline`.
+    ///
+    /// Errors: [`TransportError::Timeout`] when nothing (complete) arrived by then
+    /// (call again later); [`TransportError::Closed`] / [`TransportError::Protocol`]
+    /// when the task is lost.
+    fn next(&mut self, deadline: Instant) -> Result<Reply, TransportError>;
+}
+
+/// A way to reach one worker.
+pub trait Transport: Send + Sync {
+    /// The worker's name in reports and metrics (its address, or `local:N`).
+    fn name(&self) -> String;
+    /// Asks the worker about itself, waiting at most `timeout`.
+    ///
+    /// Errors: the worker does not answer in time or is unreachable.
+    fn ping(&self, timeout: Duration) -> Result<WorkerInfo, TransportError>;
+    /// Sends a task; its answers come through the returned [`Replies`].
+    ///
+    /// Errors: the worker is unreachable within `timeout`.
+    fn start(&self, task: Task, timeout: Duration) -> Result<Box<dyn Replies>, TransportError>;
+}
+
+/// Faults an [`InProcess`] transport injects (tests).
+#[derive(Clone, Debug, Default)]
+pub struct Faults {
+    /// The worker dies after shipping this many entries (counted over all tasks):
+    /// the task's replies end without `Done`, and pings fail until
+    /// [`InProcess::revive`].
+    pub die_after: Option<usize>,
+    /// Flips one payload byte of the entry shipped as number `n` (0-based, over all
+    /// tasks).
+    pub corrupt: Option<usize>,
+    /// Extra time before each entry is shipped.
+    pub delay: Duration,
+}
+
+/// A worker in this process, reached through a channel (no copy beyond the wire
+/// encoding, which is kept so that the checksum path is the one of TCP).
+pub struct InProcess<B: PicBackend> {
+    worker: Arc<Worker<B>>,
+    name: String,
+    faults: Arc<Mutex<Faults>>,
+    shipped: Arc<AtomicUsize>,
+    dead: Arc<AtomicBool>,
+}
+
+impl<B: PicBackend> InProcess<B> {
+    /// A transport to `worker`, named `name` in reports.
+    pub fn new(worker: Arc<Worker<B>>, name: &str) -> Self {
+        InProcess {
+            worker,
+            name: name.to_string(),
+            faults: Arc::default(),
+            shipped: Arc::default(),
+            dead: Arc::default(),
+        }
+    }
+    /// Sets the faults to inject from now on.
+    pub fn set_faults(&self, f: Faults) {
+        *self.faults.lock().unwrap_or_else(|p| p.into_inner()) = f;
+    }
+    /// Brings a worker killed by [`Faults::die_after`] back (faults cleared).
+    pub fn revive(&self) {
+        self.set_faults(Faults::default());
+        self.shipped.store(0, Ordering::Relaxed);
+        self.dead.store(false, Ordering::Relaxed);
+    }
+    /// Entries shipped so far.
+    pub fn shipped(&self) -> usize {
+        self.shipped.load(Ordering::Relaxed)
+    }
+}
+
+struct ChannelReplies {
+    rx: mpsc::Receiver<Reply>,
+    name: String,
+    cancel: Arc<AtomicBool>,
+}
+
+impl Replies for ChannelReplies {
+    fn next(&mut self, deadline: Instant) -> Result<Reply, TransportError> {
+        let wait = deadline.saturating_duration_since(Instant::now());
+        match self.rx.recv_timeout(wait) {
+            Ok(r) => Ok(r),
+            Err(mpsc::RecvTimeoutError::Timeout) => Err(TransportError::Timeout(self.name.clone())),
+            Err(mpsc::RecvTimeoutError::Disconnected) => Err(TransportError::Closed {
+                worker: self.name.clone(),
+                message: "the worker stopped".into(),
+            }),
+        }
+    }
+}
+
+impl Drop for ChannelReplies {
+    fn drop(&mut self) {
+        self.cancel.store(true, Ordering::Relaxed);
+    }
+}
+
+impl<B: PicBackend> Transport for InProcess<B> {
+    fn name(&self) -> String {
+        self.name.clone()
+    }
+    fn ping(&self, _timeout: Duration) -> Result<WorkerInfo, TransportError> {
+        if self.dead.load(Ordering::Relaxed) {
+            return Err(TransportError::Closed {
+                worker: self.name.clone(),
+                message: "the worker is dead".into(),
+            });
+        }
+        Ok(self.worker.info())
+    }
+    fn start(&self, task: Task, _timeout: Duration) -> Result<Box<dyn Replies>, TransportError> {
+        if self.dead.load(Ordering::Relaxed) {
+            return Err(TransportError::Closed {
+                worker: self.name.clone(),
+                message: "the worker is dead".into(),
+            });
+        }
+        let (tx, rx) = mpsc::channel();
+        let cancel = Arc::new(AtomicBool::new(false));
+        let (worker, faults, shipped, dead) = (
+            self.worker.clone(),
+            self.faults.clone(),
+            self.shipped.clone(),
+            self.dead.clone(),
+        );
+        let stop = cancel.clone();
+        let spawned = std::thread::Builder::new()
+            .name("hypic-inproc-worker".into())
+            .spawn(move || {
+                worker.run_task(&task, &|| stop.load(Ordering::Relaxed), &mut |mut reply| {
+                    let f = faults.lock().unwrap_or_else(|p| p.into_inner()).clone();
+                    if let Reply::Entry { frames, .. } = &mut reply {
+                        std::thread::sleep(f.delay);
+                        let n = shipped.load(Ordering::Relaxed);
+                        if f.die_after.is_some_and(|d| n >= d) {
+                            dead.store(true, Ordering::Relaxed);
+                            return false;
+                        }
+                        if f.corrupt == Some(n) {
+                            if let Some(fr) = frames.first_mut() {
+                                if let Some(b) = fr.last_mut() {
+                                    *b ^= 0x40;
+                                }
+                            }
+                        }
+                        shipped.fetch_add(1, Ordering::Relaxed);
+                    }
+                    if dead.load(Ordering::Relaxed) {
+                        return false;
+                    }
+                    tx.send(reply).is_ok()
+                });
+            });
+        spawned.map_err(|e| TransportError::Closed {
+            worker: self.name.clone(),
+            message: format!("cannot start a thread: {e}"),
+        })?;
+        Ok(Box::new(ChannelReplies {
+            rx,
+            name: self.name.clone(),
+            cancel,
+        }))
+    }
+}
+
+/// Frame kinds on TCP.
+pub(crate) mod kind {
+    pub const PING: u8 = 1;
+    pub const PONG: u8 = 2;
+    pub const TASK: u8 = 3;
+    pub const ENTRY: u8 = 4;
+    pub const FAILED: u8 = 5;
+    pub const DONE: u8 = 6;
+}
+
+/// Writes one frame (see the module docs).
+///
+/// Errors: the body is over 4 GiB, or the write fails.
+pub fn write_frame(w: &mut impl Write, kind: u8, body: &[u8]) -> std::io::Result<()> {
+    let n = u32::try_from(body.len() + 1)
+        .map_err(|_| std::io::Error::new(ErrorKind::InvalidInput, "frame over 4 GiB"))?;
+    let mut head = [0u8; 5];
+    head[..4].copy_from_slice(&n.to_le_bytes());
+    head[4] = kind;
+    w.write_all(&head)?;
+    w.write_all(body)?;
+    w.flush()
+}
+
+/// Body of an entry frame: `u64` index, `f64` prefill ms, `u8` resident, `u32`
+/// frame count, then per frame a `u64` length and the wire frame.
+pub fn encode_entry(index: usize, frames: &[Vec<u8>], prefill_ms: f64, resident: bool) -> Vec<u8> {
+    let total: usize = frames.iter().map(|f| f.len() + 8).sum();
+    let mut b = Vec::with_capacity(21 + total);
+    b.extend_from_slice(&(index as u64).to_le_bytes());
+    b.extend_from_slice(&prefill_ms.to_le_bytes());
+    b.push(resident as u8);
+    b.extend_from_slice(&(frames.len() as u32).to_le_bytes());
+    for f in frames {
+        b.extend_from_slice(&(f.len() as u64).to_le_bytes());
+        b.extend_from_slice(f);
+    }
+    b
+}
+
+/// An entry frame's body parsed: `(index, wire frames, prefill_ms, resident)`.
+pub type EntryBody = (usize, Vec<Vec<u8>>, f64, bool);
+
+/// Parses [`encode_entry`].
+///
+/// Errors: a length past the end, trailing bytes.
+pub fn decode_entry(b: &[u8]) -> Result<EntryBody, String> {
+    let mut at = 0usize;
+    let mut take = |n: usize| -> Result<&[u8], String> {
+        let end = at
+            .checked_add(n)
+            .filter(|&e| e <= b.len())
+            .ok_or_else(|| format!("entry frame truncated at byte {at}"))?;
+        let s = &b[at..end];
+        at = end;
+        Ok(s)
+    };
+    let u64_of = |s: &[u8]| {
+        let mut a = [0u8; 8];
+        a.copy_from_slice(s);
+        u64::from_le_bytes(a)
+    };
+    let index = usize::try_from(u64_of(take(8)?)).map_err(|_| "index too large".to_string())?;
+    let prefill_ms = f64::from_bits(u64_of(take(8)?));
+    let resident = take(1)?[0] != 0;
+    let mut c = [0u8; 4];
+    c.copy_from_slice(take(4)?);
+    let count = u32::from_le_bytes(c) as usize;
+    if count > b.len() {
+        return Err(format!("{count} frames in a {}-byte body", b.len()));
+    }
+    let mut frames = Vec::with_capacity(count);
+    for _ in 0..count {
+        let n = usize::try_from(u64_of(take(8)?)).map_err(|_| "length too large".to_string())?;
+        frames.push(take(n)?.to_vec());
+    }
+    if at != b.len() {
+        return Err(format!("{} trailing bytes", b.len() - at));
+    }
+    Ok((index, frames, prefill_ms, resident))
+}
+
+/// An incremental frame reader over a stream with read timeouts: a read that times
+/// out keeps what arrived, so a frame may come in over several calls.
+pub(crate) struct FrameReader {
+    buf: Vec<u8>,
+    max: usize,
+    /// When the current frame's first byte arrived.
+    started: Option<Instant>,
+}
+
+impl FrameReader {
+    pub(crate) fn new(max: usize) -> Self {
+        FrameReader {
+            buf: Vec::new(),
+            max,
+            started: None,
+        }
+    }
+
+    /// The next complete frame `(kind, body, receive time)` by `deadline`;
+    /// `Ok(None)` on timeout.
+    ///
+    /// Errors: the peer closed, an I/O error, a frame length over the bound or 0.
+    pub(crate) fn next(
+        &mut self,
+        s: &mut TcpStream,
+        deadline: Instant,
+    ) -> std::io::Result<Option<(u8, Vec<u8>, Duration)>> {
+        let mut chunk = vec![0u8; 1 << 16];
+        loop {
+            if self.buf.len() >= 4 {
+                let n = u32::from_le_bytes([self.buf[0], self.buf[1], self.buf[2], self.buf[3]])
+                    as usize;
+                if n == 0 || n > self.max.saturating_add(1) {
+                    return Err(std::io::Error::new(
+                        ErrorKind::InvalidData,
+                        format!("frame of {n} bytes, the bound is {}", self.max),
+                    ));
+                }
+                if self.buf.len() >= 4 + n {
+                    let rest = self.buf.split_off(4 + n);
+                    let frame = std::mem::replace(&mut self.buf, rest);
+                    let took = self.started.take().map(|t| t.elapsed()).unwrap_or_default();
+                    if !self.buf.is_empty() {
+                        self.started = Some(Instant::now());
+                    }
+                    return Ok(Some((frame[4], frame[5..].to_vec(), took)));
+                }
+                // Read the rest of a large frame in one go where possible.
+                if chunk.len() < 4 + n - self.buf.len() {
+                    chunk.resize((4 + n - self.buf.len()).min(16 << 20), 0);
+                }
+            }
+            let now = Instant::now();
+            if now >= deadline {
+                return Ok(None);
+            }
+            let wait = (deadline - now).max(Duration::from_millis(1));
+            s.set_read_timeout(Some(wait))?;
+            match s.read(&mut chunk) {
+                Ok(0) => {
+                    return Err(std::io::Error::new(
+                        ErrorKind::UnexpectedEof,
+                        "connection closed",
+                    ))
+                }
+                Ok(k) => {
+                    if self.buf.is_empty() {
+                        self.started = Some(Instant::now());
+                    }
+                    self.buf.extend_from_slice(&chunk[..k]);
+                }
+                Err(e) if matches!(e.kind(), ErrorKind::WouldBlock | ErrorKind::TimedOut) => {
+                    return Ok(None)
+                }
+                Err(e) if e.kind() == ErrorKind::Interrupted => {}
+                Err(e) => return Err(e),
+            }
+        }
+    }
+}
+
+/// A `hypic worker` reached over TCP; one connection per task (and per ping).
+pub struct Tcp {
+    addr: String,
+    max_frame: usize,
+}
+
+impl Tcp {
+    /// A transport to the worker at `addr` (`host:port`) that accepts frames of up
+    /// to `max_frame` bytes ([`DEFAULT_MAX_FRAME`] is a sensible bound).
+    pub fn new(addr: &str, max_frame: usize) -> Self {
+        Tcp {
+            addr: addr.to_string(),
+            max_frame,
+        }
+    }
+
+    fn closed(&self, e: impl std::fmt::Display) -> TransportError {
+        TransportError::Closed {
+            worker: self.addr.clone(),
+            message: e.to_string(),
+        }
+    }
+
+    fn connect(&self, timeout: Duration) -> Result<TcpStream, TransportError> {
+        let addrs: Vec<SocketAddr> = self
+            .addr
+            .to_socket_addrs()
+            .map_err(|e| self.closed(e))?
+            .collect();
+        let mut last = None;
+        for a in addrs {
+            match TcpStream::connect_timeout(&a, timeout.max(Duration::from_millis(1))) {
+                Ok(s) => {
+                    let _ = s.set_nodelay(true);
+                    s.set_write_timeout(Some(timeout.max(Duration::from_millis(1))))
+                        .map_err(|e| self.closed(e))?;
+                    return Ok(s);
+                }
+                Err(e) => last = Some(e),
+            }
+        }
+        Err(self.closed(
+            last.map(|e| e.to_string())
+                .unwrap_or_else(|| "no address".into()),
+        ))
+    }
+}
+
+struct TcpReplies {
+    stream: TcpStream,
+    reader: FrameReader,
+    name: String,
+}
+
+impl Replies for TcpReplies {
+    fn next(&mut self, deadline: Instant) -> Result<Reply, TransportError> {
+        let got = self.reader.next(&mut self.stream, deadline);
+        let closed = |e: std::io::Error| TransportError::Closed {
+            worker: self.name.clone(),
+            message: e.to_string(),
+        };
+        let proto = |m: String| TransportError::Protocol {
+            worker: self.name.clone(),
+            message: m,
+        };
+        let Some((k, body, took)) = got.map_err(closed)? else {
+            return Err(TransportError::Timeout(self.name.clone()));
+        };
+        match k {
+            kind::ENTRY => {
+                let (index, frames, prefill_ms, resident) = decode_entry(&body).map_err(proto)?;
+                Ok(Reply::Entry {
+                    index,
+                    frames,
+                    prefill_ms,
+                    resident,
+                    transfer_ms: took.as_secs_f64() * 1e3,
+                })
+            }
+            kind::FAILED => serde_json::from_slice(&body)
+                .map(Reply::Failed)
+                .map_err(|e| proto(format!("failure frame: {e}"))),
+            kind::DONE => Ok(Reply::Done),
+            other => Err(proto(format!("unexpected frame kind {other}"))),
+        }
+    }
+}
+
+impl Drop for TcpReplies {
+    fn drop(&mut self) {
+        // Cancels the task: the worker sees the closed connection.
+        let _ = self.stream.shutdown(std::net::Shutdown::Both);
+    }
+}
+
+impl Transport for Tcp {
+    fn name(&self) -> String {
+        self.addr.clone()
+    }
+    fn ping(&self, timeout: Duration) -> Result<WorkerInfo, TransportError> {
+        let deadline = Instant::now() + timeout;
+        let mut s = self.connect(timeout)?;
+        write_frame(&mut s, kind::PING, &[]).map_err(|e| self.closed(e))?;
+        let mut r = FrameReader::new(1 << 16);
+        match r.next(&mut s, deadline).map_err(|e| self.closed(e))? {
+            None => Err(TransportError::Timeout(self.addr.clone())),
+            Some((kind::PONG, body, _)) => {
+                serde_json::from_slice(&body).map_err(|e| TransportError::Protocol {
+                    worker: self.addr.clone(),
+                    message: format!("pong: {e}"),
+                })
+            }
+            Some((k, _, _)) => Err(TransportError::Protocol {
+                worker: self.addr.clone(),
+                message: format!("answered a ping with frame kind {k}"),
+            }),
+        }
+    }
+    fn start(&self, task: Task, timeout: Duration) -> Result<Box<dyn Replies>, TransportError> {
+        let mut s = self.connect(timeout)?;
+        let body = serde_json::to_vec(&task).map_err(|e| self.closed(e))?;
+        write_frame(&mut s, kind::TASK, &body).map_err(|e| self.closed(e))?;
+        Ok(Box::new(TcpReplies {
+            stream: s,
+            reader: FrameReader::new(self.max_frame),
+            name: self.addr.clone(),
+        }))
+    }
+}
+
+/// The fingerprint in a [`WorkerInfo`].
+///
+/// Errors: not a fingerprint.
+pub fn info_model(info: &WorkerInfo) -> Result<ModelFingerprint, String> {
+    ModelFingerprint::from_hex(&info.model).map_err(|e| e.to_string())
+}
