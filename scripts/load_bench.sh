@@ -51,7 +51,7 @@ for mode in "${modes[@]}"; do
     --docs "${LOAD_DOCS:-200}" --docs-per-request "${LOAD_DOCS_PER_REQUEST:-8}" \
     --doc-words "${LOAD_DOC_WORDS:-160}" --system-words "${LOAD_SYSTEM_WORDS:-120}" \
     --query-words "${LOAD_QUERY_WORDS:-24}" --max-tokens "${LOAD_MAX_TOKENS:-16}" \
-    --multi-turn "${LOAD_MULTI_TURN:-0.2}"
+    --multi-turn "${LOAD_MULTI_TURN:-0.2}" --warmup "${LOAD_WARMUP:-2}"
   echo "load_bench: $mode done after $SECONDS s" >&2
 done
 echo "load_bench: done after $SECONDS s" >&2

@@ -109,6 +109,14 @@ pub struct BenchArgs {
     /// Weight and activation type of the in-process run on the GPU: `f32` or `bf16`.
     #[arg(long, value_enum, default_value_t = DtypeArg::F32, env = "HYPIC_DTYPE")]
     pub dtype: DtypeArg,
+    /// Warm-up requests sent one at a time before the measured runs and not
+    /// counted: they pay the one-time costs (kernels compiled on first use, pools
+    /// and allocators growing) that would otherwise land on the first measured
+    /// requests and queue the rest behind them. They are the workload's first
+    /// requests under a salt of their own, so the measured runs cannot hit what
+    /// they cached.
+    #[arg(long, default_value_t = 2)]
+    pub warmup: usize,
     /// Skip the SVG plots.
     #[arg(long)]
     pub no_plots: bool,
@@ -602,6 +610,33 @@ pub async fn run_bench(a: &BenchArgs) -> anyhow::Result<report::Summary> {
     let style = ProgressStyle::with_template("{prefix:>28} [{bar:30}] {pos}/{len} ({elapsed})")
         .expect("static template")
         .progress_chars("=> ");
+    let warm = a.warmup.min(recs.len());
+    if warm > 0 {
+        let bar = mp.add(ProgressBar::new(warm as u64));
+        bar.set_style(style.clone());
+        bar.set_prefix("warm-up (not counted)");
+        let first = modes.first().context("--modes names no mode")?;
+        let s = run_once(
+            &backend,
+            &recs[..warm],
+            &vec![0.0; warm],
+            first,
+            0.0,
+            a.max_tokens,
+            1,
+            &bar,
+        )
+        .await;
+        bar.finish();
+        if let Some(bad) = s.iter().find(|x| !x.ok) {
+            bail!(
+                "warm-up request {} failed (status {}): {}",
+                bad.index,
+                bad.status,
+                bad.error.as_deref().unwrap_or("no error text")
+            );
+        }
+    }
     let mut samples = vec![];
     for m in &modes {
         for &rate in &rate_list {
@@ -643,6 +678,10 @@ pub async fn run_bench(a: &BenchArgs) -> anyhow::Result<report::Summary> {
         &spec,
         a.trace.is_some(),
     );
+    let summary = report::Summary {
+        warmup_requests: warm,
+        ..summary
+    };
     report::write_results(&a.out, &summary, &samples, !a.no_plots)?;
     Ok(summary)
 }
