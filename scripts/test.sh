@@ -78,10 +78,12 @@ fi
 # The Postgres the catalog tests use (control/tests/integration/common: pg_url).
 export HYPIC_TEST_PG_URL="${HYPIC_TEST_PG_URL:-postgres://postgres@127.0.0.1:5432/test}"
 # Lints and the CUDA backend, on a full run (no test filter given): formatting,
-# clippy with warnings as errors, clippy again with `--features cuda`, and a build of
-# every target (library, binaries, examples, tests) with `--features cuda`, linked, so
-# the GPU code compiles as it ships. No CUDA toolkit is needed at build time: the
-# driver, NVRTC and cuBLAS are loaded when a GPU is first used.
+# clippy with warnings as errors, clippy again with `--features cuda` over every
+# target (libraries, binaries, examples, tests: all type- and borrow-checked), and a
+# linked build of the libraries and the `hypic` binary with `--features cuda`, so the
+# GPU code compiles as it ships. The GPU test binaries are built where they run
+# (scripts/gpu-check.sh). No CUDA toolkit is needed at build time: the driver,
+# NVRTC and cuBLAS are loaded when a GPU is first used.
 step() { echo "test.sh: == $* ==" >&2; }
 if [ $# -eq 0 ]; then
   step "cargo fmt --check"
@@ -90,9 +92,9 @@ if [ $# -eq 0 ]; then
   cargo clippy --workspace --all-targets --locked -- -D warnings
   step "cargo clippy -D warnings, --features cuda"
   cargo clippy --workspace --all-targets --locked --features hypic-control/cuda -- -D warnings
-  step "cargo build every target, --features cuda"
+  step "cargo build libraries and binaries, --features cuda"
   start=$SECONDS
-  cargo build --workspace --all-targets --locked --features hypic-control/cuda
+  cargo build --workspace --lib --bins --locked --features hypic-control/cuda
   step "cuda build took $((SECONDS - start)) s"
 fi
 step "cargo test"

@@ -271,9 +271,22 @@ impl<S: Send + Sync, T: DeserializeOwned + Default + Send> FromRequest<S> for Op
         if bytes.iter().all(|b| b.is_ascii_whitespace()) {
             return Ok(OptBody(T::default()));
         }
-        serde_json::from_slice(&bytes)
+        let de = &mut serde_json::Deserializer::from_slice(&bytes);
+        serde_path_to_error::deserialize(de)
             .map(OptBody)
-            .map_err(|e| ApiError::bad_request(format!("invalid JSON body: {e}")))
+            .map_err(|e| {
+                let path = e.path().to_string();
+                let err = ApiError::bad_request(format!("invalid JSON body: {e}"));
+                let param = if path != "." {
+                    Some(path)
+                } else {
+                    crate::error::rejection_param(&e.to_string())
+                };
+                match param {
+                    Some(p) => err.with_param(p),
+                    None => err,
+                }
+            })
     }
 }
 
@@ -298,20 +311,52 @@ pub struct ApiPath<T>(pub T);
 impl<S: Send + Sync, T: DeserializeOwned + Send> FromRequestParts<S> for ApiPath<T> {
     type Rejection = ApiError;
     async fn from_request_parts(parts: &mut Parts, state: &S) -> Result<Self, ApiError> {
+        // A path that does not decode at all names the route's only parameter.
+        let only_param = parts
+            .extensions
+            .get::<axum::extract::MatchedPath>()
+            .and_then(|m| {
+                let names: Vec<&str> = m
+                    .as_str()
+                    .split('/')
+                    .filter_map(|seg| seg.strip_prefix('{')?.strip_suffix('}'))
+                    .collect();
+                (names.len() == 1).then(|| names[0].trim_start_matches('*').to_string())
+            });
         let raw = Path::<Vec<(String, String)>>::from_request_parts(parts, state)
             .await
-            .map_err(|e| ApiError::bad_request(format!("invalid path: {}", e.body_text())))?;
+            .map_err(|e| {
+                let err = ApiError::bad_request(format!("invalid path: {}", e.body_text()));
+                match &only_param {
+                    Some(p) => err.with_param(p.clone()),
+                    None => err,
+                }
+            })?;
         if let Some((name, _)) = raw.0.iter().find(|(_, v)| v.contains('\0')) {
             return Err(ApiError::bad_request(format!(
                 "path parameter {name:?} contains a NUL character"
-            )));
+            ))
+            .with_param(name.clone()));
         }
         match Path::<T>::from_request_parts(parts, state).await {
             Ok(Path(v)) => Ok(ApiPath(v)),
-            Err(e) => Err(ApiError::bad_request(format!(
-                "invalid path: {}",
-                e.body_text()
-            ))),
+            Err(e) => {
+                let text = e.body_text();
+                // The key the message names, else the route's only parameter.
+                // `… at index N …` names the Nth parameter of the route.
+                let at_index = text
+                    .split_once("at index ")
+                    .and_then(|(_, r)| r.split(' ').next()?.parse::<usize>().ok())
+                    .and_then(|i| raw.0.get(i).map(|(k, _)| k.clone()));
+                let param = crate::error::rejection_param(&text)
+                    .or(at_index)
+                    .or_else(|| (raw.0.len() == 1).then(|| raw.0[0].0.clone()));
+                let err = ApiError::bad_request(format!("invalid path: {text}"));
+                Err(match param {
+                    Some(p) => err.with_param(p),
+                    None => err,
+                })
+            }
         }
     }
 }
@@ -324,10 +369,14 @@ impl<S: Send + Sync, T: DeserializeOwned + Send> FromRequestParts<S> for ApiQuer
     async fn from_request_parts(parts: &mut Parts, state: &S) -> Result<Self, ApiError> {
         match Query::<T>::from_request_parts(parts, state).await {
             Ok(Query(v)) => Ok(ApiQuery(v)),
-            Err(e) => Err(ApiError::bad_request(format!(
-                "invalid query string: {}",
-                e.body_text()
-            ))),
+            Err(e) => {
+                let text = e.body_text();
+                let err = ApiError::bad_request(format!("invalid query string: {text}"));
+                Err(match crate::error::rejection_param(&text) {
+                    Some(p) => err.with_param(p),
+                    None => err,
+                })
+            }
         }
     }
 }
@@ -988,9 +1037,17 @@ async fn report_residency(
     Body(r): Body<ResidencyReport>,
 ) -> ApiResult<serde_json::Value> {
     if r.worker.is_empty() || r.cache_key.is_empty() || r.bytes < 0 {
+        let param = if r.worker.is_empty() {
+            "worker"
+        } else if r.cache_key.is_empty() {
+            "cache_key"
+        } else {
+            "bytes"
+        };
         return Err(ApiError::bad_request(
             "worker and cache_key must be non-empty and bytes non-negative",
-        ));
+        )
+        .with_param(param));
     }
     for (what, v) in [
         ("worker", Some(&r.worker)),
@@ -999,7 +1056,8 @@ async fn report_residency(
         ("tenant", r.tenant.as_ref()),
     ] {
         if let Some(v) = v {
-            crate::catalog::validate_text(what, v)?;
+            crate::catalog::validate_text(what, v)
+                .map_err(|e| ApiError::from(e).with_param(what))?;
         }
     }
     s.catalog()
@@ -1041,7 +1099,10 @@ async fn upload_policy(
     Operator(p): Operator,
     Body(u): Body<UploadPolicy>,
 ) -> ApiResult<crate::catalog::PolicyRecord> {
-    let kind: PolicyKind = u.kind.parse().map_err(ApiError::bad_request)?;
+    let kind: PolicyKind = u
+        .kind
+        .parse()
+        .map_err(|e| ApiError::bad_request(e).with_param("kind"))?;
     let rt = &s.policies();
     let limit = rt.limits().max_module_bytes;
     // Refuse an oversized module before decoding it (base64: 4 characters per 3 bytes).
@@ -1054,7 +1115,10 @@ async fn upload_policy(
     }
     let bytes = base64::engine::general_purpose::STANDARD
         .decode(b64)
-        .map_err(|e| ApiError::bad_request(format!("wasm_base64 is not valid base64: {e}")))?;
+        .map_err(|e| {
+            ApiError::bad_request(format!("wasm_base64 is not valid base64: {e}"))
+                .with_param("wasm_base64")
+        })?;
     // Compiled on the blocking pool (once per module: activation and dry runs of
     // this module reuse it); at the compile cap this answers 429 at once.
     let validated = rt
@@ -1078,7 +1142,7 @@ async fn upload_policy(
                 &serde_json::json!({"kind": u.kind, "error": e.to_string()}),
             )
             .await?;
-        return Err(ApiError::from(e));
+        return Err(module_error(e));
     }
     let params = if u.params.is_null() {
         "{}".to_string()
@@ -1090,6 +1154,18 @@ async fn upload_policy(
             .insert_policy(&u.name, kind.as_str(), &bytes, &params, &p.sub)
             .await?,
     ))
+}
+
+/// A module that does not load or fails its smoke call names `wasm_base64`
+/// (parameter errors keep the parameter they name).
+fn module_error(e: PolicyError) -> ApiError {
+    let named = matches!(e, PolicyError::Param { .. } | PolicyError::Schema(_));
+    let err = ApiError::from(e);
+    if named || err.status != StatusCode::BAD_REQUEST || err.param.is_some() {
+        err
+    } else {
+        err.with_param("wasm_base64")
+    }
 }
 
 fn smoke(slot: &mut PolicySlot) -> Result<(), crate::policy::PolicyError> {
@@ -1171,8 +1247,15 @@ async fn policy_stats(
         .iter()
         .map(|k| (k.as_str().to_string(), rt.active_id(*k)))
         .collect();
+    let mut rollback_to = BTreeMap::new();
+    for k in PolicyKind::ALL {
+        if let Some(target) = s.catalog().rollback_target(k.as_str()).await? {
+            rollback_to.insert(k.as_str().to_string(), target);
+        }
+    }
     Ok(Json(PolicyStats {
         active,
+        rollback_to,
         metrics: serde_json::to_value(rt.metrics().snapshot()).unwrap_or_default(),
         module_compiles: rt.modules().compiles(),
         modules_cached: rt.modules().len() as u64,
@@ -1185,6 +1268,10 @@ pub struct PolicyStats {
     /// Active policy id per kind (`eviction`, `admission`, `invalidation`,
     /// `isolation`); `null`: the native default.
     pub active: BTreeMap<String, Option<i64>>,
+    /// Where `POST /v1/admin/policies/rollback` would take each kind: the
+    /// latest earlier policy different from the active one (`null`: the native
+    /// default). A kind with nothing to roll back to is absent.
+    pub rollback_to: BTreeMap<String, Option<i64>>,
     /// Call, fault and fallback counters and call times per kind and policy.
     #[schema(value_type = Object)]
     pub metrics: serde_json::Value,
@@ -1206,13 +1293,13 @@ pub struct ActivateBody {
     pub params: Option<serde_json::Value>,
 }
 
-#[utoipa::path(post, path = "/v1/admin/policies/{id}/activate", tag = "policies", summary = "Activate a policy version, optionally with new parameters (operator)", security(("bearer" = [])), params(("id" = i64, Path, description = "policy id")), request_body(content = Option<ActivateBody>, description = "optional: `params` to activate the policy with (stored as a new version)"), responses((status = 200, description = "`kind`, `active` (the activated policy id: a new version when the parameters changed), `params`", body = Object), (status = 400, description = "invalid input (`invalid_param`, `param` = `params.<name>`: a parameter the policy's schema refuses)", body = crate::error::ErrorBody), (status = 401, description = "no or bad token", body = crate::error::ErrorBody), (status = 403, description = "operator role needed", body = crate::error::ErrorBody), (status = 404, description = "no such policy", body = crate::error::ErrorBody)))]
+#[utoipa::path(post, path = "/v1/admin/policies/{id}/activate", tag = "policies", summary = "Activate a policy version, optionally with new parameters (operator)", security(("bearer" = [])), params(("id" = i64, Path, description = "policy id")), request_body(content = Option<ActivateBody>, description = "optional: `params` to activate the policy with (stored as a new version)"), responses((status = 200, body = Activated), (status = 400, description = "invalid input (`invalid_param`, `param` = `params.<name>`: a parameter the policy's schema refuses)", body = crate::error::ErrorBody), (status = 401, description = "no or bad token", body = crate::error::ErrorBody), (status = 403, description = "operator role needed", body = crate::error::ErrorBody), (status = 404, description = "no such policy", body = crate::error::ErrorBody), (status = 409, description = "`already_active`: the version (with these parameters) is the active one; nothing changed, no audit row", body = crate::error::ErrorBody)))]
 async fn activate_policy(
     State(s): State<ControlState>,
     Operator(p): Operator,
     ApiPath(id): ApiPath<i64>,
     OptBody(b): OptBody<ActivateBody>,
-) -> ApiResult<serde_json::Value> {
+) -> ApiResult<Activated> {
     let mut rec = s.catalog().policy(id).await?;
     let kind: PolicyKind = rec.kind.parse().map_err(ApiError::bad_request)?;
     let stored: serde_json::Value =
@@ -1238,7 +1325,29 @@ async fn activate_policy(
             .unwrap_or_else(|_| v.clone()),
         None => v.clone(),
     };
-    if !same_params(&effective(&params), &effective(&stored)) {
+    let changed = !same_params(&effective(&params), &effective(&stored));
+    // Read under the activation lock: a concurrent activation may have changed it.
+    let active_now = s
+        .catalog()
+        .active_policy(kind.as_str())
+        .await?
+        .map(|r| r.id);
+    if !changed && active_now == Some(rec.id) {
+        return Err(ApiError::new(
+            StatusCode::CONFLICT,
+            "conflict_error",
+            "already_active",
+            format!(
+                "{} policy #{} {} v{} is already the active one; nothing changed",
+                kind.as_str(),
+                rec.id,
+                rec.name,
+                rec.version
+            ),
+        )
+        .with_param("id"));
+    }
+    if changed {
         rec = s
             .catalog()
             .insert_policy(
@@ -1254,9 +1363,34 @@ async fn activate_policy(
         .activate_policy(kind.as_str(), Some(rec.id), &p.sub)
         .await?;
     s.policies().install_wasm(loaded, Some(rec.id));
-    Ok(Json(
-        serde_json::json!({"kind": kind.as_str(), "active": rec.id, "params": params}),
-    ))
+    Ok(Json(Activated {
+        kind: kind.as_str().into(),
+        active: rec.id,
+        params,
+    }))
+}
+
+/// Answer of `POST /v1/admin/policies/{id}/activate`.
+#[derive(Debug, Serialize, Deserialize, utoipa::ToSchema)]
+pub struct Activated {
+    /// The policy's kind.
+    pub kind: String,
+    /// The activated policy id: a new version when the parameters changed.
+    pub active: i64,
+    /// The parameters it was activated with.
+    #[schema(value_type = Object)]
+    pub params: serde_json::Value,
+}
+
+/// Answer of `POST /v1/admin/policies/rollback`.
+#[derive(Debug, Serialize, Deserialize, utoipa::ToSchema)]
+pub struct RolledBack {
+    /// The kind rolled back.
+    pub kind: String,
+    /// The policy now active (`null`: the native default).
+    pub active: Option<i64>,
+    /// The policy active before the rollback (`null`: the native default).
+    pub from: Option<i64>,
 }
 
 /// Whether two parameter objects are the same (`null` is `{}`).
@@ -1275,14 +1409,18 @@ pub struct RollbackBody {
     pub kind: String,
 }
 
-#[utoipa::path(post, path = "/v1/admin/policies/rollback", tag = "policies", summary = "Re-activate the previous policy of a kind (operator)", security(("bearer" = [])), request_body = RollbackBody, responses((status = 200, description = "`kind`, `active` (policy id, or null for the native policy)", body = Object), (status = 400, description = "invalid input", body = crate::error::ErrorBody), (status = 401, description = "no or bad token", body = crate::error::ErrorBody), (status = 403, description = "operator role needed", body = crate::error::ErrorBody)))]
+#[utoipa::path(post, path = "/v1/admin/policies/rollback", tag = "policies", summary = "Re-activate the previous policy of a kind (operator)", security(("bearer" = [])), description = "Goes to the latest earlier policy that differs from the active one (activations of the same policy, or of one with the same module and parameters, are skipped); the native default when there is none. `GET /v1/admin/policies/stats` says where it would go (`rollback_to`).", request_body = RollbackBody, responses((status = 200, body = RolledBack), (status = 400, description = "invalid input (`param` = `kind`)", body = crate::error::ErrorBody), (status = 401, description = "no or bad token", body = crate::error::ErrorBody), (status = 403, description = "operator role needed", body = crate::error::ErrorBody), (status = 404, description = "nothing to roll back to", body = crate::error::ErrorBody)))]
 async fn rollback_policy(
     State(s): State<ControlState>,
     Operator(p): Operator,
     Body(b): Body<RollbackBody>,
-) -> ApiResult<serde_json::Value> {
-    let kind: PolicyKind = b.kind.parse().map_err(ApiError::bad_request)?;
+) -> ApiResult<RolledBack> {
+    let kind: PolicyKind = b
+        .kind
+        .parse()
+        .map_err(|e| ApiError::bad_request(e).with_param("kind"))?;
     let _serial = s.inner.activation.lock().await;
+    let from = s.policies().active_id(kind);
     let now_active = s.catalog().rollback_policy(kind.as_str(), &p.sub).await?;
     match now_active {
         Some(id) => {
@@ -1296,9 +1434,11 @@ async fn rollback_policy(
         }
         None => s.policies().set_native(kind),
     }
-    Ok(Json(
-        serde_json::json!({"kind": kind.as_str(), "active": now_active}),
-    ))
+    Ok(Json(RolledBack {
+        kind: kind.as_str().into(),
+        active: now_active,
+        from,
+    }))
 }
 
 /// Body of `POST /v1/admin/policies/{id}/dry-run`.
@@ -1344,9 +1484,11 @@ async fn dry_run(
     let rec = s.catalog().policy(id).await?;
     let kind: PolicyKind = rec.kind.parse().map_err(ApiError::bad_request)?;
     if b.capacity_bytes == 0 {
-        return Err(ApiError::bad_request("capacity_bytes must be positive"));
+        return Err(
+            ApiError::bad_request("capacity_bytes must be positive").with_param("capacity_bytes")
+        );
     }
-    let trace = parse_trace(&b.trace).map_err(ApiError::bad_request)?;
+    let trace = parse_trace(&b.trace).map_err(|e| ApiError::bad_request(e).with_param("trace"))?;
     let rt = s.policies().clone();
     let catalog = s.catalog().clone();
     let mut active = PolicySet::from_catalog(&catalog, &rt).await;

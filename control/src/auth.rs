@@ -581,14 +581,17 @@ pub struct TokenArgs {
 /// Mints a token from `args` and returns it.
 pub fn token_from_args(args: &TokenArgs) -> anyhow::Result<String> {
     let role: Role = args.role.parse().map_err(|e: String| anyhow::anyhow!(e))?;
-    let ttl = parse_ttl(&args.ttl)?;
     let max = parse_ttl(&args.max_lifetime).context("--max-lifetime")?;
+    let allowed = format!(
+        "allowed: 1 s to {max} s, --max-lifetime {}",
+        args.max_lifetime.trim()
+    );
+    let ttl = parse_ttl(&args.ttl).with_context(|| format!("--ttl ({allowed})"))?;
     anyhow::ensure!(
         ttl <= max,
-        "--ttl {} is longer than the maximum token lifetime of {max} s (--max-lifetime {}); \
+        "--ttl {} is longer than the maximum token lifetime of {max} s ({allowed}); \
          servers refuse such tokens",
         args.ttl,
-        args.max_lifetime
     );
     let (secret, created) = load_or_create_secret(&args.data_dir)?;
     if created {

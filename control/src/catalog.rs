@@ -710,8 +710,8 @@ impl Catalog {
         idempotency_key: Option<&str>,
     ) -> CatalogResult<Created> {
         validate_id("segment id", &seg.id).map_err(|e| e.for_field("id"))?;
-        validate_tokens(&seg.tokens)?;
-        validate_text("content", &seg.content)?;
+        validate_tokens(&seg.tokens).map_err(|e| e.for_field("tokens"))?;
+        validate_text("content", &seg.content).map_err(|e| e.for_field("content"))?;
         self.check_content_size(&seg.content)?;
         if let Some(name) = &seg.name {
             validate_name(name)?;
@@ -877,8 +877,8 @@ impl Catalog {
         updates: &[(String, String, BTreeMap<String, i64>)],
     ) -> CatalogResult<Vec<i64>> {
         for (_, content, t) in updates {
-            validate_tokens(t)?;
-            validate_text("content", content)?;
+            validate_tokens(t).map_err(|e| e.for_field("tokens"))?;
+            validate_text("content", content).map_err(|e| e.for_field("content"))?;
             self.check_content_size(content)?;
         }
         // Lock rows in a fixed order to avoid deadlocks between concurrent batches.
@@ -1223,7 +1223,7 @@ impl Catalog {
             ));
         }
         for r in refs {
-            validate_ref("segment id", r)?;
+            validate_ref("segment id", r).map_err(|e| e.for_field("segments"))?;
         }
         let placeholders: Vec<String> = (0..refs.len()).map(|i| format!("${}", i + 2)).collect();
         let list = placeholders.join(", ");
@@ -1280,7 +1280,7 @@ impl Catalog {
 
     /// Grants `tenant` read access to the segment at `address`.
     pub async fn grant(&self, address: &str, tenant: &str, actor: &str) -> CatalogResult<()> {
-        validate_id("tenant id", tenant)?;
+        validate_id("tenant id", tenant).map_err(|e| e.for_field("tenant"))?;
         let seg = self.get_segment(address).await?;
         self.ensure_tenant(tenant, tenant).await?;
         let mut tx = self.pool.begin().await?;
@@ -1457,7 +1457,7 @@ impl Catalog {
         params: &str,
         actor: &str,
     ) -> CatalogResult<PolicyRecord> {
-        validate_id("policy name", name)?;
+        validate_id("policy name", name).map_err(|e| e.for_field("name"))?;
         let sha = hex::encode(Sha256::digest(module));
         let now = now_ms();
         let mut tx = self.pool.begin().await?;
@@ -1586,31 +1586,67 @@ impl Catalog {
         Ok(())
     }
 
-    /// Rolls the policy of `kind` back to the one active before the latest
-    /// activation (the native default if there was none). Returns the policy
-    /// now active (`None` = native).
+    /// The activations of `kind` that are not rolled back, newest first, with
+    /// what identifies their policy's behaviour (module hash and parameters).
+    async fn live_activations<'c, E>(&self, ex: E, kind: &str) -> CatalogResult<Vec<LiveActivation>>
+    where
+        E: sqlx::Executor<'c, Database = sqlx::Any>,
+    {
+        let rows = sqlx::query(
+            "SELECT a.id, a.policy_id, p.module_sha256, p.params FROM policy_activations a \
+             LEFT JOIN policies p ON p.id = a.policy_id \
+             WHERE a.kind = $1 AND a.rolled_back_at IS NULL ORDER BY a.id DESC LIMIT 10000",
+        )
+        .bind(kind)
+        .fetch_all(ex)
+        .await?;
+        Ok(rows
+            .iter()
+            .map(|r| LiveActivation {
+                id: r.get(0),
+                policy_id: r.get::<Option<i64>, _>(1),
+                module_sha256: r.get::<Option<String>, _>(2),
+                params: r
+                    .get::<Option<String>, _>(3)
+                    .and_then(|p| serde_json::from_str(&p).ok()),
+            })
+            .collect())
+    }
+
+    /// Where a rollback of `kind` would go, without changing anything:
+    /// `Some(Some(id))` a policy, `Some(None)` the native default, `None` when
+    /// there is nothing to roll back (no activation, or the native default is
+    /// active and no different policy was active before it). See
+    /// [`Catalog::rollback_policy`].
+    pub async fn rollback_target(&self, kind: &str) -> CatalogResult<Option<Option<i64>>> {
+        let rows = self.live_activations(&self.pool, kind).await?;
+        Ok(rollback_plan(&rows).map(|(_, target)| target))
+    }
+
+    /// Rolls the policy of `kind` back to the latest one active before the
+    /// current one that is *different* from it: activations of the same policy,
+    /// or of a policy with the same module and parameters, are skipped (and
+    /// marked rolled back with the current one). The native default when no
+    /// different policy was active before. Returns the policy now active
+    /// (`None` = native); 404 when there is nothing to roll back (no
+    /// activation history, or the native default is active and nothing
+    /// different came before it).
     pub async fn rollback_policy(&self, kind: &str, actor: &str) -> CatalogResult<Option<i64>> {
         let now = now_ms();
         let mut tx = self.pool.begin().await?;
-        let rows = sqlx::query(
-            "SELECT id, policy_id FROM policy_activations WHERE kind = $1 AND rolled_back_at IS NULL \
-             ORDER BY id DESC LIMIT 2",
-        )
-        .bind(kind)
-        .fetch_all(&mut *tx)
-        .await?;
-        if rows.is_empty() {
+        let rows = self.live_activations(&mut *tx, kind).await?;
+        let Some((undone, previous)) = rollback_plan(&rows) else {
             return Err(CatalogError::NotFound(format!(
-                "activation history of {kind} policies"
+                "an earlier {kind} policy to roll back to (activation history of {kind} policies)"
             )));
+        };
+        for id in &undone {
+            sqlx::query("UPDATE policy_activations SET rolled_back_at = $1 WHERE id = $2")
+                .bind(now)
+                .bind(*id)
+                .execute(&mut *tx)
+                .await?;
         }
-        let latest: i64 = rows[0].get(0);
-        let previous: Option<i64> = rows.get(1).and_then(|r| r.get::<Option<i64>, _>(1));
-        sqlx::query("UPDATE policy_activations SET rolled_back_at = $1 WHERE id = $2")
-            .bind(now)
-            .bind(latest)
-            .execute(&mut *tx)
-            .await?;
         sqlx::query("UPDATE policies SET active = 0 WHERE kind = $1 AND active <> 0")
             .bind(kind)
             .execute(&mut *tx)
@@ -1621,13 +1657,14 @@ impl Catalog {
                 .execute(&mut *tx)
                 .await?;
         }
+        let from = rows.first().and_then(|r| r.policy_id);
         insert_audit(
             &mut tx,
             actor,
             None,
             "policy.rollback",
             &previous.map(|i| i.to_string()).unwrap_or("native".into()),
-            &serde_json::json!({"kind": kind}),
+            &serde_json::json!({"kind": kind, "from": from}),
         )
         .await?;
         tx.commit().await?;
@@ -1852,14 +1889,15 @@ impl Catalog {
         name: Option<&str>,
         actor: &str,
     ) -> CatalogResult<Group> {
-        validate_id("group id", id)?;
+        validate_id("group id", id).map_err(|e| e.for_field("id"))?;
         let name = name.unwrap_or(id);
         if name.is_empty() || name.len() > 256 {
-            return Err(CatalogError::Invalid(
+            return Err(CatalogError::InvalidField(
+                "name",
                 "group name must be 1..=256 characters".into(),
             ));
         }
-        validate_text("group name", name)?;
+        validate_text("group name", name).map_err(|e| e.for_field("name"))?;
         let mut tx = self.pool.begin().await?;
         let res = sqlx::query(
             "INSERT INTO tenant_groups (id, name, created_by, created_at) VALUES ($1, $2, $3, $4) \
@@ -1987,7 +2025,7 @@ impl Catalog {
     /// Adds `tenant` (created if needed) to group `id`; adding a member twice
     /// is a no-op. `NotFound` if the group does not exist.
     pub async fn add_member(&self, id: &str, tenant: &str, actor: &str) -> CatalogResult<()> {
-        validate_id("tenant id", tenant)?;
+        validate_id("tenant id", tenant).map_err(|e| e.for_field("tenant"))?;
         self.group_exists(id).await?;
         self.ensure_tenant(tenant, tenant).await?;
         let mut tx = self.pool.begin().await?;
@@ -2053,7 +2091,7 @@ impl Catalog {
     /// Grants every member of group `group` read access to segment `id`.
     /// `NotFound` if the segment or the group does not exist.
     pub async fn grant_group(&self, id: &str, group: &str, actor: &str) -> CatalogResult<()> {
-        validate_id("group id", group)?;
+        validate_id("group id", group).map_err(|e| e.for_field("group"))?;
         let seg = self.get_segment(id).await?;
         self.group_exists(group).await?;
         let mut tx = self.pool.begin().await?;
@@ -2117,5 +2155,48 @@ impl Catalog {
         .fetch_all(&self.pool)
         .await?;
         Ok(rows.iter().map(|r| r.get::<String, _>(0)).collect())
+    }
+}
+
+/// One activation not rolled back (see [`Catalog::rollback_policy`]).
+struct LiveActivation {
+    id: i64,
+    policy_id: Option<i64>,
+    module_sha256: Option<String>,
+    params: Option<serde_json::Value>,
+}
+
+impl LiveActivation {
+    /// Whether the two activations install the same behaviour: the same policy,
+    /// or policies with the same module and parameters (both native counts too).
+    fn same_as(&self, o: &LiveActivation) -> bool {
+        match (self.policy_id, o.policy_id) {
+            (None, None) => true,
+            (Some(a), Some(b)) if a == b => true,
+            (Some(_), Some(_)) => {
+                self.module_sha256.is_some()
+                    && self.module_sha256 == o.module_sha256
+                    && self.params == o.params
+            }
+            _ => false,
+        }
+    }
+}
+
+/// The rollback of `rows` (newest first): the activations it marks rolled back
+/// and the policy it goes to (`None` = native), or `None` when there is nothing
+/// to roll back to.
+fn rollback_plan(rows: &[LiveActivation]) -> Option<(Vec<i64>, Option<i64>)> {
+    let current = rows.first()?;
+    let undone: Vec<i64> = rows
+        .iter()
+        .take_while(|r| r.same_as(current))
+        .map(|r| r.id)
+        .collect();
+    match rows.get(undone.len()) {
+        Some(prev) => Some((undone, prev.policy_id)),
+        // Nothing different before: the native default, unless it is active.
+        None if current.policy_id.is_some() => Some((undone, None)),
+        None => None,
     }
 }

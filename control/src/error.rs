@@ -349,9 +349,68 @@ impl From<JsonRejection> for ApiError {
                 "invalid_body",
                 b.body_text(),
             ),
-            other => ApiError::bad_request(other.body_text()),
+            other => {
+                let text = other.body_text();
+                let err = ApiError::bad_request(text.clone());
+                match rejection_param(&text) {
+                    Some(p) => err.with_param(p),
+                    None => err,
+                }
+            }
         }
     }
+}
+
+/// The request field an extractor's rejection message is about: the path
+/// serde reports before the message (`name: invalid type…`, `params.x: …`),
+/// the field of a `missing field`, `unknown field` or `duplicate field`
+/// message, or the key of a path parameter that does not parse; `None` when
+/// the message names none (malformed JSON, a body of the wrong type).
+pub fn rejection_param(message: &str) -> Option<String> {
+    let mut rest = message;
+    for prefix in [
+        "Failed to deserialize the JSON body into the target type: ",
+        "Failed to deserialize query string: ",
+        "Failed to deserialize form: ",
+    ] {
+        if let Some(i) = rest.find(prefix) {
+            rest = &rest[i + prefix.len()..];
+        }
+    }
+    // A serde path: identifiers joined by dots, with [n] indexes.
+    if let Some((head, _)) = rest.split_once(": ") {
+        let ident = |t: &str| {
+            t.split('[').next().is_some_and(|n| {
+                n.chars()
+                    .next()
+                    .is_some_and(|c| c.is_ascii_alphabetic() || c == '_')
+                    && n.chars().all(|c| c.is_ascii_alphanumeric() || c == '_')
+            }) && t
+                .chars()
+                .all(|c| c.is_ascii_alphanumeric() || "_[]".contains(c))
+        };
+        if !head.is_empty() && head.split('.').all(ident) {
+            return Some(head.to_string());
+        }
+    }
+    for marker in [
+        "missing field `",
+        "unknown field `",
+        "duplicate field `",
+        "Cannot parse `",
+    ] {
+        if let Some(i) = rest.find(marker) {
+            let name = &rest[i + marker.len()..];
+            if let Some(end) = name.find('`') {
+                // `Cannot parse `v` to a `T`` (no key) names a value, not a field.
+                if marker == "Cannot parse `" && !name[end..].starts_with("` with value") {
+                    return None;
+                }
+                return Some(name[..end].to_string());
+            }
+        }
+    }
+    None
 }
 
 impl IntoResponse for ApiError {
@@ -402,6 +461,23 @@ pub fn mark_no_retry(status: StatusCode, r: &mut Response) {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn rejection_messages_name_their_field() {
+        let cases = [
+            ("Failed to deserialize the JSON body into the target type: missing field `name` at line 1 column 2", Some("name")),
+            ("Failed to deserialize the JSON body into the target type: kind: invalid type: integer `1`, expected a string at line 1 column 9", Some("kind")),
+            ("Failed to deserialize the JSON body into the target type: params.ttl_ms: invalid type", Some("params.ttl_ms")),
+            ("Failed to deserialize query string: since_ms: invalid digit found in string", Some("since_ms")),
+            ("Failed to deserialize the JSON body into the target type: unknown field `nope`, expected `params` at line 1 column 7", Some("nope")),
+            ("Cannot parse `id` with value `abc` to a `i64`", Some("id")),
+            ("Cannot parse `abc` to a `i64`", None),
+            ("Failed to parse the request body as JSON: EOF while parsing an object at line 1 column 1", None),
+        ];
+        for (msg, want) in cases {
+            assert_eq!(rejection_param(msg).as_deref(), want, "{msg}");
+        }
+    }
 
     #[test]
     fn catalog_errors_map_to_their_status_and_code() {

@@ -434,7 +434,8 @@ impl SegmentService {
         if salt.is_some_and(|s| s.len() > MAX_SALT_BYTES) {
             return Err(ApiError::bad_request(format!(
                 "salt must be at most {MAX_SALT_BYTES} bytes"
-            )));
+            ))
+            .with_param("salt"));
         }
         let entries: Vec<SnapshotEntry> = self.catalog.snapshot(tenant, ids).await?;
         let mut out = Vec::with_capacity(entries.len());

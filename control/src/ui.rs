@@ -1,6 +1,7 @@
 //! The operator web UI (`web-ui/`), built by Vite into `web-ui/dist/` and
 //! embedded in the binary: `GET /ui/` serves the page, `GET /ui/assets/*` its
-//! script and style sheet. No Node is needed at run time.
+//! script and style sheet, `GET /ui/favicon.svg` (and `/favicon.ico`) its icon.
+//! No Node is needed at run time.
 //!
 //! Every answer carries a strict Content-Security-Policy: scripts, styles and
 //! API calls from this origin only, no inline script or style element, no
@@ -35,11 +36,24 @@ const FILES: &[(&str, &str, &[u8])] = &[
         "text/css; charset=utf-8",
         include_bytes!("../../web-ui/dist/assets/app.css"),
     ),
+    (
+        "favicon.svg",
+        "image/svg+xml",
+        include_bytes!("../../web-ui/dist/favicon.svg"),
+    ),
+    (
+        "favicon.ico",
+        "image/x-icon",
+        include_bytes!("../../web-ui/dist/favicon.ico"),
+    ),
 ];
 
-/// Routes `/ui`, `/ui/` and `/ui/{*path}` (merge into a router with any state).
+/// Routes `/ui`, `/ui/`, `/ui/{*path}` and `/favicon.ico` (the console's icon,
+/// which browsers also ask for at the root) (merge into a router with any
+/// state).
 pub fn router<S: Clone + Send + Sync + 'static>() -> Router<S> {
     Router::new()
+        .route("/favicon.ico", get(|| async { file("favicon.ico") }))
         .route("/ui", get(|| async { Redirect::permanent("/ui/") }))
         .route("/ui/", get(|| async { file("index.html") }))
         .route(
@@ -141,6 +155,19 @@ mod tests {
         let (st, h, _) = get("/ui/assets/nope.js").await;
         assert_eq!(st, StatusCode::NOT_FOUND);
         assert_eq!(h[header::CONTENT_SECURITY_POLICY], CSP);
+        // The icon, at the root and under /ui/, with the CSP (img-src 'self').
+        for (path, mime) in [
+            ("/favicon.ico", "image/x-icon"),
+            ("/ui/favicon.ico", "image/x-icon"),
+            ("/ui/favicon.svg", "image/svg+xml"),
+        ] {
+            let (st, h, body) = get(path).await;
+            assert_eq!(st, StatusCode::OK, "{path}");
+            assert_eq!(h[header::CONTENT_TYPE], mime, "{path}");
+            assert_eq!(h[header::CONTENT_SECURITY_POLICY], CSP);
+            assert!(!body.is_empty());
+        }
+        assert!(CSP.contains("img-src 'self'"));
         let (st, h, _) = get("/ui").await;
         assert_eq!(st, StatusCode::PERMANENT_REDIRECT);
         assert_eq!(h[header::LOCATION], "/ui/");

@@ -117,6 +117,30 @@ async function main() {
   const csp = resp.headers()["content-security-policy"];
   assert.ok(csp?.includes("script-src 'self'") && csp.includes("default-src 'none'"), csp);
 
+  step = "the console's icon is embedded and served (the CSP allows it)";
+  {
+    assert.ok(csp.includes("img-src 'self'"), csp);
+    const href = await page.evaluate(() => document.querySelector("link[rel=icon]")?.getAttribute("href"));
+    assert.equal(href, "/ui/favicon.svg");
+    for (const [path, type] of [
+      [href, "image/svg+xml"],
+      ["/ui/favicon.ico", "image/x-icon"],
+      ["/favicon.ico", "image/x-icon"],
+    ]) {
+      const r = await fetch(`${base}${path}`);
+      assert.equal(r.status, 200, path);
+      assert.equal(r.headers.get("content-type"), type, path);
+      assert.ok((await r.arrayBuffer()).byteLength > 0, path);
+    }
+  }
+
+  step = "sign in: a refused token's 401 goes away when the field is emptied";
+  await page.fill("textarea[name=token]", "not-a-token");
+  await page.click("button:has-text('Sign in')");
+  await page.getByTestId("api-error").filter({ hasText: "401" }).waitFor();
+  await page.fill("textarea[name=token]", "");
+  await page.getByTestId("api-error").waitFor({ state: "detached" });
+
   step = "sign in (operator)";
   await page.fill("textarea[name=token]", op);
   await page.click("button:has-text('Sign in')");
@@ -234,6 +258,31 @@ async function main() {
   assert.ok((await err.textContent()).includes(direct.error.message), await err.textContent());
   await page.screenshot({ path: join(shots, "segments.png"), fullPage: true });
 
+  step = "the same segment id owned by two tenants: two rows, each opens its own segment";
+  {
+    const acme = token("acme", "tenant");
+    for (const [tok, content] of [
+      [acme, "Acme's twin: the warehouse opens at seven."],
+      [op, "Ops's twin: the night shift ends at six."],
+    ]) {
+      const r = await call(tok, "POST", "/v1/segments", { id: "twin", content, prefill: false });
+      assert.equal(r.status, 200, await r.text());
+    }
+    await page.click("button:has-text('Refresh')");
+    await page.fill("input[name=search]", "twin");
+    const twins = page.getByTestId("segments").locator("tbody tr", { hasText: "twin" });
+    await twins.nth(1).waitFor();
+    assert.deepEqual((await twins.evaluateAll((rows) => rows.map((r) => r.dataset.key))).sort(), ["acme/twin", "ops/twin"]);
+    await page.getByTestId("segments").locator("tbody tr[data-key='acme/twin'] a").click();
+    await page.locator("h1", { hasText: "Segment acme/twin" }).waitFor();
+    await page.getByTestId("segment-detail").filter({ hasText: "acme" }).waitFor();
+    await page.locator("text=← Segments").click();
+    await page.fill("input[name=search]", "twin");
+    await page.getByTestId("segments").locator("tbody tr[data-key='ops/twin'] a").click();
+    await page.waitForURL(/#\/segments\/twin$/);
+    await page.locator("h1", { hasText: /^Segment twin$/ }).waitFor();
+  }
+
   step = "a reordered request hits; the why view explains a forced miss";
   {
     // Two operator-owned segments, not prefilled: the first request builds them.
@@ -263,6 +312,13 @@ async function main() {
     const cached = swapped.usage.prompt_tokens_details.cached_tokens;
     assert.ok(cached > 0, `cached tokens ${cached}`);
     log(`reordered request: ${cached} of ${swapped.usage.prompt_tokens} prompt tokens cached`);
+
+    // The list shows each row's hits and last use, not only the why view.
+    await page.goto(`${base}/ui/#/segments`);
+    const rowB = page.getByTestId("segments").locator("tbody tr[data-key='ops/why-b']");
+    await rowB.getByTestId("row-hits").filter({ hasText: /^[1-9]\d*$/ }).waitFor();
+    assert.notEqual(await rowB.getByTestId("row-last-use").textContent(), "—");
+    assert.match(await rowB.getByTestId("row-residency").textContent(), /^resident/);
 
     // The segment screen: resident, with hits, in the operator's namespace.
     await page.goto(`${base}/ui/#/segments/why-a`);
@@ -410,6 +466,10 @@ async function main() {
   const ttlRow = page.getByTestId("kind-invalidation").locator("tbody tr", { hasText: "ttl-ui" });
   await ttlRow.waitFor();
   assert.ok((await ttlRow.textContent()).includes('{"ttl_ms":600000}'), await ttlRow.textContent());
+  // v1 active first, so that a rollback from v2 has an earlier version to go to.
+  page.once("dialog", (d) => d.accept());
+  await ttlRow.locator("button:has-text('Activate #')").click();
+  await page.getByTestId("active-invalidation").filter({ hasText: "ttl-ui v1" }).waitFor();
   await ttlRow.locator("button:has-text('Parameters')").click();
   const panel = page.locator("form[aria-label^='parameters of policy']");
   const panelTtl = panel.locator("input[name=param-ttl_ms]");
@@ -431,6 +491,27 @@ async function main() {
   await page.getByTestId("active-invalidation").filter({ hasText: "ttl-ui v2" }).waitFor();
   await page.screenshot({ path: join(shots, "policies-params.png"), fullPage: true });
   await panel.locator("button:has-text('Close')").click();
+
+  step = "activating the active version again is a 409; rollback goes to the earlier different version";
+  {
+    const activeRow = page.getByTestId("kind-invalidation").locator("tbody tr.active");
+    await activeRow.filter({ hasText: "120000" }).waitFor();
+    await activeRow.locator("button:has-text('Parameters')").click();
+    const again = page.locator("form[aria-label^='parameters of policy']");
+    await again.locator("input[name=param-ttl_ms]").waitFor();
+    page.once("dialog", (d) => d.accept());
+    await again.locator("button:has-text('Activate with these parameters')").click();
+    await again.getByTestId("api-error").filter({ hasText: "409" }).filter({ hasText: "already_active" }).waitFor();
+    assert.match(await again.getByTestId("api-error").textContent(), /ttl-ui v2 is already the active one/);
+    await again.locator("button:has-text('Close')").click();
+    const rb = page.getByTestId("rollback-invalidation");
+    await rb.filter({ hasText: /^Roll back invalidation to #\d+ ttl-ui v1$/ }).waitFor();
+    page.once("dialog", (d) => d.accept());
+    await rb.click();
+    await page.getByTestId("rolled-back-invalidation").filter({ hasText: /^Rolled back invalidation: #\d+ ttl-ui v2 → #\d+ ttl-ui v1\.$/ }).waitFor();
+    await page.getByTestId("active-invalidation").filter({ hasText: "ttl-ui v1" }).waitFor();
+    await rb.filter({ hasText: "Roll back invalidation to the native default" }).waitFor();
+  }
 
   step = "a diff between two policy versions";
   // The compare selects start at the two newest versions of the kind: v1 and v2 of ttl-ui.
@@ -515,6 +596,17 @@ async function main() {
   const terr = tpage.getByTestId("api-error").first();
   await terr.waitFor();
   assert.match(await terr.textContent(), /403.*operator_required.*this endpoint needs the operator role/s);
+  // One message, not one per panel; the same on every operator screen.
+  await tpage.waitForTimeout(500);
+  assert.equal(await tpage.getByTestId("api-error").count(), 1);
+  for (const screen of ["overview", "audit", "groups"]) {
+    await tpage.goto(`${base}/ui/#/${screen}`);
+    await tpage.getByTestId("api-error").filter({ hasText: "403" }).waitFor();
+    await tpage.waitForTimeout(300);
+    assert.equal(await tpage.getByTestId("api-error").count(), 1, screen);
+  }
+  await tpage.goto(`${base}/ui/#/policies`);
+  await tpage.getByTestId("api-error").filter({ hasText: "403" }).waitFor();
   await tpage.screenshot({ path: join(shots, "tenant-403.png"), fullPage: true });
   // A tenant's navigation offers Segments only, where the operator's private
   // segment is not listed.
@@ -591,6 +683,13 @@ async function main() {
     const audit = await (await call(op, "GET", "/v1/admin/audit?action=segment.prefill")).json();
     assert.ok(audit.some((r) => r.target.length > 0 && r.actor === "ops-ui"), JSON.stringify(audit));
     await kctx.close();
+  }
+
+  step = "every request the console made is logged with its route";
+  {
+    const unmatched = serverLog.split("\n").filter((l) => l.includes("route=unmatched"));
+    assert.deepEqual(unmatched, []);
+    assert.ok(/route=\/ui\/ /.test(serverLog) && /route=\/ui\/\{\*path\} /.test(serverLog), "the console's routes in the log");
   }
 
   step = "no token in a URL or the server log, no console error";

@@ -55,7 +55,10 @@ export interface paths {
     post: operations["upload_policy"];
   };
   "/v1/admin/policies/rollback": {
-    /** Re-activate the previous policy of a kind (operator) */
+    /**
+     * Re-activate the previous policy of a kind (operator)
+     * @description Goes to the latest earlier policy that differs from the active one (activations of the same policy, or of one with the same module and parameters, are skipped); the native default when there is none. `GET /v1/admin/policies/stats` says where it would go (`rollback_to`).
+     */
     post: operations["rollback_policy"];
   };
   "/v1/admin/policies/shadow": {
@@ -214,6 +217,18 @@ export interface components {
        * (same module), which is the one activated.
        */
       params?: Record<string, never> | null;
+    };
+    /** @description Answer of `POST /v1/admin/policies/{id}/activate`. */
+    Activated: {
+      /**
+       * Format: int64
+       * @description The activated policy id: a new version when the parameters changed.
+       */
+      active: number;
+      /** @description The policy's kind. */
+      kind: string;
+      /** @description The parameters it was activated with. */
+      params: Record<string, never>;
     };
     /** @description One audit-log row. */
     AuditEntry: {
@@ -810,6 +825,14 @@ export interface components {
        * @description Compiled modules held in the module cache.
        */
       modules_cached: number;
+      /**
+       * @description Where `POST /v1/admin/policies/rollback` would take each kind: the
+       * latest earlier policy different from the active one (`null`: the native
+       * default). A kind with nothing to roll back to is absent.
+       */
+      rollback_to: {
+        [key: string]: number | null;
+      };
     };
     /** @description Bytes and entries of one cache pool at a sample time. */
     PoolSample: {
@@ -984,6 +1007,21 @@ export interface components {
     /** @description Body of `POST /v1/admin/policies/rollback`. */
     RollbackBody: {
       /** @description Hook kind to roll back. */
+      kind: string;
+    };
+    /** @description Answer of `POST /v1/admin/policies/rollback`. */
+    RolledBack: {
+      /**
+       * Format: int64
+       * @description The policy now active (`null`: the native default).
+       */
+      active?: number | null;
+      /**
+       * Format: int64
+       * @description The policy active before the rollback (`null`: the native default).
+       */
+      from?: number | null;
+      /** @description The kind rolled back. */
       kind: string;
     };
     /**
@@ -2054,7 +2092,10 @@ export interface operations {
       };
     };
   };
-  /** Re-activate the previous policy of a kind (operator) */
+  /**
+   * Re-activate the previous policy of a kind (operator)
+   * @description Goes to the latest earlier policy that differs from the active one (activations of the same policy, or of one with the same module and parameters, are skipped); the native default when there is none. `GET /v1/admin/policies/stats` says where it would go (`rollback_to`).
+   */
   rollback_policy: {
     requestBody: {
       content: {
@@ -2062,13 +2103,12 @@ export interface operations {
       };
     };
     responses: {
-      /** @description `kind`, `active` (policy id, or null for the native policy) */
       200: {
         content: {
-          "application/json": Record<string, never>;
+          "application/json": components["schemas"]["RolledBack"];
         };
       };
-      /** @description invalid input */
+      /** @description invalid input (`param` = `kind`) */
       400: {
         content: {
           "application/json": components["schemas"]["ErrorBody"];
@@ -2082,6 +2122,12 @@ export interface operations {
       };
       /** @description operator role needed */
       403: {
+        content: {
+          "application/json": components["schemas"]["ErrorBody"];
+        };
+      };
+      /** @description nothing to roll back to */
+      404: {
         content: {
           "application/json": components["schemas"]["ErrorBody"];
         };
@@ -2270,10 +2316,9 @@ export interface operations {
       };
     };
     responses: {
-      /** @description `kind`, `active` (the activated policy id: a new version when the parameters changed), `params` */
       200: {
         content: {
-          "application/json": Record<string, never>;
+          "application/json": components["schemas"]["Activated"];
         };
       };
       /** @description invalid input (`invalid_param`, `param` = `params.<name>`: a parameter the policy's schema refuses) */
@@ -2296,6 +2341,12 @@ export interface operations {
       };
       /** @description no such policy */
       404: {
+        content: {
+          "application/json": components["schemas"]["ErrorBody"];
+        };
+      };
+      /** @description `already_active`: the version (with these parameters) is the active one; nothing changed, no audit row */
+      409: {
         content: {
           "application/json": components["schemas"]["ErrorBody"];
         };
@@ -3126,7 +3177,8 @@ export interface operations {
     parameters: {
       query?: {
         /**
-         * @description The tenant whose namespace to warm (default: the caller's). A tenant
+         * @description The tenant whose namespace to warm (default: the caller's; for an
+         * operator, the segment owner's, as segment answers report it). A tenant
          * token may only name its own tenant (else 403 `tenant_mismatch`); the
          * tenant must be able to read the segment (else 404 naming `tenant`).
          */

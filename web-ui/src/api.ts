@@ -1,69 +1,48 @@
 // Request and response types of the HYPIC REST API used by the console, and the
-// one function that calls it. Types the OpenAPI document describes as schemas are
-// taken from src/api.gen.ts, generated from it (`npm run gen:api`; a vitest and a
-// Rust test fail when either is stale); the others are written by hand to mirror
-// the Rust handlers (control/src/api.rs, control/src/serve/routes.rs,
-// control/src/serve/history.rs), whose answers the document gives as plain objects.
-import type { components } from "./api.gen";
+// one function that calls it. Every type is taken from src/api.gen.ts, generated
+// from the server's OpenAPI document (`npm run gen:api`; a vitest and a Rust test
+// fail when either is stale). Where the document gives a field as a free-form
+// JSON object (parameters, metrics), the generator types it as an object with no
+// keys; those fields are widened to `Record<string, unknown>` here, nothing else.
+import type { components, operations } from "./api.gen";
+import type { ParamSchema, ParamValue } from "./params";
 
 type Schemas = components["schemas"];
 
+/** The JSON answer of a 200 of operation `O`. */
+type Answer<O extends keyof operations> = operations[O] extends { responses: { 200: { content: { "application/json": infer T } } } }
+  ? T
+  : never;
+
+/** `T` with the free-form object fields `K` typed as JSON objects. */
+type Free<T, K extends keyof T> = Omit<T, K> & { [P in K]: Record<string, unknown> };
+
 /** OpenAI-style error body: `{"error": {...}}`. */
-export interface ApiErrorBody {
-  message: string;
-  type: string;
-  param: string | null;
-  code: string | null;
-}
+export type ApiErrorBody = Schemas["ErrorDetail"];
 
 /** `GET /v1/whoami`. */
 export type Principal = Schemas["Principal"];
 
-/** A catalog segment as the caller may see it. */
-export interface Segment {
-  id: string;
-  address: string;
-  owner_tenant?: string;
-  name: string;
-  public: boolean;
-  current_version: number;
-  content_hash: string;
-  byte_len: number;
-  tokens: Record<string, number>;
-  created_at: number;
-  updated_at: number;
-  /** Serving router only: token count and cache residency for the served model. */
-  hypic?: SegmentServing;
-}
+/** A catalog segment as the caller may see it, with what the served model makes of it (`GET /v1/segments/{id}`, `POST /v1/segments`). */
+export type Segment = Schemas["ServedSegment"];
 
 /** The `hypic` extension of a segment on the serving router. */
-export interface SegmentServing {
-  model?: string;
-  version?: number;
-  tokens?: number;
-  residency?: {
-    resident: boolean;
-    shared: boolean;
-    entries: { body_start: number; resident: boolean; bytes: number }[];
-  };
-  error?: string;
-}
+export type SegmentServing = Schemas["SegmentServing"];
+
+/** One row of `GET /v1/segments`: the current version, its residency, hits and last use. */
+export type SegmentRow = Schemas["ServedSegmentRow"];
 
 /** `GET /v1/segments`. */
-export interface SegmentList {
-  object: "list";
-  data: Segment[];
-  next: string | null;
-}
+export type SegmentList = Schemas["ServedSegmentList"];
 
 /** Body of `POST /v1/segments`. */
-export interface NewSegment {
-  id: string;
-  name?: string;
-  content: string;
-  public?: boolean;
-  prefill?: boolean;
-}
+export type NewSegment = Schemas["CreateSegmentBody"];
+
+/** `GET /v1/segments/{id}/grants`: the tenants granted the segment. */
+export type Grants = Answer<"list_grants">;
+
+/** `GET /v1/segments/{id}/group-grants`: the groups granted the segment. */
+export type GroupGrants = Answer<"list_group_grants">;
 
 /** One row of `GET /v1/segments/{id}/versions`. */
 export type SegmentVersion = Schemas["SegmentVersion"];
@@ -94,39 +73,23 @@ export type PrefillEntry = Schemas["PrefillEntry"];
 export type Prefilled = Schemas["Prefilled"];
 
 /** `GET /v1/admin/groups` rows: tenants grouped for segment grants. */
-export interface Group {
-  id: string;
-  name: string;
-  members: string[];
-  created_by: string;
-  created_at: number;
-}
+export type Group = Schemas["Group"];
 
 /** Hook kinds of a policy. */
 export const POLICY_KINDS = ["admission", "eviction", "invalidation", "isolation"] as const;
 export type PolicyKind = (typeof POLICY_KINDS)[number];
 
-/** One row of `GET /v1/admin/policies`. */
-export interface PolicyRecord {
-  id: number;
-  name: string;
-  kind: PolicyKind;
-  module_sha256: string;
-  /** JSON object, as text. */
-  params: string;
-  version: number;
-  created_by: string;
-  created_at: number;
-  active: boolean;
-}
+/** One row of `GET /v1/admin/policies` (`params`: a JSON object, as text). */
+export type PolicyRecord = Schemas["PolicyRecord"];
 
 /** Body of `POST /v1/admin/policies`. */
-export interface UploadPolicy {
-  name: string;
-  kind: PolicyKind;
-  wasm_base64: string;
-  params: Record<string, unknown>;
-}
+export type UploadPolicy = Free<Schemas["UploadPolicy"], "params">;
+
+/** `POST /v1/admin/policies/{id}/activate`. */
+export type Activated = Free<Schemas["Activated"], "params">;
+
+/** `POST /v1/admin/policies/rollback`: the policy now active and the one before. */
+export type RolledBack = Schemas["RolledBack"];
 
 /** Replay statistics of a dry run (`crate::sim::SimStats`). */
 export type SimStats = Schemas["SimStats"];
@@ -135,51 +98,19 @@ export type SimStats = Schemas["SimStats"];
 export type TenantSimStats = Schemas["TenantSimStats"];
 
 /** `POST /v1/admin/policies/{id}/dry-run`. */
-export interface DryRunResult {
-  policy_id: number;
-  kind: PolicyKind;
-  candidate: SimStats;
-  active: SimStats;
-  hit_ratio_delta: number;
-  recompute_tokens_delta: number;
-}
+export type DryRunResult = Schemas["DryRunResult"];
 
 /** `GET /v1/admin/traffic` (operator; `hypic serve` only): recent prompts as a trace. */
-export interface RecordedTraffic {
-  requests: number;
-  capacity: number;
-  /** JSONL in the dry-run trace format, oldest first. */
-  trace: string;
-}
+export type RecordedTraffic = Schemas["RecordedTraffic"];
 
-/** `GET /v1/admin/policies/stats` (only `active` is typed; the rest is shown as is). */
-export interface PolicyStats {
-  active: Record<PolicyKind, number | null>;
-  metrics: unknown;
-  module_compiles: number;
-  modules_cached: number;
-}
+/** `GET /v1/admin/policies/stats`: active policy and rollback target per kind, counters. */
+export type PolicyStats = Free<Schemas["PolicyStats"], "metrics">;
 
-/** One row of `GET /v1/admin/audit`. */
-export interface AuditEntry {
-  id: number;
-  at: number;
-  actor: string;
-  tenant: string | null;
-  action: string;
-  target: string;
-  /** JSON, as text. */
-  detail: string;
-}
+/** One row of `GET /v1/admin/audit` (`detail`: JSON, as text). */
+export type AuditEntry = Schemas["AuditEntry"];
 
 /** Query of `GET /v1/admin/audit`. */
-export interface AuditQuery {
-  action?: string;
-  actor?: string;
-  since_ms?: number;
-  until_ms?: number;
-  limit?: number;
-}
+export type AuditQuery = NonNullable<operations["audit_log"]["parameters"]["query"]>;
 
 /** One storage tier of a pool in a metrics sample. */
 export type TierSample = Schemas["TierSample"];
@@ -238,7 +169,7 @@ export async function api<T>(method: string, path: string, body?: unknown): Prom
   });
   const text = await r.text();
   if (!r.ok) {
-    let err: ApiErrorBody = { message: text || r.statusText, type: "", param: null, code: null };
+    let err: ApiErrorBody = { message: text || r.statusText, type: "", param: null, code: "" };
     try {
       const j = JSON.parse(text);
       if (j && typeof j.error === "object") err = j.error;
@@ -260,70 +191,26 @@ export function query(q: Record<string, string | number | undefined>): string {
 
 // ---- policy detail, shadow mode, tenants (control/src/policy_api.rs, tenants_api.rs)
 
-/** `GET /v1/admin/policies/{id}`: a version with its declared parameters and module contents. */
-export interface PolicyDetail extends PolicyRecord {
+/**
+ * `GET /v1/admin/policies/{id}`: a version with its declared parameters and module
+ * contents. The schema is the generated one read through src/params.ts's type
+ * (the same shape, with its parameter types as a union the form switches on).
+ */
+export type PolicyDetail = Omit<Schemas["PolicyDetail"], "param_schema" | "effective_params"> & {
   /** Null: the module declares no schema (ABI v1 integer parameters). */
-  param_schema: import("./params").ParamSchema | null;
+  param_schema?: ParamSchema | null;
   /** Stored parameters completed with the defaults. */
-  effective_params: Record<string, import("./params").ParamValue> | null;
-  module: {
-    bytes: number;
-    exports: { name: string; kind: string }[];
-    imports: number;
-    functions: number;
-    code_bytes: number;
-    memory_min_pages: number | null;
-    custom_sections: { name: string; bytes: number }[];
-  };
-}
+  effective_params?: Record<string, ParamValue> | null;
+};
 
 /** Answers of one policy over the calls a shadow saw (only its kind's fields move). */
-export interface DecisionCounts {
-  calls: number;
-  faults: number;
-  admitted: number;
-  rejected: number;
-  admitted_bytes: number;
-  evictions: number;
-  victim_bytes: number;
-  victim_recompute_tokens: number;
-  dropped: number;
-  kept: number;
-  shared: number;
-  private: number;
-}
+export type DecisionCounts = Schemas["DecisionCounts"];
 
 /** `GET /v1/admin/policies/shadow[/{kind}]`: a shadow and the active policy's answers to the same calls. */
-export interface ShadowView {
-  kind: PolicyKind;
-  policy_id: number;
-  params: Record<string, unknown>;
-  started_at: number;
-  started_by: string;
-  active_policy_id: number | null;
-  candidate: DecisionCounts;
-  active: DecisionCounts;
-  agreed: number;
-  disagreed: number;
-  tripped: boolean;
-}
+export type ShadowView = Free<Schemas["ShadowView"], "params">;
 
 /** Serving counters of a tenant since the server started. */
-export interface ServingUsage {
-  requests: number;
-  prompt_tokens: number;
-  cached_tokens: number;
-  completion_tokens: number;
-  segment_hits: number;
-  segment_misses: number;
-  last_request_at: number | null;
-}
+export type ServingUsage = Schemas["ServingUsage"];
 
 /** `GET /v1/admin/tenants` rows and `GET /v1/tenants/{tenant}/usage`. */
-export interface TenantView {
-  tenant: string;
-  principals: { sub: string; role: "tenant" | "operator" }[];
-  groups: string[];
-  catalog: { segments: number; segment_bytes: number; granted_segments: number; group_granted_segments: number };
-  serving: ServingUsage;
-}
+export type TenantView = Schemas["TenantView"];

@@ -1,8 +1,9 @@
 // The HYPIC operator console: sign-in, navigation (hash routes), screens.
-import { render } from "preact";
+import { render, type ComponentChildren } from "preact";
 import { useEffect, useRef, useState } from "preact/hooks";
 import "uplot/dist/uPlot.min.css";
 import "./style.css";
+import { refusalProbe, signInErrorAfterInput } from "./access";
 import { api, getToken, setToken, type Principal } from "./api";
 import { Audit } from "./audit";
 import { Groups } from "./groups";
@@ -10,11 +11,11 @@ import { Overview } from "./overview";
 import { Policies } from "./policies";
 import { SegmentDetail, Segments } from "./segments";
 import { Tenants } from "./tenants";
-import { ErrorBox } from "./ui";
+import { ErrorBox, useLoad } from "./ui";
 
-function SignIn({ done }: { done: (p: Principal) => void }) {
+function SignIn({ done, initialError }: { done: (p: Principal) => void; initialError: unknown }) {
   const [token, setTok] = useState("");
-  const [error, setError] = useState<unknown>(null);
+  const [error, setError] = useState<unknown>(initialError);
   const submit = async (e: Event) => {
     e.preventDefault();
     setToken(token.trim());
@@ -30,8 +31,9 @@ function SignIn({ done }: { done: (p: Principal) => void }) {
       <form class="card" onSubmit={submit} aria-label="sign in">
         <h1>HYPIC console</h1>
         <p>
-          Paste an operator or tenant token (the server prints both at its first start; <code>hypic token</code> mints
-          more). It is kept in this tab's session storage only.
+          Paste an operator or tenant token (the server prints both at its first start;{" "}
+          <code>hypic token --data-dir DIR</code>, with the server's data directory, mints more). It is kept in this
+          tab's session storage only.
         </p>
         <label class="wide">
           token
@@ -41,7 +43,11 @@ function SignIn({ done }: { done: (p: Principal) => void }) {
             autocomplete="off"
             spellcheck={false}
             value={token}
-            onInput={(e) => setTok(e.currentTarget.value)}
+            onInput={(e) => {
+              const v = e.currentTarget.value;
+              setTok(v);
+              setError((prev: unknown) => signInErrorAfterInput(prev, v));
+            }}
             onKeyDown={(e) => {
               // A token is one line: Enter signs in (Shift+Enter is a newline).
               if (e.key === "Enter" && !e.shiftKey) {
@@ -73,11 +79,43 @@ function useHash(): [string, (h: string) => void] {
   return [hash, (h: string) => (location.hash = h)];
 }
 
+/**
+ * An operator screen opened with a tenant token: the API's answer to the one route
+ * standing for the screen (a 403), shown once, instead of every panel failing.
+ */
+function Refused({ probe, title, children }: { probe: string; title: string; children: () => ComponentChildren }) {
+  const r = useLoad(() => api<unknown>("GET", probe), [probe]);
+  if (r.data !== null) return <>{children()}</>;
+  return (
+    <section>
+      <h1>{title}</h1>
+      {r.error ? <ErrorBox error={r.error} /> : <p>Checking access…</p>}
+    </section>
+  );
+}
+
 function Screen({ hash, go, me }: { hash: string; go: (h: string) => void; me: Principal }) {
   const parts = hash.replace(/^#\/?/, "").split("/");
+  const probe = refusalProbe(parts[0] || "overview", me.role);
+  if (probe) {
+    const title = (parts[0] || "overview").replace(/^./, (c) => c.toUpperCase());
+    return (
+      <Refused key={probe} probe={probe} title={title}>
+        {() => <ScreenFor parts={parts} go={go} me={me} />}
+      </Refused>
+    );
+  }
+  return <ScreenFor parts={parts} go={go} me={me} />;
+}
+
+function ScreenFor({ parts, go, me }: { parts: string[]; go: (h: string) => void; me: Principal }) {
   switch (parts[0]) {
     case "segments":
-      return parts[1] ? <SegmentDetail id={decodeURIComponent(parts[1])} go={go} /> : <Segments go={go} />;
+      return parts[1] ? (
+        <SegmentDetail key={parts[1]} id={decodeURIComponent(parts[1])} go={go} me={me} />
+      ) : (
+        <Segments go={go} me={me} />
+      );
     case "policies":
       return <Policies />;
     case "audit":
@@ -120,12 +158,7 @@ function App() {
   }, []);
   if (checking) return <p>Checking the token…</p>;
   if (!me)
-    return (
-      <>
-        <SignIn done={setMe} />
-        <ErrorBox error={error} />
-      </>
-    );
+    return <SignIn done={setMe} initialError={error} />;
   // A tenant's token is refused the operator screens by the API (403); the
   // navigation offers them to operators only, and a tenant starts at Segments.
   const op = me.role === "operator";
@@ -173,6 +206,7 @@ function App() {
           type="button"
           onClick={() => {
             setToken(null);
+            setError(null);
             setMe(null);
           }}
         >

@@ -1,7 +1,7 @@
 // @ts-ignore -- vitest runs in Node; the console has no Node types installed
 import { readFileSync } from "node:fs";
 import { describe, expect, it } from "vitest";
-import { checkSchema, checkValue, customSection, formText, parseForm, readSchema, type ParamSchema } from "./params";
+import { checkSchema, checkValue, customSection, formText, parseForm, rangeText, readSchema, type ParamSchema } from "./params";
 
 const schema: ParamSchema = {
   params: [
@@ -34,14 +34,22 @@ describe("parseForm", () => {
     expect(parseForm(schema, { limit: " " })).toEqual({ params: {} });
   });
   it("names the parameter like the server's 400", () => {
-    expect(parseForm(schema, { limit: "11" })).toEqual({ field: "params.limit", message: "limit is above the maximum 10" });
-    expect(parseForm(schema, { limit: "0" })).toEqual({ field: "params.limit", message: "limit is below the minimum 1" });
-    expect(parseForm(schema, { limit: "1.5" })).toEqual({ field: "params.limit", message: "limit must be an integer" });
+    expect(parseForm(schema, { limit: "11" })).toEqual({ field: "params.limit", message: "limit is above the maximum 10 (allowed: from 1 to 10)" });
+    expect(parseForm(schema, { limit: "0" })).toEqual({ field: "params.limit", message: "limit is below the minimum 1 (allowed: from 1 to 10)" });
+    expect(parseForm(schema, { limit: "1.5" })).toEqual({ field: "params.limit", message: "limit must be an integer (allowed: from 1 to 10)" });
     expect(parseForm(schema, { limit: "many" })).toEqual({ field: "params.limit", message: "limit must be a number" });
-    expect(parseForm(schema, { ratio: "-0.1" })).toMatchObject({ field: "params.ratio", message: "ratio is below the minimum 0" });
+    expect(parseForm(schema, { ratio: "-0.1" })).toMatchObject({ field: "params.ratio", message: "ratio is below the minimum 0 (allowed: from 0 to 1)" });
     expect(parseForm(schema, { label: "123456789" })).toEqual({ field: "params.label", message: "label is 9 bytes, over 8" });
     expect(parseForm(schema, { label: "a\nb" })).toMatchObject({ field: "params.label" });
     expect(parseForm(schema, { mode: "fifo" })).toEqual({ field: "params.mode", message: "mode must be one of lru, lfu" });
+  });
+  it("states the allowed range of an out-of-range number", () => {
+    expect(rangeText({ min: 0 })).toBe("0 or more");
+    expect(rangeText({ max: 5 })).toBe("at most 5");
+    expect(rangeText({ min: 1, max: 10 })).toBe("from 1 to 10");
+    expect(rangeText({})).toBe("any value");
+    const ttl: ParamSchema = { params: [{ name: "ttl_ms", type: "int", min: 0, default: 3600000 }] };
+    expect(parseForm(ttl, { ttl_ms: "-5" })).toEqual({ field: "params.ttl_ms", message: "ttl_ms is below the minimum 0 (allowed: 0 or more)" });
   });
   it("fills a form from current values", () => {
     expect(formText(schema, { limit: 9, strict: true })).toMatchObject({ limit: "9", strict: "true", mode: "lru" });
@@ -52,7 +60,7 @@ describe("checkValue", () => {
   it("checks types exactly", () => {
     const [limit, ratio, strict, label] = schema.params;
     expect(checkValue(limit, 10)).toBeNull();
-    expect(checkValue(limit, 2 ** 60)).toMatchObject({ message: "limit must be an integer" });
+    expect(checkValue(limit, 2 ** 60)).toMatchObject({ message: "limit must be an integer (allowed: from 1 to 10)" });
     expect(checkValue(ratio, Infinity)).toMatchObject({ field: "params.ratio" });
     expect(checkValue(strict, "true")).toMatchObject({ message: "strict must be true or false" });
     expect(checkValue(label, "€€€")).toMatchObject({ message: "label is 9 bytes, over 8" });
@@ -66,7 +74,7 @@ describe("checkSchema", () => {
     expect(checkSchema([])).toMatchObject({ field: "wasm" });
     expect(checkSchema({ params: [{ name: "a b", type: "int", default: 1 }] })?.message).toContain("name must be");
     expect(checkSchema({ params: [{ name: "a", type: "int", min: 5, default: 1 }] })?.message).toBe(
-      'invalid parameter schema: params[0] ("a"): default 1 is below the minimum 5',
+      'invalid parameter schema: params[0] ("a"): default 1 is below the minimum 5 (allowed: 5 or more)',
     );
     expect(checkSchema({ params: [{ name: "a", type: "float", min: 1, max: 0, default: 0.5 }] })?.message).toContain(
       "min 1 is above max 0",

@@ -121,10 +121,10 @@ export function checkValue(p: ParamSpec, v: ParamValue): FieldError | null {
   const bad = (message: string): FieldError => ({ field, message: `${p.name} ${message}` });
   switch (p.type) {
     case "int":
-      if (typeof v !== "number" || !Number.isSafeInteger(v)) return bad("must be an integer");
+      if (typeof v !== "number" || !Number.isSafeInteger(v)) return bad(`must be an integer (allowed: ${rangeText(p)})`);
       break;
     case "float":
-      if (typeof v !== "number" || !Number.isFinite(v)) return bad("must be a finite number");
+      if (typeof v !== "number" || !Number.isFinite(v)) return bad(`must be a finite number (allowed: ${rangeText(p)})`);
       break;
     case "bool":
       return typeof v === "boolean" ? null : bad("must be true or false");
@@ -139,9 +139,17 @@ export function checkValue(p: ParamSpec, v: ParamValue): FieldError | null {
     case "enum":
       return typeof v === "string" && p.choices.includes(v) ? null : bad(`must be one of ${p.choices.join(", ")}`);
   }
-  if (p.min !== undefined && v < p.min) return bad(`is below the minimum ${p.min}`);
-  if (p.max !== undefined && v > p.max) return bad(`is above the maximum ${p.max}`);
+  if (p.min !== undefined && v < p.min) return bad(`is below the minimum ${p.min} (allowed: ${rangeText(p)})`);
+  if (p.max !== undefined && v > p.max) return bad(`is above the maximum ${p.max} (allowed: ${rangeText(p)})`);
   return null;
+}
+
+/** The allowed range of a number parameter in words, as the server writes it: `from 0 to 100`, `0 or more`, `at most 100`, `any value`. */
+export function rangeText(p: { min?: number; max?: number }): string {
+  if (p.min !== undefined && p.max !== undefined) return `from ${p.min} to ${p.max}`;
+  if (p.min !== undefined) return `${p.min} or more`;
+  if (p.max !== undefined) return `at most ${p.max}`;
+  return "any value";
 }
 
 /**

@@ -11,11 +11,13 @@ import {
   type PolicyRecord,
   type PolicyStats,
   type RecordedTraffic,
+  type RolledBack,
   type ShadowView,
 } from "./api";
 import { bytes, compare, compareTenants, pct, type Side } from "./metrics";
 import { formText, parseForm, readSchema, type ParamSchema } from "./params";
 import { ParamForm, ParamPanel, PolicyDiff, ShadowPanel } from "./policytools";
+import { policyName, rollbackTarget } from "./rollback";
 import { ErrorBox, useLoad, when } from "./ui";
 import { checkCapacity, checkTrace, checkWasm, isError, parseParams } from "./validate";
 
@@ -289,14 +291,24 @@ export function Policies() {
     stats.reload();
     shadows.reload();
   };
+  const [rolled, setRolled] = useState<Record<string, string>>({});
   const act = async (what: string, method: string, path: string, body?: unknown) => {
-    if (!window.confirm(what)) return;
+    if (!window.confirm(what)) return null;
     try {
-      await api(method, path, body);
+      const r = await api<unknown>(method, path, body);
       setError(null);
       reload();
+      return r;
     } catch (err) {
       setError(err);
+      return null;
+    }
+  };
+  const rollback = async (k: string, to: string) => {
+    const r = await act(`Roll back the ${k} policy to ${to}?`, "POST", "/v1/admin/policies/rollback", { kind: k });
+    if (r) {
+      const b = r as RolledBack;
+      setRolled({ ...rolled, [k]: `Rolled back ${k}: ${policyName(b.from, all)} → ${policyName(b.active, all)}.` });
     }
   };
   const all = list.data ?? [];
@@ -320,12 +332,23 @@ export function Policies() {
                 {active ? `#${active.id} ${active.name} v${active.version}` : "native default"}
               </span>
             </h2>
-            <button
-              type="button"
-              onClick={() => act(`Roll back the ${k} policy to the previous one?`, "POST", "/v1/admin/policies/rollback", { kind: k })}
-            >
-              Roll back {k}
-            </button>
+            {(() => {
+              const rb = rollbackTarget(k, stats.data, all);
+              return rb.possible ? (
+                <button type="button" data-testid={`rollback-${k}`} onClick={() => rollback(k, rb.to)}>
+                  Roll back {k} to {rb.to}
+                </button>
+              ) : (
+                <span class="muted" data-testid={`rollback-${k}`}>
+                  Nothing to roll back to.
+                </span>
+              );
+            })()}
+            {rolled[k] ? (
+              <p role="status" data-testid={`rolled-back-${k}`}>
+                {rolled[k]}
+              </p>
+            ) : null}
             {of.length >= 2 ? (
               <form class="inline" aria-label={`compare ${k} versions`} onSubmit={(e) => e.preventDefault()}>
                 compare{" "}

@@ -4,10 +4,14 @@ import { useState } from "preact/hooks";
 import {
   api,
   type Evicted,
+  type Grants as GrantList,
+  type GroupGrants,
   type Prefilled,
   type NewSegment,
+  type Principal,
   type Segment,
   type SegmentList,
+  type SegmentRow,
   type SegmentVersion,
   type VersionContent,
   type WhyAnswer,
@@ -17,10 +21,11 @@ import { diffStat, lineDiff } from "./diff";
 import { bytes } from "./metrics";
 import { ErrorBox, useDialog, useLoad, when } from "./ui";
 import { checkId } from "./validate";
+import { hitsText, residencyText, rowKey, rowRef, segmentLabel, segmentResidency } from "./segrows";
 import { entryText, policyText, prefillText, reasonTitle, verdict } from "./why";
 
-async function loadAll(): Promise<Segment[]> {
-  const out: Segment[] = [];
+async function loadAll(): Promise<SegmentRow[]> {
+  const out: SegmentRow[] = [];
   let after: string | undefined;
   // At most 10 pages of 1000: the browser filters what it loaded.
   for (let i = 0; i < 10; i++) {
@@ -30,12 +35,6 @@ async function loadAll(): Promise<Segment[]> {
     after = page.next;
   }
   return out;
-}
-
-function resident(s: Segment): string {
-  const r = s.hypic?.residency;
-  if (!r) return "—";
-  return r.resident ? (r.shared ? "resident (shared)" : "resident") : "not resident";
 }
 
 function NewSegmentForm({ done }: { done: (id: string) => void }) {
@@ -65,7 +64,7 @@ function NewSegmentForm({ done }: { done: (id: string) => void }) {
         id <input name="id" value={f.id} onInput={(e) => setF({ ...f, id: e.currentTarget.value })} required />
       </label>
       <label>
-        name <input name="name" value={f.name} onInput={(e) => setF({ ...f, name: e.currentTarget.value })} />
+        name <input name="name" value={f.name ?? ""} onInput={(e) => setF({ ...f, name: e.currentTarget.value })} />
       </label>
       <label class="wide">
         content
@@ -82,7 +81,7 @@ function NewSegmentForm({ done }: { done: (id: string) => void }) {
         public (every tenant may read it)
       </label>
       <label>
-        <input type="checkbox" name="prefill" checked={f.prefill} onChange={(e) => setF({ ...f, prefill: e.currentTarget.checked })} />{" "}
+        <input type="checkbox" name="prefill" checked={f.prefill ?? true} onChange={(e) => setF({ ...f, prefill: e.currentTarget.checked })} />{" "}
         prefill now
       </label>
       <button type="submit" disabled={busy}>
@@ -93,7 +92,7 @@ function NewSegmentForm({ done }: { done: (id: string) => void }) {
   );
 }
 
-export function Segments({ go }: { go: (hash: string) => void }) {
+export function Segments({ go, me }: { go: (hash: string) => void; me: Principal }) {
   const { data, error, reload } = useLoad(loadAll, []);
   const [q, setQ] = useState("");
   const needle = q.trim().toLowerCase();
@@ -127,22 +126,26 @@ export function Segments({ go }: { go: (hash: string) => void }) {
             <th>bytes</th>
             <th>tokens</th>
             <th>residency</th>
+            <th>hits</th>
+            <th>last use</th>
             <th>updated</th>
           </tr>
         </thead>
         <tbody>
           {rows.map((s) => (
-            <tr key={s.address}>
+            <tr key={rowKey(s)} data-key={rowKey(s)}>
               <td>
-                <a href={`#/segments/${encodeURIComponent(s.id)}`}>{s.id}</a>
+                <a href={`#/segments/${encodeURIComponent(rowRef(s, me))}`}>{s.id}</a>
               </td>
               <td>{s.name}</td>
               <td>{s.owner_tenant ?? "—"}</td>
               <td>{s.public ? "yes" : "no"}</td>
-              <td>{s.current_version}</td>
+              <td>{s.version}</td>
               <td>{bytes(s.byte_len)}</td>
-              <td>{s.hypic?.tokens ?? Object.values(s.tokens)[0] ?? "—"}</td>
-              <td>{resident(s)}</td>
+              <td>{s.tokens ?? "—"}</td>
+              <td data-testid="row-residency">{residencyText(s.residency)}</td>
+              <td data-testid="row-hits">{hitsText(s)}</td>
+              <td data-testid="row-last-use">{when(s.last_use_ms)}</td>
               <td>{when(s.updated_at)}</td>
             </tr>
           ))}
@@ -157,7 +160,7 @@ export function Segments({ go }: { go: (hash: string) => void }) {
 function Grants({ id }: { id: string }) {
   const path = `/v1/segments/${encodeURIComponent(id)}`;
   const g = useLoad(
-    () => Promise.all([api<string[]>("GET", `${path}/grants`), api<string[]>("GET", `${path}/group-grants`)]),
+    () => Promise.all([api<GrantList>("GET", `${path}/grants`), api<GroupGrants>("GET", `${path}/group-grants`)]),
     [id],
   );
   const [tenant, setTenant] = useState("");
@@ -359,7 +362,7 @@ function Why({ path, evicted }: { path: string; evicted: number }) {
   );
 }
 
-export function SegmentDetail({ id, go }: { id: string; go: (hash: string) => void }) {
+export function SegmentDetail({ id, go, me }: { id: string; go: (hash: string) => void; me: Principal }) {
   const path = `/v1/segments/${encodeURIComponent(id)}`;
   const seg = useLoad(() => api<Segment>("GET", path), [id]);
   const versions = useLoad(() => api<SegmentVersion[]>("GET", `${path}/versions`), [id]);
@@ -420,7 +423,7 @@ export function SegmentDetail({ id, go }: { id: string; go: (hash: string) => vo
       <p>
         <a href="#/segments">← Segments</a>
       </p>
-      <h1>Segment {id}</h1>
+      <h1>Segment {seg.data ? segmentLabel(seg.data, me) : id}</h1>
       <ErrorBox error={seg.error} />
       {s ? (
         <dl class="facts" data-testid="segment-detail">
@@ -442,12 +445,15 @@ export function SegmentDetail({ id, go }: { id: string; go: (hash: string) => vo
           <dd>{s.hypic?.tokens ?? "—"}</dd>
           <dt>residency</dt>
           <dd data-testid="residency">
-            {resident(s)}
+            {segmentResidency(s)}
             {s.hypic?.residency?.entries.length ? (
               <ul>
                 {s.hypic.residency.entries.map((e) => (
                   <li key={e.body_start}>
-                    body start {e.body_start}: {e.resident ? `resident, ${bytes(e.bytes)}` : "not resident"}
+                    body start {e.body_start}:{" "}
+                    {e.resident
+                      ? `resident, ${bytes(e.bytes)}${e.hits != null ? `, ${e.hits} hits` : ""}${e.last_use_ms ? `, last used ${when(e.last_use_ms)}` : ""}`
+                      : "not resident"}
                   </li>
                 ))}
               </ul>

@@ -105,6 +105,7 @@ pub struct ParamSchema {
 /// duplicate, default outside the range, ...), or [`PolicyError::Invalid`]
 /// when the module's sections cannot be read at all.
 pub fn read_schema(module: &[u8]) -> Result<Option<ParamSchema>, PolicyError> {
+    super::wasm::check_header(module)?;
     let mut found: Option<&[u8]> = None;
     for payload in wasmparser::Parser::new(0).parse_all(module) {
         let payload =
@@ -240,25 +241,50 @@ pub fn check_schema(s: &ParamSchema) -> Result<(), PolicyError> {
     Ok(())
 }
 
+/// The allowed range of a number parameter in words: `from 0 to 100`,
+/// `0 or more`, `at most 100`, `any value`.
+pub fn range_text<T: std::fmt::Display>(min: Option<T>, max: Option<T>) -> String {
+    match (min, max) {
+        (Some(lo), Some(hi)) => format!("from {lo} to {hi}"),
+        (Some(lo), None) => format!("{lo} or more"),
+        (None, Some(hi)) => format!("at most {hi}"),
+        (None, None) => "any value".into(),
+    }
+}
+
 fn check_int(v: i64, min: Option<i64>, max: Option<i64>) -> Result<(), String> {
+    let range = || range_text(min, max);
     if let Some(lo) = min.filter(|&lo| v < lo) {
-        return Err(format!("{v} is below the minimum {lo}"));
+        return Err(format!(
+            "{v} is below the minimum {lo} (allowed: {})",
+            range()
+        ));
     }
     if let Some(hi) = max.filter(|&hi| v > hi) {
-        return Err(format!("{v} is above the maximum {hi}"));
+        return Err(format!(
+            "{v} is above the maximum {hi} (allowed: {})",
+            range()
+        ));
     }
     Ok(())
 }
 
 fn check_float(v: f64, min: Option<f64>, max: Option<f64>) -> Result<(), String> {
+    let range = || range_text(min, max);
     if !v.is_finite() {
-        return Err(format!("{v} is not finite"));
+        return Err(format!("{v} is not finite (allowed: {})", range()));
     }
     if let Some(lo) = min.filter(|&lo| v < lo) {
-        return Err(format!("{v} is below the minimum {lo}"));
+        return Err(format!(
+            "{v} is below the minimum {lo} (allowed: {})",
+            range()
+        ));
     }
     if let Some(hi) = max.filter(|&hi| v > hi) {
-        return Err(format!("{v} is above the maximum {hi}"));
+        return Err(format!(
+            "{v} is above the maximum {hi} (allowed: {})",
+            range()
+        ));
     }
     Ok(())
 }
@@ -323,18 +349,29 @@ pub fn resolve(
         let value = match (&p.ty, v) {
             (ParamType::Int { default, .. }, None) => Value::from(*default),
             (ParamType::Int { min, max, .. }, Some(v)) => {
-                let i = v
-                    .as_i64()
-                    .ok_or_else(|| param_err(n, format!("{n} must be an integer, got {v}")))?;
+                let i = v.as_i64().ok_or_else(|| {
+                    param_err(
+                        n,
+                        format!(
+                            "{n} must be an integer (allowed: {}), got {v}",
+                            range_text(*min, *max)
+                        ),
+                    )
+                })?;
                 check_int(i, *min, *max).map_err(|m| param_err(n, format!("{n}: {m}")))?;
                 Value::from(i)
             }
             (ParamType::Float { default, .. }, None) => Value::from(*default),
             (ParamType::Float { min, max, .. }, Some(v)) => {
-                let f = v
-                    .as_f64()
-                    .filter(|_| v.is_number())
-                    .ok_or_else(|| param_err(n, format!("{n} must be a number, got {v}")))?;
+                let f = v.as_f64().filter(|_| v.is_number()).ok_or_else(|| {
+                    param_err(
+                        n,
+                        format!(
+                            "{n} must be a number (allowed: {}), got {v}",
+                            range_text(*min, *max)
+                        ),
+                    )
+                })?;
                 check_float(f, *min, *max).map_err(|m| param_err(n, format!("{n}: {m}")))?;
                 Value::from(f)
             }
@@ -481,7 +518,11 @@ mod tests {
         let lines = String::from_utf8(encode_resolved(&r).unwrap()).unwrap();
         assert_eq!(lines, "label=x\nmode=lfu\nratio=1\nstrict=0\nttl_ms=20\n");
         let bad = [
-            (json!({"ttl_ms": 101}), "ttl_ms", "above the maximum 100"),
+            (
+                json!({"ttl_ms": 101}),
+                "ttl_ms",
+                "above the maximum 100 (allowed: from 0 to 100)",
+            ),
             (json!({"ttl_ms": 1.5}), "ttl_ms", "must be an integer"),
             (json!({"ratio": "0.3"}), "ratio", "must be a number"),
             (json!({"ratio": -0.1}), "ratio", "below the minimum 0"),

@@ -118,6 +118,11 @@ struct Live {
     hook: Hook,
 }
 
+/// `s` on one line: runs of whitespace (line breaks included) become one space.
+fn one_line(s: &str) -> String {
+    s.split_whitespace().collect::<Vec<_>>().join(" ")
+}
+
 fn classify(e: wasmtime::Error) -> PolicyError {
     if let Some(t) = e.downcast_ref::<Trap>() {
         return match t {
@@ -126,7 +131,8 @@ fn classify(e: wasmtime::Error) -> PolicyError {
             other => PolicyError::Trap(other.to_string()),
         };
     }
-    let msg = format!("{e:#}");
+    // One line: a backtrace's frames run on after a colon.
+    let msg = one_line(&format!("{e:#}"));
     if msg.contains("memory") && (msg.contains("grow") || msg.contains("limit")) {
         PolicyError::Memory
     } else {
@@ -139,24 +145,36 @@ pub fn encode_params(params: &serde_json::Value) -> Result<Vec<u8>, PolicyError>
     let obj = match params {
         serde_json::Value::Null => return Ok(vec![]),
         serde_json::Value::Object(o) => o,
-        _ => return Err(PolicyError::Invalid("params must be a JSON object".into())),
+        _ => {
+            return Err(PolicyError::Param {
+                name: String::new(),
+                message: "params must be a JSON object".into(),
+            })
+        }
     };
     let mut out = String::new();
     for (k, v) in obj {
         if k.is_empty() || !k.chars().all(|c| c.is_ascii_alphanumeric() || c == '_') {
-            return Err(PolicyError::Invalid(format!(
-                "param name {k:?} must be [A-Za-z0-9_]+"
-            )));
+            return Err(PolicyError::Param {
+                name: k.clone(),
+                message: format!("param name {k:?} must be [A-Za-z0-9_]+"),
+            });
         }
         let n = match v {
             serde_json::Value::Bool(b) => *b as i64,
-            serde_json::Value::Number(n) => n
-                .as_i64()
-                .ok_or_else(|| PolicyError::Invalid(format!("param {k:?} must be an integer")))?,
+            serde_json::Value::Number(n) => n.as_i64().ok_or_else(|| PolicyError::Param {
+                name: k.clone(),
+                message: format!(
+                    "{k} must be an integer (allowed: from {} to {}), got {n}",
+                    i64::MIN,
+                    i64::MAX
+                ),
+            })?,
             _ => {
-                return Err(PolicyError::Invalid(format!(
-                    "param {k:?} must be an integer or boolean"
-                )))
+                return Err(PolicyError::Param {
+                    name: k.clone(),
+                    message: format!("{k} must be an integer or boolean, got {v}"),
+                })
             }
         };
         out.push_str(&format!("{k}={n}\n"));
@@ -470,8 +488,12 @@ pub fn compile(
             limit: max_module_bytes,
         });
     }
-    let module = Module::new(engine, bytes)
-        .map_err(|e| PolicyError::Invalid(format!("does not compile: {e:#}")))?;
+    check_header(bytes)?;
+    let module = Module::new(engine, bytes).map_err(|e| {
+        // One line: wasmtime's chain of causes joined, the first cause first.
+        let chain: Vec<String> = e.chain().map(|c| one_line(&c.to_string())).collect();
+        PolicyError::Invalid(format!("does not compile: {}", chain.join(": ")))
+    })?;
     if let Some(imp) = module.imports().next() {
         return Err(PolicyError::Invalid(format!(
             "imports are not allowed (found {}::{})",
@@ -480,6 +502,40 @@ pub fn compile(
         )));
     }
     Ok(module)
+}
+
+/// The Wasm binary header: the magic `\0asm` and version 1.
+const WASM_HEADER: [u8; 8] = [0, b'a', b's', b'm', 1, 0, 0, 0];
+
+/// Refuses bytes that are not a Wasm binary module with a one-line message
+/// (what the first bytes are instead), before the compiler is asked.
+///
+/// Errors: [`PolicyError::Invalid`].
+pub fn check_header(bytes: &[u8]) -> Result<(), PolicyError> {
+    if bytes.len() >= 8 && bytes[..8] == WASM_HEADER {
+        return Ok(());
+    }
+    if bytes.len() >= 4 && bytes[..4] == WASM_HEADER[..4] {
+        return Err(PolicyError::Invalid(format!(
+            "not a Wasm module this host reads: Wasm binary version {:?}, only version 1 is supported",
+            &bytes[4..bytes.len().min(8)]
+        )));
+    }
+    let shown: String = bytes
+        .iter()
+        .take(8)
+        .map(|b| format!("{b:02x}"))
+        .collect::<Vec<_>>()
+        .join(" ");
+    let hint = if bytes.starts_with(b"(module") || bytes.starts_with(b"(") {
+        " (WebAssembly text: compile it to a .wasm binary first)"
+    } else {
+        ""
+    };
+    Err(PolicyError::Invalid(format!(
+        "not a Wasm module: a module starts with the bytes 00 61 73 6d 01 00 00 00 (\\0asm, version 1), this one with {}{hint}",
+        if shown.is_empty() { "nothing (it is empty)".to_string() } else { shown }
+    )))
 }
 
 fn check_exports(module: &Module, kind: PolicyKind) -> Result<(), PolicyError> {

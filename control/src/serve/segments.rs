@@ -325,7 +325,8 @@ async fn prefill(
 #[derive(Debug, Default, serde::Deserialize, utoipa::IntoParams)]
 #[into_params(parameter_in = Query)]
 pub struct PrefillQuery {
-    /// The tenant whose namespace to warm (default: the caller's). A tenant
+    /// The tenant whose namespace to warm (default: the caller's; for an
+    /// operator, the segment owner's, as segment answers report it). A tenant
     /// token may only name its own tenant (else 403 `tenant_mismatch`); the
     /// tenant must be able to read the segment (else 404 naming `tenant`).
     pub tenant: Option<String>,
@@ -376,7 +377,8 @@ async fn prefill_inner(
     id: &str,
     q: PrefillQuery,
 ) -> Result<Prefilled, ApiError> {
-    let target = super::why::subject(
+    let named = q.tenant.is_some();
+    let mut target = super::why::subject(
         p,
         &super::why::WhyQuery {
             tenant: q.tenant,
@@ -393,7 +395,15 @@ async fn prefill_inner(
             e
         }
     })?;
+    // An operator naming no tenant warms the namespace the owner uses, the one
+    // segment answers report to an operator.
+    if !named && p.is_operator() {
+        if let Some(owner) = seg.owner_tenant.as_deref().filter(|o| !o.is_empty()) {
+            target.tenant = owner.to_string();
+        }
+    }
     if target.tenant != p.tenant
+        && !target.is_operator()
         && s.0
             .control
             .segments()
@@ -499,25 +509,52 @@ async fn residency(
     address: &str,
     tokens: &[u32],
 ) -> Option<SegmentResidency> {
+    // An operator pins the version as the owner would (it may not read every
+    // tenant's segment through the catalog's tenant snapshot).
+    let pin_as = if p.is_operator() {
+        s.0.control
+            .catalog()
+            .get_segment(address)
+            .await
+            .ok()
+            .and_then(|seg| seg.owner_tenant)
+            .unwrap_or_else(|| p.tenant.clone())
+    } else {
+        p.tenant.clone()
+    };
     let snap =
         s.0.control
             .catalog()
-            .snapshot(&p.tenant, &[address.to_string()])
+            .snapshot(&pin_as, &[address.to_string()])
             .await
             .ok()?;
     snap.first().map(|e| residency_of(s, p, e, tokens))
 }
 
+/// The tenant whose namespace a segment answer reports residency in: the
+/// caller's, except that an operator sees another tenant's segment as its
+/// owner uses it (the operator's own namespace never holds it unless the
+/// operator warmed it there).
+fn namespace_of<'a>(p: &'a crate::auth::Principal, e: &'a SnapshotEntry) -> &'a str {
+    if p.is_operator() && !e.owner_tenant.is_empty() {
+        &e.owner_tenant
+    } else {
+        &p.tenant
+    }
+}
+
 /// Residency of the pinned segment version `e` (its tokens: `tokens`) in the
-/// caller's namespace, from the pool alone. Hits and last use of a shared entry
-/// are left out for a tenant caller, as the why view leaves them out.
+/// namespace of [`namespace_of`], from the pool alone. Hits and last use of a
+/// shared entry are left out for a tenant caller, as the why view leaves them
+/// out.
 fn residency_of(
     s: &AppState,
     p: &crate::auth::Principal,
     e: &SnapshotEntry,
     tokens: &[u32],
 ) -> SegmentResidency {
-    let (iso, shared) = s.0.control.segments().isolation_of(&p.tenant, e, None);
+    let ns = namespace_of(p, e);
+    let (iso, shared) = s.0.control.segments().isolation_of(ns, e, None);
     let show_usage = !shared || p.is_operator();
     let entries: Vec<ResidencyEntry> = body_starts(s)
         .into_iter()
@@ -556,8 +593,9 @@ pub struct SegmentServing {
     /// Why the version's tokens could not be counted (get; then no residency).
     #[serde(skip_serializing_if = "Option::is_none")]
     pub error: Option<String>,
-    /// Residency in the caller's namespace (create and get; absent when the
-    /// catalog could not pin the version).
+    /// Residency in the caller's namespace, an operator's answer in the
+    /// owner's (create and get; absent when the catalog could not pin the
+    /// version).
     #[serde(skip_serializing_if = "Option::is_none")]
     pub residency: Option<SegmentResidency>,
     /// The ahead-of-time prefill (create and update with `prefill`): `{}` when
@@ -654,8 +692,8 @@ pub struct ServedSegmentRow {
     /// Token count for the served model; `null` when neither the catalog nor
     /// this server has counted it.
     pub tokens: Option<i64>,
-    /// Residency in the caller's namespace; `null` for a version this server
-    /// holds no tokens of.
+    /// Residency in the caller's namespace (an operator: the owner's); `null`
+    /// for a version this server holds no tokens of.
     pub residency: Option<SegmentResidency>,
     /// Hits of its resident entries (see [`SegmentResidency::hits`]).
     pub hits: Option<u64>,

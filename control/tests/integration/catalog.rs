@@ -99,7 +99,7 @@ async fn versions(c: Catalog) {
     let bad = BTreeMap::from([("m".to_string(), -1i64)]);
     assert!(matches!(
         c.update_segment(&addr, "bob", "x", &bad).await,
-        Err(CatalogError::Invalid(_))
+        Err(CatalogError::InvalidField("tokens", _))
     ));
     assert!(matches!(
         c.update_segment("nope", "bob", "x", &tokens).await,
@@ -530,11 +530,11 @@ async fn group_grants_follow_membership_and_revocation(c: Catalog) {
 async fn groups_bad_input_and_deletion(c: Catalog) {
     assert!(matches!(
         c.create_group("bad id!", None, "ops").await,
-        Err(CatalogError::Invalid(_))
+        Err(CatalogError::InvalidField("id", _))
     ));
     assert!(matches!(
         c.create_group("", None, "ops").await,
-        Err(CatalogError::Invalid(_))
+        Err(CatalogError::InvalidField("id", _))
     ));
     let g = c.create_group("team", None, "ops").await.unwrap();
     assert_eq!(g.name, "team", "name defaults to the id");
@@ -548,7 +548,7 @@ async fn groups_bad_input_and_deletion(c: Catalog) {
     ));
     assert!(matches!(
         c.add_member("team", "bad tenant!", "ops").await,
-        Err(CatalogError::Invalid(_))
+        Err(CatalogError::InvalidField("tenant", _))
     ));
     let doc = c
         .create_segment("acme", "alice", &seg("doc", "a doc", false))

@@ -233,7 +233,11 @@ fn params_must_be_integers() {
         &json!({"x": "str"}),
         PolicyLimits::default(),
     );
-    assert!(matches!(e, Err(PolicyError::Invalid(m)) if m.contains("integer")));
+    assert!(
+        matches!(&e, Err(PolicyError::Param { name, message }) if name == "x" && message.contains("integer")),
+        "{:?}",
+        e.err()
+    );
     // A built-in declares its parameters: lru has none, so any is refused by name.
     let e = WasmPolicy::load(
         &policy_engine(),

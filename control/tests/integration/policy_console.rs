@@ -428,10 +428,14 @@ async fn parameter_schema_is_checked_at_upload_activation_and_dry_run() {
             &json!({"params": {"ratio": 0.25, "label": "hot", "limit": 3}}),
         )
         .await;
-    assert_eq!(st, 200, "{v}");
+    // The same version with the same effective values is active already: 409,
+    // no new version.
+    assert_error(st, &v, 409, "already_active");
+    let (_, listed) = s.get_as(Some(&s.op_token), "/v1/admin/policies").await;
     assert_eq!(
-        v["active"], id,
-        "no new version for the same effective values"
+        listed.as_array().unwrap().len(),
+        1,
+        "no new version for the same effective values: {listed}"
     );
     // Activation with new parameters: stored as the next version, which is active.
     let (st, v) = s

@@ -626,7 +626,13 @@ async fn bench_runs_in_process_and_over_http_and_writes_reports() {
     let a = Cli::parse_from(args).a;
     let sum = hypic_control::bench::run_bench(&a).await.unwrap();
     assert_eq!(sum.runs.len(), 8, "4 modes × 2 rates");
-    assert!(sum.runs.iter().all(|r| r.ok == 6), "{:?}", sum.runs);
+    // The two default warm-up requests are sent first and counted in no run.
+    assert_eq!(sum.warmup_requests, 2);
+    assert!(
+        sum.runs.iter().all(|r| r.ok == 6 && r.requests == 6),
+        "{:?}",
+        sum.runs
+    );
     let hypic = sum.runs.iter().find(|r| r.mode == "hypic").unwrap();
     let full = sum
         .runs

@@ -204,7 +204,7 @@ async fn request_body_must_arrive_before_the_deadline_even_trickled() {
 
 /// A `MakeWriter` that appends to a shared buffer.
 #[derive(Clone, Default)]
-struct Capture(Arc<Mutex<Vec<u8>>>);
+pub(crate) struct Capture(Arc<Mutex<Vec<u8>>>);
 
 impl std::io::Write for Capture {
     fn write(&mut self, b: &[u8]) -> std::io::Result<usize> {
@@ -217,7 +217,7 @@ impl std::io::Write for Capture {
 }
 
 impl Capture {
-    fn text(&self) -> String {
+    pub(crate) fn text(&self) -> String {
         String::from_utf8_lossy(&self.0.lock().unwrap()).into_owned()
     }
 }
@@ -226,7 +226,7 @@ impl Capture {
 /// installed on first use. (A thread-scoped subscriber misses events while other
 /// tests run in parallel without one: tracing caches each call site's interest
 /// process-wide.) Tests pick their own lines by request id.
-fn log_capture() -> Capture {
+pub(crate) fn log_capture() -> Capture {
     static CAP: std::sync::OnceLock<Capture> = std::sync::OnceLock::new();
     CAP.get_or_init(|| {
         let cap = Capture::default();
