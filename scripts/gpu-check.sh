@@ -32,6 +32,12 @@
 # reports load time, GB/s and VmHWM, and requires greedy answers equal to
 # `--random-weights` (GpuModel::random, same seed): $OUT/load35b.md.
 #
+# Step `parallel` (not in the default list): scripts/parallel_check.py starts two
+# `hypic worker --device cuda` processes and a `hypic serve --device cuda --workers`
+# beside a server without workers, all on the one GPU, in f32 and bf16
+# (PARALLEL_DTYPES), and requires equal answers and per-segment outcomes and a real
+# scatter: $OUT/parallel.md.
+#
 # Step `decode` runs dataplane/tests/cuda_decode.rs (device sampling in the decode
 # step against the host path); step `moebench` runs `gpu_bench --moe-grouped` (the
 # grouped MoE expert GEMMs against the per-expert cuBLAS loop and torch._grouped_mm,
@@ -88,7 +94,7 @@ build() {
     built+=(.device/bin/gpu_model_bench)
   fi
   # The server (step serve): the `hypic` binary with the CUDA backend.
-  if wantb serve || wantb load35b; then
+  if wantb serve || wantb parallel || wantb load35b; then
     cargo build --release -p hypic-control --features cuda --bin hypic
     cp "$CARGO_TARGET_DIR/release/hypic" .device/bin/hypic
     built+=(.device/bin/hypic)
@@ -114,8 +120,8 @@ run() {
   local s_
   for s_ in $steps; do
     case "$s_" in
-      kernels|attn|moe|model|pic|decode|bench|moebench|fla|modelbench|serve|load35b) ;;
-      *) echo "unknown step \`$s_\` in GPU_CHECK_STEPS (known: kernels attn moe model pic decode bench moebench fla modelbench serve load35b)" >&2
+      kernels|attn|moe|model|pic|decode|bench|moebench|fla|modelbench|serve|parallel|load35b) ;;
+      *) echo "unknown step \`$s_\` in GPU_CHECK_STEPS (known: kernels attn moe model pic decode bench moebench fla modelbench serve parallel load35b)" >&2
          return 2 ;;
     esac
   done
@@ -146,7 +152,7 @@ PY
   local exe_ st_ missing_=0
   for st_ in kernels:cuda_kernels attn:cuda_attn moe:cuda_moe model:cuda_model pic:cuda_pic \
              decode:cuda_decode bench:gpu_bench moebench:gpu_bench modelbench:cuda_random modelbench:gpu_model_bench serve:hypic \
-             load35b:hypic; do
+             parallel:hypic load35b:hypic; do
     exe_=${st_#*:}
     if want "${st_%%:*}" && [ ! -x ".device/bin/$exe_" ]; then
       echo "missing .device/bin/$exe_ (step ${st_%%:*}): run \`scripts/gpu-check.sh build\` first" >&2
@@ -465,6 +471,26 @@ PY
     echo "serve: skipped"
   fi
 
+  echo "== segment parallelism: two GPU workers and a combiner on the one GPU (scripts/parallel_check.py)"
+  t0=$SECONDS
+  local parallel_rc=0
+  : > "$OUT/parallel.md"
+  if want parallel; then
+    local dt_
+    for dt_ in ${PARALLEL_DTYPES:-f32 bf16}; do
+      mkdir -p "$OUT/parallel-$dt_"
+      timeout 300 python3 scripts/parallel_check.py --hypic .device/bin/hypic --model models/hypic-tiny \
+        --device cuda --dtype "$dt_" --out "$OUT/parallel-$dt_" > "$OUT/parallel_check_$dt_.log" 2>&1 \
+        || parallel_rc=$?
+      cat "$OUT/parallel-$dt_/parallel.md" >> "$OUT/parallel.md" 2>/dev/null \
+        || echo "parallel check ($dt_) wrote no report; see parallel_check_$dt_.log" >> "$OUT/parallel.md"
+    done
+    cat "$OUT/parallel.md"
+    echo "parallel rc=$parallel_rc in $((SECONDS - t0)) s"
+  else
+    echo "parallel: skipped"
+  fi
+
   echo "== checkpoint streaming at the Qwen3.5-35B-A3B shape (scripts/load_check.py)"
   t0=$SECONDS
   local load_rc=0
@@ -521,6 +547,10 @@ PY
       echo; echo "## Server end to end (rc=$serve_rc)"; echo
       cat "$OUT/serve.md"
     fi
+    if want parallel; then
+      echo; echo "## Segment parallelism on one GPU (rc=$parallel_rc)"; echo
+      cat "$OUT/parallel.md"
+    fi
     if want load35b; then
       echo; echo "## Checkpoint streaming (rc=$load_rc)"; echo
       cat "$OUT/load35b.md"
@@ -542,6 +572,7 @@ PY
   [ "$mbench_rc" -ne 0 ] && return "$mbench_rc"
   want fla && [ "$fla_rc" -ne 0 ] && return "$fla_rc"
   [ "$serve_rc" -ne 0 ] && return "$serve_rc"
+  [ "$parallel_rc" -ne 0 ] && return "$parallel_rc"
   [ "$load_rc" -ne 0 ] && return "$load_rc"
   return 0
 }

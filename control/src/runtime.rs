@@ -151,12 +151,12 @@ macro_rules! gpu_model {
         use dataplane::cuda::model::GpuModel;
         let gpu = $gpu;
         match $source {
-            ModelSource::Host(m) => GpuModel::<$t>::upload(gpu.clone(), &m)
+            $crate::runtime::ModelSource::Host(m) => GpuModel::<$t>::upload(gpu.clone(), &m)
                 .context("uploading the weights to the GPU")?,
-            ModelSource::Checkpoint { dir, config } => {
+            $crate::runtime::ModelSource::Checkpoint { dir, config } => {
                 let ckpt = dataplane::weights::Checkpoint::open(&dir)
                     .with_context(|| format!("opening the checkpoint in {}", dir.display()))?;
-                let bar = progress_bar(&dir);
+                let bar = $crate::runtime::progress_bar(&dir);
                 let (m, st) =
                     GpuModel::<$t>::load(gpu.clone(), config, &ckpt, &mut |done, total| {
                         bar.set_length(total as u64);
@@ -177,13 +177,15 @@ macro_rules! gpu_model {
                 );
                 m
             }
-            ModelSource::Random { config, seed } => {
+            $crate::runtime::ModelSource::Random { config, seed } => {
                 GpuModel::<$t>::random(gpu.clone(), config, seed)
                     .context("generating random weights on the GPU")?
             }
         }
     }};
 }
+#[cfg(feature = "cuda")]
+pub(crate) use gpu_model;
 
 /// Pool sizes of an engine, bytes.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]

@@ -1,14 +1,20 @@
 //! `hypic worker`: a segment-parallel worker (docs/segment-parallelism.md). It loads
-//! the model on the CPU, keeps a public pool of the entries it built, and serves
-//! scatter tasks of `hypic serve --workers` over TCP
-//! ([`dataplane::parallel::worker::serve_tcp`]).
+//! the model on the CPU or the GPU (`--device`, `--dtype`, as `hypic serve`), keeps
+//! a public pool of the entries it built, and serves scatter tasks of `hypic serve
+//! --workers` over TCP ([`dataplane::parallel::worker::serve_tcp`]). A combiner takes
+//! entries only from workers of its own model fingerprint, which includes the
+//! backend and element type: CPU workers serve a CPU server, `--device cuda
+//! --dtype bf16` workers a server of the same device and dtype.
 use std::net::{SocketAddr, TcpListener};
 use std::path::PathBuf;
 use std::sync::Arc;
 
 use anyhow::Context;
 use dataplane::parallel::worker::{serve_tcp, Worker};
-use dataplane::pic::PicEngine;
+use dataplane::pic::{Pic, PicBackend, PicEngine};
+
+use crate::backend::{select_device, Device, DeviceArg, DtypeArg};
+use crate::runtime::open_model;
 
 /// Arguments of `hypic worker`.
 #[derive(clap::Args, Debug, Clone)]
@@ -20,6 +26,14 @@ pub struct WorkerArgs {
     /// (default: models/hypic-tiny).
     #[arg(long, env = "HYPIC_MODEL")]
     pub model: Option<PathBuf>,
+    /// Backend: cpu, cuda (GPU 0; an error when unusable or not built in) or auto
+    /// [default: cpu]. It must match the server's: entries of another backend or
+    /// dtype are refused by the combiner's fingerprint check.
+    #[arg(long, value_enum, env = "HYPIC_DEVICE", default_value = "cpu")]
+    pub device: DeviceArg,
+    /// Weight and activation type on the GPU backend: f32 or bf16 [default: f32].
+    #[arg(long, value_enum, env = "HYPIC_DTYPE", default_value = "f32")]
+    pub dtype: DtypeArg,
     /// Public pool (the entries this worker built) capacity, MiB.
     #[arg(long, default_value_t = 1024)]
     pub public_pool_mib: usize,
@@ -34,18 +48,45 @@ pub struct WorkerArgs {
 ///
 /// Errors: the model does not load, the address cannot be bound.
 pub fn run_worker_command(a: WorkerArgs) -> anyhow::Result<()> {
-    let dir = match a.model {
+    let dev = select_device(a.device, a.dtype)?;
+    let dir = match a.model.clone() {
         Some(d) => d,
         None => crate::runtime::default_model_dir()
             .context("no --model given and models/hypic-tiny not found")?,
     };
-    let (model, _tok) = crate::runtime::load_model(&dir)?;
-    let engine = Arc::new(PicEngine::new(
-        Arc::new(model),
-        "worker",
-        a.public_pool_mib << 20,
-        0,
-    ));
+    let (model, _tok) = open_model(&dir, !matches!(dev, Device::Cpu), None)?;
+    let public = a.public_pool_mib << 20;
+    match dev {
+        Device::Cpu => {
+            let engine = PicEngine::new(Arc::new(model.into_host()?), "worker", public, 0);
+            serve(&a, Arc::new(engine))
+        }
+        #[cfg(feature = "cuda")]
+        Device::Cuda(gpu) => {
+            use dataplane::cuda::pic::GpuPicEngine;
+            match a.dtype {
+                DtypeArg::F32 => {
+                    let m = crate::runtime::gpu_model!(f32, gpu, model);
+                    serve(
+                        &a,
+                        Arc::new(GpuPicEngine::new(Arc::new(m), "worker", public, 0)),
+                    )
+                }
+                DtypeArg::Bf16 => {
+                    let m = crate::runtime::gpu_model!(half::bf16, gpu, model);
+                    serve(
+                        &a,
+                        Arc::new(GpuPicEngine::new(Arc::new(m), "worker", public, 0)),
+                    )
+                }
+            }
+        }
+    }
+}
+
+/// Binds the listener, prints the ready line and serves `engine` until the process
+/// ends.
+fn serve<B: PicBackend + 'static>(a: &WorkerArgs, engine: Arc<Pic<B>>) -> anyhow::Result<()> {
     let worker = Arc::new(Worker::new(engine));
     let listener = TcpListener::bind(a.listen).with_context(|| format!("binding {}", a.listen))?;
     let addr = listener.local_addr()?;

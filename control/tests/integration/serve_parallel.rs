@@ -262,3 +262,29 @@ async fn serve_parallel_a_worker_killed_mid_request_still_completes_correctly() 
     assert_eq!(sc.live(), 1);
     drop(w2);
 }
+
+/// `hypic worker --device cuda` in a build without CUDA stops at once with the
+/// error `serve` gives (naming the alternatives), before any weights are read.
+#[cfg(not(feature = "cuda"))]
+#[test]
+fn worker_on_cuda_without_the_feature_is_a_clear_startup_error() {
+    let out = Command::new(env!("CARGO_BIN_EXE_hypic"))
+        .args([
+            "worker",
+            "--listen",
+            "127.0.0.1:0",
+            "--device",
+            "cuda",
+            "--model",
+        ])
+        .arg(tiny())
+        .output()
+        .expect("hypic worker runs");
+    assert!(!out.status.success());
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert!(
+        err.contains("--device cuda") && err.contains("--device cpu"),
+        "{err}"
+    );
+    assert!(out.stdout.is_empty(), "no ready line: {:?}", out.stdout);
+}

@@ -965,6 +965,26 @@ where
         &self.config
     }
 
+    /// XXH3-128 of the first 64 Ki values of the embedding and of the final norm,
+    /// read back as f32, with the backend (`cuda`) and element type (`f32`, `bf16`)
+    /// mixed in: two checkpoints of one shape differ, and so do the entries of one
+    /// checkpoint in two element types or on the CPU and the GPU (their entries are
+    /// not bit-identical, so a combiner must not compose one as the other).
+    ///
+    /// Errors: a failed device read.
+    pub fn weights_digest(&self) -> Result<u128> {
+        let n = self.embed.len().min(1 << 16);
+        let embed = download_f32(&self.gpu, &self.embed, n)?;
+        let norm = self.gpu.download(&self.final_norm)?;
+        let mut h = xxhash_rust::xxh3::Xxh3::new();
+        for x in embed.iter().chain(&norm) {
+            h.update(&x.to_le_bytes());
+        }
+        h.update(b"cuda");
+        h.update(T::SUFFIX.as_bytes());
+        Ok(h.digest128())
+    }
+
     /// The device.
     pub fn gpu(&self) -> &Arc<Gpu> {
         &self.gpu

@@ -642,6 +642,12 @@ where
     fn clone_state(&self, state: &GpuState<T>) -> crate::Result<GpuState<T>> {
         state.try_clone().map_err(device_err)
     }
+    /// [`GpuModel::weights_digest`]; a failed device read gives 0 (the
+    /// configuration alone then names the model, and entries whose payload does not
+    /// fit are still refused when decoded).
+    fn weights_digest(&self) -> u128 {
+        self.model.weights_digest().unwrap_or(0)
+    }
     fn state_bytes(state: &GpuState<T>) -> usize {
         state.bytes()
     }

@@ -94,16 +94,23 @@ impl<B: PicBackend> Worker<B> {
                 })
             } else {
                 let t = Instant::now();
+                // One task at a time on a backend that serialises its device work
+                // (the GPU: one stream, shared workspaces); the CPU builds in
+                // parallel. The frames are read back under the same guard.
+                let backend = self.engine.pic_backend();
+                let _serial = backend.exclusive();
                 match self
                     .engine
                     .entries_for(&seg.tokens, &seg.isolation, &seg.roles)
                 {
                     Ok((entries, resident)) => Reply::Entry {
                         index: seg.index,
-                        frames: entries
-                            .iter()
-                            .map(|e| wire::encode(&**e, seg.tokens.len(), self.model))
-                            .collect(),
+                        frames: backend.decoding(|| {
+                            entries
+                                .iter()
+                                .map(|e| wire::encode(&**e, seg.tokens.len(), self.model))
+                                .collect()
+                        }),
                         prefill_ms: if resident {
                             0.0
                         } else {
