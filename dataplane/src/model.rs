@@ -649,20 +649,17 @@ impl Model {
             ops::rms_norm_zero_centred(&mut r, &layer.input_norm, c.rms_norm_eps);
             // Per span: the stateful middle on its rows (`core(first row, rows, layer
             // state)` → `[rows, n_mid]`) into `mid`, then the hook.
-            let mut spans_mid =
-                |n_mid: usize,
-                 core: &mut dyn FnMut(usize, usize, &mut LayerState) -> Result<Vec<f32>>|
-                 -> Result<Vec<f32>> {
-                    let mut mid = vec![0f32; rows * n_mid];
-                    for (i, &(a, t)) in parts.iter().enumerate() {
-                        if t > 0 {
-                            let m = core(a, t, ls)?;
-                            mid[a * n_mid..(a + t) * n_mid].copy_from_slice(&m);
-                        }
-                        after_mixer(l, i, ls)?;
+            let mut spans_mid = |n_mid: usize, core: &mut SpanCore<'_>| -> Result<Vec<f32>> {
+                let mut mid = vec![0f32; rows * n_mid];
+                for (i, &(a, t)) in parts.iter().enumerate() {
+                    if t > 0 {
+                        let m = core(a, t, ls)?;
+                        mid[a * n_mid..(a + t) * n_mid].copy_from_slice(&m);
                     }
-                    Ok(mid)
-                };
+                    after_mixer(l, i, ls)?;
+                }
+                Ok(mid)
+            };
             let wrong = || Error::Input(format!("state of layer {l} has the wrong kind"));
             let mixed = match &layer.mixer {
                 Mixer::GatedDeltaNet(w) => {
@@ -813,6 +810,11 @@ impl Model {
         out
     }
 }
+/// The stateful middle of a mixer on one span inside [`Model::forward_spans`]:
+/// `(first row, rows, layer state)` → the span's output before the mixer's output
+/// projection, `[rows, n_mid]`.
+type SpanCore<'a> = dyn FnMut(usize, usize, &mut LayerState) -> Result<Vec<f32>> + 'a;
+
 /// Output of [`Model::layer_forward_capture_many`] beside the updated residual stream.
 #[derive(Clone, Debug, Default)]
 pub struct LayerOutputs {

@@ -509,9 +509,9 @@ impl PicBackend for CpuBackend {
     }
 
     /// Layer-major when at least two segments of the run have a seam window
-    /// ([`CpuBackend::compose_run_layer_major`]: their rows share the projections
+    /// (`CpuBackend::compose_run_layer_major`: their rows share the projections
     /// and the FFN); otherwise there is nothing to batch and the run goes one
-    /// segment after the other ([`CpuBackend::compose_run_sequential`], the
+    /// segment after the other (`CpuBackend::compose_run_sequential`, the
     /// reference).
     fn compose_run(
         &self,
@@ -625,8 +625,8 @@ mod tests {
             &[(25, 0), (40, 8)],
             &[(18, 3), (33, 8), (9, 2)],
         ];
-        let mut worst = (0f32, 0f32);
         for name in models {
+            let mut worst = (0f32, 0f32);
             let b = backend_of(name);
             let m = &b.model;
             let vocab = m.config.vocab_size.min(300) as u32;
@@ -689,11 +689,12 @@ mod tests {
                     worst = (worst.0.max(ds), worst.1.max(dl));
                 }
             }
+            eprintln!(
+                "{name}: layer-major vs sequential, largest difference relative to \
+                 max(1, max |x|): state {:e}, logits {:e}",
+                worst.0, worst.1
+            );
         }
-        eprintln!(
-            "layer-major vs sequential: state {:e}, logits {:e} (relative to max(1, max |x|))",
-            worst.0, worst.1
-        );
     }
 
     /// A cached pair whose storage form is not the one the layer's mixer builds is
