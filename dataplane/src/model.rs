@@ -586,6 +586,169 @@ impl Model {
         Ok(out)
     }
 
+    /// Layer-major forward of spans that follow each other in one sequence, each
+    /// followed by a per-layer hook. `spans[i] = (tokens, first position)`; the
+    /// residual stream of all spans' rows is one `[Σ T_i, hidden]` matrix. For every
+    /// layer `l`, span `i`'s mixer runs from the layer state `state.layers[l]` at
+    /// positions `spans[i].1 ..`, then `after_mixer(l, i, layer state)` runs (the PIC
+    /// engine composes segment `i`'s cached body there, so span `i + 1` sees it).
+    /// The norms, the FFN / MoE block and the mixer's input and output projections
+    /// run once over the rows of all spans together; only the stateful middle (conv,
+    /// recurrence, KV append and attention) runs per span, on its rows.
+    ///
+    /// Every [`MixerKind`] is handled. The same math per row as running the spans one
+    /// after the other through [`Model::prefill`] with the hooks in between; only the
+    /// batched matrix-product shapes differ (a 1-row product takes the gemv path of
+    /// [`ops::linear`], a longer one gemm), so results agree to fp32 rounding. Empty
+    /// spans run no mixer (their hooks still run). `state.next_position` is left to
+    /// the caller. No logits.
+    ///
+    /// Errors: a token outside the vocabulary, a state that does not match the model
+    /// ([`Error::Input`], before any state changes); errors of the hook (the state is
+    /// then partly advanced).
+    pub fn forward_spans(
+        &self,
+        spans: &[(&[u32], i64)],
+        state: &mut ModelState,
+        mut after_mixer: impl FnMut(usize, usize, &mut LayerState) -> Result<()>,
+    ) -> Result<()> {
+        self.check_state(state)?;
+        for (tokens, _) in spans {
+            if !tokens.is_empty() {
+                self.check_tokens(tokens)?;
+            }
+        }
+        let c = &self.config;
+        let h = c.hidden_size;
+        let rows: usize = spans.iter().map(|s| s.0.len()).sum();
+        if rows == 0 {
+            for (l, ls) in state.layers.iter_mut().enumerate() {
+                for i in 0..spans.len() {
+                    after_mixer(l, i, ls)?;
+                }
+            }
+            return Ok(());
+        }
+        let tokens: Vec<u32> = spans.iter().flat_map(|s| s.0.iter().copied()).collect();
+        let positions: Vec<i64> = spans
+            .iter()
+            .flat_map(|&(t, p0)| (0..t.len() as i64).map(move |j| p0 + j))
+            .collect();
+        // (first row, rows) of each span.
+        let parts: Vec<(usize, usize)> = spans
+            .iter()
+            .scan(0usize, |o, s| {
+                let a = *o;
+                *o += s.0.len();
+                Some((a, s.0.len()))
+            })
+            .collect();
+        let mut x = self.embed(&tokens);
+        for (l, (layer, ls)) in self.layers.iter().zip(state.layers.iter_mut()).enumerate() {
+            let mut r = x.clone();
+            ops::rms_norm_zero_centred(&mut r, &layer.input_norm, c.rms_norm_eps);
+            // Per span: the stateful middle on its rows (`core(first row, rows, layer
+            // state)` → `[rows, n_mid]`) into `mid`, then the hook.
+            let mut spans_mid = |n_mid: usize, core: &mut SpanCore<'_>| -> Result<Vec<f32>> {
+                let mut mid = vec![0f32; rows * n_mid];
+                for (i, &(a, t)) in parts.iter().enumerate() {
+                    if t > 0 {
+                        let m = core(a, t, ls)?;
+                        mid[a * n_mid..(a + t) * n_mid].copy_from_slice(&m);
+                    }
+                    after_mixer(l, i, ls)?;
+                }
+                Ok(mid)
+            };
+            let wrong = || Error::Input(format!("state of layer {l} has the wrong kind"));
+            let mixed = match &layer.mixer {
+                Mixer::GatedDeltaNet(w) => {
+                    let n_in = gdn::in_width(c);
+                    let proj = linear(&r, rows, h, &w.w_in, n_in);
+                    let vd = c.value_dim();
+                    let mid = spans_mid(vd, &mut |a, t, ls| match ls {
+                        LayerState::Linear(s) => {
+                            Ok(gdn::mix(c, w, &proj[a * n_in..(a + t) * n_in], t, s, &[]).0)
+                        }
+                        LayerState::Full(_) => Err(wrong()),
+                    })?;
+                    linear(&mid, rows, vd, &w.out, h)
+                }
+                Mixer::Attention(w) => {
+                    let (qg, k, v) = attn::project(c, w, &r, rows);
+                    let (qw, kw) = (qg.len() / rows, k.len() / rows);
+                    let ow = c.num_heads * c.head_dim;
+                    let mid = spans_mid(ow, &mut |a, t, ls| match ls {
+                        LayerState::Full(kv) => {
+                            let qkv = (
+                                qg[a * qw..(a + t) * qw].to_vec(),
+                                k[a * kw..(a + t) * kw].to_vec(),
+                                v[a * kw..(a + t) * kw].to_vec(),
+                            );
+                            let pos = &positions[a..a + t];
+                            Ok(attn::mix(c, &self.rope, w, qkv, pos, kv).0)
+                        }
+                        LayerState::Linear(_) => Err(wrong()),
+                    })?;
+                    linear(&mid, rows, ow, &w.o, h)
+                }
+                Mixer::Lightning(w) => {
+                    let (qkv, gate) = lt::project(c, w, &r, rows);
+                    let wd = lt::width(c);
+                    let mid = spans_mid(wd, &mut |a, t, ls| match ls {
+                        LayerState::Linear(s) => {
+                            let p = (
+                                qkv[a * 3 * wd..(a + t) * 3 * wd].to_vec(),
+                                gate[a * wd..(a + t) * wd].to_vec(),
+                            );
+                            let pos = &positions[a..a + t];
+                            Ok(lt::mix(c, &self.rope, w, p, pos, s, &[]).0)
+                        }
+                        LayerState::Full(_) => Err(wrong()),
+                    })?;
+                    linear(&mid, rows, wd, &w.dense, h)
+                }
+                Mixer::Kda(w) => {
+                    let n_in = kda::in_width(c);
+                    let proj = kda::project(c, w, &r, rows);
+                    let wd = kda::width(c);
+                    let mid = spans_mid(wd, &mut |a, t, ls| match ls {
+                        LayerState::Linear(s) => {
+                            Ok(kda::mix(c, w, &proj[a * n_in..(a + t) * n_in], t, s, &[]).0)
+                        }
+                        LayerState::Full(_) => Err(wrong()),
+                    })?;
+                    linear(&mid, rows, wd, &w.o_proj, h)
+                }
+                Mixer::Mla(w) => {
+                    let (q, kva) = mla::project(c, w, &r, rows);
+                    let (qw, kw) = (q.len() / rows, kva.len() / rows);
+                    let ow = c.num_heads * c.mla.v_head_dim;
+                    let mid = spans_mid(ow, &mut |a, t, ls| match ls {
+                        LayerState::Full(kv) => {
+                            let p = (
+                                q[a * qw..(a + t) * qw].to_vec(),
+                                kva[a * kw..(a + t) * kw].to_vec(),
+                            );
+                            Ok(mla::mix(c, w, p, &positions[a..a + t], kv).0)
+                        }
+                        LayerState::Linear(_) => Err(wrong()),
+                    })?;
+                    linear(&mid, rows, ow, &w.o, h)
+                }
+            };
+            x.iter_mut().zip(&mixed).for_each(|(a, b)| *a += b);
+            let mut r = x.clone();
+            ops::rms_norm_zero_centred(&mut r, &layer.post_norm, c.rms_norm_eps);
+            let f = match &layer.ffn {
+                Ffn::Dense(m) => mlp_forward(m, &r, rows, h),
+                Ffn::Moe(m) => self.moe_forward(m, &r, rows),
+            };
+            x.iter_mut().zip(&f).for_each(|(a, b)| *a += b);
+        }
+        Ok(())
+    }
+
     fn moe_forward(&self, m: &Moe, r: &[f32], t: usize) -> Vec<f32> {
         let c = &self.config;
         let h = c.hidden_size;
@@ -647,6 +810,11 @@ impl Model {
         out
     }
 }
+/// The stateful middle of a mixer on one span inside [`Model::forward_spans`]:
+/// `(first row, rows, layer state)` → the span's output before the mixer's output
+/// projection, `[rows, n_mid]`.
+type SpanCore<'a> = dyn FnMut(usize, usize, &mut LayerState) -> Result<Vec<f32>> + 'a;
+
 /// Output of [`Model::layer_forward_capture_many`] beside the updated residual stream.
 #[derive(Clone, Debug, Default)]
 pub struct LayerOutputs {

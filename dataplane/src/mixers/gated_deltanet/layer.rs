@@ -133,8 +133,27 @@ pub(crate) fn forward(
     froms: &[usize],
 ) -> (Vec<f32>, Vec<Pair>) {
     let proj = linear(r, t, c.hidden_size, &w.w_in, in_width(c));
+    let (normed, pairs) = mix(c, w, &proj, t, s, froms);
+    (
+        linear(&normed, t, c.value_dim(), &w.out, c.hidden_size),
+        pairs,
+    )
+}
+
+/// From the merged input projection `proj` (`[T, in_width]`) of a span: conv, gates,
+/// the gated delta rule from `s` (conv tail and recurrent state advanced in place)
+/// and the gated norm. Returns the output `[T, value_dim]` before `out_proj` and one
+/// body pair per entry of `froms` (as [`forward`]).
+pub(crate) fn mix(
+    c: &ModelConfig,
+    w: &GdnWeights,
+    proj: &[f32],
+    t: usize,
+    s: &mut LinearState,
+    froms: &[usize],
+) -> (Vec<f32>, Vec<Pair>) {
     let s0 = (froms.len() > 1).then(|| s.recurrent.clone());
-    let inp = inputs(c, w, &proj, t, s);
+    let inp = inputs(c, w, proj, t, s);
     let mut pairs = Vec::with_capacity(froms.len());
     let core = match froms.split_first() {
         None => run_gdr(&dims(c, t), &inp, 0, t, &mut s.recurrent),
@@ -148,11 +167,7 @@ pub(crate) fn forward(
             core
         }
     };
-    let normed = gated_norm(c, w, core, &inp.z);
-    (
-        linear(&normed, t, c.value_dim(), &w.out, c.hidden_size),
-        pairs,
-    )
+    (gated_norm(c, w, core, &inp.z), pairs)
 }
 
 /// The gated delta rule over tokens `0..t` from `state` (advanced to the end):
