@@ -6,10 +6,11 @@ For every example it asserts:
     the whole prompt (no BPE merge or pre-token crosses a segment boundary);
   * the prompt equals HF's chat template rendering of [system, user] messages with
     add_generation_prompt=True, and HF AutoTokenizer gives the same ids as tokenizer.json;
-  * every document has 100..1000 tokens and doc_tokens[i] is its exact count;
+  * every document has 100..1000 tokens (ledger: 40..150) and doc_tokens[i] is its exact count;
   * the answer (and, for two-hop questions, the bridge) sits in the answer documents;
     for the ledger task (gen_ledger.py), replaying the documents' writes in order gives
-    the answer, and answer_doc_indices are exactly the documents writing the crate.
+    the answer, answer_doc_indices are exactly the documents writing the box, the bridge
+    is "Box {name}", and the box name and the answer are one token each.
 Prints token-length statistics.
 
     /work/pyenv/hf/bin/python tools/train/check_format.py models/hypic-tiny
@@ -54,16 +55,27 @@ def main(argv=None) -> int:
         assert rendered == prompt, f"chat template differs in {ex['id']}"
         hf_ids = hf(prompt, add_special_tokens=False)["input_ids"]
         assert hf_ids == whole, f"HF tokenizer differs in {ex['id']}"
+        ledger = ex.get("task") == "ledger"
+        lo, hi = (gen_ledger.DOC_MIN, gen_ledger.DOC_MAX) if ledger else (100, 1000)
         for d, n in zip(ex["documents"], ex["doc_tokens"]):
             m = len(tok.encode(d, add_special_tokens=False).ids)
             assert m == n, (ex["id"], m, n)
-            assert 100 <= m <= 1000, (ex["id"], m)
-        assert 3 <= len(ex["documents"]) <= 8
+            assert lo <= m <= hi, (ex["id"], m)
+        assert (3 <= len(ex["documents"]) <= 6) if ledger else (3 <= len(ex["documents"]) <= 8)
         idx = ex["answer_doc_indices"]
-        if ex.get("task") == "ledger":
-            # every document that writes the crate, and the answer is its last write
+        if ledger:
+            # every document that writes the box, and the answer is its last write
             assert len(idx) == ex["writes"] and (len(idx) >= 2) == (ex["hop"] == 2), ex["id"]
-            assert gen_ledger.final_contents(ex)[ex["crate"]] == ex["answer"], ex["id"]
+            fc = gen_ledger.final_contents(ex)
+            assert fc[ex["crate"]] == ex["answer"], ex["id"]
+            assert 2 <= len(fc) <= 4, ex["id"]
+            writers = [i for i, d in enumerate(ex["documents"])
+                       if any(m.group("c") == ex["crate"] for p in gen_ledger._WRITE_RES for m in p.finditer(d))]
+            assert writers == idx, (ex["id"], writers, idx)
+            assert ex["bridge"] == gen_ledger.bridge_text(ex["crate"]), ex["id"]
+            # the box name and the answer item are one token each, as in the documents
+            for w in (" " + ex["crate"], " " + ex["answer"]):
+                assert len(tok.encode(w, add_special_tokens=False).ids) == 1, (ex["id"], w)
         else:
             assert len(idx) == ex["hop"] and len(set(idx)) == len(idx)
             assert any(ex["answer"] in ex["documents"][i] for i in idx), ex["id"]

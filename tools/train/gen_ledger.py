@@ -1,41 +1,51 @@
 #!/usr/bin/env python3
-"""Seeded generator of warehouse-ledger prompts: a state-tracking task across documents
-(HYPIC issue 23, the second bundled eval model `models/hypic-ledger`).
+"""Seeded generator of box-ledger prompts: multi-query associative recall with
+overwrites across documents (HYPIC issue 23, the second bundled eval model
+`models/hypic-ledger`).
 
-Every prompt is a small warehouse with 3-6 crates. Each document is the log of one shift:
-an intro sentence, 1-4 **writes** ("Crate Brask now holds the lamp."), each replacing the
-crate's content, and filler sentences (crates checked but left alone, items mentioned
-without being moved, workers, weather). The question asks what one crate holds *now*,
-after all the shifts in the order of the prompt. The answer is the item of the last
-write to that crate.
+Every prompt is a small store room with 2-4 boxes. Each document is the log of one shift:
+an intro sentence, 0-3 **writes** ("Box Brom has the lamp now."), each replacing the box's
+item, and a few simple filler sentences (a box opened and closed, an item mentioned, the
+weather). The question asks what one box holds *now*, after all the shifts in the order of
+the prompt. The reply names the box, then its last-written item:
+`Box Brom -> lamp<|im_end|>` (the `bridge -> answer` reply format of gen_corpus.py; the
+answer is the text after `->`).
+
+Why it is shaped like this (issue 23's second design; the first one, multi-token names,
+40 items, 4 write phrasings, 100-1000-token documents, never learned box->item binding in
+~400 M tokens):
+- Box names and items are each ONE token of the bundled 4096-token BPE (checked by
+  `check_vocab`), so a write is one key token and one value token, as in the
+  multi-query associative recall (MQAR) task that small Gated DeltaNet models learn fast.
+- In both write phrasings the box name is at most 3 tokens before the item, inside the
+  GDN layers' causal conv window (kernel 4), so one layer can form the key from the box
+  token and the value from the item token.
+- The reply repeats the box name, so the item is predicted 3 tokens after the query key.
+- Documents are short (40-150 tokens) and fillers are few and simple.
 
 The answer needs state carried across document boundaries:
-- **hop 2 ("overwritten")**: the crate is written in two or more documents, so each of
-  those documents is, read alone, a plausible answer. Only the order of the documents
-  decides, i.e. which write came last. A Gated DeltaNet layer keeps the latest write
-  of a key with its delta rule (`(I - beta k k^T)` removes the old value), which is
-  exactly what the cached transition `T_C` carries. Adding each document's zero-start
-  state (naive addition) instead sums the old and new values.
-- **hop 1 ("set once")**: the crate is written in exactly one document (once or several
-  times inside it); a lookup, kept as the control column.
+- **hop 2 ("overwritten")**: the box is written in 2-4 different documents, so each of
+  them is, read alone, a plausible answer; only the order of the documents decides. A
+  Gated DeltaNet layer keeps the latest write of a key with its delta rule
+  (`(I - beta k k^T)` removes the old value), which is what the cached transition `T_C`
+  carries. Naive addition of each document's zero-start state sums the old and new values.
+- **hop 1 ("set once")**: the box is written in exactly one document (once, or twice inside
+  it); a lookup, kept as the control column.
 
 Every document is meaningful on its own (no pronouns or references to other documents),
-so a document prefilled alone (a PIC cache entry) computes the same writes as in
-context. What its layers cannot know alone is which writes are overwritten later: that
-is in the recurrent state composed across segments.
+so a document prefilled alone (a PIC cache entry) computes the same writes as in context.
 
 The prompt and segment format is that of gen_corpus.py (ChatML; segments
 `[S_sys, S_doc_1, ..., S_doc_n, S_q]`, exact substrings, every segment ends with a
-newline; tools/README-train.md). The reply is the item (``answer``) then ``<|im_end|>``.
-Examples carry the same fields as gen_corpus.py's, so train.py, check_format.py and
-`hypic eval` read them unchanged, plus ``task: "ledger"``, ``crate`` and ``writes``
-(the number of documents writing the queried crate).
+newline; tools/README-train.md). Examples carry gen_corpus.py's fields, so train.py,
+check_format.py and `hypic eval` read them unchanged, plus ``task: "ledger"``, ``crate``
+(the box's name) and ``writes`` (the number of documents writing the queried box).
 
 Example ``index`` of split ``seed`` comes from ``random.Random(f"ledger:{seed}:{index}")``.
-Seeds: training 1234, validation 4242, held-out 20261203 (models/hypic-ledger/eval).
+Seeds: training 1234, validation 4242, held-out 20261204 (models/hypic-ledger/eval).
 
 CLI:
-    python tools/train/gen_ledger.py --seed 20261203 --n 512 --heldout \
+    python tools/train/gen_ledger.py --seed 20261204 --n 512 --heldout \
         --tokenizer models/hypic-ledger/tokenizer.json --out models/hypic-ledger/eval/heldout.jsonl
 """
 
@@ -43,97 +53,84 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import random
+import re
 import sys
 
 import gen_corpus as gc
 
 TASK = "ledger"
 
-# Crate names: a fixed list, so a crate's name is a learned key. The items in the
-# crates change per prompt, so binding item to crate is always read from the documents.
-_NAME_RNG = random.Random("ledger-crate-names")
-CRATES: list[str] = []
-while len(CRATES) < 48:
-    _n = gc._word(_NAME_RNG, ["", "o", "a", "en", "ik", "us", "el"], (1, 1))
-    if 3 <= len(_n) <= 7 and _n not in CRATES and not any(x in _n.lower() for x in ("yr", "rkk", "rkr", "thx")):
-        CRATES.append(_n)
+# Box names: each one token with a leading space (" Brom") in the bundled BPE. The items
+# in the boxes are drawn fresh for every prompt.
+CRATES = ["Brom", "Kral", "Drex", "Flon", "Grix", "Plur", "Trom", "Zeth", "Quix", "Vond",
+          "Xyl", "Jux", "Stom", "Shen", "Thal", "Kex", "Vark", "Zond", "Brel", "Dril",
+          "Flix", "Gron", "Krun", "Plas", "Tral", "Zark", "Xand", "Jal", "Kor", "Sherk",
+          "Stix", "Quen", "Vyx", "Drom", "Fler", "Gril", "Plon", "Zul", "Jeth", "Thux"]
+# Items: each one token with a leading space (" lamp").
+ITEMS = ["lamp", "kettle", "camera", "bicycle", "drone", "tablet", "tractor", "scooter",
+         "clock", "telescope", "headset", "speaker", "watch", "horse", "dog", "cat",
+         "rabbit", "parrot", "tortoise", "coffee", "bread", "tea", "glass", "furniture",
+         "pottery", "books", "maps", "toy", "machine", "prize", "novel", "stone"]
+SHIFTS = ["morning", "night", "quiet", "busy", "old", "new"]
+WEATHER = ["cold", "hot", "rainy", "windy", "mild", "dry"]
 
-ITEMS = ["lamp", "kettle", "drum", "violin", "clock", "mirror", "basket", "helmet", "anchor", "compass",
-         "candle", "ladder", "saddle", "hammer", "globe", "trumpet", "teapot", "blanket", "lantern", "shovel",
-         "umbrella", "telescope", "wheel", "bucket", "carpet", "statue", "rope", "barrel", "map", "guitar",
-         "bell", "kite", "vase", "radio", "camera", "bicycle", "sword", "crown", "chair", "piano"]
-SHIFTS = ["morning", "evening", "night", "early", "late", "weekend", "holiday", "short", "long", "busy", "quiet"]
-TASKS = ["swept the floor", "fixed a shelf", "counted the boxes", "repaired the forklift", "cleaned the windows",
-         "painted the door", "oiled the gate", "checked the alarm", "sorted the mail", "labelled the shelves"]
-
+# Two write phrasings, the box name first and at most 3 tokens before the item.
 WRITE_TEMPLATES = [
-    "Crate {c} now holds the {v}.",
-    "The {v} was put into crate {c}, replacing what was in it.",
-    "Crate {c} was emptied and the {v} was put in it.",
-    "From now on crate {c} holds the {v}.",
+    "Box {c} has the {v} now.",
+    "The staff gave Box {c} the {v}.",
 ]
+BRIDGE = "Box {c}"  # the reply names the box first: "Box Brom -> lamp"
 
 
 def write_sentence(rng, crate: str, item: str) -> str:
-    return rng.choice(WRITE_TEMPLATES).format(c=crate, v=item)
+    return WRITE_TEMPLATES[0 if rng.random() < 0.6 else 1].format(c=crate, v=item)
 
 
-def filler_sentence(rng, crates: list[str], people: list[str], cities: list[str]) -> str:
-    """A sentence that changes no crate; may mention crates and items (distractors)."""
-    c, v, p = rng.choice(crates), rng.choice(ITEMS), rng.choice(people)
-    return rng.choice([
-        f"Crate {c} was checked and left as it was.",
-        f"{p} counted the items in crate {c} twice.",
-        f"Nobody opened crate {c} during this shift.",
-        f"{p} asked whether anyone had seen the {v}.",
-        f"A customer from {rng.choice(cities)} asked about the {v}.",
-        f"{p} {rng.choice(TASKS)}.",
-        f"The weather was {rng.choice(gc.WEATHER)} all day.",
-        f"{p} arrived at {rng.randint(5, 11)} and left at {rng.randint(1, 9)}.",
-        f"A truck from {rng.choice(cities)} was late.",
-        f"{p} wrote a note about crate {c}.",
-        f"The lid of crate {c} was painted {rng.choice(gc.COLORS)}.",
-        f"{p} and {rng.choice(people)} had lunch together.",
-    ])
+def filler_sentence(rng, crates: list[str]) -> str:
+    """A sentence that changes no box; it may name a box or an item, never both."""
+    k = rng.randrange(5)
+    if k == 0:
+        return f"Box {rng.choice(crates)} was opened and closed again."
+    if k == 1:
+        return f"A customer asked about the {rng.choice(ITEMS)}."
+    if k == 2:
+        return f"The staff found the {rng.choice(ITEMS)} on the floor."
+    if k == 3:
+        return f"The weather was {rng.choice(WEATHER)}."
+    return f"The {rng.choice(SHIFTS)} staff had a break."
+
+
+def intro_sentence(rng) -> str:
+    return f"Log of the {rng.choice(SHIFTS)} shift."
 
 
 SYSTEM_PROMPTS = [
-    "You keep the warehouse ledger. Read the shift logs in order and answer with the item only.",
-    "The documents are shift logs, in the order they happened. Answer the question with one item.",
-    "Track what each crate holds through the logs below. Reply with a short answer only.",
-    "Read the logs in order. Each crate holds one item; a new item replaces the old one. Answer briefly.",
+    "Read the shift logs in order. A box holds one item; a new item replaces the old one. Answer with the box and its item.",
+    "The logs are in the order they happened. Say which item each box has at the end.",
 ]
 
 
 def question_text(rng, crate: str) -> str:
-    return rng.choice([f"What does crate {crate} hold now?", f"Which item is in crate {crate} now?",
-                       f"What is in crate {crate} at the end?"])
+    return rng.choice([f"What is in Box {crate} now?", f"What does Box {crate} have now?"])
 
 
-DOC_MIN, DOC_MAX = 100, 1000
+def bridge_text(crate: str) -> str:
+    return BRIDGE.format(c=crate)
 
 
-def sample_doc_target(rng) -> int:
-    u = rng.random()
-    if u < 0.70:
-        return rng.randint(DOC_MIN, 200)
-    if u < 0.95:
-        return rng.randint(200, 400)
-    return rng.randint(400, 800)
+DOC_MIN, DOC_MAX = 40, 150  # tokens; longer than the largest seam window evaluated (32)
 
 
-def write_document(rng, writes: list[tuple[str, str]], crates, people, cities, count, target):
-    """A shift log with these (crate, item) writes in this order, filled to `target`
-    tokens; fillers never go between writes to the same crate in a way that changes
-    their order (the writes keep their relative order)."""
-    intro = rng.choice([f"Log of the {rng.choice(SHIFTS)} shift at the {rng.choice(cities)} warehouse.",
-                        f"Shift report from the {rng.choice(cities)} warehouse, {rng.choice(SHIFTS)} shift.",
-                        f"Notes of {rng.choice(people)} for the {rng.choice(SHIFTS)} shift."])
+def write_document(rng, writes: list[tuple[str, str]], crates, count, target, doc_min=DOC_MIN):
+    """A shift log with these (box, item) writes in this order, filled with fillers to
+    about `target` tokens (never below doc_min, never above DOC_MAX)."""
+    intro = intro_sentence(rng)
     body = [write_sentence(rng, c, v) for c, v in writes]
     n_tok = count(intro) + sum(count(" " + s) for s in body)
-    while n_tok < target:
-        f = filler_sentence(rng, crates, people, cities)
+    while n_tok < max(target, doc_min):
+        f = filler_sentence(rng, crates)
         c = count(" " + f)
         if n_tok + c > DOC_MAX:
             break
@@ -143,56 +140,66 @@ def write_document(rng, writes: list[tuple[str, str]], crates, people, cities, c
 
 
 def make_example(seed: int, index: int, count: gc.TokCounter, hop: int | None = None,
-                 n_extra: int = 0, p_two_hop: float = 0.7) -> dict:
+                 n_extra: int = 0, p_two_hop: float = 0.5, length_scale: float = 1.0) -> dict:
     """Example `index` of split `seed` (same signature as gen_corpus.make_example).
-    hop: 2 forces an overwritten crate, 1 a crate written in one document only (else
-    hop 2 with probability p_two_hop). n_extra: up to this many follow-up questions
-    about the other crates (training only)."""
+    hop: 2 asks about an overwritten box, 1 about a box written in one document only (else
+    hop 2 with probability p_two_hop). n_extra: up to this many follow-up questions about
+    the prompt's other boxes (training only). length_scale < 1 (training curriculum only,
+    train.py --curriculum): document lengths are drawn from [DOC_MIN, DOC_MAX] times it,
+    so early training prompts have the same writes and questions with fewer fillers."""
     rng = random.Random(f"{TASK}:{seed}:{index}")
     for _attempt in range(200):
-        ex = _try_example(rng, count, hop, n_extra, p_two_hop)
+        ex = _try_example(rng, count, hop, n_extra, p_two_hop, length_scale)
         if ex is not None:
             ex["id"] = f"{TASK}-{seed}-{index}"
             return ex
     raise RuntimeError("could not build a ledger example")
 
 
-def _try_example(rng, count, hop, n_extra, p_two_hop):
-    crates = rng.sample(CRATES, rng.randint(3, 6))
-    people = [gc.person_name(rng, rng.random() < 0.5) for _ in range(4)]
-    cities = [gc.city_name(rng) for _ in range(3)]
-    n_docs = rng.randint(3, 8)
+def _try_example(rng, count, hop, n_extra, p_two_hop, length_scale=1.0):
+    n_crates = rng.randint(2, 4)
+    n_docs = rng.randint(3, 6)
+    crates = rng.sample(CRATES, n_crates)
     h = hop if hop is not None else (2 if rng.random() < p_two_hop else 1)
-    # writes per document; a crate's new item always differs from its current one
+    # which documents write each box: the asked box (crates[0]) has hop h, the others
+    # are hop 1 or hop 2 at random
+    plan: dict[str, list[int]] = {}
+    for j, c in enumerate(crates):
+        hc = h if j == 0 else rng.choice([1, 2])
+        k = 1 if hc == 1 else rng.randint(2, min(4, n_docs))
+        docs = sorted(rng.sample(range(n_docs), k))
+        if rng.random() < 0.2:  # sometimes two writes inside one document
+            docs = sorted(docs + [rng.choice(docs)])
+        plan[c] = docs
+    events = [(d, c) for c, ds in plan.items() for d in ds]
+    rng.shuffle(events)
+    events.sort(key=lambda e: e[0])  # order inside a document is random
+    if max(sum(1 for d, _ in events if d == i) for i in range(n_docs)) > 3:
+        return None
+    items = rng.sample(ITEMS, len(events))  # every write puts a different item
+    docs_writes: list[list[tuple[str, str]]] = [[] for _ in range(n_docs)]
     content: dict[str, str] = {}
-    docs_writes: list[list[tuple[str, str]]] = []
-    for _ in range(n_docs):
-        ws = []
-        for _ in range(rng.randint(1, 4)):
-            c = rng.choice(crates)
-            v = rng.choice([x for x in ITEMS if x != content.get(c)])
-            content[c] = v
-            ws.append((c, v))
-        docs_writes.append(ws)
-    writers = {c: [i for i, ws in enumerate(docs_writes) if any(w[0] == c for w in ws)] for c in crates}
-    want = [c for c in crates if (len(writers[c]) >= 2) == (h == 2) and writers[c]]
-    if not want:
-        return None
-    crate = rng.choice(want)
-    if h == 2 and len({v for ws in docs_writes for c, v in ws if c == crate}) < 2:
-        return None
+    for (d, c), v in zip(events, items):
+        docs_writes[d].append((c, v))
+        content[c] = v
     docs, n_toks = [], []
+    ls = min(1.0, max(0.0, length_scale))
+    lo, hi = int(DOC_MIN * ls), max(1, int(DOC_MAX * ls))
     for ws in docs_writes:
-        d, t = write_document(rng, ws, crates, people, cities, count, sample_doc_target(rng))
+        d, t = write_document(rng, ws, crates, count, rng.randint(lo, hi), doc_min=lo)
+        if not lo <= t <= DOC_MAX:
+            return None
         docs.append(d)
         n_toks.append(t)
+    crate = crates[0]
+    writers = {c: sorted(set(ds)) for c, ds in plan.items()}
     ex = {
         "task": TASK,
         "system": rng.choice(SYSTEM_PROMPTS),
         "documents": docs,
         "question": question_text(rng, crate),
         "answer": content[crate],
-        "bridge": None,
+        "bridge": bridge_text(crate),
         "hop": h,
         "answer_doc_indices": writers[crate],
         "qtype": "ledger.overwritten" if h == 2 else "ledger.set_once",
@@ -201,28 +208,49 @@ def _try_example(rng, count, hop, n_extra, p_two_hop):
         "writes": len(writers[crate]),
     }
     if n_extra > 0:
-        others = [c for c in crates if c != crate and writers[c]]
+        others = crates[1:]
         rng.shuffle(others)
-        ex["extra"] = [{"question": question_text(rng, c), "answer": content[c], "bridge": None,
+        ex["extra"] = [{"question": question_text(rng, c), "answer": content[c], "bridge": bridge_text(c),
                         "hop": 2 if len(writers[c]) >= 2 else 1} for c in others[:n_extra]]
     return ex
 
 
+_WRITE_RES = [re.compile(re.escape(t).replace(r"\{c\}", r"(?P<c>[A-Z][a-z]+)").replace(r"\{v\}", r"(?P<v>[a-z]+)"))
+              for t in WRITE_TEMPLATES]
+
+
 def final_contents(ex: dict) -> dict[str, str]:
     """Independent check of an example: replays the writes found in the document texts
-    (in prompt order, left to right) and returns each crate's final item."""
-    import re
-
-    pats = [re.compile(t.replace(".", r"\.").format(c=r"(?P<c>[A-Z][a-z]+)", v=r"(?P<v>[a-z]+)"))
-            for t in WRITE_TEMPLATES]
+    (in prompt order, left to right) and returns each box's final item."""
     out: dict[str, str] = {}
     for d in ex["documents"]:
         hits = []
-        for p in pats:
+        for p in _WRITE_RES:
             hits += [(m.start(), m.group("c"), m.group("v")) for m in p.finditer(d)]
         for _, c, v in sorted(hits):
             out[c] = v
     return out
+
+
+def check_vocab(tok) -> None:
+    """Asserts that every box name and every item is one token with its leading space,
+    and that in both write phrasings the box token is at most 3 tokens before the item."""
+    for w in CRATES + ITEMS:
+        ids = tok.encode(" " + w, add_special_tokens=False).ids
+        assert len(ids) == 1, (w, tok.encode(" " + w, add_special_tokens=False).tokens)
+    for t in WRITE_TEMPLATES:
+        toks = tok.encode(" " + t.format(c="Brom", v="lamp"), add_special_tokens=False).tokens
+        assert 1 <= toks.index("Ġlamp") - toks.index("ĠBrom") <= 3, toks
+
+
+def chance_levels(ex: dict) -> dict[str, float]:
+    """Cross-entropy (nats) of the answer item for three reference guessers: uniform over
+    the items named anywhere in the documents; over the items written to any box; over
+    the items written to the asked box (knows the binding, not the order)."""
+    named = {w for d in ex["documents"] for w in re.findall(r"[a-z]+", d) if w in ITEMS}
+    written = {v for d in ex["documents"] for p in _WRITE_RES for m in p.finditer(d) for v in [m.group("v")]}
+    own = {m.group("v") for d in ex["documents"] for p in _WRITE_RES for m in p.finditer(d) if m.group("c") == ex["crate"]}
+    return {"named": math.log(len(named)), "written": math.log(len(written)), "own": math.log(len(own))}
 
 
 def main(argv=None) -> int:
@@ -236,6 +264,8 @@ def main(argv=None) -> int:
     ap.add_argument("--out", required=True)
     a = ap.parse_args(argv)
     count = gc.TokCounter(a.tokenizer)
+    if count.tok is not None:
+        check_vocab(count.tok)
     with open(a.out, "w") as f:
         for i in range(a.start, a.start + a.n):
             hop = (1 + (i % 2)) if a.heldout else None

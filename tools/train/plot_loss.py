@@ -26,11 +26,13 @@ def main(argv):
     a0 = ax[0] if val else ax
     a0.plot(step, [float(r["loss_ans"]) for r in rows], label="answer tokens (CE)")
     a0.plot(step, [float(r["loss_ctx"]) for r in rows], label="other tokens (CE)")
-    a0.plot(step, [float(r["loss"]) for r in rows], label="loss = ans + w * ctx", alpha=0.6)
+    if rows and rows[0].get("loss_item"):
+        a0.plot(step, [float(r["loss_item"]) for r in rows], label="final answer tokens (CE)")
+    a0.plot(step, [float(r["loss"]) for r in rows], label="loss (weighted sum)", alpha=0.6)
     a0.set_yscale("log")
     a0.set_xlabel("optimizer step")
     a0.set_ylabel("cross entropy (nats/token)")
-    a0.set_title("HYPIC-tiny training loss")
+    a0.set_title("training loss")
     a0.grid(True, which="both", alpha=0.3)
     a0.legend()
     if val:

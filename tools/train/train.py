@@ -49,7 +49,7 @@ import gen_ledger  # noqa: E402
 TASKS = {"qa": gc, "ledger": gen_ledger}
 
 EXAMPLES_PER_BATCH_SLOT = 1024
-BUCKETS = (768, 1024, 1280, 1536, 1792, 2048, 2560, 3072, 4096, 6144, 8192)
+BUCKETS = (128, 256, 384, 512, 640, 768, 1024, 1280, 1536, 1792, 2048, 2560, 3072, 4096, 6144, 8192)
 VAL_SEED = 4242
 
 
@@ -99,6 +99,26 @@ def model_config(vocab_size: int, im_end: int, pad: int, layers: int = 12, hidde
     )
 
 
+def gdn_decay_init(model, seed: int) -> None:
+    """Mamba-2 / fla-style initialisation of the Gated DeltaNet decay, in place.
+
+    HF's Qwen3-Next init sets dt_bias = 1 and A ~ U(0.01, 16), so the per-token log-decay
+    g = -A * softplus(a + dt_bias) starts at about -A * 1.31: every head forgets within a few
+    tokens (half-life under 1 token for A > 0.5), and the gradient that would teach a head to
+    keep a write for hundreds of tokens vanishes through that decay.  Here, per value head,
+    dt ~ logU(1e-3, 1e-1), dt_bias = softplus^-1(dt) and A ~ U(1, 16), so g starts in
+    [-1.6, -0.001]: some heads keep a write for thousands of tokens from the first step.
+    The architecture and the checkpoint format are unchanged."""
+    gen = torch.Generator().manual_seed(seed + 17)
+    for mod in model.modules():
+        if hasattr(mod, "dt_bias") and hasattr(mod, "A_log"):
+            n = mod.dt_bias.numel()
+            dt = torch.exp(torch.rand(n, generator=gen) * (math.log(0.1) - math.log(1e-3)) + math.log(1e-3))
+            with torch.no_grad():
+                mod.dt_bias.copy_(dt + torch.log(-torch.expm1(-dt)))
+                mod.A_log.copy_(torch.empty(n).uniform_(1.0, 16.0, generator=gen).log())
+
+
 class FallbackWatch(logging.Handler):
     """Collects transformers' 'falling back to its reference PyTorch implementation' warnings."""
 
@@ -119,8 +139,9 @@ class TrainBatches(torch.utils.data.Dataset):
     """Item b = one padded batch of training examples (token budget per batch)."""
 
     def __init__(self, seed, tokenizer_path, batch_tokens, n_extra, p_two_hop, n_batches, pad_id, im_end_id,
-                 bucket_pool=0, task="qa"):
+                 bucket_pool=0, task="qa", curriculum=0):
         self.task = task
+        self.curriculum = curriculum  # ledger only: document lengths ramp up over this many examples
         self.bucket_pool = bucket_pool  # >0: item = a list of length-bucketed batches from this many examples
         self.seed, self.tokenizer_path = seed, tokenizer_path
         self.batch_tokens, self.n_extra, self.p_two_hop = batch_tokens, n_extra, p_two_hop
@@ -131,6 +152,13 @@ class TrainBatches(torch.utils.data.Dataset):
     def __len__(self):
         return self.n_batches
 
+    def make(self, index):
+        kw = {}
+        if self.task == "ledger" and self.curriculum:
+            kw["length_scale"] = min(1.0, 0.05 + 0.95 * (index // EXAMPLES_PER_BATCH_SLOT) / self.curriculum)
+        return TASKS[self.task].make_example(self.seed, index, self._count, n_extra=self.n_extra,
+                                             p_two_hop=self.p_two_hop, **kw)
+
     def _init(self):
         if self._tok is None:
             self._count = gc.TokCounter(self.tokenizer_path)
@@ -139,23 +167,34 @@ class TrainBatches(torch.utils.data.Dataset):
     def encode_example(self, ex):
         """ids and per-token 'is answer' flags; pieces are encoded separately (every piece
         boundary is a pre-token boundary, see FORMAT.md) and concatenated."""
-        pieces = [(s, False) for s in gc.segments(ex)] + [(gc.answer_text(ex), True)]
+        pieces = [(s, 1) for s in gc.segments(ex)] + self._reply_pieces(ex["answer"], ex.get("bridge"))
         for q in ex.get("extra", []):
-            pieces.append((gc.followup_text(q["question"], None), False))
-            pieces.append((gc.reply_text(q["answer"], q.get("bridge")) + gc.IM_END, True))
+            pieces.append((gc.followup_text(q["question"], None), 1))
+            pieces += self._reply_pieces(q["answer"], q.get("bridge"))
         encs = self._tok.encode_batch([p for p, _ in pieces], add_special_tokens=False)
         ids, ans = [], []
-        for (_, is_ans), e in zip(pieces, encs):
+        for (_, cls), e in zip(pieces, encs):
             ids.extend(e.ids)
-            ans.extend([is_ans] * len(e.ids))
+            ans.extend([cls] * len(e.ids))
         return ids, ans
+
+    @staticmethod
+    def _reply_pieces(answer, bridge):
+        """A reply as (text, class) pieces: class 3 for the final answer's tokens (after
+        the bridge separator, without <|im_end|>), 2 for the rest of the reply.  Every
+        piece boundary is a pre-token boundary (" ->" then " answer"), so the ids equal
+        those of the whole reply."""
+        if bridge:
+            sep = gc.BRIDGE_SEP.rstrip()
+            return [(bridge + sep, 2), (" " + answer, 3), (gc.IM_END, 2)]
+        return [(answer, 3), (gc.IM_END, 2)]
 
     def _pack(self, rows, T, n_rows):
         x = torch.full((n_rows, T), self.pad_id, dtype=torch.long)
-        w = torch.zeros((n_rows, T), dtype=torch.int8)  # class of the TARGET at t (predicting x[t+1]): 0 pad, 1 ctx, 2 ans
+        w = torch.zeros((n_rows, T), dtype=torch.int8)  # class of the TARGET at t (predicting x[t+1]): 0 pad, 1 ctx, 2 reply, 3 final answer
         for r, (ids, ans) in enumerate(rows):
             x[r, : len(ids)] = torch.tensor(ids)
-            w[r, : len(ids) - 1] = torch.tensor([2 if a else 1 for a in ans[1:]], dtype=torch.int8)
+            w[r, : len(ids) - 1] = torch.tensor(ans[1:], dtype=torch.int8)
         return {"input_ids": x, "cls": w, "n_examples": len(rows), "n_tokens": sum(len(r[0]) for r in rows)}
 
     def _bucketed(self, m):
@@ -165,8 +204,7 @@ class TrainBatches(torch.utils.data.Dataset):
         last partial batch is filled with all-padding rows (no loss).  Batches shuffled."""
         by = {T: [] for T in BUCKETS}
         for i in range(self.bucket_pool):
-            ex = TASKS[self.task].make_example(self.seed, m * EXAMPLES_PER_BATCH_SLOT + i, self._count,
-                                 n_extra=self.n_extra, p_two_hop=self.p_two_hop)
+            ex = self.make(m * EXAMPLES_PER_BATCH_SLOT + i)
             ids, ans = self.encode_example(ex)
             T = next((t for t in BUCKETS if len(ids) <= t), None)
             if T is not None:
@@ -192,8 +230,7 @@ class TrainBatches(torch.utils.data.Dataset):
         rows, n_tok, i = [], 0, 0
         maxlen = 0
         while i < EXAMPLES_PER_BATCH_SLOT:
-            ex = TASKS[self.task].make_example(self.seed, b * EXAMPLES_PER_BATCH_SLOT + i, self._count,
-                                 n_extra=self.n_extra, p_two_hop=self.p_two_hop)
+            ex = self.make(b * EXAMPLES_PER_BATCH_SLOT + i)
             i += 1
             ids, ans = self.encode_example(ex)
             new_max = max(maxlen, len(ids))
@@ -203,10 +240,10 @@ class TrainBatches(torch.utils.data.Dataset):
             maxlen = new_max
         T = (maxlen + 63) // 64 * 64
         x = torch.full((len(rows), T), self.pad_id, dtype=torch.long)
-        w = torch.zeros((len(rows), T), dtype=torch.int8)  # class of the TARGET at t (predicting x[t+1]): 0 pad, 1 ctx, 2 ans
+        w = torch.zeros((len(rows), T), dtype=torch.int8)  # class of the TARGET at t (predicting x[t+1]): 0 pad, 1 ctx, 2 reply, 3 final answer
         for r, (ids, ans) in enumerate(rows):
             x[r, : len(ids)] = torch.tensor(ids)
-            cls = torch.tensor([2 if a else 1 for a in ans[1:]], dtype=torch.int8)
+            cls = torch.tensor(ans[1:], dtype=torch.int8)
             w[r, : len(ids) - 1] = cls
         return {"input_ids": x, "cls": w, "n_examples": len(rows), "n_tokens": sum(len(r[0]) for r in rows)}
 
@@ -329,6 +366,8 @@ def main(argv=None) -> int:
     ap.add_argument("--final-lr-frac", type=float, default=0.1)
     ap.add_argument("--wd", type=float, default=0.1)
     ap.add_argument("--ctx-weight", type=float, default=0.3)
+    ap.add_argument("--item-weight", type=float, default=0.0,
+                    help="extra weight on the final answer's tokens (after the bridge), on top of the reply mean")
     ap.add_argument("--n-extra", type=int, default=3)
     ap.add_argument("--p-two-hop", type=float, default=0.6)
     ap.add_argument("--layers", type=int, default=12)
@@ -338,6 +377,14 @@ def main(argv=None) -> int:
     ap.add_argument("--task", default="qa", choices=sorted(TASKS),
                     help="qa: gen_corpus.py (hypic-tiny); ledger: gen_ledger.py (hypic-ledger)")
     ap.add_argument("--workers", type=int, default=12)
+    ap.add_argument("--gdn-init", default="hf", choices=["hf", "mamba"],
+                    help="GDN decay initialisation of a new model: HF's (fast forgetting) or Mamba-2/fla-style "
+                         "(see gdn_decay_init)")
+    ap.add_argument("--curriculum", type=int, default=0,
+                    help="ledger task: document lengths ramp from 5%% to 100%% of the held-out range over the "
+                         "first this many data items (an item is one batch, or with --bucket-pool one pool of "
+                         "examples); 0: off")
+    ap.add_argument("--threads", type=int, default=0, help="torch CPU threads (0: torch's default); 1 is fastest on a shared 2-core machine")
     ap.add_argument("--log-every", type=int, default=25)
     ap.add_argument("--eval-every", type=int, default=1000)
     ap.add_argument("--val-n", type=int, default=128)
@@ -390,6 +437,8 @@ def main(argv=None) -> int:
     random.seed(a.seed)
     torch.manual_seed(a.seed)
     device = torch.device(a.device)
+    if a.threads:
+        torch.set_num_threads(a.threads)
     if device.type == "cuda":
         torch.backends.cuda.matmul.allow_tf32 = True
         torch.backends.cudnn.allow_tf32 = True
@@ -405,8 +454,16 @@ def main(argv=None) -> int:
         attn = [int(x) for x in a.attn_layers.split(",")] if a.attn_layers else None
         cfg = model_config(vocab, im_end, pad, a.layers, a.hidden, attn)
         model = Qwen3NextForCausalLM(cfg)
+    if not a.init_from and not a.resume and a.gdn_init == "mamba":
+        gdn_decay_init(model, a.seed)
+        log("GDN decay init: dt log-uniform in [1e-3, 1e-1] (dt_bias = softplus^-1(dt)), A uniform in [1, 16]")
     model.to(device)
     model.train()
+    if device.type == "cpu":  # CPU pilot runs: faster, equivalent PyTorch fallbacks (cpu_fast.py)
+        import cpu_fast
+
+        cpu_fast.apply()
+        log(f"cpu_fast patches applied; max abs difference to HF's fallbacks {cpu_fast.check():.2e}")
     dqkwg_mode, gradchecks = "none", {}
     if device.type == "cuda" and not fla_version.startswith("not"):
         import fla_patch
@@ -446,7 +503,7 @@ def main(argv=None) -> int:
         log(f"resumed from {a.resume} at step {step}, next batch {start_batch}")
 
     ds = TrainBatches(a.seed, a.tokenizer, a.batch_tokens, a.n_extra, a.p_two_hop, 10**8, pad, im_end,
-                      bucket_pool=a.bucket_pool, task=a.task)
+                      bucket_pool=a.bucket_pool, task=a.task, curriculum=a.curriculum)
     sampler = range(start_batch, start_batch + (a.steps - step) + 10)
     dl = torch.utils.data.DataLoader(ds, batch_size=None, sampler=sampler, num_workers=a.workers,
                                      prefetch_factor=6 if a.workers else None, persistent_workers=False,
@@ -456,7 +513,7 @@ def main(argv=None) -> int:
     loss_f = open(os.path.join(a.out, "loss.csv"), "a", newline="")
     loss_w = csv.writer(loss_f)
     if os.path.getsize(os.path.join(a.out, "loss.csv")) == 0:
-        loss_w.writerow(["step", "elapsed_s", "lr", "loss", "loss_ans", "loss_ctx", "tokens_seen", "examples_seen", "tok_per_s", "grad_norm"])
+        loss_w.writerow(["step", "elapsed_s", "lr", "loss", "loss_ans", "loss_ctx", "tokens_seen", "examples_seen", "tok_per_s", "grad_norm", "loss_item"])
     val_f = open(os.path.join(a.out, "val.csv"), "a", newline="")
     val_w = csv.writer(val_f)
     if os.path.getsize(os.path.join(a.out, "val.csv")) == 0:
@@ -480,7 +537,7 @@ def main(argv=None) -> int:
     train_budget = max(1.0, deadline - t_train0)
     t_val_last = time.time()
     t_last, tok_last = time.time(), tokens_seen
-    acc = {"loss": 0.0, "ans": 0.0, "ctx": 0.0, "n": 0}
+    acc = {"loss": 0.0, "ans": 0.0, "ctx": 0.0, "item": 0.0, "n": 0}
     batch_idx = start_batch
     stopped_by = "steps"
     first = True
@@ -512,15 +569,27 @@ def main(argv=None) -> int:
             lr = lr_at(step, a.steps, a.lr, a.warmup, a.final_lr_frac)
         for g in opt.param_groups:
             g["lr"] = lr
-        with torch.autocast(device_type=device.type, dtype=torch.bfloat16, enabled=device.type == "cuda"):
-            logits = model(input_ids=x, use_cache=False).logits
-        ce = F.cross_entropy(logits[:, :-1].float().reshape(-1, logits.shape[-1]), x[:, 1:].reshape(-1),
-                             reduction="none").view(x.shape[0], -1)
         c = cls[:, :-1]
-        m_ans, m_ctx = (c == 2).float(), (c == 1).float()
-        l_ans = (ce * m_ans).sum() / m_ans.sum().clamp(min=1)
-        l_ctx = (ce * m_ctx).sum() / m_ctx.sum().clamp(min=1)
-        loss = l_ans + a.ctx_weight * l_ctx
+        if a.ctx_weight == 0:  # reply tokens only: the lm_head runs on those positions alone
+            with torch.autocast(device_type=device.type, dtype=torch.bfloat16, enabled=device.type == "cuda"):
+                h = model.model(input_ids=x, use_cache=False).last_hidden_state
+                sel = c >= 2
+                lg = model.lm_head(h[:, :-1][sel])
+            ce_s = F.cross_entropy(lg.float(), x[:, 1:][sel], reduction="none")
+            is_item = (c[sel] == 3).float()
+            l_ans = ce_s.mean()
+            l_item = (ce_s * is_item).sum() / is_item.sum().clamp(min=1)
+            l_ctx = torch.zeros((), device=device)
+        else:
+            with torch.autocast(device_type=device.type, dtype=torch.bfloat16, enabled=device.type == "cuda"):
+                logits = model(input_ids=x, use_cache=False).logits
+            ce = F.cross_entropy(logits[:, :-1].float().reshape(-1, logits.shape[-1]), x[:, 1:].reshape(-1),
+                                 reduction="none").view(x.shape[0], -1)
+            m_ans, m_ctx, m_item = (c >= 2).float(), (c == 1).float(), (c == 3).float()
+            l_ans = (ce * m_ans).sum() / m_ans.sum().clamp(min=1)
+            l_ctx = (ce * m_ctx).sum() / m_ctx.sum().clamp(min=1)
+            l_item = (ce * m_item).sum() / m_item.sum().clamp(min=1)
+        loss = l_ans + a.ctx_weight * l_ctx + a.item_weight * l_item
         opt.zero_grad(set_to_none=True)
         loss.backward()
         gn = torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
@@ -531,6 +600,7 @@ def main(argv=None) -> int:
         acc["loss"] += loss.item()
         acc["ans"] += l_ans.item()
         acc["ctx"] += l_ctx.item()
+        acc["item"] += l_item.item()
         acc["n"] += 1
         if first:
             first = False
@@ -544,12 +614,12 @@ def main(argv=None) -> int:
             t_last, tok_last = now, tokens_seen
             n = acc["n"]
             row = [step, round(now - t0, 1), f"{lr:.3e}", f"{acc['loss'] / n:.4f}", f"{acc['ans'] / n:.4f}",
-                   f"{acc['ctx'] / n:.4f}", tokens_seen, examples_seen, round(tps), f"{float(gn):.3f}"]
+                   f"{acc['ctx'] / n:.4f}", tokens_seen, examples_seen, round(tps), f"{float(gn):.3f}", f"{acc['item'] / n:.4f}"]
             loss_w.writerow(row)
             loss_f.flush()
             log(f"step {step} t {now - t0:.0f}s lr {lr:.2e} loss {acc['loss'] / n:.4f} ans {acc['ans'] / n:.4f} "
-                f"ctx {acc['ctx'] / n:.4f} tok/s {tps:.0f} ex {examples_seen} gn {float(gn):.2f} data_wait {data_wait:.1f}s")
-            acc = {"loss": 0.0, "ans": 0.0, "ctx": 0.0, "n": 0}
+                f"ctx {acc['ctx'] / n:.4f} item {acc['item'] / n:.4f} tok/s {tps:.0f} ex {examples_seen} gn {float(gn):.2f} data_wait {data_wait:.1f}s")
+            acc = {"loss": 0.0, "ans": 0.0, "ctx": 0.0, "item": 0.0, "n": 0}
         if val and ((a.eval_every and step % a.eval_every == 0)
                     or (a.eval_every_s and time.time() - t_val_last > a.eval_every_s)):
             run_val()
