@@ -26,7 +26,7 @@ use crate::policy::{
 };
 use crate::segments::SegmentService;
 pub use crate::segments::{SnapshotItem, SnapshotResponse, UpdateResult};
-use crate::sim::{parse_trace, pseudonymise, simulate, SimStats};
+use crate::sim::{parse_trace, pseudonymise, simulate_until, SimStats};
 
 /// How requests are authenticated.
 pub enum AuthMode {
@@ -49,6 +49,8 @@ struct Inner {
     /// installs the module in the runtime, and two interleaved ones would
     /// leave the server running a policy the catalog does not record as active.
     activation: tokio::sync::Mutex<()>,
+    /// Dry-run replays running ([`DRY_RUNS_AT_ONCE`] at most).
+    dry_runs: tokio::sync::Semaphore,
 }
 
 /// Shared state of the control-plane router.
@@ -73,6 +75,7 @@ impl ControlState {
                 known: Mutex::new(HashSet::new()),
                 usage: crate::usage::UsageBook::default(),
                 activation: tokio::sync::Mutex::new(()),
+                dry_runs: tokio::sync::Semaphore::new(DRY_RUNS_AT_ONCE),
             }),
         }
     }
@@ -1441,6 +1444,23 @@ async fn rollback_policy(
     }))
 }
 
+/// Largest simulated cache capacity of a dry run, bytes (1 PiB).
+pub const MAX_DRY_RUN_CAPACITY: u64 = 1 << 50;
+
+/// Dry-run replays that may run at once (each holds a blocking thread); another
+/// is a 429 `dry_run_busy`.
+pub const DRY_RUNS_AT_ONCE: usize = 2;
+
+/// Sets its flag when dropped: the request future of a dry run was dropped (the
+/// client went away, or the replay ended), so the replay stops.
+struct CancelOnDrop(std::sync::Arc<std::sync::atomic::AtomicBool>);
+
+impl Drop for CancelOnDrop {
+    fn drop(&mut self) {
+        self.0.store(true, std::sync::atomic::Ordering::Relaxed);
+    }
+}
+
 /// Body of `POST /v1/admin/policies/{id}/dry-run`.
 #[derive(Debug, Deserialize, utoipa::ToSchema)]
 pub struct DryRunBody {
@@ -1474,7 +1494,7 @@ pub struct DryRunResult {
     pub recompute_tokens_delta: i64,
 }
 
-#[utoipa::path(post, path = "/v1/admin/policies/{id}/dry-run", tag = "policies", summary = "Replay a trace with a candidate policy beside the active ones (operator)", security(("bearer" = [])), params(("id" = i64, Path, description = "policy id")), request_body = DryRunBody, responses((status = 200, body = DryRunResult), (status = 400, description = "invalid input (`invalid_param`, `param` = `params.<name>`: a parameter the policy's schema refuses)", body = crate::error::ErrorBody), (status = 401, description = "no or bad token", body = crate::error::ErrorBody), (status = 403, description = "operator role needed", body = crate::error::ErrorBody), (status = 404, description = "no such policy", body = crate::error::ErrorBody)))]
+#[utoipa::path(post, path = "/v1/admin/policies/{id}/dry-run", tag = "policies", summary = "Replay a trace with a candidate policy beside the active ones (operator)", security(("bearer" = [])), params(("id" = i64, Path, description = "policy id")), request_body = DryRunBody, responses((status = 200, body = DryRunResult), (status = 400, description = "invalid input (`invalid_param`, `param` = `params.<name>`: a parameter the policy's schema refuses)", body = crate::error::ErrorBody), (status = 401, description = "no or bad token", body = crate::error::ErrorBody), (status = 403, description = "operator role needed", body = crate::error::ErrorBody), (status = 404, description = "no such policy", body = crate::error::ErrorBody), (status = 429, description = "dry runs already running (`dry_run_busy`)", body = crate::error::ErrorBody)))]
 async fn dry_run(
     State(s): State<ControlState>,
     Operator(p): Operator,
@@ -1483,10 +1503,11 @@ async fn dry_run(
 ) -> ApiResult<DryRunResult> {
     let rec = s.catalog().policy(id).await?;
     let kind: PolicyKind = rec.kind.parse().map_err(ApiError::bad_request)?;
-    if b.capacity_bytes == 0 {
-        return Err(
-            ApiError::bad_request("capacity_bytes must be positive").with_param("capacity_bytes")
-        );
+    if b.capacity_bytes == 0 || b.capacity_bytes > MAX_DRY_RUN_CAPACITY {
+        return Err(ApiError::bad_request(format!(
+            "capacity_bytes must be 1 to {MAX_DRY_RUN_CAPACITY}"
+        ))
+        .with_param("capacity_bytes"));
     }
     let trace = parse_trace(&b.trace).map_err(|e| ApiError::bad_request(e).with_param("trace"))?;
     let rt = s.policies().clone();
@@ -1503,21 +1524,41 @@ async fn dry_run(
         .map_err(ApiError::from)?;
     candidate.set(PolicySlot::wasm(w, Some(id)));
     let cap = b.capacity_bytes;
-    let (cand, act) = tokio::task::spawn_blocking(move || {
-        let c = simulate(&trace, cap, &mut candidate);
-        let a = simulate(&trace, cap, &mut active);
-        (c, a)
+    // At most DRY_RUNS_AT_ONCE replays run; a client that goes away stops its own
+    // (the guard sets the flag when this future is dropped).
+    let _slot = s.inner.dry_runs.try_acquire().map_err(|_| {
+        ApiError::new(
+            StatusCode::TOO_MANY_REQUESTS,
+            "rate_limit_error",
+            "dry_run_busy",
+            format!("{DRY_RUNS_AT_ONCE} dry runs are already running; try again when one is done"),
+        )
+    })?;
+    let cancel = std::sync::Arc::new(std::sync::atomic::AtomicBool::new(false));
+    let _cancel_on_drop = CancelOnDrop(cancel.clone());
+    let replays = tokio::task::spawn_blocking(move || {
+        let c = simulate_until(&trace, cap, &mut candidate, &cancel)?;
+        let a = simulate_until(&trace, cap, &mut active, &cancel)?;
+        Some((c, a))
     })
     .await
     .map_err(|e| {
+        tracing::error!(error = %e, "dry-run replay failed");
         ApiError::new(
             StatusCode::INTERNAL_SERVER_ERROR,
             "server_error",
             "internal_error",
-            e.to_string(),
+            "the dry-run replay failed",
         )
     })?;
-    let (mut cand, mut act) = (cand, act);
+    let Some((mut cand, mut act)) = replays else {
+        return Err(ApiError::new(
+            StatusCode::SERVICE_UNAVAILABLE,
+            "server_error",
+            "dry_run_cancelled",
+            "the dry run was cancelled",
+        ));
+    };
     let keyer = s.keyer();
     pseudonymise(&mut cand, |t| keyer.pseudonym(t));
     pseudonymise(&mut act, |t| keyer.pseudonym(t));
@@ -1557,7 +1598,7 @@ pub struct AuditQuery {
     pub since_ms: Option<i64>,
     /// Only rows before this time (ms since the Unix epoch).
     pub until_ms: Option<i64>,
-    /// At most this many rows (default 100).
+    /// At most this many rows, 1 to 10000 (default 100).
     pub limit: Option<i64>,
 }
 
@@ -1574,15 +1615,18 @@ async fn audit_log(
             );
         }
     }
+    let limit = q.limit.unwrap_or(100);
+    if !(1..=10_000).contains(&limit) {
+        return Err(
+            ApiError::bad_request(format!("'limit' must be 1..=10000, not {limit}"))
+                .with_param("limit"),
+        );
+    }
     let f = crate::catalog::AuditFilter {
         action: q.action.filter(|a| !a.is_empty()),
         actor: q.actor.filter(|a| !a.is_empty()),
         since_ms: q.since_ms,
         until_ms: q.until_ms,
     };
-    Ok(Json(
-        s.catalog()
-            .audit_log_filtered(&f, q.limit.unwrap_or(100))
-            .await?,
-    ))
+    Ok(Json(s.catalog().audit_log_filtered(&f, limit).await?))
 }
