@@ -349,11 +349,18 @@ impl Authenticator {
             _ => AuthError::Invalid(e.to_string()),
         })?;
         let c = data.claims;
-        let lifetime = if c.iat > 0 {
-            c.exp.saturating_sub(c.iat)
-        } else {
-            c.exp.saturating_sub(now_s())
-        };
+        let now = now_s();
+        if c.iat > now.saturating_add(validation.leeway) {
+            return Err(AuthError::Invalid(format!(
+                "token issued in the future (iat {} is {} s ahead of this server's clock)",
+                c.iat,
+                c.iat - now
+            )));
+        }
+        // The token is usable from now (or its issue time) until it expires.
+        let lifetime = c
+            .exp
+            .saturating_sub(if c.iat > 0 { c.iat.min(now) } else { now });
         if lifetime > self.max_lifetime_s.saturating_add(validation.leeway) {
             return Err(AuthError::Invalid(format!(
                 "token lifetime of {lifetime} s exceeds this server's maximum of {} s",
@@ -362,8 +369,11 @@ impl Authenticator {
         }
         let role: Role = c.role.parse().map_err(AuthError::Invalid)?;
         validate_id("tenant", &c.tenant).map_err(|e| AuthError::Invalid(e.to_string()))?;
-        if c.sub.is_empty() || c.sub.len() > 256 {
-            return Err(AuthError::Invalid("sub must be 1..=256 characters".into()));
+        if c.sub.is_empty() || c.sub.len() > 256 || c.sub.chars().any(unsafe_in_names) {
+            return Err(AuthError::Invalid(
+                "sub must be 1..=256 characters with no control or bidirectional-override characters"
+                    .into(),
+            ));
         }
         Ok(Principal {
             sub: c.sub,
@@ -710,4 +720,12 @@ impl IsolationKeyer {
             segment.content_hash.as_bytes(),
         ])
     }
+}
+
+/// Characters refused in names that are logged and shown to operators (a token's
+/// `sub`): control characters (line breaks included) and the Unicode
+/// bidirectional overrides and isolates, which reorder the text around them.
+pub fn unsafe_in_names(c: char) -> bool {
+    c.is_control()
+        || matches!(c, '\u{200E}' | '\u{200F}' | '\u{202A}'..='\u{202E}' | '\u{2066}'..='\u{2069}' | '\u{2028}' | '\u{2029}')
 }

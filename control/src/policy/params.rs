@@ -143,9 +143,9 @@ pub fn parse_schema(json: &[u8]) -> Result<ParamSchema, PolicyError> {
 }
 
 fn check_text(what: &str, v: &str) -> Result<(), String> {
-    if v.chars().any(|c| c.is_control()) {
+    if v.chars().any(crate::auth::unsafe_in_names) {
         return Err(format!(
-            "{what} must not contain control characters or line breaks"
+            "{what} must not contain control characters, line breaks or bidirectional overrides"
         ));
     }
     Ok(())
@@ -185,6 +185,7 @@ pub fn check_schema(s: &ParamSchema) -> Result<(), PolicyError> {
                     "description is over {MAX_DESCRIPTION_LEN} characters"
                 )));
             }
+            check_text("the description", d).map_err(fail)?;
         }
         match &p.ty {
             ParamType::Int { min, max, default } => {
@@ -293,7 +294,7 @@ fn check_string(v: &str, max_len: usize) -> Result<(), String> {
     if v.len() > max_len {
         return Err(format!("is {} bytes, over {max_len}", v.len()));
     }
-    check_text("the value", v)
+    check_text("", v).map_err(|m| m.trim_start().to_string())
 }
 
 fn param_err(name: &str, message: String) -> PolicyError {

@@ -171,3 +171,52 @@ fn tokens_not_valid_yet_are_refused() {
     assert!(err.to_string().contains("not valid yet"), "{err}");
     assert_eq!(auth.verify(&token(now - 60)).unwrap().tenant, "acme");
 }
+
+#[test]
+fn future_issue_times_and_unsafe_subjects_are_refused() {
+    let secret = b"0123456789abcdef0123456789abcdef";
+    let auth = Authenticator::hs256(secret, "hypic").unwrap();
+    let now = std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .unwrap()
+        .as_secs();
+    let token = |sub: &str, iat: u64, exp: u64| {
+        let claims = serde_json::json!({
+            "sub": sub, "tenant": "acme", "role": "operator", "aud": "hypic",
+            "exp": exp, "iat": iat,
+        });
+        jsonwebtoken::encode(
+            &jsonwebtoken::Header::new(jsonwebtoken::Algorithm::HS256),
+            &claims,
+            &jsonwebtoken::EncodingKey::from_secret(secret).unwrap(),
+        )
+        .unwrap()
+    };
+    // An `iat` ten years ahead would stretch the lifetime check (exp − iat) to ten
+    // years of use: refused.
+    let ten_years = 10 * 365 * 86_400;
+    let err = auth
+        .verify(&token("u@acme", now + ten_years, now + ten_years + 3600))
+        .unwrap_err();
+    assert_eq!(err.code(), "invalid_token");
+    assert!(err.to_string().contains("issued in the future"), "{err}");
+    // Within the clock-skew leeway, and in the past: accepted.
+    assert!(auth.verify(&token("u@acme", now + 2, now + 3600)).is_ok());
+    assert!(auth.verify(&token("u@acme", now - 60, now + 3600)).is_ok());
+    // Subjects that would break or reorder log lines and the console.
+    for sub in [
+        "a\nb",
+        "a\rb",
+        "a\u{0}b",
+        "a\u{202e}b",
+        "a\u{2066}b",
+        "a\u{2028}b",
+    ] {
+        let err = auth.verify(&token(sub, now, now + 3600)).unwrap_err();
+        assert_eq!(err.code(), "invalid_token", "{sub:?}");
+    }
+    assert_eq!(
+        auth.verify(&token("ops-ui", now, now + 3600)).unwrap().sub,
+        "ops-ui"
+    );
+}
