@@ -403,7 +403,9 @@ async function main() {
   const recorded = await page.inputValue("textarea[name=trace]");
   assert.ok(recorded.split("\n").filter(Boolean).length >= 3, recorded);
   assert.ok(!recorded.includes('"demo"') && recorded.includes('"tenant":"t-'), recorded);
-  await page.fill("input[name=capacity]", "100000000");
+  // The capacity follows the server's public pool (hypic serve's default here).
+  const capacity = Number(await page.inputValue("input[name=capacity]"));
+  assert.ok(capacity >= 1 << 20 && capacity % (1 << 20) === 0, `capacity ${capacity}`);
   await page.click("button:has-text('Run dry-run')");
   await dry.locator("tr", { hasText: "hit ratio" }).waitFor();
   // Per tenant, beside the aggregate: one row per pseudonymised tenant of the

@@ -948,6 +948,12 @@ export interface components {
     RecordedTraffic: {
       /** @description Prompts kept at most. */
       capacity: number;
+      /**
+       * Format: int64
+       * @description The server's public pool capacity, bytes: the dry run's `capacity_bytes`
+       * that replays this trace through a cache the size of the server's own.
+       */
+      public_pool_bytes: number;
       /** @description Prompts in `trace`. */
       requests: number;
       /** @description JSONL, one prompt per line, oldest first (the body of a dry run's `trace`). */
@@ -1793,7 +1799,7 @@ export interface operations {
         since_ms?: number;
         /** @description Only rows before this time (ms since the Unix epoch). */
         until_ms?: number;
-        /** @description At most this many rows (default 100). */
+        /** @description At most this many rows, 1 to 10000 (default 100). */
         limit?: number;
       };
     };
@@ -2392,6 +2398,12 @@ export interface operations {
       };
       /** @description no such policy */
       404: {
+        content: {
+          "application/json": components["schemas"]["ErrorBody"];
+        };
+      };
+      /** @description dry runs already running (`dry_run_busy`) */
+      429: {
         content: {
           "application/json": components["schemas"]["ErrorBody"];
         };

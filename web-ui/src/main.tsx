@@ -10,6 +10,7 @@ import { Groups } from "./groups";
 import { Overview } from "./overview";
 import { Policies } from "./policies";
 import { SegmentDetail, Segments } from "./segments";
+import { segmentIdOf } from "./validate";
 import { Tenants } from "./tenants";
 import { ErrorBox, useLoad } from "./ui";
 
@@ -110,12 +111,21 @@ function Screen({ hash, go, me }: { hash: string; go: (h: string) => void; me: P
 
 function ScreenFor({ parts, go, me }: { parts: string[]; go: (h: string) => void; me: Principal }) {
   switch (parts[0]) {
-    case "segments":
-      return parts[1] ? (
-        <SegmentDetail key={parts[1]} id={decodeURIComponent(parts[1])} go={go} me={me} />
-      ) : (
-        <Segments go={go} me={me} />
-      );
+    case "segments": {
+      if (!parts[1]) return <Segments go={go} me={me} />;
+      const id = segmentIdOf(parts[1]);
+      if (id === null) {
+        return (
+          <section>
+            <h1 tabIndex={-1}>Segments</h1>
+            <p class="error" role="alert" data-testid="bad-segment-id">
+              “{parts[1]}” is not a segment id.
+            </p>
+          </section>
+        );
+      }
+      return <SegmentDetail key={id} id={id} go={go} me={me} />;
+    }
     case "policies":
       return <Policies />;
     case "audit":

@@ -151,7 +151,9 @@ function DryRun({ policy, params }: { policy: PolicyRecord; params?: Record<stri
       const t = await api<RecordedTraffic>("GET", "/v1/admin/traffic");
       if (t.requests === 0) return setError({ field: "trace", message: "no traffic recorded yet" });
       setTrace(t.trace);
-      setNote(`${t.requests} recorded prompts (of at most ${t.capacity})`);
+      // Replay through a cache the size of the server's own public pool.
+      setCap(String(t.public_pool_bytes));
+      setNote(`${t.requests} recorded prompts (of at most ${t.capacity}); capacity set to the server's public pool, ${bytes(t.public_pool_bytes)}`);
       setError(null);
     } catch (err) {
       setError(err);

@@ -282,6 +282,12 @@ export function ShadowPanel(props: {
           </tr>
         </tbody>
       </table>
+      {v.kind === "eviction" && v.agreed + v.disagreed === 0 ? (
+        <p class="muted" data-testid="shadow-eviction-idle">
+          No eviction yet: an eviction policy is consulted only when the public pool is full, so its counts stay at
+          zero until something must leave the pool.
+        </p>
+      ) : null}
       <p class="muted">
         The hit ratio the shadow would have had needs the cache it would have had, which live traffic does not show:
         replay the recorded traffic with it.

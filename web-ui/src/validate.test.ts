@@ -1,5 +1,5 @@
 import { describe, expect, it } from "vitest";
-import { checkCapacity, checkId, checkTrace, checkWasm, isError, parseParams } from "./validate";
+import { checkCapacity, checkId, checkTrace, checkWasm, isError, parseParams, segmentIdOf } from "./validate";
 
 describe("parseParams", () => {
   it("accepts an object of integers and empty text", () => {
@@ -56,5 +56,18 @@ describe("ids and capacity", () => {
     expect(isError(checkCapacity("0"))).toBe(true);
     expect(isError(checkCapacity("1.5"))).toBe(true);
     expect(isError(checkCapacity("x"))).toBe(true);
+  });
+});
+
+describe("segment ids in the route", () => {
+  it("decodes ids and addresses", () => {
+    expect(segmentIdOf("kb-doc")).toBe("kb-doc");
+    expect(segmentIdOf("%7E60d346af")).toBe("~60d346af");
+    expect(segmentIdOf("caf%C3%A9")).toBe("café");
+  });
+  it("refuses what is not an id instead of throwing or calling another route", () => {
+    for (const bad of ["%E0%A4%A", "%", "", ".", "..", "%2E%2E", "a%2Fb"]) {
+      expect(segmentIdOf(bad)).toBeNull();
+    }
   });
 });

@@ -104,3 +104,19 @@ export function checkCapacity(text: string): { bytes: number } | FieldError {
 export function isError(v: unknown): v is FieldError {
   return typeof v === "object" && v !== null && "field" in v && "message" in v;
 }
+
+/**
+ * The segment id of a `#/segments/{id}` route part, or `null` when it is not one:
+ * malformed percent-encoding, empty, or `.` / `..` (the browser would collapse them
+ * in the API path and call another route).
+ */
+export function segmentIdOf(part: string): string | null {
+  let id: string;
+  try {
+    id = decodeURIComponent(part);
+  } catch {
+    return null;
+  }
+  if (id === "" || id === "." || id === ".." || id.includes("/")) return null;
+  return id;
+}

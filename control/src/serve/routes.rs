@@ -318,7 +318,8 @@ async fn recorded_traffic(
             "this endpoint needs the operator role",
         ));
     }
-    Ok(Json(s.0.traffic.view()))
+    let pool = (s.0.cfg.public_pool_mib as u64).saturating_mul(1 << 20);
+    Ok(Json(s.0.traffic.view(pool)))
 }
 
 fn now_s() -> u64 {
@@ -1966,7 +1967,12 @@ async fn run_job(s: &AppState, p: &Principal, job: Job, t0: Instant) -> Result<R
         .unwrap_or(0);
     for (pi, prompt) in job.prompts.iter().enumerate() {
         if let Some(st) = starts.get(pi * job.set.n).and_then(|x| x.as_ref()) {
-            s.0.traffic.record(&who, prompt, &st.stats, bpt, now_ms);
+            let engine = s.0.engine.clone();
+            let resident = move |r: &Resolved, body_start: usize| {
+                engine.resident_bytes(&r.tokens, &r.isolation, body_start)
+            };
+            s.0.traffic
+                .record(&who, prompt, &st.stats, &resident, bpt, now_ms);
             s.0.why.record_request(&p.tenant, prompt, &st.stats);
         }
     }

@@ -7,8 +7,11 @@
 //! catalog segment appears under the id the request named it by, an inline one
 //! as `h:` and the first 16 hex digits of its content hash. Segments the engine
 //! computes in place (the query, segments no longer than the seam window) are
-//! left out: no policy decides about them. Bytes are an estimate: the segment's
-//! tokens times the KV bytes one token costs in the full-attention layers.
+//! left out: no policy decides about them. Bytes are the segment's cache entry as
+//! the public pool holds it (the entry's recurrent-state pairs, conv tail and body
+//! KV) when it is resident as the prompt used it; otherwise an estimate, the
+//! segment's tokens times the KV bytes one token costs in the full-attention
+//! layers (the recurrent state left out).
 use super::routes::Resolved;
 use crate::sim::TraceRecord;
 use dataplane::pic::{Outcome, PicStats};
@@ -35,17 +38,23 @@ pub struct TrafficView {
     pub capacity: usize,
     /// JSONL, one prompt per line, oldest first (the body of a dry run's `trace`).
     pub trace: String,
+    /// The server's public pool capacity, bytes: the dry run's `capacity_bytes`
+    /// that replays this trace through a cache the size of the server's own.
+    pub public_pool_bytes: u64,
 }
 
 impl Traffic {
     /// Records one started prompt of `tenant_pseudonym`: its segments `segs` as
-    /// resolved and their outcomes in `stats`; `bytes_per_token` sizes them.
-    /// A prompt without a cacheable segment is not recorded.
+    /// resolved and their outcomes in `stats`. `entry_bytes(segment, body start)`
+    /// gives the bytes of a resident entry (`None`: not resident), else
+    /// `bytes_per_token` sizes the segment. A prompt without a cacheable segment is
+    /// not recorded.
     pub fn record(
         &self,
         tenant_pseudonym: &str,
         segs: &[Resolved],
         stats: &PicStats,
+        entry_bytes: &dyn Fn(&Resolved, usize) -> Option<usize>,
         bytes_per_token: usize,
         ts_ms: u64,
     ) {
@@ -73,7 +82,10 @@ impl Traffic {
             }
             rec.segments.push(id);
             rec.tokens.push(st.tokens as u64);
-            rec.bytes.push((st.tokens * bytes_per_token) as u64);
+            let bytes = r
+                .and_then(|r| entry_bytes(r, st.seam))
+                .unwrap_or(st.tokens * bytes_per_token);
+            rec.bytes.push(bytes as u64);
             if let Some(v) = rec.versions.as_mut() {
                 v.push(r.and_then(|r| r.version).unwrap_or(1));
             }
@@ -88,8 +100,9 @@ impl Traffic {
         }
     }
 
-    /// The recorded prompts as a trace.
-    pub fn view(&self) -> TrafficView {
+    /// The recorded prompts as a trace, beside the public pool's capacity
+    /// `public_pool_bytes`.
+    pub fn view(&self, public_pool_bytes: u64) -> TrafficView {
         let ring = self.ring.lock().unwrap_or_else(|p| p.into_inner());
         let mut trace = String::new();
         for r in ring.iter() {
@@ -102,6 +115,7 @@ impl Traffic {
             requests: ring.len(),
             capacity: CAPACITY,
             trace,
+            public_pool_bytes,
         }
     }
 }

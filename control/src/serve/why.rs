@@ -540,17 +540,15 @@ pub(crate) fn subject(caller: &Principal, q: &WhyQuery) -> Result<Principal, Api
     let Some(t) = q.tenant.as_deref().filter(|t| *t != caller.tenant) else {
         return Ok(caller.clone());
     };
-    if t.is_empty() || t.len() > 256 || t.chars().any(|c| c.is_control()) {
-        return Err(ApiError::invalid_param(
-            "tenant",
-            "'tenant' must be 1 to 256 printable characters",
-        ));
+    // The rule every tenant id follows (tokens and the catalog use it too).
+    if let Err(e) = crate::catalog::validate_id("'tenant'", t) {
+        return Err(ApiError::invalid_param("tenant", e.to_string()));
     }
     if !caller.is_operator() {
         return Err(ApiError::forbidden(
             "tenant_mismatch",
             format!(
-                "a tenant token may only ask why for its own tenant ({:?}), not {t:?}",
+                "a tenant token may only name its own tenant ({:?}), not {t:?}",
                 caller.tenant
             ),
         )
@@ -619,7 +617,13 @@ async fn why_inner(
                 None
             };
             match as_caller {
-                Some(seg) => (seg, false),
+                // The id is the operator's name for it (ids are per namespace); the
+                // tenant reaches the same segment by its address when it is public,
+                // its own or granted to it.
+                Some(seg) => {
+                    let by_address = segs.readable(&subj, &seg.address).await.is_ok();
+                    (seg, by_address)
+                }
                 None => return deleted(s, caller, &subj, id, out, e).await,
             }
         }

@@ -525,6 +525,10 @@ async fn every_400_names_its_parameter_and_says_what_is_allowed() {
     )
     .await;
     assert_names(&s, Method::GET, "/v1/admin/audit?limit=x", None, "limit").await;
+    for bad in ["0", "-1", "10001"] {
+        let path = format!("/v1/admin/audit?limit={bad}");
+        assert_names(&s, Method::GET, &path, None, "limit").await;
+    }
 }
 
 #[test]

@@ -75,6 +75,15 @@ async fn console_page_history_and_audit_filters() {
         recs[0].segments[0], recs[1].segments[0],
         "the same document"
     );
+    // The bytes are the resident entry's, recurrent-state pairs included: on the
+    // bundled model those alone are over a megabyte, the short document's KV a few
+    // tens of kilobytes, and the entry is within the public pool.
+    let pool = now["pools"]["public"]["bytes"].as_u64().unwrap();
+    assert!(
+        recs[1].bytes[0] > 500_000 && recs[1].bytes[0] <= pool,
+        "entry {} bytes, public pool {pool}: {trace}",
+        recs[1].bytes[0]
+    );
 
     // Audit filters: by actor and by time.
     let (st, v) = s

@@ -298,6 +298,34 @@ async fn no_permission_is_explained_to_operators_and_tenants_stay_in_their_lane(
     assert!(!codes(&w).contains(&"no_permission".to_string()), "{w}");
     assert_eq!(w["entries"].as_array().unwrap().len(), 2, "{w}");
 
+    // The operator names its own segment by id (ids are per namespace) and asks
+    // for globex: a public one is globex's to read (by address), a private one not.
+    for (id, public) in [("op-public", true), ("op-private", false)] {
+        let (st, v) = s
+            .post_as(
+                &s.op_token,
+                "/v1/segments",
+                &json!({"id": id, "content": format!("Operator notes {id} for every tenant."), "public": public, "prefill": true}),
+            )
+            .await;
+        assert_eq!(st, 200, "{v}");
+        let (st, w) = why(
+            &s,
+            &s.op_token,
+            &format!("/v1/segments/{id}/why?tenant=globex"),
+        )
+        .await;
+        assert_eq!(st, 200, "{w}");
+        assert_eq!(w["address"], v["address"], "{w}");
+        let denied = codes(&w).contains(&"no_permission".to_string());
+        assert_eq!(denied, !public, "{id}: {w}");
+        assert_eq!(
+            w["entries"].as_array().unwrap().is_empty(),
+            !public,
+            "{id}: {w}"
+        );
+    }
+
     // A tenant asking about another tenant: 403 naming the field.
     let (st, e) = why(
         &s,
