@@ -104,13 +104,15 @@ def main():
     failures = []
     lines = [f"# Segment parallelism on one device ({a.device}, {a.dtype})", ""]
     try:
-        workers = [Worker(f"worker{i}", a.hypic, a.model, a.device, a.dtype, a.out) for i in range(2)]
+        for i in range(2):
+            workers.append(Worker(f"worker{i}", a.hypic, a.model, a.device, a.dtype, a.out))
         for w in workers:
             w.wait_ready()
         ref = Server("single", a.hypic, a.model, dev, a.out)
+        servers.append(ref)
         par = Server("scatter", a.hypic, a.model,
                      dev + ["--workers", ",".join(w.addr for w in workers)], a.out)
-        servers = [ref, par]
+        servers.append(par)
         for s in servers:
             s.wait_ready()
         lines.append("workers: " + ", ".join(

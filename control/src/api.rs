@@ -50,7 +50,7 @@ struct Inner {
     /// leave the server running a policy the catalog does not record as active.
     activation: tokio::sync::Mutex<()>,
     /// Dry-run replays running ([`DRY_RUNS_AT_ONCE`] at most).
-    dry_runs: tokio::sync::Semaphore,
+    dry_runs: Arc<tokio::sync::Semaphore>,
 }
 
 /// Shared state of the control-plane router.
@@ -75,7 +75,7 @@ impl ControlState {
                 known: Mutex::new(HashSet::new()),
                 usage: crate::usage::UsageBook::default(),
                 activation: tokio::sync::Mutex::new(()),
-                dry_runs: tokio::sync::Semaphore::new(DRY_RUNS_AT_ONCE),
+                dry_runs: Arc::new(tokio::sync::Semaphore::new(DRY_RUNS_AT_ONCE)),
             }),
         }
     }
@@ -1526,7 +1526,9 @@ async fn dry_run(
     let cap = b.capacity_bytes;
     // At most DRY_RUNS_AT_ONCE replays run; a client that goes away stops its own
     // (the guard sets the flag when this future is dropped).
-    let _slot = s.inner.dry_runs.try_acquire().map_err(|_| {
+    // The permit moves into the replay: it is held until the replay ends, even
+    // after its client went away.
+    let slot = s.inner.dry_runs.clone().try_acquire_owned().map_err(|_| {
         ApiError::new(
             StatusCode::TOO_MANY_REQUESTS,
             "rate_limit_error",
@@ -1537,6 +1539,7 @@ async fn dry_run(
     let cancel = std::sync::Arc::new(std::sync::atomic::AtomicBool::new(false));
     let _cancel_on_drop = CancelOnDrop(cancel.clone());
     let replays = tokio::task::spawn_blocking(move || {
+        let _slot = slot;
         let c = simulate_until(&trace, cap, &mut candidate, &cancel)?;
         let a = simulate_until(&trace, cap, &mut active, &cancel)?;
         Some((c, a))

@@ -371,7 +371,7 @@ impl Authenticator {
         validate_id("tenant", &c.tenant).map_err(|e| AuthError::Invalid(e.to_string()))?;
         if c.sub.is_empty() || c.sub.len() > 256 || c.sub.chars().any(unsafe_in_names) {
             return Err(AuthError::Invalid(
-                "sub must be 1..=256 characters with no control or bidirectional-override characters"
+                "sub must be 1..=256 characters with no control, bidirectional or zero-width characters"
                     .into(),
             ));
         }
@@ -723,9 +723,19 @@ impl IsolationKeyer {
 }
 
 /// Characters refused in names that are logged and shown to operators (a token's
-/// `sub`): control characters (line breaks included) and the Unicode
-/// bidirectional overrides and isolates, which reorder the text around them.
+/// `sub`): control characters (line breaks included), the Unicode bidirectional
+/// marks, overrides and isolates, which reorder the text around them, and the
+/// zero-width characters, which make two names look alike.
 pub fn unsafe_in_names(c: char) -> bool {
     c.is_control()
-        || matches!(c, '\u{200E}' | '\u{200F}' | '\u{202A}'..='\u{202E}' | '\u{2066}'..='\u{2069}' | '\u{2028}' | '\u{2029}')
+        || matches!(
+            c,
+            '\u{061C}'
+                | '\u{200B}'..='\u{200F}'
+                | '\u{202A}'..='\u{202E}'
+                | '\u{2028}'
+                | '\u{2029}'
+                | '\u{2066}'..='\u{2069}'
+                | '\u{FEFF}'
+        )
 }

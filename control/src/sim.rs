@@ -267,7 +267,7 @@ pub fn simulate(trace: &[TraceRecord], capacity_bytes: u64, policies: &mut Polic
 }
 
 /// [`simulate`] that stops, returning `None`, once `cancelled` is set (checked
-/// before every trace line): a dry run whose client went away stops its replay.
+/// before every trace line and every 1024 segments of a line): a dry run whose client went away stops its replay.
 /// Its work is linear in the trace's segment occurrences (the eviction hook sees
 /// at most [`EVICTION_CANDIDATES`] candidates); sums saturate.
 pub fn simulate_until(
@@ -301,6 +301,9 @@ pub fn simulate_until(
         of(&mut by, &r.tenant).requests += 1;
         let public: BTreeSet<&str> = r.public.iter().map(|x| x.as_str()).collect();
         for (i, seg) in r.segments.iter().enumerate() {
+            if i % 1024 == 1023 && cancelled.load(Ordering::Relaxed) {
+                return None;
+            }
             let version = r.versions.as_ref().map(|v| v[i]).unwrap_or(1);
             let (tokens, bytes) = (r.tokens[i], r.bytes[i]);
             // A newer version supersedes cached older ones: ask the invalidation hook.
@@ -392,10 +395,17 @@ pub fn simulate_until(
                 continue;
             }
             while cache.used.saturating_add(bytes) > capacity_bytes && !cache.entries.is_empty() {
+                // The native default takes the least recently used entry, the
+                // first of `order`; a Wasm policy chooses among the oldest.
+                let offered = if policies.eviction.uses_wasm() {
+                    EVICTION_CANDIDATES
+                } else {
+                    1
+                };
                 let cands: Vec<&EntryKey> = cache
                     .order
                     .iter()
-                    .take(EVICTION_CANDIDATES)
+                    .take(offered)
                     .map(|(_, _, k)| k)
                     .collect();
                 let infos: Vec<EntryInfo> = cands.iter().map(|k| cache.entries[*k].info).collect();

@@ -27,8 +27,8 @@ export const MAX_STRING_LEN = 256;
 const NAME_RE = /^[A-Za-z0-9_]{1,64}$/;
 // Control characters (line breaks included), refused in strings and choices.
 // eslint-disable-next-line no-control-regex
-// Control characters, line breaks and bidirectional overrides (the server refuses them).
-const CONTROL_RE = /[\u0000-\u001f\u007f-\u009f\u200e\u200f\u202a-\u202e\u2066-\u2069\u2028\u2029]/;
+// Control, line-break, bidirectional and zero-width characters (the server refuses them).
+const CONTROL_RE = /[\u0000-\u001f\u007f-\u009f\u061c\u200b-\u200f\u202a-\u202e\u2066-\u2069\u2028\u2029\ufeff]/;
 
 function leb(b: Uint8Array, at: number): [number, number] {
   let v = 0;
@@ -134,7 +134,7 @@ export function checkValue(p: ParamSpec, v: ParamValue): FieldError | null {
       const cap = p.max_len ?? MAX_STRING_LEN;
       const len = new TextEncoder().encode(v).length;
       if (len > cap) return bad(`is ${len} bytes, over ${cap}`);
-      if (CONTROL_RE.test(v)) return bad("must not contain control characters, line breaks or bidirectional overrides");
+      if (CONTROL_RE.test(v)) return bad("must not contain control, line-break, bidirectional or zero-width characters");
       return null;
     }
     case "enum":

@@ -306,6 +306,11 @@ impl PolicySlot {
         }
     }
 
+    /// Whether a Wasm module answers this hook now (else the native default does).
+    pub fn uses_wasm(&self) -> bool {
+        self.wasm.is_some() && !self.tripped
+    }
+
     /// Chooses a victim among `c` (non-empty). Returns the index and the
     /// fault, if the Wasm policy failed and the native default was used.
     pub fn evict(&mut self, c: &[EntryInfo], now: u64) -> (usize, Option<PolicyError>) {

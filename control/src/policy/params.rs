@@ -145,7 +145,7 @@ pub fn parse_schema(json: &[u8]) -> Result<ParamSchema, PolicyError> {
 fn check_text(what: &str, v: &str) -> Result<(), String> {
     if v.chars().any(crate::auth::unsafe_in_names) {
         return Err(format!(
-            "{what} must not contain control characters, line breaks or bidirectional overrides"
+            "{what} must not contain control, line-break, bidirectional or zero-width characters"
         ));
     }
     Ok(())

@@ -1387,9 +1387,8 @@ pub fn hypic_ext(mode: &Mode, st: &StartInfo, segs: &[Resolved]) -> HypicRespons
     }
 }
 
-/// Submits `n` requests per prompt (seed + i); on any refusal the ones already
-/// queued are cancelled.
-/// Submits every prompt `set.n` times. With segment-parallel workers, each
+/// Submits every prompt `set.n` times (seed + i); on any refusal the ones already
+/// queued are cancelled. With segment-parallel workers, each
 /// prompt's cold segments are scattered first and their entries supplied to the
 /// prompt's first choice; the returned runs (one per prompt, `None` when nothing
 /// was scattered) give the scatter statistics and cancel the scatter when dropped.

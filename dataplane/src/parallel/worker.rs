@@ -221,8 +221,9 @@ pub fn serve_tcp<B: PicBackend>(listener: TcpListener, worker: Arc<Worker<B>>, m
         let spawned = std::thread::Builder::new()
             .name("hypic-worker-conn".into())
             .spawn(move || {
+                // Frees the slot however the connection ends (a panic included).
+                let _slot = Busy(&n);
                 let _ = serve_conn(s, &w);
-                n.fetch_sub(1, Ordering::Relaxed);
             });
         if spawned.is_err() {
             open.fetch_sub(1, Ordering::Relaxed);
