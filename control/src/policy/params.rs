@@ -529,7 +529,7 @@ mod tests {
             (json!({"ratio": -0.1}), "ratio", "below the minimum 0"),
             (json!({"strict": 1}), "strict", "true or false"),
             (json!({"label": "123456789"}), "label", "over 8"),
-            (json!({"label": "a\nb"}), "label", "line breaks"),
+            (json!({"label": "a\nb"}), "label", "line-break"),
             (json!({"mode": "fifo"}), "mode", "one of lru, lfu"),
             (json!({"nope": 1}), "nope", "unknown parameter"),
         ];
