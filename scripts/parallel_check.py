@@ -33,20 +33,7 @@ import sys
 import time
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from serve_check import Server, compare, workload  # noqa: E402
-
-METRIC = re.compile(r'^(\w+)(?:\{([^}]*)\})?\s+(\S+)$')
-
-
-def metrics(s):
-    """{name: sum over its label sets} of the server's /metrics."""
-    m = {}
-    for line in s.get_text("/metrics").splitlines():
-        g = METRIC.match(line)
-        if g:
-            m[g.group(1)] = m.get(g.group(1), 0.0) + float(g.group(3))
-    return m
-
+from serve_check import Server, compare, metric_sum, metrics, workload  # noqa: E402
 
 READY = re.compile(r"worker ready on (\S+) \(model (\w+), ([\d.]+) tokens/s\)")
 
@@ -131,11 +118,11 @@ def main():
             if not ok:
                 failures.append(f"{name}: {note}")
         m = metrics(par)
-        scattered = m.get("hypic_scatter_segments_total", 0.0)
-        shipped = m.get("hypic_worker_segments_total", 0.0)
-        recomputed = m.get("hypic_scatter_recomputed_total", 0.0)
-        corrupt = m.get("hypic_scatter_corrupt_total", 0.0)
-        failed = m.get("hypic_worker_failures_total", 0.0)
+        scattered = metric_sum(m, "hypic_scatter_segments_total")
+        shipped = metric_sum(m, "hypic_worker_segments_total")
+        recomputed = metric_sum(m, "hypic_scatter_recomputed_total")
+        corrupt = metric_sum(m, "hypic_scatter_corrupt_total")
+        failed = metric_sum(m, "hypic_worker_failures_total")
         lines += ["", f"scattered segments {scattered:.0f}, shipped by workers {shipped:.0f}, "
                   f"recomputed here {recomputed:.0f}, refused frames {corrupt:.0f}, "
                   f"worker failures {failed:.0f}; workload {t_ref:.1f} s single, {t_par:.1f} s scattered "

@@ -260,17 +260,23 @@ def workload(s):
     return res
 
 
-METRIC = re.compile(r'^(\w+)\{([^}]*)\}\s+(\S+)$')
+METRIC = re.compile(r'^(\w+)(?:\{([^}]*)\})?\s+(\S+)$')
 
 
 def metrics(s):
+    """{(name, sorted label pairs): value} of the server's /metrics."""
     m = {}
     for line in s.get_text("/metrics").splitlines():
         g = METRIC.match(line)
         if g:
-            labels = dict(re.findall(r'(\w+)="([^"]*)"', g.group(2)))
+            labels = dict(re.findall(r'(\w+)="([^"]*)"', g.group(2) or ""))
             m[(g.group(1), tuple(sorted(labels.items())))] = float(g.group(3))
     return m
+
+
+def metric_sum(m, name):
+    """Sum of metric `name` over all its label sets."""
+    return sum(v for (n, _), v in m.items() if n == name)
 
 
 def metric(m, name, **labels):
