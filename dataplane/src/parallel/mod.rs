@@ -6,7 +6,9 @@
 //! * [`assign`]: longest-processing-time-first assignment with holder affinity,
 //!   round robin, makespan;
 //! * [`transport`]: the [`transport::Transport`] trait, an in-process transport and
-//!   a blocking TCP transport;
+//!   a blocking TCP transport (whose entry payloads may move by NIXL);
+//! * [`nixl`]: NIXL (RDMA) READs of the entry payloads, negotiated per task, with
+//!   a library probe so that a missing NIXL falls back to TCP;
 //! * [`worker`]: a worker (a model replica and its public pool) that builds the
 //!   entries of the segments it is given and ships each as soon as it is built;
 //! * [`scatter`]: the combiner's side: assignment over live workers, deadlines,
@@ -18,6 +20,7 @@
 use std::time::Duration;
 
 pub mod assign;
+pub mod nixl;
 pub mod scatter;
 pub mod transport;
 pub mod wire;

@@ -537,6 +537,8 @@ impl Shared {
                     roles: c.roles.clone(),
                 })
                 .collect(),
+            // The transport sets its own offer (`Tcp::with_reader`).
+            nixl: None,
         };
         let mut pending: VecDeque<usize> = list.into();
         let mut replies = match slot.transport.start(task, sc.cfg.connect_timeout) {

@@ -12,9 +12,12 @@
 //! TCP frames: a `u32` little-endian length `n` (of what follows, at most the
 //! receiver's bound), a kind byte, `n − 1` body bytes. Kinds: 1 ping (empty),
 //! 2 pong (JSON [`WorkerInfo`]), 3 task (JSON [`Task`]), 4 entry (binary, see
-//! [`encode_entry`]), 5 failed (JSON [`Failure`]), 6 done (empty). Every read has a
-//! deadline; a frame over the bound, a malformed one or a closed connection ends
-//! the task with [`TransportError`].
+//! [`encode_entry`]), 5 failed (JSON [`Failure`]), 6 done (empty), 7 nixl entry
+//! (binary, [`super::nixl::encode_remote_entry`]: the entry waits on the worker for
+//! the combiner's NIXL READ), 8 nixl ack (combiner → worker, [`super::nixl::encode_ack`]).
+//! Every read has a deadline; a frame over the bound, a malformed one or a closed
+//! connection ends the task with [`TransportError`]. Kinds 7 and 8 occur only when
+//! the task carried a [`NixlOffer`] (see [`super::nixl`]).
 use std::io::{ErrorKind, Read, Write};
 use std::net::{SocketAddr, TcpStream, ToSocketAddrs};
 use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
@@ -23,6 +26,7 @@ use std::time::{Duration, Instant};
 
 use serde::{Deserialize, Serialize};
 
+use super::nixl::{self, NixlOffer, RemoteReader};
 use super::wire::ModelFingerprint;
 use super::worker::Worker;
 use crate::pic::PicBackend;
@@ -53,6 +57,10 @@ pub struct Task {
     pub model: String,
     /// Segments, built in this order.
     pub segments: Vec<SegmentTask>,
+    /// Set by a combiner that can READ entries by NIXL (absent otherwise; a worker
+    /// without NIXL ignores it and ships over TCP).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub nixl: Option<NixlOffer>,
 }
 
 /// What a worker says about itself (the answer to a ping).
@@ -299,6 +307,8 @@ pub(crate) mod kind {
     pub const ENTRY: u8 = 4;
     pub const FAILED: u8 = 5;
     pub const DONE: u8 = 6;
+    pub const NIXL_ENTRY: u8 = 7;
+    pub const NIXL_ACK: u8 = 8;
 }
 
 /// Writes one frame (see the module docs).
@@ -455,9 +465,21 @@ impl FrameReader {
 }
 
 /// A `hypic worker` reached over TCP; one connection per task (and per ping).
+/// With a [`RemoteReader`] ([`Tcp::with_reader`]) each task offers NIXL and entries
+/// the worker registered are READ instead of streamed (see [`super::nixl`]).
 pub struct Tcp {
     addr: String,
     max_frame: usize,
+    nixl: Option<Arc<NixlState>>,
+}
+
+/// A combiner's NIXL reader for one worker, and what was logged about it.
+struct NixlState {
+    reader: Arc<dyn RemoteReader>,
+    /// A READ from this worker failed: no more offers (TCP from now on).
+    off: AtomicBool,
+    /// "ships over TCP" was logged for this worker.
+    told_tcp: AtomicBool,
 }
 
 impl Tcp {
@@ -467,7 +489,30 @@ impl Tcp {
         Tcp {
             addr: addr.to_string(),
             max_frame,
+            nixl: None,
         }
+    }
+
+    /// As [`Tcp::new`], offering NIXL READs through `reader` in every task until a
+    /// READ from this worker fails (then TCP, logged once). A READ is bounded by
+    /// `max_frame` bytes per entry as a TCP frame is.
+    pub fn with_reader(addr: &str, max_frame: usize, reader: Arc<dyn RemoteReader>) -> Self {
+        Tcp {
+            addr: addr.to_string(),
+            max_frame,
+            nixl: Some(Arc::new(NixlState {
+                reader,
+                off: AtomicBool::new(false),
+                told_tcp: AtomicBool::new(false),
+            })),
+        }
+    }
+
+    /// Whether the next task offers NIXL (a reader is set and no READ failed).
+    pub fn offers_nixl(&self) -> bool {
+        self.nixl
+            .as_ref()
+            .is_some_and(|n| !n.off.load(Ordering::Relaxed))
     }
 
     fn closed(&self, e: impl std::fmt::Display) -> TransportError {
@@ -506,6 +551,62 @@ struct TcpReplies {
     stream: TcpStream,
     reader: FrameReader,
     name: String,
+    /// Set when this task offered NIXL.
+    nixl: Option<Arc<NixlState>>,
+    max_frame: usize,
+}
+
+impl TcpReplies {
+    /// READs the entry a worker registered, acknowledges it (so the worker frees
+    /// it, whatever the outcome) and answers the entry, or a failed segment when
+    /// the READ fails (NIXL is then off for this worker, logged once).
+    fn read_remote(
+        &mut self,
+        st: &NixlState,
+        body: &[u8],
+        deadline: Instant,
+    ) -> Result<Reply, TransportError> {
+        let e = nixl::decode_remote_entry(body).map_err(|m| TransportError::Protocol {
+            worker: self.name.clone(),
+            message: m,
+        })?;
+        let read = if e.bytes() > self.max_frame as u64 {
+            Err(format!(
+                "an entry of {} bytes, the bound is {}",
+                e.bytes(),
+                self.max_frame
+            ))
+        } else {
+            let t = Instant::now();
+            st.reader
+                .read(&e, deadline.max(t + nixl::READ_TIMEOUT))
+                .map(|frames| (frames, t.elapsed()))
+        };
+        // The worker holds the buffers until this ack or the connection's end.
+        let _ = write_frame(&mut self.stream, kind::NIXL_ACK, &nixl::encode_ack(e.index));
+        match read {
+            Ok((frames, took)) => Ok(Reply::Entry {
+                index: e.index,
+                frames,
+                prefill_ms: e.prefill_ms,
+                resident: e.resident,
+                transfer_ms: took.as_secs_f64() * 1e3,
+            }),
+            Err(why) => {
+                if !st.off.swap(true, Ordering::Relaxed) {
+                    tracing::warn!(
+                        worker = %self.name,
+                        "NIXL READ from worker {} failed ({why}); its entries come over TCP from now on",
+                        self.name
+                    );
+                }
+                Ok(Reply::Failed(Failure {
+                    index: e.index,
+                    message: format!("NIXL READ failed: {why}"),
+                }))
+            }
+        }
+    }
 }
 
 impl Replies for TcpReplies {
@@ -523,7 +624,20 @@ impl Replies for TcpReplies {
             return Err(TransportError::Timeout(self.name.clone()));
         };
         match k {
+            kind::NIXL_ENTRY => match self.nixl.clone() {
+                Some(st) => self.read_remote(&st, &body, deadline),
+                None => Err(proto("a NIXL entry for a task that offered no NIXL".into())),
+            },
             kind::ENTRY => {
+                if let Some(st) = &self.nixl {
+                    if !st.told_tcp.swap(true, Ordering::Relaxed) {
+                        tracing::info!(
+                            worker = %self.name,
+                            "worker {} ships its entries over TCP (no NIXL there)",
+                            self.name
+                        );
+                    }
+                }
                 let (index, frames, prefill_ms, resident) = decode_entry(&body).map_err(proto)?;
                 Ok(Reply::Entry {
                     index,
@@ -572,14 +686,20 @@ impl Transport for Tcp {
             }),
         }
     }
-    fn start(&self, task: Task, timeout: Duration) -> Result<Box<dyn Replies>, TransportError> {
+    fn start(&self, mut task: Task, timeout: Duration) -> Result<Box<dyn Replies>, TransportError> {
         let mut s = self.connect(timeout)?;
+        let nixl = self.nixl.clone().filter(|_| self.offers_nixl());
+        task.nixl = nixl.as_ref().map(|n| NixlOffer {
+            agent: n.reader.agent(),
+        });
         let body = serde_json::to_vec(&task).map_err(|e| self.closed(e))?;
         write_frame(&mut s, kind::TASK, &body).map_err(|e| self.closed(e))?;
         Ok(Box::new(TcpReplies {
             stream: s,
             reader: FrameReader::new(self.max_frame),
             name: self.addr.clone(),
+            nixl,
+            max_frame: self.max_frame,
         }))
     }
 }

@@ -7,11 +7,19 @@
 //! Built entries stay in the worker's own public pool (its LRU policy, its byte
 //! capacity), so a segment given to the same worker again is shipped without a
 //! prefill (the combiner's holder affinity).
+//!
+//! With a [`RemoteExposer`] ([`serve_tcp_with`]) a worker answers a task that
+//! offers NIXL with registered frames for the combiner's READ instead of streaming
+//! them ([`super::nixl`]); it frees each segment's frames at the combiner's ack, at
+//! the latest when the connection ends.
+use std::cell::RefCell;
+use std::collections::HashMap;
 use std::net::{TcpListener, TcpStream};
-use std::sync::atomic::{AtomicUsize, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
+use super::nixl::{self, Exposed, RemoteEntry, RemoteExposer, Route};
 use super::transport::{
     encode_entry, kind, write_frame, Failure, FrameReader, Reply, Task, WorkerInfo, MAX_TASK_FRAME,
 };
@@ -158,7 +166,93 @@ fn peer_closed(s: &TcpStream) -> bool {
     closed
 }
 
-fn serve_conn<B: PicBackend>(mut s: TcpStream, worker: &Worker<B>) -> std::io::Result<()> {
+/// The NIXL side of one connection: the registered frames by segment index, and
+/// the reader of the combiner's acks.
+struct Held {
+    exposed: HashMap<usize, Box<dyn Exposed>>,
+    acks: FrameReader,
+    stream: TcpStream,
+    /// The combiner closed the connection.
+    closed: bool,
+}
+
+impl Held {
+    /// Reads the acks that arrive within `wait` and frees their frames; notes a
+    /// closed connection (then frees everything).
+    fn drain(&mut self, wait: Duration) {
+        let deadline = Instant::now() + wait.max(Duration::from_millis(1));
+        while !self.closed {
+            match self.acks.next(&mut self.stream, deadline) {
+                Ok(None) => return,
+                Ok(Some((kind::NIXL_ACK, body, _))) => {
+                    if let Ok(i) = nixl::decode_ack(&body) {
+                        self.exposed.remove(&i);
+                    }
+                }
+                Ok(Some(_)) | Err(_) => {
+                    self.closed = true;
+                    self.exposed.clear();
+                }
+            }
+        }
+    }
+}
+
+/// Logged once per process: registration failed, entries went over TCP.
+static TOLD_EXPOSE_FAILED: AtomicBool = AtomicBool::new(false);
+
+/// Ships one segment's entry: registered for a READ when `held` is set and the
+/// registration works, else over TCP.
+fn ship_entry(
+    w: &mut &TcpStream,
+    held: Option<(&dyn RemoteExposer, &RefCell<Held>)>,
+    reply: Reply,
+) -> std::io::Result<()> {
+    let Reply::Entry {
+        index,
+        frames,
+        prefill_ms,
+        resident,
+        ..
+    } = reply
+    else {
+        return Ok(());
+    };
+    let frames = match held {
+        Some((x, h)) => match x.expose(frames) {
+            Ok(ex) => {
+                let body = nixl::encode_remote_entry(&RemoteEntry {
+                    index,
+                    prefill_ms,
+                    resident,
+                    agent: ex.agent(),
+                    metadata: ex.metadata(),
+                    buffers: ex.buffers(),
+                });
+                h.borrow_mut().exposed.insert(index, ex);
+                return write_frame(w, kind::NIXL_ENTRY, &body);
+            }
+            Err((why, frames)) => {
+                if !TOLD_EXPOSE_FAILED.swap(true, Ordering::Relaxed) {
+                    tracing::warn!("NIXL registration failed ({why}); shipping entries over TCP");
+                }
+                frames
+            }
+        },
+        None => frames,
+    };
+    write_frame(
+        w,
+        kind::ENTRY,
+        &encode_entry(index, &frames, prefill_ms, resident),
+    )
+}
+
+fn serve_conn<B: PicBackend>(
+    mut s: TcpStream,
+    worker: &Worker<B>,
+    exposer: Option<&dyn RemoteExposer>,
+) -> std::io::Result<()> {
     let _ = s.set_nodelay(true);
     let mut r = FrameReader::new(MAX_TASK_FRAME);
     let Some((k, body, _)) = r.next(&mut s, Instant::now() + IDLE)? else {
@@ -172,21 +266,36 @@ fn serve_conn<B: PicBackend>(mut s: TcpStream, worker: &Worker<B>) -> std::io::R
         kind::TASK => {
             let task: Task = serde_json::from_slice(&body)
                 .map_err(|e| std::io::Error::new(std::io::ErrorKind::InvalidData, e))?;
+            let route = nixl::route(task.nixl.as_ref(), exposer.is_some());
+            let held = match (route, exposer) {
+                (Route::Nixl, Some(x)) => Some((
+                    x,
+                    RefCell::new(Held {
+                        exposed: HashMap::new(),
+                        acks: FrameReader::new(1 << 10),
+                        stream: s.try_clone()?,
+                        closed: false,
+                    }),
+                )),
+                _ => None,
+            };
             let out = &s;
-            worker.run_task(&task, &|| peer_closed(out), &mut |reply| {
+            let cancelled = || match &held {
+                // Acks may be pending on the connection: read them (a peek would
+                // see their bytes, not the close).
+                Some((_, h)) => {
+                    let mut h = h.borrow_mut();
+                    h.drain(Duration::ZERO);
+                    h.closed
+                }
+                None => peer_closed(out),
+            };
+            worker.run_task(&task, &cancelled, &mut |reply| {
                 let mut w = out;
                 let sent = match &reply {
-                    Reply::Entry {
-                        index,
-                        frames,
-                        prefill_ms,
-                        resident,
-                        ..
-                    } => write_frame(
-                        &mut w,
-                        kind::ENTRY,
-                        &encode_entry(*index, frames, *prefill_ms, *resident),
-                    ),
+                    Reply::Entry { .. } => {
+                        ship_entry(&mut w, held.as_ref().map(|(x, h)| (*x, h)), reply)
+                    }
                     Reply::Failed(f) => match serde_json::to_vec(f) {
                         Ok(b) => write_frame(&mut w, kind::FAILED, &b),
                         Err(e) => Err(std::io::Error::other(e)),
@@ -195,6 +304,15 @@ fn serve_conn<B: PicBackend>(mut s: TcpStream, worker: &Worker<B>) -> std::io::R
                 };
                 sent.is_ok()
             });
+            // Keep the registered frames until the combiner acked every READ or
+            // left, at most `IDLE`.
+            if let Some((_, h)) = &held {
+                let until = Instant::now() + IDLE;
+                let mut h = h.borrow_mut();
+                while !h.closed && !h.exposed.is_empty() && Instant::now() < until {
+                    h.drain(Duration::from_millis(50));
+                }
+            }
             Ok(())
         }
         other => Err(std::io::Error::new(
@@ -209,6 +327,17 @@ fn serve_conn<B: PicBackend>(mut s: TcpStream, worker: &Worker<B>) -> std::io::R
 /// the worker being unavailable for that task). Connection errors end that
 /// connection only.
 pub fn serve_tcp<B: PicBackend>(listener: TcpListener, worker: Arc<Worker<B>>, max_conns: usize) {
+    serve_tcp_with(listener, worker, max_conns, None)
+}
+
+/// As [`serve_tcp`], answering tasks that offer NIXL through `exposer` (registered
+/// frames for the combiner's READ; see the module docs). `None` is [`serve_tcp`].
+pub fn serve_tcp_with<B: PicBackend>(
+    listener: TcpListener,
+    worker: Arc<Worker<B>>,
+    max_conns: usize,
+    exposer: Option<Arc<dyn RemoteExposer>>,
+) {
     let open = Arc::new(AtomicUsize::new(0));
     for conn in listener.incoming() {
         let Ok(s) = conn else { continue };
@@ -217,13 +346,13 @@ pub fn serve_tcp<B: PicBackend>(listener: TcpListener, worker: Arc<Worker<B>>, m
             continue;
         }
         open.fetch_add(1, Ordering::Relaxed);
-        let (w, n) = (worker.clone(), open.clone());
+        let (w, n, x) = (worker.clone(), open.clone(), exposer.clone());
         let spawned = std::thread::Builder::new()
             .name("hypic-worker-conn".into())
             .spawn(move || {
                 // Frees the slot however the connection ends (a panic included).
                 let _slot = Busy(&n);
-                let _ = serve_conn(s, &w);
+                let _ = serve_conn(s, &w, x.as_deref());
             });
         if spawned.is_err() {
             open.fetch_sub(1, Ordering::Relaxed);
