@@ -71,6 +71,39 @@ ensure_postgres() {
   pg_reachable || log "PostgreSQL set up but postgres://postgres@127.0.0.1:5432/test is still not reachable"
 }
 
+# bindgen (the build of nixl-sys, `--features nixl`) needs libclang and clang's
+# own headers (stddef.h). Installs Debian's libclang1 and libclang-common-N-dev
+# (not the much larger libclang-dev) when absent; needs root.
+ensure_libclang() {
+  if { [ -n "${LIBCLANG_PATH:-}" ] || compgen -G '/usr/lib/llvm-*/lib/libclang*.so*' >/dev/null; } &&
+    compgen -G '/usr/lib/llvm-*/lib/clang/*/include/stddef.h' >/dev/null; then
+    return 0
+  fi
+  if [ "$(id -u)" -ne 0 ] || ! command -v apt-get >/dev/null; then
+    log "libclang is not installed (Debian: apt-get install libclang-dev); the --features nixl steps will fail"
+    return 0
+  fi
+  log "installing libclang for bindgen (apt-get install libclang1 libclang-common-N-dev)"
+  export DEBIAN_FRONTEND=noninteractive
+  apt-get update -qq >/dev/null
+  apt-get install -y -qq libclang1 >/dev/null
+  local llvm
+  llvm=$(ls -d /usr/lib/llvm-* | sort -V | tail -1)
+  apt-get install -y -qq "libclang-common-${llvm##*-}-dev" >/dev/null
+}
+
+# Whether libnixl_capi.so can be loaded (after `. .device/nixl/env.sh` when
+# scripts/nixl_libs.sh made that folder).
+nixl_loadable() {
+  local d dirs
+  ldconfig -p 2>/dev/null | grep -q 'libnixl_capi\.so ' && return 0
+  IFS=: read -ra dirs <<<"${LD_LIBRARY_PATH:-}"
+  for d in "${dirs[@]}"; do
+    [ -n "$d" ] && [ -f "$d/libnixl_capi.so" ] && return 0
+  done
+  return 1
+}
+
 # A server the caller chose is used as is.
 if [ -z "${HYPIC_TEST_PG_URL:-}" ]; then
   ensure_postgres
@@ -83,22 +116,40 @@ export HYPIC_TEST_PG_URL="${HYPIC_TEST_PG_URL:-postgres://postgres@127.0.0.1:543
 # linked build of the libraries and the `hypic` binary with `--features cuda`, so the
 # GPU code compiles as it ships. The GPU test binaries are built where they run
 # (scripts/gpu-check.sh). No CUDA toolkit is needed at build time: the driver,
-# NVRTC and cuBLAS are loaded when a GPU is first used.
+# NVRTC and cuBLAS are loaded when a GPU is first used. The same clippy and build
+# include `--features nixl` (NIXL entry payloads, nixl-sys's stub API: no NIXL at
+# build time, libnixl_capi.so loaded at run time; bindgen needs libclang).
 step() { echo "test.sh: == $* ==" >&2; }
 if [ $# -eq 0 ]; then
   step "cargo fmt --check"
   cargo fmt --all -- --check
   step "cargo clippy -D warnings"
   cargo clippy --workspace --all-targets --locked -- -D warnings
-  step "cargo clippy -D warnings, --features cuda"
-  cargo clippy --workspace --all-targets --locked --features hypic-control/cuda -- -D warnings
-  step "cargo build libraries and binaries, --features cuda"
+  ensure_libclang
+  step "cargo clippy -D warnings, --features cuda,nixl"
+  cargo clippy --workspace --all-targets --locked --features hypic-control/cuda,hypic-control/nixl -- -D warnings
+  step "cargo build libraries and binaries, --features cuda,nixl"
   start=$SECONDS
-  cargo build --workspace --lib --bins --locked --features hypic-control/cuda
-  step "cuda build took $((SECONDS - start)) s"
+  cargo build --workspace --lib --bins --locked --features hypic-control/cuda,hypic-control/nixl
+  step "cuda,nixl build took $((SECONDS - start)) s"
 fi
 step "cargo test"
 cargo test --workspace --locked "$@"
+# The real NIXL transfer (a worker and a combiner agent READ entries over UCX), on a
+# full run, where libnixl_capi.so loads (scripts/nixl_libs.sh extracts it into
+# .device/nixl/); otherwise it is reported as skipped, not passed.
+if [ $# -eq 0 ]; then
+  (
+    # shellcheck disable=SC1091
+    if [ -f .device/nixl/env.sh ]; then . .device/nixl/env.sh; fi
+    if nixl_loadable; then
+      step "NIXL transfer (--features nixl, libnixl_capi.so found)"
+      cargo test -p hypic-dataplane --locked --features nixl --lib parallel::nixl -- --include-ignored
+    else
+      step "NIXL transfer: SKIPPED: libnixl_capi.so not found (scripts/nixl_libs.sh extracts it)"
+    fi
+  )
+fi
 # The operator console, on a full run: vitest, the committed bundle against a fresh
 # build, and the Playwright suite in Debian's chromium against a real `hypic serve`
 # (web-ui/test-e2e.sh installs chromium and the npm packages when absent).

@@ -45,7 +45,10 @@ enum Command {
 
 fn main() {
     let cli = Cli::parse();
-    if matches!(cli.command, Command::Serve(_) | Command::Control(_)) {
+    if matches!(
+        cli.command,
+        Command::Serve(_) | Command::Control(_) | Command::Worker(_)
+    ) {
         hypic_control::serve::reqlog::init_logging(cli.log_format);
     }
     let res = match cli.command {

@@ -5,12 +5,18 @@
 //! entries only from workers of its own model fingerprint, which includes the
 //! backend and element type: CPU workers serve a CPU server, `--device cuda
 //! --dtype bf16` workers a server of the same device and dtype.
+//!
+//! `--transport nixl` (a build with the cargo feature `nixl`) registers the built
+//! entries for the combiner's NIXL READ when the combiner offers one (`hypic serve
+//! --worker-transport nixl`); the task and control frames stay on TCP
+//! ([`dataplane::parallel::nixl`]).
 use std::net::{SocketAddr, TcpListener};
 use std::path::PathBuf;
 use std::sync::Arc;
 
 use anyhow::Context;
-use dataplane::parallel::worker::{serve_tcp, Worker};
+use dataplane::parallel::nixl::{self, Unavailable};
+use dataplane::parallel::worker::{serve_tcp_with, Worker};
 use dataplane::pic::{Pic, PicBackend, PicEngine};
 
 use crate::backend::{select_device, Device, DeviceArg, DtypeArg};
@@ -40,6 +46,49 @@ pub struct WorkerArgs {
     /// Scatter connections served at once.
     #[arg(long, default_value_t = 64)]
     pub max_connections: usize,
+    /// How entry payloads reach the combiner: tcp (on the task's connection) or
+    /// nixl (registered for the combiner's NIXL READ when it offers one; needs a
+    /// build with the `nixl` feature, an error otherwise, and libnixl_capi.so at run
+    /// time, TCP with a warning otherwise) [default: tcp].
+    #[arg(
+        long,
+        value_enum,
+        env = "HYPIC_WORKER_TRANSPORT",
+        default_value = "tcp"
+    )]
+    pub transport: TransportArg,
+}
+
+/// Entry payload transport between workers and the combiner.
+#[derive(clap::ValueEnum, Clone, Copy, Debug, PartialEq, Eq)]
+pub enum TransportArg {
+    /// Streamed on the task's TCP connection.
+    Tcp,
+    /// NIXL READ (RDMA where the fabric has it), control on TCP.
+    Nixl,
+}
+
+/// A NIXL agent for `role`, or `None` (TCP payloads) when NIXL cannot run here;
+/// that is logged once, with the reason, on stderr and in the log.
+///
+/// Errors: the binary was built without the `nixl` feature.
+pub fn nixl_or_tcp<T>(
+    role: &str,
+    make: impl FnOnce(&str) -> Result<T, Unavailable>,
+) -> anyhow::Result<Option<T>> {
+    let name = nixl::agent_name(role);
+    match make(&name) {
+        Ok(t) => {
+            tracing::info!(agent = %name, "NIXL agent {name} ready (UCX backend)");
+            Ok(Some(t))
+        }
+        Err(Unavailable::NotBuilt) => Err(anyhow::anyhow!("{}", Unavailable::NotBuilt)),
+        Err(e) => {
+            eprintln!("hypic: NIXL unavailable, entries go over TCP: {e}");
+            tracing::warn!("NIXL unavailable, entries go over TCP: {e}");
+            Ok(None)
+        }
+    }
 }
 
 /// Runs `hypic worker` until the process is stopped. Prints
@@ -87,16 +136,22 @@ pub fn run_worker_command(a: WorkerArgs) -> anyhow::Result<()> {
 /// Binds the listener, prints the ready line and serves `engine` until the process
 /// ends.
 fn serve<B: PicBackend + 'static>(a: &WorkerArgs, engine: Arc<Pic<B>>) -> anyhow::Result<()> {
+    let exposer = match a.transport {
+        TransportArg::Tcp => None,
+        TransportArg::Nixl => nixl_or_tcp("worker", nixl::exposer)?,
+    };
     let worker = Arc::new(Worker::new(engine));
     let listener = TcpListener::bind(a.listen).with_context(|| format!("binding {}", a.listen))?;
     let addr = listener.local_addr()?;
     let info = worker.info();
     println!(
-        "hypic: worker ready on {addr} (model {}, {:.0} tokens/s)",
-        info.model, info.tokens_per_s
+        "hypic: worker ready on {addr} (model {}, {:.0} tokens/s{})",
+        info.model,
+        info.tokens_per_s,
+        if exposer.is_some() { ", NIXL" } else { "" }
     );
     use std::io::Write;
     let _ = std::io::stdout().flush();
-    serve_tcp(listener, worker, a.max_connections.max(1));
+    serve_tcp_with(listener, worker, a.max_connections.max(1), exposer);
     Ok(())
 }

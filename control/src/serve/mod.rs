@@ -200,6 +200,11 @@ pub struct ServeConfig {
     pub scatter_margin: f64,
     /// Time added to every scattered segment's deadline, ms.
     pub scatter_floor_ms: u64,
+    /// Entry payloads from the workers: `tcp` (streamed on each task's connection)
+    /// or `nixl` (NIXL READs of the entries a worker registered; needs a build with
+    /// the `nixl` feature, and libnixl_capi.so at run time, else TCP with a
+    /// warning). A worker without NIXL ships over TCP either way.
+    pub worker_transport: String,
 }
 
 impl Default for ServeConfig {
@@ -254,6 +259,7 @@ impl Default for ServeConfig {
             workers: vec![],
             scatter_margin: 4.0,
             scatter_floor_ms: 2000,
+            worker_transport: "tcp".into(),
         }
     }
 }
@@ -382,6 +388,10 @@ pub struct ServeArgs {
     /// Time added to every scattered segment's deadline, ms [default: 2000].
     #[arg(long, env = "HYPIC_SCATTER_FLOOR_MS")]
     pub scatter_floor_ms: Option<u64>,
+    /// Entry payloads from the workers: tcp or nixl (NIXL READs; a build with the
+    /// `nixl` feature, libnixl_capi.so at run time) [default: tcp].
+    #[arg(long, env = "HYPIC_WORKER_TRANSPORT")]
+    pub worker_transport: Option<String>,
     /// Turn authentication off (loopback binds only).
     #[arg(long)]
     pub disable_auth: bool,
@@ -463,7 +473,8 @@ impl ServeConfig {
             idempotency_ttl_s,
             workers,
             scatter_margin,
-            scatter_floor_ms
+            scatter_floor_ms,
+            worker_transport
         );
         if a.model.is_some() {
             c.model = a.model.clone();
@@ -508,6 +519,15 @@ impl ServeConfig {
         }
         if let Some(w) = self.workers.iter().find(|w| !w.contains(':')) {
             bail!("workers: {w:?} is not host:port");
+        }
+        match self.worker_transport.as_str() {
+            "tcp" => {}
+            "nixl" if !dataplane::parallel::nixl::BUILT => bail!(
+                "worker_transport = \"nixl\": {}",
+                dataplane::parallel::nixl::Unavailable::NotBuilt
+            ),
+            "nixl" => {}
+            other => bail!("worker_transport must be `tcp` or `nixl`, not {other:?}"),
         }
         if self.queue_capacity == 0 || self.max_running == 0 {
             bail!("queue_capacity and max_running must be at least 1");
@@ -693,8 +713,9 @@ fn set_pool_policy(engine: &dyn EnginePools, cfg: &ServeConfig, control: &Contro
     }
 }
 
-/// The combiner over `cfg.workers` (TCP), health-checked once now and then in the
-/// background; `None` without workers.
+/// The combiner over `cfg.workers` (TCP; NIXL READs of the payloads with
+/// `worker_transport = "nixl"` where the library loads), health-checked once now
+/// and then in the background; `None` without workers.
 fn start_scatter(
     cfg: &ServeConfig,
     engine: &dyn EnginePools,
@@ -704,11 +725,22 @@ fn start_scatter(
     if cfg.workers.is_empty() {
         return None;
     }
-    let transports: Vec<Box<dyn Transport>> = cfg
-        .workers
-        .iter()
-        .map(|a| Box::new(Tcp::new(a, DEFAULT_MAX_FRAME)) as Box<dyn Transport>)
-        .collect();
+    // `validate` refused "nixl" in a build without the feature.
+    let reader = match cfg.worker_transport.as_str() {
+        "nixl" => crate::worker::nixl_or_tcp("combiner", dataplane::parallel::nixl::reader)
+            .ok()
+            .flatten(),
+        _ => None,
+    };
+    let transports: Vec<Box<dyn Transport>> =
+        cfg.workers
+            .iter()
+            .map(|a| match &reader {
+                Some(r) => Box::new(Tcp::with_reader(a, DEFAULT_MAX_FRAME, r.clone()))
+                    as Box<dyn Transport>,
+                None => Box::new(Tcp::new(a, DEFAULT_MAX_FRAME)) as Box<dyn Transport>,
+            })
+            .collect();
     let sc = Scatter::new(
         transports,
         engine.model_fingerprint(),
