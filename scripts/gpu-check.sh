@@ -38,6 +38,14 @@
 # (PARALLEL_DTYPES), and requires equal answers and per-segment outcomes and a real
 # scatter: $OUT/parallel.md.
 #
+# Step `devices` (not in the default list): dataplane/tests/cuda_parallel.rs (the
+# device checksum kernel against its CPU reference; two in-process workers and a
+# combiner on GPU 0 over the peer transport against one engine, bit for bit, and a
+# damaged device entry recomputed; a GPU 1 → GPU 0 case that says "skipped: needs 2
+# GPUs" on one GPU), then scripts/parallel_check.py --devices 0,0 (`hypic serve
+# --device cuda --devices 0,0` against a server alone, end to end, in PARALLEL_DTYPES):
+# $OUT/devices.md.
+#
 # Step `decode` runs dataplane/tests/cuda_decode.rs (device sampling in the decode
 # step against the host path); step `moebench` runs `gpu_bench --moe-grouped` (the
 # grouped MoE expert GEMMs against the per-expert cuBLAS loop and torch._grouped_mm,
@@ -70,7 +78,7 @@ build() {
   local built=() pair name exe
   # Test executables of each step.
   for pair in kernels:cuda_kernels moe:cuda_moe model:cuda_model pic:cuda_pic \
-              modelbench:cuda_random attn:cuda_attn decode:cuda_decode; do
+              modelbench:cuda_random attn:cuda_attn decode:cuda_decode devices:cuda_parallel; do
     wantb "${pair%%:*}" || continue
     name=${pair#*:}
     exe=$(cargo test --release -p hypic-dataplane --features cuda --test "$name" --no-run \
@@ -94,7 +102,7 @@ build() {
     built+=(.device/bin/gpu_model_bench)
   fi
   # The server (step serve): the `hypic` binary with the CUDA backend.
-  if wantb serve || wantb parallel || wantb load35b; then
+  if wantb serve || wantb parallel || wantb devices || wantb load35b; then
     cargo build --release -p hypic-control --features cuda --bin hypic
     cp "$CARGO_TARGET_DIR/release/hypic" .device/bin/hypic
     built+=(.device/bin/hypic)
@@ -120,8 +128,8 @@ run() {
   local s_
   for s_ in $steps; do
     case "$s_" in
-      kernels|attn|moe|model|pic|decode|bench|moebench|fla|modelbench|serve|parallel|load35b) ;;
-      *) echo "unknown step \`$s_\` in GPU_CHECK_STEPS (known: kernels attn moe model pic decode bench moebench fla modelbench serve parallel load35b)" >&2
+      kernels|attn|moe|model|pic|decode|bench|moebench|fla|modelbench|serve|parallel|devices|load35b) ;;
+      *) echo "unknown step \`$s_\` in GPU_CHECK_STEPS (known: kernels attn moe model pic decode bench moebench fla modelbench serve parallel devices load35b)" >&2
          return 2 ;;
     esac
   done
@@ -152,7 +160,7 @@ PY
   local exe_ st_ missing_=0
   for st_ in kernels:cuda_kernels attn:cuda_attn moe:cuda_moe model:cuda_model pic:cuda_pic \
              decode:cuda_decode bench:gpu_bench moebench:gpu_bench modelbench:cuda_random modelbench:gpu_model_bench serve:hypic \
-             parallel:hypic load35b:hypic; do
+             parallel:hypic devices:cuda_parallel devices:hypic load35b:hypic; do
     exe_=${st_#*:}
     if want "${st_%%:*}" && [ ! -x ".device/bin/$exe_" ]; then
       echo "missing .device/bin/$exe_ (step ${st_%%:*}): run \`scripts/gpu-check.sh build\` first" >&2
@@ -491,6 +499,48 @@ PY
     echo "parallel: skipped"
   fi
 
+  echo "== GPUs of one process: peer transport (dataplane/tests/cuda_parallel.rs, parallel_check.py --devices 0,0)"
+  t0=$SECONDS
+  local devices_rc=0
+  : > "$OUT/devices.md"; : > "$OUT/devices_tests.log"
+  if want devices; then
+    local list_dev="" dt_
+    list_dev=$(.device/bin/cuda_parallel --list --format=terse 2>/dev/null | sed -n 's/: test$//p')
+    if [ -z "$list_dev" ]; then
+      echo "cuda_parallel lists no tests" | tee -a "$OUT/devices_tests.log" >&2
+      devices_rc=1
+    fi
+    for name in $list_dev; do
+      HYPIC_CUDA_POISON=${HYPIC_CUDA_POISON:-1} HYPIC_REPO_ROOT="$PWD" timeout 300 .device/bin/cuda_parallel --exact "$name" \
+        --test-threads=1 --nocapture >> "$OUT/devices_tests.log" 2>&1
+      rc=$?
+      # A test that could not run (one GPU where it needs two) is a skip, not a pass.
+      if [ "$rc" -eq 0 ] && grep -q "${name##*::}: skipped" "$OUT/devices_tests.log"; then
+        echo "cuda_parallel $name SKIPPED" >> "$OUT/devices_tests.log"
+      else
+        echo "cuda_parallel $name rc=$rc" >> "$OUT/devices_tests.log"
+      fi
+      [ "$rc" -ne 0 ] && devices_rc=$rc
+    done
+    {
+      echo "### dataplane/tests/cuda_parallel.rs"; echo; echo '```'
+      grep -E "^  |FAIL|panicked|^cuda_parallel " "$OUT/devices_tests.log"
+      echo '```'; echo
+    } >> "$OUT/devices.md"
+    for dt_ in ${PARALLEL_DTYPES:-f32 bf16}; do
+      mkdir -p "$OUT/devices-$dt_"
+      timeout 300 python3 scripts/parallel_check.py --hypic .device/bin/hypic --model models/hypic-tiny \
+        --devices "${DEVICES_LIST:-0,0}" --dtype "$dt_" --out "$OUT/devices-$dt_" > "$OUT/devices_check_$dt_.log" 2>&1 \
+        || devices_rc=$?
+      cat "$OUT/devices-$dt_/parallel.md" >> "$OUT/devices.md" 2>/dev/null \
+        || echo "devices check ($dt_) wrote no report; see devices_check_$dt_.log" >> "$OUT/devices.md"
+    done
+    cat "$OUT/devices.md"
+    echo "devices rc=$devices_rc in $((SECONDS - t0)) s"
+  else
+    echo "devices: skipped"
+  fi
+
   echo "== checkpoint streaming at the Qwen3.5-35B-A3B shape (scripts/load_check.py)"
   t0=$SECONDS
   local load_rc=0
@@ -551,6 +601,10 @@ PY
       echo; echo "## Segment parallelism on one GPU (rc=$parallel_rc)"; echo
       cat "$OUT/parallel.md"
     fi
+    if want devices; then
+      echo; echo "## GPUs of one process, peer transport (rc=$devices_rc)"; echo
+      cat "$OUT/devices.md"
+    fi
     if want load35b; then
       echo; echo "## Checkpoint streaming (rc=$load_rc)"; echo
       cat "$OUT/load35b.md"
@@ -573,6 +627,7 @@ PY
   want fla && [ "$fla_rc" -ne 0 ] && return "$fla_rc"
   [ "$serve_rc" -ne 0 ] && return "$serve_rc"
   [ "$parallel_rc" -ne 0 ] && return "$parallel_rc"
+  [ "$devices_rc" -ne 0 ] && return "$devices_rc"
   [ "$load_rc" -ne 0 ] && return "$load_rc"
   return 0
 }

@@ -19,11 +19,18 @@ On a GPU, the workers and the servers share the one device (each its own process
 context and model copy): this is the functional check of the GPU worker path, not a
 speed-up measurement.
 
+With `--devices 0,0` (gpu-check step `devices`) no worker process is started: the
+scattering server is `hypic serve --device cuda --devices 0,0`, whose in-process
+worker (its own model replica on GPU 0) ships entries to the combiner device to
+device (the peer transport). The same checks apply, and the workers' metrics must
+say `transport="peer"`.
+
 Python 3 standard library only. Exit status 0 when every check passes; the report goes
 to OUT/parallel.md, the logs to OUT/parallel_*.log.
 
   python3 scripts/parallel_check.py --hypic .device/bin/hypic --out .device/out
   python3 scripts/parallel_check.py --hypic target/debug/hypic --device cpu   # here
+  python3 scripts/parallel_check.py --hypic .device/bin/hypic --devices 0,0 --out .device/out
 """
 import argparse
 import os
@@ -84,26 +91,42 @@ def main():
     ap.add_argument("--device", default="cuda")
     ap.add_argument("--dtype", default="f32")
     ap.add_argument("--out", default=".")
+    ap.add_argument("--devices", default=None,
+                    help="GPUs of one server (e.g. 0,0): in-process workers over the peer "
+                         "transport instead of worker processes (implies --device cuda)")
     a = ap.parse_args()
     os.makedirs(a.out, exist_ok=True)
+    if a.devices:
+        a.device = "cuda"
     dev = ["--device", a.device, "--dtype", a.dtype]
     workers, servers = [], []
     failures = []
-    lines = [f"# Segment parallelism on one device ({a.device}, {a.dtype})", ""]
+    if a.devices:
+        lines = [f"# Segment parallelism in one process (--devices {a.devices}, {a.dtype})", ""]
+    else:
+        lines = [f"# Segment parallelism on one device ({a.device}, {a.dtype})", ""]
     try:
-        for i in range(2):
-            workers.append(Worker(f"worker{i}", a.hypic, a.model, a.device, a.dtype, a.out))
-        for w in workers:
-            w.wait_ready()
+        if not a.devices:
+            for i in range(2):
+                workers.append(Worker(f"worker{i}", a.hypic, a.model, a.device, a.dtype, a.out))
+            for w in workers:
+                w.wait_ready()
         ref = Server("single", a.hypic, a.model, dev, a.out)
         servers.append(ref)
-        par = Server("scatter", a.hypic, a.model,
-                     dev + ["--workers", ",".join(w.addr for w in workers)], a.out)
+        if a.devices:
+            par = Server("devices", a.hypic, a.model, dev + ["--devices", a.devices], a.out)
+        else:
+            par = Server("scatter", a.hypic, a.model,
+                         dev + ["--workers", ",".join(w.addr for w in workers)], a.out)
         servers.append(par)
         for s in servers:
             s.wait_ready()
-        lines.append("workers: " + ", ".join(
-            f"{w.addr} (model {w.model[:12]}…, {w.tokens_per_s:.0f} tokens/s at start-up)" for w in workers))
+        if a.devices:
+            lines.append(f"in-process workers on GPUs {a.devices.split(',', 1)[1] if ',' in a.devices else '(none)'}, "
+                         f"combiner on GPU {a.devices.split(',')[0]}")
+        else:
+            lines.append("workers: " + ", ".join(
+                f"{w.addr} (model {w.model[:12]}…, {w.tokens_per_s:.0f} tokens/s at start-up)" for w in workers))
         lines.append("")
         t0 = time.time()
         want = workload(ref)
@@ -131,6 +154,13 @@ def main():
             failures.append(f"nothing was scattered (segments {scattered}, shipped {shipped})")
         if recomputed or corrupt or failed:
             failures.append(f"recomputed {recomputed}, refused {corrupt}, worker failures {failed}")
+        kinds = sorted({dict(labels).get("transport", "?") for (n, labels) in m
+                        if n == "hypic_worker_segments_total"})
+        moved = metric_sum(m, "hypic_worker_transfer_seconds_total")
+        lines.append(f"worker transports: {', '.join(kinds) or 'none'}; transfer time {moved * 1e3:.1f} ms")
+        want_kind = "peer" if a.devices else "tcp"
+        if kinds != [want_kind]:
+            failures.append(f"worker transports {kinds}, expected [{want_kind!r}]")
     except Exception as e:  # noqa: BLE001 - the report says what broke
         failures.append(f"error: {e}")
     finally:

@@ -3,7 +3,7 @@
 //!
 //! * `cpu`: the CPU reference backend (always fp32; `--dtype bf16` is ignored with a
 //!   line on stderr).
-//! * `cuda`: CUDA device 0; an error when the binary was built without the `cuda`
+//! * `cuda`: CUDA device 0 (or the first of `hypic serve --devices`); an error when the binary was built without the `cuda`
 //!   feature or when no driver or device is usable (the message names the
 //!   alternatives).
 //! * `auto` (default): CUDA when usable, else the CPU backend with one line on stderr
@@ -92,6 +92,16 @@ const BF16_ON_CPU: &str =
 /// Errors: `cuda` in a binary built without the `cuda` feature, or with no usable
 /// driver or device; the message names the alternatives.
 pub fn select_device(device: DeviceArg, dtype: DtypeArg) -> Result<Device> {
+    select_device_on(device, dtype, 0)
+}
+
+/// [`select_device`] on CUDA device `ordinal` (`hypic serve --devices`: the
+/// combiner's engine runs on the first listed device).
+///
+/// Errors: as [`select_device`]; for `cuda`, also an ordinal past the devices
+/// present (the message says how many there are).
+#[cfg_attr(not(feature = "cuda"), allow(unused_variables))]
+pub fn select_device_on(device: DeviceArg, dtype: DtypeArg, ordinal: usize) -> Result<Device> {
     let on_cpu = || {
         if dtype == DtypeArg::Bf16 {
             eprintln!("{BF16_ON_CPU}");
@@ -117,14 +127,17 @@ pub fn select_device(device: DeviceArg, dtype: DtypeArg) -> Result<Device> {
     #[cfg(feature = "cuda")]
     {
         use anyhow::Context;
-        use dataplane::cuda::device::{select, Backend, DeviceChoice};
+        use dataplane::cuda::device::{select_on, Backend, DeviceChoice};
         let choice = match device {
             DeviceArg::Cpu => DeviceChoice::Cpu,
             DeviceArg::Cuda => DeviceChoice::Cuda,
             DeviceArg::Auto => DeviceChoice::Auto,
         };
-        match select(choice).with_context(|| {
-            "--device cuda: no usable CUDA device; use --device cpu, or --device auto to fall back"
+        match select_on(choice, ordinal).with_context(|| {
+            format!(
+                "--device cuda: no usable CUDA device (device {ordinal}); use --device cpu, \
+                 or --device auto to fall back"
+            )
         })? {
             Backend::Cpu => Ok(on_cpu()),
             Backend::Cuda(g) => Ok(Device::Cuda(g)),

@@ -19,7 +19,7 @@ use dataplane::parallel::nixl::{self, Unavailable};
 use dataplane::parallel::worker::{serve_tcp_with, Worker};
 use dataplane::pic::{Pic, PicBackend, PicEngine};
 
-use crate::backend::{select_device, Device, DeviceArg, DtypeArg};
+use crate::backend::{select_device_on, Device, DeviceArg, DtypeArg};
 use crate::runtime::open_model;
 
 /// Arguments of `hypic worker`.
@@ -32,7 +32,7 @@ pub struct WorkerArgs {
     /// (default: models/hypic-tiny).
     #[arg(long, env = "HYPIC_MODEL")]
     pub model: Option<PathBuf>,
-    /// Backend: cpu, cuda (GPU 0; an error when unusable or not built in) or auto
+    /// Backend: cpu, cuda (GPU `--gpu`; an error when unusable or not built in) or auto
     /// [default: cpu]. It must match the server's: entries of another backend or
     /// dtype are refused by the combiner's fingerprint check.
     #[arg(long, value_enum, env = "HYPIC_DEVICE", default_value = "cpu")]
@@ -40,6 +40,14 @@ pub struct WorkerArgs {
     /// Weight and activation type on the GPU backend: f32 or bf16 [default: f32].
     #[arg(long, value_enum, env = "HYPIC_DTYPE", default_value = "f32")]
     pub dtype: DtypeArg,
+    /// CUDA device ordinal of `--device cuda` (an error when it does not exist).
+    #[arg(long, env = "HYPIC_WORKER_GPU", default_value_t = 0)]
+    pub gpu: usize,
+    /// Accept a combiner's NCCL offer (`hypic serve --nccl`): entry payloads move
+    /// GPU to GPU by ncclSend/ncclRecv, headers over TCP (`--device cuda` only;
+    /// libnccl is loaded at run time, and a task falls back to TCP when it cannot).
+    #[arg(long, env = "HYPIC_WORKER_NCCL")]
+    pub nccl: bool,
     /// Public pool (the entries this worker built) capacity, MiB.
     #[arg(long, default_value_t = 1024)]
     pub public_pool_mib: usize,
@@ -91,13 +99,34 @@ pub fn nixl_or_tcp<T>(
     }
 }
 
+/// Whether libnccl loads (false without the `cuda` feature).
+fn nccl_present() -> bool {
+    #[cfg(feature = "cuda")]
+    {
+        dataplane::cuda::nccl::nccl_present()
+    }
+    #[cfg(not(feature = "cuda"))]
+    {
+        false
+    }
+}
+
 /// Runs `hypic worker` until the process is stopped. Prints
 /// `hypic: worker ready on ADDR (model FINGERPRINT, N tokens/s)` on stdout once it
 /// accepts tasks.
 ///
 /// Errors: the model does not load, the address cannot be bound.
 pub fn run_worker_command(a: WorkerArgs) -> anyhow::Result<()> {
-    let dev = select_device(a.device, a.dtype)?;
+    if a.gpu != 0 && a.device == DeviceArg::Cpu {
+        anyhow::bail!("--gpu {} needs --device cuda (got --device cpu)", a.gpu);
+    }
+    if a.nccl && a.device != DeviceArg::Cuda {
+        anyhow::bail!(
+            "--nccl needs --device cuda (got --device {})",
+            a.device.as_str()
+        );
+    }
+    let dev = select_device_on(a.device, a.dtype, a.gpu)?;
     let dir = match a.model.clone() {
         Some(d) => d,
         None => crate::runtime::default_model_dir()
@@ -108,25 +137,33 @@ pub fn run_worker_command(a: WorkerArgs) -> anyhow::Result<()> {
     match dev {
         Device::Cpu => {
             let engine = PicEngine::new(Arc::new(model.into_host()?), "worker", public, 0);
-            serve(&a, Arc::new(engine))
+            serve(&a, Arc::new(engine), None)
         }
         #[cfg(feature = "cuda")]
         Device::Cuda(gpu) => {
+            use dataplane::cuda::nccl::NcclSender;
             use dataplane::cuda::pic::GpuPicEngine;
+            use dataplane::parallel::transport::NcclJoin;
             match a.dtype {
                 DtypeArg::F32 => {
-                    let m = crate::runtime::gpu_model!(f32, gpu, model);
-                    serve(
-                        &a,
-                        Arc::new(GpuPicEngine::new(Arc::new(m), "worker", public, 0)),
-                    )
+                    let m = crate::runtime::gpu_model!(f32, gpu.clone(), model);
+                    let e = Arc::new(GpuPicEngine::new(Arc::new(m), "worker", public, 0));
+                    let nccl = a.nccl.then(|| {
+                        Arc::new(NcclSender::<f32>::new(gpu.clone(), e.model_fingerprint()))
+                            as Arc<dyn NcclJoin<_>>
+                    });
+                    serve(&a, e, nccl)
                 }
                 DtypeArg::Bf16 => {
-                    let m = crate::runtime::gpu_model!(half::bf16, gpu, model);
-                    serve(
-                        &a,
-                        Arc::new(GpuPicEngine::new(Arc::new(m), "worker", public, 0)),
-                    )
+                    let m = crate::runtime::gpu_model!(half::bf16, gpu.clone(), model);
+                    let e = Arc::new(GpuPicEngine::new(Arc::new(m), "worker", public, 0));
+                    let nccl = a.nccl.then(|| {
+                        Arc::new(NcclSender::<half::bf16>::new(
+                            gpu.clone(),
+                            e.model_fingerprint(),
+                        )) as Arc<dyn NcclJoin<_>>
+                    });
+                    serve(&a, e, nccl)
                 }
             }
         }
@@ -134,8 +171,13 @@ pub fn run_worker_command(a: WorkerArgs) -> anyhow::Result<()> {
 }
 
 /// Binds the listener, prints the ready line and serves `engine` until the process
-/// ends.
-fn serve<B: PicBackend + 'static>(a: &WorkerArgs, engine: Arc<Pic<B>>) -> anyhow::Result<()> {
+/// ends (taking NCCL offers through `nccl` when given, NIXL offers with
+/// `--transport nixl`).
+fn serve<B: PicBackend + 'static>(
+    a: &WorkerArgs,
+    engine: Arc<Pic<B>>,
+    nccl: Option<Arc<dyn dataplane::parallel::transport::NcclJoin<B>>>,
+) -> anyhow::Result<()> {
     let exposer = match a.transport {
         TransportArg::Tcp => None,
         TransportArg::Nixl => nixl_or_tcp("worker", nixl::exposer)?,
@@ -152,6 +194,17 @@ fn serve<B: PicBackend + 'static>(a: &WorkerArgs, engine: Arc<Pic<B>>) -> anyhow
     );
     use std::io::Write;
     let _ = std::io::stdout().flush();
-    serve_tcp_with(listener, worker, a.max_connections.max(1), exposer);
+    if nccl.is_some() {
+        let present = nccl_present();
+        println!(
+            "hypic: worker {addr} accepts NCCL offers{}",
+            if present {
+                ""
+            } else {
+                " (libnccl not found: every task will fall back to TCP)"
+            }
+        );
+    }
+    serve_tcp_with(listener, worker, a.max_connections.max(1), nccl, exposer);
     Ok(())
 }

@@ -616,13 +616,14 @@ type PerWorker = (
 );
 
 /// The live counters of the segment-parallel workers in the text exposition
-/// format: `hypic_worker_*{worker}` (up, throughput, segments, tokens, failures,
-/// segments in flight) and `hypic_scatter_*` (requests, segments, reassigned,
+/// format: `hypic_worker_*{worker,transport}` (up, throughput, segments, tokens,
+/// failures, transfer seconds, segments in flight; `transport` is `tcp`, `peer` or
+/// `in-process`) and `hypic_scatter_*` (requests, segments, reassigned,
 /// recomputed, corrupt, timeouts, driver threads).
 pub fn scatter_text(m: &dataplane::parallel::scatter::ScatterMetrics) -> String {
     use std::fmt::Write;
     let mut out = String::new();
-    let per: [PerWorker; 6] = [
+    let per: [PerWorker; 7] = [
         (
             "hypic_worker_up",
             "gauge",
@@ -654,6 +655,12 @@ pub fn scatter_text(m: &dataplane::parallel::scatter::ScatterMetrics) -> String 
             |w| w.failures as f64,
         ),
         (
+            "hypic_worker_transfer_seconds_total",
+            "counter",
+            "Transfer time of the worker's verified entries (TCP receive, or device copy and checksum), seconds.",
+            |w| w.transfer_ms / 1e3,
+        ),
+        (
             "hypic_worker_in_flight_segments",
             "gauge",
             "Segments assigned to the worker and not answered yet.",
@@ -665,8 +672,9 @@ pub fn scatter_text(m: &dataplane::parallel::scatter::ScatterMetrics) -> String 
         for w in &m.workers {
             let _ = writeln!(
                 out,
-                "{name}{{worker=\"{}\"}} {}",
+                "{name}{{worker=\"{}\",transport=\"{}\"}} {}",
                 escape_label(&w.worker),
+                escape_label(&w.transport),
                 f(w)
             );
         }

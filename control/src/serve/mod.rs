@@ -25,6 +25,7 @@
 //! sit behind [`dataplane::engine::Engine`]; the scheduler, the segment routes, the
 //! sweep and the metrics see only that interface.
 pub mod bounded;
+pub mod devices;
 pub mod errors;
 pub mod first_use;
 pub mod history;
@@ -54,7 +55,7 @@ use std::path::PathBuf;
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
-use crate::backend::{select_device, Device, DeviceArg, DtypeArg};
+use crate::backend::{select_device_on, Device, DeviceArg, DtypeArg};
 use crate::runtime;
 pub use crate::runtime::{default_model_dir, load_model, open_model, ModelSource};
 use crate::{ControlArgs, ControlState};
@@ -195,6 +196,16 @@ pub struct ServeConfig {
     /// a request's cold segments are prefilled on them and composed here (see
     /// docs/segment-parallelism.md). Empty: every segment is prefilled here.
     pub workers: Vec<String>,
+    /// GPUs of this process (`--device cuda` only), ordinals: the engine runs on the
+    /// first; every further entry is an in-process segment-parallel worker with its
+    /// own model replica on that GPU, shipping entries device to device ([`devices`];
+    /// repeating an ordinal is allowed). Empty: the engine on GPU 0, no such worker.
+    pub devices: Vec<usize>,
+    /// Offer `workers` an NCCL communicator per task (`--device cuda` only; the
+    /// workers run `hypic worker --device cuda --nccl`): entry payloads move GPU to
+    /// GPU by ncclSend/ncclRecv, headers and checksums over TCP; a task whose
+    /// worker refuses or whose NCCL set-up fails ships over TCP (logged).
+    pub nccl: bool,
     /// Factor on a scattered segment's expected prefill time (tokens / the
     /// worker's measured throughput) in its deadline (at least 1).
     pub scatter_margin: f64,
@@ -257,6 +268,8 @@ impl Default for ServeConfig {
             idempotency_ttl_s: crate::DEFAULT_IDEMPOTENCY_TTL_S,
             random_weights: None,
             workers: vec![],
+            devices: vec![],
+            nccl: false,
             scatter_margin: 4.0,
             scatter_floor_ms: 2000,
             worker_transport: "tcp".into(),
@@ -381,6 +394,15 @@ pub struct ServeArgs {
     /// --listen`): cold segments are prefilled there, composed here.
     #[arg(long, env = "HYPIC_WORKERS", value_delimiter = ',')]
     pub workers: Option<Vec<String>>,
+    /// GPUs of this process, `0,1,…` (with `--device cuda`): the engine on the
+    /// first, an in-process worker (its own model replica) on each further one; a
+    /// GPU may repeat (`0,0`).
+    #[arg(long, env = "HYPIC_DEVICES", value_delimiter = ',')]
+    pub devices: Option<Vec<usize>>,
+    /// Offer the `--workers` NCCL (GPU to GPU payloads; `--device cuda`, workers
+    /// with `--nccl`): true or false [default: false]; `--nccl` alone is true.
+    #[arg(long, env = "HYPIC_NCCL", num_args = 0..=1, default_missing_value = "true")]
+    pub nccl: Option<bool>,
     /// Factor on a scattered segment's expected prefill time in its deadline
     /// [default: 4].
     #[arg(long, env = "HYPIC_SCATTER_MARGIN")]
@@ -472,6 +494,8 @@ impl ServeConfig {
             tokenize_concurrency,
             idempotency_ttl_s,
             workers,
+            devices,
+            nccl,
             scatter_margin,
             scatter_floor_ms,
             worker_transport
@@ -529,6 +553,7 @@ impl ServeConfig {
             "nixl" => {}
             other => bail!("worker_transport must be `tcp` or `nixl`, not {other:?}"),
         }
+        devices::validate(self)?;
         if self.queue_capacity == 0 || self.max_running == 0 {
             bail!("queue_capacity and max_running must be at least 1");
         }
@@ -713,16 +738,19 @@ fn set_pool_policy(engine: &dyn EnginePools, cfg: &ServeConfig, control: &Contro
     }
 }
 
-/// The combiner over `cfg.workers` (TCP; NIXL READs of the payloads with
+/// The combiner over the in-process workers `local` (`devices`) and `cfg.workers`
+/// (TCP; NCCL payloads with `nccl`, NIXL READs of the payloads with
 /// `worker_transport = "nixl"` where the library loads), health-checked once now
 /// and then in the background; `None` without workers.
 fn start_scatter(
     cfg: &ServeConfig,
     engine: &dyn EnginePools,
+    local: Vec<Box<dyn dataplane::parallel::transport::Transport>>,
+    nccl: Option<Arc<dyn dataplane::parallel::transport::NcclLink>>,
 ) -> Option<Arc<dataplane::parallel::scatter::Scatter>> {
     use dataplane::parallel::scatter::{Scatter, ScatterConfig};
     use dataplane::parallel::transport::{Tcp, Transport, DEFAULT_MAX_FRAME};
-    if cfg.workers.is_empty() {
+    if cfg.workers.is_empty() && local.is_empty() {
         return None;
     }
     // `validate` refused "nixl" in a build without the feature.
@@ -732,15 +760,19 @@ fn start_scatter(
             .flatten(),
         _ => None,
     };
-    let transports: Vec<Box<dyn Transport>> =
-        cfg.workers
-            .iter()
-            .map(|a| match &reader {
-                Some(r) => Box::new(Tcp::with_reader(a, DEFAULT_MAX_FRAME, r.clone()))
-                    as Box<dyn Transport>,
-                None => Box::new(Tcp::new(a, DEFAULT_MAX_FRAME)) as Box<dyn Transport>,
-            })
-            .collect();
+    let mut transports = local;
+    transports.extend(cfg.workers.iter().map(|a| {
+        let t = match &reader {
+            Some(r) => Tcp::with_reader(a, DEFAULT_MAX_FRAME, r.clone()),
+            None => Tcp::new(a, DEFAULT_MAX_FRAME),
+        };
+        let t = match &nccl {
+            Some(link) => t.with_nccl(link.clone()),
+            None => t,
+        };
+        Box::new(t) as Box<dyn Transport>
+    }));
+    let n = transports.len();
     let sc = Scatter::new(
         transports,
         engine.model_fingerprint(),
@@ -751,19 +783,15 @@ fn start_scatter(
         },
     );
     let up = sc.check_health();
-    tracing::info!(
-        workers = cfg.workers.len(),
-        up,
-        "segment-parallel workers: {up} of {} up",
-        cfg.workers.len()
-    );
+    tracing::info!(workers = n, up, "segment-parallel workers: {up} of {n} up");
     sc.spawn_health_checks();
     Some(sc)
 }
 
 impl AppState {
     /// Builds the state from a loaded model and a control-plane state, on the
-    /// backend `cfg.device` / `cfg.dtype` select ([`select_device`]).
+    /// backend `cfg.device` / `cfg.dtype` select (on the first of `cfg.devices`;
+    /// [`crate::backend::select_device_on`]).
     pub fn new(
         cfg: ServeConfig,
         model: impl Into<ModelSource>,
@@ -771,7 +799,7 @@ impl AppState {
         model_id: String,
         control: ControlState,
     ) -> anyhow::Result<AppState> {
-        let device = select_device(cfg.device, cfg.dtype)?;
+        let device = select_device_on(cfg.device, cfg.dtype, devices::combiner_ordinal(&cfg))?;
         Self::on_device(cfg, &device, model, tok, model_id, control)
     }
 
@@ -792,6 +820,9 @@ impl AppState {
             private_bytes: cfg.private_pool_mib << 20,
             spill_bytes: cfg.spill_mib << 20,
         };
+        // The replicas first: the engine below takes the model source.
+        let local = devices::start_workers(&cfg, device, &model)?;
+        let nccl = devices::nccl_link(&cfg, device, model.config())?;
         let rt = runtime::start(
             device,
             cfg.dtype,
@@ -812,7 +843,7 @@ impl AppState {
             tok.clone(),
             engine.config().vocab_size,
         ));
-        let scatter = start_scatter(&cfg, &*engine);
+        let scatter = start_scatter(&cfg, &*engine, local, nccl);
         Ok(AppState(Arc::new(Inner {
             cfg,
             model_id,
@@ -934,8 +965,9 @@ pub async fn spawn(cfg: ServeConfig) -> anyhow::Result<RunningServer> {
     cfg.validate()?;
     let (dir, id) = model_location(&cfg)?;
     // The device first: `--device cuda` without CUDA fails before the model loads.
-    let (device_arg, dtype) = (cfg.device, cfg.dtype);
-    let device = tokio::task::spawn_blocking(move || select_device(device_arg, dtype)).await??;
+    let (device_arg, dtype, ordinal) = (cfg.device, cfg.dtype, devices::combiner_ordinal(&cfg));
+    let device =
+        tokio::task::spawn_blocking(move || select_device_on(device_arg, dtype, ordinal)).await??;
     let on_gpu = !matches!(device, Device::Cpu);
     let random = cfg.random_weights;
     let (model, tok) =

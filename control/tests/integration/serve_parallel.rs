@@ -196,8 +196,12 @@ async fn serve_parallel_two_workers_give_the_single_server_answers_and_statistic
     );
 
     let m = par.metrics().await;
-    let up = format!("worker=\"{}\"", w1.addr);
+    let up = format!("worker=\"{}\",transport=\"tcp\"", w1.addr);
     assert_eq!(metric(&m, "hypic_worker_up", &up), Some(1.0), "{m}");
+    assert!(
+        metric(&m, "hypic_worker_transfer_seconds_total", &up).is_some(),
+        "{m}"
+    );
     assert!(metric(&m, "hypic_scatter_segments_total", "").unwrap() >= 7.0);
     assert_eq!(metric(&m, "hypic_scatter_recomputed_total", ""), Some(0.0));
 }

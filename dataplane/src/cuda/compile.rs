@@ -113,9 +113,16 @@ pub const INIT: KernelSource = KernelSource {
     text: include_str!("../../kernels/init.cu"),
 };
 
+/// Checksum of shipped cache entries on the device (`kernels/hash.cu`; CPU
+/// reference in `crate::parallel::checksum`).
+pub const HASH: KernelSource = KernelSource {
+    name: "hash",
+    text: include_str!("../../kernels/hash.cu"),
+};
+
 /// Every kernel module (used by the compile check and to warm the cache).
-pub const ALL: [KernelSource; 14] = [
-    NORM, ROPE, CONV, GDR, GDR_TC, ATTN, FLASH, FLASH_WG, MODEL, GEMV, MOE, SAMPLE, PIC, INIT,
+pub const ALL: [KernelSource; 15] = [
+    NORM, ROPE, CONV, GDR, GDR_TC, ATTN, FLASH, FLASH_WG, MODEL, GEMV, MOE, SAMPLE, PIC, INIT, HASH,
 ];
 
 /// NVRTC target name for a compute capability: `sm_90a` for 9.0 (Hopper, so that

@@ -12,7 +12,8 @@ use super::{CudaError, Gpu, Result};
 pub enum DeviceChoice {
     /// The CPU reference backend.
     Cpu,
-    /// CUDA device 0; an error if none is usable.
+    /// A CUDA device (0 unless an ordinal is given, [`select_on`]); an error if it
+    /// is not usable.
     Cuda,
     /// CUDA when usable, else the CPU backend (logged).
     #[default]
@@ -45,17 +46,26 @@ impl Backend {
     pub fn describe(&self) -> String {
         match self {
             Backend::Cpu => "cpu".into(),
-            Backend::Cuda(g) => format!("cuda:0 {} ({})", g.name(), g.arch()),
+            Backend::Cuda(g) => format!("cuda:{} {} ({})", g.ordinal(), g.name(), g.arch()),
         }
     }
 }
 
 /// Resolves a [`DeviceChoice`] on device ordinal 0.
 pub fn select(choice: DeviceChoice) -> Result<Backend> {
+    select_on(choice, 0)
+}
+
+/// Resolves a [`DeviceChoice`] on device `ordinal` (`auto` falls back to the CPU
+/// when that device is not usable).
+///
+/// Errors: `cuda` and the device cannot be opened ([`CudaError::Unavailable`] says
+/// how many devices there are when `ordinal` is past them).
+pub fn select_on(choice: DeviceChoice, ordinal: usize) -> Result<Backend> {
     match choice {
         DeviceChoice::Cpu => Ok(Backend::Cpu),
-        DeviceChoice::Cuda => Ok(Backend::Cuda(Gpu::new(0)?)),
-        DeviceChoice::Auto => match try_gpu() {
+        DeviceChoice::Cuda => Ok(Backend::Cuda(open(ordinal)?)),
+        DeviceChoice::Auto => match open(ordinal) {
             Ok(g) => Ok(Backend::Cuda(g)),
             Err(e) => {
                 eprintln!(
@@ -67,10 +77,21 @@ pub fn select(choice: DeviceChoice) -> Result<Backend> {
     }
 }
 
-/// `Gpu::new(0)`, also turning a panic inside the dynamically loaded libraries (a
-/// missing symbol in an old driver) into [`CudaError::Unavailable`].
-fn try_gpu() -> Result<Arc<Gpu>> {
-    match std::panic::catch_unwind(|| Gpu::new(0)) {
+/// The number of CUDA devices (0 when the driver cannot be loaded).
+pub fn device_count() -> usize {
+    if !super::driver_present() {
+        return 0;
+    }
+    std::panic::catch_unwind(cudarc::driver::CudaContext::device_count)
+        .ok()
+        .and_then(|r| r.ok())
+        .map_or(0, |n| n.max(0) as usize)
+}
+
+/// `Gpu::new(ordinal)`, also turning a panic inside the dynamically loaded
+/// libraries (a missing symbol in an old driver) into [`CudaError::Unavailable`].
+pub fn open(ordinal: usize) -> Result<Arc<Gpu>> {
+    match std::panic::catch_unwind(|| Gpu::new(ordinal)) {
         Ok(r) => r,
         Err(_) => Err(CudaError::Unavailable(
             "the CUDA libraries failed to load (panic while loading)".into(),

@@ -20,7 +20,9 @@
 //!   [`moe`] (sparse MoE block with grouped expert GEMMs, dense SwiGLU MLP),
 //!   [`sample`] (greedy argmax and seeded temperature / top-k / top-p sampling),
 //!   [`pic`] (the PIC engine on the device: cache build, compose, seams, device pools
-//!   with a host spill tier).
+//!   with a host spill tier), [`peer`] (entries shipped between GPUs of one process
+//!   by device copies, with a device checksum), [`nccl`] (entries shipped between
+//!   processes by NCCL send/recv).
 //! * [`model`]: the whole-model forward ([`model::GpuModel`] prefill/decode from a
 //!   [`model::GpuState`]), equivalent to the CPU `model::Model`.
 //!
@@ -42,7 +44,9 @@ pub mod gdr;
 pub mod load;
 pub mod model;
 pub mod moe;
+pub mod nccl;
 pub mod ops;
+pub mod peer;
 pub mod pic;
 pub mod random;
 pub mod sample;
@@ -257,6 +261,11 @@ impl Gpu {
     /// Device name (e.g. "NVIDIA H200").
     pub fn name(&self) -> &str {
         &self.name
+    }
+
+    /// Device ordinal (0 for the first GPU).
+    pub fn ordinal(&self) -> usize {
+        self.ctx.ordinal()
     }
 
     /// NVRTC target (e.g. `sm_90a`).

@@ -206,6 +206,14 @@ pub enum GpuEntryLayer<T> {
     },
 }
 
+/// One device buffer of a [`GpuSegmentEntry`] ([`GpuSegmentEntry::buffers`]).
+pub enum EntryBuffer<'a, T> {
+    /// An fp32 buffer (a transition pair's half, a conv tail).
+    F32(cudarc::driver::CudaView<'a, f32>),
+    /// A buffer in the element type (attention K or V).
+    Elem(cudarc::driver::CudaView<'a, T>),
+}
+
 /// A public-pool entry on the device: one segment prefilled alone, body from
 /// `body_start` (the GPU counterpart of [`SegmentEntry`]).
 pub struct GpuSegmentEntry<T: Elem> {
@@ -231,6 +239,143 @@ impl<T: Elem> GpuSegmentEntry<T> {
                 GpuEntryLayer::Full { rows, row, .. } => 2 * es * rows * row,
             })
             .sum()
+    }
+
+    /// An entry from its parts (buffers already on `gpu`, shaped as the model's
+    /// layers; see [`GpuEntryLayer`]).
+    pub(crate) fn from_parts(
+        gpu: Arc<Gpu>,
+        body_start: usize,
+        len: usize,
+        layers: Vec<GpuEntryLayer<T>>,
+    ) -> Self {
+        GpuSegmentEntry {
+            gpu,
+            body_start,
+            len,
+            layers,
+        }
+    }
+
+    /// The device whose memory holds the entry.
+    pub fn gpu(&self) -> &Arc<Gpu> {
+        &self.gpu
+    }
+
+    /// The entry's device buffers in a fixed order, each cut to its valid elements:
+    /// per layer `T_body`, `S_body|0` and the conv tail of a linear layer (fp32), or
+    /// K and V of an attention layer (`T`). The order the device checksum hashes
+    /// them in ([`super::peer::entry_checksum`]).
+    pub fn buffers(&self) -> Vec<EntryBuffer<'_, T>> {
+        // Never past a buffer's end (they hold at least the valid elements).
+        fn prefix<U>(b: &CudaSlice<U>, n: usize) -> cudarc::driver::CudaView<'_, U> {
+            b.slice(..n.min(b.len()))
+        }
+        let mut out = Vec::with_capacity(3 * self.layers.len());
+        for l in &self.layers {
+            match l {
+                GpuEntryLayer::Linear {
+                    pair,
+                    conv_tail,
+                    conv_len,
+                } => {
+                    let n = pair.hv * pair.dk;
+                    out.push(EntryBuffer::F32(prefix(&pair.t, n * pair.dk)));
+                    out.push(EntryBuffer::F32(prefix(&pair.b, n * pair.dv)));
+                    out.push(EntryBuffer::F32(prefix(conv_tail, *conv_len)));
+                }
+                GpuEntryLayer::Full { k, v, rows, row } => {
+                    out.push(EntryBuffer::Elem(prefix(k, rows * row)));
+                    out.push(EntryBuffer::Elem(prefix(v, rows * row)));
+                }
+            }
+        }
+        out
+    }
+
+    /// A copy of the entry in the memory of `dst`, device to device: on the same
+    /// device one copy per buffer, on another one `cuMemcpyPeerAsync` per buffer
+    /// (direct over NVLink/PCIe where peer access is enabled, else staged through
+    /// host memory by the driver). Waits for the copies to finish.
+    ///
+    /// Errors: allocation or copy failures on either device.
+    pub fn copy_to(&self, dst: &Arc<Gpu>) -> Result<GpuSegmentEntry<T>> {
+        fn copy<U: cudarc::driver::DeviceRepr + cudarc::driver::ValidAsZeroBits>(
+            dst: &Gpu,
+            src: &CudaSlice<U>,
+            n: usize,
+        ) -> Result<CudaSlice<U>> {
+            // Buffers of one element when empty, as the builds keep them.
+            let n = n.max(1).min(src.len());
+            let mut out = dst.zeros::<U>(n)?;
+            if n > 0 {
+                dst.stream().memcpy_dtod(&src.slice(..n), &mut out)?;
+            }
+            Ok(out)
+        }
+        let mut layers = Vec::with_capacity(self.layers.len());
+        for l in &self.layers {
+            layers.push(match l {
+                GpuEntryLayer::Linear {
+                    pair,
+                    conv_tail,
+                    conv_len,
+                } => GpuEntryLayer::Linear {
+                    pair: DensePair {
+                        hv: pair.hv,
+                        dk: pair.dk,
+                        dv: pair.dv,
+                        t: copy(dst, &pair.t, pair.hv * pair.dk * pair.dk)?,
+                        b: copy(dst, &pair.b, pair.hv * pair.dk * pair.dv)?,
+                    },
+                    conv_tail: copy(dst, conv_tail, *conv_len)?,
+                    conv_len: *conv_len,
+                },
+                GpuEntryLayer::Full { k, v, rows, row } => GpuEntryLayer::Full {
+                    k: copy(dst, k, rows * row)?,
+                    v: copy(dst, v, rows * row)?,
+                    rows: *rows,
+                    row: *row,
+                },
+            });
+        }
+        dst.sync()?;
+        Ok(GpuSegmentEntry {
+            gpu: dst.clone(),
+            body_start: self.body_start,
+            len: self.len,
+            layers,
+        })
+    }
+
+    /// Fault injection for tests: flips the sign bit of the first element of the
+    /// first buffer that has one ([`GpuSegmentEntry::buffers`] order); false when
+    /// the entry has no element.
+    ///
+    /// Errors: driver failures.
+    #[doc(hidden)]
+    pub fn damage(&mut self) -> Result<bool> {
+        let g = self.gpu.clone();
+        for l in &mut self.layers {
+            match l {
+                GpuEntryLayer::Linear { pair, .. } if pair.hv * pair.dk > 0 => {
+                    let mut x = g.download(&pair.t)?;
+                    x[0] = -x[0];
+                    g.stream().memcpy_htod(&x, &mut pair.t)?;
+                    g.sync()?;
+                    return Ok(true);
+                }
+                GpuEntryLayer::Full { k, rows, row, .. } if *rows * *row > 0 => {
+                    let mut x = g.download(k)?;
+                    x[0] = T::from_f32(-x[0].to_f32());
+                    g.stream().memcpy_htod(&x, k)?;
+                    g.sync()?;
+                    return Ok(true);
+                }
+                _ => {}
+            }
+        }
+        Ok(false)
     }
 
     /// Downloads into the CPU layout ([`SegmentEntry`]; K/V widened to fp32).

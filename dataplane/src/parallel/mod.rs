@@ -3,6 +3,9 @@
 //! composed on the process that received the request (combine).
 //!
 //! * [`wire`]: the checksummed binary form of one shipped cache entry;
+//! * [`checksum`]: the checksum of an entry shipped device to device (CPU
+//!   reference of the device kernel);
+//! * [`nccl`]: negotiation and headers of NCCL transfers between processes;
 //! * [`assign`]: longest-processing-time-first assignment with holder affinity,
 //!   round robin, makespan;
 //! * [`transport`]: the [`transport::Transport`] trait, an in-process transport and
@@ -17,9 +20,12 @@
 //! The PIC engine sees a scatter only through [`EntrySource`]: while it assembles a
 //! request in order, it asks the source for each cold segment's entries and composes
 //! them as soon as they and their predecessors are in.
+use std::any::Any;
 use std::time::Duration;
 
 pub mod assign;
+pub mod checksum;
+pub mod nccl;
 pub mod nixl;
 pub mod scatter;
 pub mod transport;
@@ -35,8 +41,61 @@ pub enum Supply {
     /// Still being built or shipped.
     Pending,
     /// Arrived and verified (header and checksum, [`wire::decode`] checks again
-    /// when parsing): one wire frame per body start, ascending by body start.
-    Ready(Vec<Vec<u8>>),
+    /// when parsing; a device entry's checksum recomputed on the receiving device):
+    /// one entry per body start, ascending by body start.
+    Ready(Vec<Shipped>),
+}
+
+/// One shipped entry of a segment, in the form its transport delivers it.
+#[derive(Debug)]
+pub enum Shipped {
+    /// A wire frame ([`wire`]: header, XXH3-128 of the payload, the entry's spill
+    /// form), from a TCP or in-process worker.
+    Frame(Vec<u8>),
+    /// An entry already in the combiner's device memory (a peer copy from a worker
+    /// on a GPU of this process), never encoded to host bytes on the way.
+    Device(Box<dyn DeviceEntry>),
+}
+
+impl Shipped {
+    /// The wire frame, when this is one.
+    pub fn frame(&self) -> Option<&[u8]> {
+        match self {
+            Shipped::Frame(f) => Some(f),
+            Shipped::Device(_) => None,
+        }
+    }
+}
+
+/// An entry delivered into the combiner's device memory by a device transport
+/// (`cuda::peer`), with the checksum its sender computed on the sender's device.
+/// The combiner's scatter checks [`DeviceEntry::verify`] on arrival, exactly where it
+/// checks a wire frame's checksum; the engine then takes the backend entry out of
+/// [`DeviceEntry::into_any`].
+pub trait DeviceEntry: Send + Sync + std::fmt::Debug {
+    /// The model fingerprint of the worker that built it.
+    fn model(&self) -> wire::ModelFingerprint;
+    /// Segment length in tokens.
+    fn tokens(&self) -> usize;
+    /// First body token (0: the whole segment; the seam width: the body after it).
+    fn body_start(&self) -> usize;
+    /// Payload bytes moved.
+    fn bytes(&self) -> usize;
+    /// Recomputes the payload's checksum on the receiving device and compares it
+    /// with the sender's.
+    ///
+    /// Errors: a mismatch (the entry is corrupt and must not be composed) or a
+    /// device failure, each with a message saying which.
+    fn verify(&self) -> Result<(), String>;
+    /// Fault injection for tests: flips one bit of the payload on the device (after
+    /// the copy, before [`DeviceEntry::verify`]); false when it could not.
+    #[doc(hidden)]
+    fn damage(&mut self) -> bool;
+    /// The backend entry (`Box<B::Entry>` of the combiner's backend type).
+    fn into_any(self: Box<Self>) -> Box<dyn Any + Send>;
+    /// The object itself, for a transport that needs its concrete type back (an
+    /// NCCL sender reading the buffers it packed).
+    fn as_any(&self) -> &dyn Any;
 }
 
 /// The entries of a request's scattered cold segments, as the PIC engine consumes

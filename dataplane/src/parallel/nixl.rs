@@ -902,7 +902,7 @@ mod transfer_tests {
         let fp = w.engine().model_fingerprint();
         let l = TcpListener::bind("127.0.0.1:0").unwrap();
         let addr = l.local_addr().unwrap().to_string();
-        std::thread::spawn(move || serve_tcp_with(l, w, 8, exposer));
+        std::thread::spawn(move || serve_tcp_with(l, w, 8, None, exposer));
         (addr, fp)
     }
 
@@ -919,6 +919,7 @@ mod transfer_tests {
                     roles: ROLES.to_vec(),
                 })
                 .collect(),
+            nccl: None,
             nixl: None,
         }
     }
@@ -939,7 +940,10 @@ mod transfer_tests {
         replies
             .iter()
             .map(|r| match r {
-                Reply::Entry { frames, .. } => frames.clone(),
+                Reply::Entry { entries, .. } => entries
+                    .iter()
+                    .map(|e| e.frame().expect("a wire frame").to_vec())
+                    .collect(),
                 other => panic!("expected an entry, got {other:?}"),
             })
             .collect()

@@ -29,7 +29,7 @@ use serde::{Deserialize, Serialize};
 use super::assign::{self, Job};
 use super::transport::{info_model, Reply, SegmentTask, Task, Transport, TransportError};
 use super::wire::{self, ModelFingerprint};
-use super::{EntrySource, Supply};
+use super::{EntrySource, Shipped, Supply};
 
 /// How often a driver thread looks at its run's cancel flag while it waits.
 pub const POLL: Duration = Duration::from_millis(50);
@@ -83,6 +83,9 @@ pub struct ColdSegment {
 pub struct WorkerShare {
     /// The worker's name (address).
     pub worker: String,
+    /// How its entries travel ([`Transport::kind`]: `tcp`, `in-process`, `peer`).
+    #[serde(default)]
+    pub transport: String,
     /// Segments assigned to it (first assignment and reassignments).
     pub assigned: usize,
     /// Segments it shipped that verified.
@@ -93,7 +96,8 @@ pub struct WorkerShare {
     pub resident: usize,
     /// Its build time of them, ms (as it reported).
     pub prefill_ms: f64,
-    /// Receive time of their frames, ms.
+    /// Receive time of their frames (TCP), or time of their device copies and
+    /// checksums (`peer`), ms.
     pub transfer_ms: f64,
     /// It failed during the request (dead, late, or shipped a bad frame).
     pub failed: bool,
@@ -128,6 +132,8 @@ pub struct ScatterReport {
 pub struct WorkerMetrics {
     /// Name (address).
     pub worker: String,
+    /// How its entries travel ([`Transport::kind`]).
+    pub transport: String,
     /// In the assignment set now.
     pub up: bool,
     /// Throughput used for deadlines, tokens per second.
@@ -138,6 +144,9 @@ pub struct WorkerMetrics {
     pub tokens: u64,
     /// Failures (dead, late, failed segment, bad frame).
     pub failures: u64,
+    /// Transfer time of its verified entries ([`WorkerShare::transfer_ms`]), summed,
+    /// ms.
+    pub transfer_ms: f64,
     /// Segments in flight on it now.
     pub in_flight: usize,
 }
@@ -166,12 +175,15 @@ pub struct ScatterMetrics {
 struct Slot {
     transport: Box<dyn Transport>,
     name: String,
+    kind: &'static str,
     up: AtomicBool,
     /// Throughput (tokens/s) as f64 bits.
     tps: AtomicU64,
     segments: AtomicU64,
     tokens: AtomicU64,
     failures: AtomicU64,
+    /// Transfer time of verified entries, µs.
+    transfer_us: AtomicU64,
     in_flight: AtomicUsize,
 }
 
@@ -233,12 +245,14 @@ impl Scatter {
             .into_iter()
             .map(|t| Slot {
                 name: t.name(),
+                kind: t.kind(),
                 transport: t,
                 up: AtomicBool::new(false),
                 tps: AtomicU64::new(0f64.to_bits()),
                 segments: AtomicU64::new(0),
                 tokens: AtomicU64::new(0),
                 failures: AtomicU64::new(0),
+                transfer_us: AtomicU64::new(0),
                 in_flight: AtomicUsize::new(0),
             })
             .collect();
@@ -325,11 +339,13 @@ impl Scatter {
                 .iter()
                 .map(|w| WorkerMetrics {
                     worker: w.name.clone(),
+                    transport: w.kind.to_string(),
                     up: w.up.load(Ordering::Relaxed),
                     tokens_per_s: w.tps(self.cfg.default_tokens_per_s),
                     segments: w.segments.load(Ordering::Relaxed),
                     tokens: w.tokens.load(Ordering::Relaxed),
                     failures: w.failures.load(Ordering::Relaxed),
+                    transfer_ms: w.transfer_us.load(Ordering::Relaxed) as f64 / 1e3,
                     in_flight: w.in_flight.load(Ordering::Relaxed),
                 })
                 .collect(),
@@ -397,6 +413,7 @@ impl Scatter {
                 .iter()
                 .map(|w| WorkerShare {
                     worker: w.name.clone(),
+                    transport: w.kind.to_string(),
                     ..WorkerShare::default()
                 })
                 .collect(),
@@ -441,7 +458,7 @@ enum State {
     /// On a worker (the last in `tried`).
     Pending { tried: Vec<usize> },
     /// Arrived and verified.
-    Ready(Vec<Vec<u8>>),
+    Ready(Vec<Shipped>),
     /// Built by the combiner (given up, or taken and rejected).
     Local,
     /// Handed to the engine.
@@ -526,6 +543,7 @@ impl Shared {
         let slot = &sc.workers[w];
         let _flight = Count(&slot.in_flight, list.len());
         let task = Task {
+            nccl: None,
             model: sc.model.hex(),
             segments: list
                 .iter()
@@ -563,7 +581,7 @@ impl Shared {
             match replies.next(slice) {
                 Ok(Reply::Entry {
                     index,
-                    frames,
+                    entries,
                     prefill_ms,
                     resident,
                     transfer_ms,
@@ -572,7 +590,7 @@ impl Shared {
                         continue;
                     };
                     pending.remove(pos);
-                    if !self.arrived(w, index, frames, prefill_ms, resident, transfer_ms) {
+                    if !self.arrived(w, index, entries, prefill_ms, resident, transfer_ms) {
                         // A bad frame: this worker is not trusted for the rest.
                         self.worker_failed(w, std::mem::take(&mut pending), false);
                         return;
@@ -608,13 +626,15 @@ impl Shared {
         }
     }
 
-    /// Verifies and stores the frames of `index` from worker `w`; false when one
-    /// does not verify (the segment has then been moved on).
+    /// Verifies and stores the entries of `index` from worker `w`; false when one
+    /// does not verify (the segment has then been moved on). A wire frame is
+    /// checked by [`wire::verify`]; a device entry by its model, shape and
+    /// [`super::DeviceEntry::verify`] (its checksum recomputed on this device).
     fn arrived(
         self: &Arc<Self>,
         w: usize,
         index: usize,
-        frames: Vec<Vec<u8>>,
+        frames: Vec<Shipped>,
         prefill_ms: f64,
         resident: bool,
         transfer_ms: f64,
@@ -623,11 +643,17 @@ impl Shared {
         let Some(seg) = self.segs.get(&index) else {
             return true;
         };
+        let good = |f: &Shipped, b: usize| match f {
+            Shipped::Frame(f) => wire::verify(f, sc.model, seg.tokens.len(), b).is_ok(),
+            Shipped::Device(d) => {
+                d.model() == sc.model
+                    && d.tokens() == seg.tokens.len()
+                    && d.body_start() == b
+                    && d.verify().is_ok()
+            }
+        };
         let ok = frames.len() == seg.roles.len()
-            && frames
-                .iter()
-                .zip(&seg.roles)
-                .all(|(f, &b)| wire::verify(f, sc.model, seg.tokens.len(), b).is_ok());
+            && frames.iter().zip(&seg.roles).all(|(f, &b)| good(f, b));
         if !ok {
             sc.counters.corrupt.fetch_add(1, Ordering::Relaxed);
             lock(&self.run).report.corrupt += 1;
@@ -638,6 +664,10 @@ impl Shared {
         slot.segments.fetch_add(1, Ordering::Relaxed);
         slot.tokens
             .fetch_add(seg.tokens.len() as u64, Ordering::Relaxed);
+        slot.transfer_us.fetch_add(
+            (transfer_ms.max(0.0) * 1e3).min(u64::MAX as f64) as u64,
+            Ordering::Relaxed,
+        );
         if !resident && prefill_ms > 0.0 {
             // Throughput for later deadlines: a moving average of the builds.
             let now = seg.tokens.len() as f64 / (prefill_ms / 1e3);
@@ -903,6 +933,9 @@ mod tests {
         fn name(&self) -> String {
             self.0.name()
         }
+        fn kind(&self) -> &'static str {
+            self.0.kind()
+        }
         fn ping(&self, t: Duration) -> Result<super::super::transport::WorkerInfo, TransportError> {
             self.0.ping(t)
         }
@@ -1008,6 +1041,10 @@ mod tests {
         assert_eq!(rep.recomputed + rep.corrupt + rep.reassigned, 0);
         assert_eq!(rep.workers.iter().map(|w| w.segments).sum::<usize>(), 5);
         assert_eq!(rep.workers.len(), 2, "LPT uses both workers: {rep:?}");
+        assert!(
+            rep.workers.iter().all(|w| w.transport == "in-process"),
+            "{rep:?}"
+        );
         assert_eq!(r.combiner.public_usage(), single.public_usage());
         // Reordered: hits, nothing to scatter.
         let mut again = segs.clone();

@@ -12,12 +12,16 @@
 //! TCP frames: a `u32` little-endian length `n` (of what follows, at most the
 //! receiver's bound), a kind byte, `n − 1` body bytes. Kinds: 1 ping (empty),
 //! 2 pong (JSON [`WorkerInfo`]), 3 task (JSON [`Task`]), 4 entry (binary, see
-//! [`encode_entry`]), 5 failed (JSON [`Failure`]), 6 done (empty), 7 nixl entry
+//! [`encode_entry`]), 5 failed (JSON [`Failure`]), 6 done (empty); with NCCL
+//! ([`super::nccl`], [`Tcp::with_nccl`]) also 7 NCCL ready (empty), 8 NCCL refused
+//! (JSON [`Failure`]), 9 device entry (JSON [`DeviceHeader`], the payload follows by
+//! `ncclSend`); with NIXL ([`super::nixl`], [`Tcp::with_reader`]) also 10 NIXL entry
 //! (binary, [`super::nixl::encode_remote_entry`]: the entry waits on the worker for
-//! the combiner's NIXL READ), 8 nixl ack (combiner → worker, [`super::nixl::encode_ack`]).
-//! Every read has a deadline; a frame over the bound, a malformed one or a closed
-//! connection ends the task with [`TransportError`]. Kinds 7 and 8 occur only when
-//! the task carried a [`NixlOffer`] (see [`super::nixl`]).
+//! the combiner's NIXL READ) and 11 NIXL ack (combiner → worker,
+//! [`super::nixl::encode_ack`]). Every read has a deadline; a frame over the bound,
+//! a malformed one or a closed connection ends the task with [`TransportError`].
+//! Kinds 7–9 occur only when the task carried an [`NcclOffer`], 10 and 11 only when
+//! it carried a [`NixlOffer`].
 use std::io::{ErrorKind, Read, Write};
 use std::net::{SocketAddr, TcpStream, ToSocketAddrs};
 use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
@@ -26,9 +30,11 @@ use std::time::{Duration, Instant};
 
 use serde::{Deserialize, Serialize};
 
+use super::nccl::{DeviceHeader, EntryHeader, NcclOffer, MAX_PAYLOAD};
 use super::nixl::{self, NixlOffer, RemoteReader};
 use super::wire::ModelFingerprint;
-use super::worker::Worker;
+use super::worker::{Packed, Worker};
+use super::{DeviceEntry, Shipped};
 use crate::pic::PicBackend;
 
 /// Default bound of one received frame (an entry of a large model is tens to
@@ -57,6 +63,10 @@ pub struct Task {
     pub model: String,
     /// Segments, built in this order.
     pub segments: Vec<SegmentTask>,
+    /// An NCCL communicator offered for this task's payloads ([`super::nccl`]);
+    /// absent: wire frames over TCP.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub nccl: Option<NcclOffer>,
     /// Set by a combiner that can READ entries by NIXL (absent otherwise; a worker
     /// without NIXL ignores it and ships over TCP).
     #[serde(default, skip_serializing_if = "Option::is_none")]
@@ -84,20 +94,23 @@ pub struct Failure {
 }
 
 /// One answer of a worker within a task.
-#[derive(Clone, Debug, PartialEq)]
+#[derive(Debug)]
 pub enum Reply {
     /// The entries of one segment.
     Entry {
         /// Segment index in the request.
         index: usize,
-        /// One wire frame per body start of the task, in its order.
-        frames: Vec<Vec<u8>>,
+        /// One entry per body start of the task, in its order: wire frames (TCP,
+        /// [`InProcess`]) or entries already on the combiner's device (a device
+        /// transport).
+        entries: Vec<Shipped>,
         /// Time the worker spent building it, ms (0 when served from its pool).
         prefill_ms: f64,
         /// Served from the worker's pool without a prefill.
         resident: bool,
-        /// Time from the frame's first byte to its last on the receiver, ms (0
-        /// in process).
+        /// Time from the frame's first byte to its last on the receiver (TCP), or
+        /// of the device copy and its checksum (a device transport), ms; 0 for
+        /// [`InProcess`] without a device packer.
         transfer_ms: f64,
     },
     /// One segment failed on the worker.
@@ -144,6 +157,12 @@ pub trait Replies: Send {
 pub trait Transport: Send + Sync {
     /// The worker's name in reports and metrics (its address, or `local:N`).
     fn name(&self) -> String;
+    /// How entries travel, in reports and metrics: `tcp`, `in-process` (wire
+    /// frames through a channel), `peer` (device-to-device copies between GPUs of
+    /// this process).
+    fn kind(&self) -> &'static str {
+        "tcp"
+    }
     /// Asks the worker about itself, waiting at most `timeout`.
     ///
     /// Errors: the worker does not answer in time or is unreachable.
@@ -161,32 +180,58 @@ pub struct Faults {
     /// the task's replies end without `Done`, and pings fail until
     /// [`InProcess::revive`].
     pub die_after: Option<usize>,
-    /// Flips one payload byte of the entry shipped as number `n` (0-based, over all
-    /// tasks).
+    /// Flips one payload bit of the segment shipped as number `n` (0-based, over all
+    /// tasks): the last byte of its first wire frame, or a bit of its first device
+    /// entry after the copy ([`super::DeviceEntry::damage`]).
     pub corrupt: Option<usize>,
     /// Extra time before each entry is shipped.
     pub delay: Duration,
 }
 
-/// A worker in this process, reached through a channel (no copy beyond the wire
-/// encoding, which is kept so that the checksum path is the one of TCP).
+/// How an [`InProcess`] transport packs a segment's entries (see
+/// [`Worker::run_task_with`]).
+pub type Packer<B> = dyn Fn(&SegmentTask, &[Arc<<B as PicBackend>::Entry>]) -> Packed + Send + Sync;
+
+/// A worker in this process, reached through a channel. By default its entries go
+/// as wire frames (no copy beyond the encoding, which is kept so that the checksum
+/// path is the one of TCP); [`InProcess::with_packer`] ships them otherwise (a
+/// device-to-device copy, `cuda::peer`).
 pub struct InProcess<B: PicBackend> {
     worker: Arc<Worker<B>>,
     name: String,
+    kind: &'static str,
+    packer: Option<Arc<Packer<B>>>,
     faults: Arc<Mutex<Faults>>,
     shipped: Arc<AtomicUsize>,
     dead: Arc<AtomicBool>,
 }
 
 impl<B: PicBackend> InProcess<B> {
-    /// A transport to `worker`, named `name` in reports.
+    /// A transport to `worker`, named `name` in reports, shipping wire frames.
     pub fn new(worker: Arc<Worker<B>>, name: &str) -> Self {
         InProcess {
             worker,
             name: name.to_string(),
+            kind: "in-process",
+            packer: None,
             faults: Arc::default(),
             shipped: Arc::default(),
             dead: Arc::default(),
+        }
+    }
+
+    /// A transport to `worker` whose entries are packed by `packer` (called on the
+    /// worker's thread right after each build), reported as transport `kind`.
+    pub fn with_packer(
+        worker: Arc<Worker<B>>,
+        name: &str,
+        kind: &'static str,
+        packer: Arc<Packer<B>>,
+    ) -> Self {
+        InProcess {
+            kind,
+            packer: Some(packer),
+            ..InProcess::new(worker, name)
         }
     }
     /// Sets the faults to inject from now on.
@@ -235,6 +280,9 @@ impl<B: PicBackend> Transport for InProcess<B> {
     fn name(&self) -> String {
         self.name.clone()
     }
+    fn kind(&self) -> &'static str {
+        self.kind
+    }
     fn ping(&self, _timeout: Duration) -> Result<WorkerInfo, TransportError> {
         if self.dead.load(Ordering::Relaxed) {
             return Err(TransportError::Closed {
@@ -253,19 +301,21 @@ impl<B: PicBackend> Transport for InProcess<B> {
         }
         let (tx, rx) = mpsc::channel();
         let cancel = Arc::new(AtomicBool::new(false));
-        let (worker, faults, shipped, dead) = (
+        let (worker, faults, shipped, dead, packer) = (
             self.worker.clone(),
             self.faults.clone(),
             self.shipped.clone(),
             self.dead.clone(),
+            self.packer.clone(),
         );
         let stop = cancel.clone();
         let spawned = std::thread::Builder::new()
             .name("hypic-inproc-worker".into())
             .spawn(move || {
-                worker.run_task(&task, &|| stop.load(Ordering::Relaxed), &mut |mut reply| {
+                let cancelled = || stop.load(Ordering::Relaxed);
+                let mut send = |mut reply: Reply| {
                     let f = faults.lock().unwrap_or_else(|p| p.into_inner()).clone();
-                    if let Reply::Entry { frames, .. } = &mut reply {
+                    if let Reply::Entry { entries, .. } = &mut reply {
                         std::thread::sleep(f.delay);
                         let n = shipped.load(Ordering::Relaxed);
                         if f.die_after.is_some_and(|d| n >= d) {
@@ -273,10 +323,16 @@ impl<B: PicBackend> Transport for InProcess<B> {
                             return false;
                         }
                         if f.corrupt == Some(n) {
-                            if let Some(fr) = frames.first_mut() {
-                                if let Some(b) = fr.last_mut() {
-                                    *b ^= 0x40;
+                            match entries.first_mut() {
+                                Some(Shipped::Frame(fr)) => {
+                                    if let Some(b) = fr.last_mut() {
+                                        *b ^= 0x40;
+                                    }
                                 }
+                                Some(Shipped::Device(d)) => {
+                                    d.damage();
+                                }
+                                None => {}
                             }
                         }
                         shipped.fetch_add(1, Ordering::Relaxed);
@@ -285,7 +341,11 @@ impl<B: PicBackend> Transport for InProcess<B> {
                         return false;
                     }
                     tx.send(reply).is_ok()
-                });
+                };
+                match &packer {
+                    Some(p) => worker.run_task_with(&task, &cancelled, &**p, &mut send),
+                    None => worker.run_task(&task, &cancelled, &mut send),
+                }
             });
         spawned.map_err(|e| TransportError::Closed {
             worker: self.name.clone(),
@@ -307,8 +367,67 @@ pub(crate) mod kind {
     pub const ENTRY: u8 = 4;
     pub const FAILED: u8 = 5;
     pub const DONE: u8 = 6;
-    pub const NIXL_ENTRY: u8 = 7;
-    pub const NIXL_ACK: u8 = 8;
+    pub const NCCL_READY: u8 = 7;
+    pub const NCCL_REFUSED: u8 = 8;
+    pub const DEVICE_ENTRY: u8 = 9;
+    pub const NIXL_ENTRY: u8 = 10;
+    pub const NIXL_ACK: u8 = 11;
+}
+
+/// The combiner's side of NCCL ([`super::nccl`]; implemented on the GPU by
+/// `cuda::nccl::NcclReceiver`).
+pub trait NcclLink: Send + Sync {
+    /// A new communicator: the offer to put in a task, and the session that joins
+    /// it as rank 0 once the worker accepts.
+    ///
+    /// Errors: NCCL cannot be used here (no library, no unique id); the task then
+    /// goes without an offer.
+    fn offer(&self) -> Result<(NcclOffer, Box<dyn NcclSession>), String>;
+}
+
+/// One task's communicator on the combiner.
+pub trait NcclSession: Send {
+    /// Joins the communicator as rank 0 (blocks until the worker joined too).
+    ///
+    /// Errors: NCCL's initialisation failed.
+    fn connect(&mut self) -> Result<(), String>;
+    /// Receives the buffers of the entry announced by `h` into this device by
+    /// `ncclRecv`, in the order of `h.buffers`.
+    ///
+    /// Errors: sizes that do not fit the model, NCCL or device failures.
+    fn receive(&mut self, h: &EntryHeader) -> Result<Box<dyn DeviceEntry>, String>;
+}
+
+/// The worker's side of NCCL for backend `B` (implemented on the GPU by
+/// `cuda::nccl::NcclSender`).
+pub trait NcclJoin<B: PicBackend>: Send + Sync {
+    /// Whether this worker takes the offer: a joiner, or why not (the task then
+    /// ships wire frames).
+    ///
+    /// Errors: the reason for refusing.
+    fn prepare(&self, offer: &NcclOffer) -> Result<Box<dyn NcclJoiner<B>>, String>;
+}
+
+/// One task's communicator on a worker.
+pub trait NcclJoiner<B: PicBackend>: Send + Sync {
+    /// Joins the communicator as rank 1 (blocks until the combiner joined too).
+    ///
+    /// Errors: NCCL's initialisation failed.
+    fn connect(&self) -> Result<(), String>;
+    /// Packs a built segment's entries (checksums computed on this device) for
+    /// [`NcclJoiner::send`]; as a [`Worker::run_task_with`] packer.
+    ///
+    /// Errors: device failures.
+    fn pack(&self, entries: &[Arc<B::Entry>]) -> Packed;
+    /// The headers of packed entries.
+    ///
+    /// Errors: entries this joiner did not pack.
+    fn headers(&self, entries: &[Shipped]) -> Result<Vec<EntryHeader>, String>;
+    /// Sends the buffers of packed entries by `ncclSend` in header order and waits
+    /// until they left.
+    ///
+    /// Errors: NCCL or device failures.
+    fn send(&self, entries: &[Shipped]) -> Result<(), String>;
 }
 
 /// Writes one frame (see the module docs).
@@ -327,14 +446,20 @@ pub fn write_frame(w: &mut impl Write, kind: u8, body: &[u8]) -> std::io::Result
 
 /// Body of an entry frame: `u64` index, `f64` prefill ms, `u8` resident, `u32`
 /// frame count, then per frame a `u64` length and the wire frame.
-pub fn encode_entry(index: usize, frames: &[Vec<u8>], prefill_ms: f64, resident: bool) -> Vec<u8> {
-    let total: usize = frames.iter().map(|f| f.len() + 8).sum();
+pub fn encode_entry<F: AsRef<[u8]>>(
+    index: usize,
+    frames: &[F],
+    prefill_ms: f64,
+    resident: bool,
+) -> Vec<u8> {
+    let total: usize = frames.iter().map(|f| f.as_ref().len() + 8).sum();
     let mut b = Vec::with_capacity(21 + total);
     b.extend_from_slice(&(index as u64).to_le_bytes());
     b.extend_from_slice(&prefill_ms.to_le_bytes());
     b.push(resident as u8);
     b.extend_from_slice(&(frames.len() as u32).to_le_bytes());
     for f in frames {
+        let f = f.as_ref();
         b.extend_from_slice(&(f.len() as u64).to_le_bytes());
         b.extend_from_slice(f);
     }
@@ -470,6 +595,9 @@ impl FrameReader {
 pub struct Tcp {
     addr: String,
     max_frame: usize,
+    nccl: Option<Arc<dyn NcclLink>>,
+    /// The NCCL fallback was logged (once per transport).
+    fallback_logged: AtomicBool,
     nixl: Option<Arc<NixlState>>,
 }
 
@@ -489,6 +617,8 @@ impl Tcp {
         Tcp {
             addr: addr.to_string(),
             max_frame,
+            nccl: None,
+            fallback_logged: AtomicBool::new(false),
             nixl: None,
         }
     }
@@ -497,15 +627,13 @@ impl Tcp {
     /// READ from this worker fails (then TCP, logged once). A READ is bounded by
     /// `max_frame` bytes per entry as a TCP frame is.
     pub fn with_reader(addr: &str, max_frame: usize, reader: Arc<dyn RemoteReader>) -> Self {
-        Tcp {
-            addr: addr.to_string(),
-            max_frame,
-            nixl: Some(Arc::new(NixlState {
-                reader,
-                off: AtomicBool::new(false),
-                told_tcp: AtomicBool::new(false),
-            })),
-        }
+        let mut t = Tcp::new(addr, max_frame);
+        t.nixl = Some(Arc::new(NixlState {
+            reader,
+            off: AtomicBool::new(false),
+            told_tcp: AtomicBool::new(false),
+        }));
+        t
     }
 
     /// Whether the next task offers NIXL (a reader is set and no READ failed).
@@ -513,6 +641,24 @@ impl Tcp {
         self.nixl
             .as_ref()
             .is_some_and(|n| !n.off.load(Ordering::Relaxed))
+    }
+
+    /// Offers every task an NCCL communicator through `link` ([`super::nccl`]):
+    /// payloads then move device to device, headers and checksums over TCP. A
+    /// worker that refuses, or an offer that cannot be made, falls back to wire
+    /// frames over TCP (said once on stderr). Kind `nccl`.
+    pub fn with_nccl(mut self, link: Arc<dyn NcclLink>) -> Self {
+        self.nccl = Some(link);
+        self
+    }
+
+    fn fallback(&self, why: &str) {
+        if !self.fallback_logged.swap(true, Ordering::Relaxed) {
+            eprintln!(
+                "hypic: worker {}: NCCL not used ({why}); entries go over TCP",
+                self.addr
+            );
+        }
     }
 
     fn closed(&self, e: impl std::fmt::Display) -> TransportError {
@@ -551,6 +697,10 @@ struct TcpReplies {
     stream: TcpStream,
     reader: FrameReader,
     name: String,
+    /// A frame read ahead (the first answer to an NCCL offer that was not one).
+    ahead: Option<(u8, Vec<u8>, Duration)>,
+    /// The task's NCCL communicator, when the worker joined it.
+    nccl: Option<Box<dyn NcclSession>>,
     /// Set when this task offered NIXL.
     nixl: Option<Arc<NixlState>>,
     max_frame: usize,
@@ -587,7 +737,7 @@ impl TcpReplies {
         match read {
             Ok((frames, took)) => Ok(Reply::Entry {
                 index: e.index,
-                frames,
+                entries: frames.into_iter().map(Shipped::Frame).collect(),
                 prefill_ms: e.prefill_ms,
                 resident: e.resident,
                 transfer_ms: took.as_secs_f64() * 1e3,
@@ -611,7 +761,10 @@ impl TcpReplies {
 
 impl Replies for TcpReplies {
     fn next(&mut self, deadline: Instant) -> Result<Reply, TransportError> {
-        let got = self.reader.next(&mut self.stream, deadline);
+        let got = match self.ahead.take() {
+            Some(f) => Ok(Some(f)),
+            None => self.reader.next(&mut self.stream, deadline),
+        };
         let closed = |e: std::io::Error| TransportError::Closed {
             worker: self.name.clone(),
             message: e.to_string(),
@@ -628,6 +781,27 @@ impl Replies for TcpReplies {
                 Some(st) => self.read_remote(&st, &body, deadline),
                 None => Err(proto("a NIXL entry for a task that offered no NIXL".into())),
             },
+            kind::DEVICE_ENTRY => {
+                let Some(session) = self.nccl.as_mut() else {
+                    return Err(proto("a device entry without an NCCL communicator".into()));
+                };
+                let h = DeviceHeader::parse(&body, MAX_PAYLOAD).map_err(proto)?;
+                let t = Instant::now();
+                let mut entries = Vec::with_capacity(h.entries.len());
+                for e in &h.entries {
+                    let d = session
+                        .receive(e)
+                        .map_err(|m| proto(format!("NCCL receive: {m}")))?;
+                    entries.push(Shipped::Device(d));
+                }
+                Ok(Reply::Entry {
+                    index: h.index,
+                    entries,
+                    prefill_ms: h.prefill_ms,
+                    resident: h.resident,
+                    transfer_ms: (took + t.elapsed()).as_secs_f64() * 1e3,
+                })
+            }
             kind::ENTRY => {
                 if let Some(st) = &self.nixl {
                     if !st.told_tcp.swap(true, Ordering::Relaxed) {
@@ -641,7 +815,7 @@ impl Replies for TcpReplies {
                 let (index, frames, prefill_ms, resident) = decode_entry(&body).map_err(proto)?;
                 Ok(Reply::Entry {
                     index,
-                    frames,
+                    entries: frames.into_iter().map(Shipped::Frame).collect(),
                     prefill_ms,
                     resident,
                     transfer_ms: took.as_secs_f64() * 1e3,
@@ -667,6 +841,15 @@ impl Transport for Tcp {
     fn name(&self) -> String {
         self.addr.clone()
     }
+    fn kind(&self) -> &'static str {
+        if self.nccl.is_some() {
+            "nccl"
+        } else if self.nixl.is_some() {
+            "nixl"
+        } else {
+            "tcp"
+        }
+    }
     fn ping(&self, timeout: Duration) -> Result<WorkerInfo, TransportError> {
         let deadline = Instant::now() + timeout;
         let mut s = self.connect(timeout)?;
@@ -686,7 +869,18 @@ impl Transport for Tcp {
             }),
         }
     }
-    fn start(&self, mut task: Task, timeout: Duration) -> Result<Box<dyn Replies>, TransportError> {
+    fn start(&self, task: Task, timeout: Duration) -> Result<Box<dyn Replies>, TransportError> {
+        let mut task = task;
+        let mut session = None;
+        if let Some(link) = &self.nccl {
+            match link.offer() {
+                Ok((offer, s)) => {
+                    task.nccl = Some(offer);
+                    session = Some(s);
+                }
+                Err(e) => self.fallback(&e),
+            }
+        }
         let mut s = self.connect(timeout)?;
         let nixl = self.nixl.clone().filter(|_| self.offers_nixl());
         task.nixl = nixl.as_ref().map(|n| NixlOffer {
@@ -694,13 +888,81 @@ impl Transport for Tcp {
         });
         let body = serde_json::to_vec(&task).map_err(|e| self.closed(e))?;
         write_frame(&mut s, kind::TASK, &body).map_err(|e| self.closed(e))?;
+        let mut reader = FrameReader::new(self.max_frame);
+        let mut ahead = None;
+        let mut nccl = None;
+        if let Some(mut session) = session {
+            // The worker's first answer says whether it joins the communicator.
+            // A worker answers an offer before it builds anything.
+            let first = reader
+                .next(
+                    &mut s,
+                    Instant::now() + timeout.max(Duration::from_secs(10)),
+                )
+                .map_err(|e| self.closed(e))?
+                .ok_or_else(|| TransportError::Timeout(self.addr.clone()))?;
+            match first.0 {
+                kind::NCCL_READY => match join_within(&mut session, timeout) {
+                    Ok(()) => nccl = Some(session),
+                    // The worker's side fails too (NCCL fails on both ranks, e.g.
+                    // two ranks on one GPU) and then ships wire frames.
+                    Err(m) => self.fallback(&format!("NCCL initialisation failed: {m}")),
+                },
+                kind::NCCL_REFUSED => {
+                    let why = serde_json::from_slice::<Failure>(&first.1)
+                        .map(|f| f.message)
+                        .unwrap_or_else(|_| "refused".into());
+                    self.fallback(&format!("the worker refused: {why}"));
+                }
+                _ => {
+                    self.fallback("the worker does not speak NCCL");
+                    ahead = Some(first);
+                }
+            }
+        }
         Ok(Box::new(TcpReplies {
             stream: s,
-            reader: FrameReader::new(self.max_frame),
+            reader,
             name: self.addr.clone(),
+            ahead,
+            nccl,
             nixl,
             max_frame: self.max_frame,
         }))
+    }
+}
+
+/// Joins `session` as rank 0 on a thread of its own, waiting at most `timeout`
+/// (NCCL's initialisation has no deadline of its own): on time out the thread is
+/// left blocked in NCCL and the task fails.
+fn join_within(session: &mut Box<dyn NcclSession>, timeout: Duration) -> Result<(), String> {
+    let (tx, rx) = mpsc::channel();
+    let s = std::mem::replace(session, Box::new(Joined));
+    std::thread::Builder::new()
+        .name("hypic-nccl-init".into())
+        .spawn(move || {
+            let mut s = s;
+            let r = s.connect();
+            let _ = tx.send((r, s));
+        })
+        .map_err(|e| format!("cannot start a thread: {e}"))?;
+    match rx.recv_timeout(timeout.max(Duration::from_secs(30))) {
+        Ok((r, s)) => {
+            *session = s;
+            r
+        }
+        Err(_) => Err("communicator initialisation timed out".into()),
+    }
+}
+
+/// Placeholder while a session joins on another thread.
+struct Joined;
+impl NcclSession for Joined {
+    fn connect(&mut self) -> Result<(), String> {
+        Err("the session is joining".into())
+    }
+    fn receive(&mut self, _: &EntryHeader) -> Result<Box<dyn DeviceEntry>, String> {
+        Err("the session is joining".into())
     }
 }
 

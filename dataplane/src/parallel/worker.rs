@@ -19,11 +19,14 @@ use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
+use super::nccl::DeviceHeader;
 use super::nixl::{self, Exposed, RemoteEntry, RemoteExposer, Route};
 use super::transport::{
-    encode_entry, kind, write_frame, Failure, FrameReader, Reply, Task, WorkerInfo, MAX_TASK_FRAME,
+    encode_entry, kind, write_frame, Failure, FrameReader, NcclJoin, NcclJoiner, Reply,
+    SegmentTask, Task, WorkerInfo, MAX_TASK_FRAME,
 };
 use super::wire::{self, ModelFingerprint};
+use super::Shipped;
 use crate::pic::{Pic, PicBackend};
 
 /// Tokens of the start-up build that measures a worker's throughput.
@@ -81,11 +84,39 @@ impl<B: PicBackend> Worker<B> {
     /// [`Reply::Done`]. Stops early, without `Done`, when `cancelled()` says so
     /// before a segment or `send` returns false (the combiner is gone). A segment
     /// that cannot be built is a [`Reply::Failed`]; a task for another model fails
-    /// every segment. Never panics on bad input.
+    /// every segment. Never panics on bad input. Entries ship as wire frames
+    /// ([`wire::encode`]).
     pub fn run_task(
         &self,
         task: &Task,
         cancelled: &dyn Fn() -> bool,
+        send: &mut dyn FnMut(Reply) -> bool,
+    ) {
+        let model = self.model;
+        let backend = self.engine.pic_backend();
+        let frames = move |seg: &SegmentTask, entries: &[Arc<B::Entry>]| -> Packed {
+            let f: Vec<Shipped> = backend.decoding(|| {
+                entries
+                    .iter()
+                    .map(|e| Shipped::Frame(wire::encode(&**e, seg.tokens.len(), model)))
+                    .collect()
+            });
+            Ok((f, 0.0))
+        };
+        self.run_task_with(task, cancelled, &frames, send)
+    }
+
+    /// [`Worker::run_task`] with the entries of each segment packed for shipping by
+    /// `pack` (called under the backend's [`PicBackend::exclusive`] guard, right
+    /// after the build): it returns one [`Shipped`] per body start of the segment,
+    /// in order, and the transfer time it spent, ms; an `Err(message)` fails that
+    /// segment ([`Reply::Failed`]). A device transport packs by copying each entry
+    /// to the combiner's device (`cuda::peer`).
+    pub fn run_task_with(
+        &self,
+        task: &Task,
+        cancelled: &dyn Fn() -> bool,
+        pack: &Pack<'_, B>,
         send: &mut dyn FnMut(Reply) -> bool,
     ) {
         self.busy.fetch_add(1, Ordering::Relaxed);
@@ -104,29 +135,33 @@ impl<B: PicBackend> Worker<B> {
                 let t = Instant::now();
                 // One task at a time on a backend that serialises its device work
                 // (the GPU: one stream, shared workspaces); the CPU builds in
-                // parallel. The frames are read back under the same guard.
+                // parallel. The entries are packed under the same guard.
                 let backend = self.engine.pic_backend();
                 let _serial = backend.exclusive();
                 match self
                     .engine
                     .entries_for(&seg.tokens, &seg.isolation, &seg.roles)
                 {
-                    Ok((entries, resident)) => Reply::Entry {
-                        index: seg.index,
-                        frames: backend.decoding(|| {
-                            entries
-                                .iter()
-                                .map(|e| wire::encode(&**e, seg.tokens.len(), self.model))
-                                .collect()
-                        }),
-                        prefill_ms: if resident {
+                    Ok((entries, resident)) => {
+                        let prefill_ms = if resident {
                             0.0
                         } else {
                             t.elapsed().as_secs_f64() * 1e3
-                        },
-                        resident,
-                        transfer_ms: 0.0,
-                    },
+                        };
+                        match pack(seg, &entries) {
+                            Ok((entries, transfer_ms)) => Reply::Entry {
+                                index: seg.index,
+                                entries,
+                                prefill_ms,
+                                resident,
+                                transfer_ms,
+                            },
+                            Err(message) => Reply::Failed(Failure {
+                                index: seg.index,
+                                message,
+                            }),
+                        }
+                    }
                     Err(e) => Reply::Failed(Failure {
                         index: seg.index,
                         message: e.to_string(),
@@ -140,6 +175,14 @@ impl<B: PicBackend> Worker<B> {
         send(Reply::Done);
     }
 }
+
+/// What [`Worker::run_task_with`]'s packer returns: one shipped entry per body
+/// start and the transfer time, ms; or why the segment cannot be shipped.
+pub type Packed = Result<(Vec<Shipped>, f64), String>;
+
+/// A packer of [`Worker::run_task_with`]: a segment's task and its built entries →
+/// [`Packed`].
+pub type Pack<'a, B> = dyn Fn(&SegmentTask, &[Arc<<B as PicBackend>::Entry>]) -> Packed + 'a;
 
 struct Busy<'a>(&'a AtomicUsize);
 impl Drop for Busy<'_> {
@@ -164,6 +207,63 @@ fn peer_closed(s: &TcpStream) -> bool {
     };
     let _ = s.set_nonblocking(false);
     closed
+}
+
+/// Writes one answer of a task as TCP frames: an entry (wire frames, or with an
+/// NCCL joiner a device-entry header then the buffers by `ncclSend`), a failure or
+/// done. False when the connection or NCCL failed.
+fn write_reply<B: PicBackend>(
+    out: &TcpStream,
+    reply: &Reply,
+    nccl: Option<&dyn NcclJoiner<B>>,
+    held: Option<(&dyn RemoteExposer, &RefCell<Held>)>,
+) -> bool {
+    let mut w = out;
+    let sent = match reply {
+        Reply::Entry {
+            index,
+            entries,
+            prefill_ms,
+            resident,
+            ..
+        } => match nccl {
+            Some(j) => {
+                let header = j.headers(entries).map(|entries| DeviceHeader {
+                    index: *index,
+                    prefill_ms: *prefill_ms,
+                    resident: *resident,
+                    entries,
+                });
+                match header.and_then(|h| serde_json::to_vec(&h).map_err(|e| e.to_string())) {
+                    Ok(b) => write_frame(&mut w, kind::DEVICE_ENTRY, &b)
+                        .and_then(|_| j.send(entries).map_err(std::io::Error::other)),
+                    Err(e) => Err(std::io::Error::other(e)),
+                }
+            }
+            None => match entries
+                .iter()
+                .map(Shipped::frame)
+                .collect::<Option<Vec<_>>>()
+            {
+                Some(frames) => match held {
+                    Some((x, h)) => expose_entry(&mut w, x, h, *index, &frames, *prefill_ms, *resident),
+                    None => write_frame(
+                        &mut w,
+                        kind::ENTRY,
+                        &encode_entry(*index, &frames, *prefill_ms, *resident),
+                    ),
+                },
+                // Over TCP every entry is a wire frame (`run_task` packs so).
+                None => Err(std::io::Error::other("a device entry cannot go over TCP")),
+            },
+        },
+        Reply::Failed(f) => match serde_json::to_vec(f) {
+            Ok(b) => write_frame(&mut w, kind::FAILED, &b),
+            Err(e) => Err(std::io::Error::other(e)),
+        },
+        Reply::Done => write_frame(&mut w, kind::DONE, &[]),
+    };
+    sent.is_ok()
 }
 
 /// The NIXL side of one connection: the registered frames by segment index, and
@@ -201,56 +301,48 @@ impl Held {
 /// Logged once per process: registration failed, entries went over TCP.
 static TOLD_EXPOSE_FAILED: AtomicBool = AtomicBool::new(false);
 
-/// Ships one segment's entry: registered for a READ when `held` is set and the
-/// registration works, else over TCP.
-fn ship_entry(
+/// Ships one segment's wire frames registered for the combiner's NIXL READ, or
+/// over TCP when the registration fails (logged once).
+fn expose_entry(
     w: &mut &TcpStream,
-    held: Option<(&dyn RemoteExposer, &RefCell<Held>)>,
-    reply: Reply,
+    x: &dyn RemoteExposer,
+    h: &RefCell<Held>,
+    index: usize,
+    frames: &[&[u8]],
+    prefill_ms: f64,
+    resident: bool,
 ) -> std::io::Result<()> {
-    let Reply::Entry {
-        index,
-        frames,
-        prefill_ms,
-        resident,
-        ..
-    } = reply
-    else {
-        return Ok(());
-    };
-    let frames = match held {
-        Some((x, h)) => match x.expose(frames) {
-            Ok(ex) => {
-                let body = nixl::encode_remote_entry(&RemoteEntry {
-                    index,
-                    prefill_ms,
-                    resident,
-                    agent: ex.agent(),
-                    metadata: ex.metadata(),
-                    buffers: ex.buffers(),
-                });
-                h.borrow_mut().exposed.insert(index, ex);
-                return write_frame(w, kind::NIXL_ENTRY, &body);
+    let owned: Vec<Vec<u8>> = frames.iter().map(|f| f.to_vec()).collect();
+    match x.expose(owned) {
+        Ok(ex) => {
+            let body = nixl::encode_remote_entry(&RemoteEntry {
+                index,
+                prefill_ms,
+                resident,
+                agent: ex.agent(),
+                metadata: ex.metadata(),
+                buffers: ex.buffers(),
+            });
+            h.borrow_mut().exposed.insert(index, ex);
+            write_frame(w, kind::NIXL_ENTRY, &body)
+        }
+        Err((why, frames)) => {
+            if !TOLD_EXPOSE_FAILED.swap(true, Ordering::Relaxed) {
+                tracing::warn!("NIXL registration failed ({why}); shipping entries over TCP");
             }
-            Err((why, frames)) => {
-                if !TOLD_EXPOSE_FAILED.swap(true, Ordering::Relaxed) {
-                    tracing::warn!("NIXL registration failed ({why}); shipping entries over TCP");
-                }
-                frames
-            }
-        },
-        None => frames,
-    };
-    write_frame(
-        w,
-        kind::ENTRY,
-        &encode_entry(index, &frames, prefill_ms, resident),
-    )
+            write_frame(
+                w,
+                kind::ENTRY,
+                &encode_entry(index, &frames, prefill_ms, resident),
+            )
+        }
+    }
 }
 
 fn serve_conn<B: PicBackend>(
     mut s: TcpStream,
     worker: &Worker<B>,
+    nccl: Option<&dyn NcclJoin<B>>,
     exposer: Option<&dyn RemoteExposer>,
 ) -> std::io::Result<()> {
     let _ = s.set_nodelay(true);
@@ -266,7 +358,44 @@ fn serve_conn<B: PicBackend>(
         kind::TASK => {
             let task: Task = serde_json::from_slice(&body)
                 .map_err(|e| std::io::Error::new(std::io::ErrorKind::InvalidData, e))?;
-            let route = nixl::route(task.nixl.as_ref(), exposer.is_some());
+            // An NCCL offer is answered before anything is built.
+            let joiner = match &task.nccl {
+                None => None,
+                Some(offer) => {
+                    let j = match nccl {
+                        Some(n) => n.prepare(offer),
+                        None => Err("this worker was started without --nccl".to_string()),
+                    };
+                    match j {
+                        Ok(j) => {
+                            write_frame(&mut s, kind::NCCL_READY, &[])?;
+                            match j.connect() {
+                                Ok(()) => Some(j),
+                                // The combiner's side fails too and reads wire
+                                // frames (e.g. two ranks on one GPU).
+                                Err(e) => {
+                                    eprintln!(
+                                        "hypic: worker: NCCL initialisation failed ({e}); \
+                                         this task goes over TCP"
+                                    );
+                                    None
+                                }
+                            }
+                        }
+                        Err(message) => {
+                            let f = serde_json::to_vec(&Failure { index: 0, message })
+                                .map_err(std::io::Error::other)?;
+                            write_frame(&mut s, kind::NCCL_REFUSED, &f)?;
+                            None
+                        }
+                    }
+                }
+            };
+            // NIXL only where no NCCL communicator moves the payloads.
+            let route = match joiner {
+                Some(_) => Route::Tcp("the payloads go by NCCL"),
+                None => nixl::route(task.nixl.as_ref(), exposer.is_some()),
+            };
             let held = match (route, exposer) {
                 (Route::Nixl, Some(x)) => Some((
                     x,
@@ -290,20 +419,18 @@ fn serve_conn<B: PicBackend>(
                 }
                 None => peer_closed(out),
             };
-            worker.run_task(&task, &cancelled, &mut |reply| {
-                let mut w = out;
-                let sent = match &reply {
-                    Reply::Entry { .. } => {
-                        ship_entry(&mut w, held.as_ref().map(|(x, h)| (*x, h)), reply)
-                    }
-                    Reply::Failed(f) => match serde_json::to_vec(f) {
-                        Ok(b) => write_frame(&mut w, kind::FAILED, &b),
-                        Err(e) => Err(std::io::Error::other(e)),
-                    },
-                    Reply::Done => write_frame(&mut w, kind::DONE, &[]),
-                };
-                sent.is_ok()
-            });
+            let held_ref = || held.as_ref().map(|(x, h)| (*x, h));
+            match &joiner {
+                Some(j) => {
+                    let pack = |_: &SegmentTask, e: &[Arc<B::Entry>]| j.pack(e);
+                    worker.run_task_with(&task, &cancelled, &pack, &mut |reply| {
+                        write_reply::<B>(out, &reply, Some(&**j), None)
+                    })
+                }
+                None => worker.run_task(&task, &cancelled, &mut |reply| {
+                    write_reply::<B>(out, &reply, None, held_ref())
+                }),
+            }
             // Keep the registered frames until the combiner acked every READ or
             // left, at most `IDLE`.
             if let Some((_, h)) = &held {
@@ -327,15 +454,19 @@ fn serve_conn<B: PicBackend>(
 /// the worker being unavailable for that task). Connection errors end that
 /// connection only.
 pub fn serve_tcp<B: PicBackend>(listener: TcpListener, worker: Arc<Worker<B>>, max_conns: usize) {
-    serve_tcp_with(listener, worker, max_conns, None)
+    serve_tcp_with(listener, worker, max_conns, None, None)
 }
 
-/// As [`serve_tcp`], answering tasks that offer NIXL through `exposer` (registered
-/// frames for the combiner's READ; see the module docs). `None` is [`serve_tcp`].
+/// [`serve_tcp`] with NCCL: a task that offers a communicator ([`super::nccl`]) is
+/// answered through `nccl` (joined, or refused with the reason, the task then
+/// shipping wire frames); without `nccl` every offer is refused. A task that
+/// offers NIXL is answered through `exposer` (registered frames for the combiner's
+/// READ; see the module docs); without it such a task ships over TCP.
 pub fn serve_tcp_with<B: PicBackend>(
     listener: TcpListener,
     worker: Arc<Worker<B>>,
     max_conns: usize,
+    nccl: Option<Arc<dyn NcclJoin<B>>>,
     exposer: Option<Arc<dyn RemoteExposer>>,
 ) {
     let open = Arc::new(AtomicUsize::new(0));
@@ -346,13 +477,18 @@ pub fn serve_tcp_with<B: PicBackend>(
             continue;
         }
         open.fetch_add(1, Ordering::Relaxed);
-        let (w, n, x) = (worker.clone(), open.clone(), exposer.clone());
+        let (w, n, link, x) = (
+            worker.clone(),
+            open.clone(),
+            nccl.clone(),
+            exposer.clone(),
+        );
         let spawned = std::thread::Builder::new()
             .name("hypic-worker-conn".into())
             .spawn(move || {
                 // Frees the slot however the connection ends (a panic included).
                 let _slot = Busy(&n);
-                let _ = serve_conn(s, &w, x.as_deref());
+                let _ = serve_conn(s, &w, link.as_deref(), x.as_deref());
             });
         if spawned.is_err() {
             open.fetch_sub(1, Ordering::Relaxed);

@@ -26,7 +26,7 @@ use super::spill::Spill;
 use crate::error::{Error, Result};
 use crate::linear::transition::Pair;
 use crate::parallel::wire::{self, ModelFingerprint};
-use crate::parallel::{EntrySource, Supply};
+use crate::parallel::{EntrySource, Shipped, Supply};
 use crate::state::ModelState;
 use serde::{Deserialize, Serialize};
 use sha2::{Digest, Sha256};
@@ -436,13 +436,14 @@ impl<B: PicBackend> Pic<B> {
         Ok(job)
     }
 
-    /// The entries of a supplied segment from its frames (one per role of `plan`),
-    /// or why they cannot be used.
+    /// The entries of a supplied segment (one per role of `plan`): wire frames
+    /// decoded, device entries taken as they are (the scatter verified their
+    /// checksum on this device); or why they cannot be used.
     fn supplied_entries(
         &self,
         source: &dyn EntrySource,
         plan: &RolePlan,
-        frames: Vec<Vec<u8>>,
+        frames: Vec<Shipped>,
         tokens: &[u32],
     ) -> std::result::Result<Vec<Option<B::Entry>>, String> {
         let fp = self.model_fingerprint();
@@ -461,11 +462,28 @@ impl<B: PicBackend> Pic<B> {
             ));
         }
         let mut out = Vec::with_capacity(frames.len());
-        for (f, &b) in frames.iter().zip(&plan.roles) {
-            let e: B::Entry = self
-                .backend
-                .decoding(|| wire::decode(f, fp, tokens.len()))
-                .map_err(|e| e.to_string())?;
+        for (f, &b) in frames.into_iter().zip(&plan.roles) {
+            let e: B::Entry = match f {
+                Shipped::Frame(f) => self
+                    .backend
+                    .decoding(|| wire::decode(&f, fp, tokens.len()))
+                    .map_err(|e| e.to_string())?,
+                Shipped::Device(d) => {
+                    if d.model() != fp || d.tokens() != tokens.len() {
+                        return Err(format!(
+                            "a device entry of model {} for {} tokens, expected model {} \
+                             and {} tokens",
+                            d.model().hex(),
+                            d.tokens(),
+                            fp.hex(),
+                            tokens.len()
+                        ));
+                    }
+                    *d.into_any()
+                        .downcast::<B::Entry>()
+                        .map_err(|_| "a device entry of another backend type".to_string())?
+                }
+            };
             if e.body_start() != b {
                 return Err(format!(
                     "entry with body start {}, expected {b}",
