@@ -32,6 +32,7 @@ pub mod metrics;
 pub mod net;
 pub mod prompt;
 pub mod reqlog;
+pub mod residency;
 pub mod responses;
 pub mod routes;
 pub mod segments;
@@ -200,6 +201,14 @@ pub struct ServeConfig {
     pub scatter_margin: f64,
     /// Time added to every scattered segment's deadline, ms.
     pub scatter_floor_ms: u64,
+    /// This serving replica's id in the residency directory (`segment_residency`
+    /// rows of its public pool); unique among the replicas over one catalog and
+    /// stable across restarts (a starting replica deletes its id's rows). Default:
+    /// the host name and the listen port.
+    pub replica_id: Option<String>,
+    /// Residency changes queued for the catalog at most; beyond, a change is
+    /// dropped and counted (`hypic_residency_queue_drops_total`).
+    pub residency_queue: usize,
 }
 
 impl Default for ServeConfig {
@@ -254,6 +263,8 @@ impl Default for ServeConfig {
             workers: vec![],
             scatter_margin: 4.0,
             scatter_floor_ms: 2000,
+            replica_id: None,
+            residency_queue: 4096,
         }
     }
 }
@@ -382,6 +393,12 @@ pub struct ServeArgs {
     /// Time added to every scattered segment's deadline, ms [default: 2000].
     #[arg(long, env = "HYPIC_SCATTER_FLOOR_MS")]
     pub scatter_floor_ms: Option<u64>,
+    /// This replica's id in the residency directory [default: host:port].
+    #[arg(long, env = "HYPIC_REPLICA_ID")]
+    pub replica_id: Option<String>,
+    /// Residency changes queued for the catalog at most [default: 4096].
+    #[arg(long, env = "HYPIC_RESIDENCY_QUEUE")]
+    pub residency_queue: Option<usize>,
     /// Turn authentication off (loopback binds only).
     #[arg(long)]
     pub disable_auth: bool,
@@ -463,8 +480,12 @@ impl ServeConfig {
             idempotency_ttl_s,
             workers,
             scatter_margin,
-            scatter_floor_ms
+            scatter_floor_ms,
+            residency_queue
         );
+        if a.replica_id.is_some() {
+            c.replica_id = a.replica_id.clone();
+        }
         if a.model.is_some() {
             c.model = a.model.clone();
         }
@@ -669,6 +690,9 @@ pub(crate) struct Inner {
     pub grammars: Arc<structured::Grammars>,
     /// Segment-parallel workers (`workers`), when any.
     pub scatter: Option<Arc<dataplane::parallel::scatter::Scatter>>,
+    /// The residency directory (absent when the state was built outside a Tokio
+    /// runtime).
+    pub residency: Option<Arc<residency::Directory>>,
 }
 
 /// Shared state of the serving routes.
@@ -781,7 +805,21 @@ impl AppState {
             engine.config().vocab_size,
         ));
         let scatter = start_scatter(&cfg, &*engine);
-        Ok(AppState(Arc::new(Inner {
+        let rt = tokio::runtime::Handle::try_current().ok();
+        let residency = rt.as_ref().map(|rt| {
+            let id = cfg
+                .replica_id
+                .clone()
+                .unwrap_or_else(|| residency::default_replica_id(cfg.bind));
+            let d =
+                residency::Directory::spawn(id, control.catalog().clone(), cfg.residency_queue, rt);
+            engine.set_residency_observer(Some(Arc::new(residency::PoolHook(d.clone()))));
+            if let Some(sc) = &scatter {
+                sc.set_holder_directory(Some(d.clone()));
+            }
+            d
+        });
+        let inner = Arc::new(Inner {
             cfg,
             model_id,
             model_created: std::time::SystemTime::now()
@@ -807,7 +845,17 @@ impl AppState {
             tokenize_gate: Arc::new(tokio::sync::Semaphore::new(cfg_tok_conc)),
             grammars,
             scatter,
-        })))
+            residency,
+        });
+        if let (Some(rt), Some(d)) = (&rt, &inner.residency) {
+            residency::spawn_invalidator(Arc::downgrade(&inner), d, rt);
+        }
+        Ok(AppState(inner))
+    }
+
+    /// The residency directory, when it runs.
+    pub fn residency(&self) -> Option<&Arc<residency::Directory>> {
+        self.0.residency.as_ref()
     }
 
     /// The segment-parallel workers, when `workers` names any.
