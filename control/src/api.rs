@@ -472,7 +472,7 @@ impl FromRequestParts<ControlState> for Operator {
         list_group_grants, add_group_grant, revoke_group_grant, snapshot, create_group,
         list_groups, get_group, delete_group, add_member, remove_member, upload_policy,
         list_policies, policy_stats, rollback_policy, activate_policy, dry_run, audit_log,
-        report_residency,
+        report_residency, list_residency,
         crate::policy_api::policy_detail, crate::policy_api::start_shadow,
         crate::policy_api::list_shadows, crate::policy_api::get_shadow,
         crate::policy_api::stop_shadow,
@@ -651,6 +651,7 @@ pub fn control_router(state: ControlState) -> Router {
         )
         .route("/v1/admin/audit", get(audit_log))
         .route("/v1/admin/residency", post(report_residency))
+        .route("/v1/residency", get(list_residency))
         .route_layer(axum::middleware::from_fn(
             crate::serve::reqlog::record_route,
         ))
@@ -1075,6 +1076,63 @@ async fn report_residency(
         })
         .await?;
     Ok(Json(serde_json::json!({"ok": true})))
+}
+
+/// Query of `GET /v1/residency`.
+#[derive(Debug, Deserialize, utoipa::IntoParams)]
+#[into_params(parameter_in = Query)]
+pub struct ResidencyQuery {
+    /// Only entries of this catalog segment: the caller's id or an address it may
+    /// read (404 otherwise).
+    pub segment: Option<String>,
+    /// Only rows of this holder (a replica id or a worker name).
+    pub holder: Option<String>,
+    /// At most this many rows, 1 to 10000 (default 100).
+    pub limit: Option<i64>,
+}
+
+/// Answer of `GET /v1/residency`.
+#[derive(Debug, Serialize, utoipa::ToSchema)]
+pub struct ResidencyList {
+    /// `list`.
+    pub object: String,
+    /// The rows, newest change first.
+    pub data: Vec<crate::residency::ResidencyRow>,
+}
+
+#[utoipa::path(get, path = "/v1/residency", tag = "segments", summary = "The residency directory: which replica or worker holds which entry (a tenant: its own namespace and the shared one)", security(("bearer" = [])), params(ResidencyQuery), responses((status = 200, body = ResidencyList), (status = 400, description = "invalid input", body = crate::error::ErrorBody), (status = 401, description = "no or bad token", body = crate::error::ErrorBody), (status = 404, description = "no such segment, or not readable by the caller", body = crate::error::ErrorBody)))]
+async fn list_residency(
+    State(s): State<ControlState>,
+    Caller(p): Caller,
+    ApiQuery(q): ApiQuery<ResidencyQuery>,
+) -> ApiResult<ResidencyList> {
+    let limit = q.limit.unwrap_or(100);
+    if !(1..=10_000).contains(&limit) {
+        return Err(
+            ApiError::bad_request(format!("'limit' must be 1..=10000, not {limit}"))
+                .with_param("limit"),
+        );
+    }
+    if let Some(h) = &q.holder {
+        crate::catalog::validate_text("holder", h)
+            .map_err(|e| ApiError::from(e).with_param("holder"))?;
+    }
+    let segment_id = match &q.segment {
+        Some(r) => Some(s.segments().get(&p, r).await?.address),
+        None => None,
+    };
+    let scopes =
+        (!p.is_operator()).then(|| vec![s.keyer().tenant_account(&p.tenant), "shared".to_string()]);
+    let f = crate::residency::ResidencyFilter {
+        scopes,
+        segment_id,
+        holder: q.holder.filter(|h| !h.is_empty()),
+        limit: limit as usize,
+    };
+    Ok(Json(ResidencyList {
+        object: "list".into(),
+        data: s.catalog().residency_rows(&f).await?,
+    }))
 }
 
 // ---- policies -----------------------------------------------------------------------

@@ -391,6 +391,7 @@ pub struct Catalog {
     pool: AnyPool,
     backend: Backend,
     limits: CatalogLimits,
+    pub(crate) events: crate::residency::Events,
 }
 
 /// Whether `r` has the form of a segment address: `~` and 32 lowercase hex digits.
@@ -572,10 +573,21 @@ impl Catalog {
                 .execute(&pool)
                 .await?;
         }
+        let channel = match backend {
+            Backend::Postgres => {
+                let schema: String = sqlx::query("SELECT CAST(current_schema() AS TEXT)")
+                    .fetch_one(&pool)
+                    .await?
+                    .get(0);
+                crate::residency::channel_for(&schema)
+            }
+            Backend::Sqlite => crate::residency::channel_for("sqlite"),
+        };
         let cat = Catalog {
             pool,
             backend,
             limits: CatalogLimits::default(),
+            events: crate::residency::Events::new(&url, channel),
         };
         cat.migrate().await?;
         Ok(cat)
@@ -926,7 +938,22 @@ impl Catalog {
             .await?;
             versions[i] = v;
         }
+        let events: Vec<crate::residency::CatalogEvent> = updates
+            .iter()
+            .zip(&versions)
+            .map(|((id, _, _), &v)| crate::residency::CatalogEvent::Segment {
+                address: id.clone(),
+                version: v,
+                deleted: false,
+            })
+            .collect();
+        for e in &events {
+            self.notify_in(&mut tx, e).await?;
+        }
         tx.commit().await?;
+        for e in events {
+            self.publish(e);
+        }
         Ok(versions)
     }
 
@@ -967,7 +994,14 @@ impl Catalog {
             &serde_json::json!({"address": address, "version": v}),
         )
         .await?;
+        let event = crate::residency::CatalogEvent::Segment {
+            address: address.to_string(),
+            version: v,
+            deleted: true,
+        };
+        self.notify_in(&mut tx, &event).await?;
         tx.commit().await?;
+        self.publish(event);
         Ok(())
     }
 

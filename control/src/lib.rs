@@ -19,6 +19,7 @@ pub mod persist;
 pub mod policy;
 pub mod policy_api;
 pub mod readiness;
+pub mod residency;
 pub mod runtime;
 pub mod segments;
 pub mod serve;

@@ -26,7 +26,7 @@ use crate::parallel::wire::ModelFingerprint;
 use crate::parallel::EntrySource;
 use crate::pic::engine::PicJob;
 use crate::pic::engine::Snapshot;
-use crate::pic::pool::{CachePolicy, PoolStats};
+use crate::pic::pool::{CachePolicy, PoolObserver, PoolStats};
 use crate::pic::spill::Spill;
 use crate::pic::{EntryReport, Mode, Pic, PicBackend, PicStats, Prefetch, SegmentRef};
 use crate::sampling::DrawParams;
@@ -153,6 +153,19 @@ pub trait EnginePools: Send + Sync {
     /// The model's identity as shipped entries carry it (see
     /// [`Pic::model_fingerprint`]).
     fn model_fingerprint(&self) -> ModelFingerprint;
+    /// Sets the observer of the public pool's changes (see
+    /// [`Pic::set_residency_observer`]); engines without pools ignore it.
+    fn set_residency_observer(&self, _o: Option<Arc<dyn PoolObserver>>) {}
+    /// The public-pool key of `tokens` under `isolation` for `body_start` (see
+    /// [`Pic::public_entry_key`]); `None` for engines without a public pool.
+    fn public_entry_key(
+        &self,
+        _tokens: &[u32],
+        _isolation: &str,
+        _body_start: usize,
+    ) -> Option<[u8; 32]> {
+        None
+    }
     /// What the public pool's primary tier is, for reports: `gpu` on the CUDA
     /// backend, `host` on the CPU.
     fn primary_tier_name(&self) -> &'static str {
@@ -319,6 +332,17 @@ where
     }
     fn model_fingerprint(&self) -> ModelFingerprint {
         Pic::model_fingerprint(self)
+    }
+    fn set_residency_observer(&self, o: Option<Arc<dyn PoolObserver>>) {
+        Pic::set_residency_observer(self, o)
+    }
+    fn public_entry_key(
+        &self,
+        tokens: &[u32],
+        isolation: &str,
+        body_start: usize,
+    ) -> Option<[u8; 32]> {
+        Some(Pic::public_entry_key(self, tokens, isolation, body_start))
     }
 }
 

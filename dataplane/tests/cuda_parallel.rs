@@ -500,7 +500,7 @@ mod gpu {
         let worker = Arc::new(Worker::new(w));
         let listener = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
         let addr = listener.local_addr().unwrap().to_string();
-        std::thread::spawn(move || serve_tcp_with(listener, worker, 8, Some(sender)));
+        std::thread::spawn(move || serve_tcp_with(listener, worker, 8, Some(sender), None));
         let link = Arc::new(NcclReceiver::<f32>::new(
             combiner.model().gpu().clone(),
             host_model().config.clone(),

@@ -33,6 +33,7 @@ pub mod metrics;
 pub mod net;
 pub mod prompt;
 pub mod reqlog;
+pub mod residency;
 pub mod responses;
 pub mod routes;
 pub mod segments;
@@ -216,6 +217,14 @@ pub struct ServeConfig {
     /// the `nixl` feature, and libnixl_capi.so at run time, else TCP with a
     /// warning). A worker without NIXL ships over TCP either way.
     pub worker_transport: String,
+    /// This serving replica's id in the residency directory (`segment_residency`
+    /// rows of its public pool); unique among the replicas over one catalog and
+    /// stable across restarts (a starting replica deletes its id's rows). Default:
+    /// the host name and the listen port.
+    pub replica_id: Option<String>,
+    /// Residency changes queued for the catalog at most; beyond, a change is
+    /// dropped and counted (`hypic_residency_queue_drops_total`).
+    pub residency_queue: usize,
 }
 
 impl Default for ServeConfig {
@@ -273,6 +282,8 @@ impl Default for ServeConfig {
             scatter_margin: 4.0,
             scatter_floor_ms: 2000,
             worker_transport: "tcp".into(),
+            replica_id: None,
+            residency_queue: 4096,
         }
     }
 }
@@ -414,6 +425,12 @@ pub struct ServeArgs {
     /// `nixl` feature, libnixl_capi.so at run time) [default: tcp].
     #[arg(long, env = "HYPIC_WORKER_TRANSPORT")]
     pub worker_transport: Option<String>,
+    /// This replica's id in the residency directory [default: host:port].
+    #[arg(long, env = "HYPIC_REPLICA_ID")]
+    pub replica_id: Option<String>,
+    /// Residency changes queued for the catalog at most [default: 4096].
+    #[arg(long, env = "HYPIC_RESIDENCY_QUEUE")]
+    pub residency_queue: Option<usize>,
     /// Turn authentication off (loopback binds only).
     #[arg(long)]
     pub disable_auth: bool,
@@ -498,8 +515,12 @@ impl ServeConfig {
             nccl,
             scatter_margin,
             scatter_floor_ms,
-            worker_transport
+            worker_transport,
+            residency_queue
         );
+        if a.replica_id.is_some() {
+            c.replica_id = a.replica_id.clone();
+        }
         if a.model.is_some() {
             c.model = a.model.clone();
         }
@@ -714,6 +735,9 @@ pub(crate) struct Inner {
     pub grammars: Arc<structured::Grammars>,
     /// Segment-parallel workers (`workers`), when any.
     pub scatter: Option<Arc<dataplane::parallel::scatter::Scatter>>,
+    /// The residency directory (absent when the state was built outside a Tokio
+    /// runtime).
+    pub residency: Option<Arc<residency::Directory>>,
 }
 
 /// Shared state of the serving routes.
@@ -844,7 +868,21 @@ impl AppState {
             engine.config().vocab_size,
         ));
         let scatter = start_scatter(&cfg, &*engine, local, nccl);
-        Ok(AppState(Arc::new(Inner {
+        let rt = tokio::runtime::Handle::try_current().ok();
+        let residency = rt.as_ref().map(|rt| {
+            let id = cfg
+                .replica_id
+                .clone()
+                .unwrap_or_else(|| residency::default_replica_id(cfg.bind));
+            let d =
+                residency::Directory::spawn(id, control.catalog().clone(), cfg.residency_queue, rt);
+            engine.set_residency_observer(Some(Arc::new(residency::PoolHook(d.clone()))));
+            if let Some(sc) = &scatter {
+                sc.set_holder_directory(Some(d.clone()));
+            }
+            d
+        });
+        let inner = Arc::new(Inner {
             cfg,
             model_id,
             model_created: std::time::SystemTime::now()
@@ -870,7 +908,17 @@ impl AppState {
             tokenize_gate: Arc::new(tokio::sync::Semaphore::new(cfg_tok_conc)),
             grammars,
             scatter,
-        })))
+            residency,
+        });
+        if let (Some(rt), Some(d)) = (&rt, &inner.residency) {
+            residency::spawn_invalidator(Arc::downgrade(&inner), d, rt);
+        }
+        Ok(AppState(inner))
+    }
+
+    /// The residency directory, when it runs.
+    pub fn residency(&self) -> Option<&Arc<residency::Directory>> {
+        self.0.residency.as_ref()
     }
 
     /// The segment-parallel workers, when `workers` names any.

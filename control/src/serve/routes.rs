@@ -281,6 +281,9 @@ async fn metrics(State(s): State<AppState>) -> Response {
     if let Some(sc) = &s.0.scatter {
         text.push_str(&super::metrics::scatter_text(&sc.metrics()));
     }
+    if let Some(d) = &s.0.residency {
+        text.push_str(&d.metrics_text());
+    }
     (
         [(
             header::CONTENT_TYPE,
@@ -1402,6 +1405,11 @@ fn submit_all(
     let mut handles = Vec::with_capacity(prompts.len() * set.n);
     let mut runs = Vec::with_capacity(prompts.len());
     for segs in prompts {
+        for r in segs {
+            if let (Some(address), Some(version)) = (&r.address, r.version) {
+                super::residency::label(s, address, version, &r.tokens, &r.isolation);
+            }
+        }
         let segments: Vec<SegmentRef> = segs
             .iter()
             .map(|r| SegmentRef {

@@ -243,6 +243,7 @@ async fn prefill(
     let Some(item) = snap.segments.into_iter().next() else {
         return Err("no snapshot".into());
     };
+    super::residency::label(s, &seg.address, item.version, &tokens, &item.isolation_key);
     let _gate = s.0.prefill_gate.acquire().await;
     let t0 = Instant::now();
     let (engine, iso, toks, starts) = (
@@ -722,7 +723,7 @@ pub struct ServedSegmentList {
 /// Evicts every known version of the segment at address `id` (only those older
 /// than `keep_from` when given) from the public pool, in every namespace it was
 /// used in.
-fn evict(s: &AppState, id: &str, keep_from: Option<i64>) -> usize {
+pub(crate) fn evict(s: &AppState, id: &str, keep_from: Option<i64>) -> usize {
     let starts = body_starts(s);
     let mut k = s.0.known.lock().unwrap_or_else(|p| p.into_inner());
     let isos: Vec<String> = k

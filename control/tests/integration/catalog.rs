@@ -29,10 +29,10 @@ fn seg(id: &str, content: &str, public: bool) -> NewSegment {
 }
 
 async fn migrations(c: Catalog) {
-    assert_eq!(c.applied_migrations().await.unwrap(), vec![1, 2, 3, 4]);
+    assert_eq!(c.applied_migrations().await.unwrap(), vec![1, 2, 3, 4, 5]);
     // Applying again is a no-op.
     c.migrate().await.unwrap();
-    assert_eq!(c.applied_migrations().await.unwrap(), vec![1, 2, 3, 4]);
+    assert_eq!(c.applied_migrations().await.unwrap(), vec![1, 2, 3, 4, 5]);
     c.upsert_principal("acme", "alice", Role::Tenant)
         .await
         .unwrap();

@@ -776,7 +776,7 @@ async fn old_catalog(pool: &sqlx::AnyPool, backend: &str) {
 }
 
 async fn check_migrated(c: &Catalog) {
-    assert_eq!(c.applied_migrations().await.unwrap(), vec![1, 2, 3, 4]);
+    assert_eq!(c.applied_migrations().await.unwrap(), vec![1, 2, 3, 4, 5]);
     let doc = c.find_segment("a", "doc").await.unwrap();
     assert!(is_address(&doc.address), "{doc:?}");
     assert_eq!(doc.id, "doc");

@@ -65,6 +65,19 @@ impl Shipped {
             Shipped::Device(_) => None,
         }
     }
+
+    /// Bytes shipped: the wire frame's length, or a device entry's payload bytes.
+    pub fn len(&self) -> usize {
+        match self {
+            Shipped::Frame(f) => f.len(),
+            Shipped::Device(d) => d.bytes(),
+        }
+    }
+
+    /// Whether nothing was shipped (an empty frame).
+    pub fn is_empty(&self) -> bool {
+        self.len() == 0
+    }
 }
 
 /// An entry delivered into the combiner's device memory by a device transport

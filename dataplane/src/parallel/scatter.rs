@@ -38,6 +38,22 @@ const MAX_TRIES: usize = 2;
 /// Bound of the holder directory (segments remembered per worker, all workers).
 const DIRECTORY_CAP: usize = 1 << 16;
 
+/// A directory of which worker holds which segment, shared beyond this combiner
+/// (the control plane's residency directory: other serving replicas over the same
+/// catalog see what a worker built for this one, and the other way round).
+///
+/// Both methods are called on the request path and on driver threads: they must
+/// return at once (an in-memory view; writes queued, never awaited).
+pub trait HolderDirectory: Send + Sync {
+    /// The worker (by its [`Scatter::names`] name) that holds the segment whose
+    /// digest is `segment` ([`segment_digest`]), if the directory knows one.
+    fn holder(&self, segment: u128) -> Option<String>;
+    /// Worker `worker` shipped the segment `segment` (of `tokens` tokens under the
+    /// isolation key `isolation`; `bytes` on the wire) to this combiner, so it holds
+    /// its entries now.
+    fn built(&self, segment: u128, isolation: &str, worker: &str, tokens: usize, bytes: usize);
+}
+
 /// Settings of a [`Scatter`].
 #[derive(Clone, Debug)]
 pub struct ScatterConfig {
@@ -215,6 +231,9 @@ pub struct Scatter {
     cfg: ScatterConfig,
     /// Segment (tokens, isolation) digest → the worker that built it last.
     directory: Mutex<HashMap<u128, usize>>,
+    /// The shared directory, when the control plane gave one
+    /// ([`Scatter::set_holder_directory`]); the map above is the fallback.
+    shared: Mutex<Option<Arc<dyn HolderDirectory>>>,
     counters: Counters,
     drivers: AtomicUsize,
 }
@@ -223,7 +242,9 @@ fn lock<T>(m: &Mutex<T>) -> MutexGuard<'_, T> {
     m.lock().unwrap_or_else(|p| p.into_inner())
 }
 
-fn segment_digest(tokens: &[u32], isolation: &str) -> u128 {
+/// The digest the holder directories key a segment by: XXH3-128 of its token ids
+/// (little-endian `u32`), a `0xff` byte and its isolation key.
+pub fn segment_digest(tokens: &[u32], isolation: &str) -> u128 {
     let mut h = xxhash_rust::xxh3::Xxh3::new();
     for t in tokens {
         h.update(&t.to_le_bytes());
@@ -261,6 +282,7 @@ impl Scatter {
             model,
             cfg,
             directory: Mutex::new(HashMap::new()),
+            shared: Mutex::new(None),
             counters: Counters::default(),
             drivers: AtomicUsize::new(0),
         })
@@ -305,6 +327,25 @@ impl Scatter {
                     None => return,
                 }
             });
+    }
+
+    /// Consults `dir` for holder affinity from now on (before this combiner's own
+    /// map) and tells it of every segment a worker ships; `None` goes back to the
+    /// own map alone.
+    pub fn set_holder_directory(&self, dir: Option<Arc<dyn HolderDirectory>>) {
+        *lock(&self.shared) = dir;
+    }
+
+    /// The worker index holding `digest`: the shared directory's answer when it
+    /// names a worker of this combiner, else the own map's.
+    fn holder_of(&self, digest: u128) -> Option<usize> {
+        let shared = lock(&self.shared).clone();
+        if let Some(name) = shared.and_then(|d| d.holder(digest)) {
+            if let Some(w) = self.workers.iter().position(|w| w.name == name) {
+                return Some(w);
+            }
+        }
+        lock(&self.directory).get(&digest).copied()
     }
 
     /// Names of the workers, in order.
@@ -385,18 +426,16 @@ impl Scatter {
         if cold.is_empty() || live.is_empty() {
             return None;
         }
-        let dir = lock(&self.directory);
         let jobs: Vec<Job> = cold
             .iter()
             .map(|c| Job {
                 index: c.index,
                 tokens: c.tokens.len(),
-                holder: dir
-                    .get(&segment_digest(&c.tokens, &c.isolation))
-                    .and_then(|w| live.iter().position(|l| l == w)),
+                holder: self
+                    .holder_of(segment_digest(&c.tokens, &c.isolation))
+                    .and_then(|w| live.iter().position(|&l| l == w)),
             })
             .collect();
-        drop(dir);
         let speeds: Vec<f64> = live
             .iter()
             .map(|&w| self.workers[w].tps(self.cfg.default_tokens_per_s))
@@ -685,6 +724,17 @@ impl Shared {
                 dir.clear();
             }
             dir.insert(segment_digest(&seg.tokens, &seg.isolation), w);
+        }
+        let shared = lock(&sc.shared).clone();
+        if let Some(d) = shared {
+            let bytes = frames.iter().map(|f| f.len()).sum();
+            d.built(
+                segment_digest(&seg.tokens, &seg.isolation),
+                &seg.isolation,
+                &slot.name,
+                seg.tokens.len(),
+                bytes,
+            );
         }
         let mut run = lock(&self.run);
         if matches!(run.slots.get(&index), Some(State::Pending { .. })) {

@@ -504,6 +504,20 @@ impl<B: PicBackend> Pic<B> {
     pub fn set_public_policy(&self, p: Box<dyn CachePolicy>) {
         lock(&self.public).set_policy(p);
     }
+    /// Sets (or with `None` removes) the observer told of every change of the
+    /// public pool (insert, spill, restore, eviction, removal, clear): the hook of
+    /// the control plane's residency directory. The private pool (running-state
+    /// snapshots of one tenant's prompt prefixes) is not observed.
+    pub fn set_residency_observer(&self, o: Option<Arc<dyn super::pool::PoolObserver>>) {
+        lock(&self.public).set_observer(o);
+    }
+
+    /// The public-pool key of `tokens` under `isolation` for `body_start`: what
+    /// [`super::pool::ResidencyChange::key`] names the entry by.
+    pub fn public_entry_key(&self, tokens: &[u32], isolation: &str, body_start: usize) -> Key {
+        self.entry_key(tokens, isolation, body_start)
+    }
+
     /// Replaces the private pool's policy.
     pub fn set_private_policy(&self, p: Box<dyn CachePolicy>) {
         lock(&self.private).set_policy(p);

@@ -234,6 +234,40 @@ pub enum Tier {
     Spill,
 }
 
+/// One change of what a pool holds, as a [`PoolObserver`] is told of it: the
+/// residency directory's view of the pool (`control`'s `segment_residency` rows).
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct ResidencyChange {
+    /// The entry's key (what the pool keys it by).
+    pub key: Key,
+    /// What happened: [`EventKind::Inserted`] and [`EventKind::Restored`] (now in the
+    /// primary tier), [`EventKind::Spilled`] (now in the spill tier), or a departure
+    /// ([`EventKind::Evicted`], [`EventKind::Removed`], [`EventKind::Damaged`]: gone
+    /// from both tiers). Refusals are not reported (nothing was stored).
+    pub kind: EventKind,
+    /// The tier it is in after the change (for a departure: the tier it left).
+    pub tier: Tier,
+    /// Bytes it takes in `tier`: the payload in the primary tier, the encoded blob in
+    /// the spill tier; 0 after a departure.
+    pub bytes: usize,
+    /// Tokens a miss would prefill again; 0 after a departure.
+    pub tokens: usize,
+    /// Isolation key of the owner; empty after a departure.
+    pub owner: String,
+}
+
+/// Told of every change of what a pool holds ([`Pool::set_observer`]).
+///
+/// Called with the pool's lock held, on the data plane's threads: an implementation
+/// must return at once (queue the change, never wait on I/O or on a lock that a
+/// caller of the pool may hold).
+pub trait PoolObserver: Send + Sync {
+    /// One change (see [`ResidencyChange`]).
+    fn changed(&self, change: &ResidencyChange);
+    /// Every entry left the pool at once ([`Pool::clear`]).
+    fn cleared(&self);
+}
+
 /// What happened to an entry, as one event of its history ([`Pool::history`]).
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub enum EventKind {
@@ -380,6 +414,8 @@ pub struct Pool<V> {
     /// The last decider reported per decision kind (admission, eviction), shared by
     /// the events it decided.
     deciders: [Option<Arc<Decider>>; 2],
+    /// Told of every change of what the pool holds ([`Pool::set_observer`]).
+    observer: Option<Arc<dyn PoolObserver>>,
 }
 
 impl<V: super::spill::Spill> Pool<V> {
@@ -414,6 +450,7 @@ impl<V> Pool<V> {
             spill: None,
             gone: History::default(),
             deciders: [None, None],
+            observer: None,
         }
     }
 
@@ -430,6 +467,40 @@ impl<V> Pool<V> {
     /// Name of the active policy.
     pub fn policy_name(&self) -> &str {
         self.policy.name()
+    }
+
+    /// Sets (or with `None` removes) the observer told of every change of what the
+    /// pool holds from now on (entries already held are not replayed).
+    pub fn set_observer(&mut self, observer: Option<Arc<dyn PoolObserver>>) {
+        self.observer = observer;
+    }
+
+    /// Tells the observer, if any, of an event of `key` (after the pool's state
+    /// reflects it).
+    fn observe(&self, key: Key, kind: EventKind, tier: Tier) {
+        let Some(o) = &self.observer else {
+            return;
+        };
+        let (bytes, tokens, owner) = match kind {
+            EventKind::Inserted | EventKind::Restored => match self.entries.get(&key) {
+                Some((_, m)) => (m.bytes, m.tokens, m.owner.clone()),
+                None => return,
+            },
+            EventKind::Spilled => match self.spill.as_ref().and_then(|t| t.blobs.get(&key)) {
+                Some(b) => (b.bytes.len(), b.meta.tokens, b.meta.owner.clone()),
+                None => return,
+            },
+            EventKind::Evicted | EventKind::Removed | EventKind::Damaged => (0, 0, String::new()),
+            EventKind::NotAdmitted | EventKind::NoRoom => return,
+        };
+        o.changed(&ResidencyChange {
+            key,
+            kind,
+            tier,
+            bytes,
+            tokens,
+            owner,
+        });
     }
 
     /// The policy deciding `kind` now ([`CachePolicy::decider`]), shared with the
@@ -449,6 +520,9 @@ impl<V> Pool<V> {
 
     /// Appends an event to the history of `key`.
     fn log(&mut self, key: Key, kind: EventKind, tier: Tier, decided_by: Option<Arc<Decider>>) {
+        if !matches!(kind, EventKind::Inserted | EventKind::Restored) {
+            self.observe(key, kind, tier);
+        }
         self.gone.record(
             key,
             PoolEvent {
@@ -635,7 +709,9 @@ impl<V> Pool<V> {
                 .entry(owner_group(&meta.owner).to_string())
                 .or_default() += meta.bytes;
         }
-        self.entries.insert(meta.key, (v, meta));
+        let key = meta.key;
+        self.entries.insert(key, (v, meta));
+        self.observe(key, how, Tier::Primary);
     }
 
     /// Evicts `key` from the primary tier for space, as `by` decided: into the spill
@@ -841,6 +917,10 @@ impl<V> Pool<V> {
         let primary = self.take_primary(key).is_some();
         let spilled = self.remove_spilled(key);
         self.gone.forget(key);
+        if primary || spilled {
+            let tier = if primary { Tier::Primary } else { Tier::Spill };
+            self.observe(*key, EventKind::Removed, tier);
+        }
         primary || spilled
     }
 
@@ -912,6 +992,9 @@ impl<V> Pool<V> {
 
     /// Drops everything.
     pub fn clear(&mut self) {
+        if let Some(o) = &self.observer {
+            o.cleared();
+        }
         self.entries.clear();
         self.by_owner.clear();
         self.by_group.clear();
@@ -1224,6 +1307,67 @@ mod tests {
                 f64::from_le_bytes(y.try_into().map_err(|_| "y")?),
             ))
         }
+    }
+
+    /// Records what an observer is told.
+    type Seen = (u8, EventKind, Tier, usize, String);
+    #[derive(Default)]
+    struct Recorder(std::sync::Mutex<Vec<Seen>>);
+    impl PoolObserver for Recorder {
+        fn changed(&self, c: &ResidencyChange) {
+            self.0
+                .lock()
+                .unwrap()
+                .push((c.key[0], c.kind, c.tier, c.bytes, c.owner.clone()));
+        }
+        fn cleared(&self) {
+            self.0
+                .lock()
+                .unwrap()
+                .push((0, EventKind::Removed, Tier::Primary, 0, "*".into()));
+        }
+    }
+
+    /// The observer sees every change of what the pool holds, after the pool
+    /// reflects it, with the bytes in the tier the entry is in: inserts, spills
+    /// (the blob's size), restores, drops from the spill tier, removals (recorded
+    /// or not) and a clear; nothing for refusals.
+    #[test]
+    fn the_observer_sees_every_residency_change() {
+        use EventKind::*;
+        let rec = Arc::new(Recorder::default());
+        let mut p: Pool<Val> = Pool::new(100, Box::new(Lru));
+        p.enable_spill(12); // one 12-byte blob
+        p.set_observer(Some(rec.clone()));
+        p.insert(k(1), Arc::new(Val(1, 1.0)), 40, 10, "t/a");
+        p.insert(k(2), Arc::new(Val(2, 2.0)), 40, 10, "t/a");
+        p.insert(k(3), Arc::new(Val(3, 3.0)), 40, 10, "t/b"); // 1 spilled
+        p.insert(k(4), Arc::new(Val(4, 4.0)), 400, 10, "t/b"); // refused: too large
+        assert!(p.get(&k(1)).is_some()); // restored, 2 spilled in its place
+        assert!(p.remove(&k(3)));
+        assert!(p.remove_unrecorded(&k(1)));
+        p.clear();
+        let got = rec.0.lock().unwrap().clone();
+        let a = || "t/a".to_string();
+        assert_eq!(
+            got,
+            vec![
+                (1, Inserted, Tier::Primary, 40, a()),
+                (2, Inserted, Tier::Primary, 40, a()),
+                (1, Spilled, Tier::Spill, 12, a()),
+                (3, Inserted, Tier::Primary, 40, "t/b".to_string()),
+                (2, Spilled, Tier::Spill, 12, a()),
+                (1, Restored, Tier::Primary, 40, a()),
+                (3, Removed, Tier::Primary, 0, String::new()),
+                (1, Removed, Tier::Primary, 0, String::new()),
+                (0, Removed, Tier::Primary, 0, "*".to_string()),
+            ],
+            "{got:#?}"
+        );
+        // Detached: told nothing more.
+        p.set_observer(None);
+        p.insert(k(5), Arc::new(Val(5, 5.0)), 40, 10, "t/a");
+        assert_eq!(rec.0.lock().unwrap().len(), got.len(), "detached");
     }
 
     #[test]
