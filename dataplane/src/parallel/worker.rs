@@ -246,7 +246,9 @@ fn write_reply<B: PicBackend>(
                 .collect::<Option<Vec<_>>>()
             {
                 Some(frames) => match held {
-                    Some((x, h)) => expose_entry(&mut w, x, h, *index, &frames, *prefill_ms, *resident),
+                    Some((x, h)) => {
+                        expose_entry(&mut w, x, h, *index, &frames, *prefill_ms, *resident)
+                    }
                     None => write_frame(
                         &mut w,
                         kind::ENTRY,
@@ -477,12 +479,7 @@ pub fn serve_tcp_with<B: PicBackend>(
             continue;
         }
         open.fetch_add(1, Ordering::Relaxed);
-        let (w, n, link, x) = (
-            worker.clone(),
-            open.clone(),
-            nccl.clone(),
-            exposer.clone(),
-        );
+        let (w, n, link, x) = (worker.clone(), open.clone(), nccl.clone(), exposer.clone());
         let spawned = std::thread::Builder::new()
             .name("hypic-worker-conn".into())
             .spawn(move || {
