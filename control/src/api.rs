@@ -1085,7 +1085,8 @@ pub struct ResidencyQuery {
     /// Only entries of this catalog segment: the caller's id or an address it may
     /// read (404 otherwise).
     pub segment: Option<String>,
-    /// Only rows of this holder (a replica id or a worker name).
+    /// Only rows of this holder (a replica id or a worker name); operators only (a
+    /// tenant gets 400).
     pub holder: Option<String>,
     /// At most this many rows, 1 to 10000 (default 100).
     pub limit: Option<i64>,
@@ -1100,7 +1101,7 @@ pub struct ResidencyList {
     pub data: Vec<crate::residency::ResidencyRow>,
 }
 
-#[utoipa::path(get, path = "/v1/residency", tag = "segments", summary = "The residency directory: which replica or worker holds which entry (a tenant: its own namespace and the shared one)", security(("bearer" = [])), params(ResidencyQuery), responses((status = 200, body = ResidencyList), (status = 400, description = "invalid input", body = crate::error::ErrorBody), (status = 401, description = "no or bad token", body = crate::error::ErrorBody), (status = 404, description = "no such segment, or not readable by the caller", body = crate::error::ErrorBody)))]
+#[utoipa::path(get, path = "/v1/residency", tag = "segments", summary = "The residency directory: which replica or worker holds which entry (a tenant: its own namespace and the shared one, holders blank)", security(("bearer" = [])), params(ResidencyQuery), responses((status = 200, body = ResidencyList), (status = 400, description = "invalid input", body = crate::error::ErrorBody), (status = 401, description = "no or bad token", body = crate::error::ErrorBody), (status = 404, description = "no such segment, or not readable by the caller", body = crate::error::ErrorBody)))]
 async fn list_residency(
     State(s): State<ControlState>,
     Caller(p): Caller,
@@ -1114,6 +1115,14 @@ async fn list_residency(
         );
     }
     if let Some(h) = &q.holder {
+        // Holders name the deployment's replicas and worker addresses: an
+        // operator's view only.
+        if !p.is_operator() {
+            return Err(ApiError::bad_request(
+                "'holder' filters by replica or worker, which only an operator may see",
+            )
+            .with_param("holder"));
+        }
         crate::catalog::validate_text("holder", h)
             .map_err(|e| ApiError::from(e).with_param("holder"))?;
     }
@@ -1129,9 +1138,15 @@ async fn list_residency(
         holder: q.holder.filter(|h| !h.is_empty()),
         limit: limit as usize,
     };
+    let mut data = s.catalog().residency_rows(&f).await?;
+    if !p.is_operator() {
+        for r in &mut data {
+            r.holder.clear();
+        }
+    }
     Ok(Json(ResidencyList {
         object: "list".into(),
-        data: s.catalog().residency_rows(&f).await?,
+        data,
     }))
 }
 

@@ -136,7 +136,8 @@ impl HolderKind {
 /// One `segment_residency` row.
 #[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize, utoipa::ToSchema)]
 pub struct ResidencyRow {
-    /// The replica id or the worker name.
+    /// The replica id or the worker name (empty in a tenant's view: the
+    /// deployment's topology is the operator's).
     pub holder: String,
     /// Replica or worker.
     pub holder_kind: HolderKind,
@@ -436,13 +437,15 @@ impl Catalog {
             .collect())
     }
 
-    /// Every worker holding: (segment digest, worker), for a replica's holder view
-    /// at start-up and after a lost notification connection.
-    pub async fn worker_holders(&self) -> CatalogResult<Vec<(String, String)>> {
-        let rows = sqlx::query(
+    /// The `limit` newest worker holdings, newest first: (segment digest, worker),
+    /// for a replica's holder view at start-up and after a lost notification
+    /// connection.
+    pub async fn worker_holders(&self, limit: usize) -> CatalogResult<Vec<(String, String)>> {
+        let rows = sqlx::query(&format!(
             "SELECT entry_key, holder FROM segment_residency WHERE holder_kind = 'worker' \
-             ORDER BY updated_at",
-        )
+             ORDER BY updated_at DESC, holder, entry_key LIMIT {}",
+            limit.max(1)
+        ))
         .fetch_all(self.pool())
         .await?;
         Ok(rows.iter().map(|r| (r.get(0), r.get(1))).collect())

@@ -284,15 +284,15 @@ impl Directory {
 
     /// Reloads the holder view from the catalog (start-up, lost listener).
     pub async fn resync_holders(&self) {
-        match self.catalog.worker_holders().await {
+        match self.catalog.worker_holders(HOLDERS_CAP).await {
             Ok(rows) => {
                 let mut h = lock(&self.holders);
                 h.clear();
+                // Newest first: a segment held by several workers keeps the
+                // latest holder.
                 for (k, w) in rows {
                     if let Ok(d) = u128::from_str_radix(&k, 16) {
-                        if h.len() < HOLDERS_CAP {
-                            h.insert(d, w);
-                        }
+                        h.entry(d).or_insert(w);
                     }
                 }
             }

@@ -231,7 +231,7 @@ async fn worker_holdings_are_events_and_resync_rows(c: Catalog) {
         }
     );
     assert_eq!(
-        c.worker_holders().await.unwrap(),
+        c.worker_holders(10).await.unwrap(),
         vec![("0123abcd".to_string(), "10.0.0.1:9101".to_string())]
     );
     c.write_residency(&[ResidencyWrite::Drop {
@@ -245,7 +245,7 @@ async fn worker_holdings_are_events_and_resync_rows(c: Catalog) {
         rx.recv().await.unwrap(),
         CatalogEvent::Holder { held: false, .. }
     ));
-    assert!(c.worker_holders().await.unwrap().is_empty());
+    assert!(c.worker_holders(10).await.unwrap().is_empty());
 }
 
 async fn new_segment(c: &Catalog) -> String {

@@ -256,6 +256,11 @@ async fn serve_residency_single_replica_on_sqlite() {
     // The segment filter answers the same rows, by the tenant's id.
     let by_id = rows(&s, &s.token, "segment=doc").await;
     assert_eq!(by_id.len(), of_doc().await.len());
+    // A tenant sees no holder names and may not filter by them.
+    assert!(by_id.iter().all(|r| r["holder"] == ""), "{by_id:?}");
+    let (st, e) = s.get_as(Some(&s.token), "/v1/residency?holder=solo").await;
+    assert_eq!(st, 400, "{e}");
+    assert_eq!(e["error"]["param"], "holder");
     // Bad input is named.
     let (st, e) = s.get_as(Some(&s.token), "/v1/residency?limit=0").await;
     assert_eq!(st, 400, "{e}");

@@ -94,7 +94,10 @@ fn layout<T: Elem>(
     }
     let (hv, dk, dv) = (c.linear_v_heads, c.linear_k_dim, c.linear_v_dim);
     let conv_len = c.conv_dim() * c.conv_kernel.saturating_sub(1);
-    let kv = (tokens - body_start) * c.num_kv_heads * c.head_dim;
+    // `tokens` comes off the wire: an absurd count is an error, not an overflow.
+    let kv_bytes = (tokens - body_start)
+        .checked_mul(c.num_kv_heads * c.head_dim * std::mem::size_of::<T>())
+        .ok_or_else(|| format!("an entry of {tokens} tokens overflows the buffer sizes"))?;
     let mut out = Vec::new();
     for (i, m) in c.mixers.iter().enumerate() {
         if m.is_linear() {
@@ -102,8 +105,8 @@ fn layout<T: Elem>(
             out.push((4 * hv * dk * dv, false));
             out.push((4 * conv_len, false));
         } else if matches!(m, MixerKind::Attention) {
-            out.push((kv * std::mem::size_of::<T>(), true));
-            out.push((kv * std::mem::size_of::<T>(), true));
+            out.push((kv_bytes, true));
+            out.push((kv_bytes, true));
         } else {
             return Err(format!("layer {i}: mixer {m:?} has no GPU entry"));
         }

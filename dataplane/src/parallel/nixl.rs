@@ -1098,7 +1098,8 @@ mod transfer_tests {
     }
 
     /// A failed READ fails its segment (which the scatter moves on), turns NIXL off
-    /// for that worker, and the next task ships over TCP with the same bytes.
+    /// for that worker (the task's later entries fail without a READ), and the next
+    /// task ships over TCP with the same bytes.
     #[test]
     fn parallel_nixl_failed_read_fails_the_segment_then_tcp() {
         let fake = Arc::new(Fake::default());
@@ -1116,6 +1117,8 @@ mod transfer_tests {
             }
         }
         assert!(!nx.offers_nixl());
+        // The second entry failed at once, without a READ of its own.
+        assert_eq!(fake.reads.load(Ordering::Relaxed), 1);
         wait_until("the worker freed the acked frames", || {
             fake.table.lock().unwrap().is_empty()
         });

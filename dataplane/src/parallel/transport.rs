@@ -598,6 +598,10 @@ pub struct Tcp {
     nccl: Option<Arc<dyn NcclLink>>,
     /// The NCCL fallback was logged (once per transport).
     fallback_logged: AtomicBool,
+    /// A communicator failed to initialise with this worker: no more offers (an
+    /// initialisation that timed out leaves a thread blocked in NCCL; another
+    /// offer would leave one more).
+    nccl_off: AtomicBool,
     nixl: Option<Arc<NixlState>>,
 }
 
@@ -619,6 +623,7 @@ impl Tcp {
             max_frame,
             nccl: None,
             fallback_logged: AtomicBool::new(false),
+            nccl_off: AtomicBool::new(false),
             nixl: None,
         }
     }
@@ -726,6 +731,10 @@ impl TcpReplies {
                 e.bytes(),
                 self.max_frame
             ))
+        } else if st.off.load(Ordering::Relaxed) {
+            // An earlier READ failed: the rest of the task fails at once rather
+            // than wait out a timeout per entry.
+            Err("an earlier READ from this worker failed".to_string())
         } else {
             let t = Instant::now();
             st.reader
@@ -872,7 +881,11 @@ impl Transport for Tcp {
     fn start(&self, task: Task, timeout: Duration) -> Result<Box<dyn Replies>, TransportError> {
         let mut task = task;
         let mut session = None;
-        if let Some(link) = &self.nccl {
+        if let Some(link) = self
+            .nccl
+            .as_ref()
+            .filter(|_| !self.nccl_off.load(Ordering::Relaxed))
+        {
             match link.offer() {
                 Ok((offer, s)) => {
                     task.nccl = Some(offer);
@@ -906,7 +919,12 @@ impl Transport for Tcp {
                     Ok(()) => nccl = Some(session),
                     // The worker's side fails too (NCCL fails on both ranks, e.g.
                     // two ranks on one GPU) and then ships wire frames.
-                    Err(m) => self.fallback(&format!("NCCL initialisation failed: {m}")),
+                    Err(m) => {
+                        self.nccl_off.store(true, Ordering::Relaxed);
+                        self.fallback(&format!(
+                            "NCCL initialisation failed: {m}; no more offers to this worker"
+                        ))
+                    }
                 },
                 kind::NCCL_REFUSED => {
                     let why = serde_json::from_slice::<Failure>(&first.1)

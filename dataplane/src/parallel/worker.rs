@@ -194,6 +194,40 @@ impl Drop for Busy<'_> {
 /// How long a worker waits for the first frame of a new connection.
 const IDLE: Duration = Duration::from_secs(30);
 
+/// How long a worker waits for an NCCL communicator to initialise (NCCL's own
+/// initialisation has no deadline); past it the task ships wire frames.
+const NCCL_JOIN: Duration = Duration::from_secs(30);
+
+/// The one NCCL task a worker runs at a time (one communicator, one device): held
+/// by the task and by a join still blocked in NCCL, freed when both are gone.
+struct NcclSlot(Arc<AtomicBool>);
+impl NcclSlot {
+    /// The slot, or `None` while another task holds it.
+    fn take(flag: &Arc<AtomicBool>) -> Option<Arc<NcclSlot>> {
+        (!flag.swap(true, Ordering::AcqRel)).then(|| Arc::new(NcclSlot(flag.clone())))
+    }
+}
+impl Drop for NcclSlot {
+    fn drop(&mut self) {
+        self.0.store(false, Ordering::Release);
+    }
+}
+
+/// Joins `j`'s communicator on a thread of its own, waiting at most [`NCCL_JOIN`]; a
+/// join that times out keeps `slot` until NCCL returns.
+fn join_nccl<B: PicBackend>(j: Arc<dyn NcclJoiner<B>>, slot: Arc<NcclSlot>) -> Result<(), String> {
+    let (tx, rx) = std::sync::mpsc::channel();
+    std::thread::Builder::new()
+        .name("hypic-nccl-join".into())
+        .spawn(move || {
+            let _slot = slot;
+            let _ = tx.send(j.connect());
+        })
+        .map_err(|e| format!("cannot start a thread: {e}"))?;
+    rx.recv_timeout(NCCL_JOIN)
+        .unwrap_or_else(|_| Err(format!("no communicator within {} s", NCCL_JOIN.as_secs())))
+}
+
 /// Whether the peer of `s` closed the connection (a non-blocking peek).
 fn peer_closed(s: &TcpStream) -> bool {
     if s.set_nonblocking(true).is_err() {
@@ -345,6 +379,7 @@ fn serve_conn<B: PicBackend>(
     mut s: TcpStream,
     worker: &Worker<B>,
     nccl: Option<&dyn NcclJoin<B>>,
+    nccl_busy: &Arc<AtomicBool>,
     exposer: Option<&dyn RemoteExposer>,
 ) -> std::io::Result<()> {
     let _ = s.set_nodelay(true);
@@ -365,14 +400,18 @@ fn serve_conn<B: PicBackend>(
                 None => None,
                 Some(offer) => {
                     let j = match nccl {
-                        Some(n) => n.prepare(offer),
+                        Some(n) => match NcclSlot::take(nccl_busy) {
+                            Some(slot) => n.prepare(offer).map(|j| (j, slot)),
+                            None => Err("this worker is busy with another NCCL task".to_string()),
+                        },
                         None => Err("this worker was started without --nccl".to_string()),
                     };
                     match j {
-                        Ok(j) => {
+                        Ok((j, slot)) => {
                             write_frame(&mut s, kind::NCCL_READY, &[])?;
-                            match j.connect() {
-                                Ok(()) => Some(j),
+                            let j: Arc<dyn NcclJoiner<B>> = Arc::from(j);
+                            match join_nccl(j.clone(), slot.clone()) {
+                                Ok(()) => Some((j, slot)),
                                 // The combiner's side fails too and reads wire
                                 // frames (e.g. two ranks on one GPU).
                                 Err(e) => {
@@ -423,7 +462,7 @@ fn serve_conn<B: PicBackend>(
             };
             let held_ref = || held.as_ref().map(|(x, h)| (*x, h));
             match &joiner {
-                Some(j) => {
+                Some((j, _slot)) => {
                     let pack = |_: &SegmentTask, e: &[Arc<B::Entry>]| j.pack(e);
                     worker.run_task_with(&task, &cancelled, &pack, &mut |reply| {
                         write_reply::<B>(out, &reply, Some(&**j), None)
@@ -472,6 +511,7 @@ pub fn serve_tcp_with<B: PicBackend>(
     exposer: Option<Arc<dyn RemoteExposer>>,
 ) {
     let open = Arc::new(AtomicUsize::new(0));
+    let nccl_busy = Arc::new(AtomicBool::new(false));
     for conn in listener.incoming() {
         let Ok(s) = conn else { continue };
         if open.load(Ordering::Relaxed) >= max_conns {
@@ -480,15 +520,205 @@ pub fn serve_tcp_with<B: PicBackend>(
         }
         open.fetch_add(1, Ordering::Relaxed);
         let (w, n, link, x) = (worker.clone(), open.clone(), nccl.clone(), exposer.clone());
+        let busy = nccl_busy.clone();
         let spawned = std::thread::Builder::new()
             .name("hypic-worker-conn".into())
             .spawn(move || {
                 // Frees the slot however the connection ends (a panic included).
                 let _slot = Busy(&n);
-                let _ = serve_conn(s, &w, link.as_deref(), x.as_deref());
+                let _ = serve_conn(s, &w, link.as_deref(), &busy, x.as_deref());
             });
         if spawned.is_err() {
             open.fetch_sub(1, Ordering::Relaxed);
         }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    //! NCCL's protocol on the CPU backend, with fake communicators: one NCCL task at
+    //! a time per worker, and a combiner that stops offering after a failed join.
+    use std::sync::atomic::{AtomicUsize, Ordering};
+    use std::sync::{mpsc, Arc, Mutex};
+    use std::time::{Duration, Instant};
+
+    use super::*;
+    use crate::parallel::nccl::{EntryHeader, NcclOffer, ID_BYTES};
+    use crate::parallel::transport::{NcclLink, NcclSession, Tcp, Transport, DEFAULT_MAX_FRAME};
+    use crate::parallel::DeviceEntry;
+    use crate::pic::{PicBackend, PicEngine};
+
+    type Cpu = crate::pic::cpu::CpuBackend;
+
+    fn engine() -> Arc<PicEngine> {
+        let rel = "tests/fixtures/golden/qwen3_5";
+        let mut dir = std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join(rel);
+        if !dir.is_dir() {
+            dir = std::path::Path::new("dataplane").join(rel);
+        }
+        let model = crate::model::Model::load(&dir, &mut |_, _| {}).unwrap();
+        Arc::new(PicEngine::new(Arc::new(model), "w", 1 << 26, 0))
+    }
+
+    /// A worker-side NCCL whose joins wait for a verdict sent on `verdicts`.
+    struct FakeJoin {
+        verdicts: Arc<Mutex<mpsc::Receiver<Result<(), String>>>>,
+        prepared: AtomicUsize,
+    }
+    struct FakeJoiner(Arc<Mutex<mpsc::Receiver<Result<(), String>>>>);
+
+    impl NcclJoin<Cpu> for FakeJoin {
+        fn prepare(&self, _: &NcclOffer) -> Result<Box<dyn NcclJoiner<Cpu>>, String> {
+            self.prepared.fetch_add(1, Ordering::Relaxed);
+            Ok(Box::new(FakeJoiner(self.verdicts.clone())))
+        }
+    }
+    impl NcclJoiner<Cpu> for FakeJoiner {
+        fn connect(&self) -> Result<(), String> {
+            let rx = self.0.lock().unwrap();
+            rx.recv_timeout(Duration::from_secs(20))
+                .unwrap_or_else(|_| Err("no verdict".into()))
+        }
+        fn pack(&self, _: &[Arc<<Cpu as PicBackend>::Entry>]) -> Packed {
+            Err("fake".into())
+        }
+        fn headers(&self, _: &[Shipped]) -> Result<Vec<EntryHeader>, String> {
+            Err("fake".into())
+        }
+        fn send(&self, _: &[Shipped]) -> Result<(), String> {
+            Err("fake".into())
+        }
+    }
+
+    /// A worker on a loopback port with `join`; its address and model.
+    fn worker(join: Arc<FakeJoin>) -> (String, ModelFingerprint) {
+        let w = Arc::new(Worker::new(engine()));
+        let fp = w.engine().model_fingerprint();
+        let l = TcpListener::bind("127.0.0.1:0").unwrap();
+        let addr = l.local_addr().unwrap().to_string();
+        std::thread::spawn(move || serve_tcp_with(l, w, 8, Some(join), None));
+        (addr, fp)
+    }
+
+    fn task(fp: ModelFingerprint, nccl: bool) -> Task {
+        Task {
+            model: fp.hex(),
+            segments: vec![SegmentTask {
+                index: 0,
+                tokens: (0..20).collect(),
+                isolation: String::new(),
+                roles: vec![0],
+            }],
+            nccl: nccl.then(|| NcclOffer::new(&[7u8; ID_BYTES])),
+            nixl: None,
+        }
+    }
+
+    /// Sends `t` on a new connection and returns it with the first answer's kind
+    /// and body.
+    fn offer(addr: &str, t: &Task) -> (TcpStream, FrameReader, u8, Vec<u8>) {
+        let mut s = TcpStream::connect(addr).unwrap();
+        write_frame(&mut s, kind::TASK, &serde_json::to_vec(t).unwrap()).unwrap();
+        let mut r = FrameReader::new(DEFAULT_MAX_FRAME);
+        let (k, body, _) = r
+            .next(&mut s, Instant::now() + Duration::from_secs(20))
+            .unwrap()
+            .expect("an answer");
+        (s, r, k, body)
+    }
+
+    /// Reads frames until `DONE`; the kinds seen.
+    fn rest(s: &mut TcpStream, r: &mut FrameReader) -> Vec<u8> {
+        let mut kinds = Vec::new();
+        loop {
+            let (k, _, _) = r
+                .next(s, Instant::now() + Duration::from_secs(60))
+                .unwrap()
+                .expect("a frame");
+            kinds.push(k);
+            if k == kind::DONE {
+                return kinds;
+            }
+        }
+    }
+
+    /// While one task's communicator is joining, a second offer is refused as busy
+    /// (that task ships wire frames); once the first join ended, offers are taken
+    /// again.
+    #[test]
+    fn parallel_nccl_one_task_at_a_time_per_worker() {
+        let (tx, rx) = mpsc::channel();
+        let join = Arc::new(FakeJoin {
+            verdicts: Arc::new(Mutex::new(rx)),
+            prepared: AtomicUsize::new(0),
+        });
+        let (addr, fp) = worker(join.clone());
+        let t = task(fp, true);
+        let (mut s1, mut r1, k1, _) = offer(&addr, &t);
+        assert_eq!(k1, kind::NCCL_READY);
+        let (mut s2, mut r2, k2, body) = offer(&addr, &t);
+        assert_eq!(k2, kind::NCCL_REFUSED);
+        let f: Failure = serde_json::from_slice(&body).unwrap();
+        assert!(f.message.contains("busy"), "{}", f.message);
+        assert_eq!(rest(&mut s2, &mut r2), vec![kind::ENTRY, kind::DONE]);
+        assert_eq!(join.prepared.load(Ordering::Relaxed), 1);
+        // The first join fails: that task goes over TCP and frees the slot.
+        tx.send(Err("injected".into())).unwrap();
+        assert_eq!(rest(&mut s1, &mut r1), vec![kind::ENTRY, kind::DONE]);
+        let (_s3, _r3, k3, _) = offer(&addr, &t);
+        assert_eq!(k3, kind::NCCL_READY);
+        assert_eq!(join.prepared.load(Ordering::Relaxed), 2);
+        tx.send(Err("injected".into())).unwrap();
+    }
+
+    /// A combiner-side NCCL whose joins fail at once.
+    struct FailingLink(AtomicUsize);
+    struct FailingSession;
+    impl NcclLink for FailingLink {
+        fn offer(&self) -> Result<(NcclOffer, Box<dyn NcclSession>), String> {
+            self.0.fetch_add(1, Ordering::Relaxed);
+            Ok((NcclOffer::new(&[9u8; ID_BYTES]), Box::new(FailingSession)))
+        }
+    }
+    impl NcclSession for FailingSession {
+        fn connect(&mut self) -> Result<(), String> {
+            Err("injected".into())
+        }
+        fn receive(&mut self, _: &EntryHeader) -> Result<Box<dyn DeviceEntry>, String> {
+            Err("injected".into())
+        }
+    }
+
+    /// After a communicator failed to initialise, the combiner offers that worker
+    /// no more (each failed join may leave a thread blocked in NCCL); both tasks
+    /// still get their entries over TCP.
+    #[test]
+    fn parallel_nccl_failed_join_stops_the_offers() {
+        let (tx, rx) = mpsc::channel();
+        let join = Arc::new(FakeJoin {
+            verdicts: Arc::new(Mutex::new(rx)),
+            prepared: AtomicUsize::new(0),
+        });
+        tx.send(Err("injected".into())).unwrap();
+        let (addr, fp) = worker(join.clone());
+        let link = Arc::new(FailingLink(AtomicUsize::new(0)));
+        let t = Tcp::new(&addr, DEFAULT_MAX_FRAME).with_nccl(link.clone());
+        for _ in 0..2 {
+            let mut r = t.start(task(fp, false), Duration::from_secs(5)).unwrap();
+            let mut entries = 0;
+            loop {
+                match r.next(Instant::now() + Duration::from_secs(60)).unwrap() {
+                    Reply::Done => break,
+                    Reply::Entry { entries: e, .. } => {
+                        assert!(e.iter().all(|x| x.frame().is_some()));
+                        entries += 1
+                    }
+                    other => panic!("{other:?}"),
+                }
+            }
+            assert_eq!(entries, 1);
+        }
+        assert_eq!(link.0.load(Ordering::Relaxed), 1);
+        assert_eq!(join.prepared.load(Ordering::Relaxed), 1);
     }
 }
