@@ -133,6 +133,10 @@ export interface paths {
     /** One model */
     get: operations["model_one"];
   };
+  "/v1/residency": {
+    /** The residency directory: which replica or worker holds which entry (a tenant: its own namespace and the shared one, holders blank) */
+    get: operations["list_residency"];
+  };
   "/v1/responses": {
     /** OpenAI Responses API (non-stateful subset) with segment reuse: each input item is a segment */
     post: operations["responses"];
@@ -467,6 +471,11 @@ export interface components {
       /** @description Group whose members get read access. */
       group: string;
     };
+    /**
+     * @description Who holds an entry.
+     * @enum {string}
+     */
+    HolderKind: "replica" | "worker";
     /** @description One sample of the server's metrics (`MetricSample` in the OpenAPI document). */
     MetricSample: {
       /**
@@ -984,6 +993,13 @@ export interface components {
       /** @description Whether the entry is resident (any tier). */
       resident: boolean;
     };
+    /** @description Answer of `GET /v1/residency`. */
+    ResidencyList: {
+      /** @description The rows, newest change first. */
+      data: components["schemas"]["ResidencyRow"][];
+      /** @description `list`. */
+      object: string;
+    };
     /** @description Body of `POST /v1/admin/residency`: a worker reports an entry it holds. */
     ResidencyReport: {
       /**
@@ -1004,6 +1020,51 @@ export interface components {
       version: number;
       /** @description Worker id. */
       worker: string;
+    };
+    /** @description One `segment_residency` row. */
+    ResidencyRow: {
+      /**
+       * Format: int64
+       * @description Bytes in that tier (a worker's: bytes shipped).
+       */
+      bytes: number;
+      /**
+       * @description The digest the holder keys the entry by (hex): a replica's public-pool key
+       * (64 hex digits: content, isolation and body start), a worker's segment
+       * digest (32 hex digits: tokens and isolation).
+       */
+      entry_key: string;
+      /**
+       * @description The replica id or the worker name (empty in a tenant's view: the
+       * deployment's topology is the operator's).
+       */
+      holder: string;
+      /** @description Replica or worker. */
+      holder_kind: components["schemas"]["HolderKind"];
+      /** @description The namespace: `shared`, or the owner's account pseudonym. */
+      scope: string;
+      /**
+       * @description The catalog segment (address) the entry is a version of, when the replica
+       * knows it; `null` for inline segments and unknown ones.
+       */
+      segment_id?: string | null;
+      /** @description `primary` (the pool's own memory: device or host) or `spill` (host spill tier). */
+      tier: string;
+      /**
+       * Format: int64
+       * @description Tokens of the segment.
+       */
+      tokens: number;
+      /**
+       * Format: int64
+       * @description Last change, milliseconds since the Unix epoch.
+       */
+      updated_at: number;
+      /**
+       * Format: int64
+       * @description That segment's version.
+       */
+      version?: number | null;
     };
     /**
      * @description Role of a principal.
@@ -2687,6 +2748,50 @@ export interface operations {
         };
       };
       /** @description not the served model */
+      404: {
+        content: {
+          "application/json": components["schemas"]["ErrorBody"];
+        };
+      };
+    };
+  };
+  /** The residency directory: which replica or worker holds which entry (a tenant: its own namespace and the shared one, holders blank) */
+  list_residency: {
+    parameters: {
+      query?: {
+        /**
+         * @description Only entries of this catalog segment: the caller's id or an address it may
+         * read (404 otherwise).
+         */
+        segment?: string;
+        /**
+         * @description Only rows of this holder (a replica id or a worker name); operators only (a
+         * tenant gets 400).
+         */
+        holder?: string;
+        /** @description At most this many rows, 1 to 10000 (default 100). */
+        limit?: number;
+      };
+    };
+    responses: {
+      200: {
+        content: {
+          "application/json": components["schemas"]["ResidencyList"];
+        };
+      };
+      /** @description invalid input */
+      400: {
+        content: {
+          "application/json": components["schemas"]["ErrorBody"];
+        };
+      };
+      /** @description no or bad token */
+      401: {
+        content: {
+          "application/json": components["schemas"]["ErrorBody"];
+        };
+      };
+      /** @description no such segment, or not readable by the caller */
       404: {
         content: {
           "application/json": components["schemas"]["ErrorBody"];

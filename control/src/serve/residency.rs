@@ -83,6 +83,11 @@ pub struct Directory {
     /// Its counters.
     pub counters: DirectoryCounters,
     tasks: Mutex<Vec<tokio::task::AbortHandle>>,
+    /// Held by this replica's segment routes from the catalog change to their own
+    /// eviction, and by the event handler around its evictions: the route's
+    /// change event (delivered at commit) is acted on after the route evicted, so
+    /// the route's answer counts the entries its change evicted.
+    pub(crate) evict_gate: tokio::sync::Mutex<()>,
 }
 
 impl Drop for Directory {
@@ -119,6 +124,7 @@ impl Directory {
             resync: Arc::new(tokio::sync::Notify::new()),
             counters: DirectoryCounters::default(),
             tasks: Mutex::new(vec![]),
+            evict_gate: tokio::sync::Mutex::new(()),
         });
         let weak = Arc::downgrade(&d);
         let drain = rt.spawn(async move {
@@ -423,6 +429,7 @@ pub(crate) fn spawn_invalidator(
                     deleted,
                 })) => {
                     d.counters.segment_events.fetch_add(1, Ordering::Relaxed);
+                    let _gate = d.evict_gate.lock().await;
                     let n = super::segments::evict(&s, &address, (!deleted).then_some(version));
                     d.counters
                         .event_evictions
@@ -456,7 +463,10 @@ pub(crate) async fn resync_segments(s: &super::AppState, d: &Directory) {
                 continue;
             }
         };
-        let n = super::segments::evict(s, &a, keep);
+        let n = {
+            let _gate = d.evict_gate.lock().await;
+            super::segments::evict(s, &a, keep)
+        };
         d.counters
             .event_evictions
             .fetch_add(n as u64, Ordering::Relaxed);

@@ -720,6 +720,16 @@ pub struct ServedSegmentList {
     pub next: Option<String>,
 }
 
+/// The residency directory's eviction gate, for a route that changes a segment in
+/// the catalog and then evicts (see `Directory::evict_gate`); `None` without the
+/// directory.
+async fn evict_gate(s: &AppState) -> Option<tokio::sync::MutexGuard<'_, ()>> {
+    match &s.0.residency {
+        Some(d) => Some(d.evict_gate.lock().await),
+        None => None,
+    }
+}
+
 /// Evicts every known version of the segment at address `id` (only those older
 /// than `keep_from` when given) from the public pool, in every namespace it was
 /// used in.
@@ -948,6 +958,7 @@ async fn update_inner(
 ) -> Result<Response, ApiError> {
     let (v, tokens, pre) = prepare_body(s, body).await?;
     let u: UpdateSegment = catalog_body(&v)?;
+    let gate = evict_gate(s).await;
     let updated =
         s.0.control
             .segments()
@@ -955,6 +966,7 @@ async fn update_inner(
             .await?;
     let seg = updated.segment.clone();
     let evicted = evict(s, &seg.address, Some(seg.current_version));
+    drop(gate);
     s.0.why.record_superseded(
         &seg.address,
         seg.current_version - 1,
@@ -993,11 +1005,13 @@ pub async fn delete(
     if let Some(r) = bad_id(&id) {
         return r;
     }
+    let gate = evict_gate(&s).await;
     let d = match s.0.control.segments().delete(&p, &id).await {
         Ok(d) => d,
         Err(e) => return e.into_response(),
     };
     let evicted = evict(&s, &d.address, None);
+    drop(gate);
     Json(json!({
         "deleted": id, "address": d.address, "invalidated_entries": d.invalidated_entries,
         "hypic": {"evicted_entries": evicted},

@@ -59,7 +59,13 @@ async fn put(s: &Srv, id: &str, content: &str) -> Value {
 }
 
 fn request(id: &str) -> Value {
-    json!({"segments": [{"text": SYS}, {"id": id}, {"text": Q}], "max_tokens": 2})
+    request_after(SYS, id)
+}
+
+/// A request with `sys` before the segment: another first segment makes the
+/// segment's outcome come from the public pool, not from a cached prefix.
+fn request_after(sys: &str, id: &str) -> Value {
+    json!({"segments": [{"text": sys}, {"id": id}, {"text": Q}], "max_tokens": 2})
 }
 
 fn outcome(v: &Value, i: usize) -> String {
@@ -143,9 +149,14 @@ async fn serve_residency_two_replicas_over_postgres_stay_consistent() {
         "no row of replica-b after it built the segment's entries"
     );
 
-    // A second request on B hits: the entries are resident there.
+    // A second request on B, after another first segment, hits the entries
+    // resident there.
     let (_, r) = b
-        .post_as(&b.token, "/v1/completions", &request("doc"))
+        .post_as(
+            &b.token,
+            "/v1/completions",
+            &request_after("Answer briefly and cite the document.", "doc"),
+        )
         .await;
     assert_eq!(outcome(&r, 1), "hit", "{r}");
 
