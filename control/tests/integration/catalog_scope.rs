@@ -708,6 +708,7 @@ async fn migration_keeps_existing_segments_postgres() {
         .unwrap();
     for t in [
         "_sqlx_migrations",
+        "segment_residency",
         "policy_shadows",
         "tenant_usage",
         "segment_idempotency",
