@@ -602,7 +602,19 @@ pub struct Tcp {
     /// initialisation that timed out leaves a thread blocked in NCCL; another
     /// offer would leave one more).
     nccl_off: AtomicBool,
+    /// A task of this combiner uses an NCCL communicator with this worker (which
+    /// runs one at a time): further tasks go without an offer meanwhile, since a
+    /// refused offer leaves NCCL's bootstrap of its unique id waiting.
+    nccl_in_flight: Arc<AtomicBool>,
     nixl: Option<Arc<NixlState>>,
+}
+
+/// Marks [`Tcp::nccl_in_flight`] until dropped.
+struct NcclInFlight(Arc<AtomicBool>);
+impl Drop for NcclInFlight {
+    fn drop(&mut self) {
+        self.0.store(false, Ordering::Release);
+    }
 }
 
 /// A combiner's NIXL reader for one worker, and what was logged about it.
@@ -624,6 +636,7 @@ impl Tcp {
             nccl: None,
             fallback_logged: AtomicBool::new(false),
             nccl_off: AtomicBool::new(false),
+            nccl_in_flight: Arc::new(AtomicBool::new(false)),
             nixl: None,
         }
     }
@@ -706,15 +719,20 @@ struct TcpReplies {
     ahead: Option<(u8, Vec<u8>, Duration)>,
     /// The task's NCCL communicator, when the worker joined it.
     nccl: Option<Box<dyn NcclSession>>,
+    /// Held while `nccl` is in use (see [`Tcp::nccl_in_flight`]).
+    _nccl_in_flight: Option<NcclInFlight>,
     /// Set when this task offered NIXL.
     nixl: Option<Arc<NixlState>>,
+    /// A READ of this task failed: its later entries fail without one.
+    nixl_failed: bool,
     max_frame: usize,
 }
 
 impl TcpReplies {
     /// READs the entry a worker registered, acknowledges it (so the worker frees
     /// it, whatever the outcome) and answers the entry, or a failed segment when
-    /// the READ fails (NIXL is then off for this worker, logged once).
+    /// the READ fails (NIXL is then off for this worker, logged once, and the
+    /// task's later entries fail without a READ).
     fn read_remote(
         &mut self,
         st: &NixlState,
@@ -731,10 +749,10 @@ impl TcpReplies {
                 e.bytes(),
                 self.max_frame
             ))
-        } else if st.off.load(Ordering::Relaxed) {
-            // An earlier READ failed: the rest of the task fails at once rather
-            // than wait out a timeout per entry.
-            Err("an earlier READ from this worker failed".to_string())
+        } else if self.nixl_failed {
+            // An earlier READ of this task failed: the rest of it fails at once
+            // rather than wait out a timeout per entry.
+            Err("an earlier READ of this task failed".to_string())
         } else {
             let t = Instant::now();
             st.reader
@@ -752,6 +770,7 @@ impl TcpReplies {
                 transfer_ms: took.as_secs_f64() * 1e3,
             }),
             Err(why) => {
+                self.nixl_failed = true;
                 if !st.off.swap(true, Ordering::Relaxed) {
                     tracing::warn!(
                         worker = %self.name,
@@ -881,17 +900,21 @@ impl Transport for Tcp {
     fn start(&self, task: Task, timeout: Duration) -> Result<Box<dyn Replies>, TransportError> {
         let mut task = task;
         let mut session = None;
-        if let Some(link) = self
-            .nccl
-            .as_ref()
-            .filter(|_| !self.nccl_off.load(Ordering::Relaxed))
-        {
+        let mut in_flight = None;
+        if let Some(link) = self.nccl.as_ref().filter(|_| {
+            !self.nccl_off.load(Ordering::Relaxed)
+                && !self.nccl_in_flight.swap(true, Ordering::AcqRel)
+        }) {
+            in_flight = Some(NcclInFlight(self.nccl_in_flight.clone()));
             match link.offer() {
                 Ok((offer, s)) => {
                     task.nccl = Some(offer);
                     session = Some(s);
                 }
-                Err(e) => self.fallback(&e),
+                Err(e) => {
+                    in_flight = None;
+                    self.fallback(&e)
+                }
             }
         }
         let mut s = self.connect(timeout)?;
@@ -938,13 +961,17 @@ impl Transport for Tcp {
                 }
             }
         }
+        // The mark stays while the communicator is in use, i.e. with the replies.
+        let nccl_in_flight = nccl.as_ref().and(in_flight);
         Ok(Box::new(TcpReplies {
             stream: s,
             reader,
             name: self.addr.clone(),
             ahead,
             nccl,
+            _nccl_in_flight: nccl_in_flight,
             nixl,
+            nixl_failed: false,
             max_frame: self.max_frame,
         }))
     }

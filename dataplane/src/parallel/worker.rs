@@ -671,6 +671,65 @@ mod tests {
         tx.send(Err("injected".into())).unwrap();
     }
 
+    /// A combiner-side NCCL whose joins succeed (nothing is received: the fake
+    /// worker's packer fails every segment).
+    struct JoiningLink(AtomicUsize);
+    struct JoiningSession;
+    impl NcclLink for JoiningLink {
+        fn offer(&self) -> Result<(NcclOffer, Box<dyn NcclSession>), String> {
+            self.0.fetch_add(1, Ordering::Relaxed);
+            Ok((NcclOffer::new(&[5u8; ID_BYTES]), Box::new(JoiningSession)))
+        }
+    }
+    impl NcclSession for JoiningSession {
+        fn connect(&mut self) -> Result<(), String> {
+            Ok(())
+        }
+        fn receive(&mut self, _: &EntryHeader) -> Result<Box<dyn DeviceEntry>, String> {
+            Err("fake".into())
+        }
+    }
+
+    /// While one of its tasks uses a communicator with a worker, a combiner makes
+    /// that worker no further offer (a refused offer would leave NCCL's bootstrap
+    /// of its unique id waiting); once that task's replies are gone it offers
+    /// again.
+    #[test]
+    fn parallel_nccl_one_offer_in_flight_per_worker() {
+        let (tx, rx) = mpsc::channel();
+        let join = Arc::new(FakeJoin {
+            verdicts: Arc::new(Mutex::new(rx)),
+            prepared: AtomicUsize::new(0),
+        });
+        for _ in 0..2 {
+            tx.send(Ok(())).unwrap();
+        }
+        let (addr, fp) = worker(join.clone());
+        let link = Arc::new(JoiningLink(AtomicUsize::new(0)));
+        let t = Tcp::new(&addr, DEFAULT_MAX_FRAME).with_nccl(link.clone());
+        let a = t.start(task(fp, false), Duration::from_secs(5)).unwrap();
+        assert_eq!(link.0.load(Ordering::Relaxed), 1);
+        let mut b = t.start(task(fp, false), Duration::from_secs(5)).unwrap();
+        assert_eq!(
+            link.0.load(Ordering::Relaxed),
+            1,
+            "an offer while one is in use"
+        );
+        // Without an offer the task ships wire frames.
+        loop {
+            match b.next(Instant::now() + Duration::from_secs(60)).unwrap() {
+                Reply::Done => break,
+                Reply::Entry { entries, .. } => {
+                    assert!(entries.iter().all(|x| x.frame().is_some()))
+                }
+                other => panic!("{other:?}"),
+            }
+        }
+        drop(a);
+        let _c = t.start(task(fp, false), Duration::from_secs(5)).unwrap();
+        assert_eq!(link.0.load(Ordering::Relaxed), 2);
+    }
+
     /// A combiner-side NCCL whose joins fail at once.
     struct FailingLink(AtomicUsize);
     struct FailingSession;
