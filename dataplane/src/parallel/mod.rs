@@ -125,3 +125,22 @@ pub trait EntrySource: Send + Sync {
     /// engine checks it equals its own before decoding).
     fn model(&self) -> wire::ModelFingerprint;
 }
+
+/// The golden `qwen3_5` fixture on the CPU engine, for this module's tests: from
+/// the source tree this was built in or, for a test binary carried to another
+/// machine, from the current folder (the repository root).
+#[cfg(test)]
+pub(crate) fn golden_engine() -> std::sync::Arc<crate::pic::PicEngine> {
+    let rel = "tests/fixtures/golden/qwen3_5";
+    let mut dir = std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join(rel);
+    if !dir.is_dir() {
+        dir = std::path::Path::new("dataplane").join(rel);
+    }
+    let model = crate::model::Model::load(&dir, &mut |_, _| {}).expect("the golden fixture");
+    std::sync::Arc::new(crate::pic::PicEngine::new(
+        std::sync::Arc::new(model),
+        "w",
+        1 << 26,
+        0,
+    ))
+}

@@ -881,24 +881,10 @@ mod transfer_tests {
     use crate::parallel::transport::{Reply, SegmentTask, Task, Tcp, Transport, DEFAULT_MAX_FRAME};
     use crate::parallel::wire::{self, ModelFingerprint, WireError};
     use crate::parallel::worker::{serve_tcp_with, Worker};
-    use crate::pic::PicEngine;
-
-    /// The golden fixture, from the source tree this was built in or, for a test
-    /// binary carried to another machine, from the current folder (the repository
-    /// root).
-    fn engine() -> Arc<PicEngine> {
-        let rel = "tests/fixtures/golden/qwen3_5";
-        let mut dir = std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join(rel);
-        if !dir.is_dir() {
-            dir = std::path::Path::new("dataplane").join(rel);
-        }
-        let model = crate::model::Model::load(&dir, &mut |_, _| {}).unwrap();
-        Arc::new(PicEngine::new(Arc::new(model), "w", 1 << 26, 0))
-    }
 
     /// A worker on a free loopback port, answering NIXL offers through `exposer`.
     fn worker(exposer: Option<Arc<dyn RemoteExposer>>) -> (String, ModelFingerprint) {
-        let w = Arc::new(Worker::new(engine()));
+        let w = Arc::new(Worker::new(crate::parallel::golden_engine()));
         let fp = w.engine().model_fingerprint();
         let l = TcpListener::bind("127.0.0.1:0").unwrap();
         let addr = l.local_addr().unwrap().to_string();

@@ -544,21 +544,13 @@ mod tests {
 
     use super::*;
     use crate::parallel::nccl::{EntryHeader, NcclOffer, ID_BYTES};
-    use crate::parallel::transport::{NcclLink, NcclSession, Tcp, Transport, DEFAULT_MAX_FRAME};
+    use crate::parallel::transport::{
+        NcclLink, NcclSession, Replies, Tcp, Transport, DEFAULT_MAX_FRAME,
+    };
     use crate::parallel::DeviceEntry;
-    use crate::pic::{PicBackend, PicEngine};
+    use crate::pic::PicBackend;
 
     type Cpu = crate::pic::cpu::CpuBackend;
-
-    fn engine() -> Arc<PicEngine> {
-        let rel = "tests/fixtures/golden/qwen3_5";
-        let mut dir = std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join(rel);
-        if !dir.is_dir() {
-            dir = std::path::Path::new("dataplane").join(rel);
-        }
-        let model = crate::model::Model::load(&dir, &mut |_, _| {}).unwrap();
-        Arc::new(PicEngine::new(Arc::new(model), "w", 1 << 26, 0))
-    }
 
     /// A worker-side NCCL whose joins wait for a verdict sent on `verdicts`.
     struct FakeJoin {
@@ -592,7 +584,7 @@ mod tests {
 
     /// A worker on a loopback port with `join`; its address and model.
     fn worker(join: Arc<FakeJoin>) -> (String, ModelFingerprint) {
-        let w = Arc::new(Worker::new(engine()));
+        let w = Arc::new(Worker::new(crate::parallel::golden_engine()));
         let fp = w.engine().model_fingerprint();
         let l = TcpListener::bind("127.0.0.1:0").unwrap();
         let addr = l.local_addr().unwrap().to_string();
@@ -671,6 +663,22 @@ mod tests {
         tx.send(Err("injected".into())).unwrap();
     }
 
+    /// Reads a task's replies until `Done`: the number of segment entries, each of
+    /// which must be wire frames (not device entries).
+    fn wire_entries(r: &mut dyn Replies) -> usize {
+        let mut n = 0;
+        loop {
+            match r.next(Instant::now() + Duration::from_secs(60)).unwrap() {
+                Reply::Done => return n,
+                Reply::Entry { entries, .. } => {
+                    assert!(entries.iter().all(|x| x.frame().is_some()));
+                    n += 1
+                }
+                other => panic!("{other:?}"),
+            }
+        }
+    }
+
     /// A combiner-side NCCL whose joins succeed (nothing is received: the fake
     /// worker's packer fails every segment).
     struct JoiningLink(AtomicUsize);
@@ -716,15 +724,7 @@ mod tests {
             "an offer while one is in use"
         );
         // Without an offer the task ships wire frames.
-        loop {
-            match b.next(Instant::now() + Duration::from_secs(60)).unwrap() {
-                Reply::Done => break,
-                Reply::Entry { entries, .. } => {
-                    assert!(entries.iter().all(|x| x.frame().is_some()))
-                }
-                other => panic!("{other:?}"),
-            }
-        }
+        assert_eq!(wire_entries(&mut *b), 1);
         drop(a);
         let _c = t.start(task(fp, false), Duration::from_secs(5)).unwrap();
         assert_eq!(link.0.load(Ordering::Relaxed), 2);
@@ -764,18 +764,7 @@ mod tests {
         let t = Tcp::new(&addr, DEFAULT_MAX_FRAME).with_nccl(link.clone());
         for _ in 0..2 {
             let mut r = t.start(task(fp, false), Duration::from_secs(5)).unwrap();
-            let mut entries = 0;
-            loop {
-                match r.next(Instant::now() + Duration::from_secs(60)).unwrap() {
-                    Reply::Done => break,
-                    Reply::Entry { entries: e, .. } => {
-                        assert!(e.iter().all(|x| x.frame().is_some()));
-                        entries += 1
-                    }
-                    other => panic!("{other:?}"),
-                }
-            }
-            assert_eq!(entries, 1);
+            assert_eq!(wire_entries(&mut *r), 1);
         }
         assert_eq!(link.0.load(Ordering::Relaxed), 1);
         assert_eq!(join.prepared.load(Ordering::Relaxed), 1);
