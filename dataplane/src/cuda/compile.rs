@@ -120,9 +120,24 @@ pub const HASH: KernelSource = KernelSource {
     text: include_str!("../../kernels/hash.cu"),
 };
 
+/// Kimi Delta Attention: input preparation, forget gate, per-token recurrence,
+/// chunked prefill with `T_C`, sigmoid-gated norm (`kernels/kda.cu`, [`super::kda`]).
+pub const KDA: KernelSource = KernelSource {
+    name: "kda",
+    text: include_str!("../../kernels/kda.cu"),
+};
+
+/// Latent attention (MLA, NoPE): latent rows, absorbed queries, value expansion
+/// (`kernels/mla.cu`, `cuda/kimi.rs`).
+pub const MLA: KernelSource = KernelSource {
+    name: "mla",
+    text: include_str!("../../kernels/mla.cu"),
+};
+
 /// Every kernel module (used by the compile check and to warm the cache).
-pub const ALL: [KernelSource; 15] = [
-    NORM, ROPE, CONV, GDR, GDR_TC, ATTN, FLASH, FLASH_WG, MODEL, GEMV, MOE, SAMPLE, PIC, INIT, HASH,
+pub const ALL: [KernelSource; 17] = [
+    NORM, ROPE, CONV, GDR, GDR_TC, ATTN, FLASH, FLASH_WG, MODEL, GEMV, MOE, SAMPLE, PIC, INIT,
+    HASH, KDA, MLA,
 ];
 
 /// NVRTC target name for a compute capability: `sm_90a` for 9.0 (Hopper, so that

@@ -31,7 +31,9 @@ use cudarc::driver::{CudaViewMut, DeviceRepr, LaunchConfig, PushKernelArg};
 use safetensors::Dtype;
 
 use super::compile::INIT;
-use super::model::{check_config, AttnW, FfnPath, FfnW, GdnW, GpuModel, LayerW, MixerW, MlpW};
+use super::model::{
+    check_config, check_device_loader, AttnW, FfnPath, FfnW, GdnW, GpuModel, LayerW, MixerW, MlpW,
+};
 use super::random::check_moe_config;
 use super::{gdr, grid_for, moe, ops, CudaError, CudaSlice, Elem, Gpu, Result};
 use crate::config::{InProjLayout, MixerKind, ModelConfig};
@@ -399,6 +401,7 @@ where
         let t0 = Instant::now();
         let c = config;
         check_config(&c)?;
+        check_device_loader(&c)?;
         check_moe_config(&c)?;
         let g = &*gpu;
         let mut ld = Loader {

@@ -41,6 +41,8 @@ pub mod blas;
 pub mod compile;
 pub mod device;
 pub mod gdr;
+pub mod kda;
+pub(crate) mod kimi;
 pub mod load;
 pub mod model;
 pub mod moe;

@@ -53,6 +53,7 @@ use cudarc::cublas::{CudaBlas, Gemm};
 use cudarc::driver::{DevicePtr, LaunchConfig, PushKernelArg};
 
 use super::compile::MODEL;
+use super::kimi::{kda_in_width, kda_width, mla_in_width, mla_mid_width, KdaW, MlaW};
 use super::ops::NormKind;
 use super::transition::DensePair;
 use super::{
@@ -166,12 +167,20 @@ pub(crate) struct MoeW<T> {
     pub(crate) experts: Vec<MlpW<T>>,
     /// Shared expert and its gate `[1, hidden]`.
     pub(crate) shared: Option<(MlpW<T>, CudaSlice<T>)>,
+    /// Shared expert added without a gate (Kimi-Linear).
+    pub(crate) shared_plain: Option<MlpW<T>>,
+    /// Selection bias `[E]` of a biased router (host copy; routing runs on the host).
+    pub(crate) bias: Option<Vec<f32>>,
 }
 
 /// Device weights of one layer's token mixer (one variant per [`MixerKind`]).
 pub(crate) enum MixerW<T> {
     GatedDeltaNet(GdnW<T>),
     Attention(AttnW<T>),
+    /// Kimi Delta Attention (`super::kimi`).
+    Kda(KdaW<T>),
+    /// Latent attention without RoPE (`super::kimi`).
+    Mla(MlaW<T>),
 }
 
 pub(crate) enum FfnW<T> {
@@ -539,7 +548,7 @@ fn check_host_state(c: &ModelConfig, s: &ModelState) -> Result<()> {
     let row = c.num_kv_heads * c.head_dim;
     for (i, (l, k)) in s.layers.iter().zip(&c.mixers).enumerate() {
         match (l, k) {
-            (LayerState::Linear(ls), MixerKind::GatedDeltaNet) => {
+            (LayerState::Linear(ls), MixerKind::GatedDeltaNet | MixerKind::Kda) => {
                 if ls.conv.len() != conv_len || ls.recurrent.len() != rec_len {
                     return Err(shape_err(format!(
                         "layer {i} (linear): conv {} (want {conv_len}), recurrent {} (want {rec_len})",
@@ -548,7 +557,7 @@ fn check_host_state(c: &ModelConfig, s: &ModelState) -> Result<()> {
                     )));
                 }
             }
-            (LayerState::Full(kv), MixerKind::Attention) => {
+            (LayerState::Full(kv), MixerKind::Attention | MixerKind::Mla) => {
                 let n = kv.positions.len();
                 if kv.k.len() != n * row || kv.v.len() != n * row {
                     return Err(shape_err(format!(
@@ -619,14 +628,14 @@ impl<T: Elem> GpuState<T> {
         let mut layers = Vec::with_capacity(c.num_layers);
         for k in &c.mixers {
             layers.push(match k {
-                MixerKind::GatedDeltaNet => GpuLayerState::Linear {
+                MixerKind::GatedDeltaNet | MixerKind::Kda => GpuLayerState::Linear {
                     conv: gpu.zeros(conv_len)?,
                     recurrent: gpu.zeros(rec_len)?,
                 },
-                MixerKind::Attention => GpuLayerState::Full(GpuKv::with_capacity(gpu, row, 0)?),
-                m @ (MixerKind::Lightning | MixerKind::Kda | MixerKind::Mla) => {
-                    return Err(mixer_refused(c, *m))
+                MixerKind::Attention | MixerKind::Mla => {
+                    GpuLayerState::Full(GpuKv::with_capacity(gpu, row, 0)?)
                 }
+                m @ MixerKind::Lightning => return Err(mixer_refused(c, *m)),
             });
         }
         Ok(GpuState {
@@ -772,10 +781,15 @@ where
         Self::upload_with(gpu, model, FfnPath::Fused)
     }
 
-    /// [`GpuModel::upload`] with an explicit FFN implementation.
+    /// [`GpuModel::upload`] with an explicit FFN implementation. A MoE router other
+    /// than softmax top-k (Kimi-Linear's sigmoid rule with selection bias and groups)
+    /// and an ungated shared expert run only on [`FfnPath::HostRouted`] for now.
     pub fn upload_with(gpu: Arc<Gpu>, model: &Model, ffn_path: FfnPath) -> Result<Self> {
         let c = model.config.clone();
         check_config(&c)?;
+        if ffn_path == FfnPath::Fused {
+            check_fused_ffn(&c)?;
+        }
         let g = &*gpu;
         let h = c.hidden_size;
         want("embed_tokens", &model.embed, c.vocab_size * h)?;
@@ -847,6 +861,49 @@ where
                         o: up::<T>(g, &w.o)?,
                         q_norm: up_f32(g, &w.q_norm)?,
                         k_norm: up_f32(g, &w.k_norm)?,
+                    })
+                }
+                (Mixer::Kda(w), MixerKind::Kda) => {
+                    let p = format!("layers.{i}.self_attn");
+                    let (wd, d, nh) = (kda_width(&c), c.linear_k_dim, c.linear_v_heads);
+                    want(&format!("{p}.in_proj"), &w.w_in, kda_in_width(&c) * h)?;
+                    want(&format!("{p}.f_b_proj"), &w.f_b, wd * d)?;
+                    want(&format!("{p}.g_b_proj"), &w.g_b, wd * d)?;
+                    want(&format!("{p}.conv1d"), &w.conv, 3 * wd * c.conv_kernel)?;
+                    want(&format!("{p}.A_log"), &w.neg_a, nh)?;
+                    want(&format!("{p}.dt_bias"), &w.dt_bias, wd)?;
+                    want(&format!("{p}.o_norm"), &w.o_norm, d)?;
+                    want(&format!("{p}.o_proj"), &w.o_proj, h * wd)?;
+                    MixerW::Kda(KdaW {
+                        w_in: up::<T>(g, &w.w_in)?,
+                        f_b: up::<T>(g, &w.f_b)?,
+                        g_b: up::<T>(g, &w.g_b)?,
+                        conv: up_f32(g, &w.conv)?,
+                        neg_a: up_f32(g, &w.neg_a)?,
+                        dt_bias: up_f32(g, &w.dt_bias)?,
+                        o_norm: up_f32(g, &w.o_norm)?,
+                        o_proj: up::<T>(g, &w.o_proj)?,
+                    })
+                }
+                (Mixer::Mla(w), MixerKind::Mla) => {
+                    let p = format!("layers.{i}.self_attn");
+                    let m = c.mla;
+                    let (r, nope, vd) = (m.kv_lora_rank, m.qk_nope_head_dim, m.v_head_dim);
+                    want(&format!("{p}.q_proj"), &w.q, nh * m.qk_head_dim() * h)?;
+                    want(&format!("{p}.kv_a_proj_with_mqa"), &w.kv_a, m.row() * h)?;
+                    want(&format!("{p}.kv_a_layernorm"), &w.kv_norm, r)?;
+                    want(&format!("{p}.kv_b_proj (keys)"), &w.w_uk, nh * nope * r)?;
+                    want(&format!("{p}.kv_b_proj (values)"), &w.w_uv, nh * vd * r)?;
+                    want(&format!("{p}.o_proj"), &w.o, h * mla_mid_width(&c))?;
+                    let mut fused = Vec::with_capacity(mla_in_width(&c) * h);
+                    fused.extend_from_slice(&w.q);
+                    fused.extend_from_slice(&w.kv_a);
+                    MixerW::Mla(MlaW {
+                        w_in: up::<T>(g, &fused)?,
+                        kv_norm: up_f32(g, &w.kv_norm)?,
+                        w_uk: up::<T>(g, &w.w_uk)?,
+                        w_uv: up::<T>(g, &w.w_uv)?,
+                        o: up::<T>(g, &w.o)?,
                     })
                 }
                 _ => {
@@ -921,10 +978,21 @@ where
                         }
                         None => None,
                     };
+                    let shared_plain = match &m.shared_plain {
+                        Some(sm) => {
+                            Some(up_mlp(g, sm, h, &format!("layers.{i}.mlp.shared_experts"))?)
+                        }
+                        None => None,
+                    };
+                    if let Some(b) = &m.bias {
+                        want(&format!("layers.{i}.mlp.gate.bias"), b, e)?;
+                    }
                     FfnW::Moe(MoeW {
                         router: up::<T>(g, &m.router)?,
                         experts,
                         shared,
+                        shared_plain,
+                        bias: m.bias.clone(),
                     })
                 }
             };
@@ -1165,11 +1233,14 @@ where
         let row = c.num_kv_heads * c.head_dim;
         for (i, (l, k)) in state.layers.iter().zip(&c.mixers).enumerate() {
             match (l, k) {
-                (GpuLayerState::Linear { conv, recurrent }, MixerKind::GatedDeltaNet) => {
+                (
+                    GpuLayerState::Linear { conv, recurrent },
+                    MixerKind::GatedDeltaNet | MixerKind::Kda,
+                ) => {
                     check_len(&format!("layer {i} conv tail"), conv, conv_len)?;
                     check_len(&format!("layer {i} recurrent state"), recurrent, rec_len)?;
                 }
-                (GpuLayerState::Full(kv), MixerKind::Attention) => {
+                (GpuLayerState::Full(kv), MixerKind::Attention | MixerKind::Mla) => {
                     if kv.row != row {
                         return Err(shape_err(format!(
                             "layer {i}: KV row width {} but the model needs {row}",
@@ -1231,6 +1302,12 @@ where
                 (MixerW::Attention(w), GpuLayerState::Full(kv)) => self
                     .attention(w, &r, t, &pos_d, kv)
                     .map_err(|e| context(e, &format!("layer {i} attention mixer")))?,
+                (MixerW::Kda(w), GpuLayerState::Linear { conv, recurrent }) => self
+                    .kda(w, &r, t, conv, recurrent, body_from.map(|f| (f, &mut pair)))
+                    .map_err(|e| context(e, &format!("layer {i} KDA mixer")))?,
+                (MixerW::Mla(w), GpuLayerState::Full(kv)) => self
+                    .mla(w, &r, t, &pos_d, kv)
+                    .map_err(|e| context(e, &format!("layer {i} MLA mixer")))?,
                 _ => {
                     return Err(shape_err(format!(
                         "layer {i}: state kind does not match the layer"
@@ -1374,6 +1451,12 @@ where
                             (MixerW::Attention(w), GpuLayerState::Full(kv)) => self
                                 .attention(w, &r, t, &pos_d, kv)
                                 .map_err(|e| context(e, &format!("layer {l} attention mixer")))?,
+                            (MixerW::Kda(w), GpuLayerState::Linear { conv, recurrent }) => self
+                                .kda(w, &r, t, conv, recurrent, None)
+                                .map_err(|e| context(e, &format!("layer {l} KDA mixer")))?,
+                            (MixerW::Mla(w), GpuLayerState::Full(kv)) => self
+                                .mla(w, &r, t, &pos_d, kv)
+                                .map_err(|e| context(e, &format!("layer {l} MLA mixer")))?,
                             _ => {
                                 return Err(shape_err(format!(
                                     "layer {l}: state kind does not match the layer"
@@ -1399,6 +1482,8 @@ where
                         &w.o,
                         c.num_heads * c.head_dim,
                     ),
+                    MixerW::Kda(w) => (&w.w_in, kda_in_width(c), &w.o_proj, kda_width(c)),
+                    MixerW::Mla(w) => (&w.w_in, mla_in_width(c), &w.o, mla_mid_width(c)),
                 };
                 let mut proj: Scratch<T> = g.scratch(rows * n_in)?;
                 blas::linear(g, &r, rows, h, w_in, n_in, &mut proj, zero)?;
@@ -1419,6 +1504,12 @@ where
                             (MixerW::Attention(w), GpuLayerState::Full(kv), Some(pi)) => self
                                 .attn_core(w, &pj, t, pi, kv)
                                 .map_err(|e| context(e, &format!("layer {l} attention mixer")))?,
+                            (MixerW::Kda(w), GpuLayerState::Linear { conv, recurrent }, _) => self
+                                .kda_core(w, &pj, t, conv, recurrent, None)
+                                .map_err(|e| context(e, &format!("layer {l} KDA mixer")))?,
+                            (MixerW::Mla(w), GpuLayerState::Full(kv), Some(pi)) => self
+                                .mla_core(w, &pj, t, pi, kv)
+                                .map_err(|e| context(e, &format!("layer {l} MLA mixer")))?,
                             _ => {
                                 return Err(shape_err(format!(
                                     "layer {l}: state kind does not match the layer"
@@ -1644,6 +1735,41 @@ where
                         let qj = g.scratch_copy(&qkv.slice(j * fw..(j + 1) * fw))?;
                         let pj = g.scratch_copy(&pos_d.slice(j..j + 1))?;
                         let oj = self.attn_core(w, &qj, 1, &pj, kv)?;
+                        st.memcpy_dtod(&oj.slice(..ow), &mut o.slice_mut(j * ow..(j + 1) * ow))?;
+                    }
+                    let mut out: Scratch<T> = g.scratch(bsz * h)?;
+                    blas::linear(g, &o, bsz, ow, &w.o, h, &mut out, zero)?;
+                    out
+                }
+                MixerW::Kda(w) => {
+                    let (n_in, wd) = (kda_in_width(c), kda_width(c));
+                    let mut proj: Scratch<T> = g.scratch(bsz * n_in)?;
+                    blas::linear(g, &r, bsz, h, &w.w_in, n_in, &mut proj, zero)?;
+                    let mut core: Scratch<T> = g.scratch(bsz * wd)?;
+                    for (j, s) in states.iter_mut().enumerate() {
+                        let GpuLayerState::Linear { conv, recurrent } = &mut s.layers[i] else {
+                            return Err(shape_err(format!("layer {i}: state kind")));
+                        };
+                        let pj = g.scratch_copy(&proj.slice(j * n_in..(j + 1) * n_in))?;
+                        let cj = self.kda_core(w, &pj, 1, conv, recurrent, None)?;
+                        st.memcpy_dtod(&cj.slice(..wd), &mut core.slice_mut(j * wd..(j + 1) * wd))?;
+                    }
+                    let mut out: Scratch<T> = g.scratch(bsz * h)?;
+                    blas::linear(g, &core, bsz, wd, &w.o_proj, h, &mut out, zero)?;
+                    out
+                }
+                MixerW::Mla(w) => {
+                    let (n_in, ow) = (mla_in_width(c), mla_mid_width(c));
+                    let mut proj: Scratch<T> = g.scratch(bsz * n_in)?;
+                    blas::linear(g, &r, bsz, h, &w.w_in, n_in, &mut proj, zero)?;
+                    let mut o: Scratch<T> = g.scratch(bsz * ow)?;
+                    for (j, s) in states.iter_mut().enumerate() {
+                        let GpuLayerState::Full(kv) = &mut s.layers[i] else {
+                            return Err(shape_err(format!("layer {i}: state kind")));
+                        };
+                        let pj = g.scratch_copy(&proj.slice(j * n_in..(j + 1) * n_in))?;
+                        let pos = g.scratch_copy(&pos_d.slice(j..j + 1))?;
+                        let oj = self.mla_core(w, &pj, 1, &pos, kv)?;
                         st.memcpy_dtod(&oj.slice(..ow), &mut o.slice_mut(j * ow..(j + 1) * ow))?;
                     }
                     let mut out: Scratch<T> = g.scratch(bsz * h)?;
@@ -2223,14 +2349,14 @@ where
         let logits = download_f32(g, &lg, t * e)?;
         let mut per_expert: Vec<(Vec<i32>, Vec<f32>)> = vec![(vec![], vec![]); e];
         for ti in 0..t {
-            let mut p = logits[ti * e..(ti + 1) * e].to_vec();
-            crate::ops::softmax(&mut p);
-            let mut idx: Vec<usize> = (0..e).collect();
-            idx.sort_by(|&a, &b| p[b].total_cmp(&p[a]).then(a.cmp(&b)));
-            let top = &idx[..c.experts_per_tok.min(e)];
-            let sum: f32 = top.iter().map(|&j| p[j]).sum();
-            for &j in top {
-                let wgt = if c.norm_topk_prob { p[j] / sum } else { p[j] };
+            // The CPU backend's rule (`router::RouterConfig::route`: softmax top-k, or
+            // sigmoid with selection bias and grouped top-k), so the choices are its own.
+            for (j, wgt) in c.router.route(
+                &logits[ti * e..(ti + 1) * e],
+                m.bias.as_deref(),
+                c.experts_per_tok.min(e),
+                c.norm_topk_prob,
+            ) {
                 per_expert[j].0.push(ti as i32);
                 per_expert[j].1.push(wgt);
             }
@@ -2276,6 +2402,10 @@ where
             // SAFETY: matches `add_gated_rows_*`; out, y: [t, h], gl: [t].
             unsafe { b.launch(cfg1(t * h)) }?;
         }
+        if let Some(sm) = &m.shared_plain {
+            let y = self.mlp(sm, x, t)?;
+            self.add_inplace(&mut out, &y, t * h)?;
+        }
         Ok(out)
     }
 }
@@ -2291,8 +2421,7 @@ fn up_mlp<T: Elem>(g: &Gpu, m: &crate::model::Mlp, h: usize, name: &str) -> Resu
 }
 
 /// The error for a model with layers the CUDA backend has no kernels for yet:
-/// Lightning attention (Ring-linear), Kimi Delta Attention and latent attention
-/// (Kimi-Linear). The CPU backend runs them.
+/// Lightning attention (Ring-linear). The CPU backend runs them.
 pub(crate) fn mixer_refused(c: &ModelConfig, m: MixerKind) -> CudaError {
     let what = match m {
         MixerKind::Lightning => "Lightning attention",
@@ -2312,7 +2441,7 @@ pub(crate) fn unsupported_mixer(c: &ModelConfig) -> Option<MixerKind> {
     c.mixers
         .iter()
         .copied()
-        .find(|m| matches!(m, MixerKind::Lightning | MixerKind::Kda | MixerKind::Mla))
+        .find(|m| matches!(m, MixerKind::Lightning))
 }
 
 /// Configuration limits of the GPU forward.
@@ -2332,35 +2461,21 @@ pub(crate) fn check_config(c: &ModelConfig) -> Result<()> {
     if let Some(m) = unsupported_mixer(c) {
         return Err(mixer_refused(c, m));
     }
-    if c.norm != crate::config::NormStyle::ZeroCentred
-        || c.attn_proj != crate::config::AttnProjLayout::Split
-    {
+    if c.attn_proj != crate::config::AttnProjLayout::Split {
         return bad(format!(
-            "model_type {}: the CUDA backend reads only the Qwen checkpoint layout \
-             (zero-centred norms, split q/k/v projections); run it with --device cpu",
+            "model_type {}: the CUDA backend reads only split q/k/v attention \
+             projections; run it with --device cpu",
             c.model_type
         ));
     }
-    if c.num_experts > 0 && c.router != crate::router::RouterConfig::default() {
-        return bad(format!(
-            "model_type {}: the CUDA backend routes MoE tokens by softmax top-k only; \
-             this family's router ({:?} scores, selection bias {:?}, {} expert groups) \
-             runs on the CPU backend (--device cpu)",
-            c.model_type, c.router.score, c.router.selection_bias, c.router.n_group
-        ));
-    }
-    if c.num_experts > 0
-        && c.shared_expert_intermediate_size > 0
-        && c.names.shared_expert_gate.is_none()
-    {
-        return bad(format!(
-            "model_type {}: the CUDA backend supports only a sigmoid-gated shared expert; \
-             run this family on the CPU backend (--device cpu)",
-            c.model_type
-        ));
-    }
-    let has_full = c.mixers.contains(&MixerKind::Attention);
-    let has_linear = c.mixers.contains(&MixerKind::GatedDeltaNet);
+    let has_full = c
+        .mixers
+        .iter()
+        .any(|m| matches!(m, MixerKind::Attention | MixerKind::Mla));
+    let has_linear = c
+        .mixers
+        .iter()
+        .any(|m| matches!(m, MixerKind::GatedDeltaNet | MixerKind::Kda));
     if has_full {
         if c.num_kv_heads == 0 || !c.num_heads.is_multiple_of(c.num_kv_heads) {
             return bad(format!(
@@ -2395,7 +2510,54 @@ pub(crate) fn check_config(c: &ModelConfig) -> Result<()> {
             return bad("GDN head dims must be > 0".into());
         }
     }
+    if c.mixers.contains(&MixerKind::Kda)
+        && (c.linear_k_heads != c.linear_v_heads || c.linear_k_dim != c.linear_v_dim)
+    {
+        return bad("KDA needs as many key as value heads and dk = dv".into());
+    }
     Ok(())
+}
+
+/// Limits of the fused FFN path ([`FfnPath::Fused`]: routing on the device), which
+/// [`GpuModel::load`] and [`GpuModel::random`] always take.
+pub(crate) fn check_fused_ffn(c: &ModelConfig) -> Result<()> {
+    let bad = |m: String| Err(shape_err(m));
+    if c.num_experts > 0 && c.router != crate::router::RouterConfig::default() {
+        return bad(format!(
+            "model_type {}: the CUDA backend routes MoE tokens by softmax top-k only; \
+             this family's router ({:?} scores, selection bias {:?}, {} expert groups) \
+             runs on the CPU backend (--device cpu) or in a model uploaded with the \
+             host-routed FFN path",
+            c.model_type, c.router.score, c.router.selection_bias, c.router.n_group
+        ));
+    }
+    if c.num_experts > 0
+        && c.shared_expert_intermediate_size > 0
+        && c.names.shared_expert_gate.is_none()
+    {
+        return bad(format!(
+            "model_type {}: the CUDA backend supports only a sigmoid-gated shared expert; \
+             run this family on the CPU backend (--device cpu)",
+            c.model_type
+        ));
+    }
+    Ok(())
+}
+
+/// The checkpoint layouts the device loaders ([`GpuModel::load`],
+/// [`GpuModel::random`]) build: zero-centred norm weights (a plain-norm family such
+/// as Kimi-Linear is uploaded from a CPU [`Model`], which converts them), and
+/// [`check_fused_ffn`].
+pub(crate) fn check_device_loader(c: &ModelConfig) -> Result<()> {
+    if c.norm != crate::config::NormStyle::ZeroCentred {
+        return Err(shape_err(format!(
+            "model_type {}: the GPU loaders read only zero-centred norm weights; load \
+             the model on the host and upload it (GpuModel::upload), or run it with \
+             --device cpu",
+            c.model_type
+        )));
+    }
+    check_fused_ffn(c)
 }
 
 /// Generic gated delta rule recurrence (any `dk`, `dv`; `gdr_generic_*` in model.cu),

@@ -455,7 +455,7 @@ impl<T: Elem> GpuSegmentEntry<T> {
                         conv_len,
                     }
                 }
-                (EntryLayer::Full { k, v }, MixerKind::Attention) => {
+                (EntryLayer::Full { k, v }, MixerKind::Attention | MixerKind::Mla) => {
                     if k.len() != rows * row || v.len() != rows * row {
                         return bad(format!(
                             "layer {i}: K {} / V {} values, want {}",
@@ -735,7 +735,9 @@ where
             (
                 GpuLayerState::Full(kv),
                 GpuEntryLayer::Full { k, v, rows, row },
-                MixerKind::Attention,
+                // MLA (NoPE): no inverse frequencies, so its latent rows are appended
+                // as cached.
+                MixerKind::Attention | MixerKind::Mla,
             ) => {
                 let (rows, row) = (*rows, *row);
                 if rows == 0 {

@@ -12,7 +12,9 @@ use cudarc::cublas::{CudaBlas, Gemm};
 use cudarc::driver::{LaunchConfig, PushKernelArg};
 
 use super::compile::INIT;
-use super::model::{check_config, AttnW, FfnPath, FfnW, GdnW, GpuModel, LayerW, MixerW, MlpW};
+use super::model::{
+    check_config, check_device_loader, AttnW, FfnPath, FfnW, GdnW, GpuModel, LayerW, MixerW, MlpW,
+};
 use super::{gdr, grid_for, moe, ops, CudaError, CudaSlice, Elem, Gpu, Result};
 use crate::config::{MixerKind, ModelConfig};
 use crate::random::{self as rnd, ParamCounts};
@@ -173,6 +175,7 @@ where
     pub fn random(gpu: Arc<Gpu>, config: ModelConfig, seed: u64) -> Result<Self> {
         let c = config;
         check_config(&c)?;
+        check_device_loader(&c)?;
         check_moe_config(&c)?;
         let need = ParamCounts::of(&c).bytes(std::mem::size_of::<T>());
         let (free, total) = gpu.context().mem_get_info()?;
@@ -365,6 +368,17 @@ where
                     b(&w.w_in) + b(&w.conv) + b(&w.neg_a) + b(&w.dt_bias) + b(&w.norm) + b(&w.out)
                 }
                 MixerW::Attention(w) => b(&w.qkv) + b(&w.o) + b(&w.q_norm) + b(&w.k_norm),
+                MixerW::Kda(w) => {
+                    b(&w.w_in)
+                        + b(&w.f_b)
+                        + b(&w.g_b)
+                        + b(&w.conv)
+                        + b(&w.neg_a)
+                        + b(&w.dt_bias)
+                        + b(&w.o_norm)
+                        + b(&w.o_proj)
+                }
+                MixerW::Mla(w) => b(&w.w_in) + b(&w.kv_norm) + b(&w.w_uk) + b(&w.w_uv) + b(&w.o),
             };
             let mb = |m: &MlpW<T>| b(&m.gate_up) + b(&m.down);
             n += match &l.ffn {
@@ -373,6 +387,7 @@ where
                     b(&m.router)
                         + m.experts.iter().map(mb).sum::<usize>()
                         + m.shared.as_ref().map_or(0, |(s, g)| mb(s) + b(g))
+                        + m.shared_plain.as_ref().map_or(0, mb)
                 }
                 FfnW::MoeFused(m) => {
                     b(&m.router)

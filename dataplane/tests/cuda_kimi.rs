@@ -1,0 +1,823 @@
+//! Kimi-Linear (KDA + latent attention, `kimi_linear`) on the CUDA backend against
+//! the CPU reference (issue 19, GPU part).
+//!
+//! Built only with `--features cuda`. Without a usable CUDA device every test prints
+//! `skipped: …` and returns (it does not report a comparison it could not make).
+//!
+//! * KDA kernels (`cuda::kda`): the per-token kernel and the chunked kernel (with its
+//!   transition `T_C`) against the CPU `mixers::kda::{naive, chunk}` and against each
+//!   other, around every chunk edge, at the fixture's head dim (16), the real one
+//!   (128) and `dk ≠ dv`, with mild and strong decays; the bf16 instantiation on
+//!   bf16-rounded inputs.
+//! * The whole model on the transformers golden fixture
+//!   (`dataplane/tests/fixtures/golden/kimi_linear`: 3 KDA layers, 1 MLA layer, a
+//!   dense first layer, sigmoid-routed grouped MoE with a shared expert), uploaded
+//!   from the CPU `Model` with the host-routed FFN path (the device router does not
+//!   take the sigmoid rule yet): logits of every row at prompt lengths around the
+//!   16-token and 64-token path edges and ≥ 200 (f32), final states, decode steps,
+//!   span-split prefill, a host state uploaded mid-sequence, batched decode; bf16
+//!   argmax and 16 greedy tokens.
+//! * The GPU PIC engine against the CPU engine in every mode (full, prefix, naive,
+//!   HYPIC at w = 8 and with covering seams), and HYPIC with covering seams against
+//!   full recompute on the GPU itself.
+//!
+//! Error metric (as tests/cuda_model.rs): `max|gpu − cpu| / max(1, max|cpu|)`.
+//!
+//! Paths: the repository root is `$HYPIC_REPO_ROOT`, else the current folder or its
+//! parent when it holds `dataplane/tests/fixtures`, else the build-time checkout.
+
+#[cfg(feature = "cuda")]
+mod gpu {
+    use std::path::{Path, PathBuf};
+    use std::sync::{Arc, Mutex, MutexGuard, OnceLock};
+
+    use cudarc::cublas::{CudaBlas, Gemm};
+    use dataplane::cuda::model::{FfnPath, GpuModel};
+    use dataplane::cuda::pic::GpuPicEngine;
+    use dataplane::cuda::{kda, Elem, Gpu};
+    use dataplane::mixers::gated_deltanet::GdrDims;
+    use dataplane::mixers::kda::{chunk as cpu_chunk, naive as cpu_naive};
+    use dataplane::model::{Logits, Model};
+    use dataplane::pic::{Mode, PicEngine, SegmentRef};
+    use dataplane::sampling::argmax;
+    use dataplane::state::{LayerState, ModelState};
+    use half::bf16;
+    use rand::rngs::StdRng;
+    use rand::{Rng, SeedableRng};
+
+    /// f32 bound on logits (max-relative) of the GPU model against the CPU.
+    const F32_TOL: f64 = 3e-5;
+    /// f32 bound on states and on the kernels' outputs.
+    const F32_STATE_TOL: f64 = 1e-4;
+    /// Prompt lengths: around the recurrent/chunked switch (16) and the chunk (64),
+    /// and past 200.
+    const LENGTHS: [usize; 13] = [1, 3, 15, 16, 17, 63, 64, 65, 128, 129, 200, 257, 300];
+    const GREEDY: usize = 16;
+    const KIMI: &str = "kimi_linear";
+
+    /// The device, opened once, or why there is none (then each test prints
+    /// `skipped: …`). The lock serialises tests on the one stream.
+    fn gpu(test: &str) -> Option<(Arc<Gpu>, MutexGuard<'static, ()>)> {
+        static G: OnceLock<std::result::Result<Arc<Gpu>, String>> = OnceLock::new();
+        static L: Mutex<()> = Mutex::new(());
+        let guard = L.lock().unwrap_or_else(|e| e.into_inner());
+        let g = G.get_or_init(|| match std::panic::catch_unwind(|| Gpu::new(0)) {
+            Ok(Ok(g)) => {
+                println!("cuda_kimi: device {} ({})", g.name(), g.arch());
+                Ok(g)
+            }
+            Ok(Err(e)) => Err(e.to_string()),
+            Err(_) => Err("panic while loading the CUDA libraries".into()),
+        });
+        match g {
+            Ok(g) => Some((g.clone(), guard)),
+            Err(e) => {
+                println!("{test}: skipped: no usable CUDA device ({e})");
+                None
+            }
+        }
+    }
+
+    fn repo_root() -> PathBuf {
+        let probe = |p: &Path| p.join("dataplane/tests/fixtures/golden").is_dir();
+        let mut cands = vec![];
+        if let Some(p) = std::env::var_os("HYPIC_REPO_ROOT") {
+            cands.push(PathBuf::from(p));
+        }
+        if let Ok(cwd) = std::env::current_dir() {
+            cands.push(cwd.clone());
+            if let Some(p) = cwd.parent() {
+                cands.push(p.to_path_buf());
+            }
+        }
+        cands.push(PathBuf::from(env!("CARGO_MANIFEST_DIR")).join(".."));
+        cands
+            .into_iter()
+            .find(|p| probe(p))
+            .unwrap_or_else(|| PathBuf::from(env!("CARGO_MANIFEST_DIR")).join(".."))
+    }
+
+    fn kimi_model() -> Arc<Model> {
+        static M: OnceLock<Arc<Model>> = OnceLock::new();
+        M.get_or_init(|| {
+            let dir = repo_root()
+                .join("dataplane/tests/fixtures/golden")
+                .join(KIMI);
+            Arc::new(Model::load(&dir, &mut |_, _| {}).expect("kimi_linear fixture loads"))
+        })
+        .clone()
+    }
+
+    fn upload<T: Elem>(gpu: &Arc<Gpu>, m: &Model) -> Arc<GpuModel<T>>
+    where
+        CudaBlas: Gemm<T>,
+    {
+        Arc::new(
+            GpuModel::<T>::upload_with(gpu.clone(), m, FfnPath::HostRouted)
+                .expect("kimi_linear uploads"),
+        )
+    }
+
+    /// `max|a − b| / max(1, max|b|)` (b the reference).
+    fn err(a: &[f32], b: &[f32]) -> f64 {
+        assert_eq!(a.len(), b.len(), "lengths differ");
+        let scale = b.iter().fold(1f64, |m, x| m.max(x.abs() as f64));
+        let d = a
+            .iter()
+            .zip(b)
+            .fold(0f64, |m, (x, y)| m.max((*x as f64 - *y as f64).abs()));
+        if a.iter().any(|x| !x.is_finite()) {
+            return f64::INFINITY;
+        }
+        d / scale
+    }
+
+    /// Failures collected over one test, so that one GPU run reports all of them.
+    struct Report {
+        test: &'static str,
+        failures: Vec<String>,
+    }
+
+    impl Report {
+        fn new(test: &'static str) -> Self {
+            Report {
+                test,
+                failures: vec![],
+            }
+        }
+        fn check(&mut self, what: String, e: f64, tol: f64) {
+            let ok = e <= tol;
+            println!(
+                "  {what}: {e:.3e} (tol {tol:.0e}) {}",
+                if ok { "ok" } else { "FAIL" }
+            );
+            if !ok {
+                self.failures.push(format!("{what}: {e:.3e} > {tol:.0e}"));
+            }
+        }
+        fn fail(&mut self, m: String) {
+            println!("  FAIL {m}");
+            self.failures.push(m);
+        }
+        fn finish(self) {
+            assert!(
+                self.failures.is_empty(),
+                "{}: {} failure(s):\n{}",
+                self.test,
+                self.failures.len(),
+                self.failures.join("\n")
+            );
+        }
+    }
+
+    /// Recurrence inputs as the CPU tests make them: q, k L2-normalised (q scaled),
+    /// v in [−1, 1), g in [g_lo, 0] per channel, β in (0.05, 0.95), a random state.
+    struct Case {
+        d: GdrDims,
+        q: Vec<f32>,
+        k: Vec<f32>,
+        v: Vec<f32>,
+        g: Vec<f32>,
+        beta: Vec<f32>,
+        s0: Vec<f32>,
+    }
+
+    fn case(d: GdrDims, g_lo: f32, seed: u64) -> Case {
+        let mut rng = StdRng::seed_from_u64(seed);
+        let mut u = |n: usize, a: f32, b: f32| -> Vec<f32> {
+            (0..n).map(|_| rng.random_range(a..b)).collect()
+        };
+        let mut q = u(d.t * d.hk * d.dk, -1.0, 1.0);
+        let mut k = u(d.t * d.hk * d.dk, -1.0, 1.0);
+        for x in [&mut q, &mut k] {
+            for row in x.chunks_exact_mut(d.dk) {
+                let r = 1.0 / (row.iter().map(|v| v * v).sum::<f32>() + 1e-6).sqrt();
+                row.iter_mut().for_each(|v| *v *= r);
+            }
+        }
+        let scale = (d.dk as f32).powf(-0.5);
+        q.iter_mut().for_each(|v| *v *= scale);
+        Case {
+            q,
+            k,
+            v: u(d.t * d.hv * d.dv, -1.0, 1.0),
+            g: u(d.t * d.hv * d.dk, g_lo, 0.0),
+            beta: u(d.t * d.hv, 0.05, 0.95),
+            s0: u(d.hv * d.dk * d.dv, -0.5, 0.5),
+            d,
+        }
+    }
+
+    fn round_bf16(v: &[f32]) -> Vec<f32> {
+        v.iter().map(|x| bf16::from_f32(*x).to_f32()).collect()
+    }
+
+    /// GPU kernel run: (output, final state, transition when asked).
+    fn gpu_run<T: Elem>(
+        gpu: &Gpu,
+        c: &Case,
+        chunked: Option<usize>,
+        with_t: bool,
+    ) -> dataplane::cuda::Result<(Vec<f32>, Vec<f32>, Vec<f32>)> {
+        let d = &c.d;
+        let up = |v: &[f32]| gpu.upload(&v.iter().map(|x| T::from_f32(*x)).collect::<Vec<T>>());
+        let (q, k, v) = (up(&c.q)?, up(&c.k)?, up(&c.v)?);
+        let (g, beta) = (gpu.upload(&c.g)?, gpu.upload(&c.beta)?);
+        let mut s = gpu.upload(&c.s0)?;
+        let mut o = gpu.zeros::<T>(d.t * d.hv * d.dv)?;
+        let mut tr = None;
+        match chunked {
+            None => kda::recurrent(gpu, d, &q, &k, &v, &g, &beta, &mut s, &mut o)?,
+            Some(ch) => {
+                let mut eye = vec![0f32; d.hv * d.dk * d.dk];
+                for h in 0..d.hv {
+                    for i in 0..d.dk {
+                        eye[(h * d.dk + i) * d.dk + i] = 1.0;
+                    }
+                }
+                let mut t = gpu.upload(&eye)?;
+                kda::chunked(
+                    gpu,
+                    d,
+                    &q,
+                    &k,
+                    &v,
+                    &g,
+                    &beta,
+                    &mut s,
+                    &mut o,
+                    with_t.then_some(&mut t),
+                    ch,
+                )?;
+                tr = Some(t);
+            }
+        }
+        let out: Vec<f32> = gpu.download(&o)?.into_iter().map(Elem::to_f32).collect();
+        let st = gpu.download(&s)?;
+        let t = match (tr, with_t) {
+            (Some(t), true) => gpu.download(&t)?,
+            _ => vec![],
+        };
+        Ok((out, st, t))
+    }
+
+    /// The per-token and the chunked KDA kernels against the CPU naive recurrence
+    /// and chunked `T_C`, and against each other, around every chunk edge.
+    #[test]
+    fn kda_kernels_match_cpu_and_each_other() {
+        let Some((gpu, _l)) = gpu("kda_kernels_match_cpu_and_each_other") else {
+            return;
+        };
+        let mut rep = Report::new("kda_kernels_match_cpu_and_each_other");
+        let shapes = [(4, 4, 16, 16), (2, 2, 128, 128), (1, 2, 32, 64)];
+        let lens = [1usize, 5, 16, 63, 64, 65, 129, 200];
+        for (si, &(hk, hv, dk, dv)) in shapes.iter().enumerate() {
+            for &t in &lens {
+                for g_lo in [-1.0f32, -8.0] {
+                    let d = GdrDims { t, hk, hv, dk, dv };
+                    let c = case(d, g_lo, (si * 1000 + t) as u64);
+                    let label = format!("Hk {hk} Hv {hv} dk {dk} dv {dv} T {t} g≥{g_lo}");
+                    let mut s_ref = c.s0.clone();
+                    let o_ref =
+                        cpu_naive::recurrent(&d, &c.q, &c.k, &c.v, &c.g, &c.beta, &mut s_ref);
+                    let mut s_c = c.s0.clone();
+                    let (_, t_ref) = cpu_chunk::chunked_with_transition(
+                        &d,
+                        &c.q,
+                        &c.k,
+                        &c.v,
+                        &c.g,
+                        &c.beta,
+                        &mut s_c,
+                        cpu_chunk::KDA_CHUNK,
+                    );
+                    let rec = gpu_run::<f32>(&gpu, &c, None, false);
+                    let chk = gpu_run::<f32>(&gpu, &c, Some(kda::CHUNK), true);
+                    let (rec, chk) = match (rec, chk) {
+                        (Ok(a), Ok(b)) => (a, b),
+                        (Err(e), _) | (_, Err(e)) => {
+                            rep.fail(format!("{label}: kernel error {e}"));
+                            continue;
+                        }
+                    };
+                    rep.check(
+                        format!("{label} recurrent o vs CPU naive"),
+                        err(&rec.0, &o_ref),
+                        F32_STATE_TOL,
+                    );
+                    rep.check(
+                        format!("{label} recurrent S vs CPU naive"),
+                        err(&rec.1, &s_ref),
+                        F32_STATE_TOL,
+                    );
+                    rep.check(
+                        format!("{label} chunked o vs CPU naive"),
+                        err(&chk.0, &o_ref),
+                        F32_STATE_TOL,
+                    );
+                    rep.check(
+                        format!("{label} chunked S vs CPU naive"),
+                        err(&chk.1, &s_ref),
+                        F32_STATE_TOL,
+                    );
+                    rep.check(
+                        format!("{label} chunked o vs recurrent kernel"),
+                        err(&chk.0, &rec.0),
+                        F32_STATE_TOL,
+                    );
+                    rep.check(
+                        format!("{label} chunked T_C vs CPU chunked"),
+                        err(&chk.2, &t_ref),
+                        F32_STATE_TOL,
+                    );
+                    // The chunked kernel without the transition gives the same output.
+                    match gpu_run::<f32>(&gpu, &c, Some(kda::CHUNK), false) {
+                        Ok(plain) => {
+                            if plain.0 != chk.0 || plain.1 != chk.1 {
+                                rep.fail(format!("{label}: chunked with and without T_C differ"));
+                            }
+                        }
+                        Err(e) => rep.fail(format!("{label}: chunked without T_C: {e}")),
+                    }
+                }
+            }
+        }
+        // Small chunks: many chunk boundaries in one span.
+        let d = GdrDims {
+            t: 77,
+            hk: 4,
+            hv: 4,
+            dk: 16,
+            dv: 16,
+        };
+        let c = case(d, -2.0, 5);
+        let mut s_ref = c.s0.clone();
+        let o_ref = cpu_naive::recurrent(&d, &c.q, &c.k, &c.v, &c.g, &c.beta, &mut s_ref);
+        for ch in [1usize, 7, 16] {
+            match gpu_run::<f32>(&gpu, &c, Some(ch), true) {
+                Ok((o, s, _)) => {
+                    rep.check(
+                        format!("chunk {ch}: o vs CPU naive"),
+                        err(&o, &o_ref),
+                        F32_STATE_TOL,
+                    );
+                    rep.check(
+                        format!("chunk {ch}: S vs CPU naive"),
+                        err(&s, &s_ref),
+                        F32_STATE_TOL,
+                    );
+                }
+                Err(e) => rep.fail(format!("chunk {ch}: {e}")),
+            }
+        }
+        // bf16 instantiation on bf16-rounded inputs (state fp32, output rounded).
+        let d = GdrDims {
+            t: 130,
+            hk: 2,
+            hv: 2,
+            dk: 128,
+            dv: 128,
+        };
+        let mut c = case(d, -1.0, 9);
+        c.q = round_bf16(&c.q);
+        c.k = round_bf16(&c.k);
+        c.v = round_bf16(&c.v);
+        let mut s_ref = c.s0.clone();
+        let o_ref = cpu_naive::recurrent(&d, &c.q, &c.k, &c.v, &c.g, &c.beta, &mut s_ref);
+        for (name, ch) in [("recurrent", None), ("chunked", Some(kda::CHUNK))] {
+            match gpu_run::<bf16>(&gpu, &c, ch, false) {
+                Ok((o, s, _)) => {
+                    rep.check(
+                        format!("bf16 {name}: o vs CPU naive"),
+                        err(&o, &o_ref),
+                        1e-2,
+                    );
+                    rep.check(
+                        format!("bf16 {name}: S vs CPU naive"),
+                        err(&s, &s_ref),
+                        F32_STATE_TOL,
+                    );
+                }
+                Err(e) => rep.fail(format!("bf16 {name}: {e}")),
+            }
+        }
+        rep.finish();
+    }
+
+    fn tokens(n: usize, seed: u64, vocab: usize) -> Vec<u32> {
+        let mut rng = StdRng::seed_from_u64(seed);
+        (0..n).map(|_| rng.random_range(0..vocab as u32)).collect()
+    }
+
+    /// Per-layer errors of two host states (recurrent, conv tail, KV).
+    fn state_err(g: &ModelState, c: &ModelState) -> Vec<(String, f64)> {
+        let mut v = vec![];
+        for (i, (a, b)) in g.layers.iter().zip(&c.layers).enumerate() {
+            match (a, b) {
+                (LayerState::Linear(a), LayerState::Linear(b)) => {
+                    v.push((
+                        format!("layer {i} KDA state"),
+                        err(&a.recurrent, &b.recurrent),
+                    ));
+                    v.push((format!("layer {i} conv tail"), err(&a.conv, &b.conv)));
+                }
+                (LayerState::Full(a), LayerState::Full(b)) => {
+                    if a.positions != b.positions {
+                        v.push((format!("layer {i} KV positions"), f64::INFINITY));
+                    } else {
+                        v.push((format!("layer {i} MLA rows (K)"), err(&a.k, &b.k)));
+                        v.push((format!("layer {i} MLA rows (V)"), err(&a.v, &b.v)));
+                    }
+                }
+                _ => v.push((format!("layer {i} kind"), f64::INFINITY)),
+            }
+        }
+        v
+    }
+
+    /// f32: logits of every row and the final states at every prompt length, then
+    /// decode steps; bf16: argmax of every row within a near tie.
+    #[test]
+    fn model_matches_cpu_at_prompt_lengths() {
+        let Some((gpu, _l)) = gpu("model_matches_cpu_at_prompt_lengths") else {
+            return;
+        };
+        let mut rep = Report::new("model_matches_cpu_at_prompt_lengths");
+        let m = kimi_model();
+        let vocab = m.config.vocab_size;
+        let g32 = upload::<f32>(&gpu, &m);
+        let g16 = upload::<bf16>(&gpu, &m);
+        for &n in &LENGTHS {
+            let toks = tokens(n, n as u64, vocab);
+            let mut cs = m.new_state();
+            let cpu = m.prefill(&toks, &mut cs, Logits::All).unwrap().logits;
+            let mut gs = g32.new_state().unwrap();
+            match g32.prefill(&toks, &mut gs, Logits::All) {
+                Ok(l) => rep.check(
+                    format!("f32 T {n}: logits (all rows)"),
+                    err(&l, &cpu),
+                    F32_TOL,
+                ),
+                Err(e) => {
+                    rep.fail(format!("f32 T {n}: prefill: {e}"));
+                    continue;
+                }
+            }
+            match gs.to_host() {
+                Ok(h) => {
+                    for (what, e) in state_err(&h, &cs) {
+                        rep.check(format!("f32 T {n}: {what}"), e, F32_STATE_TOL);
+                    }
+                }
+                Err(e) => rep.fail(format!("f32 T {n}: to_host: {e}")),
+            }
+            // Four decode steps from there.
+            let mut tok = argmax(&cpu[(n - 1) * vocab..]);
+            for step in 0..4 {
+                let c = m.decode(tok, &mut cs).unwrap();
+                match g32.decode(tok, &mut gs) {
+                    Ok(g) => rep.check(
+                        format!("f32 T {n}: decode step {step}"),
+                        err(&g, &c),
+                        F32_TOL,
+                    ),
+                    Err(e) => rep.fail(format!("f32 T {n}: decode: {e}")),
+                }
+                tok = argmax(&c);
+            }
+            let mut bs = g16.new_state().unwrap();
+            match g16.prefill(&toks, &mut bs, Logits::All) {
+                Ok(l) => {
+                    let (mut same, mut ties) = (0, 0);
+                    for r in 0..n {
+                        let (a, b) = (
+                            &l[r * vocab..(r + 1) * vocab],
+                            &cpu[r * vocab..(r + 1) * vocab],
+                        );
+                        if argmax(a) == argmax(b) {
+                            same += 1;
+                        } else if b[argmax(a) as usize]
+                            >= b[argmax(b) as usize] - 0.05 * gap_scale(b)
+                        {
+                            ties += 1;
+                        }
+                    }
+                    println!(
+                        "  bf16 T {n}: argmax equal on {same}/{n} rows ({ties} near ties), logits err {:.3e}",
+                        err(&l, &cpu)
+                    );
+                    if same + ties < n {
+                        rep.fail(format!(
+                            "bf16 T {n}: argmax differs on {} rows",
+                            n - same - ties
+                        ));
+                    }
+                }
+                Err(e) => rep.fail(format!("bf16 T {n}: prefill: {e}")),
+            }
+        }
+        rep.finish();
+    }
+
+    /// `max(1, max|l|)`: the scale of a near tie.
+    fn gap_scale(l: &[f32]) -> f32 {
+        l.iter().fold(1f32, |a, x| a.max(x.abs()))
+    }
+
+    /// Greedy 16 tokens after a 200-token prompt: f32 and bf16 against the CPU (a
+    /// difference after a near tie of the CPU's logits is reported, not failed).
+    #[test]
+    fn greedy_tokens_match_cpu() {
+        let Some((gpu, _l)) = gpu("greedy_tokens_match_cpu") else {
+            return;
+        };
+        let mut rep = Report::new("greedy_tokens_match_cpu");
+        let m = kimi_model();
+        let vocab = m.config.vocab_size;
+        let toks = tokens(200, 77, vocab);
+        let mut cs = m.new_state();
+        let mut l = m.prefill(&toks, &mut cs, Logits::Last).unwrap().logits;
+        let mut cpu = vec![];
+        for _ in 0..GREEDY {
+            let t = argmax(&l);
+            let mut s = l.clone();
+            s.sort_by(|a, b| b.total_cmp(a));
+            cpu.push((t, (s[0] - s[1]) / gap_scale(&l)));
+            l = m.decode(t, &mut cs).unwrap();
+        }
+        fn run<T: Elem>(
+            g: &GpuModel<T>,
+            toks: &[u32],
+            n: usize,
+        ) -> dataplane::cuda::Result<Vec<u32>>
+        where
+            CudaBlas: Gemm<T>,
+        {
+            let mut s = g.new_state()?;
+            let mut l = g.prefill(toks, &mut s, Logits::Last)?;
+            let mut out = vec![];
+            for _ in 0..n {
+                let t = argmax(&l);
+                out.push(t);
+                l = g.decode(t, &mut s)?;
+            }
+            Ok(out)
+        }
+        let ct: Vec<u32> = cpu.iter().map(|x| x.0).collect();
+        for (name, got, tie) in [
+            ("f32", run(&upload::<f32>(&gpu, &m), &toks, GREEDY), 1e-4f32),
+            ("bf16", run(&upload::<bf16>(&gpu, &m), &toks, GREEDY), 0.05),
+        ] {
+            match got {
+                Ok(g) => {
+                    println!("  {name} greedy: cpu {ct:?} gpu {g:?}");
+                    if let Some(i) = ct.iter().zip(&g).position(|(a, b)| a != b) {
+                        if cpu[i].1 < tie {
+                            println!(
+                                "  {name}: differs at {i} after a near tie (gap {:.2e})",
+                                cpu[i].1
+                            );
+                        } else {
+                            rep.fail(format!(
+                                "{name} greedy differs at step {i} (cpu gap {:.2e})",
+                                cpu[i].1
+                            ));
+                        }
+                    }
+                }
+                Err(e) => rep.fail(format!("{name}: {e}")),
+            }
+        }
+        rep.finish();
+    }
+
+    /// A prefill split in spans (across the path edges) equals one shot; a host
+    /// state uploaded mid-sequence continues as the CPU; a batched decode equals
+    /// single decodes.
+    #[test]
+    fn spans_host_states_and_batched_decode() {
+        let Some((gpu, _l)) = gpu("spans_host_states_and_batched_decode") else {
+            return;
+        };
+        let mut rep = Report::new("spans_host_states_and_batched_decode");
+        let m = kimi_model();
+        let vocab = m.config.vocab_size;
+        let g = upload::<f32>(&gpu, &m);
+        let toks = tokens(230, 5, vocab);
+        let mut one = g.new_state().unwrap();
+        let whole = g.prefill(&toks, &mut one, Logits::Last).unwrap();
+        let mut sp = g.new_state().unwrap();
+        let mut last = vec![];
+        let mut a = 0;
+        for len in [1usize, 15, 16, 64, 3, 70, 61] {
+            last = g.prefill(&toks[a..a + len], &mut sp, Logits::Last).unwrap();
+            a += len;
+        }
+        assert_eq!(a, toks.len());
+        rep.check(
+            "spans vs one shot: logits".into(),
+            err(&last, &whole),
+            F32_TOL,
+        );
+        let (h1, h2) = (one.to_host().unwrap(), sp.to_host().unwrap());
+        for (what, e) in state_err(&h2, &h1) {
+            rep.check(format!("spans vs one shot: {what}"), e, F32_STATE_TOL);
+        }
+        // A CPU state after 100 tokens, uploaded, continued on the GPU.
+        let mut cs = m.new_state();
+        m.prefill(&toks[..100], &mut cs, Logits::None).unwrap();
+        let mut gs = match g.state_from_host(&cs) {
+            Ok(s) => s,
+            Err(e) => {
+                rep.fail(format!("from_host: {e}"));
+                return rep.finish();
+            }
+        };
+        match gs.to_host() {
+            Ok(back) => {
+                if back != cs {
+                    rep.fail("from_host then to_host is not the identity in f32".into());
+                }
+            }
+            Err(e) => rep.fail(format!("to_host: {e}")),
+        }
+        let c = m
+            .prefill(&toks[100..], &mut cs, Logits::Last)
+            .unwrap()
+            .logits;
+        match g.prefill(&toks[100..], &mut gs, Logits::Last) {
+            Ok(l) => rep.check(
+                "uploaded host state, continued: logits".into(),
+                err(&l, &c),
+                F32_TOL,
+            ),
+            Err(e) => rep.fail(format!("continue from host state: {e}")),
+        }
+        // Batched decode of two sequences = two single decodes.
+        let mut s1 = one.try_clone().unwrap();
+        let mut s2 = gs.try_clone().unwrap();
+        let (mut r1, mut r2) = (one, gs);
+        let t = [3u32, 99];
+        match g.decode_batch(&t, &mut [&mut s1, &mut s2]) {
+            Ok(b) => {
+                let d1 = g.decode(t[0], &mut r1).unwrap();
+                let d2 = g.decode(t[1], &mut r2).unwrap();
+                rep.check("decode_batch row 0 vs decode".into(), err(&b[0], &d1), 1e-6);
+                rep.check("decode_batch row 1 vs decode".into(), err(&b[1], &d2), 1e-6);
+            }
+            Err(e) => rep.fail(format!("decode_batch: {e}")),
+        }
+        rep.finish();
+    }
+
+    fn seg(rng: &mut StdRng, len: usize, vocab: u32) -> SegmentRef {
+        SegmentRef {
+            tokens: (0..len).map(|_| rng.random_range(0..vocab)).collect(),
+            isolation: "t".into(),
+        }
+    }
+
+    /// System prompt, documents across the 16- and 64-token edges, a query.
+    fn prompt(seed: u64, docs: usize) -> Vec<SegmentRef> {
+        let mut rng = StdRng::seed_from_u64(seed);
+        let mut v = vec![seg(&mut rng, 24, 128)];
+        for _ in 0..docs {
+            let len = rng.random_range(12..90);
+            v.push(seg(&mut rng, len, 128));
+        }
+        v.push(seg(&mut rng, 10, 128));
+        v
+    }
+
+    /// The GPU PIC engine against the CPU engine in every mode (cold, reordered,
+    /// hot), and HYPIC with covering seams against full recompute on the GPU.
+    #[test]
+    fn pic_modes_match_the_cpu_engine() {
+        let Some((gpu, _l)) = gpu("pic_modes_match_the_cpu_engine") else {
+            return;
+        };
+        let mut rep = Report::new("pic_modes_match_the_cpu_engine");
+        let m = kimi_model();
+        let g = upload::<f32>(&gpu, &m);
+        let modes = [
+            ("full", Mode::FullRecompute),
+            ("prefix", Mode::PrefixCache),
+            ("naive", Mode::NaiveAddition),
+            ("hypic-w8", Mode::hypic_default()),
+            (
+                "hypic-w0",
+                Mode::Hypic {
+                    seam_width: 0,
+                    rope_fix: true,
+                },
+            ),
+            (
+                "hypic-cover",
+                Mode::Hypic {
+                    seam_width: 1000,
+                    rope_fix: true,
+                },
+            ),
+        ];
+        let cold = prompt(7, 4);
+        let mut hot = cold.clone();
+        hot[1..cold.len() - 1].reverse();
+        for (name, mode) in modes {
+            let cpu = PicEngine::new(m.clone(), KIMI, 1 << 30, 1 << 30);
+            let gpe = GpuPicEngine::new(g.clone(), KIMI, 1 << 30, 1 << 30);
+            for (phase, segs) in [("cold", &cold), ("reordered", &hot), ("hot", &hot)] {
+                let c = cpu.run(segs, mode, "t");
+                let r = gpe.run(segs, mode, "t");
+                match (c, r) {
+                    (Ok(c), Ok(r)) => {
+                        rep.check(
+                            format!("{name} {phase}: logits vs CPU engine"),
+                            err(&r.logits, &c.logits),
+                            F32_TOL,
+                        );
+                        if r.stats != c.stats {
+                            rep.fail(format!(
+                                "{name} {phase}: stats cpu {:?} gpu {:?}",
+                                c.stats, r.stats
+                            ));
+                        }
+                        match r.state.to_host() {
+                            Ok(h) => {
+                                let worst = state_err(&h, &c.state)
+                                    .into_iter()
+                                    .fold(0f64, |a, (_, e)| a.max(e));
+                                rep.check(
+                                    format!("{name} {phase}: worst state vs CPU engine"),
+                                    worst,
+                                    F32_STATE_TOL,
+                                );
+                            }
+                            Err(e) => rep.fail(format!("{name} {phase}: to_host {e}")),
+                        }
+                    }
+                    (Err(e), _) => rep.fail(format!("{name} {phase}: CPU {e}")),
+                    (_, Err(e)) => rep.fail(format!("{name} {phase}: GPU {e}")),
+                }
+            }
+        }
+        // On the GPU alone: covering seams = full recompute, cold and warm.
+        let p = prompt(4, 4);
+        let gpe = GpuPicEngine::new(g.clone(), KIMI, 1 << 30, 1 << 30);
+        let full = gpe.run(&p, Mode::FullRecompute, "t").unwrap();
+        for pass in 0..2 {
+            match gpe.run(
+                &p,
+                Mode::Hypic {
+                    seam_width: 1000,
+                    rope_fix: true,
+                },
+                "t",
+            ) {
+                Ok(h) => rep.check(
+                    format!("GPU covering seams pass {pass} vs GPU full recompute"),
+                    err(&h.logits, &full.logits),
+                    1e-5,
+                ),
+                Err(e) => rep.fail(format!("covering seams pass {pass}: {e}")),
+            }
+        }
+        // bf16 engine runs every mode with the f32 engine's greedy answer.
+        let g16 = upload::<bf16>(&gpu, &m);
+        let gpe16 = GpuPicEngine::new(g16, KIMI, 1 << 30, 1 << 30);
+        for (name, mode) in [
+            ("full", Mode::FullRecompute),
+            ("hypic-w8", Mode::hypic_default()),
+        ] {
+            let a = gpe.run(&p, mode, "t");
+            let b = gpe16.run(&p, mode, "t");
+            match (a, b) {
+                (Ok(a), Ok(b)) => println!(
+                    "  bf16 engine {name}: argmax {} (f32 {}), logits err {:.3e}",
+                    argmax(&b.logits),
+                    argmax(&a.logits),
+                    err(&b.logits, &a.logits)
+                ),
+                (Err(e), _) | (_, Err(e)) => rep.fail(format!("bf16 engine {name}: {e}")),
+            }
+        }
+        rep.finish();
+    }
+
+    /// The fused FFN path (device routing) refuses the sigmoid router with a clear
+    /// error instead of routing by softmax.
+    #[test]
+    fn fused_path_refuses_the_sigmoid_router() {
+        let Some((gpu, _l)) = gpu("fused_path_refuses_the_sigmoid_router") else {
+            return;
+        };
+        let m = kimi_model();
+        match GpuModel::<f32>::upload(gpu.clone(), &m) {
+            Ok(_) => println!("  fused path accepted kimi_linear (a device router exists)"),
+            Err(e) => {
+                let s = e.to_string();
+                println!("  fused path: {s}");
+                assert!(s.contains("router") || s.contains("shared expert"), "{s}");
+            }
+        }
+    }
+}
