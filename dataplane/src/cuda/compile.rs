@@ -120,9 +120,17 @@ pub const HASH: KernelSource = KernelSource {
     text: include_str!("../../kernels/hash.cu"),
 };
 
+/// Lightning attention (Ring-linear): input preparation, the token recurrence, the
+/// chunked prefill, group norm and gate, PIC state rotation (`kernels/lightning.cu`).
+pub const LIGHTNING: KernelSource = KernelSource {
+    name: "lightning",
+    text: include_str!("../../kernels/lightning.cu"),
+};
+
 /// Every kernel module (used by the compile check and to warm the cache).
-pub const ALL: [KernelSource; 15] = [
-    NORM, ROPE, CONV, GDR, GDR_TC, ATTN, FLASH, FLASH_WG, MODEL, GEMV, MOE, SAMPLE, PIC, INIT, HASH,
+pub const ALL: [KernelSource; 16] = [
+    NORM, ROPE, CONV, GDR, GDR_TC, ATTN, FLASH, FLASH_WG, MODEL, GEMV, MOE, SAMPLE, PIC, INIT,
+    HASH, LIGHTNING,
 ];
 
 /// NVRTC target name for a compute capability: `sm_90a` for 9.0 (Hopper, so that

@@ -41,6 +41,7 @@ pub mod blas;
 pub mod compile;
 pub mod device;
 pub mod gdr;
+pub mod lightning;
 pub mod load;
 pub mod model;
 pub mod moe;
