@@ -13,7 +13,7 @@
 #                                  #       carry=[".device", ".whl"])
 #                                  # runs the GPU-vs-CPU tests (cuda_kernels, cuda_attn, cuda_moe,
 #                                  # the whole-model cuda_model, the PIC engine
-#                                  # cuda_pic), our benchmark, FLA
+#                                  # cuda_pic, Ring-linear cuda_families), our benchmark, FLA
 #                                  # chunk_gated_delta_rule and torch SDPA,
 #                                  # the random-weight model test (cuda_random) and
 #                                  # the whole-model benchmark gpu_model_bench at the
@@ -72,13 +72,14 @@ mode="${1:-}"
 build() {
   set -e
   export CARGO_TARGET_DIR="${CARGO_TARGET_DIR:-$PWD/target}"
-  local steps=" ${GPU_CHECK_STEPS:-kernels attn moe model pic decode bench moebench fla modelbench serve} "
+  local steps=" ${GPU_CHECK_STEPS:-kernels attn moe model pic decode families bench moebench fla modelbench serve} "
   wantb() { [[ "$steps" == *" $1 "* ]]; }
   mkdir -p .device/bin
   local built=() pair name exe
   # Test executables of each step.
   for pair in kernels:cuda_kernels moe:cuda_moe model:cuda_model pic:cuda_pic \
-              modelbench:cuda_random attn:cuda_attn decode:cuda_decode devices:cuda_parallel; do
+              modelbench:cuda_random attn:cuda_attn decode:cuda_decode families:cuda_families \
+              devices:cuda_parallel; do
     wantb "${pair%%:*}" || continue
     name=${pair#*:}
     exe=$(cargo test --release -p hypic-dataplane --features cuda --test "$name" --no-run \
@@ -122,14 +123,14 @@ build() {
 }
 
 run() {
-  # GPU_CHECK_STEPS: which parts to run (default all): kernels attn moe model pic decode bench moebench fla modelbench serve
-  local steps=" ${GPU_CHECK_STEPS:-kernels attn moe model pic decode bench moebench fla modelbench serve} "
+  # GPU_CHECK_STEPS: which parts to run (default all): kernels attn moe model pic decode families bench moebench fla modelbench serve
+  local steps=" ${GPU_CHECK_STEPS:-kernels attn moe model pic decode families bench moebench fla modelbench serve} "
   want() { [[ "$steps" == *" $1 "* ]]; }
   local s_
   for s_ in $steps; do
     case "$s_" in
-      kernels|attn|moe|model|pic|decode|bench|moebench|fla|modelbench|serve|parallel|devices|load35b) ;;
-      *) echo "unknown step \`$s_\` in GPU_CHECK_STEPS (known: kernels attn moe model pic decode bench moebench fla modelbench serve parallel devices load35b)" >&2
+      kernels|attn|moe|model|pic|decode|families|bench|moebench|fla|modelbench|serve|parallel|devices|load35b) ;;
+      *) echo "unknown step \`$s_\` in GPU_CHECK_STEPS (known: kernels attn moe model pic decode families bench moebench fla modelbench serve parallel devices load35b)" >&2
          return 2 ;;
     esac
   done
@@ -159,7 +160,7 @@ PY
   chmod +x .device/bin/* 2>/dev/null || true
   local exe_ st_ missing_=0
   for st_ in kernels:cuda_kernels attn:cuda_attn moe:cuda_moe model:cuda_model pic:cuda_pic \
-             decode:cuda_decode bench:gpu_bench moebench:gpu_bench modelbench:cuda_random modelbench:gpu_model_bench serve:hypic \
+             decode:cuda_decode families:cuda_families bench:gpu_bench moebench:gpu_bench modelbench:cuda_random modelbench:gpu_model_bench serve:hypic \
              parallel:hypic devices:cuda_parallel devices:hypic load35b:hypic; do
     exe_=${st_#*:}
     if want "${st_%%:*}" && [ ! -x ".device/bin/$exe_" ]; then
@@ -168,7 +169,7 @@ PY
     fi
   done
   [ "$missing_" -eq 0 ] || return 3
-  local test_rc=0 attn_rc=0 moe_rc=0 model_rc=0 pic_rc=0 decode_rc=0 moebench_rc=0
+  local test_rc=0 attn_rc=0 moe_rc=0 model_rc=0 pic_rc=0 decode_rc=0 families_rc=0 moebench_rc=0
   : > "$OUT/attn_tests.log"
   : > "$OUT/tests.log"; : > "$OUT/tests_moe.log"; : > "$OUT/model_tests.log"; : > "$OUT/pic_tests.log"; : > "$OUT/bench.md"; : > "$OUT/fla.md"
   : > "$OUT/random_tests.log"; : > "$OUT/model_bench.md"
@@ -255,6 +256,20 @@ PY
     echo "decode tests: skipped"
   fi
   grep -E "^  |FAIL|test result|panicked" "$OUT/decode_tests.log" | tail -60
+
+  echo "== model families: Ring-linear-2.0 on the GPU vs the CPU (dataplane/tests/cuda_families.rs)"
+  t0=$SECONDS
+  if want families; then
+    HYPIC_CUDA_POISON=${HYPIC_CUDA_POISON:-1} HYPIC_REPO_ROOT="$PWD" timeout 600 .device/bin/cuda_families \
+      --test-threads=1 --nocapture > "$OUT/families_tests.log" 2>&1
+    families_rc=$?
+    grep -q "running [1-9][0-9]* test" "$OUT/families_tests.log" || { echo "cuda_families ran no test" >&2; families_rc=1; }
+    grep -q "skipped:" "$OUT/families_tests.log" && { echo "cuda_families skipped its tests (no device)" >&2; families_rc=1; }
+    echo "families tests rc=$families_rc in $((SECONDS - t0)) s"
+  else
+    echo "families tests: skipped"
+  fi
+  grep -E "^  |FAIL|test result|panicked" "$OUT/families_tests.log" 2>/dev/null | tail -80
 
   echo "== MoE prefill: grouped expert GEMMs vs per-expert cuBLAS and torch._grouped_mm (gpu_bench --moe-grouped)"
   t0=$SECONDS
@@ -577,6 +592,11 @@ PY
       grep -E "^  |FAIL|panicked|^test |test result" "$OUT/decode_tests.log"
       echo '```'
     fi
+    if want families; then
+      echo; echo "## Model families: Ring-linear-2.0 (tests/cuda_families.rs, rc=$families_rc)"; echo; echo '```'
+      grep -E "^  |FAIL|panicked|^test |test result" "$OUT/families_tests.log"
+      echo '```'
+    fi
     if want moebench; then
       echo; echo "(moebench rc=$moebench_rc)"; echo; cat "$OUT/moe_bench.md"
     fi
@@ -621,6 +641,7 @@ PY
   [ "$model_rc" -ne 0 ] && return "$model_rc"
   [ "$pic_rc" -ne 0 ] && return "$pic_rc"
   [ "$decode_rc" -ne 0 ] && return "$decode_rc"
+  [ "$families_rc" -ne 0 ] && return "$families_rc"
   [ "$moebench_rc" -ne 0 ] && return "$moebench_rc"
   [ "$bench_rc" -ne 0 ] && return "$bench_rc"
   [ "$mbench_rc" -ne 0 ] && return "$mbench_rc"

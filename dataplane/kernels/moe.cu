@@ -103,6 +103,157 @@ extern "C" __global__ void moe_route(const float* __restrict__ logits, int ld, i
 }
 
 // ---------------------------------------------------------------------------------------
+// Routing with the general rule (crate::router::RouterConfig::route), one warp per token:
+// scores s = sigmoid(logits[:E]) (`sigmoid_scores`) or softmax(logits[:E]); selection on
+// c = s + bias (bias may be null); with n_group > 1 the experts form n_group contiguous
+// groups, each scored by the sum of its two largest c (its one c when a group holds one
+// expert), and only the topk_group best groups (ties to the lower group) stay eligible, the
+// others' c set to `dropped`; the k largest c are chosen (ties to the lower index). Weights:
+// the unbiased s_j, divided by Σ_top s (summed in selection order) when norm and (softmax,
+// k > 1 or renorm_single), then times `scale`. E ≤ 32·MOE_EPL, k ≤ 32, n_group ≤ 32.
+__device__ __forceinline__ bool moe_better(float v1, int i1, float v2, int i2) {
+    return i1 != 0x7fffffff && (i2 == 0x7fffffff || v1 > v2 || (v1 == v2 && i1 < i2));
+}
+extern "C" __global__ void moe_route_rule(const float* __restrict__ logits, int ld, int t, int E, int k,
+                                          int norm, int sigmoid_scores, const float* __restrict__ bias,
+                                          int n_group, int topk_group, float dropped, int renorm_single,
+                                          float scale, int* __restrict__ topk_idx,
+                                          float* __restrict__ topk_w) {
+    const int warp = (int)((blockIdx.x * (i64)blockDim.x + threadIdx.x) >> 5);
+    const int lane = threadIdx.x & 31;
+    if (warp >= t) return;  // whole warps exit together (blockDim a multiple of 32)
+    const float* row = logits + (i64)warp * ld;
+    float s[MOE_EPL], c[MOE_EPL];
+    if (sigmoid_scores) {
+#pragma unroll
+        for (int q = 0; q < MOE_EPL; ++q) {
+            const int e = lane + 32 * q;
+            s[q] = e < E ? 1.f / (1.f + expf(-row[e])) : 0.f;
+        }
+    } else {
+        float m = NEG_INF;
+#pragma unroll
+        for (int q = 0; q < MOE_EPL; ++q) {
+            const int e = lane + 32 * q;
+            s[q] = e < E ? row[e] : NEG_INF;
+            m = fmaxf(m, s[q]);
+        }
+        m = warp_max(m);
+        float z = 0.f;
+#pragma unroll
+        for (int q = 0; q < MOE_EPL; ++q) {
+            const int e = lane + 32 * q;
+            if (e < E) {
+                s[q] = expf(s[q] - m);
+                z += s[q];
+            }
+        }
+        z = warp_sum(z);
+#pragma unroll
+        for (int q = 0; q < MOE_EPL; ++q) s[q] = lane + 32 * q < E ? s[q] / z : 0.f;
+    }
+#pragma unroll
+    for (int q = 0; q < MOE_EPL; ++q) {
+        const int e = lane + 32 * q;
+        c[q] = e < E ? s[q] + (bias ? bias[e] : 0.f) : NEG_INF;
+    }
+    if (n_group > 1) {
+        const int per = E / n_group;
+        float my_gs = NEG_INF;
+        for (int g = 0; g < n_group; ++g) {
+            float a1 = NEG_INF, a2 = NEG_INF;
+#pragma unroll
+            for (int q = 0; q < MOE_EPL; ++q) {
+                const int e = lane + 32 * q;
+                if (e < E && e / per == g) {
+                    const float x = c[q];
+                    if (x > a1) {
+                        a2 = a1;
+                        a1 = x;
+                    } else if (x > a2) {
+                        a2 = x;
+                    }
+                }
+            }
+#pragma unroll
+            for (int o = 16; o > 0; o >>= 1) {
+                const float b1 = __shfl_xor_sync(0xffffffffu, a1, o);
+                const float b2 = __shfl_xor_sync(0xffffffffu, a2, o);
+                const float hi = fmaxf(a1, b1);
+                a2 = fmaxf(fminf(a1, b1), fmaxf(a2, b2));
+                a1 = hi;
+            }
+            const float gs = per >= 2 ? a1 + a2 : a1;
+            if (lane == g) my_gs = gs;
+        }
+        unsigned keep = 0u;
+        for (int j = 0; j < topk_group; ++j) {
+            float bv = my_gs;
+            int bi = (lane < n_group && !((keep >> lane) & 1u)) ? lane : 0x7fffffff;
+#pragma unroll
+            for (int o = 16; o > 0; o >>= 1) {
+                const float ov = __shfl_xor_sync(0xffffffffu, bv, o);
+                const int oi = __shfl_xor_sync(0xffffffffu, bi, o);
+                if (moe_better(ov, oi, bv, bi)) {
+                    bv = ov;
+                    bi = oi;
+                }
+            }
+            if (bi != 0x7fffffff) keep |= 1u << bi;
+        }
+#pragma unroll
+        for (int q = 0; q < MOE_EPL; ++q) {
+            const int e = lane + 32 * q;
+            if (e < E && !((keep >> (e / per)) & 1u)) c[q] = dropped;
+        }
+    }
+    unsigned taken = 0u;
+    float sum = 0.f, my_s = 0.f;
+    int my_e = 0;
+    for (int j = 0; j < k; ++j) {
+        float bv = NEG_INF, bs = 0.f;
+        int be = 0x7fffffff;
+#pragma unroll
+        for (int q = 0; q < MOE_EPL; ++q) {
+            const int e = lane + 32 * q;
+            if (e < E && !((taken >> q) & 1u) && moe_better(c[q], e, bv, be)) {
+                bv = c[q];
+                be = e;
+                bs = s[q];
+            }
+        }
+#pragma unroll
+        for (int o = 16; o > 0; o >>= 1) {
+            const float ov = __shfl_xor_sync(0xffffffffu, bv, o);
+            const int oe = __shfl_xor_sync(0xffffffffu, be, o);
+            const float os = __shfl_xor_sync(0xffffffffu, bs, o);
+            if (moe_better(ov, oe, bv, be)) {
+                bv = ov;
+                be = oe;
+                bs = os;
+            }
+        }
+        if (be == 0x7fffffff) {  // nothing left (k > E is refused on the host)
+            be = 0;
+            bs = 0.f;
+        } else if ((be & 31) == lane) {
+            taken |= 1u << (be >> 5);
+        }
+        sum += bs;
+        if (lane == j) {
+            my_e = be;
+            my_s = bs;
+        }
+    }
+    if (lane < k) {
+        const bool renorm = norm && (!sigmoid_scores || k > 1 || renorm_single);
+        const float w = renorm ? my_s / sum : my_s;
+        topk_idx[(i64)warp * k + lane] = my_e;
+        topk_w[(i64)warp * k + lane] = w * scale;
+    }
+}
+
+// ---------------------------------------------------------------------------------------
 // Plan, one block per expert e (dynamic shared memory: E ints). Every block histograms
 // all n = t·k assignments (integer atomics in shared memory: exact), so it knows
 //   counts[e], offsets[e] = Σ_{e'<e} counts[e'], and its tile range in the tile list
@@ -564,8 +715,12 @@ __device__ void moe_combine_impl(const float* __restrict__ y, const int* __restr
         for (int j = 0; j < k; ++j)
             acc += topk_w[tok * k + j] * y[(i64)slot_pos[tok * k + j] * H + h];
         if (shared) {
-            const float g = logits[tok * ld + gate_col];
-            acc += (1.f / (1.f + expf(-g))) * to_f(shared[i]);
+            if (gate_col < 0) {
+                acc += to_f(shared[i]);  // ungated shared expert (Ring-linear, Kimi-Linear)
+            } else {
+                const float g = logits[tok * ld + gate_col];
+                acc += (1.f / (1.f + expf(-g))) * to_f(shared[i]);
+            }
         }
         out[i] = from_f<T>(acc);
     }

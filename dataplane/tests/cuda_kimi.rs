@@ -11,9 +11,9 @@
 //!   bf16-rounded inputs.
 //! * The whole model on the transformers golden fixture
 //!   (`dataplane/tests/fixtures/golden/kimi_linear`: 3 KDA layers, 1 MLA layer, a
-//!   dense first layer, sigmoid-routed grouped MoE with a shared expert), uploaded
-//!   from the CPU `Model` with the host-routed FFN path (the device router does not
-//!   take the sigmoid rule yet): logits of every row at prompt lengths around the
+//!   dense first layer, sigmoid-routed grouped MoE with an ungated shared expert),
+//!   uploaded from the CPU `Model` with the default FFN path (device router) and, in
+//!   f32, also with the host-routed one: logits of every row at prompt lengths around the
 //!   16-token and 64-token path edges and ≥ 200 (f32), final states, decode steps,
 //!   span-split prefill, a host state uploaded mid-sequence, batched decode; bf16
 //!   argmax and 16 greedy tokens.
@@ -108,14 +108,20 @@ mod gpu {
         .clone()
     }
 
+    /// The model on the device with the default FFN path (device routing by the
+    /// sigmoid rule with selection bias and groups, grouped expert GEMMs).
     fn upload<T: Elem>(gpu: &Arc<Gpu>, m: &Model) -> Arc<GpuModel<T>>
     where
         CudaBlas: Gemm<T>,
     {
-        Arc::new(
-            GpuModel::<T>::upload_with(gpu.clone(), m, FfnPath::HostRouted)
-                .expect("kimi_linear uploads"),
-        )
+        upload_with(gpu, m, FfnPath::Fused)
+    }
+
+    fn upload_with<T: Elem>(gpu: &Arc<Gpu>, m: &Model, path: FfnPath) -> Arc<GpuModel<T>>
+    where
+        CudaBlas: Gemm<T>,
+    {
+        Arc::new(GpuModel::<T>::upload_with(gpu.clone(), m, path).expect("kimi_linear uploads"))
     }
 
     /// `max|a − b| / max(1, max|b|)` (b the reference).
@@ -446,6 +452,7 @@ mod gpu {
         let m = kimi_model();
         let vocab = m.config.vocab_size;
         let g32 = upload::<f32>(&gpu, &m);
+        let g32h = upload_with::<f32>(&gpu, &m, FfnPath::HostRouted);
         let g16 = upload::<bf16>(&gpu, &m);
         for &n in &LENGTHS {
             let toks = tokens(n, n as u64, vocab);
@@ -462,6 +469,15 @@ mod gpu {
                     rep.fail(format!("f32 T {n}: prefill: {e}"));
                     continue;
                 }
+            }
+            let mut hs = g32h.new_state().unwrap();
+            match g32h.prefill(&toks, &mut hs, Logits::All) {
+                Ok(l) => rep.check(
+                    format!("f32 host-routed FFN T {n}: logits (all rows)"),
+                    err(&l, &cpu),
+                    F32_TOL,
+                ),
+                Err(e) => rep.fail(format!("f32 host-routed T {n}: prefill: {e}")),
             }
             match gs.to_host() {
                 Ok(h) => {
@@ -801,23 +817,5 @@ mod gpu {
             }
         }
         rep.finish();
-    }
-
-    /// The fused FFN path (device routing) refuses the sigmoid router with a clear
-    /// error instead of routing by softmax.
-    #[test]
-    fn fused_path_refuses_the_sigmoid_router() {
-        let Some((gpu, _l)) = gpu("fused_path_refuses_the_sigmoid_router") else {
-            return;
-        };
-        let m = kimi_model();
-        match GpuModel::<f32>::upload(gpu.clone(), &m) {
-            Ok(_) => println!("  fused path accepted kimi_linear (a device router exists)"),
-            Err(e) => {
-                let s = e.to_string();
-                println!("  fused path: {s}");
-                assert!(s.contains("router") || s.contains("shared expert"), "{s}");
-            }
-        }
     }
 }

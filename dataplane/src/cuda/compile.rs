@@ -120,6 +120,13 @@ pub const HASH: KernelSource = KernelSource {
     text: include_str!("../../kernels/hash.cu"),
 };
 
+/// Lightning attention (Ring-linear): input preparation, the token recurrence, the
+/// chunked prefill, group norm and gate, PIC state rotation (`kernels/lightning.cu`).
+pub const LIGHTNING: KernelSource = KernelSource {
+    name: "lightning",
+    text: include_str!("../../kernels/lightning.cu"),
+};
+
 /// Kimi Delta Attention: input preparation, forget gate, per-token recurrence,
 /// chunked prefill with `T_C`, sigmoid-gated norm (`kernels/kda.cu`, [`super::kda`]).
 pub const KDA: KernelSource = KernelSource {
@@ -135,9 +142,9 @@ pub const MLA: KernelSource = KernelSource {
 };
 
 /// Every kernel module (used by the compile check and to warm the cache).
-pub const ALL: [KernelSource; 17] = [
+pub const ALL: [KernelSource; 18] = [
     NORM, ROPE, CONV, GDR, GDR_TC, ATTN, FLASH, FLASH_WG, MODEL, GEMV, MOE, SAMPLE, PIC, INIT,
-    HASH, KDA, MLA,
+    HASH, LIGHTNING, KDA, MLA,
 ];
 
 /// NVRTC target name for a compute capability: `sm_90a` for 9.0 (Hopper, so that

@@ -31,12 +31,11 @@ use cudarc::driver::{CudaViewMut, DeviceRepr, LaunchConfig, PushKernelArg};
 use safetensors::Dtype;
 
 use super::compile::INIT;
-use super::model::{
-    check_config, check_device_loader, AttnW, FfnPath, FfnW, GdnW, GpuModel, LayerW, MixerW, MlpW,
-};
+use super::lightning::LightningW;
+use super::model::{check_config, AttnW, FfnPath, FfnW, GdnW, GpuModel, LayerW, MixerW, MlpW};
 use super::random::check_moe_config;
 use super::{gdr, grid_for, moe, ops, CudaError, CudaSlice, Elem, Gpu, Result};
-use crate::config::{InProjLayout, MixerKind, ModelConfig};
+use crate::config::{AttnProjLayout, InProjLayout, MixerKind, ModelConfig};
 use crate::weights::Checkpoint;
 
 /// What a [`GpuModel::load`] read and how long it took.
@@ -221,6 +220,19 @@ impl Loader<'_> {
         self.upload_f32(&v)
     }
 
+    /// An RMSNorm weight through the host, brought to the model's zero-centred form
+    /// (`ModelConfig::norm_weight`: `w − 1` for a family with plain norms).
+    fn norm(&mut self, c: &ModelConfig, name: &str, shape: &[usize]) -> Result<CudaSlice<f32>> {
+        let v = c.norm_weight(self.ckpt.get(name, shape).map_err(werr)?);
+        self.stats.tensors += 1;
+        self.stats.bytes += self
+            .ckpt
+            .raw(name, shape)
+            .map(|r| r.bytes.len())
+            .unwrap_or(0);
+        self.upload_f32(&v)
+    }
+
     fn upload_f32(&self, v: &[f32]) -> Result<CudaSlice<f32>> {
         if v.is_empty() {
             return self.gpu.zeros(1);
@@ -230,23 +242,60 @@ impl Loader<'_> {
 
     /// MLP `gate_proj` + `up_proj` into one `[2I, hidden]` buffer and `down_proj`.
     fn mlp<T: Elem>(&mut self, p: &str, h: usize, inter: usize) -> Result<MlpW<T>> {
+        self.mlp_named(
+            p,
+            h,
+            inter,
+            ["gate_proj.weight", "up_proj.weight", "down_proj.weight"],
+        )
+    }
+
+    /// [`Loader::mlp`] with the family's names of the gate, up and down projections.
+    fn mlp_named<T: Elem>(
+        &mut self,
+        p: &str,
+        h: usize,
+        inter: usize,
+        [gate, up, down]: [&str; 3],
+    ) -> Result<MlpW<T>> {
         let mut gate_up = alloc::<T>(self.gpu, 2 * inter * h)?;
+        self.put(&format!("{p}{gate}"), &[inter, h], &mut gate_up, 0)?;
+        self.put(&format!("{p}{up}"), &[inter, h], &mut gate_up, inter * h)?;
+        Ok(MlpW {
+            gate_up,
+            down: self.tensor(&format!("{p}{down}"), &[h, inter])?,
+            inter,
+        })
+    }
+
+    /// A Lightning layer (`layer` `l`, mixer prefix `p`): `query_key_value` and
+    /// `g_proj` into one `[4W, hidden]` buffer, q/k norms zero-centred, `g_norm` as
+    /// stored, `dense`, the layer's log decays.
+    fn lightning<T: Elem>(&mut self, c: &ModelConfig, p: &str, l: usize) -> Result<LightningW<T>> {
+        let (h, d) = (c.hidden_size, c.linear_k_dim);
+        let wd = c.linear_v_heads * d;
+        let mut w_in = alloc::<T>(self.gpu, 4 * wd * h)?;
         self.put(
-            &format!("{p}gate_proj.weight"),
-            &[inter, h],
-            &mut gate_up,
+            &format!("{p}query_key_value.weight"),
+            &[3 * wd, h],
+            &mut w_in,
             0,
         )?;
         self.put(
-            &format!("{p}up_proj.weight"),
-            &[inter, h],
-            &mut gate_up,
-            inter * h,
+            &format!("{p}g_proj.weight"),
+            &[wd, h],
+            &mut w_in,
+            3 * wd * h,
         )?;
-        Ok(MlpW {
-            gate_up,
-            down: self.tensor(&format!("{p}down_proj.weight"), &[h, inter])?,
-            inter,
+        let log_decay = crate::mixers::lightning::layer::layer_log_decay(c, l);
+        Ok(LightningW {
+            w_in,
+            q_norm: self.norm(c, &format!("{p}query_layernorm.weight"), &[d])?,
+            k_norm: self.norm(c, &format!("{p}key_layernorm.weight"), &[d])?,
+            g_norm: self.small(&format!("{p}g_norm.weight"), &[wd])?,
+            dense: self.tensor(&format!("{p}dense.weight"), &[h, wd])?,
+            log_decay: self.upload_f32(&log_decay)?,
+            log_decay_host: log_decay,
         })
     }
 
@@ -308,6 +357,15 @@ impl Loader<'_> {
         let (h, nh, nkv, hd) = (c.hidden_size, c.num_heads, c.num_kv_heads, c.head_dim);
         let qw = nh * hd * if c.attn_output_gate { 2 } else { 1 };
         let kvw = nkv * hd;
+        if c.attn_proj == AttnProjLayout::FusedQkv {
+            // One `query_key_value` with rows q | k | v: the fused layout as stored.
+            return Ok(AttnW {
+                qkv: self.tensor(&format!("{p}query_key_value.weight"), &[qw + 2 * kvw, h])?,
+                o: self.tensor(&format!("{p}dense.weight"), &[h, nh * hd])?,
+                q_norm: self.norm(c, &format!("{p}query_layernorm.weight"), &[hd])?,
+                k_norm: self.norm(c, &format!("{p}key_layernorm.weight"), &[hd])?,
+            });
+        }
         let mut qkv = alloc::<T>(self.gpu, (qw + 2 * kvw) * h)?;
         self.put(&format!("{p}q_proj.weight"), &[qw, h], &mut qkv, 0)?;
         self.put(&format!("{p}k_proj.weight"), &[kvw, h], &mut qkv, qw * h)?;
@@ -320,8 +378,8 @@ impl Loader<'_> {
         Ok(AttnW {
             qkv,
             o: self.tensor(&format!("{p}o_proj.weight"), &[h, nh * hd])?,
-            q_norm: self.small(&format!("{p}q_norm.weight"), &[hd])?,
-            k_norm: self.small(&format!("{p}k_norm.weight"), &[hd])?,
+            q_norm: self.norm(c, &format!("{p}q_norm.weight"), &[hd])?,
+            k_norm: self.norm(c, &format!("{p}k_norm.weight"), &[hd])?,
         })
     }
 
@@ -332,8 +390,9 @@ impl Loader<'_> {
             c.moe_intermediate_size,
             c.shared_expert_intermediate_size,
         );
-        // Router rows [E, H], plus the shared-expert gate as row E.
-        let mut router = alloc::<T>(self.gpu, (e + usize::from(si > 0)) * h)?;
+        // Router rows [E, H], plus the shared-expert gate as row E when it is gated.
+        let gate = c.names.shared_expert_gate;
+        let mut router = alloc::<T>(self.gpu, (e + usize::from(si > 0 && gate.is_some())) * h)?;
         self.put(&format!("{p}gate.weight"), &[e, h], &mut router, 0)?;
         let fused = format!("{p}experts.gate_up_proj");
         let (gate_up, down) = if self.ckpt.contains(&fused) {
@@ -344,24 +403,42 @@ impl Loader<'_> {
         } else {
             let mut gu = alloc::<T>(self.gpu, e * 2 * i * h)?;
             let mut dn = alloc::<T>(self.gpu, e * h * i)?;
+            let [gn, un, dname] = c.names.expert_proj;
             for j in 0..e {
                 let q = format!("{p}experts.{j}.");
                 let o = j * 2 * i * h;
-                self.put(&format!("{q}gate_proj.weight"), &[i, h], &mut gu, o)?;
-                self.put(&format!("{q}up_proj.weight"), &[i, h], &mut gu, o + i * h)?;
-                self.put(&format!("{q}down_proj.weight"), &[h, i], &mut dn, j * h * i)?;
+                self.put(&format!("{q}{gn}"), &[i, h], &mut gu, o)?;
+                self.put(&format!("{q}{un}"), &[i, h], &mut gu, o + i * h)?;
+                self.put(&format!("{q}{dname}"), &[h, i], &mut dn, j * h * i)?;
             }
             (gu, dn)
         };
         let shared = if si > 0 {
-            self.put(
-                &format!("{p}shared_expert_gate.weight"),
-                &[1, h],
-                &mut router,
-                e * h,
-            )?;
-            let m = self.mlp::<T>(&format!("{p}shared_expert."), h, si)?;
+            if let Some(g) = gate {
+                self.put(&format!("{p}{g}"), &[1, h], &mut router, e * h)?;
+            }
+            let m = self.mlp::<T>(&format!("{p}{}", c.names.shared_expert), h, si)?;
             Some((m.gate_up, m.down))
+        } else {
+            None
+        };
+        let rule = if moe::DeviceRouter::needed(&c.router) {
+            let bias = match c.router.selection_bias {
+                Some(b) => {
+                    let name = format!("{p}{b}");
+                    let v = self.ckpt.get(&name, &[e]).map_err(werr)?;
+                    self.stats.tensors += 1;
+                    Some(v)
+                }
+                None => None,
+            };
+            Some(moe::DeviceRouter::upload(
+                self.gpu,
+                &c.router,
+                bias.as_deref(),
+                e,
+                c.experts_per_tok,
+            )?)
         } else {
             None
         };
@@ -376,6 +453,8 @@ impl Loader<'_> {
             gate_up,
             down,
             shared,
+            shared_gated: gate.is_some(),
+            rule,
         })
     }
 }
@@ -401,7 +480,6 @@ where
         let t0 = Instant::now();
         let c = config;
         check_config(&c)?;
-        check_device_loader(&c)?;
         check_moe_config(&c)?;
         let g = &*gpu;
         let mut ld = Loader {
@@ -414,7 +492,7 @@ where
         let total = c.num_layers + 2;
         progress(0, total);
         let embed = ld.tensor::<T>(&n.embed_tokens(), &[c.vocab_size, h])?;
-        let final_norm = ld.small(&n.norm(), &[h])?;
+        let final_norm = ld.norm(&c, &n.norm(), &[h])?;
         let lm_head = if c.tie_word_embeddings && !ckpt.contains(n.lm_head) {
             None
         } else {
@@ -428,7 +506,8 @@ where
             let mixer = match kind {
                 MixerKind::GatedDeltaNet => MixerW::GatedDeltaNet(ld.gdn(&c, &mp)?),
                 MixerKind::Attention => MixerW::Attention(ld.attn(&c, &mp)?),
-                m @ (MixerKind::Lightning | MixerKind::Kda | MixerKind::Mla) => {
+                MixerKind::Lightning => MixerW::Lightning(ld.lightning(&c, &mp, l)?),
+                m @ (MixerKind::Kda | MixerKind::Mla) => {
                     return Err(super::model::mixer_refused(&c, m))
                 }
             };
@@ -438,8 +517,8 @@ where
                 FfnW::Dense(ld.mlp(&n.mlp(l), h, c.intermediate_size)?)
             };
             layers.push(LayerW {
-                input_norm: ld.small(&n.input_layernorm(l), &[h])?,
-                post_norm: ld.small(&n.post_layernorm(l), &[h])?,
+                input_norm: ld.norm(&c, &n.input_layernorm(l), &[h])?,
+                post_norm: ld.norm(&c, &n.post_layernorm(l), &[h])?,
                 mixer,
                 ffn,
             });

@@ -43,6 +43,7 @@ pub mod device;
 pub mod gdr;
 pub mod kda;
 pub(crate) mod kimi;
+pub mod lightning;
 pub mod load;
 pub mod model;
 pub mod moe;

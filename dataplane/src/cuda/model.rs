@@ -54,8 +54,9 @@ use cudarc::driver::{DevicePtr, LaunchConfig, PushKernelArg};
 
 use super::compile::MODEL;
 use super::kimi::{kda_in_width, kda_width, mla_in_width, mla_mid_width, KdaW, MlaW};
+use super::lightning::{self as lt, LightningW};
 use super::ops::NormKind;
-use super::transition::DensePair;
+use super::transition::{DensePair, ScalarPair};
 use super::{
     attn, blas, check_len, gdr, grid_for, moe, ops, CudaError, CudaSlice, Elem, Gpu, Result,
     Scratch,
@@ -63,6 +64,7 @@ use super::{
 use crate::config::{MixerKind, ModelConfig};
 use crate::mixers::gated_deltanet::layer::CHUNKED_MIN_TOKENS;
 use crate::mixers::gated_deltanet::GdrDims;
+use crate::mixers::lightning::LightningDims;
 use crate::model::{Ffn, Logits, Mixer, Model};
 use crate::state::{KvCache, LayerState, LinearState, ModelState};
 
@@ -167,9 +169,9 @@ pub(crate) struct MoeW<T> {
     pub(crate) experts: Vec<MlpW<T>>,
     /// Shared expert and its gate `[1, hidden]`.
     pub(crate) shared: Option<(MlpW<T>, CudaSlice<T>)>,
-    /// Shared expert added without a gate (Kimi-Linear).
+    /// Shared expert added without a gate (Ring-linear, Kimi-Linear).
     pub(crate) shared_plain: Option<MlpW<T>>,
-    /// Selection bias `[E]` of a biased router (host copy; routing runs on the host).
+    /// Selection bias `[E]` of a biased router (host copy: this path routes on the host).
     pub(crate) bias: Option<Vec<f32>>,
 }
 
@@ -177,10 +179,20 @@ pub(crate) struct MoeW<T> {
 pub(crate) enum MixerW<T> {
     GatedDeltaNet(GdnW<T>),
     Attention(AttnW<T>),
+    Lightning(LightningW<T>),
     /// Kimi Delta Attention (`super::kimi`).
     Kda(KdaW<T>),
     /// Latent attention without RoPE (`super::kimi`).
     Mla(MlaW<T>),
+}
+
+/// The PIC body pair of one linear layer from a capturing prefill, in the storage
+/// form of the layer's transition family.
+pub(crate) enum LayerPair {
+    /// Gated DeltaNet and KDA: dense `T_body [Hv, dk, dk]`.
+    Dense(DensePair),
+    /// Lightning: scalar `T_body [H]`.
+    Scalar(ScalarPair),
 }
 
 pub(crate) enum FfnW<T> {
@@ -477,8 +489,10 @@ impl<T: Elem> GpuKv<T> {
 
 /// Device state of one decoder layer.
 pub enum GpuLayerState<T> {
-    /// Gated DeltaNet layer: conv tail `[conv_dim, K−1]` fp32 (oldest first) and
-    /// recurrent state `[Hv, dk, dv]` fp32 K-major — the CPU `LinearState` layouts.
+    /// Linear-attention layer (Gated DeltaNet, Lightning): conv tail
+    /// `[conv_dim, K−1]` fp32 (oldest first; empty for Lightning, which has no conv)
+    /// and recurrent state `[Hv, dk, dv]` fp32 K-major — the CPU `LinearState`
+    /// layouts.
     Linear {
         /// Conv tail `[conv_dim, K−1]`.
         conv: CudaSlice<f32>,
@@ -548,7 +562,10 @@ fn check_host_state(c: &ModelConfig, s: &ModelState) -> Result<()> {
     let row = c.num_kv_heads * c.head_dim;
     for (i, (l, k)) in s.layers.iter().zip(&c.mixers).enumerate() {
         match (l, k) {
-            (LayerState::Linear(ls), MixerKind::GatedDeltaNet | MixerKind::Kda) => {
+            (
+                LayerState::Linear(ls),
+                MixerKind::GatedDeltaNet | MixerKind::Lightning | MixerKind::Kda,
+            ) => {
                 if ls.conv.len() != conv_len || ls.recurrent.len() != rec_len {
                     return Err(shape_err(format!(
                         "layer {i} (linear): conv {} (want {conv_len}), recurrent {} (want {rec_len})",
@@ -628,14 +645,15 @@ impl<T: Elem> GpuState<T> {
         let mut layers = Vec::with_capacity(c.num_layers);
         for k in &c.mixers {
             layers.push(match k {
-                MixerKind::GatedDeltaNet | MixerKind::Kda => GpuLayerState::Linear {
-                    conv: gpu.zeros(conv_len)?,
-                    recurrent: gpu.zeros(rec_len)?,
-                },
+                MixerKind::GatedDeltaNet | MixerKind::Lightning | MixerKind::Kda => {
+                    GpuLayerState::Linear {
+                        conv: gpu.zeros(conv_len)?,
+                        recurrent: gpu.zeros(rec_len)?,
+                    }
+                }
                 MixerKind::Attention | MixerKind::Mla => {
                     GpuLayerState::Full(GpuKv::with_capacity(gpu, row, 0)?)
                 }
-                m @ MixerKind::Lightning => return Err(mixer_refused(c, *m)),
             });
         }
         Ok(GpuState {
@@ -781,15 +799,10 @@ where
         Self::upload_with(gpu, model, FfnPath::Fused)
     }
 
-    /// [`GpuModel::upload`] with an explicit FFN implementation. A MoE router other
-    /// than softmax top-k (Kimi-Linear's sigmoid rule with selection bias and groups)
-    /// and an ungated shared expert run only on [`FfnPath::HostRouted`] for now.
+    /// [`GpuModel::upload`] with an explicit FFN implementation.
     pub fn upload_with(gpu: Arc<Gpu>, model: &Model, ffn_path: FfnPath) -> Result<Self> {
         let c = model.config.clone();
         check_config(&c)?;
-        if ffn_path == FfnPath::Fused {
-            check_fused_ffn(&c)?;
-        }
         let g = &*gpu;
         let h = c.hidden_size;
         want("embed_tokens", &model.embed, c.vocab_size * h)?;
@@ -844,24 +857,8 @@ where
                         out: up::<T>(g, &w.out)?,
                     })
                 }
-                (Mixer::Attention(w), MixerKind::Attention) => {
-                    let p = format!("layers.{i}.self_attn");
-                    want(&format!("{p}.q_proj"), &w.q, qw * h)?;
-                    want(&format!("{p}.k_proj"), &w.k, nkv * hd * h)?;
-                    want(&format!("{p}.v_proj"), &w.v, nkv * hd * h)?;
-                    want(&format!("{p}.o_proj"), &w.o, h * nh * hd)?;
-                    want(&format!("{p}.q_norm"), &w.q_norm, hd)?;
-                    want(&format!("{p}.k_norm"), &w.k_norm, hd)?;
-                    let mut fused = Vec::with_capacity(w.q.len() + w.k.len() + w.v.len());
-                    fused.extend_from_slice(&w.q);
-                    fused.extend_from_slice(&w.k);
-                    fused.extend_from_slice(&w.v);
-                    MixerW::Attention(AttnW {
-                        qkv: up::<T>(g, &fused)?,
-                        o: up::<T>(g, &w.o)?,
-                        q_norm: up_f32(g, &w.q_norm)?,
-                        k_norm: up_f32(g, &w.k_norm)?,
-                    })
+                (Mixer::Lightning(w), MixerKind::Lightning) => {
+                    MixerW::Lightning(up_lightning(g, &c, w, i)?)
                 }
                 (Mixer::Kda(w), MixerKind::Kda) => {
                     let p = format!("layers.{i}.self_attn");
@@ -906,6 +903,25 @@ where
                         o: up::<T>(g, &w.o)?,
                     })
                 }
+                (Mixer::Attention(w), MixerKind::Attention) => {
+                    let p = format!("layers.{i}.self_attn");
+                    want(&format!("{p}.q_proj"), &w.q, qw * h)?;
+                    want(&format!("{p}.k_proj"), &w.k, nkv * hd * h)?;
+                    want(&format!("{p}.v_proj"), &w.v, nkv * hd * h)?;
+                    want(&format!("{p}.o_proj"), &w.o, h * nh * hd)?;
+                    want(&format!("{p}.q_norm"), &w.q_norm, hd)?;
+                    want(&format!("{p}.k_norm"), &w.k_norm, hd)?;
+                    let mut fused = Vec::with_capacity(w.q.len() + w.k.len() + w.v.len());
+                    fused.extend_from_slice(&w.q);
+                    fused.extend_from_slice(&w.k);
+                    fused.extend_from_slice(&w.v);
+                    MixerW::Attention(AttnW {
+                        qkv: up::<T>(g, &fused)?,
+                        o: up::<T>(g, &w.o)?,
+                        q_norm: up_f32(g, &w.q_norm)?,
+                        k_norm: up_f32(g, &w.k_norm)?,
+                    })
+                }
                 _ => {
                     return Err(shape_err(format!(
                         "layer {i}: mixer weights do not match the config's layer kind"
@@ -933,14 +949,28 @@ where
                                 "layer {i}: experts of different widths"
                             )));
                         }
-                        let shared = m
-                            .shared
-                            .as_ref()
-                            .map(|(sm, gate)| (&sm.gate_up[..], &sm.down[..], &gate[..]));
-                        let shared_inter = m.shared.as_ref().map_or(0, |(sm, _)| sm.inter);
-                        let w = moe::MoeWeights::<T>::upload(
+                        let shared = match (&m.shared, &m.shared_plain) {
+                            (Some((sm, gate)), _) => Some(moe::SharedExpertHost {
+                                gate_up: &sm.gate_up[..],
+                                down: &sm.down[..],
+                                gate: Some(&gate[..]),
+                            }),
+                            (None, Some(sm)) => Some(moe::SharedExpertHost {
+                                gate_up: &sm.gate_up[..],
+                                down: &sm.down[..],
+                                gate: None,
+                            }),
+                            (None, None) => None,
+                        };
+                        let shared_inter = match (&m.shared, &m.shared_plain) {
+                            (Some((sm, _)), _) | (None, Some(sm)) => sm.inter,
+                            (None, None) => 0,
+                        };
+                        let w = moe::MoeWeights::<T>::upload_with_router(
                             g,
                             &m.router,
+                            &c.router,
+                            m.bias.as_deref(),
                             &gu,
                             &dn,
                             shared,
@@ -985,7 +1015,7 @@ where
                         None => None,
                     };
                     if let Some(b) = &m.bias {
-                        want(&format!("layers.{i}.mlp.gate.bias"), b, e)?;
+                        want(&format!("layers.{i}.mlp.gate bias"), b, e)?;
                     }
                     FfnW::Moe(MoeW {
                         router: up::<T>(g, &m.router)?,
@@ -1126,7 +1156,7 @@ where
         tokens: &[u32],
         state: &mut GpuState<T>,
         from: usize,
-    ) -> Result<Vec<Option<DensePair>>> {
+    ) -> Result<Vec<Option<LayerPair>>> {
         let mut pairs = Vec::with_capacity(self.config.num_layers);
         self.forward(tokens, state, None, Some((from, &mut pairs)))?;
         Ok(pairs)
@@ -1235,7 +1265,7 @@ where
             match (l, k) {
                 (
                     GpuLayerState::Linear { conv, recurrent },
-                    MixerKind::GatedDeltaNet | MixerKind::Kda,
+                    MixerKind::GatedDeltaNet | MixerKind::Lightning | MixerKind::Kda,
                 ) => {
                     check_len(&format!("layer {i} conv tail"), conv, conv_len)?;
                     check_len(&format!("layer {i} recurrent state"), recurrent, rec_len)?;
@@ -1264,7 +1294,7 @@ where
         tokens: &[u32],
         state: &mut GpuState<T>,
         mut trace: Option<&mut ForwardTrace>,
-        mut capture: Option<(usize, &mut Vec<Option<DensePair>>)>,
+        mut capture: Option<(usize, &mut Vec<Option<LayerPair>>)>,
     ) -> Result<Scratch<T>> {
         self.check_inputs(tokens, state)?;
         let c = &self.config;
@@ -1294,11 +1324,22 @@ where
         // add is fused with the norm that follows it (`add_rmsnorm_*`).
         for (i, (lw, ls)) in self.layers.iter().zip(state.layers.iter_mut()).enumerate() {
             let mut pair = None;
+            let mut scalar = None;
             let body_from = capture.as_ref().map(|c| c.0);
             let mixed = match (&lw.mixer, ls) {
                 (MixerW::GatedDeltaNet(w), GpuLayerState::Linear { conv, recurrent }) => self
                     .gdn(w, &r, t, conv, recurrent, body_from.map(|f| (f, &mut pair)))
                     .map_err(|e| context(e, &format!("layer {i} GDN mixer")))?,
+                (MixerW::Lightning(w), GpuLayerState::Linear { recurrent, .. }) => self
+                    .lightning(
+                        w,
+                        &r,
+                        t,
+                        &pos_d,
+                        recurrent,
+                        body_from.map(|f| (f, &mut scalar)),
+                    )
+                    .map_err(|e| context(e, &format!("layer {i} Lightning mixer")))?,
                 (MixerW::Attention(w), GpuLayerState::Full(kv)) => self
                     .attention(w, &r, t, &pos_d, kv)
                     .map_err(|e| context(e, &format!("layer {i} attention mixer")))?,
@@ -1315,7 +1356,7 @@ where
                 }
             };
             if let Some((_, pairs)) = capture.as_mut() {
-                pairs.push(pair);
+                pairs.push(pair.map(LayerPair::Dense).or(scalar.map(LayerPair::Scalar)));
             }
             self.add_norm(&mut x, &mixed, &lw.post_norm, &mut r, t)?;
             let after_mixer = match trace.as_deref() {
@@ -1451,6 +1492,9 @@ where
                             (MixerW::Attention(w), GpuLayerState::Full(kv)) => self
                                 .attention(w, &r, t, &pos_d, kv)
                                 .map_err(|e| context(e, &format!("layer {l} attention mixer")))?,
+                            (MixerW::Lightning(w), GpuLayerState::Linear { recurrent, .. }) => self
+                                .lightning(w, &r, t, &pos_d, recurrent, None)
+                                .map_err(|e| context(e, &format!("layer {l} Lightning mixer")))?,
                             (MixerW::Kda(w), GpuLayerState::Linear { conv, recurrent }) => self
                                 .kda(w, &r, t, conv, recurrent, None)
                                 .map_err(|e| context(e, &format!("layer {l} KDA mixer")))?,
@@ -1482,6 +1526,9 @@ where
                         &w.o,
                         c.num_heads * c.head_dim,
                     ),
+                    MixerW::Lightning(w) => {
+                        (&w.w_in, 4 * self.lt_width(), &w.dense, self.lt_width())
+                    }
                     MixerW::Kda(w) => (&w.w_in, kda_in_width(c), &w.o_proj, kda_width(c)),
                     MixerW::Mla(w) => (&w.w_in, mla_in_width(c), &w.o, mla_mid_width(c)),
                 };
@@ -1504,6 +1551,13 @@ where
                             (MixerW::Attention(w), GpuLayerState::Full(kv), Some(pi)) => self
                                 .attn_core(w, &pj, t, pi, kv)
                                 .map_err(|e| context(e, &format!("layer {l} attention mixer")))?,
+                            (
+                                MixerW::Lightning(w),
+                                GpuLayerState::Linear { recurrent, .. },
+                                Some(pi),
+                            ) => self
+                                .lightning_core(w, &pj, t, pi, recurrent, None)
+                                .map_err(|e| context(e, &format!("layer {l} Lightning mixer")))?,
                             (MixerW::Kda(w), GpuLayerState::Linear { conv, recurrent }, _) => self
                                 .kda_core(w, &pj, t, conv, recurrent, None)
                                 .map_err(|e| context(e, &format!("layer {l} KDA mixer")))?,
@@ -1741,6 +1795,24 @@ where
                     blas::linear(g, &o, bsz, ow, &w.o, h, &mut out, zero)?;
                     out
                 }
+                MixerW::Lightning(w) => {
+                    let wd = self.lt_width();
+                    let mut proj: Scratch<T> = g.scratch(bsz * 4 * wd)?;
+                    blas::linear(g, &r, bsz, h, &w.w_in, 4 * wd, &mut proj, zero)?;
+                    let mut y: Scratch<T> = g.scratch(bsz * wd)?;
+                    for (j, s) in states.iter_mut().enumerate() {
+                        let GpuLayerState::Linear { recurrent, .. } = &mut s.layers[i] else {
+                            return Err(shape_err(format!("layer {i}: state kind")));
+                        };
+                        let pj = g.scratch_copy(&proj.slice(j * 4 * wd..(j + 1) * 4 * wd))?;
+                        let posj = g.scratch_copy(&pos_d.slice(j..j + 1))?;
+                        let yj = self.lightning_core(w, &pj, 1, &posj, recurrent, None)?;
+                        st.memcpy_dtod(&yj.slice(..wd), &mut y.slice_mut(j * wd..(j + 1) * wd))?;
+                    }
+                    let mut out: Scratch<T> = g.scratch(bsz * h)?;
+                    blas::linear(g, &y, bsz, wd, &w.dense, h, &mut out, zero)?;
+                    out
+                }
                 MixerW::Kda(w) => {
                     let (n_in, wd) = (kda_in_width(c), kda_width(c));
                     let mut proj: Scratch<T> = g.scratch(bsz * n_in)?;
@@ -1768,8 +1840,8 @@ where
                             return Err(shape_err(format!("layer {i}: state kind")));
                         };
                         let pj = g.scratch_copy(&proj.slice(j * n_in..(j + 1) * n_in))?;
-                        let pos = g.scratch_copy(&pos_d.slice(j..j + 1))?;
-                        let oj = self.mla_core(w, &pj, 1, &pos, kv)?;
+                        let posj = g.scratch_copy(&pos_d.slice(j..j + 1))?;
+                        let oj = self.mla_core(w, &pj, 1, &posj, kv)?;
                         st.memcpy_dtod(&oj.slice(..ow), &mut o.slice_mut(j * ow..(j + 1) * ow))?;
                     }
                     let mut out: Scratch<T> = g.scratch(bsz * h)?;
@@ -2075,6 +2147,136 @@ where
             t: tr,
             b,
         })
+    }
+
+    /// Width `H·d` of a Lightning layer's q, k, v and output.
+    fn lt_width(&self) -> usize {
+        self.config.linear_v_heads * self.config.linear_k_dim
+    }
+
+    /// Lightning mixer over `r` (`[t, h]`, normed) at positions `pos` (`[t]`),
+    /// advancing the recurrent state `rec`; with `capture`, also the body pair of
+    /// tokens `from..t`. Returns the mixer output `[t, h]`.
+    fn lightning(
+        &self,
+        w: &LightningW<T>,
+        r: &CudaSlice<T>,
+        t: usize,
+        pos: &CudaSlice<i64>,
+        rec: &mut CudaSlice<f32>,
+        capture: Option<(usize, &mut Option<ScalarPair>)>,
+    ) -> Result<Scratch<T>> {
+        let c = &self.config;
+        let g = &*self.gpu;
+        let (h, wd) = (c.hidden_size, self.lt_width());
+        let zero = T::from_f32(0.0);
+        let mut proj: Scratch<T> = g.scratch(t * 4 * wd)?;
+        blas::linear(g, r, t, h, &w.w_in, 4 * wd, &mut proj, zero)?;
+        let y = self.lightning_core(w, &proj, t, pos, rec, capture)?;
+        let mut out: Scratch<T> = g.scratch(t * h)?;
+        blas::linear(g, &y, t, wd, &w.dense, h, &mut out, zero)?;
+        Ok(out)
+    }
+
+    /// The Lightning layer between its projections: from `proj` (`[t, 4W]`: q | k | v
+    /// | gate logits) to the gated, group-normed output `[t, W]` (before `dense`),
+    /// advancing `rec` (`[H, d, d]` fp32). With `capture = (from, out)`, `out` gets the
+    /// body pair of `from..t` (clamped): `exp(g_h·(t − from))` and the state of a
+    /// state-only chunked pass over the body from zero (as the CPU
+    /// `mixers::lightning::layer::mix`).
+    fn lightning_core(
+        &self,
+        w: &LightningW<T>,
+        proj: &CudaSlice<T>,
+        t: usize,
+        pos: &CudaSlice<i64>,
+        rec: &mut CudaSlice<f32>,
+        capture: Option<(usize, &mut Option<ScalarPair>)>,
+    ) -> Result<Scratch<T>> {
+        let c = &self.config;
+        let g = &*self.gpu;
+        let (nh, d) = (c.linear_v_heads, c.linear_k_dim);
+        let wd = nh * d;
+        check_len("Lightning projection [t, 4W]", proj, t * 4 * wd)?;
+        let mut q: Scratch<f32> = g.scratch(t * wd)?;
+        let mut k: Scratch<f32> = g.scratch(t * wd)?;
+        let mut v: Scratch<f32> = g.scratch(t * wd)?;
+        lt::prep(
+            g,
+            proj,
+            t,
+            4 * wd,
+            &w.q_norm,
+            &w.k_norm,
+            pos,
+            self.inv_freq.as_ref(),
+            c.lightning.silu,
+            nh,
+            d,
+            c.rms_norm_eps,
+            &mut q,
+            &mut k,
+            &mut v,
+        )?;
+        let scale = (d as f32).powf(-0.5);
+        let dims = LightningDims {
+            t,
+            h: nh,
+            dk: d,
+            dv: d,
+        };
+        if let Some((from, out)) = capture {
+            let from = from.min(t);
+            let n = t - from;
+            let s = g.stream();
+            let mut b: CudaSlice<f32> = g.zeros(nh * d * d)?;
+            if n > 0 {
+                let qb = s.clone_dtod(&q.slice(from * wd..t * wd))?;
+                let kb = s.clone_dtod(&k.slice(from * wd..t * wd))?;
+                let vb = s.clone_dtod(&v.slice(from * wd..t * wd))?;
+                let body = LightningDims { t: n, ..dims };
+                if d <= lt::MAX_CHUNK_DK {
+                    lt::chunked(g, &body, &qb, &kb, &vb, &w.log_decay, scale, &mut b, None)?;
+                } else {
+                    let mut ob: CudaSlice<f32> = g.zeros(n * wd)?;
+                    lt::recurrent(
+                        g,
+                        &body,
+                        &qb,
+                        &kb,
+                        &vb,
+                        &w.log_decay,
+                        scale,
+                        &mut b,
+                        &mut ob,
+                    )?;
+                }
+            }
+            *out = Some(ScalarPair {
+                h: nh,
+                dk: d,
+                dv: d,
+                t: g.upload(&lt::transition_host(&w.log_decay_host, n))?,
+                b,
+            });
+        }
+        let mut o: Scratch<f32> = g.scratch(t * wd)?;
+        lt::span(g, &dims, &q, &k, &v, &w.log_decay, scale, rec, &mut o)?;
+        let mut y: Scratch<T> = g.scratch(t * wd)?;
+        lt::out(
+            g,
+            &o,
+            proj,
+            4 * wd,
+            3 * wd,
+            &w.g_norm,
+            &mut y,
+            t,
+            wd,
+            c.lightning.group_norm_size,
+            c.rms_norm_eps,
+        )?;
+        Ok(y)
     }
 
     /// Width of the fused attention projection: `qw + 2·Hkv·hd`.
@@ -2420,8 +2622,41 @@ fn up_mlp<T: Elem>(g: &Gpu, m: &crate::model::Mlp, h: usize, name: &str) -> Resu
     })
 }
 
-/// The error for a model with layers the CUDA backend has no kernels for yet:
-/// Lightning attention (Ring-linear). The CPU backend runs them.
+/// Uploads a CPU Lightning layer (`layer` `i`): `query_key_value` and `g_proj` fused into
+/// one `[4W, hidden]` projection, norms, `dense`, log decays.
+fn up_lightning<T: Elem>(
+    g: &Gpu,
+    c: &ModelConfig,
+    w: &crate::model::LightningWeights,
+    i: usize,
+) -> Result<LightningW<T>> {
+    let (h, d, nh) = (c.hidden_size, c.linear_k_dim, c.linear_v_heads);
+    let wd = nh * d;
+    let p = format!("layers.{i}.attention");
+    want(&format!("{p}.query_key_value"), &w.qkv, 3 * wd * h)?;
+    want(&format!("{p}.g_proj"), &w.g_proj, wd * h)?;
+    want(&format!("{p}.query_layernorm"), &w.q_norm, d)?;
+    want(&format!("{p}.key_layernorm"), &w.k_norm, d)?;
+    want(&format!("{p}.g_norm"), &w.g_norm, wd)?;
+    want(&format!("{p}.dense"), &w.dense, h * wd)?;
+    want(&format!("{p} log decays"), &w.log_decay, nh)?;
+    let mut fused = Vec::with_capacity(4 * wd * h);
+    fused.extend_from_slice(&w.qkv);
+    fused.extend_from_slice(&w.g_proj);
+    Ok(LightningW {
+        w_in: up::<T>(g, &fused)?,
+        q_norm: up_f32(g, &w.q_norm)?,
+        k_norm: up_f32(g, &w.k_norm)?,
+        g_norm: up_f32(g, &w.g_norm)?,
+        dense: up::<T>(g, &w.dense)?,
+        log_decay: up_f32(g, &w.log_decay)?,
+        log_decay_host: w.log_decay.clone(),
+    })
+}
+
+/// The error for a model whose layers the CUDA backend cannot build in a given way
+/// (the device loaders do not read Kimi-Linear's KDA and MLA tensors yet: upload a
+/// CPU [`Model`] instead). The CPU backend runs every mixer.
 pub(crate) fn mixer_refused(c: &ModelConfig, m: MixerKind) -> CudaError {
     let what = match m {
         MixerKind::Lightning => "Lightning attention",
@@ -2430,18 +2665,10 @@ pub(crate) fn mixer_refused(c: &ModelConfig, m: MixerKind) -> CudaError {
         MixerKind::GatedDeltaNet | MixerKind::Attention => "these",
     };
     shape_err(format!(
-        "model_type {}: {what} layers are not implemented on the CUDA backend yet; \
-         run this model with --device cpu",
+        "model_type {}: {what} layers are not built by the GPU loaders yet; load the \
+         model on the host and upload it (GpuModel::upload), or run it with --device cpu",
         c.model_type
     ))
-}
-
-/// The first layer kind of `c` that the CUDA backend cannot run.
-pub(crate) fn unsupported_mixer(c: &ModelConfig) -> Option<MixerKind> {
-    c.mixers
-        .iter()
-        .copied()
-        .find(|m| matches!(m, MixerKind::Lightning))
 }
 
 /// Configuration limits of the GPU forward.
@@ -2458,15 +2685,54 @@ pub(crate) fn check_config(c: &ModelConfig) -> Result<()> {
     if c.hidden_size == 0 || c.vocab_size == 0 {
         return bad("hidden_size and vocab_size must be > 0".into());
     }
-    if let Some(m) = unsupported_mixer(c) {
-        return Err(mixer_refused(c, m));
-    }
-    if c.attn_proj != crate::config::AttnProjLayout::Split {
+    if c.attn_output_gate && c.attn_proj == crate::config::AttnProjLayout::FusedQkv {
         return bad(format!(
-            "model_type {}: the CUDA backend reads only split q/k/v attention \
-             projections; run it with --device cpu",
+            "model_type {}: a fused query_key_value with an output gate is not supported",
             c.model_type
         ));
+    }
+    if c.num_experts > 0 {
+        if let Err((k, m)) = c.router.check(c.num_experts, c.experts_per_tok) {
+            return bad(format!("model_type {}: router `{k}`: {m}", c.model_type));
+        }
+        if c.router.n_group > moe::MAX_GROUPS {
+            return bad(format!(
+                "model_type {}: {} expert groups (the device router takes up to {})",
+                c.model_type,
+                c.router.n_group,
+                moe::MAX_GROUPS
+            ));
+        }
+    }
+    if c.mixers.contains(&MixerKind::Lightning) {
+        let (nh, d) = (c.linear_v_heads, c.linear_k_dim);
+        if nh == 0 || d == 0 || c.linear_v_dim != d || c.linear_k_heads != nh {
+            return bad(format!(
+                "Lightning layers need equal key/value heads and dims (heads {}/{nh}, dims {d}/{})",
+                c.linear_k_heads, c.linear_v_dim
+            ));
+        }
+        let groups = c.lightning.group_norm_size;
+        if groups == 0 || !(nh * d).is_multiple_of(groups) {
+            return bad(format!(
+                "Lightning group_norm_size {groups} must divide H·d = {}",
+                nh * d
+            ));
+        }
+        if c.rotary_dim > d || !c.rotary_dim.is_multiple_of(2) {
+            return bad(format!(
+                "rotary dims {} must be even and ≤ the Lightning head dim {d}",
+                c.rotary_dim
+            ));
+        }
+        if c.conv_dim() * c.conv_kernel.saturating_sub(1) != 0 {
+            return bad("Lightning layers have no conv: conv_kernel must be 1".into());
+        }
+    }
+    if c.mixers.contains(&MixerKind::Kda)
+        && (c.linear_k_heads != c.linear_v_heads || c.linear_k_dim != c.linear_v_dim)
+    {
+        return bad("KDA layers need as many key as value heads and dk = dv".into());
     }
     let has_full = c
         .mixers
@@ -2510,54 +2776,7 @@ pub(crate) fn check_config(c: &ModelConfig) -> Result<()> {
             return bad("GDN head dims must be > 0".into());
         }
     }
-    if c.mixers.contains(&MixerKind::Kda)
-        && (c.linear_k_heads != c.linear_v_heads || c.linear_k_dim != c.linear_v_dim)
-    {
-        return bad("KDA needs as many key as value heads and dk = dv".into());
-    }
     Ok(())
-}
-
-/// Limits of the fused FFN path ([`FfnPath::Fused`]: routing on the device), which
-/// [`GpuModel::load`] and [`GpuModel::random`] always take.
-pub(crate) fn check_fused_ffn(c: &ModelConfig) -> Result<()> {
-    let bad = |m: String| Err(shape_err(m));
-    if c.num_experts > 0 && c.router != crate::router::RouterConfig::default() {
-        return bad(format!(
-            "model_type {}: the CUDA backend routes MoE tokens by softmax top-k only; \
-             this family's router ({:?} scores, selection bias {:?}, {} expert groups) \
-             runs on the CPU backend (--device cpu) or in a model uploaded with the \
-             host-routed FFN path",
-            c.model_type, c.router.score, c.router.selection_bias, c.router.n_group
-        ));
-    }
-    if c.num_experts > 0
-        && c.shared_expert_intermediate_size > 0
-        && c.names.shared_expert_gate.is_none()
-    {
-        return bad(format!(
-            "model_type {}: the CUDA backend supports only a sigmoid-gated shared expert; \
-             run this family on the CPU backend (--device cpu)",
-            c.model_type
-        ));
-    }
-    Ok(())
-}
-
-/// The checkpoint layouts the device loaders ([`GpuModel::load`],
-/// [`GpuModel::random`]) build: zero-centred norm weights (a plain-norm family such
-/// as Kimi-Linear is uploaded from a CPU [`Model`], which converts them), and
-/// [`check_fused_ffn`].
-pub(crate) fn check_device_loader(c: &ModelConfig) -> Result<()> {
-    if c.norm != crate::config::NormStyle::ZeroCentred {
-        return Err(shape_err(format!(
-            "model_type {}: the GPU loaders read only zero-centred norm weights; load \
-             the model on the host and upload it (GpuModel::upload), or run it with \
-             --device cpu",
-            c.model_type
-        )));
-    }
-    check_fused_ffn(c)
 }
 
 /// Generic gated delta rule recurrence (any `dk`, `dv`; `gdr_generic_*` in model.cu),

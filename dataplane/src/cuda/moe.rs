@@ -7,7 +7,9 @@
 //! MoE pipeline (all on the device, no host round trip):
 //! 1. router GEMM through cuBLAS with fp32 output (`[t, E]`, plus one column for the
 //!    shared-expert gate logit when there is a shared expert);
-//! 2. `moe_route`: fp32 softmax + top-k per token;
+//! 2. `moe_route`: fp32 softmax + top-k per token (the Qwen rule); or, for a family
+//!    with another [`RouterConfig`] (sigmoid scores, selection bias, grouped top-k,
+//!    scaling: Ring-linear, Kimi-Linear), `moe_route_rule` ([`DeviceRouter`]);
 //! 3. `moe_plan`: per-expert counts and offsets, the tile list of the grouped GEMMs and
 //!    the permutation of the `t·k` routed rows grouped by expert (within an expert in
 //!    token order; deterministic, integer work only);
@@ -17,8 +19,9 @@
 //! 5. `moe_gemm_down` (or `moe_gemv_down`): one launch for every expert's `down`
 //!    projection (fp32 output);
 //! 6. shared expert: dense SwiGLU MLP through cuBLAS;
-//! 7. `moe_combine`: per token, `Σ_j w_j · y_j` in slot order plus `σ(g) · shared`,
-//!    no atomics: bitwise reproducible run to run.
+//! 7. `moe_combine`: per token, `Σ_j w_j · y_j` in slot order plus `σ(g) · shared`
+//!    (or `shared` ungated, [`MoeWeights::shared_gated`]), no atomics: bitwise
+//!    reproducible run to run.
 //!
 //! All GEMMs accumulate in fp32. Expert GEMM kernels ([`ExpertGemm`], chosen by
 //! [`expert_gemm`]): for few routed rows (decode) a GEMV-style kernel, one block per
@@ -36,6 +39,7 @@ use cudarc::driver::{DevicePtr, DevicePtrMut, DeviceRepr, LaunchConfig, PushKern
 
 use super::compile::MOE;
 use super::{check_len, grid_for, CudaError, CudaSlice, Elem, Gpu, Result};
+use crate::router::{RouterConfig, ScoreFunction};
 
 /// Rows per tile of the grouped GEMMs (`GBM` in moe.cu).
 const GBM: usize = 64;
@@ -51,6 +55,76 @@ const GV_COLS_DN: usize = 4;
 pub const MAX_EXPERTS: usize = 512;
 /// Largest `top_k` `moe_route` handles (one lane per chosen expert).
 pub const MAX_TOP_K: usize = 32;
+/// Largest `n_group` `moe_route_rule` handles (one lane per group).
+pub const MAX_GROUPS: usize = 32;
+
+/// A routing rule other than the Qwen softmax top-k, on the device: the family's
+/// [`RouterConfig`] (score function, grouped top-k with `n_group` / `topk_group` and
+/// `dropped_group_score`, `renorm_single`, `routed_scaling_factor`) and its selection
+/// bias `[E]` fp32 (`RouterConfig::selection_bias`: Ring-linear `gate.expert_bias`,
+/// Kimi-Linear `gate.e_score_correction_bias`). Kernel `moe_route_rule` (moe.cu); the
+/// same decisions as [`RouterConfig::route`] (ties to the lower index), weights to fp32
+/// rounding (device `expf`).
+pub struct DeviceRouter {
+    /// The rule.
+    pub config: RouterConfig,
+    /// Selection bias `[E]`, or `None` (no bias).
+    pub bias: Option<CudaSlice<f32>>,
+}
+
+impl DeviceRouter {
+    /// Uploads `bias` (`[E]`, when given) for the rule `config` over `num_experts`
+    /// experts and `top_k` choices.
+    ///
+    /// Errors: [`CudaError::Shape`] when the grouping does not fit
+    /// ([`RouterConfig::check`], at most [`MAX_GROUPS`] groups) or the bias is not `[E]`.
+    pub fn upload(
+        gpu: &Gpu,
+        config: &RouterConfig,
+        bias: Option<&[f32]>,
+        num_experts: usize,
+        top_k: usize,
+    ) -> Result<Self> {
+        config
+            .check(num_experts, top_k)
+            .map_err(|(k, m)| shape_err(format!("router `{k}`: {m}")))?;
+        if config.n_group > MAX_GROUPS {
+            return Err(shape_err(format!(
+                "router with {} expert groups (supported: 1..={MAX_GROUPS})",
+                config.n_group
+            )));
+        }
+        let bias = match bias {
+            Some(b) => {
+                check_host("router bias", b, num_experts)?;
+                Some(gpu.upload(b)?)
+            }
+            None => None,
+        };
+        Ok(DeviceRouter {
+            config: config.clone(),
+            bias,
+        })
+    }
+
+    /// Whether `config` needs a [`DeviceRouter`] (anything but the default softmax
+    /// rule, which `moe_route` runs).
+    pub fn needed(config: &RouterConfig) -> bool {
+        *config != RouterConfig::default()
+    }
+}
+
+/// Host weights of a shared expert for [`MoeWeights::upload_with_router`].
+#[derive(Clone, Copy, Debug)]
+pub struct SharedExpertHost<'a> {
+    /// `[2·Is, hidden]`, gate rows then up rows.
+    pub gate_up: &'a [f32],
+    /// `[hidden, Is]`.
+    pub down: &'a [f32],
+    /// Sigmoid gate `[1, hidden]` (Qwen), or `None`: the output is added ungated
+    /// (Ring-linear, Kimi-Linear).
+    pub gate: Option<&'a [f32]>,
+}
 
 /// MoE weights on the device, in the element type `T` of the activations.
 ///
@@ -83,6 +157,11 @@ pub struct MoeWeights<T> {
     pub down: CudaSlice<T>,
     /// Shared expert `(gate_up [2Is, H], down [H, Is])`.
     pub shared: Option<(CudaSlice<T>, CudaSlice<T>)>,
+    /// Whether the shared expert's output is scaled by `σ(x·gateᵀ)` (its gate logit is
+    /// row `E` of `router`); false: added as is (no gate row).
+    pub shared_gated: bool,
+    /// The routing rule when it is not the Qwen softmax top-k (`None`: `moe_route`).
+    pub rule: Option<DeviceRouter>,
 }
 
 fn shape_err(msg: String) -> CudaError {
@@ -123,6 +202,45 @@ impl<T: Elem> MoeWeights<T> {
         top_k: usize,
         norm_topk_prob: bool,
     ) -> Result<Self> {
+        Self::upload_with_router(
+            gpu,
+            router,
+            &RouterConfig::default(),
+            None,
+            experts_gate_up,
+            experts_down,
+            shared.map(|(gate_up, down, gate)| SharedExpertHost {
+                gate_up,
+                down,
+                gate: Some(gate),
+            }),
+            hidden,
+            inter,
+            shared_inter,
+            top_k,
+            norm_topk_prob,
+        )
+    }
+
+    /// [`MoeWeights::upload`] with any routing rule (`rule`, its selection bias
+    /// `bias [E]`; see [`DeviceRouter`]) and a gated or ungated shared expert.
+    ///
+    /// Errors: as [`MoeWeights::upload`], and [`DeviceRouter::upload`]'s.
+    #[allow(clippy::too_many_arguments)]
+    pub fn upload_with_router(
+        gpu: &Gpu,
+        router: &[f32],
+        rule: &RouterConfig,
+        bias: Option<&[f32]>,
+        experts_gate_up: &[&[f32]],
+        experts_down: &[&[f32]],
+        shared: Option<SharedExpertHost<'_>>,
+        hidden: usize,
+        inter: usize,
+        shared_inter: usize,
+        top_k: usize,
+        norm_topk_prob: bool,
+    ) -> Result<Self> {
         let e = experts_gate_up.len();
         if e == 0 || e > MAX_EXPERTS {
             return Err(shape_err(format!(
@@ -156,20 +274,28 @@ impl<T: Elem> MoeWeights<T> {
             gu.extend(g.iter().map(|&a| T::from_f32(a)));
             dn.extend(d.iter().map(|&a| T::from_f32(a)));
         }
+        let shared_gated = shared.is_some_and(|s| s.gate.is_some());
         let shared = match shared {
             None => None,
-            Some((sgu, sdn, sg)) => {
+            Some(sh) => {
                 if shared_inter == 0 {
                     return Err(shape_err("shared expert given with shared_inter 0".into()));
                 }
-                check_host("shared gate_up", sgu, 2 * shared_inter * hidden)?;
-                check_host("shared down", sdn, hidden * shared_inter)?;
-                check_host("shared gate", sg, hidden)?;
-                r.extend(sg.iter().map(|&a| T::from_f32(a)));
-                let a: Vec<T> = sgu.iter().map(|&a| T::from_f32(a)).collect();
-                let b: Vec<T> = sdn.iter().map(|&a| T::from_f32(a)).collect();
+                check_host("shared gate_up", sh.gate_up, 2 * shared_inter * hidden)?;
+                check_host("shared down", sh.down, hidden * shared_inter)?;
+                if let Some(sg) = sh.gate {
+                    check_host("shared gate", sg, hidden)?;
+                    r.extend(sg.iter().map(|&a| T::from_f32(a)));
+                }
+                let a: Vec<T> = sh.gate_up.iter().map(|&a| T::from_f32(a)).collect();
+                let b: Vec<T> = sh.down.iter().map(|&a| T::from_f32(a)).collect();
                 Some((gpu.upload(&a)?, gpu.upload(&b)?))
             }
+        };
+        let rule = if DeviceRouter::needed(rule) {
+            Some(DeviceRouter::upload(gpu, rule, bias, e, top_k)?)
+        } else {
+            None
         };
         Ok(MoeWeights {
             hidden,
@@ -182,12 +308,14 @@ impl<T: Elem> MoeWeights<T> {
             gate_up: gpu.upload(&gu)?,
             down: gpu.upload(&dn)?,
             shared,
+            shared_gated,
+            rule,
         })
     }
 
-    /// Columns of the router GEMM output (`E`, or `E + 1` with the shared gate).
+    /// Columns of the router GEMM output (`E`, or `E + 1` with a gated shared expert).
     fn router_rows(&self) -> usize {
-        self.num_experts + usize::from(self.shared.is_some())
+        self.num_experts + usize::from(self.shared.is_some() && self.shared_gated)
     }
 }
 
@@ -580,31 +708,8 @@ pub fn moe_forward<T: Elem>(
     gemm_rm::<T, f32>(gpu, x, t, h, &w.router, ld, &mut logits)?;
 
     // 2. Routing.
-    let f = gpu.function(&MOE, "moe_route", 0)?;
-    let cfg = LaunchConfig {
-        grid_dim: ((t * 32).div_ceil(256) as u32, 1, 1),
-        block_dim: (256, 1, 1),
-        shared_mem_bytes: 0,
-    };
-    let (ld_i, t_i, e_i, k_i, norm_i) = (
-        ld as i32,
-        t as i32,
-        e as i32,
-        k as i32,
-        i32::from(w.norm_topk_prob),
-    );
-    let mut b = gpu.stream().launch_builder(&f);
-    b.arg(&logits)
-        .arg(&ld_i)
-        .arg(&t_i)
-        .arg(&e_i)
-        .arg(&k_i)
-        .arg(&norm_i)
-        .arg(&mut topk_idx)
-        .arg(&mut topk_w);
-    // SAFETY: matches `moe_route`; buffers sized t·ld and t·k above; E ≤ 512, k ≤ 32
-    // (checked at upload).
-    unsafe { b.launch(cfg) }?;
+    let (ld_i, t_i, e_i, k_i) = (ld as i32, t as i32, e as i32, k as i32);
+    route(gpu, w, &logits, t, &mut topk_idx, &mut topk_w)?;
 
     // 3. Plan: counts, offsets, tiles, permutation.
     let f = gpu.function(&MOE, "moe_plan", 0)?;
@@ -807,7 +912,7 @@ pub fn moe_forward<T: Elem>(
         shared_mem_bytes: 0,
     };
     let null: u64 = 0;
-    let gate_col = e as i32;
+    let gate_col = if w.shared_gated { e as i32 } else { -1 };
     let mut b = gpu.stream().launch_builder(&f);
     b.arg(&y).arg(&slot_pos).arg(&topk_w).arg(&k_i);
     match &shared_bufs {
@@ -841,6 +946,90 @@ pub fn moe_forward<T: Elem>(
         ws.put("s_act", b);
         ws.put("s_out", c);
     }
+    Ok(())
+}
+
+/// Routes `t` tokens from their router logits (`logits: [t, ld]` fp32, the first `E`
+/// columns the experts'; `ld` = E, or E + 1 with a gated shared expert) by `w`'s rule:
+/// `topk_idx [t, k]` (chosen experts in selection order) and `topk_w [t, k]` (their
+/// weights, scaling included). `moe_route` for the softmax rule, `moe_route_rule`
+/// otherwise.
+///
+/// Errors: [`CudaError::Shape`] for buffers shorter than their shapes.
+pub fn route<T: Elem>(
+    gpu: &Gpu,
+    w: &MoeWeights<T>,
+    logits: &CudaSlice<f32>,
+    t: usize,
+    topk_idx: &mut CudaSlice<i32>,
+    topk_w: &mut CudaSlice<f32>,
+) -> Result<()> {
+    let (e, k, ld) = (w.num_experts, w.top_k, w.router_rows());
+    check_len("logits [t,ld]", logits, t * ld)?;
+    check_len("topk_idx [t,k]", topk_idx, t * k)?;
+    check_len("topk_w [t,k]", topk_w, t * k)?;
+    if t == 0 {
+        return Ok(());
+    }
+    let cfg = LaunchConfig {
+        grid_dim: ((t * 32).div_ceil(256) as u32, 1, 1),
+        block_dim: (256, 1, 1),
+        shared_mem_bytes: 0,
+    };
+    let (ld_i, t_i, e_i, k_i, norm_i) = (
+        ld as i32,
+        t as i32,
+        e as i32,
+        k as i32,
+        i32::from(w.norm_topk_prob),
+    );
+    let Some(rule) = &w.rule else {
+        let f = gpu.function(&MOE, "moe_route", 0)?;
+        let mut b = gpu.stream().launch_builder(&f);
+        b.arg(logits)
+            .arg(&ld_i)
+            .arg(&t_i)
+            .arg(&e_i)
+            .arg(&k_i)
+            .arg(&norm_i)
+            .arg(topk_idx)
+            .arg(topk_w);
+        // SAFETY: matches `moe_route`; buffers checked above; E ≤ 512, k ≤ 32 (checked
+        // at upload).
+        unsafe { b.launch(cfg) }?;
+        return Ok(());
+    };
+    let c = &rule.config;
+    let f = gpu.function(&MOE, "moe_route_rule", 0)?;
+    let null: u64 = 0;
+    let (sig, ng, tg, rs) = (
+        i32::from(c.score == ScoreFunction::Sigmoid),
+        c.n_group as i32,
+        c.topk_group as i32,
+        i32::from(c.renorm_single),
+    );
+    let mut b = gpu.stream().launch_builder(&f);
+    b.arg(logits)
+        .arg(&ld_i)
+        .arg(&t_i)
+        .arg(&e_i)
+        .arg(&k_i)
+        .arg(&norm_i)
+        .arg(&sig);
+    match &rule.bias {
+        Some(bias) => b.arg(bias),
+        None => b.arg(&null),
+    };
+    b.arg(&ng)
+        .arg(&tg)
+        .arg(&c.dropped_group_score)
+        .arg(&rs)
+        .arg(&c.routed_scaling_factor)
+        .arg(topk_idx)
+        .arg(topk_w);
+    // SAFETY: matches `moe_route_rule`; buffers checked above; bias [E] (checked at
+    // upload); E ≤ 512, k ≤ 32, n_group ≤ 32 dividing E (DeviceRouter::upload).
+    unsafe { b.launch(cfg) }?;
     Ok(())
 }
 

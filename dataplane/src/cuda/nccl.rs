@@ -27,7 +27,7 @@ use cudarc::nccl::NcclType;
 
 use super::peer::{entry_checksum, PeerEntry};
 use super::pic::{EntryBuffer, GpuBackend, GpuEntryLayer, GpuSegmentEntry};
-use super::transition::DensePair;
+use super::transition::{DensePair, ScalarPair};
 use super::{Elem, Gpu};
 use crate::config::{MixerKind, ModelConfig};
 use crate::parallel::nccl::{EntryHeader, NcclOffer, ID_BYTES};
@@ -100,7 +100,10 @@ fn layout<T: Elem>(
         .ok_or_else(|| format!("an entry of {tokens} tokens overflows the buffer sizes"))?;
     let mut out = Vec::new();
     for (i, m) in c.mixers.iter().enumerate() {
-        if m.is_linear() {
+        if matches!(m, MixerKind::Lightning) {
+            out.push((4 * hv, false));
+            out.push((4 * hv * dk * dv, false));
+        } else if m.is_linear() {
             out.push((4 * hv * dk * dk, false));
             out.push((4 * hv * dk * dv, false));
             out.push((4 * conv_len, false));
@@ -200,7 +203,19 @@ impl<T: Elem + NcclType> NcclSession for RecvSession<T> {
         let mut next = || sizes.next().ok_or_else(|| "too few buffers".to_string());
         let mut layers = Vec::with_capacity(c.mixers.len());
         for m in &c.mixers {
-            if m.is_linear() {
+            if matches!(m, MixerKind::Lightning) {
+                let t = self.recv::<f32>(comm, next()?)?;
+                let b = self.recv::<f32>(comm, next()?)?;
+                layers.push(GpuEntryLayer::Lightning {
+                    pair: ScalarPair {
+                        h: hv,
+                        dk,
+                        dv,
+                        t,
+                        b,
+                    },
+                });
+            } else if m.is_linear() {
                 let t = self.recv::<f32>(comm, next()?)?;
                 let b = self.recv::<f32>(comm, next()?)?;
                 let conv_bytes = next()?;

@@ -39,8 +39,8 @@ use cudarc::cublas::{CudaBlas, Gemm};
 use cudarc::driver::{LaunchConfig, PushKernelArg};
 
 use super::compile::PIC;
-use super::model::{GpuLayerState, GpuModel, GpuState};
-use super::transition::DensePair;
+use super::model::{GpuLayerState, GpuModel, GpuState, LayerPair};
+use super::transition::{DensePair, ScalarPair};
 use super::{check_len, grid_for, ops, CudaError, CudaSlice, Elem, Gpu, Result, Scratch};
 use crate::config::{MixerKind, ModelConfig};
 use crate::engine::BackendInfo;
@@ -192,6 +192,12 @@ pub enum GpuEntryLayer<T> {
         /// Valid elements of `conv_tail`.
         conv_len: usize,
     },
+    /// Lightning layer: the scalar body pair (`T_body [H]`, `S_body|0 [H, dk, dv]`
+    /// with its keys at the in-segment positions; no conv tail).
+    Lightning {
+        /// The pair.
+        pair: ScalarPair,
+    },
     /// Attention layer: body K (rotated to in-segment positions `body_start..`) and V,
     /// `[rows, Hkv, hd]` each in `T` (buffers of one element when `rows = 0`).
     Full {
@@ -236,6 +242,7 @@ impl<T: Elem> GpuSegmentEntry<T> {
                 GpuEntryLayer::Linear { pair, conv_len, .. } => {
                     4 * (pair.hv * pair.dk * (pair.dk + pair.dv) + conv_len)
                 }
+                GpuEntryLayer::Lightning { pair } => 4 * pair.h * (1 + pair.dk * pair.dv),
                 GpuEntryLayer::Full { rows, row, .. } => 2 * es * rows * row,
             })
             .sum()
@@ -284,6 +291,13 @@ impl<T: Elem> GpuSegmentEntry<T> {
                     out.push(EntryBuffer::F32(prefix(&pair.b, n * pair.dv)));
                     out.push(EntryBuffer::F32(prefix(conv_tail, *conv_len)));
                 }
+                GpuEntryLayer::Lightning { pair } => {
+                    out.push(EntryBuffer::F32(prefix(&pair.t, pair.h)));
+                    out.push(EntryBuffer::F32(prefix(
+                        &pair.b,
+                        pair.h * pair.dk * pair.dv,
+                    )));
+                }
                 GpuEntryLayer::Full { k, v, rows, row } => {
                     out.push(EntryBuffer::Elem(prefix(k, rows * row)));
                     out.push(EntryBuffer::Elem(prefix(v, rows * row)));
@@ -331,6 +345,15 @@ impl<T: Elem> GpuSegmentEntry<T> {
                     conv_tail: copy(dst, conv_tail, *conv_len)?,
                     conv_len: *conv_len,
                 },
+                GpuEntryLayer::Lightning { pair } => GpuEntryLayer::Lightning {
+                    pair: ScalarPair {
+                        h: pair.h,
+                        dk: pair.dk,
+                        dv: pair.dv,
+                        t: copy(dst, &pair.t, pair.h)?,
+                        b: copy(dst, &pair.b, pair.h * pair.dk * pair.dv)?,
+                    },
+                },
                 GpuEntryLayer::Full { k, v, rows, row } => GpuEntryLayer::Full {
                     k: copy(dst, k, rows * row)?,
                     v: copy(dst, v, rows * row)?,
@@ -365,6 +388,13 @@ impl<T: Elem> GpuSegmentEntry<T> {
                     g.sync()?;
                     return Ok(true);
                 }
+                GpuEntryLayer::Lightning { pair } if pair.h > 0 => {
+                    let mut x = g.download(&pair.t)?;
+                    x[0] = -x[0];
+                    g.stream().memcpy_htod(&x, &mut pair.t)?;
+                    g.sync()?;
+                    return Ok(true);
+                }
                 GpuEntryLayer::Full { k, rows, row, .. } if *rows * *row > 0 => {
                     let mut x = g.download(k)?;
                     x[0] = T::from_f32(-x[0].to_f32());
@@ -391,6 +421,10 @@ impl<T: Elem> GpuSegmentEntry<T> {
                 } => EntryLayer::Linear {
                     pair: pair.download(g)?,
                     conv_tail: download_prefix(g, conv_tail, *conv_len)?,
+                },
+                GpuEntryLayer::Lightning { pair } => EntryLayer::Linear {
+                    pair: pair.download(g)?,
+                    conv_tail: vec![],
                 },
                 GpuEntryLayer::Full { k, v, rows, row } => EntryLayer::Full {
                     k: download_prefix(g, k, rows * row)?,
@@ -429,6 +463,19 @@ impl<T: Elem> GpuSegmentEntry<T> {
         let mut layers = Vec::with_capacity(e.layers.len());
         for (i, (l, kind)) in e.layers.iter().zip(&c.mixers).enumerate() {
             layers.push(match (l, kind) {
+                (EntryLayer::Linear { pair, conv_tail }, MixerKind::Lightning) => {
+                    if m_kind_ok(*kind, pair, (hv, dk, dv)).is_err() || !conv_tail.is_empty() {
+                        return bad(format!(
+                            "layer {i}: pair {:?} {:?}, conv tail {}",
+                            pair.kind(),
+                            pair.dims(),
+                            conv_tail.len()
+                        ));
+                    }
+                    GpuEntryLayer::Lightning {
+                        pair: ScalarPair::upload(gpu, pair)?,
+                    }
+                }
                 (EntryLayer::Linear { pair, conv_tail }, m) if m.is_linear() => {
                     // The pair must be of the form the layer's mixer builds (dense for
                     // Gated DeltaNet; `DensePair` holds dense pairs only).
@@ -483,6 +530,19 @@ impl<T: Elem> GpuSegmentEntry<T> {
         })
     }
 }
+/// Whether `pair` has the transition kind of mixer `m` and the dims `dims`.
+fn m_kind_ok(
+    m: MixerKind,
+    pair: &crate::linear::transition::Pair,
+    dims: (usize, usize, usize),
+) -> std::result::Result<(), ()> {
+    if m.transition_kind() == Some(pair.kind()) && pair.dims() == dims {
+        Ok(())
+    } else {
+        Err(())
+    }
+}
+
 /// Device and config bound for decoding spilled blobs on this thread.
 struct SpillCtx {
     gpu: Arc<Gpu>,
@@ -654,11 +714,16 @@ where
         let mut layers = Vec::with_capacity(pairs.len());
         for (i, (ls, p)) in st.layers.into_iter().zip(pairs).enumerate() {
             layers.push(match (ls, p) {
-                (GpuLayerState::Linear { conv, .. }, Some(pair)) => GpuEntryLayer::Linear {
-                    pair,
-                    conv_tail: conv,
-                    conv_len,
-                },
+                (GpuLayerState::Linear { conv, .. }, Some(LayerPair::Dense(pair))) => {
+                    GpuEntryLayer::Linear {
+                        pair,
+                        conv_tail: conv,
+                        conv_len,
+                    }
+                }
+                (GpuLayerState::Linear { .. }, Some(LayerPair::Scalar(pair))) => {
+                    GpuEntryLayer::Lightning { pair }
+                }
                 (GpuLayerState::Full(kv), None) => {
                     let row = kv.row;
                     let (k, v) = if rows == 0 {
@@ -731,6 +796,25 @@ where
                 } else {
                     *conv = s.clone_dtod(conv_tail)?;
                 }
+            }
+            (
+                GpuLayerState::Linear { recurrent, .. },
+                GpuEntryLayer::Lightning { pair },
+                MixerKind::Lightning,
+            ) => {
+                // Lightning keys carry RoPE: the body, cached with its keys at
+                // positions from 0, moves to `b` by R(b) on its key axis (the CPU
+                // backend's compose; also under naive addition).
+                let per = pair.dk * pair.dv;
+                let mut body = s.clone_dtod(&pair.b)?;
+                if rope_fix && b != 0 {
+                    if let Some(inv) = model.inv_freq() {
+                        super::lightning::rotate_state(
+                            gpu, &mut body, pair.h, pair.dk, pair.dv, b, inv,
+                        )?;
+                    }
+                }
+                super::lightning::scalar_apply(gpu, recurrent, &pair.t, &body, pair.h, per, naive)?;
             }
             (
                 GpuLayerState::Full(kv),

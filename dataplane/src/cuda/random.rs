@@ -12,9 +12,8 @@ use cudarc::cublas::{CudaBlas, Gemm};
 use cudarc::driver::{LaunchConfig, PushKernelArg};
 
 use super::compile::INIT;
-use super::model::{
-    check_config, check_device_loader, AttnW, FfnPath, FfnW, GdnW, GpuModel, LayerW, MixerW, MlpW,
-};
+use super::lightning::LightningW;
+use super::model::{check_config, AttnW, FfnPath, FfnW, GdnW, GpuModel, LayerW, MixerW, MlpW};
 use super::{gdr, grid_for, moe, ops, CudaError, CudaSlice, Elem, Gpu, Result};
 use crate::config::{MixerKind, ModelConfig};
 use crate::random::{self as rnd, ParamCounts};
@@ -175,7 +174,6 @@ where
     pub fn random(gpu: Arc<Gpu>, config: ModelConfig, seed: u64) -> Result<Self> {
         let c = config;
         check_config(&c)?;
-        check_device_loader(&c)?;
         check_moe_config(&c)?;
         let need = ParamCounts::of(&c).bytes(std::mem::size_of::<T>());
         let (free, total) = gpu.context().mem_get_info()?;
@@ -238,7 +236,43 @@ where
                         out: lin(g, h * c.value_dim(), seed, Some(l), rnd::SLOT_GDN_OUT)?,
                     })
                 }
-                m @ (MixerKind::Lightning | MixerKind::Kda | MixerKind::Mla) => {
+                MixerKind::Lightning => {
+                    // Fused rows query_key_value | g_proj, each its own tensor id (as
+                    // the CPU model).
+                    let wd = c.linear_v_heads * c.linear_k_dim;
+                    let mut w_in = alloc::<T>(g, 4 * wd * h)?;
+                    let lb = rnd::linear_bound();
+                    let id = |s| rnd::tensor_id(Some(l), s);
+                    fill_sym(
+                        g,
+                        &mut w_in,
+                        0,
+                        3 * wd * h,
+                        seed,
+                        id(rnd::SLOT_LIGHTNING_QKV),
+                        lb,
+                    )?;
+                    fill_sym(
+                        g,
+                        &mut w_in,
+                        3 * wd * h,
+                        wd * h,
+                        seed,
+                        id(rnd::SLOT_LIGHTNING_G),
+                        lb,
+                    )?;
+                    let log_decay = crate::mixers::lightning::layer::layer_log_decay(&c, l);
+                    MixerW::Lightning(LightningW {
+                        w_in,
+                        q_norm: constant(g, c.linear_k_dim, 0.0)?,
+                        k_norm: constant(g, c.linear_k_dim, 0.0)?,
+                        g_norm: constant(g, wd, 1.0)?,
+                        dense: lin(g, h * wd, seed, Some(l), rnd::SLOT_LIGHTNING_DENSE)?,
+                        log_decay: g.upload(&log_decay)?,
+                        log_decay_host: log_decay,
+                    })
+                }
+                m @ (MixerKind::Kda | MixerKind::Mla) => {
                     return Err(super::model::mixer_refused(&c, m))
                 }
                 MixerKind::Attention => {
@@ -274,21 +308,24 @@ where
                     c.shared_expert_intermediate_size,
                 );
                 // Router rows [E, H], plus the shared-expert gate as row E.
-                let rows = e + usize::from(si > 0);
+                let gated = c.names.shared_expert_gate.is_some();
+                let rows = e + usize::from(si > 0 && gated);
                 let mut router = alloc::<T>(g, rows * h)?;
                 let lb = rnd::linear_bound();
                 let id = |s| rnd::tensor_id(Some(l), s);
                 fill_sym(g, &mut router, 0, e * h, seed, id(rnd::SLOT_MOE_ROUTER), lb)?;
                 let shared = if si > 0 {
-                    fill_sym(
-                        g,
-                        &mut router,
-                        e * h,
-                        h,
-                        seed,
-                        id(rnd::SLOT_SHARED_GATE),
-                        lb,
-                    )?;
+                    if gated {
+                        fill_sym(
+                            g,
+                            &mut router,
+                            e * h,
+                            h,
+                            seed,
+                            id(rnd::SLOT_SHARED_GATE),
+                            lb,
+                        )?;
+                    }
                     Some((
                         lin(g, 2 * si * h, seed, Some(l), rnd::SLOT_SHARED_GATE_UP)?,
                         lin(g, h * si, seed, Some(l), rnd::SLOT_SHARED_DOWN)?,
@@ -307,6 +344,20 @@ where
                     gate_up: lin(g, e * 2 * i * h, seed, Some(l), rnd::SLOT_MOE_GATE_UP)?,
                     down: lin(g, e * h * i, seed, Some(l), rnd::SLOT_MOE_DOWN)?,
                     shared,
+                    shared_gated: gated,
+                    // HF initialises the selection bias to zeros (as `Model::random`).
+                    rule: moe::DeviceRouter::needed(&c.router)
+                        .then(|| {
+                            let bias = c.router.selection_bias.map(|_| vec![0f32; e]);
+                            moe::DeviceRouter::upload(
+                                g,
+                                &c.router,
+                                bias.as_deref(),
+                                e,
+                                c.experts_per_tok,
+                            )
+                        })
+                        .transpose()?,
                 })
             } else {
                 FfnW::Dense(mlp(
@@ -368,6 +419,14 @@ where
                     b(&w.w_in) + b(&w.conv) + b(&w.neg_a) + b(&w.dt_bias) + b(&w.norm) + b(&w.out)
                 }
                 MixerW::Attention(w) => b(&w.qkv) + b(&w.o) + b(&w.q_norm) + b(&w.k_norm),
+                MixerW::Lightning(w) => {
+                    b(&w.w_in)
+                        + b(&w.q_norm)
+                        + b(&w.k_norm)
+                        + b(&w.g_norm)
+                        + b(&w.dense)
+                        + b(&w.log_decay)
+                }
                 MixerW::Kda(w) => {
                     b(&w.w_in)
                         + b(&w.f_b)
@@ -394,6 +453,7 @@ where
                         + b(&m.gate_up)
                         + b(&m.down)
                         + m.shared.as_ref().map_or(0, |(x, y)| b(x) + b(y))
+                        + m.rule.as_ref().and_then(|r| r.bias.as_ref()).map_or(0, b)
                 }
             };
         }

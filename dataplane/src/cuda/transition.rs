@@ -1,4 +1,5 @@
-//! Dense (Gated DeltaNet / KDA) segment pairs on the GPU: apply `S ← T S + B` and
+//! Segment pairs on the GPU. Scalar pairs (Lightning): [`ScalarPair`], `T_C` one value
+//! per head. Dense (Gated DeltaNet / KDA) segment pairs: apply `S ← T S + B` and
 //! compose `(T_B, B_B) ∘ (T_A, B_A) = (T_B T_A, T_B B_A + B_B)`, batched over value
 //! heads with one cuBLAS fp32 strided-batched GEMM per product. CPU reference:
 //! `linear::transition::Pair::{apply, compose}`.
@@ -152,4 +153,70 @@ pub fn compose_dense(
 ) -> Result<()> {
     batched_matmul(gpu, hv, dk, dk, dk, t_later, t_earlier, t_out, 0.0)?;
     batched_matmul(gpu, hv, dk, dv, dk, t_later, b_earlier, b_out, 1.0)
+}
+
+/// A scalar pair `(T_C [H], S_{C|0} [H, dk, dv])` in device memory, fp32: the PIC
+/// pair of a Lightning layer (transition family `Scalar`: `T_C = exp(g_h·len)`).
+/// Applied with [`super::lightning::scalar_apply`].
+pub struct ScalarPair {
+    /// Heads.
+    pub h: usize,
+    /// Key head dim.
+    pub dk: usize,
+    /// Value head dim.
+    pub dv: usize,
+    /// `T_C`: `[H]`.
+    pub t: CudaSlice<f32>,
+    /// `S_{C|0}`: `[H, dk, dv]`.
+    pub b: CudaSlice<f32>,
+}
+
+impl ScalarPair {
+    /// Uploads a CPU pair (must be [`TransitionKind::Scalar`]).
+    ///
+    /// Errors: [`CudaError::Shape`] for another kind; driver errors.
+    pub fn upload(gpu: &Gpu, p: &Pair) -> Result<ScalarPair> {
+        if p.kind() != TransitionKind::Scalar {
+            return Err(CudaError::Shape(format!(
+                "ScalarPair needs a scalar pair, got {:?}",
+                p.kind()
+            )));
+        }
+        let (h, dk, dv) = p.dims();
+        let up = |v: &[f32]| -> Result<CudaSlice<f32>> {
+            if v.is_empty() {
+                gpu.zeros(1)
+            } else {
+                gpu.upload(v)
+            }
+        };
+        Ok(ScalarPair {
+            h,
+            dk,
+            dv,
+            t: up(p.t())?,
+            b: up(p.b())?,
+        })
+    }
+
+    /// Downloads into a CPU pair.
+    ///
+    /// Errors: driver errors; a buffer shorter than the dims.
+    pub fn download(&self, gpu: &Gpu) -> Result<Pair> {
+        let t = gpu.download(&self.t)?;
+        let b = gpu.download(&self.b)?;
+        let (nt, nb) = (self.h, self.h * self.dk * self.dv);
+        if t.len() < nt || b.len() < nb {
+            return Err(CudaError::Shape("scalar pair buffers too short".into()));
+        }
+        Pair::from_parts(
+            TransitionKind::Scalar,
+            self.h,
+            self.dk,
+            self.dv,
+            t[..nt].to_vec(),
+            b[..nb].to_vec(),
+        )
+        .map_err(|e| CudaError::Shape(e.to_string()))
+    }
 }

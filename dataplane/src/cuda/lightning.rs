@@ -1,0 +1,447 @@
+//! Lightning attention on the GPU (the linear layers of Ring-linear-2.0,
+//! `model_type: bailing_moe_linear`): the kernels of `dataplane/kernels/lightning.cu`
+//! and their host wrappers. CPU reference: `mixers::lightning::{naive, chunk, layer}`.
+//!
+//! One layer over `t` tokens (`W = H·d`, `d` = head dim = `dk` = `dv`):
+//!
+//! 1. one GEMM `proj = x · [query_key_value | g_proj]ᵀ` (`[t, 4W]` in `T`, columns
+//!    `q | k | v | gate`; [`LightningW::w_in`]);
+//! 2. [`prep`]: optional SiLU on `q|k|v`, per-head RMSNorm of q and k (zero-centred
+//!    weights, as the CPU model stores them), fp32 NeoX partial RoPE at the tokens'
+//!    positions → q, k, v fp32 `[t, H, d]`;
+//! 3. the recurrence `S_t = exp(g_h)·S_{t−1} + k_t v_tᵀ`, `o_t = scale·S_tᵀ q_t`
+//!    (`scale = d^−½`) from the layer's state `[H, d, d]` fp32: [`recurrent`] (one
+//!    thread per state column, token by token: the GPU reference, and decode) or
+//!    [`chunked`] (chunks of [`CHUNK`] tokens: intra-chunk attention under the decay
+//!    mask plus the inter-chunk state; spans of ≥ [`CHUNKED_MIN_TOKENS`] tokens), the
+//!    same recurrence, tested against each other and the CPU `naive` / `chunk`;
+//! 4. [`out`]: group RMSNorm `g_norm` over `group_norm_size` groups of the `W`
+//!    channels, times `sigmoid(gate)` → `[t, W]` in `T`; then `dense`.
+//!
+//! PIC (`cuda::pic`): the body pair of `from..t` is the scalar `T = exp(g_h·(t − from))`
+//! per head (host-computed, `mixers::lightning::chunk::transition`) and `S_body|0`
+//! from a state-only [`chunked`] pass over the body from zero (as the CPU layer);
+//! composing applies [`scalar_apply`] after moving the cached state to its new start
+//! `b` with [`rotate_state`] (`R(b)` on the key axis).
+use cudarc::driver::{LaunchConfig, PushKernelArg};
+
+use super::compile::LIGHTNING;
+use super::{check_len, grid_for, CudaError, CudaSlice, Elem, Gpu, Result};
+use crate::mixers::lightning::LightningDims;
+
+/// Chunk length of [`chunked`] (`LT_C` in lightning.cu).
+pub const CHUNK: usize = 32;
+/// Value columns per block of [`chunked`] (`LT_BV` in lightning.cu).
+const BV: usize = 32;
+/// Spans of at least this many tokens take [`chunked`], shorter ones [`recurrent`]
+/// (the CPU layer's `NAIVE_MAX`).
+pub const CHUNKED_MIN_TOKENS: usize = crate::mixers::lightning::layer::NAIVE_MAX;
+
+/// Lightning layer weights on the device.
+pub struct LightningW<T> {
+    /// `[4W, hidden]`: the `query_key_value` rows (q | k | v), then the `g_proj` rows.
+    pub w_in: CudaSlice<T>,
+    /// q RMSNorm weight `[d]` fp32, zero-centred.
+    pub q_norm: CudaSlice<f32>,
+    /// k RMSNorm weight `[d]` fp32, zero-centred.
+    pub k_norm: CudaSlice<f32>,
+    /// Group RMSNorm weight `[W]` fp32 (plain).
+    pub g_norm: CudaSlice<f32>,
+    /// Output projection `dense`, `[hidden, W]`.
+    pub dense: CudaSlice<T>,
+    /// Log decays `g_h = −slope_h·f_l`, `[H]` fp32.
+    pub log_decay: CudaSlice<f32>,
+    /// The same log decays on the host (for the scalar transitions of PIC pairs).
+    pub log_decay_host: Vec<f32>,
+}
+
+fn shape_err(m: String) -> CudaError {
+    CudaError::Shape(m)
+}
+
+fn dim(name: &str, v: usize) -> Result<i32> {
+    i32::try_from(v).map_err(|_| shape_err(format!("{name} = {v} does not fit in i32")))
+}
+
+fn cfg1(n: usize) -> LaunchConfig {
+    LaunchConfig {
+        grid_dim: (grid_for(n, 256), 1, 1),
+        block_dim: (256, 1, 1),
+        shared_mem_bytes: 0,
+    }
+}
+
+/// Step 2 of the layer: from `proj` (`[t, ld]` in `T`, columns `q | k | v` of `H·d`
+/// each from column 0) to `q, k, v` (`[t, H, d]` fp32): SiLU when `silu`, RMSNorm of
+/// each q and k head (`x̂·(1 + w)`, `q_norm`, `k_norm`: `[d]`), NeoX RoPE of the first
+/// `2·inv_freq.len()` dims at `pos` (`[t]` i64; no RoPE when `inv_freq` is `None`).
+///
+/// Errors: [`CudaError::Shape`] for short buffers or rotary dims over `d`.
+#[allow(clippy::too_many_arguments)]
+pub fn prep<T: Elem>(
+    gpu: &Gpu,
+    proj: &CudaSlice<T>,
+    t: usize,
+    ld: usize,
+    q_norm: &CudaSlice<f32>,
+    k_norm: &CudaSlice<f32>,
+    pos: &CudaSlice<i64>,
+    inv_freq: Option<&CudaSlice<f32>>,
+    silu: bool,
+    h: usize,
+    d: usize,
+    eps: f32,
+    q: &mut CudaSlice<f32>,
+    k: &mut CudaSlice<f32>,
+    v: &mut CudaSlice<f32>,
+) -> Result<()> {
+    let w = h * d;
+    if ld < 3 * w {
+        return Err(shape_err(format!(
+            "projection width {ld} < 3·H·d = {}",
+            3 * w
+        )));
+    }
+    check_len("proj [t, ld]", proj, t * ld)?;
+    check_len("q_norm [d]", q_norm, d)?;
+    check_len("k_norm [d]", k_norm, d)?;
+    check_len("positions [t]", pos, t)?;
+    for (n, x) in [("q", &*q), ("k", &*k), ("v", &*v)] {
+        check_len(&format!("{n} [t, H, d]"), x, t * w)?;
+    }
+    let rot = inv_freq.map_or(0, |f| 2 * f.len());
+    if rot > d {
+        return Err(shape_err(format!("rotary dims {rot} > head dim {d}")));
+    }
+    if t == 0 || w == 0 {
+        return Ok(());
+    }
+    let f = gpu.function(&LIGHTNING, &format!("lt_prep_{}", T::SUFFIX), 0)?;
+    let cfg = LaunchConfig {
+        grid_dim: (dim("t", t)? as u32, dim("3·H", 3 * h)? as u32, 1),
+        block_dim: (if d <= 64 { 32 } else { 128 }, 1, 1),
+        shared_mem_bytes: ((d + 32) * 4) as u32,
+    };
+    let (ldi, roti, si, hi, di) = (
+        dim("ld", ld)?,
+        rot as i32,
+        i32::from(silu),
+        dim("H", h)?,
+        dim("d", d)?,
+    );
+    let null: u64 = 0;
+    let mut b = gpu.stream().launch_builder(&f);
+    b.arg(proj).arg(&ldi).arg(q_norm).arg(k_norm).arg(pos);
+    match inv_freq {
+        Some(inv) => b.arg(inv),
+        None => b.arg(&null),
+    };
+    b.arg(&roti)
+        .arg(&si)
+        .arg(q)
+        .arg(k)
+        .arg(v)
+        .arg(&hi)
+        .arg(&di)
+        .arg(&eps);
+    // SAFETY: matches `lt_prep_*`; proj [t, ld] with ld ≥ 3W, q/k/v [t, H, d], norms
+    // [d], pos [t] checked above; inv_freq [rot/2] (null only with rot = 0); shared
+    // memory (d + 32) floats as the kernel uses.
+    unsafe { b.launch(cfg) }?;
+    Ok(())
+}
+
+fn check_rec(
+    d: &LightningDims,
+    q: &CudaSlice<f32>,
+    k: &CudaSlice<f32>,
+    v: &CudaSlice<f32>,
+    log_decay: &CudaSlice<f32>,
+    state: &CudaSlice<f32>,
+) -> Result<()> {
+    check_len("q [T, H, dk]", q, d.t * d.h * d.dk)?;
+    check_len("k [T, H, dk]", k, d.t * d.h * d.dk)?;
+    check_len("v [T, H, dv]", v, d.t * d.h * d.dv)?;
+    check_len("log decay [H]", log_decay, d.h)?;
+    check_len("state [H, dk, dv]", state, d.h * d.dk * d.dv)?;
+    if d.h > 65_535 {
+        return Err(shape_err(format!("{} heads: too many for the grid", d.h)));
+    }
+    Ok(())
+}
+
+/// The token-by-token recurrence (the reference; decode): from `state` (`[H, dk, dv]`
+/// fp32, advanced in place) over `q, k` (`[T, H, dk]`), `v` (`[T, H, dv]`) with
+/// `log_decay` (`[H]`): `S_t = exp(g_h) S_{t−1} + k_t v_tᵀ`, `o_t = scale·S_tᵀ q_t`
+/// into `o` (`[T, H, dv]` fp32). The CPU `mixers::lightning::naive::recurrent` with
+/// the same roundings (no fused multiply-adds).
+///
+/// Errors: [`CudaError::Shape`] for short buffers.
+#[allow(clippy::too_many_arguments)]
+pub fn recurrent(
+    gpu: &Gpu,
+    d: &LightningDims,
+    q: &CudaSlice<f32>,
+    k: &CudaSlice<f32>,
+    v: &CudaSlice<f32>,
+    log_decay: &CudaSlice<f32>,
+    scale: f32,
+    state: &mut CudaSlice<f32>,
+    o: &mut CudaSlice<f32>,
+) -> Result<()> {
+    check_rec(d, q, k, v, log_decay, state)?;
+    check_len("o [T, H, dv]", o, d.t * d.h * d.dv)?;
+    if d.t == 0 || d.h == 0 || d.dv == 0 {
+        return Ok(());
+    }
+    let f = gpu.function(&LIGHTNING, "lt_recurrent", 0)?;
+    let block = 64usize;
+    let cfg = LaunchConfig {
+        grid_dim: (d.h as u32, d.dv.div_ceil(block) as u32, 1),
+        block_dim: (block as u32, 1, 1),
+        shared_mem_bytes: 0,
+    };
+    let (ti, hi, dki, dvi) = (
+        dim("t", d.t)?,
+        dim("H", d.h)?,
+        dim("dk", d.dk)?,
+        dim("dv", d.dv)?,
+    );
+    let mut b = gpu.stream().launch_builder(&f);
+    b.arg(q)
+        .arg(k)
+        .arg(v)
+        .arg(log_decay)
+        .arg(&scale)
+        .arg(state)
+        .arg(o)
+        .arg(&ti)
+        .arg(&hi)
+        .arg(&dki)
+        .arg(&dvi);
+    // SAFETY: matches `lt_recurrent`; lengths checked above.
+    unsafe { b.launch(cfg) }?;
+    Ok(())
+}
+
+/// Largest key dim of [`chunked`] (its tiles hold whole key rows in shared memory).
+pub const MAX_CHUNK_DK: usize = 256;
+
+/// Dynamic shared memory of `lt_chunk` for key dim `dk`, bytes.
+fn chunk_smem(dk: usize) -> usize {
+    4 * (2 * CHUNK * (dk + 1) + CHUNK * BV + CHUNK * CHUNK + dk * BV + CHUNK + 1)
+}
+
+/// The chunked prefill: the same contract as [`recurrent`] (chunks of [`CHUNK`]
+/// tokens; decay powers from double precision, rounded once, as the CPU
+/// `mixers::lightning::chunk::chunked`). With `o = None` a state-only pass (the
+/// `S_body|0` of a PIC body pair). One block per head and 32 value columns; the
+/// chunks run in order.
+///
+/// Errors: [`CudaError::Shape`] for short buffers or a key dim whose tiles exceed the
+/// device's shared memory.
+#[allow(clippy::too_many_arguments)]
+pub fn chunked(
+    gpu: &Gpu,
+    d: &LightningDims,
+    q: &CudaSlice<f32>,
+    k: &CudaSlice<f32>,
+    v: &CudaSlice<f32>,
+    log_decay: &CudaSlice<f32>,
+    scale: f32,
+    state: &mut CudaSlice<f32>,
+    o: Option<&mut CudaSlice<f32>>,
+) -> Result<()> {
+    check_rec(d, q, k, v, log_decay, state)?;
+    if let Some(o) = &o {
+        check_len("o [T, H, dv]", o, d.t * d.h * d.dv)?;
+    }
+    if d.t == 0 || d.h == 0 || d.dv == 0 {
+        return Ok(());
+    }
+    if d.dk > MAX_CHUNK_DK {
+        return Err(shape_err(format!(
+            "key dim {} over {MAX_CHUNK_DK} (the chunked kernel's shared-memory tiles)",
+            d.dk
+        )));
+    }
+    let smem = chunk_smem(d.dk);
+    // The function's limit is raised once, for the largest key dim.
+    let f = gpu.function(&LIGHTNING, "lt_chunk", chunk_smem(MAX_CHUNK_DK) as u32)?;
+    let cfg = LaunchConfig {
+        grid_dim: (d.h as u32, d.dv.div_ceil(BV) as u32, 1),
+        block_dim: (256, 1, 1),
+        shared_mem_bytes: smem as u32,
+    };
+    let (ti, hi, dki, dvi) = (
+        dim("t", d.t)?,
+        dim("H", d.h)?,
+        dim("dk", d.dk)?,
+        dim("dv", d.dv)?,
+    );
+    let null: u64 = 0;
+    let mut b = gpu.stream().launch_builder(&f);
+    b.arg(q).arg(k).arg(v).arg(log_decay).arg(&scale).arg(state);
+    match o {
+        Some(o) => b.arg(o),
+        None => b.arg(&null),
+    };
+    b.arg(&ti).arg(&hi).arg(&dki).arg(&dvi);
+    // SAFETY: matches `lt_chunk`; lengths checked above; dynamic shared memory as
+    // `chunk_smem` (the kernel's layout), opted into by `Gpu::function`.
+    unsafe { b.launch(cfg) }?;
+    Ok(())
+}
+
+/// [`recurrent`] for short spans, [`chunked`] from [`CHUNKED_MIN_TOKENS`] tokens (the
+/// CPU layer's choice).
+#[allow(clippy::too_many_arguments)]
+pub fn span(
+    gpu: &Gpu,
+    d: &LightningDims,
+    q: &CudaSlice<f32>,
+    k: &CudaSlice<f32>,
+    v: &CudaSlice<f32>,
+    log_decay: &CudaSlice<f32>,
+    scale: f32,
+    state: &mut CudaSlice<f32>,
+    o: &mut CudaSlice<f32>,
+) -> Result<()> {
+    if d.t >= CHUNKED_MIN_TOKENS && d.dk <= MAX_CHUNK_DK {
+        chunked(gpu, d, q, k, v, log_decay, scale, state, Some(o))
+    } else {
+        recurrent(gpu, d, q, k, v, log_decay, scale, state, o)
+    }
+}
+
+/// Step 4 of the layer: `y = g_norm · o / rms_group(o) · sigmoid(gate)` per token and
+/// group (`groups` contiguous groups of the `w` channels, RMS with `eps`). `o`:
+/// `[t, w]` fp32; the gate logits are columns `gate_col..gate_col + w` of `proj`
+/// (`[t, ld]` in `T`); `g_norm`: `[w]`; `y`: `[t, w]` in `T`.
+///
+/// Errors: [`CudaError::Shape`] for short buffers or `groups` not dividing `w`.
+#[allow(clippy::too_many_arguments)]
+pub fn out<T: Elem>(
+    gpu: &Gpu,
+    o: &CudaSlice<f32>,
+    proj: &CudaSlice<T>,
+    ld: usize,
+    gate_col: usize,
+    g_norm: &CudaSlice<f32>,
+    y: &mut CudaSlice<T>,
+    t: usize,
+    w: usize,
+    groups: usize,
+    eps: f32,
+) -> Result<()> {
+    if groups == 0 || !w.is_multiple_of(groups) || gate_col + w > ld {
+        return Err(shape_err(format!(
+            "group norm: {groups} groups of {w} channels, gate columns {gate_col}.. of {ld}"
+        )));
+    }
+    check_len("o [t, W]", o, t * w)?;
+    check_len("proj [t, ld]", proj, t * ld)?;
+    check_len("g_norm [W]", g_norm, w)?;
+    check_len("y [t, W]", y, t * w)?;
+    if t == 0 || w == 0 {
+        return Ok(());
+    }
+    let f = gpu.function(&LIGHTNING, &format!("lt_out_{}", T::SUFFIX), 0)?;
+    let cfg = LaunchConfig {
+        grid_dim: (dim("t", t)? as u32, dim("groups", groups)? as u32, 1),
+        block_dim: (128, 1, 1),
+        shared_mem_bytes: 0,
+    };
+    let (ldi, gci, wi, gi) = (
+        dim("ld", ld)?,
+        dim("gate column", gate_col)?,
+        dim("W", w)?,
+        dim("groups", groups)?,
+    );
+    let mut b = gpu.stream().launch_builder(&f);
+    b.arg(o)
+        .arg(proj)
+        .arg(&ldi)
+        .arg(&gci)
+        .arg(g_norm)
+        .arg(y)
+        .arg(&wi)
+        .arg(&gi)
+        .arg(&eps);
+    // SAFETY: matches `lt_out_*`; lengths and the gate columns checked above.
+    unsafe { b.launch(cfg) }?;
+    Ok(())
+}
+
+/// Moves a Lightning state (`[H, dk, dv]` fp32, in place) whose keys sit at positions
+/// `p` to `p + b`: RoPE `R(b)` on the key axis (the first `2·inv_freq.len()` rows of
+/// every head, NeoX pairing). CPU reference: `mixers::lightning::rotate_state`.
+///
+/// Errors: [`CudaError::Shape`] for a short state or rotary dims over `dk`.
+pub fn rotate_state(
+    gpu: &Gpu,
+    state: &mut CudaSlice<f32>,
+    h: usize,
+    dk: usize,
+    dv: usize,
+    b: i64,
+    inv_freq: &CudaSlice<f32>,
+) -> Result<()> {
+    check_len("state [H, dk, dv]", state, h * dk * dv)?;
+    let rot = 2 * inv_freq.len();
+    if rot > dk {
+        return Err(shape_err(format!("rotary dims {rot} > key dim {dk}")));
+    }
+    let n = h * (rot / 2) * dv;
+    if b == 0 || n == 0 {
+        return Ok(());
+    }
+    let f = gpu.function(&LIGHTNING, "lt_rotate_state", 0)?;
+    let (hi, dki, dvi, ri) = (dim("H", h)?, dim("dk", dk)?, dim("dv", dv)?, rot as i32);
+    let mut l = gpu.stream().launch_builder(&f);
+    l.arg(state)
+        .arg(&hi)
+        .arg(&dki)
+        .arg(&dvi)
+        .arg(&b)
+        .arg(inv_freq)
+        .arg(&ri);
+    // SAFETY: matches `lt_rotate_state`; state [H, dk, dv] checked, rot ≤ dk.
+    unsafe { l.launch(cfg1(n)) }?;
+    Ok(())
+}
+
+/// `S ← T_h·S + B` per head (`naive`: `S ← S + B`). `state`, `b`: `[H, per_head]`
+/// fp32; `trans`: `[H]`. CPU reference: `linear::transition::Pair::apply` (scalar).
+///
+/// Errors: [`CudaError::Shape`] for short buffers.
+pub fn scalar_apply(
+    gpu: &Gpu,
+    state: &mut CudaSlice<f32>,
+    trans: &CudaSlice<f32>,
+    b: &CudaSlice<f32>,
+    h: usize,
+    per_head: usize,
+    naive: bool,
+) -> Result<()> {
+    let n = h * per_head;
+    check_len("state", state, n)?;
+    check_len("B", b, n)?;
+    check_len("T [H]", trans, h)?;
+    if n == 0 {
+        return Ok(());
+    }
+    let f = gpu.function(&LIGHTNING, "lt_scalar_apply", 0)?;
+    let (hi, ph, ni) = (dim("H", h)?, per_head as i64, i32::from(naive));
+    let mut l = gpu.stream().launch_builder(&f);
+    l.arg(state).arg(trans).arg(b).arg(&hi).arg(&ph).arg(&ni);
+    // SAFETY: matches `lt_scalar_apply`; lengths checked above.
+    unsafe { l.launch(cfg1(n)) }?;
+    Ok(())
+}
+
+/// The scalar transitions `exp(g_h·len)` of a span of `len` tokens (`[H]`, as the CPU
+/// `mixers::lightning::chunk::transition`).
+pub fn transition_host(log_decay: &[f32], len: usize) -> Vec<f32> {
+    crate::mixers::lightning::chunk::transition(log_decay, len)
+}
