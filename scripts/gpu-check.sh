@@ -13,7 +13,8 @@
 #                                  #       carry=[".device", ".whl"])
 #                                  # runs the GPU-vs-CPU tests (cuda_kernels, cuda_attn, cuda_moe,
 #                                  # the whole-model cuda_model, the PIC engine
-#                                  # cuda_pic, Ring-linear cuda_families), our benchmark, FLA
+#                                  # cuda_pic, Ring-linear cuda_families, Kimi-Linear
+#                                  # cuda_kimi), our benchmark, FLA
 #                                  # chunk_gated_delta_rule and torch SDPA,
 #                                  # the random-weight model test (cuda_random) and
 #                                  # the whole-model benchmark gpu_model_bench at the
@@ -72,13 +73,13 @@ mode="${1:-}"
 build() {
   set -e
   export CARGO_TARGET_DIR="${CARGO_TARGET_DIR:-$PWD/target}"
-  local steps=" ${GPU_CHECK_STEPS:-kernels attn moe model pic decode families bench moebench fla modelbench serve} "
+  local steps=" ${GPU_CHECK_STEPS:-kernels attn moe model pic decode families kimi bench moebench fla modelbench serve} "
   wantb() { [[ "$steps" == *" $1 "* ]]; }
   mkdir -p .device/bin
   local built=() pair name exe
   # Test executables of each step.
   for pair in kernels:cuda_kernels moe:cuda_moe model:cuda_model pic:cuda_pic \
-              modelbench:cuda_random attn:cuda_attn decode:cuda_decode families:cuda_families \
+              modelbench:cuda_random attn:cuda_attn decode:cuda_decode families:cuda_families kimi:cuda_kimi \
               devices:cuda_parallel; do
     wantb "${pair%%:*}" || continue
     name=${pair#*:}
@@ -123,14 +124,14 @@ build() {
 }
 
 run() {
-  # GPU_CHECK_STEPS: which parts to run (default all): kernels attn moe model pic decode families bench moebench fla modelbench serve
-  local steps=" ${GPU_CHECK_STEPS:-kernels attn moe model pic decode families bench moebench fla modelbench serve} "
+  # GPU_CHECK_STEPS: which parts to run (default all): kernels attn moe model pic decode families kimi bench moebench fla modelbench serve
+  local steps=" ${GPU_CHECK_STEPS:-kernels attn moe model pic decode families kimi bench moebench fla modelbench serve} "
   want() { [[ "$steps" == *" $1 "* ]]; }
   local s_
   for s_ in $steps; do
     case "$s_" in
-      kernels|attn|moe|model|pic|decode|families|bench|moebench|fla|modelbench|serve|parallel|devices|load35b) ;;
-      *) echo "unknown step \`$s_\` in GPU_CHECK_STEPS (known: kernels attn moe model pic decode families bench moebench fla modelbench serve parallel devices load35b)" >&2
+      kernels|attn|moe|model|pic|decode|families|kimi|bench|moebench|fla|modelbench|serve|parallel|devices|load35b) ;;
+      *) echo "unknown step \`$s_\` in GPU_CHECK_STEPS (known: kernels attn moe model pic decode families kimi bench moebench fla modelbench serve parallel devices load35b)" >&2
          return 2 ;;
     esac
   done
@@ -160,7 +161,7 @@ PY
   chmod +x .device/bin/* 2>/dev/null || true
   local exe_ st_ missing_=0
   for st_ in kernels:cuda_kernels attn:cuda_attn moe:cuda_moe model:cuda_model pic:cuda_pic \
-             decode:cuda_decode families:cuda_families bench:gpu_bench moebench:gpu_bench modelbench:cuda_random modelbench:gpu_model_bench serve:hypic \
+             decode:cuda_decode families:cuda_families kimi:cuda_kimi bench:gpu_bench moebench:gpu_bench modelbench:cuda_random modelbench:gpu_model_bench serve:hypic \
              parallel:hypic devices:cuda_parallel devices:hypic load35b:hypic; do
     exe_=${st_#*:}
     if want "${st_%%:*}" && [ ! -x ".device/bin/$exe_" ]; then
@@ -169,7 +170,7 @@ PY
     fi
   done
   [ "$missing_" -eq 0 ] || return 3
-  local test_rc=0 attn_rc=0 moe_rc=0 model_rc=0 pic_rc=0 decode_rc=0 families_rc=0 moebench_rc=0
+  local test_rc=0 attn_rc=0 moe_rc=0 model_rc=0 pic_rc=0 decode_rc=0 families_rc=0 kimi_rc=0 moebench_rc=0
   : > "$OUT/attn_tests.log"
   : > "$OUT/tests.log"; : > "$OUT/tests_moe.log"; : > "$OUT/model_tests.log"; : > "$OUT/pic_tests.log"; : > "$OUT/bench.md"; : > "$OUT/fla.md"
   : > "$OUT/random_tests.log"; : > "$OUT/model_bench.md"
@@ -270,6 +271,20 @@ PY
     echo "families tests: skipped"
   fi
   grep -E "^  |FAIL|test result|panicked" "$OUT/families_tests.log" 2>/dev/null | tail -80
+
+  echo "== model families: Kimi-Linear on the GPU vs the CPU (dataplane/tests/cuda_kimi.rs)"
+  t0=$SECONDS
+  if want kimi; then
+    HYPIC_CUDA_POISON=${HYPIC_CUDA_POISON:-1} HYPIC_REPO_ROOT="$PWD" timeout 600 .device/bin/cuda_kimi \
+      --test-threads=1 --nocapture > "$OUT/kimi_tests.log" 2>&1
+    kimi_rc=$?
+    grep -q "running [1-9][0-9]* test" "$OUT/kimi_tests.log" || { echo "cuda_kimi ran no test" >&2; kimi_rc=1; }
+    grep -q "skipped:" "$OUT/kimi_tests.log" && { echo "cuda_kimi skipped its tests (no device)" >&2; kimi_rc=1; }
+    echo "kimi tests rc=$kimi_rc in $((SECONDS - t0)) s"
+  else
+    echo "kimi tests: skipped"
+  fi
+  grep -E "FAIL|test result|panicked|greedy" "$OUT/kimi_tests.log" 2>/dev/null | tail -80
 
   echo "== MoE prefill: grouped expert GEMMs vs per-expert cuBLAS and torch._grouped_mm (gpu_bench --moe-grouped)"
   t0=$SECONDS
@@ -597,6 +612,11 @@ PY
       grep -E "^  |FAIL|panicked|^test |test result" "$OUT/families_tests.log"
       echo '```'
     fi
+    if want kimi; then
+      echo; echo "## Model families: Kimi-Linear (tests/cuda_kimi.rs, rc=$kimi_rc)"; echo; echo '```'
+      grep -E "^  |FAIL|panicked|^test |test result" "$OUT/kimi_tests.log"
+      echo '```'
+    fi
     if want moebench; then
       echo; echo "(moebench rc=$moebench_rc)"; echo; cat "$OUT/moe_bench.md"
     fi
@@ -642,6 +662,7 @@ PY
   [ "$pic_rc" -ne 0 ] && return "$pic_rc"
   [ "$decode_rc" -ne 0 ] && return "$decode_rc"
   [ "$families_rc" -ne 0 ] && return "$families_rc"
+  [ "$kimi_rc" -ne 0 ] && return "$kimi_rc"
   [ "$moebench_rc" -ne 0 ] && return "$moebench_rc"
   [ "$bench_rc" -ne 0 ] && return "$bench_rc"
   [ "$mbench_rc" -ne 0 ] && return "$mbench_rc"

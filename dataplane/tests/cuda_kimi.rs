@@ -818,4 +818,44 @@ mod gpu {
         }
         rep.finish();
     }
+
+    /// `GpuModel::load` (the checkpoint streamed to the device) gives the uploaded
+    /// model's logits: bit for bit in f32, within bf16 rounding in bf16.
+    #[test]
+    fn streamed_load_equals_upload() {
+        let Some((gpu, _l)) = gpu("streamed_load_equals_upload") else {
+            return;
+        };
+        let mut rep = Report::new("streamed_load_equals_upload");
+        let m = kimi_model();
+        let dir = repo_root()
+            .join("dataplane/tests/fixtures/golden")
+            .join(KIMI);
+        let ckpt = dataplane::weights::Checkpoint::open(&dir).expect("checkpoint opens");
+        let toks = tokens(150, 3, m.config.vocab_size);
+        fn logits<T: Elem>(g: &GpuModel<T>, toks: &[u32]) -> dataplane::cuda::Result<Vec<f32>>
+        where
+            CudaBlas: Gemm<T>,
+        {
+            let mut s = g.new_state()?;
+            g.prefill(toks, &mut s, Logits::All)
+        }
+        let up32 = logits(&upload::<f32>(&gpu, &m), &toks).unwrap();
+        match GpuModel::<f32>::load(gpu.clone(), m.config.clone(), &ckpt, &mut |_, _| {}) {
+            Ok((g, _)) => match logits(&g, &toks) {
+                Ok(l) => rep.check("f32 load vs upload".into(), err(&l, &up32), 0.0),
+                Err(e) => rep.fail(format!("f32 loaded model: {e}")),
+            },
+            Err(e) => rep.fail(format!("f32 load: {e}")),
+        }
+        let up16 = logits(&upload::<bf16>(&gpu, &m), &toks).unwrap();
+        match GpuModel::<bf16>::load(gpu.clone(), m.config.clone(), &ckpt, &mut |_, _| {}) {
+            Ok((g, _)) => match logits(&g, &toks) {
+                Ok(l) => rep.check("bf16 load vs upload".into(), err(&l, &up16), 0.0),
+                Err(e) => rep.fail(format!("bf16 loaded model: {e}")),
+            },
+            Err(e) => rep.fail(format!("bf16 load: {e}")),
+        }
+        rep.finish();
+    }
 }

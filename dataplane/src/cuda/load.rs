@@ -31,6 +31,7 @@ use cudarc::driver::{CudaViewMut, DeviceRepr, LaunchConfig, PushKernelArg};
 use safetensors::Dtype;
 
 use super::compile::INIT;
+use super::kimi::{kda_in_width, kda_width, mla_in_width, KdaW, MlaW};
 use super::lightning::LightningW;
 use super::model::{check_config, AttnW, FfnPath, FfnW, GdnW, GpuModel, LayerW, MixerW, MlpW};
 use super::random::check_moe_config;
@@ -353,6 +354,97 @@ impl Loader<'_> {
         })
     }
 
+    /// A KDA layer (the release layout, as `mixers::kda::layer::load` reads it): the
+    /// six input projections placed as the rows of one merged in-projection.
+    fn kda<T: Elem>(&mut self, c: &ModelConfig, p: &str) -> Result<KdaW<T>> {
+        let (h, nh, d) = (c.hidden_size, c.linear_v_heads, c.linear_k_dim);
+        let wd = kda_width(c);
+        let mut w_in = alloc::<T>(self.gpu, kda_in_width(c) * h)?;
+        let mut at = 0;
+        for (name, rows) in [
+            ("q_proj", wd),
+            ("k_proj", wd),
+            ("v_proj", wd),
+            ("f_a_proj", d),
+            ("g_a_proj", d),
+            ("b_proj", nh),
+        ] {
+            self.put(&format!("{p}{name}.weight"), &[rows, h], &mut w_in, at * h)?;
+            at += rows;
+        }
+        let mut conv = Vec::with_capacity(3 * wd * c.conv_kernel);
+        for name in ["q_conv1d", "k_conv1d", "v_conv1d"] {
+            let shape = [wd, 1, c.conv_kernel];
+            conv.extend(
+                self.ckpt
+                    .get(&format!("{p}{name}.weight"), &shape)
+                    .map_err(werr)?,
+            );
+            self.stats.tensors += 1;
+            self.stats.bytes += 4 * wd * c.conv_kernel;
+        }
+        let neg_a = self
+            .ckpt
+            .neg_a_shaped(&format!("{p}A_log"), &[1, 1, nh, 1])
+            .map_err(werr)?;
+        self.stats.tensors += 1;
+        Ok(KdaW {
+            w_in,
+            f_b: self.tensor(&format!("{p}f_b_proj.weight"), &[wd, d])?,
+            g_b: self.tensor(&format!("{p}g_b_proj.weight"), &[wd, d])?,
+            conv: self.upload_f32(&conv)?,
+            neg_a: self.upload_f32(&neg_a)?,
+            dt_bias: self.small(&format!("{p}dt_bias"), &[wd])?,
+            o_norm: self.small(&format!("{p}o_norm.weight"), &[d])?,
+            o_proj: self.tensor(&format!("{p}o_proj.weight"), &[h, wd])?,
+        })
+    }
+
+    /// An MLA layer (as `mixers::mla::load` reads it): `q_proj` and
+    /// `kv_a_proj_with_mqa` as the rows of one in-projection, `kv_b_proj` split per
+    /// head into the key and value expansions on the device.
+    fn mla<T: Elem>(&mut self, c: &ModelConfig, p: &str) -> Result<MlaW<T>> {
+        let m = c.mla;
+        let (h, nh, r) = (c.hidden_size, c.num_heads, m.kv_lora_rank);
+        let (nope, vd) = (m.qk_nope_head_dim, m.v_head_dim);
+        if self.ckpt.contains(&format!("{p}q_a_proj.weight")) {
+            return Err(CudaError::Shape(format!(
+                "{p}q_a_proj.weight: a low-rank MLA query is not supported"
+            )));
+        }
+        let qw = nh * m.qk_head_dim();
+        let mut w_in = alloc::<T>(self.gpu, mla_in_width(c) * h)?;
+        self.put(&format!("{p}q_proj.weight"), &[qw, h], &mut w_in, 0)?;
+        self.put(
+            &format!("{p}kv_a_proj_with_mqa.weight"),
+            &[m.row(), h],
+            &mut w_in,
+            qw * h,
+        )?;
+        let kv_b = self.tensor::<T>(&format!("{p}kv_b_proj.weight"), &[nh * (nope + vd), r])?;
+        let mut w_uk = alloc::<T>(self.gpu, nh * nope * r)?;
+        let mut w_uv = alloc::<T>(self.gpu, nh * vd * r)?;
+        let s = self.gpu.stream();
+        for hd in 0..nh {
+            let a = hd * (nope + vd) * r;
+            s.memcpy_dtod(
+                &kv_b.slice(a..a + nope * r),
+                &mut w_uk.slice_mut(hd * nope * r..(hd + 1) * nope * r),
+            )?;
+            s.memcpy_dtod(
+                &kv_b.slice(a + nope * r..a + (nope + vd) * r),
+                &mut w_uv.slice_mut(hd * vd * r..(hd + 1) * vd * r),
+            )?;
+        }
+        Ok(MlaW {
+            w_in,
+            kv_norm: self.small(&format!("{p}kv_a_layernorm.weight"), &[r])?,
+            w_uk,
+            w_uv,
+            o: self.tensor(&format!("{p}o_proj.weight"), &[h, nh * vd])?,
+        })
+    }
+
     fn attn<T: Elem>(&mut self, c: &ModelConfig, p: &str) -> Result<AttnW<T>> {
         let (h, nh, nkv, hd) = (c.hidden_size, c.num_heads, c.num_kv_heads, c.head_dim);
         let qw = nh * hd * if c.attn_output_gate { 2 } else { 1 };
@@ -507,9 +599,8 @@ where
                 MixerKind::GatedDeltaNet => MixerW::GatedDeltaNet(ld.gdn(&c, &mp)?),
                 MixerKind::Attention => MixerW::Attention(ld.attn(&c, &mp)?),
                 MixerKind::Lightning => MixerW::Lightning(ld.lightning(&c, &mp, l)?),
-                m @ (MixerKind::Kda | MixerKind::Mla) => {
-                    return Err(super::model::mixer_refused(&c, m))
-                }
+                MixerKind::Kda => MixerW::Kda(ld.kda(&c, &mp)?),
+                MixerKind::Mla => MixerW::Mla(ld.mla(&c, &mp)?),
             };
             let ffn = if c.layer_is_moe[l] {
                 FfnW::MoeFused(ld.moe(&c, &n.mlp(l))?)
