@@ -858,4 +858,38 @@ mod gpu {
         }
         rep.finish();
     }
+
+    /// `GpuModel::random` (weights generated on the device) equals the upload of
+    /// `Model::random` with the same seed: bit for bit in f32.
+    #[test]
+    fn device_random_weights_equal_the_host_generator() {
+        let Some((gpu, _l)) = gpu("device_random_weights_equal_the_host_generator") else {
+            return;
+        };
+        let mut rep = Report::new("device_random_weights_equal_the_host_generator");
+        let c = kimi_model().config.clone();
+        let cpu = Model::random(c.clone(), 42);
+        let toks = tokens(90, 11, c.vocab_size);
+        let mut cs = cpu.new_state();
+        let want = cpu.prefill(&toks, &mut cs, Logits::All).unwrap().logits;
+        let up = upload::<f32>(&gpu, &cpu);
+        let mut us = up.new_state().unwrap();
+        let got_up = up.prefill(&toks, &mut us, Logits::All).unwrap();
+        rep.check(
+            "upload(Model::random) vs CPU".into(),
+            err(&got_up, &want),
+            F32_TOL,
+        );
+        match GpuModel::<f32>::random(gpu.clone(), c, 42) {
+            Ok(g) => {
+                let mut s = g.new_state().unwrap();
+                match g.prefill(&toks, &mut s, Logits::All) {
+                    Ok(l) => rep.check("GpuModel::random vs upload".into(), err(&l, &got_up), 0.0),
+                    Err(e) => rep.fail(format!("random model prefill: {e}")),
+                }
+            }
+            Err(e) => rep.fail(format!("GpuModel::random: {e}")),
+        }
+        rep.finish();
+    }
 }

@@ -2654,23 +2654,6 @@ fn up_lightning<T: Elem>(
     })
 }
 
-/// The error for a model whose layers the CUDA backend cannot build in a given way
-/// (the device loaders do not read Kimi-Linear's KDA and MLA tensors yet: upload a
-/// CPU [`Model`] instead). The CPU backend runs every mixer.
-pub(crate) fn mixer_refused(c: &ModelConfig, m: MixerKind) -> CudaError {
-    let what = match m {
-        MixerKind::Lightning => "Lightning attention",
-        MixerKind::Kda => "Kimi Delta Attention (KDA)",
-        MixerKind::Mla => "multi-head latent attention (MLA)",
-        MixerKind::GatedDeltaNet | MixerKind::Attention => "these",
-    };
-    shape_err(format!(
-        "model_type {}: {what} layers are not built by the GPU loaders yet; load the \
-         model on the host and upload it (GpuModel::upload), or run it with --device cpu",
-        c.model_type
-    ))
-}
-
 /// Configuration limits of the GPU forward.
 pub(crate) fn check_config(c: &ModelConfig) -> Result<()> {
     let bad = |m: String| Err(shape_err(m));

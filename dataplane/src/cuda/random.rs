@@ -12,6 +12,7 @@ use cudarc::cublas::{CudaBlas, Gemm};
 use cudarc::driver::{LaunchConfig, PushKernelArg};
 
 use super::compile::INIT;
+use super::kimi::{KdaW, MlaW};
 use super::lightning::LightningW;
 use super::model::{check_config, AttnW, FfnPath, FfnW, GdnW, GpuModel, LayerW, MixerW, MlpW};
 use super::{gdr, grid_for, moe, ops, CudaError, CudaSlice, Elem, Gpu, Result};
@@ -272,8 +273,85 @@ where
                         log_decay_host: log_decay,
                     })
                 }
-                m @ (MixerKind::Kda | MixerKind::Mla) => {
-                    return Err(super::model::mixer_refused(&c, m))
+                MixerKind::Kda => {
+                    // As `Model::random`: one tensor id per weight (the merged
+                    // in-projection is one tensor there too).
+                    let (d, nkh) = (c.linear_k_dim, c.linear_v_heads);
+                    let wd = nkh * c.linear_v_dim;
+                    let n_in = 3 * wd + 2 * d + nkh;
+                    let nconv = 3 * wd * c.conv_kernel;
+                    let mut conv = alloc::<f32>(g, nconv)?;
+                    fill_sym(
+                        g,
+                        &mut conv,
+                        0,
+                        nconv,
+                        seed,
+                        rnd::tensor_id(Some(l), rnd::SLOT_KDA_CONV),
+                        rnd::conv_bound(c.conv_kernel),
+                    )?;
+                    let mut neg_a = alloc::<f32>(g, nkh)?;
+                    let f = g.function(&INIT, "init_neg_a_f32", 0)?;
+                    let key = rnd::tensor_key(seed, rnd::tensor_id(Some(l), rnd::SLOT_KDA_A));
+                    let n = nkh as i64;
+                    let mut b = g.stream().launch_builder(&f);
+                    b.arg(&mut neg_a).arg(&n).arg(&key);
+                    // SAFETY: matches `init_neg_a_f32`; neg_a holds max(nkh, 1) ≥ n elements.
+                    unsafe { b.launch(launch_cfg(nkh.max(1))) }?;
+                    MixerW::Kda(KdaW {
+                        w_in: lin(g, n_in * h, seed, Some(l), rnd::SLOT_KDA_IN)?,
+                        f_b: lin(g, wd * d, seed, Some(l), rnd::SLOT_KDA_FB)?,
+                        g_b: lin(g, wd * d, seed, Some(l), rnd::SLOT_KDA_GB)?,
+                        conv,
+                        neg_a,
+                        dt_bias: constant(g, wd, 1.0)?,
+                        o_norm: constant(g, d, 1.0)?,
+                        o_proj: lin(g, h * wd, seed, Some(l), rnd::SLOT_KDA_O)?,
+                    })
+                }
+                MixerKind::Mla => {
+                    // q_proj | kv_a_proj_with_mqa in one buffer (their own tensor ids),
+                    // kv_b_proj generated whole and split per head into the key and
+                    // value expansions (as `Model::random`).
+                    let m = c.mla;
+                    let (r, nope, vd) = (m.kv_lora_rank, m.qk_nope_head_dim, m.v_head_dim);
+                    let qw = nh * m.qk_head_dim();
+                    let lb = rnd::linear_bound();
+                    let id = |s| rnd::tensor_id(Some(l), s);
+                    let mut w_in = alloc::<T>(g, (qw + m.row()) * h)?;
+                    fill_sym(g, &mut w_in, 0, qw * h, seed, id(rnd::SLOT_MLA_Q), lb)?;
+                    fill_sym(
+                        g,
+                        &mut w_in,
+                        qw * h,
+                        m.row() * h,
+                        seed,
+                        id(rnd::SLOT_MLA_KV_A),
+                        lb,
+                    )?;
+                    let kv_b: CudaSlice<T> =
+                        lin(g, nh * (nope + vd) * r, seed, Some(l), rnd::SLOT_MLA_KV_B)?;
+                    let mut w_uk = alloc::<T>(g, nh * nope * r)?;
+                    let mut w_uv = alloc::<T>(g, nh * vd * r)?;
+                    let st = g.stream();
+                    for hd_ in 0..nh {
+                        let a = hd_ * (nope + vd) * r;
+                        st.memcpy_dtod(
+                            &kv_b.slice(a..a + nope * r),
+                            &mut w_uk.slice_mut(hd_ * nope * r..(hd_ + 1) * nope * r),
+                        )?;
+                        st.memcpy_dtod(
+                            &kv_b.slice(a + nope * r..a + (nope + vd) * r),
+                            &mut w_uv.slice_mut(hd_ * vd * r..(hd_ + 1) * vd * r),
+                        )?;
+                    }
+                    MixerW::Mla(MlaW {
+                        w_in,
+                        kv_norm: constant(g, r, 1.0)?,
+                        w_uk,
+                        w_uv,
+                        o: lin(g, h * nh * vd, seed, Some(l), rnd::SLOT_MLA_O)?,
+                    })
                 }
                 MixerKind::Attention => {
                     // Fused rows q | k | v, each its own tensor id (as the CPU model).
