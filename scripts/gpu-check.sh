@@ -281,6 +281,8 @@ PY
     grep -q "running [1-9][0-9]* test" "$OUT/kimi_tests.log" || { echo "cuda_kimi ran no test" >&2; kimi_rc=1; }
     grep -q "skipped:" "$OUT/kimi_tests.log" && { echo "cuda_kimi skipped its tests (no device)" >&2; kimi_rc=1; }
     echo "kimi tests rc=$kimi_rc in $((SECONDS - t0)) s"
+    # Our KDA kernels' times (FLA's chunk_kda is timed in step fla).
+    timeout 240 .device/bin/gpu_bench --kda > "$OUT/kda_bench.md" 2>&1 || echo "gpu_bench --kda failed" >&2
   else
     echo "kimi tests: skipped"
   fi
@@ -359,6 +361,36 @@ try:
         print(f"| {T} | {ms:.3f} |")
 except Exception as e:
     print(f"FLA failed: {type(e).__name__}: {e}")
+try:
+    # Kimi Delta Attention (our kernel: gpu_bench --kda), timed replayed from a CUDA
+    # graph (kernel time, not the eager launch overhead).
+    from fla.ops.kda import chunk_kda
+    print("\n| T | FLA chunk_kda (32 heads × 128, graph replay) ms |")
+    print("|---|---|")
+    H, K = 32, 128
+    for T in (1024, 4096, 16384, 32768):
+        torch.manual_seed(0)
+        q = F.normalize(torch.randn(1, T, H, K, device=dev), dim=-1).mul(K ** -0.5).bfloat16()
+        k = F.normalize(torch.randn(1, T, H, K, device=dev), dim=-1).bfloat16()
+        v = torch.rand(1, T, H, K, device=dev).mul(2).sub(1).bfloat16()
+        g = -torch.rand(1, T, H, K, device=dev) * 0.1
+        beta = torch.rand(1, T, H, device=dev).clamp_min(0.01)
+        h0 = torch.rand(1, H, K, K, device=dev).mul(2).sub(1)
+        f = lambda: chunk_kda(q, k, v, g, beta, scale=1.0, initial_state=h0,
+                              output_final_state=True)
+        f(); torch.cuda.synchronize()
+        s_ = torch.cuda.Stream()
+        s_.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(s_):
+            f()
+        torch.cuda.current_stream().wait_stream(s_)
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            f()
+        ms = do_bench(graph.replay, warmup=20, rep=100, return_mode="median")
+        print(f"| {T} | {ms:.3f} |")
+except Exception as e:
+    print(f"FLA chunk_kda failed: {type(e).__name__}: {e}")
 print("\n| T | torch SDPA (16 q / 2 kv × 256, causal, bf16) ms |")
 print("|---|---|")
 sdpa_in = {}
@@ -616,6 +648,7 @@ PY
       echo; echo "## Model families: Kimi-Linear (tests/cuda_kimi.rs, rc=$kimi_rc)"; echo; echo '```'
       grep -E "^  |FAIL|panicked|^test |test result" "$OUT/kimi_tests.log"
       echo '```'
+      cat "$OUT/kda_bench.md" 2>/dev/null
     fi
     if want moebench; then
       echo; echo "(moebench rc=$moebench_rc)"; echo; cat "$OUT/moe_bench.md"

@@ -144,6 +144,10 @@ mod bench {
             let mut r = rand::rngs::StdRng::seed_from_u64(18);
             return moe_grouped_bench(&g, &mut r);
         }
+        if args.iter().any(|a| a == "--kda") {
+            let mut r = rand::rngs::StdRng::seed_from_u64(19);
+            return kda_bench(&g, &mut r, quick);
+        }
         host_costs(&g)?;
         let mut r = rand::rngs::StdRng::seed_from_u64(1);
         let (hk, hv, dk, dv) = (16usize, 32usize, 128usize, 128usize);
@@ -677,6 +681,82 @@ mod bench {
     /// expert would not change the timing, so every expert shares one set. FLOPs count
     /// the expert GEMMs only (`2 · t · k · 3 · I · H`, as the anchor); our times
     /// include the router GEMM, routing, plan and combine as well.
+    /// `--kda`: the chunked KDA prefill (`cuda::kda::chunked`, bf16 in, fp32 state,
+    /// 32 heads × 128, as FLA's `chunk_kda` in gpu-check's step `fla`) with and
+    /// without the transition `T_C`, and the per-token kernel at 1k.
+    fn kda_bench(g: &Gpu, r: &mut rand::rngs::StdRng, quick: bool) -> Result<()> {
+        use dataplane::cuda::kda;
+        let (h, dk) = (32usize, 128usize);
+        let lens: &[usize] = if quick {
+            &[1024, 4096]
+        } else {
+            &[1024, 4096, 16384, 32768]
+        };
+        println!(
+            "\n## KDA chunked prefill (kernels/kda.cu; bf16 in, fp32 state; H={h}, dk=dv={dk})\n"
+        );
+        println!("| T | prefill ms | prefill + T_C ms | per-token kernel ms |");
+        println!("|---|---|---|---|");
+        for &t in lens {
+            let d = GdrDims {
+                t,
+                hk: h,
+                hv: h,
+                dk,
+                dv: dk,
+            };
+            let q = unit_up(g, r, t * h, dk, (dk as f32).powf(-0.5))?;
+            let k = unit_up(g, r, t * h, dk, 1.0)?;
+            let v = rand_up::<bf16>(g, r, t * h * dk, -1.0, 1.0)?;
+            let gg = rand_up::<f32>(g, r, t * h * dk, -0.1, 0.0)?;
+            let beta = rand_up::<f32>(g, r, t * h, 0.01, 1.0)?;
+            let mut s = rand_up::<f32>(g, r, h * dk * dk, -1.0, 1.0)?;
+            let mut o = g.zeros::<bf16>(t * h * dk)?;
+            let mut tr = g.zeros::<f32>(h * dk * dk)?;
+            let reps = if t >= 16384 { 3 } else { 10 };
+            let plain = time_ms(g, 1, reps, || {
+                kda::chunked(
+                    g,
+                    &d,
+                    &q,
+                    &k,
+                    &v,
+                    &gg,
+                    &beta,
+                    &mut s,
+                    &mut o,
+                    None,
+                    kda::CHUNK,
+                )
+            })?;
+            let with_t = time_ms(g, 1, reps, || {
+                kda::chunked(
+                    g,
+                    &d,
+                    &q,
+                    &k,
+                    &v,
+                    &gg,
+                    &beta,
+                    &mut s,
+                    &mut o,
+                    Some(&mut tr),
+                    kda::CHUNK,
+                )
+            })?;
+            let rec = if t <= 1024 {
+                let ms = time_ms(g, 1, 3, || {
+                    kda::recurrent(g, &d, &q, &k, &v, &gg, &beta, &mut s, &mut o)
+                })?;
+                format!("{ms:.3}")
+            } else {
+                "–".into()
+            };
+            println!("| {t} | {plain:.3} | {with_t:.3} | {rec} |");
+        }
+        Ok(())
+    }
+
     fn moe_grouped_bench(g: &Gpu, r: &mut rand::rngs::StdRng) -> Result<()> {
         let (h, e, k, i) = (2048usize, 256usize, 8usize, 512usize);
         println!(
