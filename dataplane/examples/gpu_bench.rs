@@ -145,8 +145,12 @@ mod bench {
             return moe_grouped_bench(&g, &mut r);
         }
         if args.iter().any(|a| a == "--kda") {
-            let mut r = rand::rngs::StdRng::seed_from_u64(19);
+            let mut r = rand::rngs::StdRng::seed_from_u64(20);
             return kda_bench(&g, &mut r, quick);
+        }
+        if args.iter().any(|a| a == "--lightning") {
+            let mut r = rand::rngs::StdRng::seed_from_u64(19);
+            return lightning_bench(&g, &mut r, quick);
         }
         host_costs(&g)?;
         let mut r = rand::rngs::StdRng::seed_from_u64(1);
@@ -674,13 +678,60 @@ mod bench {
         Ok(())
     }
 
-    /// The MoE prefill's expert GEMMs: grouped (one launch per projection) against the
-    /// per-expert cuBLAS loop, the issue's `torch._grouped_mm` anchor, and a dense
-    /// cuBLAS GEMM of the same FLOPs (the GEMM floor of this run). 256 experts, top-8,
-    /// hidden 2048, expert width 512, no shared expert; distinct random weights per
-    /// expert would not change the timing, so every expert shares one set. FLOPs count
-    /// the expert GEMMs only (`2 · t · k · 3 · I · H`, as the anchor); our times
-    /// include the router GEMM, routing, plan and combine as well.
+    /// Lightning attention prefill (`cuda::lightning::chunked`, fp32 q/k/v and state) at
+    /// 16 heads × 128, the shape of issue 19's FLA `chunk_simple_gla` (per-head
+    /// `g_gamma`) anchor; the per-token recurrence at 1k for scale.
+    fn lightning_bench(g: &Gpu, r: &mut rand::rngs::StdRng, quick: bool) -> Result<()> {
+        use dataplane::cuda::lightning as lt;
+        use dataplane::mixers::lightning::LightningDims;
+        let (h, d) = (16usize, 128usize);
+        let lens: &[usize] = if quick {
+            &[1024, 4096]
+        } else {
+            &[1024, 4096, 16384, 32768]
+        };
+        println!("\n## Lightning attention prefill (fp32 in and state; H={h}, dk=dv={d})\n");
+        println!("| T | chunked ms | two-pass ms | state-only ms | per-token ms | Mtok/s (best) |");
+        println!("|---|---|---|---|---|---|");
+        let log_decay: Vec<f32> = dataplane::mixers::lightning::alibi_slopes(h)
+            .iter()
+            .map(|s| -(*s as f32))
+            .collect();
+        let ld = g.upload(&log_decay)?;
+        let scale = (d as f32).powf(-0.5);
+        for &t in lens {
+            let dims = LightningDims { t, h, dk: d, dv: d };
+            let q = rand_up::<f32>(g, r, t * h * d, -0.1, 0.1)?;
+            let k = rand_up::<f32>(g, r, t * h * d, -0.1, 0.1)?;
+            let v = rand_up::<f32>(g, r, t * h * d, -1.0, 1.0)?;
+            let mut s = g.zeros::<f32>(h * d * d)?;
+            let mut o = g.zeros::<f32>(t * h * d)?;
+            let reps = if t >= 16384 { 5 } else { 20 };
+            let chunked = time_ms(g, 2, reps, || {
+                lt::chunked(g, &dims, &q, &k, &v, &ld, scale, &mut s, Some(&mut o))
+            })?;
+            let two_pass = time_ms(g, 2, reps, || {
+                lt::chunked_two_pass(g, &dims, &q, &k, &v, &ld, scale, &mut s, &mut o)
+            })?;
+            let state_only = time_ms(g, 2, reps, || {
+                lt::chunked(g, &dims, &q, &k, &v, &ld, scale, &mut s, None)
+            })?;
+            let per_token = if t <= 1024 {
+                let ms = time_ms(g, 1, 3, || {
+                    lt::recurrent(g, &dims, &q, &k, &v, &ld, scale, &mut s, &mut o)
+                })?;
+                format!("{ms:.3}")
+            } else {
+                "-".into()
+            };
+            println!(
+                "| {t} | {chunked:.3} | {two_pass:.3} | {state_only:.3} | {per_token} | {:.1} |",
+                t as f64 / chunked.min(two_pass) / 1e3
+            );
+        }
+        Ok(())
+    }
+
     /// `--kda`: the chunked KDA prefill (`cuda::kda::chunked`, bf16 in, fp32 state,
     /// 32 heads × 128, as FLA's `chunk_kda` in gpu-check's step `fla`) with and
     /// without the transition `T_C`, and the per-token kernel at 1k.
@@ -757,6 +808,13 @@ mod bench {
         Ok(())
     }
 
+    /// The MoE prefill's expert GEMMs: grouped (one launch per projection) against the
+    /// per-expert cuBLAS loop, the issue's `torch._grouped_mm` anchor, and a dense
+    /// cuBLAS GEMM of the same FLOPs (the GEMM floor of this run). 256 experts, top-8,
+    /// hidden 2048, expert width 512, no shared expert; distinct random weights per
+    /// expert would not change the timing, so every expert shares one set. FLOPs count
+    /// the expert GEMMs only (`2 · t · k · 3 · I · H`, as the anchor); our times
+    /// include the router GEMM, routing, plan and combine as well.
     fn moe_grouped_bench(g: &Gpu, r: &mut rand::rngs::StdRng) -> Result<()> {
         let (h, e, k, i) = (2048usize, 256usize, 8usize, 512usize);
         println!(

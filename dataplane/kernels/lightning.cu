@@ -245,3 +245,119 @@ extern "C" __global__ void lt_scalar_apply(float* __restrict__ state, const floa
         state[e] = naive ? s + b[e] : __fadd_rn(__fmul_rn(trans[e / per_head], s), b[e]);
     }
 }
+
+// ---------------------------------------------------------------------------------------
+// The chunked prefill in two launches (same math and roundings as lt_chunk, whose
+// reference it is tested against): lt_chunk_states runs the chunks of one slab in order
+// per (head, value tile), storing the state at the start of each chunk into
+// hs [n_chunks, H, dk, dv] and leaving the final state in `state`; lt_chunk_out then
+// computes every chunk's outputs in parallel, one block per (chunk, head, value tile),
+// from its starting state. Shared memory as lt_chunk. blockDim: 256.
+extern "C" __global__ void lt_chunk_states(const float* __restrict__ k, const float* __restrict__ v,
+                                           const float* __restrict__ log_decay, float* __restrict__ state,
+                                           float* __restrict__ hs, int t, int H, int dk, int dv) {
+    extern __shared__ float lc_sm[];
+    const int ldq = dk + 1;
+    float* Ks = lc_sm + LT_C * ldq;
+    float* Vs = Ks + LT_C * ldq;
+    float* Ss = Vs + LT_C * LT_BV + LT_C * LT_C;
+    float* pw = Ss + dk * LT_BV;
+    const int h = blockIdx.x, c0 = blockIdx.y * LT_BV;
+    const int nc = min(LT_BV, dv - c0);
+    const int tid = threadIdx.x, nt = blockDim.x;
+    const double g = (double)log_decay[h];
+    for (int n = tid; n <= LT_C; n += nt) pw[n] = (float)exp(g * (double)n);
+    float* S = state + (size_t)h * dk * dv;
+    for (int e = tid; e < dk * LT_BV; e += nt) {
+        const int r = e / LT_BV, c = e % LT_BV;
+        Ss[e] = c < nc ? S[(size_t)r * dv + c0 + c] : 0.f;
+    }
+    __syncthreads();
+    for (int s = 0; s < t; s += LT_C) {
+        const int L = min(LT_C, t - s);
+        float* H0 = hs + ((size_t)(s / LT_C) * H + h) * dk * dv;
+        for (int e = tid; e < dk * LT_BV; e += nt) {
+            const int r = e / LT_BV, c = e % LT_BV;
+            if (c < nc) H0[(size_t)r * dv + c0 + c] = Ss[e];
+        }
+        for (int e = tid; e < LT_C * dk; e += nt) {
+            const int i = e / dk, r = e % dk;
+            Ks[i * ldq + r] = i < L ? k[((size_t)(s + i) * H + h) * dk + r] : 0.f;
+        }
+        for (int e = tid; e < LT_C * LT_BV; e += nt) {
+            const int i = e / LT_BV, c = e % LT_BV;
+            Vs[e] = (i < L && c < nc) ? v[((size_t)(s + i) * H + h) * dv + c0 + c] : 0.f;
+        }
+        __syncthreads();
+        const float dl = pw[L];
+        for (int e = tid; e < dk * LT_BV; e += nt) {
+            const int r = e / LT_BV, c = e % LT_BV;
+            float x = __fmul_rn(Ss[e], dl);
+            for (int j = 0; j < L; ++j)
+                x = __fadd_rn(x, __fmul_rn(__fmul_rn(Ks[j * ldq + r], pw[L - 1 - j]), Vs[j * LT_BV + c]));
+            Ss[e] = x;
+        }
+        __syncthreads();
+    }
+    for (int e = tid; e < dk * LT_BV; e += nt) {
+        const int r = e / LT_BV, c = e % LT_BV;
+        if (c < nc) S[(size_t)r * dv + c0 + c] = Ss[e];
+    }
+}
+
+extern "C" __global__ void lt_chunk_out(const float* __restrict__ q, const float* __restrict__ k,
+                                        const float* __restrict__ v, const float* __restrict__ log_decay,
+                                        float scale, const float* __restrict__ hs, float* __restrict__ o, int t,
+                                        int H, int dk, int dv) {
+    extern __shared__ float lc_sm[];
+    const int ldq = dk + 1;
+    float* Qs = lc_sm;
+    float* Ks = Qs + LT_C * ldq;
+    float* Vs = Ks + LT_C * ldq;
+    float* As = Vs + LT_C * LT_BV;
+    float* Ss = As + LT_C * LT_C;
+    float* pw = Ss + dk * LT_BV;
+    const int chunk = blockIdx.x, h = blockIdx.y, c0 = blockIdx.z * LT_BV;
+    const int s = chunk * LT_C;
+    const int L = min(LT_C, t - s);
+    const int nc = min(LT_BV, dv - c0);
+    const int tid = threadIdx.x, nt = blockDim.x;
+    const double g = (double)log_decay[h];
+    for (int n = tid; n <= LT_C; n += nt) pw[n] = (float)exp(g * (double)n);
+    const float* H0 = hs + ((size_t)chunk * H + h) * dk * dv;
+    for (int e = tid; e < dk * LT_BV; e += nt) {
+        const int r = e / LT_BV, c = e % LT_BV;
+        Ss[e] = c < nc ? H0[(size_t)r * dv + c0 + c] : 0.f;
+    }
+    for (int e = tid; e < LT_C * dk; e += nt) {
+        const int i = e / dk, r = e % dk;
+        const size_t row = (size_t)(s + i) * H + h;
+        Ks[i * ldq + r] = i < L ? k[row * dk + r] : 0.f;
+        Qs[i * ldq + r] = i < L ? q[row * dk + r] : 0.f;
+    }
+    for (int e = tid; e < LT_C * LT_BV; e += nt) {
+        const int i = e / LT_BV, c = e % LT_BV;
+        Vs[e] = (i < L && c < nc) ? v[((size_t)(s + i) * H + h) * dv + c0 + c] : 0.f;
+    }
+    __syncthreads();
+    for (int e = tid; e < LT_C * LT_C; e += nt) {
+        const int i = e / LT_C, j = e % LT_C;
+        float a = 0.f;
+        if (j <= i && i < L) {
+            float dot = 0.f;
+            for (int r = 0; r < dk; ++r) dot = __fadd_rn(dot, __fmul_rn(Qs[i * ldq + r], Ks[j * ldq + r]));
+            a = __fmul_rn(__fmul_rn(dot, pw[i - j]), scale);
+        }
+        As[e] = a;
+    }
+    __syncthreads();
+    for (int e = tid; e < LT_C * LT_BV; e += nt) {
+        const int i = e / LT_BV, c = e % LT_BV;
+        if (i >= L || c >= nc) continue;
+        const float ai = __fmul_rn(pw[i + 1], scale);
+        float acc = 0.f;
+        for (int r = 0; r < dk; ++r) acc = __fadd_rn(acc, __fmul_rn(__fmul_rn(Qs[i * ldq + r], ai), Ss[r * LT_BV + c]));
+        for (int j = 0; j <= i; ++j) acc = __fadd_rn(acc, __fmul_rn(As[i * LT_C + j], Vs[j * LT_BV + c]));
+        o[((size_t)(s + i) * H + h) * dv + c0 + c] = acc;
+    }
+}

@@ -318,7 +318,9 @@ mod gpu {
             let log_decay: Vec<f32> = (0..h).map(|i| -0.02 - 0.7 * i as f32).collect();
             let ld = g.upload(&log_decay).unwrap();
             let scale = (d as f32).powf(-0.5);
-            for t in [1usize, 2, 15, 16, 17, 31, 32, 33, 63, 64, 65, 100, 257] {
+            for t in [
+                1usize, 2, 15, 16, 17, 31, 32, 33, 63, 64, 65, 100, 257, 2100,
+            ] {
                 let dims = LightningDims { t, h, dk: d, dv: d };
                 let (q, k, v) = (
                     pseudo(t * h * d, 1 + t as u64),
@@ -338,6 +340,8 @@ mod gpu {
                 let mut s_chk = g.upload(&s0).unwrap();
                 let mut o_chk = g.zeros::<f32>(t * h * d).unwrap();
                 let mut s_only = g.upload(&s0).unwrap();
+                let mut s_two = g.upload(&s0).unwrap();
+                let mut o_two = g.zeros::<f32>(t * h * d).unwrap();
                 let r = lt::recurrent(&g, &dims, &qd, &kd, &vd, &ld, scale, &mut s_rec, &mut o_rec)
                     .and_then(|_| {
                         lt::chunked(
@@ -354,6 +358,11 @@ mod gpu {
                     })
                     .and_then(|_| {
                         lt::chunked(&g, &dims, &qd, &kd, &vd, &ld, scale, &mut s_only, None)
+                    })
+                    .and_then(|_| {
+                        lt::chunked_two_pass(
+                            &g, &dims, &qd, &kd, &vd, &ld, scale, &mut s_two, &mut o_two,
+                        )
                     });
                 if let Err(e) = r {
                     rep.check(false, format!("lightning H {h} d {d} t {t}: {e}"));
@@ -370,12 +379,15 @@ mod gpu {
                 let e1 = rel(&orec, &o_ref).0.max(rel(&srec, &s_ref).0);
                 let e2 = rel(&ochk, &o_ref).0.max(rel(&schk, &s_ref).0);
                 let e3 = rel(&ochk, &orec).0.max(rel(&schk, &srec).0);
+                // Two-pass: the same roundings as the one-pass kernel (bit for bit).
+                let two_eq = get(&o_two) == ochk && get(&s_two) == schk;
                 rep.check(
-                    ok(e1, 1e-5) && ok(e2, 2e-5) && ok(e3, 2e-5) && sonly == schk,
+                    ok(e1, 1e-5) && ok(e2, 2e-5) && ok(e3, 2e-5) && sonly == schk && two_eq,
                     format!(
                         "lightning H {h} d {d} t {t}: per-token vs CPU {e1:.2e}, chunked vs CPU {e2:.2e}, \
-                         chunked vs per-token {e3:.2e}, state-only pass {}",
-                        if sonly == schk { "equal" } else { "DIFFERS" }
+                         chunked vs per-token {e3:.2e}, state-only pass {}, two-pass {}",
+                        if sonly == schk { "equal" } else { "DIFFERS" },
+                        if two_eq { "bit-identical" } else { "DIFFERS" }
                     ),
                 );
             }

@@ -293,8 +293,109 @@ pub fn chunked(
     Ok(())
 }
 
-/// [`recurrent`] for short spans, [`chunked`] from [`CHUNKED_MIN_TOKENS`] tokens (the
-/// CPU layer's choice).
+/// Tokens per slab of [`chunked_two_pass`]: the chunk-start states of one slab are held
+/// at once (`SLAB / CHUNK · H · dk · dv` fp32 of scratch).
+pub const SLAB: usize = 2048;
+/// Spans of at least this many tokens take [`chunked_two_pass`] in [`span`].
+pub const TWO_PASS_MIN_TOKENS: usize = 256;
+
+/// The chunked prefill in two launches per slab of [`SLAB`] tokens, the same contract,
+/// math and roundings as [`chunked`] (its reference): `lt_chunk_states` runs the
+/// slab's chunks in order per head and value tile and stores each chunk's starting
+/// state; `lt_chunk_out` then computes every chunk's outputs in parallel from it.
+///
+/// Errors: as [`chunked`].
+#[allow(clippy::too_many_arguments)]
+pub fn chunked_two_pass(
+    gpu: &Gpu,
+    d: &LightningDims,
+    q: &CudaSlice<f32>,
+    k: &CudaSlice<f32>,
+    v: &CudaSlice<f32>,
+    log_decay: &CudaSlice<f32>,
+    scale: f32,
+    state: &mut CudaSlice<f32>,
+    o: &mut CudaSlice<f32>,
+) -> Result<()> {
+    check_rec(d, q, k, v, log_decay, state)?;
+    check_len("o [T, H, dv]", o, d.t * d.h * d.dv)?;
+    if d.t == 0 || d.h == 0 || d.dv == 0 {
+        return Ok(());
+    }
+    if d.dk > MAX_CHUNK_DK {
+        return Err(shape_err(format!(
+            "key dim {} over {MAX_CHUNK_DK} (the chunked kernel's shared-memory tiles)",
+            d.dk
+        )));
+    }
+    let smem = chunk_smem(d.dk) as u32;
+    let fs = gpu.function(
+        &LIGHTNING,
+        "lt_chunk_states",
+        chunk_smem(MAX_CHUNK_DK) as u32,
+    )?;
+    let fo = gpu.function(&LIGHTNING, "lt_chunk_out", chunk_smem(MAX_CHUNK_DK) as u32)?;
+    let (h, dk, dv) = (d.h, d.dk, d.dv);
+    let per = h * dk * dv;
+    let mut hs: super::Scratch<f32> = gpu.scratch(SLAB.min(d.t).div_ceil(CHUNK) * per)?;
+    let (hi, dki, dvi) = (dim("H", h)?, dim("dk", dk)?, dim("dv", dv)?);
+    let tiles = dv.div_ceil(BV) as u32;
+    let (wk, wv) = (h * dk, h * dv);
+    let mut a = 0;
+    while a < d.t {
+        let n = SLAB.min(d.t - a);
+        let nch = n.div_ceil(CHUNK);
+        let ni = dim("slab", n)?;
+        let qs = q.slice(a * wk..(a + n) * wk);
+        let ks = k.slice(a * wk..(a + n) * wk);
+        let vs = v.slice(a * wv..(a + n) * wv);
+        let mut b = gpu.stream().launch_builder(&fs);
+        b.arg(&ks)
+            .arg(&vs)
+            .arg(log_decay)
+            .arg(&mut *state)
+            .arg(&mut *hs)
+            .arg(&ni)
+            .arg(&hi)
+            .arg(&dki)
+            .arg(&dvi);
+        let cfg = LaunchConfig {
+            grid_dim: (h as u32, tiles, 1),
+            block_dim: (256, 1, 1),
+            shared_mem_bytes: smem,
+        };
+        // SAFETY: matches `lt_chunk_states`; k, v views of n rows, state [H, dk, dv]
+        // (checked), hs holds ceil(n / CHUNK) chunk states; shared memory as lt_chunk.
+        unsafe { b.launch(cfg) }?;
+        let mut os = o.slice_mut(a * wv..(a + n) * wv);
+        let mut b = gpu.stream().launch_builder(&fo);
+        b.arg(&qs)
+            .arg(&ks)
+            .arg(&vs)
+            .arg(log_decay)
+            .arg(&scale)
+            .arg(&*hs)
+            .arg(&mut os)
+            .arg(&ni)
+            .arg(&hi)
+            .arg(&dki)
+            .arg(&dvi);
+        let cfg = LaunchConfig {
+            grid_dim: (nch as u32, h as u32, tiles),
+            block_dim: (256, 1, 1),
+            shared_mem_bytes: smem,
+        };
+        // SAFETY: matches `lt_chunk_out`; q, k, v, o views of n rows, hs the slab's
+        // chunk states written by the launch above (same stream).
+        unsafe { b.launch(cfg) }?;
+        a += n;
+    }
+    Ok(())
+}
+
+/// [`recurrent`] for short spans, [`chunked`] from [`CHUNKED_MIN_TOKENS`] tokens and
+/// [`chunked_two_pass`] from [`TWO_PASS_MIN_TOKENS`] (the CPU layer's choice of the
+/// token loop below 16 tokens).
 #[allow(clippy::too_many_arguments)]
 pub fn span(
     gpu: &Gpu,
@@ -307,7 +408,9 @@ pub fn span(
     state: &mut CudaSlice<f32>,
     o: &mut CudaSlice<f32>,
 ) -> Result<()> {
-    if d.t >= CHUNKED_MIN_TOKENS && d.dk <= MAX_CHUNK_DK {
+    if d.t >= TWO_PASS_MIN_TOKENS && d.dk <= MAX_CHUNK_DK {
+        chunked_two_pass(gpu, d, q, k, v, log_decay, scale, state, o)
+    } else if d.t >= CHUNKED_MIN_TOKENS && d.dk <= MAX_CHUNK_DK {
         chunked(gpu, d, q, k, v, log_decay, scale, state, Some(o))
     } else {
         recurrent(gpu, d, q, k, v, log_decay, scale, state, o)
