@@ -1,8 +1,10 @@
 //! Kimi-Linear (KDA + latent attention, `kimi_linear`) on the CUDA backend against
 //! the CPU reference (issue 19, GPU part).
 //!
-//! Built only with `--features cuda`. Without a usable CUDA device every test prints
-//! `skipped: …` and returns (it does not report a comparison it could not make).
+//! The device tests are built only with `--features cuda`; without a usable CUDA
+//! device each prints `skipped: …` and returns (it does not report a comparison it
+//! could not make). One test runs everywhere: the chunked kernel's algorithm
+//! transcribed in Rust against the CPU references.
 //!
 //! * KDA kernels (`cuda::kda`): the per-token kernel and the chunked kernel (with its
 //!   transition `T_C`) against the CPU `mixers::kda::{naive, chunk}` and against each
@@ -25,6 +27,195 @@
 //!
 //! Paths: the repository root is `$HYPIC_REPO_ROOT`, else the current folder or its
 //! parent when it holds `dataplane/tests/fixtures`, else the build-time checkout.
+
+/// The algorithm of `kda_chunked_*` (kernels/kda.cu) transcribed loop for loop in
+/// Rust, checked against the CPU reference recurrence and the CPU chunked `T_C`: the
+/// kernel's math without a device (runs with or without `--features cuda`).
+mod kernel_algorithm {
+    use dataplane::mixers::gated_deltanet::GdrDims;
+    use dataplane::mixers::kda::{chunk as cpu_chunk, naive as cpu_naive};
+    use rand::rngs::StdRng;
+    use rand::{Rng, SeedableRng};
+
+    /// `kda_chunked_impl` for every head: returns (o, T) and advances `state`.
+    #[allow(clippy::too_many_arguments)]
+    fn kernel(
+        d: &GdrDims,
+        q: &[f32],
+        k: &[f32],
+        v: &[f32],
+        g: &[f32],
+        beta: &[f32],
+        state: &mut [f32],
+        chunk: usize,
+    ) -> (Vec<f32>, Vec<f32>) {
+        let GdrDims { t, hk, hv, dk, dv } = *d;
+        let mut out = vec![0f32; t * hv * dv];
+        let mut trans = vec![0f32; hv * dk * dk];
+        for h in 0..hv {
+            for i in 0..dk {
+                trans[(h * dk + i) * dk + i] = 1.0;
+            }
+        }
+        for h in 0..hv {
+            let kh = h / (hv / hk);
+            let s = &mut state[h * dk * dv..(h + 1) * dk * dv];
+            let tm = &mut trans[h * dk * dk..(h + 1) * dk * dk];
+            let qa = |ti: usize, a: usize| q[(ti * hk + kh) * dk + a];
+            let ka = |ti: usize, a: usize| k[(ti * hk + kh) * dk + a];
+            let mut c0 = 0;
+            while c0 < t {
+                let n = chunk.min(t - c0);
+                let mut gam = vec![0f32; n * dk];
+                for a in 0..dk {
+                    let mut cum = 0f32;
+                    for i in 0..n {
+                        cum += g[((c0 + i) * hv + h) * dk + a];
+                        gam[i * dk + a] = cum;
+                    }
+                }
+                let (mut am, mut qk) = (vec![0f32; n * n], vec![0f32; n * n]);
+                for i in 0..n {
+                    for j in 0..=i {
+                        let (mut sq, mut sk) = (0f32, 0f32);
+                        for a in 0..dk {
+                            let w = ka(c0 + j, a) * (gam[i * dk + a] - gam[j * dk + a]).exp();
+                            sq += qa(c0 + i, a) * w;
+                            sk += ka(c0 + i, a) * w;
+                        }
+                        qk[i * n + j] = sq;
+                        if j < i {
+                            am[i * n + j] = -beta[(c0 + i) * hv + h] * sk;
+                        }
+                    }
+                }
+                let (mut u, mut w) = (vec![0f32; n * dv], vec![0f32; n * dk]);
+                for col in 0..dv + dk {
+                    for i in 0..n {
+                        let b = beta[(c0 + i) * hv + h];
+                        if col < dv {
+                            let mut acc = b * v[((c0 + i) * hv + h) * dv + col];
+                            for j in 0..i {
+                                acc += am[i * n + j] * u[j * dv + col];
+                            }
+                            u[i * dv + col] = acc;
+                        } else {
+                            let a = col - dv;
+                            let mut acc = b * ka(c0 + i, a) * gam[i * dk + a].exp();
+                            for j in 0..i {
+                                acc += am[i * n + j] * w[j * dk + a];
+                            }
+                            w[i * dk + a] = acc;
+                        }
+                    }
+                }
+                for i in 0..n {
+                    for c in 0..dv {
+                        let x: f32 = (0..dk).map(|a| w[i * dk + a] * s[a * dv + c]).sum();
+                        u[i * dv + c] -= x;
+                    }
+                }
+                for i in 0..n {
+                    for c in 0..dv {
+                        let mut o = 0f32;
+                        for a in 0..dk {
+                            o += qa(c0 + i, a) * gam[i * dk + a].exp() * s[a * dv + c];
+                        }
+                        for j in 0..=i {
+                            o += qk[i * n + j] * u[j * dv + c];
+                        }
+                        out[((c0 + i) * hv + h) * dv + c] = o;
+                    }
+                }
+                let last = gam[(n - 1) * dk..n * dk].to_vec();
+                for a in 0..dk {
+                    for c in 0..dv {
+                        let mut x = last[a].exp() * s[a * dv + c];
+                        for j in 0..n {
+                            x += ka(c0 + j, a) * (last[a] - gam[j * dk + a]).exp() * u[j * dv + c];
+                        }
+                        s[a * dv + c] = x;
+                    }
+                }
+                let mut tc = vec![0f32; dk * dk];
+                for a in 0..dk {
+                    for b in 0..dk {
+                        let mut x = 0f32;
+                        for j in 0..n {
+                            x += ka(c0 + j, a) * (last[a] - gam[j * dk + a]).exp() * w[j * dk + b];
+                        }
+                        tc[a * dk + b] = if a == b { last[a].exp() } else { 0.0 } - x;
+                    }
+                }
+                let mut tn = vec![0f32; dk * dk];
+                for a in 0..dk {
+                    for b in 0..dk {
+                        tn[a * dk + b] = (0..dk).map(|x| tc[a * dk + x] * tm[x * dk + b]).sum();
+                    }
+                }
+                tm.copy_from_slice(&tn);
+                c0 += n;
+            }
+        }
+        (out, trans)
+    }
+
+    fn max_err(a: &[f32], b: &[f32]) -> f32 {
+        let scale = b.iter().fold(1f32, |m, x| m.max(x.abs()));
+        a.iter().zip(b).fold(0f32, |m, (x, y)| m.max((x - y).abs())) / scale
+    }
+
+    #[test]
+    fn chunked_kernel_algorithm_matches_the_cpu_references() {
+        for (t, hk, hv, dk, dv, g_lo, chunk) in [
+            (70, 2, 2, 16, 16, -1.0f32, 64),
+            (70, 1, 2, 8, 12, -6.0, 16),
+            (9, 2, 2, 16, 16, -0.5, 4),
+        ] {
+            let d = GdrDims { t, hk, hv, dk, dv };
+            let mut rng = StdRng::seed_from_u64(t as u64 + dk as u64);
+            let mut u = |n: usize, a: f32, b: f32| -> Vec<f32> {
+                (0..n).map(|_| rng.random_range(a..b)).collect()
+            };
+            let mut q = u(t * hk * dk, -1.0, 1.0);
+            let mut k = u(t * hk * dk, -1.0, 1.0);
+            for x in [&mut q, &mut k] {
+                for row in x.chunks_exact_mut(dk) {
+                    let r = 1.0 / (row.iter().map(|v| v * v).sum::<f32>() + 1e-6).sqrt();
+                    row.iter_mut().for_each(|v| *v *= r);
+                }
+            }
+            q.iter_mut().for_each(|x| *x *= (dk as f32).powf(-0.5));
+            let v = u(t * hv * dv, -1.0, 1.0);
+            let g = u(t * hv * dk, g_lo, 0.0);
+            let beta = u(t * hv, 0.05, 0.95);
+            let s0 = u(hv * dk * dv, -0.5, 0.5);
+            let mut s_ref = s0.clone();
+            let o_ref = cpu_naive::recurrent(&d, &q, &k, &v, &g, &beta, &mut s_ref);
+            let mut s_c = s0.clone();
+            let (_, t_ref) =
+                cpu_chunk::chunked_with_transition(&d, &q, &k, &v, &g, &beta, &mut s_c, chunk);
+            let mut s = s0.clone();
+            let (o, tr) = kernel(&d, &q, &k, &v, &g, &beta, &mut s, chunk);
+            let label = format!("T {t} Hk {hk} Hv {hv} dk {dk} dv {dv} chunk {chunk}");
+            assert!(
+                max_err(&o, &o_ref) < 1e-5,
+                "{label}: o {}",
+                max_err(&o, &o_ref)
+            );
+            assert!(
+                max_err(&s, &s_ref) < 1e-5,
+                "{label}: S {}",
+                max_err(&s, &s_ref)
+            );
+            assert!(
+                max_err(&tr, &t_ref) < 1e-5,
+                "{label}: T {}",
+                max_err(&tr, &t_ref)
+            );
+        }
+    }
+}
 
 #[cfg(feature = "cuda")]
 mod gpu {
