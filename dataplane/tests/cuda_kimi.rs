@@ -337,9 +337,27 @@ mod gpu {
     }
 
     /// Failures collected over one test, so that one GPU run reports all of them.
+    /// Each check is printed only when it fails (or with `HYPIC_VERBOSE=1`); the
+    /// summary names the check closest to its bound.
     struct Report {
         test: &'static str,
         failures: Vec<String>,
+        checks: usize,
+        /// (check, error, bound) with the largest error / bound so far.
+        tightest: Option<(String, f64, f64)>,
+        /// Largest error per kind of check (the check's name without numbers and
+        /// PIC phases), in first-seen order.
+        worst: Vec<(String, f64, f64)>,
+        verbose: bool,
+    }
+
+    /// The kind of a check: its name without digits and PIC phase words.
+    fn kind_of(what: &str) -> String {
+        let s: String = what.chars().filter(|c| !c.is_ascii_digit()).collect();
+        let s = [" cold:", " reordered:", " hot:"]
+            .iter()
+            .fold(s, |a, p| a.replace(p, ":"));
+        s.split_whitespace().collect::<Vec<_>>().join(" ")
     }
 
     impl Report {
@@ -347,14 +365,38 @@ mod gpu {
             Report {
                 test,
                 failures: vec![],
+                checks: 0,
+                tightest: None,
+                worst: vec![],
+                verbose: std::env::var("HYPIC_VERBOSE").is_ok_and(|v| v == "1"),
             }
         }
         fn check(&mut self, what: String, e: f64, tol: f64) {
+            self.checks += 1;
             let ok = e <= tol;
-            println!(
-                "  {what}: {e:.3e} (tol {tol:.0e}) {}",
-                if ok { "ok" } else { "FAIL" }
-            );
+            if self.verbose || !ok {
+                println!(
+                    "  {what}: {e:.3e} (tol {tol:.0e}) {}",
+                    if ok { "ok" } else { "FAIL" }
+                );
+            }
+            let ratio = |e: f64, t: f64| if t > 0.0 { e / t } else { e * 1e30 };
+            if self
+                .tightest
+                .as_ref()
+                .is_none_or(|(_, te, tt)| ratio(e, tol) > ratio(*te, *tt))
+            {
+                self.tightest = Some((what.clone(), e, tol));
+            }
+            let kind = kind_of(&what);
+            match self.worst.iter_mut().find(|w| w.0 == kind) {
+                Some(w) => {
+                    if e > w.1 {
+                        w.1 = e;
+                    }
+                }
+                None => self.worst.push((kind, e, tol)),
+            }
             if !ok {
                 self.failures.push(format!("{what}: {e:.3e} > {tol:.0e}"));
             }
@@ -364,6 +406,20 @@ mod gpu {
             self.failures.push(m);
         }
         fn finish(self) {
+            let tight = self
+                .tightest
+                .as_ref()
+                .map(|(w, e, t)| format!("; closest to its bound: {w}: {e:.2e} (tol {t:.0e})"))
+                .unwrap_or_default();
+            println!(
+                "{}: {} checks, {} failed{tight}",
+                self.test,
+                self.checks,
+                self.failures.len()
+            );
+            for (k, e, t) in &self.worst {
+                println!("  worst {k}: {e:.2e} (tol {t:.0e})");
+            }
             assert!(
                 self.failures.is_empty(),
                 "{}: {} failure(s):\n{}",
