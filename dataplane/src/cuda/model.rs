@@ -17,6 +17,12 @@
 //!   `attn::prefill_flash` for spans of ≥ [`ATTN_FLASH_MIN_TQ`] tokens; otherwise the GEMM-based `attn::prefill_fast` for spans of
 //!   ≥ [`ATTN_FAST_MIN_TQ`] tokens or over ≥ [`ATTN_FAST_MIN_KV`] cached keys, else the
 //!   tuned tiled kernel; other head dims a generic one), sigmoid output gate, o proj;
+//! * Lightning mixer (Ring-linear-2.0, [`super::lightning`]): one fused projection
+//!   `[t, 4W]` (`query_key_value` rows then `g_proj` rows), q/k RMSNorm and fp32
+//!   partial RoPE, the scalar-decay recurrence from the layer's state (per-token kernel
+//!   below 16 tokens, chunked from 16, two-pass chunked from 256), group RMSNorm and
+//!   sigmoid gate, `dense`; a family with plain RMSNorm keeps its norm weights
+//!   zero-centred (`ModelConfig::norm_weight`), as on the CPU;
 //! * FFN, two implementations ([`FfnPath`]): by default [`super::moe`] (MoE with device
 //!   routing and grouped expert GEMMs, `moe::mlp_forward` for dense layers); or the
 //!   host-routed glue path of this module, kept as an independent second
