@@ -2800,3 +2800,32 @@ pub fn attn_generic<T: Elem>(
     unsafe { b.launch(cfg) }?;
     Ok(())
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn config(name: &str) -> ModelConfig {
+        let dir = std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join(name);
+        ModelConfig::from_dir(&dir).unwrap_or_else(|e| panic!("{name}: {e}"))
+    }
+
+    /// The Ring-linear shapes (the golden fixture and the published Ring-mini /
+    /// Ring-flash configs) pass the GPU's configuration check; Kimi-Linear is refused
+    /// by its mixers. No device needed.
+    #[test]
+    fn ring_configs_pass_the_gpu_check_and_kimi_is_refused() {
+        for name in [
+            "tests/fixtures/golden/bailing_moe_linear",
+            "../benches/configs/ring_mini_linear_2_0",
+            "../benches/configs/ring_flash_linear_2_0",
+        ] {
+            let c = config(name);
+            check_config(&c).unwrap_or_else(|e| panic!("{name}: {e}"));
+            assert!(super::super::random::check_moe_config(&c).is_ok(), "{name}");
+        }
+        let k = config("tests/fixtures/golden/kimi_linear");
+        let e = check_config(&k).unwrap_err().to_string();
+        assert!(e.contains("kimi_linear") && e.contains("KDA"), "{e}");
+    }
+}
