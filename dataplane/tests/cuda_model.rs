@@ -1070,30 +1070,6 @@ mod gpu {
         );
     }
 
-    /// A Ring-linear model (Lightning layers, sigmoid router, plain norms) is refused
-    /// by every GPU entry point with an error naming the cause, never a panic.
-    #[test]
-    fn lightning_model_is_refused_with_a_clear_error() {
-        let Some((g, _lock)) = gpu("lightning_model_is_refused_with_a_clear_error") else {
-            return;
-        };
-        let dir = golden_dir("bailing_moe_linear");
-        let m = Model::load(&dir, &mut |_, _| {}).unwrap();
-        let e = GpuModel::<f32>::upload(g.clone(), &m)
-            .err()
-            .expect("upload refused");
-        assert!(e.to_string().contains("Lightning"), "{e}");
-        let ckpt = dataplane::weights::Checkpoint::open(&dir).unwrap();
-        let e = GpuModel::<bf16>::load(g.clone(), m.config.clone(), &ckpt, &mut |_, _| {})
-            .err()
-            .expect("load refused");
-        assert!(e.to_string().contains("--device cpu"), "{e}");
-        let e = GpuModel::<f32>::random(g.clone(), m.config.clone(), 1)
-            .err()
-            .expect("random refused");
-        assert!(e.to_string().contains("Lightning"), "{e}");
-    }
-
     /// A Kimi-Linear model (KDA and MLA layers) is refused by every GPU entry point
     /// with an error naming the model_type and the layer kind, never a panic.
     #[test]

@@ -24,6 +24,10 @@
 #                                            # tensor map; a pair [old, new, "host"] edits
 #                                            # flash_wg_emu.cpp)
 #   EMU_MUTANTS="tma-box-row tma-stage" tools/kernel-emu/run.sh wg-mutants  # a subset
+#   tools/kernel-emu/run.sh lightning        # lightning.cu (per-token, one- and two-pass
+#                                            # chunked, prep, group norm + gate, state
+#                                            # rotation, scalar apply) and moe_route_rule
+#                                            # against the CPU references
 set -euo pipefail
 here="$(cd "$(dirname "$0")" && pwd)"
 kernels="$here/../../dataplane/kernels"
@@ -242,6 +246,25 @@ PY
         fi
     done
     [ "$fails" = 0 ] && echo "all mutants caught" || { echo "$fails mutant(s) survived or not applied"; exit 1; }
+    ;;
+lightning)
+    # lightning.cu whole, plus moe_route_rule cut out of moe.cu (its other kernels use PTX).
+    python3 - "$kernels" "$out/gen_lightning.inc" <<'PY'
+import re, sys
+k, dst = sys.argv[1:3]
+common = open(f"{k}/common.cuh").read().replace("#include <cuda_bf16.h>", "")
+lt = open(f"{k}/lightning.cu").read()
+for name in ("lp_sm", "lc_sm"):
+    decl = f"extern __shared__ float {name}[];"
+    assert decl in lt, f"{decl} not found"
+    lt = lt.replace(decl, f"float* {name} = (float*)emu_dyn_smem;")
+moe = open(f"{k}/moe.cu").read()
+a = moe.index("__device__ __forceinline__ bool moe_better")
+b = moe.index("// ----", a)
+open(dst, "w").write(common + '\n#line 1 "lightning.cu"\n' + lt + "\n#define MOE_EPL 16\n" + moe[a:b])
+PY
+    $CXX -ffp-contract=off -o "$out/lightning_emu" "$here/lightning_emu.cpp"
+    "$out/lightning_emu"
     ;;
 *)
     gen flash "$out/gen_flash.inc" 1

@@ -17,7 +17,12 @@
 //!   GEMM), [`attn`] (causal GQA attention prefill over KV at arbitrary positions: a tiled
 //!   SIMT kernel, a cuBLAS GEMM path `attn::prefill_fast` for long spans, and for bf16 a
 //!   FlashAttention-2 tensor-core kernel `attn::prefill_flash`),
-//!   [`moe`] (sparse MoE block with grouped expert GEMMs, dense SwiGLU MLP),
+//!   [`lightning`] (Lightning attention of Ring-linear: input preparation, the
+//!   per-token recurrence, one- and two-pass chunked prefill, group norm and gate,
+//!   PIC state rotation and scalar pairs), [`transition`] also scalar pairs,
+//!   [`moe`] (sparse MoE block with device routing — softmax top-k, or the sigmoid
+//!   rule with selection bias and grouped top-k of [`moe::DeviceRouter`] —, grouped
+//!   expert GEMMs, dense SwiGLU MLP),
 //!   [`sample`] (greedy argmax and seeded temperature / top-k / top-p sampling),
 //!   [`pic`] (the PIC engine on the device: cache build, compose, seams, device pools
 //!   with a host spill tier), [`peer`] (entries shipped between GPUs of one process

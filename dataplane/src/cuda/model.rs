@@ -17,6 +17,12 @@
 //!   `attn::prefill_flash` for spans of ≥ [`ATTN_FLASH_MIN_TQ`] tokens; otherwise the GEMM-based `attn::prefill_fast` for spans of
 //!   ≥ [`ATTN_FAST_MIN_TQ`] tokens or over ≥ [`ATTN_FAST_MIN_KV`] cached keys, else the
 //!   tuned tiled kernel; other head dims a generic one), sigmoid output gate, o proj;
+//! * Lightning mixer (Ring-linear-2.0, [`super::lightning`]): one fused projection
+//!   `[t, 4W]` (`query_key_value` rows then `g_proj` rows), q/k RMSNorm and fp32
+//!   partial RoPE, the scalar-decay recurrence from the layer's state (per-token kernel
+//!   below 16 tokens, chunked from 16, two-pass chunked from 256), group RMSNorm and
+//!   sigmoid gate, `dense`; a family with plain RMSNorm keeps its norm weights
+//!   zero-centred (`ModelConfig::norm_weight`), as on the CPU;
 //! * FFN, two implementations ([`FfnPath`]): by default [`super::moe`] (MoE with device
 //!   routing and grouped expert GEMMs, `moe::mlp_forward` for dense layers); or the
 //!   host-routed glue path of this module, kept as an independent second
@@ -2896,4 +2902,33 @@ pub fn attn_generic<T: Elem>(
     // SAFETY: matches `attn_generic_*`; lengths checked above; smem as the kernel needs.
     unsafe { b.launch(cfg) }?;
     Ok(())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn config(name: &str) -> ModelConfig {
+        let dir = std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join(name);
+        ModelConfig::from_dir(&dir).unwrap_or_else(|e| panic!("{name}: {e}"))
+    }
+
+    /// The Ring-linear shapes (the golden fixture and the published Ring-mini /
+    /// Ring-flash configs) pass the GPU's configuration check; Kimi-Linear is refused
+    /// by its mixers. No device needed.
+    #[test]
+    fn ring_configs_pass_the_gpu_check_and_kimi_is_refused() {
+        for name in [
+            "tests/fixtures/golden/bailing_moe_linear",
+            "../benches/configs/ring_mini_linear_2_0",
+            "../benches/configs/ring_flash_linear_2_0",
+        ] {
+            let c = config(name);
+            check_config(&c).unwrap_or_else(|e| panic!("{name}: {e}"));
+            assert!(super::super::random::check_moe_config(&c).is_ok(), "{name}");
+        }
+        let k = config("tests/fixtures/golden/kimi_linear");
+        let e = check_config(&k).unwrap_err().to_string();
+        assert!(e.contains("kimi_linear") && e.contains("KDA"), "{e}");
+    }
 }
