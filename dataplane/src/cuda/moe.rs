@@ -229,6 +229,11 @@ impl MoeWorkspace {
         self.forced = path;
     }
 
+    /// The forced expert-GEMM kernel ([`Self::force_expert_gemm`]).
+    pub fn forced_expert_gemm(&self) -> Option<ExpertGemm> {
+        self.forced
+    }
+
     /// Takes buffer `name` of at least `n` elements out of the workspace (allocating a
     /// new, uninitialised one when missing or too short). Give it back with [`Self::put`].
     fn take<U: DeviceRepr + Send + Sync + 'static>(
