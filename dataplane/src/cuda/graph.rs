@@ -85,7 +85,7 @@ pub(crate) struct DevStep<'a> {
 }
 
 /// Counters of a model's decode graphs ([`GpuModel::cuda_graph_stats`]).
-#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+#[derive(Clone, Copy, Debug, Default, PartialEq)]
 pub struct GraphStats {
     /// Steps run by replaying a recorded graph (the capture's own launch not counted).
     pub replays: u64,
@@ -104,6 +104,9 @@ pub struct GraphStats {
     pub held: u64,
     /// Scratch bytes the held graphs keep.
     pub kept_bytes: u64,
+    /// Host seconds of the last replayed step from the call to the graph launch
+    /// returning (checks, key, input copy, launch), before the results are read.
+    pub last_host_s: f64,
 }
 
 /// What the step ends with: host logits, greedy ids, or sampled ids.
@@ -315,6 +318,63 @@ where
             std::mem::take(&mut g.entries)
         };
         drop(old);
+    }
+
+    /// For benchmarks: replays the most recently used graph `n` times back to back with
+    /// its last inputs and returns the device milliseconds per replay (CUDA events
+    /// around the `n` launches; host launch cost overlapped). Each replay writes the
+    /// states it was recorded for again (the same KV row, the recurrent state advanced
+    /// once more) without their host bookkeeping: discard those states afterwards.
+    /// `None` when no graph is held.
+    ///
+    /// Errors: driver failures.
+    pub fn bench_replay(&self, n: usize) -> Result<Option<f64>> {
+        let inner = self.graphs.lock();
+        let Some(e) = inner.entries.last() else {
+            return Ok(None);
+        };
+        let st = self.gpu.stream();
+        let flags = Some(cudarc::driver::sys::CUevent_flags::CU_EVENT_DEFAULT);
+        let (a, b) = (
+            self.gpu.context().new_event(flags)?,
+            self.gpu.context().new_event(flags)?,
+        );
+        a.record(st)?;
+        for _ in 0..n.max(1) {
+            // SAFETY: as for the replay in `graph_decode` (under the lock, same stream).
+            unsafe {
+                cudarc::driver::sys::cuGraphLaunch(e.graph.0.cu_graph_exec(), st.cu_stream())
+            }
+            .result()?;
+        }
+        b.record(st)?;
+        b.synchronize()?;
+        Ok(Some(a.elapsed_ms(&b)? as f64 / n.max(1) as f64))
+    }
+
+    /// For benchmarks: the eager greedy decode step (the kernels of
+    /// [`GpuModel::decode_sample`] with greedy draws and graphs off) without copying the
+    /// token ids to the host, so that the caller can time the host's enqueue apart from
+    /// the device (then wait with [`super::Gpu::sync`]). States advance as in a step.
+    ///
+    /// Errors: as [`GpuModel::decode_batch`].
+    pub fn decode_enqueue_eager(
+        &self,
+        tokens: &[u32],
+        states: &mut [&mut GpuState<T>],
+    ) -> Result<()> {
+        let bsz = tokens.len();
+        let x = self.decode_hidden(tokens, states, None)?;
+        if bsz == 0 {
+            return Ok(());
+        }
+        let vocab = self.config.vocab_size;
+        let logits = self.logits_device(&x, bsz)?;
+        let g = &*self.gpu;
+        let wide = super::sample::widen_f32(g, &logits, bsz * vocab)?;
+        let mut ids = g.scratch::<u32>(bsz)?;
+        super::sample::argmax_into(g, &wide, bsz, vocab, &mut ids)?;
+        Ok(())
     }
 
     /// Whether every layer of this step has kernels that read the step's inputs from
@@ -635,6 +695,7 @@ where
         states: &mut [&mut GpuState<T>],
         draws: Option<&[Option<DrawParams>]>,
     ) -> Result<Option<Vec<Decoded>>> {
+        let t_start = std::time::Instant::now();
         let bsz = tokens.len();
         if bsz == 0 || states.len() != bsz || draws.is_some_and(|d| d.len() != bsz) {
             return Ok(None);
@@ -702,6 +763,7 @@ where
                 cudarc::driver::sys::cuGraphLaunch(e.graph.0.cu_graph_exec(), st.cu_stream())
             }
             .result()?;
+            let host_s = t_start.elapsed().as_secs_f64();
             advance(states);
             let (lp, ll) = e.logits;
             // SAFETY: the entry keeps these buffers (its keep list) while it lives; the
@@ -709,6 +771,7 @@ where
             let logits = unsafe { View::<T>::new(st, lp, ll) };
             let ids = e.ids.map(|p| unsafe { View::<u32>::new(st, p, bsz) });
             inner.stats.replays += 1;
+            inner.stats.last_host_s = host_s;
             let out = self.read_out(&logits, ids.as_deref(), bsz, draws)?;
             return Ok(Some(out));
         }
