@@ -387,20 +387,21 @@ where
             && nkv > 0
             && nh / nkv <= attn::DECODE_MAX_GROUP;
         let tuned = [64, 128, 256].contains(&hd);
-        for l in &self.layers {
-            match &l.ffn {
-                FfnW::Moe(_) => return false,
-                FfnW::MoeFused(_) => {
-                    let forced = self
-                        .moe_ws
-                        .lock()
-                        .unwrap_or_else(|e| e.into_inner())
-                        .forced_expert_gemm();
-                    if forced == Some(moe::ExpertGemm::PerExpert) {
-                        return false;
-                    }
-                }
-                FfnW::Dense(_) => {}
+        if self.layers.iter().any(|l| matches!(l.ffn, FfnW::Moe(_))) {
+            return false;
+        }
+        if self
+            .layers
+            .iter()
+            .any(|l| matches!(l.ffn, FfnW::MoeFused(_)))
+        {
+            let forced = self
+                .moe_ws
+                .lock()
+                .unwrap_or_else(|e| e.into_inner())
+                .forced_expert_gemm();
+            if forced == Some(moe::ExpertGemm::PerExpert) {
+                return false;
             }
         }
         for s in states {

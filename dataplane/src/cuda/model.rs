@@ -41,11 +41,11 @@
 //! The PIC engine's composition of cached segments runs layer-major through
 //! `forward_spans` (one FFN pass per layer for all seam windows).
 //!
-//! Not done yet: no CUDA graphs, so a one-token step is ~1,000 launches and bounded by
-//! their host cost (~5 µs each on the H200 machine: gpu_bench's host-cost table);
-//! activations are allocated per call from the stream-ordered pool; the per-sequence
-//! part of `decode_batch` is a loop of single-sequence launches. Tests:
-//! `dataplane/tests/cuda_model.rs`.
+//! `decode_batch` / `decode_sample` replay a CUDA graph of the whole step where every
+//! layer has kernels that read the step's inputs from the device ([`super::graph`]);
+//! other steps, prefill and `decode` launch kernel by kernel (bounded by the host's
+//! launch cost); the per-sequence part of `decode_batch` is a loop of single-sequence
+//! launches. Tests: `dataplane/tests/cuda_model.rs`, `cuda_graph.rs`.
 use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex};
 
