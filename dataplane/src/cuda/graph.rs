@@ -175,7 +175,8 @@ impl Layout {
     }
 }
 
-/// A typed view of part of a device buffer owned elsewhere (never freed through it).
+/// A typed view of part of a device buffer owned elsewhere (never freed through it;
+/// dropping it releases only its handle on the stream).
 struct View<T>(ManuallyDrop<CudaSlice<T>>);
 
 impl<T> View<T> {
@@ -187,6 +188,15 @@ impl<T> View<T> {
         View(ManuallyDrop::new(unsafe {
             stream.upgrade_device_ptr::<T>(ptr, len)
         }))
+    }
+}
+
+impl<T> Drop for View<T> {
+    fn drop(&mut self) {
+        // SAFETY: taken once, here. `leak` releases the slice's handles (its stream) and
+        // frees nothing: the memory belongs to the buffer the view was made from.
+        let s = unsafe { ManuallyDrop::take(&mut self.0) };
+        let _ = s.leak();
     }
 }
 
@@ -983,5 +993,40 @@ fn advance<T: Elem>(states: &mut [&mut GpuState<T>]) {
             }
         }
         s.next_position += 1;
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::Layout;
+
+    /// Every section of the input buffer is 16-byte aligned, holds its elements and
+    /// overlaps no other.
+    #[test]
+    fn input_layout_is_aligned_and_disjoint() {
+        for bsz in [1usize, 3, 8, 64, 257] {
+            for n_attn in [0usize, 1, 10] {
+                let l = Layout::new(bsz, n_attn);
+                let mut parts = [
+                    (l.tokens, 4 * bsz),
+                    (l.pos, 8 * bsz),
+                    (l.kv_len, 4 * bsz * n_attn.max(1)),
+                    (l.temp, 4 * bsz),
+                    (l.topk, 4 * bsz),
+                    (l.topp, 4 * bsz),
+                    (l.seed, 8 * bsz),
+                    (l.step, 8 * bsz),
+                ];
+                parts.sort();
+                for w in parts.windows(2) {
+                    assert!(w[0].0 + w[0].1 <= w[1].0, "{bsz} {n_attn}: {parts:?}");
+                }
+                for (o, n) in parts {
+                    assert_eq!(o % 16, 0);
+                    assert!(o + n <= l.bytes);
+                }
+                assert_eq!((l.bsz, l.n_attn), (bsz, n_attn));
+            }
+        }
     }
 }
