@@ -28,7 +28,9 @@
 //!   ([`super::scratch::CaptureKeep`]) until it is evicted; the MoE layers use a
 //!   workspace of the graph's own; cuBLAS has a fixed workspace ([`super::Gpu`]).
 //!
-//! Steps that have no such kernels run eagerly (the reference path, unchanged): f32
+//! Steps that have no such kernels run eagerly (the reference path, unchanged): models
+//! with mixers other than Gated DeltaNet and gated attention (their decode kernels have
+//! not been checked for values read on the host), f32
 //! attention over ≥ `model::ATTN_FAST_MIN_KV` keys (cuBLAS GEMMs sized by the length),
 //! bf16 attention that takes the flash kernel (head dims outside
 //! [`super::attn::DECODE_HEAD_DIMS`] over long caches), the generic attention kernel,
@@ -397,6 +399,15 @@ where
             && nkv > 0
             && nh / nkv <= attn::DECODE_MAX_GROUP;
         let tuned = [64, 128, 256].contains(&hd);
+        // Only mixers whose decode kernels are known to take every step-dependent value
+        // from the device (a mixer added later runs eagerly until it is checked).
+        if !self
+            .layers
+            .iter()
+            .all(|l| matches!(l.mixer, MixerW::GatedDeltaNet(_) | MixerW::Attention(_)))
+        {
+            return false;
+        }
         if self.layers.iter().any(|l| matches!(l.ffn, FfnW::Moe(_))) {
             return false;
         }
