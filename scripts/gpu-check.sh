@@ -79,7 +79,7 @@ build() {
   local built=() pair name exe
   # Test executables of each step.
   for pair in kernels:cuda_kernels moe:cuda_moe model:cuda_model pic:cuda_pic \
-              modelbench:cuda_random attn:cuda_attn decode:cuda_decode families:cuda_families kimi:cuda_kimi \
+              modelbench:cuda_random attn:cuda_attn decode:cuda_decode decode:cuda_graph families:cuda_families kimi:cuda_kimi \
               devices:cuda_parallel; do
     wantb "${pair%%:*}" || continue
     name=${pair#*:}
@@ -161,7 +161,7 @@ PY
   chmod +x .device/bin/* 2>/dev/null || true
   local exe_ st_ missing_=0
   for st_ in kernels:cuda_kernels attn:cuda_attn moe:cuda_moe model:cuda_model pic:cuda_pic \
-             decode:cuda_decode families:cuda_families kimi:cuda_kimi bench:gpu_bench moebench:gpu_bench modelbench:cuda_random modelbench:gpu_model_bench serve:hypic \
+             decode:cuda_decode decode:cuda_graph families:cuda_families kimi:cuda_kimi bench:gpu_bench moebench:gpu_bench modelbench:cuda_random modelbench:gpu_model_bench serve:hypic \
              parallel:hypic devices:cuda_parallel devices:hypic load35b:hypic; do
     exe_=${st_#*:}
     if want "${st_%%:*}" && [ ! -x ".device/bin/$exe_" ]; then
@@ -170,7 +170,7 @@ PY
     fi
   done
   [ "$missing_" -eq 0 ] || return 3
-  local test_rc=0 attn_rc=0 moe_rc=0 model_rc=0 pic_rc=0 decode_rc=0 families_rc=0 kimi_rc=0 moebench_rc=0
+  local test_rc=0 attn_rc=0 moe_rc=0 model_rc=0 pic_rc=0 decode_rc=0 graph_rc=0 families_rc=0 kimi_rc=0 moebench_rc=0
   : > "$OUT/attn_tests.log"
   : > "$OUT/tests.log"; : > "$OUT/tests_moe.log"; : > "$OUT/model_tests.log"; : > "$OUT/pic_tests.log"; : > "$OUT/bench.md"; : > "$OUT/fla.md"
   : > "$OUT/random_tests.log"; : > "$OUT/model_bench.md"
@@ -252,11 +252,19 @@ PY
       --test-threads=1 --nocapture > "$OUT/decode_tests.log" 2>&1
     decode_rc=$?
     grep -q "running [1-9][0-9]* test" "$OUT/decode_tests.log" || { echo "cuda_decode ran no test" >&2; decode_rc=1; }
-    echo "decode tests rc=$decode_rc in $((SECONDS - t0)) s"
+    # CUDA graphs of the decode step against the eager step, bit for bit (tests/cuda_graph.rs).
+    HYPIC_CUDA_POISON=${HYPIC_CUDA_POISON:-1} HYPIC_REPO_ROOT="$PWD" timeout 300 .device/bin/cuda_graph \
+      --test-threads=1 --nocapture > "$OUT/graph_tests.log" 2>&1
+    graph_rc=$?
+    grep -q "running [1-9][0-9]* test" "$OUT/graph_tests.log" || { echo "cuda_graph ran no test" >&2; graph_rc=1; }
+    grep -q "^skipped:" "$OUT/graph_tests.log" && { echo "cuda_graph skipped (no device)" >&2; graph_rc=1; }
+    [ "$decode_rc" -eq 0 ] && decode_rc=$graph_rc
+    echo "decode tests rc=$decode_rc (cuda_graph rc=$graph_rc) in $((SECONDS - t0)) s"
   else
     echo "decode tests: skipped"
   fi
   grep -E "^  |FAIL|test result|panicked" "$OUT/decode_tests.log" | tail -60
+  grep -E "^  |FAIL|test result|panicked|skipped" "$OUT/graph_tests.log" 2>/dev/null | tail -30
 
   echo "== model families: Ring-linear-2.0 on the GPU vs the CPU (dataplane/tests/cuda_families.rs)"
   t0=$SECONDS
@@ -312,7 +320,7 @@ PY
 
   echo "== random-weight model (GPU vs CPU) and whole-model benchmark at the Qwen3.5-35B-A3B shape"
   t0=$SECONDS
-  local random_rc=0 mbench_rc=0
+  local random_rc=0 mbench_rc=0 rc_=0
   if want modelbench; then
     HYPIC_CUDA_POISON=${HYPIC_CUDA_POISON:-1} HYPIC_REPO_ROOT="$PWD" timeout 120 .device/bin/cuda_random --test-threads=1 --nocapture \
       > "$OUT/random_tests.log" 2>&1
@@ -321,6 +329,12 @@ PY
       --dtype bf16 --seed 0 ${MODEL_BENCH_ARGS:-} > "$OUT/model_bench.md" 2>&1
     mbench_rc=$?
     echo "(gpu_model_bench rc=$mbench_rc)" >> "$OUT/model_bench.md"
+    # Decode step at batch 1 / 8 / 64: CUDA graphs against eager, with the weight-read floor.
+    timeout 240 .device/bin/gpu_model_bench --config benches/configs/qwen3_5_35b_a3b --random-weights \
+      --dtype bf16 --seed 0 --decode-graphs ${DECODE_GRAPH_ARGS:-} >> "$OUT/model_bench.md" 2>&1
+    rc_=$?
+    echo "(gpu_model_bench --decode-graphs rc=$rc_)" >> "$OUT/model_bench.md"
+    [ "$mbench_rc" -eq 0 ] && mbench_rc=$rc_
   fi
   want modelbench && echo "random tests rc=$random_rc, model bench rc=$mbench_rc in $((SECONDS - t0)) s" \
     || echo "random-weight tests and model bench: skipped"
@@ -637,6 +651,9 @@ PY
     if want decode; then
       echo; echo "## Decode step: device sampling (tests/cuda_decode.rs, rc=$decode_rc)"; echo; echo '```'
       grep -E "^  |FAIL|panicked|^test |test result" "$OUT/decode_tests.log"
+      echo '```'
+      echo; echo "## Decode step: CUDA graphs against eager (tests/cuda_graph.rs)"; echo; echo '```'
+      grep -E "^  |FAIL|panicked|^test |test result|skipped" "$OUT/graph_tests.log" 2>/dev/null
       echo '```'
     fi
     if want families; then

@@ -5,6 +5,9 @@
 //! ```text
 //! gpu_model_bench --config DIR --random-weights [--dtype bf16|f32] [--seed N] [--reps N] [--quick]
 //!   [--profile-decode N]   # only N decode steps (4k context) between cuProfilerStart/Stop, for ncu
+//!   [--decode-graphs]      # only the decode-step table, CUDA graphs against eager (below)
+//!   [--layers N]           # that table on the first N layers (default: as many as fit)
+//!   [--graph-ctx N] [--batches 1,8,64]
 //! ```
 //!
 //! `DIR/config.json` is an HF config (e.g. `benches/configs/qwen3_5_35b_a3b`); the
@@ -23,7 +26,22 @@
 //!   segment derived from it;
 //! * decode step latency (one token, host logits) at several context lengths;
 //! * a per-layer-kind split (GDN layer vs attention layer, each with its FFN) from two
-//!   4-layer models of the same shapes.
+//!   4-layer models of the same shapes;
+//! * the decode step through `GpuModel::decode_sample` (greedy, token ids drawn on the
+//!   device) at batch 1 / 8 / 64 over `--graph-ctx` (default 1024) tokens per sequence,
+//!   eager against CUDA graphs (`cuda::graph`), in one table with: the eager step,
+//!   its host enqueue time and the time until its device work is done
+//!   (`decode_enqueue_eager`, no download), the graph step and its host time (inputs
+//!   copied, graph launched: `GraphStats::last_host_s`), the device time of one step
+//!   (20 replays of the graph back to back, CUDA events), and the weight-read floor:
+//!   bytes a step must read or write / the HBM bandwidth measured in the same run (a
+//!   1 GiB device-to-device copy, bytes read plus written). Bytes per step: the dense
+//!   weights (projections, router, shared expert, LM head) once, the routed experts a
+//!   batch of B tokens touches (expected distinct experts per MoE layer
+//!   `E·(1 − (1 − k/E)^B)`, uniform routing), the recurrent and conv states read and
+//!   written, and the KV cache read. The model is cut to `--layers` (a multiple of 4,
+//!   the 3 : 1 GDN : attention pattern) when the full model and its states do not fit
+//!   the device (an H100 at the Qwen3.5-35B-A3B shape in bf16); the header says which.
 //!
 //! Times are wall-clock milliseconds around the call, which returns host logits and
 //! so waits for the stream (CUDA-synchronised); median of `--reps` (default 3, at
@@ -77,6 +95,14 @@ mod bench {
         seed: u64,
         reps: usize,
         quick: bool,
+        /// `--decode-graphs`: only the decode-step table of graphs against eager.
+        decode_graphs: bool,
+        /// `--layers N` for that table (0: as many as fit).
+        layers: usize,
+        /// `--graph-ctx N`: tokens per sequence before the timed steps.
+        graph_ctx: usize,
+        /// `--batches`: batch sizes of that table.
+        batches: Vec<usize>,
         /// `--profile-decode N`: only N decode steps at a 4k context, between
         /// cuProfilerStart / cuProfilerStop (for `ncu --profile-from-start off`).
         profile_decode: usize,
@@ -90,6 +116,10 @@ mod bench {
             reps: 3,
             quick: false,
             profile_decode: 0,
+            decode_graphs: false,
+            layers: 0,
+            graph_ctx: 1024,
+            batches: vec![1, 8, 64],
         };
         let mut random = false;
         let mut it = std::env::args().skip(1);
@@ -102,6 +132,18 @@ mod bench {
                 "--seed" => a.seed = val(&k)?.parse().map_err(|e| format!("--seed: {e}"))?,
                 "--reps" => a.reps = val(&k)?.parse().map_err(|e| format!("--reps: {e}"))?,
                 "--quick" => a.quick = true,
+                "--decode-graphs" => a.decode_graphs = true,
+                "--layers" => a.layers = val(&k)?.parse().map_err(|e| format!("--layers: {e}"))?,
+                "--graph-ctx" => {
+                    a.graph_ctx = val(&k)?.parse().map_err(|e| format!("--graph-ctx: {e}"))?
+                }
+                "--batches" => {
+                    a.batches = val(&k)?
+                        .split(',')
+                        .map(|b| b.trim().parse::<usize>())
+                        .collect::<std::result::Result<_, _>>()
+                        .map_err(|e| format!("--batches: {e}"))?
+                }
                 "--profile-decode" => {
                     a.profile_decode = val(&k)?
                         .parse()
@@ -142,11 +184,250 @@ mod bench {
             a.dtype,
             a.seed
         );
+        if a.decode_graphs {
+            return match a.dtype.as_str() {
+                "bf16" => decode_graph_bench::<bf16>(&g, &c, &a),
+                "f32" => decode_graph_bench::<f32>(&g, &c, &a),
+                o => Err(format!("--dtype {o}: expected bf16 or f32")),
+            };
+        }
         match a.dtype.as_str() {
             "bf16" => bench::<bf16>(&g, c, &a),
             "f32" => bench::<f32>(&g, c, &a),
             o => Err(format!("--dtype {o}: expected bf16 or f32")),
         }
+    }
+
+    /// Device-to-device copy bandwidth, bytes read plus written per second (1 GiB, median
+    /// of 5 copies timed with events).
+    fn hbm_bandwidth(g: &Gpu) -> Res<f64> {
+        let e = |x: cudarc::driver::DriverError| format!("{x:?}");
+        let n = 1usize << 30;
+        let st = g.stream();
+        let src = st.alloc_zeros::<u8>(n).map_err(e)?;
+        let mut dst = st.alloc_zeros::<u8>(n).map_err(e)?;
+        let flags = Some(cudarc::driver::sys::CUevent_flags::CU_EVENT_DEFAULT);
+        let mut ts = vec![];
+        for i in 0..6 {
+            let a = g.context().new_event(flags).map_err(e)?;
+            let b = g.context().new_event(flags).map_err(e)?;
+            a.record(st).map_err(e)?;
+            st.memcpy_dtod(&src, &mut dst).map_err(e)?;
+            b.record(st).map_err(e)?;
+            b.synchronize().map_err(e)?;
+            if i > 0 {
+                ts.push(a.elapsed_ms(&b).map_err(e)? as f64 / 1e3);
+            }
+        }
+        Ok(2.0 * n as f64 / median(ts))
+    }
+
+    /// The first `n` layers of `c`.
+    fn cut_layers(c: &ModelConfig, n: usize) -> ModelConfig {
+        let mut c = c.clone();
+        c.num_layers = n;
+        c.mixers.truncate(n);
+        c.layer_is_moe.truncate(n);
+        c
+    }
+
+    /// Bytes a decode step of `bsz` sequences over `ctx` cached tokens must move at
+    /// least (see the module docs): `(weights, states and KV)`.
+    fn step_bytes(c: &ModelConfig, es: usize, bsz: usize, ctx: usize) -> (f64, f64) {
+        let pc = ParamCounts::of(c);
+        let (h, e, k, i) = (
+            c.hidden_size,
+            c.num_experts,
+            c.experts_per_tok,
+            c.moe_intermediate_size,
+        );
+        let n_moe = c.layer_is_moe.iter().filter(|m| **m).count();
+        let expert = (3 * h * i) as f64;
+        let routed_active = n_moe as f64 * k as f64 * expert;
+        let distinct = if e > 0 {
+            e as f64 * (1.0 - (1.0 - k as f64 / e as f64).powi(bsz as i32))
+        } else {
+            0.0
+        };
+        let weights = (pc.active_matmul as f64 - routed_active + n_moe as f64 * distinct * expert)
+            * es as f64;
+        let n_gdn = c
+            .mixers
+            .iter()
+            .filter(|m| **m == MixerKind::GatedDeltaNet)
+            .count();
+        let n_attn = c
+            .mixers
+            .iter()
+            .filter(|m| **m == MixerKind::Attention)
+            .count();
+        let rec = c.linear_v_heads * c.linear_k_dim * c.linear_v_dim;
+        let conv = c.conv_dim() * c.conv_kernel.saturating_sub(1);
+        let per_seq = n_gdn as f64 * ((rec + conv) * 4 * 2) as f64
+            + n_attn as f64 * (ctx * 2 * c.num_kv_heads * c.head_dim * es) as f64;
+        (weights, bsz as f64 * per_seq)
+    }
+
+    /// The decode-step table of CUDA graphs against eager (module docs).
+    fn decode_graph_bench<T: Elem>(g: &Arc<Gpu>, c0: &ModelConfig, a: &Args) -> Res<()>
+    where
+        CudaBlas: Gemm<T>,
+    {
+        use dataplane::engine::Decoded;
+        use dataplane::sampling::DrawParams;
+        let e = |x: dataplane::cuda::CudaError| x.to_string();
+        let es = std::mem::size_of::<T>();
+        let maxb = a.batches.iter().copied().max().unwrap_or(1);
+        g.context().bind_to_thread().map_err(|x| format!("{x:?}"))?;
+        let (free, total) = cudarc::driver::result::mem_get_info().map_err(|x| format!("{x:?}"))?;
+        let layers = if a.layers > 0 {
+            a.layers.min(c0.num_layers)
+        } else {
+            // Weights plus the states and KV of the largest batch plus 6 GiB of room.
+            let mut n = c0.num_layers;
+            loop {
+                let c = cut_layers(c0, n);
+                let (_, st) = step_bytes(&c, es, maxb, a.graph_ctx + 64);
+                let need =
+                    ParamCounts::of(&c).bytes(es) as f64 + st / 2.0 + 6.0 * (1u64 << 30) as f64;
+                if need <= free as f64 || n <= 4 {
+                    break n;
+                }
+                n -= 4;
+            }
+        };
+        let c = cut_layers(c0, layers);
+        println!(
+            "\n## Decode step: CUDA graphs against eager (`decode_sample`, greedy on the device; {} of {} layers; {} tokens of context per sequence)\n",
+            layers, c0.num_layers, a.graph_ctx
+        );
+        println!(
+            "device memory: {:.1} GiB free of {:.1} GiB before the weights",
+            free as f64 / (1u64 << 30) as f64,
+            total as f64 / (1u64 << 30) as f64
+        );
+        let bw = hbm_bandwidth(g)?;
+        println!(
+            "HBM bandwidth (1 GiB device-to-device copy, read + written, this run): {:.2} TB/s",
+            bw / 1e12
+        );
+        let t0 = Instant::now();
+        let m = GpuModel::<T>::random(g.clone(), c.clone(), a.seed).map_err(e)?;
+        g.sync().map_err(e)?;
+        println!(
+            "random init: {:.2} s, {:.2} GB of weights; CUDA graphs available: {}\n",
+            t0.elapsed().as_secs_f64(),
+            m.weight_bytes() as f64 / 1e9,
+            m.cuda_graphs_enabled()
+        );
+        println!("| batch | eager step ms | eager host enqueue ms | eager device done ms | graph step ms | graph host ms | graph device ms (replays) | bytes per step GB (weights + states/KV) | floor ms | eager / floor | graph / floor | graph tokens/s |");
+        println!("|---|---|---|---|---|---|---|---|---|---|---|---|");
+        let greedy = DrawParams {
+            temperature: 0.0,
+            top_k: 0,
+            top_p: 1.0,
+            seed: 0,
+            step: 0,
+        };
+        for &bsz in &a.batches {
+            let mut states = vec![];
+            let mut next = vec![];
+            for b in 0..bsz {
+                let mut st = m.new_state().map_err(e)?;
+                let l = m
+                    .prefill(
+                        &prompt(a.graph_ctx, c.vocab_size, 1000 + b as u64),
+                        &mut st,
+                        Logits::Last,
+                    )
+                    .map_err(e)?;
+                let mut best = 0usize;
+                for (i, &x) in l.iter().enumerate() {
+                    if x > l[best] {
+                        best = i;
+                    }
+                }
+                next.push(best as u32);
+                states.push(st);
+            }
+            let draws = vec![Some(greedy); bsz];
+            let step =
+                |m: &GpuModel<T>, states: &mut Vec<GpuState<T>>, next: &mut Vec<u32>| -> Res<f64> {
+                    let mut refs: Vec<&mut GpuState<T>> = states.iter_mut().collect();
+                    let t = Instant::now();
+                    let out = m.decode_sample(next, &mut refs, &draws).map_err(e)?;
+                    let s = t.elapsed().as_secs_f64();
+                    for (j, o) in out.into_iter().enumerate() {
+                        if let Decoded::Token(t) = o {
+                            next[j] = t;
+                        }
+                    }
+                    Ok(s)
+                };
+            // Eager.
+            m.set_cuda_graphs(false);
+            let mut ts = vec![];
+            for i in 0..12 {
+                let s = step(&m, &mut states, &mut next)?;
+                if i >= 2 {
+                    ts.push(s);
+                }
+            }
+            let eager = median(ts);
+            let (mut enq, mut done) = (vec![], vec![]);
+            for _ in 0..6 {
+                g.sync().map_err(e)?;
+                let mut refs: Vec<&mut GpuState<T>> = states.iter_mut().collect();
+                let t = Instant::now();
+                m.decode_enqueue_eager(&next, &mut refs).map_err(e)?;
+                enq.push(t.elapsed().as_secs_f64());
+                g.sync().map_err(e)?;
+                done.push(t.elapsed().as_secs_f64());
+            }
+            // Graphs: warm-up, capture, then timed replays.
+            m.set_cuda_graphs(true);
+            let s0 = m.cuda_graph_stats();
+            let (mut ts, mut host) = (vec![], vec![]);
+            for i in 0..13 {
+                let s = step(&m, &mut states, &mut next)?;
+                if i >= 3 {
+                    ts.push(s);
+                    host.push(m.cuda_graph_stats().last_host_s);
+                }
+            }
+            let s1 = m.cuda_graph_stats();
+            let graph = median(ts);
+            let dev = m.bench_replay(20).map_err(e)?;
+            let (wb, sb) = step_bytes(&c, es, bsz, a.graph_ctx + 30);
+            let floor = (wb + sb) / bw;
+            let replays = s1.replays - s0.replays;
+            println!(
+                "| {bsz} | {:.3} | {:.3} | {:.3} | {:.3} | {} | {} | {:.2} ({:.2} + {:.2}) | {:.3} | {:.2}× | {:.2}× | {:.0} |",
+                eager * 1e3,
+                median(enq) * 1e3,
+                median(done) * 1e3,
+                graph * 1e3,
+                if replays > 0 {
+                    format!("{:.3}", median(host) * 1e3)
+                } else {
+                    "– (no replay)".into()
+                },
+                dev.map_or("–".into(), |d| format!("{d:.3}")),
+                (wb + sb) / 1e9,
+                wb / 1e9,
+                sb / 1e9,
+                floor * 1e3,
+                eager / floor,
+                graph / floor,
+                bsz as f64 / graph
+            );
+            if replays == 0 {
+                println!("\n(batch {bsz}: no graph replay: {s1:?})\n");
+            }
+            m.clear_cuda_graphs();
+        }
+        println!("\nstep ms = wall time of `decode_sample` (token ids on the host), median of 10 (after 2 eager warm-up steps; after the graph's warm-up and capture steps). eager host enqueue = the same kernels launched without the download (`decode_enqueue_eager`), until the host returns; eager device done = until the stream is idle. graph host = inputs written and the graph launched (`GraphStats::last_host_s`). graph device = 20 replays back to back timed with events, per replay. floor = bytes per step / the HBM bandwidth above.");
+        Ok(())
     }
 
     fn median(mut v: Vec<f64>) -> f64 {

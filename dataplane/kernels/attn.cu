@@ -116,6 +116,43 @@ ATTN(bf16, bf16, 64)
 ATTN(bf16, bf16, 128)
 ATTN(bf16, bf16, 256)
 
+// attn_prefill_* with the key count read from the device (*n_kv_dev): the same blocks
+// and the same arithmetic, for a launch recorded once in a CUDA graph and replayed while
+// the cache grows (attn::prefill_dev).
+#define ATTN_DEV(S, T, HD)                                                                            \
+    extern "C" __global__ void __launch_bounds__(128) attn_prefill_dev_##S##_##HD(                    \
+        const T* q, const T* k, const T* v, const i64* q_pos, const i64* kv_pos, T* o, int tq,        \
+        const int* n_kv_dev, int nh, int nkv, float scale) {                                          \
+        attn_prefill_impl<T, HD>(q, k, v, q_pos, kv_pos, o, tq, *n_kv_dev, nh, nkv, scale);           \
+    }
+ATTN_DEV(f32, float, 64)
+ATTN_DEV(f32, float, 128)
+ATTN_DEV(f32, float, 256)
+ATTN_DEV(bf16, bf16, 64)
+ATTN_DEV(bf16, bf16, 128)
+ATTN_DEV(bf16, bf16, 256)
+
+// One row appended to a KV cache at the row index *n_kv_dev − 1 read from the device
+// (attn::kv_append_dev): k, v: [row] → K, V: [cap, row] at that row; pos: [1] → P.
+template <typename T>
+__device__ void kv_append_dev_impl(const T* k, const T* v, const i64* pos, T* K, T* V, i64* P,
+                                   const int* n_kv_dev, int row) {
+    const size_t at = (size_t)(*n_kv_dev - 1);
+    for (int i = blockIdx.x * blockDim.x + threadIdx.x; i < row; i += gridDim.x * blockDim.x) {
+        K[at * row + i] = k[i];
+        V[at * row + i] = v[i];
+    }
+    if (blockIdx.x == 0 && threadIdx.x == 0) P[at] = pos[0];
+}
+extern "C" __global__ void kv_append_dev_f32(const float* k, const float* v, const i64* pos, float* K,
+                                             float* V, i64* P, const int* n, int row) {
+    kv_append_dev_impl<float>(k, v, pos, K, V, P, n, row);
+}
+extern "C" __global__ void kv_append_dev_bf16(const bf16* k, const bf16* v, const i64* pos, bf16* K,
+                                              bf16* V, i64* P, const int* n, int row) {
+    kv_append_dev_impl<bf16>(k, v, pos, K, V, P, n, row);
+}
+
 // ---------------------------------------------------------------------------------------
 // Row softmax of the GEMM-based fast path (attn::prefill_fast in cuda/attn.rs).
 //   s: [rows, ld] fp32 scores, already scaled by hd^-0.5 (cuBLAS alpha); row r holds the
@@ -265,12 +302,12 @@ template <int HD>
 __device__ void attn_decode_impl(const bf16* __restrict__ q, const i64* __restrict__ q_pos,
                                  const bf16* __restrict__ k, const bf16* __restrict__ v,
                                  const i64* __restrict__ kv_pos, float* __restrict__ wo, float* __restrict__ wml,
-                                 int n_kv, int nh, int nkv, float scale_log2) {
+                                 int n_kv, int nh, int nkv, float scale_log2, int nsplit) {
     constexpr int VEC = HD / 32;
     const int kh = blockIdx.x, G = nh / nkv;
     const int w = threadIdx.x >> 5, lane = threadIdx.x & 31;
     const int h = kh * G + w;
-    const int nsplit = gridDim.y, per = (n_kv + nsplit - 1) / nsplit;
+    const int per = (n_kv + nsplit - 1) / nsplit;
     const int j0 = min(n_kv, (int)blockIdx.y * per), j1 = min(n_kv, j0 + per);
     const i64 qp = q_pos[0];
     float qv[VEC], acc[VEC];
@@ -338,18 +375,44 @@ __device__ void attn_decode_impl(const bf16* __restrict__ q, const i64* __restri
     extern "C" __global__ void __launch_bounds__(256)                                                        \
         attn_decode_bf16_##HD(const bf16* q, const i64* q_pos, const bf16* k, const bf16* v, const i64* kv_pos, \
                               float* wo, float* wml, int n_kv, int nh, int nkv, float scale_log2) {           \
-        attn_decode_impl<HD>(q, q_pos, k, v, kv_pos, wo, wml, n_kv, nh, nkv, scale_log2);                    \
+        attn_decode_impl<HD>(q, q_pos, k, v, kv_pos, wo, wml, n_kv, nh, nkv, scale_log2, gridDim.y);         \
     }
 ATTN_DECODE(128)
 ATTN_DECODE(256)
+
+// The split plan of attn::decode for n_kv keys (split = None): at least
+// DECODE_KEYS_PER_SPLIT keys per range, at most DECODE_PLAN_MAX_SPLIT ranges.
+#define DECODE_KEYS_PER_SPLIT 64
+#define DECODE_PLAN_MAX_SPLIT 128
+__device__ __forceinline__ int decode_plan_splits(int n_kv) {
+    const int s = min((n_kv + DECODE_KEYS_PER_SPLIT - 1) / DECODE_KEYS_PER_SPLIT, DECODE_PLAN_MAX_SPLIT);
+    return max(s, 1);
+}
+
+// attn_decode_bf16_* with the key count read from the device (*n_kv_dev; attn::decode_dev):
+// the grid is sized for the cache's capacity (gridDim.y ≥ the plan's splits for any length
+// up to it); the ranges of decode_plan_splits(n_kv) are those attn::decode picks for n_kv
+// keys, and blocks past them exit without writing.
+#define ATTN_DECODE_DEV(HD)                                                                                  \
+    extern "C" __global__ void __launch_bounds__(256)                                                        \
+        attn_decode_dev_bf16_##HD(const bf16* q, const i64* q_pos, const bf16* k, const bf16* v,             \
+                                  const i64* kv_pos, float* wo, float* wml, const int* n_kv_dev, int nh,     \
+                                  int nkv, float scale_log2) {                                               \
+        const int n_kv = *n_kv_dev;                                                                          \
+        const int ns = decode_plan_splits(n_kv);                                                             \
+        if ((int)blockIdx.y >= ns) return;                                                                   \
+        attn_decode_impl<HD>(q, q_pos, k, v, kv_pos, wo, wml, n_kv, nh, nkv, scale_log2, ns);                \
+    }
+ATTN_DECODE_DEV(128)
+ATTN_DECODE_DEV(256)
 
 // Merge of attn_decode_bf16_*'s splits: o[h] = Σ_s 2^(m_s − M) O_s / Σ_s 2^(m_s − M) l_s
 // (M = max_s m_s); a head no split saw anything for gets zeros. grid (nh), block hd (one
 // column per thread), dynamic shared memory nsplit floats (the split weights). The split
 // outputs are finite (zeros for a split without a visible key), so every split is summed
 // without a branch, eight loads in flight.
-extern "C" __global__ void __launch_bounds__(256)
-    attn_decode_combine_bf16(const float* wo, const float* wml, bf16* o, int nh, int hd, int nsplit) {
+__device__ __forceinline__ void attn_decode_combine_impl(const float* wo, const float* wml, bf16* o, int nh,
+                                                         int hd, int nsplit) {
     extern __shared__ float dw[];
     __shared__ float sinv;
     const size_t r = blockIdx.x;
@@ -376,4 +439,16 @@ extern "C" __global__ void __launch_bounds__(256)
         for (int s = 0; s < nsplit; ++s) a = fmaf(dw[s], wo[((size_t)s * nh + r) * hd + c], a);
         o[r * hd + c] = __float2bfloat16_rn(a * inv);
     }
+}
+
+extern "C" __global__ void __launch_bounds__(256)
+    attn_decode_combine_bf16(const float* wo, const float* wml, bf16* o, int nh, int hd, int nsplit) {
+    attn_decode_combine_impl(wo, wml, o, nh, hd, nsplit);
+}
+
+// attn_decode_combine_bf16 over the splits attn_decode_dev_bf16_* used for *n_kv_dev keys
+// (dynamic shared memory for DECODE_PLAN_MAX_SPLIT floats).
+extern "C" __global__ void __launch_bounds__(256)
+    attn_decode_combine_dev_bf16(const float* wo, const float* wml, bf16* o, int nh, int hd, const int* n_kv_dev) {
+    attn_decode_combine_impl(wo, wml, o, nh, hd, decode_plan_splits(*n_kv_dev));
 }

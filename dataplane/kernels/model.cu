@@ -402,3 +402,15 @@ __device__ void attn_generic_impl(const T* q, const T* k, const T* v, const i64*
     }
 MODEL_KERNELS(f32, float)
 MODEL_KERNELS(bf16, bf16)
+
+// attn_generic_* with the key count read from the device (*n_kv_dev): the same blocks
+// and arithmetic, for a launch recorded once in a CUDA graph of the decode step and
+// replayed while the cache grows (cuda/graph.rs).
+#define ATTN_GENERIC_DEV(S, T)                                                                                \
+    extern "C" __global__ void attn_generic_dev_##S(const T* q, const T* k, const T* v, const i64* q_pos,     \
+                                                    const i64* kv_pos, T* o, const int* n_kv_dev, int nh,     \
+                                                    int nkv, int hd, float scale) {                           \
+        attn_generic_impl<T>(q, k, v, q_pos, kv_pos, o, *n_kv_dev, nh, nkv, hd, scale);                       \
+    }
+ATTN_GENERIC_DEV(f32, float)
+ATTN_GENERIC_DEV(bf16, bf16)

@@ -1269,3 +1269,207 @@ pub fn decode<T: Elem>(
     unsafe { b.launch(cfg) }?;
     Ok(())
 }
+
+/// [`decode`] (its own split plan, `split: None`) with the key count read from the
+/// device: `n_kv_dev` holds one i32, the number of valid keys `n` (`1 ≤ n ≤ cap`),
+/// written before the launch runs. The grid is sized for `cap` keys (the cache's
+/// capacity): ranges `0..plan(n)` do the work of [`decode`] for `n` keys (the same
+/// ranges, the same arithmetic, so the same bits), the blocks of later ranges exit, and
+/// the merge reads only the first `plan(n)` ranges. One launch therefore serves every
+/// length up to `cap`, as a CUDA graph replaying the decode step needs.
+///
+/// * `q`, `q_pos`, `o` as [`decode`]; `k`, `v`: `[cap, nkv, hd]`, `kv_pos`: `[cap]`.
+///
+/// Workspace: `plan(cap)·nh·(hd + 2)` floats (scratch). Errors: as [`decode`], with
+/// `cap` in place of `n_kv` for the buffer lengths.
+#[allow(clippy::too_many_arguments)]
+pub fn decode_dev<T: Elem>(
+    gpu: &Gpu,
+    q: &CudaSlice<T>,
+    q_pos: &CudaSlice<i64>,
+    k: &CudaSlice<T>,
+    v: &CudaSlice<T>,
+    kv_pos: &CudaSlice<i64>,
+    o: &mut CudaSlice<T>,
+    n_kv_dev: &cudarc::driver::CudaView<'_, i32>,
+    cap: usize,
+    nh: usize,
+    nkv: usize,
+    hd: usize,
+) -> Result<()> {
+    if T::SUFFIX != "bf16" || !DECODE_HEAD_DIMS.contains(&hd) {
+        return Err(CudaError::Shape(format!(
+            "attn::decode_dev takes bf16 with head_dim in {DECODE_HEAD_DIMS:?}, got {} × {hd}",
+            T::SUFFIX
+        )));
+    }
+    check_args(q, q_pos, k, v, kv_pos, o, 1, cap, nh, nkv, hd)?;
+    let group = nh / nkv;
+    if group > DECODE_MAX_GROUP {
+        return Err(CudaError::Shape(format!(
+            "attn::decode_dev needs at most {DECODE_MAX_GROUP} query heads per kv head, got \
+             {nh} / {nkv}"
+        )));
+    }
+    if nh == 0 || cap == 0 || n_kv_dev.is_empty() {
+        return Err(CudaError::Shape(
+            "attn::decode_dev: empty cache or counter".into(),
+        ));
+    }
+    i32_dim("cap", cap)?;
+    let nsplit = cap
+        .div_ceil(DECODE_KEYS_PER_SPLIT)
+        .clamp(1, DECODE_PLAN_MAX_SPLIT);
+    let mut wo = gpu.scratch::<f32>(nsplit * nh * hd)?;
+    let mut wml = gpu.scratch::<f32>(nsplit * nh * 2)?;
+    let (nh_i, nkv_i) = (nh as i32, nkv as i32);
+    let scale_log2 = (hd as f32).powf(-0.5) * std::f32::consts::LOG2_E;
+    let stream = gpu.stream();
+    let f = gpu.function(&ATTN, &format!("attn_decode_dev_bf16_{hd}"), 0)?;
+    let cfg = LaunchConfig {
+        grid_dim: (nkv as u32, nsplit as u32, 1),
+        block_dim: (32 * group as u32, 1, 1),
+        shared_mem_bytes: 0,
+    };
+    let mut b = stream.launch_builder(&f);
+    b.arg(q)
+        .arg(q_pos)
+        .arg(k)
+        .arg(v)
+        .arg(kv_pos)
+        .arg(&mut wo)
+        .arg(&mut wml)
+        .arg(n_kv_dev)
+        .arg(&nh_i)
+        .arg(&nkv_i)
+        .arg(&scale_log2);
+    // SAFETY: matches `attn_decode_dev_bf16_{hd}`; buffers checked for `cap` keys and the
+    // kernel reads keys below n ≤ cap (the caller's contract); wo/wml hold plan(cap) ≥
+    // plan(n) ranges, each range below plan(n) written by its warps before the merge.
+    unsafe { b.launch(cfg) }?;
+    let f = gpu.function(&ATTN, "attn_decode_combine_dev_bf16", 0)?;
+    let cfg = LaunchConfig {
+        grid_dim: (nh as u32, 1, 1),
+        block_dim: (hd as u32, 1, 1),
+        shared_mem_bytes: (DECODE_PLAN_MAX_SPLIT * 4) as u32,
+    };
+    let hd_i = hd as i32;
+    let mut b = stream.launch_builder(&f);
+    b.arg(&wo)
+        .arg(&wml)
+        .arg(o)
+        .arg(&nh_i)
+        .arg(&hd_i)
+        .arg(n_kv_dev);
+    // SAFETY: matches `attn_decode_combine_dev_bf16`; it reads plan(n) ≤ nsplit ranges of
+    // wo/wml, o holds nh·hd elements; shared memory for the most ranges a plan has.
+    unsafe { b.launch(cfg) }?;
+    Ok(())
+}
+
+/// [`prefill`] with the key count read from the device (`n_kv_dev`: one i32, `n ≤ cap`):
+/// the same blocks and arithmetic as [`prefill`] over `n` keys, the grid independent of
+/// `n` (so a recorded launch serves every length). `k`, `v`: `[cap, nkv, hd]`,
+/// `kv_pos`: `[cap]`; other arguments and errors as [`prefill`].
+#[allow(clippy::too_many_arguments)]
+pub fn prefill_dev<T: Elem>(
+    gpu: &Gpu,
+    q: &CudaSlice<T>,
+    q_pos: &CudaSlice<i64>,
+    k: &CudaSlice<T>,
+    v: &CudaSlice<T>,
+    kv_pos: &CudaSlice<i64>,
+    o: &mut CudaSlice<T>,
+    tq: usize,
+    n_kv_dev: &cudarc::driver::CudaView<'_, i32>,
+    cap: usize,
+    nh: usize,
+    nkv: usize,
+    hd: usize,
+) -> Result<()> {
+    check_args(q, q_pos, k, v, kv_pos, o, tq, cap, nh, nkv, hd)?;
+    if n_kv_dev.is_empty() {
+        return Err(CudaError::Shape("attn::prefill_dev: empty counter".into()));
+    }
+    if tq == 0 || nh == 0 {
+        return Ok(());
+    }
+    const AQ: usize = 16;
+    const AK: usize = 32;
+    let smem = ((AQ * hd + AK * (hd + 4) + AK * hd) * 4) as u32;
+    let f = gpu.function(&ATTN, &format!("attn_prefill_dev_{}_{hd}", T::SUFFIX), smem)?;
+    let cfg = LaunchConfig {
+        grid_dim: (tq.div_ceil(AQ) as u32, nh as u32, 1),
+        block_dim: (128, 1, 1),
+        shared_mem_bytes: smem,
+    };
+    let scale = (hd as f32).powf(-0.5);
+    let (a, c, e) = (tq as i32, nh as i32, nkv as i32);
+    let mut b = gpu.stream().launch_builder(&f);
+    b.arg(q)
+        .arg(k)
+        .arg(v)
+        .arg(q_pos)
+        .arg(kv_pos)
+        .arg(o)
+        .arg(&a)
+        .arg(n_kv_dev)
+        .arg(&c)
+        .arg(&e)
+        .arg(&scale);
+    // SAFETY: matches `attn_prefill_dev_*` in attn.cu; lengths checked above for `cap`
+    // keys, the kernel reads keys below n ≤ cap (the caller's contract).
+    unsafe { b.launch(cfg) }?;
+    Ok(())
+}
+
+/// Appends one row to a KV cache at row `n − 1`, `n` read from the device
+/// (`n_kv_dev`: one i32, `1 ≤ n ≤ cap`, the length after the append): `k`, `v`:
+/// `[row]` → `kc`, `vc`: `[cap, row]`; `pos`: `[1]` → `pc`: `[cap]`.
+///
+/// Errors: [`CudaError::Shape`] when a buffer is shorter than its shape.
+#[allow(clippy::too_many_arguments)]
+pub fn kv_append_dev<T: Elem>(
+    gpu: &Gpu,
+    k: &CudaSlice<T>,
+    v: &CudaSlice<T>,
+    pos: &CudaSlice<i64>,
+    kc: &CudaSlice<T>,
+    vc: &CudaSlice<T>,
+    pc: &CudaSlice<i64>,
+    n_kv_dev: &cudarc::driver::CudaView<'_, i32>,
+    cap: usize,
+    row: usize,
+) -> Result<()> {
+    check_len("k", k, row)?;
+    check_len("v", v, row)?;
+    check_len("pos", pos, 1)?;
+    check_len("k cache", kc, cap * row)?;
+    check_len("v cache", vc, cap * row)?;
+    check_len("pos cache", pc, cap)?;
+    if n_kv_dev.is_empty() || row == 0 {
+        return Err(CudaError::Shape(
+            "kv_append_dev: empty counter or row".into(),
+        ));
+    }
+    let ri = i32_dim("row", row)?;
+    let f = gpu.function(&ATTN, &format!("kv_append_dev_{}", T::SUFFIX), 0)?;
+    let cfg = LaunchConfig {
+        grid_dim: (row.div_ceil(256).min(64) as u32, 1, 1),
+        block_dim: (256, 1, 1),
+        shared_mem_bytes: 0,
+    };
+    let mut b = gpu.stream().launch_builder(&f);
+    b.arg(k)
+        .arg(v)
+        .arg(pos)
+        .arg(kc)
+        .arg(vc)
+        .arg(pc)
+        .arg(n_kv_dev)
+        .arg(&ri);
+    // SAFETY: matches `kv_append_dev_*`; the caches hold `cap` rows (checked) and the
+    // kernel writes row n − 1 < cap (the caller's contract); the sources hold one row.
+    unsafe { b.launch(cfg) }?;
+    Ok(())
+}

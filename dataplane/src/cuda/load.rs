@@ -635,6 +635,7 @@ where
                 inv_freq,
                 gdr_ws: Mutex::new(gdr::Workspace::new()),
                 moe_ws: Mutex::new(moe::MoeWorkspace::new()),
+                graphs: super::graph::DecodeGraphs::default(),
                 ffn_path: FfnPath::Fused,
             },
             stats,

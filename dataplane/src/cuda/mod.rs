@@ -46,6 +46,7 @@ pub mod blas;
 pub mod compile;
 pub mod device;
 pub mod gdr;
+pub mod graph;
 pub mod kda;
 pub(crate) mod kimi;
 pub mod lightning;
@@ -146,6 +147,8 @@ pub struct Gpu {
     ctx: Arc<CudaContext>,
     stream: Arc<CudaStream>,
     blas: cudarc::cublas::CudaBlas,
+    /// cuBLAS's workspace (after `blas`: dropped after the handle).
+    _blas_ws: CudaSlice<u8>,
     arch: String,
     name: String,
     cache_dir: Option<PathBuf>,
@@ -195,6 +198,17 @@ fn keep_pool_memory(ctx: &Arc<CudaContext>) -> Result<()> {
     Ok(())
 }
 
+/// Bytes of the workspace given to cuBLAS ([`Gpu::blas`]): 32 MiB.
+pub const BLAS_WORKSPACE_BYTES: usize = 32 << 20;
+
+/// Whether CUDA graphs for the decode step are on: `HYPIC_CUDA_GRAPHS` unset or any
+/// value but `0` (read when a [`Gpu`] is opened and when a model is built). With `0`
+/// the backend issues its work on the device's legacy default stream and every decode
+/// step is launched kernel by kernel.
+pub fn graphs_enabled_by_env() -> bool {
+    std::env::var("HYPIC_CUDA_GRAPHS").map_or(true, |v| v.trim() != "0")
+}
+
 /// Whether the CUDA driver library can be loaded at all (no device is touched).
 pub fn driver_present() -> bool {
     // SAFETY: only tries to dlopen libcuda.
@@ -240,8 +254,32 @@ impl Gpu {
         let _ = keep_pool_memory(&ctx);
         let (maj, min) = ctx.compute_capability()?;
         let name = ctx.name()?;
-        let stream = ctx.default_stream();
+        // A stream of its own rather than the legacy default stream, which cannot be
+        // captured into a CUDA graph (the decode step's graphs, `graph.rs`);
+        // `HYPIC_CUDA_GRAPHS=0` keeps the default stream (and turns the graphs off).
+        let stream = if graphs_enabled_by_env() {
+            ctx.new_stream()?
+        } else {
+            ctx.default_stream()
+        };
         let blas = cudarc::cublas::CudaBlas::new(stream.clone())?;
+        // A workspace of our own for cuBLAS, so that no cuBLAS call allocates during a
+        // stream capture (cuBLAS's guidance for CUDA graphs); it lives as long as the handle.
+        let blas_ws = stream.alloc_zeros::<u8>(BLAS_WORKSPACE_BYTES)?;
+        {
+            use cudarc::driver::DevicePtr;
+            let (p, _rec) = blas_ws.device_ptr(&stream);
+            // SAFETY: `blas_ws` is a live device allocation of BLAS_WORKSPACE_BYTES on this
+            // context, kept in the Gpu beside the handle (dropped after it: field order).
+            unsafe {
+                cudarc::cublas::sys::cublasSetWorkspace_v2(
+                    *blas.handle(),
+                    p as *mut std::ffi::c_void,
+                    BLAS_WORKSPACE_BYTES,
+                )
+            }
+            .result()?;
+        }
         let cache_bytes = match std::env::var("HYPIC_SCRATCH_CACHE_MB") {
             Ok(v) => v.trim().parse::<usize>().map(|mb| mb << 20).map_err(|_| {
                 CudaError::Shape(format!(
@@ -255,6 +293,7 @@ impl Gpu {
             ctx,
             stream,
             blas,
+            _blas_ws: blas_ws,
             arch: compile::arch_for(maj, min),
             name,
             cache_dir,
@@ -341,6 +380,17 @@ impl Gpu {
             // it (see above), the poison mode checks that in the tests.
             Some(p) => unsafe { self.stream.upgrade_device_ptr::<T>(p, n) },
             // SAFETY: as above (uninitialised memory, written before it is read).
+            // A capture is open: an allocation the graph does not own (cuMemAlloc is
+            // not recorded by a relaxed-mode capture), kept with the graph.
+            None if self.scratch_cache.capturing() => {
+                let mut p: cudarc::driver::sys::CUdeviceptr = 0;
+                // SAFETY: plain allocation of `bytes` bytes on this context.
+                unsafe { cudarc::driver::sys::cuMemAlloc_v2(&mut p, bytes) }.result()?;
+                self.scratch_cache.note_raw(p, bytes);
+                // SAFETY: `p` is a live allocation of `bytes` bytes; it goes to the capture's
+                // keep list when dropped (never freed through the slice).
+                unsafe { self.stream.upgrade_device_ptr::<T>(p, n) }
+            }
             None => match unsafe { self.stream.alloc::<T>(n) } {
                 Ok(b) => b,
                 Err(e) if e.0 == cudarc::driver::sys::CUresult::CUDA_ERROR_OUT_OF_MEMORY => {

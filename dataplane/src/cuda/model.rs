@@ -47,11 +47,11 @@
 //! The PIC engine's composition of cached segments runs layer-major through
 //! `forward_spans` (one FFN pass per layer for all seam windows).
 //!
-//! Not done yet: no CUDA graphs, so a one-token step is ~1,000 launches and bounded by
-//! their host cost (~5 µs each on the H200 machine: gpu_bench's host-cost table);
-//! activations are allocated per call from the stream-ordered pool; the per-sequence
-//! part of `decode_batch` is a loop of single-sequence launches. Tests:
-//! `dataplane/tests/cuda_model.rs`.
+//! `decode_batch` / `decode_sample` replay a CUDA graph of the whole step where every
+//! layer has kernels that read the step's inputs from the device ([`super::graph`]);
+//! other steps, prefill and `decode` launch kernel by kernel (bounded by the host's
+//! launch cost); the per-sequence part of `decode_batch` is a loop of single-sequence
+//! launches. Tests: `dataplane/tests/cuda_model.rs`, `cuda_graph.rs`.
 use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex};
 
@@ -233,6 +233,8 @@ pub struct GpuModel<T: Elem> {
     pub(crate) gdr_ws: Mutex<gdr::Workspace>,
     pub(crate) moe_ws: Mutex<moe::MoeWorkspace>,
     pub(crate) ffn_path: FfnPath,
+    /// CUDA graphs of the decode step ([`super::graph`]).
+    pub(crate) graphs: super::graph::DecodeGraphs,
 }
 
 /// Residual stream snapshots of one layer (host copies, fp32, `[T, hidden]`), from
@@ -472,6 +474,56 @@ impl<T: Elem> GpuKv<T> {
             )?;
         }
         self.len += t;
+        Ok(())
+    }
+
+    /// Makes row `len` writable by this holder ([`GpuKv::claim`] of one more row: in
+    /// place, or into new buffers), before a decode step that appends it with
+    /// [`GpuKv::append_dev`]: the buffers a CUDA graph of the step refers to are then
+    /// those the step writes.
+    pub(crate) fn claim_next(&mut self, gpu: &Gpu) -> Result<()> {
+        self.claim(gpu, self.len + 1)
+    }
+
+    /// `(k, v, pos, capacity)` of the buffers (device addresses): what a CUDA graph
+    /// recorded over this cache depends on.
+    pub(crate) fn key(&self, gpu: &Gpu) -> [u64; 4] {
+        let s = gpu.stream();
+        let (k, _a) = self.buf.k.device_ptr(s);
+        let (v, _b) = self.buf.v.device_ptr(s);
+        let (p, _c) = self.buf.pos.device_ptr(s);
+        [k, v, p, self.buf.cap as u64]
+    }
+
+    /// Appends one row (`k`, `v`: `[Hkv, hd]`, `pos`: `[1]`) at the row index
+    /// `n_kv_dev − 1` read from the device ([`attn::kv_append_dev`]), after
+    /// [`GpuKv::claim_next`]; `n_kv_dev` must hold `len + 1` when the copy runs.
+    ///
+    /// Errors: no row was claimed (`len + 1 >` the claimed rows), or short buffers.
+    pub(crate) fn append_dev(
+        &mut self,
+        gpu: &Gpu,
+        k: &CudaSlice<T>,
+        v: &CudaSlice<T>,
+        pos: &CudaSlice<i64>,
+        n_kv_dev: &cudarc::driver::CudaView<'_, i32>,
+    ) -> Result<()> {
+        if self.len + 1 > self.buf.cap || self.buf.tip.load(Ordering::Acquire) < self.len + 1 {
+            return Err(shape_err("append_dev without a claimed row".into()));
+        }
+        attn::kv_append_dev(
+            gpu,
+            k,
+            v,
+            pos,
+            &self.buf.k,
+            &self.buf.v,
+            &self.buf.pos,
+            n_kv_dev,
+            self.buf.cap,
+            self.row,
+        )?;
+        self.len += 1;
         Ok(())
     }
 
@@ -1055,6 +1107,7 @@ where
             inv_freq,
             gdr_ws: Mutex::new(gdr::Workspace::new()),
             moe_ws: Mutex::new(moe::MoeWorkspace::new()),
+            graphs: super::graph::DecodeGraphs::default(),
             ffn_path,
         })
     }
@@ -1102,9 +1155,16 @@ where
     ///
     /// Errors: a dimension beyond `i32`, or a driver failure.
     fn embed_tokens(&self, tokens: &[u32]) -> Result<Scratch<T>> {
+        let tok_d = self.gpu.upload(tokens)?;
+        self.embed_from(&tok_d, tokens.len())
+    }
+
+    /// [`GpuModel::embed_tokens`] of `n` token ids already on the device (`tok_d: [n]`,
+    /// each below the vocabulary size: the caller checks).
+    pub(crate) fn embed_from(&self, tok_d: &CudaSlice<u32>, n: usize) -> Result<Scratch<T>> {
         let g = &*self.gpu;
-        let (n, h) = (tokens.len(), self.config.hidden_size);
-        let tok_d = g.upload(tokens)?;
+        let h = self.config.hidden_size;
+        check_len("token ids", tok_d, n)?;
         let mut x: Scratch<T> = g.scratch(n * h)?;
         let f = g.function(&MODEL, &format!("embed_gather_{}", T::SUFFIX), 0)?;
         let (ni, hi, vi) = (
@@ -1114,7 +1174,7 @@ where
         );
         let mut b = g.stream().launch_builder(&f);
         b.arg(&self.embed)
-            .arg(&tok_d)
+            .arg(tok_d)
             .arg(&mut x)
             .arg(&ni)
             .arg(&hi)
@@ -1221,7 +1281,7 @@ where
     /// Logits of every row of the residual `x: [rows, hidden]`, left on the device
     /// (`[rows, vocab]` in `T`): the same kernels and roundings as
     /// [`GpuModel::logits_of`] with [`Logits::All`].
-    fn logits_device(&self, x: &CudaSlice<T>, rows: usize) -> Result<Scratch<T>> {
+    pub(crate) fn logits_device(&self, x: &CudaSlice<T>, rows: usize) -> Result<Scratch<T>> {
         let c = &self.config;
         let (h, vocab) = (c.hidden_size, c.vocab_size);
         check_len("residual", x, rows * h)?;
@@ -1243,7 +1303,7 @@ where
         Ok(out)
     }
 
-    fn check_inputs(&self, tokens: &[u32], state: &GpuState<T>) -> Result<()> {
+    pub(crate) fn check_inputs(&self, tokens: &[u32], state: &GpuState<T>) -> Result<()> {
         let c = &self.config;
         if tokens.is_empty() {
             return Err(shape_err("empty span: at least one token is needed".into()));
@@ -1599,6 +1659,18 @@ where
 
     /// The FFN of one layer over `r` (`[t, h]`, normed) → `[t, h]`.
     fn ffn(&self, f: &FfnW<T>, r: &CudaSlice<T>, t: usize) -> Result<Scratch<T>> {
+        self.ffn_with(f, r, t, None)
+    }
+
+    /// [`GpuModel::ffn`] with the MoE workspace `ws` instead of the model's own (the
+    /// buffers a captured decode graph refers to).
+    fn ffn_with(
+        &self,
+        f: &FfnW<T>,
+        r: &CudaSlice<T>,
+        t: usize,
+        ws: Option<&mut moe::MoeWorkspace>,
+    ) -> Result<Scratch<T>> {
         let g = &*self.gpu;
         let h = self.config.hidden_size;
         Ok(match f {
@@ -1611,8 +1683,13 @@ where
             FfnW::Moe(m) => self.moe(m, r, t)?,
             FfnW::MoeFused(w) => {
                 let mut o: Scratch<T> = g.scratch(t * h)?;
-                let mut ws = self.moe_ws.lock().unwrap_or_else(|e| e.into_inner());
-                moe::moe_forward(g, w, r, t, &mut ws, &mut o)?;
+                match ws {
+                    Some(ws) => moe::moe_forward(g, w, r, t, ws, &mut o)?,
+                    None => {
+                        let mut ws = self.moe_ws.lock().unwrap_or_else(|e| e.into_inner());
+                        moe::moe_forward(g, w, r, t, &mut ws, &mut o)?;
+                    }
+                }
                 o
             }
         })
@@ -1632,10 +1709,19 @@ where
         states: &mut [&mut GpuState<T>],
     ) -> Result<Vec<Vec<f32>>> {
         if tokens.is_empty() {
-            self.decode_hidden(tokens, states)?;
+            self.decode_hidden(tokens, states, None)?;
             return Ok(vec![]);
         }
-        let x = self.decode_hidden(tokens, states)?;
+        if let Some(rows) = self.graph_decode(tokens, states, None)? {
+            return Ok(rows
+                .into_iter()
+                .map(|r| match r {
+                    crate::engine::Decoded::Logits(l) => l,
+                    crate::engine::Decoded::Token(_) => unreachable!("no draws asked"),
+                })
+                .collect());
+        }
+        let x = self.decode_hidden(tokens, states, None)?;
         let logits = self.logits_of(&x, tokens.len(), Logits::All)?;
         Ok(logits
             .chunks_exact(self.config.vocab_size)
@@ -1667,7 +1753,7 @@ where
             )));
         }
         if tokens.is_empty() {
-            self.decode_hidden(tokens, states)?;
+            self.decode_hidden(tokens, states, None)?;
             return Ok(vec![]);
         }
         if draws.iter().all(Option::is_none) {
@@ -1677,8 +1763,11 @@ where
                 .map(Decoded::Logits)
                 .collect());
         }
+        if let Some(rows) = self.graph_decode(tokens, states, Some(draws))? {
+            return Ok(rows);
+        }
         let (bsz, vocab) = (tokens.len(), self.config.vocab_size);
-        let x = self.decode_hidden(tokens, states)?;
+        let x = self.decode_hidden(tokens, states, None)?;
         let logits = self.logits_device(&x, bsz)?;
         let g = &*self.gpu;
         let wide = super::sample::widen_f32(g, &logits, bsz * vocab)?;
@@ -1724,7 +1813,19 @@ where
 
     /// The decode step of [`GpuModel::decode_batch`] up to the final residual
     /// `x: [B, hidden]` (states advanced); the LM head is left to the caller.
-    fn decode_hidden(&self, tokens: &[u32], states: &mut [&mut GpuState<T>]) -> Result<Scratch<T>> {
+    ///
+    /// With `dev` (the CUDA-graph form, [`super::graph`]): token ids, positions and KV
+    /// lengths come from device buffers instead of the host, every KV cache was
+    /// claimed for one more row beforehand ([`GpuKv::claim_next`]), attention takes the
+    /// kernels that read the length from the device, and the MoE layers use `dev`'s
+    /// workspace; the caller checked that every layer has such kernels
+    /// (`graph::graphable`). The same kernels otherwise, in the same order.
+    pub(crate) fn decode_hidden(
+        &self,
+        tokens: &[u32],
+        states: &mut [&mut GpuState<T>],
+        mut dev: Option<&mut super::graph::DevStep<'_>>,
+    ) -> Result<Scratch<T>> {
         if tokens.len() != states.len() {
             return Err(shape_err(format!(
                 "{} tokens for {} states",
@@ -1741,9 +1842,20 @@ where
         let c = &self.config;
         let g = &*self.gpu;
         let (bsz, h) = (tokens.len(), c.hidden_size);
-        let positions: Vec<i64> = states.iter().map(|s| s.next_position).collect();
-        let pos_d = g.upload(&positions)?;
-        let mut x = self.embed_tokens(tokens)?;
+        let pos_up;
+        let pos_d: &CudaSlice<i64> = match dev.as_deref() {
+            Some(d) => d.pos,
+            None => {
+                let positions: Vec<i64> = states.iter().map(|s| s.next_position).collect();
+                pos_up = g.upload(&positions)?;
+                &pos_up
+            }
+        };
+        let mut x = match dev.as_deref() {
+            Some(d) => self.embed_from(d.tokens, bsz)?,
+            None => self.embed_tokens(tokens)?,
+        };
+        let mut attn_slot = 0usize;
         let zero = T::from_f32(0.0);
         let st = g.stream();
         let mut r: Scratch<T> = g.scratch(bsz * h)?;
@@ -1794,9 +1906,16 @@ where
                         };
                         let qj = g.scratch_copy(&qkv.slice(j * fw..(j + 1) * fw))?;
                         let pj = g.scratch_copy(&pos_d.slice(j..j + 1))?;
-                        let oj = self.attn_core(w, &qj, 1, &pj, kv)?;
+                        let oj = match dev.as_deref() {
+                            Some(d) => {
+                                let at = attn_slot * bsz + j;
+                                self.attn_core_dev(w, &qj, &pj, kv, &d.kv_len.slice(at..at + 1))?
+                            }
+                            None => self.attn_core(w, &qj, 1, &pj, kv)?,
+                        };
                         st.memcpy_dtod(&oj.slice(..ow), &mut o.slice_mut(j * ow..(j + 1) * ow))?;
                     }
+                    attn_slot += 1;
                     let mut out: Scratch<T> = g.scratch(bsz * h)?;
                     blas::linear(g, &o, bsz, ow, &w.o, h, &mut out, zero)?;
                     out
@@ -1856,7 +1975,7 @@ where
                 }
             };
             self.add_norm(&mut x, &mixed, &lw.post_norm, &mut r, bsz)?;
-            let f = self.ffn(&lw.ffn, &r, bsz)?;
+            let f = self.ffn_with(&lw.ffn, &r, bsz, dev.as_deref_mut().map(|d| &mut *d.moe_ws))?;
             match self.layers.get(i + 1) {
                 Some(next) => self.add_norm(&mut x, &f, &next.input_norm, &mut r, bsz)?,
                 None => self.add_inplace(&mut x, &f, bsz * h)?,
@@ -2328,6 +2447,31 @@ where
     ) -> Result<Scratch<T>> {
         let c = &self.config;
         let g = &*self.gpu;
+        let (nh, hd) = (c.num_heads, c.head_dim);
+        let gated = c.attn_output_gate;
+        let (q, gate, k, v) = self.attn_prep(w, qkv, t, pos)?;
+        kv.append(g, &k, &v, pos, t)?;
+        let mut o: Scratch<T> = g.scratch(t * nh * hd)?;
+        self.attn_over_cache(&q, pos, kv, &mut o, t)?;
+        if gated {
+            self.gate_mul(&mut o, &gate, t * nh * hd)?;
+        }
+        Ok(o)
+    }
+
+    /// Split of the fused `qkv` (`[t, qw + 2·Hkv·hd]`) into `q` and the output `gate`
+    /// (`[t, H, hd]`; `gate` one element when not gated) and `k`, `v` (`[t, Hkv, hd]`),
+    /// with q/k zero-centred RMSNorm and q/k RoPE at positions `pos` (`[t]`): one launch.
+    #[allow(clippy::type_complexity)]
+    pub(crate) fn attn_prep(
+        &self,
+        w: &AttnW<T>,
+        qkv: &CudaSlice<T>,
+        t: usize,
+        pos: &CudaSlice<i64>,
+    ) -> Result<(Scratch<T>, Scratch<T>, Scratch<T>, Scratch<T>)> {
+        let c = &self.config;
+        let g = &*self.gpu;
         let (nh, nkv, hd) = (c.num_heads, c.num_kv_heads, c.head_dim);
         let gated = c.attn_output_gate;
         let kw = nkv * hd;
@@ -2383,8 +2527,23 @@ where
             // q_norm, k_norm: [hd]; inv_freq: [rot/2] (null only with rot = 0).
             unsafe { b.launch(cfg) }?;
         }
-        kv.append(g, &k, &v, pos, t)?;
-        let mut o: Scratch<T> = g.scratch(t * nh * hd)?;
+        Ok((q, gate, k, v))
+    }
+
+    /// The attention kernel over `kv` (already holding the span's rows) for the span's
+    /// queries `q` (`[t, H, hd]`, positions `pos`) into `o` (`[t, H, hd]`), chosen by
+    /// dtype, span length, cache length and head dims (see the module docs).
+    fn attn_over_cache(
+        &self,
+        q: &CudaSlice<T>,
+        pos: &CudaSlice<i64>,
+        kv: &GpuKv<T>,
+        o: &mut CudaSlice<T>,
+        t: usize,
+    ) -> Result<()> {
+        let c = &self.config;
+        let g = &*self.gpu;
+        let (nh, nkv, hd) = (c.num_heads, c.num_kv_heads, c.head_dim);
         if T::SUFFIX == "bf16"
             && t == 1
             && attn::DECODE_HEAD_DIMS.contains(&hd)
@@ -2393,12 +2552,12 @@ where
             // One token (decode): the split-key decode kernel.
             attn::decode(
                 g,
-                &q,
+                q,
                 pos,
                 kv.k(),
                 kv.v(),
                 kv.pos(),
-                &mut o,
+                o,
                 kv.len,
                 nh,
                 nkv,
@@ -2416,7 +2575,7 @@ where
             let run = |o: &mut CudaSlice<T>, kernel| {
                 attn::prefill_flash_wg_with(
                     g,
-                    &q,
+                    q,
                     pos,
                     kv.k(),
                     kv.v(),
@@ -2438,8 +2597,8 @@ where
             } else {
                 attn::FlashWgKernel::WarpSpecializedTmaLean
             };
-            match run(&mut o, kernel) {
-                Err(CudaError::Unavailable(_)) => run(&mut o, attn::FlashWgKernel::Basic)?,
+            match run(o, kernel) {
+                Err(CudaError::Unavailable(_)) => run(o, attn::FlashWgKernel::Basic)?,
                 r => r?,
             }
         } else if T::SUFFIX == "bf16"
@@ -2448,12 +2607,12 @@ where
         {
             attn::prefill_flash(
                 g,
-                &q,
+                q,
                 pos,
                 kv.k(),
                 kv.v(),
                 kv.pos(),
-                &mut o,
+                o,
                 t,
                 kv.len,
                 nh,
@@ -2465,12 +2624,12 @@ where
         {
             attn::prefill_fast(
                 g,
-                &q,
+                q,
                 pos,
                 kv.k(),
                 kv.v(),
                 kv.pos(),
-                &mut o,
+                o,
                 t,
                 kv.len,
                 nh,
@@ -2480,12 +2639,12 @@ where
         } else if ATTN_TUNED_HD.contains(&hd) {
             attn::prefill(
                 g,
-                &q,
+                q,
                 pos,
                 kv.k(),
                 kv.v(),
                 kv.pos(),
-                &mut o,
+                o,
                 t,
                 kv.len,
                 nh,
@@ -2495,12 +2654,12 @@ where
         } else {
             attn_generic(
                 g,
-                &q,
+                q,
                 pos,
                 kv.k(),
                 kv.v(),
                 kv.pos(),
-                &mut o,
+                o,
                 t,
                 kv.len,
                 nh,
@@ -2508,16 +2667,26 @@ where
                 hd,
             )?;
         }
-        if gated {
-            let n = t * nh * hd;
-            let f = g.function(&MODEL, &format!("mul_sigmoid_{}", T::SUFFIX), 0)?;
-            let nn = n as u64;
-            let mut b = g.stream().launch_builder(&f);
-            b.arg(&mut o).arg(&gate).arg(&nn);
-            // SAFETY: matches `mul_sigmoid_*`; o and gate: [t, nh, hd].
-            unsafe { b.launch(cfg1(n)) }?;
-        }
-        Ok(o)
+        Ok(())
+    }
+
+    /// `o *= sigmoid(gate)` over `n` elements (the attention output gate).
+    pub(crate) fn gate_mul(
+        &self,
+        o: &mut CudaSlice<T>,
+        gate: &CudaSlice<T>,
+        n: usize,
+    ) -> Result<()> {
+        check_len("o", o, n)?;
+        check_len("gate", gate, n)?;
+        let g = &*self.gpu;
+        let f = g.function(&MODEL, &format!("mul_sigmoid_{}", T::SUFFIX), 0)?;
+        let nn = n as u64;
+        let mut b = g.stream().launch_builder(&f);
+        b.arg(o).arg(gate).arg(&nn);
+        // SAFETY: matches `mul_sigmoid_*`; o and gate: [n] (checked).
+        unsafe { b.launch(cfg1(n)) }?;
+        Ok(())
     }
 
     /// Dense SwiGLU MLP: `down(silu(gate(x)) · up(x))`, `x: [rows, h]` → `[rows, h]`.

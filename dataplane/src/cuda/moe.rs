@@ -357,6 +357,11 @@ impl MoeWorkspace {
         self.forced = path;
     }
 
+    /// The forced expert-GEMM kernel ([`Self::force_expert_gemm`]).
+    pub fn forced_expert_gemm(&self) -> Option<ExpertGemm> {
+        self.forced
+    }
+
     /// Takes buffer `name` of at least `n` elements out of the workspace (allocating a
     /// new, uninitialised one when missing or too short). Give it back with [`Self::put`].
     fn take<U: DeviceRepr + Send + Sync + 'static>(
@@ -576,9 +581,10 @@ pub fn mlp_forward<T: Elem>(
     if t == 0 || hidden == 0 {
         return Ok(());
     }
-    // SAFETY: fully written by the GEMM / swiglu before being read.
-    let mut gu = unsafe { gpu.stream().alloc::<T>((t * 2 * inter).max(1)) }?;
-    let mut act = unsafe { gpu.stream().alloc::<T>((t * inter).max(1)) }?;
+    // Scratch (fully written by the GEMM / swiglu before being read): no driver call
+    // per layer, and a CUDA graph of the decode step keeps them (cuda/graph.rs).
+    let mut gu = gpu.scratch::<T>(t * 2 * inter)?;
+    let mut act = gpu.scratch::<T>(t * inter)?;
     mlp_impl(
         gpu, gate_up, down, x, t, hidden, inter, &mut gu, &mut act, out,
     )

@@ -43,6 +43,27 @@ struct Inner {
     capacity: usize,
     hits: u64,
     misses: u64,
+    /// While a CUDA graph is being captured: every buffer handed back is kept here
+    /// (the graph refers to it), and buffers allocated for the capture.
+    capture: Option<CaptureKeep>,
+}
+
+/// The scratch buffers a captured CUDA graph refers to ([`ScratchCache::begin_capture`],
+/// [`ScratchCache::end_capture`]): they must live as long as the graph. Give them back
+/// with [`ScratchCache::release`] once the graph can no longer run.
+#[derive(Debug, Default)]
+pub struct CaptureKeep {
+    /// `(address, bytes)` of buffers that came from the cache.
+    cached: Vec<(CUdeviceptr, usize)>,
+    /// `(address, bytes)` of buffers allocated during the capture (`cuMemAlloc`).
+    raw: Vec<(CUdeviceptr, usize)>,
+}
+
+impl CaptureKeep {
+    /// Bytes held.
+    pub fn bytes(&self) -> usize {
+        self.cached.iter().chain(&self.raw).map(|b| b.1).sum()
+    }
 }
 
 /// Counters of a [`ScratchCache`].
@@ -128,12 +149,70 @@ impl ScratchCache {
         p
     }
 
+    /// Starts keeping every buffer handed back (see [`CaptureKeep`]) until
+    /// [`ScratchCache::end_capture`]. Errors: a capture is already open.
+    pub(crate) fn begin_capture(&self) -> Result<(), String> {
+        let mut g = self.lock();
+        if g.capture.is_some() {
+            return Err("a scratch capture is already open".into());
+        }
+        g.capture = Some(CaptureKeep::default());
+        Ok(())
+    }
+
+    /// Whether a capture is open ([`super::Gpu::scratch`] then allocates its misses with
+    /// `cuMemAlloc`, which a stream capture does not record).
+    pub(crate) fn capturing(&self) -> bool {
+        self.lock().capture.is_some()
+    }
+
+    /// Records a buffer allocated for the open capture (kept until released).
+    pub(crate) fn note_raw(&self, p: CUdeviceptr, bytes: usize) {
+        if let Some(c) = self.lock().capture.as_mut() {
+            c.raw.push((p, bytes));
+        }
+    }
+
+    /// Ends the capture: the buffers kept since [`ScratchCache::begin_capture`].
+    pub(crate) fn end_capture(&self) -> CaptureKeep {
+        self.lock().capture.take().unwrap_or_default()
+    }
+
+    /// Gives back the buffers of a graph that can no longer run (the caller has waited
+    /// for the stream): cached ones to the cache, allocated ones to the driver.
+    pub(crate) fn release(&self, keep: CaptureKeep) {
+        let raw: std::collections::HashSet<CUdeviceptr> = keep.raw.iter().map(|r| r.0).collect();
+        for (p, bytes) in keep.cached {
+            if raw.contains(&p) {
+                continue;
+            }
+            // SAFETY: `p` is a live allocation of `bytes` bytes on this stream that came
+            // from this cache (or cudarc's allocator) and is owned by the keep list alone.
+            let b = unsafe { self.stream.upgrade_device_ptr::<u8>(p, bytes) };
+            self.give(b);
+        }
+        for (p, _) in keep.raw {
+            // SAFETY: `p` came from `cuMemAlloc_v2` during the capture and nothing refers
+            // to it any more (the graph is gone and the stream was waited for).
+            unsafe {
+                let _ = cudarc::driver::sys::cuMemFree_v2(p);
+            }
+        }
+    }
+
     /// Keeps `b` for the next request of its size, or frees it (too large, or the
-    /// cache is full).
+    /// cache is full). While a capture is open it is kept for the graph instead.
     fn give<T>(&self, b: CudaSlice<T>) {
         let bytes = b.num_bytes();
         {
             let mut g = self.lock();
+            if g.capture.is_some() {
+                let p = b.leak();
+                if let Some(c) = g.capture.as_mut() {
+                    c.cached.push((p, bytes));
+                }
+                return;
+            }
             if bytes > 0 && bytes <= g.capacity / 8 && g.held + bytes <= g.capacity {
                 g.held += bytes;
                 g.free.entry(bytes).or_default().push(b.leak());
