@@ -303,6 +303,10 @@ PY
     moebench_rc=$?
     echo "moebench rc=$moebench_rc in $((SECONDS - t0)) s"
     cat "$OUT/moe_bench.md"
+    # The same-run anchor: torch._grouped_mm replayed from a CUDA graph (kernel time).
+    timeout 180 python3 tools/bench_grouped_mm.py --json "$OUT/grouped_mm.json" > "$OUT/grouped_mm.md" 2>&1 \
+      || echo "torch._grouped_mm anchor failed (rc=$?)"
+    cat "$OUT/grouped_mm.md"
   else
     echo "moebench: skipped"
   fi

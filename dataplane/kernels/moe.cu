@@ -599,6 +599,200 @@ extern "C" __global__ void __launch_bounds__(128)
 }
 
 // ---------------------------------------------------------------------------------------
+// Large-tile grouped GEMM on tensor cores (bf16 in, fp32 accumulation), for many routed
+// rows (prefill). Same tile list (built with bm = LBM), modes and outputs as
+// moe_gemm_tc_impl, but tiles of LBM = 128 rows × LBN = 128 columns × LBK = 32, 256 threads
+// = 8 warps in 2 (rows) × 4 (columns), each warp 64 rows × four n8 column groups, and the
+// operands staged through a LSTAGES-deep ring of cp.async copies in dynamic shared memory
+// (LSTAGES · (LBM + LBN) · LLD bf16), so two k-slabs are in flight while one is multiplied.
+// Each expert's weight tile is read once per 128 gathered rows (twice as few passes over
+// the weights as the 64-row kernel). Requires K % 32 == 0 (checked on the host).
+//   Column groups of warp wn: MODE 0 → gate columns wn·16 + {0, 8} and the matching up
+//   columns 64 + wn·16 + {0, 8} (acc[i][j] pairs with acc[i][j + 2] in the SwiGLU epilogue);
+//   MODE 1 → wn·32 + {0, 8, 16, 24}.
+#define LBM 128
+#define LBN 128
+#define LBK 32
+#define LLD (LBK + 8)  // shared row stride (bf16): 80 bytes, conflict-free fragment loads
+#define LSTAGES 3
+#define LSTAGE_ELEMS ((LBM + LBN) * LLD)
+
+__device__ __forceinline__ unsigned moe_smem_u32(const void* p) {
+    return static_cast<unsigned>(__cvta_generic_to_shared(p));
+}
+// 16-byte global → shared copy; `ok == false` writes zeros and reads nothing.
+__device__ __forceinline__ void moe_cp_async16(unsigned dst, const void* src, bool ok) {
+    asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(dst), "l"(src),
+                 "r"(ok ? 16 : 0)
+                 : "memory");
+}
+__device__ __forceinline__ void moe_cp_commit() { asm volatile("cp.async.commit_group;\n" ::: "memory"); }
+template <int N_PENDING>
+__device__ __forceinline__ void moe_cp_wait() {
+    asm volatile("cp.async.wait_group %0;\n" ::"n"(N_PENDING) : "memory");
+}
+
+template <int MODE>
+__device__ __forceinline__ int tcl_col(int wn, int j) {
+    return MODE == 0 ? (j < 2 ? wn * 16 + j * 8 : 64 + wn * 16 + (j - 2) * 8) : wn * 32 + j * 8;
+}
+
+template <int MODE>
+__device__ void moe_gemm_tcl_impl(const bf16* __restrict__ A, const int* __restrict__ perm_tok,
+                                  const bf16* __restrict__ W, bf16* __restrict__ act,
+                                  float* __restrict__ y, const int* __restrict__ counts,
+                                  const int* __restrict__ offsets, const int* __restrict__ tile_e,
+                                  const int* __restrict__ tile_r0,
+                                  const int* __restrict__ num_tiles, int K, int N) {
+    extern __shared__ __align__(16) unsigned char moe_dyn_smem[];
+    bf16* sm = reinterpret_cast<bf16*>(moe_dyn_smem);
+    const int tile = blockIdx.x;
+    if (tile >= *num_tiles) return;
+    const int e = tile_e[tile], r0 = tile_r0[tile];
+    const int base = offsets[e] + r0;
+    const int rows = min(LBM, counts[e] - r0);
+    const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
+    const int wm = warp >> 2, wn = warp & 3;
+    const int g = lane >> 2, tq = lane & 3;
+    const i64 nw_rows = MODE == 0 ? 2 * (i64)N : (i64)N;
+    const bf16* We = W + (i64)e * nw_rows * K;
+    // Loader: per operand 128 rows × 4 chunks of 8 bf16 = 512 chunks, two per thread.
+    const bf16* asrc[2];
+    const bf16* bsrc[2];
+    int soff[2];
+    bool aok[2], bok[2];
+#pragma unroll
+    for (int q = 0; q < 2; ++q) {
+        const int c = tid + 256 * q;
+        const int r = c >> 2, kc = (c & 3) * 8;
+        soff[q] = r * LLD + kc;
+        aok[q] = r < rows;
+        const i64 src = !aok[q] ? 0 : MODE == 0 ? (i64)perm_tok[base + r] : (i64)(base + r);
+        asrc[q] = A + src * K + kc;
+        i64 wrow;
+        if (MODE == 0) {
+            const int j = blockIdx.y * (LBN / 2) + (r & (LBN / 2 - 1));
+            bok[q] = j < N;
+            wrow = r < LBN / 2 ? (i64)j : (i64)N + j;
+        } else {
+            const int j = blockIdx.y * LBN + r;
+            bok[q] = j < N;
+            wrow = j;
+        }
+        bsrc[q] = We + (bok[q] ? wrow : 0) * K + kc;
+    }
+    float acc[4][4][4];
+#pragma unroll
+    for (int i = 0; i < 4; ++i)
+#pragma unroll
+        for (int j = 0; j < 4; ++j)
+#pragma unroll
+            for (int v = 0; v < 4; ++v) acc[i][j][v] = 0.f;
+    const int KT = K / LBK;
+#pragma unroll
+    for (int s = 0; s < LSTAGES - 1; ++s) {
+        if (s < KT) {
+            bf16* sa = sm + s * LSTAGE_ELEMS;
+            bf16* sb = sa + LBM * LLD;
+#pragma unroll
+            for (int q = 0; q < 2; ++q) {
+                moe_cp_async16(moe_smem_u32(sa + soff[q]), asrc[q] + s * LBK, aok[q]);
+                moe_cp_async16(moe_smem_u32(sb + soff[q]), bsrc[q] + s * LBK, bok[q]);
+            }
+        }
+        moe_cp_commit();
+    }
+    for (int kt = 0; kt < KT; ++kt) {
+        // Slab kt has landed (at most LSTAGES − 2 younger groups pending); the barrier
+        // also tells every thread that slab kt − 1's stage is free for slab kt + 2.
+        moe_cp_wait<LSTAGES - 2>();
+        __syncthreads();
+        const int nk = kt + LSTAGES - 1;
+        if (nk < KT) {
+            bf16* sa = sm + (nk % LSTAGES) * LSTAGE_ELEMS;
+            bf16* sb = sa + LBM * LLD;
+#pragma unroll
+            for (int q = 0; q < 2; ++q) {
+                moe_cp_async16(moe_smem_u32(sa + soff[q]), asrc[q] + nk * LBK, aok[q]);
+                moe_cp_async16(moe_smem_u32(sb + soff[q]), bsrc[q] + nk * LBK, bok[q]);
+            }
+        }
+        moe_cp_commit();
+        const bf16* sa = sm + (kt % LSTAGES) * LSTAGE_ELEMS;
+        const bf16* sb = sa + LBM * LLD;
+#pragma unroll
+        for (int kk = 0; kk < LBK; kk += 16) {
+            unsigned af[4][4], bfr[4][2];
+#pragma unroll
+            for (int i = 0; i < 4; ++i) {
+                const bf16* p0 = &sa[(wm * 64 + i * 16 + g) * LLD + kk + 2 * tq];
+                af[i][0] = *reinterpret_cast<const unsigned*>(p0);
+                af[i][1] = *reinterpret_cast<const unsigned*>(p0 + 8 * LLD);
+                af[i][2] = *reinterpret_cast<const unsigned*>(p0 + 8);
+                af[i][3] = *reinterpret_cast<const unsigned*>(p0 + 8 * LLD + 8);
+            }
+#pragma unroll
+            for (int j = 0; j < 4; ++j) {
+                const bf16* p0 = &sb[(tcl_col<MODE>(wn, j) + g) * LLD + kk + 2 * tq];
+                bfr[j][0] = *reinterpret_cast<const unsigned*>(p0);
+                bfr[j][1] = *reinterpret_cast<const unsigned*>(p0 + 8);
+            }
+#pragma unroll
+            for (int i = 0; i < 4; ++i)
+#pragma unroll
+                for (int j = 0; j < 4; ++j) mma_bf16_16816(acc[i][j], af[i], bfr[j]);
+        }
+    }
+    moe_cp_wait<0>();
+    // Epilogue from the accumulator layout: acc[i][j][h·2 + v] is tile row
+    // wm·64 + i·16 + g + 8h, tile column tcl_col(wn, j) + 2·tq + v.
+#pragma unroll
+    for (int i = 0; i < 4; ++i) {
+#pragma unroll
+        for (int h = 0; h < 2; ++h) {
+            const int r = wm * 64 + i * 16 + g + 8 * h;
+            if (r >= rows) continue;
+            const i64 pos = base + r;
+            if (MODE == 0) {
+#pragma unroll
+                for (int j = 0; j < 2; ++j) {
+                    const int c = blockIdx.y * (LBN / 2) + wn * 16 + j * 8 + 2 * tq;
+                    if (c < N) {
+                        const float a0 = silu_f(acc[i][j][2 * h]) * acc[i][j + 2][2 * h];
+                        const float a1 = silu_f(acc[i][j][2 * h + 1]) * acc[i][j + 2][2 * h + 1];
+                        *reinterpret_cast<__nv_bfloat162*>(&act[pos * N + c]) =
+                            __floats2bfloat162_rn(a0, a1);
+                    }
+                }
+            } else {
+#pragma unroll
+                for (int j = 0; j < 4; ++j) {
+                    const int c = blockIdx.y * LBN + tcl_col<MODE>(wn, j) + 2 * tq;
+                    if (c < N)
+                        *reinterpret_cast<float2*>(&y[pos * N + c]) =
+                            make_float2(acc[i][j][2 * h], acc[i][j][2 * h + 1]);
+                }
+            }
+        }
+    }
+}
+
+extern "C" __global__ void __launch_bounds__(256, 2)
+    moe_gemm_gu_tcl_bf16(const bf16* x, const int* perm_tok, const bf16* w, bf16* act,
+                         const int* counts, const int* offsets, const int* tile_e,
+                         const int* tile_r0, const int* num_tiles, int K, int N) {
+    moe_gemm_tcl_impl<0>(x, perm_tok, w, act, nullptr, counts, offsets, tile_e, tile_r0,
+                         num_tiles, K, N);
+}
+extern "C" __global__ void __launch_bounds__(256, 2)
+    moe_gemm_down_tcl_bf16(const bf16* act, const bf16* w, float* y, const int* counts,
+                           const int* offsets, const int* tile_e, const int* tile_r0,
+                           const int* num_tiles, int K, int N) {
+    moe_gemm_tcl_impl<1>(act, nullptr, w, nullptr, y, counts, offsets, tile_e, tile_r0,
+                         num_tiles, K, N);
+}
+
+// ---------------------------------------------------------------------------------------
 // Small-batch path (few routed rows, e.g. decode): one block per routed row a (token
 // a / k, expert topk_idx[a], output row slot_pos[a]), GV_WARPS warps, each warp a few
 // output columns; lanes stream 8-element (16-byte for bf16) chunks of the weight rows,

@@ -430,7 +430,7 @@ mod gpu {
         }
     }
 
-    use ExpertGemm::{Gemv, PerExpert, Simt, TensorCores};
+    use ExpertGemm::{Gemv, PerExpert, Simt, TensorCores, TensorCoresLarge};
 
     #[test]
     fn moe_f32_matches_cpu() {
@@ -479,6 +479,9 @@ mod gpu {
                 (T64, &TS, &QWEN, Some(TensorCores)),
                 (T64, &[37, 300], &QWEN, Some(Simt)),
                 (T8, &TS, &QWEN, Some(TensorCores)),
+                (T64, &TS, &QWEN, Some(TensorCoresLarge)),
+                (T8, &TS, &QWEN, Some(TensorCoresLarge)),
+                (QW, &[1, 37], &QWEN, Some(TensorCoresLarge)),
                 (QW, &[1, 8, 37, 300], &QWEN, None),
                 (QW, &[1, 37], &QWEN, Some(TensorCores)),
                 (QW, &[37], &QWEN, Some(Simt)),
@@ -552,7 +555,7 @@ mod gpu {
             &mut rep,
             T64,
             &[300, 2000],
-            &[TensorCores, Simt],
+            &[TensorCoresLarge, TensorCores, Simt],
             (1e-2, 3e-2),
         );
         case::<bf16>(
@@ -560,7 +563,7 @@ mod gpu {
             &mut rep,
             QW,
             &[1024, 4096],
-            &[TensorCores],
+            &[TensorCoresLarge, TensorCores],
             (1e-2, 3e-2),
         );
         rep.finish(test);

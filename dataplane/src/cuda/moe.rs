@@ -27,8 +27,10 @@
 //! [`expert_gemm`]): for few routed rows (decode) a GEMV-style kernel, one block per
 //! routed row streaming the expert's weight rows with 16-byte loads; otherwise grouped
 //! GEMMs, on tensor cores for bf16 when `hidden` and `inter` are multiples of 32
-//! (`mma.sync.m16n8k16` from PTX, 64×64×32 tiles, register prefetch of the next
-//! k-slab), else a shared-memory tiled fp32-FMA kernel (64×64×16 tiles, 4×4 per thread).
+//! (`mma.sync.m16n8k16` from PTX: by default 128×128×32 tiles over 8 warps with a
+//! 3-stage `cp.async` ring, [`ExpertGemm::TensorCoresLarge`]; the earlier 64×64×32 kernel
+//! with register prefetch, [`ExpertGemm::TensorCores`], when forced), else a
+//! shared-memory tiled fp32-FMA kernel (64×64×16 tiles, 4×4 per thread).
 //! Their reference, [`ExpertGemm::PerExpert`] (forced only), runs one cuBLAS GEMM per
 //! expert and projection over the same sorted rows.
 use std::any::Any;
@@ -45,6 +47,13 @@ use crate::router::{RouterConfig, ScoreFunction};
 const GBM: usize = 64;
 /// Columns per tile of the grouped GEMMs (`GBN` in moe.cu).
 const GBN: usize = 64;
+/// Rows per tile of the large-tile tensor-core kernels (`LBM` in moe.cu).
+const LBM: usize = 128;
+/// Columns per tile of the large-tile tensor-core kernels (`LBN` in moe.cu).
+const LBN: usize = 128;
+/// Dynamic shared memory of the large-tile kernels: `LSTAGES · (LBM + LBN) · LLD` bf16
+/// (3 stages, row stride 40).
+const TCL_SMEM_BYTES: u32 = (3 * (LBM + LBN) * 40 * 2) as u32;
 /// Warps per block of the small-batch kernels (`GV_WARPS` in moe.cu).
 const GV_WARPS: u32 = 8;
 /// Gate/up column pairs per warp of `moe_gemv_gu_*` (`GV_COLS_GU` in moe.cu).
@@ -621,9 +630,13 @@ pub enum ExpertGemm {
     Gemv,
     /// Grouped GEMM, shared-memory tiles, fp32 FMA (any shape, f32 or bf16).
     Simt,
-    /// Grouped GEMM on tensor cores (`mma.sync` bf16, fp32 accumulation). Needs bf16 and
-    /// `hidden`, `inter` multiples of 32.
+    /// Grouped GEMM on tensor cores (`mma.sync` bf16, fp32 accumulation), 64×64×32 tiles,
+    /// 128 threads. Needs bf16 and `hidden`, `inter` multiples of 32.
     TensorCores,
+    /// Grouped GEMM on tensor cores with 128×128×32 tiles, 256 threads and a 3-stage
+    /// `cp.async` ring in 60 KiB of dynamic shared memory (the prefill default). Needs
+    /// the same shapes as [`ExpertGemm::TensorCores`].
+    TensorCoresLarge,
     /// The reference of the grouped kernels: one cuBLAS GEMM per expert and projection
     /// over that expert's rows of the same expert-sorted order (`gate_up` output rounded
     /// to `T` before SwiGLU, as the dense MLP; one host sync for the counts). Any shape;
@@ -636,7 +649,7 @@ pub const GEMV_MAX_ROWS: usize = 128;
 
 /// The expert-GEMM kernel [`moe_forward`] uses for `t` tokens: the workspace's forced
 /// choice when the shapes allow it, else `Gemv` for `t · top_k ≤` [`GEMV_MAX_ROWS`], else
-/// `TensorCores`, else `Simt` (the first the shapes allow).
+/// `TensorCoresLarge`, else `Simt` (the first the shapes allow).
 pub fn expert_gemm<T: Elem>(w: &MoeWeights<T>, ws: &MoeWorkspace, t: usize) -> ExpertGemm {
     // (≤ 48 KiB of staged input row: no shared-memory opt-in needed.)
     let gemv_ok = w.hidden.is_multiple_of(8)
@@ -647,6 +660,7 @@ pub fn expert_gemm<T: Elem>(w: &MoeWeights<T>, ws: &MoeWorkspace, t: usize) -> E
     match ws.forced {
         Some(ExpertGemm::Gemv) if gemv_ok => return ExpertGemm::Gemv,
         Some(ExpertGemm::TensorCores) if tc_ok => return ExpertGemm::TensorCores,
+        Some(ExpertGemm::TensorCoresLarge) if tc_ok => return ExpertGemm::TensorCoresLarge,
         Some(ExpertGemm::Simt) => return ExpertGemm::Simt,
         Some(ExpertGemm::PerExpert) => return ExpertGemm::PerExpert,
         _ => {}
@@ -654,7 +668,7 @@ pub fn expert_gemm<T: Elem>(w: &MoeWeights<T>, ws: &MoeWorkspace, t: usize) -> E
     if gemv_ok && t * w.top_k <= GEMV_MAX_ROWS {
         ExpertGemm::Gemv
     } else if tc_ok {
-        ExpertGemm::TensorCores
+        ExpertGemm::TensorCoresLarge
     } else {
         ExpertGemm::Simt
     }
@@ -695,7 +709,14 @@ pub fn moe_forward<T: Elem>(
         )));
     }
     let ld = w.router_rows();
-    let max_tiles = n.div_ceil(GBM) + e.min(n);
+    let path = expert_gemm(w, ws, t);
+    // Rows per tile of the plan's tile list (the grouped kernel's tile height).
+    let bm = if path == ExpertGemm::TensorCoresLarge {
+        LBM
+    } else {
+        GBM
+    };
+    let max_tiles = n.div_ceil(bm) + e.min(n);
 
     let mut logits = ws.take::<f32>(gpu, "logits", t * ld)?;
     let mut topk_idx = ws.take::<i32>(gpu, "topk_idx", n)?;
@@ -724,7 +745,7 @@ pub fn moe_forward<T: Elem>(
         block_dim: (256, 1, 1),
         shared_mem_bytes: (e * 4) as u32,
     };
-    let (n_i, bm_i) = (n as i32, GBM as i32);
+    let (n_i, bm_i) = (n as i32, bm as i32);
     let mut b = gpu.stream().launch_builder(&f);
     b.arg(&topk_idx)
         .arg(&n_i)
@@ -738,11 +759,11 @@ pub fn moe_forward<T: Elem>(
         .arg(&mut num_tiles)
         .arg(&mut perm_tok)
         .arg(&mut slot_pos);
-    // SAFETY: matches `moe_plan`; tile buffers hold the bound ceil(n/64) + min(E, n).
+    // SAFETY: matches `moe_plan`; tile buffers hold the bound ceil(n/bm) + min(E, n).
     unsafe { b.launch(cfg) }?;
 
     let (h_i, i_i) = (h as i32, inter as i32);
-    match expert_gemm(w, ws, t) {
+    match path {
         ExpertGemm::Gemv => {
             // 4/5 (small batch): one block per routed row, weights streamed once per row.
             let cfg = |cols: usize, per_block: usize, k_len: usize| LaunchConfig {
@@ -845,18 +866,20 @@ pub fn moe_forward<T: Elem>(
             ws.put("gu", gu);
         }
         path => {
-            // 4. Grouped gate_up GEMM + SwiGLU → act [n, I]. Both kernels tile 64 rows ×
-            // 64 columns (32 gate + 32 up here); the tensor-core one runs 128 threads.
-            let (kname, threads) = if path == ExpertGemm::TensorCores {
-                ("tc_bf16", 128)
-            } else {
-                (T::SUFFIX, 256)
+            // 4. Grouped gate_up GEMM + SwiGLU → act [n, I]. Tiles of bm rows × bn
+            // columns (bn/2 gate + bn/2 up here): 64 × 64 for the SIMT kernel (256
+            // threads) and the small tensor-core one (128 threads), 128 × 128 for the
+            // large one (256 threads, dynamic shared memory).
+            let (kname, threads, bn, smem) = match path {
+                ExpertGemm::TensorCores => ("tc_bf16", 128, GBN, 0),
+                ExpertGemm::TensorCoresLarge => ("tcl_bf16", 256, LBN, TCL_SMEM_BYTES),
+                _ => (T::SUFFIX, 256, GBN, 0),
             };
-            let f = gpu.function(&MOE, &format!("moe_gemm_gu_{kname}"), 0)?;
+            let f = gpu.function(&MOE, &format!("moe_gemm_gu_{kname}"), smem)?;
             let cfg = LaunchConfig {
-                grid_dim: (max_tiles as u32, inter.div_ceil(GBN / 2) as u32, 1),
+                grid_dim: (max_tiles as u32, inter.div_ceil(bn / 2) as u32, 1),
                 block_dim: (threads, 1, 1),
-                shared_mem_bytes: 0,
+                shared_mem_bytes: smem,
             };
             let mut b = gpu.stream().launch_builder(&f);
             b.arg(x)
@@ -875,11 +898,11 @@ pub fn moe_forward<T: Elem>(
             unsafe { b.launch(cfg) }?;
 
             // 5. Grouped down GEMM → y [n, H] fp32.
-            let f = gpu.function(&MOE, &format!("moe_gemm_down_{kname}"), 0)?;
+            let f = gpu.function(&MOE, &format!("moe_gemm_down_{kname}"), smem)?;
             let cfg = LaunchConfig {
-                grid_dim: (max_tiles as u32, h.div_ceil(GBN) as u32, 1),
+                grid_dim: (max_tiles as u32, h.div_ceil(bn) as u32, 1),
                 block_dim: (threads, 1, 1),
-                shared_mem_bytes: 0,
+                shared_mem_bytes: smem,
             };
             let mut b = gpu.stream().launch_builder(&f);
             b.arg(&act)
