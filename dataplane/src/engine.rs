@@ -222,6 +222,37 @@ pub trait Engine: EnginePools {
     fn advance(&self, prefill: &mut Self::Prefill, budget: usize, progress: bool) -> Result<usize>;
     /// The output of a done prefill (`None`: not done yet, or already taken).
     fn finish(&self, prefill: &mut Self::Prefill) -> Option<EngineOutput<Self::State>>;
+    /// A segment registration built in pieces of the scheduler's token budget.
+    type Registration: Send + 'static;
+    /// Starts registering `tokens` under `isolation` for `body_starts` (see
+    /// [`Pic::prefetch_begin`]): checks it and which entries are resident; runs
+    /// nothing.
+    ///
+    /// Errors: as [`EnginePools::prefetch_many`].
+    fn register_begin(
+        &self,
+        tokens: Vec<u32>,
+        isolation: &str,
+        body_starts: &[usize],
+    ) -> Result<Self::Registration>;
+    /// Runs at most `budget` tokens of a registration (with `progress`, one piece
+    /// even over it; see [`Pic::prefetch_advance`]); returns the tokens run.
+    ///
+    /// Errors: model failures.
+    fn register_advance(
+        &self,
+        job: &mut Self::Registration,
+        budget: usize,
+        progress: bool,
+    ) -> Result<usize>;
+    /// Whether a registration's entries are built ([`Engine::register_finish`] may
+    /// be called).
+    fn register_built(job: &Self::Registration) -> bool;
+    /// Offers the built entries to the public pool; what happened per body start,
+    /// as [`EnginePools::prefetch_many`] reports it.
+    ///
+    /// Errors: an unbuilt registration, the build's error.
+    fn register_finish(&self, job: Self::Registration) -> Result<Vec<(Prefetch, usize)>>;
     /// Appends `tokens[b]` to `states[b]` for every `b`; returns `[B][vocab]` logits.
     fn decode_batch(
         &self,
@@ -392,6 +423,30 @@ where
             state: out.state,
             stats: out.stats,
         })
+    }
+    type Registration = crate::pic::PrefetchJob<B::Entry>;
+    fn register_begin(
+        &self,
+        tokens: Vec<u32>,
+        isolation: &str,
+        body_starts: &[usize],
+    ) -> Result<Self::Registration> {
+        Pic::prefetch_begin(self, tokens, isolation, body_starts)
+    }
+    fn register_advance(
+        &self,
+        job: &mut Self::Registration,
+        budget: usize,
+        progress: bool,
+    ) -> Result<usize> {
+        let _serial = Pic::pic_backend(self).exclusive();
+        Pic::prefetch_advance(self, job, budget, progress)
+    }
+    fn register_built(job: &Self::Registration) -> bool {
+        job.is_built()
+    }
+    fn register_finish(&self, job: Self::Registration) -> Result<Vec<(Prefetch, usize)>> {
+        Pic::prefetch_finish(self, job)
     }
     fn decode_batch(&self, tokens: &[u32], states: &mut [&mut B::State]) -> Result<Vec<Vec<f32>>> {
         let _serial = Pic::pic_backend(self).exclusive();

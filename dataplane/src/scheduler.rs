@@ -33,7 +33,7 @@
 //!   [`RequestHandle::cancel`] frees the sequence's state at the next step.
 use crate::engine::{Decoded, Engine, EnginePools};
 use crate::parallel::EntrySource;
-use crate::pic::{Mode, PicStats, SegmentRef};
+use crate::pic::{Mode, PicStats, Prefetch, SegmentRef};
 use crate::sampling::{Sampler, SamplingParams};
 use serde::Serialize;
 use std::collections::VecDeque;
@@ -267,6 +267,29 @@ pub struct SchedulerMetrics {
     /// Prompt tokens run through the model by prefill pieces (entry builds, seam
     /// windows and computed segments).
     pub prefill_tokens: AtomicU64,
+    /// Segment registrations waiting or being built ([`Scheduler::register`]).
+    pub registering: AtomicUsize,
+    /// Segment tokens run through the model by registrations.
+    pub registration_tokens: AtomicU64,
+}
+
+/// What [`Scheduler::register`] answers: per body start, what happened and the
+/// entry's bytes (as [`crate::engine::EnginePools::prefetch_many`]), or why the
+/// registration failed.
+pub type Registered = crate::Result<Vec<(Prefetch, usize)>>;
+
+/// A segment registration waiting for the worker.
+struct QueuedRegistration {
+    tokens: Vec<u32>,
+    isolation: String,
+    body_starts: Vec<usize>,
+    tx: tokio::sync::oneshot::Sender<Registered>,
+}
+
+/// A segment registration being built in pieces of the step budget.
+struct Registering<R> {
+    job: R,
+    tx: tokio::sync::oneshot::Sender<Registered>,
 }
 
 struct Queued {
@@ -353,6 +376,7 @@ fn token_nll(logits: &[f32], t: u32) -> f64 {
 
 struct Shared {
     queue: Mutex<VecDeque<Queued>>,
+    registrations: Mutex<VecDeque<QueuedRegistration>>,
     wake: Condvar,
     shutdown: AtomicBool,
     metrics: Arc<SchedulerMetrics>,
@@ -371,6 +395,7 @@ impl Scheduler {
     pub fn start<E: Engine + 'static>(engine: Arc<E>, cfg: SchedulerConfig) -> Self {
         let shared = Arc::new(Shared {
             queue: Mutex::new(VecDeque::new()),
+            registrations: Mutex::new(VecDeque::new()),
             wake: Condvar::new(),
             shutdown: AtomicBool::new(false),
             metrics: Arc::new(SchedulerMetrics::default()),
@@ -518,6 +543,71 @@ impl Scheduler {
     }
 }
 
+impl Scheduler {
+    /// Queues a segment registration: the public-pool entries of `tokens` under
+    /// `isolation` for each of `body_starts` are built by the worker in pieces of its
+    /// step budget, beside the running sequences' decode steps (a long segment no
+    /// longer holds the model for its whole prefill), and offered to the pool. The
+    /// answer comes on the returned channel; dropping it abandons the registration
+    /// at the worker's next step.
+    ///
+    /// Errors: [`SubmitError::Invalid`] (empty segment, a token outside the
+    /// vocabulary, longer than the context limit), [`SubmitError::QueueFull`] when
+    /// `queue_capacity` registrations wait, [`SubmitError::Closed`].
+    pub fn register(
+        &self,
+        tokens: Vec<u32>,
+        isolation: String,
+        body_starts: Vec<usize>,
+    ) -> Result<tokio::sync::oneshot::Receiver<Registered>, SubmitError> {
+        if self.shared.shutdown.load(Ordering::Relaxed) || !self.is_running() {
+            return Err(SubmitError::Closed);
+        }
+        let c = self.engine.config();
+        if tokens.is_empty() {
+            return Err(SubmitError::Invalid("the segment is empty".into()));
+        }
+        if tokens.len() > c.max_position_embeddings {
+            return Err(SubmitError::Invalid(format!(
+                "the segment ({} tokens) exceeds the context limit of {} tokens",
+                tokens.len(),
+                c.max_position_embeddings
+            )));
+        }
+        if let Some(t) = tokens.iter().find(|&&t| t as usize >= c.vocab_size) {
+            return Err(SubmitError::Invalid(format!(
+                "token id {t} is outside the vocabulary"
+            )));
+        }
+        let (tx, rx) = tokio::sync::oneshot::channel();
+        {
+            let mut q = self
+                .shared
+                .registrations
+                .lock()
+                .unwrap_or_else(|p| p.into_inner());
+            if q.len() >= self.cfg.queue_capacity {
+                return Err(SubmitError::QueueFull {
+                    capacity: self.cfg.queue_capacity,
+                    retry_after_s: 1,
+                });
+            }
+            q.push_back(QueuedRegistration {
+                tokens,
+                isolation,
+                body_starts,
+                tx,
+            });
+        }
+        self.shared
+            .metrics
+            .registering
+            .fetch_add(1, Ordering::Relaxed);
+        self.shared.wake.notify_one();
+        Ok(rx)
+    }
+}
+
 impl Drop for Scheduler {
     fn drop(&mut self) {
         self.shared.shutdown.store(true, Ordering::Relaxed);
@@ -559,6 +649,7 @@ fn worker_loop<E: Engine>(shared: Arc<Shared>, engine: Arc<E>, cfg: SchedulerCon
     let metrics = shared.metrics.clone();
     let mut running: Vec<Running<E::State>> = vec![];
     let mut prefilling: VecDeque<Prefilling<E::Prefill>> = VecDeque::new();
+    let mut registering: VecDeque<Registering<E::Registration>> = VecDeque::new();
     let mut reserved = 0usize;
     let mut step = 0u64;
     let step_tokens = cfg.step_tokens.max(1);
@@ -601,7 +692,40 @@ fn worker_loop<E: Engine>(shared: Arc<Shared>, engine: Arc<E>, cfg: SchedulerCon
                 out.extend(q.pop_front());
             }
             metrics.queue_depth.store(q.len(), Ordering::Relaxed);
-            if out.is_empty() && running.is_empty() && prefilling.is_empty() {
+            // Registrations need no slot or KV: all are taken.
+            let regs: Vec<QueuedRegistration> = shared
+                .registrations
+                .lock()
+                .unwrap_or_else(|p| p.into_inner())
+                .drain(..)
+                .collect();
+            for r in regs {
+                if r.tx.is_closed() {
+                    metrics.registering.fetch_sub(1, Ordering::Relaxed);
+                    continue;
+                }
+                let begun = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| {
+                    engine.register_begin(r.tokens, &r.isolation, &r.body_starts)
+                }))
+                .unwrap_or_else(|p| {
+                    Err(crate::Error::Device(format!(
+                        "segment registration failed: {}",
+                        panic_message(&*p)
+                    )))
+                });
+                match begun {
+                    Ok(job) => registering.push_back(Registering { job, tx: r.tx }),
+                    Err(e) => {
+                        metrics.registering.fetch_sub(1, Ordering::Relaxed);
+                        let _ = r.tx.send(Err(e));
+                    }
+                }
+            }
+            if out.is_empty()
+                && running.is_empty()
+                && prefilling.is_empty()
+                && registering.is_empty()
+            {
                 // Idle: sleep until a submission (or re-check timeouts periodically).
                 let _unused = shared
                     .wake
@@ -716,6 +840,54 @@ fn worker_loop<E: Engine>(shared: Arc<Shared>, engine: Arc<E>, cfg: SchedulerCon
         metrics
             .prefilling
             .store(prefilling.len(), Ordering::Relaxed);
+        // 3b. Segment registrations, in arrival order, from the budget left; the
+        //     oldest gets one piece per step even when nothing is left (so a
+        //     registration waits a bounded time and never holds the model longer
+        //     than one piece).
+        let mut k = 0;
+        while k < registering.len() {
+            let head = k == 0;
+            if left == 0 && !head {
+                break;
+            }
+            let r = &mut registering[k];
+            if r.tx.is_closed() {
+                registering.remove(k);
+                metrics.registering.fetch_sub(1, Ordering::Relaxed);
+                continue;
+            }
+            let res = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| {
+                engine.register_advance(&mut r.job, left, head)
+            }))
+            .unwrap_or_else(|p| {
+                Err(crate::Error::Device(format!(
+                    "segment registration failed: {}",
+                    panic_message(&*p)
+                )))
+            });
+            let done = match res {
+                Ok(used) => {
+                    left = left.saturating_sub(used);
+                    metrics
+                        .registration_tokens
+                        .fetch_add(used as u64, Ordering::Relaxed);
+                    if E::register_built(&r.job) {
+                        None
+                    } else {
+                        k += 1;
+                        continue;
+                    }
+                }
+                Err(e) => Some(e),
+            };
+            let r = registering.remove(k).expect("index in range");
+            metrics.registering.fetch_sub(1, Ordering::Relaxed);
+            let answer = match done {
+                Some(e) => Err(e),
+                None => engine.register_finish(r.job),
+            };
+            let _ = r.tx.send(answer);
+        }
         // 4. One batched decode step for every running sequence.
         let mut live = Vec::with_capacity(running.len());
         for r in running.drain(..) {

@@ -523,3 +523,104 @@ fn decode_streams_emit_every_step_during_a_long_prefill() {
         "a step without a token"
     );
 }
+
+/// Segment registration through the scheduler (`POST /v1/segments`): a long
+/// segment is built in pieces of the step budget while a running stream keeps
+/// getting a token every step, its entries land in the public pool, and a request
+/// that uses them gives the logits of entries built in one pass (up to the fp32
+/// rounding of composing the pieces' transition pairs).
+#[test]
+fn a_segment_registration_is_built_in_pieces_beside_running_streams() {
+    let e = engine();
+    let cfg = SchedulerConfig {
+        step_tokens: 128,
+        prefill_chunk_tokens: 64,
+        ..Default::default()
+    };
+    let s = Scheduler::start(e.clone(), cfg);
+    let mut stream = s.submit(long_req(1, 20, 4000)).unwrap();
+    assert!(matches!(
+        stream.events.blocking_recv(),
+        Some(GenEvent::Started { .. })
+    ));
+    let seg: Vec<u32> = (0..1500u32).map(|i| (i * 17 + 5) % 300).collect();
+    let w = Mode::hypic_default().body_start(1);
+    let before = s.metrics().steps.load(Ordering::Relaxed);
+    let rx = s.register(seg.clone(), "t".into(), vec![0, w]).unwrap();
+    let got = rx.blocking_recv().expect("an answer").expect("built");
+    let after = s.metrics().steps.load(Ordering::Relaxed);
+    stream.cancel();
+    let steps = token_steps(&collect(&mut stream));
+    assert_eq!(got.len(), 2);
+    for (st, bytes) in &got {
+        assert_eq!(*st, dataplane::pic::Prefetch::Stored);
+        assert!(*bytes > 0);
+    }
+    assert_eq!(
+        s.metrics().registration_tokens.load(Ordering::Relaxed),
+        1500
+    );
+    assert_eq!(s.metrics().registering.load(Ordering::Relaxed), 0);
+    // 1500 tokens at most 127 a step beside one decode token: ≥ 12 steps, and the
+    // stream got a token in each of them.
+    assert!(after >= before + 11, "steps {before}..{after}");
+    // (The step that ends the stream's prefill carries its first token and its
+    // first decoded one.)
+    let mut during: Vec<u64> = steps
+        .iter()
+        .copied()
+        .filter(|&t| (before + 1..after).contains(&t))
+        .collect();
+    during.dedup();
+    assert_eq!(
+        during,
+        (before + 1..after).collect::<Vec<_>>(),
+        "a step without a token"
+    );
+    // A request over the registered segment hits it; its logits equal those of an
+    // engine whose entries were built in one pass.
+    let segments = vec![
+        SegmentRef {
+            tokens: (0..40).map(|i| (i * 3 + 1) % 300).collect(),
+            isolation: "t".into(),
+        },
+        SegmentRef {
+            tokens: seg.clone(),
+            isolation: "t".into(),
+        },
+        SegmentRef {
+            tokens: (0..12).map(|i| (i * 5 + 2) % 300).collect(),
+            isolation: "t".into(),
+        },
+    ];
+    let a = e.run(&segments, Mode::hypic_default(), "t").unwrap();
+    assert_eq!(
+        a.stats.segments[1].outcome,
+        dataplane::pic::Outcome::Hit,
+        "{:?}",
+        a.stats.segments
+    );
+    let fresh = engine();
+    let one = fresh.prefetch_many(&seg, "t", &[0, w]).unwrap();
+    assert_eq!(
+        one.iter().map(|r| r.0).collect::<Vec<_>>(),
+        vec![dataplane::pic::Prefetch::Stored; 2]
+    );
+    let b = fresh.run(&segments, Mode::hypic_default(), "t").unwrap();
+    let scale = b.logits.iter().fold(0f32, |m, x| m.max(x.abs()));
+    let diff = a
+        .logits
+        .iter()
+        .zip(&b.logits)
+        .fold(0f32, |m, (x, y)| m.max((x - y).abs()));
+    assert!(diff <= 1e-4 * scale, "max |Δ| {diff} (scale {scale})");
+    // Bad input is refused at submission.
+    assert!(matches!(
+        s.register(vec![], "t".into(), vec![0]),
+        Err(SubmitError::Invalid(_))
+    ));
+    assert!(matches!(
+        s.register(vec![1_000_000], "t".into(), vec![0]),
+        Err(SubmitError::Invalid(_))
+    ));
+}

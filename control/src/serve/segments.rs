@@ -246,30 +246,24 @@ async fn prefill(
     super::residency::label(s, &seg.address, item.version, &tokens, &item.isolation_key);
     let _gate = s.0.prefill_gate.acquire().await;
     let t0 = Instant::now();
-    let (engine, iso, toks, starts) = (
-        s.0.engine.clone(),
-        item.isolation_key.clone(),
-        tokens.clone(),
-        body_starts(s),
-    );
-    let res = tokio::task::spawn_blocking(move || {
-        // One prefill builds the entries of every body start.
-        match engine.prefetch_many(&toks, &iso, &starts) {
-            Ok(rs) => starts
+    let starts = body_starts(s);
+    // One build makes the entries of every body start; the scheduler runs it in
+    // pieces of its step budget, beside the running sequences' decode steps.
+    let rx =
+        s.0.sched
+            .register(tokens.to_vec(), item.isolation_key.clone(), starts.clone())
+            .map_err(|e| e.to_string())?;
+    let res: Vec<(usize, dataplane::Result<(dataplane::pic::Prefetch, usize)>)> = match rx.await {
+        Ok(Ok(rs)) => starts.into_iter().zip(rs.into_iter().map(Ok)).collect(),
+        Ok(Err(e)) => {
+            let msg = e.to_string();
+            starts
                 .into_iter()
-                .zip(rs.into_iter().map(Ok))
-                .collect::<Vec<_>>(),
-            Err(e) => {
-                let msg = e.to_string();
-                starts
-                    .into_iter()
-                    .map(|b| (b, Err(dataplane::Error::Input(msg.clone()))))
-                    .collect()
-            }
+                .map(|b| (b, Err(dataplane::Error::Input(msg.clone()))))
+                .collect()
         }
-    })
-    .await
-    .map_err(|e| e.to_string())?;
+        Err(_) => return Err("the scheduler stopped before the segment was built".into()),
+    };
     s.0.known
         .lock()
         .unwrap_or_else(|p| p.into_inner())

@@ -1615,6 +1615,42 @@ pub enum Prefetch {
     /// Nothing to cache: the segment is no longer than the seam window.
     NotNeeded,
 }
+/// A segment registration whose public-pool entries are being built in pieces
+/// ([`Pic::prefetch_begin`], [`Pic::prefetch_advance`], [`Pic::prefetch_finish`]): the
+/// scheduler runs it within its token budget, beside the decode steps.
+pub struct PrefetchJob<E> {
+    seg: SegmentRef,
+    body_starts: Vec<usize>,
+    /// Result rows known at the start (resident, not needed).
+    out: Vec<(Prefetch, usize)>,
+    /// `(row, body start, key)` of the entries to build.
+    missing: Vec<(usize, usize, Key)>,
+    /// A backend build in pieces, when the segment did not fit one step.
+    partial: Option<Box<dyn std::any::Any + Send>>,
+    /// Tokens of the segment run so far by the build in pieces.
+    done: usize,
+    /// The built entries (in the order of `missing`), or the build's error.
+    built: Option<Result<Vec<E>>>,
+}
+
+impl<E> PrefetchJob<E> {
+    /// Whether every entry is built (or the build failed): [`Pic::prefetch_finish`]
+    /// may be called.
+    pub fn is_built(&self) -> bool {
+        self.built.is_some() || self.missing.is_empty()
+    }
+
+    /// Tokens of the segment.
+    pub fn len(&self) -> usize {
+        self.seg.tokens.len()
+    }
+
+    /// Whether the segment is empty (never: [`Pic::prefetch_begin`] refuses it).
+    pub fn is_empty(&self) -> bool {
+        self.seg.tokens.is_empty()
+    }
+}
+
 /// Ahead-of-time segment registration (`hypic serve`'s `/v1/segments`): build a
 /// segment's public-pool entry before any request uses it, read its residency,
 /// drop it.
@@ -1649,38 +1685,154 @@ impl<B: PicBackend> Pic<B> {
         isolation: &str,
         body_starts: &[usize],
     ) -> Result<Vec<(Prefetch, usize)>> {
-        self.validate(&[SegmentRef {
-            tokens: tokens.to_vec(),
+        let mut job = self.prefetch_begin(tokens.to_vec(), isolation, body_starts)?;
+        self.prefetch_advance(&mut job, usize::MAX, true)?;
+        self.prefetch_finish(job)
+    }
+
+    /// Starts a segment registration that builds in pieces of the scheduler's token
+    /// budget ([`Pic::prefetch_advance`], then [`Pic::prefetch_finish`]): checks the
+    /// segment and which of the body starts' entries are resident; runs nothing.
+    /// [`Pic::prefetch_many`] is this job run in one piece.
+    ///
+    /// Errors: as [`Pic::prefetch`].
+    pub fn prefetch_begin(
+        &self,
+        tokens: Vec<u32>,
+        isolation: &str,
+        body_starts: &[usize],
+    ) -> Result<PrefetchJob<B::Entry>> {
+        let seg = SegmentRef {
+            tokens,
             isolation: isolation.to_string(),
-        }])?;
+        };
+        self.validate(std::slice::from_ref(&seg))?;
         let mut out = vec![(Prefetch::NotNeeded, 0); body_starts.len()];
-        let mut missing = vec![];
+        let mut missing: Vec<(usize, usize, Key)> = vec![];
         for (j, &b) in body_starts.iter().enumerate() {
-            if b > 0 && b >= tokens.len() {
+            if b > 0 && b >= seg.tokens.len() {
                 continue;
             }
-            let key = self.entry_key(tokens, isolation, b);
+            let key = self.entry_key(&seg.tokens, isolation, b);
             match self.resident_key(&key) {
                 Some(bytes) => out[j] = (Prefetch::Present, bytes),
                 None if missing.iter().any(|&(_, mb, _)| mb == b) => {}
                 None => missing.push((j, b, key)),
             }
         }
-        if missing.is_empty() {
-            return Ok(fill_duplicates(body_starts, out));
+        Ok(PrefetchJob {
+            seg,
+            body_starts: body_starts.to_vec(),
+            out,
+            missing,
+            partial: None,
+            done: 0,
+            built: None,
+        })
+    }
+
+    /// Runs up to `budget` tokens of a registration begun by [`Pic::prefetch_begin`]
+    /// and returns how many ran (0 once its entries are built). A segment that fits
+    /// the budget is built in one pass, as [`Pic::prefetch_many`] builds it; a longer
+    /// one through [`PicBackend::build_entries_start`] in pieces that are multiples of
+    /// [`PREFILL_ALIGN`] (its entries then equal the one-pass build up to fp32
+    /// rounding). With `progress`, at least one piece runs even over the budget.
+    ///
+    /// Errors: model failures (the job is then finished with that error).
+    pub fn prefetch_advance(
+        &self,
+        job: &mut PrefetchJob<B::Entry>,
+        budget: usize,
+        progress: bool,
+    ) -> Result<usize> {
+        if job.is_built() {
+            return Ok(0);
         }
-        let starts: Vec<usize> = missing.iter().map(|&(_, b, _)| b).collect();
-        let built = self.build_entries(tokens, &starts)?;
+        let m = job.seg.tokens.len();
+        let starts: Vec<usize> = job.missing.iter().map(|&(_, b, _)| b).collect();
+        if job.partial.is_none() && job.done == 0 {
+            if m <= budget || (progress && m <= PREFILL_ALIGN) {
+                job.built = Some(self.build_entries(&job.seg.tokens, &starts));
+                return Ok(m);
+            }
+            match self.backend.build_entries_start(&job.seg.tokens, &starts)? {
+                Some(p) => job.partial = Some(p),
+                None if progress => {
+                    // This backend builds an entry in one call only.
+                    job.built = Some(self.build_entries(&job.seg.tokens, &starts));
+                    return Ok(m);
+                }
+                None => return Ok(0),
+            }
+        }
+        let Some(n) = piece(m - job.done, budget, progress) else {
+            return Ok(0);
+        };
+        let partial = job.partial.as_mut().expect("a build in pieces");
+        let (from, to) = (job.done, job.done + n);
+        if let Err(e) =
+            self.backend
+                .build_entries_continue(&mut **partial, &job.seg.tokens, from, to)
+        {
+            job.partial = None;
+            job.built = Some(Err(e));
+            return Ok(n);
+        }
+        job.done = to;
+        if to == m {
+            let partial = job.partial.take().expect("a build in pieces");
+            job.built = Some(
+                self.backend
+                    .build_entries_finish(partial, &job.seg.tokens)
+                    .and_then(|v| {
+                        v.into_iter()
+                            .map(|e| {
+                                e.ok_or_else(|| Error::Input("no cache entry was built".into()))
+                            })
+                            .collect()
+                    }),
+            );
+        }
+        Ok(n)
+    }
+
+    /// Offers the entries a finished registration built to the public pool and
+    /// returns, in the order of its body starts, what happened and each entry's bytes
+    /// (as [`Pic::prefetch_many`]).
+    ///
+    /// Errors: the job is not built yet ([`PrefetchJob::is_built`]); the build's own
+    /// error.
+    pub fn prefetch_finish(&self, job: PrefetchJob<B::Entry>) -> Result<Vec<(Prefetch, usize)>> {
+        let PrefetchJob {
+            seg,
+            body_starts,
+            mut out,
+            missing,
+            built,
+            ..
+        } = job;
+        if missing.is_empty() {
+            return Ok(fill_duplicates(&body_starts, out));
+        }
+        let built = built.ok_or_else(|| {
+            Error::Input("the segment registration has not been built yet".into())
+        })??;
         for ((j, _, key), e) in missing.into_iter().zip(built) {
             let bytes = e.bytes();
-            let r = lock(&self.public).insert(key, Arc::new(e), bytes, tokens.len(), isolation);
+            let r = lock(&self.public).insert(
+                key,
+                Arc::new(e),
+                bytes,
+                seg.tokens.len(),
+                &seg.isolation,
+            );
             out[j] = match r {
                 Insert::Stored { .. } => (Prefetch::Stored, bytes),
                 Insert::Present => (Prefetch::Present, bytes),
                 Insert::NotAdmitted | Insert::NoRoom => (Prefetch::Refused, 0),
             };
         }
-        Ok(fill_duplicates(body_starts, out))
+        Ok(fill_duplicates(&body_starts, out))
     }
 
     /// The entries of `tokens` under `isolation` for each of `body_starts` (a

@@ -16,5 +16,5 @@ pub use backend::{CacheEntry, PicBackend};
 pub use cpu::CpuBackend;
 pub use engine::{
     EntryReport, MissReason, Mode, Outcome, Pic, PicEngine, PicJob, PicOutput, PicStats, Prefetch,
-    SegmentRef, SegmentStat,
+    PrefetchJob, SegmentRef, SegmentStat,
 };
