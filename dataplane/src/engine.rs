@@ -446,6 +446,8 @@ where
         job.is_built()
     }
     fn register_finish(&self, job: Self::Registration) -> Result<Vec<(Prefetch, usize)>> {
+        // The pool insert may evict, and an evicted device entry spills (a download).
+        let _serial = Pic::pic_backend(self).exclusive();
         Pic::prefetch_finish(self, job)
     }
     fn decode_batch(&self, tokens: &[u32], states: &mut [&mut B::State]) -> Result<Vec<Vec<f32>>> {

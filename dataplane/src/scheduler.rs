@@ -692,13 +692,17 @@ fn worker_loop<E: Engine>(shared: Arc<Shared>, engine: Arc<E>, cfg: SchedulerCon
                 out.extend(q.pop_front());
             }
             metrics.queue_depth.store(q.len(), Ordering::Relaxed);
-            // Registrations need no slot or KV: all are taken.
-            let regs: Vec<QueuedRegistration> = shared
-                .registrations
-                .lock()
-                .unwrap_or_else(|p| p.into_inner())
-                .drain(..)
-                .collect();
+            // Registrations need no slot or KV; at most `queue_capacity` are in
+            // progress (the rest wait in their queue, which is bounded too).
+            let regs: Vec<QueuedRegistration> = {
+                let mut rq = shared
+                    .registrations
+                    .lock()
+                    .unwrap_or_else(|p| p.into_inner());
+                let room = cfg.queue_capacity.saturating_sub(registering.len());
+                let take = room.min(rq.len());
+                rq.drain(..take).collect()
+            };
             for r in regs {
                 if r.tx.is_closed() {
                     metrics.registering.fetch_sub(1, Ordering::Relaxed);
@@ -884,7 +888,15 @@ fn worker_loop<E: Engine>(shared: Arc<Shared>, engine: Arc<E>, cfg: SchedulerCon
             metrics.registering.fetch_sub(1, Ordering::Relaxed);
             let answer = match done {
                 Some(e) => Err(e),
-                None => engine.register_finish(r.job),
+                None => std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| {
+                    engine.register_finish(r.job)
+                }))
+                .unwrap_or_else(|p| {
+                    Err(crate::Error::Device(format!(
+                        "segment registration failed: {}",
+                        panic_message(&*p)
+                    )))
+                }),
             };
             let _ = r.tx.send(answer);
         }

@@ -313,6 +313,12 @@ mod gpu {
             T::SUFFIX,
             fails.len()
         );
+        let off_on_purpose = std::env::var("HYPIC_CUDA_GRAPHS").is_ok_and(|v| v == "0");
+        if !graph.model.cuda_graphs_enabled() && !off_on_purpose {
+            fails.push(format!(
+                "{label}: CUDA graphs are unavailable (the comparison was eager against eager)"
+            ));
+        }
         if graph.model.cuda_graphs_enabled() && (st.replays == 0 || st.captures == 0) {
             fails.push(format!("{label}: the graph path never replayed ({st:?})"));
         }

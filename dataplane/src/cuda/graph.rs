@@ -804,10 +804,18 @@ where
             match self.capture(tokens, states, &mut prep, mode) {
                 Ok((graph, keep, logits, ids)) => {
                     // SAFETY: as for the replay above.
-                    unsafe {
+                    let launched = unsafe {
                         cudarc::driver::sys::cuGraphLaunch(graph.cu_graph_exec(), st.cu_stream())
                     }
-                    .result()?;
+                    .result();
+                    if let Err(e) = launched {
+                        // The capture advanced the host-side lengths and positions;
+                        // nothing ran on the device.
+                        for (s, snap) in states.iter_mut().zip(saved) {
+                            restore(s, snap);
+                        }
+                        return Err(e.into());
+                    }
                     // SAFETY: as above.
                     let lv = unsafe { View::<T>::new(st, logits.0, logits.1) };
                     let iv = ids.map(|p| unsafe { View::<u32>::new(st, p, bsz) });

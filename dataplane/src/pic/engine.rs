@@ -1755,6 +1755,10 @@ impl<B: PicBackend> Pic<B> {
                 job.built = Some(self.build_entries(&job.seg.tokens, &starts));
                 return Ok(m);
             }
+            if !progress && budget < PREFILL_ALIGN {
+                // Not even one aligned piece fits: start the build when one does.
+                return Ok(0);
+            }
             match self.backend.build_entries_start(&job.seg.tokens, &starts)? {
                 Some(p) => job.partial = Some(p),
                 None if progress => {
