@@ -98,7 +98,9 @@ def main():
             wt, ix = pr.topk(K, dim=-1)
             flat = ix.flatten()
             od = flat.argsort(stable=True)
-            of = torch.bincount(flat, minlength=E).cumsum(0).to(torch.int32)
+            cnt = torch.zeros(E, device=dev, dtype=torch.int64)
+            cnt.scatter_add_(0, flat, torch.ones_like(flat))
+            of = cnt.cumsum(0).to(torch.int32)
             xg = x[od // K]
             gu = torch._grouped_mm(xg, w_gu_t, offs=of)
             a = F.silu(gu[:, :I]) * gu[:, I:]

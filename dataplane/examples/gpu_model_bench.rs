@@ -165,11 +165,7 @@ mod bench {
     pub fn run() -> Res<()> {
         let a = parse()?;
         let c = ModelConfig::from_dir(&a.config).map_err(|e| e.to_string())?;
-        if a.decode_graphs {
-            // Graphs are opt-in; the switch is read when the device opens.
-            std::env::set_var("HYPIC_CUDA_GRAPHS", "1");
-        }
-        // The Ring / Kimi shapes run behind the experimental switch.
+        // The Kimi-Linear shapes run behind the experimental switch.
         std::env::set_var("HYPIC_CUDA_EXPERIMENTAL", "1");
         let g = Gpu::new(0).map_err(|e| e.to_string())?;
         g.warm_up().map_err(|e| e.to_string())?;

@@ -45,11 +45,6 @@ mod gpu {
         static G: OnceLock<std::result::Result<Arc<Gpu>, String>> = OnceLock::new();
         static L: Mutex<()> = Mutex::new(());
         let guard = L.lock().unwrap_or_else(|e| e.into_inner());
-        // Graphs are opt-in (`HYPIC_CUDA_GRAPHS=1`, read when the device opens), unless
-        // the run turned them off on purpose.
-        if std::env::var("HYPIC_CUDA_GRAPHS").is_err() {
-            std::env::set_var("HYPIC_CUDA_GRAPHS", "1");
-        }
         let g = G.get_or_init(|| match std::panic::catch_unwind(|| Gpu::new(0)) {
             Ok(Ok(g)) => {
                 println!("cuda_graph: device {} ({})", g.name(), g.arch());

@@ -46,9 +46,9 @@
 //! used evicted; eviction waits for the stream and gives the scratch buffers back). A
 //! capture that fails is logged once (stderr) and its key runs eagerly from then on.
 //!
-//! Switches: graphs are opt-in, `HYPIC_CUDA_GRAPHS=1` (read when the device is
-//! opened; without it the backend keeps the legacy default stream, which cannot be
-//! captured); [`GpuModel::set_cuda_graphs`] turns them off or on for one model. While a capture is open the device must not be used by another
+//! Switches: `HYPIC_CUDA_GRAPHS=0` (read when the device is opened) turns graphs off
+//! and keeps the legacy default stream; [`GpuModel::set_cuda_graphs`] turns them off or
+//! on for one model. While a capture is open the device must not be used by another
 //! thread (the engine serialises its device work).
 use std::collections::{HashMap, HashSet};
 use std::mem::ManuallyDrop;
@@ -281,8 +281,8 @@ impl<T: Elem> GpuModel<T>
 where
     cudarc::cublas::CudaBlas: cudarc::cublas::Gemm<T>,
 {
-    /// Turns the decode graphs of this model on or off (default: on with
-    /// `HYPIC_CUDA_GRAPHS=1`). Turning them off drops every recorded graph.
+    /// Turns the decode graphs of this model on or off (default: on unless
+    /// `HYPIC_CUDA_GRAPHS=0`). Turning them off drops every recorded graph.
     pub fn set_cuda_graphs(&self, on: bool) {
         let old = {
             let mut g = self.graphs.lock();
@@ -298,7 +298,7 @@ where
     }
 
     /// Whether decode steps may replay graphs: switched on, and the device's stream can
-    /// be captured (not the legacy default stream used without `HYPIC_CUDA_GRAPHS=1`).
+    /// be captured (not the legacy default stream of `HYPIC_CUDA_GRAPHS=0`).
     pub fn cuda_graphs_enabled(&self) -> bool {
         let on = self
             .graphs

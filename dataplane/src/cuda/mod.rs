@@ -201,12 +201,12 @@ fn keep_pool_memory(ctx: &Arc<CudaContext>) -> Result<()> {
 /// Bytes of the workspace given to cuBLAS ([`Gpu::blas`]): 32 MiB.
 pub const BLAS_WORKSPACE_BYTES: usize = 32 << 20;
 
-/// Whether CUDA graphs for the decode step are on: `HYPIC_CUDA_GRAPHS=1` (read when a
-/// [`Gpu`] is opened and when a model is built). Off by default until they have run on
-/// a GPU: the backend then issues its work on the device's legacy default stream and
-/// every decode step is launched kernel by kernel.
+/// Whether CUDA graphs for the decode step are on: `HYPIC_CUDA_GRAPHS` unset or any
+/// value but `0` (read when a [`Gpu`] is opened and when a model is built). With `0`
+/// the backend issues its work on the device's legacy default stream and every decode
+/// step is launched kernel by kernel.
 pub fn graphs_enabled_by_env() -> bool {
-    std::env::var("HYPIC_CUDA_GRAPHS").is_ok_and(|v| v.trim() == "1")
+    std::env::var("HYPIC_CUDA_GRAPHS").map_or(true, |v| v.trim() != "0")
 }
 
 /// Whether the CUDA driver library can be loaded at all (no device is touched).
@@ -256,7 +256,7 @@ impl Gpu {
         let name = ctx.name()?;
         // A stream of its own rather than the legacy default stream, which cannot be
         // captured into a CUDA graph (the decode step's graphs, `graph.rs`);
-        // without `HYPIC_CUDA_GRAPHS=1` the default stream is kept (no graphs).
+        // `HYPIC_CUDA_GRAPHS=0` keeps the default stream (and turns the graphs off).
         let stream = if graphs_enabled_by_env() {
             ctx.new_stream()?
         } else {

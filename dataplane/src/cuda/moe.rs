@@ -27,10 +27,9 @@
 //! [`expert_gemm`]): for few routed rows (decode) a GEMV-style kernel, one block per
 //! routed row streaming the expert's weight rows with 16-byte loads; otherwise grouped
 //! GEMMs, on tensor cores for bf16 when `hidden` and `inter` are multiples of 32
-//! (`mma.sync.m16n8k16` from PTX: 64×64×32 tiles with register prefetch of the next
-//! k-slab, [`ExpertGemm::TensorCores`]; or, opt-in with `HYPIC_MOE_LARGE_TILES=1`,
-//! 128×128×32 tiles over 8 warps with a 3-stage `cp.async` ring,
-//! [`ExpertGemm::TensorCoresLarge`]), else a
+//! (`mma.sync.m16n8k16` from PTX: by default 128×128×32 tiles over 8 warps with a
+//! 3-stage `cp.async` ring, [`ExpertGemm::TensorCoresLarge`]; the earlier 64×64×32 kernel
+//! with register prefetch, [`ExpertGemm::TensorCores`], when forced), else a
 //! shared-memory tiled fp32-FMA kernel (64×64×16 tiles, 4×4 per thread).
 //! Their reference, [`ExpertGemm::PerExpert`] (forced only), runs one cuBLAS GEMM per
 //! expert and projection over the same sorted rows.
@@ -635,8 +634,8 @@ pub enum ExpertGemm {
     /// 128 threads. Needs bf16 and `hidden`, `inter` multiples of 32.
     TensorCores,
     /// Grouped GEMM on tensor cores with 128×128×32 tiles, 256 threads and a 3-stage
-    /// `cp.async` ring in 60 KiB of dynamic shared memory (the prefill default with
-    /// `HYPIC_MOE_LARGE_TILES=1`). Needs the same shapes as [`ExpertGemm::TensorCores`].
+    /// `cp.async` ring in 60 KiB of dynamic shared memory (the prefill default). Needs
+    /// the same shapes as [`ExpertGemm::TensorCores`].
     TensorCoresLarge,
     /// The reference of the grouped kernels: one cuBLAS GEMM per expert and projection
     /// over that expert's rows of the same expert-sorted order (`gate_up` output rounded
@@ -648,18 +647,9 @@ pub enum ExpertGemm {
 /// Routed rows (`t · top_k`) up to which [`ExpertGemm::Gemv`] is chosen automatically.
 pub const GEMV_MAX_ROWS: usize = 128;
 
-/// Whether the large-tile kernels ([`ExpertGemm::TensorCoresLarge`]) are the prefill
-/// default: `HYPIC_MOE_LARGE_TILES=1` (opt-in until they have run on a GPU; they can
-/// always be forced with [`MoeWorkspace::force_expert_gemm`]).
-pub fn large_tiles_enabled() -> bool {
-    static ON: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
-    *ON.get_or_init(|| std::env::var("HYPIC_MOE_LARGE_TILES").is_ok_and(|v| v.trim() == "1"))
-}
-
 /// The expert-GEMM kernel [`moe_forward`] uses for `t` tokens: the workspace's forced
 /// choice when the shapes allow it, else `Gemv` for `t · top_k ≤` [`GEMV_MAX_ROWS`], else
-/// `TensorCoresLarge` when [`large_tiles_enabled`], else `TensorCores`, else `Simt`
-/// (the first the shapes allow).
+/// `TensorCoresLarge`, else `Simt` (the first the shapes allow).
 pub fn expert_gemm<T: Elem>(w: &MoeWeights<T>, ws: &MoeWorkspace, t: usize) -> ExpertGemm {
     // (≤ 48 KiB of staged input row: no shared-memory opt-in needed.)
     let gemv_ok = w.hidden.is_multiple_of(8)
@@ -677,10 +667,8 @@ pub fn expert_gemm<T: Elem>(w: &MoeWeights<T>, ws: &MoeWorkspace, t: usize) -> E
     }
     if gemv_ok && t * w.top_k <= GEMV_MAX_ROWS {
         ExpertGemm::Gemv
-    } else if tc_ok && large_tiles_enabled() {
-        ExpertGemm::TensorCoresLarge
     } else if tc_ok {
-        ExpertGemm::TensorCores
+        ExpertGemm::TensorCoresLarge
     } else {
         ExpertGemm::Simt
     }
