@@ -165,7 +165,7 @@ mod bench {
     pub fn run() -> Res<()> {
         let a = parse()?;
         let c = ModelConfig::from_dir(&a.config).map_err(|e| e.to_string())?;
-        // The Kimi-Linear shapes run behind the experimental switch.
+        // The Ring / Kimi shapes run in bf16 behind the experimental switch.
         std::env::set_var("HYPIC_CUDA_EXPERIMENTAL", "1");
         let g = Gpu::new(0).map_err(|e| e.to_string())?;
         g.warm_up().map_err(|e| e.to_string())?;

@@ -861,6 +861,7 @@ where
     pub fn upload_with(gpu: Arc<Gpu>, model: &Model, ffn_path: FfnPath) -> Result<Self> {
         let c = model.config.clone();
         check_config(&c)?;
+        check_dtype_gate(&c, T::SUFFIX)?;
         let g = &*gpu;
         let h = c.hidden_size;
         want("embed_tokens", &model.embed, c.vocab_size * h)?;
@@ -2829,39 +2830,51 @@ fn up_lightning<T: Elem>(
     })
 }
 
-/// Configuration limits of the GPU forward.
-pub(crate) fn check_config(c: &ModelConfig) -> Result<()> {
-    check_config_with(c, experimental_enabled())
-}
-
-/// Whether the GPU kernels of the mixers whose GPU checks are not complete (KDA and
-/// MLA: Kimi-Linear, whose bf16 greedy tokens do not yet match the CPU's) may be used:
-/// `HYPIC_CUDA_EXPERIMENTAL=1`. Their tests (`tests/cuda_kimi.rs`) turn it on.
+/// Whether the bf16 kernels of the Ring-linear and Kimi-Linear mixers (Lightning, KDA,
+/// MLA) may be used: `HYPIC_CUDA_EXPERIMENTAL=1`. Their f32 results match the CPU; in
+/// bf16 these families' logits drift further from the CPU's than the Qwen families' do
+/// on the golden fixtures, which is not understood yet. Their tests turn it on.
 pub fn experimental_enabled() -> bool {
     std::env::var("HYPIC_CUDA_EXPERIMENTAL").is_ok_and(|v| v.trim() == "1")
 }
 
-/// The mixers whose GPU kernels need [`experimental_enabled`].
-const EXPERIMENTAL_MIXERS: [MixerKind; 2] = [MixerKind::Kda, MixerKind::Mla];
+/// The mixers whose bf16 GPU kernels need [`experimental_enabled`].
+const EXPERIMENTAL_MIXERS: [MixerKind; 3] = [MixerKind::Lightning, MixerKind::Kda, MixerKind::Mla];
 
-/// [`check_config`] with the experimental switch given: without it, a model with KDA
-/// or MLA layers is refused with an error that names the switch.
-pub(crate) fn check_config_with(c: &ModelConfig, experimental: bool) -> Result<()> {
-    let bad = |m: String| Err(shape_err(m));
-    if !experimental {
-        if let Some(m) = c.mixers.iter().find(|m| EXPERIMENTAL_MIXERS.contains(m)) {
-            let kind = match m {
-                MixerKind::Kda => "KDA",
-                _ => "latent attention (MLA)",
-            };
-            return bad(format!(
-                "model_type {}: the CUDA kernels of its {kind} layers are experimental (their \
-                 GPU checks are not complete); set HYPIC_CUDA_EXPERIMENTAL=1 to use them, or \
-                 serve it with --device cpu",
-                c.model_type
-            ));
-        }
+/// Refuses a model with Lightning, KDA or MLA layers in bf16 (`dtype`: the element
+/// type's suffix) unless [`experimental_enabled`], with an error naming the switch.
+pub(crate) fn check_dtype_gate(c: &ModelConfig, dtype: &str) -> Result<()> {
+    check_dtype_gate_with(c, dtype, experimental_enabled())
+}
+
+/// [`check_dtype_gate`] with the switch given.
+pub(crate) fn check_dtype_gate_with(
+    c: &ModelConfig,
+    dtype: &str,
+    experimental: bool,
+) -> Result<()> {
+    if dtype != "bf16" || experimental {
+        return Ok(());
     }
+    if let Some(m) = c.mixers.iter().find(|m| EXPERIMENTAL_MIXERS.contains(m)) {
+        let kind = match m {
+            MixerKind::Lightning => "Lightning attention",
+            MixerKind::Kda => "KDA",
+            _ => "latent attention (MLA)",
+        };
+        return Err(shape_err(format!(
+            "model_type {}: the bf16 CUDA kernels of its {kind} layers are experimental \
+             (f32 matches the CPU); use --dtype f32, set HYPIC_CUDA_EXPERIMENTAL=1, or serve \
+             it with --device cpu",
+            c.model_type
+        )));
+    }
+    Ok(())
+}
+
+/// Configuration limits of the GPU forward.
+pub(crate) fn check_config(c: &ModelConfig) -> Result<()> {
+    let bad = |m: String| Err(shape_err(m));
     if c.mixers.len() != c.num_layers || c.layer_is_moe.len() != c.num_layers {
         return bad(format!(
             "config lists {} layer kinds / {} MoE flags for {} layers",
@@ -3112,46 +3125,34 @@ mod tests {
         ModelConfig::from_dir(&dir).unwrap_or_else(|e| panic!("{name}: {e}"))
     }
 
-    /// The Ring-linear shapes (the golden fixture and the published Ring-mini /
-    /// Ring-flash configs) pass the GPU's configuration check; the Kimi-Linear shapes
-    /// pass it with the experimental switch on and are refused with an error naming
-    /// the switch without it. No device needed.
+    /// The Ring-linear and Kimi-Linear shapes (the golden fixtures and the published
+    /// Ring-mini / Ring-flash / Kimi-Linear-48B configs) pass the GPU's configuration
+    /// check; in bf16 they are refused without the experimental switch, with an error
+    /// naming it, and pass with it; f32 and the Qwen families need no switch. No device
+    /// needed.
     #[test]
-    fn ring_configs_pass_the_gpu_check_and_kimi_only_when_experimental() {
+    fn ring_and_kimi_pass_the_gpu_check_bf16_only_when_experimental() {
         for name in [
             "tests/fixtures/golden/bailing_moe_linear",
             "../benches/configs/ring_mini_linear_2_0",
             "../benches/configs/ring_flash_linear_2_0",
-            "tests/fixtures/golden/qwen3_next",
-        ] {
-            let c = config(name);
-            check_config_with(&c, false).unwrap_or_else(|e| panic!("{name}: {e}"));
-        }
-        for name in [
             "tests/fixtures/golden/kimi_linear",
             "../benches/configs/kimi_linear_48b_a3b",
         ] {
             let c = config(name);
-            check_config_with(&c, true).unwrap_or_else(|e| panic!("{name}: {e}"));
-            let e = check_config_with(&c, false).unwrap_err().to_string();
+            check_config(&c).unwrap_or_else(|e| panic!("{name}: {e}"));
+            assert!(super::super::random::check_moe_config(&c).is_ok(), "{name}");
+            check_dtype_gate_with(&c, "f32", false).unwrap();
+            check_dtype_gate_with(&c, "bf16", true).unwrap();
+            let e = check_dtype_gate_with(&c, "bf16", false)
+                .unwrap_err()
+                .to_string();
             assert!(
-                e.contains(&c.model_type)
-                    && e.contains("KDA")
-                    && e.contains("HYPIC_CUDA_EXPERIMENTAL=1"),
+                e.contains(&c.model_type) && e.contains("HYPIC_CUDA_EXPERIMENTAL=1"),
                 "{e}"
             );
         }
-        for name in [
-            "tests/fixtures/golden/bailing_moe_linear",
-            "../benches/configs/ring_mini_linear_2_0",
-            "../benches/configs/ring_flash_linear_2_0",
-            "tests/fixtures/golden/kimi_linear",
-            "../benches/configs/kimi_linear_48b_a3b",
-        ] {
-            assert!(
-                super::super::random::check_moe_config(&config(name)).is_ok(),
-                "{name}"
-            );
-        }
+        let q = config("tests/fixtures/golden/qwen3_next");
+        check_dtype_gate_with(&q, "bf16", false).unwrap();
     }
 }
