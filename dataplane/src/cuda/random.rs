@@ -355,23 +355,37 @@ where
                     })
                 }
                 MixerKind::Attention => {
-                    // Fused rows q | k | v, each its own tensor id (as the CPU model).
+                    // Fused rows q | k | v: one tensor id each for the split layout, one
+                    // for a stored `query_key_value` (as the CPU model).
                     let qw = nh * hd * if c.attn_output_gate { 2 } else { 1 };
                     let kvw = nkv * hd;
                     let mut qkv = alloc::<T>(g, (qw + 2 * kvw) * h)?;
                     let lb = rnd::linear_bound();
                     let id = |s| rnd::tensor_id(Some(l), s);
-                    fill_sym(g, &mut qkv, 0, qw * h, seed, id(rnd::SLOT_ATTN_Q), lb)?;
-                    fill_sym(g, &mut qkv, qw * h, kvw * h, seed, id(rnd::SLOT_ATTN_K), lb)?;
-                    fill_sym(
-                        g,
-                        &mut qkv,
-                        (qw + kvw) * h,
-                        kvw * h,
-                        seed,
-                        id(rnd::SLOT_ATTN_V),
-                        lb,
-                    )?;
+                    if c.attn_proj == crate::config::AttnProjLayout::FusedQkv {
+                        // One stored `query_key_value` tensor (as the CPU model).
+                        fill_sym(
+                            g,
+                            &mut qkv,
+                            0,
+                            (qw + 2 * kvw) * h,
+                            seed,
+                            id(rnd::SLOT_ATTN_QKV),
+                            lb,
+                        )?;
+                    } else {
+                        fill_sym(g, &mut qkv, 0, qw * h, seed, id(rnd::SLOT_ATTN_Q), lb)?;
+                        fill_sym(g, &mut qkv, qw * h, kvw * h, seed, id(rnd::SLOT_ATTN_K), lb)?;
+                        fill_sym(
+                            g,
+                            &mut qkv,
+                            (qw + kvw) * h,
+                            kvw * h,
+                            seed,
+                            id(rnd::SLOT_ATTN_V),
+                            lb,
+                        )?;
+                    }
                     MixerW::Attention(AttnW {
                         qkv,
                         o: lin(g, h * nh * hd, seed, Some(l), rnd::SLOT_ATTN_O)?,
