@@ -708,14 +708,8 @@ fn worker_loop<E: Engine>(shared: Arc<Shared>, engine: Arc<E>, cfg: SchedulerCon
                     metrics.registering.fetch_sub(1, Ordering::Relaxed);
                     continue;
                 }
-                let begun = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| {
+                let begun = registration_guard(|| {
                     engine.register_begin(r.tokens, &r.isolation, &r.body_starts)
-                }))
-                .unwrap_or_else(|p| {
-                    Err(crate::Error::Device(format!(
-                        "segment registration failed: {}",
-                        panic_message(&*p)
-                    )))
                 });
                 match begun {
                     Ok(job) => registering.push_back(Registering { job, tx: r.tx }),
@@ -860,15 +854,7 @@ fn worker_loop<E: Engine>(shared: Arc<Shared>, engine: Arc<E>, cfg: SchedulerCon
                 metrics.registering.fetch_sub(1, Ordering::Relaxed);
                 continue;
             }
-            let res = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| {
-                engine.register_advance(&mut r.job, left, head)
-            }))
-            .unwrap_or_else(|p| {
-                Err(crate::Error::Device(format!(
-                    "segment registration failed: {}",
-                    panic_message(&*p)
-                )))
-            });
+            let res = registration_guard(|| engine.register_advance(&mut r.job, left, head));
             let done = match res {
                 Ok(used) => {
                     left = left.saturating_sub(used);
@@ -888,15 +874,7 @@ fn worker_loop<E: Engine>(shared: Arc<Shared>, engine: Arc<E>, cfg: SchedulerCon
             metrics.registering.fetch_sub(1, Ordering::Relaxed);
             let answer = match done {
                 Some(e) => Err(e),
-                None => std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| {
-                    engine.register_finish(r.job)
-                }))
-                .unwrap_or_else(|p| {
-                    Err(crate::Error::Device(format!(
-                        "segment registration failed: {}",
-                        panic_message(&*p)
-                    )))
-                }),
+                None => registration_guard(|| engine.register_finish(r.job)),
             };
             let _ = r.tx.send(answer);
         }
@@ -1118,6 +1096,17 @@ fn constraint_error(message: &str) -> GenEvent {
         kind: ErrorKind::Internal,
         message: format!("constrained decoding failed: {message}"),
     }
+}
+
+/// Runs one step of a segment registration, turning a panic into a device error (the
+/// worker thread and the running sequences survive it).
+fn registration_guard<T>(f: impl FnOnce() -> crate::Result<T>) -> crate::Result<T> {
+    std::panic::catch_unwind(std::panic::AssertUnwindSafe(f)).unwrap_or_else(|p| {
+        Err(crate::Error::Device(format!(
+            "segment registration failed: {}",
+            panic_message(&*p)
+        )))
+    })
 }
 
 fn panic_message(p: &(dyn std::any::Any + Send)) -> String {

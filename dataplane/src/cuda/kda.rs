@@ -16,7 +16,7 @@
 use cudarc::driver::{LaunchConfig, PushKernelArg};
 
 use super::compile::KDA;
-use super::{check_len, CudaError, CudaSlice, Elem, Gpu, Result, Scratch};
+use super::{check_len, dim_i32, shape_err, CudaSlice, Elem, Gpu, Result, Scratch};
 use crate::mixers::gated_deltanet::GdrDims;
 
 /// Tokens per chunk of [`chunked`] (the CPU's `mixers::kda::KDA_CHUNK`).
@@ -25,14 +25,6 @@ pub const CHUNK: usize = crate::mixers::kda::KDA_CHUNK;
 /// Spans of at least this many tokens take [`chunked`] in the forward; shorter ones
 /// (decode, seam windows) [`recurrent`] (the CPU layer's `NAIVE_MAX`).
 pub const CHUNKED_MIN_TOKENS: usize = crate::mixers::kda::layer::NAIVE_MAX;
-
-fn shape(msg: String) -> CudaError {
-    CudaError::Shape(msg)
-}
-
-fn i32_of(name: &str, v: usize) -> Result<i32> {
-    i32::try_from(v).map_err(|_| shape(format!("{name} = {v} does not fit in i32")))
-}
 
 #[allow(clippy::too_many_arguments)]
 fn check<T: Elem>(
@@ -46,7 +38,7 @@ fn check<T: Elem>(
     out: &CudaSlice<T>,
 ) -> Result<()> {
     if d.hk == 0 || !d.hv.is_multiple_of(d.hk) {
-        return Err(shape(format!(
+        return Err(shape_err(format!(
             "KDA: Hv {} must be a multiple of Hk {}",
             d.hv, d.hk
         )));
@@ -79,39 +71,17 @@ pub fn recurrent<T: Elem>(
     out: &mut CudaSlice<T>,
 ) -> Result<()> {
     check(d, q, k, v, g, beta, state, out)?;
-    if d.t == 0 || d.hv == 0 || d.dv == 0 {
-        return Ok(());
-    }
-    let f = gpu.function(&KDA, &format!("kda_recurrent_{}", T::SUFFIX), 0)?;
-    let block = 64u32;
-    let cfg = LaunchConfig {
-        grid_dim: (d.hv as u32, d.dv.div_ceil(block as usize) as u32, 1),
-        block_dim: (block, 1, 1),
-        shared_mem_bytes: 0,
-    };
-    let (t, hk, hv, dk, dv) = (
-        i32_of("t", d.t)?,
-        i32_of("Hk", d.hk)?,
-        i32_of("Hv", d.hv)?,
-        i32_of("dk", d.dk)?,
-        i32_of("dv", d.dv)?,
-    );
-    let mut b = gpu.stream().launch_builder(&f);
-    b.arg(q)
-        .arg(k)
-        .arg(v)
-        .arg(g)
-        .arg(beta)
-        .arg(state)
-        .arg(out)
-        .arg(&t)
-        .arg(&hk)
-        .arg(&hv)
-        .arg(&dk)
-        .arg(&dv);
-    // SAFETY: matches `kda_recurrent_*`; lengths checked above.
-    unsafe { b.launch(cfg) }?;
-    Ok(())
+    super::model::launch_recurrence(
+        gpu,
+        &KDA,
+        &format!("kda_recurrent_{}", T::SUFFIX),
+        d,
+        [q, k, v],
+        g,
+        beta,
+        state,
+        out,
+    )
 }
 
 /// Floats of workspace per head of [`chunked`] (`kda_ws_per_head` in kda.cu).
@@ -143,7 +113,7 @@ pub fn chunked<T: Elem>(
 ) -> Result<()> {
     check(d, q, k, v, g, beta, state, out)?;
     if chunk == 0 {
-        return Err(shape("KDA chunk must be > 0".into()));
+        return Err(shape_err("KDA chunk must be > 0".into()));
     }
     if let Some(tr) = &trans {
         check_len("transition [Hv,dk,dk]", tr, d.hv * d.dk * d.dk)?;
@@ -160,12 +130,12 @@ pub fn chunked<T: Elem>(
         shared_mem_bytes: 0,
     };
     let (t, hk, hv, dk, dv, ch) = (
-        i32_of("t", d.t)?,
-        i32_of("Hk", d.hk)?,
-        i32_of("Hv", d.hv)?,
-        i32_of("dk", d.dk)?,
-        i32_of("dv", d.dv)?,
-        i32_of("chunk", chunk)?,
+        dim_i32("t", d.t)?,
+        dim_i32("Hk", d.hk)?,
+        dim_i32("Hv", d.hv)?,
+        dim_i32("dk", d.dk)?,
+        dim_i32("dv", d.dv)?,
+        dim_i32("chunk", chunk)?,
     );
     let null: u64 = 0;
     let mut b = gpu.stream().launch_builder(&f);

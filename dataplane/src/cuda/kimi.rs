@@ -25,16 +25,13 @@ use cudarc::cublas::{CudaBlas, Gemm};
 use cudarc::driver::{LaunchConfig, PushKernelArg};
 
 use super::compile::{KDA, MLA};
-use super::model::{attn_generic, GpuKv, GpuModel};
+use super::model::{attn_generic, GpuKv, GpuModel, L2_EPS};
 use super::transition::DensePair;
 use super::{
-    blas, check_len, gdr, grid_for, kda, ops, CudaError, CudaSlice, Elem, Result, Scratch,
+    blas, cfg1, check_len, dim_i32, gdr, kda, ops, shape_err, CudaSlice, Elem, Result, Scratch,
 };
 use crate::config::ModelConfig;
 use crate::mixers::gated_deltanet::GdrDims;
-
-/// L2-norm epsilon of KDA's q and k (as the CPU layer).
-const L2_EPS: f32 = 1e-6;
 
 /// KDA weights on the device.
 pub(crate) struct KdaW<T> {
@@ -90,22 +87,6 @@ pub(crate) fn mla_in_width(c: &ModelConfig) -> usize {
 /// Width of MLA's output before `o_proj`: `H·v`.
 pub(crate) fn mla_mid_width(c: &ModelConfig) -> usize {
     c.num_heads * c.mla.v_head_dim
-}
-
-fn shape(msg: String) -> CudaError {
-    CudaError::Shape(msg)
-}
-
-fn i32_of(name: &str, v: usize) -> Result<i32> {
-    i32::try_from(v).map_err(|_| shape(format!("{name} = {v} does not fit in i32")))
-}
-
-fn cfg1(n: usize) -> LaunchConfig {
-    LaunchConfig {
-        grid_dim: (grid_for(n, 256), 1, 1),
-        block_dim: (256, 1, 1),
-        shared_mem_bytes: 0,
-    }
 }
 
 impl<T: Elem> GpuModel<T>
@@ -172,11 +153,11 @@ where
         let mut beta: Scratch<f32> = g.scratch(t * nh)?;
         {
             let f = g.function(&KDA, &format!("kda_prep_{}", T::SUFFIX), 0)?;
-            let (nhi, di, ni) = (i32_of("H", nh)?, i32_of("d", d)?, i32_of("n_in", n_in)?);
+            let (nhi, di, ni) = (dim_i32("H", nh)?, dim_i32("d", d)?, dim_i32("n_in", n_in)?);
             let scale = (d as f32).powf(-0.5);
             let eps = L2_EPS;
             let cfg = LaunchConfig {
-                grid_dim: (i32_of("t", t)? as u32, (2 * nh + 1) as u32, 1),
+                grid_dim: (dim_i32("t", t)? as u32, (2 * nh + 1) as u32, 1),
                 block_dim: (128, 1, 1),
                 shared_mem_bytes: 0,
             };
@@ -204,7 +185,7 @@ where
         {
             let f = g.function(&KDA, &format!("kda_gate_{}", T::SUFFIX), 0)?;
             let n = (t * wd) as i64;
-            let (wdi, di) = (i32_of("H·d", wd)?, i32_of("d", d)?);
+            let (wdi, di) = (dim_i32("H·d", wd)?, dim_i32("d", d)?);
             let mut b = g.stream().launch_builder(&f);
             b.arg(&fb)
                 .arg(&w.neg_a)
@@ -236,9 +217,9 @@ where
         {
             check_len("o_norm", &w.o_norm, d)?;
             let f = g.function(&KDA, &format!("kda_gated_norm_{}", T::SUFFIX), 0)?;
-            let (di, eps) = (i32_of("d", d)?, c.rms_norm_eps);
+            let (di, eps) = (dim_i32("d", d)?, c.rms_norm_eps);
             let cfg = LaunchConfig {
-                grid_dim: (i32_of("t·H", t * nh)? as u32, 1, 1),
+                grid_dim: (dim_i32("t·H", t * nh)? as u32, 1, 1),
                 block_dim: (if d <= 512 { 128 } else { 256 }, 1, 1),
                 shared_mem_bytes: 0,
             };
@@ -401,7 +382,7 @@ where
         check_len("MLA projection [t, n_in]", proj, t * n_in)?;
         check_len("positions", pos, t)?;
         if kv.row != row {
-            return Err(shape(format!(
+            return Err(shape_err(format!(
                 "MLA KV row width {} but the model needs {row}",
                 kv.row
             )));
@@ -411,14 +392,14 @@ where
             check_len("kv_a_layernorm", &w.kv_norm, r)?;
             let f = g.function(&MLA, &format!("mla_rows_{}", T::SUFFIX), 0)?;
             let (ni, off, ri, rowi) = (
-                i32_of("n_in", n_in)?,
-                i32_of("H·qk_head_dim", nh * qkd)?,
-                i32_of("kv_lora_rank", r)?,
-                i32_of("row", row)?,
+                dim_i32("n_in", n_in)?,
+                dim_i32("H·qk_head_dim", nh * qkd)?,
+                dim_i32("kv_lora_rank", r)?,
+                dim_i32("row", row)?,
             );
             let eps = c.rms_norm_eps;
             let cfg = LaunchConfig {
-                grid_dim: (i32_of("t", t)? as u32, 1, 1),
+                grid_dim: (dim_i32("t", t)? as u32, 1, 1),
                 block_dim: (128, 1, 1),
                 shared_mem_bytes: 0,
             };
@@ -441,12 +422,12 @@ where
             let f = g.function(&MLA, &format!("mla_absorb_q_{}", T::SUFFIX), 0)?;
             let fix = ((row as f32) / (qkd as f32)).sqrt();
             let (ni, ti, nhi, nopei, ropei, ri) = (
-                i32_of("n_in", n_in)?,
-                i32_of("t", t)?,
-                i32_of("heads", nh)?,
-                i32_of("qk_nope_head_dim", nope)?,
-                i32_of("qk_rope_head_dim", rope)?,
-                i32_of("kv_lora_rank", r)?,
+                dim_i32("n_in", n_in)?,
+                dim_i32("t", t)?,
+                dim_i32("heads", nh)?,
+                dim_i32("qk_nope_head_dim", nope)?,
+                dim_i32("qk_rope_head_dim", rope)?,
+                dim_i32("kv_lora_rank", r)?,
             );
             let mut b = g.stream().launch_builder(&f);
             b.arg(proj)
@@ -482,11 +463,11 @@ where
         {
             let f = g.function(&MLA, &format!("mla_expand_{}", T::SUFFIX), 0)?;
             let (ti, nhi, vdi, ri, rowi) = (
-                i32_of("t", t)?,
-                i32_of("heads", nh)?,
-                i32_of("v_head_dim", vd)?,
-                i32_of("kv_lora_rank", r)?,
-                i32_of("row", row)?,
+                dim_i32("t", t)?,
+                dim_i32("heads", nh)?,
+                dim_i32("v_head_dim", vd)?,
+                dim_i32("kv_lora_rank", r)?,
+                dim_i32("row", row)?,
             );
             let mut b = g.stream().launch_builder(&f);
             b.arg(&lat)

@@ -26,7 +26,7 @@
 use cudarc::driver::{LaunchConfig, PushKernelArg};
 
 use super::compile::LIGHTNING;
-use super::{check_len, grid_for, CudaError, CudaSlice, Elem, Gpu, Result};
+use super::{cfg1, check_len, dim_i32, shape_err, CudaSlice, Elem, Gpu, Result};
 use crate::mixers::lightning::LightningDims;
 
 /// Chunk length of [`chunked`] (`LT_C` in lightning.cu).
@@ -53,22 +53,6 @@ pub struct LightningW<T> {
     pub log_decay: CudaSlice<f32>,
     /// The same log decays on the host (for the scalar transitions of PIC pairs).
     pub log_decay_host: Vec<f32>,
-}
-
-fn shape_err(m: String) -> CudaError {
-    CudaError::Shape(m)
-}
-
-fn dim(name: &str, v: usize) -> Result<i32> {
-    i32::try_from(v).map_err(|_| shape_err(format!("{name} = {v} does not fit in i32")))
-}
-
-fn cfg1(n: usize) -> LaunchConfig {
-    LaunchConfig {
-        grid_dim: (grid_for(n, 256), 1, 1),
-        block_dim: (256, 1, 1),
-        shared_mem_bytes: 0,
-    }
 }
 
 /// Step 2 of the layer: from `proj` (`[t, ld]` in `T`, columns `q | k | v` of `H·d`
@@ -118,16 +102,16 @@ pub fn prep<T: Elem>(
     }
     let f = gpu.function(&LIGHTNING, &format!("lt_prep_{}", T::SUFFIX), 0)?;
     let cfg = LaunchConfig {
-        grid_dim: (dim("t", t)? as u32, dim("3·H", 3 * h)? as u32, 1),
+        grid_dim: (dim_i32("t", t)? as u32, dim_i32("3·H", 3 * h)? as u32, 1),
         block_dim: (if d <= 64 { 32 } else { 128 }, 1, 1),
         shared_mem_bytes: ((d + 32) * 4) as u32,
     };
     let (ldi, roti, si, hi, di) = (
-        dim("ld", ld)?,
+        dim_i32("ld", ld)?,
         rot as i32,
         i32::from(silu),
-        dim("H", h)?,
-        dim("d", d)?,
+        dim_i32("H", h)?,
+        dim_i32("d", d)?,
     );
     let null: u64 = 0;
     let mut b = gpu.stream().launch_builder(&f);
@@ -202,10 +186,10 @@ pub fn recurrent(
         shared_mem_bytes: 0,
     };
     let (ti, hi, dki, dvi) = (
-        dim("t", d.t)?,
-        dim("H", d.h)?,
-        dim("dk", d.dk)?,
-        dim("dv", d.dv)?,
+        dim_i32("t", d.t)?,
+        dim_i32("H", d.h)?,
+        dim_i32("dk", d.dk)?,
+        dim_i32("dv", d.dv)?,
     );
     let mut b = gpu.stream().launch_builder(&f);
     b.arg(q)
@@ -274,10 +258,10 @@ pub fn chunked(
         shared_mem_bytes: smem as u32,
     };
     let (ti, hi, dki, dvi) = (
-        dim("t", d.t)?,
-        dim("H", d.h)?,
-        dim("dk", d.dk)?,
-        dim("dv", d.dv)?,
+        dim_i32("t", d.t)?,
+        dim_i32("H", d.h)?,
+        dim_i32("dk", d.dk)?,
+        dim_i32("dv", d.dv)?,
     );
     let null: u64 = 0;
     let mut b = gpu.stream().launch_builder(&f);
@@ -338,14 +322,14 @@ pub fn chunked_two_pass(
     let (h, dk, dv) = (d.h, d.dk, d.dv);
     let per = h * dk * dv;
     let mut hs: super::Scratch<f32> = gpu.scratch(SLAB.min(d.t).div_ceil(CHUNK) * per)?;
-    let (hi, dki, dvi) = (dim("H", h)?, dim("dk", dk)?, dim("dv", dv)?);
+    let (hi, dki, dvi) = (dim_i32("H", h)?, dim_i32("dk", dk)?, dim_i32("dv", dv)?);
     let tiles = dv.div_ceil(BV) as u32;
     let (wk, wv) = (h * dk, h * dv);
     let mut a = 0;
     while a < d.t {
         let n = SLAB.min(d.t - a);
         let nch = n.div_ceil(CHUNK);
-        let ni = dim("slab", n)?;
+        let ni = dim_i32("slab", n)?;
         let qs = q.slice(a * wk..(a + n) * wk);
         let ks = k.slice(a * wk..(a + n) * wk);
         let vs = v.slice(a * wv..(a + n) * wv);
@@ -451,15 +435,19 @@ pub fn out<T: Elem>(
     }
     let f = gpu.function(&LIGHTNING, &format!("lt_out_{}", T::SUFFIX), 0)?;
     let cfg = LaunchConfig {
-        grid_dim: (dim("t", t)? as u32, dim("groups", groups)? as u32, 1),
+        grid_dim: (
+            dim_i32("t", t)? as u32,
+            dim_i32("groups", groups)? as u32,
+            1,
+        ),
         block_dim: (128, 1, 1),
         shared_mem_bytes: 0,
     };
     let (ldi, gci, wi, gi) = (
-        dim("ld", ld)?,
-        dim("gate column", gate_col)?,
-        dim("W", w)?,
-        dim("groups", groups)?,
+        dim_i32("ld", ld)?,
+        dim_i32("gate column", gate_col)?,
+        dim_i32("W", w)?,
+        dim_i32("groups", groups)?,
     );
     let mut b = gpu.stream().launch_builder(&f);
     b.arg(o)
@@ -500,7 +488,12 @@ pub fn rotate_state(
         return Ok(());
     }
     let f = gpu.function(&LIGHTNING, "lt_rotate_state", 0)?;
-    let (hi, dki, dvi, ri) = (dim("H", h)?, dim("dk", dk)?, dim("dv", dv)?, rot as i32);
+    let (hi, dki, dvi, ri) = (
+        dim_i32("H", h)?,
+        dim_i32("dk", dk)?,
+        dim_i32("dv", dv)?,
+        rot as i32,
+    );
     let mut l = gpu.stream().launch_builder(&f);
     l.arg(state)
         .arg(&hi)
@@ -535,7 +528,7 @@ pub fn scalar_apply(
         return Ok(());
     }
     let f = gpu.function(&LIGHTNING, "lt_scalar_apply", 0)?;
-    let (hi, ph, ni) = (dim("H", h)?, per_head as i64, i32::from(naive));
+    let (hi, ph, ni) = (dim_i32("H", h)?, per_head as i64, i32::from(naive));
     let mut l = gpu.stream().launch_builder(&f);
     l.arg(state).arg(trans).arg(b).arg(&hi).arg(&ph).arg(&ni);
     // SAFETY: matches `lt_scalar_apply`; lengths checked above.

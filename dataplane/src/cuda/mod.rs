@@ -519,3 +519,24 @@ pub(crate) fn check_len<T>(name: &str, buf: &CudaSlice<T>, need: usize) -> Resul
 pub(crate) fn grid_for(n: usize, block: u32) -> u32 {
     (n.div_ceil(block as usize)).clamp(1, 65_535 * 16) as u32
 }
+
+/// 1-D launch configuration of a grid-stride kernel over `n` items (256 threads).
+pub(crate) fn cfg1(n: usize) -> cudarc::driver::LaunchConfig {
+    cudarc::driver::LaunchConfig {
+        grid_dim: (grid_for(n, 256), 1, 1),
+        block_dim: (256, 1, 1),
+        shared_mem_bytes: 0,
+    }
+}
+
+/// [`CudaError::Shape`] with `msg`.
+pub(crate) fn shape_err(msg: String) -> CudaError {
+    CudaError::Shape(msg)
+}
+
+/// `v` as an `i32` kernel argument.
+///
+/// Errors: [`CudaError::Shape`] naming `name` when `v` does not fit in `i32`.
+pub(crate) fn dim_i32(name: &str, v: usize) -> Result<i32> {
+    i32::try_from(v).map_err(|_| shape_err(format!("{name} = {v} does not fit in i32")))
+}

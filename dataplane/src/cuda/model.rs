@@ -64,8 +64,8 @@ use super::lightning::{self as lt, LightningW};
 use super::ops::NormKind;
 use super::transition::{DensePair, ScalarPair};
 use super::{
-    attn, blas, check_len, gdr, grid_for, moe, ops, CudaError, CudaSlice, Elem, Gpu, Result,
-    Scratch,
+    attn, blas, cfg1, check_len, dim_i32, gdr, moe, ops, shape_err, CudaError, CudaSlice, Elem,
+    Gpu, Result, Scratch,
 };
 use crate::config::{MixerKind, ModelConfig};
 use crate::mixers::gated_deltanet::layer::CHUNKED_MIN_TOKENS;
@@ -115,8 +115,8 @@ const GDR_REC_DK: [usize; 3] = [64, 128, 256];
 const ATTN_GENERIC_MAX_HD: usize = 1024;
 /// Key tile of the generic attention kernel (`ATG_TILE` in model.cu).
 const ATG_TILE: usize = 256;
-/// L2-norm epsilon of q/k in the GDN (FLA `l2norm`, as `ops::l2_normalize`).
-const L2_EPS: f32 = 1e-6;
+/// L2-norm epsilon of q/k in the GDN and KDA (FLA `l2norm`, as `ops::l2_normalize`).
+pub(crate) const L2_EPS: f32 = 1e-6;
 
 /// Gated DeltaNet weights on the device.
 pub(crate) struct GdnW<T> {
@@ -589,10 +589,6 @@ pub struct GpuState<T: Elem> {
     pub next_position: i64,
 }
 
-fn shape_err(msg: String) -> CudaError {
-    CudaError::Shape(msg)
-}
-
 /// Prefixes an error's message with where it happened, keeping its kind. Kernel
 /// faults are asynchronous: without [`GpuModel::prefill_traced`] (which waits after
 /// every mixer and FFN) a fault may be reported by a later stage.
@@ -827,19 +823,6 @@ impl<T: Elem> GpuState<T> {
             })
             .sum()
     }
-}
-
-/// 1-D launch configuration of a grid-stride kernel over `n` items.
-fn cfg1(n: usize) -> LaunchConfig {
-    LaunchConfig {
-        grid_dim: (grid_for(n, 256), 1, 1),
-        block_dim: (256, 1, 1),
-        shared_mem_bytes: 0,
-    }
-}
-
-fn dim_i32(name: &str, v: usize) -> Result<i32> {
-    i32::try_from(v).map_err(|_| shape_err(format!("{name} = {v} does not fit in i32")))
 }
 
 impl<T: Elem> GpuModel<T>
@@ -3008,10 +2991,42 @@ pub fn gdr_generic<T: Elem>(
     check_len("beta [T,Hv]", beta, d.t * d.hv)?;
     check_len("state [Hv,dk,dv]", state, d.hv * d.dk * d.dv)?;
     check_len("o [T,Hv,dv]", out, d.t * d.hv * d.dv)?;
+    launch_recurrence(
+        gpu,
+        &MODEL,
+        &format!("gdr_generic_{}", T::SUFFIX),
+        d,
+        [q, k, v],
+        g,
+        beta,
+        state,
+        out,
+    )
+}
+
+/// Launches a per-token recurrence kernel of the `gdr_generic_*` argument list
+/// (`q, k, v, g, beta, state, out, T, Hk, Hv, dk, dv`; grid `(Hv, ⌈dv/64⌉)`, 64 threads):
+/// the gated delta rule (`g: [T, Hv]`) and KDA (`g: [T, Hv, dk]`,
+/// `kda_recurrent_*`). The caller checks the buffer lengths for its kernel; nothing is
+/// launched for an empty span.
+///
+/// Errors: a dimension over `i32`; driver errors.
+#[allow(clippy::too_many_arguments)]
+pub(crate) fn launch_recurrence<T: Elem>(
+    gpu: &Gpu,
+    src: &super::compile::KernelSource,
+    name: &str,
+    d: &GdrDims,
+    [q, k, v]: [&CudaSlice<T>; 3],
+    g: &CudaSlice<f32>,
+    beta: &CudaSlice<f32>,
+    state: &mut CudaSlice<f32>,
+    out: &mut CudaSlice<T>,
+) -> Result<()> {
     if d.t == 0 || d.hv == 0 || d.dv == 0 {
         return Ok(());
     }
-    let f = gpu.function(&MODEL, &format!("gdr_generic_{}", T::SUFFIX), 0)?;
+    let f = gpu.function(src, name, 0)?;
     let block = 64u32;
     let cfg = LaunchConfig {
         grid_dim: (d.hv as u32, d.dv.div_ceil(block as usize) as u32, 1),
@@ -3038,7 +3053,7 @@ pub fn gdr_generic<T: Elem>(
         .arg(&hv)
         .arg(&dk)
         .arg(&dv);
-    // SAFETY: matches `gdr_generic_*`; lengths checked above.
+    // SAFETY: `name` takes this argument list; the caller checked the lengths.
     unsafe { b.launch(cfg) }?;
     Ok(())
 }
