@@ -677,6 +677,11 @@ async function main() {
     assert.match(await focused(), /^h2\|\|Version 1 → 2/, "focus moves into the opened diff");
     await kp.keyboard.press("Escape");
     await kdiff.waitFor({ state: "detached" });
+    // Focus moves back in the close's own render; the wait only absorbs a slow
+    // machine's scheduling, a wrong target still fails with what has focus.
+    await kp
+      .waitForFunction(() => document.activeElement?.textContent?.trim() === "diff from v1", null, { timeout: 5000 })
+      .catch(() => {});
     assert.equal(await focused(), "button||diff from v1", "focus returns to the button that opened it");
     // Readable at 1280 px: nothing wider than the window.
     const wide = await kp.evaluate(() => document.documentElement.scrollWidth);

@@ -106,11 +106,14 @@ export function when(ms: number | null | undefined): string {
  */
 export function useDialog(close: () => void) {
   const titleRef = useRef<HTMLHeadingElement>(null);
+  // The opener is read while the panel first renders, in the same task as the
+  // click or key press that opened it, not later in the effect: by then focus may
+  // already have moved.
+  const [opener] = useState(() => document.activeElement as HTMLElement | null);
   useEffect(() => {
-    const opener = document.activeElement as HTMLElement | null;
     titleRef.current?.focus();
     return () => {
-      if (opener && opener.isConnected) opener.focus();
+      if (opener && opener !== document.body && opener.isConnected) opener.focus();
     };
   }, []);
   const onKeyDown = (e: KeyboardEvent) => {
