@@ -66,6 +66,15 @@ __device__ void conv1d_update_impl(const T* x, const float* w, float* tail, T* y
     extern "C" __global__ void conv1d_update_##S(const T* x, const float* w, float* tail, T* y,     \
                                                  int C, int K, int silu) {                          \
         conv1d_update_impl<T>(x, w, tail, y, C, K, silu);                                           \
+    }                                                                                               \
+    /* One decode token for each of B sequences: row b reads x + b·x_stride, updates the    */     \
+    /* tail at address tails[b] ([C, K−1] fp32) and writes y + b·C. grid (ceil(C/256), B).  */     \
+    extern "C" __global__ void conv1d_update_rows_##S(const T* x, int x_stride, const float* w,     \
+                                                      const unsigned long long* tails, T* y, int C, \
+                                                      int K, int silu) {                            \
+        const size_t b = blockIdx.y;                                                                \
+        conv1d_update_impl<T>(x + b * x_stride, w, reinterpret_cast<float*>(tails[b]), y + b * C,   \
+                              C, K, silu);                                                          \
     }
 CONV(f32, float)
 CONV(bf16, bf16)

@@ -73,6 +73,26 @@ GDR_REC(bf16, bf16, 64)
 GDR_REC(bf16, bf16, 128)
 GDR_REC(bf16, bf16, 256)
 
+// One decode token for each of B sequences whose states live in separate buffers: row b
+// reads q, k [b, Hk, dk], v [b, Hv, dv], g, beta [b, Hv], writes out [b, Hv, dv], and
+// advances the state at address states[b] ([Hv, dk, dv] fp32). grid (Hv, ceil(dv/32), B),
+// block 128; each row is exactly gdr_recurrent_* with T = 1.
+#define GDR_REC_ROWS(S, T, DK)                                                                        \
+    extern "C" __global__ void __launch_bounds__(128) gdr_recurrent_rows_##S##_##DK(                  \
+        const T* q, const T* k, const T* v, const float* g, const float* beta,                        \
+        const unsigned long long* states, T* out, int hk, int hv, int dv) {                           \
+        const size_t b = blockIdx.z;                                                                  \
+        gdr_recurrent_impl<T, DK>(q + b * hk * DK, k + b * hk * DK, v + b * hv * dv, g + b * hv,      \
+                                  beta + b * hv, reinterpret_cast<float*>(states[b]),                 \
+                                  out + b * hv * dv, 1, hk, hv, dv);                                  \
+    }
+GDR_REC_ROWS(f32, float, 64)
+GDR_REC_ROWS(f32, float, 128)
+GDR_REC_ROWS(f32, float, 256)
+GDR_REC_ROWS(bf16, bf16, 64)
+GDR_REC_ROWS(bf16, bf16, 128)
+GDR_REC_ROWS(bf16, bf16, 256)
+
 // ---------------------------------------------------------------------------------------
 // Chunked (WY) prefill, chunk 64, dk = dv = 128, in three kernels (same algebra as
 // gdr::chunked; per chunk with chunk-local cumulative log decay G):

@@ -104,6 +104,90 @@ pub fn recurrent<T: Elem>(
     Ok(())
 }
 
+/// [`recurrent`] for one decode token of each of `d.t` sequences whose states live in
+/// separate buffers, in one launch (`gdr_recurrent_rows_*` in gdr.cu): row `i` of `q, k`
+/// (`[t, Hk, dk]`), `v` (`[t, Hv, dv]`), `g, beta` (`[t, Hv]`) advances the state at
+/// device address `states[i]` (`[Hv, dk, dv]` fp32) and writes row `i` of `out`
+/// (`[t, Hv, dv]`). Each row is exactly [`recurrent`] with one token.
+///
+/// # Safety
+/// Each of the first `d.t` entries of `states` must be the address of a live fp32
+/// device buffer of at least `Hv·dk·dv` elements on this device, no two the same, none
+/// overlapping the inputs or `out`, and none freed before the launch completes.
+#[allow(clippy::too_many_arguments)]
+pub unsafe fn recurrent_rows<T: Elem>(
+    gpu: &Gpu,
+    d: &GdrDims,
+    q: &CudaSlice<T>,
+    k: &CudaSlice<T>,
+    v: &CudaSlice<T>,
+    g: &CudaSlice<f32>,
+    beta: &CudaSlice<f32>,
+    states: &cudarc::driver::CudaView<'_, u64>,
+    out: &mut CudaSlice<T>,
+) -> Result<()> {
+    if d.hk == 0 || !d.hv.is_multiple_of(d.hk) {
+        return Err(CudaError::Shape(format!(
+            "Hv {} must be a multiple of Hk {}",
+            d.hv, d.hk
+        )));
+    }
+    if ![64, 128, 256].contains(&d.dk) {
+        return Err(CudaError::Shape(format!(
+            "recurrent GDR kernel: dk {} not in {{64, 128, 256}}",
+            d.dk
+        )));
+    }
+    check_len("q [B,Hk,dk]", q, d.t * d.hk * d.dk)?;
+    check_len("k [B,Hk,dk]", k, d.t * d.hk * d.dk)?;
+    check_len("v [B,Hv,dv]", v, d.t * d.hv * d.dv)?;
+    check_len("g [B,Hv]", g, d.t * d.hv)?;
+    check_len("beta [B,Hv]", beta, d.t * d.hv)?;
+    if states.len() < d.t {
+        return Err(CudaError::Shape(format!(
+            "{} state addresses for {} rows",
+            states.len(),
+            d.t
+        )));
+    }
+    check_len("o [B,Hv,dv]", out, d.t * d.hv * d.dv)?;
+    if d.t == 0 || d.hv == 0 || d.dv == 0 {
+        return Ok(());
+    }
+    if d.t > 65_535 {
+        return Err(CudaError::Shape(format!(
+            "{} rows over the grid's 65 535",
+            d.t
+        )));
+    }
+    let f = gpu.function(
+        &GDR,
+        &format!("gdr_recurrent_rows_{}_{}", T::SUFFIX, d.dk),
+        0,
+    )?;
+    let cfg = LaunchConfig {
+        grid_dim: (d.hv as u32, d.dv.div_ceil(32) as u32, d.t as u32),
+        block_dim: (128, 1, 1),
+        shared_mem_bytes: 0,
+    };
+    let (hk, hv, dv) = (d.hk as i32, d.hv as i32, d.dv as i32);
+    let mut b = gpu.stream().launch_builder(&f);
+    b.arg(q)
+        .arg(k)
+        .arg(v)
+        .arg(g)
+        .arg(beta)
+        .arg(states)
+        .arg(out)
+        .arg(&hk)
+        .arg(&hv)
+        .arg(&dv);
+    // SAFETY: matches `gdr_recurrent_rows_*` in gdr.cu; lengths checked above, the state
+    // addresses are the caller's contract.
+    unsafe { b.launch(cfg) }?;
+    Ok(())
+}
+
 /// Which kernels [`chunked`] runs.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub enum ChunkedPath {

@@ -11,7 +11,9 @@
 //! * per-step inputs in one buffer written by one host→device copy (from pinned memory)
 //!   before each launch: token ids `[B]` u32, positions `[B]` i64, KV lengths after the
 //!   step's append `[attention layers, B]` i32, and the draw parameters (temperature,
-//!   top-k, top-p, seed, step; `[B]` each) — see [`Layout`];
+//!   top-k, top-p, seed, step; `[B]` each) and the address table of the Gated
+//!   DeltaNet layers' conv tails and recurrent states that the batched GDN kernels read
+//!   (`GpuModel::gdn_state_table`) — see [`Layout`];
 //! * attention reads its key count from that buffer: the KV append writes row
 //!   `n − 1` ([`super::attn::kv_append_dev`]), bf16 decode attention is
 //!   [`super::attn::decode_dev`] (grid sized for the cache's capacity, the split plan
@@ -82,6 +84,9 @@ pub(crate) struct DevStep<'a> {
     pub(crate) pos: &'a CudaSlice<i64>,
     /// KV lengths after the append, `[attention layers, B]` (layer-major).
     pub(crate) kv_len: &'a CudaSlice<i32>,
+    /// The GDN layers' state address table (`GpuModel::gdn_state_table`), when the
+    /// step runs them batched.
+    pub(crate) gdn_states: Option<&'a CudaSlice<u64>>,
     /// MoE workspace of the graph.
     pub(crate) moe_ws: &'a mut moe::MoeWorkspace,
 }
@@ -134,6 +139,9 @@ struct Key {
 struct Layout {
     bsz: usize,
     n_attn: usize,
+    /// u64 entries of the GDN state address table (`[GDN layers, 2, B]`; 0 when the
+    /// step does not run its GDN layers batched).
+    gdn_words: usize,
     tokens: usize,
     pos: usize,
     kv_len: usize,
@@ -142,11 +150,12 @@ struct Layout {
     topp: usize,
     seed: usize,
     step: usize,
+    gdn: usize,
     bytes: usize,
 }
 
 impl Layout {
-    fn new(bsz: usize, n_attn: usize) -> Self {
+    fn new(bsz: usize, n_attn: usize, gdn_words: usize) -> Self {
         let mut at = 0usize;
         let mut take = |bytes: usize| {
             let o = at;
@@ -161,9 +170,11 @@ impl Layout {
         let topp = take(4 * bsz);
         let seed = take(8 * bsz);
         let step = take(8 * bsz);
+        let gdn = take(8 * gdn_words);
         Layout {
             bsz,
             n_attn,
+            gdn_words,
             tokens,
             pos,
             kv_len,
@@ -172,6 +183,7 @@ impl Layout {
             topp,
             seed,
             step,
+            gdn,
             bytes: at,
         }
     }
@@ -526,11 +538,15 @@ where
                 View::<i32>::new(st, base + lay.kv_len as u64, bsz * lay.n_attn.max(1)),
             )
         };
+        // SAFETY: as above (`lay.gdn`, `lay.gdn_words` u64 entries).
+        let gdn_v = (lay.gdn_words > 0)
+            .then(|| unsafe { View::<u64>::new(st, base + lay.gdn as u64, lay.gdn_words) });
         let x = {
             let mut dev = DevStep {
                 tokens: &tok_v,
                 pos: &pos_v,
                 kv_len: &len_v,
+                gdn_states: gdn_v.as_deref(),
                 moe_ws: &mut prep.moe_ws,
             };
             self.decode_hidden(tokens, states, Some(&mut dev))?
@@ -638,13 +654,26 @@ where
             put(host, lay.seed + 8 * j, &p.seed.to_le_bytes());
             put(host, lay.step + 8 * j, &p.step.to_le_bytes());
         }
+        if lay.gdn_words > 0 {
+            let table = self.gdn_state_table(states)?.unwrap_or_default();
+            if table.len() != lay.gdn_words {
+                return Err(CudaError::Shape(format!(
+                    "GDN state table of {} entries, the graph's layout holds {}",
+                    table.len(),
+                    lay.gdn_words
+                )));
+            }
+            for (e, a) in table.iter().enumerate() {
+                put(host, lay.gdn + 8 * e, &a.to_le_bytes());
+            }
+        }
         self.gpu.stream().memcpy_htod(&prep.host, &mut prep.dev)?;
         Ok(())
     }
 
     /// Fresh input buffers (and MoE workspace) for a key.
     fn prepare(&self, bsz: usize, n_attn: usize) -> Result<Prepared> {
-        let layout = Layout::new(bsz, n_attn);
+        let layout = Layout::new(bsz, n_attn, self.gdn_table_words(bsz));
         let st = self.gpu.stream();
         // SAFETY: pinned host memory written before every copy (`write_inputs`).
         let host = unsafe { self.gpu.context().alloc_pinned::<u8>(layout.bytes) }?;
@@ -1024,8 +1053,8 @@ mod tests {
     #[test]
     fn input_layout_is_aligned_and_disjoint() {
         for bsz in [1usize, 3, 8, 64, 257] {
-            for n_attn in [0usize, 1, 10] {
-                let l = Layout::new(bsz, n_attn);
+            for (n_attn, gdn_words) in [(0usize, 0usize), (1, 2 * bsz), (10, 60 * bsz)] {
+                let l = Layout::new(bsz, n_attn, gdn_words);
                 let mut parts = [
                     (l.tokens, 4 * bsz),
                     (l.pos, 8 * bsz),
@@ -1035,6 +1064,7 @@ mod tests {
                     (l.topp, 4 * bsz),
                     (l.seed, 8 * bsz),
                     (l.step, 8 * bsz),
+                    (l.gdn, 8 * gdn_words),
                 ];
                 parts.sort();
                 for w in parts.windows(2) {
@@ -1044,7 +1074,7 @@ mod tests {
                     assert_eq!(o % 16, 0);
                     assert!(o + n <= l.bytes);
                 }
-                assert_eq!((l.bsz, l.n_attn), (bsz, n_attn));
+                assert_eq!((l.bsz, l.n_attn, l.gdn_words), (bsz, n_attn, gdn_words));
             }
         }
     }

@@ -118,6 +118,17 @@ const ATG_TILE: usize = 256;
 /// L2-norm epsilon of q/k in the GDN and KDA (FLA `l2norm`, as `ops::l2_normalize`).
 pub(crate) const L2_EPS: f32 = 1e-6;
 
+/// The per-row inputs of the gated delta rule made by `gdn_prep_*` for `t` rows:
+/// `q, k: [t, Hk, dk]`, `v, z: [t, value_dim]`, `gg` (log decay) and `beta`: `[t, Hv]`.
+struct GdnPrep<T: Elem> {
+    q: Scratch<T>,
+    k: Scratch<T>,
+    v: Scratch<T>,
+    z: Scratch<T>,
+    gg: Scratch<f32>,
+    beta: Scratch<f32>,
+}
+
 /// Gated DeltaNet weights on the device.
 pub(crate) struct GdnW<T> {
     /// `[conv_dim + value_dim + 2·Hv, hidden]`, rows `q | k | v | z | b | a`.
@@ -1840,6 +1851,21 @@ where
             None => self.embed_tokens(tokens)?,
         };
         let mut attn_slot = 0usize;
+        // The GDN layers run batched, reading each row's conv tail and recurrent state
+        // through a device address table (`gdn_state_table`): the graph's input buffer
+        // holds it, the eager step uploads it here.
+        let gdn_up;
+        let gdn_tbl: Option<&CudaSlice<u64>> = match dev.as_deref() {
+            Some(d) => d.gdn_states,
+            None => match self.gdn_state_table(states)? {
+                Some(t) => {
+                    gdn_up = g.upload(&t)?;
+                    Some(&gdn_up)
+                }
+                None => None,
+            },
+        };
+        let mut gdn_slot = 0usize;
         let zero = T::from_f32(0.0);
         let st = g.stream();
         let mut r: Scratch<T> = g.scratch(bsz * h)?;
@@ -1862,18 +1888,36 @@ where
                     let vd = c.value_dim();
                     let mut proj: Scratch<T> = g.scratch(bsz * n_in)?;
                     blas::linear(g, &r, bsz, h, &w.w_in, n_in, &mut proj, zero)?;
-                    let mut normed: Scratch<T> = g.scratch(bsz * vd)?;
-                    for (j, s) in states.iter_mut().enumerate() {
-                        let GpuLayerState::Linear { conv, recurrent } = &mut s.layers[i] else {
-                            return Err(shape_err(format!("layer {i}: state kind")));
-                        };
-                        let pj = g.scratch_copy(&proj.slice(j * n_in..(j + 1) * n_in))?;
-                        let nj = self.gdn_core(w, &pj, 1, conv, recurrent, None)?;
-                        st.memcpy_dtod(
-                            &nj.slice(..vd),
-                            &mut normed.slice_mut(j * vd..(j + 1) * vd),
-                        )?;
-                    }
+                    let normed = match gdn_tbl {
+                        Some(tbl) => {
+                            let at = gdn_slot * 2 * bsz;
+                            check_len("GDN state table", tbl, at + 2 * bsz)?;
+                            let (tails, recs) =
+                                (tbl.slice(at..at + bsz), tbl.slice(at + bsz..at + 2 * bsz));
+                            // SAFETY: the table holds this layer's conv tails and recurrent
+                            // states of `states`, row by row (`gdn_state_table`), all
+                            // borrowed mutably by this call; distinct states own distinct
+                            // buffers.
+                            unsafe { self.gdn_core_rows(w, &proj, bsz, &tails, &recs)? }
+                        }
+                        None => {
+                            let mut normed: Scratch<T> = g.scratch(bsz * vd)?;
+                            for (j, s) in states.iter_mut().enumerate() {
+                                let GpuLayerState::Linear { conv, recurrent } = &mut s.layers[i]
+                                else {
+                                    return Err(shape_err(format!("layer {i}: state kind")));
+                                };
+                                let pj = g.scratch_copy(&proj.slice(j * n_in..(j + 1) * n_in))?;
+                                let nj = self.gdn_core(w, &pj, 1, conv, recurrent, None)?;
+                                st.memcpy_dtod(
+                                    &nj.slice(..vd),
+                                    &mut normed.slice_mut(j * vd..(j + 1) * vd),
+                                )?;
+                            }
+                            normed
+                        }
+                    };
+                    gdn_slot += 1;
                     let mut out: Scratch<T> = g.scratch(bsz * h)?;
                     blas::linear(g, &normed, bsz, vd, &w.out, h, &mut out, zero)?;
                     out
@@ -2062,7 +2106,7 @@ where
             c.linear_k_dim,
             c.linear_v_dim,
         );
-        let (kd, vd, cd) = (c.key_dim(), c.value_dim(), c.conv_dim());
+        let (vd, cd) = (c.value_dim(), c.conv_dim());
         let n_in = cd + vd + 2 * hv;
         let kk = c.conv_kernel;
         check_len("GDN projection [t, n_in]", proj, t * n_in)?;
@@ -2074,8 +2118,185 @@ where
                 g, proj, n_in, &w.conv, conv_tail, &mut mixed, t, cd, kk, true,
             )?;
         }
-        // q, k (L2-normalised per head, q also scaled), v, z and the gates g, β in one
-        // launch (`gdn_prep_*`: gdn_qk's blocks plus one block per token for the rest).
+        let GdnPrep {
+            q,
+            k,
+            v,
+            z,
+            gg,
+            beta,
+        } = self.gdn_prep(w, &mixed, proj, t)?;
+        let d = GdrDims { t, hk, hv, dk, dv };
+        let mut core: Scratch<T> = g.scratch(t * vd)?;
+        match capture {
+            None => self.gdr_span(&d, &q, &k, &v, &gg, &beta, rec, &mut core, None)?,
+            Some((from, out)) => {
+                *out = Some(self.gdr_capture(&d, from, &q, &k, &v, &gg, &beta, rec, &mut core)?);
+            }
+        }
+        let mut normed: Scratch<T> = g.scratch(t * vd)?;
+        ops::rms_norm(
+            g,
+            NormKind::Gated,
+            &core,
+            Some(&z),
+            &w.norm,
+            &mut normed,
+            t * hv,
+            c.rms_norm_eps,
+        )?;
+        Ok(normed)
+    }
+
+    /// [`GpuModel::gdn_core`] for one decode token of each of `b` sequences, each row
+    /// with the same kernels and arithmetic as a one-token `gdn_core` of its own, in
+    /// four launches whatever `b`: the conv update and the recurrence read each row's
+    /// conv tail and recurrent state through the device address tables `tails` and
+    /// `recs` (`[b]` each, [`GpuModel::gdn_state_table`]). `proj`: `[b, n_in]`; returns
+    /// `[b, value_dim]`. Only for `dk` ∈ [`GDR_REC_DK`] (the recurrent kernel's).
+    ///
+    /// # Safety
+    /// `tails[i]` and `recs[i]` must be the live conv tail (`[conv_dim, K−1]` fp32)
+    /// and recurrent state (`[Hv, dk, dv]` fp32) of this layer for row `i`, all distinct.
+    unsafe fn gdn_core_rows(
+        &self,
+        w: &GdnW<T>,
+        proj: &CudaSlice<T>,
+        b: usize,
+        tails: &cudarc::driver::CudaView<'_, u64>,
+        recs: &cudarc::driver::CudaView<'_, u64>,
+    ) -> Result<Scratch<T>> {
+        let c = &self.config;
+        let g = &*self.gpu;
+        let (hk, hv, dk, dv) = (
+            c.linear_k_heads,
+            c.linear_v_heads,
+            c.linear_k_dim,
+            c.linear_v_dim,
+        );
+        let (vd, cd) = (c.value_dim(), c.conv_dim());
+        let n_in = cd + vd + 2 * hv;
+        let mut mixed: Scratch<T> = g.scratch(b * cd)?;
+        // SAFETY: the tail addresses are this function's contract.
+        unsafe {
+            ops::conv1d_update_rows(
+                g,
+                proj,
+                n_in,
+                &w.conv,
+                tails,
+                &mut mixed,
+                b,
+                cd,
+                c.conv_kernel,
+                true,
+            )?
+        };
+        let GdnPrep {
+            q,
+            k,
+            v,
+            z,
+            gg,
+            beta,
+        } = self.gdn_prep(w, &mixed, proj, b)?;
+        let d = GdrDims {
+            t: b,
+            hk,
+            hv,
+            dk,
+            dv,
+        };
+        let mut core: Scratch<T> = g.scratch(b * vd)?;
+        // SAFETY: the state addresses are this function's contract.
+        unsafe { gdr::recurrent_rows(g, &d, &q, &k, &v, &gg, &beta, recs, &mut core)? };
+        let mut normed: Scratch<T> = g.scratch(b * vd)?;
+        ops::rms_norm(
+            g,
+            NormKind::Gated,
+            &core,
+            Some(&z),
+            &w.norm,
+            &mut normed,
+            b * hv,
+            c.rms_norm_eps,
+        )?;
+        Ok(normed)
+    }
+
+    /// Device addresses of the conv tails and recurrent states of every Gated DeltaNet
+    /// layer for a batch of `B` states, as the table the batched decode step reads:
+    /// `[n_gdn, 2, B]` u64 (per GDN layer in layer order: the B conv-tail addresses,
+    /// then the B recurrent-state addresses). `None` when the model has no GDN layer
+    /// or its `dk` has no recurrent kernel (the decode step then goes sequence by
+    /// sequence). Errors: a state whose layer kinds do not match the model's.
+    pub(crate) fn gdn_state_table(&self, states: &[&mut GpuState<T>]) -> Result<Option<Vec<u64>>> {
+        if !self.gdn_rows_ok() {
+            return Ok(None);
+        }
+        let st = self.gpu.stream();
+        let bsz = states.len();
+        let mut table = Vec::new();
+        for (i, lw) in self.layers.iter().enumerate() {
+            if !matches!(lw.mixer, MixerW::GatedDeltaNet(_)) {
+                continue;
+            }
+            let at = table.len();
+            table.resize(at + 2 * bsz, 0u64);
+            for (j, s) in states.iter().enumerate() {
+                let GpuLayerState::Linear { conv, recurrent } = &s.layers[i] else {
+                    return Err(shape_err(format!("layer {i}: state kind")));
+                };
+                table[at + j] = conv.device_ptr(st).0;
+                table[at + bsz + j] = recurrent.device_ptr(st).0;
+            }
+        }
+        Ok(Some(table))
+    }
+
+    /// Entries of [`GpuModel::gdn_state_table`] for a batch of `bsz` (0 when the GDN
+    /// layers do not run batched).
+    pub(crate) fn gdn_table_words(&self, bsz: usize) -> usize {
+        if !self.gdn_rows_ok() {
+            return 0;
+        }
+        let n = self
+            .layers
+            .iter()
+            .filter(|l| matches!(l.mixer, MixerW::GatedDeltaNet(_)))
+            .count();
+        n * 2 * bsz
+    }
+
+    /// Whether the decode step runs its GDN layers batched ([`GpuModel::gdn_core_rows`]):
+    /// the model has a GDN layer and its `dk` has the recurrent kernel.
+    pub(crate) fn gdn_rows_ok(&self) -> bool {
+        GDR_REC_DK.contains(&self.config.linear_k_dim)
+            && self
+                .layers
+                .iter()
+                .any(|l| matches!(l.mixer, MixerW::GatedDeltaNet(_)))
+    }
+
+    /// q, k (L2-normalised per head, q also scaled by `dk^−½`), v, z and the gates
+    /// g, β of `t` rows (tokens of one span, or one token of each of `t` sequences:
+    /// the kernel reads nothing across rows) in one launch (`gdn_prep_*`: gdn_qk's
+    /// blocks plus one block per row for the rest). `mixed`: the conv output
+    /// `[t, conv_dim]`; `proj`: the input projection `[t, n_in]`.
+    fn gdn_prep(
+        &self,
+        w: &GdnW<T>,
+        mixed: &CudaSlice<T>,
+        proj: &CudaSlice<T>,
+        t: usize,
+    ) -> Result<GdnPrep<T>> {
+        let c = &self.config;
+        let g = &*self.gpu;
+        let (hk, hv, dk) = (c.linear_k_heads, c.linear_v_heads, c.linear_k_dim);
+        let (kd, vd, cd) = (c.key_dim(), c.value_dim(), c.conv_dim());
+        let n_in = cd + vd + 2 * hv;
+        check_len("GDN conv output [t, conv_dim]", mixed, t * cd)?;
+        check_len("GDN projection [t, n_in]", proj, t * n_in)?;
         let mut q: Scratch<T> = g.scratch(t * kd)?;
         let mut k: Scratch<T> = g.scratch(t * kd)?;
         let mut v: Scratch<T> = g.scratch(t * vd)?;
@@ -2114,7 +2335,7 @@ where
                 shared_mem_bytes: 0,
             };
             let mut b = g.stream().launch_builder(&f);
-            b.arg(&mixed)
+            b.arg(mixed)
                 .arg(proj)
                 .arg(&mut q)
                 .arg(&mut k)
@@ -2137,26 +2358,14 @@ where
             // v, z: [t, vd]; gg, beta: [t, hv]; neg_a, dt_bias: [hv].
             unsafe { b.launch(cfg) }?;
         }
-        let d = GdrDims { t, hk, hv, dk, dv };
-        let mut core: Scratch<T> = g.scratch(t * vd)?;
-        match capture {
-            None => self.gdr_span(&d, &q, &k, &v, &gg, &beta, rec, &mut core, None)?,
-            Some((from, out)) => {
-                *out = Some(self.gdr_capture(&d, from, &q, &k, &v, &gg, &beta, rec, &mut core)?);
-            }
-        }
-        let mut normed: Scratch<T> = g.scratch(t * vd)?;
-        ops::rms_norm(
-            g,
-            NormKind::Gated,
-            &core,
-            Some(&z),
-            &w.norm,
-            &mut normed,
-            t * hv,
-            c.rms_norm_eps,
-        )?;
-        Ok(normed)
+        Ok(GdnPrep {
+            q,
+            k,
+            v,
+            z,
+            gg,
+            beta,
+        })
     }
 
     /// The gated delta rule over a whole span from `rec` (advanced in place), with the

@@ -205,6 +205,76 @@ pub fn conv1d_prefill<T: Elem>(
     Ok(())
 }
 
+/// [`conv1d_update`] for one token of each of `b` sequences whose tails live in
+/// separate buffers, in one launch (`conv1d_update_rows_*` in conv.cu): row `i` reads
+/// `x[i·x_stride ..][..C]`, updates the tail at device address `tails[i]` (`[C, K−1]`
+/// fp32) and writes `y[i·C ..][..C]`. Each row is exactly [`conv1d_update`]'s arithmetic.
+///
+/// # Safety
+/// Each of the first `b` entries of `tails` must be the address of a live fp32 device
+/// buffer of at least `C·(K−1)` elements on this device, no two the same, none
+/// overlapping `x` or `y`, and none freed before the launch completes.
+#[allow(clippy::too_many_arguments)]
+pub unsafe fn conv1d_update_rows<T: Elem>(
+    gpu: &Gpu,
+    x: &CudaSlice<T>,
+    x_stride: usize,
+    w: &CudaSlice<f32>,
+    tails: &cudarc::driver::CudaView<'_, u64>,
+    y: &mut CudaSlice<T>,
+    b: usize,
+    c: usize,
+    k: usize,
+    silu: bool,
+) -> Result<()> {
+    if k == 0 {
+        return Err(CudaError::Shape("conv1d: K = 0".into()));
+    }
+    if x_stride < c {
+        return Err(CudaError::Shape(format!(
+            "conv1d rows: x stride {x_stride} < C {c}"
+        )));
+    }
+    if b == 0 || c == 0 {
+        return Ok(());
+    }
+    check_len("x", x, (b - 1) * x_stride + c)?;
+    check_len("w", w, c * k)?;
+    if tails.len() < b {
+        return Err(CudaError::Shape(format!(
+            "conv1d rows: {} tail addresses for {b} rows",
+            tails.len()
+        )));
+    }
+    check_len("y", y, b * c)?;
+    let dims = [x_stride, c, k, b].map(|v| i32::try_from(v).ok());
+    let [Some(xs), Some(ci), Some(ki), Some(_)] = dims else {
+        return Err(CudaError::Shape(
+            "conv1d rows: a dimension exceeds i32".into(),
+        ));
+    };
+    let si = silu as i32;
+    let f = gpu.function(&CONV, &format!("conv1d_update_rows_{}", T::SUFFIX), 0)?;
+    let cfg = LaunchConfig {
+        grid_dim: (c.div_ceil(256) as u32, b as u32, 1),
+        block_dim: (256, 1, 1),
+        shared_mem_bytes: 0,
+    };
+    let mut l = gpu.stream().launch_builder(&f);
+    l.arg(x)
+        .arg(&xs)
+        .arg(w)
+        .arg(tails)
+        .arg(y)
+        .arg(&ci)
+        .arg(&ki)
+        .arg(&si);
+    // SAFETY: matches `conv1d_update_rows_*` in conv.cu; lengths checked above, the
+    // tail addresses are the caller's contract.
+    unsafe { l.launch(cfg) }?;
+    Ok(())
+}
+
 /// One-token conv1d update (decode): `x`: `[C]` (first C entries used), `w`: `[C, K]`,
 /// `tail`: `[C, K−1]` (shifted left, `x` appended), `y`: `[C]`.
 #[allow(clippy::too_many_arguments)]
