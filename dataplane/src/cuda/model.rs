@@ -2269,9 +2269,13 @@ where
     }
 
     /// Whether the decode step runs its GDN layers batched ([`GpuModel::gdn_core_rows`]):
-    /// the model has a GDN layer and its `dk` has the recurrent kernel.
+    /// the model has a GDN layer, its `dk` has the recurrent kernel, and
+    /// `HYPIC_CUDA_GDN_ROWS` is not `0` (read once per process; `0` keeps the
+    /// sequence-by-sequence step, for comparisons).
     pub(crate) fn gdn_rows_ok(&self) -> bool {
-        GDR_REC_DK.contains(&self.config.linear_k_dim)
+        static ON: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
+        *ON.get_or_init(|| std::env::var("HYPIC_CUDA_GDN_ROWS").map_or(true, |v| v.trim() != "0"))
+            && GDR_REC_DK.contains(&self.config.linear_k_dim)
             && self
                 .layers
                 .iter()
