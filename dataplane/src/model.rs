@@ -475,6 +475,74 @@ impl Model {
             .collect())
     }
 
+    /// Applies `round` in place to every weight matrix: the embedding, the LM head, the
+    /// mixers' projections (GDN `in_proj` / `out_proj`, attention `q/k/v/o`, Lightning
+    /// `query_key_value` / `g_proj` / `dense`, KDA `in_proj` / `f_b` / `g_b` / `o_proj`,
+    /// MLA `q_proj` / `kv_a` / `kv_b` / `o_proj`), dense MLPs, MoE routers, experts,
+    /// shared experts and shared-expert gates. Norm weights, conv weights, `A_log`,
+    /// `dt_bias`, Lightning log decays and router selection biases are left as they
+    /// are.
+    ///
+    /// These are exactly the tensors the CUDA model stores in its element type (the
+    /// rest stay fp32 there), so with `round` = rounding to bf16 this model has the
+    /// weights a bf16 `GpuModel` computes with: comparing the two leaves only the
+    /// rounding of activations and intermediates.
+    pub fn round_projections(&mut self, round: impl Fn(f32) -> f32) {
+        let r = |w: &mut [f32]| w.iter_mut().for_each(|x| *x = round(*x));
+        r(&mut self.embed);
+        if let Some(w) = self.lm_head.as_mut() {
+            r(w);
+        }
+        let mlp = |m: &mut Mlp| {
+            r(&mut m.gate_up);
+            r(&mut m.down);
+        };
+        for l in &mut self.layers {
+            match &mut l.mixer {
+                Mixer::GatedDeltaNet(w) => {
+                    r(&mut w.w_in);
+                    r(&mut w.out);
+                }
+                Mixer::Attention(w) => {
+                    for m in [&mut w.q, &mut w.k, &mut w.v, &mut w.o] {
+                        r(m);
+                    }
+                }
+                Mixer::Lightning(w) => {
+                    for m in [&mut w.qkv, &mut w.g_proj, &mut w.dense] {
+                        r(m);
+                    }
+                }
+                Mixer::Kda(w) => {
+                    for m in [&mut w.w_in, &mut w.f_b, &mut w.g_b, &mut w.o_proj] {
+                        r(m);
+                    }
+                }
+                Mixer::Mla(w) => {
+                    for m in [&mut w.q, &mut w.kv_a, &mut w.o] {
+                        r(m);
+                    }
+                    r(&mut w.w_uk);
+                    r(&mut w.w_uv);
+                }
+            }
+            match &mut l.ffn {
+                Ffn::Dense(m) => mlp(m),
+                Ffn::Moe(m) => {
+                    r(&mut m.router);
+                    m.experts.iter_mut().for_each(mlp);
+                    if let Some((s, gate)) = m.shared.as_mut() {
+                        mlp(s);
+                        r(gate);
+                    }
+                    if let Some(s) = m.shared_plain.as_mut() {
+                        mlp(s);
+                    }
+                }
+            }
+        }
+    }
+
     /// Final norm and LM head over rows of `x` (`[rows, hidden]`) → `[rows, vocab]`.
     pub fn logits(&self, x: &[f32]) -> Vec<f32> {
         let c = &self.config;
@@ -913,4 +981,93 @@ fn load_moe(c: &ModelConfig, ckpt: &Checkpoint, p: &str) -> Result<Moe> {
         shared,
         shared_plain,
     })
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn fixture(name: &str) -> Model {
+        let dir = Path::new(env!("CARGO_MANIFEST_DIR"))
+            .join("tests/fixtures/golden")
+            .join(name);
+        Model::load(&dir, &mut |_, _| {}).unwrap()
+    }
+
+    /// The fp32 parameters `round_projections` leaves alone, in a fixed order.
+    fn small_params(m: &Model) -> Vec<Vec<f32>> {
+        let mut v = vec![m.final_norm.clone()];
+        for l in &m.layers {
+            v.push(l.input_norm.clone());
+            v.push(l.post_norm.clone());
+            match &l.mixer {
+                Mixer::GatedDeltaNet(w) => {
+                    v.extend([&w.conv, &w.neg_a, &w.dt_bias, &w.norm].map(|x| x.clone()))
+                }
+                Mixer::Attention(w) => v.extend([w.q_norm.clone(), w.k_norm.clone()]),
+                Mixer::Lightning(w) => {
+                    v.extend([&w.q_norm, &w.k_norm, &w.g_norm, &w.log_decay].map(|x| x.clone()))
+                }
+                Mixer::Kda(w) => {
+                    v.extend([&w.conv, &w.neg_a, &w.dt_bias, &w.o_norm].map(|x| x.clone()))
+                }
+                Mixer::Mla(w) => v.push(w.kv_norm.clone()),
+            }
+            if let Ffn::Moe(m) = &l.ffn {
+                v.extend(m.bias.clone());
+            }
+        }
+        v
+    }
+
+    /// `round_projections` rounds the weight matrices (every value then a bf16 value,
+    /// some changed on these fp32 fixtures) and leaves norms, conv weights, `A`,
+    /// `dt_bias`, log decays and router biases bit for bit.
+    #[test]
+    fn round_projections_rounds_matrices_only() {
+        let bf = |x: f32| half::bf16::from_f32(x).to_f32();
+        for name in ["qwen3_5", "qwen3_next", "bailing_moe_linear", "kimi_linear"] {
+            let m = fixture(name);
+            let mut r = fixture(name);
+            r.round_projections(bf);
+            assert_eq!(small_params(&r), small_params(&m), "{name}");
+            let exact = |w: &[f32]| w.iter().all(|&x| bf(x) == x);
+            assert!(
+                exact(&r.embed) && r.lm_head.as_deref().is_none_or(exact),
+                "{name}"
+            );
+            assert!(
+                !exact(&m.embed),
+                "{name}: the fixture's embedding is already bf16"
+            );
+            for l in &r.layers {
+                let mats: Vec<&[f32]> = match &l.mixer {
+                    Mixer::GatedDeltaNet(w) => vec![&w.w_in, &w.out],
+                    Mixer::Attention(w) => vec![&w.q, &w.k, &w.v, &w.o],
+                    Mixer::Lightning(w) => vec![&w.qkv, &w.g_proj, &w.dense],
+                    Mixer::Kda(w) => vec![&w.w_in, &w.f_b, &w.g_b, &w.o_proj],
+                    Mixer::Mla(w) => vec![&w.q, &w.kv_a, &w.w_uk, &w.w_uv, &w.o],
+                };
+                assert!(mats.into_iter().all(exact), "{name} mixer");
+                let mlp_ok = |x: &Mlp| exact(&x.gate_up) && exact(&x.down);
+                match &l.ffn {
+                    Ffn::Dense(x) => assert!(mlp_ok(x), "{name} MLP"),
+                    Ffn::Moe(x) => {
+                        assert!(exact(&x.router) && x.experts.iter().all(mlp_ok), "{name}");
+                        assert!(x.shared.as_ref().is_none_or(|(s, g)| mlp_ok(s) && exact(g)));
+                        assert!(x.shared_plain.as_ref().is_none_or(mlp_ok), "{name}");
+                    }
+                }
+            }
+            // Rounding twice changes nothing.
+            let once = r
+                .prefill(&[1, 2, 3], &mut r.new_state(), Logits::All)
+                .unwrap();
+            r.round_projections(bf);
+            let twice = r
+                .prefill(&[1, 2, 3], &mut r.new_state(), Logits::All)
+                .unwrap();
+            assert_eq!(once.logits, twice.logits, "{name}");
+        }
+    }
 }
