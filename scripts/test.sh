@@ -150,6 +150,18 @@ if [ $# -eq 0 ]; then
     fi
   )
 fi
+# CUDA kernels without a GPU, on a full run: the host emulator (tools/kernel-emu) runs
+# the real kernel sources of the batched GDN decode step and of Lightning attention
+# against their references. Needs g++; without it the step is reported as skipped.
+if [ $# -eq 0 ]; then
+  if command -v g++ >/dev/null; then
+    step "CUDA kernels in the host emulator (gdn-rows, lightning)"
+    tools/kernel-emu/run.sh gdn-rows
+    tools/kernel-emu/run.sh lightning | tail -n 3
+  else
+    step "CUDA kernels in the host emulator: SKIPPED: no g++"
+  fi
+fi
 # The operator console, on a full run: vitest, the committed bundle against a fresh
 # build, and the Playwright suite in Debian's chromium against a real `hypic serve`
 # (web-ui/test-e2e.sh installs chromium and the npm packages when absent).

@@ -24,6 +24,9 @@
 #                                            # tensor map; a pair [old, new, "host"] edits
 #                                            # flash_wg_emu.cpp)
 #   EMU_MUTANTS="tma-box-row tma-stage" tools/kernel-emu/run.sh wg-mutants  # a subset
+#   tools/kernel-emu/run.sh gdn-rows         # the batched decode kernels of the GDN layers
+#                                            # (gdr_recurrent_rows_*, conv1d_update_rows_*)
+#                                            # against the one-sequence kernels, bitwise
 #   tools/kernel-emu/run.sh lightning        # lightning.cu (per-token, one- and two-pass
 #                                            # chunked, prep, group norm + gate, state
 #                                            # rotation, scalar apply) and moe_route_rule
@@ -265,6 +268,20 @@ open(dst, "w").write(common + '\n#line 1 "lightning.cu"\n' + lt + "\n#define MOE
 PY
     $CXX -ffp-contract=off -o "$out/lightning_emu" "$here/lightning_emu.cpp"
     "$out/lightning_emu"
+    ;;
+gdn-rows)
+    # The one-token recurrence section of gdr.cu (with its batched form) and conv.cu.
+    python3 - "$kernels" "$out/gen_gdn_rows.inc" <<'PY'
+import sys
+k, dst = sys.argv[1:3]
+common = open(f"{k}/common.cuh").read().replace("#include <cuda_bf16.h>", "")
+gdr = open(f"{k}/gdr.cu").read()
+end = gdr.index("GDR_REC_ROWS(bf16, bf16, 256)") + len("GDR_REC_ROWS(bf16, bf16, 256)")
+conv = open(f"{k}/conv.cu").read()
+open(dst, "w").write(common + '\n#line 1 "gdr.cu"\n' + gdr[:end] + '\n#line 1 "conv.cu"\n' + conv)
+PY
+    $CXX -ffp-contract=off -o "$out/gdn_rows_emu" "$here/gdn_rows_emu.cpp"
+    "$out/gdn_rows_emu"
     ;;
 *)
     gen flash "$out/gen_flash.inc" 1
