@@ -18,7 +18,10 @@
 #                                  # chunk_gated_delta_rule and torch SDPA,
 #                                  # the random-weight model test (cuda_random) and
 #                                  # the whole-model benchmark gpu_model_bench at the
-#                                  # Qwen3.5-35B-A3B shape (step `modelbench`, 240 s) and
+#                                  # Qwen3.5-35B-A3B shape (step `modelbench`, 240 s), at
+#                                  # the Ring-mini / Kimi-Linear-48B / Ring-flash shapes
+#                                  # (step `familybench`: $OUT/family_model_bench.md,
+#                                  # ≤ 175 s per config) and
 #                                  # the server end to end (step `serve`: `hypic serve
 #                                  # --device cuda` against `--device cpu` on the bundled
 #                                  # model, scripts/serve_check.py) in one run, and writes
@@ -52,6 +55,16 @@
 # grouped MoE expert GEMMs against the per-expert cuBLAS loop and torch._grouped_mm,
 # 1k/4k/16k tokens at the 35B-A3B shape).
 #
+# Issue 19's kernel proof: step `families` also times our Lightning prefill
+# (`gpu_bench --lightning`, $OUT/lightning_bench.md) and step `kimi` our KDA prefill
+# (`gpu_bench --kda`, $OUT/kda_bench.md); step `fla` times FLA 0.6.0
+# `chunk_simple_gla` (per-head g_gamma, 16 heads × 128), `chunk_kda` (32 heads × 128)
+# and `chunk_gated_delta_rule`, each eagerly and replayed from a CUDA graph, and writes
+# $OUT/fla_vs_ours.md (ours against FLA graph and eager, per length). Step
+# `familybench` runs gpu_model_bench (TTFT full / prefix / hypic, decode, layer split)
+# at benches/configs/{ring_mini_linear_2_0,kimi_linear_48b_a3b,ring_flash_linear_2_0}
+# in f32, cut to the layers that fit: $OUT/family_model_bench.md.
+#
 # GPU_CHECK_STEPS selects steps for both halves: `build` then builds only the
 # executables those steps need (e.g. GPU_CHECK_STEPS=serve builds just the stripped
 # `hypic` binary, --release --features cuda, plus gpu_bench for the kernel cache).
@@ -73,7 +86,7 @@ mode="${1:-}"
 build() {
   set -e
   export CARGO_TARGET_DIR="${CARGO_TARGET_DIR:-$PWD/target}"
-  local steps=" ${GPU_CHECK_STEPS:-kernels attn moe model pic decode families kimi bench moebench fla modelbench serve} "
+  local steps=" ${GPU_CHECK_STEPS:-kernels attn moe model pic decode families kimi bench moebench fla modelbench familybench serve} "
   wantb() { [[ "$steps" == *" $1 "* ]]; }
   mkdir -p .device/bin
   local built=() pair name exe
@@ -95,11 +108,12 @@ build() {
     cp "$exe" ".device/bin/$name"
     built+=(".device/bin/$name")
   done
-  # gpu_bench always (it precompiles the kernel cache); gpu_model_bench for modelbench.
+  # gpu_bench always (it precompiles the kernel cache); gpu_model_bench for modelbench
+  # and familybench.
   cargo build --release -p hypic-dataplane --features cuda --example gpu_bench --example gpu_model_bench
   cp "$CARGO_TARGET_DIR/release/examples/gpu_bench" .device/bin/gpu_bench
   built+=(.device/bin/gpu_bench)
-  if wantb modelbench; then
+  if wantb modelbench || wantb familybench; then
     cp "$CARGO_TARGET_DIR/release/examples/gpu_model_bench" .device/bin/gpu_model_bench
     built+=(.device/bin/gpu_model_bench)
   fi
@@ -124,14 +138,14 @@ build() {
 }
 
 run() {
-  # GPU_CHECK_STEPS: which parts to run (default all): kernels attn moe model pic decode families kimi bench moebench fla modelbench serve
-  local steps=" ${GPU_CHECK_STEPS:-kernels attn moe model pic decode families kimi bench moebench fla modelbench serve} "
+  # GPU_CHECK_STEPS: which parts to run (default all): kernels attn moe model pic decode families kimi bench moebench fla modelbench familybench serve
+  local steps=" ${GPU_CHECK_STEPS:-kernels attn moe model pic decode families kimi bench moebench fla modelbench familybench serve} "
   want() { [[ "$steps" == *" $1 "* ]]; }
   local s_
   for s_ in $steps; do
     case "$s_" in
-      kernels|attn|moe|model|pic|decode|families|kimi|bench|moebench|fla|modelbench|serve|parallel|devices|load35b) ;;
-      *) echo "unknown step \`$s_\` in GPU_CHECK_STEPS (known: kernels attn moe model pic decode families kimi bench moebench fla modelbench serve parallel devices load35b)" >&2
+      kernels|attn|moe|model|pic|decode|families|kimi|bench|moebench|fla|modelbench|familybench|serve|parallel|devices|load35b) ;;
+      *) echo "unknown step \`$s_\` in GPU_CHECK_STEPS (known: kernels attn moe model pic decode families kimi bench moebench fla modelbench familybench serve parallel devices load35b)" >&2
          return 2 ;;
     esac
   done
@@ -161,7 +175,7 @@ PY
   chmod +x .device/bin/* 2>/dev/null || true
   local exe_ st_ missing_=0
   for st_ in kernels:cuda_kernels attn:cuda_attn moe:cuda_moe model:cuda_model pic:cuda_pic \
-             decode:cuda_decode decode:cuda_graph families:cuda_families kimi:cuda_kimi bench:gpu_bench moebench:gpu_bench modelbench:cuda_random modelbench:gpu_model_bench serve:hypic \
+             decode:cuda_decode decode:cuda_graph families:cuda_families kimi:cuda_kimi bench:gpu_bench moebench:gpu_bench modelbench:cuda_random modelbench:gpu_model_bench familybench:gpu_model_bench serve:hypic \
              parallel:hypic devices:cuda_parallel devices:hypic load35b:hypic; do
     exe_=${st_#*:}
     if want "${st_%%:*}" && [ ! -x ".device/bin/$exe_" ]; then
@@ -175,6 +189,7 @@ PY
   : > "$OUT/tests.log"; : > "$OUT/tests_moe.log"; : > "$OUT/model_tests.log"; : > "$OUT/pic_tests.log"; : > "$OUT/bench.md"; : > "$OUT/fla.md"
   : > "$OUT/random_tests.log"; : > "$OUT/model_bench.md"
   : > "$OUT/decode_tests.log"; : > "$OUT/moe_bench.md"
+  : > "$OUT/lightning_bench.md"; : > "$OUT/kda_bench.md"; : > "$OUT/fla_vs_ours.md"; : > "$OUT/family_model_bench.md"
   if want kernels; then
   .device/bin/cuda_kernels --test-threads=1 --nocapture > "$OUT/tests.log" 2>&1
   test_rc=$?
@@ -275,6 +290,8 @@ PY
     grep -q "running [1-9][0-9]* test" "$OUT/families_tests.log" || { echo "cuda_families ran no test" >&2; families_rc=1; }
     grep -q "skipped:" "$OUT/families_tests.log" && { echo "cuda_families skipped its tests (no device)" >&2; families_rc=1; }
     echo "families tests rc=$families_rc in $((SECONDS - t0)) s"
+    # Our Lightning kernels' times (FLA's chunk_simple_gla is timed in step fla).
+    timeout 240 .device/bin/gpu_bench --lightning > "$OUT/lightning_bench.md" 2>&1 || echo "gpu_bench --lightning failed" >&2
   else
     echo "families tests: skipped"
   fi
@@ -345,6 +362,33 @@ PY
   grep -E "rel |test result|panicked|FAIL" "$OUT/random_tests.log" | tail -20
   cat "$OUT/model_bench.md"
 
+  echo "== whole-model benchmark at the Ring-mini / Kimi-Linear-48B / Ring-flash shapes (gpu_model_bench, random weights)"
+  # TTFT full / prefix cache / hypic, decode, per-layer-kind split, one config at a time
+  # (FAMILY_BENCH_CONFIGS), f32 by default (FAMILY_BENCH_DTYPE; bf16 of Lightning / KDA
+  # / MLA is experimental), cut to the largest layer cut that fits; bf16 only where no
+  # cut fits in f32 (Ring-flash on 80 GB). Each run ≤ FAMILY_BENCH_TIMEOUT (175) s; the
+  # rows printed before a timeout are kept.
+  t0=$SECONDS
+  local fbench_rc=0 cfg_ rc_f
+  if want familybench; then
+    for cfg_ in ${FAMILY_BENCH_CONFIGS:-ring_mini_linear_2_0 kimi_linear_48b_a3b ring_flash_linear_2_0}; do
+      timeout "${FAMILY_BENCH_TIMEOUT:-175}" .device/bin/gpu_model_bench --config "benches/configs/$cfg_" \
+        --random-weights --dtype "${FAMILY_BENCH_DTYPE:-f32}" --dtype-fallback bf16 --seed 0 \
+        ${FAMILY_BENCH_ARGS:---quick} > "$OUT/family_$cfg_.md" 2>&1
+      rc_f=$?
+      {
+        echo "## $cfg_"; echo
+        cat "$OUT/family_$cfg_.md"
+        echo; echo "(gpu_model_bench $cfg_ rc=$rc_f$([ "$rc_f" -eq 124 ] && echo ", timed out"))"; echo
+      } >> "$OUT/family_model_bench.md"
+      [ "$rc_f" -ne 0 ] && fbench_rc=$rc_f
+      echo "familybench $cfg_ rc=$rc_f in $((SECONDS - t0)) s"
+    done
+    cat "$OUT/family_model_bench.md"
+  else
+    echo "familybench: skipped"
+  fi
+
   echo "== FLA 0.6.0 and torch SDPA"
   t0=$SECONDS
   if ls .whl/*.whl >/dev/null 2>&1; then
@@ -352,17 +396,47 @@ PY
       --target /tmp/site .whl/*.whl > "$OUT/pip.log" 2>&1 && export PYTHONPATH=/tmp/site
   fi
   want fla && PYTHONUNBUFFERED=1 timeout 300 python3 - > "$OUT/fla.md" 2>&1 <<'PY'
-import torch, torch.nn.functional as F
+import math, torch, torch.nn.functional as F
 from triton.testing import do_bench
 print("## Public kernels (same run)\n")
 print(f"torch {torch.__version__}, {torch.cuda.get_device_name()}")
 dev = "cuda"
+
+
+def graph_ms(f, warmup=20, rep=100):
+    """Median ms of `f` replayed from a CUDA graph (kernel time, not the eager
+    launch overhead); `f` has run eagerly before (Triton autotuning done)."""
+    s_ = torch.cuda.Stream()
+    s_.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(s_):
+        f()
+    torch.cuda.current_stream().wait_stream(s_)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        f()
+    ms = do_bench(graph.replay, warmup=warmup, rep=rep, return_mode="median")
+    del graph
+    return ms
+
+
+def both(f):
+    """(eager ms, graph-replay ms or the capture error) of `f`."""
+    f(); torch.cuda.synchronize()
+    eager = do_bench(f, warmup=50, rep=300, return_mode="median")
+    try:
+        g = f"{graph_ms(f):.3f}"
+    except Exception as e:
+        g = f"– ({type(e).__name__}: {str(e)[:80]})"
+    torch.cuda.synchronize()
+    return eager, g
+
+
 try:
     import fla
     from fla.ops.gated_delta_rule import chunk_gated_delta_rule
     print(f"fla {getattr(fla, '__version__', '?')}\n")
-    print("| T | FLA chunk_gated_delta_rule ms |")
-    print("|---|---|")
+    print("| T | FLA chunk_gated_delta_rule ms | FLA chunk_gated_delta_rule graph replay ms |")
+    print("|---|---|---|")
     H, HV, K, V = 16, 32, 128, 128
     for T in (1024, 4096, 16384, 32768):
         torch.manual_seed(0)
@@ -374,17 +448,40 @@ try:
         h0 = torch.rand(1, HV, K, V, device=dev).mul(2).sub(1)
         f = lambda: chunk_gated_delta_rule(q, k, v, g, beta, scale=1.0, initial_state=h0,
                                            output_final_state=True, use_qk_l2norm_in_kernel=False)
-        f(); torch.cuda.synchronize()
-        ms = do_bench(f, warmup=50, rep=300, return_mode="median")
-        print(f"| {T} | {ms:.3f} |")
+        ms, gms = both(f)
+        print(f"| {T} | {ms:.3f} | {gms} |")
 except Exception as e:
     print(f"FLA failed: {type(e).__name__}: {e}")
 try:
+    # Lightning attention (Ring-linear; our kernel: gpu_bench --lightning) as FLA runs
+    # it: chunk_simple_gla with a per-head data-independent log decay g_gamma = −slope_h
+    # (ALiBi slopes of 16 heads; fla.ops.lightning_attn scales them by a per-layer
+    # factor), bf16 q/k/v, fp32 initial state, final state out.
+    from fla.ops.simple_gla import chunk_simple_gla
+    H, K = 16, 128
+    start = 2.0 ** (-(2.0 ** -(math.log2(H) - 3)))
+    slopes = [start ** (i + 1) for i in range(H)]
+    g_gamma = -torch.tensor(slopes, device=dev, dtype=torch.float32)
+    print("\n| T | FLA chunk_simple_gla (16 heads × 128, per-head g_gamma = −ALiBi slope, bf16 q/k/v), graph replay ms | eager ms |")
+    print("|---|---|---|")
+    for T in (1024, 4096, 16384, 32768):
+        torch.manual_seed(0)
+        q = torch.rand(1, T, H, K, device=dev).mul(0.2).sub(0.1).bfloat16()
+        k = torch.rand(1, T, H, K, device=dev).mul(0.2).sub(0.1).bfloat16()
+        v = torch.rand(1, T, H, K, device=dev).mul(2).sub(1).bfloat16()
+        h0 = torch.rand(1, H, K, K, device=dev).mul(2).sub(1)
+        f = lambda: chunk_simple_gla(q, k, v, g_gamma=g_gamma, scale=K ** -0.5,
+                                     initial_state=h0, output_final_state=True)
+        ms, gms = both(f)
+        print(f"| {T} | {gms} | {ms:.3f} |")
+except Exception as e:
+    print(f"FLA chunk_simple_gla failed: {type(e).__name__}: {e}")
+try:
     # Kimi Delta Attention (our kernel: gpu_bench --kda), timed replayed from a CUDA
-    # graph (kernel time, not the eager launch overhead).
+    # graph (kernel time, not the eager launch overhead), and eagerly.
     from fla.ops.kda import chunk_kda
-    print("\n| T | FLA chunk_kda (32 heads × 128, graph replay) ms |")
-    print("|---|---|")
+    print("\n| T | FLA chunk_kda (32 heads × 128, bf16 q/k/v), graph replay ms | eager ms |")
+    print("|---|---|---|")
     H, K = 32, 128
     for T in (1024, 4096, 16384, 32768):
         torch.manual_seed(0)
@@ -396,17 +493,8 @@ try:
         h0 = torch.rand(1, H, K, K, device=dev).mul(2).sub(1)
         f = lambda: chunk_kda(q, k, v, g, beta, scale=1.0, initial_state=h0,
                               output_final_state=True)
-        f(); torch.cuda.synchronize()
-        s_ = torch.cuda.Stream()
-        s_.wait_stream(torch.cuda.current_stream())
-        with torch.cuda.stream(s_):
-            f()
-        torch.cuda.current_stream().wait_stream(s_)
-        graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph):
-            f()
-        ms = do_bench(graph.replay, warmup=20, rep=100, return_mode="median")
-        print(f"| {T} | {ms:.3f} |")
+        ms, gms = both(f)
+        print(f"| {T} | {gms} | {ms:.3f} |")
 except Exception as e:
     print(f"FLA chunk_kda failed: {type(e).__name__}: {e}")
 print("\n| T | torch SDPA (16 q / 2 kv × 256, causal, bf16) ms |")
@@ -499,7 +587,7 @@ import re, sys
 out = sys.argv[1]
 bench = open(f"{out}/bench.md").read().splitlines()
 fla = open(f"{out}/fla.md").read().splitlines()
-ours, stages, flams = {}, {}, {}
+ours, stages, flams, flag = {}, {}, {}, {}
 sec = None
 for l in bench:
     if l.startswith("## "):
@@ -520,21 +608,25 @@ for l in fla:
         on = True
         continue
     if on:
-        m = re.match(r"^\| (\d+) \| ([\d.]+) \|$", l)
+        m = re.match(r"^\| (\d+) \| ([\d.]+) \|(?: ([\d.]+)[^|]*\|| [^|]*\|)?$", l)
         if m:
             flams[int(m[1])] = float(m[2])
+            if m[3]:
+                flag[int(m[1])] = float(m[3])
         elif l.strip() and not l.startswith("|---"):
             break
 goal = {1024: "≥ 2×", 4096: "≥ 2×", 32768: "≥ 1×"}
 print("## Gated delta rule prefill vs FLA (same run; H 16, HV 32, dk = dv = 128, bf16)\n")
-print("| T | ours ms | + T_C ms | FLA `chunk_gated_delta_rule` ms | ours vs FLA | goal | A / B / C ms |")
-print("|---|---|---|---|---|---|---|")
+print("| T | ours ms | + T_C ms | FLA `chunk_gated_delta_rule` ms | ours vs FLA | goal | A / B / C ms | FLA graph replay ms | ours vs FLA graph |")
+print("|---|---|---|---|---|---|---|---|---|")
 for t in sorted(ours):
     o, ot = ours[t]
     f = flams.get(t)
     ratio = f"{f / o:.2f}×" if f else "-"
     st = " / ".join(f"{x:.3f}" for x in stages[t]) if t in stages else "-"
-    print(f"| {t} | {o:.3f} | {ot:.3f} ({100 * (ot / o - 1):+.1f} %) | {f if f else '-'} | {ratio} | {goal.get(t, '—')} | {st} |")
+    fg = flag.get(t)
+    gr = f"{fg / o:.2f}×" if fg else "-"
+    print(f"| {t} | {o:.3f} | {ot:.3f} ({100 * (ot / o - 1):+.1f} %) | {f if f else '-'} | {ratio} | {goal.get(t, '—')} | {st} | {fg if fg else '-'} | {gr} |")
 if not ours:
     print("(no GDR rows in bench.md)")
 if not flams:
@@ -542,6 +634,82 @@ if not flams:
 PY
     echo "== GDR prefill vs FLA (same run)"
     cat "$OUT/gdr_vs_fla.md"
+  fi
+  # Our Lightning (families step) and KDA (kimi step) prefill kernels against FLA's
+  # chunk_simple_gla and chunk_kda (fla step), all from this run (issue 19's goal:
+  # FLA graph replay / ours ≥ 1.2× at every length).
+  if want fla; then
+    python3 - "$OUT" > "$OUT/fla_vs_ours.md" 2>&1 <<'PY'
+import re, sys
+out = sys.argv[1]
+def lines(name):
+    try:
+        return open(f"{out}/{name}").read().splitlines()
+    except OSError:
+        return []
+def section(ls, start):
+    """Rows `| T | ... |` (cells as strings) of the table under the first line that
+    contains `start`, up to the first line that is neither a row nor blank."""
+    rows, on = {}, False
+    for l in ls:
+        if not on:
+            on = start in l
+            continue
+        if l.startswith("|---"):
+            continue
+        m = re.match(r"^\|\s*(\d+)\s*\|(.*)\|\s*$", l)
+        if m:
+            rows[int(m[1])] = [c.strip() for c in m[2].split("|")]
+        elif rows or (l.strip() and not l.startswith("|")):
+            break
+    return rows
+def num(x):
+    m = re.match(r"^([\d.]+)$", x or "")
+    return float(m[1]) if m else None
+# Our tables: lightning_bench.md `| T | chunked | two-pass | state-only | per-token |
+# Mtok/s | span |` (ours = span, the kernel the layer takes; else the faster of the
+# two chunked forms); kda_bench.md `| T | prefill | prefill + T_C | per-token |`.
+lt_ours = {}
+for t, c in section(lines("lightning_bench.md"), "## Lightning attention prefill").items():
+    span = num(c[5]) if len(c) > 5 else None
+    chunked = [x for x in (num(c[0]), num(c[1]) if len(c) > 1 else None) if x is not None]
+    lt_ours[t] = span if span is not None else (min(chunked) if chunked else None)
+kda_ours = {t: num(c[0]) for t, c in section(lines("kda_bench.md"), "## KDA chunked prefill").items()}
+fla = lines("fla.md")
+# fla.md: `| T | graph replay ms | eager ms |` under each kernel's header.
+lt_fla = section(fla, "FLA chunk_simple_gla (16")
+kda_fla = section(fla, "FLA chunk_kda (32")
+lt_dtype = next((l for l in lines("lightning_bench.md") if l.startswith("## Lightning")), "")
+lt_dtype = "fp32 q/k/v" if "fp32 q/k/v" in lt_dtype else "dtype as in lightning_bench.md"
+# FLA on the H200, 2026-12-01, graph replay (issue 19; another run, for scale only).
+ref = {"lt": {1024: 0.021, 4096: 0.072, 16384: 0.252, 32768: 0.484},
+       "kda": {1024: 0.154, 4096: 0.513, 16384: 1.976, 32768: 3.940}}
+def table(title, ours, fl, key, src_ours, src_fla):
+    print(f"## {title}\n")
+    if not ours:
+        print(f"(no rows of ours: {src_ours} missing or empty; its step not run, or it failed)\n")
+    if not fl:
+        print(f"(no FLA rows: {src_fla} missing in fla.md; step `fla` not run, or FLA failed)\n")
+    print("| T | ours ms | FLA graph ms | FLA eager ms | FLA graph / ours (goal ≥ 1.2×) | FLA eager / ours | FLA graph ms, issue 19's H200 run (other run) |")
+    print("|---|---|---|---|---|---|---|")
+    for t in sorted(set(ours) | set(fl)):
+        o = ours.get(t)
+        c = fl.get(t, [])
+        g = num(c[0]) if len(c) > 0 else None
+        e = num(c[1]) if len(c) > 1 else None
+        f = lambda x: f"{x:.3f}" if x is not None else "–"
+        r = lambda x: f"{x / o:.2f}×" if x is not None and o else "–"
+        gcell = f(g) if g is not None else (c[0] if c else "–")
+        print(f"| {t} | {f(o)} | {gcell} | {f(e)} | {r(g)} | {r(e)} | {f(ref[key].get(t))} |")
+    print()
+table(f"Lightning prefill vs FLA chunk_simple_gla (same run; 16 heads × 128, per-head g_gamma; ours {lt_dtype}, FLA bf16 q/k/v)",
+      lt_ours, lt_fla, "lt", "lightning_bench.md (step families)", "chunk_simple_gla")
+table("KDA prefill vs FLA chunk_kda (same run; 32 heads × 128; ours bf16 q/k/v, fp32 state; FLA bf16 q/k/v)",
+      kda_ours, kda_fla, "kda", "kda_bench.md (step kimi)", "chunk_kda")
+print("ours = lightning_bench.md's `span` column (lightning::span, the kernel the layer takes at that length) and kda_bench.md's `prefill` column (no transition T_C), CUDA-event medians; FLA graph = the call replayed from a CUDA graph (triton do_bench median), FLA eager = the same call launched from Python.")
+PY
+    echo "== Lightning / KDA prefill vs FLA (same run)"
+    cat "$OUT/fla_vs_ours.md"
   fi
   echo "== server end to end: hypic serve --device cuda vs --device cpu (scripts/serve_check.py)"
   t0=$SECONDS
@@ -664,6 +832,7 @@ PY
       echo; echo "## Model families: Ring-linear-2.0 (tests/cuda_families.rs, rc=$families_rc)"; echo; echo '```'
       grep -E "^  |FAIL|panicked|^test |test result" "$OUT/families_tests.log"
       echo '```'
+      cat "$OUT/lightning_bench.md" 2>/dev/null
     fi
     if want kimi; then
       echo; echo "## Model families: Kimi-Linear (tests/cuda_kimi.rs, rc=$kimi_rc)"; echo; echo '```'
@@ -686,6 +855,13 @@ PY
       grep -E "rel |params|refusal|^test |test result|panicked" "$OUT/random_tests.log"
       echo '```'
       echo; cat "$OUT/model_bench.md"
+    fi
+    if want familybench; then
+      echo; echo "## Whole model at the Ring / Kimi shapes (gpu_model_bench, rc=$fbench_rc)"; echo
+      cat "$OUT/family_model_bench.md"
+    fi
+    if want fla; then
+      echo; cat "$OUT/fla_vs_ours.md"
     fi
     if want serve; then
       echo; echo "## Server end to end (rc=$serve_rc)"; echo
@@ -720,6 +896,7 @@ PY
   [ "$moebench_rc" -ne 0 ] && return "$moebench_rc"
   [ "$bench_rc" -ne 0 ] && return "$bench_rc"
   [ "$mbench_rc" -ne 0 ] && return "$mbench_rc"
+  [ "$fbench_rc" -ne 0 ] && return "$fbench_rc"
   want fla && [ "$fla_rc" -ne 0 ] && return "$fla_rc"
   [ "$serve_rc" -ne 0 ] && return "$serve_rc"
   [ "$parallel_rc" -ne 0 ] && return "$parallel_rc"

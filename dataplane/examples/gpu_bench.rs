@@ -678,9 +678,14 @@ mod bench {
         Ok(())
     }
 
-    /// Lightning attention prefill (`cuda::lightning::chunked`, fp32 q/k/v and state) at
-    /// 16 heads × 128, the shape of issue 19's FLA `chunk_simple_gla` (per-head
-    /// `g_gamma`) anchor; the per-token recurrence at 1k for scale.
+    /// Lightning attention prefill (`cuda::lightning::chunked` and
+    /// `chunked_two_pass`, fp32 q/k/v and state: the recurrence kernels of
+    /// `kernels/lightning.cu` have no bf16 instantiation, only the layer's `prep` and
+    /// `out` do) at 16 heads × 128 with the ALiBi log decays `−slope_h` and a random
+    /// initial state, the shape of issue 19's FLA `chunk_simple_gla` (per-head
+    /// `g_gamma`, bf16 q/k/v) anchor in gpu-check's step `fla`; the per-token
+    /// recurrence at 1k for scale. The `span` column is the kernel the model's layer
+    /// takes at that length (`lightning::span`).
     fn lightning_bench(g: &Gpu, r: &mut rand::rngs::StdRng, quick: bool) -> Result<()> {
         use dataplane::cuda::lightning as lt;
         use dataplane::mixers::lightning::LightningDims;
@@ -690,9 +695,13 @@ mod bench {
         } else {
             &[1024, 4096, 16384, 32768]
         };
-        println!("\n## Lightning attention prefill (fp32 in and state; H={h}, dk=dv={d})\n");
-        println!("| T | chunked ms | two-pass ms | state-only ms | per-token ms | Mtok/s (best) |");
-        println!("|---|---|---|---|---|---|");
+        println!(
+            "\n## Lightning attention prefill (kernels/lightning.cu; timed dtype: fp32 q/k/v, fp32 state \
+             (no bf16 instantiation of the recurrence kernels; FLA's anchor runs bf16 q/k/v); \
+             H={h}, dk=dv={d}, log decay −ALiBi slope per head)\n"
+        );
+        println!("| T | chunked ms | two-pass ms | state-only ms | per-token ms | Mtok/s (best) | span (the layer's kernel) ms |");
+        println!("|---|---|---|---|---|---|---|");
         let log_decay: Vec<f32> = dataplane::mixers::lightning::alibi_slopes(h)
             .iter()
             .map(|s| -(*s as f32))
@@ -704,7 +713,7 @@ mod bench {
             let q = rand_up::<f32>(g, r, t * h * d, -0.1, 0.1)?;
             let k = rand_up::<f32>(g, r, t * h * d, -0.1, 0.1)?;
             let v = rand_up::<f32>(g, r, t * h * d, -1.0, 1.0)?;
-            let mut s = g.zeros::<f32>(h * d * d)?;
+            let mut s = rand_up::<f32>(g, r, h * d * d, -1.0, 1.0)?;
             let mut o = g.zeros::<f32>(t * h * d)?;
             let reps = if t >= 16384 { 5 } else { 20 };
             let chunked = time_ms(g, 2, reps, || {
@@ -724,8 +733,11 @@ mod bench {
             } else {
                 "-".into()
             };
+            let span = time_ms(g, 2, reps, || {
+                lt::span(g, &dims, &q, &k, &v, &ld, scale, &mut s, &mut o)
+            })?;
             println!(
-                "| {t} | {chunked:.3} | {two_pass:.3} | {state_only:.3} | {per_token} | {:.1} |",
+                "| {t} | {chunked:.3} | {two_pass:.3} | {state_only:.3} | {per_token} | {:.1} | {span:.3} |",
                 t as f64 / chunked.min(two_pass) / 1e3
             );
         }

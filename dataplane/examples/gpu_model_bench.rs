@@ -6,13 +6,28 @@
 //! gpu_model_bench --config DIR --random-weights [--dtype bf16|f32] [--seed N] [--reps N] [--quick]
 //!   [--profile-decode N]   # only N decode steps (4k context) between cuProfilerStart/Stop, for ncu
 //!   [--decode-graphs]      # only the decode-step table, CUDA graphs against eager (below)
-//!   [--layers N]           # that table on the first N layers (default: as many as fit)
+//!   [--layers N]           # the first N layers (default: the largest layer cut that fits)
+//!   [--headroom-gib G]     # device memory left free for activations when picking the cut (8)
+//!   [--dtype-fallback bf16] # when even the smallest cut does not fit in --dtype
+//!   [--shapes 4x1024,16x1024] # TTFT prompts (segments x tokens)
 //!   [--graph-ctx N] [--batches 1,8,64]
 //! ```
 //!
-//! `DIR/config.json` is an HF config (e.g. `benches/configs/qwen3_5_35b_a3b`); the
-//! weights are generated on the device by `GpuModel::random` (no checkpoint, no host
-//! copy). Prints markdown:
+//! `DIR/config.json` is an HF config of any registered family (e.g.
+//! `benches/configs/qwen3_5_35b_a3b`, `ring_mini_linear_2_0`, `ring_flash_linear_2_0`,
+//! `kimi_linear_48b_a3b`); the weights are generated on the device by
+//! `GpuModel::random` (no checkpoint, no host copy). `--dtype` defaults to bf16, or
+//! f32 for a model with Lightning, KDA or MLA layers (their bf16 kernels are
+//! experimental; this bench sets `HYPIC_CUDA_EXPERIMENTAL=1`, so bf16 runs when asked).
+//!
+//! Layer cut: when the weights, the states of the longest prompt and
+//! `--headroom-gib` do not fit the free device memory, the model is cut to its first
+//! `n` layers, `n` the largest of `ModelConfig::layer_cuts` that fits (a cut ends on a
+//! full-attention layer, so it keeps the family's layer plan: Qwen3.5 every 4th layer,
+//! Ring-linear `(i + 1) % layer_group_size == 0`, Kimi-Linear `full_attn_layers`);
+//! the header names the kept layers of each kind. When even the smallest cut does not
+//! fit, the bench stops with "does not fit", or switches to `--dtype-fallback`.
+//! Prints markdown:
 //!
 //! * parameter counts (total, active per token) and weight bytes, init time;
 //! * the bf16 cuBLAS GEMM peak of this device in this run (8192³, `blas::linear`);
@@ -25,8 +40,9 @@
 //!   fix) with every segment's public entry prebuilt, and the compose time per
 //!   segment derived from it;
 //! * decode step latency (one token, host logits) at several context lengths;
-//! * a per-layer-kind split (GDN layer vs attention layer, each with its FFN) from two
-//!   4-layer models of the same shapes;
+//! * a per-layer-kind split (linear-attention layer — GDN, Lightning or KDA — vs
+//!   full-attention layer — attention or MLA —, each with its FFN) from two 4-layer
+//!   models of the same shapes (skipped, with a note, for a stack of one kind);
 //! * the decode step through `GpuModel::decode_sample` (greedy, token ids drawn on the
 //!   device) at batch 1 / 8 / 64 over `--graph-ctx` (default 1024) tokens per sequence,
 //!   eager against CUDA graphs (`cuda::graph`), in one table with: the eager step,
@@ -39,9 +55,9 @@
 //!   weights (projections, router, shared expert, LM head) once, the routed experts a
 //!   batch of B tokens touches (expected distinct experts per MoE layer
 //!   `E·(1 − (1 − k/E)^B)`, uniform routing), the recurrent and conv states read and
-//!   written, and the KV cache read. The model is cut to `--layers` (a multiple of 4,
-//!   the 3 : 1 GDN : attention pattern) when the full model and its states do not fit
-//!   the device (an H100 at the Qwen3.5-35B-A3B shape in bf16); the header says which.
+//!   written, and the KV cache read. The model is cut as above when the full model
+//!   and the states of the largest batch do not fit the device (an H100 at the
+//!   Qwen3.5-35B-A3B shape in bf16); the header says which layers were kept.
 //!
 //! Times are wall-clock milliseconds around the call, which returns host logits and
 //! so waits for the stream (CUDA-synchronised); median of `--reps` (default 3, at
@@ -51,11 +67,14 @@
 //! matrix products (projections of every layer, router, top-k routed experts, shared
 //! expert; `P_active` from `random::ParamCounts` without the LM head), plus
 //! `2·vocab·hidden` once for the last token's logits, plus causal attention
-//! `4·H·hd·(p+1)` per token at position `p` per full-attention layer (QKᵀ and PV), plus
-//! `6·Hv·dk·dv` per token per GDN layer (the three state matrix-vector products of the
-//! recurrent form; the chunked kernel does more work than this), plus
-//! `2·conv_dim·K` per token per GDN layer for the conv. Norms, activations and
-//! softmax are not counted.
+//! `4·H·hd·(p+1)` per token at position `p` per full-attention layer (QKᵀ and PV), or
+//! `2·H·(qk_head_dim + v_head_dim)·(p+1)` per MLA layer (the attention of the
+//! expanded heads; the absorbed form this code runs attends over latent rows and
+//! does more), plus `6·Hv·dk·dv` per token per GDN or KDA layer (the three state
+//! matrix-vector products of the recurrent form; the chunked kernels do more work
+//! than this) and `2·conv_dim·K` for its conv, or `4·H·dk·dv` per token per Lightning
+//! layer (state update and read-out; no conv). Norms, activations, gates and softmax
+//! are not counted.
 #[cfg(not(feature = "cuda"))]
 fn main() {
     eprintln!("gpu_model_bench: build with --features cuda");
@@ -91,13 +110,20 @@ mod bench {
 
     struct Args {
         config: PathBuf,
+        /// `--dtype`; empty: bf16, or f32 for Lightning / KDA / MLA models.
         dtype: String,
+        /// `--dtype-fallback`: the dtype to use when no layer cut fits in `dtype`.
+        dtype_fallback: Option<String>,
+        /// `--headroom-gib`: device memory kept free when picking the layer cut.
+        headroom_gib: f64,
+        /// `--shapes`: TTFT prompts as (segments, tokens per segment).
+        shapes: Option<Vec<(usize, usize)>>,
         seed: u64,
         reps: usize,
         quick: bool,
         /// `--decode-graphs`: only the decode-step table of graphs against eager.
         decode_graphs: bool,
-        /// `--layers N` for that table (0: as many as fit).
+        /// `--layers N` (0: the largest layer cut that fits).
         layers: usize,
         /// `--graph-ctx N`: tokens per sequence before the timed steps.
         graph_ctx: usize,
@@ -111,7 +137,10 @@ mod bench {
     fn parse() -> Res<Args> {
         let mut a = Args {
             config: PathBuf::new(),
-            dtype: "bf16".into(),
+            dtype: String::new(),
+            dtype_fallback: None,
+            headroom_gib: 8.0,
+            shapes: None,
             seed: 0,
             reps: 3,
             quick: false,
@@ -129,6 +158,29 @@ mod bench {
                 "--config" => a.config = PathBuf::from(val(&k)?),
                 "--random-weights" => random = true,
                 "--dtype" => a.dtype = val(&k)?,
+                "--dtype-fallback" => a.dtype_fallback = Some(val(&k)?),
+                "--headroom-gib" => {
+                    a.headroom_gib = val(&k)?
+                        .parse()
+                        .map_err(|e| format!("--headroom-gib: {e}"))?
+                }
+                "--shapes" => {
+                    let v = val(&k)?;
+                    let mut out = vec![];
+                    for p in v.split(',') {
+                        let (n, t) = p
+                            .trim()
+                            .split_once('x')
+                            .ok_or_else(|| format!("--shapes: `{p}` is not NxT"))?;
+                        let n: usize = n.parse().map_err(|e| format!("--shapes {p}: {e}"))?;
+                        let t: usize = t.parse().map_err(|e| format!("--shapes {p}: {e}"))?;
+                        if n == 0 || t == 0 {
+                            return Err(format!("--shapes {p}: zero segments or tokens"));
+                        }
+                        out.push((n, t));
+                    }
+                    a.shapes = Some(out);
+                }
                 "--seed" => a.seed = val(&k)?.parse().map_err(|e| format!("--seed: {e}"))?,
                 "--reps" => a.reps = val(&k)?.parse().map_err(|e| format!("--reps: {e}"))?,
                 "--quick" => a.quick = true,
@@ -162,41 +214,179 @@ mod bench {
         Ok(a)
     }
 
+    /// Whether `c` has layers whose bf16 CUDA kernels are experimental (Lightning,
+    /// KDA, MLA).
+    fn experimental_mixers(c: &ModelConfig) -> bool {
+        c.mixers
+            .iter()
+            .any(|m| matches!(m, MixerKind::Lightning | MixerKind::Kda | MixerKind::Mla))
+    }
+
+    /// Element bytes of `--dtype` values.
+    fn dtype_bytes(d: &str) -> Res<usize> {
+        match d {
+            "bf16" => Ok(2),
+            "f32" => Ok(4),
+            o => Err(format!("--dtype {o}: expected bf16 or f32")),
+        }
+    }
+
+    /// The TTFT prompts (segments, tokens per segment).
+    fn ttft_shapes(a: &Args) -> Vec<(usize, usize)> {
+        if let Some(s) = &a.shapes {
+            s.clone()
+        } else if a.quick {
+            vec![(4, 1024), (4, 4096), (16, 1024)]
+        } else {
+            vec![(4, 1024), (4, 2048), (4, 4096), (8, 1024), (16, 1024)]
+        }
+    }
+
+    /// The decode table's context lengths.
+    fn decode_ctxs(a: &Args) -> &'static [usize] {
+        if a.quick {
+            &[1024, 16384]
+        } else {
+            &[1024, 4096, 16384, 32768]
+        }
+    }
+
+    /// Device bytes the TTFT / decode bench needs for `c` in `es`-byte elements: the
+    /// weights, four copies of one sequence's states and KV at `tokens` (running state,
+    /// prefix snapshot and its clone, PIC entries) and `headroom_gib` for activations.
+    fn bench_need(c: &ModelConfig, es: usize, tokens: usize, headroom_gib: f64) -> f64 {
+        let (_, st) = step_bytes(c, es, 1, tokens);
+        ParamCounts::of(c).bytes(es) as f64 + 4.0 * st + headroom_gib * (1u64 << 30) as f64
+    }
+
+    /// One line naming the layers a cut model kept.
+    fn kept_layers(c: &ModelConfig, c0: &ModelConfig) -> String {
+        if c.num_layers == c0.num_layers {
+            format!("all {} layers ({})", c0.num_layers, c0.layer_plan())
+        } else {
+            format!(
+                "layers 0..{} of {} kept ({}; cut after a full-attention layer, so the family's layer plan holds; cuts: {:?})",
+                c.num_layers,
+                c0.num_layers,
+                c.layer_plan(),
+                c0.layer_cuts()
+            )
+        }
+    }
+
     pub fn run() -> Res<()> {
-        let a = parse()?;
-        let c = ModelConfig::from_dir(&a.config).map_err(|e| e.to_string())?;
+        let mut a = parse()?;
+        let c0 = ModelConfig::from_dir(&a.config).map_err(|e| e.to_string())?;
+        if a.dtype.is_empty() {
+            a.dtype = if experimental_mixers(&c0) {
+                "f32"
+            } else {
+                "bf16"
+            }
+            .into();
+        }
+        dtype_bytes(&a.dtype)?;
+        if let Some(fb) = &a.dtype_fallback {
+            dtype_bytes(fb)?;
+        }
         // The Ring / Kimi shapes run in bf16 behind the experimental switch.
         std::env::set_var("HYPIC_CUDA_EXPERIMENTAL", "1");
         let g = Gpu::new(0).map_err(|e| e.to_string())?;
         g.warm_up().map_err(|e| e.to_string())?;
         println!("# gpu_model_bench\n");
         println!(
-            "device: {} ({}); config {} ({}, {} layers: {} GDN + {} attention, hidden {}, vocab {}, {} experts top-{}); dtype {}, seed {}",
+            "device: {} ({}); config {} ({}, family {}, {} layers: {}; hidden {}, vocab {}, {} experts top-{}); dtype {}, seed {}",
             g.name(),
             g.arch(),
             a.config.display(),
-            c.model_type,
-            c.num_layers,
-            c.mixers.iter().filter(|k| **k == MixerKind::GatedDeltaNet).count(),
-            c.mixers.iter().filter(|k| **k == MixerKind::Attention).count(),
-            c.hidden_size,
-            c.vocab_size,
-            c.num_experts,
-            c.experts_per_tok,
+            c0.model_type,
+            c0.family,
+            c0.num_layers,
+            c0.layer_plan(),
+            c0.hidden_size,
+            c0.vocab_size,
+            c0.num_experts,
+            c0.experts_per_tok,
             a.dtype,
             a.seed
         );
+        if experimental_mixers(&c0) && a.dtype == "bf16" {
+            println!("note: bf16 kernels of Lightning / KDA / MLA layers are experimental (HYPIC_CUDA_EXPERIMENTAL=1 set by this bench)");
+        }
         if a.decode_graphs {
             return match a.dtype.as_str() {
-                "bf16" => decode_graph_bench::<bf16>(&g, &c, &a),
-                "f32" => decode_graph_bench::<f32>(&g, &c, &a),
-                o => Err(format!("--dtype {o}: expected bf16 or f32")),
+                "bf16" => decode_graph_bench::<bf16>(&g, &c0, &a),
+                _ => decode_graph_bench::<f32>(&g, &c0, &a),
             };
         }
+        // The layer cut: the largest that fits with the longest prompt's states.
+        g.context().bind_to_thread().map_err(|x| format!("{x:?}"))?;
+        let (free, total) = cudarc::driver::result::mem_get_info().map_err(|x| format!("{x:?}"))?;
+        let tokens = ttft_shapes(&a)
+            .iter()
+            .map(|(n, t)| n * t)
+            .chain(decode_ctxs(&a).iter().copied())
+            .max()
+            .unwrap_or(0)
+            + 64;
+        let pick = |dtype: &str| -> Res<(usize, bool)> {
+            let es = dtype_bytes(dtype)?;
+            Ok(if a.layers > 0 {
+                let n = a.layers.min(c0.num_layers);
+                (n, true)
+            } else {
+                c0.largest_cut(|c| bench_need(c, es, tokens, a.headroom_gib) <= free as f64)
+            })
+        };
+        let gb = |n: usize, d: &str| -> Res<f64> {
+            Ok(bench_need(&c0.first_layers(n), dtype_bytes(d)?, tokens, a.headroom_gib) / 1e9)
+        };
+        let (mut n, mut fits) = pick(&a.dtype)?;
+        if !fits {
+            if let Some(fb) = a.dtype_fallback.clone() {
+                let (n2, f2) = pick(&fb)?;
+                println!(
+                    "note: the smallest layer cut ({n} of {} layers) does not fit in {}: {:.1} GB needed (weights, states of {tokens} tokens ×4, {} GiB headroom), {:.1} GB free; --dtype-fallback {fb}: {n2} layers{}",
+                    c0.num_layers,
+                    a.dtype,
+                    gb(n, &a.dtype)?,
+                    a.headroom_gib,
+                    free as f64 / 1e9,
+                    if fb == "bf16" && experimental_mixers(&c0) {
+                        " (bf16 of these mixers is experimental)"
+                    } else {
+                        ""
+                    }
+                );
+                a.dtype = fb;
+                (n, fits) = (n2, f2);
+            }
+        }
+        if !fits {
+            return Err(format!(
+                "the smallest layer cut ({n} of {} layers, cuts {:?}) does not fit in {}: {:.1} GB needed (weights, states of {tokens} tokens ×4, {} GiB headroom), {:.1} GB free of {:.1} GB; use --dtype-fallback bf16, --layers N or --headroom-gib",
+                c0.num_layers,
+                c0.layer_cuts(),
+                a.dtype,
+                gb(n, &a.dtype)?,
+                a.headroom_gib,
+                free as f64 / 1e9,
+                total as f64 / 1e9
+            ));
+        }
+        let c = c0.first_layers(n);
+        println!(
+            "{}; dtype {}; device memory {:.1} GB free of {:.1} GB before the weights, {:.1} GB planned (weights, states of {tokens} tokens ×4, {} GiB headroom)",
+            kept_layers(&c, &c0),
+            a.dtype,
+            free as f64 / 1e9,
+            total as f64 / 1e9,
+            gb(n, &a.dtype)?,
+            a.headroom_gib
+        );
         match a.dtype.as_str() {
             "bf16" => bench::<bf16>(&g, c, &a),
-            "f32" => bench::<f32>(&g, c, &a),
-            o => Err(format!("--dtype {o}: expected bf16 or f32")),
+            _ => bench::<f32>(&g, c, &a),
         }
     }
 
@@ -224,15 +414,6 @@ mod bench {
         Ok(2.0 * n as f64 / median(ts))
     }
 
-    /// The first `n` layers of `c`.
-    fn cut_layers(c: &ModelConfig, n: usize) -> ModelConfig {
-        let mut c = c.clone();
-        c.num_layers = n;
-        c.mixers.truncate(n);
-        c.layer_is_moe.truncate(n);
-        c
-    }
-
     /// Bytes a decode step of `bsz` sequences over `ctx` cached tokens must move at
     /// least (see the module docs): `(weights, states and KV)`.
     fn step_bytes(c: &ModelConfig, es: usize, bsz: usize, ctx: usize) -> (f64, f64) {
@@ -253,16 +434,11 @@ mod bench {
         };
         let weights = (pc.active_matmul as f64 - routed_active + n_moe as f64 * distinct * expert)
             * es as f64;
-        let n_gdn = c
-            .mixers
-            .iter()
-            .filter(|m| **m == MixerKind::GatedDeltaNet)
-            .count();
-        let n_attn = c
-            .mixers
-            .iter()
-            .filter(|m| **m == MixerKind::Attention)
-            .count();
+        // Linear layers (GDN, Lightning, KDA): an fp32 state `[Hv, dk, dv]` and conv tail
+        // (none for Lightning: kernel 1); full attention and MLA: `num_kv_heads ×
+        // head_dim` per token for K and for V (MLA: its latent row, stored as both).
+        let n_gdn = c.num_linear_layers();
+        let n_attn = c.num_attention_layers();
         let rec = c.linear_v_heads * c.linear_k_dim * c.linear_v_dim;
         let conv = c.conv_dim() * c.conv_kernel.saturating_sub(1);
         let per_seq = n_gdn as f64 * ((rec + conv) * 4 * 2) as f64
@@ -285,24 +461,23 @@ mod bench {
         let layers = if a.layers > 0 {
             a.layers.min(c0.num_layers)
         } else {
-            // Weights plus the states and KV of the largest batch plus 6 GiB of room.
-            let mut n = c0.num_layers;
-            loop {
-                let c = cut_layers(c0, n);
-                let (_, st) = step_bytes(&c, es, maxb, a.graph_ctx + 64);
+            // Weights plus the states and KV of the largest batch plus 6 GiB of room, on
+            // the largest layer cut that keeps the family's layer plan (the smallest
+            // cut when none fits).
+            c0.largest_cut(|c| {
+                let (_, st) = step_bytes(c, es, maxb, a.graph_ctx + 64);
                 let need =
-                    ParamCounts::of(&c).bytes(es) as f64 + st / 2.0 + 6.0 * (1u64 << 30) as f64;
-                if need <= free as f64 || n <= 4 {
-                    break n;
-                }
-                n -= 4;
-            }
+                    ParamCounts::of(c).bytes(es) as f64 + st / 2.0 + 6.0 * (1u64 << 30) as f64;
+                need <= free as f64
+            })
+            .0
         };
-        let c = cut_layers(c0, layers);
+        let c = c0.first_layers(layers);
         println!(
             "\n## Decode step: CUDA graphs against eager (`decode_sample`, greedy on the device; {} of {} layers; {} tokens of context per sequence)\n",
             layers, c0.num_layers, a.graph_ctx
         );
+        println!("{}", kept_layers(&c, c0));
         println!(
             "device memory: {:.1} GiB free of {:.1} GiB before the weights",
             free as f64 / (1u64 << 30) as f64,
@@ -452,20 +627,24 @@ mod bench {
     fn prefill_flops(c: &ModelConfig, pc: &ParamCounts, p0: usize, t: usize) -> f64 {
         let vh = (c.vocab_size * c.hidden_size) as f64;
         let per_tok = 2.0 * (pc.active_matmul as f64 - vh);
-        let n_full = c
-            .mixers
-            .iter()
-            .filter(|k| **k == MixerKind::Attention)
-            .count() as f64;
-        let n_lin = c.num_layers as f64 - n_full;
         // Σ_{p=p0}^{p0+t−1} (p+1)
         let keys = (t as f64) * (p0 as f64) + (t as f64) * (t as f64 + 1.0) / 2.0;
-        let attn = n_full * 4.0 * (c.num_heads * c.head_dim) as f64 * keys;
-        let gdn = n_lin
-            * t as f64
-            * (6.0 * (c.linear_v_heads * c.linear_k_dim * c.linear_v_dim) as f64
-                + 2.0 * (c.conv_dim() * c.conv_kernel) as f64);
-        per_tok * t as f64 + 2.0 * vh + attn + gdn
+        let state = (c.linear_v_heads * c.linear_k_dim * c.linear_v_dim) as f64;
+        let mixers: f64 = c
+            .mixers
+            .iter()
+            .map(|m| match m {
+                MixerKind::Attention => 4.0 * (c.num_heads * c.head_dim) as f64 * keys,
+                MixerKind::Mla => {
+                    2.0 * (c.num_heads * (c.mla.qk_head_dim() + c.mla.v_head_dim)) as f64 * keys
+                }
+                MixerKind::GatedDeltaNet | MixerKind::Kda => {
+                    t as f64 * (6.0 * state + 2.0 * (c.conv_dim() * c.conv_kernel) as f64)
+                }
+                MixerKind::Lightning => t as f64 * 4.0 * state,
+            })
+            .sum();
+        per_tok * t as f64 + 2.0 * vh + mixers
     }
 
     fn gemm_peak(g: &Gpu) -> Res<f64> {
@@ -541,11 +720,7 @@ mod bench {
         }
 
         // TTFT.
-        let shapes: Vec<(usize, usize)> = if a.quick {
-            vec![(4, 1024), (4, 4096), (16, 1024)]
-        } else {
-            vec![(4, 1024), (4, 2048), (4, 4096), (8, 1024), (16, 1024)]
-        };
+        let shapes = ttft_shapes(a);
         println!("\n## TTFT (ms; median of {} after a warm-up)\n", a.reps);
         println!("| segments × tokens | prompt | full recompute | MFU | prefix cache (last segment from a device snapshot) | MFU | snapshot clone | hypic (w = 8, entries prebuilt) | hypic compose per segment (derived) | hypic hits |");
         println!("|---|---|---|---|---|---|---|---|---|---|");
@@ -637,13 +812,12 @@ mod bench {
             drop(engine);
         }
         println!("\nMFU = counted model FLOPs (module docs of gpu_model_bench.rs) / time / the bf16 GEMM peak above. The prefix-cache time includes the device-side clone of the snapshot. hypic = `GpuPicEngine::run(Mode::hypic_default())` with every segment's public entry already built (segments 0..n−2 composed: 8-token seam prefill, pair apply, body KV re-rotated and appended; the last segment prefilled); its compose per segment is derived as (hypic − (prefix cache − clone)) / (n − 1), not timed directly.");
+        if es != 2 {
+            println!("This run is f32 (weights and activations): MFU is still against the bf16 GEMM peak, so it is not comparable to a bf16 run.");
+        }
 
         // Decode.
-        let ctxs: &[usize] = if a.quick {
-            &[1024, 16384]
-        } else {
-            &[1024, 4096, 16384, 32768]
-        };
+        let ctxs = decode_ctxs(a);
         println!(
             "\n## Decode step (one token, host logits; ms, median of 10 after 2 warm-up steps)\n"
         );
@@ -754,9 +928,11 @@ mod bench {
     }
 
     /// Per-layer-kind split: prefill time of two 4-layer models of the same shapes
-    /// (all GDN layers, all attention layers; each layer with its MoE FFN) and a small
-    /// vocabulary (1024, so embedding and LM head are negligible), divided by 4; then
-    /// `n_GDN·t_GDN + n_attn·t_attn` against the whole model's full-recompute time.
+    /// (all layers of the stack's linear kind — GDN, Lightning or KDA —, all of its
+    /// full-attention kind — attention or MLA —; each layer with the FFN most of the
+    /// stack's layers have) and a small vocabulary (1024, so embedding and LM head are
+    /// negligible), divided by 4; then `n_linear·t_linear + n_full·t_full` against the
+    /// whole (or cut) model's full-recompute time. A stack of one kind prints a note.
     fn layer_split<T: Elem>(
         g: &std::sync::Arc<Gpu>,
         c: &ModelConfig,
@@ -767,24 +943,32 @@ mod bench {
         CudaBlas: Gemm<T>,
     {
         let e = |x: dataplane::cuda::CudaError| x.to_string();
-        let n_full = c
-            .mixers
-            .iter()
-            .filter(|k| **k == MixerKind::Attention)
-            .count();
-        let n_lin = c.num_layers - n_full;
+        let lin_kind = c.mixers.iter().copied().find(|m| m.is_linear());
+        let full_kind = c.mixers.iter().copied().find(|m| !m.is_linear());
+        let (Some(lin_kind), Some(full_kind)) = (lin_kind, full_kind) else {
+            println!(
+                "\n(per-layer-kind split skipped: the model has one kind of layer: {})",
+                c.layer_plan()
+            );
+            return Ok(());
+        };
+        let n_full = c.num_attention_layers();
+        let n_lin = c.num_linear_layers();
+        let n_moe = c.layer_is_moe.iter().filter(|m| **m).count();
+        let moe = 2 * n_moe >= c.num_layers;
+        let mut lens: Vec<usize> = full_by_len.iter().map(|&(l, _)| l).collect();
+        lens.sort_unstable();
+        lens.dedup();
         let mut per_kind = vec![];
-        for kind in [MixerKind::GatedDeltaNet, MixerKind::Attention] {
-            let mut cc = c.clone();
+        for kind in [lin_kind, full_kind] {
+            let mut cc = c.first_layers(4.min(c.num_layers));
             cc.num_layers = 4;
             cc.mixers = vec![kind; 4];
-            cc.layer_is_moe = c.layer_is_moe[..4.min(c.num_layers)].to_vec();
-            cc.layer_is_moe
-                .resize(4, c.layer_is_moe.first().copied().unwrap_or(false));
+            cc.layer_is_moe = vec![moe; 4];
             cc.vocab_size = 1024;
             let m = GpuModel::<T>::random(g.clone(), cc.clone(), a.seed).map_err(e)?;
-            let mut row = vec![];
-            for &(len, _) in full_by_len {
+            let mut row = std::collections::HashMap::new();
+            for &len in &lens {
                 let toks = prompt(len, cc.vocab_size, 5 + len as u64);
                 let mut ts = vec![];
                 for r in 0..=a.reps {
@@ -797,22 +981,31 @@ mod bench {
                         ts.push(t.elapsed().as_secs_f64());
                     }
                 }
-                row.push(median(ts) / 4.0);
+                row.insert(len, median(ts) / 4.0);
             }
             per_kind.push(row);
         }
-        println!("\n## Per-layer-kind time split (full-recompute prefill from empty; one layer = mixer + its FFN; ms)\n");
-        println!("| prompt | GDN layer | attention layer | {n_lin}·GDN + {n_full}·attention | whole model | rest (embedding, LM head, gaps) |");
+        let (ln, fname) = (lin_kind.name(), full_kind.name());
+        println!("\n## Per-layer-kind time split (full-recompute prefill from empty; one layer = mixer + its FFN ({}); ms)\n", if moe { "MoE" } else { "dense MLP" });
+        if n_moe != 0 && n_moe != c.num_layers {
+            println!(
+                "({} of {} layers are MoE; the rest, with a dense MLP, are counted as {} layers here)\n",
+                n_moe,
+                c.num_layers,
+                if moe { "MoE" } else { "dense" }
+            );
+        }
+        println!("| prompt | {ln} layer | {fname} layer | {n_lin}·{ln} + {n_full}·{fname} | whole model | rest (embedding, LM head, gaps) |");
         println!("|---|---|---|---|---|---|");
         let mut seen = std::collections::HashSet::new();
-        for (i, &(len, full)) in full_by_len.iter().enumerate() {
+        for &(len, full) in full_by_len {
             if !seen.insert(len) {
                 continue;
             }
-            let (tl, tf) = (per_kind[0][i], per_kind[1][i]);
+            let (tl, tf) = (per_kind[0][&len], per_kind[1][&len]);
             let sum = n_lin as f64 * tl + n_full as f64 * tf;
             println!(
-                "| {len} | {:.2} | {:.2} | {:.1} ({:.0}% GDN) | {:.1} | {:.1} |",
+                "| {len} | {:.2} | {:.2} | {:.1} ({:.0}% {ln}) | {:.1} | {:.1} |",
                 tl * 1e3,
                 tf * 1e3,
                 sum * 1e3,

@@ -269,6 +269,85 @@ impl ModelConfig {
         self.mixers.len() - self.num_linear_layers()
     }
 
+    /// Layer counts `n` at which the first `n` layers end on a full-attention layer
+    /// (attention or MLA): the end of one group of the family's layer plan as its
+    /// parser wrote [`ModelConfig::mixers`] (Qwen: every `full_attention_interval`-th
+    /// layer; Ring-linear: `(i + 1) % layer_group_size == 0`; Kimi-Linear: the
+    /// `full_attn_layers` list). Ascending; [`ModelConfig::num_layers`] is always the
+    /// last entry, so a stack without full attention has the single cut `num_layers`.
+    pub fn layer_cuts(&self) -> Vec<usize> {
+        let n = self.num_layers.min(self.mixers.len());
+        let mut cuts: Vec<usize> = (0..n)
+            .filter(|&i| !self.mixers[i].is_linear())
+            .map(|i| i + 1)
+            .collect();
+        if cuts.last() != Some(&self.num_layers) {
+            cuts.push(self.num_layers);
+        }
+        cuts
+    }
+
+    /// The first `n` layers of the stack (same shapes; `num_layers`, `mixers` and
+    /// `layer_is_moe` truncated; `n` is clamped to the stack). Lightning decay factors,
+    /// which depend on the layer count ([`SlopeRule::factor`]), follow the new count.
+    pub fn first_layers(&self, n: usize) -> ModelConfig {
+        let n = n.min(self.num_layers);
+        let mut c = self.clone();
+        c.num_layers = n;
+        c.mixers.truncate(n);
+        c.layer_is_moe.truncate(n);
+        c
+    }
+
+    /// The largest of [`ModelConfig::layer_cuts`] whose [`ModelConfig::first_layers`]
+    /// satisfies `fits` (e.g. weights and states within the free device memory), with
+    /// `true`; the smallest cut with `false` when none does.
+    pub fn largest_cut(&self, mut fits: impl FnMut(&ModelConfig) -> bool) -> (usize, bool) {
+        let cuts = self.layer_cuts();
+        for &n in cuts.iter().rev() {
+            if fits(&self.first_layers(n)) {
+                return (n, true);
+            }
+        }
+        (cuts[0], false)
+    }
+
+    /// Layer indices (0-based) of each mixer kind in the stack, in order of first
+    /// appearance, as `kind: i, j, a..b` (runs of consecutive indices shortened), for
+    /// headers that say which layers a cut model kept.
+    pub fn layer_plan(&self) -> String {
+        let mut kinds: Vec<MixerKind> = vec![];
+        for m in &self.mixers {
+            if !kinds.contains(m) {
+                kinds.push(*m);
+            }
+        }
+        let parts: Vec<String> = kinds
+            .iter()
+            .map(|k| {
+                let idx: Vec<usize> = (0..self.mixers.len())
+                    .filter(|&i| self.mixers[i] == *k)
+                    .collect();
+                let mut runs: Vec<String> = vec![];
+                let mut i = 0;
+                while i < idx.len() {
+                    let mut j = i;
+                    while j + 1 < idx.len() && idx[j + 1] == idx[j] + 1 {
+                        j += 1;
+                    }
+                    runs.push(if j > i {
+                        format!("{}-{}", idx[i], idx[j])
+                    } else {
+                        idx[i].to_string()
+                    });
+                    i = j + 1;
+                }
+                format!("{} {} [{}]", idx.len(), k.name(), runs.join(", "))
+            })
+            .collect();
+        parts.join("; ")
+    }
+
     /// Checks the sizes a family produced (nonzero where needed, head counts that
     /// divide, even rotary dims, top-k within the experts).
     ///
@@ -337,5 +416,69 @@ pub(crate) fn cfg_err(field: &str, msg: &str) -> Error {
     Error::Config {
         field: field.to_string(),
         msg: msg.to_string(),
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn bench_config(name: &str) -> ModelConfig {
+        let dir = Path::new(env!("CARGO_MANIFEST_DIR"))
+            .join("../benches/configs")
+            .join(name);
+        ModelConfig::from_dir(&dir).unwrap()
+    }
+
+    /// Cuts end on each family's full-attention layers, so a cut model keeps the
+    /// layer plan: Ring-mini groups of 5, Ring-flash groups of 8, Kimi-Linear's
+    /// `full_attn_layers` (1-indexed 4, 8, …, 24, 27), Qwen3.5 every 4th layer.
+    #[test]
+    fn layer_cuts_follow_each_family_plan() {
+        let ring = bench_config("ring_mini_linear_2_0");
+        assert_eq!(ring.layer_cuts(), vec![5, 10, 15, 20]);
+        let flash = bench_config("ring_flash_linear_2_0");
+        assert_eq!(flash.layer_cuts(), vec![8, 16, 24, 32]);
+        let kimi = bench_config("kimi_linear_48b_a3b");
+        assert_eq!(kimi.layer_cuts(), vec![4, 8, 12, 16, 20, 24, 27]);
+        let qwen = bench_config("qwen3_5_35b_a3b");
+        assert_eq!(
+            qwen.layer_cuts(),
+            (1..=qwen.num_layers / 4).map(|g| 4 * g).collect::<Vec<_>>()
+        );
+        // No full attention: the whole stack is the only cut.
+        let lin = ring.first_layers(4);
+        assert!(lin.mixers.iter().all(|m| m.is_linear()));
+        assert_eq!(lin.layer_cuts(), vec![4]);
+        let c = kimi.first_layers(8);
+        assert_eq!(c.num_layers, 8);
+        assert_eq!(c.mixers, kimi.mixers[..8].to_vec());
+        assert_eq!(c.layer_is_moe, kimi.layer_is_moe[..8].to_vec());
+        assert_eq!((c.num_linear_layers(), c.num_attention_layers()), (6, 2));
+        assert_eq!(kimi.first_layers(99).num_layers, 27);
+    }
+
+    /// The largest cut that fits a budget, and the smallest (marked) when none does.
+    #[test]
+    fn largest_cut_picks_by_budget() {
+        let ring = bench_config("ring_mini_linear_2_0");
+        let bytes = |c: &ModelConfig| crate::random::ParamCounts::of(c).bytes(4);
+        let full = bytes(&ring);
+        assert_eq!(ring.largest_cut(|c| bytes(c) <= full), (20, true));
+        assert_eq!(ring.largest_cut(|c| bytes(c) < full), (15, true));
+        assert_eq!(ring.largest_cut(|_| false), (5, false));
+        let kimi = bench_config("kimi_linear_48b_a3b");
+        let (n, ok) = kimi.largest_cut(|c| bytes(c) <= 70 << 30);
+        assert!(ok && n < 27 && n.is_multiple_of(4), "{n}");
+        assert_eq!(kimi.first_layers(n).mixers.last(), Some(&MixerKind::Mla));
+    }
+
+    #[test]
+    fn layer_plan_names_kept_layers() {
+        let ring = bench_config("ring_mini_linear_2_0").first_layers(10);
+        assert_eq!(
+            ring.layer_plan(),
+            "8 lightning [0-3, 5-8]; 2 attention [4, 9]"
+        );
     }
 }
