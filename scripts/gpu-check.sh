@@ -356,6 +356,14 @@ PY
     rc_=$?
     echo "(gpu_model_bench --decode-graphs rc=$rc_)" >> "$OUT/model_bench.md"
     [ "$mbench_rc" -eq 0 ] && mbench_rc=$rc_
+    # The same table with the GDN layers sequence by sequence (HYPIC_CUDA_GDN_ROWS=0):
+    # the same-run baseline of the batched GDN decode kernels. MODEL_BENCH_GDN_AB=0 skips it.
+    if [ "${MODEL_BENCH_GDN_AB:-1}" != 0 ]; then
+      echo -e "\n### Baseline: GDN layers sequence by sequence (HYPIC_CUDA_GDN_ROWS=0)\n" >> "$OUT/model_bench.md"
+      HYPIC_CUDA_GDN_ROWS=0 timeout 240 .device/bin/gpu_model_bench --config benches/configs/qwen3_5_35b_a3b \
+        --random-weights --dtype bf16 --seed 0 --decode-graphs ${DECODE_GRAPH_ARGS:-} >> "$OUT/model_bench.md" 2>&1
+      echo "(gpu_model_bench --decode-graphs, HYPIC_CUDA_GDN_ROWS=0, rc=$?)" >> "$OUT/model_bench.md"
+    fi
   fi
   want modelbench && echo "random tests rc=$random_rc, model bench rc=$mbench_rc in $((SECONDS - t0)) s" \
     || echo "random-weight tests and model bench: skipped"
