@@ -21,6 +21,13 @@
 //!   are printed beside them (same draw; equal unless fp32 logit differences move a
 //!   draw, which is printed, not asserted).
 //!
+//! * `gdn_rows_equal_sequence_by_sequence`: the batched Gated DeltaNet decode (one
+//!   launch per kernel for the whole batch, states found through a device address
+//!   table; `GpuModel::set_gdn_rows(true)`) against the sequence-by-sequence step
+//!   (`false`) from identical states: batches of 1, 3 and 6 sequences of different
+//!   lengths, 5 steps, graphs off (graphs against the eager step: `cuda_graph.rs`);
+//!   logits and final states must be equal bit for bit, in fp32 and bf16.
+//!
 //! Every case prints lines starting with two spaces (collected into the gpu-check
 //! report). The draws are the same definition on both sides; a difference can only
 //! come from fp32 rounding at a top-p boundary or an ulp tie between two Gumbel
@@ -226,6 +233,83 @@ mod gpu {
         if total == 0 {
             rep.fail(format!("{}: no device draw happened", T::SUFFIX));
         }
+    }
+
+    fn gdn_rows_case<T: Elem>(g: &Arc<Gpu>, m: &Model, rep: &mut Report)
+    where
+        CudaBlas: Gemm<T>,
+    {
+        let gm = GpuModel::<T>::upload(g.clone(), m).expect("upload");
+        gm.set_cuda_graphs(false);
+        let vocab = m.config.vocab_size.min(300);
+        let mut rng = StdRng::seed_from_u64(21);
+        for bsz in [1usize, 3, 6] {
+            let mut batched = vec![];
+            let mut serial = vec![];
+            for b in 0..bsz {
+                let p: Vec<u32> = (0..3 + 11 * b)
+                    .map(|_| rng.random_range(0..vocab as u32))
+                    .collect();
+                let mut s = gm.new_state().expect("state");
+                gm.prefill(&p, &mut s, Logits::None).expect("prefill");
+                serial.push(s.try_clone().expect("clone"));
+                batched.push(s);
+            }
+            let mut differ = 0usize;
+            for step in 0..5 {
+                let toks: Vec<u32> = (0..bsz)
+                    .map(|_| rng.random_range(0..vocab as u32))
+                    .collect();
+                gm.set_gdn_rows(true);
+                let la = gm
+                    .decode_batch(&toks, &mut batched.iter_mut().collect::<Vec<_>>())
+                    .expect("batched decode");
+                gm.set_gdn_rows(false);
+                let lb = gm
+                    .decode_batch(&toks, &mut serial.iter_mut().collect::<Vec<_>>())
+                    .expect("sequence-by-sequence decode");
+                for (b, (x, y)) in la.iter().zip(&lb).enumerate() {
+                    let bits = |v: &[f32]| v.iter().map(|f| f.to_bits()).collect::<Vec<_>>();
+                    if bits(x) != bits(y) {
+                        differ += 1;
+                        rep.fail(format!(
+                            "{} batch {bsz} step {step} row {b}: logits differ",
+                            T::SUFFIX
+                        ));
+                    }
+                }
+            }
+            for (b, (x, y)) in batched.iter().zip(&serial).enumerate() {
+                if x.to_host().expect("download") != y.to_host().expect("download") {
+                    differ += 1;
+                    rep.fail(format!(
+                        "{} batch {bsz} row {b}: final states differ",
+                        T::SUFFIX
+                    ));
+                }
+            }
+            println!(
+                "  {} batch {bsz}: batched GDN decode vs sequence by sequence, 5 steps: {}",
+                T::SUFFIX,
+                if differ == 0 {
+                    "bit-identical logits and states".to_string()
+                } else {
+                    format!("{differ} differences")
+                }
+            );
+        }
+        gm.set_gdn_rows(true);
+    }
+
+    #[test]
+    fn gdn_rows_equal_sequence_by_sequence() {
+        let test = "gdn_rows_equal_sequence_by_sequence";
+        let (g, _l) = gpu(test);
+        let m = tiny();
+        let mut rep = Report::new();
+        gdn_rows_case::<f32>(&g, &m, &mut rep);
+        gdn_rows_case::<bf16>(&g, &m, &mut rep);
+        rep.finish(test);
     }
 
     #[test]

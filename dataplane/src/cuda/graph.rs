@@ -281,6 +281,10 @@ struct Inner {
 #[derive(Default)]
 pub struct DecodeGraphs {
     inner: Mutex<Inner>,
+    /// The model's batched-GDN switch ([`GpuModel::set_gdn_rows`]): 0 = as
+    /// `HYPIC_CUDA_GDN_ROWS` says, 1 = on, 2 = off. Outside `inner`: the decode step
+    /// reads it while a graph is being recorded under that lock.
+    pub(crate) gdn_rows: std::sync::atomic::AtomicU8,
 }
 
 impl DecodeGraphs {
@@ -305,6 +309,22 @@ where
                 g.pending.clear();
                 std::mem::take(&mut g.entries)
             }
+        };
+        drop(old);
+    }
+
+    /// Runs the Gated DeltaNet layers of a batched decode step batched (`true`, the
+    /// default unless `HYPIC_CUDA_GDN_ROWS=0`) or sequence by sequence (`false`, the
+    /// reference the batched kernels are compared with). Drops every recorded graph
+    /// (their input layouts differ).
+    pub fn set_gdn_rows(&self, on: bool) {
+        self.graphs
+            .gdn_rows
+            .store(if on { 1 } else { 2 }, std::sync::atomic::Ordering::Relaxed);
+        let old = {
+            let mut g = self.graphs.lock();
+            g.pending.clear();
+            std::mem::take(&mut g.entries)
         };
         drop(old);
     }

@@ -2269,13 +2269,24 @@ where
     }
 
     /// Whether the decode step runs its GDN layers batched ([`GpuModel::gdn_core_rows`]):
-    /// the model has a GDN layer, its `dk` has the recurrent kernel, and
-    /// `HYPIC_CUDA_GDN_ROWS` is not `0` (read once per process; `0` keeps the
+    /// the model has a GDN layer, its `dk` has the recurrent kernel, and the model's
+    /// switch ([`GpuModel::set_gdn_rows`]) is on — by default unless
+    /// `HYPIC_CUDA_GDN_ROWS=0` (read once per process; `0` keeps the
     /// sequence-by-sequence step, for comparisons).
     pub(crate) fn gdn_rows_ok(&self) -> bool {
-        static ON: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
-        *ON.get_or_init(|| std::env::var("HYPIC_CUDA_GDN_ROWS").map_or(true, |v| v.trim() != "0"))
-            && GDR_REC_DK.contains(&self.config.linear_k_dim)
+        static ENV: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
+        let on = match self
+            .graphs
+            .gdn_rows
+            .load(std::sync::atomic::Ordering::Relaxed)
+        {
+            1 => true,
+            2 => false,
+            _ => *ENV.get_or_init(|| {
+                std::env::var("HYPIC_CUDA_GDN_ROWS").map_or(true, |v| v.trim() != "0")
+            }),
+        };
+        on && GDR_REC_DK.contains(&self.config.linear_k_dim)
             && self
                 .layers
                 .iter()

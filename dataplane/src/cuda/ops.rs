@@ -247,6 +247,11 @@ pub unsafe fn conv1d_update_rows<T: Elem>(
         )));
     }
     check_len("y", y, b * c)?;
+    if b > 65_535 {
+        return Err(CudaError::Shape(format!(
+            "conv1d rows: {b} rows over the grid's 65 535"
+        )));
+    }
     let dims = [x_stride, c, k, b].map(|v| i32::try_from(v).ok());
     let [Some(xs), Some(ci), Some(ki), Some(_)] = dims else {
         return Err(CudaError::Shape(
