@@ -220,8 +220,11 @@ fn join_nccl<B: PicBackend>(j: Arc<dyn NcclJoiner<B>>, slot: Arc<NcclSlot>) -> R
     std::thread::Builder::new()
         .name("hypic-nccl-join".into())
         .spawn(move || {
-            let _slot = slot;
-            let _ = tx.send(j.connect());
+            let r = j.connect();
+            // Free the slot before the result is seen: a task that goes on (or falls
+            // back to TCP) and finishes must find it free for the next offer.
+            drop(slot);
+            let _ = tx.send(r);
         })
         .map_err(|e| format!("cannot start a thread: {e}"))?;
     rx.recv_timeout(NCCL_JOIN)
