@@ -30,6 +30,32 @@ const SMEM_PREP: u32 = ((CHUNK * LDX + CHUNK * CHUNK + 3 * CHUNK) * 4) as u32;
 const SMEM_STATE: u32 = ((2 * CHUNK * LDT + PREFILL_DIM * 32 + CHUNK * 32 + CHUNK) * 4) as u32;
 const SMEM_OUT: u32 = ((2 * CHUNK * LDT + CHUNK * (CHUNK + 1) + CHUNK) * 4) as u32;
 
+/// Key dims of the recurrent kernels ([`recurrent`], [`recurrent_rows`]).
+pub const RECURRENT_DK: [usize; 3] = [64, 128, 256];
+
+/// Errors unless `Hv` is a positive multiple of `Hk` (value head h reads key head
+/// `h / (Hv/Hk)`).
+fn check_heads(d: &GdrDims) -> Result<()> {
+    if d.hk == 0 || !d.hv.is_multiple_of(d.hk) {
+        return Err(CudaError::Shape(format!(
+            "Hv {} must be a multiple of Hk {}",
+            d.hv, d.hk
+        )));
+    }
+    Ok(())
+}
+
+/// Errors unless `dk` ∈ [`RECURRENT_DK`].
+fn check_recurrent_dk(d: &GdrDims) -> Result<()> {
+    if !RECURRENT_DK.contains(&d.dk) {
+        return Err(CudaError::Shape(format!(
+            "recurrent GDR kernel: dk {} not in {RECURRENT_DK:?}",
+            d.dk
+        )));
+    }
+    Ok(())
+}
+
 #[allow(clippy::too_many_arguments)]
 fn check_inputs<T: Elem>(
     d: &GdrDims,
@@ -41,12 +67,7 @@ fn check_inputs<T: Elem>(
     state: &CudaSlice<f32>,
     out: &CudaSlice<T>,
 ) -> Result<()> {
-    if d.hk == 0 || !d.hv.is_multiple_of(d.hk) {
-        return Err(CudaError::Shape(format!(
-            "Hv {} must be a multiple of Hk {}",
-            d.hv, d.hk
-        )));
-    }
+    check_heads(d)?;
     check_len("q [T,Hk,dk]", q, d.t * d.hk * d.dk)?;
     check_len("k [T,Hk,dk]", k, d.t * d.hk * d.dk)?;
     check_len("v [T,Hv,dv]", v, d.t * d.hv * d.dv)?;
@@ -71,12 +92,7 @@ pub fn recurrent<T: Elem>(
     out: &mut CudaSlice<T>,
 ) -> Result<()> {
     check_inputs(d, q, k, v, g, beta, state, out)?;
-    if ![64, 128, 256].contains(&d.dk) {
-        return Err(CudaError::Shape(format!(
-            "recurrent GDR kernel: dk {} not in {{64, 128, 256}}",
-            d.dk
-        )));
-    }
+    check_recurrent_dk(d)?;
     if d.t == 0 || d.hv == 0 || d.dv == 0 {
         return Ok(());
     }
@@ -126,18 +142,8 @@ pub unsafe fn recurrent_rows<T: Elem>(
     states: &cudarc::driver::CudaView<'_, u64>,
     out: &mut CudaSlice<T>,
 ) -> Result<()> {
-    if d.hk == 0 || !d.hv.is_multiple_of(d.hk) {
-        return Err(CudaError::Shape(format!(
-            "Hv {} must be a multiple of Hk {}",
-            d.hv, d.hk
-        )));
-    }
-    if ![64, 128, 256].contains(&d.dk) {
-        return Err(CudaError::Shape(format!(
-            "recurrent GDR kernel: dk {} not in {{64, 128, 256}}",
-            d.dk
-        )));
-    }
+    check_heads(d)?;
+    check_recurrent_dk(d)?;
     check_len("q [B,Hk,dk]", q, d.t * d.hk * d.dk)?;
     check_len("k [B,Hk,dk]", k, d.t * d.hk * d.dk)?;
     check_len("v [B,Hv,dv]", v, d.t * d.hv * d.dv)?;

@@ -110,7 +110,7 @@ pub const ATTN_FLASH_MIN_TQ: usize = 64;
 /// lengths.
 pub const ATTN_WG_BC80_MIN_KV: usize = 8192;
 /// Key dims of the tuned recurrent GDR kernel ([`gdr::recurrent`]).
-const GDR_REC_DK: [usize; 3] = [64, 128, 256];
+const GDR_REC_DK: [usize; 3] = gdr::RECURRENT_DK;
 /// Largest head dim of the generic attention kernel.
 const ATTN_GENERIC_MAX_HD: usize = 1024;
 /// Key tile of the generic attention kernel (`ATG_TILE` in model.cu).
