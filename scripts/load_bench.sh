@@ -12,7 +12,8 @@
 # LOAD_CONFIG: a folder with a config.json; its weights are not read (random weights,
 # seed 0) and the bundled model's tokenizer is used. Other knobs: LOAD_MODES,
 # LOAD_RATES, LOAD_REQUESTS, LOAD_DOCS, LOAD_DOCS_PER_REQUEST, LOAD_DOC_WORDS,
-# LOAD_SYSTEM_WORDS, LOAD_QUERY_WORDS, LOAD_MAX_TOKENS, LOAD_MULTI_TURN, HYPIC_BIN, and
+# LOAD_SYSTEM_WORDS, LOAD_QUERY_WORDS, LOAD_MAX_TOKENS, LOAD_MULTI_TURN, LOAD_WARMUP,
+# LOAD_PRIME=1 (`hypic bench --prime`: each run's documents cached ahead), HYPIC_BIN, and
 # LOAD_SERVE_ARGS (more `hypic serve` flags, e.g. pool sizes).
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -51,7 +52,8 @@ for mode in "${modes[@]}"; do
     --docs "${LOAD_DOCS:-200}" --docs-per-request "${LOAD_DOCS_PER_REQUEST:-8}" \
     --doc-words "${LOAD_DOC_WORDS:-160}" --system-words "${LOAD_SYSTEM_WORDS:-120}" \
     --query-words "${LOAD_QUERY_WORDS:-24}" --max-tokens "${LOAD_MAX_TOKENS:-16}" \
-    --multi-turn "${LOAD_MULTI_TURN:-0.2}" --warmup "${LOAD_WARMUP:-2}"
+    --multi-turn "${LOAD_MULTI_TURN:-0.2}" --warmup "${LOAD_WARMUP:-2}" \
+    $([ "${LOAD_PRIME:-0}" = 1 ] && echo --prime)
   echo "load_bench: $mode done after $SECONDS s" >&2
 done
 echo "load_bench: done after $SECONDS s" >&2

@@ -117,6 +117,15 @@ pub struct BenchArgs {
     /// they cached.
     #[arg(long, default_value_t = 2)]
     pub warmup: usize,
+    /// Before each measured (mode, rate) run, send every document the workload
+    /// retrieves once, behind the system prompt, under that run's salt (not counted):
+    /// the corpus is cached ahead of traffic, as a RAG knowledge base is, instead of
+    /// each run starting cold. The documents are the segments between the first (the
+    /// system prompt) and the last (the question) of each session's first request; a
+    /// continuation's earlier answers and questions are never sent ahead. Every mode
+    /// gets the same requests (the prefix cache keeps `[system, document]` prefixes).
+    #[arg(long)]
+    pub prime: bool,
     /// Skip the SVG plots.
     #[arg(long)]
     pub no_plots: bool,
@@ -485,20 +494,18 @@ fn find_event_end(buf: &[u8]) -> Option<usize> {
 
 /// One (mode, rate) run.
 #[allow(clippy::too_many_arguments)]
+///
+/// Requests carry `salt`: runs under different salts share no cache entry.
 pub async fn run_once(
     backend: &Backend,
     recs: &[TraceRecord],
     arrivals: &[f64],
     mode: &ModeSpec,
-    rate: f64,
+    (rate, salt): (f64, &str),
     max_tokens: usize,
     max_in_flight: usize,
     bar: &ProgressBar,
 ) -> Vec<Sample> {
-    if let Backend::InProcess(ip) = backend {
-        ip.engine.clear();
-    }
-    let salt = format!("bench-{}-{rate}-{:x}", mode.label, rand::random::<u64>());
     let gate = Arc::new(tokio::sync::Semaphore::new(max_in_flight.max(1)));
     let start = Instant::now();
     let mut tasks = Vec::with_capacity(recs.len());
@@ -510,7 +517,7 @@ pub async fn run_once(
             backend.clone(),
             rec.clone(),
             mode.clone(),
-            salt.clone(),
+            salt.to_string(),
             bar.clone(),
         );
         let arrival_s = arrivals[i];
@@ -538,6 +545,69 @@ pub async fn run_once(
     for t in tasks {
         if let Ok(s) = t.await {
             out.push(s);
+        }
+    }
+    out
+}
+
+/// Priming requests in flight at once (`--prime`).
+const PRIME_IN_FLIGHT: usize = 4;
+
+/// A fresh salt for one (mode, rate) run.
+fn run_salt(label: &str, rate: f64) -> String {
+    format!("bench-{label}-{rate}-{:x}", rand::random::<u64>())
+}
+
+/// The in-process engine starts each run with empty pools (a server's are left as
+/// they are: the run's salt keeps earlier entries out of reach).
+fn clear_in_process(backend: &Backend) {
+    if let Backend::InProcess(ip) = backend {
+        ip.engine.clear();
+    }
+}
+
+/// The requests of `--prime`: `[system, document]` for each distinct document of
+/// the workload, in order of first use, and `[system]` alone when no request has a
+/// document (none when every prompt is one segment). The documents are the segments strictly between the first and the last
+/// of each session's first request (a record without a session counts as its own).
+fn prime_records(recs: &[TraceRecord]) -> Vec<TraceRecord> {
+    let mut seen_sessions = std::collections::HashSet::new();
+    let mut seen = std::collections::HashSet::new();
+    let mut out = vec![];
+    for r in recs {
+        if let Some(sid) = r.session {
+            if !seen_sessions.insert(sid) {
+                continue;
+            }
+        }
+        let Some((system, rest)) = r.segments.split_first() else {
+            continue;
+        };
+        let docs = rest.split_last().map_or(&[][..], |(_, d)| d);
+        for d in docs {
+            if !d.is_empty() && seen.insert((system.clone(), d.clone())) {
+                out.push(TraceRecord {
+                    t: None,
+                    segments: vec![system.clone(), d.clone()],
+                    max_tokens: Some(1),
+                    session: None,
+                });
+            }
+        }
+    }
+    if out.is_empty() {
+        // A one-segment prompt is its own question: nothing of it is sent ahead.
+        if let Some(system) = recs
+            .iter()
+            .find(|r| r.segments.len() >= 2)
+            .map(|r| &r.segments[0])
+        {
+            out.push(TraceRecord {
+                t: None,
+                segments: vec![system.clone()],
+                max_tokens: Some(1),
+                session: None,
+            });
         }
     }
     out
@@ -616,12 +686,14 @@ pub async fn run_bench(a: &BenchArgs) -> anyhow::Result<report::Summary> {
         bar.set_style(style.clone());
         bar.set_prefix("warm-up (not counted)");
         let first = modes.first().context("--modes names no mode")?;
+        clear_in_process(&backend);
+        let salt = run_salt(&first.label, 0.0);
         let s = run_once(
             &backend,
             &recs[..warm],
             &vec![0.0; warm],
             first,
-            0.0,
+            (0.0, &salt),
             a.max_tokens,
             1,
             &bar,
@@ -637,9 +709,38 @@ pub async fn run_bench(a: &BenchArgs) -> anyhow::Result<report::Summary> {
             );
         }
     }
+    let primes = if a.prime { prime_records(&recs) } else { vec![] };
     let mut samples = vec![];
     for m in &modes {
         for &rate in &rate_list {
+            clear_in_process(&backend);
+            let salt = run_salt(&m.label, rate);
+            if !primes.is_empty() {
+                let bar = mp.add(ProgressBar::new(primes.len() as u64));
+                bar.set_style(style.clone());
+                bar.set_prefix(format!("{} priming (not counted)", m.label));
+                let s = run_once(
+                    &backend,
+                    &primes,
+                    &vec![0.0; primes.len()],
+                    m,
+                    (0.0, &salt),
+                    1,
+                    PRIME_IN_FLIGHT,
+                    &bar,
+                )
+                .await;
+                bar.finish();
+                if let Some(bad) = s.iter().find(|x| !x.ok) {
+                    bail!(
+                        "priming request {} of {} failed (status {}): {}",
+                        bad.index,
+                        m.label,
+                        bad.status,
+                        bad.error.as_deref().unwrap_or("no error text")
+                    );
+                }
+            }
             let arrivals: Vec<f64> = match rates {
                 Some(_) => workload::poisson_arrivals(recs.len(), rate, a.seed),
                 None => recs.iter().map(|r| r.t.unwrap_or(0.0)).collect(),
@@ -656,7 +757,7 @@ pub async fn run_bench(a: &BenchArgs) -> anyhow::Result<report::Summary> {
                 &recs,
                 &arrivals,
                 m,
-                rate,
+                (rate, &salt),
                 a.max_tokens,
                 a.max_in_flight,
                 &bar,
@@ -680,6 +781,7 @@ pub async fn run_bench(a: &BenchArgs) -> anyhow::Result<report::Summary> {
     );
     let summary = report::Summary {
         warmup_requests: warm,
+        primed_requests: primes.len(),
         ..summary
     };
     report::write_results(&a.out, &summary, &samples, !a.no_plots)?;
@@ -721,5 +823,50 @@ mod tests {
         let bar = mp.add(ProgressBar::new(3));
         bar.inc(1);
         assert!(bar.is_hidden());
+    }
+
+    fn rec(segs: &[&str], session: Option<u64>) -> TraceRecord {
+        TraceRecord {
+            t: None,
+            segments: segs.iter().map(|x| x.to_string()).collect(),
+            max_tokens: None,
+            session,
+        }
+    }
+
+    #[test]
+    fn priming_sends_each_document_once_behind_the_system_prompt() {
+        let recs = vec![
+            rec(&["sys", "d1", "d2", "q1"], Some(0)),
+            rec(&["sys", "d2", "d3", "q2"], Some(1)),
+            // A continuation: its earlier answer and questions are never primed.
+            rec(&["sys", "d1", "d2", "q1", "a1", "q3"], Some(0)),
+            // No session: counts as its own first request; "" is skipped.
+            rec(&["sys", "d4", "", "q4"], None),
+        ];
+        let p = prime_records(&recs);
+        let got: Vec<Vec<&str>> = p
+            .iter()
+            .map(|r| r.segments.iter().map(String::as_str).collect())
+            .collect();
+        assert_eq!(
+            got,
+            vec![
+                vec!["sys", "d1"],
+                vec!["sys", "d2"],
+                vec!["sys", "d3"],
+                vec!["sys", "d4"]
+            ]
+        );
+        assert!(p.iter().all(|r| r.max_tokens == Some(1) && r.session.is_none()));
+        // Requests without documents prime the system prompt alone.
+        let bare = prime_records(&[rec(&["sys", "q"], Some(0))]);
+        assert_eq!(bare.len(), 1);
+        assert_eq!(bare[0].segments, vec!["sys".to_string()]);
+        assert!(prime_records(&[]).is_empty());
+        assert!(prime_records(&[rec(&["only a question"], None)]).is_empty());
+        // The flag parses.
+        assert!(Cli::parse_from(["bench", "--prime"]).a.prime);
+        assert!(!Cli::parse_from(["bench"]).a.prime);
     }
 }

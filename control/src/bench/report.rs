@@ -78,6 +78,8 @@ pub struct Summary {
     pub workload: Option<WorkloadSpec>,
     /// Warm-up requests sent before the measured runs (not in any run).
     pub warmup_requests: usize,
+    /// Priming requests sent before each measured run (`--prime`; not counted).
+    pub primed_requests: usize,
     /// Every run.
     pub runs: Vec<RunStats>,
     /// Per mode.
@@ -227,6 +229,7 @@ pub fn summarize(
         slo_p99_ms,
         workload: if from_trace { None } else { Some(spec.clone()) },
         warmup_requests: 0,
+        primed_requests: 0,
         runs,
         modes: per_mode,
     }
@@ -236,8 +239,21 @@ pub fn summarize(
 pub fn markdown(s: &Summary) -> String {
     let mut o = String::new();
     o.push_str(&format!(
-        "hypic bench — {} — {} ({}), SLO p50 TTFT ≤ {} ms, p99 ≤ {} ms, {} warm-up requests not counted\n\n",
-        s.date, s.target, s.host, s.slo_ms, s.slo_p99_ms, s.warmup_requests
+        "hypic bench — {} — {} ({}), SLO p50 TTFT ≤ {} ms, p99 ≤ {} ms, {} warm-up requests not counted{}\n\n",
+        s.date,
+        s.target,
+        s.host,
+        s.slo_ms,
+        s.slo_p99_ms,
+        s.warmup_requests,
+        if s.primed_requests > 0 {
+            format!(
+                ", each run primed with {} documents behind the system prompt (not counted)",
+                s.primed_requests
+            )
+        } else {
+            String::new()
+        }
     ));
     o.push_str("| mode | rate (req/s) | ok/sent | 429 | TTFT p50 (ms) | p95 | p99 | TPOT p50 (ms) | throughput (req/s) | out tok/s | hit ratio | cached tokens |\n");
     o.push_str("|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|\n");
