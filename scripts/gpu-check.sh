@@ -90,7 +90,7 @@ build() {
   export CARGO_TARGET_DIR="${CARGO_TARGET_DIR:-$PWD/target}"
   local steps=" ${GPU_CHECK_STEPS:-kernels attn moe model pic decode families kimi bench moebench fla modelbench familybench serve} "
   wantb() { [[ "$steps" == *" $1 "* ]]; }
-  mkdir -p .device/bin
+  mkdir -p .device/bin "$CARGO_TARGET_DIR"
   local built=() pair name exe
   # Test executables of each step.
   for pair in kernels:cuda_kernels moe:cuda_moe model:cuda_model pic:cuda_pic \
