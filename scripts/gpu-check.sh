@@ -19,7 +19,7 @@
 #                                  # the random-weight model test (cuda_random) and
 #                                  # the whole-model benchmark gpu_model_bench at the
 #                                  # Qwen3.5-35B-A3B shape (step `modelbench`: up to
-#                                  # 840 s with its GDN-rows baseline, so run it alone or
+#                                  # 1080 s with its batched-decode baselines, so run it alone or
 #                                  # with MODEL_BENCH_FULL=0), at
 #                                  # the Ring-mini / Kimi-Linear-48B / Ring-flash shapes
 #                                  # (step `familybench`: $OUT/family_model_bench.md,
@@ -362,13 +362,19 @@ PY
     rc_=$?
     echo "(gpu_model_bench --decode-graphs rc=$rc_)" >> "$OUT/model_bench.md"
     [ "$mbench_rc" -eq 0 ] && mbench_rc=$rc_
-    # The same table with the GDN layers sequence by sequence (HYPIC_CUDA_GDN_ROWS=0):
-    # the same-run baseline of the batched GDN decode kernels. MODEL_BENCH_GDN_AB=0 skips it.
+    # The same table with the attention layers sequence by sequence
+    # (HYPIC_CUDA_ATTN_ROWS=0), then with the GDN layers so too (HYPIC_CUDA_GDN_ROWS=0):
+    # the same-run baselines of the batched decode kernels. MODEL_BENCH_GDN_AB=0 skips them.
     if [ "${MODEL_BENCH_GDN_AB:-1}" != 0 ]; then
-      echo -e "\n### Baseline: GDN layers sequence by sequence (HYPIC_CUDA_GDN_ROWS=0)\n" >> "$OUT/model_bench.md"
-      HYPIC_CUDA_GDN_ROWS=0 timeout 240 .device/bin/gpu_model_bench --config benches/configs/qwen3_5_35b_a3b \
+      echo -e "\n### Baseline: attention layers sequence by sequence (HYPIC_CUDA_ATTN_ROWS=0)\n" >> "$OUT/model_bench.md"
+      HYPIC_CUDA_ATTN_ROWS=0 timeout 240 .device/bin/gpu_model_bench --config benches/configs/qwen3_5_35b_a3b \
         --random-weights --dtype bf16 --seed 0 --decode-graphs ${DECODE_GRAPH_ARGS:-} >> "$OUT/model_bench.md" 2>&1
-      echo "(gpu_model_bench --decode-graphs, HYPIC_CUDA_GDN_ROWS=0, rc=$?)" >> "$OUT/model_bench.md"
+      echo "(gpu_model_bench --decode-graphs, HYPIC_CUDA_ATTN_ROWS=0, rc=$?)" >> "$OUT/model_bench.md"
+      echo -e "\n### Baseline: attention and GDN layers sequence by sequence (HYPIC_CUDA_ATTN_ROWS=0 HYPIC_CUDA_GDN_ROWS=0)\n" >> "$OUT/model_bench.md"
+      HYPIC_CUDA_ATTN_ROWS=0 HYPIC_CUDA_GDN_ROWS=0 timeout 240 .device/bin/gpu_model_bench \
+        --config benches/configs/qwen3_5_35b_a3b --random-weights --dtype bf16 --seed 0 --decode-graphs \
+        ${DECODE_GRAPH_ARGS:-} >> "$OUT/model_bench.md" 2>&1
+      echo "(gpu_model_bench --decode-graphs, both per sequence, rc=$?)" >> "$OUT/model_bench.md"
     fi
   fi
   want modelbench && echo "random tests rc=$random_rc, model bench rc=$mbench_rc in $((SECONDS - t0)) s" \
