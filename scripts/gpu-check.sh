@@ -65,7 +65,7 @@
 # $OUT/fla_vs_ours.md (ours against FLA graph and eager, per length). Step
 # `familybench` runs gpu_model_bench (TTFT full / prefix / hypic, decode, layer split)
 # at benches/configs/{ring_mini_linear_2_0,kimi_linear_48b_a3b,ring_flash_linear_2_0}
-# in f32, cut to the layers that fit: $OUT/family_model_bench.md.
+# in bf16, cut to the layers that fit: $OUT/family_model_bench.md.
 #
 # GPU_CHECK_STEPS selects steps for both halves: `build` then builds only the
 # executables those steps need (e.g. GPU_CHECK_STEPS=serve builds just the stripped
@@ -384,16 +384,15 @@ PY
 
   echo "== whole-model benchmark at the Ring-mini / Kimi-Linear-48B / Ring-flash shapes (gpu_model_bench, random weights)"
   # TTFT full / prefix cache / hypic, decode, per-layer-kind split, one config at a time
-  # (FAMILY_BENCH_CONFIGS), f32 by default (FAMILY_BENCH_DTYPE; bf16 of Lightning / KDA
-  # / MLA is experimental), cut to the largest layer cut that fits; bf16 only where no
-  # cut fits in f32 (Ring-flash on 80 GB). Each run ≤ FAMILY_BENCH_TIMEOUT (175) s; the
+  # (FAMILY_BENCH_CONFIGS), bf16 by default (FAMILY_BENCH_DTYPE), cut to the largest
+  # layer cut that fits. Each run ≤ FAMILY_BENCH_TIMEOUT (175) s; the
   # rows printed before a timeout are kept.
   t0=$SECONDS
   local fbench_rc=0 cfg_ rc_f
   if want familybench; then
     for cfg_ in ${FAMILY_BENCH_CONFIGS:-ring_mini_linear_2_0 kimi_linear_48b_a3b ring_flash_linear_2_0}; do
       timeout "${FAMILY_BENCH_TIMEOUT:-175}" .device/bin/gpu_model_bench --config "benches/configs/$cfg_" \
-        --random-weights --dtype "${FAMILY_BENCH_DTYPE:-f32}" --dtype-fallback bf16 --seed 0 \
+        --random-weights --dtype "${FAMILY_BENCH_DTYPE:-bf16}" --seed 0 \
         ${FAMILY_BENCH_ARGS---quick} > "$OUT/family_$cfg_.md" 2>&1
       rc_f=$?
       {
