@@ -19,7 +19,7 @@
 #                                  # the random-weight model test (cuda_random) and
 #                                  # the whole-model benchmark gpu_model_bench at the
 #                                  # Qwen3.5-35B-A3B shape (step `modelbench`: up to
-#                                  # 840 s with its GDN-rows baseline, so run it alone or
+#                                  # 1080 s with its batched-decode baselines, so run it alone or
 #                                  # with MODEL_BENCH_FULL=0), at
 #                                  # the Ring-mini / Kimi-Linear-48B / Ring-flash shapes
 #                                  # (step `familybench`: $OUT/family_model_bench.md,
@@ -65,7 +65,7 @@
 # $OUT/fla_vs_ours.md (ours against FLA graph and eager, per length). Step
 # `familybench` runs gpu_model_bench (TTFT full / prefix / hypic, decode, layer split)
 # at benches/configs/{ring_mini_linear_2_0,kimi_linear_48b_a3b,ring_flash_linear_2_0}
-# in f32, cut to the layers that fit: $OUT/family_model_bench.md.
+# in bf16, cut to the layers that fit: $OUT/family_model_bench.md.
 #
 # GPU_CHECK_STEPS selects steps for both halves: `build` then builds only the
 # executables those steps need (e.g. GPU_CHECK_STEPS=serve builds just the stripped
@@ -362,13 +362,19 @@ PY
     rc_=$?
     echo "(gpu_model_bench --decode-graphs rc=$rc_)" >> "$OUT/model_bench.md"
     [ "$mbench_rc" -eq 0 ] && mbench_rc=$rc_
-    # The same table with the GDN layers sequence by sequence (HYPIC_CUDA_GDN_ROWS=0):
-    # the same-run baseline of the batched GDN decode kernels. MODEL_BENCH_GDN_AB=0 skips it.
+    # The same table with the attention layers sequence by sequence
+    # (HYPIC_CUDA_ATTN_ROWS=0), then with the GDN layers so too (HYPIC_CUDA_GDN_ROWS=0):
+    # the same-run baselines of the batched decode kernels. MODEL_BENCH_GDN_AB=0 skips them.
     if [ "${MODEL_BENCH_GDN_AB:-1}" != 0 ]; then
-      echo -e "\n### Baseline: GDN layers sequence by sequence (HYPIC_CUDA_GDN_ROWS=0)\n" >> "$OUT/model_bench.md"
-      HYPIC_CUDA_GDN_ROWS=0 timeout 240 .device/bin/gpu_model_bench --config benches/configs/qwen3_5_35b_a3b \
+      echo -e "\n### Baseline: attention layers sequence by sequence (HYPIC_CUDA_ATTN_ROWS=0)\n" >> "$OUT/model_bench.md"
+      HYPIC_CUDA_ATTN_ROWS=0 timeout 240 .device/bin/gpu_model_bench --config benches/configs/qwen3_5_35b_a3b \
         --random-weights --dtype bf16 --seed 0 --decode-graphs ${DECODE_GRAPH_ARGS:-} >> "$OUT/model_bench.md" 2>&1
-      echo "(gpu_model_bench --decode-graphs, HYPIC_CUDA_GDN_ROWS=0, rc=$?)" >> "$OUT/model_bench.md"
+      echo "(gpu_model_bench --decode-graphs, HYPIC_CUDA_ATTN_ROWS=0, rc=$?)" >> "$OUT/model_bench.md"
+      echo -e "\n### Baseline: attention and GDN layers sequence by sequence (HYPIC_CUDA_ATTN_ROWS=0 HYPIC_CUDA_GDN_ROWS=0)\n" >> "$OUT/model_bench.md"
+      HYPIC_CUDA_ATTN_ROWS=0 HYPIC_CUDA_GDN_ROWS=0 timeout 240 .device/bin/gpu_model_bench \
+        --config benches/configs/qwen3_5_35b_a3b --random-weights --dtype bf16 --seed 0 --decode-graphs \
+        ${DECODE_GRAPH_ARGS:-} >> "$OUT/model_bench.md" 2>&1
+      echo "(gpu_model_bench --decode-graphs, both per sequence, rc=$?)" >> "$OUT/model_bench.md"
     fi
   fi
   want modelbench && echo "random tests rc=$random_rc, model bench rc=$mbench_rc in $((SECONDS - t0)) s" \
@@ -378,16 +384,15 @@ PY
 
   echo "== whole-model benchmark at the Ring-mini / Kimi-Linear-48B / Ring-flash shapes (gpu_model_bench, random weights)"
   # TTFT full / prefix cache / hypic, decode, per-layer-kind split, one config at a time
-  # (FAMILY_BENCH_CONFIGS), f32 by default (FAMILY_BENCH_DTYPE; bf16 of Lightning / KDA
-  # / MLA is experimental), cut to the largest layer cut that fits; bf16 only where no
-  # cut fits in f32 (Ring-flash on 80 GB). Each run ≤ FAMILY_BENCH_TIMEOUT (175) s; the
+  # (FAMILY_BENCH_CONFIGS), bf16 by default (FAMILY_BENCH_DTYPE), cut to the largest
+  # layer cut that fits. Each run ≤ FAMILY_BENCH_TIMEOUT (175) s; the
   # rows printed before a timeout are kept.
   t0=$SECONDS
   local fbench_rc=0 cfg_ rc_f
   if want familybench; then
     for cfg_ in ${FAMILY_BENCH_CONFIGS:-ring_mini_linear_2_0 kimi_linear_48b_a3b ring_flash_linear_2_0}; do
       timeout "${FAMILY_BENCH_TIMEOUT:-175}" .device/bin/gpu_model_bench --config "benches/configs/$cfg_" \
-        --random-weights --dtype "${FAMILY_BENCH_DTYPE:-f32}" --dtype-fallback bf16 --seed 0 \
+        --random-weights --dtype "${FAMILY_BENCH_DTYPE:-bf16}" --seed 0 \
         ${FAMILY_BENCH_ARGS---quick} > "$OUT/family_$cfg_.md" 2>&1
       rc_f=$?
       {

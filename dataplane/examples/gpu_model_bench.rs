@@ -16,9 +16,7 @@
 //! `DIR/config.json` is an HF config of any registered family (e.g.
 //! `benches/configs/qwen3_5_35b_a3b`, `ring_mini_linear_2_0`, `ring_flash_linear_2_0`,
 //! `kimi_linear_48b_a3b`); the weights are generated on the device by
-//! `GpuModel::random` (no checkpoint, no host copy). `--dtype` defaults to bf16, or
-//! f32 for a model with Lightning, KDA or MLA layers (their bf16 kernels are
-//! experimental; this bench sets `HYPIC_CUDA_EXPERIMENTAL=1`, so bf16 runs when asked).
+//! `GpuModel::random` (no checkpoint, no host copy). `--dtype` defaults to bf16.
 //!
 //! Layer cut: when the weights, the states of the longest prompt and
 //! `--headroom-gib` do not fit the free device memory, the model is cut to its first
@@ -216,12 +214,6 @@ mod bench {
 
     /// Whether `c` has layers whose bf16 CUDA kernels are experimental (Lightning,
     /// KDA, MLA).
-    fn experimental_mixers(c: &ModelConfig) -> bool {
-        c.mixers
-            .iter()
-            .any(|m| matches!(m, MixerKind::Lightning | MixerKind::Kda | MixerKind::Mla))
-    }
-
     /// Element bytes of `--dtype` values.
     fn dtype_bytes(d: &str) -> Res<usize> {
         match d {
@@ -278,19 +270,12 @@ mod bench {
         let mut a = parse()?;
         let c0 = ModelConfig::from_dir(&a.config).map_err(|e| e.to_string())?;
         if a.dtype.is_empty() {
-            a.dtype = if experimental_mixers(&c0) {
-                "f32"
-            } else {
-                "bf16"
-            }
-            .into();
+            a.dtype = "bf16".into();
         }
         dtype_bytes(&a.dtype)?;
         if let Some(fb) = &a.dtype_fallback {
             dtype_bytes(fb)?;
         }
-        // The Ring / Kimi shapes run in bf16 behind the experimental switch.
-        std::env::set_var("HYPIC_CUDA_EXPERIMENTAL", "1");
         let g = Gpu::new(0).map_err(|e| e.to_string())?;
         g.warm_up().map_err(|e| e.to_string())?;
         println!("# gpu_model_bench\n");
@@ -310,9 +295,6 @@ mod bench {
             a.dtype,
             a.seed
         );
-        if experimental_mixers(&c0) && a.dtype == "bf16" {
-            println!("note: bf16 kernels of Lightning / KDA / MLA layers are experimental (HYPIC_CUDA_EXPERIMENTAL=1 set by this bench)");
-        }
         if a.decode_graphs {
             return match a.dtype.as_str() {
                 "bf16" => decode_graph_bench::<bf16>(&g, &c0, &a),
@@ -346,17 +328,12 @@ mod bench {
             if let Some(fb) = a.dtype_fallback.clone() {
                 let (n2, f2) = pick(&fb)?;
                 println!(
-                    "note: the smallest layer cut ({n} of {} layers) does not fit in {}: {:.1} GB needed (weights, states of {tokens} tokens ×4, {} GiB headroom), {:.1} GB free; --dtype-fallback {fb}: {n2} layers{}",
+                    "note: the smallest layer cut ({n} of {} layers) does not fit in {}: {:.1} GB needed (weights, states of {tokens} tokens ×4, {} GiB headroom), {:.1} GB free; --dtype-fallback {fb}: {n2} layers",
                     c0.num_layers,
                     a.dtype,
                     gb(n, &a.dtype)?,
                     a.headroom_gib,
                     free as f64 / 1e9,
-                    if fb == "bf16" && experimental_mixers(&c0) {
-                        " (bf16 of these mixers is experimental)"
-                    } else {
-                        ""
-                    }
                 );
                 a.dtype = fb;
                 (n, fits) = (n2, f2);

@@ -452,3 +452,62 @@ extern "C" __global__ void __launch_bounds__(256)
     attn_decode_combine_dev_bf16(const float* wo, const float* wml, bf16* o, int nh, int hd, const int* n_kv_dev) {
     attn_decode_combine_impl(wo, wml, o, nh, hd, decode_plan_splits(*n_kv_dev));
 }
+
+// ---------------------------------------------------------------------------------------
+// The attention layers of a batched decode step, B sequences in one launch each
+// (attn::kv_append_rows, attn::decode_rows). Each sequence has its own KV cache, found
+// through an address table tbl: [3, B] u64 — the B key-cache, the B value-cache, then the
+// B position-cache addresses — and its own key count n_kv[b] (the length after the
+// append). Per sequence, the same blocks and the same arithmetic as kv_append_dev_* and
+// attn_decode_dev_bf16_* / attn_decode_combine_dev_bf16, so the outputs are those of the
+// one-sequence kernels bit for bit.
+
+// kv_append_dev_* for row b = blockIdx.y: k, v: [B, row]; pos: [B]; tbl as above.
+template <typename T>
+__device__ __forceinline__ void kv_append_rows_impl(const T* k, const T* v, const i64* pos,
+                                                    const unsigned long long* tbl, const int* n_kv, int row,
+                                                    int bsz) {
+    const int b = blockIdx.y;
+    kv_append_dev_impl<T>(k + (size_t)b * row, v + (size_t)b * row, pos + b, (T*)tbl[b], (T*)tbl[bsz + b],
+                          (i64*)tbl[2 * bsz + b], n_kv + b, row);
+}
+extern "C" __global__ void kv_append_rows_f32(const float* k, const float* v, const i64* pos,
+                                              const unsigned long long* tbl, const int* n_kv, int row, int bsz) {
+    kv_append_rows_impl<float>(k, v, pos, tbl, n_kv, row, bsz);
+}
+extern "C" __global__ void kv_append_rows_bf16(const bf16* k, const bf16* v, const i64* pos,
+                                               const unsigned long long* tbl, const int* n_kv, int row, int bsz) {
+    kv_append_rows_impl<bf16>(k, v, pos, tbl, n_kv, row, bsz);
+}
+
+// attn_decode_dev_bf16_* for sequence b = blockIdx.z: q: [B, nh, HD]; q_pos: [B];
+// wo: [B][S][nh][HD], wml: [B][S][nh][2] with S = gridDim.y (at least the plan's splits
+// for every n_kv[b]); ranges past decode_plan_splits(n_kv[b]) exit.
+#define ATTN_DECODE_ROWS(HD)                                                                                 \
+    extern "C" __global__ void __launch_bounds__(256)                                                        \
+        attn_decode_rows_bf16_##HD(const bf16* q, const i64* q_pos, const unsigned long long* tbl,            \
+                                   const int* n_kv, float* wo, float* wml, int nh, int nkv, float scale_log2, \
+                                   int bsz) {                                                                \
+        const int b = blockIdx.z;                                                                            \
+        const int n = n_kv[b];                                                                               \
+        const int ns = decode_plan_splits(n);                                                                \
+        if ((int)blockIdx.y >= ns) return;                                                                   \
+        const size_t S = gridDim.y;                                                                          \
+        attn_decode_impl<HD>(q + (size_t)b * nh * HD, q_pos + b, (const bf16*)tbl[b],                        \
+                             (const bf16*)tbl[bsz + b], (const i64*)tbl[2 * bsz + b],                        \
+                             wo + (size_t)b * S * nh * HD, wml + (size_t)b * S * nh * 2, n, nh, nkv,         \
+                             scale_log2, ns);                                                                \
+    }
+ATTN_DECODE_ROWS(128)
+ATTN_DECODE_ROWS(256)
+
+// attn_decode_combine_dev_bf16 for sequence b = blockIdx.y: wo, wml as attn_decode_rows_*
+// (S splits per sequence), o: [B, nh, hd]; dynamic shared memory for DECODE_PLAN_MAX_SPLIT
+// floats.
+extern "C" __global__ void __launch_bounds__(256)
+    attn_decode_combine_rows_bf16(const float* wo, const float* wml, bf16* o, int nh, int hd, int S,
+                                  const int* n_kv) {
+    const size_t b = blockIdx.y;
+    attn_decode_combine_impl(wo + b * S * nh * hd, wml + b * S * nh * 2, o + b * nh * hd, nh, hd,
+                             decode_plan_splits(n_kv[b]));
+}

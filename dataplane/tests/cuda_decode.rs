@@ -28,11 +28,24 @@
 //!   lengths, 5 steps, graphs off (graphs against the eager step: `cuda_graph.rs`);
 //!   logits and final states must be equal bit for bit, in fp32 and bf16.
 //!
+//! * `attn_rows_equal_sequence_by_sequence`: the batched attention decode (one KV
+//!   append and one split-key decode attention for the whole batch, caches found
+//!   through a device address table; `GpuModel::set_attn_rows(true)`, bf16) against
+//!   the sequence-by-sequence step (`false`), on the synthetic model of
+//!   `common/synthetic.rs` (head_dim 256: the decode kernel) in bf16: batches of 1, 3
+//!   and 6 sequences of 3..238 tokens (one to four key splits; caches that grow on
+//!   the way), 12 steps, eagerly and through CUDA graphs; logits and final states
+//!   must be equal bit for bit, and the batched models must report the batched path.
+//!
 //! Every case prints lines starting with two spaces (collected into the gpu-check
 //! report). The draws are the same definition on both sides; a difference can only
 //! come from fp32 rounding at a top-p boundary or an ulp tie between two Gumbel
 //! scores, and none is expected in these few hundred draws: a mismatch fails and is
 //! printed with its row, step and parameters.
+
+#[cfg(feature = "cuda")]
+#[path = "common/synthetic.rs"]
+mod synthetic;
 
 #[cfg(feature = "cuda")]
 mod gpu {
@@ -261,6 +274,9 @@ mod gpu {
                     .map(|_| rng.random_range(0..vocab as u32))
                     .collect();
                 gm.set_gdn_rows(true);
+                if step == 0 && bsz == 1 && !gm.gdn_rows_active() {
+                    rep.fail(format!("{}: batched GDN decode is not active", T::SUFFIX));
+                }
                 let la = gm
                     .decode_batch(&toks, &mut batched.iter_mut().collect::<Vec<_>>())
                     .expect("batched decode");
@@ -310,6 +326,115 @@ mod gpu {
         gdn_rows_case::<f32>(&g, &m, &mut rep);
         gdn_rows_case::<bf16>(&g, &m, &mut rep);
         rep.finish(test);
+    }
+
+    #[test]
+    fn attn_rows_equal_sequence_by_sequence() {
+        let test = "attn_rows_equal_sequence_by_sequence";
+        let (g, _l) = gpu(test);
+        let m = super::synthetic::synthetic_model().expect("synthetic model");
+        let mut rep = Report::new();
+        let mk = |rows: bool, graphs: bool| {
+            let gm = GpuModel::<bf16>::upload(g.clone(), &m).expect("upload");
+            gm.set_attn_rows(rows);
+            gm.set_cuda_graphs(graphs);
+            gm
+        };
+        let reference = mk(false, false);
+        let sides = [("eager", mk(true, false)), ("graphs", mk(true, true))];
+        if reference.attn_rows_active() {
+            rep.fail("the reference model reports batched attention".into());
+        }
+        for (name, side) in &sides {
+            if !side.attn_rows_active() {
+                rep.fail(format!("{name}: batched attention is not active"));
+            }
+        }
+        let vocab = m.config.vocab_size as u32;
+        let mut rng = StdRng::seed_from_u64(33);
+        for bsz in [1usize, 3, 6] {
+            let prompts: Vec<Vec<u32>> = (0..bsz)
+                .map(|b| {
+                    (0..3 + 47 * b)
+                        .map(|_| rng.random_range(0..vocab))
+                        .collect()
+                })
+                .collect();
+            let prefill = |gm: &GpuModel<bf16>| {
+                prompts
+                    .iter()
+                    .map(|p| {
+                        let mut s = gm.new_state().expect("state");
+                        gm.prefill(p, &mut s, Logits::None).expect("prefill");
+                        s
+                    })
+                    .collect::<Vec<_>>()
+            };
+            let mut ref_states = prefill(&reference);
+            let mut side_states: Vec<_> = sides.iter().map(|(_, gm)| prefill(gm)).collect();
+            let caps0: Vec<usize> = ref_states.iter().map(kv_cap).collect();
+            let mut differ = 0usize;
+            for step in 0..12 {
+                let toks: Vec<u32> = (0..bsz).map(|_| rng.random_range(0..vocab)).collect();
+                let want = reference
+                    .decode_batch(&toks, &mut ref_states.iter_mut().collect::<Vec<_>>())
+                    .expect("sequence-by-sequence decode");
+                for ((name, gm), states) in sides.iter().zip(side_states.iter_mut()) {
+                    let got = gm
+                        .decode_batch(&toks, &mut states.iter_mut().collect::<Vec<_>>())
+                        .expect("batched decode");
+                    for (b, (x, y)) in got.iter().zip(&want).enumerate() {
+                        let bits = |v: &[f32]| v.iter().map(|f| f.to_bits()).collect::<Vec<_>>();
+                        if bits(x) != bits(y) {
+                            differ += 1;
+                            rep.fail(format!(
+                                "{name} batch {bsz} step {step} row {b}: logits differ"
+                            ));
+                        }
+                    }
+                }
+            }
+            for ((name, _), states) in sides.iter().zip(&side_states) {
+                for (b, (x, y)) in states.iter().zip(&ref_states).enumerate() {
+                    if x.to_host().expect("download") != y.to_host().expect("download") {
+                        differ += 1;
+                        rep.fail(format!("{name} batch {bsz} row {b}: final states differ"));
+                    }
+                }
+            }
+            let caps1: Vec<usize> = ref_states.iter().map(kv_cap).collect();
+            println!(
+                "  bf16 batch {bsz}: batched attention decode (eager and graphs) vs sequence by \
+                 sequence, 12 steps, KV capacities {caps0:?} -> {caps1:?}: {}",
+                if differ == 0 {
+                    "bit-identical logits and states".to_string()
+                } else {
+                    format!("{differ} differences")
+                }
+            );
+        }
+        let st = sides[1].1.cuda_graph_stats();
+        println!(
+            "  graph side: {} replays, {} captures, {} failures",
+            st.replays, st.captures, st.failures
+        );
+        if st.replays == 0 || st.failures > 0 {
+            rep.fail(format!(
+                "graph side: {st:?} (expected replays, no failures)"
+            ));
+        }
+        rep.finish(test);
+    }
+
+    /// Capacity of the first attention layer's KV cache.
+    fn kv_cap(s: &dataplane::cuda::model::GpuState<bf16>) -> usize {
+        s.layers
+            .iter()
+            .find_map(|l| match l {
+                dataplane::cuda::model::GpuLayerState::Full(kv) => Some(kv.capacity()),
+                _ => None,
+            })
+            .unwrap_or(0)
     }
 
     #[test]

@@ -79,9 +79,6 @@ mod gpu {
         static G: OnceLock<std::result::Result<Arc<Gpu>, String>> = OnceLock::new();
         static L: Mutex<()> = Mutex::new(());
         let guard = L.lock().unwrap_or_else(|e| e.into_inner());
-        // The bf16 kernels of these families are behind the experimental switch
-        // (`cuda::model::experimental_enabled`); their tests are what checks them.
-        std::env::set_var("HYPIC_CUDA_EXPERIMENTAL", "1");
         let g = G.get_or_init(|| match std::panic::catch_unwind(|| Gpu::new(0)) {
             Ok(Ok(g)) => {
                 println!("cuda_families: device {} ({})", g.name(), g.arch());
@@ -658,8 +655,8 @@ mod gpu {
     /// fixture and a random Qwen3.5-MoE model of Ring's size, the bf16 GPU logits
     /// against the f32 CPU model, split into weight rounding (CPU only) and activation
     /// rounding (GPU against the CPU with the same bf16 weights); see [`bf16_split`].
-    /// The activation part is asserted for every model; the ratio of Ring's to the
-    /// control's is printed.
+    /// The activation part is asserted for every model, and Ring's against the control's
+    /// ([`super::bf16_split::SPLIT_CONTROL_RATIO_MAX`]).
     #[test]
     fn ring_bf16_rounding_split_with_qwen_control() {
         let test = "ring_bf16_rounding_split_with_qwen_control";
@@ -698,6 +695,15 @@ mod gpu {
             fixture / q_fixture,
             random / q_random
         );
+        for (label, fam, ctrl) in [
+            ("ring fixture vs qwen3_5 fixture", fixture, q_fixture),
+            ("ring random vs qwen3.5-moe random", random, q_random),
+        ] {
+            match super::bf16_split::control_ratio_failure(label, fam, ctrl) {
+                Some(f) => rep.check(false, f),
+                None => rep.check(true, format!("{label}: within the control ratio")),
+            }
+        }
         rep.finish(test);
     }
 

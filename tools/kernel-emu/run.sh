@@ -27,6 +27,10 @@
 #   tools/kernel-emu/run.sh gdn-rows         # the batched decode kernels of the GDN layers
 #                                            # (gdr_recurrent_rows_*, conv1d_update_rows_*)
 #                                            # against the one-sequence kernels, bitwise
+#   tools/kernel-emu/run.sh attn-rows        # the batched decode-attention kernels
+#                                            # (kv_append_rows_*, attn_decode_rows_bf16_*,
+#                                            # attn_decode_combine_rows_bf16) against the
+#                                            # one-sequence kernels, bitwise
 #   tools/kernel-emu/run.sh lightning        # lightning.cu (per-token, one- and two-pass
 #                                            # chunked, prep, group norm + gate, state
 #                                            # rotation, scalar apply) and moe_route_rule
@@ -282,6 +286,27 @@ open(dst, "w").write(common + '\n#line 1 "gdr.cu"\n' + gdr[:end] + '\n#line 1 "c
 PY
     $CXX -ffp-contract=off -o "$out/gdn_rows_emu" "$here/gdn_rows_emu.cpp"
     "$out/gdn_rows_emu"
+    ;;
+attn-rows)
+    # attn.cu's one-row KV append and its decode-attention section (the rest of the file
+    # is the prefill kernels).
+    python3 - "$kernels" "$out/gen_attn_rows.inc" <<'PY'
+import sys
+k, dst = sys.argv[1:3]
+common = open(f"{k}/common.cuh").read().replace("#include <cuda_bf16.h>", "")
+attn = open(f"{k}/attn.cu").read()
+a = attn.index("// One row appended to a KV cache at the row index")
+b = attn.index("// ----", a)
+c = attn.index("// Decode attention (split over the keys")
+dec = attn[c:]
+decl = "extern __shared__ float dw[];"
+assert decl in dec, f"{decl} not found"
+dec = dec.replace(decl, "float* dw = (float*)emu_dyn_smem;")
+open(dst, "w").write(common + '\n#line 1 "attn.cu"\n' + attn[a:b] + "\n" + dec)
+PY
+    # -fno-strict-aliasing: the kernel reads bf16 pairs through uint4/uint2 loads.
+    $CXX -ffp-contract=off -fno-strict-aliasing -o "$out/attn_rows_emu" "$here/attn_rows_emu.cpp"
+    "$out/attn_rows_emu"
     ;;
 *)
     gen flash "$out/gen_flash.inc" 1

@@ -1473,3 +1473,191 @@ pub fn kv_append_dev<T: Elem>(
     unsafe { b.launch(cfg) }?;
     Ok(())
 }
+
+/// Splits per sequence of [`decode_rows`]'s workspace for caches of up to `n` keys:
+/// the plan of [`decode`] / [`decode_dev`] for `n` (at least 1, at most
+/// [`DECODE_PLAN_MAX_SPLIT`]).
+pub fn decode_plan(n: usize) -> usize {
+    n.div_ceil(DECODE_KEYS_PER_SPLIT)
+        .clamp(1, DECODE_PLAN_MAX_SPLIT)
+}
+
+/// Checks of a `[3, B]` KV address table and a `[B]` length vector.
+fn check_rows_table(
+    what: &str,
+    tbl: &cudarc::driver::CudaView<'_, u64>,
+    n_kv: &cudarc::driver::CudaView<'_, i32>,
+    bsz: usize,
+) -> Result<()> {
+    if tbl.len() < 3 * bsz || n_kv.len() < bsz {
+        return Err(CudaError::Shape(format!(
+            "{what}: {} table entries and {} lengths for {bsz} sequences (need {} and {bsz})",
+            tbl.len(),
+            n_kv.len(),
+            3 * bsz
+        )));
+    }
+    if bsz > 65_535 {
+        return Err(CudaError::Shape(format!(
+            "{what}: {bsz} sequences over the grid's 65 535"
+        )));
+    }
+    Ok(())
+}
+
+/// [`kv_append_dev`] for one decode token of each of `bsz` sequences whose KV caches
+/// live in separate buffers, in one launch (`kv_append_rows_*` in attn.cu): row `b` of
+/// `k`, `v` (`[B, row]`) and `pos` (`[B]`) goes to row `n_kv[b] − 1` of sequence `b`'s
+/// caches, found in `tbl` (`[3, B]` u64: the B key-cache, the B value-cache, then the B
+/// position-cache device addresses).
+///
+/// # Safety
+/// For every `b < bsz`, `tbl`'s three entries must be live device buffers of this
+/// device holding at least `n_kv[b]` rows (`[n, row]` of `T`, `[n]` i64), `n_kv[b] ≥ 1`
+/// when the launch runs, the caches of different sequences disjoint, none overlapping
+/// the inputs, none freed before the launch completes.
+#[allow(clippy::too_many_arguments)]
+pub unsafe fn kv_append_rows<T: Elem>(
+    gpu: &Gpu,
+    k: &CudaSlice<T>,
+    v: &CudaSlice<T>,
+    pos: &CudaSlice<i64>,
+    tbl: &cudarc::driver::CudaView<'_, u64>,
+    n_kv: &cudarc::driver::CudaView<'_, i32>,
+    bsz: usize,
+    row: usize,
+) -> Result<()> {
+    check_len("k [B, row]", k, bsz * row)?;
+    check_len("v [B, row]", v, bsz * row)?;
+    check_len("pos [B]", pos, bsz)?;
+    check_rows_table("kv_append_rows", tbl, n_kv, bsz)?;
+    if bsz == 0 {
+        return Ok(());
+    }
+    if row == 0 {
+        return Err(CudaError::Shape("kv_append_rows: empty row".into()));
+    }
+    let (ri, bi) = (i32_dim("row", row)?, bsz as i32);
+    let f = gpu.function(&ATTN, &format!("kv_append_rows_{}", T::SUFFIX), 0)?;
+    let cfg = LaunchConfig {
+        grid_dim: (row.div_ceil(256).min(64) as u32, bsz as u32, 1),
+        block_dim: (256, 1, 1),
+        shared_mem_bytes: 0,
+    };
+    let mut b = gpu.stream().launch_builder(&f);
+    b.arg(k)
+        .arg(v)
+        .arg(pos)
+        .arg(tbl)
+        .arg(n_kv)
+        .arg(&ri)
+        .arg(&bi);
+    // SAFETY: matches `kv_append_rows_*`; the sources are checked above, the caches and
+    // lengths are the caller's contract.
+    unsafe { b.launch(cfg) }?;
+    Ok(())
+}
+
+/// [`decode_dev`] for one query token of each of `bsz` sequences, each over its own KV
+/// cache, in two launches (`attn_decode_rows_bf16_{hd}` then
+/// `attn_decode_combine_rows_bf16`): row `b` of `q` (`[B, nh, hd]`, position
+/// `q_pos[b]`) attends to the first `n_kv[b]` keys of the caches at `tbl`'s entries `b`
+/// (`[3, B]` u64 as [`kv_append_rows`]; keys `[n, nkv, hd]`, positions `[n]`) and writes
+/// row `b` of `o` (`[B, nh, hd]`). `splits` sizes the workspace: at least
+/// [`decode_plan`]`(n_kv[b])` for every `b` (ranges past a sequence's own plan exit), so
+/// one recorded launch serves every length up to the capacity it was sized for. Each row
+/// is exactly [`decode`] over `n_kv[b]` keys.
+///
+/// Workspace: `bsz·splits·nh·(hd + 2)` floats (scratch). Errors: as [`decode`]; a
+/// table or length vector shorter than `bsz`; `splits` outside
+/// `1..=`[`DECODE_PLAN_MAX_SPLIT`].
+///
+/// # Safety
+/// For every `b < bsz`, `tbl`'s entries must be live device buffers of this device
+/// holding at least `n_kv[b]` keys, and `1 ≤ n_kv[b]` with `decode_plan(n_kv[b]) ≤
+/// splits` when the launch runs; none freed before the launches complete.
+#[allow(clippy::too_many_arguments)]
+pub unsafe fn decode_rows<T: Elem>(
+    gpu: &Gpu,
+    q: &CudaSlice<T>,
+    q_pos: &CudaSlice<i64>,
+    tbl: &cudarc::driver::CudaView<'_, u64>,
+    n_kv: &cudarc::driver::CudaView<'_, i32>,
+    o: &mut CudaSlice<T>,
+    bsz: usize,
+    splits: usize,
+    nh: usize,
+    nkv: usize,
+    hd: usize,
+) -> Result<()> {
+    if T::SUFFIX != "bf16" || !DECODE_HEAD_DIMS.contains(&hd) {
+        return Err(CudaError::Shape(format!(
+            "attn::decode_rows takes bf16 with head_dim in {DECODE_HEAD_DIMS:?}, got {} × {hd}",
+            T::SUFFIX
+        )));
+    }
+    if nkv == 0 || !nh.is_multiple_of(nkv) || nh / nkv > DECODE_MAX_GROUP {
+        return Err(CudaError::Shape(format!(
+            "attn::decode_rows needs nh a multiple of nkv with at most {DECODE_MAX_GROUP} \
+             query heads per kv head, got {nh} / {nkv}"
+        )));
+    }
+    if !(1..=DECODE_PLAN_MAX_SPLIT).contains(&splits) {
+        return Err(CudaError::Shape(format!(
+            "attn::decode_rows: {splits} splits outside 1..={DECODE_PLAN_MAX_SPLIT}"
+        )));
+    }
+    check_len("q [B, nh, hd]", q, bsz * nh * hd)?;
+    check_len("q_pos [B]", q_pos, bsz)?;
+    check_len("o [B, nh, hd]", o, bsz * nh * hd)?;
+    check_rows_table("attn::decode_rows", tbl, n_kv, bsz)?;
+    if bsz == 0 || nh == 0 {
+        return Ok(());
+    }
+    let mut wo = gpu.scratch::<f32>(bsz * splits * nh * hd)?;
+    let mut wml = gpu.scratch::<f32>(bsz * splits * nh * 2)?;
+    let (nh_i, nkv_i, bsz_i) = (nh as i32, nkv as i32, bsz as i32);
+    let scale_log2 = (hd as f32).powf(-0.5) * std::f32::consts::LOG2_E;
+    let stream = gpu.stream();
+    let f = gpu.function(&ATTN, &format!("attn_decode_rows_bf16_{hd}"), 0)?;
+    let cfg = LaunchConfig {
+        grid_dim: (nkv as u32, splits as u32, bsz as u32),
+        block_dim: (32 * (nh / nkv) as u32, 1, 1),
+        shared_mem_bytes: 0,
+    };
+    let mut b = stream.launch_builder(&f);
+    b.arg(q)
+        .arg(q_pos)
+        .arg(tbl)
+        .arg(n_kv)
+        .arg(&mut wo)
+        .arg(&mut wml)
+        .arg(&nh_i)
+        .arg(&nkv_i)
+        .arg(&scale_log2)
+        .arg(&bsz_i);
+    // SAFETY: matches `attn_decode_rows_bf16_{hd}` (block 32·G ≤ 256 threads); q, q_pos
+    // checked for bsz rows, wo/wml hold bsz·splits·nh rows; the caches and lengths are
+    // the caller's contract (plan(n_kv[b]) ≤ splits).
+    unsafe { b.launch(cfg) }?;
+    let f = gpu.function(&ATTN, "attn_decode_combine_rows_bf16", 0)?;
+    let cfg = LaunchConfig {
+        grid_dim: (nh as u32, bsz as u32, 1),
+        block_dim: (hd as u32, 1, 1),
+        shared_mem_bytes: (DECODE_PLAN_MAX_SPLIT * 4) as u32,
+    };
+    let (hd_i, s_i) = (hd as i32, splits as i32);
+    let mut b = stream.launch_builder(&f);
+    b.arg(&wo)
+        .arg(&wml)
+        .arg(o)
+        .arg(&nh_i)
+        .arg(&hd_i)
+        .arg(&s_i)
+        .arg(n_kv);
+    // SAFETY: matches `attn_decode_combine_rows_bf16`; it reads plan(n_kv[b]) ≤ splits
+    // ranges of sequence b's part of wo/wml, o holds bsz·nh·hd elements; shared memory
+    // for the most ranges a plan has.
+    unsafe { b.launch(cfg) }?;
+    Ok(())
+}

@@ -11,9 +11,11 @@
 //! * per-step inputs in one buffer written by one host→device copy (from pinned memory)
 //!   before each launch: token ids `[B]` u32, positions `[B]` i64, KV lengths after the
 //!   step's append `[attention layers, B]` i32, and the draw parameters (temperature,
-//!   top-k, top-p, seed, step; `[B]` each) and the address table of the Gated
+//!   top-k, top-p, seed, step; `[B]` each), the address table of the Gated
 //!   DeltaNet layers' conv tails and recurrent states that the batched GDN kernels read
-//!   (`GpuModel::gdn_state_table`) — see [`Layout`];
+//!   (`GpuModel::gdn_state_table`) and that of the attention layers' KV caches that the
+//!   batched KV append and decode attention read (`GpuModel::attn_state_table`) — see
+//!   [`Layout`];
 //! * attention reads its key count from that buffer: the KV append writes row
 //!   `n − 1` ([`super::attn::kv_append_dev`]), bf16 decode attention is
 //!   [`super::attn::decode_dev`] (grid sized for the cache's capacity, the split plan
@@ -87,6 +89,9 @@ pub(crate) struct DevStep<'a> {
     /// The GDN layers' state address table (`GpuModel::gdn_state_table`), when the
     /// step runs them batched.
     pub(crate) gdn_states: Option<&'a CudaSlice<u64>>,
+    /// The attention layers' KV address table (`GpuModel::attn_state_table`), when the
+    /// step runs them batched; their lengths are `kv_len`.
+    pub(crate) attn_states: Option<&'a CudaSlice<u64>>,
     /// MoE workspace of the graph.
     pub(crate) moe_ws: &'a mut moe::MoeWorkspace,
 }
@@ -142,6 +147,9 @@ struct Layout {
     /// u64 entries of the GDN state address table (`[GDN layers, 2, B]`; 0 when the
     /// step does not run its GDN layers batched).
     gdn_words: usize,
+    /// u64 entries of the attention layers' KV address table (`[attention layers, 3,
+    /// B]`; 0 when the step does not run its attention layers batched).
+    attn_words: usize,
     tokens: usize,
     pos: usize,
     kv_len: usize,
@@ -151,11 +159,12 @@ struct Layout {
     seed: usize,
     step: usize,
     gdn: usize,
+    attn: usize,
     bytes: usize,
 }
 
 impl Layout {
-    fn new(bsz: usize, n_attn: usize, gdn_words: usize) -> Self {
+    fn new(bsz: usize, n_attn: usize, gdn_words: usize, attn_words: usize) -> Self {
         let mut at = 0usize;
         let mut take = |bytes: usize| {
             let o = at;
@@ -171,10 +180,12 @@ impl Layout {
         let seed = take(8 * bsz);
         let step = take(8 * bsz);
         let gdn = take(8 * gdn_words);
+        let attn = take(8 * attn_words);
         Layout {
             bsz,
             n_attn,
             gdn_words,
+            attn_words,
             tokens,
             pos,
             kv_len,
@@ -184,6 +195,7 @@ impl Layout {
             seed,
             step,
             gdn,
+            attn,
             bytes: at,
         }
     }
@@ -285,6 +297,9 @@ pub struct DecodeGraphs {
     /// `HYPIC_CUDA_GDN_ROWS` says, 1 = on, 2 = off. Outside `inner`: the decode step
     /// reads it while a graph is being recorded under that lock.
     pub(crate) gdn_rows: std::sync::atomic::AtomicU8,
+    /// The model's batched-attention switch ([`GpuModel::set_attn_rows`]), as `gdn_rows`
+    /// (`HYPIC_CUDA_ATTN_ROWS`).
+    pub(crate) attn_rows: std::sync::atomic::AtomicU8,
 }
 
 impl DecodeGraphs {
@@ -320,6 +335,23 @@ where
     pub fn set_gdn_rows(&self, on: bool) {
         self.graphs
             .gdn_rows
+            .store(if on { 1 } else { 2 }, std::sync::atomic::Ordering::Relaxed);
+        let old = {
+            let mut g = self.graphs.lock();
+            g.pending.clear();
+            std::mem::take(&mut g.entries)
+        };
+        drop(old);
+    }
+
+    /// Runs the attention layers of a batched bf16 decode step batched (`true`, the
+    /// default unless `HYPIC_CUDA_ATTN_ROWS=0`: one KV append and one decode attention
+    /// for all sequences) or sequence by sequence (`false`, the reference the batched
+    /// kernels are compared with). Drops every recorded graph (their input layouts
+    /// differ).
+    pub fn set_attn_rows(&self, on: bool) {
+        self.graphs
+            .attn_rows
             .store(if on { 1 } else { 2 }, std::sync::atomic::Ordering::Relaxed);
         let old = {
             let mut g = self.graphs.lock();
@@ -561,12 +593,16 @@ where
         // SAFETY: as above (`lay.gdn`, `lay.gdn_words` u64 entries).
         let gdn_v = (lay.gdn_words > 0)
             .then(|| unsafe { View::<u64>::new(st, base + lay.gdn as u64, lay.gdn_words) });
+        // SAFETY: as above (`lay.attn`, `lay.attn_words` u64 entries).
+        let attn_v = (lay.attn_words > 0)
+            .then(|| unsafe { View::<u64>::new(st, base + lay.attn as u64, lay.attn_words) });
         let x = {
             let mut dev = DevStep {
                 tokens: &tok_v,
                 pos: &pos_v,
                 kv_len: &len_v,
                 gdn_states: gdn_v.as_deref(),
+                attn_states: attn_v.as_deref(),
                 moe_ws: &mut prep.moe_ws,
             };
             self.decode_hidden(tokens, states, Some(&mut dev))?
@@ -687,13 +723,33 @@ where
                 put(host, lay.gdn + 8 * e, &a.to_le_bytes());
             }
         }
+        if lay.attn_words > 0 {
+            // The step's KV rows are claimed (graph_decode), so these are its buffers;
+            // the lengths went to `kv_len` above.
+            let (table, _lens) = self.attn_state_table(states)?;
+            if table.len() != lay.attn_words {
+                return Err(CudaError::Shape(format!(
+                    "attention state table of {} entries, the graph's layout holds {}",
+                    table.len(),
+                    lay.attn_words
+                )));
+            }
+            for (e, a) in table.iter().enumerate() {
+                put(host, lay.attn + 8 * e, &a.to_le_bytes());
+            }
+        }
         self.gpu.stream().memcpy_htod(&prep.host, &mut prep.dev)?;
         Ok(())
     }
 
     /// Fresh input buffers (and MoE workspace) for a key.
     fn prepare(&self, bsz: usize, n_attn: usize) -> Result<Prepared> {
-        let layout = Layout::new(bsz, n_attn, self.gdn_table_words(bsz));
+        let layout = Layout::new(
+            bsz,
+            n_attn,
+            self.gdn_table_words(bsz),
+            self.attn_table_words(bsz),
+        );
         let st = self.gpu.stream();
         // SAFETY: pinned host memory written before every copy (`write_inputs`).
         let host = unsafe { self.gpu.context().alloc_pinned::<u8>(layout.bytes) }?;
@@ -1073,8 +1129,13 @@ mod tests {
     #[test]
     fn input_layout_is_aligned_and_disjoint() {
         for bsz in [1usize, 3, 8, 64, 257] {
-            for (n_attn, gdn_words) in [(0usize, 0usize), (1, 2 * bsz), (10, 60 * bsz)] {
-                let l = Layout::new(bsz, n_attn, gdn_words);
+            for (n_attn, gdn_words, attn_words) in [
+                (0usize, 0usize, 0usize),
+                (1, 2 * bsz, 0),
+                (1, 0, 3 * bsz),
+                (10, 60 * bsz, 30 * bsz),
+            ] {
+                let l = Layout::new(bsz, n_attn, gdn_words, attn_words);
                 let mut parts = [
                     (l.tokens, 4 * bsz),
                     (l.pos, 8 * bsz),
@@ -1085,6 +1146,7 @@ mod tests {
                     (l.seed, 8 * bsz),
                     (l.step, 8 * bsz),
                     (l.gdn, 8 * gdn_words),
+                    (l.attn, 8 * attn_words),
                 ];
                 parts.sort();
                 for w in parts.windows(2) {
@@ -1094,7 +1156,10 @@ mod tests {
                     assert_eq!(o % 16, 0);
                     assert!(o + n <= l.bytes);
                 }
-                assert_eq!((l.bsz, l.n_attn, l.gdn_words), (bsz, n_attn, gdn_words));
+                assert_eq!(
+                    (l.bsz, l.n_attn, l.gdn_words, l.attn_words),
+                    (bsz, n_attn, gdn_words, attn_words)
+                );
             }
         }
     }

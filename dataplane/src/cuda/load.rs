@@ -572,7 +572,6 @@ where
         let t0 = Instant::now();
         let c = config;
         check_config(&c)?;
-        super::model::check_dtype_gate(&c, T::SUFFIX)?;
         check_moe_config(&c)?;
         let g = &*gpu;
         let mut ld = Loader {

@@ -496,6 +496,18 @@ impl<T: Elem> GpuKv<T> {
         self.claim(gpu, self.len + 1)
     }
 
+    /// Counts the row claimed by [`GpuKv::claim_next`] as appended, after a batched
+    /// append wrote it ([`attn::kv_append_rows`]).
+    ///
+    /// Errors: no row was claimed.
+    pub(crate) fn appended_claimed(&mut self) -> Result<()> {
+        if self.len + 1 > self.buf.cap || self.buf.tip.load(Ordering::Acquire) < self.len + 1 {
+            return Err(shape_err("batched KV append without a claimed row".into()));
+        }
+        self.len += 1;
+        Ok(())
+    }
+
     /// `(k, v, pos, capacity)` of the buffers (device addresses): what a CUDA graph
     /// recorded over this cache depends on.
     pub(crate) fn key(&self, gpu: &Gpu) -> [u64; 4] {
@@ -855,7 +867,6 @@ where
     pub fn upload_with(gpu: Arc<Gpu>, model: &Model, ffn_path: FfnPath) -> Result<Self> {
         let c = model.config.clone();
         check_config(&c)?;
-        check_dtype_gate(&c, T::SUFFIX)?;
         let g = &*gpu;
         let h = c.hidden_size;
         want("embed_tokens", &model.embed, c.vocab_size * h)?;
@@ -1866,6 +1877,27 @@ where
             },
         };
         let mut gdn_slot = 0usize;
+        // The attention layers run batched likewise (bf16 decode kernel): every KV
+        // row of the step is claimed first, so the address table (`attn_state_table`)
+        // names the buffers the step writes; the graph's input buffer holds the table
+        // and the lengths, the eager step uploads them here.
+        let attn_up;
+        let attn_rows: Option<(&CudaSlice<u64>, &CudaSlice<i32>)> = match dev.as_deref() {
+            Some(d) => d.attn_states.map(|t| (t, d.kv_len)),
+            None if self.attn_rows_ok() => {
+                for s in states.iter_mut() {
+                    for (l, lw) in s.layers.iter_mut().zip(&self.layers) {
+                        if let (GpuLayerState::Full(kv), MixerW::Attention(_)) = (l, &lw.mixer) {
+                            kv.claim_next(g)?;
+                        }
+                    }
+                }
+                let (tbl, lens) = self.attn_state_table(states)?;
+                attn_up = (g.upload(&tbl)?, g.upload(&lens)?);
+                Some((&attn_up.0, &attn_up.1))
+            }
+            None => None,
+        };
         let zero = T::from_f32(0.0);
         let st = g.stream();
         let mut r: Scratch<T> = g.scratch(bsz * h)?;
@@ -1928,20 +1960,97 @@ where
                     let mut qkv: Scratch<T> = g.scratch(bsz * fw)?;
                     blas::linear(g, &r, bsz, h, &w.qkv, fw, &mut qkv, zero)?;
                     let mut o: Scratch<T> = g.scratch(bsz * ow)?;
-                    for (j, s) in states.iter_mut().enumerate() {
-                        let GpuLayerState::Full(kv) = &mut s.layers[i] else {
-                            return Err(shape_err(format!("layer {i}: state kind")));
+                    if let Some((tbl, lens)) = attn_rows {
+                        let at = attn_slot * 3 * bsz;
+                        check_len("attention state table", tbl, at + 3 * bsz)?;
+                        check_len("KV lengths", lens, (attn_slot + 1) * bsz)?;
+                        let (tbl, lens) = (
+                            tbl.slice(at..at + 3 * bsz),
+                            lens.slice(attn_slot * bsz..(attn_slot + 1) * bsz),
+                        );
+                        // The workspace's splits: enough for every row's length (the
+                        // graph's for any length up to the capacities it is keyed by).
+                        let mut splits = 1;
+                        for s in states.iter() {
+                            let GpuLayerState::Full(kv) = &s.layers[i] else {
+                                return Err(shape_err(format!("layer {i}: state kind")));
+                            };
+                            let n = if dev.is_some() {
+                                kv.capacity()
+                            } else {
+                                kv.len() + 1
+                            };
+                            splits = splits.max(attn::decode_plan(n));
+                        }
+                        let (q, gate, k, v) = self.attn_prep(w, &qkv, bsz, pos_d)?;
+                        // SAFETY: the table holds this layer's KV buffers of `states`, row
+                        // by row (`attn_state_table`), each claimed for row `len` before
+                        // the step (`claim_next`: the row is this holder's alone, the
+                        // buffer holds it), and `lens` holds `len + 1`; all borrowed
+                        // mutably by this call.
+                        unsafe {
+                            attn::kv_append_rows(
+                                g,
+                                &k,
+                                &v,
+                                pos_d,
+                                &tbl,
+                                &lens,
+                                bsz,
+                                c.num_kv_heads * c.head_dim,
+                            )?
                         };
-                        let qj = g.scratch_copy(&qkv.slice(j * fw..(j + 1) * fw))?;
-                        let pj = g.scratch_copy(&pos_d.slice(j..j + 1))?;
-                        let oj = match dev.as_deref() {
-                            Some(d) => {
-                                let at = attn_slot * bsz + j;
-                                self.attn_core_dev(w, &qj, &pj, kv, &d.kv_len.slice(at..at + 1))?
-                            }
-                            None => self.attn_core(w, &qj, 1, &pj, kv)?,
+                        for s in states.iter_mut() {
+                            let GpuLayerState::Full(kv) = &mut s.layers[i] else {
+                                return Err(shape_err(format!("layer {i}: state kind")));
+                            };
+                            kv.appended_claimed()?;
+                        }
+                        // SAFETY: as above; each length is at most the capacity `splits`
+                        // was planned for.
+                        unsafe {
+                            attn::decode_rows(
+                                g,
+                                &q,
+                                pos_d,
+                                &tbl,
+                                &lens,
+                                &mut o,
+                                bsz,
+                                splits,
+                                c.num_heads,
+                                c.num_kv_heads,
+                                c.head_dim,
+                            )?
                         };
-                        st.memcpy_dtod(&oj.slice(..ow), &mut o.slice_mut(j * ow..(j + 1) * ow))?;
+                        if c.attn_output_gate {
+                            self.gate_mul(&mut o, &gate, bsz * ow)?;
+                        }
+                    } else {
+                        for (j, s) in states.iter_mut().enumerate() {
+                            let GpuLayerState::Full(kv) = &mut s.layers[i] else {
+                                return Err(shape_err(format!("layer {i}: state kind")));
+                            };
+                            let qj = g.scratch_copy(&qkv.slice(j * fw..(j + 1) * fw))?;
+                            let pj = g.scratch_copy(&pos_d.slice(j..j + 1))?;
+                            let oj = match dev.as_deref() {
+                                Some(d) => {
+                                    let at = attn_slot * bsz + j;
+                                    self.attn_core_dev(
+                                        w,
+                                        &qj,
+                                        &pj,
+                                        kv,
+                                        &d.kv_len.slice(at..at + 1),
+                                    )?
+                                }
+                                None => self.attn_core(w, &qj, 1, &pj, kv)?,
+                            };
+                            st.memcpy_dtod(
+                                &oj.slice(..ow),
+                                &mut o.slice_mut(j * ow..(j + 1) * ow),
+                            )?;
+                        }
                     }
                     attn_slot += 1;
                     let mut out: Scratch<T> = g.scratch(bsz * h)?;
@@ -2252,6 +2361,101 @@ where
             }
         }
         Ok(Some(table))
+    }
+
+    /// The KV caches of every attention layer for a batch of `B` states, as the batched
+    /// decode step reads them ([`attn::kv_append_rows`], [`attn::decode_rows`]): the
+    /// address table `[n_attn, 3, B]` u64 (per attention layer in layer order: the B
+    /// key-cache, the B value-cache, then the B position-cache addresses) and the
+    /// lengths after the step's append `[n_attn, B]` i32 (`len + 1`). Call after
+    /// [`GpuKv::claim_next`] of every such cache (the addresses are then the buffers
+    /// the step writes). Errors: a state whose layer kinds do not match the model's, a
+    /// length over i32.
+    pub(crate) fn attn_state_table(
+        &self,
+        states: &[&mut GpuState<T>],
+    ) -> Result<(Vec<u64>, Vec<i32>)> {
+        let g = &*self.gpu;
+        let bsz = states.len();
+        let (mut table, mut lens) = (Vec::new(), Vec::new());
+        for (i, lw) in self.layers.iter().enumerate() {
+            if !matches!(lw.mixer, MixerW::Attention(_)) {
+                continue;
+            }
+            let (at, al) = (table.len(), lens.len());
+            table.resize(at + 3 * bsz, 0u64);
+            lens.resize(al + bsz, 0i32);
+            for (j, s) in states.iter().enumerate() {
+                let GpuLayerState::Full(kv) = &s.layers[i] else {
+                    return Err(shape_err(format!("layer {i}: state kind")));
+                };
+                let [k, v, p, _cap] = kv.key(g);
+                table[at + j] = k;
+                table[at + bsz + j] = v;
+                table[at + 2 * bsz + j] = p;
+                lens[al + j] = i32::try_from(kv.len() + 1)
+                    .map_err(|_| shape_err("KV length exceeds i32".into()))?;
+            }
+        }
+        Ok((table, lens))
+    }
+
+    /// Entries of [`GpuModel::attn_state_table`]'s address table for a batch of `bsz`
+    /// (0 when the attention layers do not run batched).
+    pub(crate) fn attn_table_words(&self, bsz: usize) -> usize {
+        if !self.attn_rows_ok() {
+            return 0;
+        }
+        let n = self
+            .layers
+            .iter()
+            .filter(|l| matches!(l.mixer, MixerW::Attention(_)))
+            .count();
+        n * 3 * bsz
+    }
+
+    /// Whether the decode step runs its attention layers batched
+    /// ([`attn::kv_append_rows`], [`attn::decode_rows`]): bf16, head dims and grouping
+    /// the decode kernel takes, an attention layer, and the model's switch
+    /// ([`GpuModel::set_attn_rows`]) on — by default unless `HYPIC_CUDA_ATTN_ROWS=0`
+    /// (read once per process; `0` keeps the sequence-by-sequence step, for
+    /// comparisons).
+    pub(crate) fn attn_rows_ok(&self) -> bool {
+        static ENV: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
+        let on = match self
+            .graphs
+            .attn_rows
+            .load(std::sync::atomic::Ordering::Relaxed)
+        {
+            1 => true,
+            2 => false,
+            _ => *ENV.get_or_init(|| {
+                std::env::var("HYPIC_CUDA_ATTN_ROWS").map_or(true, |v| v.trim() != "0")
+            }),
+        };
+        let c = &self.config;
+        on && T::SUFFIX == "bf16"
+            && attn::DECODE_HEAD_DIMS.contains(&c.head_dim)
+            && c.num_kv_heads > 0
+            && c.num_heads.is_multiple_of(c.num_kv_heads)
+            && c.num_heads / c.num_kv_heads <= attn::DECODE_MAX_GROUP
+            && self
+                .layers
+                .iter()
+                .any(|l| matches!(l.mixer, MixerW::Attention(_)))
+    }
+
+    /// Whether a batched decode step of this model runs its attention layers for all
+    /// sequences at once (see [`GpuModel::set_attn_rows`]): the switch is on, the model
+    /// is bf16 with an attention layer the decode kernel takes.
+    pub fn attn_rows_active(&self) -> bool {
+        self.attn_rows_ok()
+    }
+
+    /// Whether a batched decode step of this model runs its Gated DeltaNet layers for
+    /// all sequences at once (see [`GpuModel::set_gdn_rows`]).
+    pub fn gdn_rows_active(&self) -> bool {
+        self.gdn_rows_ok()
     }
 
     /// Entries of [`GpuModel::gdn_state_table`] for a batch of `bsz` (0 when the GDN
@@ -3037,51 +3241,6 @@ fn up_lightning<T: Elem>(
     })
 }
 
-/// Whether the bf16 kernels of the Ring-linear and Kimi-Linear mixers (Lightning, KDA,
-/// MLA) may be used: `HYPIC_CUDA_EXPERIMENTAL=1`. Their f32 results match the CPU. In
-/// bf16, the drift from the f32 CPU seen on the golden fixtures is reproduced on the
-/// CPU by rounding the weights alone (`Model::round_projections`); the kernels' own
-/// bf16 error (against the CPU with the same rounded weights) is what the tests
-/// `*_bf16_rounding_split_with_qwen_control` measure, not yet on a GPU. Their tests
-/// turn it on.
-pub fn experimental_enabled() -> bool {
-    std::env::var("HYPIC_CUDA_EXPERIMENTAL").is_ok_and(|v| v.trim() == "1")
-}
-
-/// The mixers whose bf16 GPU kernels need [`experimental_enabled`].
-const EXPERIMENTAL_MIXERS: [MixerKind; 3] = [MixerKind::Lightning, MixerKind::Kda, MixerKind::Mla];
-
-/// Refuses a model with Lightning, KDA or MLA layers in bf16 (`dtype`: the element
-/// type's suffix) unless [`experimental_enabled`], with an error naming the switch.
-pub(crate) fn check_dtype_gate(c: &ModelConfig, dtype: &str) -> Result<()> {
-    check_dtype_gate_with(c, dtype, experimental_enabled())
-}
-
-/// [`check_dtype_gate`] with the switch given.
-pub(crate) fn check_dtype_gate_with(
-    c: &ModelConfig,
-    dtype: &str,
-    experimental: bool,
-) -> Result<()> {
-    if dtype != "bf16" || experimental {
-        return Ok(());
-    }
-    if let Some(m) = c.mixers.iter().find(|m| EXPERIMENTAL_MIXERS.contains(m)) {
-        let kind = match m {
-            MixerKind::Lightning => "Lightning attention",
-            MixerKind::Kda => "KDA",
-            _ => "latent attention (MLA)",
-        };
-        return Err(shape_err(format!(
-            "model_type {}: the bf16 CUDA kernels of its {kind} layers are experimental \
-             (f32 matches the CPU); use --dtype f32, set HYPIC_CUDA_EXPERIMENTAL=1, or serve \
-             it with --device cpu",
-            c.model_type
-        )));
-    }
-    Ok(())
-}
-
 /// Configuration limits of the GPU forward.
 pub(crate) fn check_config(c: &ModelConfig) -> Result<()> {
     let bad = |m: String| Err(shape_err(m));
@@ -3369,11 +3528,9 @@ mod tests {
 
     /// The Ring-linear and Kimi-Linear shapes (the golden fixtures and the published
     /// Ring-mini / Ring-flash / Kimi-Linear-48B configs) pass the GPU's configuration
-    /// check; in bf16 they are refused without the experimental switch, with an error
-    /// naming it, and pass with it; f32 and the Qwen families need no switch. No device
-    /// needed.
+    /// check and the MoE limits. No device needed.
     #[test]
-    fn ring_and_kimi_pass_the_gpu_check_bf16_only_when_experimental() {
+    fn ring_and_kimi_pass_the_gpu_check() {
         for name in [
             "tests/fixtures/golden/bailing_moe_linear",
             "../benches/configs/ring_mini_linear_2_0",
@@ -3384,17 +3541,6 @@ mod tests {
             let c = config(name);
             check_config(&c).unwrap_or_else(|e| panic!("{name}: {e}"));
             assert!(super::super::random::check_moe_config(&c).is_ok(), "{name}");
-            check_dtype_gate_with(&c, "f32", false).unwrap();
-            check_dtype_gate_with(&c, "bf16", true).unwrap();
-            let e = check_dtype_gate_with(&c, "bf16", false)
-                .unwrap_err()
-                .to_string();
-            assert!(
-                e.contains(&c.model_type) && e.contains("HYPIC_CUDA_EXPERIMENTAL=1"),
-                "{e}"
-            );
         }
-        let q = config("tests/fixtures/golden/qwen3_next");
-        check_dtype_gate_with(&q, "bf16", false).unwrap();
     }
 }

@@ -175,7 +175,6 @@ where
     pub fn random(gpu: Arc<Gpu>, config: ModelConfig, seed: u64) -> Result<Self> {
         let c = config;
         check_config(&c)?;
-        super::model::check_dtype_gate(&c, T::SUFFIX)?;
         check_moe_config(&c)?;
         let need = ParamCounts::of(&c).bytes(std::mem::size_of::<T>());
         let (free, total) = gpu.context().mem_get_info()?;
