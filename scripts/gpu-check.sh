@@ -19,8 +19,9 @@
 #                                  # the random-weight model test (cuda_random) and
 #                                  # the whole-model benchmark gpu_model_bench at the
 #                                  # Qwen3.5-35B-A3B shape (step `modelbench`: up to
-#                                  # 1080 s with its batched-decode baselines, so run it alone or
-#                                  # with MODEL_BENCH_FULL=0), at
+#                                  # 1080 s with its batched-decode baselines; MODEL_BENCH_FULL=0
+#                                  # leaves the decode tables, up to 840 s;
+#                                  # MODEL_BENCH_GDN_AB=0 drops both baselines), at
 #                                  # the Ring-mini / Kimi-Linear-48B / Ring-flash shapes
 #                                  # (step `familybench`: $OUT/family_model_bench.md,
 #                                  # ≤ 175 s per config) and
@@ -364,7 +365,7 @@ PY
     [ "$mbench_rc" -eq 0 ] && mbench_rc=$rc_
     # The same table with the attention layers sequence by sequence
     # (HYPIC_CUDA_ATTN_ROWS=0), then with the GDN layers so too (HYPIC_CUDA_GDN_ROWS=0):
-    # the same-run baselines of the batched decode kernels. MODEL_BENCH_GDN_AB=0 skips them.
+    # the same-run baselines of the batched decode kernels. MODEL_BENCH_GDN_AB=0 skips both.
     if [ "${MODEL_BENCH_GDN_AB:-1}" != 0 ]; then
       echo -e "\n### Baseline: attention layers sequence by sequence (HYPIC_CUDA_ATTN_ROWS=0)\n" >> "$OUT/model_bench.md"
       HYPIC_CUDA_ATTN_ROWS=0 timeout 240 .device/bin/gpu_model_bench --config benches/configs/qwen3_5_35b_a3b \

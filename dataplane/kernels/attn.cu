@@ -468,6 +468,7 @@ __device__ __forceinline__ void kv_append_rows_impl(const T* k, const T* v, cons
                                                     const unsigned long long* tbl, const int* n_kv, int row,
                                                     int bsz) {
     const int b = blockIdx.y;
+    if (n_kv[b] < 1) __trap();  // the caller's contract: the length after the append
     kv_append_dev_impl<T>(k + (size_t)b * row, v + (size_t)b * row, pos + b, (T*)tbl[b], (T*)tbl[bsz + b],
                           (i64*)tbl[2 * bsz + b], n_kv + b, row);
 }
@@ -491,6 +492,7 @@ extern "C" __global__ void kv_append_rows_bf16(const bf16* k, const bf16* v, con
         const int b = blockIdx.z;                                                                            \
         const int n = n_kv[b];                                                                               \
         const int ns = decode_plan_splits(n);                                                                \
+        if (n < 1 || ns > (int)gridDim.y) __trap(); /* the workspace holds the plan's splits */              \
         if ((int)blockIdx.y >= ns) return;                                                                   \
         const size_t S = gridDim.y;                                                                          \
         attn_decode_impl<HD>(q + (size_t)b * nh * HD, q_pos + b, (const bf16*)tbl[b],                        \
@@ -508,6 +510,7 @@ extern "C" __global__ void __launch_bounds__(256)
     attn_decode_combine_rows_bf16(const float* wo, const float* wml, bf16* o, int nh, int hd, int S,
                                   const int* n_kv) {
     const size_t b = blockIdx.y;
+    if (n_kv[b] < 1 || decode_plan_splits(n_kv[b]) > S) __trap();
     attn_decode_combine_impl(wo + b * S * nh * hd, wml + b * S * nh * 2, o + b * nh * hd, nh, hd,
                              decode_plan_splits(n_kv[b]));
 }

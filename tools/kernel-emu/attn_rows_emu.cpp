@@ -17,6 +17,10 @@ template <typename T>
 inline T __ldg(const T* p) {
     return *p;
 }
+inline void __trap() {
+    std::fprintf(stderr, "__trap\n");
+    std::abort();
+}
 inline float2 __bfloat1622float2(__nv_bfloat162 h) {
     return float2{__bfloat162float(h.x), __bfloat162float(h.y)};
 }

@@ -1511,6 +1511,9 @@ fn check_rows_table(
 /// caches, found in `tbl` (`[3, B]` u64: the B key-cache, the B value-cache, then the B
 /// position-cache device addresses).
 ///
+/// Errors: `k`, `v` shorter than `bsz·row`, `pos` than `bsz`, a table shorter than
+/// `3·bsz` or lengths than `bsz`; `bsz` over 65 535; `row == 0`.
+///
 /// # Safety
 /// For every `b < bsz`, `tbl`'s three entries must be live device buffers of this
 /// device holding at least `n_kv[b]` rows (`[n, row]` of `T`, `[n]` i64), `n_kv[b] ≥ 1`
@@ -1569,8 +1572,8 @@ pub unsafe fn kv_append_rows<T: Elem>(
 /// is exactly [`decode`] over `n_kv[b]` keys.
 ///
 /// Workspace: `bsz·splits·nh·(hd + 2)` floats (scratch). Errors: as [`decode`]; a
-/// table or length vector shorter than `bsz`; `splits` outside
-/// `1..=`[`DECODE_PLAN_MAX_SPLIT`].
+/// table shorter than `3·bsz` or a length vector shorter than `bsz`; `bsz` over
+/// 65 535; `splits` outside `1..=`[`DECODE_PLAN_MAX_SPLIT`].
 ///
 /// # Safety
 /// For every `b < bsz`, `tbl`'s entries must be live device buffers of this device

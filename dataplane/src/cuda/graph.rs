@@ -17,11 +17,13 @@
 //!   batched KV append and decode attention read (`GpuModel::attn_state_table`) — see
 //!   [`Layout`];
 //! * attention reads its key count from that buffer: the KV append writes row
-//!   `n − 1` ([`super::attn::kv_append_dev`]), bf16 decode attention is
-//!   [`super::attn::decode_dev`] (grid sized for the cache's capacity, the split plan
-//!   of [`super::attn::decode`] computed on the device) and the tiled kernel is
-//!   [`super::attn::prefill_dev`] — the same arithmetic as the kernels the eager step
-//!   launches, so a replay gives the eager step's logits and tokens bit for bit;
+//!   `n − 1` ([`super::attn::kv_append_rows`] for the batch, or
+//!   [`super::attn::kv_append_dev`] per sequence), bf16 decode attention is
+//!   [`super::attn::decode_rows`] / [`super::attn::decode_dev`] (workspace sized for
+//!   the caches' capacities, the split plan of [`super::attn::decode`] computed on the
+//!   device) and the tiled kernel is [`super::attn::prefill_dev`] — the same
+//!   arithmetic as the kernels the eager step launches, so a replay gives the eager
+//!   step's logits and tokens bit for bit;
 //! * the buffers of the states (conv tails, recurrent states, KV caches) are baked into
 //!   the graph: graphs are keyed by their device addresses (and KV capacities), the
 //!   batch size and the draw mode ([`Key`]). A KV cache that grows moves to new

@@ -37,7 +37,8 @@
 //!
 //! Entry points: [`GpuModel::prefill`] (any span from any state, logits none / last /
 //! all), [`GpuModel::decode`], [`GpuModel::decode_batch`] (one step for several
-//! sequences: batched GEMMs, per-sequence state work), [`GpuModel::prefill_traced`]
+//! sequences: batched GEMMs, batched state work where a mixer has it),
+//! [`GpuModel::prefill_traced`]
 //! (residual stream after every layer, for diagnosis), [`GpuState::from_host`] /
 //! [`GpuState::to_host`] (the CPU `ModelState` layouts).
 //!
@@ -50,8 +51,9 @@
 //! `decode_batch` / `decode_sample` replay a CUDA graph of the whole step where every
 //! layer has kernels that read the step's inputs from the device ([`super::graph`]);
 //! other steps, prefill and `decode` launch kernel by kernel (bounded by the host's
-//! launch cost); the per-sequence part of `decode_batch` is a loop of single-sequence
-//! launches. Tests: `dataplane/tests/cuda_model.rs`, `cuda_graph.rs`.
+//! launch cost); in `decode_batch`, Lightning, KDA, MLA and f32 attention layers are a
+//! loop of single-sequence launches. Tests: `dataplane/tests/cuda_model.rs`,
+//! `cuda_graph.rs`, `cuda_decode.rs`.
 use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex};
 
@@ -110,6 +112,9 @@ pub const ATTN_FLASH_MIN_TQ: usize = 64;
 /// lengths.
 pub const ATTN_WG_BC80_MIN_KV: usize = 8192;
 /// Key dims of the tuned recurrent GDR kernel ([`gdr::recurrent`]).
+/// Most sequences in one decode step: the batched decode kernels put one sequence per
+/// grid row (`gridDim.y` / `gridDim.z`).
+pub const MAX_DECODE_BATCH: usize = 65_535;
 const GDR_REC_DK: [usize; 3] = gdr::RECURRENT_DK;
 /// Largest head dim of the generic attention kernel.
 const ATTN_GENERIC_MAX_HD: usize = 1024;
@@ -499,7 +504,8 @@ impl<T: Elem> GpuKv<T> {
     /// Counts the row claimed by [`GpuKv::claim_next`] as appended, after a batched
     /// append wrote it ([`attn::kv_append_rows`]).
     ///
-    /// Errors: no row was claimed.
+    /// Errors: the buffer's rows are not claimed past `len` (by this holder or, for a
+    /// shared buffer, another one: the caller claims first).
     pub(crate) fn appended_claimed(&mut self) -> Result<()> {
         if self.len + 1 > self.buf.cap || self.buf.tip.load(Ordering::Acquire) < self.len + 1 {
             return Err(shape_err("batched KV append without a claimed row".into()));
@@ -1703,9 +1709,11 @@ where
 
     /// One decode step for a batch of sequences: `tokens[b]` is appended to
     /// `states[b]`. The embedding, norms, projections, FFN and LM head run as one
-    /// `[B, ·]` pass; conv, recurrence, KV append and attention run per sequence on its
-    /// own state (same kernels as [`GpuModel::decode`]). Returns `[B][vocab]` logits,
-    /// the same math as `B` calls of [`GpuModel::decode`].
+    /// `[B, ·]` pass; the Gated DeltaNet layers and (bf16) the attention layers run
+    /// their state work for all sequences at once, each on its own state through a
+    /// device address table ([`GpuModel::set_gdn_rows`], [`GpuModel::set_attn_rows`]),
+    /// the other mixers sequence by sequence. Returns `[B][vocab]` logits, the same
+    /// arithmetic as `B` calls of [`GpuModel::decode`].
     ///
     /// Errors (before any state changes): `tokens.len() != states.len()`, and as
     /// [`GpuModel::prefill`] for any sequence.
@@ -1825,7 +1833,11 @@ where
     /// claimed for one more row beforehand ([`GpuKv::claim_next`]), attention takes the
     /// kernels that read the length from the device, and the MoE layers use `dev`'s
     /// workspace; the caller checked that every layer has such kernels
-    /// (`graph::graphable`). The same kernels otherwise, in the same order.
+    /// (`graph::graphable`). The same kernels otherwise, in the same order; the eager
+    /// step with batched attention claims its KV rows itself.
+    ///
+    /// Errors (before any state changes): token and state counts differ, more than
+    /// [`MAX_DECODE_BATCH`] sequences, or as [`GpuModel::prefill`] for any sequence.
     pub(crate) fn decode_hidden(
         &self,
         tokens: &[u32],
@@ -1841,6 +1853,12 @@ where
         }
         if tokens.is_empty() {
             return self.gpu.scratch(0);
+        }
+        if tokens.len() > MAX_DECODE_BATCH {
+            return Err(shape_err(format!(
+                "a decode step of {} sequences (at most {MAX_DECODE_BATCH})",
+                tokens.len()
+            )));
         }
         for (tk, s) in tokens.iter().zip(states.iter()) {
             self.check_inputs(std::slice::from_ref(tk), s)?;
@@ -2000,12 +2018,6 @@ where
                                 c.num_kv_heads * c.head_dim,
                             )?
                         };
-                        for s in states.iter_mut() {
-                            let GpuLayerState::Full(kv) = &mut s.layers[i] else {
-                                return Err(shape_err(format!("layer {i}: state kind")));
-                            };
-                            kv.appended_claimed()?;
-                        }
                         // SAFETY: as above; each length is at most the capacity `splits`
                         // was planned for.
                         unsafe {
@@ -2025,6 +2037,14 @@ where
                         };
                         if c.attn_output_gate {
                             self.gate_mul(&mut o, &gate, bsz * ow)?;
+                        }
+                        // The appended rows count once the layer's work is queued (a
+                        // failure before leaves them past `len`, in claimed rows).
+                        for s in states.iter_mut() {
+                            let GpuLayerState::Full(kv) = &mut s.layers[i] else {
+                                return Err(shape_err(format!("layer {i}: state kind")));
+                            };
+                            kv.appended_claimed()?;
                         }
                     } else {
                         for (j, s) in states.iter_mut().enumerate() {
