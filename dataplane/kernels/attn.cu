@@ -481,36 +481,46 @@ extern "C" __global__ void kv_append_rows_bf16(const bf16* k, const bf16* v, con
     kv_append_rows_impl<bf16>(k, v, pos, tbl, n_kv, row, bsz);
 }
 
+// Where sequence b's splits start in the packed workspace of attn_decode_rows_bf16_*:
+// the splits of the sequences before it, decode_plan_splits(n_kv[j]) each (so a batch
+// of mixed lengths takes what its sequences would take one by one).
+__device__ __forceinline__ size_t decode_rows_base(const int* n_kv, int b) {
+    size_t base = 0;
+    for (int j = 0; j < b; ++j) base += (size_t)decode_plan_splits(n_kv[j]);
+    return base;
+}
+
 // attn_decode_dev_bf16_* for sequence b = blockIdx.z: q: [B, nh, HD]; q_pos: [B];
-// wo: [B][S][nh][HD], wml: [B][S][nh][2] with S = gridDim.y (at least the plan's splits
-// for every n_kv[b]); ranges past decode_plan_splits(n_kv[b]) exit.
+// wo: [total][nh][HD], wml: [total][nh][2], packed: sequence b's ns_b =
+// decode_plan_splits(n_kv[b]) splits start at decode_rows_base (Σ_b ns_b ≤ total);
+// gridDim.y is at least every ns_b and ranges past ns_b exit.
 #define ATTN_DECODE_ROWS(HD)                                                                                 \
     extern "C" __global__ void __launch_bounds__(256)                                                        \
         attn_decode_rows_bf16_##HD(const bf16* q, const i64* q_pos, const unsigned long long* tbl,            \
                                    const int* n_kv, float* wo, float* wml, int nh, int nkv, float scale_log2, \
-                                   int bsz) {                                                                \
+                                   int bsz, int total) {                                                     \
         const int b = blockIdx.z;                                                                            \
         const int n = n_kv[b];                                                                               \
         const int ns = decode_plan_splits(n);                                                                \
-        if (n < 1 || ns > (int)gridDim.y) __trap(); /* the workspace holds the plan's splits */              \
+        const size_t at = decode_rows_base(n_kv, b);                                                         \
+        /* the caller's contract: a length after the append, a grid and a workspace for the plan */          \
+        if (n < 1 || ns > (int)gridDim.y || at + ns > (size_t)total) __trap();                               \
         if ((int)blockIdx.y >= ns) return;                                                                   \
-        const size_t S = gridDim.y;                                                                          \
         attn_decode_impl<HD>(q + (size_t)b * nh * HD, q_pos + b, (const bf16*)tbl[b],                        \
                              (const bf16*)tbl[bsz + b], (const i64*)tbl[2 * bsz + b],                        \
-                             wo + (size_t)b * S * nh * HD, wml + (size_t)b * S * nh * 2, n, nh, nkv,         \
-                             scale_log2, ns);                                                                \
+                             wo + at * nh * HD, wml + at * nh * 2, n, nh, nkv, scale_log2, ns);              \
     }
 ATTN_DECODE_ROWS(128)
 ATTN_DECODE_ROWS(256)
 
 // attn_decode_combine_dev_bf16 for sequence b = blockIdx.y: wo, wml as attn_decode_rows_*
-// (S splits per sequence), o: [B, nh, hd]; dynamic shared memory for DECODE_PLAN_MAX_SPLIT
-// floats.
+// (packed), o: [B, nh, hd]; dynamic shared memory for DECODE_PLAN_MAX_SPLIT floats.
 extern "C" __global__ void __launch_bounds__(256)
-    attn_decode_combine_rows_bf16(const float* wo, const float* wml, bf16* o, int nh, int hd, int S,
-                                  const int* n_kv) {
-    const size_t b = blockIdx.y;
-    if (n_kv[b] < 1 || decode_plan_splits(n_kv[b]) > S) __trap();
-    attn_decode_combine_impl(wo + b * S * nh * hd, wml + b * S * nh * 2, o + b * nh * hd, nh, hd,
+    attn_decode_combine_rows_bf16(const float* wo, const float* wml, bf16* o, int nh, int hd,
+                                  const int* n_kv, int total) {
+    const int b = blockIdx.y;
+    const size_t at = decode_rows_base(n_kv, b);
+    if (n_kv[b] < 1 || at + decode_plan_splits(n_kv[b]) > (size_t)total) __trap();
+    attn_decode_combine_impl(wo + at * nh * hd, wml + at * nh * 2, o + (size_t)b * nh * hd, nh, hd,
                              decode_plan_splits(n_kv[b]));
 }

@@ -30,7 +30,11 @@
 #   tools/kernel-emu/run.sh attn-rows        # the batched decode-attention kernels
 #                                            # (kv_append_rows_*, attn_decode_rows_bf16_*,
 #                                            # attn_decode_combine_rows_bf16) against the
-#                                            # one-sequence kernels, bitwise
+#                                            # one-sequence kernels, bitwise (EMU_QUICK=1:
+#                                            # without the 8.3k-key case)
+#   tools/kernel-emu/run.sh attn-rows-mutants # deliberately broken variants of those kernels
+#                                            # (offsets, table entries, split counts) must
+#                                            # each fail attn-rows
 #   tools/kernel-emu/run.sh lightning        # lightning.cu (per-token, one- and two-pass
 #                                            # chunked, prep, group norm + gate, state
 #                                            # rotation, scalar apply) and moe_route_rule
@@ -287,14 +291,20 @@ PY
     $CXX -ffp-contract=off -o "$out/gdn_rows_emu" "$here/gdn_rows_emu.cpp"
     "$out/gdn_rows_emu"
     ;;
-attn-rows)
+attn-rows|attn-rows-mutants)
     # attn.cu's one-row KV append and its decode-attention section (the rest of the file
-    # is the prefill kernels).
+    # is the prefill kernels); EMU_ATTN_MUT="old|||new" applies one replacement first.
+    gen_attn_rows() {
     python3 - "$kernels" "$out/gen_attn_rows.inc" <<'PY'
-import sys
+import os, sys
 k, dst = sys.argv[1:3]
 common = open(f"{k}/common.cuh").read().replace("#include <cuda_bf16.h>", "")
 attn = open(f"{k}/attn.cu").read()
+mut = os.environ.get("EMU_ATTN_MUT")
+if mut:
+    old, new = (x.replace("\\n", "\n") for x in mut.split("|||"))
+    assert old in attn, f"mutation anchor not found: {old}"
+    attn = attn.replace(old, new, 1)
 a = attn.index("// One row appended to a KV cache at the row index")
 b = attn.index("// ----", a)
 c = attn.index("// Decode attention (split over the keys")
@@ -306,7 +316,36 @@ open(dst, "w").write(common + '\n#line 1 "attn.cu"\n' + attn[a:b] + "\n" + dec)
 PY
     # -fno-strict-aliasing: the kernel reads bf16 pairs through uint4/uint2 loads.
     $CXX -ffp-contract=off -fno-strict-aliasing -o "$out/attn_rows_emu" "$here/attn_rows_emu.cpp"
-    "$out/attn_rows_emu"
+    }
+    if [ "$mode" = attn-rows ]; then
+      gen_attn_rows
+      "$out/attn_rows_emu"
+    else
+      caught=0 total=0
+      while IFS= read -r m; do
+        [ -n "$m" ] || continue
+        total=$((total + 1))
+        if ! EMU_ATTN_MUT="$m" gen_attn_rows > "$out/mutant.log" 2>&1; then
+          echo "  BROKEN (does not apply or build): ${m%%|||*}"
+        elif EMU_QUICK=1 "$out/attn_rows_emu" >> "$out/mutant.log" 2>&1; then
+          echo "  NOT CAUGHT: ${m%%|||*}"
+        else
+          caught=$((caught + 1))
+          echo "  caught: ${m%%|||*}"
+        fi
+      done <<'MUT'
+(const bf16*)tbl[bsz + b], (const i64*)tbl|||(const bf16*)tbl[b], (const i64*)tbl
+wo + at * nh * HD, wml + at * nh * 2, n|||wo + at * nh * HD, wml, n
+wo + at * nh * hd, wml + at * nh * 2, o + (size_t)b * nh * hd|||wo + at * nh * hd, wml + at * nh * 2, o
+q + (size_t)b * nh * HD, q_pos + b|||q + (size_t)b * nh * HD, q_pos
+pos + b, (T*)tbl[b]|||pos, (T*)tbl[b]
+v + (size_t)b * row, pos|||v, pos
+for (int j = 0; j < b; ++j) base|||for (int j = 0; j <= b; ++j) base
+                             decode_plan_splits(n_kv[b]));|||                             1);
+MUT
+      echo "attn-rows mutants: $caught of $total caught"
+      [ "$caught" -eq "$total" ]
+    fi
     ;;
 *)
     gen flash "$out/gen_flash.inc" 1

@@ -709,7 +709,11 @@ pub async fn run_bench(a: &BenchArgs) -> anyhow::Result<report::Summary> {
             );
         }
     }
-    let primes = if a.prime { prime_records(&recs) } else { vec![] };
+    let primes = if a.prime {
+        prime_records(&recs)
+    } else {
+        vec![]
+    };
     let mut samples = vec![];
     for m in &modes {
         for &rate in &rate_list {
@@ -858,7 +862,9 @@ mod tests {
                 vec!["sys", "d4"]
             ]
         );
-        assert!(p.iter().all(|r| r.max_tokens == Some(1) && r.session.is_none()));
+        assert!(p
+            .iter()
+            .all(|r| r.max_tokens == Some(1) && r.session.is_none()));
         // Requests without documents prime the system prompt alone.
         let bare = prime_records(&[rec(&["sys", "q"], Some(0))]);
         assert_eq!(bare.len(), 1);

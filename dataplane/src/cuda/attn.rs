@@ -1566,19 +1566,24 @@ pub unsafe fn kv_append_rows<T: Elem>(
 /// `attn_decode_combine_rows_bf16`): row `b` of `q` (`[B, nh, hd]`, position
 /// `q_pos[b]`) attends to the first `n_kv[b]` keys of the caches at `tbl`'s entries `b`
 /// (`[3, B]` u64 as [`kv_append_rows`]; keys `[n, nkv, hd]`, positions `[n]`) and writes
-/// row `b` of `o` (`[B, nh, hd]`). `splits` sizes the workspace: at least
-/// [`decode_plan`]`(n_kv[b])` for every `b` (ranges past a sequence's own plan exit), so
-/// one recorded launch serves every length up to the capacity it was sized for. Each row
-/// is exactly [`decode`] over `n_kv[b]` keys.
+/// row `b` of `o` (`[B, nh, hd]`). Each row is exactly [`decode`] over `n_kv[b]` keys.
 ///
-/// Workspace: `bsz·splits·nh·(hd + 2)` floats (scratch). Errors: as [`decode`]; a
-/// table shorter than `3·bsz` or a length vector shorter than `bsz`; `bsz` over
-/// 65 535; `splits` outside `1..=`[`DECODE_PLAN_MAX_SPLIT`].
+/// `splits` (the grid's ranges per sequence) must be at least [`decode_plan`]`(n_kv[b])`
+/// for every `b`, and `total` (the workspace's ranges) at least their sum: the
+/// sequences' ranges are packed, each taking its own plan's, so a batch of mixed
+/// lengths needs what its sequences need one by one. Sizing both from the caches'
+/// capacities (the plan grows with the length) lets one recorded launch serve every
+/// length up to them.
+///
+/// Workspace: `total·nh·(hd + 2)` floats (scratch). Errors: as [`decode`]; a table
+/// shorter than `3·bsz` or a length vector shorter than `bsz`; `bsz` over 65 535;
+/// `splits` outside `1..=`[`DECODE_PLAN_MAX_SPLIT`]; `total` under `bsz` or over i32.
 ///
 /// # Safety
 /// For every `b < bsz`, `tbl`'s entries must be live device buffers of this device
-/// holding at least `n_kv[b]` keys, and `1 ≤ n_kv[b]` with `decode_plan(n_kv[b]) ≤
-/// splits` when the launch runs; none freed before the launches complete.
+/// holding at least `n_kv[b]` keys, and when the launches run `1 ≤ n_kv[b]`,
+/// `decode_plan(n_kv[b]) ≤ splits` and `Σ_b decode_plan(n_kv[b]) ≤ total` (the kernels
+/// trap otherwise); none freed before the launches complete.
 #[allow(clippy::too_many_arguments)]
 pub unsafe fn decode_rows<T: Elem>(
     gpu: &Gpu,
@@ -1588,7 +1593,7 @@ pub unsafe fn decode_rows<T: Elem>(
     n_kv: &cudarc::driver::CudaView<'_, i32>,
     o: &mut CudaSlice<T>,
     bsz: usize,
-    splits: usize,
+    (splits, total): (usize, usize),
     nh: usize,
     nkv: usize,
     hd: usize,
@@ -1617,8 +1622,14 @@ pub unsafe fn decode_rows<T: Elem>(
     if bsz == 0 || nh == 0 {
         return Ok(());
     }
-    let mut wo = gpu.scratch::<f32>(bsz * splits * nh * hd)?;
-    let mut wml = gpu.scratch::<f32>(bsz * splits * nh * 2)?;
+    if total < bsz {
+        return Err(CudaError::Shape(format!(
+            "attn::decode_rows: a workspace of {total} ranges for {bsz} sequences"
+        )));
+    }
+    let total_i = i32_dim("workspace ranges", total)?;
+    let mut wo = gpu.scratch::<f32>(total * nh * hd)?;
+    let mut wml = gpu.scratch::<f32>(total * nh * 2)?;
     let (nh_i, nkv_i, bsz_i) = (nh as i32, nkv as i32, bsz as i32);
     let scale_log2 = (hd as f32).powf(-0.5) * std::f32::consts::LOG2_E;
     let stream = gpu.stream();
@@ -1638,10 +1649,11 @@ pub unsafe fn decode_rows<T: Elem>(
         .arg(&nh_i)
         .arg(&nkv_i)
         .arg(&scale_log2)
-        .arg(&bsz_i);
+        .arg(&bsz_i)
+        .arg(&total_i);
     // SAFETY: matches `attn_decode_rows_bf16_{hd}` (block 32·G ≤ 256 threads); q, q_pos
-    // checked for bsz rows, wo/wml hold bsz·splits·nh rows; the caches and lengths are
-    // the caller's contract (plan(n_kv[b]) ≤ splits).
+    // checked for bsz rows, wo/wml hold total·nh rows; the caches and lengths are the
+    // caller's contract (plan(n_kv[b]) ≤ splits, their sum ≤ total; trapped otherwise).
     unsafe { b.launch(cfg) }?;
     let f = gpu.function(&ATTN, "attn_decode_combine_rows_bf16", 0)?;
     let cfg = LaunchConfig {
@@ -1649,18 +1661,18 @@ pub unsafe fn decode_rows<T: Elem>(
         block_dim: (hd as u32, 1, 1),
         shared_mem_bytes: (DECODE_PLAN_MAX_SPLIT * 4) as u32,
     };
-    let (hd_i, s_i) = (hd as i32, splits as i32);
+    let hd_i = hd as i32;
     let mut b = stream.launch_builder(&f);
     b.arg(&wo)
         .arg(&wml)
         .arg(o)
         .arg(&nh_i)
         .arg(&hd_i)
-        .arg(&s_i)
-        .arg(n_kv);
-    // SAFETY: matches `attn_decode_combine_rows_bf16`; it reads plan(n_kv[b]) ≤ splits
-    // ranges of sequence b's part of wo/wml, o holds bsz·nh·hd elements; shared memory
-    // for the most ranges a plan has.
+        .arg(n_kv)
+        .arg(&total_i);
+    // SAFETY: matches `attn_decode_combine_rows_bf16`; it reads sequence b's plan(n_kv[b])
+    // ranges of wo/wml at its packed offset (within total, trapped otherwise), o holds
+    // bsz·nh·hd elements; shared memory for the most ranges a plan has.
     unsafe { b.launch(cfg) }?;
     Ok(())
 }

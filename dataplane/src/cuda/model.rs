@@ -1986,9 +1986,10 @@ where
                             tbl.slice(at..at + 3 * bsz),
                             lens.slice(attn_slot * bsz..(attn_slot + 1) * bsz),
                         );
-                        // The workspace's splits: enough for every row's length (the
-                        // graph's for any length up to the capacities it is keyed by).
-                        let mut splits = 1;
+                        // The grid's splits and the packed workspace: enough for every
+                        // row's length (the graph's for any length up to the capacities
+                        // it is keyed by).
+                        let (mut splits, mut total) = (1, 0);
                         for s in states.iter() {
                             let GpuLayerState::Full(kv) = &s.layers[i] else {
                                 return Err(shape_err(format!("layer {i}: state kind")));
@@ -1999,6 +2000,7 @@ where
                                 kv.len() + 1
                             };
                             splits = splits.max(attn::decode_plan(n));
+                            total += attn::decode_plan(n);
                         }
                         let (q, gate, k, v) = self.attn_prep(w, &qkv, bsz, pos_d)?;
                         // SAFETY: the table holds this layer's KV buffers of `states`, row
@@ -2019,7 +2021,7 @@ where
                             )?
                         };
                         // SAFETY: as above; each length is at most the capacity `splits`
-                        // was planned for.
+                        // and `total` were planned for.
                         unsafe {
                             attn::decode_rows(
                                 g,
@@ -2029,7 +2031,7 @@ where
                                 &lens,
                                 &mut o,
                                 bsz,
-                                splits,
+                                (splits, total),
                                 c.num_heads,
                                 c.num_kv_heads,
                                 c.head_dim,
