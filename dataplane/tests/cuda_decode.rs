@@ -32,10 +32,12 @@
 //!   append and one split-key decode attention for the whole batch, caches found
 //!   through a device address table; `GpuModel::set_attn_rows(true)`, bf16) against
 //!   the sequence-by-sequence step (`false`), on the synthetic model of
-//!   `common/synthetic.rs` (head_dim 256: the decode kernel) in bf16: batches of 1, 3
-//!   and 6 sequences of 3..238 tokens (one to four key splits; caches that grow on
-//!   the way), 12 steps, eagerly and through CUDA graphs; logits and final states
-//!   must be equal bit for bit, and the batched models must report the batched path.
+//!   `common/synthetic.rs` with two attention layers (head_dim 256: the decode kernel)
+//!   in bf16: batches of 1, 3 and 6 sequences of 3..238 tokens (one to four key
+//!   splits; caches that grow on the way), and a batch of four clones of one prefilled
+//!   state (`try_clone`: their KV caches share buffers until each claims its row), 12
+//!   steps, eagerly and through CUDA graphs; logits and final states must be equal bit
+//!   for bit, and the batched models must report the batched path.
 //!
 //! Every case prints lines starting with two spaces (collected into the gpu-check
 //! report). The draws are the same definition on both sides; a difference can only
@@ -332,7 +334,13 @@ mod gpu {
     fn attn_rows_equal_sequence_by_sequence() {
         let test = "attn_rows_equal_sequence_by_sequence";
         let (g, _l) = gpu(test);
-        let m = super::synthetic::synthetic_model().expect("synthetic model");
+        let m = super::synthetic::synthetic_model_with(&[
+            "linear_attention",
+            "full_attention",
+            "linear_attention",
+            "full_attention",
+        ])
+        .expect("synthetic model");
         let mut rep = Report::new();
         let mk = |rows: bool, graphs: bool| {
             let gm = GpuModel::<bf16>::upload(g.clone(), &m).expect("upload");
@@ -352,7 +360,8 @@ mod gpu {
         }
         let vocab = m.config.vocab_size as u32;
         let mut rng = StdRng::seed_from_u64(33);
-        for bsz in [1usize, 3, 6] {
+        // (batch, clones): `clones` = the batch is copies of one prefilled state.
+        for (bsz, clones) in [(1usize, false), (3, false), (6, false), (4, true)] {
             let prompts: Vec<Vec<u32>> = (0..bsz)
                 .map(|b| {
                     (0..3 + 47 * b)
@@ -361,6 +370,14 @@ mod gpu {
                 })
                 .collect();
             let prefill = |gm: &GpuModel<bf16>| {
+                if clones {
+                    let mut s = gm.new_state().expect("state");
+                    gm.prefill(&prompts[bsz - 1], &mut s, Logits::None)
+                        .expect("prefill");
+                    let mut v: Vec<_> = (1..bsz).map(|_| s.try_clone().expect("clone")).collect();
+                    v.push(s);
+                    return v;
+                }
                 prompts
                     .iter()
                     .map(|p| {
@@ -404,8 +421,9 @@ mod gpu {
             }
             let caps1: Vec<usize> = ref_states.iter().map(kv_cap).collect();
             println!(
-                "  bf16 batch {bsz}: batched attention decode (eager and graphs) vs sequence by \
-                 sequence, 12 steps, KV capacities {caps0:?} -> {caps1:?}: {}",
+                "  bf16 batch {bsz}{}: batched attention decode (eager and graphs) vs sequence \
+                 by sequence, 12 steps, KV capacities {caps0:?} -> {caps1:?}: {}",
+                if clones { " of clones" } else { "" },
                 if differ == 0 {
                     "bit-identical logits and states".to_string()
                 } else {

@@ -1,25 +1,35 @@
 //! A random Qwen3.5-text model at the real head dims (dk = dv = 128, head_dim 256),
 //! written as an HF folder (config.json + model.safetensors) so that the GPU tests
 //! exercise the tuned kernels through the normal loading path. Shared by
-//! `cuda_model.rs` and `cuda_pic.rs` (`#[path]` module).
+//! `cuda_model.rs`, `cuda_pic.rs`, `cuda_graph.rs` and `cuda_decode.rs` (`#[path]`
+//! module; each uses part of it).
+#![allow(dead_code)]
 use std::path::Path;
 
 use dataplane::model::Model;
 use rand::rngs::StdRng;
 use rand::{Rng, SeedableRng};
 
+/// The layers of [`write_synthetic`]: 3 GDN + 1 attention.
+pub const SYNTHETIC_LAYERS: [&str; 4] = [
+    "linear_attention",
+    "linear_attention",
+    "full_attention",
+    "linear_attention",
+];
+
 /// Writes a random Qwen3.5-text model (bare `qwen3_5_text`, tied embeddings) with
 /// dk = dv = 128, head_dim = 256, 4 layers (3 GDN + 1 attention) into `dir`.
 pub fn write_synthetic(dir: &Path) -> std::result::Result<(), String> {
+    write_synthetic_with(dir, &SYNTHETIC_LAYERS)
+}
+
+/// [`write_synthetic`] with the given `layer_types` (`linear_attention` /
+/// `full_attention`).
+pub fn write_synthetic_with(dir: &Path, layer_types: &[&str]) -> std::result::Result<(), String> {
     let (h, vocab, inter) = (256usize, 320usize, 256usize);
     let (nh, nkv, hd) = (4usize, 2usize, 256usize);
     let (hk, hv, dk, dv, kconv) = (2usize, 4usize, 128usize, 128usize, 4usize);
-    let layer_types = [
-        "linear_attention",
-        "linear_attention",
-        "full_attention",
-        "linear_attention",
-    ];
     let cfg = serde_json::json!({
         "model_type": "qwen3_5_text",
         "architectures": ["Qwen3_5ForCausalLM"],
@@ -172,10 +182,15 @@ pub fn write_synthetic(dir: &Path) -> std::result::Result<(), String> {
 /// Writes the synthetic model into a fresh temporary folder (one per call: tests run
 /// in parallel), loads it on the CPU and removes the folder.
 pub fn synthetic_model() -> std::result::Result<Model, String> {
+    synthetic_model_with(&SYNTHETIC_LAYERS)
+}
+
+/// [`synthetic_model`] with the given `layer_types`.
+pub fn synthetic_model_with(layer_types: &[&str]) -> std::result::Result<Model, String> {
     static N: std::sync::atomic::AtomicUsize = std::sync::atomic::AtomicUsize::new(0);
     let n = N.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
     let dir = std::env::temp_dir().join(format!("hypic-synth-{}-{n}", std::process::id()));
-    write_synthetic(&dir)?;
+    write_synthetic_with(&dir, layer_types)?;
     let m = Model::load(&dir, &mut |_, _| {}).map_err(|e| format!("load synthetic: {e}"));
     let _ = std::fs::remove_dir_all(&dir);
     m
