@@ -111,10 +111,10 @@ pub const ATTN_FLASH_MIN_TQ: usize = 64;
 /// at 4k (figures in benches/results/gpu-2026-11-30.md); the threshold sits between the two measured
 /// lengths.
 pub const ATTN_WG_BC80_MIN_KV: usize = 8192;
-/// Key dims of the tuned recurrent GDR kernel ([`gdr::recurrent`]).
 /// Most sequences in one decode step: the batched decode kernels put one sequence per
 /// grid row (`gridDim.y` / `gridDim.z`).
 pub const MAX_DECODE_BATCH: usize = 65_535;
+/// Key dims of the tuned recurrent GDR kernel ([`gdr::recurrent`]).
 const GDR_REC_DK: [usize; 3] = gdr::RECURRENT_DK;
 /// Largest head dim of the generic attention kernel.
 const ATTN_GENERIC_MAX_HD: usize = 1024;
@@ -1715,8 +1715,8 @@ where
     /// the other mixers sequence by sequence. Returns `[B][vocab]` logits, the same
     /// arithmetic as `B` calls of [`GpuModel::decode`].
     ///
-    /// Errors (before any state changes): `tokens.len() != states.len()`, and as
-    /// [`GpuModel::prefill`] for any sequence.
+    /// Errors (before any state changes): `tokens.len() != states.len()`, more than
+    /// [`MAX_DECODE_BATCH`] sequences, and as [`GpuModel::prefill`] for any sequence.
     pub fn decode_batch(
         &self,
         tokens: &[u32],
