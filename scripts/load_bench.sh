@@ -14,7 +14,15 @@
 # LOAD_RATES, LOAD_REQUESTS, LOAD_DOCS, LOAD_DOCS_PER_REQUEST, LOAD_DOC_WORDS,
 # LOAD_SYSTEM_WORDS, LOAD_QUERY_WORDS, LOAD_MAX_TOKENS, LOAD_MULTI_TURN, LOAD_WARMUP,
 # LOAD_PRIME=1 (`hypic bench --prime`: each run's documents cached ahead), HYPIC_BIN, and
-# LOAD_SERVE_ARGS (more `hypic serve` flags, e.g. pool sizes).
+# LOAD_SERVE_ARGS (more `hypic serve` flags, e.g. pool sizes). The bench sends its
+# documents inline, so the server caches them in the tenant's private pool: with
+# LOAD_PRIME=1 size `--private-pool-mib` for the documents a run retrieves (at the
+# Qwen3.5-35B-A3B shape about 150 MB per 1k-token document: recurrent states, KV and
+# the dense transition pair), e.g.
+#   LOAD_SERVE_ARGS="--public-pool-mib 2000 --private-pool-mib 36000 --kv-budget-mib 12000 \
+#     --step-tokens 8192 --prefill-chunk-tokens 4096"
+# and LOAD_DOC_WORDS=470 LOAD_SYSTEM_WORDS=930 LOAD_QUERY_WORDS=30 give ~1k-token
+# documents, a ~2k-token system prompt and a ~64-token question with the bundled tokenizer.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 OUT="${OUT:-results/load}"
