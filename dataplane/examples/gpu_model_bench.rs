@@ -212,8 +212,6 @@ mod bench {
         Ok(a)
     }
 
-    /// Whether `c` has layers whose bf16 CUDA kernels are experimental (Lightning,
-    /// KDA, MLA).
     /// Element bytes of `--dtype` values.
     fn dtype_bytes(d: &str) -> Res<usize> {
         match d {
