@@ -155,9 +155,10 @@ fi
 # against their references. Needs g++; without it the step is reported as skipped.
 if [ $# -eq 0 ]; then
   if command -v g++ >/dev/null; then
-    step "CUDA kernels in the host emulator (gdn-rows, attn-rows, lightning)"
+    step "CUDA kernels in the host emulator (gdn-rows, attn-rows and its mutants, lightning)"
     tools/kernel-emu/run.sh gdn-rows
     tools/kernel-emu/run.sh attn-rows
+    tools/kernel-emu/run.sh attn-rows-mutants | tail -n 1
     tools/kernel-emu/run.sh lightning | tail -n 3
   else
     step "CUDA kernels in the host emulator: SKIPPED: no g++"
