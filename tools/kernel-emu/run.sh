@@ -327,7 +327,7 @@ PY
         total=$((total + 1))
         if ! EMU_ATTN_MUT="$m" gen_attn_rows > "$out/mutant.log" 2>&1; then
           echo "  BROKEN (does not apply or build): ${m%%|||*}"
-        elif (EMU_QUICK=1 "$out/attn_rows_emu") >> "$out/mutant.log" 2>&1; then
+        elif (EMU_QUICK=1 "$out/attn_rows_emu"; exit $?) >> "$out/mutant.log" 2>&1; then
           echo "  NOT CAUGHT: ${m%%|||*}"
         else
           caught=$((caught + 1))
