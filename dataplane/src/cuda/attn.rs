@@ -1205,28 +1205,14 @@ pub fn decode<T: Elem>(
     hd: usize,
     split: Option<usize>,
 ) -> Result<()> {
-    if T::SUFFIX != "bf16" || !DECODE_HEAD_DIMS.contains(&hd) {
-        return Err(CudaError::Shape(format!(
-            "attn::decode takes bf16 with head_dim in {DECODE_HEAD_DIMS:?}, got {} × {hd}",
-            T::SUFFIX
-        )));
-    }
+    check_decode_kernel::<T>("attn::decode", nh, nkv, hd)?;
     check_args(q, q_pos, k, v, kv_pos, o, 1, n_kv, nh, nkv, hd)?;
     let group = nh / nkv;
-    if group > DECODE_MAX_GROUP {
-        return Err(CudaError::Shape(format!(
-            "attn::decode needs at most {DECODE_MAX_GROUP} query heads per kv head, got {nh} / \
-             {nkv}"
-        )));
-    }
     if nh == 0 {
         return Ok(());
     }
     let nsplit = split
-        .unwrap_or_else(|| {
-            n_kv.div_ceil(DECODE_KEYS_PER_SPLIT)
-                .min(DECODE_PLAN_MAX_SPLIT)
-        })
+        .unwrap_or_else(|| decode_plan(n_kv))
         .clamp(1, DECODE_MAX_SPLIT);
     let mut wo = gpu.scratch::<f32>(nsplit * nh * hd)?;
     let mut wml = gpu.scratch::<f32>(nsplit * nh * 2)?;
@@ -1297,29 +1283,16 @@ pub fn decode_dev<T: Elem>(
     nkv: usize,
     hd: usize,
 ) -> Result<()> {
-    if T::SUFFIX != "bf16" || !DECODE_HEAD_DIMS.contains(&hd) {
-        return Err(CudaError::Shape(format!(
-            "attn::decode_dev takes bf16 with head_dim in {DECODE_HEAD_DIMS:?}, got {} × {hd}",
-            T::SUFFIX
-        )));
-    }
+    check_decode_kernel::<T>("attn::decode_dev", nh, nkv, hd)?;
     check_args(q, q_pos, k, v, kv_pos, o, 1, cap, nh, nkv, hd)?;
     let group = nh / nkv;
-    if group > DECODE_MAX_GROUP {
-        return Err(CudaError::Shape(format!(
-            "attn::decode_dev needs at most {DECODE_MAX_GROUP} query heads per kv head, got \
-             {nh} / {nkv}"
-        )));
-    }
     if nh == 0 || cap == 0 || n_kv_dev.is_empty() {
         return Err(CudaError::Shape(
             "attn::decode_dev: empty cache or counter".into(),
         ));
     }
     i32_dim("cap", cap)?;
-    let nsplit = cap
-        .div_ceil(DECODE_KEYS_PER_SPLIT)
-        .clamp(1, DECODE_PLAN_MAX_SPLIT);
+    let nsplit = decode_plan(cap);
     let mut wo = gpu.scratch::<f32>(nsplit * nh * hd)?;
     let mut wml = gpu.scratch::<f32>(nsplit * nh * 2)?;
     let (nh_i, nkv_i) = (nh as i32, nkv as i32);
@@ -1474,6 +1447,30 @@ pub fn kv_append_dev<T: Elem>(
     Ok(())
 }
 
+/// What the split-key decode kernels take: bf16, `hd` in [`DECODE_HEAD_DIMS`], `nh` a
+/// multiple of `nkv > 0` with at most [`DECODE_MAX_GROUP`] query heads per kv head.
+/// Errors: [`CudaError::Shape`] naming `what` and the offending shape.
+pub(crate) fn check_decode_kernel<T: Elem>(
+    what: &str,
+    nh: usize,
+    nkv: usize,
+    hd: usize,
+) -> Result<()> {
+    if T::SUFFIX != "bf16" || !DECODE_HEAD_DIMS.contains(&hd) {
+        return Err(CudaError::Shape(format!(
+            "{what} takes bf16 with head_dim in {DECODE_HEAD_DIMS:?}, got {} × {hd}",
+            T::SUFFIX
+        )));
+    }
+    if nkv == 0 || !nh.is_multiple_of(nkv) || nh / nkv > DECODE_MAX_GROUP {
+        return Err(CudaError::Shape(format!(
+            "{what} needs nh a multiple of nkv with at most {DECODE_MAX_GROUP} query heads \
+             per kv head, got {nh} / {nkv}"
+        )));
+    }
+    Ok(())
+}
+
 /// Splits per sequence of [`decode_rows`]'s workspace for caches of up to `n` keys:
 /// the plan of [`decode`] / [`decode_dev`] for `n` (at least 1, at most
 /// [`DECODE_PLAN_MAX_SPLIT`]).
@@ -1598,18 +1595,7 @@ pub unsafe fn decode_rows<T: Elem>(
     nkv: usize,
     hd: usize,
 ) -> Result<()> {
-    if T::SUFFIX != "bf16" || !DECODE_HEAD_DIMS.contains(&hd) {
-        return Err(CudaError::Shape(format!(
-            "attn::decode_rows takes bf16 with head_dim in {DECODE_HEAD_DIMS:?}, got {} × {hd}",
-            T::SUFFIX
-        )));
-    }
-    if nkv == 0 || !nh.is_multiple_of(nkv) || nh / nkv > DECODE_MAX_GROUP {
-        return Err(CudaError::Shape(format!(
-            "attn::decode_rows needs nh a multiple of nkv with at most {DECODE_MAX_GROUP} \
-             query heads per kv head, got {nh} / {nkv}"
-        )));
-    }
+    check_decode_kernel::<T>("attn::decode_rows", nh, nkv, hd)?;
     if !(1..=DECODE_PLAN_MAX_SPLIT).contains(&splits) {
         return Err(CudaError::Shape(format!(
             "attn::decode_rows: {splits} splits outside 1..={DECODE_PLAN_MAX_SPLIT}"

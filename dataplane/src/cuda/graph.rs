@@ -295,13 +295,41 @@ struct Inner {
 #[derive(Default)]
 pub struct DecodeGraphs {
     inner: Mutex<Inner>,
-    /// The model's batched-GDN switch ([`GpuModel::set_gdn_rows`]): 0 = as
-    /// `HYPIC_CUDA_GDN_ROWS` says, 1 = on, 2 = off. Outside `inner`: the decode step
-    /// reads it while a graph is being recorded under that lock.
-    pub(crate) gdn_rows: std::sync::atomic::AtomicU8,
-    /// The model's batched-attention switch ([`GpuModel::set_attn_rows`]), as `gdn_rows`
-    /// (`HYPIC_CUDA_ATTN_ROWS`).
-    pub(crate) attn_rows: std::sync::atomic::AtomicU8,
+    /// The model's batched-GDN switch ([`GpuModel::set_gdn_rows`],
+    /// `HYPIC_CUDA_GDN_ROWS`). Outside `inner`: the decode step reads it while a graph is
+    /// being recorded under that lock.
+    pub(crate) gdn_rows: RowsSwitch,
+    /// The model's batched-attention switch ([`GpuModel::set_attn_rows`],
+    /// `HYPIC_CUDA_ATTN_ROWS`), as `gdn_rows`.
+    pub(crate) attn_rows: RowsSwitch,
+}
+
+/// A per-model switch of a batched decode path: on or off once set
+/// ([`RowsSwitch::set`]), else as its environment variable says (read on first use;
+/// any value but `0` or unset means on).
+#[derive(Default)]
+pub(crate) struct RowsSwitch {
+    /// 0 = not set, 1 = on, 2 = off.
+    state: std::sync::atomic::AtomicU8,
+    env: std::sync::OnceLock<bool>,
+}
+
+impl RowsSwitch {
+    fn set(&self, on: bool) {
+        self.state
+            .store(if on { 1 } else { 2 }, std::sync::atomic::Ordering::Relaxed);
+    }
+
+    /// Whether the path is on; `var` is the switch's environment variable.
+    pub(crate) fn on(&self, var: &str) -> bool {
+        match self.state.load(std::sync::atomic::Ordering::Relaxed) {
+            1 => true,
+            2 => false,
+            _ => *self
+                .env
+                .get_or_init(|| std::env::var(var).map_or(true, |v| v.trim() != "0")),
+        }
+    }
 }
 
 impl DecodeGraphs {
@@ -335,15 +363,8 @@ where
     /// reference the batched kernels are compared with). Drops every recorded graph
     /// (their input layouts differ).
     pub fn set_gdn_rows(&self, on: bool) {
-        self.graphs
-            .gdn_rows
-            .store(if on { 1 } else { 2 }, std::sync::atomic::Ordering::Relaxed);
-        let old = {
-            let mut g = self.graphs.lock();
-            g.pending.clear();
-            std::mem::take(&mut g.entries)
-        };
-        drop(old);
+        self.graphs.gdn_rows.set(on);
+        self.drop_recorded();
     }
 
     /// Runs the attention layers of a batched bf16 decode step batched (`true`, the
@@ -352,9 +373,13 @@ where
     /// kernels are compared with). Drops every recorded graph (their input layouts
     /// differ).
     pub fn set_attn_rows(&self, on: bool) {
-        self.graphs
-            .attn_rows
-            .store(if on { 1 } else { 2 }, std::sync::atomic::Ordering::Relaxed);
+        self.graphs.attn_rows.set(on);
+        self.drop_recorded();
+    }
+
+    /// Drops the recorded and warmed-up graphs (after a switch that changes their
+    /// input layout).
+    fn drop_recorded(&self) {
         let old = {
             let mut g = self.graphs.lock();
             g.pending.clear();
@@ -460,10 +485,7 @@ where
     fn graphable(&self, states: &[&mut GpuState<T>]) -> bool {
         let c = &self.config;
         let (nh, nkv, hd) = (c.num_heads, c.num_kv_heads, c.head_dim);
-        let decode_kernel = T::SUFFIX == "bf16"
-            && attn::DECODE_HEAD_DIMS.contains(&hd)
-            && nkv > 0
-            && nh / nkv <= attn::DECODE_MAX_GROUP;
+        let decode_kernel = attn::check_decode_kernel::<T>("", nh, nkv, hd).is_ok();
         let tuned = [64, 128, 256].contains(&hd);
         // Only mixers whose decode kernels are known to take every step-dependent value
         // from the device (a mixer added later runs eagerly until it is checked).

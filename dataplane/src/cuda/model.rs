@@ -2440,27 +2440,11 @@ where
     /// ([`attn::kv_append_rows`], [`attn::decode_rows`]): bf16, head dims and grouping
     /// the decode kernel takes, an attention layer, and the model's switch
     /// ([`GpuModel::set_attn_rows`]) on — by default unless `HYPIC_CUDA_ATTN_ROWS=0`
-    /// (read once per process; `0` keeps the sequence-by-sequence step, for
-    /// comparisons).
+    /// (`0` keeps the sequence-by-sequence step, for comparisons).
     pub(crate) fn attn_rows_ok(&self) -> bool {
-        static ENV: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
-        let on = match self
-            .graphs
-            .attn_rows
-            .load(std::sync::atomic::Ordering::Relaxed)
-        {
-            1 => true,
-            2 => false,
-            _ => *ENV.get_or_init(|| {
-                std::env::var("HYPIC_CUDA_ATTN_ROWS").map_or(true, |v| v.trim() != "0")
-            }),
-        };
         let c = &self.config;
-        on && T::SUFFIX == "bf16"
-            && attn::DECODE_HEAD_DIMS.contains(&c.head_dim)
-            && c.num_kv_heads > 0
-            && c.num_heads.is_multiple_of(c.num_kv_heads)
-            && c.num_heads / c.num_kv_heads <= attn::DECODE_MAX_GROUP
+        self.graphs.attn_rows.on("HYPIC_CUDA_ATTN_ROWS")
+            && attn::check_decode_kernel::<T>("", c.num_heads, c.num_kv_heads, c.head_dim).is_ok()
             && self
                 .layers
                 .iter()
@@ -2497,22 +2481,11 @@ where
     /// Whether the decode step runs its GDN layers batched ([`GpuModel::gdn_core_rows`]):
     /// the model has a GDN layer, its `dk` has the recurrent kernel, and the model's
     /// switch ([`GpuModel::set_gdn_rows`]) is on — by default unless
-    /// `HYPIC_CUDA_GDN_ROWS=0` (read once per process; `0` keeps the
-    /// sequence-by-sequence step, for comparisons).
+    /// `HYPIC_CUDA_GDN_ROWS=0` (`0` keeps the sequence-by-sequence step, for
+    /// comparisons).
     pub(crate) fn gdn_rows_ok(&self) -> bool {
-        static ENV: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
-        let on = match self
-            .graphs
-            .gdn_rows
-            .load(std::sync::atomic::Ordering::Relaxed)
-        {
-            1 => true,
-            2 => false,
-            _ => *ENV.get_or_init(|| {
-                std::env::var("HYPIC_CUDA_GDN_ROWS").map_or(true, |v| v.trim() != "0")
-            }),
-        };
-        on && GDR_REC_DK.contains(&self.config.linear_k_dim)
+        self.graphs.gdn_rows.on("HYPIC_CUDA_GDN_ROWS")
+            && GDR_REC_DK.contains(&self.config.linear_k_dim)
             && self
                 .layers
                 .iter()
