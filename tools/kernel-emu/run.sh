@@ -39,6 +39,9 @@
 #                                            # chunked, prep, group norm + gate, state
 #                                            # rotation, scalar apply) and moe_route_rule
 #                                            # against the CPU references
+#   tools/kernel-emu/run.sh kda-tc           # kda_tc.cu (tensor-core KDA prefill: prep, state,
+#                                            # output) against an fp64 recurrence, T = 1..300
+#                                            # (chunk edges) and 1000, strong decays (EMU_QUICK=1: T ≤ 128)
 set -euo pipefail
 here="$(cd "$(dirname "$0")" && pwd)"
 kernels="$here/../../dataplane/kernels"
@@ -276,6 +279,20 @@ open(dst, "w").write(common + '\n#line 1 "lightning.cu"\n' + lt + "\n#define MOE
 PY
     $CXX -ffp-contract=off -o "$out/lightning_emu" "$here/lightning_emu.cpp"
     "$out/lightning_emu"
+    ;;
+kda-tc)
+    # kda_tc.cu whole; its PTX primitives (the HYPIC_HOST_EMU block) come from kda_tc_emu.cpp.
+    python3 - "$kernels" "$out/gen_kda_tc.inc" <<'PY'
+import sys
+k, dst = sys.argv[1:3]
+common = open(f"{k}/common.cuh").read().replace("#include <cuda_bf16.h>", "")
+src = open(f"{k}/kda_tc.cu").read()
+assert "#ifndef HYPIC_HOST_EMU" in src, "primitives block not found"
+open(dst, "w").write(common + '\n#line 1 "kda_tc.cu"\n' + src)
+PY
+    # -fno-strict-aliasing: the kernel reads bf16 pairs and fragments through 32-bit loads.
+    $CXX -ffp-contract=off -fno-strict-aliasing -o "$out/kda_tc_emu" "$here/kda_tc_emu.cpp"
+    "$out/kda_tc_emu"
     ;;
 gdn-rows)
     # The one-token recurrence section of gdr.cu (with its batched form) and conv.cu.
