@@ -691,13 +691,29 @@ def num(x):
     return float(m[1]) if m else None
 # Our tables: lightning_bench.md `| T | chunked | two-pass | state-only | per-token |
 # Mtok/s | span |` (ours = span, the kernel the layer takes; else the faster of the
-# two chunked forms); kda_bench.md `| T | prefill | prefill + T_C | per-token |`.
+# two chunked forms); kda_bench.md `| T | prefill | tc | prefill + T_C | per-token |`
+# (no `tc` column in older reports).
 lt_ours = {}
 for t, c in section(lines("lightning_bench.md"), "## Lightning attention prefill").items():
     span = num(c[5]) if len(c) > 5 else None
     chunked = [x for x in (num(c[0]), num(c[1]) if len(c) > 1 else None) if x is not None]
     lt_ours[t] = span if span is not None else (min(chunked) if chunked else None)
-kda_ours = {t: num(c[0]) for t, c in section(lines("kda_bench.md"), "## KDA chunked prefill").items()}
+def header(ls, start):
+    """Header cells after `T` of the table under the first line that contains `start`."""
+    on = False
+    for l in ls:
+        if not on:
+            on = start in l
+        elif l.startswith("| T |"):
+            return [c.strip() for c in l.strip().strip("|").split("|")][1:]
+    return []
+# KDA: the tensor-core column `tc ms` (kda::chunked_tc, what a bf16 layer takes) when
+# the table has it, else `prefill ms` (the SIMT kernel).
+kda_head = header(lines("kda_bench.md"), "## KDA chunked prefill")
+kda_tc = "tc ms" in kda_head
+kda_col = kda_head.index("tc ms") if kda_tc else 0
+kda_ours = {t: num(c[kda_col]) if len(c) > kda_col else None
+            for t, c in section(lines("kda_bench.md"), "## KDA chunked prefill").items()}
 fla = lines("fla.md")
 # fla.md: `| T | graph replay ms | eager ms |` under each kernel's header.
 lt_fla = section(fla, "FLA chunk_simple_gla (16")
@@ -727,9 +743,10 @@ def table(title, ours, fl, key, src_ours, src_fla):
     print()
 table(f"Lightning prefill vs FLA chunk_simple_gla (same run; 16 heads × 128, per-head g_gamma; ours {lt_dtype}, FLA bf16 q/k/v)",
       lt_ours, lt_fla, "lt", "lightning_bench.md (step families)", "chunk_simple_gla")
-table("KDA prefill vs FLA chunk_kda (same run; 32 heads × 128; ours bf16 q/k/v, fp32 state; FLA bf16 q/k/v)",
+table("KDA prefill vs FLA chunk_kda (same run; 32 heads × 128; ours bf16 q/k/v, fp32 state"
+      + (", tensor cores" if kda_tc else ", SIMT") + "; FLA bf16 q/k/v)",
       kda_ours, kda_fla, "kda", "kda_bench.md (step kimi)", "chunk_kda")
-print("ours = lightning_bench.md's `span` column (lightning::span, the kernel the layer takes at that length) and kda_bench.md's `prefill` column (no transition T_C), CUDA-event medians; FLA graph = the call replayed from a CUDA graph (triton do_bench median), FLA eager = the same call launched from Python.")
+print("ours = lightning_bench.md's `span` column (lightning::span, the kernel the layer takes at that length) and kda_bench.md's `tc` column (kda::chunked_tc, the tensor-core kernels a bf16 layer takes; the SIMT `prefill` column in older reports; no transition T_C), CUDA-event medians; FLA graph = the call replayed from a CUDA graph (triton do_bench median), FLA eager = the same call launched from Python.")
 PY
     echo "== Lightning / KDA prefill vs FLA (same run)"
     cat "$OUT/fla_vs_ours.md"

@@ -756,10 +756,10 @@ mod bench {
             &[1024, 4096, 16384, 32768]
         };
         println!(
-            "\n## KDA chunked prefill (kernels/kda.cu; bf16 in, fp32 state; H={h}, dk=dv={dk})\n"
+            "\n## KDA chunked prefill (kernels/kda.cu SIMT, kernels/kda_tc.cu tensor cores; bf16 in, fp32 state; H={h}, dk=dv={dk})\n"
         );
-        println!("| T | prefill ms | prefill + T_C ms | per-token kernel ms |");
-        println!("|---|---|---|---|");
+        println!("| T | prefill ms | tc ms | prefill + T_C ms | per-token kernel ms |");
+        println!("|---|---|---|---|---|");
         for &t in lens {
             let d = GdrDims {
                 t,
@@ -792,6 +792,9 @@ mod bench {
                     kda::CHUNK,
                 )
             })?;
+            let tc = time_ms(g, 1, reps, || {
+                kda::chunked_tc(g, &d, &q, &k, &v, &gg, &beta, &mut s, &mut o)
+            })?;
             let with_t = time_ms(g, 1, reps, || {
                 kda::chunked(
                     g,
@@ -815,7 +818,7 @@ mod bench {
             } else {
                 "–".into()
             };
-            println!("| {t} | {plain:.3} | {with_t:.3} | {rec} |");
+            println!("| {t} | {plain:.3} | {tc:.3} | {with_t:.3} | {rec} |");
         }
         Ok(())
     }

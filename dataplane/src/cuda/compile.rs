@@ -134,6 +134,13 @@ pub const KDA: KernelSource = KernelSource {
     text: include_str!("../../kernels/kda.cu"),
 };
 
+/// Chunked KDA prefill on tensor cores for bf16 with dk = dv = 128
+/// (`kernels/kda_tc.cu`, [`super::kda::chunked_tc`]).
+pub const KDA_TC: KernelSource = KernelSource {
+    name: "kda_tc",
+    text: include_str!("../../kernels/kda_tc.cu"),
+};
+
 /// Latent attention (MLA, NoPE): latent rows, absorbed queries, value expansion
 /// (`kernels/mla.cu`, `cuda/kimi.rs`).
 pub const MLA: KernelSource = KernelSource {
@@ -142,9 +149,9 @@ pub const MLA: KernelSource = KernelSource {
 };
 
 /// Every kernel module (used by the compile check and to warm the cache).
-pub const ALL: [KernelSource; 18] = [
+pub const ALL: [KernelSource; 19] = [
     NORM, ROPE, CONV, GDR, GDR_TC, ATTN, FLASH, FLASH_WG, MODEL, GEMV, MOE, SAMPLE, PIC, INIT,
-    HASH, LIGHTNING, KDA, MLA,
+    HASH, LIGHTNING, KDA, KDA_TC, MLA,
 ];
 
 /// NVRTC target name for a compute capability: `sm_90a` for 9.0 (Hopper, so that

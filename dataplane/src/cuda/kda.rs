@@ -5,7 +5,9 @@
 //!   and the decode step);
 //! * [`chunked`]: the chunked WY prefill with per-channel decays, one block per value
 //!   head, which also left-multiplies a transition buffer by the span's `T_C` in the
-//!   same pass (the PIC cache build).
+//!   same pass (the PIC cache build);
+//! * [`chunked_tc`]: the chunked prefill on tensor cores (`kernels/kda_tc.cu`) for bf16
+//!   inputs with `dk = dv = 128`, three launches per call (no transition).
 //!
 //! Both take the layouts of `mixers::kda` ([`GdrDims`]): `q, k [T, Hk, dk]` in `T`
 //! (L2-normalised, q scaled by `dk^-½`), `v [T, Hv, dv]` in `T`, per-channel log
@@ -15,7 +17,7 @@
 //! CPU `naive`/`chunk` and against each other).
 use cudarc::driver::{LaunchConfig, PushKernelArg};
 
-use super::compile::KDA;
+use super::compile::{KDA, KDA_TC};
 use super::{check_len, dim_i32, shape_err, CudaSlice, Elem, Gpu, Result, Scratch};
 use crate::mixers::gated_deltanet::GdrDims;
 
@@ -155,4 +157,183 @@ pub fn chunked<T: Elem>(
     // null; ws holds Hv · kda_ws_per_head(chunk, dk, dv, trans) floats (same formula).
     unsafe { b.launch(cfg) }?;
     Ok(())
+}
+
+/// Head size of [`chunked_tc`] (`dk = dv`, `KT_D` in kda_tc.cu).
+pub const TC_DIM: usize = 128;
+/// Most chunks of [`chunked_tc`]: its prep and output kernels put the chunks on grid y
+/// (T ≤ 65 535 · [`CHUNK`] tokens per call).
+pub const TC_MAX_CHUNKS: usize = 65_535;
+/// Value columns per block of `kda_state_tc_bf16` (2 warps of 16; grid Hv × 4).
+const TC_STATE_BV: usize = 32;
+// Dynamic shared memory of the three kernels (KT_PREP_SMEM, KT_STATE_SMEM, KT_OUT_SMEM
+// in kda_tc.cu): bf16 64×136 staging tiles, the fp32 64×136 G tile, the fp32 64×72 L / M
+// tile and β; the 3-stage ring of W | K̃ᵀ | Uᵀ slice | e^{G_last} (uint4 units); P bf16
+// 64×72.
+const TC_LD: usize = TC_DIM + 8;
+const TC_CH: usize = 64;
+const SMEM_PREP_TC: u32 =
+    (2 * TC_CH * TC_LD * 2 + TC_CH * TC_LD * 4 + TC_CH * (TC_CH + 8) * 4 + TC_CH * 4) as u32;
+const SMEM_STATE_TC: u32 = (3 * (2048 + TC_STATE_BV / 16 * 128 + 32) * 16) as u32;
+const SMEM_OUT_TC: u32 =
+    (2 * TC_CH * TC_LD * 2 + TC_CH * TC_LD * 4 + TC_CH * (TC_CH + 8) * 2) as u32;
+/// f32 elements of one fragment-tiled 64×128 bf16 matrix (16 KiB).
+const TILE_F32: usize = TC_CH * TC_DIM / 2;
+
+/// Whether the forward runs its KDA spans on [`chunked_tc`] where it applies (bf16,
+/// `dk = dv = 128`, spans of ≥ [`CHUNKED_MIN_TOKENS`] tokens without a transition): on
+/// unless the environment sets `HYPIC_CUDA_KDA_TC=0` (then [`chunked`]). Read once.
+pub fn tc_enabled() -> bool {
+    static ON: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
+    *ON.get_or_init(|| std::env::var("HYPIC_CUDA_KDA_TC").map_or(true, |v| v.trim() != "0"))
+}
+
+/// Whether [`chunked_tc`] takes these dimensions and element type (bf16, `dk = dv =`
+/// [`TC_DIM`], at most [`TC_MAX_CHUNKS`] chunks).
+pub fn tc_applies<T: Elem>(d: &GdrDims) -> bool {
+    T::SUFFIX == "bf16" && d.dk == TC_DIM && d.dv == TC_DIM && d.t.div_ceil(TC_CH) <= TC_MAX_CHUNKS
+}
+
+/// Chunked KDA on tensor cores (`kernels/kda_tc.cu`) from `state` (advanced in place);
+/// writes `out`. Same contract and layouts as [`chunked`] without a transition: `q, k
+/// [T, Hk, 128]` bf16 (L2-normalised, q scaled by `128^-½`), `v [T, Hv, 128]` bf16,
+/// per-channel natural-log decays `g [T, Hv, 128]` fp32 (≤ 0), `beta [T, Hv]` fp32,
+/// state `[Hv, 128, 128]` fp32 K-major, `out [T, Hv, 128]` bf16; value head `h` reads
+/// key head `h / (Hv/Hk)`. bf16 operands with fp32 accumulation and an fp32 state: the
+/// output and the final state agree with the fp64 recurrence to bf16 noise (relative L2
+/// error a few 10⁻³ in the host emulation, `tools/kernel-emu/run.sh kda-tc`).
+///
+/// Three launches on chunks of 64 tokens: `kda_prep_tc_bf16` (grid Hv × NT, 256
+/// threads), `kda_state_tc_bf16` (grid Hv × 4, 64 threads; sequential over the chunks)
+/// and `kda_output_tc_bf16` (as prep). Scratch from [`Gpu::scratch`]: per (head, chunk)
+/// 80 KiB of bf16 fragment tiles (W, K̃ᵀ, Uᵀ/Ũᵀ, the chunk-initial state) and 512 B of
+/// decays — `Hv·NT·80.5 KiB`.
+///
+/// Errors: [`CudaError::Shape`] when `T` is not bf16, `dk` or `dv` is not 128, the span
+/// has more than [`TC_MAX_CHUNKS`] chunks, a buffer is shorter than `d` needs or `Hv` is
+/// not a multiple of `Hk`; driver errors.
+///
+/// [`CudaError::Shape`]: super::CudaError::Shape
+#[allow(clippy::too_many_arguments)]
+pub fn chunked_tc<T: Elem>(
+    gpu: &Gpu,
+    d: &GdrDims,
+    q: &CudaSlice<T>,
+    k: &CudaSlice<T>,
+    v: &CudaSlice<T>,
+    g: &CudaSlice<f32>,
+    beta: &CudaSlice<f32>,
+    state: &mut CudaSlice<f32>,
+    out: &mut CudaSlice<T>,
+) -> Result<()> {
+    check(d, q, k, v, g, beta, state, out)?;
+    if T::SUFFIX != "bf16" || d.dk != TC_DIM || d.dv != TC_DIM {
+        return Err(shape_err(format!(
+            "KDA tensor-core prefill: bf16 with dk = dv = {TC_DIM} only (got {}, dk {}, dv {})",
+            T::SUFFIX,
+            d.dk,
+            d.dv
+        )));
+    }
+    let nt = d.t.div_ceil(TC_CH);
+    if nt > TC_MAX_CHUNKS {
+        return Err(shape_err(format!(
+            "KDA tensor-core prefill: T = {} is {nt} chunks of {TC_CH}, at most {TC_MAX_CHUNKS} \
+             per call (split the span)",
+            d.t
+        )));
+    }
+    if d.t == 0 || d.hv == 0 {
+        return Ok(());
+    }
+    let tiles = nt * d.hv;
+    let mut w: Scratch<f32> = gpu.scratch(tiles * TILE_F32)?;
+    let mut kt: Scratch<f32> = gpu.scratch(tiles * TILE_F32)?;
+    let mut u: Scratch<f32> = gpu.scratch(tiles * TILE_F32)?;
+    let mut hs: Scratch<f32> = gpu.scratch(tiles * 2 * TILE_F32)?;
+    let mut dl: Scratch<f32> = gpu.scratch(tiles * TC_DIM)?;
+    let (t, hk, hv) = (
+        dim_i32("t", d.t)?,
+        dim_i32("Hk", d.hk)?,
+        dim_i32("Hv", d.hv)?,
+    );
+    // Prep: W, K̃ᵀ, Uᵀ, e^{G_last} per (head, chunk); grid (Hv, NT), value heads fastest.
+    let f = gpu.function(&KDA_TC, "kda_prep_tc_bf16", SMEM_PREP_TC)?;
+    let cfg = LaunchConfig {
+        grid_dim: (d.hv as u32, nt as u32, 1),
+        block_dim: (256, 1, 1),
+        shared_mem_bytes: SMEM_PREP_TC,
+    };
+    let mut b = gpu.stream().launch_builder(&f);
+    b.arg(k)
+        .arg(v)
+        .arg(g)
+        .arg(beta)
+        .arg(&mut *w)
+        .arg(&mut *kt)
+        .arg(&mut *u)
+        .arg(&mut *dl)
+        .arg(&t)
+        .arg(&hk)
+        .arg(&hv);
+    // SAFETY: matches `kda_prep_tc_bf16`; T is bf16 and dk = dv = 128 (checked above),
+    // inputs checked by `check`, scratch sized per tile as kda_tc.cu lays it out, nt ≤
+    // 65 535 (grid y).
+    unsafe { b.launch(cfg) }?;
+    // State: sequential over the chunks; Ũ over U, snapshots into hs.
+    let f = gpu.function(&KDA_TC, "kda_state_tc_bf16", SMEM_STATE_TC)?;
+    let cfg = LaunchConfig {
+        grid_dim: (d.hv as u32, (TC_DIM / TC_STATE_BV) as u32, 1),
+        block_dim: (2 * TC_STATE_BV as u32, 1, 1),
+        shared_mem_bytes: SMEM_STATE_TC,
+    };
+    let mut b = gpu.stream().launch_builder(&f);
+    b.arg(&*w)
+        .arg(&*kt)
+        .arg(&mut *u)
+        .arg(&*dl)
+        .arg(state)
+        .arg(&mut *hs)
+        .arg(&t);
+    // SAFETY: matches `kda_state_tc_bf16`; buffers sized above, state [Hv, 128, 128].
+    unsafe { b.launch(cfg) }?;
+    // Output: grid (Hv, NT), value heads fastest.
+    let f = gpu.function(&KDA_TC, "kda_output_tc_bf16", SMEM_OUT_TC)?;
+    let cfg = LaunchConfig {
+        grid_dim: (d.hv as u32, nt as u32, 1),
+        block_dim: (256, 1, 1),
+        shared_mem_bytes: SMEM_OUT_TC,
+    };
+    let mut b = gpu.stream().launch_builder(&f);
+    b.arg(q)
+        .arg(k)
+        .arg(g)
+        .arg(&*u)
+        .arg(&*hs)
+        .arg(out)
+        .arg(&t)
+        .arg(&hk)
+        .arg(&hv);
+    // SAFETY: matches `kda_output_tc_bf16`; buffers sized above, nt ≤ 65 535 (grid y).
+    unsafe { b.launch(cfg) }?;
+    Ok(())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn tensor_core_shared_memory_sizes() {
+        // KT_PREP_SMEM, KT_STATE_SMEM, KT_OUT_SMEM of kernels/kda_tc.cu; prep and output
+        // two blocks per SM (228 KiB per SM, 1 KiB reserved per block), the state kernel
+        // within the 227 KiB a block may use.
+        assert_eq!(SMEM_PREP_TC, 88_320);
+        assert_eq!(SMEM_STATE_TC, 3 * 2336 * 16);
+        assert_eq!(SMEM_OUT_TC, 78_848);
+        assert!(2 * (SMEM_PREP_TC as usize + 1024) <= 228 * 1024);
+        assert!(2 * (SMEM_OUT_TC as usize + 1024) <= 228 * 1024);
+        assert!(SMEM_STATE_TC as usize <= 227 * 1024);
+        assert_eq!(TILE_F32 * 4, 16 * 1024);
+    }
 }

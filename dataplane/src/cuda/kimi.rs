@@ -237,7 +237,10 @@ where
     }
 
     /// The KDA recurrence over a whole span from `rec` (advanced in place): chunked
-    /// for spans of ≥ [`kda::CHUNKED_MIN_TOKENS`] tokens, else token by token.
+    /// for spans of ≥ [`kda::CHUNKED_MIN_TOKENS`] tokens — on tensor cores
+    /// ([`kda::chunked_tc`]) for bf16 with `dk = dv = 128` unless
+    /// `HYPIC_CUDA_KDA_TC=0` ([`kda::tc_enabled`]), else the SIMT [`kda::chunked`] —
+    /// and token by token below.
     #[allow(clippy::too_many_arguments)]
     fn kda_span(
         &self,
@@ -251,7 +254,9 @@ where
         core: &mut CudaSlice<T>,
     ) -> Result<()> {
         let g = &*self.gpu;
-        if d.t >= kda::CHUNKED_MIN_TOKENS {
+        if d.t >= kda::CHUNKED_MIN_TOKENS && kda::tc_applies::<T>(d) && kda::tc_enabled() {
+            kda::chunked_tc(g, d, q, k, v, gg, beta, rec, core)
+        } else if d.t >= kda::CHUNKED_MIN_TOKENS {
             kda::chunked(g, d, q, k, v, gg, beta, rec, core, None, kda::CHUNK)
         } else {
             kda::recurrent(g, d, q, k, v, gg, beta, rec, core)
