@@ -43,8 +43,10 @@ inline void kt_cp_wait() {
 
 static int g_fail = 0;
 
-enum Decay { MILD, MIXED, STRONG };
-static const char* decay_name(Decay d) { return d == MILD ? "g in [-0.1,0]" : d == MIXED ? "mixed (10% -5)" : "g = -5..-4"; }
+enum Decay { MILD, MIXED, STRONG, WIDE };
+static const char* decay_name(Decay d) {
+    return d == MILD ? "g in [-0.1,0]" : d == MIXED ? "mixed (10% -5)" : d == STRONG ? "g = -5..-4" : "g in [-8,0]";
+}
 
 struct Case {
     int t, hk, hv;
@@ -100,6 +102,7 @@ static void run(const Case& cs, unsigned seed, double tol_out, double tol_state)
         case MILD: x = -0.1f * u01(rng); break;
         case MIXED: x = u01(rng) < 0.1f ? -5.f : -0.1f * u01(rng); break;
         case STRONG: x = -4.f - u01(rng); break;
+        case WIDE: x = -8.f * u01(rng); break;
         }
     }
     for (auto& x : beta) x = 0.01f + 0.98f * u01(rng);
@@ -166,6 +169,7 @@ int main() {
     for (int t : {1, 15, 16, 17, 63, 64, 65, 128, 200, 300}) cases.push_back({t, 2, 2, MILD});
     for (int t : {17, 65, 128, 300}) cases.push_back({t, 1, 2, MIXED});
     for (int t : {16, 64, 65, 200}) cases.push_back({t, 2, 2, STRONG});
+    for (int t : {65, 300}) cases.push_back({t, 1, 2, WIDE});
     cases.push_back({1000, 1, 2, MIXED});
     // Bounds: twice the bf16 noise the kernels show here (the output is rounded to bf16;
     // W, U, K̃, Ũ, the state snapshots, P and Q ⊙ e^G are bf16 operands, see kda_tc.cu).
