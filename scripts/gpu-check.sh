@@ -694,10 +694,14 @@ def num(x):
 # two chunked forms); kda_bench.md `| T | prefill | tc | prefill + T_C | per-token |`
 # (no `tc` column in older reports).
 lt_ours = {}
+lt_tc = False
 for t, c in section(lines("lightning_bench.md"), "## Lightning attention prefill").items():
+    # The tensor-core column (bf16, what a bf16 model takes) when present, else span.
+    tc = num(c[6]) if len(c) > 6 else None
     span = num(c[5]) if len(c) > 5 else None
     chunked = [x for x in (num(c[0]), num(c[1]) if len(c) > 1 else None) if x is not None]
-    lt_ours[t] = span if span is not None else (min(chunked) if chunked else None)
+    lt_ours[t] = tc if tc is not None else (span if span is not None else (min(chunked) if chunked else None))
+    lt_tc = lt_tc or tc is not None
 def header(ls, start):
     """Header cells after `T` of the table under the first line that contains `start`."""
     on = False
@@ -719,7 +723,8 @@ fla = lines("fla.md")
 lt_fla = section(fla, "FLA chunk_simple_gla (16")
 kda_fla = section(fla, "FLA chunk_kda (32")
 lt_dtype = next((l for l in lines("lightning_bench.md") if l.startswith("## Lightning")), "")
-lt_dtype = "fp32 q/k/v" if "fp32 q/k/v" in lt_dtype else "dtype as in lightning_bench.md"
+lt_dtype = ("bf16 q/k/v/o on tensor cores (lightning::chunked_tc)" if lt_tc
+            else "fp32 q/k/v" if "fp32 q/k/v" in lt_dtype else "dtype as in lightning_bench.md")
 # FLA on the H200, 2026-12-01, graph replay (issue 19; another run, for scale only).
 ref = {"lt": {1024: 0.021, 4096: 0.072, 16384: 0.252, 32768: 0.484},
        "kda": {1024: 0.154, 4096: 0.513, 16384: 1.976, 32768: 3.940}}
@@ -746,7 +751,7 @@ table(f"Lightning prefill vs FLA chunk_simple_gla (same run; 16 heads × 128, pe
 table("KDA prefill vs FLA chunk_kda (same run; 32 heads × 128; ours bf16 q/k/v, fp32 state"
       + (", tensor cores" if kda_tc else ", SIMT") + "; FLA bf16 q/k/v)",
       kda_ours, kda_fla, "kda", "kda_bench.md (step kimi)", "chunk_kda")
-print("ours = lightning_bench.md's `span` column (lightning::span, the kernel the layer takes at that length) and kda_bench.md's `tc` column (kda::chunked_tc, the tensor-core kernels a bf16 layer takes; the SIMT `prefill` column in older reports; no transition T_C), CUDA-event medians; FLA graph = the call replayed from a CUDA graph (triton do_bench median), FLA eager = the same call launched from Python.")
+print("ours = lightning_bench.md's `tensor-core bf16` column (lightning::chunked_tc, what a bf16 model's layer takes; the fp32 `span` column in older reports) and kda_bench.md's `tc` column (kda::chunked_tc, the tensor-core kernels a bf16 layer takes; the SIMT `prefill` column in older reports; no transition T_C), CUDA-event medians; FLA graph = the call replayed from a CUDA graph (triton do_bench median), FLA eager = the same call launched from Python.")
 PY
     echo "== Lightning / KDA prefill vs FLA (same run)"
     cat "$OUT/fla_vs_ours.md"

@@ -152,16 +152,17 @@ if [ $# -eq 0 ]; then
 fi
 # CUDA kernels without a GPU, on a full run: the host emulator (tools/kernel-emu) runs
 # the real kernel sources of the batched GDN and attention decode steps, of Lightning attention
-# and of the tensor-core KDA prefill against their references. Needs g++; without it the step
+# and of the tensor-core KDA and Lightning prefills against their references. Needs g++; without it the step
 # is reported as skipped.
 if [ $# -eq 0 ]; then
   if command -v g++ >/dev/null; then
-    step "CUDA kernels in the host emulator (gdn-rows, attn-rows and its mutants, lightning, kda-tc)"
+    step "CUDA kernels in the host emulator (gdn-rows, attn-rows and its mutants, lightning, kda-tc, lightning-tc)"
     tools/kernel-emu/run.sh gdn-rows
     tools/kernel-emu/run.sh attn-rows
     tools/kernel-emu/run.sh attn-rows-mutants | tail -n 1
     tools/kernel-emu/run.sh lightning | tail -n 3
     tools/kernel-emu/run.sh kda-tc | tail -n 1
+    tools/kernel-emu/run.sh lightning-tc | tail -n 1
   else
     step "CUDA kernels in the host emulator: SKIPPED: no g++"
   fi

@@ -678,14 +678,14 @@ mod bench {
         Ok(())
     }
 
-    /// Lightning attention prefill (`cuda::lightning::chunked` and
-    /// `chunked_two_pass`, fp32 q/k/v and state: the recurrence kernels of
-    /// `kernels/lightning.cu` have no bf16 instantiation, only the layer's `prep` and
-    /// `out` do) at 16 heads × 128 with the ALiBi log decays `−slope_h` and a random
-    /// initial state, the shape of issue 19's FLA `chunk_simple_gla` (per-head
-    /// `g_gamma`, bf16 q/k/v) anchor in gpu-check's step `fla`; the per-token
-    /// recurrence at 1k for scale. The `span` column is the kernel the model's layer
-    /// takes at that length (`lightning::span`).
+    /// Lightning attention prefill at 16 heads × 128 with the ALiBi log decays
+    /// `−slope_h` and a random initial state, the shape of issue 19's FLA
+    /// `chunk_simple_gla` (per-head `g_gamma`, bf16 q/k/v) anchor in gpu-check's step
+    /// `fla`: the fp32 kernels of `kernels/lightning.cu` (`chunked`, `chunked_two_pass`,
+    /// the per-token recurrence at 1k for scale; `span` is what an f32 model's layer
+    /// takes) and the tensor-core kernel of `kernels/lightning_tc.cu` (`chunked_tc`,
+    /// bf16 q/k/v/o, fp32 state: what a bf16 model's layer takes), with and without
+    /// outputs.
     fn lightning_bench(g: &Gpu, r: &mut rand::rngs::StdRng, quick: bool) -> Result<()> {
         use dataplane::cuda::lightning as lt;
         use dataplane::mixers::lightning::LightningDims;
@@ -696,12 +696,12 @@ mod bench {
             &[1024, 4096, 16384, 32768]
         };
         println!(
-            "\n## Lightning attention prefill (kernels/lightning.cu; timed dtype: fp32 q/k/v, fp32 state \
-             (no bf16 instantiation of the recurrence kernels; FLA's anchor runs bf16 q/k/v); \
+            "\n## Lightning attention prefill (fp32 kernels of kernels/lightning.cu: fp32 q/k/v/o and state; \
+             tensor-core kernel of kernels/lightning_tc.cu: bf16 q/k/v/o, fp32 state, as FLA's anchor; \
              H={h}, dk=dv={d}, log decay −ALiBi slope per head)\n"
         );
-        println!("| T | chunked ms | two-pass ms | state-only ms | per-token ms | Mtok/s (best) | span (the layer's kernel) ms |");
-        println!("|---|---|---|---|---|---|---|");
+        println!("| T | chunked ms | two-pass ms | state-only ms | per-token ms | Mtok/s (best fp32) | span (f32 layer) ms | tensor-core bf16 ms | tensor-core state-only ms |");
+        println!("|---|---|---|---|---|---|---|---|---|");
         let log_decay: Vec<f32> = dataplane::mixers::lightning::alibi_slopes(h)
             .iter()
             .map(|s| -(*s as f32))
@@ -736,8 +736,18 @@ mod bench {
             let span = time_ms(g, 2, reps, || {
                 lt::span(g, &dims, &q, &k, &v, &ld, scale, &mut s, &mut o)
             })?;
+            let qb = rand_up::<bf16>(g, r, t * h * d, -0.1, 0.1)?;
+            let kb = rand_up::<bf16>(g, r, t * h * d, -0.1, 0.1)?;
+            let vb = rand_up::<bf16>(g, r, t * h * d, -1.0, 1.0)?;
+            let mut ob = g.zeros::<bf16>(t * h * d)?;
+            let tc = time_ms(g, 3, reps.max(20), || {
+                lt::chunked_tc(g, &dims, &qb, &kb, &vb, &ld, scale, &mut s, Some(&mut ob))
+            })?;
+            let tc_state = time_ms(g, 3, reps.max(20), || {
+                lt::chunked_tc(g, &dims, &qb, &kb, &vb, &ld, scale, &mut s, None)
+            })?;
             println!(
-                "| {t} | {chunked:.3} | {two_pass:.3} | {state_only:.3} | {per_token} | {:.1} | {span:.3} |",
+                "| {t} | {chunked:.3} | {two_pass:.3} | {state_only:.3} | {per_token} | {:.1} | {span:.3} | {tc:.4} | {tc_state:.4} |",
                 t as f64 / chunked.min(two_pass) / 1e3
             );
         }

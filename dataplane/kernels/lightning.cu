@@ -5,23 +5,25 @@
 // columns q | k | v | gate, W = H·d):
 //   lt_prep_*       optional SiLU on q|k|v, per-head RMSNorm of q and k (zero-centred weights),
 //                   fp32 NeoX partial RoPE at the tokens' positions → q, k, v fp32 [t, H, d]
+//                   (lt_prep_bf16_bf16: bf16, for the tensor-core prefill of lightning_tc.cu)
 //   lt_recurrent    the token-by-token recurrence (the GPU reference; decode):
 //                     S_t = γ_h·S_{t−1} + k_t v_tᵀ,  o_t = scale·S_tᵀ q_t
 //   lt_chunk        the chunked prefill (intra-chunk attention with the decay mask, inter-chunk
 //                   state), the same recurrence; or a state-only pass (o = null)
-//   lt_out_*        group RMSNorm g_norm of o, times sigmoid(gate) → [t, W] in T (then `dense`)
+//   lt_out_*        group RMSNorm g_norm of o (fp32; bf16 in lt_out_bf16_bf16), times
+//                   sigmoid(gate) → [t, W] in T (then `dense`)
 // PIC helpers: lt_rotate_state (RoPE R(b) on the key axis of a state), lt_scalar_apply
 // (S ← T_h·S + B or S + B).
 // Layouts: q, k [t, H, dk], v and o [t, H, dv], state [H, dk, dv] K-major, all fp32.
 
 // ---------------------------------------------------------------------------------------
 // Prep, one block per (token, part·H + head), part 0 = q, 1 = k, 2 = v. Dynamic shared
-// memory: (d + 32) floats. blockDim: a multiple of 32.
-template <typename T>
+// memory: (d + 32) floats. blockDim: a multiple of 32. Outputs in O (fp32 or bf16).
+template <typename T, typename O>
 __device__ void lt_prep_impl(const T* __restrict__ proj, int ld, const float* __restrict__ q_norm,
                              const float* __restrict__ k_norm, const i64* __restrict__ pos,
-                             const float* __restrict__ inv_freq, int rot, int silu, float* __restrict__ q,
-                             float* __restrict__ k, float* __restrict__ v, int H, int d, float eps) {
+                             const float* __restrict__ inv_freq, int rot, int silu, O* __restrict__ q,
+                             O* __restrict__ k, O* __restrict__ v, int H, int d, float eps) {
     extern __shared__ float lp_sm[];
     float* nv = lp_sm;       // [d]
     float* red = lp_sm + d;  // [32]
@@ -33,7 +35,7 @@ __device__ void lt_prep_impl(const T* __restrict__ proj, int ld, const float* __
         for (int i = threadIdx.x; i < d; i += blockDim.x) {
             float x = to_f(src[i]);
             if (silu) x = silu_f(x);
-            v[o + i] = x;
+            v[o + i] = from_f<O>(x);
         }
         return;
     }
@@ -49,7 +51,7 @@ __device__ void lt_prep_impl(const T* __restrict__ proj, int ld, const float* __
     const float* w = part == 0 ? q_norm : k_norm;
     for (int i = threadIdx.x; i < d; i += blockDim.x) nv[i] = nv[i] * r * (1.f + w[i]);
     __syncthreads();
-    float* dst = (part == 0 ? q : k) + o;
+    O* dst = (part == 0 ? q : k) + o;
     const int half = rot / 2;
     const i64 p = pos[tok];
     for (int i = threadIdx.x; i < d; i += blockDim.x) {
@@ -60,44 +62,46 @@ __device__ void lt_prep_impl(const T* __restrict__ proj, int ld, const float* __
             sincosf((float)p * inv_freq[j], &sn, &cs);
             x = i < half ? nv[i] * cs - nv[i + half] * sn : nv[i] * cs + nv[j] * sn;
         }
-        dst[i] = x;
+        dst[i] = from_f<O>(x);
     }
 }
 
 // ---------------------------------------------------------------------------------------
 // Output: one block per (token, group); y = g_norm · o / rms_group(o) · sigmoid(gate).
-// o: [t, W] fp32; gate: column `gate_col` of proj (row stride ld) in T; y: [t, W] in T.
-template <typename T>
-__device__ void lt_out_impl(const float* __restrict__ o, const T* __restrict__ proj, int ld, int gate_col,
+// o: [t, W] in O (fp32 or bf16); gate: column `gate_col` of proj (row stride ld) in T;
+// y: [t, W] in T.
+template <typename T, typename O>
+__device__ void lt_out_impl(const O* __restrict__ o, const T* __restrict__ proj, int ld, int gate_col,
                             const float* __restrict__ g_norm, T* __restrict__ y, int W, int groups,
                             float eps) {
     __shared__ float red[32];
     const size_t tok = blockIdx.x;
     const int gs = W / groups, c0 = blockIdx.y * gs;
-    const float* x = o + tok * (size_t)W + c0;
+    const O* x = o + tok * (size_t)W + c0;
     float ss = 0.f;
-    for (int i = threadIdx.x; i < gs; i += blockDim.x) ss += x[i] * x[i];
+    for (int i = threadIdx.x; i < gs; i += blockDim.x) ss += to_f(x[i]) * to_f(x[i]);
     ss = block_sum(ss, red);
     const float r = 1.f / sqrtf(ss / (float)gs + eps);
     const T* g = proj + tok * (size_t)ld + gate_col + c0;
     for (int i = threadIdx.x; i < gs; i += blockDim.x) {
-        const float a = x[i] * r * g_norm[c0 + i];
+        const float a = to_f(x[i]) * r * g_norm[c0 + i];
         y[tok * (size_t)W + c0 + i] = from_f<T>(a * (1.f / (1.f + expf(-to_f(g[i])))));
     }
 }
 
-#define LT_KERNELS(S, T)                                                                                    \
+#define LT_KERNELS(S, T, O)                                                                                 \
     extern "C" __global__ void lt_prep_##S(const T* proj, int ld, const float* q_norm, const float* k_norm, \
                                            const i64* pos, const float* inv_freq, int rot, int silu,        \
-                                           float* q, float* k, float* v, int H, int d, float eps) {         \
-        lt_prep_impl<T>(proj, ld, q_norm, k_norm, pos, inv_freq, rot, silu, q, k, v, H, d, eps);           \
+                                           O* q, O* k, O* v, int H, int d, float eps) {                     \
+        lt_prep_impl<T, O>(proj, ld, q_norm, k_norm, pos, inv_freq, rot, silu, q, k, v, H, d, eps);        \
     }                                                                                                       \
-    extern "C" __global__ void lt_out_##S(const float* o, const T* proj, int ld, int gate_col,              \
+    extern "C" __global__ void lt_out_##S(const O* o, const T* proj, int ld, int gate_col,                  \
                                           const float* g_norm, T* y, int W, int groups, float eps) {        \
-        lt_out_impl<T>(o, proj, ld, gate_col, g_norm, y, W, groups, eps);                                   \
+        lt_out_impl<T, O>(o, proj, ld, gate_col, g_norm, y, W, groups, eps);                                \
     }
-LT_KERNELS(f32, float)
-LT_KERNELS(bf16, bf16)
+LT_KERNELS(f32, float, float)
+LT_KERNELS(bf16, bf16, float)
+LT_KERNELS(bf16_bf16, bf16, bf16)
 
 // ---------------------------------------------------------------------------------------
 // Token-by-token recurrence (the reference; decode). grid (H, ceil(dv / blockDim.x)); one

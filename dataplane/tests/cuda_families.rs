@@ -28,6 +28,9 @@
 //!   bf16-rounded weights (`Model::round_projections`), for the fixture, a random Ring
 //!   model, and as the control the Qwen3.5 fixture and a random Qwen3.5-MoE model of
 //!   Ring's size; the activation part (GPU against rounded weights) is asserted;
+//! * the tensor-core Lightning prefill (`lightning_tc_matches_recurrence`): against the
+//!   CPU recurrence on bf16-rounded inputs at head dim 128, and a random Ring model of
+//!   head dim 128 in the bf16 split (its prefill takes that kernel);
 //! * PIC: every mode on the GPU engine against the CPU engine (stats equal, logits),
 //!   prefix cache bit-identical to full recompute, HYPIC with covering seams = full
 //!   recompute, layer-0 composition with the RoPE state rotation = full recompute and
@@ -432,6 +435,173 @@ mod gpu {
         rep.finish("lightning_kernels_match_cpu");
     }
 
+    /// The tensor-core prefill (`lightning::chunked_tc`, bf16 q/k/v/o, fp32 state)
+    /// against the CPU `naive::recurrent` on the same bf16-rounded inputs, from a nonzero
+    /// state, at lengths around its 64-token chunk edges and past 4k, for weak to strong
+    /// decays; its state-only pass leaves the same state bit for bit. Bounds: relative L2
+    /// 1.5e-2 on the output (a bf16 rounding is 2^-9 ≈ 2e-3 relative; the host emulation
+    /// measures 2.3e-3), 1e-2 on the state. Also the bf16 `prep` and `out` variants the
+    /// tensor-core layer uses equal the fp32-output ones rounded once (bit for bit).
+    #[test]
+    fn lightning_tc_matches_recurrence() {
+        let test = "lightning_tc_matches_recurrence";
+        let Some((g, _l)) = gpu(test) else {
+            return;
+        };
+        let mut rep = Report::new();
+        let (h, d) = (4usize, lt::TC_DIM);
+        let log_decay = vec![-0.0039f32, -0.25, -0.7, -3.0];
+        let ld = g.upload(&log_decay).unwrap();
+        let scale = (d as f32).powf(-0.5);
+        let round = |x: Vec<f32>| -> Vec<f32> {
+            x.into_iter().map(|v| bf16::from_f32(v).to_f32()).collect()
+        };
+        let to_bf = |x: &[f32]| -> Vec<bf16> { x.iter().map(|&v| bf16::from_f32(v)).collect() };
+        for t in [
+            1usize, 15, 16, 17, 63, 64, 65, 127, 128, 129, 200, 1000, 4100,
+        ] {
+            let dims = LightningDims { t, h, dk: d, dv: d };
+            let q = round(pseudo(t * h * d, 31 + t as u64));
+            let k = round(
+                pseudo(t * h * d, 32 + t as u64)
+                    .iter()
+                    .map(|x| x * 0.3)
+                    .collect(),
+            );
+            let v = round(pseudo(t * h * d, 33 + t as u64));
+            let s0 = pseudo(h * d * d, 34);
+            let mut s_ref = s0.clone();
+            let o_ref = naive::recurrent(&dims, &q, &k, &v, &log_decay, scale, &mut s_ref);
+            let (qd, kd, vd) = (
+                g.upload(&to_bf(&q)).unwrap(),
+                g.upload(&to_bf(&k)).unwrap(),
+                g.upload(&to_bf(&v)).unwrap(),
+            );
+            let mut st = g.upload(&s0).unwrap();
+            let mut st_only = g.upload(&s0).unwrap();
+            let mut o = g.zeros::<bf16>(t * h * d).unwrap();
+            let r = lt::chunked_tc(&g, &dims, &qd, &kd, &vd, &ld, scale, &mut st, Some(&mut o))
+                .and_then(|_| {
+                    lt::chunked_tc(&g, &dims, &qd, &kd, &vd, &ld, scale, &mut st_only, None)
+                });
+            if let Err(e) = r {
+                rep.check(false, format!("lightning tc t {t}: {e}"));
+                continue;
+            }
+            let og: Vec<f32> = g.download(&o).unwrap().iter().map(|x| x.to_f32()).collect();
+            let (sg, sonly) = (g.download(&st).unwrap(), g.download(&st_only).unwrap());
+            let (eo_max, eo) = rel(&og, &o_ref);
+            let (_, es) = rel(&sg, &s_ref);
+            rep.check(
+                ok(eo, 1.5e-2) && ok(es, 1e-2) && sonly == sg,
+                format!(
+                    "lightning tc H {h} d {d} t {t}: output rel-L2 {eo:.2e} (max-rel {eo_max:.2e}), \
+                     state rel-L2 {es:.2e}, state-only pass {}",
+                    if sonly == sg { "equal" } else { "DIFFERS" }
+                ),
+            );
+        }
+        // prep and out with bf16 q/k/v/o against their fp32-output forms.
+        let (t, w) = (37usize, h * d);
+        let proj = g.upload(&to_bf(&pseudo(t * 4 * w, 40))).unwrap();
+        let qn = g.upload(&pseudo(d, 41)).unwrap();
+        let kn = g.upload(&pseudo(d, 42)).unwrap();
+        let pos = g
+            .upload(&(0..t as i64).map(|p| 3 * p + 5).collect::<Vec<_>>())
+            .unwrap();
+        let inv = g
+            .upload(&dataplane::cuda::ops::rope_inv_freq(d / 2, 10_000.0))
+            .unwrap();
+        let mut f32s: Vec<_> = (0..3).map(|_| g.zeros::<f32>(t * w).unwrap()).collect();
+        let mut bfs: Vec<_> = (0..3).map(|_| g.zeros::<bf16>(t * w).unwrap()).collect();
+        let [q32, k32, v32] = &mut f32s[..] else {
+            unreachable!()
+        };
+        let [qb, kb, vb] = &mut bfs[..] else {
+            unreachable!()
+        };
+        lt::prep(
+            &g,
+            &proj,
+            t,
+            4 * w,
+            &qn,
+            &kn,
+            &pos,
+            Some(&inv),
+            true,
+            h,
+            d,
+            1e-6,
+            q32,
+            k32,
+            v32,
+        )
+        .unwrap();
+        lt::prep(
+            &g,
+            &proj,
+            t,
+            4 * w,
+            &qn,
+            &kn,
+            &pos,
+            Some(&inv),
+            true,
+            h,
+            d,
+            1e-6,
+            qb,
+            kb,
+            vb,
+        )
+        .unwrap();
+        let same = f32s.iter().zip(&bfs).all(|(a, b)| {
+            let a: Vec<bf16> = to_bf(&g.download(a).unwrap());
+            a == g.download(b).unwrap()
+        });
+        rep.check(
+            same,
+            format!(
+                "lightning prep, bf16 q/k/v = fp32 q/k/v rounded once: {}",
+                if same { "bit-identical" } else { "DIFFERS" }
+            ),
+        );
+        let o32 = g.upload(&round(pseudo(t * w, 43))).unwrap();
+        let o16 = g.upload(&to_bf(&g.download(&o32).unwrap())).unwrap();
+        let gn = g.upload(&pseudo(w, 44)).unwrap();
+        let mut y32 = g.zeros::<bf16>(t * w).unwrap();
+        let mut y16 = g.zeros::<bf16>(t * w).unwrap();
+        lt::out(&g, &o32, &proj, 4 * w, 3 * w, &gn, &mut y32, t, w, 4, 1e-6).unwrap();
+        lt::out(&g, &o16, &proj, 4 * w, 3 * w, &gn, &mut y16, t, w, 4, 1e-6).unwrap();
+        let same = g.download(&y32).unwrap() == g.download(&y16).unwrap();
+        rep.check(
+            same,
+            format!(
+                "lightning out, bf16 o = fp32 o of the same values: {}",
+                if same { "bit-identical" } else { "DIFFERS" }
+            ),
+        );
+        // Wrong dtype or head dim: a clear error, not a launch.
+        let dims = LightningDims {
+            t: 4,
+            h: 1,
+            dk: 64,
+            dv: 64,
+        };
+        let z = g.zeros::<bf16>(4 * 64).unwrap();
+        let mut s = g.zeros::<f32>(64 * 64).unwrap();
+        let e = lt::chunked_tc(&g, &dims, &z, &z, &z, &ld, scale, &mut s, None);
+        rep.check(
+            e.is_err(),
+            format!(
+                "lightning tc refuses head dim 64: {}",
+                e.err().map_or("accepted".into(), |e| e.to_string())
+            ),
+        );
+        rep.finish(test);
+    }
+
     // ------------------------------------------------------------------ model
 
     fn states_err(a: &ModelState, b: &ModelState) -> f64 {
@@ -682,6 +852,20 @@ mod gpu {
             &|| Model::random(ring_cfg.clone(), 7),
             &mut rep,
         );
+        // Head dim 128: the bf16 model's Lightning prefill runs on tensor cores
+        // (`lightning::chunked_tc`) from 16 tokens on.
+        let mut wide = serde_json::from_str::<serde_json::Value>(
+            &std::fs::read_to_string(ring_dir().join("config.json")).unwrap(),
+        )
+        .unwrap();
+        wide["head_dim"] = serde_json::json!(lt::TC_DIM);
+        let wide_cfg = ModelConfig::from_json(&wide).expect("Ring config with head dim 128");
+        let wide_median = bf16_split(
+            &g,
+            "ring random, head dim 128 (tensor-core Lightning)",
+            &|| Model::random(wide_cfg.clone(), 7),
+            &mut rep,
+        );
         let q_fixture = bf16_split(&g, "qwen3_5 (control)", &load_qwen, &mut rep);
         let q_random = bf16_split(
             &g,
@@ -694,6 +878,11 @@ mod gpu {
              ring random / qwen3.5-moe random {:.2}",
             fixture / q_fixture,
             random / q_random
+        );
+        println!(
+            "  ring random head dim 128 (tensor-core Lightning) activation row median {wide_median:.3e} \
+             ({:.2}× the qwen3.5-moe random control)",
+            wide_median / q_random
         );
         for (label, fam, ctrl) in [
             ("ring fixture vs qwen3_5 fixture", fixture, q_fixture),

@@ -35,6 +35,9 @@
 #   tools/kernel-emu/run.sh attn-rows-mutants # deliberately broken variants of those kernels
 #                                            # (offsets, table entries, split counts) must
 #                                            # each fail attn-rows
+#   tools/kernel-emu/run.sh lightning-tc     # lightning_tc.cu (the tensor-core chunked prefill)
+#                                            # against the fp64 recurrence (EMU_QUICK=1: without
+#                                            # the 333-token case)
 #   tools/kernel-emu/run.sh lightning        # lightning.cu (per-token, one- and two-pass
 #                                            # chunked, prep, group norm + gate, state
 #                                            # rotation, scalar apply) and moe_route_rule
@@ -260,6 +263,21 @@ PY
         fi
     done
     [ "$fails" = 0 ] && echo "all mutants caught" || { echo "$fails mutant(s) survived or not applied"; exit 1; }
+    ;;
+lightning-tc)
+    # lightning_tc.cu with its primitives (the HYPIC_HOST_EMU block) from lightning_tc_emu.cpp.
+    python3 - "$kernels" "$out/gen_lightning_tc.inc" <<'PY'
+import sys
+k, dst = sys.argv[1:3]
+common = open(f"{k}/common.cuh").read().replace("#include <cuda_bf16.h>", "")
+src = open(f"{k}/lightning_tc.cu").read()
+decl = "extern __shared__ __align__(16) unsigned char ltc_sm[];"
+assert decl in src, f"{decl} not found"
+src = src.replace(decl, "unsigned char* ltc_sm = emu_dyn_smem;")
+open(dst, "w").write(common + '\n#line 1 "lightning_tc.cu"\n' + src)
+PY
+    $CXX -ffp-contract=off -o "$out/lightning_tc_emu" "$here/lightning_tc_emu.cpp"
+    "$out/lightning_tc_emu"
     ;;
 lightning)
     # lightning.cu whole, plus moe_route_rule cut out of moe.cu (its other kernels use PTX).

@@ -127,6 +127,13 @@ pub const LIGHTNING: KernelSource = KernelSource {
     text: include_str!("../../kernels/lightning.cu"),
 };
 
+/// Lightning attention's chunked prefill on tensor cores for bf16
+/// (`kernels/lightning_tc.cu`, [`super::lightning::chunked_tc`]).
+pub const LIGHTNING_TC: KernelSource = KernelSource {
+    name: "lightning_tc",
+    text: include_str!("../../kernels/lightning_tc.cu"),
+};
+
 /// Kimi Delta Attention: input preparation, forget gate, per-token recurrence,
 /// chunked prefill with `T_C`, sigmoid-gated norm (`kernels/kda.cu`, [`super::kda`]).
 pub const KDA: KernelSource = KernelSource {
@@ -149,9 +156,27 @@ pub const MLA: KernelSource = KernelSource {
 };
 
 /// Every kernel module (used by the compile check and to warm the cache).
-pub const ALL: [KernelSource; 19] = [
-    NORM, ROPE, CONV, GDR, GDR_TC, ATTN, FLASH, FLASH_WG, MODEL, GEMV, MOE, SAMPLE, PIC, INIT,
-    HASH, LIGHTNING, KDA, KDA_TC, MLA,
+pub const ALL: [KernelSource; 20] = [
+    NORM,
+    ROPE,
+    CONV,
+    GDR,
+    GDR_TC,
+    ATTN,
+    FLASH,
+    FLASH_WG,
+    MODEL,
+    GEMV,
+    MOE,
+    SAMPLE,
+    PIC,
+    INIT,
+    HASH,
+    LIGHTNING,
+    LIGHTNING_TC,
+    KDA,
+    KDA_TC,
+    MLA,
 ];
 
 /// NVRTC target name for a compute capability: `sm_90a` for 9.0 (Hopper, so that

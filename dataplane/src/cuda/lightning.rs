@@ -25,7 +25,7 @@
 //! `b` with [`rotate_state`] (`R(b)` on the key axis).
 use cudarc::driver::{LaunchConfig, PushKernelArg};
 
-use super::compile::LIGHTNING;
+use super::compile::{LIGHTNING, LIGHTNING_TC};
 use super::{cfg1, check_len, dim_i32, shape_err, CudaSlice, Elem, Gpu, Result};
 use crate::mixers::lightning::LightningDims;
 
@@ -55,14 +55,29 @@ pub struct LightningW<T> {
     pub log_decay_host: Vec<f32>,
 }
 
+/// The instantiation of `lt_prep_*` / `lt_out_*` for projections in `T` and q/k/v/o in
+/// `O`: `{base}_f32`, `{base}_bf16` (fp32 `O`) or `{base}_bf16_bf16`.
+fn kernel_name<T: Elem, O: Elem>(base: &str) -> Result<String> {
+    match (T::SUFFIX, O::SUFFIX) {
+        (t, "f32") => Ok(format!("{base}_{t}")),
+        ("bf16", "bf16") => Ok(format!("{base}_bf16_bf16")),
+        (t, o) => Err(shape_err(format!(
+            "{base}: {o} q/k/v/o with a {t} projection (only fp32, or bf16 from bf16)"
+        ))),
+    }
+}
+
 /// Step 2 of the layer: from `proj` (`[t, ld]` in `T`, columns `q | k | v` of `H·d`
-/// each from column 0) to `q, k, v` (`[t, H, d]` fp32): SiLU when `silu`, RMSNorm of
-/// each q and k head (`x̂·(1 + w)`, `q_norm`, `k_norm`: `[d]`), NeoX RoPE of the first
-/// `2·inv_freq.len()` dims at `pos` (`[t]` i64; no RoPE when `inv_freq` is `None`).
+/// each from column 0) to `q, k, v` (`[t, H, d]` in `O`: fp32, or bf16 from a bf16
+/// `proj` for [`chunked_tc`]): SiLU when `silu`, RMSNorm of each q and k head
+/// (`x̂·(1 + w)`, `q_norm`, `k_norm`: `[d]`), NeoX RoPE of the first
+/// `2·inv_freq.len()` dims at `pos` (`[t]` i64; no RoPE when `inv_freq` is `None`),
+/// computed in fp32 and rounded once to `O`.
 ///
-/// Errors: [`CudaError::Shape`] for short buffers or rotary dims over `d`.
+/// Errors: [`CudaError::Shape`] for short buffers, rotary dims over `d`, or bf16
+/// outputs from an fp32 `proj`.
 #[allow(clippy::too_many_arguments)]
-pub fn prep<T: Elem>(
+pub fn prep<T: Elem, O: Elem>(
     gpu: &Gpu,
     proj: &CudaSlice<T>,
     t: usize,
@@ -75,11 +90,12 @@ pub fn prep<T: Elem>(
     h: usize,
     d: usize,
     eps: f32,
-    q: &mut CudaSlice<f32>,
-    k: &mut CudaSlice<f32>,
-    v: &mut CudaSlice<f32>,
+    q: &mut CudaSlice<O>,
+    k: &mut CudaSlice<O>,
+    v: &mut CudaSlice<O>,
 ) -> Result<()> {
     let w = h * d;
+    let name = kernel_name::<T, O>("lt_prep")?;
     if ld < 3 * w {
         return Err(shape_err(format!(
             "projection width {ld} < 3·H·d = {}",
@@ -100,7 +116,7 @@ pub fn prep<T: Elem>(
     if t == 0 || w == 0 {
         return Ok(());
     }
-    let f = gpu.function(&LIGHTNING, &format!("lt_prep_{}", T::SUFFIX), 0)?;
+    let f = gpu.function(&LIGHTNING, &name, 0)?;
     let cfg = LaunchConfig {
         grid_dim: (dim_i32("t", t)? as u32, dim_i32("3·H", 3 * h)? as u32, 1),
         block_dim: (if d <= 64 { 32 } else { 128 }, 1, 1),
@@ -377,6 +393,92 @@ pub fn chunked_two_pass(
     Ok(())
 }
 
+/// Whether bf16 models run their Lightning prefill on tensor cores ([`chunked_tc`]):
+/// yes unless the environment sets `HYPIC_CUDA_LIGHTNING_TC=0` (read once), which
+/// keeps the fp32 kernels ([`span`]) for A/B runs.
+pub fn tensor_cores_enabled() -> bool {
+    static ON: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
+    *ON.get_or_init(|| std::env::var("HYPIC_CUDA_LIGHTNING_TC").map_or(true, |v| v.trim() != "0"))
+}
+
+/// Head dim of [`chunked_tc`] (`LTC_D` in lightning_tc.cu): `dk = dv = 128`.
+pub const TC_DIM: usize = 128;
+/// Value columns per block of [`chunked_tc`] (`LTC_BV`).
+const TC_BV: usize = 16;
+/// Dynamic shared memory of `lt_chunk_tc_bf16`, bytes (`LTC_SMEM`: double-buffered
+/// 64-token q and k tiles of 136 bf16 per row, v tiles and bf16 state copies of 24 per
+/// row, 65 fp32 decay powers).
+const TC_SMEM: usize = 2 * (2 * 64 * 136 + 64 * 24 + 128 * 24) * 2 + 65 * 4;
+
+/// The chunked prefill on tensor cores (`lt_chunk_tc_bf16`, kernels/lightning_tc.cu):
+/// the contract of [`chunked`] with bf16 `q, k` (`[T, H, 128]`), `v` and `o`
+/// (`[T, H, 128]`), fp32 `log_decay` (`[H]`) and state (`[H, 128, 128]`, advanced in
+/// place). Chunks of 64 tokens, products on tensor cores with fp32 accumulation; `P`,
+/// the bf16 copy of the chunk-initial state and the decayed values are rounded to
+/// bf16 (relative error of a bf16 rounding against the fp64 recurrence, checked by
+/// `tools/kernel-emu/run.sh lightning-tc`). With `o = None` a state-only pass (the
+/// `S_body|0` of a PIC body pair); `q` is then not read. One block per head and 16 value
+/// columns; the chunks run in order inside it.
+///
+/// Errors: [`CudaError::Shape`] unless `T` is bf16 and `dk = dv = 128`, for short
+/// buffers, or more than 65 535 heads.
+#[allow(clippy::too_many_arguments)]
+pub fn chunked_tc<T: Elem>(
+    gpu: &Gpu,
+    d: &LightningDims,
+    q: &CudaSlice<T>,
+    k: &CudaSlice<T>,
+    v: &CudaSlice<T>,
+    log_decay: &CudaSlice<f32>,
+    scale: f32,
+    state: &mut CudaSlice<f32>,
+    o: Option<&mut CudaSlice<T>>,
+) -> Result<()> {
+    if T::SUFFIX != "bf16" || d.dk != TC_DIM || d.dv != TC_DIM {
+        return Err(shape_err(format!(
+            "tensor-core Lightning prefill needs bf16 and dk = dv = {TC_DIM} (got {}, dk {}, dv {})",
+            T::SUFFIX,
+            d.dk,
+            d.dv
+        )));
+    }
+    check_len("q [T, H, dk]", q, d.t * d.h * d.dk)?;
+    check_len("k [T, H, dk]", k, d.t * d.h * d.dk)?;
+    check_len("v [T, H, dv]", v, d.t * d.h * d.dv)?;
+    check_len("log decay [H]", log_decay, d.h)?;
+    check_len("state [H, dk, dv]", state, d.h * d.dk * d.dv)?;
+    if let Some(o) = &o {
+        check_len("o [T, H, dv]", o, d.t * d.h * d.dv)?;
+    }
+    if d.h > 65_535 {
+        return Err(shape_err(format!("{} heads: too many for the grid", d.h)));
+    }
+    if d.t == 0 || d.h == 0 {
+        return Ok(());
+    }
+    let f = gpu.function(&LIGHTNING_TC, "lt_chunk_tc_bf16", TC_SMEM as u32)?;
+    let cfg = LaunchConfig {
+        grid_dim: (d.h as u32, (TC_DIM / TC_BV) as u32, 1),
+        block_dim: (128, 1, 1),
+        shared_mem_bytes: TC_SMEM as u32,
+    };
+    let (ti, hi) = (dim_i32("t", d.t)?, dim_i32("H", d.h)?);
+    let null: u64 = 0;
+    let mut b = gpu.stream().launch_builder(&f);
+    b.arg(q).arg(k).arg(v).arg(log_decay).arg(&scale).arg(state);
+    match o {
+        Some(o) => b.arg(o),
+        None => b.arg(&null),
+    };
+    b.arg(&ti).arg(&hi);
+    // SAFETY: matches `lt_chunk_tc_bf16`; T is bf16 (checked), q/k/v/o [T, H, 128],
+    // state [H, 128, 128] checked above; device allocations and the views the layer
+    // passes start at multiples of 16 bytes (row starts are multiples of 256 bytes);
+    // dynamic shared memory as LTC_SMEM, opted into by `Gpu::function`.
+    unsafe { b.launch(cfg) }?;
+    Ok(())
+}
+
 /// [`recurrent`] for short spans, [`chunked`] from [`CHUNKED_MIN_TOKENS`] tokens and
 /// [`chunked_two_pass`] from [`TWO_PASS_MIN_TOKENS`] (the CPU layer's choice of the
 /// token loop below 16 tokens).
@@ -403,14 +505,15 @@ pub fn span(
 
 /// Step 4 of the layer: `y = g_norm · o / rms_group(o) · sigmoid(gate)` per token and
 /// group (`groups` contiguous groups of the `w` channels, RMS with `eps`). `o`:
-/// `[t, w]` fp32; the gate logits are columns `gate_col..gate_col + w` of `proj`
+/// `[t, w]` in `O` (fp32, or bf16 with a bf16 `proj`); the gate logits are columns `gate_col..gate_col + w` of `proj`
 /// (`[t, ld]` in `T`); `g_norm`: `[w]`; `y`: `[t, w]` in `T`.
 ///
-/// Errors: [`CudaError::Shape`] for short buffers or `groups` not dividing `w`.
+/// Errors: [`CudaError::Shape`] for short buffers, `groups` not dividing `w`, or a bf16
+/// `o` with an fp32 `proj`.
 #[allow(clippy::too_many_arguments)]
-pub fn out<T: Elem>(
+pub fn out<T: Elem, O: Elem>(
     gpu: &Gpu,
-    o: &CudaSlice<f32>,
+    o: &CudaSlice<O>,
     proj: &CudaSlice<T>,
     ld: usize,
     gate_col: usize,
@@ -421,6 +524,7 @@ pub fn out<T: Elem>(
     groups: usize,
     eps: f32,
 ) -> Result<()> {
+    let name = kernel_name::<T, O>("lt_out")?;
     if groups == 0 || !w.is_multiple_of(groups) || gate_col + w > ld {
         return Err(shape_err(format!(
             "group norm: {groups} groups of {w} channels, gate columns {gate_col}.. of {ld}"
@@ -433,7 +537,7 @@ pub fn out<T: Elem>(
     if t == 0 || w == 0 {
         return Ok(());
     }
-    let f = gpu.function(&LIGHTNING, &format!("lt_out_{}", T::SUFFIX), 0)?;
+    let f = gpu.function(&LIGHTNING, &name, 0)?;
     let cfg = LaunchConfig {
         grid_dim: (
             dim_i32("t", t)? as u32,

@@ -2730,6 +2730,13 @@ where
         let (nh, d) = (c.linear_v_heads, c.linear_k_dim);
         let wd = nh * d;
         check_len("Lightning projection [t, 4W]", proj, t * 4 * wd)?;
+        if T::SUFFIX == "bf16"
+            && d == lt::TC_DIM
+            && t >= lt::CHUNKED_MIN_TOKENS
+            && lt::tensor_cores_enabled()
+        {
+            return self.lightning_core_tc(w, proj, t, pos, rec, capture);
+        }
         let mut q: Scratch<f32> = g.scratch(t * wd)?;
         let mut k: Scratch<f32> = g.scratch(t * wd)?;
         let mut v: Scratch<f32> = g.scratch(t * wd)?;
@@ -2794,6 +2801,88 @@ where
         }
         let mut o: Scratch<f32> = g.scratch(t * wd)?;
         lt::span(g, &dims, &q, &k, &v, &w.log_decay, scale, rec, &mut o)?;
+        let mut y: Scratch<T> = g.scratch(t * wd)?;
+        lt::out(
+            g,
+            &o,
+            proj,
+            4 * wd,
+            3 * wd,
+            &w.g_norm,
+            &mut y,
+            t,
+            wd,
+            c.lightning.group_norm_size,
+            c.rms_norm_eps,
+        )?;
+        Ok(y)
+    }
+
+    /// [`Self::lightning_core`] on tensor cores (bf16 models, head dim
+    /// [`lt::TC_DIM`], spans of at least [`lt::CHUNKED_MIN_TOKENS`] tokens): q, k, v and
+    /// the recurrence output in bf16, [`lt::chunked_tc`] for the span and for the
+    /// state-only pass of a captured body pair.
+    fn lightning_core_tc(
+        &self,
+        w: &LightningW<T>,
+        proj: &CudaSlice<T>,
+        t: usize,
+        pos: &CudaSlice<i64>,
+        rec: &mut CudaSlice<f32>,
+        capture: Option<(usize, &mut Option<ScalarPair>)>,
+    ) -> Result<Scratch<T>> {
+        let c = &self.config;
+        let g = &*self.gpu;
+        let (nh, d) = (c.linear_v_heads, c.linear_k_dim);
+        let wd = nh * d;
+        let mut q: Scratch<T> = g.scratch(t * wd)?;
+        let mut k: Scratch<T> = g.scratch(t * wd)?;
+        let mut v: Scratch<T> = g.scratch(t * wd)?;
+        lt::prep(
+            g,
+            proj,
+            t,
+            4 * wd,
+            &w.q_norm,
+            &w.k_norm,
+            pos,
+            self.inv_freq.as_ref(),
+            c.lightning.silu,
+            nh,
+            d,
+            c.rms_norm_eps,
+            &mut q,
+            &mut k,
+            &mut v,
+        )?;
+        let scale = (d as f32).powf(-0.5);
+        let dims = LightningDims {
+            t,
+            h: nh,
+            dk: d,
+            dv: d,
+        };
+        if let Some((from, out)) = capture {
+            let from = from.min(t);
+            let n = t - from;
+            let mut b: CudaSlice<f32> = g.zeros(nh * d * d)?;
+            if n > 0 {
+                let s = g.stream();
+                let kb = s.clone_dtod(&k.slice(from * wd..t * wd))?;
+                let vb = s.clone_dtod(&v.slice(from * wd..t * wd))?;
+                let body = LightningDims { t: n, ..dims };
+                lt::chunked_tc(g, &body, &kb, &kb, &vb, &w.log_decay, scale, &mut b, None)?;
+            }
+            *out = Some(ScalarPair {
+                h: nh,
+                dk: d,
+                dv: d,
+                t: g.upload(&lt::transition_host(&w.log_decay_host, n))?,
+                b,
+            });
+        }
+        let mut o: Scratch<T> = g.scratch(t * wd)?;
+        lt::chunked_tc(g, &dims, &q, &k, &v, &w.log_decay, scale, rec, Some(&mut o))?;
         let mut y: Scratch<T> = g.scratch(t * wd)?;
         lt::out(
             g,

@@ -1,0 +1,278 @@
+// Chunked Lightning attention prefill on tensor cores, bf16 q/k/v, fp32 state, bf16 output
+// (the linear layers of Ring-linear-2.0 in a bf16 model). Host side:
+// dataplane/src/cuda/lightning.rs (`chunked_tc`). Reference: lt_chunk of lightning.cu (fp32
+// SIMT, same contract) and the CPU mixers/lightning/{naive,chunk}.rs.
+//
+// Recurrence per head h with the constant decay γ = exp(g_h) (g_h ≤ 0):
+//   S_t = γ·S_{t−1} + k_t v_tᵀ,   o_t = scale·S_tᵀ q_t.
+// Per chunk of L ≤ 64 tokens from the chunk-initial state S₀ (i, j chunk-local):
+//   o_i   = scale·γ^{i+1}·q_i S₀ + Σ_{j≤i} scale·γ^{i−j}(q_i·k_j) v_j
+//   S_new = γ^L S₀ + Σ_{j<L} k_j (γ^{L−1−j} v_j)ᵀ
+// One block per (head, 16 value columns); the chunks run in order inside the block, the
+// next chunk's q/k/v tiles loading (cp.async, double-buffered) while the current one is
+// computed. Four warps; warp w owns chunk rows 16w..16w+15 for the output and state rows
+// 32w..32w+31 for the update. Every product is an mma.sync m16n8k16 (bf16 operands, fp32
+// accumulation): P = Q Kᵀ (causal key tiles only), P V, Q S₀, and Kᵀ Ṽ. The state lives in
+// fp32 registers; its bf16 copy (for Q S₀) is double-buffered in shared memory so one
+// barrier per chunk suffices. bf16-rounded intermediates (as FLA's chunk kernels): P, the
+// bf16 copy of S₀, and Ṽ = γ^{L−1−j} v_j. Decay powers γ^n = exp(n·g_h) from double
+// precision, rounded once (as lt_chunk).
+//
+// Layouts: q, k [t, H, 128], v and o [t, H, 128] bf16, token-major; log_decay [H] fp32;
+// state [H, 128, 128] fp32 K-major (S[h][key][value]), advanced in place. o = null: a
+// state-only pass (q not read). Needs 16-byte aligned q, k, v. Grid (H, 128 / 16),
+// blockDim 128, dynamic shared memory LTC_SMEM bytes.
+
+#define LTC_C 64     // chunk length
+#define LTC_D 128    // dk = dv
+#define LTC_BV 16    // value columns per block
+#define LTC_LDQ 136  // bf16 row stride of the Q and K tiles: 272 B (ldmatrix rows 16-B aligned,
+                     // the 8 rows of one ldmatrix phase on distinct banks)
+#define LTC_LDV 24   // bf16 row stride of the V and S tiles: 48 B (same properties)
+#define LTC_QK_ELEMS (LTC_C * LTC_LDQ)
+#define LTC_V_ELEMS (LTC_C * LTC_LDV)
+#define LTC_S_ELEMS (LTC_D * LTC_LDV)
+// Q[2], K[2], V[2], S[2] (bf16), then the decay powers pw[0..LTC_C] (fp32).
+#define LTC_SMEM (2 * (2 * LTC_QK_ELEMS + LTC_V_ELEMS + LTC_S_ELEMS) * 2 + (LTC_C + 1) * 4)
+
+// ---------------------------------------------------------------------------------------
+// Warp-level primitives (inline PTX). HYPIC_HOST_EMU: a host build supplies its own.
+#ifndef HYPIC_HOST_EMU
+__device__ __forceinline__ unsigned ltc_smem(const void* p) { return (unsigned)__cvta_generic_to_shared(p); }
+
+// 16 bytes global → shared, bypassing L1; ok = false writes 16 zero bytes (src not read).
+__device__ __forceinline__ void ltc_cp16(unsigned dst, const void* src, bool ok) {
+    asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(dst), "l"(src), "r"(ok ? 16 : 0)
+                 : "memory");
+}
+__device__ __forceinline__ void ltc_cp_commit() { asm volatile("cp.async.commit_group;\n" ::: "memory"); }
+__device__ __forceinline__ void ltc_cp_wait_all() { asm volatile("cp.async.wait_group 0;\n" ::: "memory"); }
+
+// Four 8×8 b16 matrices; lane l gives the address of row l % 8 of matrix l / 8. Register i
+// of lane (g = l / 4, q = l % 4) receives (row g, columns 2q, 2q+1) of matrix i; with .trans
+// (row 2q, column g) and (row 2q+1, column g). Lower column / row in the low half.
+__device__ __forceinline__ void ltc_ldsm(unsigned* r, unsigned addr) {
+    asm volatile("ldmatrix.sync.aligned.m8n8.x4.shared.b16 {%0, %1, %2, %3}, [%4];\n"
+                 : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3])
+                 : "r"(addr)
+                 : "memory");
+}
+__device__ __forceinline__ void ltc_ldsm_t(unsigned* r, unsigned addr) {
+    asm volatile("ldmatrix.sync.aligned.m8n8.x4.trans.shared.b16 {%0, %1, %2, %3}, [%4];\n"
+                 : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3])
+                 : "r"(addr)
+                 : "memory");
+}
+
+// c (16×8 fp32) += a (16×16 bf16, row) · b (16×8 bf16, col). g = lane / 4, q = lane % 4:
+// a = {A[g][2q..], A[g+8][2q..], A[g][2q+8..], A[g+8][2q+8..]}, b = {B[2q..][g], B[2q+8..][g]},
+// c = {C[g][2q], C[g][2q+1], C[g+8][2q], C[g+8][2q+1]}.
+__device__ __forceinline__ void ltc_mma(float* c, const unsigned* a, unsigned b0, unsigned b1) {
+    asm volatile(
+        "mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 "
+        "{%0, %1, %2, %3}, {%4, %5, %6, %7}, {%8, %9}, {%0, %1, %2, %3};\n"
+        : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
+        : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
+}
+
+// Two fp32 → one bf16 pair (lo in the low half), and back.
+__device__ __forceinline__ unsigned ltc_pack(float lo, float hi) {
+    __nv_bfloat162 h = __floats2bfloat162_rn(lo, hi);
+    return *reinterpret_cast<unsigned*>(&h);
+}
+__device__ __forceinline__ float ltc_lo(unsigned x) { return __uint_as_float(x << 16); }
+__device__ __forceinline__ float ltc_hi(unsigned x) { return __uint_as_float(x & 0xffff0000u); }
+#endif
+
+extern "C" __global__ void __launch_bounds__(128)
+    lt_chunk_tc_bf16(const bf16* __restrict__ q, const bf16* __restrict__ k, const bf16* __restrict__ v,
+                     const float* __restrict__ log_decay, float scale, float* __restrict__ state,
+                     bf16* __restrict__ o, int t, int H) {
+    extern __shared__ __align__(16) unsigned char ltc_sm[];
+    bf16* Qs = reinterpret_cast<bf16*>(ltc_sm);  // [2][LTC_C][LTC_LDQ]
+    bf16* Ks = Qs + 2 * LTC_QK_ELEMS;            // [2][LTC_C][LTC_LDQ]
+    bf16* Vs = Ks + 2 * LTC_QK_ELEMS;            // [2][LTC_C][LTC_LDV]
+    bf16* Ss = Vs + 2 * LTC_V_ELEMS;             // [2][LTC_D][LTC_LDV]
+    float* pw = reinterpret_cast<float*>(Ss + 2 * LTC_S_ELEMS);
+    const int h = blockIdx.x, cb = blockIdx.y * LTC_BV;
+    const int tid = threadIdx.x, lane = tid & 31, w = tid >> 5;
+    const int g = lane >> 2, qd = lane & 3;
+    // ldmatrix addressing: this lane's matrix and row within it.
+    const int lm = lane >> 3, lr = lane & 7;
+    const bool want_o = o != nullptr;
+    const double gl = (double)log_decay[h];
+    for (int n = tid; n <= LTC_C; n += 128) pw[n] = (float)exp(gl * (double)n);
+
+    // Chunk tiles at token s into buffer b; rows past the end are zero.
+    auto load = [&](int s, int b) {
+        const int L = min(LTC_C, t - s);
+        for (int e = tid; e < LTC_C * 16; e += 128) {
+            const int i = e >> 4, p = e & 15;
+            const bool ok = i < L;
+            const size_t src = ((size_t)(ok ? s + i : s) * H + h) * LTC_D + p * 8;
+            const int dst = b * LTC_QK_ELEMS + i * LTC_LDQ + p * 8;
+            ltc_cp16(ltc_smem(Ks + dst), k + src, ok);
+            if (want_o) ltc_cp16(ltc_smem(Qs + dst), q + src, ok);
+        }
+        {
+            const int i = tid >> 1, p = tid & 1;
+            const bool ok = i < L;
+            const size_t src = ((size_t)(ok ? s + i : s) * H + h) * LTC_D + cb + p * 8;
+            ltc_cp16(ltc_smem(Vs + b * LTC_V_ELEMS + i * LTC_LDV + p * 8), v + src, ok);
+        }
+        ltc_cp_commit();
+    };
+
+    // The state in registers: sacc[mt][nt] is the accumulator tile of state rows
+    // 32w + 16mt (+8) + g, value columns 8nt + 2qd (+1) of this block.
+    float sacc[2][2][4];
+    float* S = state + (size_t)h * LTC_D * LTC_D;
+#pragma unroll
+    for (int mt = 0; mt < 2; ++mt)
+#pragma unroll
+        for (int nt = 0; nt < 2; ++nt) {
+            const int r = 32 * w + 16 * mt + g, c = cb + 8 * nt + 2 * qd;
+            sacc[mt][nt][0] = S[(size_t)r * LTC_D + c];
+            sacc[mt][nt][1] = S[(size_t)r * LTC_D + c + 1];
+            sacc[mt][nt][2] = S[(size_t)(r + 8) * LTC_D + c];
+            sacc[mt][nt][3] = S[(size_t)(r + 8) * LTC_D + c + 1];
+        }
+    // bf16 copy of the state into S buffer b (the B operand of Q S₀).
+    auto store_s = [&](int b) {
+#pragma unroll
+        for (int mt = 0; mt < 2; ++mt)
+#pragma unroll
+            for (int nt = 0; nt < 2; ++nt) {
+                const int r = 32 * w + 16 * mt + g, c = 8 * nt + 2 * qd;
+                bf16* d = Ss + b * LTC_S_ELEMS;
+                *reinterpret_cast<unsigned*>(d + r * LTC_LDV + c) = ltc_pack(sacc[mt][nt][0], sacc[mt][nt][1]);
+                *reinterpret_cast<unsigned*>(d + (r + 8) * LTC_LDV + c) =
+                    ltc_pack(sacc[mt][nt][2], sacc[mt][nt][3]);
+            }
+    };
+
+    const int nch = (t + LTC_C - 1) / LTC_C;
+    load(0, 0);
+    store_s(0);
+    for (int n = 0; n < nch; ++n) {
+        const int s = n * LTC_C, L = min(LTC_C, t - s), b = n & 1;
+        ltc_cp_wait_all();
+        // Chunk n's tiles, S₀'s bf16 copy and (n = 0) pw are visible; every warp is done
+        // with chunk n − 1, so its buffers may be refilled.
+        __syncthreads();
+        if (n + 1 < nch) load(s + LTC_C, b ^ 1);
+        const bf16* Qb = Qs + b * LTC_QK_ELEMS;
+        const bf16* Kb = Ks + b * LTC_QK_ELEMS;
+        const bf16* Vb = Vs + b * LTC_V_ELEMS;
+        // V as B operands (k = key j, n = value column): vf[ks] = {b0, b1} of columns
+        // 0–7, then of columns 8–15, keys 16ks..16ks+15.
+        unsigned vf[4][4];
+#pragma unroll
+        for (int ks = 0; ks < 4; ++ks)
+            ltc_ldsm_t(vf[ks], ltc_smem(Vb + (16 * ks + 8 * (lm & 1) + lr) * LTC_LDV + 8 * (lm >> 1)));
+
+        if (want_o) {
+            const bf16* Sb = Ss + b * LTC_S_ELEMS;
+            // Q rows 16w.. as A operands over the key dim (8 steps of 16).
+            unsigned qf[8][4];
+#pragma unroll
+            for (int ks = 0; ks < 8; ++ks)
+                ltc_ldsm(qf[ks], ltc_smem(Qb + (16 * w + 8 * (lm & 1) + lr) * LTC_LDQ + 16 * ks + 8 * (lm >> 1)));
+            // P = Q Kᵀ over key tiles 0..2w+1 (the later ones are masked out entirely).
+            float p[8][4];
+#pragma unroll
+            for (int nt = 0; nt < 8; ++nt) p[nt][0] = p[nt][1] = p[nt][2] = p[nt][3] = 0.f;
+#pragma unroll
+            for (int np = 0; np < 4; ++np) {
+                if (np > w) break;  // warp-uniform
+#pragma unroll
+                for (int ks = 0; ks < 8; ++ks) {
+                    unsigned kf[4];
+                    ltc_ldsm(kf, ltc_smem(Kb + (16 * np + 8 * (lm >> 1) + lr) * LTC_LDQ + 16 * ks + 8 * (lm & 1)));
+                    ltc_mma(p[2 * np], qf[ks], kf[0], kf[1]);
+                    ltc_mma(p[2 * np + 1], qf[ks], kf[2], kf[3]);
+                }
+            }
+            // Causal mask and decay: P_ij · scale·γ^{i−j} for j ≤ i, else 0.
+#pragma unroll
+            for (int nt = 0; nt < 8; ++nt)
+#pragma unroll
+                for (int e = 0; e < 4; ++e) {
+                    const int i = 16 * w + g + (e >> 1) * 8, j = 8 * nt + 2 * qd + (e & 1);
+                    p[nt][e] = j <= i ? p[nt][e] * (pw[i - j] * scale) : 0.f;
+                }
+            // Intra-chunk part P V and inter-chunk part Q S₀.
+            float oi[2][4] = {{0.f, 0.f, 0.f, 0.f}, {0.f, 0.f, 0.f, 0.f}};
+            float oq[2][4] = {{0.f, 0.f, 0.f, 0.f}, {0.f, 0.f, 0.f, 0.f}};
+#pragma unroll
+            for (int ks = 0; ks < 4; ++ks) {
+                if (ks > w) break;  // warp-uniform: keys past the warp's rows
+                const unsigned a[4] = {ltc_pack(p[2 * ks][0], p[2 * ks][1]), ltc_pack(p[2 * ks][2], p[2 * ks][3]),
+                                       ltc_pack(p[2 * ks + 1][0], p[2 * ks + 1][1]),
+                                       ltc_pack(p[2 * ks + 1][2], p[2 * ks + 1][3])};
+                ltc_mma(oi[0], a, vf[ks][0], vf[ks][1]);
+                ltc_mma(oi[1], a, vf[ks][2], vf[ks][3]);
+            }
+#pragma unroll
+            for (int ks = 0; ks < 8; ++ks) {
+                unsigned sf[4];
+                ltc_ldsm_t(sf, ltc_smem(Sb + (16 * ks + 8 * (lm & 1) + lr) * LTC_LDV + 8 * (lm >> 1)));
+                ltc_mma(oq[0], qf[ks], sf[0], sf[1]);
+                ltc_mma(oq[1], qf[ks], sf[2], sf[3]);
+            }
+#pragma unroll
+            for (int hf = 0; hf < 2; ++hf) {
+                const int i = 16 * w + g + 8 * hf;
+                if (i >= L) continue;
+                const float a = pw[i + 1] * scale;
+                bf16* dst = o + ((size_t)(s + i) * H + h) * LTC_D + cb + 2 * qd;
+#pragma unroll
+                for (int nt = 0; nt < 2; ++nt) {
+                    const float x0 = oi[nt][2 * hf] + a * oq[nt][2 * hf];
+                    const float x1 = oi[nt][2 * hf + 1] + a * oq[nt][2 * hf + 1];
+                    *reinterpret_cast<unsigned*>(dst + 8 * nt) = ltc_pack(x0, x1);
+                }
+            }
+        }
+
+        // State update: S ← γ^L S + Kᵀ Ṽ, Ṽ_j = γ^{L−1−j} v_j (0 past the chunk's end).
+        const float dl = pw[L];
+#pragma unroll
+        for (int ks = 0; ks < 4; ++ks)
+#pragma unroll
+            for (int r = 0; r < 4; ++r) {
+                const int j = 16 * ks + 2 * qd + (r & 1) * 8;
+                const float f0 = j < L ? pw[L - 1 - j] : 0.f;
+                const float f1 = j + 1 < L ? pw[L - 2 - j] : 0.f;
+                vf[ks][r] = ltc_pack(ltc_lo(vf[ks][r]) * f0, ltc_hi(vf[ks][r]) * f1);
+            }
+#pragma unroll
+        for (int mt = 0; mt < 2; ++mt) {
+#pragma unroll
+            for (int nt = 0; nt < 2; ++nt)
+#pragma unroll
+                for (int e = 0; e < 4; ++e) sacc[mt][nt][e] *= dl;
+#pragma unroll
+            for (int ks = 0; ks < 4; ++ks) {
+                // Kᵀ rows 32w + 16mt.. as an A operand over keys 16ks..: the transposes of
+                // K's 8×8 blocks (keys, channels) (0, 0), (0, 8), (8, 0), (8, 8).
+                unsigned kf[4];
+                ltc_ldsm_t(kf, ltc_smem(Kb + (16 * ks + 8 * (lm >> 1) + lr) * LTC_LDQ + 32 * w + 16 * mt +
+                                        8 * (lm & 1)));
+                ltc_mma(sacc[mt][0], kf, vf[ks][0], vf[ks][1]);
+                ltc_mma(sacc[mt][1], kf, vf[ks][2], vf[ks][3]);
+            }
+        }
+        store_s(b ^ 1);
+    }
+#pragma unroll
+    for (int mt = 0; mt < 2; ++mt)
+#pragma unroll
+        for (int nt = 0; nt < 2; ++nt) {
+            const int r = 32 * w + 16 * mt + g, c = cb + 8 * nt + 2 * qd;
+            S[(size_t)r * LTC_D + c] = sacc[mt][nt][0];
+            S[(size_t)r * LTC_D + c + 1] = sacc[mt][nt][1];
+            S[(size_t)(r + 8) * LTC_D + c] = sacc[mt][nt][2];
+            S[(size_t)(r + 8) * LTC_D + c + 1] = sacc[mt][nt][3];
+        }
+}
