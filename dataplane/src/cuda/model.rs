@@ -296,6 +296,11 @@ struct KvBuf<T> {
 pub struct GpuKv<T> {
     buf: Arc<KvBuf<T>>,
     pub(crate) len: usize,
+    /// Rows `len..claimed` of `buf` are reserved for this holder (it moved the tip
+    /// past them and has not written them yet); `claimed ≥ len`. A second claim of
+    /// rows it already holds (a graph step falling back to the eager one) is then
+    /// free, not a copy.
+    claimed: usize,
     /// Elements per cached token: `Hkv · hd`.
     pub(crate) row: usize,
 }
@@ -340,6 +345,7 @@ impl<T: Elem> GpuKv<T> {
                 tip: AtomicUsize::new(0),
             }),
             len: 0,
+            claimed: 0,
             row,
         })
     }
@@ -392,6 +398,9 @@ impl<T: Elem> GpuKv<T> {
         GpuKv {
             buf: self.buf.clone(),
             len: self.len,
+            // The rows this holder reserved stay its own: the new holder's appends
+            // copy first.
+            claimed: self.len,
             row: self.row,
         }
     }
@@ -400,10 +409,15 @@ impl<T: Elem> GpuKv<T> {
     /// the room and this holder is at its tip (claimed by moving the tip to `need`),
     /// else into new buffers (capacity doubling) holding a copy of rows `..len`.
     fn claim(&mut self, gpu: &Gpu, need: usize) -> Result<()> {
+        if need <= self.claimed {
+            // Reserved by this holder's earlier claim (claimed ≤ cap).
+            return Ok(());
+        }
         if need <= self.buf.cap {
             if let Some(b) = Arc::get_mut(&mut self.buf) {
                 // Sole holder: rows past `len` are nobody's.
                 b.tip.store(need, Ordering::Release);
+                self.claimed = need;
                 return Ok(());
             }
         }
@@ -411,9 +425,15 @@ impl<T: Elem> GpuKv<T> {
             && self
                 .buf
                 .tip
-                .compare_exchange(self.len, need, Ordering::AcqRel, Ordering::Acquire)
+                .compare_exchange(
+                    self.claimed.max(self.len),
+                    need,
+                    Ordering::AcqRel,
+                    Ordering::Acquire,
+                )
                 .is_ok()
         {
+            self.claimed = need;
             return Ok(());
         }
         let grow = if need > self.buf.cap {
@@ -437,6 +457,7 @@ impl<T: Elem> GpuKv<T> {
         }
         fresh.buf.tip.store(need, Ordering::Release);
         self.buf = fresh.buf;
+        self.claimed = need;
         Ok(())
     }
 
@@ -504,10 +525,9 @@ impl<T: Elem> GpuKv<T> {
     /// Counts the row claimed by [`GpuKv::claim_next`] as appended, after a batched
     /// append wrote it ([`attn::kv_append_rows`]).
     ///
-    /// Errors: the buffer's rows are not claimed past `len` (by this holder or, for a
-    /// shared buffer, another one: the caller claims first).
+    /// Errors: this holder has not claimed row `len` (the caller claims first).
     pub(crate) fn appended_claimed(&mut self) -> Result<()> {
-        if self.len + 1 > self.buf.cap || self.buf.tip.load(Ordering::Acquire) < self.len + 1 {
+        if self.len + 1 > self.claimed {
             return Err(shape_err("batched KV append without a claimed row".into()));
         }
         self.len += 1;
@@ -537,7 +557,7 @@ impl<T: Elem> GpuKv<T> {
         pos: &CudaSlice<i64>,
         n_kv_dev: &cudarc::driver::CudaView<'_, i32>,
     ) -> Result<()> {
-        if self.len + 1 > self.buf.cap || self.buf.tip.load(Ordering::Acquire) < self.len + 1 {
+        if self.len + 1 > self.claimed {
             return Err(shape_err("append_dev without a claimed row".into()));
         }
         attn::kv_append_dev(
@@ -569,6 +589,7 @@ impl<T: Elem> GpuKv<T> {
             st.memcpy_htod(&kv.positions, &mut b.pos.slice_mut(..n))?;
             b.tip.store(n, Ordering::Release);
             g.len = n;
+            g.claimed = n;
         }
         Ok(g)
     }
@@ -3626,5 +3647,49 @@ mod tests {
             check_config(&c).unwrap_or_else(|e| panic!("{name}: {e}"));
             assert!(super::super::random::check_moe_config(&c).is_ok(), "{name}");
         }
+    }
+
+    /// KV rows claimed for a decode step: a second claim of the same row by its holder
+    /// (a graph step falling back to the eager one) keeps the buffers; a holder sharing
+    /// the buffers copies before it writes; a holder that claimed nothing cannot count
+    /// a batched append. Needs a CUDA device (prints `skipped: …` without one).
+    #[test]
+    fn kv_claims_are_per_holder() {
+        let gpu = match Gpu::new(0) {
+            Ok(g) => g,
+            Err(e) => {
+                println!("skipped: no usable CUDA device ({e})");
+                return;
+            }
+        };
+        let g = &*gpu;
+        let row = 4usize;
+        let mut a = GpuKv::<f32>::with_capacity(g, row, 16).unwrap();
+        let k = g.upload(&vec![1f32; 2 * row]).unwrap();
+        let pos = g.upload(&[0i64, 1]).unwrap();
+        a.append(g, &k, &k, &pos, 2).unwrap();
+        let snapshot = a.share();
+        a.claim_next(g).unwrap();
+        let key = a.key(g);
+        a.claim_next(g).unwrap();
+        assert_eq!(
+            a.key(g),
+            key,
+            "a second claim of the same row copied the cache"
+        );
+        a.appended_claimed().unwrap();
+        assert_eq!((a.len(), a.key(g)), (3, key));
+        // The snapshot's buffer tip moved past its len: its own claim copies.
+        let mut b = snapshot.share();
+        b.claim_next(g).unwrap();
+        assert_ne!(
+            b.key(g)[0],
+            key[0],
+            "a shared holder wrote into another's rows"
+        );
+        b.appended_claimed().unwrap();
+        // No claim of its own: refused (before, another holder's tip let it pass).
+        let mut c = snapshot.share();
+        assert!(c.appended_claimed().is_err());
     }
 }
