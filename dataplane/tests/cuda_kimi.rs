@@ -705,7 +705,7 @@ mod gpu {
 
     /// The tensor-core chunked KDA (`kda::chunked_tc`, kernels/kda_tc.cu) against the
     /// per-token kernel (`kda::recurrent`) on the same bf16 inputs and fp32 initial
-    /// state, around every chunk and sub-chunk edge and at T = 1000 and 4096, Hk = Hv = 2
+    /// state, around every chunk and sub-chunk edge and at T = 1000, 4096 and 4200 (two slabs of `kda::TC_SLAB`), Hk = Hv = 2
     /// and Hk = 1 < Hv = 2, with mild decays (g in [−0.1, 0]), mixed ones (10% of the
     /// entries −5) and strong ones (g in [−8, 0]).
     ///
@@ -722,7 +722,9 @@ mod gpu {
         const TC_L2_TOL: f64 = 1e-2;
         const TC_MAX_TOL: f64 = 5e-3;
         let mut rep = Report::new("kda_tc_matches_recurrent");
-        let lens = [1usize, 15, 16, 17, 63, 64, 65, 128, 200, 300, 1000, 4096];
+        let lens = [
+            1usize, 15, 16, 17, 63, 64, 65, 128, 200, 300, 1000, 4096, 4200,
+        ];
         for (si, &(hk, hv)) in [(2usize, 2usize), (1, 2)].iter().enumerate() {
             for &t in &lens {
                 for (di, decay) in ["mild", "mixed", "strong"].into_iter().enumerate() {

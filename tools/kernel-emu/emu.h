@@ -196,11 +196,27 @@ inline void emu_launch(emu_dim3 grid, unsigned threads, size_t dyn, std::functio
                 f.ctx.uc_link = nullptr;
                 makecontext(&f.ctx, emu_fiber_entry, 0);
             }
+            // EMU_SCHED=rev|rand: threads resume in reverse or shuffled order between
+            // barriers (the default is 0..N-1), so that a same-phase write and read by
+            // different warps shows up whichever warp runs first.
+            static unsigned emu_rng = 12345u;
+            const char* sched = getenv("EMU_SCHED");
+            std::vector<size_t> order(threads);
+            for (size_t i = 0; i < threads; ++i) order[i] = i;
+            if (sched && sched[0] == 'r' && sched[1] == 'e') std::reverse(order.begin(), order.end());
             size_t left = threads;
             while (left) {
                 bool progress = false;
                 left = 0;
-                for (auto& f : emu.th) {
+                if (sched && sched[0] == 'r' && sched[1] == 'a') {
+                    // shuffle by warps (keeps warp-collective behaviour realistic) and threads
+                    for (size_t i = threads - 1; i > 0; --i) {
+                        emu_rng = emu_rng * 1103515245u + 12345u;
+                        std::swap(order[i], order[(emu_rng >> 8) % (i + 1)]);
+                    }
+                }
+                for (size_t oi = 0; oi < threads; ++oi) {
+                    auto& f = emu.th[order[oi]];
                     if (f.done) continue;
                     if (f.waiting && f.waiting->gen == f.wait_gen) {
                         ++left;

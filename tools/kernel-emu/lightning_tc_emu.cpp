@@ -122,6 +122,9 @@ static void case_(int t, int H, const std::vector<float>& ld, unsigned seed) {
 }
 
 int main() {
+    // EMU_EAGER_CP=1: cp.async copies land when issued (with EMU_SCHED=rev|rand, emu.h,
+    // a buffer refilled while another warp still reads it shows up).
+    emu.eager_cp = std::getenv("EMU_EAGER_CP") && std::atoi(std::getenv("EMU_EAGER_CP"));
     std::printf("lt_chunk_tc_bf16 against the double-precision recurrence\n");
     // ALiBi-like slopes (weak and strong), and a head with a very strong decay.
     const std::vector<float> weak = {-0.0039f, -0.25f};

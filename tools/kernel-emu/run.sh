@@ -278,6 +278,8 @@ open(dst, "w").write(common + '\n#line 1 "lightning_tc.cu"\n' + src)
 PY
     $CXX -ffp-contract=off -o "$out/lightning_tc_emu" "$here/lightning_tc_emu.cpp"
     "$out/lightning_tc_emu"
+    echo "(again: EMU_SCHED=rev EMU_EAGER_CP=1 EMU_QUICK=1)"
+    EMU_SCHED=rev EMU_EAGER_CP=1 EMU_QUICK=1 "$out/lightning_tc_emu"
     ;;
 lightning)
     # lightning.cu whole, plus moe_route_rule cut out of moe.cu (its other kernels use PTX).
@@ -311,6 +313,10 @@ PY
     # -fno-strict-aliasing: the kernel reads bf16 pairs and fragments through 32-bit loads.
     $CXX -ffp-contract=off -fno-strict-aliasing -o "$out/kda_tc_emu" "$here/kda_tc_emu.cpp"
     "$out/kda_tc_emu"
+    # Again with copies landing as issued and threads resumed in reverse order (hazards
+    # between warps that the default order hides); wait_group is exact in both runs.
+    echo "(again: EMU_SCHED=rev EMU_EAGER_CP=1 EMU_QUICK=1)"
+    EMU_SCHED=rev EMU_EAGER_CP=1 EMU_QUICK=1 "$out/kda_tc_emu"
     ;;
 gdn-rows)
     # The one-token recurrence section of gdr.cu (with its batched form) and conv.cu.

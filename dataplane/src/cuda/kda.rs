@@ -18,7 +18,7 @@
 use cudarc::driver::{LaunchConfig, PushKernelArg};
 
 use super::compile::{KDA, KDA_TC};
-use super::{check_len, dim_i32, shape_err, CudaSlice, Elem, Gpu, Result, Scratch};
+use super::{check_align16, check_len, dim_i32, shape_err, CudaSlice, Elem, Gpu, Result, Scratch};
 use crate::mixers::gated_deltanet::GdrDims;
 
 /// Tokens per chunk of [`chunked`] (the CPU's `mixers::kda::KDA_CHUNK`).
@@ -164,6 +164,9 @@ pub const TC_DIM: usize = 128;
 /// Most chunks of [`chunked_tc`]: its prep and output kernels put the chunks on grid y
 /// (T ≤ 65 535 · [`CHUNK`] tokens per call).
 pub const TC_MAX_CHUNKS: usize = 65_535;
+/// Tokens per launch group of [`chunked_tc`]: its scratch holds one slab's chunks
+/// (`Hv · TC_SLAB/64 · 80.5 KiB`).
+pub const TC_SLAB: usize = 4096;
 /// Value columns per block of `kda_state_tc_bf16` (2 warps of 16; grid Hv × 4).
 const TC_STATE_BV: usize = 32;
 // Dynamic shared memory of the three kernels (KT_PREP_SMEM, KT_STATE_SMEM, KT_OUT_SMEM
@@ -205,13 +208,15 @@ pub fn tc_applies<T: Elem>(d: &GdrDims) -> bool {
 ///
 /// Three launches on chunks of 64 tokens: `kda_prep_tc_bf16` (grid Hv × NT, 256
 /// threads), `kda_state_tc_bf16` (grid Hv × 4, 64 threads; sequential over the chunks)
-/// and `kda_output_tc_bf16` (as prep). Scratch from [`Gpu::scratch`]: per (head, chunk)
-/// 80 KiB of bf16 fragment tiles (W, K̃ᵀ, Uᵀ/Ũᵀ, the chunk-initial state) and 512 B of
-/// decays — `Hv·NT·80.5 KiB`.
+/// and `kda_output_tc_bf16` (as prep), per slab of [`TC_SLAB`] tokens. Scratch from
+/// [`Gpu::scratch`]: per (head, chunk of a slab) 80 KiB of bf16 fragment tiles (W, K̃ᵀ,
+/// Uᵀ/Ũᵀ, the chunk-initial state) and 512 B of decays — at most
+/// `Hv·TC_SLAB/64·80.5 KiB`. q, k, v and g must start at multiples of 16 bytes (16-byte
+/// `cp.async` copies).
 ///
 /// Errors: [`CudaError::Shape`] when `T` is not bf16, `dk` or `dv` is not 128, the span
-/// has more than [`TC_MAX_CHUNKS`] chunks, a buffer is shorter than `d` needs or `Hv` is
-/// not a multiple of `Hk`; driver errors.
+/// has more than [`TC_MAX_CHUNKS`] chunks, a buffer is shorter than `d` needs, q/k/v/g
+/// are not 16-byte aligned, or `Hv` is not a multiple of `Hk`; driver errors.
 ///
 /// [`CudaError::Shape`]: super::CudaError::Shape
 #[allow(clippy::too_many_arguments)]
@@ -246,76 +251,94 @@ pub fn chunked_tc<T: Elem>(
     if d.t == 0 || d.hv == 0 {
         return Ok(());
     }
-    let tiles = nt * d.hv;
+    for (n, x) in [("q", q), ("k", k), ("v", v)] {
+        check_align16(gpu, n, x)?;
+    }
+    check_align16(gpu, "g", g)?;
+    // Slabs of at most TC_SLAB tokens bound the scratch; the state advances in place
+    // from slab to slab (the same result as one call over the span).
+    let slab_chunks = nt.min(TC_SLAB / TC_CH);
+    let tiles = slab_chunks * d.hv;
     let mut w: Scratch<f32> = gpu.scratch(tiles * TILE_F32)?;
     let mut kt: Scratch<f32> = gpu.scratch(tiles * TILE_F32)?;
     let mut u: Scratch<f32> = gpu.scratch(tiles * TILE_F32)?;
     let mut hs: Scratch<f32> = gpu.scratch(tiles * 2 * TILE_F32)?;
     let mut dl: Scratch<f32> = gpu.scratch(tiles * TC_DIM)?;
-    let (t, hk, hv) = (
-        dim_i32("t", d.t)?,
-        dim_i32("Hk", d.hk)?,
-        dim_i32("Hv", d.hv)?,
-    );
-    // Prep: W, K̃ᵀ, Uᵀ, e^{G_last} per (head, chunk); grid (Hv, NT), value heads fastest.
-    let f = gpu.function(&KDA_TC, "kda_prep_tc_bf16", SMEM_PREP_TC)?;
-    let cfg = LaunchConfig {
-        grid_dim: (d.hv as u32, nt as u32, 1),
-        block_dim: (256, 1, 1),
-        shared_mem_bytes: SMEM_PREP_TC,
-    };
-    let mut b = gpu.stream().launch_builder(&f);
-    b.arg(k)
-        .arg(v)
-        .arg(g)
-        .arg(beta)
-        .arg(&mut *w)
-        .arg(&mut *kt)
-        .arg(&mut *u)
-        .arg(&mut *dl)
-        .arg(&t)
-        .arg(&hk)
-        .arg(&hv);
-    // SAFETY: matches `kda_prep_tc_bf16`; T is bf16 and dk = dv = 128 (checked above),
-    // inputs checked by `check`, scratch sized per tile as kda_tc.cu lays it out, nt ≤
-    // 65 535 (grid y).
-    unsafe { b.launch(cfg) }?;
-    // State: sequential over the chunks; Ũ over U, snapshots into hs.
-    let f = gpu.function(&KDA_TC, "kda_state_tc_bf16", SMEM_STATE_TC)?;
-    let cfg = LaunchConfig {
-        grid_dim: (d.hv as u32, (TC_DIM / TC_STATE_BV) as u32, 1),
-        block_dim: (2 * TC_STATE_BV as u32, 1, 1),
-        shared_mem_bytes: SMEM_STATE_TC,
-    };
-    let mut b = gpu.stream().launch_builder(&f);
-    b.arg(&*w)
-        .arg(&*kt)
-        .arg(&mut *u)
-        .arg(&*dl)
-        .arg(state)
-        .arg(&mut *hs)
-        .arg(&t);
-    // SAFETY: matches `kda_state_tc_bf16`; buffers sized above, state [Hv, 128, 128].
-    unsafe { b.launch(cfg) }?;
-    // Output: grid (Hv, NT), value heads fastest.
-    let f = gpu.function(&KDA_TC, "kda_output_tc_bf16", SMEM_OUT_TC)?;
-    let cfg = LaunchConfig {
-        grid_dim: (d.hv as u32, nt as u32, 1),
-        block_dim: (256, 1, 1),
-        shared_mem_bytes: SMEM_OUT_TC,
-    };
-    let mut b = gpu.stream().launch_builder(&f);
-    b.arg(q)
-        .arg(k)
-        .arg(g)
-        .arg(&*u)
-        .arg(&*hs)
-        .arg(out)
-        .arg(&t)
-        .arg(&hk)
-        .arg(&hv);
-    // SAFETY: matches `kda_output_tc_bf16`; buffers sized above, nt ≤ 65 535 (grid y).
-    unsafe { b.launch(cfg) }?;
+    let (hk, hv) = (dim_i32("Hk", d.hk)?, dim_i32("Hv", d.hv)?);
+    let fp = gpu.function(&KDA_TC, "kda_prep_tc_bf16", SMEM_PREP_TC)?;
+    let fs = gpu.function(&KDA_TC, "kda_state_tc_bf16", SMEM_STATE_TC)?;
+    let fo = gpu.function(&KDA_TC, "kda_output_tc_bf16", SMEM_OUT_TC)?;
+    let (wk, wv) = (d.hk * TC_DIM, d.hv * TC_DIM);
+    let mut a = 0usize;
+    while a < d.t {
+        let n = TC_SLAB.min(d.t - a);
+        let nts = n.div_ceil(TC_CH);
+        let t = dim_i32("slab", n)?;
+        // Slab views start at a multiple of TC_SLAB rows: still 16-byte aligned.
+        let (qs, ks) = (q.slice(a * wk..(a + n) * wk), k.slice(a * wk..(a + n) * wk));
+        let vs = v.slice(a * wv..(a + n) * wv);
+        let gs = g.slice(a * wv..(a + n) * wv);
+        let bs = beta.slice(a * d.hv..(a + n) * d.hv);
+        let mut os = out.slice_mut(a * wv..(a + n) * wv);
+        // Prep: W, K̃ᵀ, Uᵀ, e^{G_last} per (head, chunk); grid (Hv, NT), value heads fastest.
+        let cfg = LaunchConfig {
+            grid_dim: (d.hv as u32, nts as u32, 1),
+            block_dim: (256, 1, 1),
+            shared_mem_bytes: SMEM_PREP_TC,
+        };
+        let mut b = gpu.stream().launch_builder(&fp);
+        b.arg(&ks)
+            .arg(&vs)
+            .arg(&gs)
+            .arg(&bs)
+            .arg(&mut *w)
+            .arg(&mut *kt)
+            .arg(&mut *u)
+            .arg(&mut *dl)
+            .arg(&t)
+            .arg(&hk)
+            .arg(&hv);
+        // SAFETY: matches `kda_prep_tc_bf16`; T is bf16 and dk = dv = 128 (checked
+        // above), the slab views hold n rows of inputs checked by `check`, scratch sized
+        // for slab_chunks ≥ nts chunks per head as kda_tc.cu lays it out, nts ≤ 65 535
+        // (grid y).
+        unsafe { b.launch(cfg) }?;
+        // State: sequential over the chunks; Ũ over U, snapshots into hs.
+        let cfg = LaunchConfig {
+            grid_dim: (d.hv as u32, (TC_DIM / TC_STATE_BV) as u32, 1),
+            block_dim: (2 * TC_STATE_BV as u32, 1, 1),
+            shared_mem_bytes: SMEM_STATE_TC,
+        };
+        let mut b = gpu.stream().launch_builder(&fs);
+        b.arg(&*w)
+            .arg(&*kt)
+            .arg(&mut *u)
+            .arg(&*dl)
+            .arg(&mut *state)
+            .arg(&mut *hs)
+            .arg(&t);
+        // SAFETY: matches `kda_state_tc_bf16`; buffers sized above, state [Hv, 128, 128].
+        unsafe { b.launch(cfg) }?;
+        // Output: grid (Hv, NT), value heads fastest.
+        let cfg = LaunchConfig {
+            grid_dim: (d.hv as u32, nts as u32, 1),
+            block_dim: (256, 1, 1),
+            shared_mem_bytes: SMEM_OUT_TC,
+        };
+        let mut b = gpu.stream().launch_builder(&fo);
+        b.arg(&qs)
+            .arg(&ks)
+            .arg(&gs)
+            .arg(&*u)
+            .arg(&*hs)
+            .arg(&mut os)
+            .arg(&t)
+            .arg(&hk)
+            .arg(&hv);
+        // SAFETY: matches `kda_output_tc_bf16`; buffers sized above, nts ≤ 65 535.
+        unsafe { b.launch(cfg) }?;
+        a += n;
+    }
     Ok(())
 }
 

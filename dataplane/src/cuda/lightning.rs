@@ -26,7 +26,7 @@
 use cudarc::driver::{LaunchConfig, PushKernelArg};
 
 use super::compile::{LIGHTNING, LIGHTNING_TC};
-use super::{cfg1, check_len, dim_i32, shape_err, CudaSlice, Elem, Gpu, Result};
+use super::{cfg1, check_align16, check_len, dim_i32, shape_err, CudaSlice, Elem, Gpu, Result};
 use crate::mixers::lightning::LightningDims;
 
 /// Chunk length of [`chunked`] (`LT_C` in lightning.cu).
@@ -421,7 +421,8 @@ const TC_SMEM: usize = 2 * (2 * 64 * 136 + 64 * 24 + 128 * 24) * 2 + 65 * 4;
 /// columns; the chunks run in order inside it.
 ///
 /// Errors: [`CudaError::Shape`] unless `T` is bf16 and `dk = dv = 128`, for short
-/// buffers, or more than 65 535 heads.
+/// buffers, or q, k, v not starting at a multiple of 16 bytes (the kernel copies them
+/// with 16-byte `cp.async`).
 #[allow(clippy::too_many_arguments)]
 pub fn chunked_tc<T: Elem>(
     gpu: &Gpu,
@@ -450,11 +451,11 @@ pub fn chunked_tc<T: Elem>(
     if let Some(o) = &o {
         check_len("o [T, H, dv]", o, d.t * d.h * d.dv)?;
     }
-    if d.h > 65_535 {
-        return Err(shape_err(format!("{} heads: too many for the grid", d.h)));
-    }
     if d.t == 0 || d.h == 0 {
         return Ok(());
+    }
+    for (n, x) in [("q", q), ("k", k), ("v", v)] {
+        check_align16(gpu, n, x)?;
     }
     let f = gpu.function(&LIGHTNING_TC, "lt_chunk_tc_bf16", TC_SMEM as u32)?;
     let cfg = LaunchConfig {
@@ -472,9 +473,8 @@ pub fn chunked_tc<T: Elem>(
     };
     b.arg(&ti).arg(&hi);
     // SAFETY: matches `lt_chunk_tc_bf16`; T is bf16 (checked), q/k/v/o [T, H, 128],
-    // state [H, 128, 128] checked above; device allocations and the views the layer
-    // passes start at multiples of 16 bytes (row starts are multiples of 256 bytes);
-    // dynamic shared memory as LTC_SMEM, opted into by `Gpu::function`.
+    // state [H, 128, 128] checked above; q, k, v 16-byte aligned (checked; their rows
+    // are 256 bytes); dynamic shared memory as LTC_SMEM, opted into by `Gpu::function`.
     unsafe { b.launch(cfg) }?;
     Ok(())
 }

@@ -515,6 +515,19 @@ pub(crate) fn check_len<T>(name: &str, buf: &CudaSlice<T>, need: usize) -> Resul
     Ok(())
 }
 
+/// Errors unless `buf` starts at a multiple of 16 bytes (kernels that copy it with
+/// 16-byte `cp.async` need that; allocations do, views at an offset may not).
+pub(crate) fn check_align16<T>(gpu: &Gpu, name: &str, buf: &CudaSlice<T>) -> Result<()> {
+    use cudarc::driver::DevicePtr;
+    let (p, _rec) = buf.device_ptr(gpu.stream());
+    if p % 16 != 0 {
+        return Err(CudaError::Shape(format!(
+            "`{name}` starts at {p:#x}, not a multiple of 16 bytes"
+        )));
+    }
+    Ok(())
+}
+
 /// Grid size for a grid-stride loop over `n` items with `block` threads.
 pub(crate) fn grid_for(n: usize, block: u32) -> u32 {
     (n.div_ceil(block as usize)).clamp(1, 65_535 * 16) as u32
