@@ -18,6 +18,11 @@
 // bf16 copy of S₀, and Ṽ = γ^{L−1−j} v_j. Decay powers γ^n = exp(n·g_h) from double
 // precision, rounded once (as lt_chunk).
 //
+// Split form (the same results bit for bit): lt_scores_tc_bf16 computes every chunk's masked
+// scores P at once (one block per chunk and head; the state plays no part in them) into a
+// fragment-ordered buffer, and lt_chunk_pre_tc_bf16 runs the chunk loop with P copied in
+// beside the tiles, so the sequential part does only P V, Q S₀ and the state update.
+//
 // Layouts: q, k [t, H, 128], v and o [t, H, 128] bf16, token-major; log_decay [H] fp32;
 // state [H, 128, 128] fp32 K-major (S[h][key][value]), advanced in place. o = null: a
 // state-only pass (q not read). Needs 16-byte aligned q, k, v. Grid (H, 128 / 16),
@@ -34,6 +39,10 @@
 #define LTC_S_ELEMS (LTC_D * LTC_LDV)
 // Q[2], K[2], V[2], S[2] (bf16), then the decay powers pw[0..LTC_C] (fp32).
 #define LTC_SMEM (2 * (2 * LTC_QK_ELEMS + LTC_V_ELEMS + LTC_S_ELEMS) * 2 + (LTC_C + 1) * 4)
+// lt_chunk_pre_tc_bf16: LTC_SMEM rounded up to 16 bytes, then the score fragments [2][16 · 32] uint4.
+#define LTC_PRE_SMEM (((LTC_SMEM + 15) / 16) * 16 + 2 * 512 * 16)
+// lt_scores_tc_bf16: one Q and one K tile, the decay powers.
+#define LTC_SCORES_SMEM (2 * LTC_QK_ELEMS * 2 + (LTC_C + 1) * 4)
 
 // ---------------------------------------------------------------------------------------
 // Warp-level primitives (inline PTX). HYPIC_HOST_EMU: a host build supplies its own.
@@ -84,16 +93,68 @@ __device__ __forceinline__ float ltc_lo(unsigned x) { return __uint_as_float(x <
 __device__ __forceinline__ float ltc_hi(unsigned x) { return __uint_as_float(x & 0xffff0000u); }
 #endif
 
-extern "C" __global__ void __launch_bounds__(128)
-    lt_chunk_tc_bf16(const bf16* __restrict__ q, const bf16* __restrict__ k, const bf16* __restrict__ v,
-                     const float* __restrict__ log_decay, float scale, float* __restrict__ state,
-                     bf16* __restrict__ o, int t, int H) {
+// The masked, decayed score fragments of warp w for its chunk rows 16w..16w+15: pa[ks]
+// is the mma A fragment (keys 16ks..16ks+15, ks ≤ w) of P_ij = scale·γ^{i−j}(q_i·k_j)
+// for j ≤ i, else 0, rounded to bf16. qf: the warp's Q rows as A fragments over the key
+// dim; Kb: the chunk's K tile (row stride LTC_LDQ); pw: γ^0..γ^LTC_C.
+__device__ __forceinline__ void ltc_scores(const unsigned (*qf)[4], const bf16* Kb, const float* pw, float scale,
+                                           unsigned (*pa)[4]) {
+    const int lane = threadIdx.x & 31, w = threadIdx.x >> 5;
+    const int g = lane >> 2, qd = lane & 3, lm = lane >> 3, lr = lane & 7;
+    // P = Q Kᵀ over key tiles 0..2w+1 (the later ones are masked out entirely).
+    float p[8][4];
+#pragma unroll
+    for (int nt = 0; nt < 8; ++nt) p[nt][0] = p[nt][1] = p[nt][2] = p[nt][3] = 0.f;
+#pragma unroll
+    for (int np = 0; np < 4; ++np) {
+        if (np > w) break;  // warp-uniform
+#pragma unroll
+        for (int ks = 0; ks < 8; ++ks) {
+            unsigned kf[4];
+            ltc_ldsm(kf, ltc_smem(Kb + (16 * np + 8 * (lm >> 1) + lr) * LTC_LDQ + 16 * ks + 8 * (lm & 1)));
+            ltc_mma(p[2 * np], qf[ks], kf[0], kf[1]);
+            ltc_mma(p[2 * np + 1], qf[ks], kf[2], kf[3]);
+        }
+    }
+    // Causal mask and decay: P_ij · scale·γ^{i−j} for j ≤ i, else 0.
+#pragma unroll
+    for (int nt = 0; nt < 8; ++nt)
+#pragma unroll
+        for (int e = 0; e < 4; ++e) {
+            const int i = 16 * w + g + (e >> 1) * 8, j = 8 * nt + 2 * qd + (e & 1);
+            p[nt][e] = j <= i ? p[nt][e] * (pw[i - j] * scale) : 0.f;
+        }
+#pragma unroll
+    for (int ks = 0; ks < 4; ++ks) {
+        pa[ks][0] = ltc_pack(p[2 * ks][0], p[2 * ks][1]);
+        pa[ks][1] = ltc_pack(p[2 * ks][2], p[2 * ks][3]);
+        pa[ks][2] = ltc_pack(p[2 * ks + 1][0], p[2 * ks + 1][1]);
+        pa[ks][3] = ltc_pack(p[2 * ks + 1][2], p[2 * ks + 1][3]);
+    }
+}
+
+// Q rows 16w..16w+15 of a Q tile as A fragments over the key dim (8 steps of 16).
+__device__ __forceinline__ void ltc_q_frags(const bf16* Qb, unsigned (*qf)[4]) {
+    const int lane = threadIdx.x & 31, w = threadIdx.x >> 5, lm = lane >> 3, lr = lane & 7;
+#pragma unroll
+    for (int ks = 0; ks < 8; ++ks)
+        ltc_ldsm(qf[ks], ltc_smem(Qb + (16 * w + 8 * (lm & 1) + lr) * LTC_LDQ + 16 * ks + 8 * (lm >> 1)));
+}
+
+// The sequential chunk loop. PRE: the score fragments come from lt_scores_tc_bf16 (pf,
+// [H][n_chunks][16][32] uint4, copied with the chunk's tiles) instead of being computed here.
+template <bool PRE>
+__device__ __forceinline__ void ltc_chunk_impl(const bf16* __restrict__ q, const bf16* __restrict__ k,
+                                               const bf16* __restrict__ v, const uint4* __restrict__ pf,
+                                               const float* __restrict__ log_decay, float scale,
+                                               float* __restrict__ state, bf16* __restrict__ o, int t, int H) {
     extern __shared__ __align__(16) unsigned char ltc_sm[];
     bf16* Qs = reinterpret_cast<bf16*>(ltc_sm);  // [2][LTC_C][LTC_LDQ]
     bf16* Ks = Qs + 2 * LTC_QK_ELEMS;            // [2][LTC_C][LTC_LDQ]
     bf16* Vs = Ks + 2 * LTC_QK_ELEMS;            // [2][LTC_C][LTC_LDV]
     bf16* Ss = Vs + 2 * LTC_V_ELEMS;             // [2][LTC_D][LTC_LDV]
     float* pw = reinterpret_cast<float*>(Ss + 2 * LTC_S_ELEMS);
+    uint4* Ps = reinterpret_cast<uint4*>(ltc_sm + ((LTC_SMEM + 15) / 16) * 16);  // PRE: [2][16 · 32]
     const int h = blockIdx.x, cb = blockIdx.y * LTC_BV;
     const int tid = threadIdx.x, lane = tid & 31, w = tid >> 5;
     const int g = lane >> 2, qd = lane & 3;
@@ -119,6 +180,10 @@ extern "C" __global__ void __launch_bounds__(128)
             const bool ok = i < L;
             const size_t src = ((size_t)(ok ? s + i : s) * H + h) * LTC_D + cb + p * 8;
             ltc_cp16(ltc_smem(Vs + b * LTC_V_ELEMS + i * LTC_LDV + p * 8), v + src, ok);
+        }
+        if (PRE && want_o) {
+            const uint4* src = pf + ((size_t)h * ((t + LTC_C - 1) / LTC_C) + s / LTC_C) * 512;
+            for (int e = tid; e < 512; e += 128) ltc_cp16(ltc_smem(Ps + b * 512 + e), src + e, true);
         }
         ltc_cp_commit();
     };
@@ -174,45 +239,27 @@ extern "C" __global__ void __launch_bounds__(128)
 
         if (want_o) {
             const bf16* Sb = Ss + b * LTC_S_ELEMS;
-            // Q rows 16w.. as A operands over the key dim (8 steps of 16).
             unsigned qf[8][4];
+            ltc_q_frags(Qb, qf);
+            unsigned pa[4][4];
+            if (PRE) {
 #pragma unroll
-            for (int ks = 0; ks < 8; ++ks)
-                ltc_ldsm(qf[ks], ltc_smem(Qb + (16 * w + 8 * (lm & 1) + lr) * LTC_LDQ + 16 * ks + 8 * (lm >> 1)));
-            // P = Q Kᵀ over key tiles 0..2w+1 (the later ones are masked out entirely).
-            float p[8][4];
-#pragma unroll
-            for (int nt = 0; nt < 8; ++nt) p[nt][0] = p[nt][1] = p[nt][2] = p[nt][3] = 0.f;
-#pragma unroll
-            for (int np = 0; np < 4; ++np) {
-                if (np > w) break;  // warp-uniform
-#pragma unroll
-                for (int ks = 0; ks < 8; ++ks) {
-                    unsigned kf[4];
-                    ltc_ldsm(kf, ltc_smem(Kb + (16 * np + 8 * (lm >> 1) + lr) * LTC_LDQ + 16 * ks + 8 * (lm & 1)));
-                    ltc_mma(p[2 * np], qf[ks], kf[0], kf[1]);
-                    ltc_mma(p[2 * np + 1], qf[ks], kf[2], kf[3]);
+                for (int ks = 0; ks < 4; ++ks) {
+                    if (ks > w) break;
+                    const uint4 x = Ps[b * 512 + (4 * w + ks) * 32 + lane];
+                    pa[ks][0] = x.x, pa[ks][1] = x.y, pa[ks][2] = x.z, pa[ks][3] = x.w;
                 }
+            } else {
+                ltc_scores(qf, Kb, pw, scale, pa);
             }
-            // Causal mask and decay: P_ij · scale·γ^{i−j} for j ≤ i, else 0.
-#pragma unroll
-            for (int nt = 0; nt < 8; ++nt)
-#pragma unroll
-                for (int e = 0; e < 4; ++e) {
-                    const int i = 16 * w + g + (e >> 1) * 8, j = 8 * nt + 2 * qd + (e & 1);
-                    p[nt][e] = j <= i ? p[nt][e] * (pw[i - j] * scale) : 0.f;
-                }
             // Intra-chunk part P V and inter-chunk part Q S₀.
             float oi[2][4] = {{0.f, 0.f, 0.f, 0.f}, {0.f, 0.f, 0.f, 0.f}};
             float oq[2][4] = {{0.f, 0.f, 0.f, 0.f}, {0.f, 0.f, 0.f, 0.f}};
 #pragma unroll
             for (int ks = 0; ks < 4; ++ks) {
                 if (ks > w) break;  // warp-uniform: keys past the warp's rows
-                const unsigned a[4] = {ltc_pack(p[2 * ks][0], p[2 * ks][1]), ltc_pack(p[2 * ks][2], p[2 * ks][3]),
-                                       ltc_pack(p[2 * ks + 1][0], p[2 * ks + 1][1]),
-                                       ltc_pack(p[2 * ks + 1][2], p[2 * ks + 1][3])};
-                ltc_mma(oi[0], a, vf[ks][0], vf[ks][1]);
-                ltc_mma(oi[1], a, vf[ks][2], vf[ks][3]);
+                ltc_mma(oi[0], pa[ks], vf[ks][0], vf[ks][1]);
+                ltc_mma(oi[1], pa[ks], vf[ks][2], vf[ks][3]);
             }
 #pragma unroll
             for (int ks = 0; ks < 8; ++ks) {
@@ -276,4 +323,57 @@ extern "C" __global__ void __launch_bounds__(128)
             S[(size_t)(r + 8) * LTC_D + c] = sacc[mt][nt][2];
             S[(size_t)(r + 8) * LTC_D + c + 1] = sacc[mt][nt][3];
         }
+}
+
+extern "C" __global__ void __launch_bounds__(128)
+    lt_chunk_tc_bf16(const bf16* __restrict__ q, const bf16* __restrict__ k, const bf16* __restrict__ v,
+                     const float* __restrict__ log_decay, float scale, float* __restrict__ state,
+                     bf16* __restrict__ o, int t, int H) {
+    ltc_chunk_impl<false>(q, k, v, nullptr, log_decay, scale, state, o, t, H);
+}
+
+// The split form, second launch: the chunk loop with the score fragments of
+// lt_scores_tc_bf16 (pf); o must not be null. Dynamic shared memory LTC_SMEM + 16 KiB.
+extern "C" __global__ void __launch_bounds__(128)
+    lt_chunk_pre_tc_bf16(const bf16* __restrict__ q, const bf16* __restrict__ k, const bf16* __restrict__ v,
+                         const uint4* __restrict__ pf, const float* __restrict__ log_decay, float scale,
+                         float* __restrict__ state, bf16* __restrict__ o, int t, int H) {
+    ltc_chunk_impl<true>(q, k, v, pf, log_decay, scale, state, o, t, H);
+}
+
+// The split form, first launch: every chunk's score fragments at once, one block per
+// (chunk, head) (grid (n_chunks, H), 128 threads, dynamic shared memory LTC_SCORES_SMEM):
+// pf[h][n][4w + ks][lane] = the A fragment pa[ks] of warp w (ks ≤ w; the others are not
+// written), as ltc_scores computes it in the fused kernel.
+extern "C" __global__ void __launch_bounds__(128)
+    lt_scores_tc_bf16(const bf16* __restrict__ q, const bf16* __restrict__ k, const float* __restrict__ log_decay,
+                      float scale, uint4* __restrict__ pf, int t, int H) {
+    extern __shared__ __align__(16) unsigned char ltc_sm[];
+    bf16* Qb = reinterpret_cast<bf16*>(ltc_sm);  // [LTC_C][LTC_LDQ]
+    bf16* Kb = Qb + LTC_QK_ELEMS;                // [LTC_C][LTC_LDQ]
+    float* pw = reinterpret_cast<float*>(Kb + LTC_QK_ELEMS);
+    const int n = blockIdx.x, h = blockIdx.y, nch = gridDim.x;
+    const int tid = threadIdx.x, lane = tid & 31, w = tid >> 5;
+    const int s = n * LTC_C, L = min(LTC_C, t - s);
+    const double gl = (double)log_decay[h];
+    for (int e = tid; e <= LTC_C; e += 128) pw[e] = (float)exp(gl * (double)e);
+    for (int e = tid; e < LTC_C * 16; e += 128) {
+        const int i = e >> 4, p = e & 15;
+        const bool ok = i < L;
+        const size_t src = ((size_t)(ok ? s + i : s) * H + h) * LTC_D + p * 8;
+        ltc_cp16(ltc_smem(Kb + i * LTC_LDQ + p * 8), k + src, ok);
+        ltc_cp16(ltc_smem(Qb + i * LTC_LDQ + p * 8), q + src, ok);
+    }
+    ltc_cp_commit();
+    ltc_cp_wait_all();
+    __syncthreads();
+    unsigned qf[8][4], pa[4][4];
+    ltc_q_frags(Qb, qf);
+    ltc_scores(qf, Kb, pw, scale, pa);
+    uint4* dst = pf + ((size_t)h * nch + n) * 512;
+#pragma unroll
+    for (int ks = 0; ks < 4; ++ks) {
+        if (ks > w) break;
+        dst[(4 * w + ks) * 32 + lane] = make_uint4(pa[ks][0], pa[ks][1], pa[ks][2], pa[ks][3]);
+    }
 }

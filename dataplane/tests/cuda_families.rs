@@ -438,7 +438,9 @@ mod gpu {
     /// The tensor-core prefill (`lightning::chunked_tc`, bf16 q/k/v/o, fp32 state)
     /// against the CPU `naive::recurrent` on the same bf16-rounded inputs, from a nonzero
     /// state, at lengths around its 64-token chunk edges and past 4k, for weak to strong
-    /// decays; its state-only pass leaves the same state bit for bit. Bounds: relative L2
+    /// decays; its state-only pass leaves the same state bit for bit, and its other form
+    /// (`TcForm`; the split one over two slabs at 8200) the same output and state.
+    /// Bounds: relative L2
     /// 1.5e-2 on the output (a bf16 rounding is 2^-9 ≈ 2e-3 relative; the host emulation
     /// measures 2.3e-3), 1e-2 on the state. Also the bf16 `prep` and `out` variants the
     /// tensor-core layer uses equal the fp32-output ones rounded once (bit for bit).
@@ -458,7 +460,7 @@ mod gpu {
         };
         let to_bf = |x: &[f32]| -> Vec<bf16> { x.iter().map(|&v| bf16::from_f32(v)).collect() };
         for t in [
-            1usize, 15, 16, 17, 63, 64, 65, 127, 128, 129, 200, 1000, 4100,
+            1usize, 15, 16, 17, 63, 64, 65, 127, 128, 129, 200, 1000, 4100, 8200,
         ] {
             let dims = LightningDims { t, h, dk: d, dv: d };
             let q = round(pseudo(t * h * d, 31 + t as u64));
@@ -479,10 +481,30 @@ mod gpu {
             );
             let mut st = g.upload(&s0).unwrap();
             let mut st_only = g.upload(&s0).unwrap();
+            let mut st_other = g.upload(&s0).unwrap();
             let mut o = g.zeros::<bf16>(t * h * d).unwrap();
+            let mut o_other = g.zeros::<bf16>(t * h * d).unwrap();
+            let other = match lt::tc_form() {
+                lt::TcForm::Fused => lt::TcForm::Split,
+                lt::TcForm::Split => lt::TcForm::Fused,
+            };
             let r = lt::chunked_tc(&g, &dims, &qd, &kd, &vd, &ld, scale, &mut st, Some(&mut o))
                 .and_then(|_| {
                     lt::chunked_tc(&g, &dims, &qd, &kd, &vd, &ld, scale, &mut st_only, None)
+                })
+                .and_then(|_| {
+                    lt::chunked_tc_with(
+                        other,
+                        &g,
+                        &dims,
+                        &qd,
+                        &kd,
+                        &vd,
+                        &ld,
+                        scale,
+                        &mut st_other,
+                        Some(&mut o_other),
+                    )
                 });
             if let Err(e) = r {
                 rep.check(false, format!("lightning tc t {t}: {e}"));
@@ -490,14 +512,17 @@ mod gpu {
             }
             let og: Vec<f32> = g.download(&o).unwrap().iter().map(|x| x.to_f32()).collect();
             let (sg, sonly) = (g.download(&st).unwrap(), g.download(&st_only).unwrap());
+            let forms_eq = g.download(&st_other).unwrap() == sg
+                && g.download(&o_other).unwrap() == g.download(&o).unwrap();
             let (eo_max, eo) = rel(&og, &o_ref);
             let (_, es) = rel(&sg, &s_ref);
             rep.check(
-                ok(eo, 1.5e-2) && ok(es, 1e-2) && sonly == sg,
+                ok(eo, 1.5e-2) && ok(es, 1e-2) && sonly == sg && forms_eq,
                 format!(
                     "lightning tc H {h} d {d} t {t}: output rel-L2 {eo:.2e} (max-rel {eo_max:.2e}), \
-                     state rel-L2 {es:.2e}, state-only pass {}",
-                    if sonly == sg { "equal" } else { "DIFFERS" }
+                     state rel-L2 {es:.2e}, state-only pass {}, {other:?} form {}",
+                    if sonly == sg { "equal" } else { "DIFFERS" },
+                    if forms_eq { "bit-identical" } else { "DIFFERS" }
                 ),
             );
         }

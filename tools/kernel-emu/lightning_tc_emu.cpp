@@ -3,7 +3,8 @@
 // recurrence S_t = γ_h S_{t−1} + k_t v_tᵀ, o_t = scale·S_tᵀ q_t in double precision on the
 // same bf16 inputs: outputs and final states within bf16 tolerance at lengths around the
 // chunk edges, from a random initial state, for weak and strong decays; a state-only pass
-// (o = null) leaves the same final state bit for bit.
+// (o = null) leaves the same final state bit for bit, and the split form (lt_scores_tc_bf16
+// then lt_chunk_pre_tc_bf16) gives the fused kernel's output and state bit for bit.
 #define HYPIC_HOST_EMU
 #include "emu.h"
 
@@ -20,6 +21,11 @@ inline void ltc_mma(float* c, const unsigned* a, unsigned b0, unsigned b1) {
 inline unsigned ltc_pack(float lo, float hi) { return fa_pack(lo, hi); }
 inline float ltc_lo(unsigned x) { return emu_lo(x); }
 inline float ltc_hi(unsigned x) { return emu_hi(x); }
+
+struct uint4 {
+    unsigned x, y, z, w;
+};
+inline uint4 make_uint4(unsigned x, unsigned y, unsigned z, unsigned w) { return uint4{x, y, z, w}; }
 
 #include "gen_lightning_tc.inc"
 
@@ -63,13 +69,27 @@ static std::vector<bf16> rnd_bf16(size_t n, std::mt19937& r, float lo, float hi)
     return v;
 }
 
+// The fused kernel (split = false) or the split form: lt_scores_tc_bf16, then
+// lt_chunk_pre_tc_bf16 (o required).
 static void run_kernel(int t, int H, const std::vector<bf16>& q, const std::vector<bf16>& k,
                        const std::vector<bf16>& v, const std::vector<float>& ld, float scale,
-                       std::vector<float>& st, std::vector<bf16>* o) {
+                       std::vector<float>& st, std::vector<bf16>* o, bool split = false) {
     // A misaligned or short tile read lands outside these buffers' 16-byte pieces; the
     // emulator checks cp.async alignment.
-    emu_launch(emu_dim3{(unsigned)H, LTC_D / LTC_BV, 1}, 128, LTC_SMEM, [&] {
-        lt_chunk_tc_bf16(q.data(), k.data(), v.data(), ld.data(), scale, st.data(), o ? o->data() : nullptr, t, H);
+    if (!split) {
+        emu_launch(emu_dim3{(unsigned)H, LTC_D / LTC_BV, 1}, 128, LTC_SMEM, [&] {
+            lt_chunk_tc_bf16(q.data(), k.data(), v.data(), ld.data(), scale, st.data(), o ? o->data() : nullptr, t,
+                             H);
+        });
+        return;
+    }
+    const int nch = (t + LTC_C - 1) / LTC_C;
+    // Unwritten fragments (ks > w) hold a NaN pattern: reading one would show.
+    std::vector<uint4> pf((size_t)H * nch * 512, uint4{0x7fc07fc0u, 0x7fc07fc0u, 0x7fc07fc0u, 0x7fc07fc0u});
+    emu_launch(emu_dim3{(unsigned)nch, (unsigned)H, 1}, 128, LTC_SCORES_SMEM,
+               [&] { lt_scores_tc_bf16(q.data(), k.data(), ld.data(), scale, pf.data(), t, H); });
+    emu_launch(emu_dim3{(unsigned)H, LTC_D / LTC_BV, 1}, 128, LTC_PRE_SMEM, [&] {
+        lt_chunk_pre_tc_bf16(q.data(), k.data(), v.data(), pf.data(), ld.data(), scale, st.data(), o->data(), t, H);
     });
 }
 
@@ -119,6 +139,13 @@ static void case_(int t, int H, const std::vector<float>& ld, unsigned seed) {
     run_kernel(t, H, q, k, v, ld, scale, st2, nullptr);
     check(std::memcmp(st2.data(), st.data(), st.size() * 4) == 0,
           "t=" + std::to_string(t) + ": state-only pass leaves the same state, bit for bit");
+
+    std::vector<float> st3 = s0;
+    std::vector<bf16> o3((size_t)t * H * D, __float2bfloat16_rn(NAN));
+    run_kernel(t, H, q, k, v, ld, scale, st3, &o3, true);
+    check(std::memcmp(st3.data(), st.data(), st.size() * 4) == 0 &&
+              std::memcmp(o3.data(), o.data(), o.size() * sizeof(bf16)) == 0,
+          "t=" + std::to_string(t) + ": split form (scores, then the chunk loop) = fused, bit for bit");
 }
 
 int main() {

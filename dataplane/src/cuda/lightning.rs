@@ -395,7 +395,7 @@ pub fn chunked_two_pass(
 
 /// Whether bf16 models run their Lightning prefill on tensor cores ([`chunked_tc`]):
 /// yes unless the environment sets `HYPIC_CUDA_LIGHTNING_TC=0` (read once), which
-/// keeps the fp32 kernels ([`span`]) for A/B runs.
+/// keeps the fp32 kernels ([`span`]) for A/B runs (`=fused` picks [`TcForm::Fused`]).
 pub fn tensor_cores_enabled() -> bool {
     static ON: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
     *ON.get_or_init(|| std::env::var("HYPIC_CUDA_LIGHTNING_TC").map_or(true, |v| v.trim() != "0"))
@@ -409,6 +409,10 @@ const TC_BV: usize = 16;
 /// 64-token q and k tiles of 136 bf16 per row, v tiles and bf16 state copies of 24 per
 /// row, 65 fp32 decay powers).
 const TC_SMEM: usize = 2 * (2 * 64 * 136 + 64 * 24 + 128 * 24) * 2 + 65 * 4;
+/// `LTC_PRE_SMEM`: `TC_SMEM` rounded up to 16 bytes, then two chunks' score fragments.
+const TC_PRE_SMEM: usize = TC_SMEM.div_ceil(16) * 16 + 2 * 512 * 16;
+/// `LTC_SCORES_SMEM`: one q and one k tile, the decay powers.
+const TC_SCORES_SMEM: usize = 2 * 64 * 136 * 2 + 65 * 4;
 
 /// The chunked prefill on tensor cores (`lt_chunk_tc_bf16`, kernels/lightning_tc.cu):
 /// the contract of [`chunked`] with bf16 `q, k` (`[T, H, 128]`), `v` and `o`
@@ -425,6 +429,53 @@ const TC_SMEM: usize = 2 * (2 * 64 * 136 + 64 * 24 + 128 * 24) * 2 + 65 * 4;
 /// with 16-byte `cp.async`).
 #[allow(clippy::too_many_arguments)]
 pub fn chunked_tc<T: Elem>(
+    gpu: &Gpu,
+    d: &LightningDims,
+    q: &CudaSlice<T>,
+    k: &CudaSlice<T>,
+    v: &CudaSlice<T>,
+    log_decay: &CudaSlice<f32>,
+    scale: f32,
+    state: &mut CudaSlice<f32>,
+    o: Option<&mut CudaSlice<T>>,
+) -> Result<()> {
+    chunked_tc_with(tc_form(), gpu, d, q, k, v, log_decay, scale, state, o)
+}
+
+/// How [`chunked_tc`] runs its kernels (the same results bit for bit).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum TcForm {
+    /// One launch (`lt_chunk_tc_bf16`): each block computes its chunks' scores `QKᵀ`
+    /// itself, inside the sequential chunk loop.
+    Fused,
+    /// Per slab of [`TC_SLAB`] tokens, `lt_scores_tc_bf16` computes every chunk's scores
+    /// at once (one block per chunk and head), then `lt_chunk_pre_tc_bf16` runs the
+    /// chunk loop on them; state-only passes take [`TcForm::Fused`] (no scores).
+    Split,
+}
+
+/// Tokens per slab of [`TcForm::Split`]: the score scratch holds one slab
+/// (`H · TC_SLAB/64 · 8 KiB`).
+pub const TC_SLAB: usize = 8192;
+
+/// The form [`chunked_tc`] takes: [`TcForm::Split`] unless the environment sets
+/// `HYPIC_CUDA_LIGHTNING_TC=fused` (read once).
+pub fn tc_form() -> TcForm {
+    static F: std::sync::OnceLock<TcForm> = std::sync::OnceLock::new();
+    *F.get_or_init(|| {
+        match std::env::var("HYPIC_CUDA_LIGHTNING_TC").map(|v| v.trim().to_ascii_lowercase()) {
+            Ok(v) if v == "fused" => TcForm::Fused,
+            _ => TcForm::Split,
+        }
+    })
+}
+
+/// [`chunked_tc`] in a chosen [`TcForm`] (the benchmark times both).
+///
+/// Errors: as [`chunked_tc`].
+#[allow(clippy::too_many_arguments)]
+pub fn chunked_tc_with<T: Elem>(
+    form: TcForm,
     gpu: &Gpu,
     d: &LightningDims,
     q: &CudaSlice<T>,
@@ -457,25 +508,89 @@ pub fn chunked_tc<T: Elem>(
     for (n, x) in [("q", q), ("k", k), ("v", v)] {
         check_align16(gpu, n, x)?;
     }
-    let f = gpu.function(&LIGHTNING_TC, "lt_chunk_tc_bf16", TC_SMEM as u32)?;
-    let cfg = LaunchConfig {
-        grid_dim: (d.h as u32, (TC_DIM / TC_BV) as u32, 1),
-        block_dim: (128, 1, 1),
-        shared_mem_bytes: TC_SMEM as u32,
+    let hi = dim_i32("H", d.h)?;
+    let grid_loop = (d.h as u32, (TC_DIM / TC_BV) as u32, 1);
+    let o = match (form, o) {
+        (TcForm::Split, Some(o)) => o,
+        (_, o) => {
+            let f = gpu.function(&LIGHTNING_TC, "lt_chunk_tc_bf16", TC_SMEM as u32)?;
+            let cfg = LaunchConfig {
+                grid_dim: grid_loop,
+                block_dim: (128, 1, 1),
+                shared_mem_bytes: TC_SMEM as u32,
+            };
+            let ti = dim_i32("t", d.t)?;
+            let null: u64 = 0;
+            let mut b = gpu.stream().launch_builder(&f);
+            b.arg(q).arg(k).arg(v).arg(log_decay).arg(&scale).arg(state);
+            match o {
+                Some(o) => b.arg(o),
+                None => b.arg(&null),
+            };
+            b.arg(&ti).arg(&hi);
+            // SAFETY: matches `lt_chunk_tc_bf16`; T is bf16 (checked), q/k/v/o [T, H,
+            // 128], state [H, 128, 128] checked above; q, k, v 16-byte aligned (checked;
+            // their rows are 256 bytes); dynamic shared memory as LTC_SMEM, opted into
+            // by `Gpu::function`.
+            unsafe { b.launch(cfg) }?;
+            return Ok(());
+        }
     };
-    let (ti, hi) = (dim_i32("t", d.t)?, dim_i32("H", d.h)?);
-    let null: u64 = 0;
-    let mut b = gpu.stream().launch_builder(&f);
-    b.arg(q).arg(k).arg(v).arg(log_decay).arg(&scale).arg(state);
-    match o {
-        Some(o) => b.arg(o),
-        None => b.arg(&null),
-    };
-    b.arg(&ti).arg(&hi);
-    // SAFETY: matches `lt_chunk_tc_bf16`; T is bf16 (checked), q/k/v/o [T, H, 128],
-    // state [H, 128, 128] checked above; q, k, v 16-byte aligned (checked; their rows
-    // are 256 bytes); dynamic shared memory as LTC_SMEM, opted into by `Gpu::function`.
-    unsafe { b.launch(cfg) }?;
+    let fs = gpu.function(&LIGHTNING_TC, "lt_scores_tc_bf16", TC_SCORES_SMEM as u32)?;
+    let fl = gpu.function(&LIGHTNING_TC, "lt_chunk_pre_tc_bf16", TC_PRE_SMEM as u32)?;
+    let slab_chunks = d.t.min(TC_SLAB).div_ceil(64);
+    let mut pf: super::Scratch<u32> = gpu.scratch(d.h * slab_chunks * 2048)?;
+    let w = d.h * TC_DIM;
+    let mut a = 0usize;
+    while a < d.t {
+        let n = TC_SLAB.min(d.t - a);
+        let ti = dim_i32("slab", n)?;
+        // Slab starts are multiples of TC_SLAB rows of 256 bytes: still 16-byte aligned.
+        let (qs, ks, vs) = (
+            q.slice(a * w..(a + n) * w),
+            k.slice(a * w..(a + n) * w),
+            v.slice(a * w..(a + n) * w),
+        );
+        let mut os = o.slice_mut(a * w..(a + n) * w);
+        let cfg = LaunchConfig {
+            grid_dim: (n.div_ceil(64) as u32, d.h as u32, 1),
+            block_dim: (128, 1, 1),
+            shared_mem_bytes: TC_SCORES_SMEM as u32,
+        };
+        let mut b = gpu.stream().launch_builder(&fs);
+        b.arg(&qs)
+            .arg(&ks)
+            .arg(log_decay)
+            .arg(&scale)
+            .arg(&mut *pf)
+            .arg(&ti)
+            .arg(&hi);
+        // SAFETY: matches `lt_scores_tc_bf16`; q, k views of n rows (checked lengths,
+        // aligned), pf holds H · ceil(n / 64) · 512 uint4; H ≤ 65 535 (grid y, checked
+        // by the launch).
+        unsafe { b.launch(cfg) }?;
+        let cfg = LaunchConfig {
+            grid_dim: grid_loop,
+            block_dim: (128, 1, 1),
+            shared_mem_bytes: TC_PRE_SMEM as u32,
+        };
+        let mut b = gpu.stream().launch_builder(&fl);
+        b.arg(&qs)
+            .arg(&ks)
+            .arg(&vs)
+            .arg(&*pf)
+            .arg(log_decay)
+            .arg(&scale)
+            .arg(&mut *state)
+            .arg(&mut os)
+            .arg(&ti)
+            .arg(&hi);
+        // SAFETY: matches `lt_chunk_pre_tc_bf16`; the slab's views, the scores written
+        // by the launch above (same stream), state [H, 128, 128]; shared memory as
+        // LTC_PRE_SMEM.
+        unsafe { b.launch(cfg) }?;
+        a += n;
+    }
     Ok(())
 }
 
