@@ -711,9 +711,10 @@ where
         for (j, (tk, s)) in tokens.iter().zip(states).enumerate() {
             put(host, lay.tokens + 4 * j, &tk.to_le_bytes());
             put(host, lay.pos + 8 * j, &s.next_position.to_le_bytes());
+            // Slots numbered over the attention layers, as `decode_hidden` reads them.
             let mut a = 0usize;
-            for l in &s.layers {
-                if let GpuLayerState::Full(kv) = l {
+            for (l, lw) in s.layers.iter().zip(&self.layers) {
+                if let (GpuLayerState::Full(kv), MixerW::Attention(_)) = (l, &lw.mixer) {
                     let n = i32::try_from(kv.len() + 1)
                         .map_err(|_| CudaError::Shape("KV length exceeds i32".into()))?;
                     put(host, lay.kv_len + 4 * (a * bsz + j), &n.to_le_bytes());
