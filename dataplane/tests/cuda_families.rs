@@ -883,7 +883,10 @@ mod gpu {
             &std::fs::read_to_string(ring_dir().join("config.json")).unwrap(),
         )
         .unwrap();
+        // The Lightning head width is hidden_size / num_attention_heads: 4 heads of 128.
         wide["head_dim"] = serde_json::json!(lt::TC_DIM);
+        wide["hidden_size"] = serde_json::json!(4 * lt::TC_DIM);
+        wide["num_attention_heads"] = serde_json::json!(4);
         let wide_cfg = ModelConfig::from_json(&wide).expect("Ring config with head dim 128");
         let wide_median = bf16_split(
             &g,
