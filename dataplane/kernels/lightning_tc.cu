@@ -9,7 +9,7 @@
 //   o_i   = scale·γ^{i+1}·q_i S₀ + Σ_{j≤i} scale·γ^{i−j}(q_i·k_j) v_j
 //   S_new = γ^L S₀ + Σ_{j<L} k_j (γ^{L−1−j} v_j)ᵀ
 // One block per (head, 16 value columns); the chunks run in order inside the block, the
-// next chunk's q/k/v tiles loading (cp.async, double-buffered) while the current one is
+// next two chunks' q/k/v tiles loading (cp.async, LTC_ST stages) while the current one is
 // computed. Four warps; warp w owns chunk rows 16w..16w+15 for the output and state rows
 // 32w..32w+31 for the update. Every product is an mma.sync m16n8k16 (bf16 operands, fp32
 // accumulation): P = Q Kᵀ (causal key tiles only), P V, Q S₀, and Kᵀ Ṽ. The state lives in
@@ -38,9 +38,10 @@
 #define LTC_V_ELEMS (LTC_C * LTC_LDV)
 #define LTC_S_ELEMS (LTC_D * LTC_LDV)
 // Q[2], K[2], V[2], S[2] (bf16), then the decay powers pw[0..LTC_C] (fp32).
-#define LTC_SMEM (2 * (2 * LTC_QK_ELEMS + LTC_V_ELEMS + LTC_S_ELEMS) * 2 + (LTC_C + 1) * 4)
-// lt_chunk_pre_tc_bf16: LTC_SMEM rounded up to 16 bytes, then the score fragments [2][16 · 32] uint4.
-#define LTC_PRE_SMEM (((LTC_SMEM + 15) / 16) * 16 + 2 * 512 * 16)
+#define LTC_ST 3  // pipeline stages of the chunk loop: chunks n+1, n+2 load while n computes
+#define LTC_SMEM ((LTC_ST * (2 * LTC_QK_ELEMS + LTC_V_ELEMS) + 2 * LTC_S_ELEMS) * 2 + (LTC_C + 1) * 4)
+// lt_chunk_pre_tc_bf16: LTC_SMEM rounded up to 16 bytes, then the score fragments [LTC_ST][16 · 32] uint4.
+#define LTC_PRE_SMEM (((LTC_SMEM + 15) / 16) * 16 + LTC_ST * 512 * 16)
 // lt_scores_tc_bf16: one Q and one K tile, the decay powers.
 #define LTC_SCORES_SMEM (2 * LTC_QK_ELEMS * 2 + (LTC_C + 1) * 4)
 
@@ -56,6 +57,11 @@ __device__ __forceinline__ void ltc_cp16(unsigned dst, const void* src, bool ok)
 }
 __device__ __forceinline__ void ltc_cp_commit() { asm volatile("cp.async.commit_group;\n" ::: "memory"); }
 __device__ __forceinline__ void ltc_cp_wait_all() { asm volatile("cp.async.wait_group 0;\n" ::: "memory"); }
+// Wait until at most N of this thread's committed groups are pending.
+template <int N>
+__device__ __forceinline__ void ltc_cp_wait() {
+    asm volatile("cp.async.wait_group %0;\n" ::"n"(N) : "memory");
+}
 
 // Four 8×8 b16 matrices; lane l gives the address of row l % 8 of matrix l / 8. Register i
 // of lane (g = l / 4, q = l % 4) receives (row g, columns 2q, 2q+1) of matrix i; with .trans
@@ -150,9 +156,9 @@ __device__ __forceinline__ void ltc_chunk_impl(const bf16* __restrict__ q, const
                                                float* __restrict__ state, bf16* __restrict__ o, int t, int H) {
     extern __shared__ __align__(16) unsigned char ltc_sm[];
     bf16* Qs = reinterpret_cast<bf16*>(ltc_sm);  // [2][LTC_C][LTC_LDQ]
-    bf16* Ks = Qs + 2 * LTC_QK_ELEMS;            // [2][LTC_C][LTC_LDQ]
-    bf16* Vs = Ks + 2 * LTC_QK_ELEMS;            // [2][LTC_C][LTC_LDV]
-    bf16* Ss = Vs + 2 * LTC_V_ELEMS;             // [2][LTC_D][LTC_LDV]
+    bf16* Ks = Qs + LTC_ST * LTC_QK_ELEMS;       // [LTC_ST][LTC_C][LTC_LDQ]
+    bf16* Vs = Ks + LTC_ST * LTC_QK_ELEMS;       // [LTC_ST][LTC_C][LTC_LDV]
+    bf16* Ss = Vs + LTC_ST * LTC_V_ELEMS;        // [2][LTC_D][LTC_LDV]
     float* pw = reinterpret_cast<float*>(Ss + 2 * LTC_S_ELEMS);
     uint4* Ps = reinterpret_cast<uint4*>(ltc_sm + ((LTC_SMEM + 15) / 16) * 16);  // PRE: [2][16 · 32]
     const int h = blockIdx.x, cb = blockIdx.y * LTC_BV;
@@ -218,15 +224,23 @@ __device__ __forceinline__ void ltc_chunk_impl(const bf16* __restrict__ q, const
 
     const int nch = (t + LTC_C - 1) / LTC_C;
     if (nch == 0) return;  // nothing copied, nothing to write back
-    load(0, 0);
+    // One commit group per chunk (empty past the end), so that at chunk n exactly
+    // LTC_ST − 2 groups are newer than n's own: waiting until at most that many are
+    // pending lands it.
+#pragma unroll
+    for (int i = 0; i < LTC_ST - 1; ++i) {
+        if (i < nch) load(i * LTC_C, i);
+        else ltc_cp_commit();
+    }
     store_s(0);
     for (int n = 0; n < nch; ++n) {
-        const int s = n * LTC_C, L = min(LTC_C, t - s), b = n & 1;
-        ltc_cp_wait_all();
+        const int s = n * LTC_C, L = min(LTC_C, t - s), b = n % LTC_ST, sb = n & 1;
+        ltc_cp_wait<LTC_ST - 2>();
         // Chunk n's tiles, S₀'s bf16 copy and (n = 0) pw are visible; every warp is done
-        // with chunk n − 1, so its buffers may be refilled.
+        // with chunk n − 1, so its stage may be refilled (with chunk n + LTC_ST − 1).
         __syncthreads();
-        if (n + 1 < nch) load(s + LTC_C, b ^ 1);
+        if (n + LTC_ST - 1 < nch) load(s + (LTC_ST - 1) * LTC_C, (n + LTC_ST - 1) % LTC_ST);
+        else ltc_cp_commit();
         const bf16* Qb = Qs + b * LTC_QK_ELEMS;
         const bf16* Kb = Ks + b * LTC_QK_ELEMS;
         const bf16* Vb = Vs + b * LTC_V_ELEMS;
@@ -238,7 +252,7 @@ __device__ __forceinline__ void ltc_chunk_impl(const bf16* __restrict__ q, const
             ltc_ldsm_t(vf[ks], ltc_smem(Vb + (16 * ks + 8 * (lm & 1) + lr) * LTC_LDV + 8 * (lm >> 1)));
 
         if (want_o) {
-            const bf16* Sb = Ss + b * LTC_S_ELEMS;
+            const bf16* Sb = Ss + sb * LTC_S_ELEMS;
             unsigned qf[8][4];
             ltc_q_frags(Qb, qf);
             unsigned pa[4][4];
@@ -311,8 +325,9 @@ __device__ __forceinline__ void ltc_chunk_impl(const bf16* __restrict__ q, const
                 ltc_mma(sacc[mt][1], kf, vf[ks][2], vf[ks][3]);
             }
         }
-        store_s(b ^ 1);
+        store_s(sb ^ 1);
     }
+    ltc_cp_wait_all();  // only empty groups can be pending here
 #pragma unroll
     for (int mt = 0; mt < 2; ++mt)
 #pragma unroll

@@ -405,12 +405,15 @@ pub fn tensor_cores_enabled() -> bool {
 pub const TC_DIM: usize = 128;
 /// Value columns per block of [`chunked_tc`] (`LTC_BV`).
 const TC_BV: usize = 16;
-/// Dynamic shared memory of `lt_chunk_tc_bf16`, bytes (`LTC_SMEM`: double-buffered
-/// 64-token q and k tiles of 136 bf16 per row, v tiles and bf16 state copies of 24 per
-/// row, 65 fp32 decay powers).
-const TC_SMEM: usize = 2 * (2 * 64 * 136 + 64 * 24 + 128 * 24) * 2 + 65 * 4;
-/// `LTC_PRE_SMEM`: `TC_SMEM` rounded up to 16 bytes, then two chunks' score fragments.
-const TC_PRE_SMEM: usize = TC_SMEM.div_ceil(16) * 16 + 2 * 512 * 16;
+/// Dynamic shared memory of `lt_chunk_tc_bf16`, bytes (`LTC_SMEM`: per pipeline stage
+/// 64-token q and k tiles of 136 bf16 per row and a v tile of 24; two bf16 state
+/// copies of 24 per row; 65 fp32 decay powers).
+const TC_SMEM: usize = (TC_STAGES * (2 * 64 * 136 + 64 * 24) + 2 * 128 * 24) * 2 + 65 * 4;
+/// Pipeline stages of the chunk loop (`LTC_ST`).
+const TC_STAGES: usize = 3;
+/// `LTC_PRE_SMEM`: `TC_SMEM` rounded up to 16 bytes, then one stage's score fragments
+/// per pipeline stage.
+const TC_PRE_SMEM: usize = TC_SMEM.div_ceil(16) * 16 + TC_STAGES * 512 * 16;
 /// `LTC_SCORES_SMEM`: one q and one k tile, the decay powers.
 const TC_SCORES_SMEM: usize = 2 * 64 * 136 * 2 + 65 * 4;
 
