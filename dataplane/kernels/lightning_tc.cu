@@ -9,7 +9,7 @@
 //   o_i   = scale·γ^{i+1}·q_i S₀ + Σ_{j≤i} scale·γ^{i−j}(q_i·k_j) v_j
 //   S_new = γ^L S₀ + Σ_{j<L} k_j (γ^{L−1−j} v_j)ᵀ
 // One block per (head, 16 value columns); the chunks run in order inside the block, the
-// next two chunks' q/k/v tiles loading (cp.async, LTC_ST stages) while the current one is
+// next chunks' q/k/v tiles loading (cp.async, LTC_ST stages) while the current one is
 // computed. Four warps; warp w owns chunk rows 16w..16w+15 for the output and state rows
 // 32w..32w+31 for the update. Every product is an mma.sync m16n8k16 (bf16 operands, fp32
 // accumulation): P = Q Kᵀ (causal key tiles only), P V, Q S₀, and Kᵀ Ṽ. The state lives in
@@ -38,7 +38,11 @@
 #define LTC_V_ELEMS (LTC_C * LTC_LDV)
 #define LTC_S_ELEMS (LTC_D * LTC_LDV)
 // Q[2], K[2], V[2], S[2] (bf16), then the decay powers pw[0..LTC_C] (fp32).
-#define LTC_ST 3  // pipeline stages of the chunk loop: chunks n+1, n+2 load while n computes
+// Pipeline stages of the chunk loop: chunks n+1 .. n+LTC_ST−1 load while n computes. The
+// host (lightning.rs TC_STAGES) sizes shared memory for the same value.
+#ifndef LTC_ST
+#define LTC_ST 2
+#endif
 #define LTC_SMEM ((LTC_ST * (2 * LTC_QK_ELEMS + LTC_V_ELEMS) + 2 * LTC_S_ELEMS) * 2 + (LTC_C + 1) * 4)
 // lt_chunk_pre_tc_bf16: LTC_SMEM rounded up to 16 bytes, then the score fragments [LTC_ST][16 · 32] uint4.
 #define LTC_PRE_SMEM (((LTC_SMEM + 15) / 16) * 16 + LTC_ST * 512 * 16)

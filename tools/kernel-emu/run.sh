@@ -280,6 +280,10 @@ PY
     "$out/lightning_tc_emu"
     echo "(again: EMU_SCHED=rev EMU_EAGER_CP=1 EMU_QUICK=1)"
     EMU_SCHED=rev EMU_EAGER_CP=1 EMU_QUICK=1 "$out/lightning_tc_emu"
+    # A three-stage pipeline (LTC_ST=3; the kernel's default is two).
+    echo "(again: LTC_ST=3, EMU_QUICK=1)"
+    $CXX -ffp-contract=off -DLTC_ST=3 -o "$out/lightning_tc_emu3" "$here/lightning_tc_emu.cpp"
+    EMU_QUICK=1 "$out/lightning_tc_emu3"
     ;;
 lightning)
     # lightning.cu whole, plus moe_route_rule cut out of moe.cu (its other kernels use PTX).
