@@ -764,3 +764,37 @@ pub fn scalar_apply(
 pub fn transition_host(log_decay: &[f32], len: usize) -> Vec<f32> {
     crate::mixers::lightning::chunk::transition(log_decay, len)
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// The host's shared-memory sizes follow the kernel's tile macros: the pipeline
+    /// depth and tile shapes in lightning_tc.cu are those `TC_STAGES`, `TC_SMEM` and
+    /// `TC_PRE_SMEM` are computed from, and the largest fits a block (no device needed).
+    #[test]
+    fn tensor_core_shared_memory_follows_the_kernel() {
+        let src = super::super::compile::LIGHTNING_TC.text;
+        assert!(
+            src.contains(&format!("#define LTC_ST {TC_STAGES}\n")),
+            "LTC_ST in kernels/lightning_tc.cu differs from TC_STAGES = {TC_STAGES}"
+        );
+        for (name, v) in [
+            ("LTC_C", 64),
+            ("LTC_D", TC_DIM),
+            ("LTC_BV", TC_BV),
+            ("LTC_LDQ", 136),
+            ("LTC_LDV", 24),
+        ] {
+            assert!(
+                src.contains(&format!("#define {name} {v} ")),
+                "{name} in kernels/lightning_tc.cu differs from {v}"
+            );
+        }
+        let pre = TC_PRE_SMEM;
+        assert!(
+            pre <= 227 * 1024,
+            "{pre} bytes: over the 227 KiB a block may use"
+        );
+    }
+}
