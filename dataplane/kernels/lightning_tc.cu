@@ -159,12 +159,12 @@ __device__ __forceinline__ void ltc_chunk_impl(const bf16* __restrict__ q, const
                                                const float* __restrict__ log_decay, float scale,
                                                float* __restrict__ state, bf16* __restrict__ o, int t, int H) {
     extern __shared__ __align__(16) unsigned char ltc_sm[];
-    bf16* Qs = reinterpret_cast<bf16*>(ltc_sm);  // [2][LTC_C][LTC_LDQ]
+    bf16* Qs = reinterpret_cast<bf16*>(ltc_sm);  // [LTC_ST][LTC_C][LTC_LDQ]
     bf16* Ks = Qs + LTC_ST * LTC_QK_ELEMS;       // [LTC_ST][LTC_C][LTC_LDQ]
     bf16* Vs = Ks + LTC_ST * LTC_QK_ELEMS;       // [LTC_ST][LTC_C][LTC_LDV]
     bf16* Ss = Vs + LTC_ST * LTC_V_ELEMS;        // [2][LTC_D][LTC_LDV]
     float* pw = reinterpret_cast<float*>(Ss + 2 * LTC_S_ELEMS);
-    uint4* Ps = reinterpret_cast<uint4*>(ltc_sm + ((LTC_SMEM + 15) / 16) * 16);  // PRE: [2][16 · 32]
+    uint4* Ps = reinterpret_cast<uint4*>(ltc_sm + ((LTC_SMEM + 15) / 16) * 16);  // PRE: [LTC_ST][16 · 32]
     const int h = blockIdx.x, cb = blockIdx.y * LTC_BV;
     const int tid = threadIdx.x, lane = tid & 31, w = tid >> 5;
     const int g = lane >> 2, qd = lane & 3;

@@ -9,7 +9,7 @@
 //! * [`chunked_tc`]: the chunked prefill on tensor cores (`kernels/kda_tc.cu`) for bf16
 //!   inputs with `dk = dv = 128`, three launches per call (no transition).
 //!
-//! Both take the layouts of `mixers::kda` ([`GdrDims`]): `q, k [T, Hk, dk]` in `T`
+//! All take the layouts of `mixers::kda` ([`GdrDims`]): `q, k [T, Hk, dk]` in `T`
 //! (L2-normalised, q scaled by `dk^-½`), `v [T, Hv, dv]` in `T`, per-channel log
 //! decays `g [T, Hv, dk]` fp32 (≤ 0), `beta [T, Hv]` fp32, state `[Hv, dk, dv]` fp32
 //! K-major (advanced in place), output `[T, Hv, dv]` in `T`. Value head `h` reads key
@@ -185,10 +185,18 @@ const TILE_F32: usize = TC_CH * TC_DIM / 2;
 
 /// Whether the forward runs its KDA spans on [`chunked_tc`] where it applies (bf16,
 /// `dk = dv = 128`, spans of ≥ [`CHUNKED_MIN_TOKENS`] tokens without a transition): on
-/// unless the environment sets `HYPIC_CUDA_KDA_TC=0` (then [`chunked`]). Read once.
+/// unless the environment sets `HYPIC_CUDA_KDA_TC=0` (or `off`, `false`, `no`; then
+/// [`chunked`]). Read once.
 pub fn tc_enabled() -> bool {
     static ON: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
-    *ON.get_or_init(|| std::env::var("HYPIC_CUDA_KDA_TC").map_or(true, |v| v.trim() != "0"))
+    *ON.get_or_init(|| {
+        std::env::var("HYPIC_CUDA_KDA_TC").map_or(true, |v| {
+            !matches!(
+                v.trim().to_ascii_lowercase().as_str(),
+                "0" | "off" | "false" | "no"
+            )
+        })
+    })
 }
 
 /// Whether [`chunked_tc`] takes these dimensions and element type (bf16, `dk = dv =`
@@ -215,7 +223,7 @@ pub fn tc_applies<T: Elem>(d: &GdrDims) -> bool {
 /// `cp.async` copies).
 ///
 /// Errors: [`CudaError::Shape`] when `T` is not bf16, `dk` or `dv` is not 128, the span
-/// has more than [`TC_MAX_CHUNKS`] chunks, a buffer is shorter than `d` needs, q/k/v/g
+/// has more than [`TC_MAX_CHUNKS`] chunks, a buffer is shorter than `d` needs, q/k/v/g/out
 /// are not 16-byte aligned, or `Hv` is not a multiple of `Hk`; driver errors.
 ///
 /// [`CudaError::Shape`]: super::CudaError::Shape
@@ -244,7 +252,7 @@ pub fn chunked_tc<T: Elem>(
     if nt > TC_MAX_CHUNKS {
         return Err(shape_err(format!(
             "KDA tensor-core prefill: T = {} is {nt} chunks of {TC_CH}, at most {TC_MAX_CHUNKS} \
-             per call (split the span)",
+             per call",
             d.t
         )));
     }
@@ -255,6 +263,7 @@ pub fn chunked_tc<T: Elem>(
         check_align16(gpu, n, x)?;
     }
     check_align16(gpu, "g", g)?;
+    check_align16(gpu, "out", out)?;
     // Slabs of at most TC_SLAB tokens bound the scratch; the state advances in place
     // from slab to slab (the same result as one call over the span).
     let slab_chunks = nt.min(TC_SLAB / TC_CH);

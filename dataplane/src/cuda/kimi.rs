@@ -10,7 +10,8 @@
 //! low-rank gate inputs, `β = sigmoid(b)`), `f_b_proj` and `g_b_proj` GEMMs, the
 //! forget gate `g = −exp(A_log)·softplus(f_b(f_a) + dt_bias)` (`kda_gate_*`), the
 //! recurrence ([`super::kda::chunked`] for spans of ≥
-//! [`super::kda::CHUNKED_MIN_TOKENS`], else [`super::kda::recurrent`]), the
+//! [`super::kda::CHUNKED_MIN_TOKENS`], [`super::kda::chunked_tc`] instead for bf16 with
+//! `dk = dv = 128` unless `HYPIC_CUDA_KDA_TC=0`, else [`super::kda::recurrent`]), the
 //! sigmoid-gated RMSNorm (`kda_gated_norm_*`) and `o_proj`. The PIC cache build takes
 //! the body pair from the chunked kernel's `T_C` in the same pass.
 //!

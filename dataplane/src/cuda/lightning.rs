@@ -8,7 +8,7 @@
 //!    `q | k | v | gate`; [`LightningW::w_in`]);
 //! 2. [`prep`]: optional SiLU on `q|k|v`, per-head RMSNorm of q and k (zero-centred
 //!    weights, as the CPU model stores them), fp32 NeoX partial RoPE at the tokens'
-//!    positions → q, k, v fp32 `[t, H, d]`;
+//!    positions → q, k, v fp32 `[t, H, d]` (bf16 for [`chunked_tc`]);
 //! 3. the recurrence `S_t = exp(g_h)·S_{t−1} + k_t v_tᵀ`, `o_t = scale·S_tᵀ q_t`
 //!    (`scale = d^−½`) from the layer's state `[H, d, d]` fp32: [`recurrent`] (one
 //!    thread per state column, token by token: the GPU reference, and decode) or
@@ -33,8 +33,9 @@ use crate::mixers::lightning::LightningDims;
 pub const CHUNK: usize = 32;
 /// Value columns per block of [`chunked`] (`LT_BV` in lightning.cu).
 const BV: usize = 32;
-/// Spans of at least this many tokens take [`chunked`], shorter ones [`recurrent`]
-/// (the CPU layer's `NAIVE_MAX`).
+/// Spans of at least this many tokens take [`chunked`] (or, in a bf16 model with head
+/// dim [`TC_DIM`], [`chunked_tc`]), shorter ones [`recurrent`] (the CPU layer's
+/// `NAIVE_MAX`).
 pub const CHUNKED_MIN_TOKENS: usize = crate::mixers::lightning::layer::NAIVE_MAX;
 
 /// Lightning layer weights on the device.
@@ -395,10 +396,18 @@ pub fn chunked_two_pass(
 
 /// Whether bf16 models run their Lightning prefill on tensor cores ([`chunked_tc`]):
 /// yes unless the environment sets `HYPIC_CUDA_LIGHTNING_TC=0` (read once), which
-/// keeps the fp32 kernels ([`span`]) for A/B runs (`=fused` picks [`TcForm::Fused`]).
+/// keeps the fp32 kernels ([`span`]) for A/B runs (also `off`, `false`, `no`; `=fused` picks
+/// [`TcForm::Fused`]).
 pub fn tensor_cores_enabled() -> bool {
     static ON: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
-    *ON.get_or_init(|| std::env::var("HYPIC_CUDA_LIGHTNING_TC").map_or(true, |v| v.trim() != "0"))
+    *ON.get_or_init(|| {
+        std::env::var("HYPIC_CUDA_LIGHTNING_TC").map_or(true, |v| {
+            !matches!(
+                v.trim().to_ascii_lowercase().as_str(),
+                "0" | "off" | "false" | "no"
+            )
+        })
+    })
 }
 
 /// Head dim of [`chunked_tc`] (`LTC_D` in lightning_tc.cu): `dk = dv = 128`.
@@ -425,12 +434,12 @@ const TC_SCORES_SMEM: usize = 2 * 64 * 136 * 2 + 65 * 4;
 /// the bf16 copy of the chunk-initial state and the decayed values are rounded to
 /// bf16 (relative error of a bf16 rounding against the fp64 recurrence, checked by
 /// `tools/kernel-emu/run.sh lightning-tc`). With `o = None` a state-only pass (the
-/// `S_body|0` of a PIC body pair); `q` is then not read. One block per head and 16 value
+/// `S_body|0` of a PIC body pair); `q` is then not read. The chunk loop runs one block per head and 16 value
 /// columns; the chunks run in order inside it.
 ///
 /// Errors: [`CudaError::Shape`] unless `T` is bf16 and `dk = dv = 128`, for short
-/// buffers, or q, k, v not starting at a multiple of 16 bytes (the kernel copies them
-/// with 16-byte `cp.async`).
+/// buffers, or q, k, v, o not starting at a multiple of 16 bytes (the kernel copies q,
+/// k, v with 16-byte `cp.async` and stores o in bf16 pairs).
 #[allow(clippy::too_many_arguments)]
 pub fn chunked_tc<T: Elem>(
     gpu: &Gpu,
@@ -512,6 +521,10 @@ pub fn chunked_tc_with<T: Elem>(
     for (n, x) in [("q", q), ("k", k), ("v", v)] {
         check_align16(gpu, n, x)?;
     }
+    if let Some(o) = &o {
+        // Stored as bf16 pairs; rows of 256 bytes keep a 16-byte start aligned.
+        check_align16(gpu, "o", o)?;
+    }
     let hi = dim_i32("H", d.h)?;
     let grid_loop = (d.h as u32, (TC_DIM / TC_BV) as u32, 1);
     let o = match (form, o) {
@@ -589,7 +602,8 @@ pub fn chunked_tc_with<T: Elem>(
             .arg(&mut os)
             .arg(&ti)
             .arg(&hi);
-        // SAFETY: matches `lt_chunk_pre_tc_bf16`; the slab's views, the scores written
+        // SAFETY: matches `lt_chunk_pre_tc_bf16`; the slab's n-row views of the
+        // length-checked q, k, v, o, the scores written
         // by the launch above (same stream), state [H, 128, 128]; shared memory as
         // LTC_PRE_SMEM.
         unsafe { b.launch(cfg) }?;
