@@ -95,6 +95,7 @@ struct EmuThread {
         bool zero;
     };
     std::vector<Cp> pending;
+    std::vector<size_t> groups;  // end index in `pending` of each committed cp.async group
 };
 
 struct EmuWarp {
@@ -322,6 +323,27 @@ inline void fa_cp_commit() {}
 inline void fa_cp_wait_all() {
     for (auto& c : emu.cur->pending) emu_do_cp(c);
     emu.cur->pending.clear();
+    emu.cur->groups.clear();
+}
+
+// Exact cp.async.commit_group / wait_group N: the calling thread's pending copies split
+// into committed groups; waiting lands all but the newest N groups (uncommitted copies
+// stay pending), so a wait that is too weak leaves stale shared memory. No-ops in eager
+// mode (copies already landed).
+inline void emu_cp_commit_group() {
+    if (!emu.eager_cp) emu.cur->groups.push_back(emu.cur->pending.size());
+}
+inline void emu_cp_wait_group(int n) {
+    if (emu.eager_cp) return;
+    auto& gr = emu.cur->groups;
+    auto& p = emu.cur->pending;
+    if ((int)gr.size() <= n) return;
+    const size_t upto = gr[gr.size() - n - 1];
+    for (size_t i = 0; i < upto; ++i) emu_do_cp(p[i]);
+    p.erase(p.begin(), p.begin() + upto);
+    std::vector<size_t> rest;
+    for (size_t i = gr.size() - n; i < gr.size(); ++i) rest.push_back(gr[i] - upto);
+    gr = rest;
 }
 
 // ldmatrix .x4: lane l supplies the address of row l % 8 of matrix l / 8. Without .trans,

@@ -28,26 +28,11 @@ inline void kt_ldsm_x4_trans(unsigned* f, const void* p) { fa_ldsm_x4_t(f, fa_sm
 inline void kt_ldsm_x4(unsigned* f, const void* p) { fa_ldsm_x4(f, fa_smem_u32(p)); }
 inline void kt_prefetch_l2(const void*) {}
 inline void kt_cp16(void* smem, const void* gmem) { fa_cp_async16(fa_smem_u32(smem), gmem, true); }
-// Strict wait_group semantics: per thread, the pending copies are split into committed
-// groups; wait<N> lands all but the newest N committed groups (uncommitted copies stay).
-#include <map>
-static std::map<const void*, std::vector<size_t>> g_groups;  // thread -> end index of each committed group
-inline void kt_cp_commit() {
-    if (emu.eager_cp) return;
-    g_groups[emu.cur].push_back(emu.cur->pending.size());
-}
+// Exact wait_group semantics (emu.h).
+inline void kt_cp_commit() { emu_cp_commit_group(); }
 template <int N>
 inline void kt_cp_wait() {
-    if (emu.eager_cp) return;
-    auto& gr = g_groups[emu.cur];
-    auto& p = emu.cur->pending;
-    if ((int)gr.size() <= N) return;
-    const size_t upto = gr[gr.size() - N - 1];
-    for (size_t i = 0; i < upto; ++i) emu_do_cp(p[i]);
-    p.erase(p.begin(), p.begin() + upto);
-    std::vector<size_t> rest;
-    for (size_t i = gr.size() - N; i < gr.size(); ++i) rest.push_back(gr[i] - upto);
-    gr = rest;
+    emu_cp_wait_group(N);
 }
 #define kt_sm (reinterpret_cast<uint4*>(emu_dyn_smem))
 
@@ -158,14 +143,14 @@ static void run(const Case& cs, unsigned seed, double tol_out, double tol_state)
     std::vector<uint4> Wf(tiles * 1024), Ktf(tiles * 1024), Uf(tiles * 1024), Hsf(tiles * 2048);
     std::vector<float> dl(tiles * D, NAN), st = s0;
     for (auto* b : {&Wf, &Ktf, &Uf, &Hsf}) std::memset(b->data(), 0xff, b->size() * sizeof(uint4));
-    g_groups.clear(); emu_launch(emu_dim3{(unsigned)hv, (unsigned)nt, 1}, 256, KT_PREP_SMEM, [&] {
+    emu_launch(emu_dim3{(unsigned)hv, (unsigned)nt, 1}, 256, KT_PREP_SMEM, [&] {
         kda_prep_tc_bf16(kb.data(), vb.data(), g.data(), beta.data(), Wf.data(), Ktf.data(), Uf.data(), dl.data(), T,
                          hk, hv);
     });
-    g_groups.clear(); emu_launch(emu_dim3{(unsigned)hv, 128 / (16 * KT_NW), 1}, 32 * KT_NW, KT_STATE_SMEM, [&] {
+    emu_launch(emu_dim3{(unsigned)hv, 128 / (16 * KT_NW), 1}, 32 * KT_NW, KT_STATE_SMEM, [&] {
         kda_state_tc_bf16(Wf.data(), Ktf.data(), Uf.data(), dl.data(), st.data(), Hsf.data(), T);
     });
-    g_groups.clear(); emu_launch(emu_dim3{(unsigned)hv, (unsigned)nt, 1}, 256, KT_OUT_SMEM, [&] {
+    emu_launch(emu_dim3{(unsigned)hv, (unsigned)nt, 1}, 256, KT_OUT_SMEM, [&] {
         kda_output_tc_bf16(qb.data(), kb.data(), g.data(), Uf.data(), Hsf.data(), ob.data(), T, hk, hv);
     });
     std::vector<float> of(ob.size());

@@ -10,30 +10,13 @@
 
 inline unsigned ltc_smem(const void* p) { return fa_smem_u32(p); }
 inline void ltc_cp16(unsigned dst, const void* src, bool ok) { fa_cp_async16(dst, src, ok); }
-// Exact wait_group semantics: per thread, the pending copies split into committed groups;
-// ltc_cp_wait<N> lands all but the newest N groups (a wait that is too weak leaves the
-// chunk's tiles stale, and the checks fail). Eager mode: copies landed when issued.
-#include <map>
-static std::map<const void*, std::vector<size_t>> g_groups;  // thread → end of each group
-inline void ltc_cp_commit() {
-    if (!emu.eager_cp) g_groups[emu.cur].push_back(emu.cur->pending.size());
-}
-inline void ltc_cp_wait_all() {
-    fa_cp_wait_all();
-    g_groups[emu.cur].clear();
-}
+// Exact wait_group semantics (emu.h): a wait that is too weak leaves the chunk's tiles
+// stale, and the checks fail.
+inline void ltc_cp_commit() { emu_cp_commit_group(); }
+inline void ltc_cp_wait_all() { fa_cp_wait_all(); }
 template <int N>
 inline void ltc_cp_wait() {
-    if (emu.eager_cp) return;
-    auto& gr = g_groups[emu.cur];
-    auto& p = emu.cur->pending;
-    if ((int)gr.size() <= N) return;
-    const size_t upto = gr[gr.size() - N - 1];
-    for (size_t i = 0; i < upto; ++i) emu_do_cp(p[i]);
-    p.erase(p.begin(), p.begin() + upto);
-    std::vector<size_t> rest;
-    for (size_t i = gr.size() - N; i < gr.size(); ++i) rest.push_back(gr[i] - upto);
-    gr = rest;
+    emu_cp_wait_group(N);
 }
 inline void ltc_ldsm(unsigned* r, unsigned addr) { emu_ldsm(r, addr, false); }
 inline void ltc_ldsm_t(unsigned* r, unsigned addr) { emu_ldsm(r, addr, true); }
@@ -99,7 +82,6 @@ static void run_kernel(int t, int H, const std::vector<bf16>& q, const std::vect
                        std::vector<float>& st, std::vector<bf16>* o, bool split = false) {
     // A misaligned or short tile read lands outside these buffers' 16-byte pieces; the
     // emulator checks cp.async alignment.
-    g_groups.clear();
     if (!split) {
         emu_launch(emu_dim3{(unsigned)H, LTC_D / LTC_BV, 1}, 128, LTC_SMEM, [&] {
             lt_chunk_tc_bf16(q.data(), k.data(), v.data(), ld.data(), scale, st.data(), o ? o->data() : nullptr, t,
@@ -112,7 +94,6 @@ static void run_kernel(int t, int H, const std::vector<bf16>& q, const std::vect
     std::vector<uint4> pf((size_t)H * nch * 512, uint4{0x7fc07fc0u, 0x7fc07fc0u, 0x7fc07fc0u, 0x7fc07fc0u});
     emu_launch(emu_dim3{(unsigned)nch, (unsigned)H, 1}, 128, LTC_SCORES_SMEM,
                [&] { lt_scores_tc_bf16(q.data(), k.data(), ld.data(), scale, pf.data(), t, H); });
-    g_groups.clear();
     emu_launch(emu_dim3{(unsigned)H, LTC_D / LTC_BV, 1}, 128, LTC_PRE_SMEM, [&] {
         lt_chunk_pre_tc_bf16(q.data(), k.data(), v.data(), pf.data(), ld.data(), scale, st.data(), o->data(), t, H);
     });

@@ -152,11 +152,11 @@ pub fn prep<T: Elem, O: Elem>(
     Ok(())
 }
 
-fn check_rec(
+fn check_rec<E>(
     d: &LightningDims,
-    q: &CudaSlice<f32>,
-    k: &CudaSlice<f32>,
-    v: &CudaSlice<f32>,
+    q: &CudaSlice<E>,
+    k: &CudaSlice<E>,
+    v: &CudaSlice<E>,
     log_decay: &CudaSlice<f32>,
     state: &CudaSlice<f32>,
 ) -> Result<()> {
@@ -438,8 +438,8 @@ const TC_SCORES_SMEM: usize = 2 * 64 * 136 * 2 + 65 * 4;
 /// columns; the chunks run in order inside it.
 ///
 /// Errors: [`CudaError::Shape`] unless `T` is bf16 and `dk = dv = 128`, for short
-/// buffers, or q, k, v, o not starting at a multiple of 16 bytes (the kernel copies q,
-/// k, v with 16-byte `cp.async` and stores o in bf16 pairs).
+/// buffers, q, k, v, o not starting at a multiple of 16 bytes (the kernel copies q,
+/// k, v with 16-byte `cp.async` and stores o in bf16 pairs), or more than 65 535 heads.
 #[allow(clippy::too_many_arguments)]
 pub fn chunked_tc<T: Elem>(
     gpu: &Gpu,
@@ -507,11 +507,7 @@ pub fn chunked_tc_with<T: Elem>(
             d.dv
         )));
     }
-    check_len("q [T, H, dk]", q, d.t * d.h * d.dk)?;
-    check_len("k [T, H, dk]", k, d.t * d.h * d.dk)?;
-    check_len("v [T, H, dv]", v, d.t * d.h * d.dv)?;
-    check_len("log decay [H]", log_decay, d.h)?;
-    check_len("state [H, dk, dv]", state, d.h * d.dk * d.dv)?;
+    check_rec(d, q, k, v, log_decay, state)?;
     if let Some(o) = &o {
         check_len("o [T, H, dv]", o, d.t * d.h * d.dv)?;
     }

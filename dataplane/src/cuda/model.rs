@@ -2736,7 +2736,10 @@ where
     /// advancing `rec` (`[H, d, d]` fp32). With `capture = (from, out)`, `out` gets the
     /// body pair of `from..t` (clamped): `exp(g_h·(t − from))` and the state of a
     /// state-only chunked pass over the body from zero (as the CPU
-    /// `mixers::lightning::layer::mix`).
+    /// `mixers::lightning::layer::mix`). bf16 models with head dim [`lt::TC_DIM`] run
+    /// spans of at least [`lt::CHUNKED_MIN_TOKENS`] tokens on tensor cores
+    /// ([`lt::chunked_tc`], q/k/v/o in bf16) unless [`lt::tensor_cores_enabled`] says
+    /// no; everything else takes the fp32 kernels.
     fn lightning_core(
         &self,
         w: &LightningW<T>,
@@ -2748,102 +2751,53 @@ where
     ) -> Result<Scratch<T>> {
         let c = &self.config;
         let g = &*self.gpu;
-        let (nh, d) = (c.linear_v_heads, c.linear_k_dim);
-        let wd = nh * d;
-        check_len("Lightning projection [t, 4W]", proj, t * 4 * wd)?;
+        let d = c.linear_k_dim;
+        check_len(
+            "Lightning projection [t, 4W]",
+            proj,
+            t * 4 * c.linear_v_heads * d,
+        )?;
+        let (ld, scale) = (&w.log_decay, (d as f32).powf(-0.5));
         if T::SUFFIX == "bf16"
             && d == lt::TC_DIM
             && t >= lt::CHUNKED_MIN_TOKENS
             && lt::tensor_cores_enabled()
         {
-            return self.lightning_core_tc(w, proj, t, pos, rec, capture);
+            return self.lightning_mix::<T>(
+                w,
+                proj,
+                t,
+                pos,
+                rec,
+                capture,
+                |b, _, k, v, s| lt::chunked_tc(g, b, k, k, v, ld, scale, s, None),
+                |dims, q, k, v, s, o| lt::chunked_tc(g, dims, q, k, v, ld, scale, s, Some(o)),
+            );
         }
-        let mut q: Scratch<f32> = g.scratch(t * wd)?;
-        let mut k: Scratch<f32> = g.scratch(t * wd)?;
-        let mut v: Scratch<f32> = g.scratch(t * wd)?;
-        lt::prep(
-            g,
+        self.lightning_mix::<f32>(
+            w,
             proj,
             t,
-            4 * wd,
-            &w.q_norm,
-            &w.k_norm,
             pos,
-            self.inv_freq.as_ref(),
-            c.lightning.silu,
-            nh,
-            d,
-            c.rms_norm_eps,
-            &mut q,
-            &mut k,
-            &mut v,
-        )?;
-        let scale = (d as f32).powf(-0.5);
-        let dims = LightningDims {
-            t,
-            h: nh,
-            dk: d,
-            dv: d,
-        };
-        if let Some((from, out)) = capture {
-            let from = from.min(t);
-            let n = t - from;
-            let s = g.stream();
-            let mut b: CudaSlice<f32> = g.zeros(nh * d * d)?;
-            if n > 0 {
-                let qb = s.clone_dtod(&q.slice(from * wd..t * wd))?;
-                let kb = s.clone_dtod(&k.slice(from * wd..t * wd))?;
-                let vb = s.clone_dtod(&v.slice(from * wd..t * wd))?;
-                let body = LightningDims { t: n, ..dims };
+            rec,
+            capture,
+            |b, q, k, v, s| {
                 if d <= lt::MAX_CHUNK_DK {
-                    lt::chunked(g, &body, &qb, &kb, &vb, &w.log_decay, scale, &mut b, None)?;
+                    lt::chunked(g, b, q, k, v, ld, scale, s, None)
                 } else {
-                    let mut ob: CudaSlice<f32> = g.zeros(n * wd)?;
-                    lt::recurrent(
-                        g,
-                        &body,
-                        &qb,
-                        &kb,
-                        &vb,
-                        &w.log_decay,
-                        scale,
-                        &mut b,
-                        &mut ob,
-                    )?;
+                    let mut ob: CudaSlice<f32> = g.zeros(b.t * b.h * b.dv)?;
+                    lt::recurrent(g, b, q, k, v, ld, scale, s, &mut ob)
                 }
-            }
-            *out = Some(ScalarPair {
-                h: nh,
-                dk: d,
-                dv: d,
-                t: g.upload(&lt::transition_host(&w.log_decay_host, n))?,
-                b,
-            });
-        }
-        let mut o: Scratch<f32> = g.scratch(t * wd)?;
-        lt::span(g, &dims, &q, &k, &v, &w.log_decay, scale, rec, &mut o)?;
-        let mut y: Scratch<T> = g.scratch(t * wd)?;
-        lt::out(
-            g,
-            &o,
-            proj,
-            4 * wd,
-            3 * wd,
-            &w.g_norm,
-            &mut y,
-            t,
-            wd,
-            c.lightning.group_norm_size,
-            c.rms_norm_eps,
-        )?;
-        Ok(y)
+            },
+            |dims, q, k, v, s, o| lt::span(g, dims, q, k, v, ld, scale, s, o),
+        )
     }
 
-    /// [`Self::lightning_core`] on tensor cores (bf16 models, head dim
-    /// [`lt::TC_DIM`], spans of at least [`lt::CHUNKED_MIN_TOKENS`] tokens): q, k, v and
-    /// the recurrence output in bf16, [`lt::chunked_tc`] for the span and for the
-    /// state-only pass of a captured body pair.
-    fn lightning_core_tc(
+    /// [`Self::lightning_core`] with q, k, v and the recurrence output in `O`:
+    /// `prep` → (on capture) `body_pass` over copies of the body rows from a zero
+    /// state → `span` from `rec` → group norm and gate.
+    #[allow(clippy::too_many_arguments)]
+    fn lightning_mix<O: Elem>(
         &self,
         w: &LightningW<T>,
         proj: &CudaSlice<T>,
@@ -2851,14 +2805,29 @@ where
         pos: &CudaSlice<i64>,
         rec: &mut CudaSlice<f32>,
         capture: Option<(usize, &mut Option<ScalarPair>)>,
+        body_pass: impl Fn(
+            &LightningDims,
+            &CudaSlice<O>,
+            &CudaSlice<O>,
+            &CudaSlice<O>,
+            &mut CudaSlice<f32>,
+        ) -> Result<()>,
+        span: impl Fn(
+            &LightningDims,
+            &CudaSlice<O>,
+            &CudaSlice<O>,
+            &CudaSlice<O>,
+            &mut CudaSlice<f32>,
+            &mut CudaSlice<O>,
+        ) -> Result<()>,
     ) -> Result<Scratch<T>> {
         let c = &self.config;
         let g = &*self.gpu;
         let (nh, d) = (c.linear_v_heads, c.linear_k_dim);
         let wd = nh * d;
-        let mut q: Scratch<T> = g.scratch(t * wd)?;
-        let mut k: Scratch<T> = g.scratch(t * wd)?;
-        let mut v: Scratch<T> = g.scratch(t * wd)?;
+        let mut q: Scratch<O> = g.scratch(t * wd)?;
+        let mut k: Scratch<O> = g.scratch(t * wd)?;
+        let mut v: Scratch<O> = g.scratch(t * wd)?;
         lt::prep(
             g,
             proj,
@@ -2876,7 +2845,6 @@ where
             &mut k,
             &mut v,
         )?;
-        let scale = (d as f32).powf(-0.5);
         let dims = LightningDims {
             t,
             h: nh,
@@ -2889,10 +2857,10 @@ where
             let mut b: CudaSlice<f32> = g.zeros(nh * d * d)?;
             if n > 0 {
                 let s = g.stream();
+                let qb = s.clone_dtod(&q.slice(from * wd..t * wd))?;
                 let kb = s.clone_dtod(&k.slice(from * wd..t * wd))?;
                 let vb = s.clone_dtod(&v.slice(from * wd..t * wd))?;
-                let body = LightningDims { t: n, ..dims };
-                lt::chunked_tc(g, &body, &kb, &kb, &vb, &w.log_decay, scale, &mut b, None)?;
+                body_pass(&LightningDims { t: n, ..dims }, &qb, &kb, &vb, &mut b)?;
             }
             *out = Some(ScalarPair {
                 h: nh,
@@ -2902,8 +2870,8 @@ where
                 b,
             });
         }
-        let mut o: Scratch<T> = g.scratch(t * wd)?;
-        lt::chunked_tc(g, &dims, &q, &k, &v, &w.log_decay, scale, rec, Some(&mut o))?;
+        let mut o: Scratch<O> = g.scratch(t * wd)?;
+        span(&dims, &q, &k, &v, rec, &mut o)?;
         let mut y: Scratch<T> = g.scratch(t * wd)?;
         lt::out(
             g,
