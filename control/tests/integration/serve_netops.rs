@@ -268,7 +268,7 @@ async fn a_request_logs_one_line_without_prompt_or_token_text() {
         .client
         .post(format!("{}/v1/completions", srv.url))
         .bearer_auth(&srv.token)
-        .json(&json!({"prompt": "zebra quartz secret prompt", "max_tokens": 3}))
+        .json(&json!({"prompt": "zebra quartz secret prompt", "max_tokens": 3, "ignore_eos": true}))
         .send()
         .await
         .unwrap();
