@@ -693,7 +693,7 @@ def num(x):
 # Mtok/s | span |` (ours = span, the kernel the layer takes; else the faster of the
 # two chunked forms); kda_bench.md `| T | prefill | tc | prefill + T_C | per-token |`
 # (no `tc` column in older reports).
-lt_ours = {}
+lt_ours, lt_two = {}, {}
 lt_tc = False
 for t, c in section(lines("lightning_bench.md"), "## Lightning attention prefill").items():
     # The tensor-core column (bf16, what a bf16 model takes) when present, else span.
@@ -702,6 +702,9 @@ for t, c in section(lines("lightning_bench.md"), "## Lightning attention prefill
     chunked = [x for x in (num(c[0]), num(c[1]) if len(c) > 1 else None) if x is not None]
     lt_ours[t] = tc if tc is not None else (span if span is not None else (min(chunked) if chunked else None))
     lt_tc = lt_tc or tc is not None
+    # The two-pass tensor-core form (`tensor-core two-pass ms`, column 11 after T) when present.
+    if len(c) > 10 and num(c[10]) is not None:
+        lt_two[t] = num(c[10])
 def header(ls, start):
     """Header cells after `T` of the table under the first line that contains `start`."""
     on = False
@@ -748,6 +751,9 @@ def table(title, ours, fl, key, src_ours, src_fla):
     print()
 table(f"Lightning prefill vs FLA chunk_simple_gla (same run; 16 heads × 128, per-head g_gamma; ours {lt_dtype}, FLA bf16 q/k/v)",
       lt_ours, lt_fla, "lt", "lightning_bench.md (step families)", "chunk_simple_gla")
+if lt_two:
+    table("Lightning prefill, two-pass tensor-core form (TcForm::TwoPass), vs FLA chunk_simple_gla (same run, as above)",
+          lt_two, lt_fla, "lt", "lightning_bench.md (step families)", "chunk_simple_gla")
 table("KDA prefill vs FLA chunk_kda (same run; 32 heads × 128; ours bf16 q/k/v, fp32 state"
       + (", tensor cores" if kda_tc else ", SIMT") + "; FLA bf16 q/k/v)",
       kda_ours, kda_fla, "kda", "kda_bench.md (step kimi)", "chunk_kda")

@@ -685,7 +685,8 @@ mod bench {
     /// the per-token recurrence at 1k for scale; `span` is what an f32 model's layer
     /// takes) and the tensor-core kernel of `kernels/lightning_tc.cu` (`chunked_tc`,
     /// bf16 q/k/v/o, fp32 state: what a bf16 model's layer takes, in its default form;
-    /// then each form, `TcForm::Fused` and `TcForm::Split`), with and without outputs.
+    /// then each form, `TcForm::Fused`, `TcForm::Split` and `TcForm::TwoPass`), with and
+    /// without outputs.
     fn lightning_bench(g: &Gpu, r: &mut rand::rngs::StdRng, quick: bool) -> Result<()> {
         use dataplane::cuda::lightning as lt;
         use dataplane::mixers::lightning::LightningDims;
@@ -700,8 +701,8 @@ mod bench {
              tensor-core kernel of kernels/lightning_tc.cu: bf16 q/k/v/o, fp32 state, as FLA's anchor; \
              H={h}, dk=dv={d}, log decay −ALiBi slope per head)\n"
         );
-        println!("| T | chunked ms | two-pass ms | state-only ms | per-token ms | Mtok/s (best fp32) | span (f32 layer) ms | tensor-core bf16 ms | tensor-core state-only ms | tensor-core fused ms | tensor-core split ms |");
-        println!("|---|---|---|---|---|---|---|---|---|---|---|");
+        println!("| T | chunked ms | two-pass ms | state-only ms | per-token ms | Mtok/s (best fp32) | span (f32 layer) ms | tensor-core bf16 ms | tensor-core state-only ms | tensor-core fused ms | tensor-core split ms | tensor-core two-pass ms | tensor-core two-pass state-only ms |");
+        println!("|---|---|---|---|---|---|---|---|---|---|---|---|---|");
         let log_decay: Vec<f32> = dataplane::mixers::lightning::alibi_slopes(h)
             .iter()
             .map(|s| -(*s as f32))
@@ -746,8 +747,26 @@ mod bench {
             let tc_state = time_ms(g, 3, reps.max(20), || {
                 lt::chunked_tc(g, &dims, &qb, &kb, &vb, &ld, scale, &mut s, None)
             })?;
-            let mut forms = [0f64; 2];
-            for (f, form) in forms.iter_mut().zip([lt::TcForm::Fused, lt::TcForm::Split]) {
+            let tc_state2 = time_ms(g, 3, reps.max(20), || {
+                lt::chunked_tc_with(
+                    lt::TcForm::TwoPass,
+                    g,
+                    &dims,
+                    &qb,
+                    &kb,
+                    &vb,
+                    &ld,
+                    scale,
+                    &mut s,
+                    None,
+                )
+            })?;
+            let mut forms = [0f64; 3];
+            for (f, form) in
+                forms
+                    .iter_mut()
+                    .zip([lt::TcForm::Fused, lt::TcForm::Split, lt::TcForm::TwoPass])
+            {
                 *f = time_ms(g, 3, reps.max(20), || {
                     lt::chunked_tc_with(
                         form,
@@ -764,10 +783,11 @@ mod bench {
                 })?;
             }
             println!(
-                "| {t} | {chunked:.3} | {two_pass:.3} | {state_only:.3} | {per_token} | {:.1} | {span:.3} | {tc:.4} | {tc_state:.4} | {:.4} | {:.4} |",
+                "| {t} | {chunked:.3} | {two_pass:.3} | {state_only:.3} | {per_token} | {:.1} | {span:.3} | {tc:.4} | {tc_state:.4} | {:.4} | {:.4} | {:.4} | {tc_state2:.4} |",
                 t as f64 / chunked.min(two_pass) / 1e3,
                 forms[0],
-                forms[1]
+                forms[1],
+                forms[2]
             );
         }
         Ok(())

@@ -23,6 +23,14 @@
 // fragment-ordered buffer, and lt_chunk_pre_tc_bf16 runs the chunk loop with P copied in
 // beside the tiles, so the sequential part does only P V, Q S₀ and the state update.
 //
+// Two-pass form (the default; FLA's cut, with states kept every 128 tokens): lt_states_tc_bf16
+// runs only the state recurrence, one block per (head, 16 value columns), 128-token steps in
+// order with LTC_SST pipeline stages, and stores the bf16 state before each step; then
+// lt_out_tc_bf16 computes every 128-token block's output at once (one block per block and
+// head, all 128 value columns): o_i = scale·γ^{i+1}·q_i S_b + Σ_{j≤i} scale·γ^{i−j}(q_i·k_j) v_j
+// with S_b the stored state. The sequential part reads only k and v; the state's bf16 copies
+// (H · ⌈t/128⌉ · 32 KiB) carry it to the parallel part.
+//
 // Layouts: q, k [t, H, 128], v and o [t, H, 128] bf16, token-major; log_decay [H] fp32;
 // state [H, 128, 128] fp32 K-major (S[h][key][value]), advanced in place. o = null: a
 // state-only pass (q not read). Needs 16-byte aligned q, k, v. Grid (H, 128 / 16),
@@ -48,6 +56,19 @@
 #define LTC_PRE_SMEM (((LTC_SMEM + 15) / 16) * 16 + LTC_ST * 512 * 16)
 // lt_scores_tc_bf16: one Q and one K tile, the decay powers.
 #define LTC_SCORES_SMEM (2 * LTC_QK_ELEMS * 2 + (LTC_C + 1) * 4)
+// Two-pass form: tokens per step of lt_states_tc_bf16 and per block of lt_out_tc_bf16 (the
+// stored states are those at multiples of LTC_CB).
+#define LTC_CB 128
+// Pipeline stages of lt_states_tc_bf16 (steps n+1 .. n+LTC_SST−1 load while n computes; the
+// host's TC_STATE_STAGES sizes shared memory for the same value).
+#ifndef LTC_SST
+#define LTC_SST 3
+#endif
+// lt_states_tc_bf16: per stage a 128-token K tile (row stride LTC_LDQ) and V tile (LTC_LDV),
+// then the decay powers γ^0..γ^LTC_CB.
+#define LTC_STATES_SMEM (LTC_SST * LTC_CB * (LTC_LDQ + LTC_LDV) * 2 + (LTC_CB + 1) * 4)
+// lt_out_tc_bf16: the Q, K, V and state tiles [LTC_CB][LTC_LDQ] bf16, the decay powers.
+#define LTC_OUT_SMEM (4 * LTC_CB * LTC_LDQ * 2 + (LTC_CB + 1) * 4)
 
 // ---------------------------------------------------------------------------------------
 // Warp-level primitives (inline PTX). HYPIC_HOST_EMU: a host build supplies its own.
@@ -394,5 +415,254 @@ extern "C" __global__ void __launch_bounds__(128)
     for (int ks = 0; ks < 4; ++ks) {
         if (ks > w) break;
         dst[(4 * w + ks) * 32 + lane] = make_uint4(pa[ks][0], pa[ks][1], pa[ks][2], pa[ks][3]);
+    }
+}
+
+// ---------------------------------------------------------------------------------------
+// Two-pass form, first launch: the state recurrence alone. Grid (H, 128 / LTC_BV), 128
+// threads, dynamic shared memory LTC_STATES_SMEM. Warp w owns state rows 32w..32w+31 of the
+// block's 16 value columns (as the chunk loop above). hs: [H][⌈t/LTC_CB⌉][128][128] bf16,
+// hs[h][b] = the state before token LTC_CB·b (hs[h][0] the initial state), or null (only the
+// final state). state [H][128][128] fp32 advanced in place. Needs 16-byte aligned k, v.
+extern "C" __global__ void __launch_bounds__(128)
+    lt_states_tc_bf16(const bf16* __restrict__ k, const bf16* __restrict__ v, const float* __restrict__ log_decay,
+                      float* __restrict__ state, bf16* __restrict__ hs, int t, int H) {
+    extern __shared__ __align__(16) unsigned char ltc_sm[];
+    bf16* Ks = reinterpret_cast<bf16*>(ltc_sm);   // [LTC_SST][LTC_CB][LTC_LDQ]
+    bf16* Vs = Ks + LTC_SST * LTC_CB * LTC_LDQ;   // [LTC_SST][LTC_CB][LTC_LDV]
+    float* pw = reinterpret_cast<float*>(Vs + LTC_SST * LTC_CB * LTC_LDV);
+    const int h = blockIdx.x, cb = blockIdx.y * LTC_BV;
+    const int tid = threadIdx.x, lane = tid & 31, w = tid >> 5;
+    const int g = lane >> 2, qd = lane & 3, lm = lane >> 3, lr = lane & 7;
+    const double gl = (double)log_decay[h];
+    for (int n = tid; n <= LTC_CB; n += 128) pw[n] = (float)exp(gl * (double)n);
+
+    // Step tiles at token s into stage b; rows past the end are zero.
+    auto load = [&](int s, int b) {
+        const int L = min(LTC_CB, t - s);
+        for (int e = tid; e < LTC_CB * 16; e += 128) {
+            const int i = e >> 4, p = e & 15;
+            const bool ok = i < L;
+            const size_t src = ((size_t)(ok ? s + i : s) * H + h) * LTC_D + p * 8;
+            ltc_cp16(ltc_smem(Ks + (b * LTC_CB + i) * LTC_LDQ + p * 8), k + src, ok);
+        }
+        for (int e = tid; e < LTC_CB * 2; e += 128) {
+            const int i = e >> 1, p = e & 1;
+            const bool ok = i < L;
+            const size_t src = ((size_t)(ok ? s + i : s) * H + h) * LTC_D + cb + p * 8;
+            ltc_cp16(ltc_smem(Vs + (b * LTC_CB + i) * LTC_LDV + p * 8), v + src, ok);
+        }
+        ltc_cp_commit();
+    };
+
+    float sacc[2][2][4];
+    float* S = state + (size_t)h * LTC_D * LTC_D;
+#pragma unroll
+    for (int mt = 0; mt < 2; ++mt)
+#pragma unroll
+        for (int nt = 0; nt < 2; ++nt) {
+            const int r = 32 * w + 16 * mt + g, c = cb + 8 * nt + 2 * qd;
+            sacc[mt][nt][0] = S[(size_t)r * LTC_D + c];
+            sacc[mt][nt][1] = S[(size_t)r * LTC_D + c + 1];
+            sacc[mt][nt][2] = S[(size_t)(r + 8) * LTC_D + c];
+            sacc[mt][nt][3] = S[(size_t)(r + 8) * LTC_D + c + 1];
+        }
+    const int nst = (t + LTC_CB - 1) / LTC_CB;
+    if (nst == 0) return;
+    // One commit group per step (empty past the end), as the chunk loop above.
+#pragma unroll
+    for (int i = 0; i < LTC_SST - 1; ++i) {
+        if (i < nst) load(i * LTC_CB, i);
+        else ltc_cp_commit();
+    }
+    for (int n = 0; n < nst; ++n) {
+        const int s = n * LTC_CB, L = min(LTC_CB, t - s), b = n % LTC_SST;
+        if (hs) {
+            // The bf16 state before this step, for lt_out_tc_bf16.
+            bf16* d = hs + (((size_t)h * nst + n) * LTC_D) * LTC_D + cb;
+#pragma unroll
+            for (int mt = 0; mt < 2; ++mt)
+#pragma unroll
+                for (int nt = 0; nt < 2; ++nt) {
+                    const int r = 32 * w + 16 * mt + g, c = 8 * nt + 2 * qd;
+                    *reinterpret_cast<unsigned*>(d + (size_t)r * LTC_D + c) =
+                        ltc_pack(sacc[mt][nt][0], sacc[mt][nt][1]);
+                    *reinterpret_cast<unsigned*>(d + (size_t)(r + 8) * LTC_D + c) =
+                        ltc_pack(sacc[mt][nt][2], sacc[mt][nt][3]);
+                }
+        }
+        ltc_cp_wait<LTC_SST - 2>();
+        // Step n's tiles (and, n = 0, pw) are visible; every warp is done with step n − 1,
+        // so its stage may be refilled (with step n + LTC_SST − 1).
+        __syncthreads();
+        if (n + LTC_SST - 1 < nst) load(s + (LTC_SST - 1) * LTC_CB, (n + LTC_SST - 1) % LTC_SST);
+        else ltc_cp_commit();
+        const bf16* Kb = Ks + b * LTC_CB * LTC_LDQ;
+        const bf16* Vb = Vs + b * LTC_CB * LTC_LDV;
+        // S ← γ^L S + Kᵀ Ṽ, Ṽ_j = γ^{L−1−j} v_j (0 past the step's end), over 8 key steps of 16.
+        unsigned vf[8][4];
+#pragma unroll
+        for (int ks = 0; ks < 8; ++ks) {
+            ltc_ldsm_t(vf[ks], ltc_smem(Vb + (16 * ks + 8 * (lm & 1) + lr) * LTC_LDV + 8 * (lm >> 1)));
+#pragma unroll
+            for (int r = 0; r < 4; ++r) {
+                const int j = 16 * ks + 2 * qd + (r & 1) * 8;
+                const float f0 = j < L ? pw[L - 1 - j] : 0.f;
+                const float f1 = j + 1 < L ? pw[L - 2 - j] : 0.f;
+                vf[ks][r] = ltc_pack(ltc_lo(vf[ks][r]) * f0, ltc_hi(vf[ks][r]) * f1);
+            }
+        }
+        const float dl = pw[L];
+#pragma unroll
+        for (int mt = 0; mt < 2; ++mt) {
+#pragma unroll
+            for (int nt = 0; nt < 2; ++nt)
+#pragma unroll
+                for (int e = 0; e < 4; ++e) sacc[mt][nt][e] *= dl;
+#pragma unroll
+            for (int ks = 0; ks < 8; ++ks) {
+                unsigned kf[4];
+                ltc_ldsm_t(kf, ltc_smem(Kb + (16 * ks + 8 * (lm >> 1) + lr) * LTC_LDQ + 32 * w + 16 * mt +
+                                        8 * (lm & 1)));
+                ltc_mma(sacc[mt][0], kf, vf[ks][0], vf[ks][1]);
+                ltc_mma(sacc[mt][1], kf, vf[ks][2], vf[ks][3]);
+            }
+        }
+    }
+    ltc_cp_wait_all();  // only empty groups can be pending here
+#pragma unroll
+    for (int mt = 0; mt < 2; ++mt)
+#pragma unroll
+        for (int nt = 0; nt < 2; ++nt) {
+            const int r = 32 * w + 16 * mt + g, c = cb + 8 * nt + 2 * qd;
+            S[(size_t)r * LTC_D + c] = sacc[mt][nt][0];
+            S[(size_t)r * LTC_D + c + 1] = sacc[mt][nt][1];
+            S[(size_t)(r + 8) * LTC_D + c] = sacc[mt][nt][2];
+            S[(size_t)(r + 8) * LTC_D + c + 1] = sacc[mt][nt][3];
+        }
+}
+
+// Two-pass form, second launch: the outputs of every 128-token block at once. Grid
+// (⌈t/LTC_CB⌉, H), 256 threads, dynamic shared memory LTC_OUT_SMEM. Warp w owns the block's
+// rows 16w..16w+15 and all 128 value columns: acc = γ^{i+1}·scale · Q S_b (S_b = hs[h][b] of
+// lt_states_tc_bf16), then acc += P V over the key tiles 0..w (P as in ltc_scores, over up
+// to 127 positions back). The tiles land in three cp.async groups (Q and S, K, V) so the
+// products start while the later ones load. Needs 16-byte aligned q, k, v, hs.
+extern "C" __global__ void __launch_bounds__(256, 1)
+    lt_out_tc_bf16(const bf16* __restrict__ q, const bf16* __restrict__ k, const bf16* __restrict__ v,
+                   const bf16* __restrict__ hs, const float* __restrict__ log_decay, float scale,
+                   bf16* __restrict__ o, int t, int H) {
+    extern __shared__ __align__(16) unsigned char ltc_sm[];
+    bf16* Qs = reinterpret_cast<bf16*>(ltc_sm);  // [LTC_CB][LTC_LDQ] each
+    bf16* Ss = Qs + LTC_CB * LTC_LDQ;
+    bf16* Ks = Ss + LTC_CB * LTC_LDQ;
+    bf16* Vs = Ks + LTC_CB * LTC_LDQ;
+    float* pw = reinterpret_cast<float*>(Vs + LTC_CB * LTC_LDQ);
+    const int b = blockIdx.x, h = blockIdx.y, nb = gridDim.x;
+    const int tid = threadIdx.x, lane = tid & 31, w = tid >> 5;
+    const int g = lane >> 2, qd = lane & 3, lm = lane >> 3, lr = lane & 7;
+    const int s = b * LTC_CB, L = min(LTC_CB, t - s);
+    const double gl = (double)log_decay[h];
+    for (int n = tid; n <= LTC_CB; n += 256) pw[n] = (float)exp(gl * (double)n);
+
+    // Token rows of x into tile X (zero past the end); one commit group per call.
+    auto load_rows = [&](const bf16* x, bf16* X) {
+        for (int e = tid; e < LTC_CB * 16; e += 256) {
+            const int i = e >> 4, p = e & 15;
+            const bool ok = i < L;
+            const size_t src = ((size_t)(ok ? s + i : s) * H + h) * LTC_D + p * 8;
+            ltc_cp16(ltc_smem(X + i * LTC_LDQ + p * 8), x + src, ok);
+        }
+    };
+    load_rows(q, Qs);
+    {
+        const bf16* src = hs + (((size_t)h * nb + b) * LTC_D) * LTC_D;
+        for (int e = tid; e < LTC_D * 16; e += 256) {
+            const int r = e >> 4, p = e & 15;
+            ltc_cp16(ltc_smem(Ss + r * LTC_LDQ + p * 8), src + (size_t)r * LTC_D + p * 8, true);
+        }
+    }
+    ltc_cp_commit();
+    load_rows(k, Ks);
+    ltc_cp_commit();
+    load_rows(v, Vs);
+    ltc_cp_commit();
+
+    ltc_cp_wait<2>();  // Q and S
+    __syncthreads();
+    unsigned qf[8][4];
+    ltc_q_frags(Qs, qf);
+    // acc[nt]: rows 16w + g (+8), value columns 8nt + 2qd (+1).
+    float acc[16][4];
+#pragma unroll
+    for (int nt = 0; nt < 16; ++nt) acc[nt][0] = acc[nt][1] = acc[nt][2] = acc[nt][3] = 0.f;
+#pragma unroll
+    for (int ks = 0; ks < 8; ++ks)
+#pragma unroll
+        for (int np = 0; np < 8; ++np) {
+            unsigned sf[4];
+            ltc_ldsm_t(sf, ltc_smem(Ss + (16 * ks + 8 * (lm & 1) + lr) * LTC_LDQ + 16 * np + 8 * (lm >> 1)));
+            ltc_mma(acc[2 * np], qf[ks], sf[0], sf[1]);
+            ltc_mma(acc[2 * np + 1], qf[ks], sf[2], sf[3]);
+        }
+#pragma unroll
+    for (int hf = 0; hf < 2; ++hf) {
+        const float a = pw[16 * w + g + 8 * hf + 1] * scale;
+#pragma unroll
+        for (int nt = 0; nt < 16; ++nt) {
+            acc[nt][2 * hf] *= a;
+            acc[nt][2 * hf + 1] *= a;
+        }
+    }
+
+    ltc_cp_wait<1>();  // K
+    __syncthreads();
+    // P over key tiles kt ≤ w (16 keys each): the A fragments pa[kt], masked and decayed.
+    unsigned pa[8][4];
+#pragma unroll
+    for (int kt = 0; kt < 8; ++kt) {
+        if (kt > w) break;  // warp-uniform
+        float p[2][4] = {{0.f, 0.f, 0.f, 0.f}, {0.f, 0.f, 0.f, 0.f}};
+#pragma unroll
+        for (int ks = 0; ks < 8; ++ks) {
+            unsigned kf[4];
+            ltc_ldsm(kf, ltc_smem(Ks + (16 * kt + 8 * (lm >> 1) + lr) * LTC_LDQ + 16 * ks + 8 * (lm & 1)));
+            ltc_mma(p[0], qf[ks], kf[0], kf[1]);
+            ltc_mma(p[1], qf[ks], kf[2], kf[3]);
+        }
+#pragma unroll
+        for (int nt = 0; nt < 2; ++nt)
+#pragma unroll
+            for (int e = 0; e < 4; ++e) {
+                const int i = 16 * w + g + (e >> 1) * 8, j = 16 * kt + 8 * nt + 2 * qd + (e & 1);
+                p[nt][e] = j <= i ? p[nt][e] * (pw[i - j] * scale) : 0.f;
+            }
+        pa[kt][0] = ltc_pack(p[0][0], p[0][1]);
+        pa[kt][1] = ltc_pack(p[0][2], p[0][3]);
+        pa[kt][2] = ltc_pack(p[1][0], p[1][1]);
+        pa[kt][3] = ltc_pack(p[1][2], p[1][3]);
+    }
+
+    ltc_cp_wait<0>();  // V
+    __syncthreads();
+#pragma unroll
+    for (int kt = 0; kt < 8; ++kt) {
+        if (kt > w) break;
+#pragma unroll
+        for (int np = 0; np < 8; ++np) {
+            unsigned vf[4];
+            ltc_ldsm_t(vf, ltc_smem(Vs + (16 * kt + 8 * (lm & 1) + lr) * LTC_LDQ + 16 * np + 8 * (lm >> 1)));
+            ltc_mma(acc[2 * np], pa[kt], vf[0], vf[1]);
+            ltc_mma(acc[2 * np + 1], pa[kt], vf[2], vf[3]);
+        }
+    }
+#pragma unroll
+    for (int hf = 0; hf < 2; ++hf) {
+        const int i = 16 * w + g + 8 * hf;
+        if (i >= L) continue;
+        bf16* dst = o + ((size_t)(s + i) * H + h) * LTC_D + 2 * qd;
+#pragma unroll
+        for (int nt = 0; nt < 16; ++nt)
+            *reinterpret_cast<unsigned*>(dst + 8 * nt) = ltc_pack(acc[nt][2 * hf], acc[nt][2 * hf + 1]);
     }
 }

@@ -4,7 +4,9 @@
 // same bf16 inputs: outputs and final states within bf16 tolerance at lengths around the
 // chunk edges, from a random initial state, for weak and strong decays; a state-only pass
 // (o = null) leaves the same final state bit for bit, and the split form (lt_scores_tc_bf16
-// then lt_chunk_pre_tc_bf16) gives the fused kernel's output and state bit for bit.
+// then lt_chunk_pre_tc_bf16) gives the fused kernel's output and state bit for bit. The
+// two-pass form (lt_states_tc_bf16, then lt_out_tc_bf16) within the same bounds, its
+// state-only pass equal to it bit for bit.
 #define HYPIC_HOST_EMU
 #include "emu.h"
 
@@ -75,14 +77,29 @@ static std::vector<bf16> rnd_bf16(size_t n, std::mt19937& r, float lo, float hi)
     return v;
 }
 
-// The fused kernel (split = false) or the split form: lt_scores_tc_bf16, then
-// lt_chunk_pre_tc_bf16 (o required).
+enum Form { FUSED, SPLIT, TWO_PASS };
+
+// The fused kernel, the split form (lt_scores_tc_bf16, then lt_chunk_pre_tc_bf16; o
+// required) or the two-pass form (lt_states_tc_bf16, then lt_out_tc_bf16 when o is given).
 static void run_kernel(int t, int H, const std::vector<bf16>& q, const std::vector<bf16>& k,
                        const std::vector<bf16>& v, const std::vector<float>& ld, float scale,
-                       std::vector<float>& st, std::vector<bf16>* o, bool split = false) {
+                       std::vector<float>& st, std::vector<bf16>* o, Form form = FUSED) {
     // A misaligned or short tile read lands outside these buffers' 16-byte pieces; the
     // emulator checks cp.async alignment.
-    if (!split) {
+    if (form == TWO_PASS) {
+        const int nb = (t + LTC_CB - 1) / LTC_CB;
+        // States never written read as NaN.
+        std::vector<bf16> hs(o ? (size_t)H * nb * LTC_D * LTC_D : 0, __float2bfloat16_rn(NAN));
+        emu_launch(emu_dim3{(unsigned)H, LTC_D / LTC_BV, 1}, 128, LTC_STATES_SMEM, [&] {
+            lt_states_tc_bf16(k.data(), v.data(), ld.data(), st.data(), o ? hs.data() : nullptr, t, H);
+        });
+        if (o)
+            emu_launch(emu_dim3{(unsigned)nb, (unsigned)H, 1}, 256, LTC_OUT_SMEM, [&] {
+                lt_out_tc_bf16(q.data(), k.data(), v.data(), hs.data(), ld.data(), scale, o->data(), t, H);
+            });
+        return;
+    }
+    if (form == FUSED) {
         emu_launch(emu_dim3{(unsigned)H, LTC_D / LTC_BV, 1}, 128, LTC_SMEM, [&] {
             lt_chunk_tc_bf16(q.data(), k.data(), v.data(), ld.data(), scale, st.data(), o ? o->data() : nullptr, t,
                              H);
@@ -97,6 +114,18 @@ static void run_kernel(int t, int H, const std::vector<bf16>& q, const std::vect
     emu_launch(emu_dim3{(unsigned)H, LTC_D / LTC_BV, 1}, 128, LTC_PRE_SMEM, [&] {
         lt_chunk_pre_tc_bf16(q.data(), k.data(), v.data(), pf.data(), ld.data(), scale, st.data(), o->data(), t, H);
     });
+}
+
+// Output and final-state errors of one form against the reference, checked.
+static void check_form(const char* name, int t, int H, const std::vector<float>& ld, const std::vector<bf16>& o,
+                       const std::vector<float>& st, const std::vector<double>& oref, const std::vector<double>& S) {
+    std::vector<double> og(o.size()), sg(st.begin(), st.end());
+    for (size_t i = 0; i < o.size(); ++i) og[i] = __bfloat162float(o[i]);
+    const double eo = rel_l2(og, oref), eo_max = max_rel(og, oref), es = rel_l2(sg, S);
+    char buf[240];
+    std::snprintf(buf, sizeof buf, "%s t=%d H=%d g=(%.3g, %.3g): output rel L2 %.2e (max %.2e), state rel L2 %.2e",
+                  name, t, H, ld[0], ld[H - 1], eo, eo_max, es);
+    check(eo < 1.5e-2 && eo_max < 3e-2 && es < 1e-2, buf);
 }
 
 static void case_(int t, int H, const std::vector<float>& ld, unsigned seed) {
@@ -133,13 +162,7 @@ static void case_(int t, int H, const std::vector<float>& ld, unsigned seed) {
     std::vector<float> st = s0;
     std::vector<bf16> o((size_t)t * H * D, __float2bfloat16_rn(NAN));
     run_kernel(t, H, q, k, v, ld, scale, st, &o);
-    std::vector<double> og(o.size()), sg(st.begin(), st.end());
-    for (size_t i = 0; i < o.size(); ++i) og[i] = __bfloat162float(o[i]);
-    const double eo = rel_l2(og, oref), eo_max = max_rel(og, oref), es = rel_l2(sg, S);
-    char buf[200];
-    std::snprintf(buf, sizeof buf, "t=%d H=%d g=(%.3g, %.3g): output rel L2 %.2e (max %.2e), state rel L2 %.2e", t, H,
-                  ld[0], ld[H - 1], eo, eo_max, es);
-    check(eo < 1.5e-2 && eo_max < 3e-2 && es < 1e-2, buf);
+    check_form("fused", t, H, ld, o, st, oref, S);
 
     std::vector<float> st2 = s0;
     run_kernel(t, H, q, k, v, ld, scale, st2, nullptr);
@@ -148,10 +171,19 @@ static void case_(int t, int H, const std::vector<float>& ld, unsigned seed) {
 
     std::vector<float> st3 = s0;
     std::vector<bf16> o3((size_t)t * H * D, __float2bfloat16_rn(NAN));
-    run_kernel(t, H, q, k, v, ld, scale, st3, &o3, true);
+    run_kernel(t, H, q, k, v, ld, scale, st3, &o3, SPLIT);
     check(std::memcmp(st3.data(), st.data(), st.size() * 4) == 0 &&
               std::memcmp(o3.data(), o.data(), o.size() * sizeof(bf16)) == 0,
           "t=" + std::to_string(t) + ": split form (scores, then the chunk loop) = fused, bit for bit");
+
+    std::vector<float> st4 = s0;
+    std::vector<bf16> o4((size_t)t * H * D, __float2bfloat16_rn(NAN));
+    run_kernel(t, H, q, k, v, ld, scale, st4, &o4, TWO_PASS);
+    check_form("two-pass", t, H, ld, o4, st4, oref, S);
+    std::vector<float> st5 = s0;
+    run_kernel(t, H, q, k, v, ld, scale, st5, nullptr, TWO_PASS);
+    check(std::memcmp(st5.data(), st4.data(), st4.size() * 4) == 0,
+          "t=" + std::to_string(t) + ": two-pass state-only pass (no stored states) leaves the same state, bit for bit");
 }
 
 int main() {
@@ -164,10 +196,10 @@ int main() {
     const std::vector<float> strong = {-3.0f, -0.7f};
     unsigned seed = 1;
     const char* quick = std::getenv("EMU_QUICK");
-    std::vector<int> lens = {1, 15, 16, 17, 63, 64, 65, 127, 128, 129, 200};
+    std::vector<int> lens = {1, 15, 16, 17, 63, 64, 65, 127, 128, 129, 200, 255, 256, 257};
     if (!(quick && *quick == '1')) lens.push_back(333);
     for (int t : lens) case_(t, 2, weak, seed++);
-    for (int t : {17, 64, 130}) case_(t, 2, strong, seed++);
+    for (int t : {17, 64, 130, 300}) case_(t, 2, strong, seed++);
     case_(70, 3, {-0.01f, -0.1f, -1.0f}, seed++);
     if (g_fail) {
         std::printf("%d check(s) failed\n", g_fail);

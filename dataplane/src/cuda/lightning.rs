@@ -396,8 +396,8 @@ pub fn chunked_two_pass(
 
 /// Whether bf16 models run their Lightning prefill on tensor cores ([`chunked_tc`]):
 /// yes unless the environment sets `HYPIC_CUDA_LIGHTNING_TC=0` (read once), which
-/// keeps the fp32 kernels ([`span`]) for A/B runs (also `off`, `false`, `no`; `=fused` picks
-/// [`TcForm::Fused`]).
+/// keeps the fp32 kernels ([`span`]) for A/B runs (also `off`, `false`, `no`; `=fused` and
+/// `=two-pass` pick a [`TcForm`], see [`tc_form`]).
 pub fn tensor_cores_enabled() -> bool {
     static ON: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
     *ON.get_or_init(|| {
@@ -426,6 +426,16 @@ const TC_STAGES: usize = 2;
 const TC_PRE_SMEM: usize = TC_SMEM.div_ceil(16) * 16 + TC_STAGES * 512 * 16;
 /// `LTC_SCORES_SMEM`: one q and one k tile, the decay powers.
 const TC_SCORES_SMEM: usize = 2 * 64 * 136 * 2 + 65 * 4;
+/// Tokens per step of the two-pass form's state pass and per block of its output pass
+/// (`LTC_CB`): the stored states are those at multiples of it.
+const TC_STEP: usize = 128;
+/// Pipeline stages of `lt_states_tc_bf16` (`LTC_SST`).
+const TC_STATE_STAGES: usize = 3;
+/// `LTC_STATES_SMEM`: per stage a 128-token k tile of 136 bf16 per row and a v tile of
+/// 24; 129 fp32 decay powers.
+const TC_STATES_SMEM: usize = TC_STATE_STAGES * TC_STEP * (136 + 24) * 2 + (TC_STEP + 1) * 4;
+/// `LTC_OUT_SMEM`: the q, k, v and state tiles of 128 rows of 136 bf16, the decay powers.
+const TC_OUT_SMEM: usize = 4 * TC_STEP * 136 * 2 + (TC_STEP + 1) * 4;
 
 /// The chunked prefill on tensor cores (`lt_chunk_tc_bf16`, kernels/lightning_tc.cu):
 /// the contract of [`chunked`] with bf16 `q, k` (`[T, H, 128]`), `v` and `o`
@@ -434,8 +444,9 @@ const TC_SCORES_SMEM: usize = 2 * 64 * 136 * 2 + 65 * 4;
 /// the bf16 copy of the chunk-initial state and the decayed values are rounded to
 /// bf16 (relative error of a bf16 rounding against the fp64 recurrence, checked by
 /// `tools/kernel-emu/run.sh lightning-tc`). With `o = None` a state-only pass (the
-/// `S_body|0` of a PIC body pair); `q` is then not read. The chunk loop runs one block per head and 16 value
-/// columns; the chunks run in order inside it.
+/// `S_body|0` of a PIC body pair); `q` is then not read. The sequential part (the chunk
+/// loop, or the two-pass form's state pass) runs one block per head and 16 value
+/// columns; see [`TcForm`] for the forms.
 ///
 /// Errors: [`CudaError::Shape`] unless `T` is bf16 and `dk = dv = 128`, for short
 /// buffers, q, k, v, o not starting at a multiple of 16 bytes (the kernel copies q,
@@ -455,9 +466,17 @@ pub fn chunked_tc<T: Elem>(
     chunked_tc_with(tc_form(), gpu, d, q, k, v, log_decay, scale, state, o)
 }
 
-/// How [`chunked_tc`] runs its kernels (the same results bit for bit).
+/// How [`chunked_tc`] runs its kernels. `Fused` and `Split` give the same results bit
+/// for bit; `TwoPass` rounds the chunk-initial state to bf16 every 128 tokens instead of
+/// every 64 (errors of the same size against the recurrence).
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub enum TcForm {
+    /// Per slab of [`TC_SLAB`] tokens, `lt_states_tc_bf16` runs the state recurrence alone
+    /// (one block per head and 16 value columns, steps of 128 tokens in order) and stores
+    /// the bf16 state before each step; then `lt_out_tc_bf16` computes every 128-token
+    /// block's output at once from those states (one block per block and head). A
+    /// state-only pass is the first launch alone, storing nothing.
+    TwoPass,
     /// One launch (`lt_chunk_tc_bf16`): each block computes its chunks' scores `QKᵀ`
     /// itself, inside the sequential chunk loop.
     Fused,
@@ -467,17 +486,19 @@ pub enum TcForm {
     Split,
 }
 
-/// Tokens per slab of [`TcForm::Split`]: the score scratch holds one slab
-/// (`H · TC_SLAB/64 · 8 KiB`).
+/// Tokens per slab of [`TcForm::Split`] and [`TcForm::TwoPass`]: the scratch holds one
+/// slab's scores (`H · TC_SLAB/64 · 8 KiB`) or states (`H · TC_SLAB/128 · 32 KiB`).
 pub const TC_SLAB: usize = 8192;
 
-/// The form [`chunked_tc`] takes: [`TcForm::Split`] unless the environment sets
-/// `HYPIC_CUDA_LIGHTNING_TC=fused` (read once).
+/// The form [`chunked_tc`] takes: [`TcForm::Split`] (the form timed on a GPU so far)
+/// unless the environment sets `HYPIC_CUDA_LIGHTNING_TC=fused` or `=two-pass` (read
+/// once).
 pub fn tc_form() -> TcForm {
     static F: std::sync::OnceLock<TcForm> = std::sync::OnceLock::new();
     *F.get_or_init(|| {
         match std::env::var("HYPIC_CUDA_LIGHTNING_TC").map(|v| v.trim().to_ascii_lowercase()) {
             Ok(v) if v == "fused" => TcForm::Fused,
+            Ok(v) if v == "two-pass" || v == "twopass" => TcForm::TwoPass,
             _ => TcForm::Split,
         }
     })
@@ -523,6 +544,9 @@ pub fn chunked_tc_with<T: Elem>(
     }
     let hi = dim_i32("H", d.h)?;
     let grid_loop = (d.h as u32, (TC_DIM / TC_BV) as u32, 1);
+    if form == TcForm::TwoPass {
+        return two_pass_tc(gpu, d, q, k, v, log_decay, scale, state, o);
+    }
     let o = match (form, o) {
         (TcForm::Split, Some(o)) => o,
         (_, o) => {
@@ -602,6 +626,94 @@ pub fn chunked_tc_with<T: Elem>(
         // length-checked q, k, v, o, the scores written
         // by the launch above (same stream), state [H, 128, 128]; shared memory as
         // LTC_PRE_SMEM.
+        unsafe { b.launch(cfg) }?;
+        a += n;
+    }
+    Ok(())
+}
+
+/// [`TcForm::TwoPass`] of [`chunked_tc_with`] (arguments checked there).
+#[allow(clippy::too_many_arguments)]
+fn two_pass_tc<T: Elem>(
+    gpu: &Gpu,
+    d: &LightningDims,
+    q: &CudaSlice<T>,
+    k: &CudaSlice<T>,
+    v: &CudaSlice<T>,
+    log_decay: &CudaSlice<f32>,
+    scale: f32,
+    state: &mut CudaSlice<f32>,
+    o: Option<&mut CudaSlice<T>>,
+) -> Result<()> {
+    let hi = dim_i32("H", d.h)?;
+    let fs = gpu.function(&LIGHTNING_TC, "lt_states_tc_bf16", TC_STATES_SMEM as u32)?;
+    let cfg_states = LaunchConfig {
+        grid_dim: (d.h as u32, (TC_DIM / TC_BV) as u32, 1),
+        block_dim: (128, 1, 1),
+        shared_mem_bytes: TC_STATES_SMEM as u32,
+    };
+    let Some(o) = o else {
+        let ti = dim_i32("t", d.t)?;
+        let null: u64 = 0;
+        let mut b = gpu.stream().launch_builder(&fs);
+        b.arg(k)
+            .arg(v)
+            .arg(log_decay)
+            .arg(&mut *state)
+            .arg(&null)
+            .arg(&ti)
+            .arg(&hi);
+        // SAFETY: matches `lt_states_tc_bf16`; k, v [T, H, 128] bf16 (checked lengths,
+        // 16-byte aligned), state [H, 128, 128]; hs null (nothing stored); dynamic shared
+        // memory as LTC_STATES_SMEM, opted into by `Gpu::function`.
+        unsafe { b.launch(cfg_states) }?;
+        return Ok(());
+    };
+    let fo = gpu.function(&LIGHTNING_TC, "lt_out_tc_bf16", TC_OUT_SMEM as u32)?;
+    let slab_steps = d.t.min(TC_SLAB).div_ceil(TC_STEP);
+    let mut hs: super::Scratch<T> = gpu.scratch(d.h * slab_steps * TC_DIM * TC_DIM)?;
+    let w = d.h * TC_DIM;
+    let mut a = 0usize;
+    while a < d.t {
+        let n = TC_SLAB.min(d.t - a);
+        let ti = dim_i32("slab", n)?;
+        // Slab starts are multiples of TC_SLAB rows of 256 bytes: still 16-byte aligned.
+        let (qs, ks, vs) = (
+            q.slice(a * w..(a + n) * w),
+            k.slice(a * w..(a + n) * w),
+            v.slice(a * w..(a + n) * w),
+        );
+        let mut os = o.slice_mut(a * w..(a + n) * w);
+        let mut b = gpu.stream().launch_builder(&fs);
+        b.arg(&ks)
+            .arg(&vs)
+            .arg(log_decay)
+            .arg(&mut *state)
+            .arg(&mut *hs)
+            .arg(&ti)
+            .arg(&hi);
+        // SAFETY: matches `lt_states_tc_bf16`; the slab's n-row views of the checked k,
+        // v; hs holds H · ceil(n / 128) states of 128 × 128 bf16 (a fresh allocation is
+        // 256-byte aligned); shared memory as LTC_STATES_SMEM.
+        unsafe { b.launch(cfg_states) }?;
+        let cfg = LaunchConfig {
+            grid_dim: (n.div_ceil(TC_STEP) as u32, d.h as u32, 1),
+            block_dim: (256, 1, 1),
+            shared_mem_bytes: TC_OUT_SMEM as u32,
+        };
+        let mut b = gpu.stream().launch_builder(&fo);
+        b.arg(&qs)
+            .arg(&ks)
+            .arg(&vs)
+            .arg(&*hs)
+            .arg(log_decay)
+            .arg(&scale)
+            .arg(&mut os)
+            .arg(&ti)
+            .arg(&hi);
+        // SAFETY: matches `lt_out_tc_bf16`; the slab's n-row views of q, k, v, o, the
+        // states written by the launch above (same stream); grid y = H ≤ 65 535 (checked
+        // by the launch); shared memory as LTC_OUT_SMEM.
         unsafe { b.launch(cfg) }?;
         a += n;
     }
@@ -801,10 +913,19 @@ mod tests {
                 "{name} in kernels/lightning_tc.cu differs from {v}"
             );
         }
-        let pre = TC_PRE_SMEM;
         assert!(
-            pre <= 227 * 1024,
-            "{pre} bytes: over the 227 KiB a block may use"
+            src.contains(&format!("#define LTC_SST {TC_STATE_STAGES}\n")),
+            "LTC_SST in kernels/lightning_tc.cu differs from TC_STATE_STAGES = {TC_STATE_STAGES}"
         );
+        assert!(
+            src.contains(&format!("#define LTC_CB {TC_STEP}\n")),
+            "LTC_CB in kernels/lightning_tc.cu differs from TC_STEP = {TC_STEP}"
+        );
+        for bytes in [TC_PRE_SMEM, TC_STATES_SMEM, TC_OUT_SMEM] {
+            assert!(
+                bytes <= 227 * 1024,
+                "{bytes} bytes: over the 227 KiB a block may use"
+            );
+        }
     }
 }
