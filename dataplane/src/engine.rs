@@ -222,6 +222,36 @@ pub trait Engine: EnginePools {
     fn advance(&self, prefill: &mut Self::Prefill, budget: usize, progress: bool) -> Result<usize>;
     /// The output of a done prefill (`None`: not done yet, or already taken).
     fn finish(&self, prefill: &mut Self::Prefill) -> Option<EngineOutput<Self::State>>;
+    /// Tokens of the next piece of `prefill` when that piece is a plain prefill of a
+    /// segment computed in place (the query, a segment of full recompute) that
+    /// [`Engine::advance_computed_many`] can batch with other requests' pieces, within
+    /// `budget` (`progress`: at least one piece); `None` otherwise (the default: the
+    /// engine does not batch).
+    fn computed_piece(
+        &self,
+        prefill: &Self::Prefill,
+        budget: usize,
+        progress: bool,
+    ) -> Option<usize> {
+        let _ = (prefill, budget, progress);
+        None
+    }
+    /// Runs the pieces [`Engine::computed_piece`] sized (`pieces[j]` tokens of
+    /// `prefills[j]`) as one batched forward; returns the tokens run.
+    ///
+    /// Errors: as [`Engine::advance`], for the whole batch (every prefill in it is then
+    /// unusable). The default refuses (no engine without
+    /// [`Engine::computed_piece`] is asked).
+    fn advance_computed_many(
+        &self,
+        prefills: &mut [&mut Self::Prefill],
+        pieces: &[usize],
+    ) -> Result<usize> {
+        let _ = (prefills, pieces);
+        Err(crate::Error::Input(
+            "this engine does not batch prefills".into(),
+        ))
+    }
     /// A segment registration built in pieces of the scheduler's token budget.
     type Registration: Send + 'static;
     /// Starts registering `tokens` under `isolation` for `body_starts` (see
@@ -423,6 +453,18 @@ where
             state: out.state,
             stats: out.stats,
         })
+    }
+    fn computed_piece(&self, prefill: &PicJob<B>, budget: usize, progress: bool) -> Option<usize> {
+        Pic::computed_piece(self, prefill, budget, progress)
+    }
+    fn advance_computed_many(
+        &self,
+        prefills: &mut [&mut PicJob<B>],
+        pieces: &[usize],
+    ) -> Result<usize> {
+        let _serial = Pic::pic_backend(self).exclusive();
+        Pic::advance_computed_many(self, prefills, pieces)?;
+        Ok(pieces.iter().sum())
     }
     type Registration = crate::pic::PrefetchJob<B::Entry>;
     fn register_begin(

@@ -680,8 +680,38 @@ impl Model {
         state: &mut ModelState,
         mut after_mixer: impl FnMut(usize, usize, &mut LayerState) -> Result<()>,
     ) -> Result<()> {
-        self.check_state(state)?;
-        for (tokens, _) in spans {
+        let spans: Vec<(&[u32], i64, usize)> = spans.iter().map(|&(t, p)| (t, p, 0)).collect();
+        self.forward_spans_multi(&spans, &mut [state], |l, i, ls| after_mixer(l, i, ls))?;
+        Ok(())
+    }
+
+    /// [`Model::forward_spans`] over several sequences at once: `spans[i] = (tokens,
+    /// first position, sequence)` runs from `states[sequence]`, so spans of different
+    /// requests share one batched pass (norms, FFN / MoE and the mixers' projections
+    /// over all rows; each span's stateful middle on its own sequence's layer state,
+    /// in span order). Returns the final residual stream `[Σ T_i, hidden]` (before the
+    /// final norm), rows in span order. `next_position` of every state is left to the
+    /// caller.
+    ///
+    /// Errors: a sequence index past `states`, a token outside the vocabulary, a state
+    /// that does not match the model ([`Error::Input`], before any state changes);
+    /// errors of the hook (states then partly advanced).
+    pub fn forward_spans_multi(
+        &self,
+        spans: &[(&[u32], i64, usize)],
+        states: &mut [&mut ModelState],
+        mut after_mixer: impl FnMut(usize, usize, &mut LayerState) -> Result<()>,
+    ) -> Result<Vec<f32>> {
+        for st in states.iter() {
+            self.check_state(st)?;
+        }
+        for &(tokens, _, seq) in spans {
+            if seq >= states.len() {
+                return Err(Error::Input(format!(
+                    "span of sequence {seq}, but {} states",
+                    states.len()
+                )));
+            }
             if !tokens.is_empty() {
                 self.check_tokens(tokens)?;
             }
@@ -690,36 +720,37 @@ impl Model {
         let h = c.hidden_size;
         let rows: usize = spans.iter().map(|s| s.0.len()).sum();
         if rows == 0 {
-            for (l, ls) in state.layers.iter_mut().enumerate() {
-                for i in 0..spans.len() {
-                    after_mixer(l, i, ls)?;
+            for l in 0..self.layers.len() {
+                for (i, s) in spans.iter().enumerate() {
+                    after_mixer(l, i, &mut states[s.2].layers[l])?;
                 }
             }
-            return Ok(());
+            return Ok(vec![]);
         }
         let tokens: Vec<u32> = spans.iter().flat_map(|s| s.0.iter().copied()).collect();
         let positions: Vec<i64> = spans
             .iter()
-            .flat_map(|&(t, p0)| (0..t.len() as i64).map(move |j| p0 + j))
+            .flat_map(|&(t, p0, _)| (0..t.len() as i64).map(move |j| p0 + j))
             .collect();
-        // (first row, rows) of each span.
-        let parts: Vec<(usize, usize)> = spans
+        // (first row, rows, sequence) of each span.
+        let parts: Vec<(usize, usize, usize)> = spans
             .iter()
             .scan(0usize, |o, s| {
                 let a = *o;
                 *o += s.0.len();
-                Some((a, s.0.len()))
+                Some((a, s.0.len(), s.2))
             })
             .collect();
         let mut x = self.embed(&tokens);
-        for (l, (layer, ls)) in self.layers.iter().zip(state.layers.iter_mut()).enumerate() {
+        for (l, layer) in self.layers.iter().enumerate() {
             let mut r = x.clone();
             ops::rms_norm_zero_centred(&mut r, &layer.input_norm, c.rms_norm_eps);
             // Per span: the stateful middle on its rows (`core(first row, rows, layer
             // state)` → `[rows, n_mid]`) into `mid`, then the hook.
             let mut spans_mid = |n_mid: usize, core: &mut SpanCore<'_>| -> Result<Vec<f32>> {
                 let mut mid = vec![0f32; rows * n_mid];
-                for (i, &(a, t)) in parts.iter().enumerate() {
+                for (i, &(a, t, seq)) in parts.iter().enumerate() {
+                    let ls = &mut states[seq].layers[l];
                     if t > 0 {
                         let m = core(a, t, ls)?;
                         mid[a * n_mid..(a + t) * n_mid].copy_from_slice(&m);
@@ -814,7 +845,50 @@ impl Model {
             };
             x.iter_mut().zip(&f).for_each(|(a, b)| *a += b);
         }
-        Ok(())
+        Ok(x)
+    }
+
+    /// Prefills several sequences' spans in one batched pass
+    /// ([`Model::forward_spans_multi`]): `items[i] = (tokens, state, want logits)`, each
+    /// span at its state's `next_position ..`, which advances by the span's length.
+    /// Returns per item the last token's logits `[vocab]` when asked, else empty. The
+    /// same math per row as [`Model::prefill`] of each item alone (to fp32 rounding of
+    /// the batched products).
+    ///
+    /// Errors: an empty span, a token outside the vocabulary, a state that does not
+    /// match ([`Error::Input`], before any state changes).
+    pub fn prefill_many(
+        &self,
+        items: &mut [(&[u32], &mut ModelState, bool)],
+    ) -> Result<Vec<Vec<f32>>> {
+        if let Some(i) = items.iter().position(|it| it.0.is_empty()) {
+            return Err(Error::Input(format!(
+                "span {i} of a batched prefill is empty"
+            )));
+        }
+        let spans: Vec<(&[u32], i64, usize)> = items
+            .iter()
+            .enumerate()
+            .map(|(i, it)| (it.0, it.1.next_position, i))
+            .collect();
+        let x = {
+            let mut states: Vec<&mut ModelState> = items.iter_mut().map(|it| &mut *it.1).collect();
+            self.forward_spans_multi(&spans, &mut states, |_, _, _| Ok(()))?
+        };
+        let h = self.config.hidden_size;
+        let mut row = 0usize;
+        let mut out = Vec::with_capacity(items.len());
+        for it in items.iter_mut() {
+            let t = it.0.len();
+            row += t;
+            it.1.next_position += t as i64;
+            out.push(if it.2 {
+                self.logits(&x[(row - 1) * h..row * h])
+            } else {
+                vec![]
+            });
+        }
+        Ok(out)
     }
 
     fn moe_forward(&self, m: &Moe, r: &[f32], t: usize) -> Vec<f32> {
@@ -878,7 +952,7 @@ impl Model {
         out
     }
 }
-/// The stateful middle of a mixer on one span inside [`Model::forward_spans`]:
+/// The stateful middle of a mixer on one span inside [`Model::forward_spans_multi`]:
 /// `(first row, rows, layer state)` → the span's output before the mixer's output
 /// projection, `[rows, n_mid]`.
 type SpanCore<'a> = dyn FnMut(usize, usize, &mut LayerState) -> Result<Vec<f32>> + 'a;

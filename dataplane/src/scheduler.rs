@@ -19,8 +19,13 @@
 //!   first pass, then the budget left goes again in order; the oldest prefill
 //!   always gets one piece, even when the decode tokens fill the budget. A short
 //!   request admitted behind a long one thus gets its first token in the step it is
-//!   admitted when the budget holds the long one's chunk and the short prompt. A
-//!   request whose prefill ends in a step is sampled at once ([`GenEvent::Started`]
+//!   admitted when the budget holds the long one's chunk and the short prompt.
+//!   Requests whose next piece is a segment computed in place (their queries, above
+//!   all) run their pieces of a step as one batched forward
+//!   ([`Engine::advance_computed_many`]: projections and FFN over all their rows,
+//!   each request's recurrences and attention on its own state; on the CPU
+//!   `Model::prefill_many`, on the GPU one request after the other for now); the
+//!   metrics count these forwards. A request whose prefill ends in a step is sampled at once ([`GenEvent::Started`]
 //!   and its first token) and decodes from that same step on. A row without logit
 //!   processors, log-probabilities or scoring passes its [`Sampler::device_draw`] and
 //!   the engine may return its token (the GPU draws it on the device, the same draw
@@ -267,6 +272,10 @@ pub struct SchedulerMetrics {
     /// Prompt tokens run through the model by prefill pieces (entry builds, seam
     /// windows and computed segments).
     pub prefill_tokens: AtomicU64,
+    /// Batched forwards that ran several requests' prefill pieces together.
+    pub batched_prefills: AtomicU64,
+    /// Requests' pieces in those batched forwards (over all of them).
+    pub batched_prefill_requests: AtomicU64,
     /// Segment registrations waiting or being built ([`Scheduler::register`]).
     pub registering: AtomicUsize,
     /// Segment tokens run through the model by registrations.
@@ -779,58 +788,121 @@ fn worker_loop<E: Engine>(shared: Arc<Shared>, engine: Arc<E>, cfg: SchedulerCon
         // 3. Prefill pieces within the step's budget (the decode tokens of the
         //    running sequences count first), in admission order: a first pass with
         //    at most `chunk_tokens` each, a second with what is left; the oldest
-        //    always gets a piece.
+        //    always gets a piece. In the first pass a request standing at a segment
+        //    computed in place (its query, above all) only reserves its piece; when
+        //    two or more did, their pieces run as one batched forward (projections
+        //    and FFN over all their rows) before the second pass.
         let mut left = step_tokens.saturating_sub(running.len());
         let mut spent = 0usize;
-        'passes: for pass in 0..2 {
-            let mut k = 0;
-            while k < prefilling.len() {
-                if left == 0 && !(k == 0 && spent == 0) {
-                    break 'passes;
+        // What became of each prefill this step: done (its output) or failed.
+        let mut ended: Vec<Option<crate::Result<crate::engine::EngineOutput<E::State>>>> =
+            (0..prefilling.len()).map(|_| None).collect();
+        // (prefill, piece tokens, whether it is the head's must-run piece).
+        let mut batch: Vec<(usize, usize, bool)> = vec![];
+        for pass in 0..2 {
+            for k in 0..prefilling.len() {
+                if ended[k].is_some() || (pass == 0 && batch.iter().any(|b| b.0 == k)) {
+                    continue;
                 }
                 let head = k == 0 && spent == 0;
+                if left == 0 && !head {
+                    break;
+                }
                 let give = if pass == 0 {
                     left.min(chunk_tokens)
                 } else {
                     left
                 };
                 let p = &mut prefilling[k];
-                let res = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| {
-                    engine.advance(&mut p.prefill, give.max(1), head)
-                }))
-                .unwrap_or_else(|p| {
-                    Err(crate::Error::Device(format!(
-                        "prefill failed: {}",
-                        panic_message(&*p)
-                    )))
-                });
-                let out = match res {
+                if pass == 0 {
+                    // The prefix match and pool lookups run no model work.
+                    if let Err(e) = prefill_guard(|| engine.advance(&mut p.prefill, 0, false)) {
+                        ended[k] = Some(Err(e));
+                        continue;
+                    }
+                    if let Some(out) = engine.finish(&mut p.prefill) {
+                        ended[k] = Some(Ok(out));
+                        continue;
+                    }
+                    if let Some(n) = engine.computed_piece(&p.prefill, give.max(1), head) {
+                        batch.push((k, n, head));
+                        spent += n;
+                        left = left.saturating_sub(n);
+                        continue;
+                    }
+                }
+                match prefill_guard(|| engine.advance(&mut p.prefill, give.max(1), head)) {
                     Ok(used) => {
                         spent += used;
                         left = left.saturating_sub(used);
                         metrics
                             .prefill_tokens
                             .fetch_add(used as u64, Ordering::Relaxed);
-                        engine.finish(&mut p.prefill).map(Ok)
+                        ended[k] = engine.finish(&mut p.prefill).map(Ok);
                     }
-                    Err(e) => Some(Err(e)),
-                };
-                let Some(out) = out else {
-                    k += 1;
-                    continue;
-                };
-                let pf = prefilling.remove(k).expect("index in range");
-                reserved -= pf.qr.reservation;
-                match out {
-                    Err(e) => {
-                        let _ = pf.qr.tx.send(prefill_error(e));
-                        metrics.finished.fetch_add(1, Ordering::Relaxed);
+                    Err(e) => ended[k] = Some(Err(e)),
+                }
+            }
+            if pass == 1 || batch.is_empty() {
+                continue;
+            }
+            let tokens: usize = batch.iter().map(|b| b.1).sum();
+            let res = if let [(k, n, head)] = batch[..] {
+                // Alone: the plain path (its budget is exactly the piece).
+                prefill_guard(|| engine.advance(&mut prefilling[k].prefill, n, head))
+            } else {
+                let ks: Vec<usize> = batch.iter().map(|b| b.0).collect();
+                let pieces: Vec<usize> = batch.iter().map(|b| b.1).collect();
+                let mut jobs: Vec<&mut E::Prefill> = prefilling
+                    .iter_mut()
+                    .enumerate()
+                    .filter(|(k, _)| ks.contains(k))
+                    .map(|(_, p)| &mut p.prefill)
+                    .collect();
+                metrics.batched_prefills.fetch_add(1, Ordering::Relaxed);
+                metrics
+                    .batched_prefill_requests
+                    .fetch_add(ks.len() as u64, Ordering::Relaxed);
+                prefill_guard(|| engine.advance_computed_many(&mut jobs, &pieces))
+            };
+            match res {
+                Ok(_) => {
+                    metrics
+                        .prefill_tokens
+                        .fetch_add(tokens as u64, Ordering::Relaxed);
+                    for &(k, _, _) in &batch {
+                        ended[k] = engine.finish(&mut prefilling[k].prefill).map(Ok);
                     }
-                    Ok(out) => {
-                        if let Some(r) = start_sequence(&*engine, pf, out, step, &metrics) {
-                            reserved += r.reservation;
-                            running.push(r);
-                        }
+                }
+                Err(e) => {
+                    // The batch shares the error (its kind kept: input or device).
+                    for &(k, _, _) in &batch {
+                        ended[k] = Some(Err(match &e {
+                            crate::Error::Input(m) => crate::Error::Input(m.clone()),
+                            other => crate::Error::Device(other.to_string()),
+                        }));
+                    }
+                }
+            }
+        }
+        // Prefills that ended leave the queue, in admission order.
+        let mut k = 0;
+        for out in ended {
+            let Some(out) = out else {
+                k += 1;
+                continue;
+            };
+            let pf = prefilling.remove(k).expect("index in range");
+            reserved -= pf.qr.reservation;
+            match out {
+                Err(e) => {
+                    let _ = pf.qr.tx.send(prefill_error(e));
+                    metrics.finished.fetch_add(1, Ordering::Relaxed);
+                }
+                Ok(out) => {
+                    if let Some(r) = start_sequence(&*engine, pf, out, step, &metrics) {
+                        reserved += r.reservation;
+                        running.push(r);
                     }
                 }
             }
@@ -1091,6 +1163,16 @@ fn start_sequence<E: Engine>(
 }
 
 /// The error event of a sequence whose constraint failed (see [`Sampler::try_sample`]).
+/// Runs a prefill call, turning a panic in the engine into an error of that call.
+fn prefill_guard<T>(f: impl FnOnce() -> crate::Result<T>) -> crate::Result<T> {
+    std::panic::catch_unwind(std::panic::AssertUnwindSafe(f)).unwrap_or_else(|p| {
+        Err(crate::Error::Device(format!(
+            "prefill failed: {}",
+            panic_message(&*p)
+        )))
+    })
+}
+
 fn constraint_error(message: &str) -> GenEvent {
     GenEvent::Error {
         kind: ErrorKind::Internal,

@@ -265,3 +265,112 @@ fn a_tiny_budget_progresses_one_piece_per_call() {
     let whole = e.run(&segs, Mode::FullRecompute, "t").unwrap();
     assert!(rel(&whole.logits, &out.logits) <= TOL);
 }
+
+/// Several requests' computed pieces in one batched forward
+/// ([`PicEngine::advance_computed_many`]): a full-recompute, a prefix-cache and a
+/// HYPIC request (whose query follows a composed run) advanced together, each
+/// step's computed pieces batched, give each request's logits and state to [`TOL`]
+/// of that request served alone, with the same statistics, for every golden family;
+/// and at least one step batched two or more requests.
+#[test]
+fn requests_prefilled_in_one_batched_forward_match_each_alone() {
+    for name in [
+        "qwen3_5",
+        "qwen3_5_moe",
+        "qwen3_next",
+        "bailing_moe_linear",
+        "kimi_linear",
+    ] {
+        let e = engine(name);
+        // Token ids below every fixture's vocabulary (the smallest is 128).
+        let seg_in = |seed: u64, len: usize| SegmentRef {
+            tokens: tokens(seed, len).into_iter().map(|t| t % 128).collect(),
+            isolation: "t".into(),
+        };
+        let reqs: Vec<(Vec<SegmentRef>, Mode, &str)> = vec![
+            (
+                vec![seg_in(31, 40), seg_in(32, 150)],
+                Mode::FullRecompute,
+                "a",
+            ),
+            (vec![seg_in(33, 70)], Mode::PrefixCache, "b"),
+            (
+                vec![seg_in(34, 30), seg_in(35, 120), seg_in(36, 19)],
+                Mode::hypic_default(),
+                "c",
+            ),
+        ];
+        let alone: Vec<_> = reqs
+            .iter()
+            .map(|(s, m, t)| {
+                e.clear();
+                e.run(s, *m, t).unwrap()
+            })
+            .collect();
+        e.clear();
+        let mut jobs: Vec<_> = reqs
+            .iter()
+            .map(|(s, m, t)| e.begin(s.clone(), *m, t).unwrap())
+            .collect();
+        let budget = 2 * PREFILL_ALIGN;
+        let (mut batched_steps, mut steps) = (0, 0);
+        while jobs.iter().any(|j| !j.is_done()) {
+            steps += 1;
+            assert!(steps < 1000, "{name}: no progress");
+            let mut batch = vec![];
+            for (j, job) in jobs.iter_mut().enumerate() {
+                if job.is_done() {
+                    continue;
+                }
+                assert_eq!(
+                    e.advance(job, 0, false).unwrap(),
+                    0,
+                    "{name}: lookups ran tokens"
+                );
+                match e.computed_piece(job, budget, true) {
+                    Some(n) => batch.push((j, n)),
+                    None => {
+                        e.advance(job, budget, true).unwrap();
+                    }
+                }
+            }
+            if batch.len() > 1 {
+                batched_steps += 1;
+            }
+            let pieces: Vec<usize> = batch.iter().map(|b| b.1).collect();
+            let mut refs: Vec<_> = jobs
+                .iter_mut()
+                .enumerate()
+                .filter(|(j, _)| batch.iter().any(|b| b.0 == *j))
+                .map(|(_, job)| job)
+                .collect();
+            e.advance_computed_many(&mut refs, &pieces).unwrap();
+        }
+        assert!(batched_steps >= 1, "{name}: no step batched two requests");
+        for (j, (job, one)) in jobs.iter_mut().zip(&alone).enumerate() {
+            let out = job.take_output().unwrap();
+            let (dl, ds) = (
+                rel(&one.logits, &out.logits),
+                max_rel_state(&one.state, &out.state),
+            );
+            println!("{name} request {j}: batched vs alone: logits {dl:e}, state {ds:e}");
+            assert!(
+                dl <= TOL && ds <= TOL,
+                "{name} request {j}: logits {dl:e}, state {ds:e}"
+            );
+            assert_eq!(one.stats, out.stats, "{name} request {j}");
+        }
+        // A job not at a computed segment is refused, nothing run.
+        let mut job = e
+            .begin(vec![seg_in(37, 20)], Mode::FullRecompute, "d")
+            .unwrap();
+        let err = e.advance_computed_many(&mut [&mut job], &[5]).unwrap_err();
+        assert!(
+            err.to_string().contains("not at a computed segment"),
+            "{err}"
+        );
+        e.advance(&mut job, 0, false).unwrap();
+        let err = e.advance_computed_many(&mut [&mut job], &[21]).unwrap_err();
+        assert!(err.to_string().contains("21 tokens"), "{err}");
+    }
+}

@@ -624,3 +624,55 @@ fn a_segment_registration_is_built_in_pieces_beside_running_streams() {
         Err(SubmitError::Invalid(_))
     ));
 }
+
+/// Requests prefilling at the same time share batched forwards (one forward runs
+/// several requests' pieces: the scheduler's metrics count them), every prompt
+/// token is run once, and each request answers what it answers alone (greedy,
+/// against the one-call engine).
+#[test]
+fn concurrent_prefills_share_batched_forwards_and_answer_as_alone() {
+    let e = engine();
+    let cfg = SchedulerConfig {
+        step_tokens: 256,
+        prefill_chunk_tokens: 64,
+        ..Default::default()
+    };
+    let s = Scheduler::start(e.clone(), cfg);
+    let reqs: Vec<GenRequest> = (0..4u32)
+        .map(|i| long_req(40 + i, 300 + 37 * i as usize, 4))
+        .collect();
+    let mut hs: Vec<_> = reqs.iter().map(|r| s.submit(r.clone()).unwrap()).collect();
+    let got: Vec<Vec<u32>> = hs
+        .iter_mut()
+        .map(|h| {
+            collect(h)
+                .iter()
+                .filter_map(|e| match e {
+                    GenEvent::Token { id, .. } => Some(*id),
+                    _ => None,
+                })
+                .collect()
+        })
+        .collect();
+    let m = s.metrics();
+    let (batches, in_batches) = (
+        m.batched_prefills.load(Ordering::Relaxed),
+        m.batched_prefill_requests.load(Ordering::Relaxed),
+    );
+    assert!(
+        batches >= 1 && in_batches >= 2 * batches,
+        "{batches} batched forwards of {in_batches} requests' pieces"
+    );
+    let prompt: usize = reqs.iter().map(|r| r.segments[0].tokens.len()).sum();
+    assert_eq!(m.prefill_tokens.load(Ordering::Relaxed), prompt as u64);
+    for (i, (r, g)) in reqs.iter().zip(&got).enumerate() {
+        let out = e.run(&r.segments, Mode::FullRecompute, "alone").unwrap();
+        let mut st = out.state;
+        let mut want = vec![dataplane::sampling::argmax(&out.logits)];
+        while want.len() < 4 {
+            let l = e.model().decode(*want.last().unwrap(), &mut st).unwrap();
+            want.push(dataplane::sampling::argmax(&l));
+        }
+        assert_eq!(g, &want, "request {i}");
+    }
+}

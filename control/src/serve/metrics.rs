@@ -79,7 +79,7 @@ struct ReuseTally {
 #[derive(Default)]
 struct Last {
     pool: [[u64; 10]; 2],
-    sched: [u64; 4],
+    sched: [u64; 6],
     /// Last exported value of each policy counter, by metric and label values.
     policy: HashMap<(&'static str, Vec<String>), u64>,
 }
@@ -235,7 +235,7 @@ impl ServeMetrics {
         let sched_events = reg!(IntCounterVec::new(
             Opts::new(
                 "hypic_scheduler_events_total",
-                "Scheduler events: queue_full (429), queue_timeout (408), cancelled, finished."
+                "Scheduler events: queue_full (429), queue_timeout (408), cancelled, finished; prefill_batch (one forward ran several requests' prefill pieces together) and prefill_batch_request (the requests' pieces in those forwards)."
             ),
             &["event"]
         ));
@@ -541,10 +541,19 @@ impl ServeMetrics {
                 sched.queue_timeouts.load(Ordering::Relaxed),
                 sched.cancelled.load(Ordering::Relaxed),
                 sched.finished.load(Ordering::Relaxed),
+                sched.batched_prefills.load(Ordering::Relaxed),
+                sched.batched_prefill_requests.load(Ordering::Relaxed),
             ];
-            for (i, ev) in ["queue_full", "queue_timeout", "cancelled", "finished"]
-                .into_iter()
-                .enumerate()
+            for (i, ev) in [
+                "queue_full",
+                "queue_timeout",
+                "cancelled",
+                "finished",
+                "prefill_batch",
+                "prefill_batch_request",
+            ]
+            .into_iter()
+            .enumerate()
             {
                 let d = now[i].saturating_sub(last.sched[i]);
                 self.sched_events.with_label_values(&[ev]).inc_by(d);

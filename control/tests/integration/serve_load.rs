@@ -145,6 +145,23 @@ async fn thirty_two_clients_complete_or_get_429_and_state_returns_to_baseline() 
         .unwrap() as usize,
         busy
     );
+    // Batched prefills are counted (how many depends on arrival timing).
+    let batches = metric(
+        &last,
+        "hypic_scheduler_events_total",
+        "event=\"prefill_batch\"",
+    );
+    let in_batches = metric(
+        &last,
+        "hypic_scheduler_events_total",
+        "event=\"prefill_batch_request\"",
+    );
+    eprintln!("batched prefill forwards {batches:?}, requests' pieces in them {in_batches:?}");
+    let (b, r) = (
+        batches.expect("prefill_batch series"),
+        in_batches.expect("prefill_batch_request series"),
+    );
+    assert!(r >= 2.0 * b, "{b} batched forwards of {r} pieces");
     // Caches are bounded by their byte budgets; the process does not balloon.
     if let (Some(a), Some(b)) = (rss0, rss_bytes()) {
         assert!(b < a + (512 << 20), "RSS grew from {a} to {b}");

@@ -63,6 +63,25 @@ pub trait PicBackend: Send + Sync + 'static {
     /// fp32) when `last`, else an empty vector.
     fn prefill(&self, tokens: &[u32], state: &mut Self::State, last: bool) -> Result<Vec<f32>>;
 
+    /// Prefills several sequences at once: `items[i] = (tokens, state, last)`, each as
+    /// [`PicBackend::prefill`] would (tokens at the state's `next_position ..`, the
+    /// state advanced, the last token's logits when `last`, else empty). A backend
+    /// that can runs them as one batched forward (projections and FFN over all rows,
+    /// each span's recurrence and attention on its own state); the default runs them
+    /// one after the other.
+    ///
+    /// Errors: as [`PicBackend::prefill`]; after an error the states may be partly
+    /// advanced.
+    fn prefill_many(
+        &self,
+        items: &mut [(&[u32], &mut Self::State, bool)],
+    ) -> Result<Vec<Vec<f32>>> {
+        items
+            .iter_mut()
+            .map(|(tokens, state, last)| self.prefill(tokens, state, *last))
+            .collect()
+    }
+
     /// Builds the public-pool entries of `tokens` (prefilled alone, positions from 0)
     /// for the body starts `body_starts` (each clamped to the segment length), in
     /// that order. `wanted[j]` says whether entry `j` is needed; a needed one is

@@ -308,6 +308,11 @@ impl PicBackend for CpuBackend {
         Ok(self.model.prefill(tokens, state, logits)?.logits)
     }
 
+    /// One batched forward ([`Model::prefill_many`]).
+    fn prefill_many(&self, items: &mut [(&[u32], &mut ModelState, bool)]) -> Result<Vec<Vec<f32>>> {
+        self.model.prefill_many(items)
+    }
+
     /// One prefill for every body start (the projections, MLPs and attention run
     /// once; each extra body start adds one gated-delta-rule pass per linear layer).
     /// The first body start's pass drives the residual stream, so every entry is

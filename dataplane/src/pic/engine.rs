@@ -659,6 +659,84 @@ impl<B: PicBackend> Pic<B> {
         })
     }
 
+    /// The piece [`Pic::advance`] would prefill next if `job` stands at a segment
+    /// computed in place (the query, or a segment of full recompute / prefix cache)
+    /// with `budget` tokens (`progress`: as in [`Pic::advance`]); `None` when its next
+    /// step is anything else, or the budget allows no piece. Used to gather the pieces
+    /// of several requests into one [`Pic::advance_computed_many`].
+    pub fn computed_piece(&self, job: &PicJob<B>, budget: usize, progress: bool) -> Option<usize> {
+        match job.step {
+            Step::Compute { at } => piece(job.segments[job.i].tokens.len() - at, budget, progress),
+            _ => None,
+        }
+    }
+
+    /// Prefills a piece of `pieces[j]` tokens of the computed segment each `jobs[j]`
+    /// stands at (as [`Pic::computed_piece`] sized it) in one
+    /// [`PicBackend::prefill_many`], then moves each job on as [`Pic::advance`] does
+    /// after such a piece (a finished segment is recorded and snapshotted). Several
+    /// requests' queries thus share one batched forward.
+    ///
+    /// Errors: a job not at a computed segment or a piece past its end
+    /// ([`Error::Input`], nothing run); backend failures (every job in the batch is
+    /// then unusable).
+    pub fn advance_computed_many(
+        &self,
+        jobs: &mut [&mut PicJob<B>],
+        pieces: &[usize],
+    ) -> Result<()> {
+        if jobs.len() != pieces.len() {
+            return Err(Error::Input(format!(
+                "{} pieces for {} jobs",
+                pieces.len(),
+                jobs.len()
+            )));
+        }
+        // (start, length, segment length) of each job's piece.
+        let mut spans = Vec::with_capacity(jobs.len());
+        for (j, (job, &n)) in jobs.iter().zip(pieces).enumerate() {
+            let Step::Compute { at } = job.step else {
+                return Err(Error::Input(format!(
+                    "job {j} is not at a computed segment"
+                )));
+            };
+            let m = job.segments[job.i].tokens.len();
+            if n == 0 || at + n > m {
+                return Err(Error::Input(format!(
+                    "job {j}: a piece of {n} tokens at {at} of a {m}-token segment"
+                )));
+            }
+            spans.push((at, n, m));
+        }
+        let logits = {
+            let mut items: Vec<(&[u32], &mut B::State, bool)> = jobs
+                .iter_mut()
+                .zip(&spans)
+                .map(|(job, &(at, n, m))| {
+                    let i = job.i;
+                    let last = i + 1 == job.segments.len() && at + n == m;
+                    let PicJob {
+                        segments, state, ..
+                    } = &mut **job;
+                    let state = state.as_mut().expect("state after the prefix match");
+                    (&segments[i].tokens[at..at + n], state, last)
+                })
+                .collect();
+            self.backend.prefill_many(&mut items)?
+        };
+        for ((job, (at, n, m)), lg) in jobs.iter_mut().zip(spans).zip(logits) {
+            if at + n < m {
+                job.step = Step::Compute { at: at + n };
+                continue;
+            }
+            job.logits = lg;
+            self.finish_computed(job)?;
+            job.i += 1;
+            job.step = job.next_step();
+        }
+        Ok(())
+    }
+
     /// Advances `job` by at most `budget` tokens of model work (`usize::MAX`: to the
     /// end), in its order of steps: the private-pool prefix match, then per
     /// segment a prefill (computed segments) or a public-pool lookup, the build of a
