@@ -24,9 +24,11 @@
 //!   all) run their pieces of a step as one batched forward
 //!   ([`Engine::advance_computed_many`]: projections and FFN over all their rows,
 //!   each request's recurrences and attention on its own state; on the CPU
-//!   `Model::prefill_many`, on the GPU one request after the other for now); the
-//!   metrics count these forwards. A request whose prefill ends in a step is sampled at once ([`GenEvent::Started`]
-//!   and its first token) and decodes from that same step on. A row without logit
+//!   `Model::prefill_many`, on the GPU `GpuModel::prefill_many` with
+//!   `HYPIC_CUDA_BATCHED_PREFILL=1`, else one request after the other); the
+//!   metrics count these forwards. A request whose prefill ends in a step is
+//!   sampled at once ([`GenEvent::Started`] and its first token) and decodes from
+//!   that same step on. A row without logit
 //!   processors, log-probabilities or scoring passes its [`Sampler::device_draw`] and
 //!   the engine may return its token (the GPU draws it on the device, the same draw
 //!   as the host's); every other row gets its logits and is sampled on the host with

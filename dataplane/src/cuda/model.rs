@@ -1503,37 +1503,66 @@ where
         state: &mut GpuState<T>,
         mut after_mixer: impl FnMut(usize, usize, &mut GpuLayerState<T>) -> Result<()>,
     ) -> Result<()> {
+        let spans: Vec<(&[u32], i64, usize)> = spans.iter().map(|&(t, p)| (t, p, 0)).collect();
+        self.forward_spans_multi(&spans, &mut [state], |l, i, ls| after_mixer(l, i, ls))?;
+        Ok(())
+    }
+
+    /// [`GpuModel::forward_spans`] over several sequences: `spans[i] = (tokens, first
+    /// position, sequence)` runs from `states[sequence]`, so the spans of several
+    /// requests share one batched pass (norms, FFN / MoE and the mixers' projections
+    /// over all rows; each span's stateful middle on its own sequence's layer state,
+    /// in span order). Returns the final residual stream `[Σ T_i, hidden]` (before the
+    /// final norm; `None` when no span has tokens), rows in span order.
+    /// `next_position` of every state is left to the caller.
+    ///
+    /// Errors: a sequence index past `states`, a token ≥ vocab, a state that does not
+    /// match or lives on another device (before any state changes); hook errors.
+    pub(crate) fn forward_spans_multi(
+        &self,
+        spans: &[(&[u32], i64, usize)],
+        states: &mut [&mut GpuState<T>],
+        mut after_mixer: impl FnMut(usize, usize, &mut GpuLayerState<T>) -> Result<()>,
+    ) -> Result<Option<Scratch<T>>> {
         let c = &self.config;
         let g = &*self.gpu;
         let h = c.hidden_size;
-        if state.layers.len() != self.layers.len() {
-            return Err(shape_err(format!(
-                "state has {} layers, the model {}",
-                state.layers.len(),
-                self.layers.len()
-            )));
+        for state in states.iter() {
+            if state.layers.len() != self.layers.len() {
+                return Err(shape_err(format!(
+                    "state has {} layers, the model {}",
+                    state.layers.len(),
+                    self.layers.len()
+                )));
+            }
+            if !Arc::ptr_eq(&state.gpu, &self.gpu) {
+                return Err(shape_err("the state lives on another Gpu handle".into()));
+            }
         }
-        for (tokens, _) in spans {
+        for &(tokens, _, seq) in spans {
+            let Some(state) = states.get(seq) else {
+                return Err(shape_err(format!(
+                    "span of sequence {seq}, but {} states",
+                    states.len()
+                )));
+            };
             if !tokens.is_empty() {
                 self.check_inputs(tokens, state)?;
             }
         }
-        if !Arc::ptr_eq(&state.gpu, &self.gpu) {
-            return Err(shape_err("the state lives on another Gpu handle".into()));
-        }
         let rows: usize = spans.iter().map(|s| s.0.len()).sum();
         if rows == 0 {
-            for (l, ls) in state.layers.iter_mut().enumerate() {
-                for i in 0..spans.len() {
-                    after_mixer(l, i, ls)?;
+            for l in 0..self.layers.len() {
+                for (i, s) in spans.iter().enumerate() {
+                    after_mixer(l, i, &mut states[s.2].layers[l])?;
                 }
             }
-            return Ok(());
+            return Ok(None);
         }
         let tokens: Vec<u32> = spans.iter().flat_map(|s| s.0.iter().copied()).collect();
         let positions: Vec<i64> = spans
             .iter()
-            .flat_map(|&(t, p0)| (0..t.len() as i64).map(move |j| p0 + j))
+            .flat_map(|&(t, p0, _)| (0..t.len() as i64).map(move |j| p0 + j))
             .collect();
         let offsets: Vec<usize> = spans
             .iter()
@@ -1552,7 +1581,7 @@ where
             spans
                 .iter()
                 .zip(&offsets)
-                .map(|(&(t, _), &a)| {
+                .map(|(&(t, _, _), &a)| {
                     (!t.is_empty())
                         .then(|| g.upload(&positions[a..a + t.len()]))
                         .transpose()
@@ -1575,11 +1604,12 @@ where
                 c.rms_norm_eps,
             )?;
         }
-        for (l, (lw, ls)) in self.layers.iter().zip(state.layers.iter_mut()).enumerate() {
+        for (l, lw) in self.layers.iter().enumerate() {
             let mut mixed: Scratch<T> = g.scratch(rows * h)?;
             if single {
-                for (i, &(span, _)) in spans.iter().enumerate() {
+                for (i, &(span, _, seq)) in spans.iter().enumerate() {
                     let t = span.len();
+                    let ls = &mut states[seq].layers[l];
                     if t > 0 {
                         mixed = match (&lw.mixer, &mut *ls) {
                             (
@@ -1634,8 +1664,9 @@ where
                 let mut proj: Scratch<T> = g.scratch(rows * n_in)?;
                 blas::linear(g, &r, rows, h, w_in, n_in, &mut proj, zero)?;
                 let mut mid: Scratch<T> = g.scratch(rows * n_mid)?;
-                for (i, &(span, _)) in spans.iter().enumerate() {
+                for (i, &(span, _, seq)) in spans.iter().enumerate() {
                     let t = span.len();
+                    let ls = &mut states[seq].layers[l];
                     if t > 0 {
                         let a = offsets[i];
                         let pj = g.scratch_copy(&proj.slice(a * n_in..(a + t) * n_in))?;
@@ -1687,7 +1718,52 @@ where
                 None => self.add_inplace(&mut x, &f, rows * h)?,
             }
         }
-        Ok(())
+        Ok(Some(x))
+    }
+
+    /// Prefills several sequences' spans in one batched pass
+    /// ([`GpuModel::forward_spans_multi`]): `items[i] = (tokens, state, want logits)`,
+    /// each span at its state's `next_position ..`, which advances by its length.
+    /// Returns per item the last token's host logits `[vocab]` fp32 when asked, else
+    /// empty. The same math per row as [`GpuModel::prefill`] of each item alone, to
+    /// the rounding of the batched GEMM shapes.
+    ///
+    /// Errors: as [`GpuModel::prefill`] for any item (before any state change); a
+    /// driver error leaves states partly advanced.
+    pub fn prefill_many(
+        &self,
+        items: &mut [(&[u32], &mut GpuState<T>, bool)],
+    ) -> Result<Vec<Vec<f32>>> {
+        let spans: Vec<(&[u32], i64, usize)> = items
+            .iter()
+            .enumerate()
+            .map(|(i, it)| (it.0, it.1.next_position, i))
+            .collect();
+        for (i, it) in items.iter().enumerate() {
+            if it.0.is_empty() {
+                return Err(shape_err(format!("span {i} of a batched prefill is empty")));
+            }
+        }
+        let x = {
+            let mut states: Vec<&mut GpuState<T>> = items.iter_mut().map(|it| &mut *it.1).collect();
+            self.forward_spans_multi(&spans, &mut states, |_, _, _| Ok(()))?
+        };
+        let h = self.config.hidden_size;
+        let mut row = 0usize;
+        let mut out = Vec::with_capacity(items.len());
+        for it in items.iter_mut() {
+            let t = it.0.len();
+            row += t;
+            it.1.next_position += t as i64;
+            out.push(match (&x, it.2) {
+                (Some(x), true) => {
+                    let last = self.gpu.scratch_copy(&x.slice((row - 1) * h..row * h))?;
+                    self.logits_of(&last, 1, Logits::Last)?
+                }
+                _ => vec![],
+            });
+        }
+        Ok(out)
     }
 
     /// The FFN of one layer over `r` (`[t, h]`, normed) → `[t, h]`.

@@ -638,6 +638,23 @@ fn device_err(e: CudaError) -> crate::Error {
     e.into()
 }
 
+/// Whether the GPU backend runs several requests' prefill pieces as one batched
+/// forward ([`GpuModel::prefill_many`]): only when the environment sets
+/// `HYPIC_CUDA_BATCHED_PREFILL=1` (also `on`, `true`, `yes`; read once) until the
+/// batched path has been checked on a GPU (`cuda_pic`
+/// `batched_prefill_matches_each_alone`); otherwise one request after the other.
+pub fn batched_prefill() -> bool {
+    static ON: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
+    *ON.get_or_init(|| {
+        std::env::var("HYPIC_CUDA_BATCHED_PREFILL").is_ok_and(|v| {
+            matches!(
+                v.trim().to_ascii_lowercase().as_str(),
+                "1" | "on" | "true" | "yes"
+            )
+        })
+    })
+}
+
 /// The device model as a PIC backend.
 pub struct GpuBackend<T: Elem> {
     model: Arc<GpuModel<T>>,
@@ -902,6 +919,20 @@ where
         self.model
             .prefill(tokens, state, logits)
             .map_err(device_err)
+    }
+    /// One batched forward ([`GpuModel::prefill_many`]) when [`batched_prefill`] says
+    /// so, else the items one after the other.
+    fn prefill_many(
+        &self,
+        items: &mut [(&[u32], &mut GpuState<T>, bool)],
+    ) -> crate::Result<Vec<Vec<f32>>> {
+        if !batched_prefill() {
+            return items
+                .iter_mut()
+                .map(|(tokens, state, last)| self.prefill(tokens, state, *last))
+                .collect();
+        }
+        self.model.prefill_many(items).map_err(device_err)
     }
     /// One device prefill per wanted body start (unwanted ones are not built).
     fn build_entries(
