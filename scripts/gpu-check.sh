@@ -62,8 +62,10 @@
 # (`gpu_bench --lightning`, $OUT/lightning_bench.md) and step `kimi` our KDA prefill
 # (`gpu_bench --kda`, $OUT/kda_bench.md); step `fla` times FLA 0.6.0
 # `chunk_simple_gla` (per-head g_gamma, 16 heads × 128), `chunk_kda` (32 heads × 128)
-# and `chunk_gated_delta_rule`, each eagerly and replayed from a CUDA graph, and writes
-# $OUT/fla_vs_ours.md (ours against FLA graph and eager, per length). Step
+# and `chunk_gated_delta_rule`, each eagerly and replayed from a CUDA graph (chunk_kda
+# last, its Triton autotune being slow; FLA_TIMEOUT seconds for the whole step, default
+# 540), and writes $OUT/fla_vs_ours.md (ours against FLA graph and eager, per length;
+# a second Lightning table for the two-pass form when the bench has it). Step
 # `familybench` runs gpu_model_bench (TTFT full / prefix / hypic, decode, layer split)
 # at benches/configs/{ring_mini_linear_2_0,kimi_linear_48b_a3b,ring_flash_linear_2_0}
 # in bf16, cut to the layers that fit: $OUT/family_model_bench.md.
@@ -416,7 +418,7 @@ PY
     python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \
       --target /tmp/site .whl/*.whl > "$OUT/pip.log" 2>&1 && export PYTHONPATH=/tmp/site
   fi
-  want fla && PYTHONUNBUFFERED=1 timeout 420 python3 - > "$OUT/fla.md" 2>&1 <<'PY'
+  want fla && PYTHONUNBUFFERED=1 timeout "${FLA_TIMEOUT:-540}" python3 - > "$OUT/fla.md" 2>&1 <<'PY'
 import math, torch, torch.nn.functional as F
 from triton.testing import do_bench
 print("## Public kernels (same run)\n")
@@ -499,27 +501,6 @@ try:
         print(f"| {T} | {gms} | {ms:.3f} |")
 except Exception as e:
     print(f"FLA chunk_simple_gla failed: {type(e).__name__}: {e}")
-try:
-    # Kimi Delta Attention (our kernel: gpu_bench --kda), timed replayed from a CUDA
-    # graph (kernel time, not the eager launch overhead), and eagerly.
-    from fla.ops.kda import chunk_kda
-    print("\n| T | FLA chunk_kda (32 heads × 128, bf16 q/k/v), graph replay ms | eager ms |")
-    print("|---|---|---|")
-    H, K = 32, 128
-    for T in (1024, 4096, 16384, 32768):
-        torch.manual_seed(0)
-        q = F.normalize(torch.randn(1, T, H, K, device=dev), dim=-1).mul(K ** -0.5).bfloat16()
-        k = F.normalize(torch.randn(1, T, H, K, device=dev), dim=-1).bfloat16()
-        v = torch.rand(1, T, H, K, device=dev).mul(2).sub(1).bfloat16()
-        g = -torch.rand(1, T, H, K, device=dev) * 0.1
-        beta = torch.rand(1, T, H, device=dev).clamp_min(0.01)
-        h0 = torch.rand(1, H, K, K, device=dev).mul(2).sub(1)
-        f = lambda: chunk_kda(q, k, v, g, beta, scale=1.0, initial_state=h0,
-                              output_final_state=True)
-        ms, gms = both(f)
-        print(f"| {T} | {gms} | {ms:.3f} |")
-except Exception as e:
-    print(f"FLA chunk_kda failed: {type(e).__name__}: {e}")
 print("\n| T | torch SDPA (16 q / 2 kv × 256, causal, bf16) ms |")
 print("|---|---|")
 sdpa_in = {}
@@ -545,6 +526,29 @@ for T, (q, k, v) in sdpa_in.items():
             print(f"| {T} | {name} | {ms:.3f} |")
         except Exception as e:
             print(f"| {T} | {name} | not available: {type(e).__name__} |")
+try:
+    # Kimi Delta Attention (our kernel: gpu_bench --kda), timed replayed from a CUDA
+    # graph (kernel time, not the eager launch overhead), and eagerly. Last: its
+    # Triton autotune takes minutes, and a timeout here loses nothing else (rows are
+    # printed as they come).
+    from fla.ops.kda import chunk_kda
+    print("\n| T | FLA chunk_kda (32 heads × 128, bf16 q/k/v), graph replay ms | eager ms |")
+    print("|---|---|---|")
+    H, K = 32, 128
+    for T in (1024, 4096, 16384, 32768):
+        torch.manual_seed(0)
+        q = F.normalize(torch.randn(1, T, H, K, device=dev), dim=-1).mul(K ** -0.5).bfloat16()
+        k = F.normalize(torch.randn(1, T, H, K, device=dev), dim=-1).bfloat16()
+        v = torch.rand(1, T, H, K, device=dev).mul(2).sub(1).bfloat16()
+        g = -torch.rand(1, T, H, K, device=dev) * 0.1
+        beta = torch.rand(1, T, H, device=dev).clamp_min(0.01)
+        h0 = torch.rand(1, H, K, K, device=dev).mul(2).sub(1)
+        f = lambda: chunk_kda(q, k, v, g, beta, scale=1.0, initial_state=h0,
+                              output_final_state=True)
+        ms, gms = both(f)
+        print(f"| {T} | {gms} | {ms:.3f} |")
+except Exception as e:
+    print(f"FLA chunk_kda failed: {type(e).__name__}: {e}")
 PY
   local fla_rc=$?
   want fla && echo "fla rc=$fla_rc in $((SECONDS - t0)) s" || echo "fla: skipped"
