@@ -292,6 +292,7 @@ pub fn offline_scheduler() -> SchedulerConfig {
         queue_timeout: Duration::from_secs(24 * 3600),
         step_tokens: usize::MAX,
         prefill_chunk_tokens: usize::MAX,
+        batch_prefills: true,
     }
 }
 

@@ -192,6 +192,10 @@ pub struct SchedulerConfig {
     /// prefills (≥ 1), so that the prefills behind a long one get theirs in the
     /// same step; the budget left after that pass goes again in admission order.
     pub prefill_chunk_tokens: usize,
+    /// Whether the pieces of several requests' computed segments in one step run as
+    /// one batched forward ([`Engine::advance_computed_many`]); off, each request's
+    /// piece runs alone.
+    pub batch_prefills: bool,
 }
 
 impl Default for SchedulerConfig {
@@ -203,6 +207,7 @@ impl Default for SchedulerConfig {
             queue_timeout: Duration::from_secs(30),
             step_tokens: DEFAULT_STEP_TOKENS,
             prefill_chunk_tokens: DEFAULT_PREFILL_CHUNK_TOKENS,
+            batch_prefills: true,
         }
     }
 }
@@ -806,7 +811,8 @@ fn worker_loop<E: Engine>(shared: Arc<Shared>, engine: Arc<E>, cfg: SchedulerCon
                 if ended[k].is_some() || (pass == 0 && batch.iter().any(|b| b.0 == k)) {
                     continue;
                 }
-                let head = k == 0 && spent == 0;
+                // The oldest prefill still going, before anything ran this step.
+                let head = spent == 0 && ended[..k].iter().all(|e| e.is_some());
                 if left == 0 && !head {
                     break;
                 }
@@ -816,7 +822,7 @@ fn worker_loop<E: Engine>(shared: Arc<Shared>, engine: Arc<E>, cfg: SchedulerCon
                     left
                 };
                 let p = &mut prefilling[k];
-                if pass == 0 {
+                if pass == 0 && cfg.batch_prefills {
                     // The prefix match and pool lookups run no model work.
                     if let Err(e) = prefill_guard(|| engine.advance(&mut p.prefill, 0, false)) {
                         ended[k] = Some(Err(e));
@@ -848,7 +854,6 @@ fn worker_loop<E: Engine>(shared: Arc<Shared>, engine: Arc<E>, cfg: SchedulerCon
             if pass == 1 || batch.is_empty() {
                 continue;
             }
-            let tokens: usize = batch.iter().map(|b| b.1).sum();
             let res = if let [(k, n, head)] = batch[..] {
                 // Alone: the plain path (its budget is exactly the piece).
                 prefill_guard(|| engine.advance(&mut prefilling[k].prefill, n, head))
@@ -868,10 +873,10 @@ fn worker_loop<E: Engine>(shared: Arc<Shared>, engine: Arc<E>, cfg: SchedulerCon
                 prefill_guard(|| engine.advance_computed_many(&mut jobs, &pieces))
             };
             match res {
-                Ok(_) => {
+                Ok(used) => {
                     metrics
                         .prefill_tokens
-                        .fetch_add(tokens as u64, Ordering::Relaxed);
+                        .fetch_add(used as u64, Ordering::Relaxed);
                     for &(k, _, _) in &batch {
                         ended[k] = engine.finish(&mut prefilling[k].prefill).map(Ok);
                     }

@@ -111,6 +111,9 @@ pub struct ServeConfig {
     /// Most prompt tokens one prefill takes in a step's first pass, so that the
     /// prefills behind a long one get theirs in the same step.
     pub prefill_chunk_tokens: usize,
+    /// Whether the pieces of several requests' computed segments (their queries) in
+    /// one step run as one batched forward.
+    pub batch_prefills: bool,
     /// Largest request body, bytes (beyond: 413).
     pub max_body_bytes: usize,
     /// `max_tokens` when a request does not set it.
@@ -249,6 +252,7 @@ impl Default for ServeConfig {
             queue_timeout_s: 30.0,
             step_tokens: dataplane::scheduler::DEFAULT_STEP_TOKENS,
             prefill_chunk_tokens: dataplane::scheduler::DEFAULT_PREFILL_CHUNK_TOKENS,
+            batch_prefills: true,
             max_body_bytes: 16 << 20,
             default_max_tokens: 256,
             max_n: 16,
@@ -353,6 +357,9 @@ pub struct ServeArgs {
     /// Most prompt tokens one prefill takes in a step's first pass.
     #[arg(long, env = "HYPIC_PREFILL_CHUNK_TOKENS")]
     pub prefill_chunk_tokens: Option<usize>,
+    /// Batch several requests' computed prefill pieces into one forward: true or false.
+    #[arg(long, env = "HYPIC_BATCH_PREFILLS")]
+    pub batch_prefills: Option<bool>,
     /// Largest request body, bytes.
     #[arg(long, env = "HYPIC_MAX_BODY_BYTES")]
     pub max_body_bytes: Option<usize>,
@@ -491,6 +498,7 @@ impl ServeConfig {
             queue_timeout_s,
             step_tokens,
             prefill_chunk_tokens,
+            batch_prefills,
             max_body_bytes,
             default_max_tokens,
             max_n,
@@ -663,6 +671,7 @@ impl ServeConfig {
             queue_timeout: Duration::from_secs_f64(self.queue_timeout_s),
             step_tokens: self.step_tokens,
             prefill_chunk_tokens: self.prefill_chunk_tokens,
+            batch_prefills: self.batch_prefills,
         }
     }
 }
