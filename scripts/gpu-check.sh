@@ -53,6 +53,9 @@
 # --device cuda --devices 0,0` against a server alone, end to end, in PARALLEL_DTYPES):
 # $OUT/devices.md.
 #
+# PIC_TESTS="word ..." limits step `pic` to the cuda_pic tests whose names contain one
+# of the words (e.g. PIC_TESTS=batched_prefill).
+#
 # Step `decode` runs dataplane/tests/cuda_decode.rs (device sampling in the decode
 # step against the host path); step `moebench` runs `gpu_bench --moe-grouped` (the
 # grouped MoE expert GEMMs against the per-expert cuBLAS loop and torch._grouped_mm,
@@ -250,6 +253,11 @@ PY
   t0=$SECONDS
   local list_pic=""
   want pic && list_pic=$(.device/bin/cuda_pic --list --format=terse 2>/dev/null | sed -n 's/: test$//p')
+  # PIC_TESTS="a b": only the cuda_pic tests whose names contain one of these words.
+  if [ -n "${PIC_TESTS:-}" ]; then
+    list_pic=$(for n in $list_pic; do for w in $PIC_TESTS; do [[ "$n" == *"$w"* ]] && echo "$n" && break; done; done)
+    [ -z "$list_pic" ] && { echo "no cuda_pic test matches PIC_TESTS=$PIC_TESTS" | tee -a "$OUT/pic_tests.log" >&2; pic_rc=1; }
+  fi
   if want pic && [ -z "$list_pic" ]; then
     echo "cuda_pic lists no tests" | tee -a "$OUT/pic_tests.log" >&2
     pic_rc=1
