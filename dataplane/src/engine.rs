@@ -215,8 +215,10 @@ pub trait Engine: EnginePools {
     }
     /// Advances `prefill` by at most `budget` tokens of model work (with
     /// `progress`, at least one piece even over it; see [`Pic::advance`]); returns
-    /// the tokens run. Once the prompt is done,
-    /// [`Engine::finish`] gives its output.
+    /// the tokens run. A budget of 0 without `progress` runs no tokens through the
+    /// model: only the prefix match, pool lookups and work without tokens (placing
+    /// cached entries without seam windows, storing shipped entries). Once the
+    /// prompt is done, [`Engine::finish`] gives its output.
     ///
     /// Errors: as [`Engine::run`]; the prefill is unusable after one.
     fn advance(&self, prefill: &mut Self::Prefill, budget: usize, progress: bool) -> Result<usize>;
@@ -235,6 +237,19 @@ pub trait Engine: EnginePools {
     ) -> Option<usize> {
         let _ = (prefill, budget, progress);
         None
+    }
+    /// A key shared by requests whose prompts start alike (same tenant, mode and
+    /// first segment), whose prefix snapshots one may take from the other; `None`
+    /// when the request keeps none (the default).
+    fn prefix_group(&self, prefill: &Self::Prefill) -> Option<[u8; 32]> {
+        let _ = prefill;
+        None
+    }
+    /// Whether the request has yet to look up its prompt prefix (its first
+    /// [`Engine::advance`], even with a budget of 0, does that).
+    fn before_prefix(&self, prefill: &Self::Prefill) -> bool {
+        let _ = prefill;
+        false
     }
     /// Runs the pieces [`Engine::computed_piece`] sized (`pieces[j]` tokens of
     /// `prefills[j]`) as one batched forward; returns the tokens run.
@@ -456,6 +471,12 @@ where
     }
     fn computed_piece(&self, prefill: &PicJob<B>, budget: usize, progress: bool) -> Option<usize> {
         Pic::computed_piece(self, prefill, budget, progress)
+    }
+    fn prefix_group(&self, prefill: &PicJob<B>) -> Option<[u8; 32]> {
+        Pic::prefix_group(self, prefill)
+    }
+    fn before_prefix(&self, prefill: &PicJob<B>) -> bool {
+        Pic::before_prefix(self, prefill)
     }
     fn advance_computed_many(
         &self,

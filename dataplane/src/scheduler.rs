@@ -26,7 +26,10 @@
 //!   each request's recurrences and attention on its own state; on the CPU
 //!   `Model::prefill_many`, on the GPU `GpuModel::prefill_many` with
 //!   `HYPIC_CUDA_BATCHED_PREFILL=1`, else one request after the other); the
-//!   metrics count these forwards. A request whose prefill ends in a step is
+//!   metrics count these forwards. A request that has yet to match its prompt
+//!   prefix and starts like an earlier one still going (same tenant, mode and first
+//!   segment) waits for the step's second pass, so that it finds that one's
+//!   snapshots as it would behind it alone. A request whose prefill ends in a step is
 //!   sampled at once ([`GenEvent::Started`] and its first token) and decodes from
 //!   that same step on. A row without logit
 //!   processors, log-probabilities or scoring passes its [`Sampler::device_draw`] and
@@ -821,8 +824,23 @@ fn worker_loop<E: Engine>(shared: Arc<Shared>, engine: Arc<E>, cfg: SchedulerCon
                 } else {
                     left
                 };
-                let p = &mut prefilling[k];
                 if pass == 0 && cfg.batch_prefills {
+                    // A request yet to match its prefix whose prompt starts like an
+                    // earlier one still going waits for the second pass, after that one
+                    // (and the batch) ran and stored its snapshots, as it would behind
+                    // it alone.
+                    let p = &prefilling[k].prefill;
+                    if engine.before_prefix(p) {
+                        if let Some(g) = engine.prefix_group(p) {
+                            if (0..k).any(|j| {
+                                ended[j].is_none()
+                                    && engine.prefix_group(&prefilling[j].prefill) == Some(g)
+                            }) {
+                                continue;
+                            }
+                        }
+                    }
+                    let p = &mut prefilling[k];
                     // The prefix match and pool lookups run no model work.
                     if let Err(e) = prefill_guard(|| engine.advance(&mut p.prefill, 0, false)) {
                         ended[k] = Some(Err(e));
@@ -839,6 +857,7 @@ fn worker_loop<E: Engine>(shared: Arc<Shared>, engine: Arc<E>, cfg: SchedulerCon
                         continue;
                     }
                 }
+                let p = &mut prefilling[k];
                 match prefill_guard(|| engine.advance(&mut p.prefill, give.max(1), head)) {
                     Ok(used) => {
                         spent += used;
@@ -851,46 +870,7 @@ fn worker_loop<E: Engine>(shared: Arc<Shared>, engine: Arc<E>, cfg: SchedulerCon
                     Err(e) => ended[k] = Some(Err(e)),
                 }
             }
-            if pass == 1 || batch.is_empty() {
-                continue;
-            }
-            let res = if let [(k, n, head)] = batch[..] {
-                // Alone: the plain path (its budget is exactly the piece).
-                prefill_guard(|| engine.advance(&mut prefilling[k].prefill, n, head))
-            } else {
-                let ks: Vec<usize> = batch.iter().map(|b| b.0).collect();
-                let pieces: Vec<usize> = batch.iter().map(|b| b.1).collect();
-                let mut jobs: Vec<&mut E::Prefill> = prefilling
-                    .iter_mut()
-                    .enumerate()
-                    .filter(|(k, _)| ks.contains(k))
-                    .map(|(_, p)| &mut p.prefill)
-                    .collect();
-                metrics.batched_prefills.fetch_add(1, Ordering::Relaxed);
-                metrics
-                    .batched_prefill_requests
-                    .fetch_add(ks.len() as u64, Ordering::Relaxed);
-                prefill_guard(|| engine.advance_computed_many(&mut jobs, &pieces))
-            };
-            match res {
-                Ok(used) => {
-                    metrics
-                        .prefill_tokens
-                        .fetch_add(used as u64, Ordering::Relaxed);
-                    for &(k, _, _) in &batch {
-                        ended[k] = engine.finish(&mut prefilling[k].prefill).map(Ok);
-                    }
-                }
-                Err(e) => {
-                    // The batch shares the error (its kind kept: input or device).
-                    for &(k, _, _) in &batch {
-                        ended[k] = Some(Err(match &e {
-                            crate::Error::Input(m) => crate::Error::Input(m.clone()),
-                            other => crate::Error::Device(other.to_string()),
-                        }));
-                    }
-                }
-            }
+            run_prefill_batch(&*engine, &mut prefilling, &mut batch, &mut ended, &metrics);
         }
         // Prefills that ended leave the queue, in admission order.
         let mut k = 0;
@@ -1170,6 +1150,61 @@ fn start_sequence<E: Engine>(
 }
 
 /// The error event of a sequence whose constraint failed (see [`Sampler::try_sample`]).
+/// Runs the prefill pieces reserved in `batch` (`(index in prefilling, tokens,
+/// head)`) and empties it: one batched forward for two or more, the plain
+/// [`Engine::advance`] for one. Marks the prefills that ended (done or failed) in
+/// `ended`; an error fails every prefill of the batch.
+fn run_prefill_batch<E: Engine>(
+    engine: &E,
+    prefilling: &mut VecDeque<Prefilling<E::Prefill>>,
+    batch: &mut Vec<(usize, usize, bool)>,
+    ended: &mut [Option<crate::Result<crate::engine::EngineOutput<E::State>>>],
+    metrics: &SchedulerMetrics,
+) {
+    if batch.is_empty() {
+        return;
+    }
+    let res = if let [(k, n, head)] = batch[..] {
+        // Alone: the plain path (its budget is exactly the piece).
+        prefill_guard(|| engine.advance(&mut prefilling[k].prefill, n, head))
+    } else {
+        let ks: Vec<usize> = batch.iter().map(|b| b.0).collect();
+        let pieces: Vec<usize> = batch.iter().map(|b| b.1).collect();
+        let mut jobs: Vec<&mut E::Prefill> = prefilling
+            .iter_mut()
+            .enumerate()
+            .filter(|(k, _)| ks.contains(k))
+            .map(|(_, p)| &mut p.prefill)
+            .collect();
+        metrics.batched_prefills.fetch_add(1, Ordering::Relaxed);
+        metrics
+            .batched_prefill_requests
+            .fetch_add(ks.len() as u64, Ordering::Relaxed);
+        prefill_guard(|| engine.advance_computed_many(&mut jobs, &pieces))
+    };
+    match res {
+        Ok(used) => {
+            metrics
+                .prefill_tokens
+                .fetch_add(used as u64, Ordering::Relaxed);
+            for &(k, _, _) in batch.iter() {
+                ended[k] = engine.finish(&mut prefilling[k].prefill).map(Ok);
+            }
+        }
+        Err(e) => {
+            // The batch shares the error (its kind kept).
+            for &(k, _, _) in batch.iter() {
+                ended[k] = Some(Err(match &e {
+                    crate::Error::Input(m) => crate::Error::Input(m.clone()),
+                    crate::Error::Device(m) => crate::Error::Device(m.clone()),
+                    other => crate::Error::Device(other.to_string()),
+                }));
+            }
+        }
+    }
+    batch.clear();
+}
+
 /// Runs a prefill call, turning a panic in the engine into an error of that call.
 fn prefill_guard<T>(f: impl FnOnce() -> crate::Result<T>) -> crate::Result<T> {
     std::panic::catch_unwind(std::panic::AssertUnwindSafe(f)).unwrap_or_else(|p| {

@@ -676,3 +676,331 @@ fn concurrent_prefills_share_batched_forwards_and_answer_as_alone() {
         assert_eq!(g, &want, "request {i}");
     }
 }
+
+// Batched prefills across requests (each request as alone: start step, statistics,
+// pool counters, prefix reuse). Requests submitted together are usually admitted in
+// the same step; the tests retry until they were, and check only those runs.
+
+/// One segment of `len` tokens (ids below 300).
+fn bseg(seed: u32, len: usize) -> SegmentRef {
+    SegmentRef {
+        tokens: (0..len as u32).map(|i| (i * 13 + seed) % 300).collect(),
+        isolation: "t".into(),
+    }
+}
+
+/// A request over `segments` (greedy, 3 top log-probabilities).
+fn breq(segments: Vec<SegmentRef>, mode: Mode, tenant: &str, max_tokens: usize) -> GenRequest {
+    GenRequest {
+        segments,
+        mode,
+        tenant: tenant.into(),
+        sampling: SamplingParams::default(),
+        max_tokens,
+        stop_token_ids: vec![],
+        top_logprobs: 3,
+        logprobs: true,
+        score: None,
+    }
+}
+
+/// `(admitted_step, step)` of the `Started` event.
+fn started_at(ev: &[GenEvent]) -> (u64, u64) {
+    ev.iter()
+        .find_map(|e| match e {
+            GenEvent::Started {
+                step,
+                admitted_step,
+                ..
+            } => Some((*admitted_step, *step)),
+            _ => None,
+        })
+        .unwrap_or_else(|| panic!("no Started: {ev:?}"))
+}
+
+/// Two short queries admitted together whose pieces fill the step budget exactly:
+/// both finish their prompts in the batched forward, so both should start (and get
+/// their first token) in the step that admitted them, as each would alone.
+#[test]
+fn batched_queries_that_end_their_prompt_start_in_that_step() {
+    let mut checked = 0;
+    for attempt in 0..6u32 {
+        let e = engine();
+        let cfg = SchedulerConfig {
+            step_tokens: 10,
+            prefill_chunk_tokens: 64,
+            ..Default::default()
+        };
+        let s = Scheduler::start(e, cfg);
+        let mut h1 = s
+            .submit(breq(
+                vec![bseg(attempt * 2 + 1, 5)],
+                Mode::FullRecompute,
+                "a",
+                2,
+            ))
+            .unwrap();
+        let mut h2 = s
+            .submit(breq(
+                vec![bseg(attempt * 2 + 2, 5)],
+                Mode::FullRecompute,
+                "b",
+                2,
+            ))
+            .unwrap();
+        let (e1, e2) = (collect(&mut h1), collect(&mut h2));
+        let ((a1, s1), (a2, s2)) = (started_at(&e1), started_at(&e2));
+        println!("attempt {attempt}: r1 admitted {a1} started {s1}; r2 admitted {a2} started {s2}; batches {}",
+            s.metrics().batched_prefills.load(Ordering::Relaxed));
+        assert_eq!(s.metrics().prefill_tokens.load(Ordering::Relaxed), 10);
+        if a1 != a2 {
+            continue;
+        }
+        checked += 1;
+        assert_eq!(
+            (s1, s2),
+            (a1, a2),
+            "a batched request finished its prompt a step late"
+        );
+    }
+    assert!(checked > 0, "never admitted together");
+}
+
+/// The head of the queue is a whole-prompt prefix hit (no compute); the request
+/// behind it should become the head and get its must-run piece even when the decode
+/// tokens fill the budget.
+#[test]
+fn the_request_behind_a_prefix_hit_head_gets_the_head_piece() {
+    let mut checked = 0;
+    for attempt in 0..4u32 {
+        let e = engine();
+        let cfg = SchedulerConfig {
+            step_tokens: 1,
+            prefill_chunk_tokens: 64,
+            ..Default::default()
+        };
+        let s = Scheduler::start(e, cfg);
+        let hit = breq(vec![bseg(100, 12), bseg(101, 9)], Mode::PrefixCache, "p", 1);
+        // Warm the private pool.
+        let mut h = s.submit(hit.clone()).unwrap();
+        collect(&mut h);
+        // A stream that keeps the decode budget full (step_tokens 1, one running).
+        let mut stream = s
+            .submit(breq(vec![bseg(7, 5)], Mode::FullRecompute, "s", 4000))
+            .unwrap();
+        assert!(matches!(
+            stream.events.blocking_recv(),
+            Some(GenEvent::Started { .. })
+        ));
+        let mut hh = s.submit(hit.clone()).unwrap();
+        let mut hh2 = s.submit(hit.clone()).unwrap();
+        let mut hb = s
+            .submit(breq(
+                vec![bseg(200 + attempt, 20)],
+                Mode::FullRecompute,
+                "b",
+                1,
+            ))
+            .unwrap();
+        let (eh, eh2, eb) = (collect(&mut hh), collect(&mut hh2), collect(&mut hb));
+        stream.cancel();
+        let ((ah, sh), (ah2, sh2), (ab, sb)) = (started_at(&eh), started_at(&eh2), started_at(&eb));
+        println!("attempt {attempt}: hit {ah}->{sh}, hit2 {ah2}->{sh2}, b {ab}->{sb}");
+        if ah != ab || ah2 != ab {
+            continue;
+        }
+        checked += 1;
+        assert_eq!(sh, ah);
+        assert_eq!(sh2, ah2, "the second prefix hit waited a step");
+        assert_eq!(
+            sb, ab,
+            "the request behind prefix hits did not get the head piece"
+        );
+    }
+    assert!(checked > 0, "never admitted together");
+}
+
+/// The first token's top log-probabilities.
+fn first_logprobs(ev: &[GenEvent]) -> Vec<(u32, f32)> {
+    ev.iter()
+        .find_map(|e| match e {
+            GenEvent::Token { top, .. } => Some(top.iter().map(|t| (t.0, t.1)).collect()),
+            _ => None,
+        })
+        .unwrap()
+}
+
+/// Mixed modes in one batch (full recompute, prefix cache, HYPIC over warm public
+/// entries): stats, first-token top logprobs and greedy tokens as alone.
+#[test]
+fn mixed_modes_batched_match_alone() {
+    let reqs = vec![
+        breq(vec![bseg(1, 40), bseg(2, 23)], Mode::FullRecompute, "a", 4),
+        breq(vec![bseg(3, 30), bseg(4, 17)], Mode::PrefixCache, "b", 4),
+        breq(
+            vec![bseg(5, 50), bseg(6, 33), bseg(8, 11)],
+            Mode::hypic_default(),
+            "c",
+            4,
+        ),
+        breq(vec![bseg(9, 50), bseg(10, 15)], Mode::NaiveAddition, "d", 4),
+    ];
+    // Alone: one scheduler each, fresh engine, public pool warmed for HYPIC / naive.
+    let mut alone = vec![];
+    for r in &reqs {
+        let e = engine();
+        if matches!(r.mode, Mode::Hypic { .. } | Mode::NaiveAddition) {
+            e.run(&r.segments, r.mode, "warm").unwrap();
+        }
+        let s = Scheduler::start(
+            e,
+            SchedulerConfig {
+                step_tokens: 256,
+                prefill_chunk_tokens: 64,
+                ..Default::default()
+            },
+        );
+        let mut h = s.submit(r.clone()).unwrap();
+        alone.push(collect(&mut h));
+    }
+    for attempt in 0..4 {
+        let e = engine();
+        for r in &reqs {
+            if matches!(r.mode, Mode::Hypic { .. } | Mode::NaiveAddition) {
+                e.run(&r.segments, r.mode, "warm").unwrap();
+            }
+        }
+        let s = Scheduler::start(
+            e,
+            SchedulerConfig {
+                step_tokens: 256,
+                prefill_chunk_tokens: 64,
+                ..Default::default()
+            },
+        );
+        let mut hs: Vec<_> = reqs.iter().map(|r| s.submit(r.clone()).unwrap()).collect();
+        let got: Vec<_> = hs.iter_mut().map(collect).collect();
+        let m = s.metrics();
+        println!(
+            "attempt {attempt}: batches {} reqs {} prefill_tokens {}",
+            m.batched_prefills.load(Ordering::Relaxed),
+            m.batched_prefill_requests.load(Ordering::Relaxed),
+            m.prefill_tokens.load(Ordering::Relaxed)
+        );
+        for (i, (g, a)) in got.iter().zip(&alone).enumerate() {
+            let st = |ev: &[GenEvent]| {
+                ev.iter()
+                    .find_map(|e| match e {
+                        GenEvent::Started { stats, .. } => Some(stats.clone()),
+                        _ => None,
+                    })
+                    .unwrap()
+            };
+            assert_eq!(st(g), st(a), "request {i} stats");
+            let toks = |ev: &[GenEvent]| {
+                ev.iter()
+                    .filter_map(|e| match e {
+                        GenEvent::Token { id, .. } => Some(*id),
+                        _ => None,
+                    })
+                    .collect::<Vec<_>>()
+            };
+            assert_eq!(toks(g), toks(a), "request {i} tokens");
+            let (lg, la) = (first_logprobs(g), first_logprobs(a));
+            for (x, y) in lg.iter().zip(&la) {
+                assert_eq!(x.0, y.0, "request {i}");
+                assert!((x.1 - y.1).abs() < 1e-3, "request {i}: {lg:?} vs {la:?}");
+            }
+            println!("request {i}: {lg:?} vs {la:?}");
+        }
+        if m.batched_prefills.load(Ordering::Relaxed) > 0 {
+            return;
+        }
+    }
+    panic!("never batched");
+}
+
+/// Public-pool lookups: a cold HYPIC request through the scheduler counts the same
+/// misses as the one-call engine (each cold segment looked up once).
+#[test]
+fn scheduler_counts_each_public_miss_once() {
+    let r = breq(
+        vec![bseg(1, 40), bseg(2, 23), bseg(3, 9)],
+        Mode::hypic_default(),
+        "a",
+        1,
+    );
+    let e1 = engine();
+    e1.run(&r.segments, r.mode, "a").unwrap();
+    let run_stats = e1.public_usage().2;
+    let e2 = engine();
+    let s = Scheduler::start(
+        e2.clone(),
+        SchedulerConfig {
+            step_tokens: 256,
+            prefill_chunk_tokens: 64,
+            ..Default::default()
+        },
+    );
+    let mut h = s.submit(r.clone()).unwrap();
+    let ev = collect(&mut h);
+    let sched_stats = e2.public_usage().2;
+    println!("run: {run_stats:?}\nsched: {sched_stats:?}");
+    let stats = ev
+        .iter()
+        .find_map(|e| match e {
+            GenEvent::Started { stats, .. } => Some(stats.clone()),
+            _ => None,
+        })
+        .unwrap();
+    assert_eq!(stats.misses, 2);
+    assert_eq!(
+        sched_stats.misses, run_stats.misses,
+        "public-pool misses double counted"
+    );
+}
+
+/// Two identical prefix-cache requests admitted together: the second finds the
+/// first one's snapshots (a full prefix hit, nothing computed), as it would behind
+/// it alone.
+#[test]
+fn identical_prefix_cache_requests_admitted_together_reuse() {
+    let mut checked = 0;
+    for attempt in 0..4u32 {
+        let e = engine();
+        let s = Scheduler::start(
+            e,
+            SchedulerConfig {
+                step_tokens: 256,
+                prefill_chunk_tokens: 256,
+                ..Default::default()
+            },
+        );
+        let r = breq(
+            vec![bseg(300 + attempt, 30), bseg(301, 12)],
+            Mode::PrefixCache,
+            "p",
+            1,
+        );
+        let mut h1 = s.submit(r.clone()).unwrap();
+        let mut h2 = s.submit(r.clone()).unwrap();
+        let (e1, e2) = (collect(&mut h1), collect(&mut h2));
+        let ((a1, _), (a2, _)) = (started_at(&e1), started_at(&e2));
+        let st = |ev: &[GenEvent]| {
+            ev.iter()
+                .find_map(|e| match e {
+                    GenEvent::Started { stats, .. } => Some(stats.clone()),
+                    _ => None,
+                })
+                .unwrap()
+        };
+        let pt = s.metrics().prefill_tokens.load(Ordering::Relaxed);
+        println!("attempt {attempt}: admitted {a1} {a2}; prefill_tokens {pt}; second: hits {} computed {}", st(&e2).hits, st(&e2).tokens_computed);
+        if a1 != a2 {
+            continue;
+        }
+        checked += 1;
+        assert_eq!(pt, 42, "the second identical request was computed again");
+    }
+    assert!(checked > 0);
+}

@@ -733,8 +733,23 @@ impl<B: PicBackend> Pic<B> {
             self.finish_computed(job)?;
             job.i += 1;
             job.step = job.next_step();
+            // As `advance` goes on after a piece: a finished prompt gets its output
+            // now (no model work with a budget of 0).
+            self.advance(job, 0, false)?;
         }
         Ok(())
+    }
+
+    /// A key shared by requests whose prompts start alike (tenant, mode and first
+    /// segment): the private-pool key of the first segment's snapshot; `None` when
+    /// the mode keeps no snapshots.
+    pub fn prefix_group(&self, job: &PicJob<B>) -> Option<Key> {
+        job.pkeys.first().copied()
+    }
+
+    /// Whether `job` has yet to look up its prompt prefix in the private pool.
+    pub fn before_prefix(&self, job: &PicJob<B>) -> bool {
+        matches!(job.step, Step::Prefix)
     }
 
     /// Advances `job` by at most `budget` tokens of model work (`usize::MAX`: to the
@@ -869,8 +884,8 @@ impl<B: PicBackend> Pic<B> {
                     let seg = &job.segments[end];
                     let body_start = job.mode.body_start(end);
                     let key = public_key(&job.contents[end], &seg.isolation, body_start);
-                    // A segment whose lookup missed before its scattered entries were
-                    // in is looked up (and counted) once only.
+                    // A segment whose lookup missed before (its scattered entries not
+                    // yet in, or its build left for a later call) is counted once only.
                     let probed = job.probed.take() == Some(end);
                     let found = if probed && !lock(&self.public).contains(&key) {
                         None
@@ -957,6 +972,7 @@ impl<B: PicBackend> Pic<B> {
                     let m = seg.tokens.len();
                     if !must && m > left && left < PREFILL_ALIGN {
                         // Start the build in the next call (its first piece).
+                        job.probed = Some(end);
                         job.step = Step::Gather {
                             end,
                             entries,
@@ -995,6 +1011,7 @@ impl<B: PicBackend> Pic<B> {
                         }
                         None if m > left && !must => {
                             // Built whole, over the budget: only as a call's first piece.
+                            job.probed = Some(end);
                             job.step = Step::Gather {
                                 end,
                                 entries,
@@ -1429,7 +1446,8 @@ pub struct PicJob<B: PicBackend> {
     /// Entries of scattered cold segments ([`Pic::begin_with_source`]).
     source: Option<Arc<dyn EntrySource>>,
     /// The segment whose public-pool lookup missed while its scattered entries
-    /// were pending (not counted again when the engine comes back to it).
+    /// were pending or before its build started (not counted again when the engine
+    /// comes back to it).
     probed: Option<usize>,
 }
 
