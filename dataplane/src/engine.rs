@@ -224,6 +224,19 @@ pub trait Engine: EnginePools {
     fn advance(&self, prefill: &mut Self::Prefill, budget: usize, progress: bool) -> Result<usize>;
     /// The output of a done prefill (`None`: not done yet, or already taken).
     fn finish(&self, prefill: &mut Self::Prefill) -> Option<EngineOutput<Self::State>>;
+    /// [`Engine::advance`] that stops before prefilling a segment computed in place,
+    /// so that [`Engine::computed_piece`] can size that piece for a batch; the default
+    /// is `advance` itself (an engine that does not batch).
+    ///
+    /// Errors: as [`Engine::advance`].
+    fn advance_to_computed(
+        &self,
+        prefill: &mut Self::Prefill,
+        budget: usize,
+        progress: bool,
+    ) -> Result<usize> {
+        self.advance(prefill, budget, progress)
+    }
     /// Tokens of the next piece of `prefill` when that piece is a plain prefill of a
     /// segment computed in place (the query, a segment of full recompute) that
     /// [`Engine::advance_computed_many`] can batch with other requests' pieces, within
@@ -471,6 +484,15 @@ where
     }
     fn computed_piece(&self, prefill: &PicJob<B>, budget: usize, progress: bool) -> Option<usize> {
         Pic::computed_piece(self, prefill, budget, progress)
+    }
+    fn advance_to_computed(
+        &self,
+        prefill: &mut PicJob<B>,
+        budget: usize,
+        progress: bool,
+    ) -> Result<usize> {
+        let _serial = Pic::pic_backend(self).exclusive();
+        Pic::advance_to_computed(self, prefill, budget, progress)
     }
     fn prefix_group(&self, prefill: &PicJob<B>) -> Option<[u8; 32]> {
         Pic::prefix_group(self, prefill)

@@ -841,21 +841,50 @@ fn worker_loop<E: Engine>(shared: Arc<Shared>, engine: Arc<E>, cfg: SchedulerCon
                         }
                     }
                     let p = &mut prefilling[k];
-                    // The prefix match and pool lookups run no model work.
-                    if let Err(e) = prefill_guard(|| engine.advance(&mut p.prefill, 0, false)) {
-                        ended[k] = Some(Err(e));
-                        continue;
-                    }
+                    // Up to its next computed segment (prefix match, lookups, builds
+                    // and compositions within the piece's budget), then that segment's
+                    // piece is reserved for the batch.
+                    let used = match prefill_guard(|| {
+                        engine.advance_to_computed(&mut p.prefill, give.max(1), head)
+                    }) {
+                        Ok(used) => used,
+                        Err(e) => {
+                            ended[k] = Some(Err(e));
+                            continue;
+                        }
+                    };
+                    spent += used;
+                    left = left.saturating_sub(used);
+                    metrics
+                        .prefill_tokens
+                        .fetch_add(used as u64, Ordering::Relaxed);
                     if let Some(out) = engine.finish(&mut p.prefill) {
                         ended[k] = Some(Ok(out));
                         continue;
                     }
-                    if let Some(n) = engine.computed_piece(&p.prefill, give.max(1), head) {
-                        batch.push((k, n, head));
+                    let (rest, must) = (give.saturating_sub(used), head && used == 0);
+                    if let Some(n) =
+                        engine.computed_piece(&p.prefill, rest.max(must as usize), must)
+                    {
+                        batch.push((k, n, must));
                         spent += n;
                         left = left.saturating_sub(n);
                         continue;
                     }
+                    // Not batched (the engine does not batch, or no piece fits what is
+                    // left of its share): it goes on alone with that share.
+                    match prefill_guard(|| engine.advance(&mut p.prefill, rest, must)) {
+                        Ok(used) => {
+                            spent += used;
+                            left = left.saturating_sub(used);
+                            metrics
+                                .prefill_tokens
+                                .fetch_add(used as u64, Ordering::Relaxed);
+                            ended[k] = engine.finish(&mut p.prefill).map(Ok);
+                        }
+                        Err(e) => ended[k] = Some(Err(e)),
+                    }
+                    continue;
                 }
                 let p = &mut prefilling[k];
                 match prefill_guard(|| engine.advance(&mut p.prefill, give.max(1), head)) {

@@ -1004,3 +1004,79 @@ fn identical_prefix_cache_requests_admitted_together_reuse() {
     }
     assert!(checked > 0);
 }
+
+/// The RAG case: requests of different tenants whose documents are cached (HYPIC
+/// over warm public entries) place their documents, then their questions run as one
+/// batched forward in the same step, and each answers (statistics, greedy tokens)
+/// as alone.
+#[test]
+fn questions_after_cached_documents_are_batched() {
+    let docs = [bseg(61, 40), bseg(62, 33), bseg(63, 27)];
+    let reqs: Vec<GenRequest> = (0..4u32)
+        .map(|i| {
+            let mut segs = vec![
+                docs[(i % 3) as usize].clone(),
+                docs[((i + 1) % 3) as usize].clone(),
+            ];
+            segs.push(bseg(70 + i, 9 + i as usize));
+            breq(segs, Mode::hypic_default(), &format!("tenant{i}"), 3)
+        })
+        .collect();
+    let warm = |e: &PicEngine| {
+        // Each document's entries at the head of a prompt and after a segment.
+        for d in &docs {
+            let q = bseg(99, 5);
+            e.run(&[d.clone(), q.clone()], Mode::hypic_default(), "warm")
+                .unwrap();
+            e.run(&[q.clone(), d.clone(), q], Mode::hypic_default(), "warm")
+                .unwrap();
+        }
+    };
+    let cfg = || SchedulerConfig {
+        step_tokens: 256,
+        prefill_chunk_tokens: 64,
+        ..Default::default()
+    };
+    let mut alone = vec![];
+    for r in &reqs {
+        let e = engine();
+        warm(&e);
+        let s = Scheduler::start(e, cfg());
+        let mut h = s.submit(r.clone()).unwrap();
+        alone.push(collect(&mut h));
+    }
+    let stats = |ev: &[GenEvent]| {
+        ev.iter()
+            .find_map(|e| match e {
+                GenEvent::Started { stats, .. } => Some(stats.clone()),
+                _ => None,
+            })
+            .unwrap()
+    };
+    let toks = |ev: &[GenEvent]| {
+        ev.iter()
+            .filter_map(|e| match e {
+                GenEvent::Token { id, .. } => Some(*id),
+                _ => None,
+            })
+            .collect::<Vec<_>>()
+    };
+    for attempt in 0..4 {
+        let e = engine();
+        warm(&e);
+        let s = Scheduler::start(e, cfg());
+        let mut hs: Vec<_> = reqs.iter().map(|r| s.submit(r.clone()).unwrap()).collect();
+        let got: Vec<_> = hs.iter_mut().map(collect).collect();
+        for (i, (g, a)) in got.iter().zip(&alone).enumerate() {
+            assert_eq!(stats(g), stats(a), "request {i}");
+            assert!(stats(g).hits >= 2, "request {i}: {:?}", stats(g));
+            assert_eq!(toks(g), toks(a), "request {i}");
+        }
+        let b = s.metrics().batched_prefills.load(Ordering::Relaxed);
+        println!("attempt {attempt}: {b} batched forwards");
+        if b > 0 {
+            return;
+        }
+    }
+    panic!("the questions were never batched");
+}

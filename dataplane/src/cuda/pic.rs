@@ -920,6 +920,10 @@ where
             .prefill(tokens, state, logits)
             .map_err(device_err)
     }
+    fn batches_prefills(&self) -> bool {
+        batched_prefill()
+    }
+
     /// One batched forward ([`GpuModel::prefill_many`]) when [`batched_prefill`] says
     /// so, else the items one after the other.
     fn prefill_many(

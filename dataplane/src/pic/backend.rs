@@ -82,6 +82,12 @@ pub trait PicBackend: Send + Sync + 'static {
             .collect()
     }
 
+    /// Whether [`PicBackend::prefill_many`] runs its items as one batched forward
+    /// (the default runs them one after the other: false).
+    fn batches_prefills(&self) -> bool {
+        false
+    }
+
     /// Builds the public-pool entries of `tokens` (prefilled alone, positions from 0)
     /// for the body starts `body_starts` (each clamped to the segment length), in
     /// that order. `wanted[j]` says whether entry `j` is needed; a needed one is

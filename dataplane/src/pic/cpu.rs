@@ -308,6 +308,10 @@ impl PicBackend for CpuBackend {
         Ok(self.model.prefill(tokens, state, logits)?.logits)
     }
 
+    fn batches_prefills(&self) -> bool {
+        true
+    }
+
     /// One batched forward ([`Model::prefill_many`]).
     fn prefill_many(&self, items: &mut [(&[u32], &mut ModelState, bool)]) -> Result<Vec<Vec<f32>>> {
         self.model.prefill_many(items)

@@ -662,9 +662,13 @@ impl<B: PicBackend> Pic<B> {
     /// The piece [`Pic::advance`] would prefill next if `job` stands at a segment
     /// computed in place (the query, or a segment of full recompute / prefix cache)
     /// with `budget` tokens (`progress`: as in [`Pic::advance`]); `None` when its next
-    /// step is anything else, or the budget allows no piece. Used to gather the pieces
-    /// of several requests into one [`Pic::advance_computed_many`].
+    /// step is anything else, the budget allows no piece, or the backend runs
+    /// [`PicBackend::prefill_many`] one item after the other (nothing to gain). Used to
+    /// gather the pieces of several requests into one [`Pic::advance_computed_many`].
     pub fn computed_piece(&self, job: &PicJob<B>, budget: usize, progress: bool) -> Option<usize> {
+        if !self.backend.batches_prefills() {
+            return None;
+        }
         match job.step {
             Step::Compute { at } => piece(job.segments[job.i].tokens.len() - at, budget, progress),
             _ => None,
@@ -773,6 +777,33 @@ impl<B: PicBackend> Pic<B> {
     ///
     /// Errors: backend failures (the job is then unusable).
     pub fn advance(&self, job: &mut PicJob<B>, budget: usize, progress: bool) -> Result<usize> {
+        self.advance_until(job, budget, progress, false)
+    }
+
+    /// [`Pic::advance`] that stops before prefilling a segment computed in place
+    /// (leaving that piece to [`Pic::advance_computed_many`], batched with other
+    /// requests'): the prefix match, lookups, builds and compositions before it run
+    /// within `budget` as `advance` runs them. Returns the tokens run.
+    ///
+    /// Errors: as [`Pic::advance`].
+    pub fn advance_to_computed(
+        &self,
+        job: &mut PicJob<B>,
+        budget: usize,
+        progress: bool,
+    ) -> Result<usize> {
+        self.advance_until(job, budget, progress, true)
+    }
+
+    /// [`Pic::advance`]; with `stop_at_computed`, returns at a computed segment
+    /// instead of prefilling it.
+    fn advance_until(
+        &self,
+        job: &mut PicJob<B>,
+        budget: usize,
+        progress: bool,
+        stop_at_computed: bool,
+    ) -> Result<usize> {
         let mut used = 0usize;
         loop {
             let left = budget.saturating_sub(used);
@@ -797,6 +828,10 @@ impl<B: PicBackend> Pic<B> {
                     job.step = job.next_step();
                 }
                 Step::Compute { at } => {
+                    if stop_at_computed {
+                        job.step = Step::Compute { at };
+                        return Ok(used);
+                    }
                     let i = job.i;
                     let m = job.segments[i].tokens.len();
                     let Some(n) = piece(m - at, left, must) else {
