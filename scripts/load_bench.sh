@@ -3,7 +3,8 @@
 # folder or a random-weight config, and `hypic bench --url` against it: a RAG-like
 # workload (system prompt, Zipf-drawn documents, a question, multi-turn sessions),
 # Poisson arrivals over a rate sweep, one run per mode. Writes $OUT/bench-<mode>/
-# (summary.md, summary.json, samples.jsonl, plots) and $OUT/serve.log.
+# (summary.md, summary.json, samples.jsonl, plots), $OUT/serve.log and the server's
+# /metrics at the end ($OUT/metrics.txt).
 #
 #   scripts/load_bench.sh                       # CPU, bundled model, a small workload
 #   LOAD_DEVICE=cuda LOAD_DTYPE=bf16 LOAD_CONFIG=benches/configs/qwen3_5_35b_a3b \
@@ -64,4 +65,7 @@ for mode in "${modes[@]}"; do
     $([ "${LOAD_PRIME:-0}" = 1 ] && echo --prime)
   echo "load_bench: $mode done after $SECONDS s" >&2
 done
+# The server's counters at the end (scheduler events such as batched prefills, pools).
+python3 -c "import urllib.request; print(urllib.request.urlopen('http://127.0.0.1:$port/metrics', timeout=10).read().decode())" \
+  > "$OUT/metrics.txt" 2>/dev/null || echo "load_bench: could not read /metrics" >&2
 echo "load_bench: done after $SECONDS s" >&2
