@@ -798,10 +798,11 @@ fn worker_loop<E: Engine>(shared: Arc<Shared>, engine: Arc<E>, cfg: SchedulerCon
         // 3. Prefill pieces within the step's budget (the decode tokens of the
         //    running sequences count first), in admission order: a first pass with
         //    at most `chunk_tokens` each, a second with what is left; the oldest
-        //    always gets a piece. In the first pass a request standing at a segment
-        //    computed in place (its query, above all) only reserves its piece; when
-        //    two or more did, their pieces run as one batched forward (projections
-        //    and FFN over all their rows) before the second pass.
+        //    always gets a piece. With `batch_prefills`, the first pass takes each
+        //    request up to its next segment computed in place (prefix match, builds
+        //    and compositions within its share) and reserves that segment's piece
+        //    (its query, above all); the reserved pieces run as one batched forward
+        //    (projections and FFN over all their rows) before the second pass.
         let mut left = step_tokens.saturating_sub(running.len());
         let mut spent = 0usize;
         // What became of each prefill this step: done (its output) or failed.
