@@ -35,9 +35,9 @@
 #   tools/kernel-emu/run.sh attn-rows-mutants # deliberately broken variants of those kernels
 #                                            # (offsets, table entries, split counts) must
 #                                            # each fail attn-rows
-#   tools/kernel-emu/run.sh lightning-tc     # lightning_tc.cu (the tensor-core chunked prefill)
-#                                            # against the fp64 recurrence (EMU_QUICK=1: without
-#                                            # the 333-token case)
+#   tools/kernel-emu/run.sh lightning-tc     # lightning_tc.cu (the tensor-core chunked prefill,
+#                                            # fused, split and two-pass forms) against the fp64
+#                                            # recurrence (EMU_QUICK=1: the chunk and step edges only)
 #   tools/kernel-emu/run.sh lightning        # lightning.cu (per-token, one- and two-pass
 #                                            # chunked, prep, group norm + gate, state
 #                                            # rotation, scalar apply) and moe_route_rule
