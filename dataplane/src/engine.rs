@@ -251,6 +251,12 @@ pub trait Engine: EnginePools {
         let _ = (prefill, budget, progress);
         None
     }
+    /// Whether `prefill` stands at a segment computed in place (where
+    /// [`Engine::advance_to_computed`] stops); false by default.
+    fn at_computed(&self, prefill: &Self::Prefill) -> bool {
+        let _ = prefill;
+        false
+    }
     /// A key shared by requests whose prompts start alike (same tenant, mode and
     /// first segment), whose prefix snapshots one may take from the other; `None`
     /// when the request keeps none (the default).
@@ -493,6 +499,9 @@ where
     ) -> Result<usize> {
         let _serial = Pic::pic_backend(self).exclusive();
         Pic::advance_to_computed(self, prefill, budget, progress)
+    }
+    fn at_computed(&self, prefill: &PicJob<B>) -> bool {
+        Pic::at_computed(self, prefill)
     }
     fn prefix_group(&self, prefill: &PicJob<B>) -> Option<[u8; 32]> {
         Pic::prefix_group(self, prefill)

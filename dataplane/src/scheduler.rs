@@ -872,8 +872,13 @@ fn worker_loop<E: Engine>(shared: Arc<Shared>, engine: Arc<E>, cfg: SchedulerCon
                         left = left.saturating_sub(n);
                         continue;
                     }
-                    // Not batched (the engine does not batch, or no piece fits what is
-                    // left of its share): it goes on alone with that share.
+                    // Not batched. Stopped anywhere but at a computed segment, it
+                    // stopped where `advance` would have (a second call would only
+                    // wait again on a pending shipped entry); at one (the engine does
+                    // not batch, or no piece fits), it goes on alone with its share.
+                    if !engine.at_computed(&p.prefill) {
+                        continue;
+                    }
                     match prefill_guard(|| engine.advance(&mut p.prefill, rest, must)) {
                         Ok(used) => {
                             spent += used;

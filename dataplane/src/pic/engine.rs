@@ -751,6 +751,12 @@ impl<B: PicBackend> Pic<B> {
         job.pkeys.first().copied()
     }
 
+    /// Whether `job` stands at a segment computed in place (where
+    /// [`Pic::advance_to_computed`] stops).
+    pub fn at_computed(&self, job: &PicJob<B>) -> bool {
+        matches!(job.step, Step::Compute { .. })
+    }
+
     /// Whether `job` has yet to look up its prompt prefix in the private pool.
     pub fn before_prefix(&self, job: &PicJob<B>) -> bool {
         matches!(job.step, Step::Prefix)
