@@ -1,5 +1,6 @@
 //! Scheduler behaviour: streaming order, stop tokens, cancellation frees state,
-//! bounded queue, queue timeout, KV-budget admission.
+//! bounded queue, queue timeout, KV-budget admission, the token-budget loop, and
+//! prefills of several requests batched into one forward (each as alone).
 use dataplane::model::Model;
 use dataplane::pic::{Mode, PicEngine, SegmentRef};
 use dataplane::sampling::{Constraint, ConstraintSpec, SamplingParams, TokenConstraint};
