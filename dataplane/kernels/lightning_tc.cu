@@ -172,6 +172,63 @@ __device__ __forceinline__ void ltc_q_frags(const bf16* Qb, unsigned (*qf)[4]) {
         ltc_ldsm(qf[ks], ltc_smem(Qb + (16 * w + 8 * (lm & 1) + lr) * LTC_LDQ + 16 * ks + 8 * (lm >> 1)));
 }
 
+// The block's state tile in fp32 registers: sacc[mt][nt] holds state rows 32w + 16mt + g
+// (and + 8), value columns cb + 8nt + 2qd (and + 1) of one head's S ([128][128] fp32,
+// K-major). LOAD: read it from S; else write it back.
+template <bool LOAD>
+__device__ __forceinline__ void ltc_state_io(float* S, float (&sacc)[2][2][4], int cb) {
+    const int lane = threadIdx.x & 31, w = threadIdx.x >> 5, g = lane >> 2, qd = lane & 3;
+#pragma unroll
+    for (int mt = 0; mt < 2; ++mt)
+#pragma unroll
+        for (int nt = 0; nt < 2; ++nt) {
+            const int r = 32 * w + 16 * mt + g, c = cb + 8 * nt + 2 * qd;
+            float* p[4] = {S + (size_t)r * LTC_D + c, S + (size_t)r * LTC_D + c + 1, S + (size_t)(r + 8) * LTC_D + c,
+                           S + (size_t)(r + 8) * LTC_D + c + 1};
+#pragma unroll
+            for (int e = 0; e < 4; ++e) {
+                if (LOAD) sacc[mt][nt][e] = *p[e];
+                else *p[e] = sacc[mt][nt][e];
+            }
+        }
+}
+
+// State update over NKS key steps of 16 (a chunk or step of L ≤ 16·NKS tokens):
+// S ← γ^L S + Kᵀ Ṽ with Ṽ_j = γ^{L−1−j} v_j (0 past L). vf: the V tile as B operands
+// (k = key, n = the block's value columns 0–7 then 8–15), scaled to Ṽ in place; Kb: the K
+// tile (row stride LTC_LDQ); pw: γ^0..γ^L.
+template <int NKS>
+__device__ __forceinline__ void ltc_state_update(float (&sacc)[2][2][4], unsigned (&vf)[NKS][4], const bf16* Kb,
+                                                 const float* pw, int L) {
+    const int lane = threadIdx.x & 31, w = threadIdx.x >> 5, qd = lane & 3, lm = lane >> 3, lr = lane & 7;
+#pragma unroll
+    for (int ks = 0; ks < NKS; ++ks)
+#pragma unroll
+        for (int r = 0; r < 4; ++r) {
+            const int j = 16 * ks + 2 * qd + (r & 1) * 8;
+            const float f0 = j < L ? pw[L - 1 - j] : 0.f;
+            const float f1 = j + 1 < L ? pw[L - 2 - j] : 0.f;
+            vf[ks][r] = ltc_pack(ltc_lo(vf[ks][r]) * f0, ltc_hi(vf[ks][r]) * f1);
+        }
+    const float dl = pw[L];
+#pragma unroll
+    for (int mt = 0; mt < 2; ++mt) {
+#pragma unroll
+        for (int nt = 0; nt < 2; ++nt)
+#pragma unroll
+            for (int e = 0; e < 4; ++e) sacc[mt][nt][e] *= dl;
+#pragma unroll
+        for (int ks = 0; ks < NKS; ++ks) {
+            // Kᵀ rows 32w + 16mt.. as an A operand over keys 16ks..: the transposes of
+            // K's 8×8 blocks (keys, channels) (0, 0), (0, 8), (8, 0), (8, 8).
+            unsigned kf[4];
+            ltc_ldsm_t(kf, ltc_smem(Kb + (16 * ks + 8 * (lm >> 1) + lr) * LTC_LDQ + 32 * w + 16 * mt + 8 * (lm & 1)));
+            ltc_mma(sacc[mt][0], kf, vf[ks][0], vf[ks][1]);
+            ltc_mma(sacc[mt][1], kf, vf[ks][2], vf[ks][3]);
+        }
+    }
+}
+
 // The sequential chunk loop. PRE: the score fragments come from lt_scores_tc_bf16 (pf,
 // [H][n_chunks][16][32] uint4, copied with the chunk's tiles) instead of being computed here.
 template <bool PRE>
@@ -223,16 +280,7 @@ __device__ __forceinline__ void ltc_chunk_impl(const bf16* __restrict__ q, const
     // 32w + 16mt (+8) + g, value columns 8nt + 2qd (+1) of this block.
     float sacc[2][2][4];
     float* S = state + (size_t)h * LTC_D * LTC_D;
-#pragma unroll
-    for (int mt = 0; mt < 2; ++mt)
-#pragma unroll
-        for (int nt = 0; nt < 2; ++nt) {
-            const int r = 32 * w + 16 * mt + g, c = cb + 8 * nt + 2 * qd;
-            sacc[mt][nt][0] = S[(size_t)r * LTC_D + c];
-            sacc[mt][nt][1] = S[(size_t)r * LTC_D + c + 1];
-            sacc[mt][nt][2] = S[(size_t)(r + 8) * LTC_D + c];
-            sacc[mt][nt][3] = S[(size_t)(r + 8) * LTC_D + c + 1];
-        }
+    ltc_state_io<true>(S, sacc, cb);
     // bf16 copy of the state into S buffer b (the B operand of Q S₀).
     auto store_s = [&](int b) {
 #pragma unroll
@@ -322,47 +370,11 @@ __device__ __forceinline__ void ltc_chunk_impl(const bf16* __restrict__ q, const
             }
         }
 
-        // State update: S ← γ^L S + Kᵀ Ṽ, Ṽ_j = γ^{L−1−j} v_j (0 past the chunk's end).
-        const float dl = pw[L];
-#pragma unroll
-        for (int ks = 0; ks < 4; ++ks)
-#pragma unroll
-            for (int r = 0; r < 4; ++r) {
-                const int j = 16 * ks + 2 * qd + (r & 1) * 8;
-                const float f0 = j < L ? pw[L - 1 - j] : 0.f;
-                const float f1 = j + 1 < L ? pw[L - 2 - j] : 0.f;
-                vf[ks][r] = ltc_pack(ltc_lo(vf[ks][r]) * f0, ltc_hi(vf[ks][r]) * f1);
-            }
-#pragma unroll
-        for (int mt = 0; mt < 2; ++mt) {
-#pragma unroll
-            for (int nt = 0; nt < 2; ++nt)
-#pragma unroll
-                for (int e = 0; e < 4; ++e) sacc[mt][nt][e] *= dl;
-#pragma unroll
-            for (int ks = 0; ks < 4; ++ks) {
-                // Kᵀ rows 32w + 16mt.. as an A operand over keys 16ks..: the transposes of
-                // K's 8×8 blocks (keys, channels) (0, 0), (0, 8), (8, 0), (8, 8).
-                unsigned kf[4];
-                ltc_ldsm_t(kf, ltc_smem(Kb + (16 * ks + 8 * (lm >> 1) + lr) * LTC_LDQ + 32 * w + 16 * mt +
-                                        8 * (lm & 1)));
-                ltc_mma(sacc[mt][0], kf, vf[ks][0], vf[ks][1]);
-                ltc_mma(sacc[mt][1], kf, vf[ks][2], vf[ks][3]);
-            }
-        }
+        ltc_state_update<4>(sacc, vf, Kb, pw, L);
         store_s(sb ^ 1);
     }
     ltc_cp_wait_all();  // only empty groups can be pending here
-#pragma unroll
-    for (int mt = 0; mt < 2; ++mt)
-#pragma unroll
-        for (int nt = 0; nt < 2; ++nt) {
-            const int r = 32 * w + 16 * mt + g, c = cb + 8 * nt + 2 * qd;
-            S[(size_t)r * LTC_D + c] = sacc[mt][nt][0];
-            S[(size_t)r * LTC_D + c + 1] = sacc[mt][nt][1];
-            S[(size_t)(r + 8) * LTC_D + c] = sacc[mt][nt][2];
-            S[(size_t)(r + 8) * LTC_D + c + 1] = sacc[mt][nt][3];
-        }
+    ltc_state_io<false>(S, sacc, cb);
 }
 
 extern "C" __global__ void __launch_bounds__(128)
@@ -457,16 +469,7 @@ extern "C" __global__ void __launch_bounds__(128)
 
     float sacc[2][2][4];
     float* S = state + (size_t)h * LTC_D * LTC_D;
-#pragma unroll
-    for (int mt = 0; mt < 2; ++mt)
-#pragma unroll
-        for (int nt = 0; nt < 2; ++nt) {
-            const int r = 32 * w + 16 * mt + g, c = cb + 8 * nt + 2 * qd;
-            sacc[mt][nt][0] = S[(size_t)r * LTC_D + c];
-            sacc[mt][nt][1] = S[(size_t)r * LTC_D + c + 1];
-            sacc[mt][nt][2] = S[(size_t)(r + 8) * LTC_D + c];
-            sacc[mt][nt][3] = S[(size_t)(r + 8) * LTC_D + c + 1];
-        }
+    ltc_state_io<true>(S, sacc, cb);
     const int nst = (t + LTC_CB - 1) / LTC_CB;
     if (nst == 0) return;
     // One commit group per step (empty past the end), as the chunk loop above.
@@ -502,44 +505,12 @@ extern "C" __global__ void __launch_bounds__(128)
         // S ← γ^L S + Kᵀ Ṽ, Ṽ_j = γ^{L−1−j} v_j (0 past the step's end), over 8 key steps of 16.
         unsigned vf[8][4];
 #pragma unroll
-        for (int ks = 0; ks < 8; ++ks) {
+        for (int ks = 0; ks < 8; ++ks)
             ltc_ldsm_t(vf[ks], ltc_smem(Vb + (16 * ks + 8 * (lm & 1) + lr) * LTC_LDV + 8 * (lm >> 1)));
-#pragma unroll
-            for (int r = 0; r < 4; ++r) {
-                const int j = 16 * ks + 2 * qd + (r & 1) * 8;
-                const float f0 = j < L ? pw[L - 1 - j] : 0.f;
-                const float f1 = j + 1 < L ? pw[L - 2 - j] : 0.f;
-                vf[ks][r] = ltc_pack(ltc_lo(vf[ks][r]) * f0, ltc_hi(vf[ks][r]) * f1);
-            }
-        }
-        const float dl = pw[L];
-#pragma unroll
-        for (int mt = 0; mt < 2; ++mt) {
-#pragma unroll
-            for (int nt = 0; nt < 2; ++nt)
-#pragma unroll
-                for (int e = 0; e < 4; ++e) sacc[mt][nt][e] *= dl;
-#pragma unroll
-            for (int ks = 0; ks < 8; ++ks) {
-                unsigned kf[4];
-                ltc_ldsm_t(kf, ltc_smem(Kb + (16 * ks + 8 * (lm >> 1) + lr) * LTC_LDQ + 32 * w + 16 * mt +
-                                        8 * (lm & 1)));
-                ltc_mma(sacc[mt][0], kf, vf[ks][0], vf[ks][1]);
-                ltc_mma(sacc[mt][1], kf, vf[ks][2], vf[ks][3]);
-            }
-        }
+        ltc_state_update<8>(sacc, vf, Kb, pw, L);
     }
     ltc_cp_wait_all();  // only empty groups can be pending here
-#pragma unroll
-    for (int mt = 0; mt < 2; ++mt)
-#pragma unroll
-        for (int nt = 0; nt < 2; ++nt) {
-            const int r = 32 * w + 16 * mt + g, c = cb + 8 * nt + 2 * qd;
-            S[(size_t)r * LTC_D + c] = sacc[mt][nt][0];
-            S[(size_t)r * LTC_D + c + 1] = sacc[mt][nt][1];
-            S[(size_t)(r + 8) * LTC_D + c] = sacc[mt][nt][2];
-            S[(size_t)(r + 8) * LTC_D + c + 1] = sacc[mt][nt][3];
-        }
+    ltc_state_io<false>(S, sacc, cb);
 }
 
 // Two-pass form, second launch: the outputs of every 128-token block at once. Grid

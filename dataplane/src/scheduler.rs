@@ -825,7 +825,8 @@ fn worker_loop<E: Engine>(shared: Arc<Shared>, engine: Arc<E>, cfg: SchedulerCon
                 } else {
                     left
                 };
-                if pass == 0 && cfg.batch_prefills {
+                // The budget and progress of this prefill's call to `advance` below.
+                let (budget, progress) = if pass == 0 && cfg.batch_prefills {
                     // A request yet to match its prefix whose prompt starts like an
                     // earlier one still going waits for the second pass, after that one
                     // (and the batch) ran and stored its snapshots, as it would behind
@@ -879,21 +880,12 @@ fn worker_loop<E: Engine>(shared: Arc<Shared>, engine: Arc<E>, cfg: SchedulerCon
                     if !engine.at_computed(&p.prefill) {
                         continue;
                     }
-                    match prefill_guard(|| engine.advance(&mut p.prefill, rest, must)) {
-                        Ok(used) => {
-                            spent += used;
-                            left = left.saturating_sub(used);
-                            metrics
-                                .prefill_tokens
-                                .fetch_add(used as u64, Ordering::Relaxed);
-                            ended[k] = engine.finish(&mut p.prefill).map(Ok);
-                        }
-                        Err(e) => ended[k] = Some(Err(e)),
-                    }
-                    continue;
-                }
+                    (rest, must)
+                } else {
+                    (give.max(1), head)
+                };
                 let p = &mut prefilling[k];
-                match prefill_guard(|| engine.advance(&mut p.prefill, give.max(1), head)) {
+                match prefill_guard(|| engine.advance(&mut p.prefill, budget, progress)) {
                     Ok(used) => {
                         spent += used;
                         left = left.saturating_sub(used);
