@@ -258,8 +258,9 @@ pub trait Engine: EnginePools {
         false
     }
     /// A key shared by requests whose prompts start alike (same tenant, mode and
-    /// first segment), whose prefix snapshots one may take from the other; `None`
-    /// when the request keeps none (the default).
+    /// first segment), whose prefix snapshots one may take from the other while that
+    /// start is not cached yet; `None` when the request keeps none (the default) or
+    /// the start is already cached.
     fn prefix_group(&self, prefill: &Self::Prefill) -> Option<[u8; 32]> {
         let _ = prefill;
         None

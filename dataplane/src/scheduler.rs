@@ -28,8 +28,9 @@
 //!   `HYPIC_CUDA_BATCHED_PREFILL=1`, else one request after the other); the
 //!   metrics count these forwards. A request that has yet to match its prompt
 //!   prefix and starts like an earlier one still going (same tenant, mode and first
-//!   segment) waits for the step's second pass, so that it finds that one's
-//!   snapshots as it would behind it alone. A request whose prefill ends in a step is
+//!   segment, that start not cached yet) waits for the step's second pass, so that
+//!   it finds that one's snapshots as it would behind it alone; once the shared
+//!   start (a system prompt) is cached, such requests batch. A request whose prefill ends in a step is
 //!   sampled at once ([`GenEvent::Started`] and its first token) and decodes from
 //!   that same step on. A row without logit
 //!   processors, log-probabilities or scoring passes its [`Sampler::device_draw`] and

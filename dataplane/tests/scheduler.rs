@@ -1081,3 +1081,60 @@ fn questions_after_cached_documents_are_batched() {
     }
     panic!("the questions were never batched");
 }
+
+/// Requests of one tenant sharing a system prompt that is already cached (its
+/// snapshot in the private pool) do not wait for each other: their questions batch,
+/// and each answers as alone.
+#[test]
+fn requests_sharing_a_cached_system_prompt_batch() {
+    let sys = bseg(81, 30);
+    let reqs: Vec<GenRequest> = (0..4u32)
+        .map(|i| {
+            breq(
+                vec![sys.clone(), bseg(90 + i, 7 + i as usize)],
+                Mode::PrefixCache,
+                "t",
+                3,
+            )
+        })
+        .collect();
+    let cfg = || SchedulerConfig {
+        step_tokens: 256,
+        prefill_chunk_tokens: 64,
+        ..Default::default()
+    };
+    let warm = |e: &PicEngine| {
+        e.run(&[sys.clone(), bseg(99, 5)], Mode::PrefixCache, "t")
+            .unwrap();
+    };
+    let toks = |ev: &[GenEvent]| {
+        ev.iter()
+            .filter_map(|e| match e {
+                GenEvent::Token { id, .. } => Some(*id),
+                _ => None,
+            })
+            .collect::<Vec<_>>()
+    };
+    let mut alone = vec![];
+    for r in &reqs {
+        let e = engine();
+        warm(&e);
+        let s = Scheduler::start(e, cfg());
+        let mut h = s.submit(r.clone()).unwrap();
+        alone.push(toks(&collect(&mut h)));
+    }
+    for attempt in 0..4 {
+        let e = engine();
+        warm(&e);
+        let s = Scheduler::start(e, cfg());
+        let mut hs: Vec<_> = reqs.iter().map(|r| s.submit(r.clone()).unwrap()).collect();
+        let got: Vec<_> = hs.iter_mut().map(|h| toks(&collect(h))).collect();
+        assert_eq!(got, alone);
+        let b = s.metrics().batched_prefills.load(Ordering::Relaxed);
+        println!("attempt {attempt}: {b} batched forwards");
+        if b > 0 {
+            return;
+        }
+    }
+    panic!("requests sharing a cached system prompt never batched");
+}

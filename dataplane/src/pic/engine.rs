@@ -745,10 +745,12 @@ impl<B: PicBackend> Pic<B> {
     }
 
     /// A key shared by requests whose prompts start alike (tenant, mode and first
-    /// segment): the private-pool key of the first segment's snapshot; `None` when
-    /// the mode keeps no snapshots.
+    /// segment) while that start is not cached yet: the private-pool key of the first
+    /// segment's snapshot; `None` when the mode keeps no snapshots or the snapshot is
+    /// already in the pool (one request then has nothing to wait for from another).
     pub fn prefix_group(&self, job: &PicJob<B>) -> Option<Key> {
-        job.pkeys.first().copied()
+        let k = job.pkeys.first()?;
+        (!lock(&self.private).contains(k)).then_some(*k)
     }
 
     /// Whether `job` stands at a segment computed in place (where
